@@ -1,0 +1,110 @@
+"""The one exception tree of flodl_async.
+
+Every error a user can meet derives from :class:`FlodlError`. Messages are
+built from typed fields and end with what to do next; third-party errors are
+translated at the boundary with ``raise ... from exc``.
+
+::
+
+    FlodlError
+    ├── WireError                 bytes on a connection were not a valid frame
+    │   ├── BadMagic
+    │   ├── FrameTooLarge
+    │   ├── AuthenticationFailed
+    │   ├── SequenceError         replayed, dropped or reordered frame
+    │   ├── MalformedBody
+    │   ├── UnknownKind
+    │   ├── VersionMismatch
+    │   └── TruncatedFrame        the peer closed in the middle of a frame
+    ├── ConnectionClosed          a link ended (we closed it, or the peer broke it)
+    ├── ConfigError               bad cluster file, arguments or environment
+    │   └── RoleError             inconsistent role variables
+    ├── PortInUseError            the controller port is held by a live listener
+    ├── FormationError            the join window could not form a world
+    ├── LaunchError               spawning agents or ranks failed
+    └── RankFailure               a rank exited badly
+"""
+
+from __future__ import annotations
+
+
+class FlodlError(Exception):
+    """Root of every error flodl_async raises on purpose."""
+
+
+class WireError(FlodlError):
+    """A connection carried bytes that are not a valid frame; the connection must close."""
+
+
+class BadMagic(WireError):
+    """The first bytes of a connection named no known channel."""
+
+
+class FrameTooLarge(WireError):
+    """A frame header announced a length above the channel's ceiling."""
+
+
+class AuthenticationFailed(WireError):
+    """A frame's HMAC tag did not verify (wrong secret, tampering, or wrong channel)."""
+
+
+class SequenceError(WireError):
+    """A frame arrived with an unexpected sequence number (replay, drop or reorder)."""
+
+
+class MalformedBody(WireError):
+    """An authenticated frame's body did not decode to its message schema."""
+
+
+class UnknownKind(WireError):
+    """An authenticated frame named a message kind this build does not know."""
+
+
+class VersionMismatch(WireError):
+    """The peer speaks another wire protocol version."""
+
+
+class TruncatedFrame(WireError):
+    """The stream ended in the middle of a frame."""
+
+
+class ConnectionClosed(FlodlError):
+    """A link ended. ``by_peer`` tells a peer that broke it from our own close."""
+
+    def __init__(self, what: str, *, by_peer: bool) -> None:
+        self.by_peer = by_peer
+        who = "the peer closed" if by_peer else "we closed"
+        super().__init__(f"{what}: {who} the connection")
+
+
+class ConfigError(FlodlError):
+    """Bad user input: cluster file, command line or environment."""
+
+
+class RoleError(ConfigError):
+    """The environment names an inconsistent mix of process roles."""
+
+
+class PortInUseError(FlodlError):
+    """The controller port is held by another live listener."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self.host = host
+        self.port = port
+        super().__init__(
+            f"port {port} on {host} is already held by a live listener — another flodl run? "
+            f"Check with `flodl status --addr 127.0.0.1:{port}`, stop that run, "
+            f"or pick another port with --port."
+        )
+
+
+class FormationError(FlodlError):
+    """The join window closed without forming a world."""
+
+
+class LaunchError(FlodlError):
+    """Starting agents, relays or ranks failed."""
+
+
+class RankFailure(FlodlError):
+    """A rank exited with a non-zero code or a signal."""

@@ -1,0 +1,234 @@
+"""The join window: a pure state machine that admits hosts and decides when the world forms.
+
+Theory of operation. Agents ask to join with their host name and devices; an
+admitted host gets the next contiguous block of global ranks (one per
+device) in admission order. Time is passed in (``now``, monotonic seconds);
+the shell calls :meth:`JoinWindow.poll` whenever something happens and at
+the deadline :meth:`JoinWindow.next_deadline` names. The verdict order is the
+seed's:
+
+1. ``target_ranks`` reached → form at once ("target ranks reached");
+2. inside ``join_timeout`` → stay open (an early quorum does not close it);
+3. ``join_timeout`` over and the quorum (``min_rank_start``) met → form;
+4. before ``max_join_timeout`` → stay open; the first moment the quorum is met forms;
+5. otherwise fail, naming joined and needed ranks and both timeouts.
+
+An agent that dies before formation fails the window at once, naming the host.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+MAX_RANKS_PER_JOIN = 256
+MAX_REJECTED_JOINS = 1024
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class JoinConfig:
+    """Resolved join knobs (timeouts already scaled)."""
+
+    min_rank_start: int
+    join_timeout: float
+    target_ranks: int | None
+    max_join_timeout: float
+    open_admission: bool = False
+    max_rejected_joins: int = MAX_REJECTED_JOINS
+
+    def __post_init__(self) -> None:
+        if self.min_rank_start < 1:
+            raise ValueError("min_rank_start must be at least 1")
+        if self.target_ranks is not None and self.target_ranks < self.min_rank_start:
+            raise ValueError("target_ranks must be at least min_rank_start")
+        if self.max_join_timeout < self.join_timeout:
+            raise ValueError("max_join_timeout must be at least join_timeout")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class JoinedMember:
+    """An admitted host and the global ranks it owns."""
+
+    host: str
+    devices: tuple[str, ...]
+    ranks: tuple[int, ...]
+    joined_at: float
+
+
+class WindowState(enum.Enum):
+    """Where the window is."""
+
+    OPEN = "open"
+    FORMED = "formed"
+    FAILED = "failed"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Admitted:
+    """A join was accepted."""
+
+    member: JoinedMember
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Rejected:
+    """A join was refused; ``reason`` goes back to the agent."""
+
+    reason: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Formed:
+    """The world is frozen."""
+
+    members: tuple[JoinedMember, ...]
+    world_size: int
+    reason: str
+    elapsed: float
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Failed:
+    """The window failed; ``reason`` is the whole story for the operator."""
+
+    reason: str
+
+
+Verdict = Formed | Failed | None
+
+
+class JoinWindow:
+    """Admission ledger plus formation verdict; pure, ``now`` passed in."""
+
+    def __init__(self, config: JoinConfig, *, opened_at: float, protocol_version: int = 1) -> None:
+        self.config = config
+        self.opened_at = opened_at
+        self._protocol_version = protocol_version
+        self._members: list[JoinedMember] = []
+        self._next_rank = 0
+        self._rejected = 0
+        self._state = WindowState.OPEN
+        self._verdict: Formed | Failed | None = None
+
+    @property
+    def state(self) -> WindowState:
+        """OPEN, FORMED or FAILED."""
+        return self._state
+
+    @property
+    def members(self) -> tuple[JoinedMember, ...]:
+        """Admitted hosts in admission order."""
+        return tuple(self._members)
+
+    @property
+    def joined_ranks(self) -> int:
+        """How many ranks are in so far."""
+        return self._next_rank
+
+    @property
+    def rejected_joins(self) -> int:
+        """How many joins were refused."""
+        return self._rejected
+
+    def request_join(self, *, host: str, devices: tuple[str, ...], now: float, protocol_version: int = 1) -> Admitted | Rejected:
+        """Admit or refuse one agent."""
+        reason = self._admission_problem(host, devices, protocol_version)
+        if reason is not None:
+            self._rejected += 1
+            if self._rejected >= self.config.max_rejected_joins and self._state is WindowState.OPEN:
+                self._fail(f"{self._rejected} joins were rejected — the join port is being hammered by something that is not a flodl agent of this run")
+            return Rejected(reason=reason)
+        ranks = tuple(range(self._next_rank, self._next_rank + len(devices)))
+        member = JoinedMember(host=host, devices=devices, ranks=ranks, joined_at=now)
+        self._members.append(member)
+        self._next_rank += len(devices)
+        return Admitted(member=member)
+
+    def _admission_problem(self, host: str, devices: tuple[str, ...], protocol_version: int) -> str | None:
+        if self._state is not WindowState.OPEN:
+            return f"the join window is {self._state.value}; this run takes no more hosts"
+        if protocol_version != self._protocol_version:
+            return f"agent speaks protocol v{protocol_version}, controller v{self._protocol_version}; install the same flodl_async version on every host"
+        if not host:
+            return "empty host name"
+        if not devices:
+            return f"host {host!r} offers no devices"
+        if len(devices) > MAX_RANKS_PER_JOIN:
+            return f"host {host!r} offers {len(devices)} devices; at most {MAX_RANKS_PER_JOIN} ranks per host"
+        seen: set[str] = set()
+        for device in devices:
+            if device in seen:
+                return f"duplicate local device {device} on host {host!r} — each rank must pin a distinct device"
+            seen.add(device)
+        if any(m.host == host for m in self._members):
+            return f"host {host!r} already joined this run (duplicate join — a stale agent from a previous launch, or two agents sharing one host name)"
+        return None
+
+    def retract(self, host: str) -> None:
+        """Undo the last admission (its accept could not be delivered), keeping ranks hole-free."""
+        if self._members and self._members[-1].host == host and self._state is WindowState.OPEN:
+            member = self._members.pop()
+            self._next_rank -= len(member.ranks)
+
+    def member_lost(self, host: str, *, now: float) -> Verdict:
+        """An admitted agent died before formation: the window fails at once, naming it."""
+        if self._state is WindowState.OPEN and any(m.host == host for m in self._members):
+            self._fail(f"agent on host {host!r} went away before the world formed ({now - self.opened_at:.1f}s into the window)")
+        return self._verdict
+
+    def abort(self, reason: str) -> Verdict:
+        """Fail the window from outside (launcher interrupted, fan-out failed)."""
+        if self._state is WindowState.OPEN:
+            self._fail(reason)
+        return self._verdict
+
+    def _fail(self, reason: str) -> None:
+        self._state = WindowState.FAILED
+        self._verdict = Failed(reason=reason)
+
+    def poll(self, now: float) -> Verdict:
+        """Decide: ``Formed``, ``Failed``, or ``None`` (stay open)."""
+        if self._state is not WindowState.OPEN:
+            return self._verdict
+        cfg = self.config
+        elapsed = now - self.opened_at
+        joined = self._next_rank
+        if cfg.target_ranks is not None and joined >= cfg.target_ranks:
+            return self._form("target ranks reached", elapsed)
+        if elapsed < cfg.join_timeout:
+            return None
+        if joined >= cfg.min_rank_start:
+            return self._form(self._quorum_reason(), elapsed)
+        if elapsed < cfg.max_join_timeout:
+            return None
+        self._fail(
+            f"quorum not met: {joined}/{cfg.min_rank_start} ranks joined "
+            f"({', '.join(m.host for m in self._members) or 'no host'}) within the join window of "
+            f"{cfg.join_timeout:g}s and the max_join_timeout hard cap of {cfg.max_join_timeout:g}s"
+        )
+        return self._verdict
+
+    def _form(self, reason: str, elapsed: float) -> Formed:
+        self._state = WindowState.FORMED
+        verdict = Formed(members=tuple(self._members), world_size=self._next_rank, reason=reason, elapsed=elapsed)
+        self._verdict = verdict
+        return verdict
+
+    def _quorum_reason(self) -> str:
+        count = 0
+        for member in self._members:
+            count += len(member.ranks)
+            if count >= self.config.min_rank_start:
+                if member.joined_at <= self.opened_at + self.config.join_timeout:
+                    return "join window closed with quorum"
+                break
+        return "quorum met before the max_join_timeout cap"
+
+    def next_deadline(self, now: float) -> float | None:
+        """The next ``now`` at which :meth:`poll` could change its answer without a new join."""
+        if self._state is not WindowState.OPEN:
+            return None
+        window_end = self.opened_at + self.config.join_timeout
+        # Before the window ends only its end matters; after it a quorum forms on the join
+        # itself, so only the hard cap remains.
+        return window_end if now < window_end else self.opened_at + self.config.max_join_timeout

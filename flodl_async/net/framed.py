@@ -1,0 +1,211 @@
+"""An asyncio Protocol around the sans-IO frame codec, with awaitable receive and flow control.
+
+Used on both ends: the controller's channel services get one from the mux
+after routing; agents, relays and ranks get one from :func:`open_framed`.
+Bad bytes close the connection at once, without a reply (design §3), and the
+waiting receiver sees the :class:`WireError`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import typing
+from collections.abc import Callable, Sequence
+
+from ..errors import ConnectionClosed, WireError
+from ..wire.channels import CHANNEL_MAGIC, Channel
+from ..wire.frame import Buffer, Frame, FrameConnection, FrameLimits, Pending, Side
+from ..wire.keys import SessionKeys
+from ..wire.schema import Message
+
+log = logging.getLogger("flodl_async.net")
+
+#: Write-buffer high-water mark on the data channel.
+DATA_WRITE_HIGH_WATER = 32 * 1024 * 1024
+#: Frames queued for the receiver before we stop reading from the socket.
+_RECV_HIGH_WATER = 64
+
+
+class FramedProtocol(asyncio.Protocol):
+    """One framed, authenticated connection."""
+
+    def __init__(
+        self,
+        *,
+        channel: Channel,
+        side: Side,
+        keys: SessionKeys,
+        limits: FrameLimits | None = None,
+        peer_label: str = "",
+        allocate: Callable[[int], bytearray] = bytearray,
+    ) -> None:
+        self.codec = FrameConnection(channel=channel, side=side, keys=keys, limits=limits, allocate=allocate)
+        self.channel = channel
+        self.peer_label = peer_label
+        self._transport: asyncio.Transport | None = None
+        self._frames: collections.deque[Frame] = collections.deque()
+        self._failure: BaseException | None = None
+        self._closed_by_peer = False
+        self._wakeup: asyncio.Future[None] | None = None
+        self._can_write = asyncio.Event()
+        self._can_write.set()
+        self._lost = asyncio.get_running_loop().create_future()
+        self._reading_paused = False
+
+    # ----- asyncio.Protocol ----------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # uvloop's transports implement asyncio.Transport without subclassing it.
+        self._transport = typing.cast(asyncio.Transport, transport)
+        if self.channel is Channel.DATA:
+            # Let one whole tensor frame sit in the write buffer while the next one is MAC'd:
+            # with the default 64 KiB mark, hashing and sending would take turns instead.
+            self._transport.set_write_buffer_limits(high=DATA_WRITE_HIGH_WATER)
+        if not self.peer_label:
+            peer = transport.get_extra_info("peername")
+            self.peer_label = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer or "?")
+
+    def data_received(self, data: bytes) -> None:
+        if self._failure is not None:
+            return
+        try:
+            self.codec.receive_data(data)
+            while True:
+                item = self.codec.next_frame()
+                if isinstance(item, Pending):
+                    break
+                self._frames.append(item)
+        except WireError as exc:
+            log.warning("%s channel: dropping connection from %s: %s", self.channel.value, self.peer_label, exc)
+            self._fail(exc)
+            if self._transport is not None:
+                self._transport.abort()
+            return
+        if len(self._frames) >= _RECV_HIGH_WATER and self._transport is not None and not self._reading_paused:
+            self._transport.pause_reading()
+            self._reading_paused = True
+        self._wake()
+
+    def eof_received(self) -> bool | None:
+        try:
+            self.codec.receive_data(b"")
+            item = self.codec.next_frame()
+            assert isinstance(item, Pending)
+        except WireError as exc:
+            self._fail(exc)
+            return None
+        self._closed_by_peer = True
+        self._fail(ConnectionClosed(f"{self.channel.value} channel to {self.peer_label}", by_peer=True))
+        return None
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._failure is None:
+            self._closed_by_peer = exc is not None
+            self._fail(ConnectionClosed(f"{self.channel.value} channel to {self.peer_label}", by_peer=exc is not None))
+        self._can_write.set()
+        if not self._lost.done():
+            self._lost.set_result(None)
+
+    def pause_writing(self) -> None:
+        self._can_write.clear()
+
+    def resume_writing(self) -> None:
+        self._can_write.set()
+
+    # ----- API -----------------------------------------------------------------------------
+
+    def _fail(self, exc: BaseException) -> None:
+        if self._failure is None:
+            self._failure = exc
+        self._wake()
+
+    def _wake(self) -> None:
+        if self._wakeup is not None and not self._wakeup.done():
+            self._wakeup.set_result(None)
+
+    async def recv(self) -> Frame:
+        """The next frame; raises :class:`ConnectionClosed` at the end or :class:`WireError` on bad bytes."""
+        while not self._frames:
+            if self._failure is not None:
+                raise self._failure
+            self._wakeup = asyncio.get_running_loop().create_future()
+            try:
+                await self._wakeup
+            finally:
+                self._wakeup = None
+        frame = self._frames.popleft()
+        if self._reading_paused and len(self._frames) < _RECV_HIGH_WATER // 2 and self._transport is not None:
+            self._transport.resume_reading()
+            self._reading_paused = False
+        return frame
+
+    async def recv_message(self) -> Message:
+        """The next frame's message (payload-less channels)."""
+        return (await self.recv()).message
+
+    def send(self, msg: Message) -> None:
+        """Queue one frame for writing (call :meth:`drain` to honour back-pressure)."""
+        self._writable().write(self.codec.send(msg))
+
+    def send_parts(self, msg: Message, payload: Sequence[Buffer]) -> None:
+        """Queue one frame with a raw payload, written from the given buffers without copying them."""
+        self._writable().writelines(self.codec.send_parts(msg, payload))
+
+    async def drain(self) -> None:
+        """Wait until the transport's write buffer is below its high-water mark."""
+        if self._failure is not None and not isinstance(self._failure, ConnectionClosed):
+            raise self._failure
+        await self._can_write.wait()
+        if (self._transport is None or self._transport.is_closing()) and self._lost.done():
+            raise ConnectionClosed(f"{self.channel.value} channel to {self.peer_label}", by_peer=self._closed_by_peer)
+
+    def _writable(self) -> asyncio.Transport:
+        if self._transport is None or self._transport.is_closing():
+            raise ConnectionClosed(f"{self.channel.value} channel to {self.peer_label}", by_peer=self._closed_by_peer)
+        return self._transport
+
+    @property
+    def is_closing(self) -> bool:
+        """True once the connection is closing or closed."""
+        return self._transport is None or self._transport.is_closing()
+
+    def close(self) -> None:
+        """Graceful close: flush what was written, then close."""
+        if self._transport is not None:
+            self._transport.close()
+
+    def abort(self) -> None:
+        """Forced close: drop buffered output."""
+        if self._transport is not None:
+            self._transport.abort()
+
+    async def aclose(self, grace: float = 1.0) -> None:
+        """Close gracefully, force after ``grace`` seconds, and wait until the socket is gone."""
+        self.close()
+        try:
+            async with asyncio.timeout(grace):
+                await asyncio.shield(self._lost)
+        except TimeoutError:
+            self.abort()
+            await asyncio.shield(self._lost)
+
+
+async def open_framed(
+    host: str,
+    port: int,
+    *,
+    channel: Channel,
+    keys: SessionKeys,
+    limits: FrameLimits | None = None,
+) -> FramedProtocol:
+    """Dial the controller port, select ``channel`` with its magic, and return the framed link."""
+    loop = asyncio.get_running_loop()
+    _transport, protocol = await loop.create_connection(
+        lambda: FramedProtocol(channel=channel, side=Side.PEER, keys=keys, limits=limits, peer_label=f"{host}:{port}"),
+        host,
+        port,
+    )
+    _transport.write(CHANNEL_MAGIC[channel])
+    return protocol

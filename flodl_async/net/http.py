@@ -1,0 +1,187 @@
+"""The status channel: a minimal HTTP/1.1 server on the controller port, parsed by h11.
+
+One request per connection (``Connection: close``), with a request-size and
+a request-time limit; responses are built from the board's pre-encoded
+snapshot, so serving status never waits on the controller.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import typing
+
+import h11
+
+from ..status import StatusBoard
+from .timeouts import scaled
+
+log = logging.getLogger("flodl_async.status")
+
+MAX_REQUEST_HEAD = 8 * 1024
+MAX_REQUEST_BODY = 16 * 1024
+REQUEST_TIMEOUT = 5.0
+ENDPOINTS = ("/", "/state.json")
+
+_DASHBOARD = b"""<!doctype html>
+<html><head><meta charset="utf-8"><title>flodl run</title>
+<style>body{font-family:sans-serif;margin:2em}td,th{padding:.2em .8em;text-align:left}</style></head>
+<body><h1>flodl run <span id="run"></span></h1>
+<p>phase: <b id="phase">?</b> &middot; ranks <span id="ranks"></span></p>
+<table><thead><tr><th>host</th><th>ranks</th><th>devices</th><th>state</th></tr></thead><tbody id="members"></tbody></table>
+<p id="verdict"></p>
+<script>
+async function tick(){
+  try{
+    const s=await (await fetch('/state.json',{cache:'no-store'})).json();
+    document.getElementById('run').textContent=s.run_id;
+    document.getElementById('phase').textContent=s.phase;
+    document.getElementById('ranks').textContent=s.joined_ranks+' joined / '+s.world_size+' in world';
+    const tb=document.getElementById('members'); tb.innerHTML='';
+    for(const m of s.members){const tr=document.createElement('tr');
+      for(const v of [m.host,m.ranks.join(','),m.devices.join(','),m.state]){const td=document.createElement('td');td.textContent=v;tr.appendChild(td);}
+      tb.appendChild(tr);}
+    document.getElementById('verdict').textContent=s.verdict;
+  }catch(e){document.getElementById('phase').textContent='unreachable';}
+}
+tick(); setInterval(tick,1000);
+</script></body></html>
+"""
+
+
+class StatusHttpProtocol(asyncio.Protocol):
+    """Serves one HTTP request from the status board, then closes."""
+
+    def __init__(self, board: StatusBoard, *, request_timeout: float | None = None) -> None:
+        self._board = board
+        self._conn = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_REQUEST_HEAD)
+        self._transport: asyncio.Transport | None = None
+        self._request: h11.Request | None = None
+        self._body_bytes = 0
+        self._received = 0
+        self._timeout = scaled(REQUEST_TIMEOUT) if request_timeout is None else request_timeout
+        self._timer: asyncio.TimerHandle | None = None
+        self._answered = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # uvloop's transports implement asyncio.Transport without subclassing it.
+        self._transport = typing.cast(asyncio.Transport, transport)
+        self._timer = asyncio.get_running_loop().call_later(self._timeout, self._expire)
+
+    def data_received(self, data: bytes) -> None:
+        if self._answered:
+            return
+        self._received += len(data)
+        # h11 bounds only an *incomplete* head; a large head that arrives whole needs this check.
+        if self._request is None and self._received > MAX_REQUEST_HEAD + MAX_REQUEST_BODY:
+            self._respond_error(431, f"request head above {MAX_REQUEST_HEAD} bytes")
+            return
+        self._conn.receive_data(data)
+        self._pump()
+
+    def eof_received(self) -> bool | None:
+        if not self._answered:
+            self._conn.receive_data(b"")
+            self._pump()
+        return None
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _expire(self) -> None:
+        self._timer = None
+        if not self._answered and self._transport is not None:
+            log.info("status: request not complete within %gs; closing", self._timeout)
+            self._transport.abort()
+
+    def _pump(self) -> None:
+        while not self._answered:
+            try:
+                event = self._conn.next_event()
+            except h11.RemoteProtocolError as exc:
+                self._respond_error(exc.error_status_hint, f"bad request: {exc}")
+                return
+            if event is h11.NEED_DATA:
+                return
+            if isinstance(event, h11.Request):
+                self._request = event
+                if sum(len(k) + len(v) + 4 for k, v in event.headers.raw_items()) > MAX_REQUEST_HEAD:
+                    self._respond_error(431, f"request head above {MAX_REQUEST_HEAD} bytes")
+                    return
+            elif isinstance(event, h11.Data):
+                self._body_bytes += len(event.data)
+                if self._body_bytes > MAX_REQUEST_BODY:
+                    self._respond_error(413, f"request body above {MAX_REQUEST_BODY} bytes")
+                    return
+            elif isinstance(event, h11.EndOfMessage):
+                self._serve()
+                return
+            elif isinstance(event, h11.ConnectionClosed):
+                self._close()
+                return
+
+    def _serve(self) -> None:
+        request = self._request
+        assert request is not None
+        method = request.method.decode("ascii", "replace")
+        path = request.target.decode("ascii", "replace").split("?", 1)[0]
+        if method not in ("GET", "HEAD"):
+            self._send(405, _json({"error": f"method {method} not allowed", "allowed": ["GET", "HEAD"]}), head=False, extra=[(b"Allow", b"GET, HEAD")])
+            return
+        head = method == "HEAD"
+        if path == "/state.json":
+            encoded = self._board.encoded
+            if encoded is None:
+                self._send(503, _json({"error": "no status published yet; the controller is starting"}), head=head)
+            else:
+                self._send(200, encoded, head=head)
+        elif path == "/":
+            self._send(200, _DASHBOARD, head=head, content_type=b"text/html; charset=utf-8")
+        else:
+            self._send(404, _json({"error": f"no such endpoint: {path}", "endpoints": list(ENDPOINTS)}), head=head)
+
+    def _respond_error(self, status: int, message: str) -> None:
+        if self._conn.our_state in (h11.IDLE, h11.SEND_RESPONSE):
+            self._send(status if 400 <= status < 600 else 400, _json({"error": message}), head=False)
+        else:
+            self._close()
+
+    def _send(
+        self,
+        status: int,
+        body: bytes,
+        *,
+        head: bool,
+        content_type: bytes = b"application/json",
+        extra: list[tuple[bytes, bytes]] | None = None,
+    ) -> None:
+        self._answered = True
+        headers = [
+            (b"Content-Type", content_type),
+            (b"Content-Length", str(len(body)).encode()),
+            (b"Cache-Control", b"no-cache"),
+            (b"Connection", b"close"),
+            *(extra or []),
+        ]
+        out = self._conn.send(h11.Response(status_code=status, headers=headers)) or b""
+        if not head:
+            out += self._conn.send(h11.Data(data=body)) or b""
+        out += self._conn.send(h11.EndOfMessage()) or b""
+        if self._transport is not None:
+            self._transport.write(out)
+        self._close()
+
+    def _close(self) -> None:
+        self._answered = True
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if self._transport is not None:
+            self._transport.close()
+
+
+def _json(doc: object) -> bytes:
+    return json.dumps(doc).encode()

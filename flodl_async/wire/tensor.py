@@ -1,0 +1,100 @@
+"""Tensor payloads: dtype + shape + raw contiguous bytes, without extra copies.
+
+Sending takes a zero-copy byte view of each contiguous CPU tensor (ctypes over
+its storage, so numpy is not required and bfloat16 works); the frame codec
+MACs and writes those views directly. Receiving wraps slices of the frame's
+own payload buffer with ``torch.frombuffer``: no copy, writable. torch is
+imported only inside these functions, never at module import, so the control
+plane stays torch-free.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+from ..errors import MalformedBody
+from .messages import TensorBundle, TensorSpec
+
+if TYPE_CHECKING:
+    import torch
+
+#: Wire dtype names and their element sizes; the names match ``str(torch.<dtype>)`` minus ``torch.``.
+DTYPE_ITEMSIZE: dict[str, int] = {
+    "float32": 4,
+    "float64": 8,
+    "float16": 2,
+    "bfloat16": 2,
+    "int64": 8,
+    "int32": 4,
+    "int16": 2,
+    "int8": 1,
+    "uint8": 1,
+    "bool": 1,
+}
+
+
+def tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    """A read-only byte view of a contiguous CPU tensor's storage (no copy).
+
+    The view does not keep the tensor alive: the caller holds the tensor until the
+    bytes are written.
+    """
+    if tensor.device.type != "cpu" or not tensor.is_contiguous():
+        raise ValueError("tensor payloads must be contiguous CPU tensors; call .contiguous().cpu() first")
+    nbytes = tensor.numel() * tensor.element_size()
+    if nbytes == 0:
+        return memoryview(b"")
+    raw = (ctypes.c_char * nbytes).from_address(tensor.data_ptr())
+    return memoryview(raw).cast("B").toreadonly()
+
+
+def pack_tensors(tensors: Mapping[str, torch.Tensor], *, round: int = 0, weight: float = 1.0) -> tuple[TensorBundle, list[memoryview]]:
+    """Describe ``tensors`` as a :class:`TensorBundle` plus payload parts for ``send_parts``."""
+    specs: list[TensorSpec] = []
+    parts: list[memoryview] = []
+    offset = 0
+    for name, tensor in tensors.items():
+        dtype = str(tensor.dtype).removeprefix("torch.")
+        if dtype not in DTYPE_ITEMSIZE:
+            raise ValueError(f"tensor {name!r}: dtype {dtype} is not supported on the wire")
+        view = tensor_bytes(tensor)
+        specs.append(TensorSpec(name=name, dtype=dtype, shape=tuple(tensor.shape), offset=offset, nbytes=view.nbytes))
+        parts.append(view)
+        offset += view.nbytes
+    return TensorBundle(round=round, weight=weight, tensors=tuple(specs)), parts
+
+
+def validate_bundle(bundle: TensorBundle, payload_len: int) -> None:
+    """Check that every spec is consistent and lies inside the payload (pure, no torch)."""
+    for spec in bundle.tensors:
+        itemsize = DTYPE_ITEMSIZE.get(spec.dtype)
+        if itemsize is None:
+            raise MalformedBody(f"tensor {spec.name!r}: unknown dtype {spec.dtype!r}")
+        if any(d < 0 for d in spec.shape):
+            raise MalformedBody(f"tensor {spec.name!r}: negative dimension in shape {spec.shape}")
+        numel = 1
+        for d in spec.shape:
+            numel *= d
+        if numel * itemsize != spec.nbytes:
+            raise MalformedBody(f"tensor {spec.name!r}: shape {spec.shape} of {spec.dtype} is not {spec.nbytes} bytes")
+        if spec.offset < 0 or spec.offset + spec.nbytes > payload_len:
+            raise MalformedBody(f"tensor {spec.name!r}: bytes [{spec.offset}, {spec.offset + spec.nbytes}) lie outside the payload")
+
+
+def unpack_tensors(bundle: TensorBundle, payload: memoryview | None) -> dict[str, torch.Tensor]:
+    """Tensors viewing the received payload in place (no copy; writable)."""
+    import torch  # deferred: the control plane never pays for it
+
+    payload = payload if payload is not None else memoryview(bytearray())
+    validate_bundle(bundle, payload.nbytes)
+    out: dict[str, torch.Tensor] = {}
+    for spec in bundle.tensors:
+        dtype = getattr(torch, spec.dtype)
+        if spec.nbytes == 0:
+            out[spec.name] = torch.empty(spec.shape, dtype=dtype)
+            continue
+        flat = torch.frombuffer(payload, dtype=dtype, offset=spec.offset, count=spec.nbytes // DTYPE_ITEMSIZE[spec.dtype])
+        out[spec.name] = flat.view(spec.shape)
+    return out

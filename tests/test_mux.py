@@ -1,0 +1,209 @@
+"""The one-port mux on real loopback sockets."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import AsyncIterator
+
+import pytest
+
+from flodl_async.errors import ConfigError, ConnectionClosed, PortInUseError
+from flodl_async.net.framed import FramedProtocol, open_framed
+from flodl_async.net.mux import PortMux, check_bind_host
+from flodl_async.net.service import FramedService
+from flodl_async.wire import CHANNEL_MAGIC, Channel, SessionKeys
+from flodl_async.wire import messages as m
+
+FRAMED_CHANNELS = [Channel.JOIN, Channel.RENDEZVOUS, Channel.DATA, Channel.CONTROL]
+
+
+async def _echo_channel_name(link: FramedProtocol) -> None:
+    """Answer every heartbeat with a message naming the channel it arrived on."""
+    while True:
+        msg = await link.recv_message()
+        assert isinstance(msg, m.Heartbeat)
+        link.send(m.JoinReject(reason=f"{link.channel.value}:{msg.sent_at}"))
+        await link.drain()
+
+
+@pytest.fixture
+async def mux(keys: SessionKeys) -> AsyncIterator[PortMux]:
+    mux = PortMux(host="127.0.0.1", port=0, sniff_timeout=3.0, max_unsniffed=512)
+    async with asyncio.TaskGroup() as tg:
+        for channel in FRAMED_CHANNELS:
+            service = FramedService(channel=channel, keys=keys, handler=_echo_channel_name, task_group=tg)
+            mux.register(channel, service.protocol_factory)
+        await mux.start()
+        try:
+            yield mux
+        finally:
+            await mux.aclose()
+
+
+async def _ask(port: int, keys: SessionKeys, channel: Channel, tag: float) -> str:
+    link = await open_framed("127.0.0.1", port, channel=channel, keys=keys)
+    try:
+        link.send(m.Heartbeat(sent_at=tag))
+        reply = await link.recv_message()
+        assert isinstance(reply, m.JoinReject)
+        return reply.reason
+    finally:
+        await link.aclose()
+
+
+async def test_hundreds_of_concurrent_connections_are_routed(mux: PortMux, keys: SessionKeys) -> None:
+    jobs = [(FRAMED_CHANNELS[i % 4], float(i)) for i in range(400)]
+    async with asyncio.timeout(30):
+        answers = await asyncio.gather(*(_ask(mux.port, keys, channel, tag) for channel, tag in jobs))
+    assert answers == [f"{channel.value}:{tag}" for channel, tag in jobs]
+    stats = mux.statistics()
+    assert stats.accepted == 400
+    assert stats.routed == {channel.value: 100 for channel in FRAMED_CHANNELS}
+    assert stats.dropped == {}
+
+
+async def _raw(port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    return await asyncio.open_connection("127.0.0.1", port)
+
+
+async def test_bad_peers_do_not_delay_good_ones(mux: PortMux, keys: SessionKeys) -> None:
+    silent = [await _raw(mux.port) for _ in range(50)]
+    half_magic = [await _raw(mux.port) for _ in range(20)]
+    for _, writer in half_magic:
+        writer.write(CHANNEL_MAGIC[Channel.JOIN][:2])
+        await writer.drain()
+    half_open = [await _raw(mux.port) for _ in range(20)]
+    for _, writer in half_open:
+        writer.write(b"\xf1")
+        writer.write_eof()
+    garbage = [await _raw(mux.port) for _ in range(20)]
+    for _, writer in garbage:
+        writer.write(b"\x00garbage that names no channel")
+    answers = await asyncio.gather(*(_ask(mux.port, keys, FRAMED_CHANNELS[i % 4], float(i)) for i in range(40)))
+    assert len(answers) == 40
+    # The good peers finished while the silent ones still hold their slots: nobody waited for the deadline.
+    stats = mux.statistics()
+    assert stats.dropped.get("sniff_timeout", 0) == 0
+    assert stats.unsniffed_now >= 70
+    # Garbage and half-open peers are closed at once, without waiting for the deadline.
+    for reader, _ in garbage + half_open:
+        assert await asyncio.wait_for(reader.read(), 2) == b""
+    stats = mux.statistics()
+    assert stats.dropped["unknown_magic"] == 20
+    assert stats.dropped["early_close"] == 20
+    # Silent peers are dropped at the deadline.
+    for reader, _ in silent + half_magic:
+        assert await asyncio.wait_for(reader.read(), 10) == b""
+    assert mux.statistics().dropped["sniff_timeout"] == 70
+    for _, writer in silent + half_magic + half_open + garbage:
+        writer.close()
+
+
+async def test_channel_without_handler_closes_at_once(keys: SessionKeys) -> None:
+    mux = PortMux(host="127.0.0.1", port=0)
+    await mux.start()
+    try:
+        reader, writer = await _raw(mux.port)
+        writer.write(CHANNEL_MAGIC[Channel.DATA] + b"x")
+        assert await asyncio.wait_for(reader.read(), 2) == b""
+        writer.close()
+        assert mux.statistics().dropped == {"no_handler": 1}
+    finally:
+        await mux.aclose()
+
+
+async def test_unsniffed_connections_are_capped() -> None:
+    mux = PortMux(host="127.0.0.1", port=0, max_unsniffed=5, sniff_timeout=30)
+    await mux.start()
+    try:
+        held = [await _raw(mux.port) for _ in range(5)]
+        reader, writer = await _raw(mux.port)
+        assert await asyncio.wait_for(reader.read(), 2) == b""
+        assert mux.statistics().dropped == {"over_capacity": 1}
+        for _, w in [*held, (reader, writer)]:
+            w.close()
+    finally:
+        await mux.aclose()
+
+
+async def test_wrong_secret_frame_closes_only_that_connection(mux: PortMux, keys: SessionKeys) -> None:
+    stranger = SessionKeys.derive(b"\x01" * 16, keys.run_id)
+    link = await open_framed("127.0.0.1", mux.port, channel=Channel.CONTROL, keys=stranger)
+    link.send(m.Heartbeat(sent_at=1.0))
+    with pytest.raises(ConnectionClosed):
+        await asyncio.wait_for(link.recv(), 5)
+    await link.aclose()
+    assert await _ask(mux.port, keys, Channel.CONTROL, 2.0) == "control:2.0"
+
+
+async def test_live_listener_gives_a_clear_error(mux: PortMux) -> None:
+    second = PortMux(host="127.0.0.1", port=mux.port)
+    with pytest.raises(PortInUseError, match=rf"port {mux.port} .*flodl status"):
+        await second.start()
+
+
+async def test_time_wait_never_blocks_a_rebind(keys: SessionKeys) -> None:
+    first = PortMux(host="127.0.0.1", port=0)
+    async with asyncio.TaskGroup() as tg:
+        service = FramedService(channel=Channel.CONTROL, keys=keys, handler=_echo_channel_name, task_group=tg)
+        first.register(Channel.CONTROL, service.protocol_factory)
+        await first.start()
+        port = first.port
+        link = await open_framed("127.0.0.1", port, channel=Channel.CONTROL, keys=keys)
+        link.send(m.Heartbeat(sent_at=1.0))
+        await link.recv()
+        await first.aclose()  # the server side closes first: its socket goes to TIME_WAIT
+        await link.aclose()
+    second = PortMux(host="127.0.0.1", port=port)
+    await second.start()
+    await second.aclose()
+
+
+def test_bind_scope_is_wildcard_or_loopback() -> None:
+    assert check_bind_host("0.0.0.0") == "0.0.0.0"
+    assert check_bind_host("localhost") == "127.0.0.1"
+    assert check_bind_host("::1") == "::1"
+    with pytest.raises(ConfigError, match="neither the wildcard nor loopback"):
+        check_bind_host("10.1.2.3")
+    with pytest.raises(ConfigError, match="not an IP address"):
+        check_bind_host("example.org")
+
+
+def test_port_mux_binds_for_real() -> None:
+    async def main() -> int:
+        mux = PortMux(host="127.0.0.1", port=0)
+        await mux.start()
+        port = mux.port
+        with socket.create_connection(("127.0.0.1", port), timeout=2):
+            pass
+        await mux.aclose()
+        return port
+
+    assert asyncio.run(main()) > 0
+
+
+def test_routing_and_bad_peers_on_uvloop(keys: SessionKeys) -> None:
+    """The same mux on uvloop (the loop the launcher uses): routing, garbage and silence."""
+    import uvloop
+
+    async def main() -> None:
+        mux = PortMux(host="127.0.0.1", port=0, sniff_timeout=30)
+        async with asyncio.TaskGroup() as tg:
+            for channel in FRAMED_CHANNELS:
+                service = FramedService(channel=channel, keys=keys, handler=_echo_channel_name, task_group=tg)
+                mux.register(channel, service.protocol_factory)
+            await mux.start()
+            silent = [await _raw(mux.port) for _ in range(10)]
+            reader, writer = await _raw(mux.port)
+            writer.write(b"garbage!")
+            answers = await asyncio.gather(*(_ask(mux.port, keys, FRAMED_CHANNELS[i % 4], float(i)) for i in range(200)))
+            assert answers == [f"{FRAMED_CHANNELS[i % 4].value}:{float(i)}" for i in range(200)]
+            assert await asyncio.wait_for(reader.read(), 2) == b""
+            assert mux.statistics().dropped == {"unknown_magic": 1}
+            for _, w in [*silent, (reader, writer)]:
+                w.close()
+            await mux.aclose()
+
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        runner.run(main())

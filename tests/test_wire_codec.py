@@ -1,0 +1,241 @@
+"""Pure codec tests: every input fed whole and one byte at a time."""
+
+from __future__ import annotations
+
+import struct
+
+import pytest
+
+from flodl_async.errors import (
+    AuthenticationFailed,
+    FrameTooLarge,
+    MalformedBody,
+    SequenceError,
+    TruncatedFrame,
+    UnknownKind,
+    VersionMismatch,
+    WireError,
+)
+from flodl_async.wire import CLOSED, NEED_DATA, Channel, FrameConnection, SessionKeys, Side, new_session_secret
+from flodl_async.wire import messages as m
+from flodl_async.wire.frame import HEADER, HEADER_LEN, PROTOCOL_VERSION, TAG_LEN, Frame, FrameLimits
+from flodl_async.wire.schema import pack_message
+
+from .conftest import codec_pair
+
+SAMPLES = [
+    m.JoinHello(host="node-a", devices=("cpu:0", "cpu:1"), pid=42, agent_version="0.1"),
+    m.JoinAccept(ranks=(0, 1), run_id="r", formation_wait_s=30.0),
+    m.JoinReject(reason="duplicate host"),
+    m.WorldFormed(world_size=4, ranks=(2, 3), group_rank=1, group_world_size=2, store_host=False, command=("python", "t.py"), env={"A": "1"}),
+    m.StartRanks(round=0, restart_count=0, master_addr="10.0.0.1", master_port=29500),
+    m.RankExited(round=0, rank=3, local_rank=1, host="b", exit_code=None, signal=9, stderr_tail=("boom",)),
+    m.Abort(reason="interrupted"),
+    m.StoreAddress(round=1, host="10.0.0.1", port=40000),
+    m.Heartbeat(sent_at=12.5, rank=1),
+]
+
+
+def feed(conn: FrameConnection, data: bytes, *, bytewise: bool) -> list[Frame]:
+    out: list[Frame] = []
+    chunks = [data[i : i + 1] for i in range(len(data))] if bytewise else [data]
+    for chunk in chunks:
+        conn.receive_data(chunk)
+        out.extend(conn.frames())
+    return out
+
+
+@pytest.mark.parametrize("bytewise", [False, True], ids=["whole", "bytewise"])
+def test_every_sample_round_trips_in_one_stream(keys: SessionKeys, bytewise: bool) -> None:
+    peer, controller = codec_pair(keys)
+    stream = b"".join(peer.send(msg) for msg in SAMPLES)
+    frames = feed(controller, stream, bytewise=bytewise)
+    assert [f.message for f in frames] == SAMPLES
+    assert [f.seq for f in frames] == list(range(len(SAMPLES)))
+    controller.receive_data(b"")
+    assert controller.next_frame() is CLOSED
+
+
+def test_need_data_until_the_last_byte(keys: SessionKeys) -> None:
+    peer, controller = codec_pair(keys)
+    data = peer.send(m.Abort(reason="x"))
+    controller.receive_data(data[:-1])
+    assert controller.next_frame() is NEED_DATA
+    controller.receive_data(data[-1:])
+    frame = controller.next_frame()
+    assert isinstance(frame, Frame)
+    assert frame.message == m.Abort(reason="x")
+
+
+@pytest.mark.parametrize("bytewise", [False, True], ids=["whole", "bytewise"])
+def test_both_directions_use_their_own_keys(keys: SessionKeys, bytewise: bool) -> None:
+    peer, controller = codec_pair(keys)
+    down = controller.send(m.Abort(reason="stop"))
+    [frame] = feed(peer, down, bytewise=bytewise)
+    assert frame.message == m.Abort(reason="stop")
+
+
+def test_reflected_frame_is_rejected(keys: SessionKeys) -> None:
+    peer, _controller = codec_pair(keys)
+    own = peer.send(m.Heartbeat(sent_at=1.0))
+    other_peer = FrameConnection(channel=Channel.CONTROL, side=Side.PEER, keys=keys)
+    other_peer.receive_data(own)  # a peer receives its own direction's frame
+    with pytest.raises(AuthenticationFailed, match="did not verify"):
+        other_peer.next_frame()
+
+
+def test_cross_channel_frame_is_rejected(keys: SessionKeys) -> None:
+    peer = FrameConnection(channel=Channel.JOIN, side=Side.PEER, keys=keys)
+    control = FrameConnection(channel=Channel.CONTROL, side=Side.CONTROLLER, keys=keys)
+    control.receive_data(peer.send(m.Heartbeat(sent_at=1.0)))
+    with pytest.raises(AuthenticationFailed):
+        control.next_frame()
+
+
+def test_other_run_secret_is_rejected(keys: SessionKeys) -> None:
+    peer, _ = codec_pair(keys)
+    stranger = FrameConnection(channel=Channel.CONTROL, side=Side.CONTROLLER, keys=SessionKeys.derive(new_session_secret(), "test-run"))
+    stranger.receive_data(peer.send(m.Heartbeat(sent_at=1.0)))
+    with pytest.raises(AuthenticationFailed, match="session-secret mismatch"):
+        stranger.next_frame()
+
+
+def test_same_secret_other_run_id_is_rejected() -> None:
+    secret = new_session_secret()
+    peer = FrameConnection(channel=Channel.CONTROL, side=Side.PEER, keys=SessionKeys.derive(secret, "run-1"))
+    other = FrameConnection(channel=Channel.CONTROL, side=Side.CONTROLLER, keys=SessionKeys.derive(secret, "run-2"))
+    other.receive_data(peer.send(m.Heartbeat(sent_at=1.0)))
+    with pytest.raises(AuthenticationFailed):
+        other.next_frame()
+
+
+def test_replayed_frame_is_rejected(keys: SessionKeys) -> None:
+    peer, controller = codec_pair(keys)
+    first = peer.send(m.Heartbeat(sent_at=1.0))
+    controller.receive_data(first + first)
+    assert isinstance(controller.next_frame(), Frame)
+    with pytest.raises(SequenceError, match="sequence 0, expected 1"):
+        controller.next_frame()
+
+
+def test_reordered_frames_are_rejected(keys: SessionKeys) -> None:
+    peer, controller = codec_pair(keys)
+    first = peer.send(m.Heartbeat(sent_at=1.0))
+    second = peer.send(m.Heartbeat(sent_at=2.0))
+    controller.receive_data(second + first)
+    with pytest.raises(SequenceError, match="sequence 1, expected 0"):
+        controller.next_frame()
+
+
+def test_failed_connection_stays_failed(keys: SessionKeys) -> None:
+    peer, controller = codec_pair(keys)
+    data = bytearray(peer.send(m.Heartbeat(sent_at=1.0)))
+    data[-1] ^= 1
+    controller.receive_data(bytes(data))
+    with pytest.raises(AuthenticationFailed):
+        controller.next_frame()
+    controller.receive_data(peer.send(m.Heartbeat(sent_at=2.0)))
+    with pytest.raises(AuthenticationFailed, match="already failed"):
+        controller.next_frame()
+
+
+def test_oversized_body_rejected_from_the_header_alone(keys: SessionKeys) -> None:
+    _, controller = codec_pair(keys, limits=FrameLimits(max_body=1024))
+    header = HEADER.pack(PROTOCOL_VERSION, 0, m.Heartbeat.KIND, 0, 1025, 0)
+    controller.receive_data(header)  # no body bytes at all: the header alone must be enough
+    with pytest.raises(FrameTooLarge, match="1025 bytes exceeds the 1024-byte ceiling"):
+        controller.next_frame()
+
+
+def test_payload_refused_on_channels_without_tensors(keys: SessionKeys) -> None:
+    _, controller = codec_pair(keys, channel=Channel.JOIN)
+    controller.receive_data(HEADER.pack(PROTOCOL_VERSION, 0, m.Heartbeat.KIND, 0, 10, 1))
+    with pytest.raises(FrameTooLarge, match="payload of 1 bytes"):
+        controller.next_frame()
+
+
+def test_sender_refuses_to_build_an_oversized_frame(keys: SessionKeys) -> None:
+    peer, _ = codec_pair(keys, limits=FrameLimits(max_body=64))
+    with pytest.raises(FrameTooLarge):
+        peer.send(m.JoinReject(reason="x" * 100))
+
+
+def test_version_mismatch_names_both_versions(keys: SessionKeys) -> None:
+    _, controller = codec_pair(keys)
+    controller.receive_data(HEADER.pack(PROTOCOL_VERSION + 1, 0, 1, 0, 0, 0))
+    with pytest.raises(VersionMismatch, match=f"v{PROTOCOL_VERSION + 1}.*v{PROTOCOL_VERSION}"):
+        controller.next_frame()
+
+
+def _sealed(keys: SessionKeys, kind: int, body: bytes, seq: int = 0) -> bytes:
+    """A frame with a valid tag around an arbitrary body (what a buggy but keyed peer could send)."""
+    import hashlib
+    import hmac
+
+    from flodl_async.wire.keys import Direction
+
+    header = HEADER.pack(PROTOCOL_VERSION, 0, kind, seq, len(body), 0)
+    tag = hmac.new(keys.key(Channel.CONTROL, Direction.TO_CONTROLLER), header + body, hashlib.sha256).digest()
+    return header + body + tag
+
+
+def test_unknown_kind_after_authentication(keys: SessionKeys) -> None:
+    _, controller = codec_pair(keys)
+    controller.receive_data(_sealed(keys, 0xFFFE, b"\x80"))
+    with pytest.raises(UnknownKind, match="0xfffe"):
+        controller.next_frame()
+
+
+@pytest.mark.parametrize(
+    ("body", "match"),
+    [
+        (b"\xc1", "not valid msgpack"),
+        (b"\x93\x01\x02\x03", "expected a map"),
+        (pack_message(m.Abort(reason="x")).replace(b"\xa6reason", b"\xa6reasom"), "required field 'reason' is missing"),
+        (b"\x82\xa2_v\x01\xa6reason\x05", "expected str, got int"),
+        (b"\x81\xa6reason\xa1x", "schema version"),
+    ],
+)
+def test_malformed_bodies_are_named(keys: SessionKeys, body: bytes, match: str) -> None:
+    _, controller = codec_pair(keys)
+    controller.receive_data(_sealed(keys, m.Abort.KIND, body))
+    with pytest.raises(MalformedBody, match=match):
+        controller.next_frame()
+
+
+def test_reserved_flags_rejected(keys: SessionKeys) -> None:
+    peer, controller = codec_pair(keys)
+    data = bytearray(peer.send(m.Heartbeat(sent_at=1.0)))
+    data[1] = 0x80
+    controller.receive_data(bytes(data))
+    with pytest.raises(WireError):
+        controller.next_frame()
+
+
+@pytest.mark.parametrize("cut", [1, HEADER_LEN, HEADER_LEN + 3, -TAG_LEN, -1])
+def test_eof_mid_frame_is_truncated(keys: SessionKeys, cut: int) -> None:
+    peer, controller = codec_pair(keys)
+    data = peer.send(m.Abort(reason="stop now"))
+    controller.receive_data(data[:cut])
+    assert controller.next_frame() is NEED_DATA
+    controller.receive_data(b"")
+    with pytest.raises(TruncatedFrame):
+        controller.next_frame()
+
+
+def test_newer_peer_extra_fields_are_ignored(keys: SessionKeys) -> None:
+    import msgpack
+
+    body = msgpack.packb({"_v": 2, "reason": "x", "added_later": [1, 2]})
+    _, controller = codec_pair(keys)
+    controller.receive_data(_sealed(keys, m.Abort.KIND, body))
+    frame = controller.next_frame()
+    assert isinstance(frame, Frame)
+    assert frame.message == m.Abort(reason="x")
+
+
+def test_header_layout_is_stable() -> None:
+    # Peers of different builds must agree on these 24 bytes; a change here is a protocol bump.
+    assert HEADER_LEN == 24
+    assert TAG_LEN == 32
+    assert struct.calcsize("<BBHQIQ") == HEADER_LEN
