@@ -167,6 +167,16 @@ class FramedProtocol(asyncio.Protocol):
         return self._transport
 
     @property
+    def peer_host(self) -> str:
+        """The peer's address without the port ('' for unix sockets)."""
+        peer = self._transport.get_extra_info("peername") if self._transport is not None else None
+        return str(peer[0]) if isinstance(peer, tuple) else ""
+
+    async def wait_closed(self) -> None:
+        """Wait until the connection is gone (either side closed it)."""
+        await asyncio.shield(self._lost)
+
+    @property
     def is_closing(self) -> bool:
         """True once the connection is closing or closed."""
         return self._transport is None or self._transport.is_closing()

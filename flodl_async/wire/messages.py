@@ -98,9 +98,10 @@ class RankExited(Message):
 @message(kind=0x0108)
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Abort(Message):
-    """The run is over for this host: stop every rank and leave."""
+    """The run is over for this host: stop every rank (TERM, KILL after ``grace_s``) and leave."""
 
     reason: str
+    grace_s: float = 10.0
 
 
 @message(kind=0x0109)
@@ -115,6 +116,14 @@ class Finish(Message):
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RanksStopped(Message):
     """Every rank of ``round`` on this host is gone (answer to :class:`StopRanks`)."""
+
+    round: int
+
+
+@message(kind=0x010B)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class OpenRound(Message):
+    """To the store host: bring up a fresh store for rendezvous ``round`` and report its address."""
 
     round: int
 

@@ -1,0 +1,275 @@
+"""``flodl-launch``: the command line that turns arguments or a cluster file into a run.
+
+Two forms:
+
+    flodl-launch --nproc N [--devices cpu|all|0,1] -- CMD ARGS...   # one host, no file
+    flodl-launch cluster.yml -- CMD ARGS...                          # a cluster file
+
+Everything the user can get wrong is checked before anything starts, and is
+reported in one line with exit code 2, never with a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import secrets
+import shutil
+import signal
+import socket
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from .agent import RankOutput, detect_gpu_count
+from .cluster import DEFAULT_PORT, ClusterSpec, ControllerSpec, DeviceKind, DeviceSpec, JoinKnobs, WorkerSpec, is_local_host, load_cluster, local_host_names
+from .controller import Controller, ExitCode, LaunchPlan, RunResult
+from .errors import ConfigError, FlodlError, PortInUseError
+from .net.timeouts import timeout_scale
+from .wire.keys import new_session_secret, secret_from_hex
+
+log = logging.getLogger("flodl_async.launch")
+
+EPILOG = """\
+examples:
+  flodl-launch --nproc 2 -- python examples/train.py
+  flodl-launch --nproc 4 --devices cpu --max-restarts 2 --log-dir logs -- python train.py --epochs 3
+  flodl-launch cluster.yml -- python train.py
+
+exit codes:
+  0    every rank exited 0
+  1    internal error (a bug: please report it)
+  2    bad arguments or cluster file, or the port is taken; nothing was started
+  3    the world did not form (join window failed, store did not come up)
+  4    a rank failed (after any allowed restarts), or an agent was lost
+  130  interrupted (SIGINT or SIGTERM)
+"""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _Args:
+    cluster: str | None
+    nproc: int | None
+    devices: str
+    port: int | None
+    max_restarts: int
+    log_dir: Path | None
+    run_id: str | None
+    quiet: bool
+    verbose: bool
+    stop_grace: float
+    secret_file: str | None
+    command: tuple[str, ...]
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="flodl-launch",
+        usage="flodl-launch [options] (--nproc N | CLUSTER.yml) -- CMD [ARGS ...]",
+        description="Launch a distributed PyTorch job: every rank runs CMD with the torchrun environment.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("cluster", nargs="?", help="cluster file (omit it and give --nproc for one host)")
+    parser.add_argument("--nproc", type=int, help="ranks on this host (the embedded one-host cluster)")
+    parser.add_argument("--devices", default="auto", help="with --nproc: cpu, all (GPUs), GPU ids like 0,1, or auto (GPUs if present; default)")
+    parser.add_argument("--port", type=int, help=f"the controller port (default {DEFAULT_PORT}, or the cluster file's; 0 picks a free one)")
+    parser.add_argument("--max-restarts", type=int, default=0, help="restart the whole world up to K times after a rank failure (default 0)")
+    parser.add_argument("--log-dir", type=Path, help="also write each rank's output to DIR/rankN.log")
+    parser.add_argument("--run-id", help="run id (TORCHELASTIC_RUN_ID; default: random)")
+    parser.add_argument("--stop-grace", type=float, default=10.0, help="seconds between TERM and KILL when stopping ranks (default 10)")
+    parser.add_argument("--secret-file", help="read the session secret from this file, or write a new one there (mode 0600) for flodl-agent")
+    parser.add_argument("-q", "--quiet", action="store_true", help="only rank output and the verdict")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug output")
+    return parser
+
+
+def parse_args(argv: Sequence[str]) -> _Args:
+    """Parse the command line; usage errors raise :class:`ConfigError`."""
+    argv = list(argv)
+    parser = _parser()
+    if "--" in argv:
+        split = argv.index("--")
+        ours, command = argv[:split], tuple(argv[split + 1 :])
+    else:
+        ours, command = argv, ()
+    ns = parser.parse_args(ours)  # --help and argparse's own errors exit here (code 2)
+    if not command:
+        raise ConfigError("missing the command to run: put it after `--`, e.g. flodl-launch --nproc 2 -- python train.py")
+    if (ns.cluster is None) == (ns.nproc is None):
+        raise ConfigError("give either --nproc N (one host) or a cluster file, not both and not neither")
+    if ns.nproc is not None and ns.nproc < 1:
+        raise ConfigError(f"--nproc must be at least 1 (got {ns.nproc})")
+    if ns.port is not None and not 0 <= ns.port <= 65535:
+        raise ConfigError(f"--port must be 0..65535 (got {ns.port})")
+    if ns.max_restarts < 0:
+        raise ConfigError(f"--max-restarts must be 0 or more (got {ns.max_restarts})")
+    if ns.stop_grace < 0:
+        raise ConfigError(f"--stop-grace must be 0 or more seconds (got {ns.stop_grace})")
+    if ns.quiet and ns.verbose:
+        raise ConfigError("--quiet and --verbose contradict each other; pick one")
+    if "/" not in command[0] and shutil.which(command[0]) is None:
+        raise ConfigError(f"command not found: {command[0]!r} (is it on PATH?)")
+    return _Args(
+        cluster=ns.cluster,
+        nproc=ns.nproc,
+        devices=ns.devices,
+        port=ns.port,
+        max_restarts=ns.max_restarts,
+        log_dir=ns.log_dir,
+        run_id=ns.run_id,
+        quiet=ns.quiet,
+        verbose=ns.verbose,
+        stop_grace=ns.stop_grace,
+        secret_file=ns.secret_file,
+        command=command,
+    )
+
+
+def embedded_devices(nproc: int, devices: str, gpu_count: int) -> DeviceSpec:
+    """``--nproc`` with ``--devices`` → the one host's devices."""
+    choice = devices.strip()
+    if choice == "auto":
+        choice = "all" if gpu_count > 0 else "cpu"
+    if choice == "cpu":
+        return DeviceSpec.cpu(nproc)
+    if choice == "all":
+        if gpu_count < nproc:
+            raise ConfigError(f"--nproc {nproc} with --devices all needs {nproc} GPUs, this host has {gpu_count}; use --devices cpu")
+        return DeviceSpec(kind=DeviceKind.GPU_LIST, gpu_ids=tuple(range(nproc)))
+    try:
+        ids = tuple(int(part) for part in choice.split(","))
+    except ValueError:
+        raise ConfigError(f"--devices {devices!r}: expected cpu, all, auto, or GPU ids like 0,1") from None
+    if len(set(ids)) != len(ids) or min(ids) < 0:
+        raise ConfigError(f"--devices {devices!r}: GPU ids must be distinct and non-negative")
+    if len(ids) != nproc:
+        raise ConfigError(f"--devices lists {len(ids)} GPU(s) but --nproc is {nproc}; one rank per device")
+    return DeviceSpec(kind=DeviceKind.GPU_LIST, gpu_ids=ids)
+
+
+def build_plan(args: _Args) -> LaunchPlan:
+    """Resolve the arguments (and cluster file) into a launch plan, or raise :class:`ConfigError`."""
+    scale = timeout_scale()
+    gpu_count = detect_gpu_count()
+    spec: ClusterSpec
+    if args.nproc is not None:
+        worker = WorkerSpec(host=socket.gethostname(), devices=embedded_devices(args.nproc, args.devices, gpu_count))
+        spec = ClusterSpec(controller=_embedded_controller(), workers=(worker,), source="--nproc")
+    else:
+        assert args.cluster is not None
+        spec = load_cluster(args.cluster)
+    local = local_host_names()
+    remote = [w.host for w in spec.workers if not is_local_host(w.host, local)]
+    if remote:
+        raise ConfigError(
+            f"{spec.source}: worker(s) {', '.join(remote)} are on other hosts; remote workers are not yet supported "
+            "by this version (it runs workers on the controller's own host). Use this host's name or localhost."
+        )
+    capacity = sum(w.devices.known_count if w.devices.known_count is not None else gpu_count for w in spec.workers)
+    join = spec.controller.join.resolve(capacity, scale=scale)
+    secret = _session_secret(args.secret_file)
+    return LaunchPlan(
+        run_id=args.run_id or f"flodl-{secrets.token_hex(4)}",
+        secret=secret,
+        bind_host=spec.bind_host(local),
+        port=args.port if args.port is not None else spec.controller.port,
+        join=join,
+        local_workers=spec.workers,
+        command=args.command,
+        cluster_env=dict(spec.env),
+        max_restarts=args.max_restarts,
+        log_dir=args.log_dir,
+        stop_grace=args.stop_grace,
+    )
+
+
+def _embedded_controller() -> ControllerSpec:
+    # One host, no file: the window closes the moment the local agent is in.
+    return ControllerSpec(host="127.0.0.1", port=DEFAULT_PORT, join=JoinKnobs(join_timeout=60.0))
+
+
+def _session_secret(path: str | None) -> bytes:
+    if path is None:
+        return new_session_secret()
+    file = Path(path)
+    if file.exists():
+        try:
+            return secret_from_hex(file.read_text())
+        except OSError as exc:
+            raise ConfigError(f"--secret-file {path}: {exc.strerror or exc}") from exc
+    secret = new_session_secret()
+    try:
+        fd = os.open(file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as out:
+            out.write(secret.hex() + "\n")
+    except OSError as exc:
+        raise ConfigError(f"--secret-file {path}: cannot create it: {exc.strerror or exc}") from exc
+    return secret
+
+
+async def _run(plan: LaunchPlan) -> RunResult:
+    output = RankOutput(stdout=sys.stdout.buffer, stderr=sys.stderr.buffer, log_dir=plan.log_dir)
+    controller = Controller(plan, output=output)
+    try:
+        await controller.bind()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, controller.interrupt, sig.name)
+        try:
+            return await controller.run()
+        finally:
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.remove_signal_handler(sig)
+    finally:
+        await controller.aclose()
+        output.close()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``flodl-launch``."""
+    from .net.loop import run
+
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        args = parse_args(argv)
+    except ConfigError as exc:
+        print(f"flodl-launch: error: {exc}", file=sys.stderr)
+        return int(ExitCode.USAGE)
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("flodl-launch: %(message)s"))
+    root = logging.getLogger("flodl_async")
+    root.handlers[:] = [handler]
+    root.setLevel(logging.DEBUG if args.verbose else logging.WARNING if args.quiet else logging.INFO)
+    root.propagate = False
+    started = time.monotonic()
+    try:
+        plan = build_plan(args)
+        log.info("run %s: %s", plan.run_id, " ".join(plan.command))
+        result = run(_run(plan))
+    except PortInUseError as exc:
+        print(f"flodl-launch: error: {exc}", file=sys.stderr)
+        return int(ExitCode.USAGE)
+    except ConfigError as exc:
+        print(f"flodl-launch: error: {exc}", file=sys.stderr)
+        return int(ExitCode.USAGE)
+    except FlodlError as exc:
+        print(f"flodl-launch: FAILED — {exc}", file=sys.stderr)
+        return int(ExitCode.INTERNAL)
+    elapsed = time.monotonic() - started
+    if result.exit_code is ExitCode.OK:
+        if not args.quiet:
+            print(f"flodl-launch: done — {result.reason} ({elapsed:.1f}s)", file=sys.stderr)
+    else:
+        print(f"flodl-launch: FAILED — {result.reason} ({elapsed:.1f}s)", file=sys.stderr)
+        if result.details:
+            print(result.details, file=sys.stderr)
+    return int(result.exit_code)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
