@@ -70,6 +70,20 @@ class RankOutput:
         self._log_dir = log_dir
         self._files: dict[int, BinaryIO] = {}
 
+    def rank_started(self, rank: int) -> None:
+        """Open the rank's log file now, so every rank has one even if it never prints."""
+        self._log_file(rank)
+
+    def _log_file(self, rank: int) -> BinaryIO | None:
+        if self._log_dir is None:
+            return None
+        file = self._files.get(rank)
+        if file is None:
+            self._log_dir.mkdir(parents=True, exist_ok=True)
+            file = open(self._log_dir / f"rank{rank}.log", "ab")  # noqa: SIM115 — kept open for the run, closed in close()
+            self._files[rank] = file
+        return file
+
     def line(self, host: str, rank: int, *, err: bool, data: bytes) -> None:
         """One whole line (one write, so lines from different ranks never interleave)."""
         if not data.endswith(b"\n"):
@@ -77,12 +91,8 @@ class RankOutput:
         target = self._stderr if err else self._stdout
         target.write(f"[{host}:r{rank}] ".encode() + data)
         target.flush()
-        if self._log_dir is not None:
-            file = self._files.get(rank)
-            if file is None:
-                self._log_dir.mkdir(parents=True, exist_ok=True)
-                file = open(self._log_dir / f"rank{rank}.log", "ab")  # noqa: SIM115 — kept open for the run, closed in close()
-                self._files[rank] = file
+        file = self._log_file(rank)
+        if file is not None:
             file.write(data)
             file.flush()
 
@@ -232,6 +242,7 @@ class Agent:
     async def _open_round(self, round_: int, keys: SessionKeys) -> None:
         """Bind the store's socket now (no torch, no port race), start the store on it, report the address."""
         await self._stop_store()
+        store_env = dict(os.environ, FLODL_RUN_ID=keys.run_id)  # marks it as this run's, like the ranks
         listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         try:
             listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -241,7 +252,7 @@ class Agent:
             python = self.config.python or sys.executable
             self._store = await spawn(
                 [python, "-m", "flodl_async.store", "--fd", str(listener.fileno())],
-                env=os.environ,
+                env=store_env,
                 stdin=asyncio.subprocess.PIPE,
                 stdout=asyncio.subprocess.DEVNULL,
                 stderr=None,
@@ -297,6 +308,7 @@ class Agent:
                     )
                 )
                 continue
+            self._output.rank_started(rank)
             tail: collections.deque[str] = collections.deque(maxlen=STDERR_TAIL_LINES)
             entry = _Rank(rank=rank, local_rank=local_rank, round=start.round, proc=proc, error_file=error_file, stderr_tail=tail, readers=[])
             assert proc.stdout is not None

@@ -17,6 +17,7 @@ translated at the boundary with ``raise ... from exc``.
     │   ├── VersionMismatch
     │   └── TruncatedFrame        the peer closed in the middle of a frame
     ├── ConnectionClosed          a link ended (we closed it, or the peer broke it)
+    ├── ProtocolError             a valid frame out of place
     ├── ConfigError               bad cluster file, arguments or environment
     │   └── RoleError             inconsistent role variables
     ├── PortInUseError            the controller port is held by a live listener
@@ -75,6 +76,10 @@ class ConnectionClosed(FlodlError):
         self.by_peer = by_peer
         who = "the peer closed" if by_peer else "we closed"
         super().__init__(f"{what}: {who} the connection")
+
+
+class ProtocolError(FlodlError):
+    """A peer sent a valid frame that makes no sense at this point of the protocol."""
 
 
 class ConfigError(FlodlError):

@@ -1,0 +1,73 @@
+"""The rank side of the relay: a flodl-aware rank's link to its host's relay.
+
+``RankLink.connect()`` reads the rank's spec from the environment the agent set,
+dials the relay's unix socket, and performs the handshake (``RankHello`` up,
+``RankWelcome`` back from the controller). ``heartbeat()`` measures a round trip
+to the controller and back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections.abc import Mapping
+from types import TracebackType
+
+from .errors import ConfigError, ProtocolError
+from .net.framed import FramedProtocol
+from .rankenv import RankSpec
+from .roles import LOCAL_RANK_VAR, RANK_VAR, Role, detect_role
+from .wire import messages as m
+from .wire.channels import Channel
+from .wire.frame import Side
+from .wire.keys import SessionKeys, secret_from_hex
+
+
+class RankLink:
+    """One rank's framed link to its relay."""
+
+    def __init__(self, link: FramedProtocol, *, rank: int, spec: RankSpec) -> None:
+        self._link = link
+        self.rank = rank
+        self.spec = spec
+
+    @classmethod
+    async def connect(cls, env: Mapping[str, str] | None = None, *, timeout: float = 30.0) -> RankLink:
+        """Dial the relay named in the environment and complete the handshake."""
+        env = os.environ if env is None else env
+        if detect_role(env) is not Role.RANK:
+            raise ConfigError(f"not running as a flodl rank ({RANK_VAR} and {LOCAL_RANK_VAR} are not set); start it with flodl-launch")
+        spec = RankSpec.from_json(env[RANK_VAR])
+        keys = SessionKeys.derive(secret_from_hex(spec.secret_hex), spec.run_id)
+        rank = int(env["RANK"])
+        loop = asyncio.get_running_loop()
+        async with asyncio.timeout(timeout):
+            _transport, link = await loop.create_unix_connection(
+                lambda: FramedProtocol(channel=Channel.CONTROL, side=Side.PEER, keys=keys, peer_label="relay"), spec.relay_socket
+            )
+            link.send(m.RankHello(rank=rank, local_rank=int(env["LOCAL_RANK"]), world_size=int(env["WORLD_SIZE"]), pid=os.getpid()))
+            welcome = await link.recv_message()
+        if not isinstance(welcome, m.RankWelcome) or welcome.rank != rank:
+            link.close()
+            raise ProtocolError(f"rank {rank}: expected RankWelcome from the controller, got {welcome!r}")
+        return cls(link, rank=rank, spec=spec)
+
+    async def heartbeat(self) -> float:
+        """One heartbeat to the controller and back; returns the round trip in seconds."""
+        sent = time.monotonic()
+        self._link.send(m.Heartbeat(sent_at=sent, rank=self.rank))
+        while True:
+            reply = await self._link.recv_message()
+            if isinstance(reply, m.Heartbeat) and reply.sent_at == sent:
+                return time.monotonic() - sent
+
+    async def aclose(self) -> None:
+        """Close the link."""
+        await self._link.aclose()
+
+    async def __aenter__(self) -> RankLink:
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        await self.aclose()

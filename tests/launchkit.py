@@ -1,0 +1,126 @@
+"""Helpers for end-to-end launcher tests: run flodl-launch for real and prove nothing survives it."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+SCRIPTS = Path(__file__).parent / "scripts"
+PY = sys.executable
+
+
+def script(name: str) -> str:
+    return str(SCRIPTS / name)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def new_run_id() -> str:
+    return f"test-{secrets.token_hex(4)}"
+
+
+def processes_of_run(run_id: str) -> list[int]:
+    """PIDs whose environment carries this run id (ranks and store processes)."""
+    needles = (f"FLODL_RUN_ID={run_id}".encode(), f"TORCHELASTIC_RUN_ID={run_id}".encode())
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            environ = Path(f"/proc/{entry}/environ").read_bytes()
+            state = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != "Z" and any(n in environ.split(b"\0") for n in needles):
+            found.append(int(entry))
+    return found
+
+
+def assert_nothing_left(run_id: str, *, within: float = 10.0) -> None:
+    """Every process of the run is gone (waiting at most ``within`` seconds for asynchronous kills)."""
+    deadline = time.monotonic() + within
+    left = processes_of_run(run_id)
+    while left and time.monotonic() < deadline:
+        time.sleep(0.05)
+        left = processes_of_run(run_id)
+    if left:
+        for pid in left:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        raise AssertionError(f"processes of run {run_id} survived: {left}")
+
+
+@dataclass
+class Finished:
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+def launch_cmd(*args: str, run_id: str) -> list[str]:
+    return [PY, "-m", "flodl_async.launch", "--run-id", run_id, *args]
+
+
+def run_launch(*args: str, run_id: str, timeout: float = 120, env: dict[str, str] | None = None) -> Finished:
+    """Run flodl-launch to completion; always checks that nothing of the run survives."""
+    try:
+        done = subprocess.run(
+            launch_cmd(*args, run_id=run_id), capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})}, check=False
+        )
+    finally:
+        assert_nothing_left(run_id)
+    return Finished(done.returncode, done.stdout, done.stderr)
+
+
+class Launcher:
+    """A flodl-launch process running in the background, read line by line."""
+
+    def __init__(self, *args: str, run_id: str) -> None:
+        self.run_id = run_id
+        self.proc = subprocess.Popen(
+            launch_cmd(*args, run_id=run_id), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1
+        )
+        self.stdout_lines: list[str] = []
+
+    def wait_for_stdout(self, predicate: str, count: int = 1, timeout: float = 60) -> None:
+        """Read stdout until ``count`` lines contain ``predicate``."""
+        assert self.proc.stdout is not None
+        deadline = time.monotonic() + timeout
+        seen = sum(predicate in line for line in self.stdout_lines)
+        while seen < count:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"timed out waiting for {count}x {predicate!r}; got {self.stdout_lines}")
+            line = self.proc.stdout.readline()
+            if not line:
+                raise AssertionError(f"launcher output ended before {count}x {predicate!r}: {self.stdout_lines}; stderr: {self.proc.stderr.read() if self.proc.stderr else ''}")
+            self.stdout_lines.append(line)
+            seen += predicate in line
+
+    def finish(self, timeout: float = 60) -> Finished:
+        try:
+            out, err = self.proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            out, err = self.proc.communicate()
+            raise
+        finally:
+            assert_nothing_left(self.run_id)
+        return Finished(self.proc.returncode, "".join(self.stdout_lines) + out, err)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.communicate()

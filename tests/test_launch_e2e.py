@@ -1,0 +1,188 @@
+"""flodl-launch end to end: real subprocesses, real torch.distributed (gloo), real signals."""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from .launchkit import PY, Launcher, assert_nothing_left, new_run_id, processes_of_run, run_launch, script
+
+pytestmark = pytest.mark.e2e
+
+CONTRACT = (
+    "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE",
+    "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS",
+    "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_ERROR_FILE", "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+)  # fmt: skip
+
+
+@pytest.mark.parametrize("nproc", [1, 2, 4])
+def test_all_reduce_gives_the_right_sum_on_every_rank(nproc: int) -> None:
+    run_id = new_run_id()
+    done = run_launch("--nproc", str(nproc), "--devices", "cpu", "--port", "0", "--", PY, script("allreduce.py"), run_id=run_id)
+    assert done.returncode == 0, done.stderr
+    expected = nproc * (nproc + 1) / 2
+    for rank in range(nproc):
+        assert re.search(rf"^\[[^\]]+:r{rank}\] rank {rank} of {nproc} sum {expected:g}$", done.stdout, re.M), done.stdout
+    assert f"done — all {nproc} ranks exited 0" in done.stderr
+
+
+def test_example_training_loss_falls(tmp_path: Path) -> None:
+    run_id = new_run_id()
+    done = run_launch(
+        "--nproc", "2", "--port", "0", "--log-dir", str(tmp_path), "--",
+        PY, str(Path(__file__).parent.parent / "examples" / "train.py"), "--epochs", "4",
+        run_id=run_id,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    match = re.search(r"first loss ([\d.]+) last loss ([\d.]+)", done.stdout)
+    assert match, done.stdout
+    first, last = float(match.group(1)), float(match.group(2))
+    assert last < first / 2
+    # --log-dir: one file per rank, holding that rank's lines without prefixes.
+    assert "first loss" in (tmp_path / "rank0.log").read_text()
+    assert (tmp_path / "rank1.log").exists()
+
+
+def test_every_rank_gets_the_torchrun_contract(tmp_path: Path) -> None:
+    run_id = new_run_id()
+    done = run_launch("--nproc", "3", "--devices", "cpu", "--port", "0", "--max-restarts", "2", "--", PY, script("dump_env.py"), str(tmp_path), run_id=run_id)
+    assert done.returncode == 0, done.stderr
+    envs = [json.loads((tmp_path / f"env-{r}.json").read_text()) for r in range(3)]
+    for env in envs:
+        missing = [k for k in CONTRACT if k not in env]
+        assert not missing, missing
+    assert sorted(int(e["RANK"]) for e in envs) == [0, 1, 2]
+    assert sorted(int(e["LOCAL_RANK"]) for e in envs) == [0, 1, 2]
+    for env in envs:
+        assert env["WORLD_SIZE"] == env["LOCAL_WORLD_SIZE"] == env["ROLE_WORLD_SIZE"] == "3"
+        assert env["ROLE_RANK"] == env["RANK"]
+        assert env["GROUP_RANK"] == "0"
+        assert env["GROUP_WORLD_SIZE"] == "1"
+        assert env["TORCHELASTIC_RUN_ID"] == run_id
+        assert env["TORCHELASTIC_RESTART_COUNT"] == "0"
+        assert env["TORCHELASTIC_MAX_RESTARTS"] == "2"
+        assert env["TORCHELASTIC_USE_AGENT_STORE"] == "True"
+        assert env["OMP_NUM_THREADS"] == "1"
+        assert "CUDA_VISIBLE_DEVICES" not in env
+    assert len({(e["MASTER_ADDR"], e["MASTER_PORT"]) for e in envs}) == 1
+    assert len({e["TORCHELASTIC_ERROR_FILE"] for e in envs}) == 3
+
+
+def test_rank_failure_names_the_rank_and_its_last_stderr_lines() -> None:
+    run_id = new_run_id()
+    started = time.monotonic()
+    done = run_launch("--nproc", "3", "--devices", "cpu", "--port", "0", "--stop-grace", "3", "--", PY, script("fail.py"), run_id=run_id)
+    elapsed = time.monotonic() - started
+    assert done.returncode == 4, done.stderr
+    assert "FAILED — rank 1 (local rank 1) on host" in done.stderr
+    assert "exited with code 3" in done.stderr
+    assert "boom: rank 1 is giving up" in done.stderr
+    assert "last 20 stderr line(s) of rank 1" in done.stderr
+    assert "Traceback" not in done.stderr
+    assert elapsed < 30  # the other ranks were stopped, not waited for (they sleep 600 s)
+
+
+def test_record_traceback_appears_in_the_verdict() -> None:
+    run_id = new_run_id()
+    done = run_launch("--nproc", "2", "--devices", "cpu", "--port", "0", "--stop-grace", "3", "--", PY, script("raise_record.py"), run_id=run_id)
+    assert done.returncode == 4, done.stderr
+    assert "rank 0 (local rank 0)" in done.stderr
+    assert "traceback (from the rank's error file):" in done.stderr
+    assert "ValueError: deliberate failure for the verdict test" in done.stderr
+
+
+def test_max_restarts_recovers_from_one_failure() -> None:
+    run_id = new_run_id()
+    done = run_launch("--nproc", "2", "--devices", "cpu", "--port", "0", "--max-restarts", "1", "--", PY, script("flaky.py"), run_id=run_id)
+    assert done.returncode == 0, done.stderr
+    assert "restarting the world (restart 1 of 1)" in done.stderr
+    assert re.search(r"r0\] attempt 1 rank 0 sum 2", done.stdout), done.stdout
+    assert re.search(r"r1\] attempt 1 rank 1 sum 2", done.stdout), done.stdout
+
+
+def test_without_restarts_the_same_failure_fails_the_run() -> None:
+    run_id = new_run_id()
+    done = run_launch("--nproc", "2", "--devices", "cpu", "--port", "0", "--stop-grace", "2", "--", PY, script("flaky.py"), run_id=run_id)
+    assert done.returncode == 4
+    assert "failing on purpose in attempt 0" in done.stderr
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_signal_stops_the_run_gracefully(sig: signal.Signals, tmp_path: Path) -> None:
+    run_id = new_run_id()
+    launcher = Launcher("--nproc", "2", "--devices", "cpu", "--port", "0", "--stop-grace", "5", "--", PY, script("wait_for_file.py"), str(tmp_path / "never"), run_id=run_id)
+    try:
+        launcher.wait_for_stdout("ready pid", count=2)
+        assert len(processes_of_run(run_id)) >= 2
+        started = time.monotonic()
+        launcher.proc.send_signal(sig)
+        done = launcher.finish(timeout=30)
+    finally:
+        launcher.kill()
+    assert done.returncode == 130, done.stderr
+    assert f"interrupted by {sig.name}" in done.stderr
+    assert time.monotonic() - started < 15
+
+
+def test_second_signal_forces(tmp_path: Path) -> None:
+    run_id = new_run_id()
+    trap = tmp_path / "trap_term.py"
+    trap.write_text("import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\nprint('ready', flush=True)\ntime.sleep(600)\n")
+    launcher = Launcher("--nproc", "2", "--devices", "cpu", "--port", "0", "--stop-grace", "60", "--", PY, str(trap), run_id=run_id)
+    try:
+        launcher.wait_for_stdout("ready", count=2)
+        started = time.monotonic()
+        launcher.proc.send_signal(signal.SIGINT)
+        time.sleep(0.5)  # let the graceful stop begin: the ranks ignore TERM, so only the second signal ends it
+        launcher.proc.send_signal(signal.SIGINT)
+        done = launcher.finish(timeout=30)
+    finally:
+        launcher.kill()
+    assert done.returncode == 130
+    assert "forcing the stop" in done.stderr
+    assert time.monotonic() - started < 20  # far below the 60 s grace
+
+
+def test_sigkill_of_the_launcher_leaves_no_rank(tmp_path: Path) -> None:
+    run_id = new_run_id()
+    launcher = Launcher("--nproc", "2", "--devices", "cpu", "--port", "0", "--", PY, script("wait_for_file.py"), str(tmp_path / "never"), run_id=run_id)
+    try:
+        launcher.wait_for_stdout("ready pid", count=2)
+        assert processes_of_run(run_id)
+        launcher.proc.kill()
+        launcher.proc.wait(10)
+        assert_nothing_left(run_id, within=10)  # parent-death signal, no launcher cleanup involved
+    finally:
+        launcher.kill()
+
+
+def test_relay_carries_the_rank_handshake_and_heartbeats() -> None:
+    run_id = new_run_id()
+    done = run_launch("--nproc", "2", "--devices", "cpu", "--port", "0", "--", PY, script("relay_client.py"), run_id=run_id)
+    assert done.returncode == 0, done.stderr
+    for rank in (0, 1):
+        assert re.search(rf"r{rank}\] rank {rank} welcomed by run {run_id}; heartbeat rtts ms \[[\d., ]+\]", done.stdout), done.stdout
+
+
+def test_lines_are_never_torn_or_interleaved(tmp_path: Path) -> None:
+    chatty = tmp_path / "chatty.py"
+    chatty.write_text(
+        "import os, sys\nr = os.environ['RANK']\n"
+        "for i in range(2000):\n    sys.stdout.write(f'rank {r} line {i} ' + 'x' * 200 + ' end\\n')\n"
+    )
+    run_id = new_run_id()
+    done = run_launch("--nproc", "3", "--devices", "cpu", "--port", "0", "--", PY, str(chatty), run_id=run_id)
+    assert done.returncode == 0
+    lines = [line for line in done.stdout.splitlines() if " line " in line]
+    assert len(lines) == 6000
+    pattern = re.compile(r"^\[[^\]]+:r(\d)\] rank (\d) line \d+ x{200} end$")
+    for line in lines:
+        match = pattern.match(line)
+        assert match, line[:120]
+        assert match.group(1) == match.group(2)
