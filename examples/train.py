@@ -63,8 +63,8 @@ def main() -> None:
     for epoch in range(args.epochs):
         sampler.set_epoch(epoch)
         total = torch.zeros(2, device=device)
-        for x, y in loader:
-            x, y = x.to(device), y.to(device)
+        for batch_x, batch_y in loader:
+            x, y = batch_x.to(device), batch_y.to(device)
             optimizer.zero_grad()
             loss = loss_fn(ddp(x), y)
             loss.backward()

@@ -50,6 +50,7 @@ from .relay import Relay
 from .wire import messages as m
 from .wire.channels import Channel
 from .wire.keys import SessionKeys, secret_from_hex
+from .wire.schema import Message
 
 log = logging.getLogger("flodl_async.agent")
 
@@ -189,13 +190,12 @@ class Agent:
         """Kill ranks now instead of waiting out a grace period (second signal)."""
         self._force.set()
 
-    async def _recv(self, link: FramedProtocol, doing: str) -> m.Message:
+    async def _recv(self, link: FramedProtocol, doing: str) -> Message:
         try:
             return await link.recv_message()
         except ConnectionClosed as exc:
             raise LaunchError(
-                f"agent {self.config.host}: the controller closed the join link while {doing} — "
-                "a session-secret mismatch, or the controller stopped"
+                f"agent {self.config.host}: the controller closed the join link while {doing} — a session-secret mismatch, or the controller stopped"
             ) from exc
         except WireError as exc:
             raise LaunchError(f"agent {self.config.host}: bad frame from the controller while {doing}: {exc}") from exc
@@ -445,7 +445,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="flodl-agent: %(message)s")
     try:
         host, port = parse_addr(args.controller)
-        config = AgentConfig(controller_host=host, controller_port=port, secret=_read_secret(args), host=args.host, devices=_parse_devices(args.devices), workdir=args.workdir)
+        config = AgentConfig(
+            controller_host=host, controller_port=port, secret=_read_secret(args), host=args.host, devices=_parse_devices(args.devices), workdir=args.workdir
+        )
     except ConfigError as exc:
         print(f"flodl-agent: {exc}", file=sys.stderr)
         return 2

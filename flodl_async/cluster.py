@@ -469,12 +469,6 @@ def _validate_topology(doc: _Doc, spec: ClusterSpec, workers_node: yaml.Sequence
                 f"worker {worker.host!r} sets `tunnel: true` with GPU devices (NCCL backend); NCCL's data plane "
                 "is peer-to-peer and cannot ride a controller tunnel — use `devices: cpu:N` or drop the tunnel",
             )
-    knobs = spec.controller.join
-    capacity = spec.capacity
-    if capacity is not None:
-        for name, value in (("min_rank_start", knobs.min_rank_start), ("target_ranks", knobs.target_ranks)):
-            if value is not None and value > capacity:
-                raise ConfigError(f"{doc.source}: controller.join.{name}: {value} ranks needed but the workers offer only {capacity}; lower it or add workers")
 
 
 def load_cluster(path: str | Path) -> ClusterSpec:

@@ -42,6 +42,7 @@ from .wire import messages as m
 from .wire.channels import Channel
 from .wire.frame import PROTOCOL_VERSION
 from .wire.keys import SessionKeys
+from .wire.schema import Message
 
 log = logging.getLogger("flodl_async.launch")
 
@@ -99,7 +100,7 @@ class _Joined:
 @dataclass(frozen=True, slots=True)
 class _HostMessage:
     host: str
-    msg: m.Message
+    msg: Message
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,13 +158,23 @@ class Controller:
         self._exit_code: int | None = None
 
     @property
+    def status_board(self) -> StatusBoard:
+        """Where the controller publishes its snapshots."""
+        return self._board
+
+    @property
+    def serving(self) -> bool:
+        """True while the port is open."""
+        return self._mux.serving
+
+    @property
     def port(self) -> int:
         """The bound port (after :meth:`bind`)."""
         return self._mux.port
 
     async def bind(self) -> None:
         """Bind the one port and serve status (``waiting``) before anything else happens."""
-        self._mux.register(Channel.STATUS, lambda: StatusHttpProtocol(self._board))
+        self._mux.register(Channel.STATUS, lambda: StatusHttpProtocol(self._board, refresh=self._publish))
         await self._mux.start()
         self._publish()
 
@@ -258,9 +269,7 @@ class Controller:
             failure = outcome.exit
             if self._restart_count >= self.plan.max_restarts:
                 return self._rank_failure_result(failure)
-            log.warning(
-                "%s; restarting the world (restart %d of %d)", _describe_exit(failure), self._restart_count + 1, self.plan.max_restarts
-            )
+            log.warning("%s; restarting the world (restart %d of %d)", _describe_exit(failure), self._restart_count + 1, self.plan.max_restarts)
             stopped = await self._stop_round(round_)
             if stopped is not None:
                 return stopped
@@ -324,7 +333,9 @@ class Controller:
                     elif isinstance(event, _Interrupt):
                         return RunResult(exit_code=ExitCode.INTERRUPTED, reason=f"interrupted by {event.signal_name} during rendezvous")
         except TimeoutError:
-            return RunResult(exit_code=ExitCode.FORMATION, reason=f"the store host {store_host!r} did not report its store within {scaled(STORE_READY_TIMEOUT):g}s")
+            return RunResult(
+                exit_code=ExitCode.FORMATION, reason=f"the store host {store_host!r} did not report its store within {scaled(STORE_READY_TIMEOUT):g}s"
+            )
         for member in world.members:
             self._links[member.host].send(m.StartRanks(round=round_, restart_count=self._restart_count, master_addr=ready.addr, master_port=ready.port))
             for local_rank, rank in enumerate(member.ranks):
@@ -500,7 +511,9 @@ class Controller:
                 target_ranks=self.plan.join.target_ranks or 0,
                 restart_count=self._restart_count,
                 members=tuple(
-                    MemberStatus(host=mb.host, ranks=mb.ranks, devices=mb.devices, joined_at=self._started_at + (mb.joined_at - (window.opened_at if window else 0)))
+                    MemberStatus(
+                        host=mb.host, ranks=mb.ranks, devices=mb.devices, joined_at=self._started_at + (mb.joined_at - (window.opened_at if window else 0))
+                    )
                     for mb in members
                 ),
                 ranks=tuple(self._rank_states[r] for r in sorted(self._rank_states)),

@@ -16,6 +16,7 @@ import os
 import signal
 import sys
 from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 _PR_SET_PDEATHSIG = 1
 
@@ -66,29 +67,24 @@ async def stop_processes(
     live = [p for p in procs if p.returncode is None]
     for proc in live:
         signal_group(proc.pid, signal.SIGTERM)
-    waiters = [asyncio.ensure_future(p.wait()) for p in live]
+    waiters: set[asyncio.Future[Any]] = {asyncio.ensure_future(p.wait()) for p in live}
+    force_wait: asyncio.Future[Any] | None = asyncio.ensure_future(force.wait()) if force is not None else None
     try:
-        if waiters and grace > 0:
-            pending: set[asyncio.Future[object]] = set(waiters)
-            force_wait = asyncio.ensure_future(force.wait()) if force is not None else None
-            try:
-                loop = asyncio.get_running_loop()
-                deadline = loop.time() + grace
-                while pending:
-                    remaining = deadline - loop.time()
-                    if remaining <= 0 or (force is not None and force.is_set()):
-                        break
-                    watch = pending | ({force_wait} if force_wait is not None else set())
-                    await asyncio.wait(watch, timeout=remaining, return_when=asyncio.FIRST_COMPLETED)
-                    pending = {w for w in pending if not w.done()}
-            finally:
-                if force_wait is not None:
-                    force_wait.cancel()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace
+        pending = set(waiters)
+        while pending and not (force is not None and force.is_set()):
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                break
+            watch = pending | ({force_wait} if force_wait is not None else set())
+            await asyncio.wait(watch, timeout=remaining, return_when=asyncio.FIRST_COMPLETED)
+            pending = {w for w in pending if not w.done()}
         for proc in live:
             # The whole group, even when its leader already exited: forked helpers die too.
             signal_group(proc.pid, signal.SIGKILL)
         if waiters:
             await asyncio.gather(*waiters)
     finally:
-        for waiter in waiters:
+        for waiter in (*waiters, *([force_wait] if force_wait is not None else [])):
             waiter.cancel()

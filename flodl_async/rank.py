@@ -33,8 +33,8 @@ class RankLink:
         self.spec = spec
 
     @classmethod
-    async def connect(cls, env: Mapping[str, str] | None = None, *, timeout: float = 30.0) -> RankLink:
-        """Dial the relay named in the environment and complete the handshake."""
+    async def connect(cls, env: Mapping[str, str] | None = None) -> RankLink:
+        """Dial the relay named in the environment and complete the handshake (wrap in ``asyncio.timeout``)."""
         env = os.environ if env is None else env
         if detect_role(env) is not Role.RANK:
             raise ConfigError(f"not running as a flodl rank ({RANK_VAR} and {LOCAL_RANK_VAR} are not set); start it with flodl-launch")
@@ -42,12 +42,11 @@ class RankLink:
         keys = SessionKeys.derive(secret_from_hex(spec.secret_hex), spec.run_id)
         rank = int(env["RANK"])
         loop = asyncio.get_running_loop()
-        async with asyncio.timeout(timeout):
-            _transport, link = await loop.create_unix_connection(
-                lambda: FramedProtocol(channel=Channel.CONTROL, side=Side.PEER, keys=keys, peer_label="relay"), spec.relay_socket
-            )
-            link.send(m.RankHello(rank=rank, local_rank=int(env["LOCAL_RANK"]), world_size=int(env["WORLD_SIZE"]), pid=os.getpid()))
-            welcome = await link.recv_message()
+        _transport, link = await loop.create_unix_connection(
+            lambda: FramedProtocol(channel=Channel.CONTROL, side=Side.PEER, keys=keys, peer_label="relay"), spec.relay_socket
+        )
+        link.send(m.RankHello(rank=rank, local_rank=int(env["LOCAL_RANK"]), world_size=int(env["WORLD_SIZE"]), pid=os.getpid()))
+        welcome = await link.recv_message()
         if not isinstance(welcome, m.RankWelcome) or welcome.rank != rank:
             link.close()
             raise ProtocolError(f"rank {rank}: expected RankWelcome from the controller, got {welcome!r}")

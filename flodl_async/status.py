@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 
@@ -93,11 +94,18 @@ class StatusBoard:
     def __init__(self) -> None:
         self._snapshot: StatusSnapshot | None = None
         self._encoded: bytes | None = None
+        self._subscribers: list[Callable[[StatusSnapshot], None]] = []
 
     def publish(self, snapshot: StatusSnapshot) -> None:
-        """Replace the published snapshot."""
+        """Replace the published snapshot and tell the subscribers."""
         self._snapshot = snapshot
         self._encoded = snapshot.to_json()
+        for subscriber in self._subscribers:
+            subscriber(snapshot)
+
+    def subscribe(self, callback: Callable[[StatusSnapshot], None]) -> None:
+        """Call ``callback`` with every snapshot published from now on (the SSE/dashboard hook)."""
+        self._subscribers.append(callback)
 
     @property
     def snapshot(self) -> StatusSnapshot | None:

@@ -22,7 +22,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     sock = socket.socket(fileno=args.fd)
     host, port = sock.getsockname()[:2]
-    from torch.distributed import TCPStore
+    from torch.distributed import TCPStore  # type: ignore[attr-defined]  # re-exported from torch._C
 
     store = TCPStore(host, port, None, True, master_listen_fd=sock.detach(), wait_for_workers=False)
     sys.stdout.write("store ready\n")

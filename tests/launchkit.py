@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import signal
@@ -56,10 +57,8 @@ def assert_nothing_left(run_id: str, *, within: float = 10.0) -> None:
         left = processes_of_run(run_id)
     if left:
         for pid in left:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
         raise AssertionError(f"processes of run {run_id} survived: {left}")
 
 
@@ -77,9 +76,7 @@ def launch_cmd(*args: str, run_id: str) -> list[str]:
 def run_launch(*args: str, run_id: str, timeout: float = 120, env: dict[str, str] | None = None) -> Finished:
     """Run flodl-launch to completion; always checks that nothing of the run survives."""
     try:
-        done = subprocess.run(
-            launch_cmd(*args, run_id=run_id), capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})}, check=False
-        )
+        done = subprocess.run(launch_cmd(*args, run_id=run_id), capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})}, check=False)
     finally:
         assert_nothing_left(run_id)
     return Finished(done.returncode, done.stdout, done.stderr)
@@ -90,9 +87,7 @@ class Launcher:
 
     def __init__(self, *args: str, run_id: str) -> None:
         self.run_id = run_id
-        self.proc = subprocess.Popen(
-            launch_cmd(*args, run_id=run_id), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1
-        )
+        self.proc = subprocess.Popen(launch_cmd(*args, run_id=run_id), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1)
         self.stdout_lines: list[str] = []
 
     def wait_for_stdout(self, predicate: str, count: int = 1, timeout: float = 60) -> None:
@@ -105,7 +100,9 @@ class Launcher:
                 raise AssertionError(f"timed out waiting for {count}x {predicate!r}; got {self.stdout_lines}")
             line = self.proc.stdout.readline()
             if not line:
-                raise AssertionError(f"launcher output ended before {count}x {predicate!r}: {self.stdout_lines}; stderr: {self.proc.stderr.read() if self.proc.stderr else ''}")
+                raise AssertionError(
+                    f"launcher output ended before {count}x {predicate!r}: {self.stdout_lines}; stderr: {self.proc.stderr.read() if self.proc.stderr else ''}"
+                )
             self.stdout_lines.append(line)
             seen += predicate in line
 

@@ -144,10 +144,6 @@ ERRORS = [
     ),
     (W + "controller: {join: {join_timeout: 50, max_join_timeout: 10}}\n", r"controller\.join\.max_join_timeout: must be at least join_timeout \(50s\)"),
     (
-        W + "controller: {join: {min_rank_start: 5}}\n",
-        r"controller\.join\.min_rank_start: 5 ranks needed but the workers offer only 1; lower it or add workers",
-    ),
-    (
         "workers:\n  - host: localhost\n    devices: cpu:1\n    tunnel: true\n",
         r"workers\[0\]\.tunnel: worker 'localhost' sets `tunnel: true` but runs on the controller's host",
     ),
@@ -168,3 +164,9 @@ ERRORS = [
 def test_error_paths_name_file_line_and_key(text: str, pattern: str) -> None:
     with pytest.raises(ConfigError, match=pattern):
         parse_cluster(text, source="c.yml", local_names=LOCAL)
+
+
+def test_quorum_above_the_configured_capacity_is_allowed_for_walk_in_agents() -> None:
+    spec = parse_cluster(W + "controller: {join: {min_rank_start: 3, target_ranks: 3}}\n", local_names=LOCAL)
+    assert spec.capacity == 1
+    assert spec.controller.join.resolve(1).min_rank_start == 3

@@ -116,7 +116,9 @@ def test_without_restarts_the_same_failure_fails_the_run() -> None:
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_signal_stops_the_run_gracefully(sig: signal.Signals, tmp_path: Path) -> None:
     run_id = new_run_id()
-    launcher = Launcher("--nproc", "2", "--devices", "cpu", "--port", "0", "--stop-grace", "5", "--", PY, script("wait_for_file.py"), str(tmp_path / "never"), run_id=run_id)
+    launcher = Launcher(
+        "--nproc", "2", "--devices", "cpu", "--port", "0", "--stop-grace", "5", "--", PY, script("wait_for_file.py"), str(tmp_path / "never"), run_id=run_id
+    )
     try:
         launcher.wait_for_stdout("ready pid", count=2)
         assert len(processes_of_run(run_id)) >= 2
@@ -172,10 +174,7 @@ def test_relay_carries_the_rank_handshake_and_heartbeats() -> None:
 
 def test_lines_are_never_torn_or_interleaved(tmp_path: Path) -> None:
     chatty = tmp_path / "chatty.py"
-    chatty.write_text(
-        "import os, sys\nr = os.environ['RANK']\n"
-        "for i in range(2000):\n    sys.stdout.write(f'rank {r} line {i} ' + 'x' * 200 + ' end\\n')\n"
-    )
+    chatty.write_text("import os, sys\nr = os.environ['RANK']\nfor i in range(2000):\n    sys.stdout.write(f'rank {r} line {i} ' + 'x' * 200 + ' end\\n')\n")
     run_id = new_run_id()
     done = run_launch("--nproc", "3", "--devices", "cpu", "--port", "0", "--", PY, str(chatty), run_id=run_id)
     assert done.returncode == 0

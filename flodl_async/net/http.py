@@ -11,6 +11,7 @@ import asyncio
 import json
 import logging
 import typing
+from collections.abc import Callable
 
 import h11
 
@@ -53,8 +54,9 @@ tick(); setInterval(tick,1000);
 class StatusHttpProtocol(asyncio.Protocol):
     """Serves one HTTP request from the status board, then closes."""
 
-    def __init__(self, board: StatusBoard, *, request_timeout: float | None = None) -> None:
+    def __init__(self, board: StatusBoard, *, request_timeout: float | None = None, refresh: Callable[[], None] | None = None) -> None:
         self._board = board
+        self._refresh = refresh
         self._conn = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_REQUEST_HEAD)
         self._transport: asyncio.Transport | None = None
         self._request: h11.Request | None = None
@@ -133,6 +135,8 @@ class StatusHttpProtocol(asyncio.Protocol):
             return
         head = method == "HEAD"
         if path == "/state.json":
+            if self._refresh is not None and self._board.encoded is not None:
+                self._refresh()  # live counters (connections) between lifecycle events
             encoded = self._board.encoded
             if encoded is None:
                 self._send(503, _json({"error": "no status published yet; the controller is starting"}), head=head)

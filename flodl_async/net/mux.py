@@ -110,6 +110,11 @@ class PortMux:
         return int(self._server.sockets[0].getsockname()[1])
 
     @property
+    def serving(self) -> bool:
+        """True between :meth:`start` and :meth:`aclose`."""
+        return self._server is not None and self._server.is_serving()
+
+    @property
     def host(self) -> str:
         """The bound address."""
         return self._host

@@ -6,7 +6,8 @@ from flodl_async.rank import RankLink
 
 
 async def main() -> None:
-    link = await RankLink.connect()
+    async with asyncio.timeout(30):
+        link = await RankLink.connect()
     rtts = [await link.heartbeat() for _ in range(3)]
     print(f"rank {link.rank} welcomed by run {link.spec.run_id}; heartbeat rtts ms {[round(r * 1000, 2) for r in rtts]}", flush=True)
     await link.aclose()

@@ -1,0 +1,256 @@
+"""Operating a run: status phases, a stand-alone flodl-agent, garbage on the port, bad input."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import os
+import socket
+import struct
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from flodl_async.agent import RankOutput
+from flodl_async.cluster import DeviceSpec, WorkerSpec
+from flodl_async.controller import Controller, ExitCode, LaunchPlan
+from flodl_async.membership import JoinConfig
+from flodl_async.status import Phase, StatusSnapshot
+from flodl_async.wire import CHANNEL_MAGIC, Channel, FrameConnection, SessionKeys, Side, new_session_secret
+from flodl_async.wire import messages as m
+from flodl_async.wire.frame import HEADER, PROTOCOL_VERSION
+
+from .launchkit import PY, Launcher, assert_nothing_left, free_port, new_run_id, run_launch, script
+
+pytestmark = pytest.mark.e2e
+
+
+def _status(port: int) -> dict[str, Any] | None:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/state.json", timeout=2) as response:
+            doc: dict[str, Any] = json.loads(response.read())
+            return doc
+    except OSError:
+        return None
+
+
+def _wait_status(port: int, predicate: Any, timeout: float = 60) -> dict[str, Any]:
+    """Poll the real status endpoint until ``predicate(doc)`` holds (the run's state is the event)."""
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        last = _status(port)
+        if last is not None and predicate(last):
+            return last
+        time.sleep(0.05)
+    raise AssertionError(f"status never satisfied the condition; last: {last}")
+
+
+def test_status_phases_with_a_stand_alone_agent_joining(tmp_path: Path) -> None:
+    port = free_port()
+    run_id = new_run_id()
+    secret_file = tmp_path / "secret"
+    go = tmp_path / "go"
+    cluster = tmp_path / "cluster.yml"
+    cluster.write_text(
+        f"controller:\n  port: {port}\n  join: {{min_rank_start: 2, target_ranks: 2, join_timeout: 60}}\nworkers:\n  - host: localhost\n    devices: cpu:1\n"
+    )
+    launcher = Launcher(str(cluster), "--secret-file", str(secret_file), "--", PY, script("wait_for_file.py"), str(go), run_id=run_id)
+    agent = None
+    try:
+        waiting = _wait_status(port, lambda d: d["joined_ranks"] == 1)
+        assert waiting["phase"] == "waiting"
+        assert [mb["host"] for mb in waiting["members"]] == ["localhost"]
+        assert oct(secret_file.stat().st_mode & 0o777) == "0o600"
+        agent = subprocess.Popen(
+            [PY, "-m", "flodl_async.agent", "--controller", f"127.0.0.1:{port}", "--secret-file", str(secret_file), "--host", "walk-in", "--devices", "cpu:1"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        training = _wait_status(port, lambda d: d["phase"] == "training")
+        assert training["world_size"] == 2
+        assert {mb["host"]: mb["ranks"] for mb in training["members"]} == {"localhost": [0], "walk-in": [1]}
+        assert [r["rank"] for r in training["ranks"]] == [0, 1]
+        table = subprocess.run([PY, "-m", "flodl_async.cli", "status", "--addr", f"127.0.0.1:{port}"], capture_output=True, text=True, check=True)
+        assert "phase    training" in table.stdout
+        assert "walk-in" in table.stdout
+        launcher.wait_for_stdout("ready pid", count=1)
+        go.touch()
+        done = launcher.finish(timeout=60)
+        agent_out, agent_err = agent.communicate(timeout=30)
+    finally:
+        launcher.kill()
+        if agent is not None and agent.poll() is None:
+            agent.kill()
+            agent.communicate()
+        assert_nothing_left(run_id)
+    assert done.returncode == 0, done.stderr
+    assert 'host "walk-in" joined with ranks [1]' in done.stderr
+    assert agent.returncode == 0, agent_err
+    assert "[walk-in:r1] released" in agent_out
+
+
+def test_wrong_secret_agent_is_refused_clearly(tmp_path: Path) -> None:
+    port = free_port()
+    run_id = new_run_id()
+    cluster = tmp_path / "cluster.yml"
+    cluster.write_text(f"controller:\n  port: {port}\n  join: {{min_rank_start: 2, join_timeout: 60}}\nworkers:\n  - host: localhost\n    devices: cpu:1\n")
+    wrong = tmp_path / "wrong"
+    wrong.write_text(new_session_secret().hex())
+    launcher = Launcher(str(cluster), "--", PY, script("wait_for_file.py"), str(tmp_path / "never"), run_id=run_id)
+    try:
+        _wait_status(port, lambda d: d["joined_ranks"] == 1)
+        agent = subprocess.run(
+            [PY, "-m", "flodl_async.agent", "--controller", f"127.0.0.1:{port}", "--secret-file", str(wrong), "--host", "intruder", "--devices", "cpu:1"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        assert agent.returncode == 1
+        assert "session-secret mismatch" in agent.stderr
+        assert "Traceback" not in agent.stderr
+        still = _status(port)
+        assert still is not None
+        assert still["joined_ranks"] == 1
+        launcher.proc.terminate()
+        done = launcher.finish(timeout=30)
+    finally:
+        launcher.kill()
+    assert done.returncode == 130
+
+
+def test_garbage_on_the_port_does_not_disturb_the_run(tmp_path: Path) -> None:
+    port = free_port()
+    run_id = new_run_id()
+    go = tmp_path / "go"
+    launcher = Launcher("--nproc", "2", "--devices", "cpu", "--port", str(port), "--", PY, script("wait_for_file.py"), str(go), run_id=run_id)
+    held: list[socket.socket] = []
+    try:
+        launcher.wait_for_stdout("ready pid", count=2)
+
+        def connect(data: bytes) -> socket.socket:
+            sock = socket.create_connection(("127.0.0.1", port), timeout=5)
+            if data:
+                sock.sendall(data)
+            held.append(sock)
+            return sock
+
+        connect(os.urandom(4096))  # random bytes
+        connect(b"")  # silent
+        oversized = HEADER.pack(PROTOCOL_VERSION, 0, m.JoinHello.KIND, 0, 2**31, 0)
+        connect(CHANNEL_MAGIC[Channel.JOIN] + oversized)
+        stranger = FrameConnection(channel=Channel.CONTROL, side=Side.PEER, keys=SessionKeys.derive(new_session_secret(), run_id))
+        connect(CHANNEL_MAGIC[Channel.CONTROL] + stranger.send(m.RankHello(rank=0, local_rank=0, world_size=2, pid=1)))
+        doc = _wait_status(port, lambda d: d["connections"]["dropped"].get("unknown_magic", 0) >= 1)
+        assert doc["phase"] == "training"
+        for sock in held[2:]:  # the bad frames were answered by a close, never by a reply
+            sock.settimeout(5)
+            assert sock.recv(1024) == b""
+        go.touch()
+        done = launcher.finish(timeout=60)
+    finally:
+        for sock in held:
+            sock.close()
+        launcher.kill()
+    assert done.returncode == 0, done.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--nproc", "2"], "missing the command to run"),
+        (["--", PY, "x.py"], "give either --nproc N (one host) or a cluster file"),
+        (["--nproc", "0", "--", PY, "x.py"], "--nproc must be at least 1"),
+        (["--nproc", "2", "--devices", "0,0", "--", PY, "x.py"], "GPU ids must be distinct"),
+        (["--nproc", "2", "--devices", "all", "--", PY, "x.py"], "needs 2 GPUs, this host has 0"),
+        (["--nproc", "1", "--", "no-such-program-here"], "command not found: 'no-such-program-here'"),
+        (["--nproc", "1", "--max-restarts", "-1", "--", PY, "x.py"], "--max-restarts must be 0 or more"),
+        (["missing.yml", "--", PY, "x.py"], "missing.yml: cluster file not found"),
+    ],
+)
+def test_bad_arguments_fail_fast_with_a_usage_code(args: list[str], message: str) -> None:
+    run_id = new_run_id()
+    done = run_launch(*args, run_id=run_id, timeout=60)
+    assert done.returncode == 2
+    assert message in done.stderr
+    assert "Traceback" not in done.stderr
+    assert "window open" not in done.stderr
+
+
+def test_bad_cluster_file_names_the_line(tmp_path: Path) -> None:
+    cluster = tmp_path / "cluster.yml"
+    cluster.write_text("workers:\n  - host: localhost\n    devcies: cpu:2\n")
+    done = run_launch(str(cluster), "--", PY, "x.py", run_id=new_run_id())
+    assert done.returncode == 2
+    assert f"{cluster}:3: workers[0].devcies: unknown key 'devcies'; did you mean 'devices'?" in done.stderr
+    assert "window open" not in done.stderr
+
+
+def test_remote_workers_are_not_yet_supported(tmp_path: Path) -> None:
+    cluster = tmp_path / "cluster.yml"
+    cluster.write_text("workers:\n  - host: far-away-node\n    devices: cpu:2\n")
+    done = run_launch(str(cluster), "--", PY, "x.py", run_id=new_run_id())
+    assert done.returncode == 2
+    assert "far-away-node are on other hosts; remote workers are not yet supported" in done.stderr
+
+
+def test_port_held_by_a_live_listener(tmp_path: Path) -> None:
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        done = run_launch("--nproc", "1", "--port", str(port), "--", PY, "x.py", run_id=new_run_id())
+    assert done.returncode == 2
+    assert f"port {port} on 127.0.0.1 is already held by a live listener" in done.stderr
+
+
+def test_terminal_phase_is_published_before_cleanup(tmp_path: Path) -> None:
+    """In-process controller: every snapshot is observed; `done` comes while the port still serves."""
+
+    async def main() -> tuple[list[tuple[Phase, bool]], ExitCode]:
+        plan = LaunchPlan(
+            run_id=new_run_id(),
+            secret=new_session_secret(),
+            bind_host="127.0.0.1",
+            port=0,
+            join=JoinConfig(min_rank_start=1, join_timeout=30, target_ranks=1, max_join_timeout=60),
+            local_workers=(WorkerSpec(host="localhost", devices=DeviceSpec.cpu(1)),),
+            command=(PY, "-c", "print('hello')"),
+        )
+        sink = io.BytesIO()
+        controller = Controller(plan, output=RankOutput(stdout=sink, stderr=sink))
+        seen: list[tuple[Phase, bool]] = []
+
+        def record(snapshot: StatusSnapshot) -> None:
+            seen.append((snapshot.phase, controller.serving))
+
+        controller.status_board.subscribe(record)
+        await controller.bind()
+        try:
+            result = await controller.run()
+        finally:
+            await controller.aclose()
+        assert_nothing_left(plan.run_id)
+        return seen, result.exit_code
+
+    seen, code = asyncio.run(main())
+    assert code is ExitCode.OK
+    phases = [phase for phase, _ in seen]
+    order = [p for i, p in enumerate(phases) if i == 0 or phases[i - 1] is not p]
+    assert order == [Phase.WAITING, Phase.FORMING, Phase.TRAINING, Phase.DONE]
+    assert all(serving for phase, serving in seen if phase is Phase.DONE)
+
+
+def test_flodl_launch_help_lists_examples_and_exit_codes() -> None:
+    done = subprocess.run([sys.executable, "-m", "flodl_async.launch", "--help"], capture_output=True, text=True, check=True)
+    assert "flodl-launch --nproc 2 -- python examples/train.py" in done.stdout
+    assert "130  interrupted" in done.stdout
+    _ = struct  # header packing above uses the wire's own struct layout
