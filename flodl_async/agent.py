@@ -43,6 +43,7 @@ from . import __version__
 from .cluster import DeviceKind, DeviceSpec
 from .errors import ConfigError, ConnectionClosed, FlodlError, LaunchError, WireError
 from .net.framed import FramedProtocol, open_framed
+from .net.tcpstore import StoreServer
 from .net.timeouts import scaled
 from .procs import signal_group, spawn, stop_processes
 from .rankenv import RankPlacement, RankSpec, rank_environment
@@ -115,7 +116,6 @@ class AgentConfig:
     devices: DeviceSpec
     env: Mapping[str, str] = field(default_factory=dict)
     workdir: str | None = None
-    python: str | None = None
     advertise_addr: str | None = None
 
 
@@ -149,7 +149,7 @@ class Agent:
         self.config = config
         self._output = output
         self._ranks: dict[int, _Rank] = {}
-        self._store: asyncio.subprocess.Process | None = None
+        self._store: StoreServer | None = None
         self._force = asyncio.Event()
         self._workdir = Path(tempfile.mkdtemp(prefix="flodl-agent-"))
         self._rendezvous: FramedProtocol | None = None
@@ -240,26 +240,21 @@ class Agent:
                     self._rendezvous.close()
 
     async def _open_round(self, round_: int, keys: SessionKeys) -> None:
-        """Bind the store's socket now (no torch, no port race), start the store on it, report the address."""
+        """Serve a fresh TCPStore for this round from our own loop and report its address.
+
+        The store speaks torch's protocol from Python (:mod:`flodl_async.storeproto`), so the
+        store host imports no torch and starts no process: the ranks' own ``import torch`` is
+        the only one on the critical path. Torch makes a new store for every restart round
+        (no key prefix per attempt), hence a new socket and state per round.
+        """
         await self._stop_store()
-        store_env = dict(os.environ, FLODL_RUN_ID=keys.run_id)  # marks it as this run's, like the ranks
         listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        try:
-            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            listener.bind(("0.0.0.0", 0))
-            listener.listen(1024)
-            port = listener.getsockname()[1]
-            python = self.config.python or sys.executable
-            self._store = await spawn(
-                [python, "-m", "flodl_async.store", "--fd", str(listener.fileno())],
-                env=store_env,
-                stdin=asyncio.subprocess.PIPE,
-                stdout=asyncio.subprocess.DEVNULL,
-                stderr=None,
-                pass_fds=(listener.fileno(),),
-            )
-        finally:
-            listener.close()  # the store process holds its own copy
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(("0.0.0.0", 0))
+        listener.listen(1024)
+        port = listener.getsockname()[1]
+        self._store = StoreServer()
+        await self._store.start(listener)
         if self._rendezvous is None:
             self._rendezvous = await open_framed(self.config.controller_host, self.config.controller_port, channel=Channel.RENDEZVOUS, keys=keys)
         self._rendezvous.send(m.StoreAddress(round=round_, host=self.config.advertise_addr or "", port=port))
@@ -367,10 +362,8 @@ class Agent:
 
     async def _stop_store(self) -> None:
         store, self._store = self._store, None
-        if store is not None and store.returncode is None:
-            if store.stdin is not None:
-                store.stdin.close()
-            await stop_processes([store], grace=2.0)
+        if store is not None:
+            await store.aclose()
 
     async def _stop_everything(self, *, grace: float) -> None:
         procs = [e.proc for e in self._ranks.values()]

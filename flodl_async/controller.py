@@ -430,7 +430,6 @@ class Controller:
                 devices=worker.devices,
                 env=worker.env,
                 workdir=worker.workdir,
-                python=worker.python,
             ),
             output=self._output,
         )
