@@ -55,7 +55,7 @@ def _loop_factory(kind: str) -> Callable[[], asyncio.AbstractEventLoop]:
 # ----- the controller side (a child process) -------------------------------------------------
 
 
-POOL = PayloadPool()
+POOL = PayloadPool(max_per_size=32)
 
 
 async def _count_frames(link: FramedProtocol) -> None:
@@ -118,8 +118,7 @@ async def _bulk_framed(port: int, total: int) -> float:
     bundle = m.TensorBundle(round=0, weight=1.0, tensors=(m.TensorSpec(name="x", dtype="uint8", shape=(CHUNK,), offset=0, nbytes=CHUNK),))
     start = time.perf_counter()
     for _ in range(total // CHUNK):
-        link.send_parts(bundle, [payload])
-        await link.drain()
+        await link.send_tensors(bundle, [payload])
     link.send(m.Heartbeat(sent_at=0.0))
     reply = await link.recv_message()
     elapsed = time.perf_counter() - start

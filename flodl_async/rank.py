@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from types import TracebackType
 
 from .errors import ConfigError, ProtocolError
-from .net.framed import FramedProtocol
+from .net.framed import FramedProtocol, StreamFramedProtocol
 from .rankenv import RankSpec
 from .roles import LOCAL_RANK_VAR, RANK_VAR, Role, detect_role
 from .wire import messages as m
@@ -43,7 +43,7 @@ class RankLink:
         rank = int(env["RANK"])
         loop = asyncio.get_running_loop()
         _transport, link = await loop.create_unix_connection(
-            lambda: FramedProtocol(channel=Channel.CONTROL, side=Side.PEER, keys=keys, peer_label="relay"), spec.relay_socket
+            lambda: StreamFramedProtocol(channel=Channel.CONTROL, side=Side.PEER, keys=keys, peer_label="relay"), spec.relay_socket
         )
         link.send(m.RankHello(rank=rank, local_rank=int(env["LOCAL_RANK"]), world_size=int(env["WORLD_SIZE"]), pid=os.getpid()))
         welcome = await link.recv_message()

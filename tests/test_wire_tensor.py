@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flodl_async.errors import FrameTooLarge, MalformedBody
+from flodl_async.errors import AuthenticationFailed, FrameTooLarge, MalformedBody
 from flodl_async.wire import Channel, SessionKeys
 from flodl_async.wire import messages as m
 from flodl_async.wire.frame import Frame, FrameLimits
@@ -77,3 +77,52 @@ def test_inconsistent_tensor_specs_are_malformed(spec: m.TensorSpec, match: str)
 def test_model_derived_ceiling() -> None:
     assert FrameLimits.tensor_ceiling_for_model(10) == 64 * 1024 * 1024
     assert FrameLimits.tensor_ceiling_for_model(100 * 1024 * 1024) == 200 * 1024 * 1024
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 4096, 1 << 20])
+def test_buffered_receive_path_writes_payloads_in_place(keys: SessionKeys, chunk: int) -> None:
+    """The BufferedProtocol shape: get_buffer/buffer_updated, including straight-into-payload writes."""
+    peer, controller = codec_pair(keys, channel=Channel.DATA)
+    tensors = {"a": torch.arange(50_000, dtype=torch.float32), "b": torch.ones(3, dtype=torch.int64)}
+    wire = b""
+    for i in range(3):
+        bundle, parts = pack_tensors(tensors, round=i)
+        wire += b"".join(bytes(p) for p in peer.send_parts(bundle, parts))
+    wire += peer.send(m.Heartbeat(sent_at=1.0))
+    frames: list[Frame] = []
+    offset = 0
+    while offset < len(wire):
+        target = controller.get_buffer(-1)
+        n = min(len(target), chunk, len(wire) - offset)
+        target[:n] = wire[offset : offset + n]
+        target.release()
+        controller.buffer_updated(n)
+        offset += n
+        frames.extend(controller.frames())
+    assert [type(f.message).__name__ for f in frames] == ["TensorBundle"] * 3 + ["Heartbeat"]
+    for frame in frames[:3]:
+        assert isinstance(frame.message, m.TensorBundle)
+        out = unpack_tensors(frame.message, frame.payload)
+        assert torch.equal(out["a"], tensors["a"])
+        assert torch.equal(out["b"], tensors["b"])
+
+
+def test_buffered_path_still_rejects_a_tampered_payload(keys: SessionKeys) -> None:
+    peer, controller = codec_pair(keys, channel=Channel.DATA)
+    bundle, parts = pack_tensors({"a": torch.ones(100_000)})
+    wire = bytearray(b"".join(bytes(p) for p in peer.send_parts(bundle, parts)))
+    wire[len(wire) // 2] ^= 0x10
+
+    def feed_all() -> None:
+        offset = 0
+        while offset < len(wire):
+            target = controller.get_buffer(-1)
+            n = min(len(target), len(wire) - offset)
+            target[:n] = wire[offset : offset + n]
+            target.release()
+            controller.buffer_updated(n)
+            offset += n
+            controller.frames()
+
+    with pytest.raises(AuthenticationFailed):
+        feed_all()

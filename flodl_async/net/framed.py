@@ -24,12 +24,19 @@ log = logging.getLogger("flodl_async.net")
 
 #: Write-buffer high-water mark on the data channel.
 DATA_WRITE_HIGH_WATER = 32 * 1024 * 1024
+#: Payloads at least this large are MAC'd in a worker thread by send_tensors.
+_THREAD_MAC_BYTES = 1024 * 1024
 #: Frames queued for the receiver before we stop reading from the socket.
 _RECV_HIGH_WATER = 64
 
 
-class FramedProtocol(asyncio.Protocol):
-    """One framed, authenticated connection."""
+class FramedProtocol(asyncio.BaseProtocol):
+    """One framed, authenticated connection (control-sized frames: bytes arrive via ``data_received``).
+
+    Derives from ``BaseProtocol`` only; :class:`StreamFramedProtocol` and
+    :class:`BulkFramedProtocol` add the read style. A class that were both a ``Protocol``
+    and a ``BufferedProtocol`` would be read as a plain ``Protocol`` by uvloop.
+    """
 
     def __init__(
         self,
@@ -53,6 +60,7 @@ class FramedProtocol(asyncio.Protocol):
         self._can_write.set()
         self._lost = asyncio.get_running_loop().create_future()
         self._reading_paused = False
+        self._sealing = asyncio.Lock()
 
     # ----- asyncio.Protocol ----------------------------------------------------------------
 
@@ -67,26 +75,26 @@ class FramedProtocol(asyncio.Protocol):
             peer = transport.get_extra_info("peername")
             self.peer_label = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer or "?")
 
-    def data_received(self, data: bytes) -> None:
-        if self._failure is not None:
-            return
+    def _collect(self) -> None:
         try:
-            self.codec.receive_data(data)
             while True:
                 item = self.codec.next_frame()
                 if isinstance(item, Pending):
                     break
                 self._frames.append(item)
         except WireError as exc:
-            log.warning("%s channel: dropping connection from %s: %s", self.channel.value, self.peer_label, exc)
-            self._fail(exc)
-            if self._transport is not None:
-                self._transport.abort()
+            self._reject(exc)
             return
         if len(self._frames) >= _RECV_HIGH_WATER and self._transport is not None and not self._reading_paused:
             self._transport.pause_reading()
             self._reading_paused = True
         self._wake()
+
+    def _reject(self, exc: WireError) -> None:
+        log.warning("%s channel: dropping connection from %s: %s", self.channel.value, self.peer_label, exc)
+        self._fail(exc)
+        if self._transport is not None:
+            self._transport.abort()
 
     def eof_received(self) -> bool | None:
         try:
@@ -147,11 +155,33 @@ class FramedProtocol(asyncio.Protocol):
 
     def send(self, msg: Message) -> None:
         """Queue one frame for writing (call :meth:`drain` to honour back-pressure)."""
+        self._check_no_sealing()
         self._writable().write(self.codec.send(msg))
 
     def send_parts(self, msg: Message, payload: Sequence[Buffer]) -> None:
         """Queue one frame with a raw payload, written from the given buffers without copying them."""
+        self._check_no_sealing()
         self._writable().writelines(self.codec.send_parts(msg, payload))
+
+    async def send_tensors(self, msg: Message, payload: Sequence[Buffer]) -> None:
+        """Send a payload frame, MAC'ing a large payload in a worker thread.
+
+        While the thread hashes (GIL released), the loop keeps moving the previous frame's
+        bytes to the socket, so hashing and sending overlap instead of taking turns.
+        Waits for write back-pressure first; frames keep their sequence order.
+        """
+        async with self._sealing:
+            await self.drain()
+            sealing = self.codec.start_parts(msg, payload)
+            if sum(memoryview(p).nbytes for p in payload) >= _THREAD_MAC_BYTES:
+                await asyncio.get_running_loop().run_in_executor(None, sealing.mac_payload)
+            else:
+                sealing.mac_payload()
+            self._writable().writelines(sealing.parts())
+
+    def _check_no_sealing(self) -> None:
+        if self._sealing.locked():
+            raise RuntimeError("a tensor frame is being sealed on this link; await send_tensors() before sending more")
 
     async def drain(self) -> None:
         """Wait until the transport's write buffer is below its high-water mark."""
@@ -202,6 +232,42 @@ class FramedProtocol(asyncio.Protocol):
             await asyncio.shield(self._lost)
 
 
+class StreamFramedProtocol(FramedProtocol, asyncio.Protocol):
+    """Control-sized frames: the loop hands over each chunk it read."""
+
+    def data_received(self, data: bytes) -> None:
+        if self._failure is not None:
+            return
+        try:
+            self.codec.receive_data(data)
+        except WireError as exc:
+            self._reject(exc)
+            return
+        self._collect()
+
+
+class BulkFramedProtocol(FramedProtocol, asyncio.BufferedProtocol):
+    """The data channel's link: the socket writes tensor payloads straight into their frame buffers."""
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return self.codec.get_buffer(sizehint)
+
+    def buffer_updated(self, nbytes: int) -> None:
+        if self._failure is not None:
+            return
+        try:
+            self.codec.buffer_updated(nbytes)
+        except WireError as exc:
+            self._reject(exc)
+            return
+        self._collect()
+
+
+def framed_protocol_class(channel: Channel) -> type[FramedProtocol]:
+    """Buffered (zero-copy receive) on the data channel, plain elsewhere."""
+    return BulkFramedProtocol if channel is Channel.DATA else StreamFramedProtocol
+
+
 async def open_framed(
     host: str,
     port: int,
@@ -212,8 +278,9 @@ async def open_framed(
 ) -> FramedProtocol:
     """Dial the controller port, select ``channel`` with its magic, and return the framed link."""
     loop = asyncio.get_running_loop()
+    cls = framed_protocol_class(channel)
     _transport, protocol = await loop.create_connection(
-        lambda: FramedProtocol(channel=channel, side=Side.PEER, keys=keys, limits=limits, peer_label=f"{host}:{port}"),
+        lambda: cls(channel=channel, side=Side.PEER, keys=keys, limits=limits, peer_label=f"{host}:{port}"),
         host,
         port,
     )

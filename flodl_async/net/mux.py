@@ -27,7 +27,7 @@ from .timeouts import scaled
 
 log = logging.getLogger("flodl_async.mux")
 
-ProtocolFactory = Callable[[], asyncio.Protocol]
+ProtocolFactory = Callable[[], asyncio.BaseProtocol]
 
 DEFAULT_SNIFF_TIMEOUT = 5.0
 DEFAULT_MAX_UNSNIFFED = 512
@@ -166,8 +166,8 @@ class PortMux:
         self._track(transport)
         protocol.connection_made(transport)
         if routed.leftover and not transport.is_closing():
-            protocol.data_received(routed.leftover)
-        if sniffer.saw_eof and not transport.is_closing() and not protocol.eof_received():
+            _feed(protocol, routed.leftover)
+        if sniffer.saw_eof and not transport.is_closing() and not typing.cast(asyncio.Protocol, protocol).eof_received():
             transport.close()
 
     def _track(self, transport: asyncio.BaseTransport) -> None:
@@ -183,6 +183,20 @@ class PortMux:
     def sniff_timeout(self) -> float:
         """Seconds a new connection has to send its channel magic."""
         return self._sniff_timeout
+
+
+def _feed(protocol: asyncio.BaseProtocol, data: bytes) -> None:
+    """Hand bytes the sniffer already read to a protocol, whichever read style it uses."""
+    if isinstance(protocol, asyncio.BufferedProtocol):
+        view = memoryview(data)
+        while view:
+            target = memoryview(protocol.get_buffer(len(view)))
+            n = min(len(target), len(view))
+            target[:n] = view[:n]
+            protocol.buffer_updated(n)
+            view = view[n:]
+    else:
+        typing.cast(asyncio.Protocol, protocol).data_received(data)
 
 
 class _Sniffer(asyncio.Protocol):

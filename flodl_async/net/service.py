@@ -10,7 +10,7 @@ from ..errors import ConnectionClosed, WireError
 from ..wire.channels import Channel
 from ..wire.frame import FrameLimits, Side
 from ..wire.keys import SessionKeys
-from .framed import FramedProtocol
+from .framed import FramedProtocol, framed_protocol_class
 
 log = logging.getLogger("flodl_async.net")
 
@@ -43,9 +43,9 @@ class FramedService:
         self._limits = limits
         self._serial = 0
 
-    def protocol_factory(self) -> asyncio.Protocol:
+    def protocol_factory(self) -> asyncio.BaseProtocol:
         """Called by the mux for each connection routed to this channel."""
-        link = FramedProtocol(channel=self.channel, side=Side.CONTROLLER, keys=self._keys, limits=self._limits, allocate=self._allocate)
+        link = framed_protocol_class(self.channel)(channel=self.channel, side=Side.CONTROLLER, keys=self._keys, limits=self._limits, allocate=self._allocate)
         self._serial += 1
         self._task_group.create_task(self._serve(link), name=f"{self.channel.value}-conn-{self._serial}")
         return link

@@ -158,14 +158,17 @@ class _Mismatch(Exception):
 
 
 Converter = Callable[[object], object]
-_DECODERS: dict[type[Message], tuple[tuple[str, Converter, bool], ...]] = {}
+_DecoderEntry = tuple[str, type | None, Converter, bool]
+_DECODERS: dict[type[Message], tuple[_DecoderEntry, ...]] = {}
+_MISSING = object()
 
 
-def _decoder(cls: type[Message]) -> tuple[tuple[str, Converter, bool], ...]:
-    # Converters are compiled once per class: type hints are inspected at first use, not per frame.
+def _decoder(cls: type[Message]) -> tuple[_DecoderEntry, ...]:
+    # Compiled once per class: type hints are inspected at first use, not per frame. Plain
+    # fields carry their exact type so the common case is one `type(v) is t` check.
     cached = _DECODERS.get(cls)
     if cached is None:
-        cached = tuple((name, _converter(hint), required) for name, hint, required in _fields(cls))
+        cached = tuple((name, hint if hint in (str, int, float, bool, bytes) else None, _converter(hint), required) for name, hint, required in _fields(cls))
         _DECODERS[cls] = cached
     return cached
 
@@ -184,13 +187,17 @@ def _build(cls: type[Message], raw: object) -> Message:
     if type(version) is not int or version < 1:
         raise _Mismatch("missing or invalid schema version")
     values: dict[str, object] = {}
-    for name, convert, required in _decoder(cls):
-        if name not in raw:
+    for name, exact, convert, required in _decoder(cls):
+        value = raw.get(name, _MISSING)
+        if value is _MISSING:
             if required:
                 raise _Mismatch(f"required field {name!r} is missing")
             continue
+        if exact is not None and type(value) is exact:
+            values[name] = value
+            continue
         try:
-            values[name] = convert(raw[name])
+            values[name] = convert(value)
         except _Mismatch as exc:
             raise _Mismatch(exc.problem, f".{name}{exc.path}") from None
     try:
