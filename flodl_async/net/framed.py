@@ -77,11 +77,7 @@ class FramedProtocol(asyncio.BaseProtocol):
 
     def _collect(self) -> None:
         try:
-            while True:
-                item = self.codec.next_frame()
-                if isinstance(item, Pending):
-                    break
-                self._frames.append(item)
+            self._frames.extend(self.codec.frames())
         except WireError as exc:
             self._reject(exc)
             return

@@ -365,6 +365,33 @@ class FrameConnection:
         self._recv_seq += 1
         return Frame(seq=seq, message=msg)
 
+    def _whole_frames(self) -> list[Frame]:
+        out: list[Frame] = []
+        buf, pos = self._buf, self._pos
+        size = len(buf)
+        key, max_body, unpack_from, digest, same = self._recv_key, self.limits.max_body, HEADER.unpack_from, hmac.digest, hmac.compare_digest
+        with memoryview(buf) as view:
+            while size - pos >= HEADER_LEN:
+                version, flags, kind, seq, body_len, payload_len = unpack_from(buf, pos)
+                end = pos + HEADER_LEN + body_len
+                if payload_len or version != PROTOCOL_VERSION or flags or body_len > max_body or size < end + TAG_LEN:
+                    break  # the state machine takes it, and performs every check itself
+                if not same(digest(key, view[pos:end], "sha256"), view[end : end + TAG_LEN]):
+                    self._kind, self._body_len = kind, body_len
+                    raise self._auth_failure()
+                if seq != self._recv_seq:
+                    raise self._sequence_failure(seq)
+                body = view[pos + HEADER_LEN : end]
+                try:
+                    msg = unpack_message(kind, body)
+                finally:
+                    body.release()
+                out.append(Frame(seq, msg))
+                self._recv_seq += 1
+                pos = end + TAG_LEN
+                self._pos = pos
+        return out
+
     def _auth_failure(self) -> AuthenticationFailed:
         return AuthenticationFailed(
             f"{self.channel.value} channel: frame tag did not verify (kind={self._kind:#06x}, "
@@ -422,8 +449,19 @@ class FrameConnection:
         return frame
 
     def frames(self) -> list[Frame]:
-        """Every complete frame buffered now (raises on a bad one, like :meth:`next_frame`)."""
-        out: list[Frame] = []
+        """Every complete frame buffered now (raises on a bad one, like :meth:`next_frame`).
+
+        Runs of whole payload-less frames (the control plane's common case: a socket read
+        holds hundreds of them) are decoded in one tight loop over one buffer view; anything
+        else goes through the state machine.
+        """
+        if self._failed is not None:
+            raise type(self._failed)(f"connection already failed: {self._failed}")
+        try:
+            out = self._whole_frames() if self._state is _State.HEADER else []
+        except WireError as exc:
+            self._failed = exc
+            raise
         while True:
             item = self.next_frame()
             if isinstance(item, Pending):
