@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 import signal
+import subprocess
 import time
 from pathlib import Path
 
@@ -170,6 +171,7 @@ def test_relay_carries_the_rank_handshake_and_heartbeats() -> None:
     assert done.returncode == 0, done.stderr
     for rank in (0, 1):
         assert re.search(rf"r{rank}\] rank {rank} welcomed by run {run_id}; heartbeat rtts ms \[[\d., ]+\]", done.stdout), done.stdout
+        assert f"r{rank}] rank {rank} relay socket mode 0o600" in done.stdout
 
 
 def test_lines_are_never_torn_or_interleaved(tmp_path: Path) -> None:
@@ -185,3 +187,13 @@ def test_lines_are_never_torn_or_interleaved(tmp_path: Path) -> None:
         match = pattern.match(line)
         assert match, line[:120]
         assert match.group(1) == match.group(2)
+
+
+def test_the_example_runs_unchanged_under_torchrun() -> None:
+    done = subprocess.run(
+        [PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         str(Path(__file__).parent.parent / "examples" / "train.py"), "--epochs", "2"],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert re.search(r"first loss [\d.]+ last loss [\d.]+", done.stdout), done.stdout

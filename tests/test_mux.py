@@ -207,3 +207,11 @@ def test_routing_and_bad_peers_on_uvloop(keys: SessionKeys) -> None:
 
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
         runner.run(main())
+
+
+def test_sniff_deadline_scales_with_the_one_knob(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FLODL_NET_TIMEOUT_SCALE", "3")
+    assert PortMux(host="127.0.0.1", port=0).sniff_timeout == 15.0
+    monkeypatch.setenv("FLODL_NET_TIMEOUT_SCALE", "0.01")
+    with pytest.raises(ConfigError, match="FLODL_NET_TIMEOUT_SCALE='0.01' must be a finite number of at least 0.1"):
+        PortMux(host="127.0.0.1", port=0)
