@@ -213,5 +213,5 @@ def test_sniff_deadline_scales_with_the_one_knob(monkeypatch: pytest.MonkeyPatch
     monkeypatch.setenv("FLODL_NET_TIMEOUT_SCALE", "3")
     assert PortMux(host="127.0.0.1", port=0).sniff_timeout == 15.0
     monkeypatch.setenv("FLODL_NET_TIMEOUT_SCALE", "0.01")
-    with pytest.raises(ConfigError, match="FLODL_NET_TIMEOUT_SCALE='0.01' must be a finite number of at least 0.1"):
+    with pytest.raises(ConfigError, match=r"FLODL_NET_TIMEOUT_SCALE='0\.01' must be a finite number of at least 0\.1"):
         PortMux(host="127.0.0.1", port=0)
