@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from . import __version__
-from .cluster import DeviceKind, DeviceSpec
+from .cluster import DeviceKind, DeviceSpec, parse_gpu_ids
 from .errors import ConfigError, ConnectionClosed, FlodlError, LaunchError, WireError
 from .net.framed import FramedProtocol, open_framed
 from .net.tcpstore import StoreServer
@@ -398,12 +398,9 @@ def _parse_devices(text: str) -> DeviceSpec:
     if text.startswith("cpu:") and text[4:].isdigit() and int(text[4:]) >= 1:
         return DeviceSpec.cpu(int(text[4:]))
     try:
-        ids = tuple(int(part) for part in text.split(","))
-    except ValueError:
-        ids = ()
-    if ids and len(set(ids)) == len(ids) and min(ids) >= 0:
-        return DeviceSpec(kind=DeviceKind.GPU_LIST, gpu_ids=ids)
-    raise ConfigError(f"--devices {text!r}: expected `all`, GPU ids like 0,1, or cpu:N")
+        return DeviceSpec(kind=DeviceKind.GPU_LIST, gpu_ids=parse_gpu_ids(text))
+    except ConfigError as exc:
+        raise ConfigError(f"--devices: expected `all`, GPU ids like 0,1, or cpu:N ({exc})") from None
 
 
 def _read_secret(args: argparse.Namespace) -> bytes:

@@ -37,33 +37,17 @@ import yaml
 
 from .errors import ConfigError
 from .membership import JoinConfig
+from .rankenv import TORCHRUN_CONTRACT
 
 DEFAULT_PORT = 1337
 DEFAULT_JOIN_TIMEOUT = 300.0
 DEFAULT_MAX_JOIN_TIMEOUT = 600.0
 
 _ENV_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-#: Set by the launcher for every rank; a cluster file may not override them.
+#: Set by the launcher for every rank (device placement and the torchrun contract); a cluster file may not override them.
 RESERVED_ENV = frozenset(
-    {
-        "CUDA_VISIBLE_DEVICES",
-        "CUDA_DEVICE_ORDER",
-        "HIP_VISIBLE_DEVICES",
-        "ROCR_VISIBLE_DEVICES",
-        "GPU_DEVICE_ORDINAL",
-        "RANK",
-        "LOCAL_RANK",
-        "WORLD_SIZE",
-        "LOCAL_WORLD_SIZE",
-        "GROUP_RANK",
-        "GROUP_WORLD_SIZE",
-        "ROLE_RANK",
-        "ROLE_WORLD_SIZE",
-        "ROLE_NAME",
-        "MASTER_ADDR",
-        "MASTER_PORT",
-    }
-)
+    {"CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "GPU_DEVICE_ORDINAL", *TORCHRUN_CONTRACT}
+) - {"TORCH_NCCL_ASYNC_ERROR_HANDLING"}  # a tuning knob users may set; the launcher only defaults it
 RESERVED_ENV_PREFIXES = ("FLODL_", "TORCHELASTIC_")
 
 
@@ -315,6 +299,17 @@ def _env(doc: _Doc, node: yaml.Node, path: str) -> dict[str, str]:
             raise doc.error(value_node, key_path, f"expected a string value, got {_show(value_node)}; quote it")
         out[key] = str(value)
     return out
+
+
+def parse_gpu_ids(text: str) -> tuple[int, ...]:
+    """``"0,1,3"`` → (0, 1, 3); distinct and non-negative, else :class:`ConfigError`."""
+    try:
+        ids = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise ConfigError(f"{text!r} is not a list of GPU ids like 0,1") from None
+    if len(set(ids)) != len(ids) or min(ids) < 0:
+        raise ConfigError(f"GPU ids {text!r} must be distinct and non-negative")
+    return ids
 
 
 def _devices(doc: _Doc, node: yaml.Node, path: str) -> DeviceSpec:

@@ -31,7 +31,7 @@ from pathlib import Path
 from .agent import Agent, AgentConfig, RankOutput
 from .cluster import WorkerSpec
 from .errors import ConnectionClosed, FlodlError, WireError
-from .membership import Admitted, Failed, Formed, JoinConfig, JoinedMember, JoinWindow
+from .membership import Admitted, Failed, Formed, JoinConfig, JoinedMember, JoinWindow, WindowState
 from .net.framed import FramedProtocol
 from .net.http import StatusHttpProtocol
 from .net.mux import PortMux
@@ -305,7 +305,7 @@ class Controller:
                 self._publish()
             elif isinstance(event, _HostLost):
                 window.member_lost(event.host, now=time.monotonic())
-                if window.state.value == "open":  # not a member: a failed local agent that never joined
+                if window.state is WindowState.OPEN:  # not a member: a failed local agent that never joined
                     window.abort(f"agent on host {event.host!r} failed before joining: {event.reason}")
             elif isinstance(event, _Interrupt):
                 return RunResult(exit_code=ExitCode.INTERRUPTED, reason=f"interrupted by {event.signal_name} while the join window was open")

@@ -26,7 +26,19 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .agent import RankOutput, detect_gpu_count
-from .cluster import DEFAULT_PORT, ClusterSpec, ControllerSpec, DeviceKind, DeviceSpec, JoinKnobs, WorkerSpec, is_local_host, load_cluster, local_host_names
+from .cluster import (
+    DEFAULT_PORT,
+    ClusterSpec,
+    ControllerSpec,
+    DeviceKind,
+    DeviceSpec,
+    JoinKnobs,
+    WorkerSpec,
+    is_local_host,
+    load_cluster,
+    local_host_names,
+    parse_gpu_ids,
+)
 from .controller import Controller, ExitCode, LaunchPlan, RunResult
 from .errors import ConfigError, FlodlError, PortInUseError
 from .net.timeouts import timeout_scale
@@ -142,11 +154,9 @@ def embedded_devices(nproc: int, devices: str, gpu_count: int) -> DeviceSpec:
             raise ConfigError(f"--nproc {nproc} with --devices all needs {nproc} GPUs, this host has {gpu_count}; use --devices cpu")
         return DeviceSpec(kind=DeviceKind.GPU_LIST, gpu_ids=tuple(range(nproc)))
     try:
-        ids = tuple(int(part) for part in choice.split(","))
-    except ValueError:
-        raise ConfigError(f"--devices {devices!r}: expected cpu, all, auto, or GPU ids like 0,1") from None
-    if len(set(ids)) != len(ids) or min(ids) < 0:
-        raise ConfigError(f"--devices {devices!r}: GPU ids must be distinct and non-negative")
+        ids = parse_gpu_ids(choice)
+    except ConfigError as exc:
+        raise ConfigError(f"--devices: expected cpu, all, auto, or GPU ids like 0,1 ({exc})") from None
     if len(ids) != nproc:
         raise ConfigError(f"--devices lists {len(ids)} GPU(s) but --nproc is {nproc}; one rank per device")
     return DeviceSpec(kind=DeviceKind.GPU_LIST, gpu_ids=ids)

@@ -169,7 +169,7 @@ def test_garbage_on_the_port_does_not_disturb_the_run(tmp_path: Path) -> None:
         (["--nproc", "2"], "missing the command to run"),
         (["--", PY, "x.py"], "give either --nproc N (one host) or a cluster file"),
         (["--nproc", "0", "--", PY, "x.py"], "--nproc must be at least 1"),
-        (["--nproc", "2", "--devices", "0,0", "--", PY, "x.py"], "GPU ids must be distinct"),
+        (["--nproc", "2", "--devices", "0,0", "--", PY, "x.py"], "GPU ids '0,0' must be distinct and non-negative"),
         (["--nproc", "2", "--devices", "all", "--", PY, "x.py"], "needs 2 GPUs, this host has 0"),
         (["--nproc", "1", "--", "no-such-program-here"], "command not found: 'no-such-program-here'"),
         (["--nproc", "1", "--max-restarts", "-1", "--", PY, "x.py"], "--max-restarts must be 0 or more"),

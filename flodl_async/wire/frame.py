@@ -299,10 +299,6 @@ class FrameConnection:
 
     def _advance(self) -> Frame | Pending:
         buf = self._buf
-        if self._state is _State.HEADER and len(buf) - self._pos >= HEADER_LEN:
-            frame = self._whole_frame_fast_path()
-            if frame is not None:
-                return frame
         if self._state is _State.HEADER:
             if len(buf) - self._pos < HEADER_LEN:
                 return self._starved(mid_frame=self._available() > 0)
@@ -337,33 +333,6 @@ class FrameConnection:
         tag = bytes(buf[self._pos : self._pos + TAG_LEN])
         self._pos += TAG_LEN
         return self._finish_frame(tag)
-
-    def _whole_frame_fast_path(self) -> Frame | None:
-        """Decode a payload-less frame that is entirely buffered, with one-shot HMAC and no copies.
-
-        Returns None when the frame is not whole or carries a payload; the state machine
-        below then takes it (and performs every check itself).
-        """
-        buf, pos = self._buf, self._pos
-        version, flags, kind, seq, body_len, payload_len = HEADER.unpack_from(buf, pos)
-        end = pos + HEADER_LEN + body_len
-        if payload_len or version != PROTOCOL_VERSION or flags or body_len > self.limits.max_body or len(buf) < end + TAG_LEN:
-            return None
-        with memoryview(buf) as view:
-            expected = hmac.digest(self._recv_key, view[pos:end], "sha256")
-            if not hmac.compare_digest(expected, view[end : end + TAG_LEN]):
-                self._kind, self._body_len = kind, body_len
-                raise self._auth_failure()
-            if seq != self._recv_seq:
-                raise self._sequence_failure(seq)
-            body = view[pos + HEADER_LEN : end]
-            try:
-                msg = unpack_message(kind, body)
-            finally:
-                body.release()
-        self._pos = end + TAG_LEN
-        self._recv_seq += 1
-        return Frame(seq=seq, message=msg)
 
     def _whole_frames(self) -> list[Frame]:
         out: list[Frame] = []
