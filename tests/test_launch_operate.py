@@ -254,3 +254,34 @@ def test_flodl_launch_help_lists_examples_and_exit_codes() -> None:
     assert "flodl-launch --nproc 2 -- python examples/train.py" in done.stdout
     assert "130  interrupted" in done.stdout
     _ = struct  # header packing above uses the wire's own struct layout
+
+
+def test_an_agent_lost_before_formation_fails_the_window_naming_it(tmp_path: Path) -> None:
+    port = free_port()
+    run_id = new_run_id()
+    secret_file = tmp_path / "secret"
+    cluster = tmp_path / "cluster.yml"
+    cluster.write_text(
+        f"controller:\n  port: {port}\n  join: {{min_rank_start: 3, target_ranks: 3, join_timeout: 60}}\n"
+        "workers:\n  - host: localhost\n    devices: cpu:1\n"
+    )
+    launcher = Launcher(str(cluster), "--secret-file", str(secret_file), "--", PY, script("wait_for_file.py"), str(tmp_path / "never"), run_id=run_id)
+    agent = None
+    try:
+        _wait_status(port, lambda d: d["joined_ranks"] == 1)
+        agent = subprocess.Popen(
+            [PY, "-m", "flodl_async.agent", "--controller", f"127.0.0.1:{port}", "--secret-file", str(secret_file), "--host", "doomed", "--devices", "cpu:1"],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        _wait_status(port, lambda d: d["joined_ranks"] == 2)
+        agent.kill()
+        agent.wait(10)
+        done = launcher.finish(timeout=60)
+    finally:
+        launcher.kill()
+        if agent is not None and agent.poll() is None:
+            agent.kill()
+            agent.wait()
+    assert done.returncode == 3, done.stderr
+    assert "the world did not form: agent on host 'doomed' went away before the world formed" in done.stderr
