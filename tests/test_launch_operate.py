@@ -262,8 +262,7 @@ def test_an_agent_lost_before_formation_fails_the_window_naming_it(tmp_path: Pat
     secret_file = tmp_path / "secret"
     cluster = tmp_path / "cluster.yml"
     cluster.write_text(
-        f"controller:\n  port: {port}\n  join: {{min_rank_start: 3, target_ranks: 3, join_timeout: 60}}\n"
-        "workers:\n  - host: localhost\n    devices: cpu:1\n"
+        f"controller:\n  port: {port}\n  join: {{min_rank_start: 3, target_ranks: 3, join_timeout: 60}}\nworkers:\n  - host: localhost\n    devices: cpu:1\n"
     )
     launcher = Launcher(str(cluster), "--secret-file", str(secret_file), "--", PY, script("wait_for_file.py"), str(tmp_path / "never"), run_id=run_id)
     agent = None

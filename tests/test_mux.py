@@ -12,8 +12,9 @@ from flodl_async.errors import ConfigError, ConnectionClosed, PortInUseError
 from flodl_async.net.framed import FramedProtocol, open_framed
 from flodl_async.net.mux import PortMux, check_bind_host
 from flodl_async.net.service import FramedService
-from flodl_async.wire import CHANNEL_MAGIC, Channel, SessionKeys
+from flodl_async.wire import CHANNEL_MAGIC, Channel, FrameConnection, SessionKeys, Side
 from flodl_async.wire import messages as m
+from flodl_async.wire.frame import FrameLimits
 
 FRAMED_CHANNELS = [Channel.JOIN, Channel.RENDEZVOUS, Channel.DATA, Channel.CONTROL]
 
@@ -215,3 +216,46 @@ def test_sniff_deadline_scales_with_the_one_knob(monkeypatch: pytest.MonkeyPatch
     monkeypatch.setenv("FLODL_NET_TIMEOUT_SCALE", "0.01")
     with pytest.raises(ConfigError, match=r"FLODL_NET_TIMEOUT_SCALE='0\.01' must be a finite number of at least 0\.1"):
         PortMux(host="127.0.0.1", port=0)
+
+
+async def test_tensor_frames_cross_the_data_channel_and_tampering_is_caught(keys: SessionKeys) -> None:
+    """Real sockets: buffered receive into the payload, MAC checked in a worker thread, in order."""
+    received: list[tuple[int, bytes]] = []
+    all_in = asyncio.Event()
+
+    async def collect(link: FramedProtocol) -> None:
+        while True:
+            frame = await link.recv()
+            assert isinstance(frame.message, m.TensorBundle)
+            assert frame.payload is not None
+            received.append((frame.message.round, bytes(frame.payload)))
+            if len(received) == 4:
+                all_in.set()
+
+    mux = PortMux(host="127.0.0.1", port=0)
+    async with asyncio.TaskGroup() as tg:
+        service = FramedService(channel=Channel.DATA, keys=keys, handler=collect, task_group=tg)
+        mux.register(Channel.DATA, service.protocol_factory)
+        await mux.start()
+        payloads = [bytes([i]) * (3 * 1024 * 1024 + i) for i in range(4)]
+        link = await open_framed("127.0.0.1", mux.port, channel=Channel.DATA, keys=keys)
+        for i, payload in enumerate(payloads):
+            spec = m.TensorSpec(name="x", dtype="uint8", shape=(len(payload),), offset=0, nbytes=len(payload))
+            await link.send_tensors(m.TensorBundle(round=i, weight=1.0, tensors=(spec,)), [payload])
+        await link.drain()
+        async with asyncio.timeout(30):
+            await all_in.wait()
+        assert received == list(enumerate(payloads))
+        await link.aclose()
+
+        # A flipped payload bit closes the connection; nothing of that frame is delivered.
+        raw_reader, raw_writer = await asyncio.open_connection("127.0.0.1", mux.port)
+        sender = FrameConnection(channel=Channel.DATA, side=Side.PEER, keys=keys, limits=FrameLimits(max_payload=1 << 26))
+        spec = m.TensorSpec(name="x", dtype="uint8", shape=(2 << 20,), offset=0, nbytes=2 << 20)
+        wire = bytearray(b"".join(bytes(p) for p in sender.send_parts(m.TensorBundle(round=9, weight=1.0, tensors=(spec,)), [b"\x07" * (2 << 20)])))
+        wire[len(wire) // 2] ^= 1
+        raw_writer.write(CHANNEL_MAGIC[Channel.DATA] + bytes(wire))
+        assert await asyncio.wait_for(raw_reader.read(), 10) == b""
+        raw_writer.close()
+        assert [r for r, _ in received] == [0, 1, 2, 3]
+        await mux.aclose()
