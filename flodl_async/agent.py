@@ -48,6 +48,8 @@ from .net.timeouts import scaled
 from .procs import signal_group, spawn, stop_processes
 from .rankenv import RankPlacement, RankSpec, rank_environment
 from .relay import Relay
+from .store import BACKEND_VARIABLE as STORE_BACKEND_VARIABLE
+from .store import TorchStoreProcess
 from .wire import messages as m
 from .wire.channels import Channel
 from .wire.keys import SessionKeys, secret_from_hex
@@ -149,7 +151,7 @@ class Agent:
         self.config = config
         self._output = output
         self._ranks: dict[int, _Rank] = {}
-        self._store: StoreServer | None = None
+        self._store: StoreServer | TorchStoreProcess | None = None
         self._force = asyncio.Event()
         self._workdir = Path(tempfile.mkdtemp(prefix="flodl-agent-"))
         self._rendezvous: FramedProtocol | None = None
@@ -253,8 +255,11 @@ class Agent:
         listener.bind(("0.0.0.0", 0))
         listener.listen(1024)
         port = listener.getsockname()[1]
-        self._store = StoreServer()
-        await self._store.start(listener)
+        if os.environ.get(STORE_BACKEND_VARIABLE, "python") == "torch":
+            self._store = await TorchStoreProcess.start(listener, run_id=keys.run_id)
+        else:
+            self._store = StoreServer()
+            await self._store.start(listener)
         if self._rendezvous is None:
             self._rendezvous = await open_framed(self.config.controller_host, self.config.controller_port, channel=Channel.RENDEZVOUS, keys=keys)
         self._rendezvous.send(m.StoreAddress(round=round_, host=self.config.advertise_addr or "", port=port))

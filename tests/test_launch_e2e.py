@@ -197,3 +197,14 @@ def test_the_example_runs_unchanged_under_torchrun() -> None:
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
     assert re.search(r"first loss [\d.]+ last loss [\d.]+", done.stdout), done.stdout
+
+
+def test_torch_store_backend_with_a_restart() -> None:
+    """FLODL_STORE_BACKEND=torch: torch's own TCPStore in a child on the pre-bound socket, one per round."""
+    run_id = new_run_id()
+    done = run_launch(
+        "--nproc", "2", "--devices", "cpu", "--port", "0", "--max-restarts", "1", "--", PY, script("flaky.py"),
+        run_id=run_id, env={"FLODL_STORE_BACKEND": "torch"},
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert re.search(r"r1\] attempt 1 rank 1 sum 2", done.stdout), done.stdout
