@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 
 from ..errors import ConnectionClosed, WireError
 from ..wire.channels import CHANNEL_MAGIC, Channel
-from ..wire.frame import Buffer, Frame, FrameConnection, FrameLimits, PendingFrame, Side
+from ..wire.frame import Buffer, Frame, FrameConnection, FrameLimits, Side
 from ..wire.keys import SessionKeys
 from ..wire.schema import Message
 
@@ -31,8 +31,6 @@ _RECV_HIGH_WATER = 64
 
 
 class FramedProtocol(asyncio.BaseProtocol):
-    VERIFY_PAYLOADS_IN_THREADS = False
-
     """One framed, authenticated connection (control-sized frames: bytes arrive via ``data_received``).
 
     Derives from ``BaseProtocol`` only; :class:`StreamFramedProtocol` and
@@ -50,11 +48,11 @@ class FramedProtocol(asyncio.BaseProtocol):
         peer_label: str = "",
         allocate: Callable[[int], bytearray] = bytearray,
     ) -> None:
-        self.codec = FrameConnection(channel=channel, side=side, keys=keys, limits=limits, allocate=allocate, defer_payload_mac=self.VERIFY_PAYLOADS_IN_THREADS)
+        self.codec = FrameConnection(channel=channel, side=side, keys=keys, limits=limits, allocate=allocate)
         self.channel = channel
         self.peer_label = peer_label
         self._transport: asyncio.Transport | None = None
-        self._frames: collections.deque[Frame | asyncio.Future[Frame]] = collections.deque()
+        self._frames: collections.deque[Frame] = collections.deque()
         self._failure: BaseException | None = None
         self._closed_by_peer = False
         self._wakeup: asyncio.Future[None] | None = None
@@ -79,18 +77,10 @@ class FramedProtocol(asyncio.BaseProtocol):
 
     def _collect(self) -> None:
         try:
-            items = self.codec.frames()
+            self._frames.extend(self.codec.frames())
         except WireError as exc:
             self._reject(exc)
             return
-        loop = asyncio.get_running_loop()
-        for item in items:
-            if isinstance(item, PendingFrame):
-                # Tensor payloads are MAC'd in a worker thread (GIL released) while this loop
-                # keeps receiving; recv() hands frames out in arrival order all the same.
-                self._frames.append(loop.run_in_executor(None, item.verify))
-            else:
-                self._frames.append(item)
         if len(self._frames) >= _RECV_HIGH_WATER and self._transport is not None and not self._reading_paused:
             self._transport.pause_reading()
             self._reading_paused = True
@@ -148,15 +138,7 @@ class FramedProtocol(asyncio.BaseProtocol):
                 await self._wakeup
             finally:
                 self._wakeup = None
-        item = self._frames.popleft()
-        if isinstance(item, asyncio.Future):
-            try:
-                frame = await item
-            except WireError as exc:
-                self._reject(exc)
-                raise
-        else:
-            frame = item
+        frame = self._frames.popleft()
         if self._reading_paused and len(self._frames) < _RECV_HIGH_WATER // 2 and self._transport is not None:
             self._transport.resume_reading()
             self._reading_paused = False
@@ -260,10 +242,7 @@ class StreamFramedProtocol(FramedProtocol, asyncio.Protocol):
 
 
 class BulkFramedProtocol(FramedProtocol, asyncio.BufferedProtocol):
-    """The data channel's link: the socket writes tensor payloads straight into their frame buffers,
-    and their MACs are checked in worker threads."""
-
-    VERIFY_PAYLOADS_IN_THREADS = True
+    """The data channel's link: the socket writes tensor payloads straight into their frame buffers."""
 
     def get_buffer(self, sizehint: int) -> memoryview:
         return self.codec.get_buffer(sizehint)

@@ -137,36 +137,6 @@ class SealingFrame:
         return [self.head, *self.payload, self._tag]
 
 
-class PendingFrame:
-    """A complete payload frame whose tag is not verified yet (``defer_payload_mac=True``).
-
-    :meth:`verify` MACs the payload (GIL released, 1.5 GB/s), checks the tag in constant
-    time and only then decodes the body; it touches nothing but this object, so an I/O
-    shell can run it in a worker thread while its loop keeps receiving.
-    """
-
-    __slots__ = ("_body", "_kind", "_mac", "_payload", "_tag", "channel", "seq")
-
-    def __init__(self, *, channel: Channel, seq: int, kind: int, body: bytes, payload: bytearray, mac: hmac.HMAC, tag: bytes) -> None:
-        self.channel = channel
-        self.seq = seq
-        self._kind = kind
-        self._body = body
-        self._payload = payload
-        self._mac = mac
-        self._tag = tag
-
-    def verify(self) -> Frame:
-        """The authenticated frame, or a :class:`WireError`."""
-        self._mac.update(self._payload)
-        if not hmac.compare_digest(self._mac.digest(), self._tag):
-            raise AuthenticationFailed(
-                f"{self.channel.value} channel: frame tag did not verify (kind={self._kind:#06x}, payload={len(self._payload)} bytes) — "
-                "a session-secret mismatch, a tampered frame, or a frame sent on another channel"
-            )
-        return Frame(seq=self.seq, message=unpack_message(self._kind, self._body), payload=memoryview(self._payload))
-
-
 class _State(enum.Enum):
     HEADER = 1
     BODY = 2
@@ -188,7 +158,6 @@ class FrameConnection:
         keys: SessionKeys,
         limits: FrameLimits | None = None,
         allocate: Callable[[int], bytearray] = bytearray,
-        defer_payload_mac: bool = False,
     ) -> None:
         """``allocate(n)`` supplies each received payload's buffer; pass a pool's ``acquire``
         to reuse buffers (a fresh 16 MiB buffer costs ~20 ms of first-touch page faults here)."""
@@ -211,7 +180,6 @@ class FrameConnection:
         self._scratch: bytearray | None = None  # allocated on first get_buffer (bulk channels only)
         self._direct = False
         self._allocate = allocate
-        self._defer_payload_mac = defer_payload_mac
         self._eof = False
         self._failed: WireError | None = None
         self._state = _State.HEADER
@@ -316,7 +284,7 @@ class FrameConnection:
         with memoryview(self._scratch) as view:
             self.receive_data(view[:nbytes])
 
-    def next_frame(self) -> Frame | PendingFrame | Pending:
+    def next_frame(self) -> Frame | Pending:
         """The next complete frame, ``NEED_DATA``, or ``CLOSED`` after a clean EOF."""
         if self._failed is not None:
             raise type(self._failed)(f"connection already failed: {self._failed}")
@@ -329,7 +297,7 @@ class FrameConnection:
     def _available(self) -> int:
         return len(self._buf) - self._pos
 
-    def _advance(self) -> Frame | PendingFrame | Pending:
+    def _advance(self) -> Frame | Pending:
         buf = self._buf
         if self._state is _State.HEADER:
             if len(buf) - self._pos < HEADER_LEN:
@@ -358,8 +326,7 @@ class FrameConnection:
                 self._payload_filled += take
             if self._payload_filled < len(payload):
                 return self._starved(mid_frame=True)
-            if not self._defer_payload_mac:
-                self._mac.update(payload)  # one pass over the whole payload, once it is complete
+            self._mac.update(payload)  # one pass over the whole payload, once it is complete
             self._state = _State.TAG
         if len(buf) - self._pos < TAG_LEN:
             return self._starved(mid_frame=True)
@@ -436,18 +403,7 @@ class FrameConnection:
         self._payload_filled = 0
         self._state = _State.BODY
 
-    def _finish_frame(self, tag: bytes) -> Frame | PendingFrame:
-        if self._defer_payload_mac and self._payload is not None:
-            # The sequence number is checked now (it reveals nothing a MAC would protect);
-            # the caller must verify() before using anything of the frame.
-            if self._seq != self._recv_seq:
-                raise self._sequence_failure(self._seq)
-            pending = PendingFrame(channel=self.channel, seq=self._seq, kind=self._kind, body=self._body, payload=self._payload, mac=self._mac, tag=tag)
-            self._recv_seq += 1
-            self._state = _State.HEADER
-            self._payload = None
-            self._body = b""
-            return pending
+    def _finish_frame(self, tag: bytes) -> Frame:
         if not hmac.compare_digest(self._mac.digest(), tag):
             raise self._auth_failure()
         if self._seq != self._recv_seq:
@@ -461,7 +417,7 @@ class FrameConnection:
         self._body = b""
         return frame
 
-    def frames(self) -> list[Frame | PendingFrame]:
+    def frames(self) -> list[Frame]:
         """Every complete frame buffered now (raises on a bad one, like :meth:`next_frame`).
 
         Runs of whole payload-less frames (the control plane's common case: a socket read
@@ -471,7 +427,7 @@ class FrameConnection:
         if self._failed is not None:
             raise type(self._failed)(f"connection already failed: {self._failed}")
         try:
-            out: list[Frame | PendingFrame] = list(self._whole_frames()) if self._state is _State.HEADER else []
+            out = self._whole_frames() if self._state is _State.HEADER else []
         except WireError as exc:
             self._failed = exc
             raise
