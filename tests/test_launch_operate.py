@@ -107,8 +107,9 @@ def test_wrong_secret_agent_is_refused_clearly(tmp_path: Path) -> None:
     launcher = Launcher(str(cluster), "--", PY, script("wait_for_file.py"), str(tmp_path / "never"), run_id=run_id)
     try:
         _wait_status(port, lambda d: d["joined_ranks"] == 1)
-        agent = subprocess.run(
-            [PY, "-m", "flodl_async.agent", "--controller", f"127.0.0.1:{port}", "--secret-file", str(wrong), "--host", "intruder", "--devices", "cpu:1"],
+        agent = subprocess.run(  # the secret on stdin, never on the command line
+            [PY, "-m", "flodl_async.agent", "--controller", f"127.0.0.1:{port}", "--host", "intruder", "--devices", "cpu:1"],
+            input=wrong.read_text() + "\n",
             capture_output=True,
             text=True,
             timeout=60,
