@@ -285,3 +285,29 @@ def test_an_agent_lost_before_formation_fails_the_window_naming_it(tmp_path: Pat
             agent.wait()
     assert done.returncode == 3, done.stderr
     assert "the world did not form: agent on host 'doomed' went away before the world formed" in done.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "stdin", "message"),
+    [
+        (["--controller", "127.0.0.1:1"], "not-hex\n", "session secret must be 32 hex characters"),
+        (["--controller", "127.0.0.1:1", "--devices", "gpu"], "00" * 16 + "\n", "--devices: expected `all`, GPU ids like 0,1, or cpu:N"),
+        (["--controller", "127.0.0.1:x"], "00" * 16 + "\n", "port must be a number"),
+    ],
+)
+def test_flodl_agent_bad_input_is_a_usage_error(args: list[str], stdin: str, message: str) -> None:
+    done = subprocess.run([PY, "-m", "flodl_async.agent", *args], input=stdin, capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 2
+    assert message in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_flodl_agent_unreachable_controller_is_reported() -> None:
+    port = free_port()
+    done = subprocess.run(
+        [PY, "-m", "flodl_async.agent", "--controller", f"127.0.0.1:{port}", "--devices", "cpu:1"],
+        input="00" * 16 + "\n", capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert done.returncode == 1
+    assert f"cannot reach the controller at 127.0.0.1:{port}" in done.stderr
+    assert "Traceback" not in done.stderr
