@@ -31,6 +31,8 @@ _DASHBOARD = b"""<!doctype html>
 <body><h1>flodl run <span id="run"></span></h1>
 <p>phase: <b id="phase">?</b> &middot; ranks <span id="ranks"></span></p>
 <table><thead><tr><th>host</th><th>ranks</th><th>devices</th><th>state</th></tr></thead><tbody id="members"></tbody></table>
+<h2>ranks</h2>
+<table><thead><tr><th>rank</th><th>host</th><th>local</th><th>pid</th><th>state</th><th>exit</th></tr></thead><tbody id="ranktable"></tbody></table>
 <p id="verdict"></p>
 <script>
 async function tick(){
@@ -39,10 +41,13 @@ async function tick(){
     document.getElementById('run').textContent=s.run_id;
     document.getElementById('phase').textContent=s.phase;
     document.getElementById('ranks').textContent=s.joined_ranks+' joined / '+s.world_size+' in world';
-    const tb=document.getElementById('members'); tb.innerHTML='';
-    for(const m of s.members){const tr=document.createElement('tr');
-      for(const v of [m.host,m.ranks.join(','),m.devices.join(','),m.state]){const td=document.createElement('td');td.textContent=v;tr.appendChild(td);}
-      tb.appendChild(tr);}
+    const fill=(id,rows)=>{const tb=document.getElementById(id); tb.innerHTML='';
+      for(const row of rows){const tr=document.createElement('tr');
+        for(const v of row){const td=document.createElement('td');td.textContent=v;tr.appendChild(td);}
+        tb.appendChild(tr);}};
+    fill('members', s.members.map(m=>[m.host,m.ranks.join(','),m.devices.join(','),m.state]));
+    fill('ranktable', s.ranks.map(r=>[r.rank,r.host,r.local_rank,r.pid??'-',r.state,
+      r.signal!=null?'signal '+r.signal:(r.exit_code??'-')]));
     document.getElementById('verdict').textContent=s.verdict;
   }catch(e){document.getElementById('phase').textContent='unreachable';}
 }

@@ -1,0 +1,78 @@
+"""The status page in a real headless Chromium: its script fetches /state.json and shows the run."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+
+from flodl_async.net.http import StatusHttpProtocol
+from flodl_async.net.mux import PortMux
+from flodl_async.status import MemberStatus, Phase, RankStatus, StatusBoard, StatusSnapshot
+from flodl_async.wire import Channel
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+
+pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed (CI installs Debian's chromium)")
+
+
+async def _render(url: str, profile: Path, screenshot: Path | None = None) -> str:
+    assert CHROMIUM is not None
+    args = [
+        CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+        "--disable-background-networking", "--disable-component-update", "--disable-sync",
+        f"--user-data-dir={profile}", "--virtual-time-budget=5000",
+    ]  # fmt: skip
+    if screenshot is not None:
+        args += [f"--screenshot={screenshot}", "--window-size=900,500"]
+    else:
+        args.append("--dump-dom")
+    proc = await asyncio.create_subprocess_exec(*args, url, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL)
+    try:
+        async with asyncio.timeout(60):
+            out, _ = await proc.communicate()
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    return out.decode()
+
+
+async def test_status_page_shows_phase_members_and_verdict(tmp_path: Path) -> None:
+    board = StatusBoard()
+    now = time.time()
+    board.publish(
+        StatusSnapshot(
+            run_id="run-browser",
+            phase=Phase.FAILED,
+            started_at=now,
+            updated_at=now,
+            world_size=2,
+            joined_ranks=2,
+            members=(MemberStatus(host="node-a", ranks=(0, 1), devices=("cpu:0", "cpu:1"), joined_at=now),),
+            ranks=(
+                RankStatus(rank=0, host="node-a", local_rank=0, state="running", pid=4242),
+                RankStatus(rank=1, host="node-a", local_rank=1, state="failed", exit_code=3),
+            ),
+            verdict="rank 1 exited with code 3",
+        )
+    )
+    mux = PortMux(host="127.0.0.1", port=0)
+    mux.register(Channel.STATUS, lambda: StatusHttpProtocol(board))
+    await mux.start()
+    try:
+        dom = await _render(f"http://127.0.0.1:{mux.port}/", tmp_path / "profile")
+        await _render(f"http://127.0.0.1:{mux.port}/", tmp_path / "profile2", screenshot=tmp_path / "status.png")
+    finally:
+        await mux.aclose()
+    assert '<b id="phase">failed</b>' in dom
+    assert '<span id="run">run-browser</span>' in dom
+    assert "<td>node-a</td><td>0,1</td><td>cpu:0,cpu:1</td><td>joined</td>" in dom
+    assert "rank 1 exited with code 3" in dom
+    assert "2 joined / 2 in world" in dom
+    assert "<td>0</td><td>node-a</td><td>0</td><td>4242</td><td>running</td><td>-</td>" in dom
+    assert "<td>1</td><td>node-a</td><td>1</td><td>-</td><td>failed</td><td>3</td>" in dom
+    assert (tmp_path / "status.png").stat().st_size > 1000
