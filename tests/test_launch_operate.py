@@ -154,7 +154,11 @@ def test_garbage_on_the_port_does_not_disturb_the_run(tmp_path: Path) -> None:
         assert doc["phase"] == "training"
         for sock in held[2:]:  # the bad frames were answered by a close, never by a reply
             sock.settimeout(5)
-            assert sock.recv(1024) == b""
+            try:
+                answer = sock.recv(1024)
+            except ConnectionResetError:  # an abort may reach us as a reset: closed all the same
+                answer = b""
+            assert answer == b""
         go.touch()
         done = launcher.finish(timeout=60)
     finally:
