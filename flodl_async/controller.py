@@ -83,7 +83,6 @@ class LaunchPlan:
     local_workers: tuple[WorkerSpec, ...]
     command: tuple[str, ...]
     cluster_env: Mapping[str, str] = field(default_factory=dict)
-    host_envs: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
     max_restarts: int = 0
     log_dir: Path | None = None
     stop_grace: float = 10.0
@@ -245,9 +244,8 @@ class Controller:
         )
         store_host = self._store_host(formed)
         for index, member in enumerate(formed.members):
-            env = dict(self.plan.cluster_env)
-            env.update(self.plan.host_envs.get(member.host, {}))
-            self._links[member.host].send(
+            self._tell(
+                member.host,
                 m.WorldFormed(
                     world_size=formed.world_size,
                     ranks=member.ranks,
@@ -255,9 +253,9 @@ class Controller:
                     group_world_size=len(formed.members),
                     store_host=member.host == store_host,
                     command=self.plan.command,
-                    env=env,
+                    env=dict(self.plan.cluster_env),  # the host's own env is applied by its agent
                     max_restarts=self.plan.max_restarts,
-                )
+                ),
             )
         round_ = 0
         while True:
@@ -320,7 +318,7 @@ class Controller:
 
     async def _run_round(self, round_: int, store_host: str) -> _RoundSucceeded | _RankFailed | RunResult:
         world = self._require_world()
-        self._links[store_host].send(m.OpenRound(round=round_))
+        self._tell(store_host, m.OpenRound(round=round_))
         ready: _StoreReady | None = None
         try:
             async with asyncio.timeout(scaled(STORE_READY_TIMEOUT)):
@@ -337,7 +335,7 @@ class Controller:
                 exit_code=ExitCode.FORMATION, reason=f"the store host {store_host!r} did not report its store within {scaled(STORE_READY_TIMEOUT):g}s"
             )
         for member in world.members:
-            self._links[member.host].send(m.StartRanks(round=round_, restart_count=self._restart_count, master_addr=ready.addr, master_port=ready.port))
+            self._tell(member.host, m.StartRanks(round=round_, restart_count=self._restart_count, master_addr=ready.addr, master_port=ready.port))
             for local_rank, rank in enumerate(member.ranks):
                 self._rank_states[rank] = RankStatus(rank=rank, host=member.host, local_rank=local_rank, state="running")
         self._set_phase(Phase.TRAINING)
@@ -372,7 +370,7 @@ class Controller:
     async def _stop_round(self, round_: int) -> RunResult | None:
         world = self._require_world()
         for member in world.members:
-            self._links[member.host].send(m.StopRanks(round=round_, reason="restarting the world", grace_s=self.plan.stop_grace))
+            self._tell(member.host, m.StopRanks(round=round_, reason="restarting the world", grace_s=self.plan.stop_grace))
         waiting = {member.host for member in world.members}
         try:
             async with asyncio.timeout(self.plan.stop_grace + scaled(STOP_ACK_MARGIN)):
@@ -441,6 +439,11 @@ class Controller:
         except Exception as exc:
             log.exception("local agent on %s failed", worker.host)
             self._events.put_nowait(_HostLost(worker.host, repr(exc)))
+
+    def _tell(self, host: str, msg: Message) -> None:
+        """Send to a host's agent; a link that just died is reported by its handler as _HostLost."""
+        with contextlib.suppress(ConnectionClosed):
+            self._links[host].send(msg)
 
     # ----- channel handlers -------------------------------------------------------------------
 
