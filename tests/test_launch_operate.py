@@ -315,3 +315,42 @@ def test_flodl_agent_unreachable_controller_is_reported() -> None:
     assert done.returncode == 1
     assert f"cannot reach the controller at 127.0.0.1:{port}" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_an_agent_killed_mid_run_fails_the_run_and_leaves_nothing(tmp_path: Path) -> None:
+    port = free_port()
+    run_id = new_run_id()
+    secret_file = tmp_path / "secret"
+    cluster = tmp_path / "cluster.yml"
+    cluster.write_text(
+        f"controller:\n  port: {port}\n  join: {{min_rank_start: 2, target_ranks: 2, join_timeout: 60}}\nworkers:\n  - host: localhost\n    devices: cpu:1\n"
+    )
+    launcher = Launcher(
+        str(cluster), "--secret-file", str(secret_file), "--stop-grace", "3", "--", PY, script("wait_for_file.py"), str(tmp_path / "never"), run_id=run_id
+    )
+    agent = None
+    try:
+        _wait_status(port, lambda d: d["joined_ranks"] == 1)
+        agent = subprocess.Popen(
+            [PY, "-m", "flodl_async.agent", "--controller", f"127.0.0.1:{port}", "--secret-file", str(secret_file), "--host", "victim", "--devices", "cpu:1"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
+        assert agent.stdout is not None
+        assert "ready pid" in agent.stdout.readline()  # its rank runs
+        launcher.wait_for_stdout("ready pid", count=1)
+        agent.kill()  # SIGKILL: no goodbye on the join link
+        agent.wait(10)
+        done = launcher.finish(timeout=60)
+    finally:
+        launcher.kill()
+        if agent is not None:
+            if agent.poll() is None:
+                agent.kill()
+                agent.wait()
+            if agent.stdout is not None:
+                agent.stdout.close()
+        assert_nothing_left(run_id)
+    assert done.returncode == 4, done.stderr
+    assert "agent on host 'victim' was lost mid-run" in done.stderr
