@@ -133,7 +133,7 @@ class _Rank:
 
 
 def detect_gpu_count() -> int:
-    """GPUs on this host, without importing torch (device nodes, then nvidia-smi's absence means 0)."""
+    """GPUs on this host, without importing torch: the /dev/nvidiaN device nodes (none means 0)."""
     with contextlib.suppress(OSError):
         return sum(1 for name in os.listdir("/dev") if name.startswith("nvidia") and name[6:].isdigit())
     return 0
@@ -295,7 +295,7 @@ class Agent:
                 cuda_visible_devices=gpu_ids,
             )
             try:
-                proc = await spawn(formed.command, env=env, cwd=cfg.workdir)
+                proc = await spawn(formed.command, env=env, cwd=cfg.workdir, line_limit=LINE_LIMIT)
             except OSError as exc:
                 link.send(
                     m.RankExited(

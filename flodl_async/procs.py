@@ -36,6 +36,7 @@ async def spawn(
     stdout: int | None = asyncio.subprocess.PIPE,
     stderr: int | None = asyncio.subprocess.PIPE,
     pass_fds: tuple[int, ...] = (),
+    line_limit: int = 64 * 1024,
 ) -> asyncio.subprocess.Process:
     """Start ``argv`` in its own process group, tied to our life."""
     return await asyncio.create_subprocess_exec(
@@ -46,6 +47,7 @@ async def spawn(
         stdout=stdout,
         stderr=stderr,
         pass_fds=pass_fds,
+        limit=line_limit,
         start_new_session=True,
         preexec_fn=_die_with_parent,
     )

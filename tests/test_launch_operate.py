@@ -52,15 +52,26 @@ def _wait_status(port: int, predicate: Any, timeout: float = 60) -> dict[str, An
     raise AssertionError(f"status never satisfied the condition; last: {last}")
 
 
+def _local_worker_cluster(tmp_path: Path, port: int, *, quorum: int, target: int | None) -> Path:
+    """A cluster file whose one local worker brings a single rank, so the window waits for walk-ins."""
+    knobs = f"min_rank_start: {quorum}" + (f", target_ranks: {target}" if target is not None else "")
+    cluster = tmp_path / "cluster.yml"
+    cluster.write_text(f"controller:\n  port: {port}\n  join: {{{knobs}, join_timeout: 60}}\nworkers:\n  - host: localhost\n    devices: cpu:1\n")
+    return cluster
+
+
+def _walk_in(port: int, host: str, secret_file: Path | None = None) -> list[str]:
+    """flodl-agent bringing one CPU rank; without a secret file it reads the secret from stdin."""
+    secret = ["--secret-file", str(secret_file)] if secret_file is not None else []
+    return [PY, "-m", "flodl_async.agent", "--controller", f"127.0.0.1:{port}", *secret, "--host", host, "--devices", "cpu:1"]
+
+
 def test_status_phases_with_a_stand_alone_agent_joining(tmp_path: Path) -> None:
     port = free_port()
     run_id = new_run_id()
     secret_file = tmp_path / "secret"
     go = tmp_path / "go"
-    cluster = tmp_path / "cluster.yml"
-    cluster.write_text(
-        f"controller:\n  port: {port}\n  join: {{min_rank_start: 2, target_ranks: 2, join_timeout: 60}}\nworkers:\n  - host: localhost\n    devices: cpu:1\n"
-    )
+    cluster = _local_worker_cluster(tmp_path, port, quorum=2, target=2)
     launcher = Launcher(str(cluster), "--secret-file", str(secret_file), "--", PY, script("wait_for_file.py"), str(go), run_id=run_id)
     agent = None
     try:
@@ -69,7 +80,7 @@ def test_status_phases_with_a_stand_alone_agent_joining(tmp_path: Path) -> None:
         assert [mb["host"] for mb in waiting["members"]] == ["localhost"]
         assert oct(secret_file.stat().st_mode & 0o777) == "0o600"
         agent = subprocess.Popen(
-            [PY, "-m", "flodl_async.agent", "--controller", f"127.0.0.1:{port}", "--secret-file", str(secret_file), "--host", "walk-in", "--devices", "cpu:1"],
+            _walk_in(port, "walk-in", secret_file),
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -100,15 +111,14 @@ def test_status_phases_with_a_stand_alone_agent_joining(tmp_path: Path) -> None:
 def test_wrong_secret_agent_is_refused_clearly(tmp_path: Path) -> None:
     port = free_port()
     run_id = new_run_id()
-    cluster = tmp_path / "cluster.yml"
-    cluster.write_text(f"controller:\n  port: {port}\n  join: {{min_rank_start: 2, join_timeout: 60}}\nworkers:\n  - host: localhost\n    devices: cpu:1\n")
+    cluster = _local_worker_cluster(tmp_path, port, quorum=2, target=None)
     wrong = tmp_path / "wrong"
     wrong.write_text(new_session_secret().hex())
     launcher = Launcher(str(cluster), "--", PY, script("wait_for_file.py"), str(tmp_path / "never"), run_id=run_id)
     try:
         _wait_status(port, lambda d: d["joined_ranks"] == 1)
         agent = subprocess.run(  # the secret on stdin, never on the command line
-            [PY, "-m", "flodl_async.agent", "--controller", f"127.0.0.1:{port}", "--host", "intruder", "--devices", "cpu:1"],
+            _walk_in(port, "intruder"),
             input=wrong.read_text() + "\n",
             capture_output=True,
             text=True,
@@ -265,16 +275,13 @@ def test_an_agent_lost_before_formation_fails_the_window_naming_it(tmp_path: Pat
     port = free_port()
     run_id = new_run_id()
     secret_file = tmp_path / "secret"
-    cluster = tmp_path / "cluster.yml"
-    cluster.write_text(
-        f"controller:\n  port: {port}\n  join: {{min_rank_start: 3, target_ranks: 3, join_timeout: 60}}\nworkers:\n  - host: localhost\n    devices: cpu:1\n"
-    )
+    cluster = _local_worker_cluster(tmp_path, port, quorum=3, target=3)
     launcher = Launcher(str(cluster), "--secret-file", str(secret_file), "--", PY, script("wait_for_file.py"), str(tmp_path / "never"), run_id=run_id)
     agent = None
     try:
         _wait_status(port, lambda d: d["joined_ranks"] == 1)
         agent = subprocess.Popen(
-            [PY, "-m", "flodl_async.agent", "--controller", f"127.0.0.1:{port}", "--secret-file", str(secret_file), "--host", "doomed", "--devices", "cpu:1"],
+            _walk_in(port, "doomed", secret_file),
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
@@ -321,10 +328,7 @@ def test_an_agent_killed_mid_run_fails_the_run_and_leaves_nothing(tmp_path: Path
     port = free_port()
     run_id = new_run_id()
     secret_file = tmp_path / "secret"
-    cluster = tmp_path / "cluster.yml"
-    cluster.write_text(
-        f"controller:\n  port: {port}\n  join: {{min_rank_start: 2, target_ranks: 2, join_timeout: 60}}\nworkers:\n  - host: localhost\n    devices: cpu:1\n"
-    )
+    cluster = _local_worker_cluster(tmp_path, port, quorum=2, target=2)
     launcher = Launcher(
         str(cluster), "--secret-file", str(secret_file), "--stop-grace", "3", "--", PY, script("wait_for_file.py"), str(tmp_path / "never"), run_id=run_id
     )
@@ -332,7 +336,7 @@ def test_an_agent_killed_mid_run_fails_the_run_and_leaves_nothing(tmp_path: Path
     try:
         _wait_status(port, lambda d: d["joined_ranks"] == 1)
         agent = subprocess.Popen(
-            [PY, "-m", "flodl_async.agent", "--controller", f"127.0.0.1:{port}", "--secret-file", str(secret_file), "--host", "victim", "--devices", "cpu:1"],
+            _walk_in(port, "victim", secret_file),
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
             text=True,

@@ -86,10 +86,6 @@ class PortMux:
         """Route ``channel`` to protocols made by ``factory`` (called once per connection)."""
         self._handlers[channel] = factory
 
-    def unregister(self, channel: Channel) -> None:
-        """Stop routing ``channel``: its new connections are closed at once."""
-        self._handlers.pop(channel, None)
-
     async def start(self) -> None:
         """Bind and listen. A port held by a live listener raises :class:`PortInUseError`."""
         loop = asyncio.get_running_loop()
