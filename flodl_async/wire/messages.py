@@ -98,10 +98,15 @@ class RankExited(Message):
 @message(kind=0x0108)
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Abort(Message):
-    """The run is over for this host: stop every rank (TERM, KILL after ``grace_s``) and leave."""
+    """The run is over for this host: stop every rank and leave.
+
+    Ranks get ``first_signal`` (the signal the launcher received: SIGINT for Ctrl-C), then
+    TERM, then KILL ``grace_s`` after the first (:func:`flodl_async.verdict.stop_schedule`).
+    """
 
     reason: str
     grace_s: float = 10.0
+    first_signal: int = 15
 
 
 @message(kind=0x0109)

@@ -1,0 +1,77 @@
+"""Every deadline of a run, resolved once at start-up and passed down.
+
+Network deadlines scale with one knob, ``FLODL_NET_TIMEOUT_SCALE`` (a slow or
+loaded machine sets 2 or 3); the stop grace is the operator's own seconds and is
+not scaled. Nothing else in the code base holds a timeout literal: components
+take a :class:`Deadlines` (or one of its fields) from whoever built them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from .errors import ConfigError
+
+SCALE_VARIABLE = "FLODL_NET_TIMEOUT_SCALE"
+#: Seconds between the first stop signal and KILL, unless the operator says otherwise.
+DEFAULT_STOP_GRACE = 10.0
+
+
+def timeout_scale(env: Mapping[str, str] | None = None) -> float:
+    """The deadline multiplier from the environment (default 1.0; finite and at least 0.1)."""
+    env = os.environ if env is None else env
+    raw = env.get(SCALE_VARIABLE, "").strip()
+    if not raw:
+        return 1.0
+    try:
+        scale = float(raw)
+    except ValueError:
+        scale = math.nan
+    if not math.isfinite(scale) or scale < 0.1:
+        raise ConfigError(f"{SCALE_VARIABLE}={raw!r} must be a finite number of at least 0.1 (it multiplies every network deadline)")
+    return scale
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Deadlines:
+    """Seconds, already scaled. Build with :meth:`resolve`; the defaults are the unscaled values."""
+
+    scale: float = 1.0
+    #: A new connection must send its channel magic within this.
+    sniff: float = 5.0
+    #: A status HTTP request must arrive whole within this.
+    http_request: float = 5.0
+    #: The controller waits this long for a joining agent's hello.
+    join_handshake: float = 10.0
+    #: An agent waits this long for the answer to its hello.
+    join_reply: float = 30.0
+    #: Added to the window's cap while an admitted agent waits for WorldFormed.
+    formation_margin: float = 30.0
+    #: The store host must report its store within this after OpenRound.
+    store_ready: float = 120.0
+    #: Added to the stop grace while the controller waits for RanksStopped.
+    stop_ack_margin: float = 10.0
+    #: Added to the stop grace while teardown waits for agents to leave.
+    teardown_margin: float = 5.0
+    #: A link's graceful close before it is aborted.
+    link_close: float = 1.0
+    #: Reading a rank's last output after it exited.
+    output_drain: float = 2.0
+    #: Seconds from the first stop signal to KILL (operator's seconds, not scaled).
+    stop_grace: float = DEFAULT_STOP_GRACE
+
+    @classmethod
+    def resolve(cls, *, stop_grace: float = DEFAULT_STOP_GRACE, env: Mapping[str, str] | None = None) -> Deadlines:
+        """The defaults scaled by ``FLODL_NET_TIMEOUT_SCALE`` from ``env`` (default: ``os.environ``)."""
+        scale = timeout_scale(env)
+        base = cls()
+        scaled = {f.name: getattr(base, f.name) * scale for f in dataclasses.fields(cls) if f.name not in ("scale", "stop_grace")}
+        return cls(scale=scale, stop_grace=stop_grace, **scaled)
+
+    def with_stop_grace(self, stop_grace: float) -> Deadlines:
+        """The same deadlines with another stop grace (an ``Abort`` carries its own)."""
+        return dataclasses.replace(self, stop_grace=stop_grace)

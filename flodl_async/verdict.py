@@ -1,0 +1,115 @@
+"""One table of exit codes and one table of stop signals, for every command.
+
+``flodl-launch``, ``flodl-agent`` and ``flodl`` exit with codes from
+:class:`ExitCode` (``flodl status`` with :class:`StatusExit`); the README's
+table and every ``--help`` epilog are rendered from :data:`EXIT_MEANINGS`, and a
+test holds the README to it.
+
+The signal table (:func:`stop_schedule`) is what every agent, local or remote,
+does to its plain-script ranks when a run stops: the signal the launcher got
+first reaches the ranks as that signal (Ctrl-C is SIGINT, so ``except
+KeyboardInterrupt: save()`` runs, as under torchrun; ``systemctl stop`` is
+SIGTERM), then TERM, then KILL at one deadline shared by every rank. A second
+signal to the launcher or agent forces: KILL at once. ``Abort`` carries the
+first signal down, so a remote agent follows the same schedule.
+"""
+
+from __future__ import annotations
+
+import enum
+import signal
+from dataclasses import dataclass
+
+
+class ExitCode(enum.IntEnum):
+    """Exit codes of ``flodl-launch`` and ``flodl-agent``."""
+
+    OK = 0
+    INTERNAL = 1
+    USAGE = 2
+    FORMATION = 3
+    RANK_FAILURE = 4
+    MAX_FAILURE = 5
+    STALLED = 6
+    INTERRUPTED = 130
+    TERMINATED = 143
+
+
+#: What each code means, for ``--help`` and the README (one source for both).
+EXIT_MEANINGS: dict[ExitCode, str] = {
+    ExitCode.OK: "every rank exited 0 (a documented degraded success included)",
+    ExitCode.INTERNAL: "internal error (a bug: please report it)",
+    ExitCode.USAGE: "bad arguments or cluster file, or the port is taken; nothing was started",
+    ExitCode.FORMATION: "the world did not form (join window failed, join refused, store did not come up)",
+    ExitCode.RANK_FAILURE: "a rank failed (after any allowed restarts), or an agent or the controller was lost",
+    ExitCode.MAX_FAILURE: "more ranks failed than max_failure allows (elastic runs)",
+    ExitCode.STALLED: "training stalled: no progress within the hang deadline",
+    ExitCode.INTERRUPTED: "interrupted by SIGINT (Ctrl-C); a second signal kills at once",
+    ExitCode.TERMINATED: "terminated by SIGTERM; a second signal kills at once",
+}
+
+
+class StatusExit(enum.IntEnum):
+    """Exit codes of ``flodl status``."""
+
+    OK = 0
+    UNREACHABLE = 1
+    USAGE = 2
+
+
+STATUS_EXIT_MEANINGS: dict[StatusExit, str] = {
+    StatusExit.OK: "a flodl controller answered",
+    StatusExit.UNREACHABLE: "nothing answers at that address, or what answers is not a flodl status",
+    StatusExit.USAGE: "bad arguments",
+}
+
+
+def exit_help(meanings: dict[ExitCode, str] | None = None) -> str:
+    """The ``exit codes:`` block of an epilog."""
+    rows = EXIT_MEANINGS if meanings is None else meanings
+    return "exit codes:\n" + "\n".join(f"  {int(code):<4} {text}" for code, text in rows.items()) + "\n"
+
+
+def exit_table_markdown() -> str:
+    """The README's exit-code table, rendered from :data:`EXIT_MEANINGS`."""
+    lines = ["| code | meaning |", "| --- | --- |"]
+    lines.extend(f"| {int(code)} | {text} |" for code, text in EXIT_MEANINGS.items())
+    return "\n".join(lines)
+
+
+def exit_code_for_signal(sig: int) -> ExitCode:
+    """The code a run stopped by ``sig`` exits with (the shell's 128 + N convention)."""
+    return ExitCode.INTERRUPTED if sig == signal.SIGINT else ExitCode.TERMINATED
+
+
+# ----- the signal table -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StopStep:
+    """Send ``signal`` to every surviving rank's process group ``after`` seconds into the stop."""
+
+    after: float
+    signal: signal.Signals
+
+
+def rank_signal_for(received: int) -> signal.Signals:
+    """The first signal plain-script ranks get when the launcher or agent received ``received``."""
+    return signal.SIGINT if received == signal.SIGINT else signal.SIGTERM
+
+
+def stop_schedule(first: int, grace: float) -> tuple[StopStep, ...]:
+    """First ``first`` now, then TERM halfway (when the first was not TERM), then KILL at ``grace``.
+
+    The TERM step gives a script that caught SIGINT (to save a checkpoint) and then hung a
+    second, conventional chance before the KILL; every rank shares the one KILL deadline.
+    ``grace`` 0 is "force": KILL at once.
+    """
+    if grace <= 0:
+        return (StopStep(after=0.0, signal=signal.SIGKILL),)
+    first_signal = signal.Signals(first)
+    steps = [StopStep(after=0.0, signal=first_signal)]
+    if first_signal is not signal.SIGTERM:
+        steps.append(StopStep(after=grace / 2, signal=signal.SIGTERM))
+    steps.append(StopStep(after=grace, signal=signal.SIGKILL))
+    return tuple(steps)
