@@ -226,12 +226,12 @@ def test_eof_mid_frame_is_truncated(keys: SessionKeys, cut: int) -> None:
 def test_newer_peer_extra_fields_are_ignored(keys: SessionKeys) -> None:
     import msgpack
 
-    body = msgpack.packb([2, "x", 3.5, [1, 2]])
+    body = msgpack.packb([2, "x", 3.5, 2, [1, 2]])
     _, controller = codec_pair(keys)
     controller.receive_data(_sealed(keys, m.Abort.KIND, body))
     frame = controller.next_frame()
     assert isinstance(frame, Frame)
-    assert frame.message == m.Abort(reason="x", grace_s=3.5)
+    assert frame.message == m.Abort(reason="x", grace_s=3.5, first_signal=2)
 
 
 def test_older_peer_missing_trailing_fields_take_defaults(keys: SessionKeys) -> None:
