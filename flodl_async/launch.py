@@ -39,27 +39,25 @@ from .cluster import (
     local_host_names,
     parse_gpu_ids,
 )
-from .controller import Controller, ExitCode, LaunchPlan, RunResult
+from .controller import Controller
+from .deadlines import DEFAULT_STOP_GRACE, Deadlines
 from .errors import ConfigError, FlodlError, PortInUseError
-from .net.timeouts import timeout_scale
+from .plan import LaunchPlan, PlacedWorker, Placement
+from .verdict import ExitCode, RunResult, exit_help
 from .wire.keys import new_session_secret, secret_from_hex
 
 log = logging.getLogger("flodl_async.launch")
 
-EPILOG = """\
+EPILOG = (
+    """\
 examples:
   flodl-launch --nproc 2 -- python examples/train.py
   flodl-launch --nproc 4 --devices cpu --max-restarts 2 --log-dir logs -- python train.py --epochs 3
   flodl-launch cluster.yml -- python train.py
 
-exit codes:
-  0    every rank exited 0
-  1    internal error (a bug: please report it)
-  2    bad arguments or cluster file, or the port is taken; nothing was started
-  3    the world did not form (join window failed, store did not come up)
-  4    a rank failed (after any allowed restarts), or an agent was lost
-  130  interrupted (SIGINT or SIGTERM)
 """
+    + exit_help()
+)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -93,7 +91,12 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-restarts", type=int, default=0, help="restart the whole world up to K times after a rank failure (default 0)")
     parser.add_argument("--log-dir", type=Path, help="also write each rank's output to DIR/rankN.log")
     parser.add_argument("--run-id", help="run id (TORCHELASTIC_RUN_ID; default: random)")
-    parser.add_argument("--stop-grace", type=float, default=10.0, help="seconds between TERM and KILL when stopping ranks (default 10)")
+    parser.add_argument(
+        "--stop-grace",
+        type=float,
+        default=DEFAULT_STOP_GRACE,
+        help=f"seconds from the first stop signal to KILL when stopping ranks (default {DEFAULT_STOP_GRACE:g})",
+    )
     parser.add_argument("--secret-file", help="read the session secret from this file, or write a new one there (mode 0600) for flodl-agent")
     parser.add_argument("-q", "--quiet", action="store_true", help="only rank output and the verdict")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug output")
@@ -164,7 +167,7 @@ def embedded_devices(nproc: int, devices: str, gpu_count: int) -> DeviceSpec:
 
 def build_plan(args: _Args) -> LaunchPlan:
     """Resolve the arguments (and cluster file) into a launch plan, or raise :class:`ConfigError`."""
-    scale = timeout_scale()
+    deadlines = Deadlines.resolve(stop_grace=args.stop_grace)
     gpu_count = detect_gpu_count()
     spec: ClusterSpec
     if args.nproc is not None:
@@ -181,7 +184,7 @@ def build_plan(args: _Args) -> LaunchPlan:
             "by this version (it runs workers on the controller's own host). Use this host's name or localhost."
         )
     capacity = sum(w.devices.known_count if w.devices.known_count is not None else gpu_count for w in spec.workers)
-    join = spec.controller.join.resolve(capacity, scale=scale)
+    join = spec.controller.join.resolve(capacity, scale=deadlines.scale)
     secret = _session_secret(args.secret_file)
     return LaunchPlan(
         run_id=args.run_id or f"flodl-{secrets.token_hex(4)}",
@@ -189,12 +192,12 @@ def build_plan(args: _Args) -> LaunchPlan:
         bind_host=spec.bind_host(local),
         port=args.port if args.port is not None else spec.controller.port,
         join=join,
-        local_workers=spec.workers,
+        workers=tuple(PlacedWorker(spec=w, placement=Placement.LOCAL) for w in spec.workers),
         command=args.command,
         cluster_env=dict(spec.env),
         max_restarts=args.max_restarts,
         log_dir=args.log_dir,
-        stop_grace=args.stop_grace,
+        deadlines=deadlines,
     )
 
 
@@ -229,7 +232,7 @@ async def _run(plan: LaunchPlan) -> RunResult:
         await controller.bind()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, controller.interrupt, sig.name)
+            loop.add_signal_handler(sig, controller.interrupt, int(sig))
         try:
             return await controller.run()
         finally:

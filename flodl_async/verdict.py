@@ -49,6 +49,15 @@ EXIT_MEANINGS: dict[ExitCode, str] = {
 }
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RunResult:
+    """A run's verdict: an exit code, a one-line reason, and details for the operator."""
+
+    exit_code: ExitCode
+    reason: str
+    details: str = ""
+
+
 class StatusExit(enum.IntEnum):
     """Exit codes of ``flodl status``."""
 

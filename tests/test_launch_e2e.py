@@ -128,21 +128,54 @@ def test_signal_stops_the_run_gracefully(sig: signal.Signals, tmp_path: Path) ->
         done = launcher.finish(timeout=30)
     finally:
         launcher.kill()
-    assert done.returncode == 130, done.stderr
+    assert done.returncode == 128 + sig, done.stderr
     assert f"interrupted by {sig.name}" in done.stderr
+    assert f"stopping: ranks got {sig.name}" in done.stderr
     assert time.monotonic() - started < 15
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_ranks_get_the_launchers_signal_first(sig: signal.Signals, tmp_path: Path) -> None:
+    """The signal table: Ctrl-C reaches plain-script ranks as SIGINT (their KeyboardInterrupt handler runs), SIGTERM as SIGTERM."""
+    run_id = new_run_id()
+    rank = tmp_path / "save_on_signal.py"
+    rank.write_text(
+        "import os, signal, sys, time\n"
+        "signal.signal(signal.SIGTERM, lambda s, f: (print(f'saved on SIGTERM', flush=True), sys.exit(0)))\n"
+        "print('ready', flush=True)\n"
+        "try:\n"
+        "    time.sleep(600)\n"
+        "except KeyboardInterrupt:\n"
+        "    print('saved on SIGINT', flush=True)\n"
+    )
+    launcher = Launcher("--nproc", "2", "--devices", "cpu", "--port", "0", "--stop-grace", "20", "--", PY, str(rank), run_id=run_id)
+    try:
+        launcher.wait_for_stdout("ready", count=2)
+        launcher.proc.send_signal(sig)
+        done = launcher.finish(timeout=30)
+    finally:
+        launcher.kill()
+    assert done.returncode == 128 + sig, done.stderr
+    assert done.stdout.count(f"saved on {sig.name}") == 2, done.stdout
 
 
 def test_second_signal_forces(tmp_path: Path) -> None:
     run_id = new_run_id()
     trap = tmp_path / "trap_term.py"
-    trap.write_text("import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\nprint('ready', flush=True)\ntime.sleep(600)\n")
+    trap.write_text(
+        "import signal, time\n"
+        "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+        "signal.signal(signal.SIGINT, lambda s, f: print('ignoring SIGINT', flush=True))\n"
+        "print('ready', flush=True)\n"
+        "while True:\n"
+        "    time.sleep(600)\n"
+    )
     launcher = Launcher("--nproc", "2", "--devices", "cpu", "--port", "0", "--stop-grace", "60", "--", PY, str(trap), run_id=run_id)
     try:
         launcher.wait_for_stdout("ready", count=2)
         started = time.monotonic()
         launcher.proc.send_signal(signal.SIGINT)
-        time.sleep(0.5)  # let the graceful stop begin: the ranks ignore TERM, so only the second signal ends it
+        launcher.wait_for_stdout("ignoring SIGINT", count=2)  # the graceful stop began; the ranks ignore it
         launcher.proc.send_signal(signal.SIGINT)
         done = launcher.finish(timeout=30)
     finally:

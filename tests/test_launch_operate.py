@@ -19,7 +19,7 @@ import pytest
 
 from flodl_async.agent import RankOutput
 from flodl_async.cluster import DeviceSpec, WorkerSpec
-from flodl_async.controller import Controller, ExitCode, LaunchPlan
+from flodl_async.controller import Controller, ExitCode, LaunchPlan, PlacedWorker, Placement
 from flodl_async.membership import JoinConfig
 from flodl_async.status import Phase, StatusSnapshot
 from flodl_async.wire import CHANNEL_MAGIC, Channel, FrameConnection, SessionKeys, Side, new_session_secret
@@ -135,7 +135,7 @@ def test_wrong_secret_agent_is_refused_clearly(tmp_path: Path) -> None:
         done = launcher.finish(timeout=30)
     finally:
         launcher.kill()
-    assert done.returncode == 130
+    assert done.returncode == 143
 
 
 def test_garbage_on_the_port_does_not_disturb_the_run(tmp_path: Path) -> None:
@@ -237,7 +237,7 @@ def test_terminal_phase_is_published_before_cleanup(tmp_path: Path) -> None:
             bind_host="127.0.0.1",
             port=0,
             join=JoinConfig(min_rank_start=1, join_timeout=30, target_ranks=1, max_join_timeout=60),
-            local_workers=(WorkerSpec(host="localhost", devices=DeviceSpec.cpu(1)),),
+            workers=(PlacedWorker(spec=WorkerSpec(host="localhost", devices=DeviceSpec.cpu(1)), placement=Placement.LOCAL),),
             command=(PY, "-c", "print('hello')"),
         )
         sink = io.BytesIO()

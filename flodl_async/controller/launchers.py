@@ -1,0 +1,72 @@
+"""The agent-launcher seam: how an agent comes to exist on a host.
+
+The controller asks the launcher of each worker's :class:`~flodl_async.plan.Placement`
+to run that worker's agent for the whole run; the agent then joins over the
+real join protocol like any other. A launcher's failure to bring its agent up
+(or the agent's own failure) is raised as a :class:`~flodl_async.errors.FlodlError`
+and becomes a ``HostLost`` event naming the host; the lifecycle never knows how
+the agent was started. In-process today; ssh fan-out and dial-in plug in here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from ..agent import Agent, AgentConfig, RankOutput
+from ..deadlines import Deadlines
+from ..plan import PlacedWorker
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ControllerContact:
+    """How an agent reaches this run's controller."""
+
+    host: str
+    port: int
+    secret: bytes
+    deadlines: Deadlines
+
+
+class AgentLauncher(Protocol):
+    """Brings up the agent of one planned worker and runs it until the run ends."""
+
+    async def run_agent(self, worker: PlacedWorker) -> None:
+        """Return when the agent has left; raise :class:`~flodl_async.errors.FlodlError` when it failed."""
+        ...
+
+    def force_stop(self) -> None:
+        """A second signal: make every agent of this launcher kill its ranks now."""
+        ...
+
+
+class LocalLauncher:
+    """Agents inside the controller's own process, joining over loopback (the controller's host)."""
+
+    def __init__(self, contact: ControllerContact, *, output: RankOutput) -> None:
+        self._contact = contact
+        self._output = output
+        self._agents: list[Agent] = []
+
+    async def run_agent(self, worker: PlacedWorker) -> None:
+        """Run the host's agent in this process until its run ends."""
+        spec = worker.spec
+        agent = Agent(
+            AgentConfig(
+                controller_host="127.0.0.1",
+                controller_port=self._contact.port,
+                secret=self._contact.secret,
+                host=spec.host,
+                devices=spec.devices,
+                env=spec.env,
+                workdir=spec.workdir,
+            ),
+            output=self._output,
+        )
+        self._agents.append(agent)
+        await agent.run()
+
+    def force_stop(self) -> None:
+        """Kill every local agent's ranks now."""
+        for agent in self._agents:
+            agent.force_stop()

@@ -1,0 +1,386 @@
+"""The controller's shell: one event loop that binds the port, pumps events into the supervisor, and tears down.
+
+Theory of operation. ``bind()`` opens the one port and serves status
+(``waiting``) before anything else. ``run()`` builds the pure
+:class:`~flodl_async.supervisor.Supervisor`, registers the channel handlers,
+asks each worker's agent launcher to bring its agent up, and then only pumps:
+every handler turns what arrives on the port into a supervisor event, handed
+over by :meth:`Controller._dispatch`, which carries out the returned actions at
+once and in order (answer a join, tell a host, log a line, end the run). The
+pump itself waits for the supervisor's next deadline and feeds it a ``Tick``.
+All decisions are the supervisor's; this module only does I/O.
+
+Teardown runs on every exit path — a verdict, an internal error, or the task
+being cancelled (an embedding application, Ctrl-C through ``asyncio.run``): the
+terminal phase is published, every host is told ``Finish`` or ``Abort``, the
+links are given the stop grace to close, stuck agents are cancelled (their own
+``finally`` kills their ranks), and the port closes. Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+import signal
+import time
+from collections.abc import Callable
+
+from .. import __version__
+from ..agent import RankOutput
+from ..errors import ConnectionClosed, FlodlError, WireError
+from ..net.framed import FramedProtocol
+from ..net.http import StatusHttpProtocol
+from ..net.mux import PortMux
+from ..net.service import FramedService
+from ..plan import LaunchPlan, PlacedWorker, Placement
+from ..status import MemberStatus, Phase, RankStatus, StatusBoard, StatusSnapshot
+from ..supervisor import (
+    AcceptJoin,
+    Action,
+    Announce,
+    EndRun,
+    Event,
+    ForceStop,
+    HostLost,
+    Interrupted,
+    JoinRequested,
+    JoinUndelivered,
+    Level,
+    RankConnected,
+    RankExited,
+    RanksStopped,
+    RejectJoin,
+    StoreReady,
+    Supervisor,
+    SupervisorConfig,
+    Tell,
+    Tick,
+)
+from ..verdict import ExitCode, RunResult
+from ..wire import messages as m
+from ..wire.channels import Channel
+from ..wire.frame import PROTOCOL_VERSION
+from ..wire.keys import SessionKeys
+from ..wire.schema import Message
+from .launchers import AgentLauncher, ControllerContact, LocalLauncher
+
+log = logging.getLogger("flodl_async.launch")
+
+_LOG_LEVELS = {Level.DEBUG: logging.DEBUG, Level.INFO: logging.INFO, Level.WARNING: logging.WARNING}
+
+
+def _rank_exited(_host: str, msg: Message) -> Event:
+    assert isinstance(msg, m.RankExited)
+    return RankExited(report=msg)
+
+
+def _ranks_stopped(host: str, msg: Message) -> Event:
+    assert isinstance(msg, m.RanksStopped)
+    return RanksStopped(host=host, round=msg.round)
+
+
+#: What an agent's messages up its join link mean to the supervisor (the wire's table says what is legal).
+_HOST_EVENTS: dict[type[Message], Callable[[str, Message], Event]] = {
+    m.RankExited: _rank_exited,
+    m.RanksStopped: _ranks_stopped,
+}
+
+
+class Controller:
+    """Runs one launch from bind to teardown."""
+
+    def __init__(self, plan: LaunchPlan, *, output: RankOutput) -> None:
+        self.plan = plan
+        self._deadlines = plan.deadlines
+        self._output = output
+        self._keys = SessionKeys.derive(plan.secret, plan.run_id)
+        self._join_keys = SessionKeys.derive(plan.secret, "")
+        self._links: dict[str, FramedProtocol] = {}
+        self._board = StatusBoard()
+        self._mux = PortMux(host=plan.bind_host, port=plan.port, sniff_timeout=self._deadlines.sniff)
+        self._started_at = time.time()
+        self._opened_at = time.monotonic()
+        self._supervisor: Supervisor | None = None
+        self._early_signals: list[int] = []
+        self._launchers: dict[Placement, AgentLauncher] = {}
+        self._changed = asyncio.Event()
+        self._end: EndRun | None = None
+        self._forced = False
+        self._final: RunResult | None = None  # a verdict the supervisor did not give (internal error, cancelled)
+
+    @property
+    def status_board(self) -> StatusBoard:
+        """Where the controller publishes its snapshots."""
+        return self._board
+
+    @property
+    def serving(self) -> bool:
+        """True while the port is open."""
+        return self._mux.serving
+
+    @property
+    def port(self) -> int:
+        """The bound port (after :meth:`bind`)."""
+        return self._mux.port
+
+    async def bind(self) -> None:
+        """Bind the one port and serve status (``waiting``) before anything else happens."""
+        self._mux.register(Channel.STATUS, lambda: StatusHttpProtocol(self._board, refresh=self._publish, request_timeout=self._deadlines.http_request))
+        await self._mux.start()
+        self._publish()
+
+    def interrupt(self, signum: int) -> None:
+        """SIGINT/SIGTERM: the first stops gracefully (the signal table), the second forces."""
+        if self._supervisor is None:
+            self._early_signals.append(signum)
+            return
+        self._dispatch(Interrupted(signal=signum))
+
+    async def run(self) -> RunResult:
+        """The whole lifecycle; call :meth:`bind` first. Teardown runs on every exit path."""
+        plan = self.plan
+        self._opened_at = time.monotonic()
+        self._supervisor = Supervisor(
+            SupervisorConfig(
+                run_id=plan.run_id,
+                join=plan.join,
+                command=plan.command,
+                cluster_env=plan.cluster_env,
+                max_restarts=plan.max_restarts,
+                stop_grace=self._deadlines.stop_grace,
+                store_ready_timeout=self._deadlines.store_ready,
+                stop_ack_margin=self._deadlines.stop_ack_margin,
+                local_hosts=plan.local_hosts,
+                protocol_version=PROTOCOL_VERSION,
+                version=__version__,
+            ),
+            now=self._opened_at,
+        )
+        contact = ControllerContact(host="127.0.0.1", port=self.port, secret=plan.secret, deadlines=self._deadlines)
+        self._launchers = {Placement.LOCAL: LocalLauncher(contact, output=self._output)}
+        result: RunResult | None = None
+        try:
+            async with asyncio.TaskGroup() as tg:
+                for channel, handler, keys in (
+                    (Channel.JOIN, self._handle_join, self._join_keys),
+                    (Channel.RENDEZVOUS, self._handle_rendezvous, self._keys),
+                    (Channel.CONTROL, self._handle_control, self._keys),
+                ):
+                    service = FramedService(channel=channel, keys=keys, handler=handler, task_group=tg)
+                    self._mux.register(channel, service.protocol_factory)
+                self._announce_window()
+                agent_tasks = [tg.create_task(self._run_agent(worker), name=f"agent-{worker.host}") for worker in plan.workers]
+                try:
+                    for signum in self._early_signals:
+                        self._dispatch(Interrupted(signal=signum))
+                    result = await self._pump()
+                except Exception as exc:  # a bug: still tear down and leave nothing behind
+                    log.exception("controller failed")
+                    result = RunResult(exit_code=ExitCode.INTERNAL, reason=f"internal error: {exc!r}")
+                    self._final = result
+                finally:
+                    if result is None:
+                        self._final = RunResult(exit_code=ExitCode.INTERRUPTED, reason="the controller was cancelled")
+                    await self._teardown(agent_tasks)
+        finally:
+            await self._mux.aclose()
+        assert result is not None  # None only when cancelled, and then CancelledError propagates
+        return result
+
+    async def aclose(self) -> None:
+        """Close the port (idempotent)."""
+        await self._mux.aclose()
+
+    # ----- the pump ------------------------------------------------------------------------------
+
+    async def _pump(self) -> RunResult:
+        supervisor = self._require_supervisor()
+        while self._end is None:
+            self._changed.clear()
+            deadline = supervisor.next_deadline(time.monotonic())
+            try:
+                async with asyncio.timeout(None if deadline is None else max(deadline - time.monotonic(), 0.0)):
+                    await self._changed.wait()
+            except TimeoutError:
+                self._dispatch(Tick())
+        return self._end.result
+
+    def _dispatch(self, event: Event, *, reply_link: FramedProtocol | None = None) -> None:
+        """Hand one event to the supervisor and carry out its actions now, in order."""
+        supervisor = self._require_supervisor()
+        pending: collections.deque[tuple[Event, FramedProtocol | None]] = collections.deque([(event, reply_link)])
+        while pending:
+            current, link = pending.popleft()
+            for action in supervisor.handle(current, time.monotonic()):
+                follow_up = self._carry_out(action, link)
+                if follow_up is not None:
+                    pending.append((follow_up, None))
+        self._publish()
+        self._changed.set()
+
+    def _carry_out(self, action: Action, reply_link: FramedProtocol | None) -> Event | None:
+        if isinstance(action, Tell):
+            link = self._links.get(action.host)
+            if link is not None:
+                with contextlib.suppress(ConnectionClosed):  # a link that just died: its handler reports HostLost
+                    link.send(action.message)
+        elif isinstance(action, Announce):
+            log.log(_LOG_LEVELS[action.level], "%s", action.text)
+        elif isinstance(action, AcceptJoin):
+            assert reply_link is not None
+            try:
+                reply_link.send(action.reply)
+            except ConnectionClosed:
+                return JoinUndelivered(host=action.host)
+            self._links[action.host] = reply_link
+        elif isinstance(action, RejectJoin):
+            assert reply_link is not None
+            with contextlib.suppress(ConnectionClosed):
+                reply_link.send(m.JoinReject(reason=action.reason))
+        elif isinstance(action, ForceStop):
+            self._forced = True
+            for launcher in self._launchers.values():
+                launcher.force_stop()
+            self._send_all(m.Abort(reason="forced stop", grace_s=0.0, first_signal=int(signal.SIGKILL)))
+        elif isinstance(action, EndRun):
+            self._end = action
+        return None
+
+    def _send_all(self, msg: Message) -> None:
+        for link in list(self._links.values()):
+            with contextlib.suppress(ConnectionClosed):
+                link.send(msg)
+
+    # ----- agents and teardown -------------------------------------------------------------------
+
+    async def _run_agent(self, worker: PlacedWorker) -> None:
+        launcher = self._launchers.get(worker.placement)
+        try:
+            if launcher is None:
+                raise FlodlError(f"no agent launcher for {worker.placement.value} workers in this version")
+            await launcher.run_agent(worker)
+        except FlodlError as exc:
+            self._dispatch(HostLost(host=worker.host, reason=str(exc)))
+        except Exception as exc:
+            log.exception("agent on %s failed", worker.host)
+            self._dispatch(HostLost(host=worker.host, reason=repr(exc)))
+
+    async def _teardown(self, agent_tasks: list[asyncio.Task[None]]) -> None:
+        self._publish()  # the terminal phase, before any cleanup
+        farewell: m.Finish | m.Abort
+        if self._end is not None and self._final is None:
+            farewell = self._end.farewell
+        else:
+            reason = self._final.reason if self._final is not None else "the controller stopped"
+            farewell = m.Abort(reason=reason, grace_s=self._deadlines.stop_grace)
+        if self._forced and isinstance(farewell, m.Abort):
+            farewell = m.Abort(reason=farewell.reason, grace_s=0.0, first_signal=int(signal.SIGKILL))
+        self._send_all(farewell)
+        grace = farewell.grace_s if isinstance(farewell, m.Abort) else self._deadlines.stop_grace
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(grace + self._deadlines.teardown_margin):
+                await asyncio.gather(*(link.wait_closed() for link in self._links.values()))
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(self._deadlines.teardown_margin):
+                await asyncio.gather(*agent_tasks, return_exceptions=True)
+        for task in agent_tasks:
+            task.cancel()  # a stuck local agent: cancellation runs its finally, which kills its ranks
+
+    # ----- channel handlers ----------------------------------------------------------------------
+
+    async def _handle_join(self, link: FramedProtocol) -> None:
+        async with asyncio.timeout(self._deadlines.join_handshake):
+            hello = await link.recv_message()
+        if not isinstance(hello, m.JoinHello):
+            log.warning("join channel: %s opened with %s, not JoinHello; closing", link.peer_label, type(hello).__name__)
+            return
+        self._dispatch(
+            JoinRequested(host=hello.host, devices=hello.devices, protocol_version=PROTOCOL_VERSION, agent_version=hello.agent_version),
+            reply_link=link,
+        )
+        if self._links.get(hello.host) is not link:
+            await link.drain()  # refused: the reject is flushed, then the service closes the link
+            return
+        try:
+            while True:
+                msg = await link.recv_message()
+                to_event = _HOST_EVENTS.get(type(msg))
+                if to_event is not None:
+                    self._dispatch(to_event(hello.host, msg))
+        except (ConnectionClosed, WireError) as exc:
+            self._dispatch(HostLost(host=hello.host, reason=str(exc)))
+
+    async def _handle_rendezvous(self, link: FramedProtocol) -> None:
+        while True:
+            msg = await link.recv_message()
+            if isinstance(msg, m.StoreAddress):
+                self._dispatch(StoreReady(round=msg.round, addr=msg.host or link.peer_host, port=msg.port))
+
+    async def _handle_control(self, link: FramedProtocol) -> None:
+        while True:
+            msg = await link.recv_message()
+            if isinstance(msg, m.RankHello):
+                self._dispatch(RankConnected(rank=msg.rank, pid=msg.pid))
+                link.send(m.RankWelcome(rank=msg.rank, run_id=self.plan.run_id))
+            elif isinstance(msg, m.Heartbeat):
+                link.send(m.Heartbeat(sent_at=msg.sent_at, rank=msg.rank))
+
+    # ----- status --------------------------------------------------------------------------------
+
+    def _announce_window(self) -> None:
+        plan, j = self.plan, self.plan.join
+        log.info(
+            "window open (quorum %d ranks, target %s, window %gs, cap %gs, admission: %s) — status at http://%s:%d/",
+            j.min_rank_start,
+            j.target_ranks if j.target_ranks is not None else "none",
+            j.join_timeout,
+            j.max_join_timeout,
+            "open" if j.open_admission else "pre-shared secret",
+            "127.0.0.1" if plan.bind_host in ("0.0.0.0", "127.0.0.1") else plan.bind_host,
+            self.port,
+        )
+
+    def _publish(self) -> None:
+        stats = self._mux.statistics()
+        phase, world_size, joined, restarts = Phase.WAITING, 0, 0, 0
+        members: tuple[MemberStatus, ...] = ()
+        ranks: tuple[RankStatus, ...] = ()
+        result = self._final
+        if self._supervisor is not None:
+            view = self._supervisor.view()
+            result = self._final or view.result
+            phase = Phase.FAILED if self._final is not None else Phase(view.phase)
+            world_size, joined, restarts = view.world_size, view.joined_ranks, view.restart_count
+            members = tuple(
+                MemberStatus(host=mb.host, ranks=mb.ranks, devices=mb.devices, joined_at=self._started_at + (mb.joined_at - self._opened_at))
+                for mb in view.members
+            )
+            ranks = tuple(
+                RankStatus(rank=r.rank, host=r.host, local_rank=r.local_rank, state=r.state.value, pid=r.pid, exit_code=r.exit_code, signal=r.signal)
+                for r in view.ranks
+            )
+        self._board.publish(
+            StatusSnapshot(
+                run_id=self.plan.run_id,
+                phase=phase,
+                started_at=self._started_at,
+                updated_at=time.time(),
+                world_size=world_size,
+                joined_ranks=joined,
+                min_rank_start=self.plan.join.min_rank_start,
+                target_ranks=self.plan.join.target_ranks or 0,
+                restart_count=restarts,
+                members=members,
+                ranks=ranks,
+                verdict=result.reason if result is not None else "",
+                exit_code=int(result.exit_code) if result is not None else None,
+                connections={"routed": stats.routed, "dropped": stats.dropped},
+            )
+        )
+
+    def _require_supervisor(self) -> Supervisor:
+        if self._supervisor is None:
+            raise RuntimeError("run() has not started")
+        return self._supervisor

@@ -1,0 +1,65 @@
+"""The launch plan: everything a controller needs, resolved from the command line and the cluster file.
+
+Each worker of the plan carries its :class:`Placement`: how its agent comes to
+exist. Today every planned worker is ``LOCAL`` (its agent runs inside the
+controller's process, over the real join protocol on loopback); ssh fan-out
+and dial-in agents plug in as further placements behind the controller's
+agent-launcher seam without touching the lifecycle.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .cluster import WorkerSpec
+from .deadlines import Deadlines
+from .membership import JoinConfig
+
+
+class Placement(enum.Enum):
+    """How a planned worker's agent comes to exist."""
+
+    #: In the controller's own process (the controller's host).
+    LOCAL = "local"
+    #: Started over ssh by the launcher (not in this version).
+    SSH = "ssh"
+    #: Joins on its own, e.g. a systemd service (not in this version).
+    DIAL_IN = "dial-in"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PlacedWorker:
+    """A worker of the cluster file and where its agent runs."""
+
+    spec: WorkerSpec
+    placement: Placement
+
+    @property
+    def host(self) -> str:
+        """The worker's host name in the run."""
+        return self.spec.host
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LaunchPlan:
+    """Everything the controller needs for one run."""
+
+    run_id: str
+    secret: bytes
+    bind_host: str
+    port: int
+    join: JoinConfig
+    workers: tuple[PlacedWorker, ...]
+    command: tuple[str, ...]
+    cluster_env: Mapping[str, str] = field(default_factory=dict)
+    max_restarts: int = 0
+    log_dir: Path | None = None
+    deadlines: Deadlines = field(default_factory=Deadlines)
+
+    @property
+    def local_hosts(self) -> frozenset[str]:
+        """Hosts whose agent runs in the controller's process."""
+        return frozenset(w.host for w in self.workers if w.placement is Placement.LOCAL)

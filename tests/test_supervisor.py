@@ -1,0 +1,410 @@
+"""The supervisor, with fake time: every decision of a run from the open window to the verdict."""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+
+from flodl_async.membership import JoinConfig
+from flodl_async.supervisor import (
+    AcceptJoin,
+    Action,
+    Announce,
+    Ended,
+    EndRun,
+    ForceStop,
+    Forming,
+    HostLost,
+    Interrupted,
+    JoinRequested,
+    JoinUndelivered,
+    Level,
+    RankConnected,
+    RankExited,
+    RanksStopped,
+    RankState,
+    RejectJoin,
+    Rendezvous,
+    Restarting,
+    Running,
+    StoreReady,
+    Supervisor,
+    SupervisorConfig,
+    Tell,
+    Tick,
+    describe_exit,
+    failure_details,
+)
+from flodl_async.verdict import ExitCode
+from flodl_async.wire import messages as m
+
+CMD = ("python", "train.py")
+
+
+def config(**overrides: object) -> SupervisorConfig:
+    base: dict[str, object] = {
+        "run_id": "run-1",
+        "join": JoinConfig(min_rank_start=2, join_timeout=10.0, target_ranks=4, max_join_timeout=30.0),
+        "command": CMD,
+        "cluster_env": {"A": "1"},
+        "max_restarts": 0,
+        "stop_grace": 5.0,
+        "store_ready_timeout": 20.0,
+        "stop_ack_margin": 3.0,
+        "local_hosts": frozenset({"b"}),
+    }
+    base.update(overrides)
+    return SupervisorConfig(**base)  # type: ignore[arg-type]
+
+
+def join(host: str, n: int = 2) -> JoinRequested:
+    return JoinRequested(host=host, devices=tuple(f"cpu:{i}" for i in range(n)), protocol_version=1, agent_version="")
+
+
+def exited(rank: int, host: str, code: int | None = 0, round_: int = 0, sig: int | None = None) -> RankExited:
+    return RankExited(report=m.RankExited(round=round_, rank=rank, local_rank=rank % 2, host=host, exit_code=code, signal=sig))
+
+
+def of(actions: tuple[Action, ...], kind: type) -> list:
+    return [a for a in actions if isinstance(a, kind)]
+
+
+def told(actions: tuple[Action, ...], message: type) -> dict[str, m.Message]:
+    return {a.host: a.message for a in of(actions, Tell) if isinstance(a.message, message)}
+
+
+def the_end(actions: tuple[Action, ...]) -> EndRun:
+    ends = of(actions, EndRun)
+    assert len(ends) == 1, actions
+    return ends[0]
+
+
+def formed(sup: Supervisor, now: float = 1.0) -> tuple[Action, ...]:
+    """Two hosts of two ranks each: the target (4) forms the world on the second join."""
+    sup.handle(join("a"), now)
+    return sup.handle(join("b"), now)
+
+
+def running(sup: Supervisor, now: float = 2.0) -> tuple[Action, ...]:
+    formed(sup)
+    return sup.handle(StoreReady(round=0, addr="10.0.0.2", port=4000), now)
+
+
+# ----- formation ---------------------------------------------------------------------------
+
+
+def test_a_join_is_accepted_with_contiguous_ranks_and_announced() -> None:
+    sup = Supervisor(config(), now=0.0)
+    first = sup.handle(join("a"), 1.0)
+    accept = of(first, AcceptJoin)
+    assert [(a.host, a.reply.ranks, a.reply.run_id, a.reply.formation_wait_s) for a in accept] == [("a", (0, 1), "run-1", 30.0)]
+    assert 'host "a" joined with ranks [0, 1] (cpu:0, cpu:1) — 2 rank(s) in, target 4' in [a.text for a in of(first, Announce)]
+    assert isinstance(sup.phase, Forming)
+    second = sup.handle(join("b"), 2.0)
+    assert of(second, AcceptJoin)[0].reply.ranks == (2, 3)
+
+
+def test_target_reached_forms_the_world_and_opens_round_zero_on_the_local_host() -> None:
+    sup = Supervisor(config(), now=0.0)
+    actions = formed(sup)
+    # The accept goes out before the world is announced to that host.
+    kinds = [type(a) for a in actions]
+    assert kinds.index(AcceptJoin) < kinds.index(Tell)
+    worlds = told(actions, m.WorldFormed)
+    assert worlds["a"] == m.WorldFormed(
+        world_size=4, ranks=(0, 1), group_rank=0, group_world_size=2, store_host=False, command=CMD, env={"A": "1"}, max_restarts=0
+    )
+    assert worlds["b"].store_host  # the controller's own host holds the store
+    assert told(actions, m.OpenRound) == {"b": m.OpenRound(round=0)}
+    assert isinstance(sup.phase, Rendezvous)
+    assert sup.view().phase == "forming"
+    assert any("world formed — 4 ranks across 2 host(s)" in a.text for a in of(actions, Announce))
+
+
+def test_without_a_local_host_rank_zeros_host_holds_the_store() -> None:
+    sup = Supervisor(config(local_hosts=frozenset()), now=0.0)
+    assert told(formed(sup), m.OpenRound) == {"a": m.OpenRound(round=0)}
+
+
+def test_refused_join_is_answered_and_announced() -> None:
+    sup = Supervisor(config(), now=0.0)
+    sup.handle(join("a"), 1.0)
+    actions = sup.handle(join("a"), 1.5)
+    rejects = of(actions, RejectJoin)
+    assert len(rejects) == 1
+    assert "already joined" in rejects[0].reason
+    assert of(actions, Announce)[0].level is Level.WARNING
+    assert sup.view().rejected_joins == 1
+
+
+def test_undelivered_accept_is_retracted_keeping_ranks_contiguous() -> None:
+    sup = Supervisor(config(), now=0.0)
+    sup.handle(join("a"), 1.0)
+    sup.handle(JoinUndelivered(host="a"), 1.1)
+    assert sup.view().joined_ranks == 0
+    assert of(sup.handle(join("c"), 1.2), AcceptJoin)[0].reply.ranks == (0, 1)
+
+
+def test_quorum_forms_at_the_end_of_the_window_on_a_tick() -> None:
+    sup = Supervisor(config(), now=0.0)
+    sup.handle(join("a"), 1.0)
+    assert sup.next_deadline(1.0) == 10.0
+    assert sup.handle(Tick(), 9.99) == ()
+    actions = sup.handle(Tick(), 10.0)
+    assert told(actions, m.WorldFormed)["a"].world_size == 2
+
+
+def test_no_quorum_by_the_cap_fails_formation() -> None:
+    sup = Supervisor(config(), now=0.0)
+    sup.handle(Tick(), 10.0)
+    assert sup.next_deadline(10.0) == 30.0
+    end = the_end(sup.handle(Tick(), 30.0))
+    assert end.result.exit_code is ExitCode.FORMATION
+    assert end.result.reason.startswith("the world did not form: quorum not met: 0/2")
+    assert isinstance(end.farewell, m.Abort)
+
+
+def test_a_member_lost_before_formation_fails_at_once_naming_it() -> None:
+    sup = Supervisor(config(), now=0.0)
+    sup.handle(join("a"), 1.0)
+    end = the_end(sup.handle(HostLost(host="a", reason="link closed"), 2.0))
+    assert end.result.exit_code is ExitCode.FORMATION
+    assert "'a' went away before the world formed" in end.result.reason
+
+
+def test_a_planned_agent_failing_before_it_joined_fails_at_once() -> None:
+    sup = Supervisor(config(), now=0.0)
+    end = the_end(sup.handle(HostLost(host="a", reason="python not found"), 1.0))
+    assert end.result.exit_code is ExitCode.FORMATION
+    assert "agent on host 'a' failed before joining: python not found" in end.result.reason
+
+
+# ----- rendezvous and running ------------------------------------------------------------------
+
+
+def test_store_ready_starts_every_host_and_marks_ranks_running() -> None:
+    sup = Supervisor(config(), now=0.0)
+    actions = running(sup)
+    starts = told(actions, m.StartRanks)
+    assert starts == {h: m.StartRanks(round=0, restart_count=0, master_addr="10.0.0.2", master_port=4000) for h in ("a", "b")}
+    assert isinstance(sup.phase, Running)
+    assert [(r.rank, r.host, r.local_rank, r.state) for r in sup.view().ranks] == [
+        (0, "a", 0, RankState.RUNNING),
+        (1, "a", 1, RankState.RUNNING),
+        (2, "b", 0, RankState.RUNNING),
+        (3, "b", 1, RankState.RUNNING),
+    ]
+    assert sup.view().phase == "training"
+
+
+def test_store_ready_for_another_round_is_ignored() -> None:
+    sup = Supervisor(config(), now=0.0)
+    formed(sup)
+    assert sup.handle(StoreReady(round=7, addr="x", port=1), 2.0) == ()
+    assert isinstance(sup.phase, Rendezvous)
+
+
+def test_store_not_ready_by_its_deadline_fails_formation() -> None:
+    sup = Supervisor(config(), now=0.0)
+    formed(sup, now=1.0)
+    assert sup.next_deadline(1.0) == 21.0
+    assert sup.handle(Tick(), 20.9) == ()
+    end = the_end(sup.handle(Tick(), 21.0))
+    assert end.result.exit_code is ExitCode.FORMATION
+    assert end.result.reason == "the store host 'b' did not report its store within 20s"
+
+
+def test_every_rank_exiting_zero_is_success_with_finish() -> None:
+    sup = Supervisor(config(), now=0.0)
+    running(sup)
+    for rank, host in ((0, "a"), (1, "a"), (2, "b")):
+        assert of(sup.handle(exited(rank, host), 3.0), EndRun) == []
+    end = the_end(sup.handle(exited(3, "b"), 3.0))
+    assert end.result.exit_code is ExitCode.OK
+    assert end.result.reason == "all 4 ranks exited 0"
+    assert isinstance(end.farewell, m.Finish)
+    assert sup.view().phase == "done"
+    assert {r.state for r in sup.view().ranks} == {RankState.EXITED}
+
+
+def test_a_rank_exiting_zero_twice_is_counted_once() -> None:
+    sup = Supervisor(config(), now=0.0)
+    running(sup)
+    for _ in range(4):
+        assert of(sup.handle(exited(0, "a"), 3.0), EndRun) == []
+
+
+def test_a_failing_rank_without_restarts_ends_the_run_with_details() -> None:
+    sup = Supervisor(config(), now=0.0)
+    running(sup)
+    report = m.RankExited(round=0, rank=1, local_rank=1, host="a", exit_code=3, error_file="Traceback\n  boom\n", stderr_tail=("e1", "e2"))
+    end = the_end(sup.handle(RankExited(report=report), 3.0))
+    assert end.result.exit_code is ExitCode.RANK_FAILURE
+    assert end.result.reason == "rank 1 (local rank 1) on host 'a' exited with code 3"
+    assert end.result.details == failure_details(report)
+    assert "traceback (from the rank's error file):\n  Traceback\n    boom" in end.result.details
+    assert "last 2 stderr line(s) of rank 1:\n  e1\n  e2" in end.result.details
+    assert end.farewell == m.Abort(reason=end.result.reason, grace_s=5.0, first_signal=signal.SIGTERM)
+    assert sup.view().phase == "failed"
+
+
+def test_a_rank_killed_by_a_signal_is_a_failure_named_by_signal() -> None:
+    sup = Supervisor(config(), now=0.0)
+    running(sup)
+    end = the_end(sup.handle(exited(2, "b", code=None, sig=signal.SIGKILL), 3.0))
+    assert end.result.reason == "rank 2 (local rank 0) on host 'b' was killed by SIGKILL"
+
+
+def test_exits_of_another_round_do_not_decide() -> None:
+    sup = Supervisor(config(), now=0.0)
+    running(sup)
+    assert of(sup.handle(exited(1, "a", code=9, round_=5), 3.0), EndRun) == []
+    assert isinstance(sup.phase, Running)
+
+
+# ----- restarts -----------------------------------------------------------------------------------
+
+
+def test_a_failure_with_restarts_left_stops_every_host_then_opens_the_next_round() -> None:
+    sup = Supervisor(config(max_restarts=2), now=0.0)
+    running(sup)
+    actions = sup.handle(exited(1, "a", code=3), 3.0)
+    assert of(actions, EndRun) == []
+    assert told(actions, m.StopRanks) == {h: m.StopRanks(round=0, reason="restarting the world", grace_s=5.0) for h in ("a", "b")}
+    assert "restarting the world (restart 1 of 2)" in of(actions, Announce)[0].text
+    assert isinstance(sup.phase, Restarting)
+    assert sup.next_deadline(3.0) == 3.0 + 5.0 + 3.0
+    assert sup.handle(RanksStopped(host="a", round=0), 4.0) == ()
+    assert sup.handle(RanksStopped(host="a", round=9), 4.0) == ()  # another round's answer counts for nothing
+    reopened = sup.handle(RanksStopped(host="b", round=0), 4.0)
+    assert told(reopened, m.OpenRound) == {"b": m.OpenRound(round=1)}
+    assert sup.restart_count == 1
+    started = sup.handle(StoreReady(round=1, addr="h", port=5), 5.0)
+    assert told(started, m.StartRanks)["a"] == m.StartRanks(round=1, restart_count=1, master_addr="h", master_port=5)
+
+
+def test_restarts_exhausted_names_how_many() -> None:
+    sup = Supervisor(config(max_restarts=1), now=0.0)
+    running(sup)
+    sup.handle(exited(1, "a", code=3), 3.0)
+    sup.handle(RanksStopped(host="a", round=0), 4.0)
+    sup.handle(RanksStopped(host="b", round=0), 4.0)
+    sup.handle(StoreReady(round=1, addr="h", port=5), 5.0)
+    end = the_end(sup.handle(exited(0, "a", code=4, round_=1), 6.0))
+    assert end.result.reason == "rank 0 (local rank 0) on host 'a' exited with code 4 after 1 restart(s)"
+
+
+def test_hosts_that_do_not_stop_their_ranks_in_time_fail_the_run() -> None:
+    sup = Supervisor(config(max_restarts=1), now=0.0)
+    running(sup)
+    sup.handle(exited(1, "a", code=3), 3.0)
+    sup.handle(RanksStopped(host="a", round=0), 4.0)
+    assert sup.handle(Tick(), 10.9) == ()
+    end = the_end(sup.handle(Tick(), 11.0))
+    assert end.result.exit_code is ExitCode.RANK_FAILURE
+    assert end.result.reason == "host(s) ['b'] did not stop their ranks for the restart"
+
+
+# ----- lost hosts, signals, finality ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("stage", "words"),
+    [("rendezvous", "during rendezvous"), ("running", "mid-run"), ("restarting", "while restarting")],
+)
+def test_a_member_lost_after_formation_ends_the_run_naming_it(stage: str, words: str) -> None:
+    sup = Supervisor(config(max_restarts=1), now=0.0)
+    formed(sup)
+    if stage != "rendezvous":
+        sup.handle(StoreReady(round=0, addr="h", port=1), 2.0)
+    if stage == "restarting":
+        sup.handle(exited(1, "a", code=3), 3.0)
+    end = the_end(sup.handle(HostLost(host="b", reason="link reset"), 4.0))
+    assert end.result.exit_code is ExitCode.RANK_FAILURE
+    assert end.result.reason == f"agent on host 'b' was lost {words}: link reset"
+
+
+def test_a_host_outside_the_world_going_away_changes_nothing() -> None:
+    sup = Supervisor(config(), now=0.0)
+    running(sup)
+    actions = sup.handle(HostLost(host="walk-in", reason="gone"), 3.0)
+    assert of(actions, EndRun) == []
+    assert isinstance(sup.phase, Running)
+
+
+@pytest.mark.parametrize(("sig", "code"), [(signal.SIGINT, ExitCode.INTERRUPTED), (signal.SIGTERM, ExitCode.TERMINATED)])
+def test_first_signal_stops_with_the_signal_table(sig: signal.Signals, code: ExitCode) -> None:
+    sup = Supervisor(config(), now=0.0)
+    running(sup)
+    actions = sup.handle(Interrupted(signal=sig), 3.0)
+    end = the_end(actions)
+    assert end.result.exit_code is code
+    assert end.result.reason == f"interrupted by {sig.name}"
+    assert end.farewell == m.Abort(reason=end.result.reason, grace_s=5.0, first_signal=int(sig))
+    assert f"stopping: ranks got {sig.name}; KILL in 5 s ({sig.name} again to force)" in [a.text for a in of(actions, Announce)]
+    assert of(actions, ForceStop) == []
+
+
+def test_a_signal_while_the_window_is_open_says_so() -> None:
+    sup = Supervisor(config(), now=0.0)
+    end = the_end(sup.handle(Interrupted(signal=signal.SIGINT), 1.0))
+    assert end.result.reason == "interrupted by SIGINT while the join window was open"
+
+
+def test_second_signal_forces_and_the_verdict_stays() -> None:
+    sup = Supervisor(config(), now=0.0)
+    running(sup)
+    first = the_end(sup.handle(Interrupted(signal=signal.SIGINT), 3.0))
+    second = sup.handle(Interrupted(signal=signal.SIGINT), 3.5)
+    assert of(second, ForceStop)
+    assert of(second, EndRun) == []
+    assert sup.result == first.result
+
+
+def test_a_signal_after_a_verdict_forces_the_stop() -> None:
+    sup = Supervisor(config(), now=0.0)
+    running(sup)
+    end = the_end(sup.handle(exited(1, "a", code=3), 3.0))
+    actions = sup.handle(Interrupted(signal=signal.SIGTERM), 3.5)
+    assert of(actions, ForceStop)
+    assert sup.result == end.result
+
+
+def test_a_verdict_is_final() -> None:
+    sup = Supervisor(config(), now=0.0)
+    running(sup)
+    end = the_end(sup.handle(exited(1, "a", code=3), 3.0))
+    for event in (exited(0, "a"), exited(2, "b"), exited(3, "b"), HostLost(host="a", reason="x"), StoreReady(round=0, addr="h", port=1), Tick()):
+        assert of(sup.handle(event, 4.0), EndRun) == []
+    assert isinstance(sup.phase, Ended)
+    assert sup.result == end.result
+    assert sup.next_deadline(4.0) is None
+    refused = of(sup.handle(join("late"), 5.0), RejectJoin)
+    assert refused[0].reason == "this run has ended"
+
+
+def test_joins_after_formation_are_refused() -> None:
+    sup = Supervisor(config(), now=0.0)
+    formed(sup)
+    refused = of(sup.handle(join("c"), 2.0), RejectJoin)
+    assert refused[0].host == "c"
+    assert "formed" in refused[0].reason
+
+
+def test_rank_hello_marks_a_running_rank_connected_with_its_pid() -> None:
+    sup = Supervisor(config(), now=0.0)
+    sup.handle(RankConnected(rank=0, pid=10), 0.5)  # before the ranks run: nothing to mark
+    assert sup.view().ranks == ()
+    running(sup)
+    sup.handle(RankConnected(rank=2, pid=1234), 3.0)
+    rank2 = next(r for r in sup.view().ranks if r.rank == 2)
+    assert (rank2.state, rank2.pid) == (RankState.CONNECTED, 1234)
+    sup.handle(exited(2, "b", code=1), 3.5)
+    rank2 = next(r for r in sup.view().ranks if r.rank == 2)
+    assert (rank2.state, rank2.pid, rank2.exit_code) == (RankState.FAILED, 1234, 1)
+
+
+def test_describe_exit_of_an_unknown_signal_number() -> None:
+    report = m.RankExited(round=0, rank=0, local_rank=0, host="a", signal=200)
+    assert describe_exit(report) == "rank 0 (local rank 0) on host 'a' was killed by signal 200"
