@@ -23,7 +23,9 @@ translated at the boundary with ``raise ... from exc``.
     ├── PortInUseError            the controller port is held by a live listener
     ├── FormationError            the join window could not form a world
     ├── LaunchError               spawning agents or ranks failed
-    └── RankFailure               a rank exited badly
+    ├── RankFailure               a rank exited badly
+    ├── BusyResourceError         a second receiver on a stream that has one at a time
+    └── SubscriptionClosed        a status subscription was closed
 """
 
 from __future__ import annotations
@@ -113,3 +115,14 @@ class LaunchError(FlodlError):
 
 class RankFailure(FlodlError):
     """A rank exited with a non-zero code or a signal."""
+
+
+class BusyResourceError(FlodlError):
+    """A second task tried to receive from a stream that has one receiver at a time (trio's rule)."""
+
+
+class SubscriptionClosed(FlodlError):
+    """A status subscription was closed (unsubscribed); nothing more will arrive on it."""
+
+    def __init__(self) -> None:
+        super().__init__("this status subscription is closed; subscribe again to the board for new snapshots")

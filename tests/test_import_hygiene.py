@@ -22,3 +22,10 @@ def test_cli_help_does_not_import_torch() -> None:
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
     assert result.stdout.strip().endswith("False")
+
+
+def test_status_query_does_not_import_asyncio() -> None:
+    """`flodl status` is one blocking request: the status package (its schema marker) must not pull in asyncio."""
+    code = "import sys\nimport flodl_async.cli, flodl_async.status\nprint('asyncio' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
+    assert result.stdout.strip() == "False"

@@ -21,7 +21,7 @@ from flodl_async.agent import RankOutput
 from flodl_async.cluster import DeviceSpec, WorkerSpec
 from flodl_async.controller import Controller, ExitCode, LaunchPlan, PlacedWorker, Placement
 from flodl_async.membership import JoinConfig
-from flodl_async.status import Phase, StatusSnapshot
+from flodl_async.status import Phase, Subscription
 from flodl_async.wire import CHANNEL_MAGIC, Channel, FrameConnection, SessionKeys, Side, new_session_secret
 from flodl_async.wire import messages as m
 from flodl_async.wire.frame import HEADER, PROTOCOL_VERSION
@@ -228,7 +228,12 @@ def test_port_held_by_a_live_listener(tmp_path: Path) -> None:
 
 
 def test_terminal_phase_is_published_before_cleanup(tmp_path: Path) -> None:
-    """In-process controller: every snapshot is observed; `done` comes while the port still serves."""
+    """In-process controller: every snapshot is observed; `done` comes while the port still serves.
+
+    A subscriber wakes on the loop turn after a publish; teardown closes the port only after the
+    agents have processed Finish (many turns later), so "serving" seen on waking is "serving"
+    at the publish — and the board's own bytes, served at that moment, say `done`.
+    """
 
     async def main() -> tuple[list[tuple[Phase, bool]], ExitCode]:
         plan = LaunchPlan(
@@ -243,16 +248,27 @@ def test_terminal_phase_is_published_before_cleanup(tmp_path: Path) -> None:
         sink = io.BytesIO()
         controller = Controller(plan, output=RankOutput(stdout=sink, stderr=sink))
         seen: list[tuple[Phase, bool]] = []
+        terminal = (Phase.DONE, Phase.FAILED)
 
-        def record(snapshot: StatusSnapshot) -> None:
-            seen.append((snapshot.phase, controller.serving))
+        async def record(sub: Subscription) -> None:
+            async for snapshot in sub:
+                seen.append((snapshot.phase, controller.serving))
+                if snapshot.phase in terminal:
+                    encoded = controller.status_board.encoded
+                    assert encoded is not None
+                    assert json.loads(encoded)["phase"] == snapshot.phase.value
+                    return
 
-        controller.status_board.subscribe(record)
-        await controller.bind()
-        try:
-            result = await controller.run()
-        finally:
-            await controller.aclose()
+        with controller.status_board.subscribe(maxsize=1000) as sub:
+            await controller.bind()
+            try:
+                async with asyncio.TaskGroup() as tg:
+                    tg.create_task(record(sub), name="status-subscriber")
+                    result = await controller.run()
+                    sub.close()  # ends the subscriber should it have missed the terminal phase (the asserts say so)
+            finally:
+                await controller.aclose()
+            assert sub.statistics().dropped == 0  # every snapshot observed
         assert_nothing_left(plan.run_id)
         return seen, result.exit_code
 

@@ -11,7 +11,7 @@ import pytest
 
 from flodl_async.net.http import StatusHttpProtocol
 from flodl_async.net.mux import PortMux
-from flodl_async.status import MemberStatus, Phase, RankStatus, StatusBoard, StatusSnapshot
+from flodl_async.status import MemberStatus, Phase, RankState, RankStatus, StatusBoard, StatusSnapshot
 from flodl_async.wire import Channel
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -54,8 +54,8 @@ async def test_status_page_shows_phase_members_and_verdict(tmp_path: Path) -> No
             joined_ranks=2,
             members=(MemberStatus(host="node-a", ranks=(0, 1), devices=("cpu:0", "cpu:1"), joined_at=now),),
             ranks=(
-                RankStatus(rank=0, host="node-a", local_rank=0, state="running", pid=4242),
-                RankStatus(rank=1, host="node-a", local_rank=1, state="failed", exit_code=3),
+                RankStatus(rank=0, host="node-a", local_rank=0, state=RankState.RUNNING, pid=4242),
+                RankStatus(rank=1, host="node-a", local_rank=1, state=RankState.FAILED, exit_code=3),
             ),
             verdict="rank 1 exited with code 3",
         )

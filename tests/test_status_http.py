@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import http.client
 import json
 import shutil
@@ -14,7 +15,8 @@ import pytest
 
 from flodl_async.net.http import StatusHttpProtocol
 from flodl_async.net.mux import PortMux
-from flodl_async.status import MemberStatus, Phase, StatusBoard, StatusSnapshot
+from flodl_async.status import SCHEMA, MemberStatus, Phase, StatusBoard, StatusSnapshot, dashboard_html
+from flodl_async.status.model import Counters
 from flodl_async.wire import Channel
 
 
@@ -60,6 +62,7 @@ async def test_503_before_the_first_snapshot_then_200(served: tuple[PortMux, Sta
     status, headers, body = await asyncio.to_thread(_get, mux.port, "GET", "/state.json")
     assert status == 503
     assert "no status published yet" in json.loads(body)["error"]
+    assert json.loads(body)["schema"] == SCHEMA  # so `flodl status` knows a starting controller
     board.publish(_snapshot())
     status, headers, body = await asyncio.to_thread(_get, mux.port, "GET", "/state.json")
     assert status == 200
@@ -68,6 +71,7 @@ async def test_503_before_the_first_snapshot_then_200(served: tuple[PortMux, Sta
     assert headers["connection"] == "close"
     assert int(headers["content-length"]) == len(body)
     doc = json.loads(body)
+    assert doc["schema"] == SCHEMA
     assert doc["phase"] == "training"
     assert doc["members"][0]["host"] == "node-a"
     assert doc["members"][0]["ranks"] == [0, 1]
@@ -83,6 +87,68 @@ async def test_head_has_headers_and_no_body(served: tuple[PortMux, StatusBoard])
     assert int(headers["content-length"]) == len(board.encoded)
 
 
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 50.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+async def test_requests_serve_the_cached_encoding() -> None:
+    """Two requests, one encode: a request never rebuilds the snapshot; live counters age by the board's clock."""
+    clock = _Clock()
+    dropped = {"unknown_magic": 0}
+
+    def counters() -> Counters:
+        return {"routed": {"status": 1}, "dropped": dict(dropped)}
+
+    board = StatusBoard(counters=counters, clock=clock)
+    mux = PortMux(host="127.0.0.1", port=0)
+    mux.register(Channel.STATUS, lambda: StatusHttpProtocol(board, request_timeout=2.0))
+    await mux.start()
+    try:
+        board.publish(_snapshot())
+        dropped["unknown_magic"] = 1
+        bodies = [(await asyncio.to_thread(_get, mux.port, "GET", "/state.json"))[2] for _ in range(2)]
+        assert bodies[0] == bodies[1] == board.encoded
+        assert board.statistics().encodes == 1
+        assert json.loads(bodies[0])["connections"]["dropped"] == {"unknown_magic": 0}
+        clock.now += 0.5  # the interval passed: the next request sees the counters of now
+        _, _, body = await asyncio.to_thread(_get, mux.port, "GET", "/state.json")
+        assert json.loads(body)["connections"]["dropped"] == {"unknown_magic": 1}
+        assert board.statistics().encodes == 2
+    finally:
+        await mux.aclose()
+
+
+async def test_the_deprecated_refresh_is_rate_limited_not_per_request() -> None:
+    clock = _Clock()
+    board = StatusBoard(clock=clock)
+    rebuilds: list[float] = []
+
+    def refresh() -> None:  # what the pre-counters controller passes: it republishes
+        rebuilds.append(clock.now)
+        board.publish(_snapshot())
+
+    mux = PortMux(host="127.0.0.1", port=0)
+    mux.register(Channel.STATUS, lambda: StatusHttpProtocol(board, request_timeout=2.0, refresh=refresh))
+    await mux.start()
+    try:
+        status, _, _ = await asyncio.to_thread(_get, mux.port, "GET", "/state.json")
+        assert status == 503
+        board.publish(_snapshot())
+        for _ in range(3):
+            await asyncio.to_thread(_get, mux.port, "GET", "/state.json")
+        assert rebuilds == []
+        clock.now += 0.5
+        for _ in range(3):
+            await asyncio.to_thread(_get, mux.port, "GET", "/state.json")
+        assert rebuilds == [50.5]
+    finally:
+        await mux.aclose()
+
+
 async def test_unknown_path_lists_the_endpoints(served: tuple[PortMux, StatusBoard]) -> None:
     mux, _ = served
     status, _, body = await asyncio.to_thread(_get, mux.port, "GET", "/nope")
@@ -96,6 +162,7 @@ async def test_dashboard_page(served: tuple[PortMux, StatusBoard]) -> None:
     assert status == 200
     assert headers["content-type"].startswith("text/html")
     assert b"/state.json" in body
+    assert body == dashboard_html()
 
 
 async def test_post_is_not_allowed(served: tuple[PortMux, StatusBoard]) -> None:
@@ -167,3 +234,119 @@ async def test_flodl_status_rejects_a_bad_address() -> None:
     code, _, err = await _flodl_status("--addr", "host:notaport")
     assert code == 2
     assert "port must be a number" in err
+
+
+async def test_flodl_status_on_a_starting_controller(served: tuple[PortMux, StatusBoard]) -> None:
+    mux, _ = served
+    code, out, _ = await _flodl_status("--addr", f"127.0.0.1:{mux.port}")
+    assert code == 0
+    assert "is starting: no status published yet" in out
+
+
+async def test_flodl_status_help_lists_the_exit_codes() -> None:
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "flodl_async.cli", "status", "--help", stdout=asyncio.subprocess.PIPE)
+    out, _ = await proc.communicate()
+    assert proc.returncode == 0
+    assert "exit codes:" in out.decode()
+    assert "1    nothing answers at that address, or what answers is not a flodl status" in out.decode()
+
+
+# ----- flodl status against a server that is not ours ------------------------------------------------
+
+ESC = "\x1b"
+# Terminal escapes and other control characters, C0 and C1: a clear screen, a colour, a bell,
+# an OSC title, a carriage return that would overwrite a line, CSI as one C1 character.
+HOSTILE = f"{ESC}[2J{ESC}[31mred\x07{ESC}]0;pwned\x07\rX\x9b1m\x00"
+
+
+@contextlib.asynccontextmanager
+async def _canned_server(response: bytes) -> AsyncIterator[int]:
+    """A loopback server that answers any request with ``response`` and closes."""
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            await reader.readuntil(b"\r\n\r\n")
+            writer.write(response)
+            await writer.drain()
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(answer, "127.0.0.1", 0)
+    try:
+        yield server.sockets[0].getsockname()[1]
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
+def _http(body: bytes, status_line: bytes = b"HTTP/1.1 200 OK") -> bytes:
+    return status_line + b"\r\nContent-Type: application/json\r\nContent-Length: " + str(len(body)).encode() + b"\r\nConnection: close\r\n\r\n" + body
+
+
+def _assert_no_controls(text: str) -> None:
+    bad = [hex(ord(ch)) for ch in text if (ord(ch) < 0x20 and ch != "\n") or 0x7F <= ord(ch) < 0xA0]
+    assert bad == [], f"control characters reached the terminal: {bad}"
+
+
+async def test_flodl_status_refuses_json_without_the_schema_marker() -> None:
+    async with _canned_server(_http(json.dumps({"phase": "training", "run_id": "x"}).encode())) as port:
+        code, out, err = await _flodl_status("--addr", f"127.0.0.1:{port}")
+    assert code == 1
+    assert out == ""
+    assert "lacks the 'flodl-status/1' schema marker, so not a flodl status" in err
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize(("body", "message"), [(b"<html>hi</html>", "not with JSON"), (b"[1, 2]", "not an object")])
+async def test_flodl_status_refuses_what_is_not_a_status_document(body: bytes, message: str) -> None:
+    async with _canned_server(_http(body)) as port:
+        code, out, err = await _flodl_status("--addr", f"127.0.0.1:{port}")
+    assert code == 1
+    assert out == ""
+    assert message in err
+
+
+@pytest.mark.parametrize("as_json", [False, True])
+async def test_flodl_status_strips_control_characters_from_what_it_prints(as_json: bool) -> None:
+    doc = {
+        "schema": SCHEMA,
+        "run_id": f"run{HOSTILE}",
+        "phase": f"training{HOSTILE}",
+        "verdict": f"rank 1 failed{HOSTILE}",
+        "joined_ranks": 1,
+        "world_size": 1,
+        "members": [{"host": f"node{HOSTILE}", "ranks": [0], "devices": [f"cpu{HOSTILE}"], "state": f"joined{HOSTILE}"}],
+        "ranks": [{"rank": 0, "host": f"node{HOSTILE}", "pid": f"1{HOSTILE}", "state": f"running{HOSTILE}"}],
+        f"key{HOSTILE}": "value",
+    }
+    # ensure_ascii=False: the control characters travel raw in the body, not as \u escapes
+    async with _canned_server(_http(json.dumps(doc, ensure_ascii=False).encode())) as port:
+        code, out, err = await _flodl_status("--addr", f"127.0.0.1:{port}", *(["--json"] if as_json else []))
+    assert code == 0, err
+    _assert_no_controls(out)
+    _assert_no_controls(err)
+    if as_json:
+        assert json.loads(out)["run_id"] == "run[2J[31mred]0;pwnedX1m"
+    else:
+        assert "phase    training[2J[31mred]0;pwnedX1m" in out
+        assert "node[2J[31mred]0;pwnedX1m" in out
+
+
+async def test_flodl_status_strips_control_characters_from_a_bad_status_line() -> None:
+    async with _canned_server(f"HTTP/1.1 2{HOSTILE}00 OK\r\n\r\n".encode("latin-1")) as port:
+        code, out, err = await _flodl_status("--addr", f"127.0.0.1:{port}")
+    assert code == 1
+    assert out == ""
+    assert f"no flodl controller answers at 127.0.0.1:{port}" in err
+    assert len(err.splitlines()) == 1
+    _assert_no_controls(err)
+
+
+async def test_flodl_status_reports_an_unexpected_http_status() -> None:
+    body = json.dumps({"schema": SCHEMA, "error": f"no such endpoint{HOSTILE}"}).encode()
+    async with _canned_server(_http(body, b"HTTP/1.1 404 Not Found")) as port:
+        code, out, err = await _flodl_status("--addr", f"127.0.0.1:{port}")
+    assert code == 1
+    assert out == ""
+    assert "answered HTTP 404: no such endpoint" in err
+    _assert_no_controls(err)

@@ -1,8 +1,10 @@
 """The status channel: a minimal HTTP/1.1 server on the controller port, parsed by h11.
 
 One request per connection (``Connection: close``), with a request-size and
-a request-time limit; responses are built from the board's pre-encoded
-snapshot, so serving status never waits on the controller.
+a request-time limit. ``/state.json`` is the board's cached encoding (see
+:mod:`flodl_async.status.board`: a request never rebuilds the snapshot) and
+``/`` the dashboard from package data, so serving status never waits on the
+controller. Every JSON body, errors included, carries the schema marker.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from collections.abc import Callable
 
 import h11
 
-from ..status import StatusBoard
+from ..status import SCHEMA, StatusBoard, dashboard_html
 from .timeouts import scaled
 
 log = logging.getLogger("flodl_async.status")
@@ -25,39 +27,16 @@ MAX_REQUEST_BODY = 16 * 1024
 REQUEST_TIMEOUT = 5.0
 ENDPOINTS = ("/", "/state.json")
 
-_DASHBOARD = b"""<!doctype html>
-<html><head><meta charset="utf-8"><title>flodl run</title>
-<style>body{font-family:sans-serif;margin:2em}td,th{padding:.2em .8em;text-align:left}</style></head>
-<body><h1>flodl run <span id="run"></span></h1>
-<p>phase: <b id="phase">?</b> &middot; ranks <span id="ranks"></span></p>
-<table><thead><tr><th>host</th><th>ranks</th><th>devices</th><th>state</th></tr></thead><tbody id="members"></tbody></table>
-<h2>ranks</h2>
-<table><thead><tr><th>rank</th><th>host</th><th>local</th><th>pid</th><th>state</th><th>exit</th></tr></thead><tbody id="ranktable"></tbody></table>
-<p id="verdict"></p>
-<script>
-async function tick(){
-  try{
-    const s=await (await fetch('/state.json',{cache:'no-store'})).json();
-    document.getElementById('run').textContent=s.run_id;
-    document.getElementById('phase').textContent=s.phase;
-    document.getElementById('ranks').textContent=s.joined_ranks+' joined / '+s.world_size+' in world';
-    const fill=(id,rows)=>{const tb=document.getElementById(id); tb.innerHTML='';
-      for(const row of rows){const tr=document.createElement('tr');
-        for(const v of row){const td=document.createElement('td');td.textContent=v;tr.appendChild(td);}
-        tb.appendChild(tr);}};
-    fill('members', s.members.map(m=>[m.host,m.ranks.join(','),m.devices.join(','),m.state]));
-    fill('ranktable', s.ranks.map(r=>[r.rank,r.host,r.local_rank,r.pid??'-',r.state,
-      r.signal!=null?'signal '+r.signal:(r.exit_code??'-')]));
-    document.getElementById('verdict').textContent=s.verdict;
-  }catch(e){document.getElementById('phase').textContent='unreachable';}
-}
-tick(); setInterval(tick,1000);
-</script></body></html>
-"""
-
 
 class StatusHttpProtocol(asyncio.Protocol):
-    """Serves one HTTP request from the status board, then closes."""
+    """Serves one HTTP request from the status board, then closes.
+
+    ``refresh`` is deprecated: a controller that republishes to update its
+    live counters may still pass it, and it is called at most once per
+    :data:`~flodl_async.status.board.COUNTERS_INTERVAL` (through
+    :meth:`StatusBoard.refresh_if_stale`), never per request. Give the board a
+    ``counters`` provider instead.
+    """
 
     def __init__(self, board: StatusBoard, *, request_timeout: float | None = None, refresh: Callable[[], None] | None = None) -> None:
         self._board = board
@@ -140,15 +119,15 @@ class StatusHttpProtocol(asyncio.Protocol):
             return
         head = method == "HEAD"
         if path == "/state.json":
-            if self._refresh is not None and self._board.encoded is not None:
-                self._refresh()  # live counters (connections) between lifecycle events
+            if self._refresh is not None:
+                self._board.refresh_if_stale(self._refresh)
             encoded = self._board.encoded
             if encoded is None:
                 self._send(503, _json({"error": "no status published yet; the controller is starting"}), head=head)
             else:
                 self._send(200, encoded, head=head)
         elif path == "/":
-            self._send(200, _DASHBOARD, head=head, content_type=b"text/html; charset=utf-8")
+            self._send(200, dashboard_html(), head=head, content_type=b"text/html; charset=utf-8")
         else:
             self._send(404, _json({"error": f"no such endpoint: {path}", "endpoints": list(ENDPOINTS)}), head=head)
 
@@ -192,5 +171,6 @@ class StatusHttpProtocol(asyncio.Protocol):
             self._transport.close()
 
 
-def _json(doc: object) -> bytes:
-    return json.dumps(doc).encode()
+def _json(doc: dict[str, object]) -> bytes:
+    # The marker lets `flodl status` tell our errors (a 503 while starting) from another server's JSON.
+    return json.dumps({"schema": SCHEMA, **doc}).encode()

@@ -1,0 +1,148 @@
+"""What the status endpoint publishes: a frozen snapshot of the run, serialised to JSON.
+
+The controller builds a new :class:`StatusSnapshot` at every lifecycle event
+and publishes it on a :class:`~flodl_async.status.board.StatusBoard`. This
+module is the pure half: data and its JSON form, no I/O, no asyncio.
+
+The JSON document (``/state.json``) carries ``"schema": "flodl-status/1"``
+(:data:`SCHEMA`) so a client can tell a flodl status from any other JSON that
+happens to answer on a port; states are enums here and their lower-case
+strings on the wire, which the page and ``flodl status`` read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+#: The schema marker of every JSON document the status endpoint serves. The
+#: major version changes only when a field changes meaning or goes away.
+SCHEMA = "flodl-status/1"
+#: What every version of the marker starts with (clients accept any minor evolution of /1).
+SCHEMA_FAMILY = "flodl-status/"
+
+#: The live counters that ride along with a snapshot (``connections`` in the document):
+#: counter group (``routed``, ``dropped``) → name → count.
+Counters = Mapping[str, Mapping[str, int]]
+
+
+class Phase(enum.Enum):
+    """Where a run is in its lifecycle."""
+
+    WAITING = "waiting"
+    FORMING = "forming"
+    TRAINING = "training"
+    DONE = "done"
+    FAILED = "failed"
+
+
+class MemberState(enum.Enum):
+    """Where an admitted host is."""
+
+    JOINED = "joined"
+
+
+class RankState(enum.Enum):
+    """Where a rank process is: started by its agent, connected to the control channel, or gone."""
+
+    RUNNING = "running"
+    CONNECTED = "connected"
+    EXITED = "exited"
+    FAILED = "failed"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MemberStatus:
+    """One admitted host."""
+
+    host: str
+    ranks: tuple[int, ...]
+    devices: tuple[str, ...]
+    joined_at: float
+    state: MemberState = MemberState.JOINED
+
+
+@dataclass(frozen=True, slots=True, kw_only=True, init=False)
+class RankStatus:
+    """One rank process.
+
+    ``state`` is always a :class:`RankState`; the constructor also takes its
+    string value (``state="running"``), the form callers used before the enum —
+    a thin adapter kept until they pass the enum.
+    """
+
+    rank: int
+    host: str
+    local_rank: int
+    state: RankState
+    pid: int | None
+    exit_code: int | None
+    signal: int | None
+
+    def __init__(
+        self,
+        *,
+        rank: int,
+        host: str,
+        local_rank: int,
+        state: RankState | str,
+        pid: int | None = None,
+        exit_code: int | None = None,
+        signal: int | None = None,
+    ) -> None:
+        # A hand-written __init__ (not __post_init__) so the type checker accepts the legacy
+        # string while the attribute stays a RankState; an unknown string raises ValueError.
+        set_field = object.__setattr__  # the dataclass is frozen
+        set_field(self, "rank", rank)
+        set_field(self, "host", host)
+        set_field(self, "local_rank", local_rank)
+        set_field(self, "state", RankState(state))
+        set_field(self, "pid", pid)
+        set_field(self, "exit_code", exit_code)
+        set_field(self, "signal", signal)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StatusSnapshot:
+    """The run as the controller sees it at ``updated_at`` (wall-clock seconds)."""
+
+    run_id: str
+    phase: Phase
+    started_at: float
+    updated_at: float
+    world_size: int = 0
+    joined_ranks: int = 0
+    min_rank_start: int = 0
+    target_ranks: int = 0
+    restart_count: int = 0
+    members: tuple[MemberStatus, ...] = ()
+    ranks: tuple[RankStatus, ...] = ()
+    verdict: str = ""
+    exit_code: int | None = None
+    connections: Counters = field(default_factory=dict)
+
+    def to_document(self) -> dict[str, object]:
+        """The document served at ``/state.json``, as plain JSON values (enums as their strings)."""
+        doc = {f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(self)}
+        doc["schema"] = SCHEMA
+        return doc
+
+    def to_json(self) -> bytes:
+        """The JSON bytes served at ``/state.json`` (keys sorted, so equal snapshots encode equal)."""
+        return json.dumps(self.to_document(), sort_keys=True).encode()
+
+
+def _plain(value: object) -> object:
+    """``value`` as JSON-ready data: enums by value, dataclasses as objects, tuples as arrays."""
+    if isinstance(value, enum.Enum):
+        return value.value
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, tuple | list):
+        return [_plain(v) for v in value]
+    if isinstance(value, Mapping):
+        return {str(k): _plain(v) for k, v in value.items()}
+    return value
