@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from flodl_async import __version__
-from flodl_async.membership import MAX_REJECTED_JOINS, Admitted, Failed, Formed, JoinConfig, JoinWindow, Rejected, WindowState
+from flodl_async.membership import MAX_RANKS_PER_JOIN, MAX_REJECTED_JOINS, Admitted, Failed, Formed, JoinConfig, JoinWindow, Rejected, WindowState
 
 OPENED_AT = 100.0
 PROTOCOL = 1
@@ -201,3 +201,225 @@ def test_membership_imports_neither_asyncio_nor_socket() -> None:
     code = "import sys, flodl_async.membership; print(sorted({'asyncio', 'socket'} & set(sys.modules)))"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
     assert result.stdout.strip() == "[]"
+
+
+# ----- admission: exact reasons and boundaries ------------------------------------------------------
+
+
+def test_an_empty_host_is_refused_before_anything_else_is_looked_at() -> None:
+    assert join(window(), "", (), agent_version="") == Rejected(reason="empty host name")
+
+
+def test_an_admitted_member_records_what_it_brought() -> None:
+    w = window()
+    result = join(w, "a", ("cuda:1", "cuda:0"), now=104.5)
+    assert result == Admitted(member=w.members[0])
+    assert w.members[0].devices == ("cuda:1", "cuda:0")
+    assert w.members[0].joined_at == 104.5
+    assert w.joined_ranks == 2
+
+
+def test_exactly_the_per_host_rank_limit_is_admitted() -> None:
+    w = window(target=None)
+    result = join(w, "big", tuple(f"cpu:{i}" for i in range(MAX_RANKS_PER_JOIN)))
+    assert isinstance(result, Admitted)
+    assert result.member.ranks == tuple(range(MAX_RANKS_PER_JOIN))
+
+
+def test_one_rejection_leaves_the_window_open_and_is_counted() -> None:
+    w = window()
+    assert w.rejected_joins == 0
+    assert isinstance(join(w, ""), Rejected)
+    assert w.rejected_joins == 1
+    assert w.state is WindowState.OPEN
+    assert w.poll(101) is None
+
+
+def test_the_rejection_cap_fails_on_exactly_the_capth_rejection() -> None:
+    w = window(max_rejected_joins=3)
+    join(w, "")
+    join(w, "")
+    assert w.state is WindowState.OPEN
+    join(w, "")
+    assert w.poll(101) == Failed(reason="3 joins were rejected — the join port is being hammered by something that is not a flodl agent of this run")
+
+
+def test_rejections_after_formation_leave_the_verdict_alone() -> None:
+    w = window(min_rank_start=1, target=1, max_rejected_joins=1)
+    join(w, "a")
+    formed = w.poll(101)
+    assert isinstance(formed, Formed)
+    assert join(w, "b") == Rejected(reason="the join window is formed; this run takes no more hosts")
+    assert w.state is WindowState.FORMED
+    assert w.poll(102) is formed
+
+
+# ----- retract: only the last admission, only while open ---------------------------------------------
+
+
+def test_retract_on_an_empty_window_does_nothing() -> None:
+    w = window()
+    w.retract("a")
+    assert w.members == ()
+    assert w.joined_ranks == 0
+
+
+def test_retract_of_another_host_than_the_last_does_nothing() -> None:
+    w = window()
+    join(w, "a")
+    join(w, "b", ("cpu:0", "cpu:1"), now=102)
+    w.retract("a")
+    w.retract("nobody")
+    assert [m.host for m in w.members] == ["a", "b"]
+    assert w.joined_ranks == 3
+
+
+def test_retract_frees_the_host_name_and_the_ranks() -> None:
+    w = window()
+    join(w, "a")
+    join(w, "b", ("cpu:0", "cpu:1"), now=102)
+    w.retract("b")
+    assert w.joined_ranks == 1
+    again = join(w, "b", now=103)
+    assert isinstance(again, Admitted)
+    assert again.member.ranks == (1,)
+
+
+def test_retract_after_formation_does_nothing() -> None:
+    w = window(min_rank_start=1, target=1)
+    join(w, "a")
+    formed = w.poll(101)
+    w.retract("a")
+    assert w.poll(102) is formed
+    assert w.joined_ranks == 1
+    assert [m.host for m in w.members] == ["a"]
+
+
+# ----- member_lost and abort -------------------------------------------------------------------------
+
+
+def test_member_lost_names_the_host_and_the_time_into_the_window() -> None:
+    w = window()
+    join(w, "a")
+    verdict = w.member_lost("a", now=103.4)
+    assert verdict == Failed(reason="agent on host 'a' went away before the world formed (3.4s into the window)")
+    assert w.state is WindowState.FAILED
+
+
+def test_losing_a_host_that_never_joined_keeps_the_window_open() -> None:
+    w = window()
+    join(w, "a")
+    assert w.member_lost("stranger", now=102) is None
+    assert w.state is WindowState.OPEN
+
+
+def test_losing_a_member_after_formation_keeps_the_world() -> None:
+    w = window(min_rank_start=1, target=1)
+    join(w, "a")
+    formed = w.poll(101)
+    assert w.member_lost("a", now=102) is formed
+    assert w.state is WindowState.FORMED
+
+
+def test_abort_fails_an_open_window_with_the_callers_reason() -> None:
+    w = window()
+    assert w.abort("interrupted") == Failed(reason="interrupted")
+    assert w.state is WindowState.FAILED
+    assert w.next_deadline(101) is None
+    assert w.abort("again") == Failed(reason="interrupted")
+
+
+def test_abort_after_formation_keeps_the_world() -> None:
+    w = window(min_rank_start=1, target=1)
+    join(w, "a")
+    formed = w.poll(101)
+    assert w.abort("too late") is formed
+    assert w.state is WindowState.FORMED
+
+
+# ----- poll and next_deadline at their exact boundaries ----------------------------------------------
+
+
+def test_formed_verdict_carries_members_size_and_elapsed() -> None:
+    w = window(min_rank_start=2, target=4)
+    join(w, "a", now=101)
+    join(w, "b", ("cpu:0", "cpu:1"), now=104)
+    verdict = w.poll(110)
+    assert verdict == Formed(members=w.members, world_size=3, reason="join window closed with quorum", elapsed=10)
+    assert w.poll(111) is verdict
+
+
+def test_the_quorum_counts_ranks_across_hosts() -> None:
+    w = window(min_rank_start=2, target=4)
+    join(w, "a", now=101)
+    join(w, "b", now=105)
+    verdict = w.poll(110)
+    assert isinstance(verdict, Formed)
+    assert verdict.reason == "join window closed with quorum"
+
+
+def test_a_join_exactly_at_the_window_end_still_counts_as_inside_it() -> None:
+    w = window(min_rank_start=2, target=4)
+    join(w, "a", now=101)
+    join(w, "b", now=110)
+    verdict = w.poll(110)
+    assert isinstance(verdict, Formed)
+    assert verdict.reason == "join window closed with quorum"
+
+
+def test_a_quorum_after_the_window_forms_with_its_elapsed_time() -> None:
+    w = window(min_rank_start=2, target=4)
+    join(w, "a", now=101)
+    join(w, "b", now=110.5)
+    verdict = w.poll(112)
+    assert isinstance(verdict, Formed)
+    assert verdict.reason == "quorum met before the max_join_timeout cap"
+    assert verdict.elapsed == 12
+
+
+def test_poll_just_before_the_window_end_stays_open_with_a_quorum() -> None:
+    w = window(min_rank_start=1, target=4)
+    join(w, "a")
+    assert w.poll(109.999) is None
+    assert isinstance(w.poll(110), Formed)
+
+
+def test_next_deadline_is_the_window_end_before_it_and_the_cap_from_it_on() -> None:
+    w = window(min_rank_start=3)
+    assert w.next_deadline(100) == 110
+    assert w.next_deadline(109.999) == 110
+    assert w.poll(110) is None
+    assert w.next_deadline(110) == 130
+    assert w.next_deadline(129) == 130
+
+
+def test_the_failure_names_every_joined_host() -> None:
+    w = window(min_rank_start=4, target=None)
+    join(w, "a")
+    join(w, "b", now=102)
+    verdict = w.poll(130)
+    assert isinstance(verdict, Failed)
+    assert verdict.reason.startswith("quorum not met: 2/4 ranks joined (a, b) within")
+
+
+def test_the_failure_says_when_no_host_joined() -> None:
+    verdict = window().poll(130)
+    assert isinstance(verdict, Failed)
+    assert verdict.reason.startswith("quorum not met: 0/2 ranks joined (no host) within")
+
+
+# ----- config ---------------------------------------------------------------------------------------
+
+
+def test_config_messages_are_exact() -> None:
+    with pytest.raises(ValueError, match=r"^min_rank_start must be at least 1$"):
+        JoinConfig(min_rank_start=0, join_timeout=1, target_ranks=None, max_join_timeout=2)
+    with pytest.raises(ValueError, match=r"^target_ranks must be at least min_rank_start$"):
+        JoinConfig(min_rank_start=3, join_timeout=1, target_ranks=2, max_join_timeout=2)
+    with pytest.raises(ValueError, match=r"^max_join_timeout must be at least join_timeout$"):
+        JoinConfig(min_rank_start=1, join_timeout=5, target_ranks=None, max_join_timeout=4.9)
+
+
+def test_config_accepts_its_boundaries() -> None:
+    config = JoinConfig(min_rank_start=1, join_timeout=5, target_ranks=1, max_join_timeout=5)
+    assert (config.min_rank_start, config.target_ranks, config.max_join_timeout) == (1, 1, 5)
