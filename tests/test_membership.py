@@ -198,9 +198,11 @@ def test_an_untrusted_version_string_is_quoted_not_pasted() -> None:
 
 
 def test_membership_imports_neither_asyncio_nor_socket() -> None:
-    code = "import sys, flodl_async.membership; print(sorted({'asyncio', 'socket'} & set(sys.modules)))"
+    code = "import sys, flodl_async.membership; print('mutmut' in sys.modules, sorted({'asyncio', 'socket'} & set(sys.modules)))"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
-    assert result.stdout.strip() == "[]"
+    if result.stdout.startswith("True"):
+        pytest.skip("under mutmut the mutated module imports mutmut's trampoline, which brings socket along")
+    assert result.stdout.strip() == "False []"
 
 
 # ----- admission: exact reasons and boundaries ------------------------------------------------------
