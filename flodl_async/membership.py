@@ -14,12 +14,23 @@ seed's:
 5. otherwise fail, naming joined and needed ranks and both timeouts.
 
 An agent that dies before formation fails the window at once, naming the host.
+
+Admission refuses, with a reason that goes back to the agent: a window that is
+no longer open, an empty host name, an agent of another flodl_async version or
+wire protocol version (mixed versions would fail later and obscurely, inside
+rendezvous or a collective), no or duplicate devices, and a host that already
+joined. Every refusal counts; too many of them fail the window, since the port is
+then being probed by something that is not an agent of this run.
 """
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+
+# The package's __init__ holds only the version string, so this keeps the module pure (no asyncio,
+# no socket; tests/test_membership.py checks it).
+from . import __version__
 
 MAX_RANKS_PER_JOIN = 256
 MAX_REJECTED_JOINS = 1024
@@ -100,10 +111,16 @@ Verdict = Formed | Failed | None
 class JoinWindow:
     """Admission ledger plus formation verdict; pure, ``now`` passed in."""
 
-    def __init__(self, config: JoinConfig, *, opened_at: float, protocol_version: int = 1) -> None:
+    def __init__(self, config: JoinConfig, *, opened_at: float, protocol_version: int = 1, controller_version: str = __version__) -> None:
+        """Open the window at ``opened_at``.
+
+        Agents must speak ``protocol_version`` and run ``controller_version`` of flodl_async, which
+        defaults to the version installed here.
+        """
         self.config = config
         self.opened_at = opened_at
         self._protocol_version = protocol_version
+        self._controller_version = controller_version
         self._members: list[JoinedMember] = []
         self._next_rank = 0
         self._rejected = 0
@@ -130,9 +147,14 @@ class JoinWindow:
         """How many joins were refused."""
         return self._rejected
 
-    def request_join(self, *, host: str, devices: tuple[str, ...], now: float, protocol_version: int = 1) -> Admitted | Rejected:
-        """Admit or refuse one agent."""
-        reason = self._admission_problem(host, devices, protocol_version)
+    def request_join(self, *, host: str, devices: tuple[str, ...], now: float, agent_version: str, protocol_version: int) -> Admitted | Rejected:
+        """Admit or refuse one agent.
+
+        ``agent_version`` is the flodl_async version the agent reports (``JoinHello.agent_version``;
+        empty from an agent too old to send it) and ``protocol_version`` the wire protocol it
+        speaks. Both are required: a check with a default would pass whatever the caller forgot.
+        """
+        reason = self._admission_problem(host, devices, agent_version, protocol_version)
         if reason is not None:
             self._rejected += 1
             if self._rejected >= self.config.max_rejected_joins and self._state is WindowState.OPEN:
@@ -144,13 +166,26 @@ class JoinWindow:
         self._next_rank += len(devices)
         return Admitted(member=member)
 
-    def _admission_problem(self, host: str, devices: tuple[str, ...], protocol_version: int) -> str | None:
+    def _admission_problem(self, host: str, devices: tuple[str, ...], agent_version: str, protocol_version: int) -> str | None:
         if self._state is not WindowState.OPEN:
             return f"the join window is {self._state.value}; this run takes no more hosts"
-        if protocol_version != self._protocol_version:
-            return f"agent speaks protocol v{protocol_version}, controller v{self._protocol_version}; install the same flodl_async version on every host"
+        # The host comes first so that every later reason can name it. The agent's strings are
+        # untrusted, hence !r: quotes and escapes keep them from forging the rest of the message.
         if not host:
             return "empty host name"
+        ours = self._controller_version
+        if not agent_version:
+            return (
+                f"host {host!r} did not report its flodl_async version (an agent too old to send it), this controller "
+                f"runs {ours}; install the same flodl_async version on every host"
+            )
+        if protocol_version != self._protocol_version:
+            return (
+                f"host {host!r} speaks protocol v{protocol_version} (flodl_async {agent_version!r}), this controller "
+                f"v{self._protocol_version} (flodl_async {ours}); install the same flodl_async version on every host"
+            )
+        if agent_version != ours:
+            return f"host {host!r} runs flodl_async {agent_version!r}, this controller {ours}; install the same flodl_async version on every host"
         if not devices:
             return f"host {host!r} offers no devices"
         if len(devices) > MAX_RANKS_PER_JOIN:

@@ -2,19 +2,39 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 
-from flodl_async.membership import Admitted, Failed, Formed, JoinConfig, JoinWindow, Rejected, WindowState
+from flodl_async import __version__
+from flodl_async.membership import MAX_RANKS_PER_JOIN, MAX_REJECTED_JOINS, Admitted, Failed, Formed, JoinConfig, JoinWindow, Rejected, WindowState
+
+OPENED_AT = 100.0
+PROTOCOL = 1
 
 
-def window(min_rank_start: int = 2, target: int | None = 4, join_timeout: float = 10, cap: float = 30, **kw: int) -> JoinWindow:
-    return JoinWindow(JoinConfig(min_rank_start=min_rank_start, join_timeout=join_timeout, target_ranks=target, max_join_timeout=cap, **kw), opened_at=100.0)
+def window(
+    min_rank_start: int = 2, target: int | None = 4, join_timeout: float = 10, cap: float = 30, max_rejected_joins: int = MAX_REJECTED_JOINS
+) -> JoinWindow:
+    """Opened at t=100: the join window ends at 110, the hard cap at 130."""
+    config = JoinConfig(
+        min_rank_start=min_rank_start, join_timeout=join_timeout, target_ranks=target, max_join_timeout=cap, max_rejected_joins=max_rejected_joins
+    )
+    return JoinWindow(config, opened_at=OPENED_AT, protocol_version=PROTOCOL)
+
+
+def join(
+    w: JoinWindow, host: str, devices: tuple[str, ...] = ("cpu:0",), now: float = 101, *, agent_version: str = __version__, protocol_version: int = PROTOCOL
+) -> Admitted | Rejected:
+    """A join from an agent of this very flodl_async unless told otherwise."""
+    return w.request_join(host=host, devices=devices, now=now, agent_version=agent_version, protocol_version=protocol_version)
 
 
 def test_ranks_are_contiguous_in_admission_order() -> None:
     w = window()
-    a = w.request_join(host="a", devices=("cpu:0", "cpu:1"), now=101)
-    b = w.request_join(host="b", devices=("cpu:0",), now=102)
+    a = join(w, "a", ("cpu:0", "cpu:1"))
+    b = join(w, "b", now=102)
     assert isinstance(a, Admitted)
     assert isinstance(b, Admitted)
     assert a.member.ranks == (0, 1)
@@ -23,7 +43,7 @@ def test_ranks_are_contiguous_in_admission_order() -> None:
 
 def test_target_reached_forms_at_once() -> None:
     w = window(target=2)
-    w.request_join(host="a", devices=("cpu:0", "cpu:1"), now=101)
+    join(w, "a", ("cpu:0", "cpu:1"))
     verdict = w.poll(101)
     assert isinstance(verdict, Formed)
     assert verdict.reason == "target ranks reached"
@@ -33,7 +53,7 @@ def test_target_reached_forms_at_once() -> None:
 
 def test_quorum_inside_the_window_waits_for_its_end() -> None:
     w = window(min_rank_start=2, target=4)
-    w.request_join(host="a", devices=("cpu:0", "cpu:1"), now=101)
+    join(w, "a", ("cpu:0", "cpu:1"))
     assert w.poll(105) is None
     assert w.next_deadline(105) == 110
     verdict = w.poll(110)
@@ -43,10 +63,10 @@ def test_quorum_inside_the_window_waits_for_its_end() -> None:
 
 def test_quorum_after_the_window_forms_on_the_join() -> None:
     w = window(min_rank_start=2, target=4)
-    w.request_join(host="a", devices=("cpu:0",), now=101)
+    join(w, "a")
     assert w.poll(110) is None
     assert w.next_deadline(111) == 130
-    w.request_join(host="b", devices=("cpu:0",), now=120)
+    join(w, "b", now=120)
     verdict = w.poll(120)
     assert isinstance(verdict, Formed)
     assert verdict.reason == "quorum met before the max_join_timeout cap"
@@ -54,7 +74,7 @@ def test_quorum_after_the_window_forms_on_the_join() -> None:
 
 def test_no_quorum_by_the_cap_fails_naming_counts_and_timeouts() -> None:
     w = window(min_rank_start=3)
-    w.request_join(host="a", devices=("cpu:0",), now=101)
+    join(w, "a")
     assert w.poll(129) is None
     verdict = w.poll(130)
     assert isinstance(verdict, Failed)
@@ -64,7 +84,7 @@ def test_no_quorum_by_the_cap_fails_naming_counts_and_timeouts() -> None:
 
 def test_agent_lost_before_formation_fails_at_once() -> None:
     w = window()
-    w.request_join(host="a", devices=("cpu:0",), now=101)
+    join(w, "a")
     verdict = w.member_lost("a", now=103)
     assert isinstance(verdict, Failed)
     assert "agent on host 'a' went away before the world formed" in verdict.reason
@@ -82,14 +102,14 @@ def test_agent_lost_before_formation_fails_at_once() -> None:
 )
 def test_admission_checks(host: str, devices: tuple[str, ...], reason: str) -> None:
     w = window()
-    w.request_join(host="a", devices=("cpu:0",), now=101)
-    result = w.request_join(host=host, devices=devices, now=102)
+    join(w, "a")
+    result = join(w, host, devices, now=102)
     assert isinstance(result, Rejected)
     assert reason in result.reason
 
 
 def test_protocol_version_is_checked() -> None:
-    result = window().request_join(host="a", devices=("cpu:0",), now=101, protocol_version=9)
+    result = join(window(), "a", protocol_version=9)
     assert isinstance(result, Rejected)
     assert "protocol v9" in result.reason
 
@@ -97,7 +117,7 @@ def test_protocol_version_is_checked() -> None:
 def test_rejected_joins_are_capped() -> None:
     w = window(max_rejected_joins=3)
     for _ in range(3):
-        w.request_join(host="", devices=(), now=101)
+        join(w, "", ())
     verdict = w.poll(101)
     assert isinstance(verdict, Failed)
     assert "hammered" in verdict.reason
@@ -105,18 +125,18 @@ def test_rejected_joins_are_capped() -> None:
 
 def test_retract_keeps_ranks_hole_free() -> None:
     w = window()
-    w.request_join(host="a", devices=("cpu:0",), now=101)
+    join(w, "a")
     w.retract("a")
-    again = w.request_join(host="b", devices=("cpu:0",), now=102)
+    again = join(w, "b", now=102)
     assert isinstance(again, Admitted)
     assert again.member.ranks == (0,)
 
 
 def test_no_joins_after_formation() -> None:
     w = window(target=1, min_rank_start=1)
-    w.request_join(host="a", devices=("cpu:0",), now=101)
+    join(w, "a")
     w.poll(101)
-    late = w.request_join(host="b", devices=("cpu:0",), now=102)
+    late = join(w, "b", now=102)
     assert isinstance(late, Rejected)
     assert "formed" in late.reason
 
@@ -126,3 +146,282 @@ def test_config_validation() -> None:
         JoinConfig(min_rank_start=3, join_timeout=1, target_ranks=2, max_join_timeout=2)
     with pytest.raises(ValueError, match="max_join_timeout"):
         JoinConfig(min_rank_start=1, join_timeout=5, target_ranks=None, max_join_timeout=2)
+
+
+# ----- versions: every host runs the controller's flodl_async and protocol ------------------------
+
+
+def test_the_constructor_defaults_to_this_packages_version() -> None:
+    w = JoinWindow(JoinConfig(min_rank_start=1, join_timeout=1, target_ranks=None, max_join_timeout=1), opened_at=0)
+    assert isinstance(join(w, "a", agent_version=__version__), Admitted)
+    assert isinstance(join(w, "b", agent_version=__version__ + ".post1"), Rejected)
+
+
+def test_another_flodl_version_is_refused_naming_both_versions_and_the_host() -> None:
+    w = JoinWindow(JoinConfig(min_rank_start=1, join_timeout=1, target_ranks=None, max_join_timeout=1), opened_at=0, controller_version="0.2.0")
+    result = join(w, "gpu7", agent_version="0.1.9")
+    assert result == Rejected(reason="host 'gpu7' runs flodl_async '0.1.9', this controller 0.2.0; install the same flodl_async version on every host")
+    assert w.members == ()
+    assert w.rejected_joins == 1
+
+
+def test_another_protocol_version_is_refused_naming_both_versions_and_the_host() -> None:
+    config = JoinConfig(min_rank_start=1, join_timeout=1, target_ranks=None, max_join_timeout=1)
+    w = JoinWindow(config, opened_at=0, protocol_version=2, controller_version="0.2.0")
+    result = join(w, "gpu7", agent_version="0.1.9", protocol_version=1)
+    assert result == Rejected(
+        reason="host 'gpu7' speaks protocol v1 (flodl_async '0.1.9'), this controller v2 (flodl_async 0.2.0); "
+        "install the same flodl_async version on every host"
+    )
+
+
+def test_the_same_flodl_version_with_another_protocol_is_still_refused() -> None:
+    result = join(window(), "a", protocol_version=PROTOCOL + 1)
+    assert isinstance(result, Rejected)
+    assert "speaks protocol v2" in result.reason
+
+
+def test_an_agent_too_old_to_report_its_version_is_refused() -> None:
+    w = JoinWindow(JoinConfig(min_rank_start=1, join_timeout=1, target_ranks=None, max_join_timeout=1), opened_at=0, controller_version="0.2.0")
+    result = join(w, "old", agent_version="")
+    assert result == Rejected(
+        reason="host 'old' did not report its flodl_async version (an agent too old to send it), this controller runs 0.2.0; "
+        "install the same flodl_async version on every host"
+    )
+
+
+def test_an_untrusted_version_string_is_quoted_not_pasted() -> None:
+    result = join(window(), "a", agent_version="1.0\nadmitted")
+    assert isinstance(result, Rejected)
+    assert "\n" not in result.reason
+    assert "'1.0\\nadmitted'" in result.reason
+
+
+def test_membership_imports_neither_asyncio_nor_socket() -> None:
+    code = "import sys, flodl_async.membership; print('mutmut' in sys.modules, sorted({'asyncio', 'socket'} & set(sys.modules)))"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
+    if result.stdout.startswith("True"):
+        pytest.skip("under mutmut the mutated module imports mutmut's trampoline, which brings socket along")
+    assert result.stdout.strip() == "False []"
+
+
+# ----- admission: exact reasons and boundaries ------------------------------------------------------
+
+
+def test_an_empty_host_is_refused_before_anything_else_is_looked_at() -> None:
+    assert join(window(), "", (), agent_version="") == Rejected(reason="empty host name")
+
+
+def test_an_admitted_member_records_what_it_brought() -> None:
+    w = window()
+    result = join(w, "a", ("cuda:1", "cuda:0"), now=104.5)
+    assert result == Admitted(member=w.members[0])
+    assert w.members[0].devices == ("cuda:1", "cuda:0")
+    assert w.members[0].joined_at == 104.5
+    assert w.joined_ranks == 2
+
+
+def test_exactly_the_per_host_rank_limit_is_admitted() -> None:
+    w = window(target=None)
+    result = join(w, "big", tuple(f"cpu:{i}" for i in range(MAX_RANKS_PER_JOIN)))
+    assert isinstance(result, Admitted)
+    assert result.member.ranks == tuple(range(MAX_RANKS_PER_JOIN))
+
+
+def test_one_rejection_leaves_the_window_open_and_is_counted() -> None:
+    w = window()
+    assert w.rejected_joins == 0
+    assert isinstance(join(w, ""), Rejected)
+    assert w.rejected_joins == 1
+    assert w.state is WindowState.OPEN
+    assert w.poll(101) is None
+
+
+def test_the_rejection_cap_fails_on_exactly_the_capth_rejection() -> None:
+    w = window(max_rejected_joins=3)
+    join(w, "")
+    join(w, "")
+    assert w.state is WindowState.OPEN
+    join(w, "")
+    assert w.poll(101) == Failed(reason="3 joins were rejected — the join port is being hammered by something that is not a flodl agent of this run")
+
+
+def test_rejections_after_formation_leave_the_verdict_alone() -> None:
+    w = window(min_rank_start=1, target=1, max_rejected_joins=1)
+    join(w, "a")
+    formed = w.poll(101)
+    assert isinstance(formed, Formed)
+    assert join(w, "b") == Rejected(reason="the join window is formed; this run takes no more hosts")
+    assert w.state is WindowState.FORMED
+    assert w.poll(102) is formed
+
+
+# ----- retract: only the last admission, only while open ---------------------------------------------
+
+
+def test_retract_on_an_empty_window_does_nothing() -> None:
+    w = window()
+    w.retract("a")
+    assert w.members == ()
+    assert w.joined_ranks == 0
+
+
+def test_retract_of_another_host_than_the_last_does_nothing() -> None:
+    w = window()
+    join(w, "a")
+    join(w, "b", ("cpu:0", "cpu:1"), now=102)
+    w.retract("a")
+    w.retract("nobody")
+    assert [m.host for m in w.members] == ["a", "b"]
+    assert w.joined_ranks == 3
+
+
+def test_retract_frees_the_host_name_and_the_ranks() -> None:
+    w = window()
+    join(w, "a")
+    join(w, "b", ("cpu:0", "cpu:1"), now=102)
+    w.retract("b")
+    assert w.joined_ranks == 1
+    again = join(w, "b", now=103)
+    assert isinstance(again, Admitted)
+    assert again.member.ranks == (1,)
+
+
+def test_retract_after_formation_does_nothing() -> None:
+    w = window(min_rank_start=1, target=1)
+    join(w, "a")
+    formed = w.poll(101)
+    w.retract("a")
+    assert w.poll(102) is formed
+    assert w.joined_ranks == 1
+    assert [m.host for m in w.members] == ["a"]
+
+
+# ----- member_lost and abort -------------------------------------------------------------------------
+
+
+def test_member_lost_names_the_host_and_the_time_into_the_window() -> None:
+    w = window()
+    join(w, "a")
+    verdict = w.member_lost("a", now=103.4)
+    assert verdict == Failed(reason="agent on host 'a' went away before the world formed (3.4s into the window)")
+    assert w.state is WindowState.FAILED
+
+
+def test_losing_a_host_that_never_joined_keeps_the_window_open() -> None:
+    w = window()
+    join(w, "a")
+    assert w.member_lost("stranger", now=102) is None
+    assert w.state is WindowState.OPEN
+
+
+def test_losing_a_member_after_formation_keeps_the_world() -> None:
+    w = window(min_rank_start=1, target=1)
+    join(w, "a")
+    formed = w.poll(101)
+    assert w.member_lost("a", now=102) is formed
+    assert w.state is WindowState.FORMED
+
+
+def test_abort_fails_an_open_window_with_the_callers_reason() -> None:
+    w = window()
+    assert w.abort("interrupted") == Failed(reason="interrupted")
+    assert w.state is WindowState.FAILED
+    assert w.next_deadline(101) is None
+    assert w.abort("again") == Failed(reason="interrupted")
+
+
+def test_abort_after_formation_keeps_the_world() -> None:
+    w = window(min_rank_start=1, target=1)
+    join(w, "a")
+    formed = w.poll(101)
+    assert w.abort("too late") is formed
+    assert w.state is WindowState.FORMED
+
+
+# ----- poll and next_deadline at their exact boundaries ----------------------------------------------
+
+
+def test_formed_verdict_carries_members_size_and_elapsed() -> None:
+    w = window(min_rank_start=2, target=4)
+    join(w, "a", now=101)
+    join(w, "b", ("cpu:0", "cpu:1"), now=104)
+    verdict = w.poll(110)
+    assert verdict == Formed(members=w.members, world_size=3, reason="join window closed with quorum", elapsed=10)
+    assert w.poll(111) is verdict
+
+
+def test_the_quorum_counts_ranks_across_hosts() -> None:
+    w = window(min_rank_start=2, target=4)
+    join(w, "a", now=101)
+    join(w, "b", now=105)
+    verdict = w.poll(110)
+    assert isinstance(verdict, Formed)
+    assert verdict.reason == "join window closed with quorum"
+
+
+def test_a_join_exactly_at_the_window_end_still_counts_as_inside_it() -> None:
+    w = window(min_rank_start=2, target=4)
+    join(w, "a", now=101)
+    join(w, "b", now=110)
+    verdict = w.poll(110)
+    assert isinstance(verdict, Formed)
+    assert verdict.reason == "join window closed with quorum"
+
+
+def test_a_quorum_after_the_window_forms_with_its_elapsed_time() -> None:
+    w = window(min_rank_start=2, target=4)
+    join(w, "a", now=101)
+    join(w, "b", now=110.5)
+    verdict = w.poll(112)
+    assert isinstance(verdict, Formed)
+    assert verdict.reason == "quorum met before the max_join_timeout cap"
+    assert verdict.elapsed == 12
+
+
+def test_poll_just_before_the_window_end_stays_open_with_a_quorum() -> None:
+    w = window(min_rank_start=1, target=4)
+    join(w, "a")
+    assert w.poll(109.999) is None
+    assert isinstance(w.poll(110), Formed)
+
+
+def test_next_deadline_is_the_window_end_before_it_and_the_cap_from_it_on() -> None:
+    w = window(min_rank_start=3)
+    assert w.next_deadline(100) == 110
+    assert w.next_deadline(109.999) == 110
+    assert w.poll(110) is None
+    assert w.next_deadline(110) == 130
+    assert w.next_deadline(129) == 130
+
+
+def test_the_failure_names_every_joined_host() -> None:
+    w = window(min_rank_start=4, target=None)
+    join(w, "a")
+    join(w, "b", now=102)
+    verdict = w.poll(130)
+    assert isinstance(verdict, Failed)
+    assert verdict.reason.startswith("quorum not met: 2/4 ranks joined (a, b) within")
+
+
+def test_the_failure_says_when_no_host_joined() -> None:
+    verdict = window().poll(130)
+    assert isinstance(verdict, Failed)
+    assert verdict.reason.startswith("quorum not met: 0/2 ranks joined (no host) within")
+
+
+# ----- config ---------------------------------------------------------------------------------------
+
+
+def test_config_messages_are_exact() -> None:
+    with pytest.raises(ValueError, match=r"^min_rank_start must be at least 1$"):
+        JoinConfig(min_rank_start=0, join_timeout=1, target_ranks=None, max_join_timeout=2)
+    with pytest.raises(ValueError, match=r"^target_ranks must be at least min_rank_start$"):
+        JoinConfig(min_rank_start=3, join_timeout=1, target_ranks=2, max_join_timeout=2)
+    with pytest.raises(ValueError, match=r"^max_join_timeout must be at least join_timeout$"):
+        JoinConfig(min_rank_start=1, join_timeout=5, target_ranks=None, max_join_timeout=4.9)
+
+
+def test_config_accepts_its_boundaries() -> None:
+    config = JoinConfig(min_rank_start=1, join_timeout=5, target_ranks=1, max_join_timeout=5)
+    assert (config.min_rank_start, config.target_ranks, config.max_join_timeout) == (1, 1, 5)
