@@ -35,7 +35,9 @@ import signal
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
+from . import __version__
 from .membership import Admitted, Failed, Formed, JoinConfig, JoinedMember, JoinWindow
+from .status.model import RankState
 from .verdict import ExitCode, RunResult, exit_code_for_signal, rank_signal_for
 from .wire import messages as m
 from .wire.schema import Message
@@ -58,7 +60,8 @@ class SupervisorConfig:
     #: Hosts whose agent runs inside the controller's process: one of them hosts the store.
     local_hosts: frozenset[str] = frozenset()
     protocol_version: int = 1
-    version: str = ""
+    #: This controller's flodl_async version: an agent of another version is refused at join.
+    version: str = __version__
 
 
 # ----- events ------------------------------------------------------------------------------------
@@ -244,15 +247,6 @@ class Ended:
 Phase = Forming | Rendezvous | Running | Restarting | Ended
 
 
-class RankState(enum.Enum):
-    """A rank process as the supervisor knows it."""
-
-    RUNNING = "running"
-    CONNECTED = "connected"
-    EXITED = "exited"
-    FAILED = "failed"
-
-
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RankView:
     """One rank in :class:`SupervisorView`."""
@@ -288,7 +282,7 @@ class Supervisor:
 
     def __init__(self, config: SupervisorConfig, *, now: float) -> None:
         self.config = config
-        window = JoinWindow(config.join, opened_at=now, protocol_version=config.protocol_version)
+        window = JoinWindow(config.join, opened_at=now, protocol_version=config.protocol_version, controller_version=config.version)
         self._phase: Phase = Forming(window=window)
         self._window = window
         self._restart_count = 0
@@ -367,7 +361,9 @@ class Supervisor:
         window = phase.window
         actions: list[Action] = []
         if isinstance(event, JoinRequested):
-            outcome = window.request_join(host=event.host, devices=event.devices, now=now, protocol_version=event.protocol_version)
+            outcome = window.request_join(
+                host=event.host, devices=event.devices, now=now, agent_version=event.agent_version, protocol_version=event.protocol_version
+            )
             if not isinstance(outcome, Admitted):
                 actions.append(Announce(text=f'join refused: host "{event.host}": {outcome.reason}', level=Level.WARNING))
                 actions.append(RejectJoin(host=event.host, reason=outcome.reason))

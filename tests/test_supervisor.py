@@ -6,6 +6,7 @@ import signal
 
 import pytest
 
+from flodl_async import __version__
 from flodl_async.membership import JoinConfig
 from flodl_async.supervisor import (
     AcceptJoin,
@@ -59,7 +60,7 @@ def config(**overrides: object) -> SupervisorConfig:
 
 
 def join(host: str, n: int = 2) -> JoinRequested:
-    return JoinRequested(host=host, devices=tuple(f"cpu:{i}" for i in range(n)), protocol_version=1, agent_version="")
+    return JoinRequested(host=host, devices=tuple(f"cpu:{i}" for i in range(n)), protocol_version=1, agent_version=__version__)
 
 
 def exited(rank: int, host: str, code: int | None = 0, round_: int = 0, sig: int | None = None) -> RankExited:
@@ -136,6 +137,16 @@ def test_refused_join_is_answered_and_announced() -> None:
     assert "already joined" in rejects[0].reason
     assert of(actions, Announce)[0].level is Level.WARNING
     assert sup.view().rejected_joins == 1
+
+
+def test_an_agent_of_another_version_is_refused_naming_both_versions_and_the_host() -> None:
+    sup = Supervisor(config(), now=0.0)
+    actions = sup.handle(JoinRequested(host="gpu7", devices=("cpu:0",), protocol_version=1, agent_version="0.0.1"), 1.0)
+    reason = of(actions, RejectJoin)[0].reason
+    assert "'gpu7'" in reason
+    assert "'0.0.1'" in reason
+    assert __version__ in reason
+    assert of(actions, AcceptJoin) == []
 
 
 def test_undelivered_accept_is_retracted_keeping_ranks_contiguous() -> None:

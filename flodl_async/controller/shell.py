@@ -35,7 +35,7 @@ from ..net.http import StatusHttpProtocol
 from ..net.mux import PortMux
 from ..net.service import FramedService
 from ..plan import LaunchPlan, PlacedWorker, Placement
-from ..status import MemberStatus, Phase, RankStatus, StatusBoard, StatusSnapshot
+from ..status import Counters, MemberStatus, Phase, RankStatus, StatusBoard, StatusSnapshot
 from ..supervisor import (
     AcceptJoin,
     Action,
@@ -98,8 +98,8 @@ class Controller:
         self._keys = SessionKeys.derive(plan.secret, plan.run_id)
         self._join_keys = SessionKeys.derive(plan.secret, "")
         self._links: dict[str, FramedProtocol] = {}
-        self._board = StatusBoard()
         self._mux = PortMux(host=plan.bind_host, port=plan.port, sniff_timeout=self._deadlines.sniff)
+        self._board = StatusBoard(counters=self._connection_counters)
         self._started_at = time.time()
         self._opened_at = time.monotonic()
         self._supervisor: Supervisor | None = None
@@ -127,7 +127,7 @@ class Controller:
 
     async def bind(self) -> None:
         """Bind the one port and serve status (``waiting``) before anything else happens."""
-        self._mux.register(Channel.STATUS, lambda: StatusHttpProtocol(self._board, refresh=self._publish, request_timeout=self._deadlines.http_request))
+        self._mux.register(Channel.STATUS, lambda: StatusHttpProtocol(self._board, request_timeout=self._deadlines.http_request))
         await self._mux.start()
         self._publish()
 
@@ -342,8 +342,11 @@ class Controller:
             self.port,
         )
 
-    def _publish(self) -> None:
+    def _connection_counters(self) -> Counters:
         stats = self._mux.statistics()
+        return {"routed": stats.routed, "dropped": stats.dropped}
+
+    def _publish(self) -> None:
         phase, world_size, joined, restarts = Phase.WAITING, 0, 0, 0
         members: tuple[MemberStatus, ...] = ()
         ranks: tuple[RankStatus, ...] = ()
@@ -358,7 +361,7 @@ class Controller:
                 for mb in view.members
             )
             ranks = tuple(
-                RankStatus(rank=r.rank, host=r.host, local_rank=r.local_rank, state=r.state.value, pid=r.pid, exit_code=r.exit_code, signal=r.signal)
+                RankStatus(rank=r.rank, host=r.host, local_rank=r.local_rank, state=r.state, pid=r.pid, exit_code=r.exit_code, signal=r.signal)
                 for r in view.ranks
             )
         self._board.publish(
@@ -376,7 +379,6 @@ class Controller:
                 ranks=ranks,
                 verdict=result.reason if result is not None else "",
                 exit_code=int(result.exit_code) if result is not None else None,
-                connections={"routed": stats.routed, "dropped": stats.dropped},
             )
         )
 
