@@ -27,8 +27,8 @@ from __future__ import annotations
 import difflib
 import enum
 import ipaddress
+import os
 import re
-import socket
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -184,7 +184,7 @@ class ClusterSpec:
 
 def local_host_names() -> frozenset[str]:
     """Names that mean this machine (no DNS lookups)."""
-    name = socket.gethostname()
+    name = os.uname().nodename  # gethostname() without importing socket into this pure module
     return frozenset({"localhost", name, name.split(".")[0]})
 
 

@@ -29,3 +29,32 @@ def test_status_query_does_not_import_asyncio() -> None:
     code = "import sys\nimport flodl_async.cli, flodl_async.status\nprint('asyncio' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
     assert result.stdout.strip() == "False"
+
+
+#: The sans-IO core (design §8): decisions and codecs that take bytes and `now`, never a socket or a loop.
+PURE_MODULES = [
+    "flodl_async.supervisor",
+    "flodl_async.membership",
+    "flodl_async.verdict",
+    "flodl_async.deadlines",
+    "flodl_async.plan",
+    "flodl_async.cluster",
+    "flodl_async.rankenv",
+    "flodl_async.roles",
+    "flodl_async.storeproto",
+    "flodl_async.status.model",
+    "flodl_async.wire",
+    "flodl_async.wire.frame",
+    "flodl_async.wire.tensor",
+]
+
+
+def test_pure_modules_import_neither_asyncio_nor_socket() -> None:
+    code = "import importlib, sys\n" + "".join(
+        f"importlib.import_module({mod!r}); print({mod!r}, 'asyncio' in sys.modules, 'socket' in sys.modules)\n" for mod in PURE_MODULES
+    )
+    # One interpreter per module would cost seconds; modules are imported in order, so the first offender is the one named.
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
+    offenders = [line for line in result.stdout.splitlines() if line.endswith(("True False", "False True", "True True"))]
+    assert result.stdout.count("\n") == len(PURE_MODULES)
+    assert offenders == []
