@@ -18,13 +18,12 @@ from collections.abc import Callable
 import h11
 
 from ..status import SCHEMA, StatusBoard, dashboard_html
-from .timeouts import scaled
+from ..deadlines import Deadlines
 
 log = logging.getLogger("flodl_async.status")
 
 MAX_REQUEST_HEAD = 8 * 1024
 MAX_REQUEST_BODY = 16 * 1024
-REQUEST_TIMEOUT = 5.0
 ENDPOINTS = ("/", "/state.json")
 
 
@@ -46,7 +45,7 @@ class StatusHttpProtocol(asyncio.Protocol):
         self._request: h11.Request | None = None
         self._body_bytes = 0
         self._received = 0
-        self._timeout = scaled(REQUEST_TIMEOUT) if request_timeout is None else request_timeout
+        self._timeout = Deadlines.resolve().http_request if request_timeout is None else request_timeout
         self._timer: asyncio.TimerHandle | None = None
         self._answered = False
 

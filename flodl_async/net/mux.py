@@ -23,13 +23,12 @@ from dataclasses import dataclass
 
 from ..errors import ConfigError, PortInUseError
 from ..wire.channels import Channel, NeedMore, Routed, sniff
-from .timeouts import scaled
+from ..deadlines import Deadlines
 
 log = logging.getLogger("flodl_async.mux")
 
 ProtocolFactory = Callable[[], asyncio.BaseProtocol]
 
-DEFAULT_SNIFF_TIMEOUT = 5.0
 DEFAULT_MAX_UNSNIFFED = 512
 #: Longest prefix we buffer while sniffing: the magic is 4 bytes, more is a peer that talks past it.
 _MAX_SNIFF_BYTES = 64 * 1024
@@ -71,7 +70,7 @@ class PortMux:
     ) -> None:
         self._host = check_bind_host(host)
         self._port = port
-        self._sniff_timeout = scaled(DEFAULT_SNIFF_TIMEOUT) if sniff_timeout is None else sniff_timeout
+        self._sniff_timeout = Deadlines.resolve().sniff if sniff_timeout is None else sniff_timeout
         self._max_unsniffed = max_unsniffed
         self._handlers: dict[Channel, ProtocolFactory] = {}
         self._server: asyncio.Server | None = None
