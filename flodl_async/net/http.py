@@ -17,8 +17,8 @@ from collections.abc import Callable
 
 import h11
 
-from ..status import SCHEMA, StatusBoard, dashboard_html
 from ..deadlines import Deadlines
+from ..status import SCHEMA, StatusBoard, dashboard_html
 
 log = logging.getLogger("flodl_async.status")
 

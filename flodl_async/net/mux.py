@@ -21,9 +21,9 @@ import typing
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from ..deadlines import Deadlines
 from ..errors import ConfigError, PortInUseError
 from ..wire.channels import Channel, NeedMore, Routed, sniff
-from ..deadlines import Deadlines
 
 log = logging.getLogger("flodl_async.mux")
 
