@@ -88,14 +88,6 @@ def test_the_document_keeps_its_shape_and_carries_the_schema_marker() -> None:
     assert doc["connections"] == {}
 
 
-def test_rank_status_takes_the_legacy_state_string_but_holds_the_enum() -> None:
-    legacy = RankStatus(rank=0, host="a", local_rank=0, state="connected", pid=7)
-    assert legacy.state is RankState.CONNECTED
-    assert legacy == RankStatus(rank=0, host="a", local_rank=0, state=RankState.CONNECTED, pid=7)
-    with pytest.raises(ValueError, match="'sleeping' is not a valid RankState"):
-        RankStatus(rank=0, host="a", local_rank=0, state="sleeping")
-
-
 def test_the_page_loads_from_package_data_and_is_declared_for_the_wheel() -> None:
     page = dashboard_html()
     assert page == resources.files("flodl_async.status").joinpath("page.html").read_bytes()
@@ -161,39 +153,6 @@ def test_a_counter_refresh_is_not_offered_to_subscribers() -> None:
         assert got is not None
         assert got.connections["dropped"] == {"unknown_magic": 0}  # as of the lifecycle event
         assert sub.get_nowait() is None
-
-
-def test_the_legacy_rebuild_runs_at_most_once_per_interval() -> None:
-    clock = FakeClock()
-    board = StatusBoard(clock=clock)
-    rebuilds: list[float] = []
-
-    def rebuild() -> None:
-        rebuilds.append(clock.now)
-        board.publish(_snapshot())
-
-    board.refresh_if_stale(rebuild)
-    assert rebuilds == []  # nothing published yet: nothing to refresh
-    board.publish(_snapshot())
-    for _ in range(5):  # binary fractions, so the clock adds up exactly
-        clock.now += 0.125
-        board.refresh_if_stale(rebuild)
-    assert rebuilds == [1000.5]
-    assert board.statistics().encodes == 2
-
-
-def test_a_legacy_rebuild_that_does_not_publish_is_still_rate_limited() -> None:
-    clock = FakeClock()
-    board = StatusBoard(clock=clock)
-    board.publish(_snapshot())
-    calls: list[float] = []
-    for _ in range(8):
-        clock.now += 0.25
-        board.refresh_if_stale(lambda: calls.append(clock.now))
-    assert calls == [1000.5, 1001.0, 1001.5, 1002.0]  # every 0.5 s, not every call
-
-
-# ----- subscriptions ----------------------------------------------------------------------------------
 
 
 def test_a_full_subscription_drops_the_oldest_and_counts_it() -> None:

@@ -122,33 +122,6 @@ async def test_requests_serve_the_cached_encoding() -> None:
         await mux.aclose()
 
 
-async def test_the_deprecated_refresh_is_rate_limited_not_per_request() -> None:
-    clock = _Clock()
-    board = StatusBoard(clock=clock)
-    rebuilds: list[float] = []
-
-    def refresh() -> None:  # what the pre-counters controller passes: it republishes
-        rebuilds.append(clock.now)
-        board.publish(_snapshot())
-
-    mux = PortMux(host="127.0.0.1", port=0)
-    mux.register(Channel.STATUS, lambda: StatusHttpProtocol(board, request_timeout=2.0, refresh=refresh))
-    await mux.start()
-    try:
-        status, _, _ = await asyncio.to_thread(_get, mux.port, "GET", "/state.json")
-        assert status == 503
-        board.publish(_snapshot())
-        for _ in range(3):
-            await asyncio.to_thread(_get, mux.port, "GET", "/state.json")
-        assert rebuilds == []
-        clock.now += 0.5
-        for _ in range(3):
-            await asyncio.to_thread(_get, mux.port, "GET", "/state.json")
-        assert rebuilds == [50.5]
-    finally:
-        await mux.aclose()
-
-
 async def test_unknown_path_lists_the_endpoints(served: tuple[PortMux, StatusBoard]) -> None:
     mux, _ = served
     status, _, body = await asyncio.to_thread(_get, mux.port, "GET", "/nope")

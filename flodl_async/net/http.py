@@ -13,7 +13,6 @@ import asyncio
 import json
 import logging
 import typing
-from collections.abc import Callable
 
 import h11
 
@@ -28,18 +27,10 @@ ENDPOINTS = ("/", "/state.json")
 
 
 class StatusHttpProtocol(asyncio.Protocol):
-    """Serves one HTTP request from the status board, then closes.
+    """Serves one HTTP request from the status board's cached bytes, then closes."""
 
-    ``refresh`` is deprecated: a controller that republishes to update its
-    live counters may still pass it, and it is called at most once per
-    :data:`~flodl_async.status.board.COUNTERS_INTERVAL` (through
-    :meth:`StatusBoard.refresh_if_stale`), never per request. Give the board a
-    ``counters`` provider instead.
-    """
-
-    def __init__(self, board: StatusBoard, *, request_timeout: float | None = None, refresh: Callable[[], None] | None = None) -> None:
+    def __init__(self, board: StatusBoard, *, request_timeout: float | None = None) -> None:
         self._board = board
-        self._refresh = refresh
         self._conn = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_REQUEST_HEAD)
         self._transport: asyncio.Transport | None = None
         self._request: h11.Request | None = None
@@ -118,8 +109,6 @@ class StatusHttpProtocol(asyncio.Protocol):
             return
         head = method == "HEAD"
         if path == "/state.json":
-            if self._refresh is not None:
-                self._board.refresh_if_stale(self._refresh)
             encoded = self._board.encoded
             if encoded is None:
                 self._send(503, _json({"error": "no status published yet; the controller is starting"}), head=head)

@@ -200,7 +200,6 @@ class StatusBoard:
         self._snapshot: StatusSnapshot | None = None
         self._encoded: bytes | None = None
         self._encoded_at = -math.inf
-        self._refreshed_at = -math.inf
         self._subscriptions: dict[Subscription, None] = {}  # a dict: ordered, O(1) removal
         self._published = 0
         self._encodes = 0
@@ -237,21 +236,6 @@ class StatusBoard:
             if now - self._encoded_at >= self._interval:
                 self._refresh_counters(self._snapshot, self._counters(), now)
         return self._encoded
-
-    def refresh_if_stale(self, rebuild: Callable[[], None]) -> None:
-        """Deprecated: call ``rebuild`` (which republishes) when the encoding is older than the interval.
-
-        The adapter behind ``StatusHttpProtocol(board, refresh=...)``, for a
-        controller that still republishes to update its counters; pass
-        ``counters=`` to the board instead. Rate-limited like the counters, so
-        a request still costs O(1) amortised.
-        """
-        if self._snapshot is None:
-            return
-        now = self._clock()
-        if now - max(self._encoded_at, self._refreshed_at) >= self._interval:
-            self._refreshed_at = now  # even if rebuild does not publish, ask again only an interval later
-            rebuild()
 
     def statistics(self) -> BoardStatistics:
         """Counts so far, as a frozen snapshot."""

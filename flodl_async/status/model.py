@@ -65,44 +65,17 @@ class MemberStatus:
     state: MemberState = MemberState.JOINED
 
 
-@dataclass(frozen=True, slots=True, kw_only=True, init=False)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class RankStatus:
-    """One rank process.
-
-    ``state`` is always a :class:`RankState`; the constructor also takes its
-    string value (``state="running"``), the form callers used before the enum —
-    a thin adapter kept until they pass the enum.
-    """
+    """One rank process."""
 
     rank: int
     host: str
     local_rank: int
     state: RankState
-    pid: int | None
-    exit_code: int | None
-    signal: int | None
-
-    def __init__(
-        self,
-        *,
-        rank: int,
-        host: str,
-        local_rank: int,
-        state: RankState | str,
-        pid: int | None = None,
-        exit_code: int | None = None,
-        signal: int | None = None,
-    ) -> None:
-        # A hand-written __init__ (not __post_init__) so the type checker accepts the legacy
-        # string while the attribute stays a RankState; an unknown string raises ValueError.
-        set_field = object.__setattr__  # the dataclass is frozen
-        set_field(self, "rank", rank)
-        set_field(self, "host", host)
-        set_field(self, "local_rank", local_rank)
-        set_field(self, "state", RankState(state))
-        set_field(self, "pid", pid)
-        set_field(self, "exit_code", exit_code)
-        set_field(self, "signal", signal)
+    pid: int | None = None
+    exit_code: int | None = None
+    signal: int | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
