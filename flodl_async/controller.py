@@ -28,7 +28,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .agent import Agent, AgentConfig, RankOutput
+from .agent import HostSession, RankOutput, SessionConfig
 from .cluster import WorkerSpec
 from .errors import ConnectionClosed, FlodlError, WireError
 from .membership import Admitted, Failed, Formed, JoinConfig, JoinedMember, JoinWindow, WindowState
@@ -152,7 +152,7 @@ class Controller:
         self._rank_states: dict[int, RankStatus] = {}
         self._restart_count = 0
         self._interrupts = 0
-        self._local_agents: list[Agent] = []
+        self._local_agents: list[HostSession] = []
         self._verdict = ""
         self._exit_code: int | None = None
 
@@ -419,8 +419,8 @@ class Controller:
         await self._mux.aclose()
 
     async def _run_local_agent(self, worker: WorkerSpec) -> None:
-        agent = Agent(
-            AgentConfig(
+        agent = HostSession(
+            SessionConfig(
                 controller_host="127.0.0.1",
                 controller_port=self.port,
                 secret=self.plan.secret,
