@@ -128,12 +128,6 @@ async def bench() -> AsyncIterator[Bench]:
         shutil.rmtree(scratch, ignore_errors=True)
 
 
-async def _wait_for_file_lines(path: Path, count: int) -> None:
-    """The ranks' record file has ``count`` lines (written by their signal handlers)."""
-    while not path.exists() or len(path.read_text().splitlines()) < count:
-        await asyncio.sleep(0.02)
-
-
 async def test_abort_during_a_long_stop_ranks_kills_at_once(bench: Bench) -> None:
     """The command loop keeps reading while StopRanks waits: Abort(grace 0) escalates it to KILL now."""
     async with asyncio.timeout(60), asyncio.TaskGroup() as tg:
@@ -142,7 +136,7 @@ async def test_abort_during_a_long_stop_ranks_kills_at_once(bench: Bench) -> Non
         assert bench.entries()  # the session's scratch lives in the runtime directory
         link = await bench.controller.join_link
         link.send(m.StopRanks(round=0, reason="restart", grace_s=60.0))
-        await _wait_for_file_lines(bench.record, 2)  # both ranks got (and ignored) the TERM
+        await bench.output.wait_for(b"got SIGTERM", 2)  # both ranks got (and ignored) the TERM
         loop = asyncio.get_running_loop()
         aborted_at = loop.time()
         link.send(m.Abort(reason="a rank failed elsewhere", grace_s=0.0))
@@ -213,7 +207,7 @@ async def test_request_stop_sends_the_signal_first_and_force_kills(bench: Bench)
         running = tg.create_task(bench.session.run(), name="session")
         await bench.output.wait_for(b"ready pid", 2)
         bench.session.request_stop(signal.SIGINT)
-        await _wait_for_file_lines(bench.record, 2)  # the ranks got SIGINT (and ignore it)
+        await bench.output.wait_for(b"got SIGINT", 2)  # the ranks got SIGINT (and ignore it)
         bench.session.force_stop()  # the second signal
         outcome = await running
     assert outcome.ending is Ending.STOPPED

@@ -1,6 +1,6 @@
 """Rank script (no torch): appends every SIGINT/SIGTERM it gets to the file given, then exits or ignores it.
 
-argv: RECORD_FILE [exit|ignore]. Prints ``ready pid N`` once its handlers are in place.
+argv: RECORD_FILE [exit|ignore]. Prints ``ready pid N`` once its handlers are in place, and ``got SIGNAME`` after recording one.
 """
 
 import os
@@ -14,6 +14,7 @@ record, mode = sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else "exit"
 def on_signal(signum: int, _frame: object) -> None:
     with open(record, "a") as out:
         out.write(f"{os.environ.get('RANK', '?')} {signal.Signals(signum).name}\n")
+    print(f"got {signal.Signals(signum).name}", flush=True)  # after the record: a reader of this line can read the file
     if mode == "exit":
         sys.exit(128 + signum)
 
