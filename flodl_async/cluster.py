@@ -9,7 +9,7 @@ Shape (all keys optional unless marked)::
     env: {NAME: value}        # for every rank
     workers:                  # required, non-empty
       - host: node-a          # required; logical id and default ssh target
-        devices: all | [0, 1] | cpu:4     # required
+        devices: all | [0, 1] | 0,1 | cpu:4   # required (flodl_async.devices)
         ssh: {target, port, user, identity_file, known_hosts, options: [..]}
         tunnel: false
         env: {NAME: value}    # this host's ranks; overrides the cluster env
@@ -25,7 +25,6 @@ closest valid key for a typo.
 from __future__ import annotations
 
 import difflib
-import enum
 import ipaddress
 import os
 import re
@@ -35,9 +34,32 @@ from pathlib import Path
 
 import yaml
 
+from .devices import EXPECTED as DEVICES_EXPECTED
+from .devices import DeviceKind, DeviceSpec, parse_devices, parse_gpu_ids
 from .errors import ConfigError
 from .membership import JoinConfig
 from .rankenv import TORCHRUN_CONTRACT
+
+# The device types live in flodl_async.devices; re-exported so `from flodl_async.cluster import DeviceSpec` keeps working.
+__all__ = [
+    "DEFAULT_JOIN_TIMEOUT",
+    "DEFAULT_MAX_JOIN_TIMEOUT",
+    "DEFAULT_PORT",
+    "RESERVED_ENV",
+    "RESERVED_ENV_PREFIXES",
+    "ClusterSpec",
+    "ControllerSpec",
+    "DeviceKind",
+    "DeviceSpec",
+    "JoinKnobs",
+    "SshSpec",
+    "WorkerSpec",
+    "is_local_host",
+    "load_cluster",
+    "local_host_names",
+    "parse_cluster",
+    "parse_gpu_ids",
+]
 
 DEFAULT_PORT = 1337
 DEFAULT_JOIN_TIMEOUT = 300.0
@@ -49,49 +71,6 @@ RESERVED_ENV = frozenset(
     {"CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "GPU_DEVICE_ORDINAL", *TORCHRUN_CONTRACT}
 ) - {"TORCH_NCCL_ASYNC_ERROR_HANDLING"}  # a tuning knob users may set; the launcher only defaults it
 RESERVED_ENV_PREFIXES = ("FLODL_", "TORCHELASTIC_")
-
-
-class DeviceKind(enum.Enum):
-    """How a worker's ranks are placed."""
-
-    ALL_GPUS = "all"
-    GPU_LIST = "gpus"
-    CPU = "cpu"
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class DeviceSpec:
-    """A worker's devices: every GPU, a list of GPU ids, or N CPU ranks."""
-
-    kind: DeviceKind
-    gpu_ids: tuple[int, ...] = ()
-    cpu_ranks: int = 0
-
-    @property
-    def is_gpu(self) -> bool:
-        """GPU ranks use NCCL; CPU ranks use gloo."""
-        return self.kind is not DeviceKind.CPU
-
-    @property
-    def known_count(self) -> int | None:
-        """Ranks this spec yields, or None for ``all`` (known once the agent probes its host)."""
-        if self.kind is DeviceKind.CPU:
-            return self.cpu_ranks
-        if self.kind is DeviceKind.GPU_LIST:
-            return len(self.gpu_ids)
-        return None
-
-    def labels(self, gpu_count: int = 0) -> tuple[str, ...]:
-        """Device labels an agent offers when joining (``cpu:0``.., ``cuda:3``..)."""
-        if self.kind is DeviceKind.CPU:
-            return tuple(f"cpu:{i}" for i in range(self.cpu_ranks))
-        ids = self.gpu_ids if self.kind is DeviceKind.GPU_LIST else tuple(range(gpu_count))
-        return tuple(f"cuda:{i}" for i in ids)
-
-    @classmethod
-    def cpu(cls, ranks: int) -> DeviceSpec:
-        """``ranks`` CPU ranks."""
-        return cls(kind=DeviceKind.CPU, cpu_ranks=ranks)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -301,17 +280,6 @@ def _env(doc: _Doc, node: yaml.Node, path: str) -> dict[str, str]:
     return out
 
 
-def parse_gpu_ids(text: str) -> tuple[int, ...]:
-    """``"0,1,3"`` → (0, 1, 3); distinct and non-negative, else :class:`ConfigError`."""
-    try:
-        ids = tuple(int(part) for part in text.split(","))
-    except ValueError:
-        raise ConfigError(f"{text!r} is not a list of GPU ids like 0,1") from None
-    if len(set(ids)) != len(ids) or min(ids) < 0:
-        raise ConfigError(f"GPU ids {text!r} must be distinct and non-negative")
-    return ids
-
-
 def _devices(doc: _Doc, node: yaml.Node, path: str) -> DeviceSpec:
     if isinstance(node, yaml.SequenceNode):
         ids: list[int] = []
@@ -324,13 +292,14 @@ def _devices(doc: _Doc, node: yaml.Node, path: str) -> DeviceSpec:
             raise doc.error(node, path, "expected at least one GPU id")
         return DeviceSpec(kind=DeviceKind.GPU_LIST, gpu_ids=tuple(ids))
     value = _scalar(node) if isinstance(node, yaml.ScalarNode) else None
-    if value == "all":
-        return DeviceSpec(kind=DeviceKind.ALL_GPUS)
+    if type(value) is int:  # `devices: 0` is one GPU id, as `devices: "0"` is
+        value = str(value)
     if isinstance(value, str):
-        match = re.fullmatch(r"cpu:(\d+)", value.strip())
-        if match and int(match.group(1)) >= 1:
-            return DeviceSpec.cpu(int(match.group(1)))
-    raise doc.error(node, path, f"expected `all`, a list of GPU ids like [0, 1], or `cpu:N` with N >= 1, got {_show(node)}")
+        try:
+            return parse_devices(value)
+        except ConfigError as exc:
+            raise doc.error(node, path, str(exc)) from None
+    raise doc.error(node, path, f"{DEVICES_EXPECTED}, or a list of GPU ids like [0, 1]; got {_show(node)}")
 
 
 _TOP_KEYS = ("controller", "workers", "env")

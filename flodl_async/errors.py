@@ -126,3 +126,70 @@ class SubscriptionClosed(FlodlError):
 
     def __init__(self) -> None:
         super().__init__("this status subscription is closed; subscribe again to the board for new snapshots")
+
+
+# ----- one host's session (the agent) and its state on disk ----------------------------------
+#
+#     FlodlError
+#     ├── AgentError                one host's session failed (fields: host, reason)
+#     │   ├── JoinFailed            the host never got into the run (exit 3)
+#     │   │   ├── ControllerUnreachable
+#     │   │   ├── JoinRejected      the controller said no (JoinReject)
+#     │   │   └── FormationAborted  admitted, but the world never formed
+#     │   └── ControllerLost        the join link broke mid-run (exit 4)
+#     └── RuntimeDirError           the per-user runtime directory is unusable (a ConfigError)
+
+
+class AgentError(FlodlError):
+    """One host's session failed. ``host`` and ``reason`` are what the controller reports.
+
+    The message is built from them and ends with what to do (each subclass's ``advice``).
+    """
+
+    advice = "see the controller's log for the run's verdict"
+
+    def __init__(self, host: str, reason: str) -> None:
+        self.host = host
+        self.reason = reason
+        super().__init__(f"agent {host}: {reason} — {self.advice}")
+
+
+class JoinFailed(AgentError):
+    """The host never got into the run: the link failed before admission or formation."""
+
+    advice = "check that the controller is running, its address, and that both sides hold the same session secret"
+
+
+class ControllerUnreachable(JoinFailed):
+    """Nothing accepted a connection at the controller address."""
+
+    advice = "check the --controller address and that flodl-launch is running and reachable there"
+
+
+class JoinRejected(JoinFailed):
+    """The controller answered the join with ``JoinReject``."""
+
+    advice = "fix what the controller named (host name, devices, version) and start the agent again"
+
+
+class FormationAborted(JoinFailed):
+    """The host was admitted but the world never formed (the window failed or timed out)."""
+
+    advice = "the run did not start; check the launcher's verdict and start a new run"
+
+
+class ControllerLost(AgentError):
+    """The join link broke mid-run: the controller stopped, crashed or became unreachable."""
+
+    advice = "this host's ranks were stopped; see the launcher's verdict, then start a new run"
+
+
+class RuntimeDirError(ConfigError):
+    """The per-user runtime directory (or an entry in it) cannot be used safely."""
+
+    def __init__(self, path: str, problem: str) -> None:
+        self.path = path
+        self.problem = problem
+        super().__init__(
+            f"runtime directory {path}: {problem} — fix or remove it, or point XDG_RUNTIME_DIR at a short private directory (mode 0700, owned by you)"
+        )

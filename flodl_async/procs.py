@@ -3,8 +3,10 @@
 Every rank and store process is started in a new session (its own process
 group, so a kill reaches the grandchildren it forks, e.g. data-loader workers)
 with ``PR_SET_PDEATHSIG=SIGKILL``, so it dies even when the launcher or agent
-is SIGKILLed and has no chance to clean up. Stopping is TERM to every group,
-then KILL to the survivors at one deadline shared by all of them.
+is SIGKILLed and has no chance to clean up. Stopping follows the signal table
+(:func:`flodl_async.verdict.stop_schedule`): the first signal to every group,
+TERM halfway when the first was not TERM, then KILL to the survivors at one
+deadline shared by all of them.
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ import os
 import signal
 import sys
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+
+from .verdict import StopStep
 
 _PR_SET_PDEATHSIG = 1
 
@@ -59,34 +62,54 @@ def signal_group(pid: int, sig: signal.Signals) -> None:
         os.killpg(pid, sig)
 
 
+async def _wait_all(procs: Sequence[asyncio.subprocess.Process]) -> None:
+    for proc in procs:
+        await proc.wait()
+
+
+async def _until_exited_or_forced(procs: Sequence[asyncio.subprocess.Process], force: asyncio.Event | None, when: float) -> None:
+    """Return when every process exited, ``force`` is set, or the loop time ``when`` came, whichever is first."""
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout_at(when), asyncio.TaskGroup() as tg:
+            exits = tg.create_task(_wait_all(procs), name="stop-wait-exits")
+            if force is not None:
+                forced = tg.create_task(force.wait(), name="stop-wait-force")
+                # Whichever finishes first ends the other: the group then closes at once.
+                exits.add_done_callback(lambda _: forced.cancel())
+                forced.add_done_callback(lambda _: exits.cancel())
+
+
 async def stop_processes(
     procs: Iterable[asyncio.subprocess.Process],
     *,
-    grace: float,
+    schedule: Sequence[StopStep],
     force: asyncio.Event | None = None,
 ) -> None:
-    """TERM every group, then KILL whatever is left at one shared deadline (or when ``force`` is set)."""
+    """Follow ``schedule`` (:func:`flodl_async.verdict.stop_schedule`) over every process group.
+
+    Each step's signal goes to the groups still running at its time, counted from the
+    start of this call; the last step (KILL) is the one deadline shared by all of them.
+    ``force`` set (a second signal) means KILL now. Returns once every process exited.
+    """
     live = [p for p in procs if p.returncode is None]
-    for proc in live:
-        signal_group(proc.pid, signal.SIGTERM)
-    waiters: set[asyncio.Future[Any]] = {asyncio.ensure_future(p.wait()) for p in live}
-    force_wait: asyncio.Future[Any] | None = asyncio.ensure_future(force.wait()) if force is not None else None
-    try:
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + grace
-        pending = set(waiters)
-        while pending and not (force is not None and force.is_set()):
-            remaining = deadline - loop.time()
-            if remaining <= 0:
-                break
-            watch = pending | ({force_wait} if force_wait is not None else set())
-            await asyncio.wait(watch, timeout=remaining, return_when=asyncio.FIRST_COMPLETED)
-            pending = {w for w in pending if not w.done()}
+    if not live:
+        return
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    for step in schedule:
+        if step.signal is signal.SIGKILL:
+            break  # the final KILL, below, reaches every group
+        if started + step.after > loop.time():
+            await _until_exited_or_forced(live, force, started + step.after)
+        if all(p.returncode is not None for p in live) or (force is not None and force.is_set()):
+            break
         for proc in live:
-            # The whole group, even when its leader already exited: forked helpers die too.
-            signal_group(proc.pid, signal.SIGKILL)
-        if waiters:
-            await asyncio.gather(*waiters)
-    finally:
-        for waiter in (*waiters, *([force_wait] if force_wait is not None else [])):
-            waiter.cancel()
+            if proc.returncode is None:
+                signal_group(proc.pid, step.signal)
+    deadline = started + schedule[-1].after if schedule else started
+    if deadline > loop.time() and not all(p.returncode is not None for p in live):
+        await _until_exited_or_forced(live, force, deadline)
+    for proc in live:
+        # The whole group, even when its leader already exited: forked helpers die too.
+        signal_group(proc.pid, signal.SIGKILL)
+    await _wait_all(live)

@@ -1,11 +1,22 @@
 """The per-host relay: local ranks on a unix socket, one upstream control connection per host.
 
-Ranks connect to a unix socket (mode 0600, in the agent's private directory)
-and speak the control channel's framed protocol to it as they would to the
-controller. The relay terminates each rank's link, forwards its messages up
-its single upstream control connection (they carry their rank), and routes
-the controller's answers back down by rank. Upstream connections therefore
-scale with hosts, not ranks.
+Theory of operation. Ranks connect to a unix socket (mode 0600, in the
+session's private runtime entry) and speak the control channel's framed
+protocol to it as they would to the controller. The relay terminates each
+rank's link and forwards its messages up its single upstream control
+connection; the controller's answers come back down and are routed by rank.
+Upstream connections therefore scale with hosts, not ranks.
+
+Addressing is explicit, in one table (:data:`RANK_ADDRESS`): which control
+messages carry a rank, and how to read it. Both directions are checked
+against it in one place (:func:`rank_of`):
+
+- down: a message from the controller goes to the rank it is addressed to;
+  one that is addressed to no rank is dropped and counted, never guessed at;
+- up: a rank's link is bound to the rank of its ``RankHello``. A later message
+  on that link that claims another rank — or no rank, which the shared
+  upstream connection would leave without an origin — is refused: the link
+  is closed and counted. A second link claiming a bound rank is refused too.
 """
 
 from __future__ import annotations
@@ -14,6 +25,10 @@ import asyncio
 import contextlib
 import logging
 import os
+import typing
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import TypeVar
 
 from .errors import ConnectionClosed, WireError
 from .net.framed import FramedProtocol, open_framed
@@ -21,12 +36,53 @@ from .net.service import FramedService
 from .wire import messages as m
 from .wire.channels import Channel
 from .wire.keys import SessionKeys
+from .wire.schema import Message
 
 log = logging.getLogger("flodl_async.relay")
 
+_M = TypeVar("_M", bound=Message)
+
+
+def _address(cls: type[_M], read: Callable[[_M], int]) -> tuple[type[Message], Callable[[Message], int]]:
+    def address(msg: Message) -> int:
+        return read(typing.cast(_M, msg))  # looked up by type(msg), so msg is a cls
+
+    return cls, address
+
+
+#: Control-channel messages addressed to (down) or sent by (up) one rank, and how to read that rank.
+RANK_ADDRESS: Mapping[type[Message], Callable[[Message], int]] = dict(
+    [
+        _address(m.RankHello, lambda msg: msg.rank),
+        _address(m.RankWelcome, lambda msg: msg.rank),
+        _address(m.Heartbeat, lambda msg: msg.rank),
+    ]
+)
+
+
+def rank_of(msg: Message) -> int | None:
+    """The rank ``msg`` is addressed to or claims to be from, or None when it names no rank."""
+    read = RANK_ADDRESS.get(type(msg))
+    return None if read is None else read(msg)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RelayStatistics:
+    """A snapshot of what the relay has done."""
+
+    ranks_connected: int
+    forwarded_up: int
+    delivered_down: int
+    #: Controller messages addressed to no rank (dropped).
+    dropped_unaddressed: int
+    #: Controller messages for a rank that is not connected here (dropped).
+    dropped_rank_gone: int
+    #: Rank links closed: no RankHello first, a bound rank claimed twice, or a message claiming another rank.
+    refused_links: int
+
 
 class Relay:
-    """One host's relay; owned by its agent, its tasks by the agent's TaskGroup."""
+    """One host's relay; owned by its session, its tasks by the session's TaskGroup."""
 
     def __init__(self, *, socket_path: str, keys: SessionKeys, controller_host: str, controller_port: int, task_group: asyncio.TaskGroup) -> None:
         self.socket_path = socket_path
@@ -36,6 +92,12 @@ class Relay:
         self._ranks: dict[int, FramedProtocol] = {}
         self._upstream: FramedProtocol | None = None
         self._server: asyncio.AbstractServer | None = None
+        self._forwarded_up = 0
+        self._delivered_down = 0
+        self._dropped_unaddressed = 0
+        self._dropped_rank_gone = 0
+        self._refused_links = 0
+        self._warned: set[type[Message]] = set()
 
     async def start(self) -> None:
         """Dial upstream, then listen on the unix socket (owner-only)."""
@@ -50,34 +112,73 @@ class Relay:
             os.umask(old_umask)
         os.chmod(self.socket_path, 0o600)
 
+    def statistics(self) -> RelayStatistics:
+        """What the relay has forwarded, delivered, dropped and refused so far."""
+        return RelayStatistics(
+            ranks_connected=len(self._ranks),
+            forwarded_up=self._forwarded_up,
+            delivered_down=self._delivered_down,
+            dropped_unaddressed=self._dropped_unaddressed,
+            dropped_rank_gone=self._dropped_rank_gone,
+            refused_links=self._refused_links,
+        )
+
+    def _refuse(self, why: str) -> None:
+        self._refused_links += 1
+        log.warning("relay: closing a local rank link: %s", why)
+
     async def _serve_rank(self, link: FramedProtocol) -> None:
+        """One rank's link; returning closes it (the service's ``finally``)."""
         hello = await link.recv_message()
         if not isinstance(hello, m.RankHello):
-            log.warning("relay: a local connection opened with %s instead of RankHello; closing it", type(hello).__name__)
+            self._refuse(f"it opened with {type(hello).__name__} instead of RankHello")
             return
-        self._ranks[hello.rank] = link
+        bound = hello.rank
+        current = self._ranks.get(bound)
+        if current is not None and not current.is_closing:
+            self._refuse(f"rank {bound} is already connected on another link")
+            return
+        self._ranks[bound] = link
         upstream = self._require_upstream()
         try:
-            upstream.send(hello)
+            self._up(upstream, hello)
             while True:
-                upstream.send(await link.recv_message())
+                msg = await link.recv_message()
+                claimed = rank_of(msg)
+                if claimed != bound:
+                    claim = "no rank" if claimed is None else f"rank {claimed}"
+                    self._refuse(f"the link of rank {bound} sent {type(msg).__name__} claiming {claim}")
+                    return
+                self._up(upstream, msg)
                 await upstream.drain()
         finally:
-            if self._ranks.get(hello.rank) is link:
-                del self._ranks[hello.rank]
+            if self._ranks.get(bound) is link:
+                del self._ranks[bound]
+
+    def _up(self, upstream: FramedProtocol, msg: Message) -> None:
+        upstream.send(msg)
+        self._forwarded_up += 1
 
     async def _pump_down(self, upstream: FramedProtocol) -> None:
         while True:
             try:
                 msg = await upstream.recv_message()
             except (ConnectionClosed, WireError):
-                return  # the controller went away; the agent's join link reports it
-            rank = getattr(msg, "rank", None)
-            link = self._ranks.get(rank) if isinstance(rank, int) else None
+                return  # the controller went away; the session's join link reports it
+            rank = rank_of(msg)
+            if rank is None:
+                self._dropped_unaddressed += 1
+                if type(msg) not in self._warned:  # once per kind: a peer could flood the log otherwise
+                    self._warned.add(type(msg))
+                    log.warning("relay: dropping %s from the controller: it is addressed to no rank", type(msg).__name__)
+                continue
+            link = self._ranks.get(rank)
             if link is None or link.is_closing:
-                continue  # the rank left: nothing to deliver to
+                self._dropped_rank_gone += 1  # the rank left: nothing to deliver to
+                continue
             with contextlib.suppress(ConnectionClosed, OSError):
                 link.send(msg)
+                self._delivered_down += 1
 
     def _require_upstream(self) -> FramedProtocol:
         if self._upstream is None:

@@ -18,12 +18,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import signal
 import socket
 import sys
 
 from .procs import spawn, stop_processes
+from .verdict import stop_schedule
 
 BACKEND_VARIABLE = "FLODL_STORE_BACKEND"
+#: Seconds the store child gets after its stdin closes before KILL (it holds no state worth saving).
+STOP_GRACE = 2.0
 
 
 class TorchStoreProcess:
@@ -50,7 +54,7 @@ class TorchStoreProcess:
         """End the store: close its stdin, then TERM/KILL if it lingers."""
         if self._proc.stdin is not None:
             self._proc.stdin.close()
-        await stop_processes([self._proc], grace=2.0)
+        await stop_processes([self._proc], schedule=stop_schedule(signal.SIGTERM, STOP_GRACE))
 
 
 def main(argv: list[str] | None = None) -> int:  # runs in the child process

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import secrets
 import signal
@@ -10,6 +11,8 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -62,6 +65,20 @@ def assert_nothing_left(run_id: str, *, within: float = 10.0) -> None:
         raise AssertionError(f"processes of run {run_id} survived: {left}")
 
 
+def wait_status(port: int, predicate: Callable[[dict[str, object]], bool], timeout: float = 60) -> dict[str, object]:
+    """Poll the controller's real /state.json until ``predicate(doc)`` holds (the run's own state is the event)."""
+    deadline = time.monotonic() + timeout
+    last: dict[str, object] | None = None
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError, ValueError):
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/state.json", timeout=2) as response:
+                last = json.loads(response.read())
+            if last is not None and predicate(last):
+                return last
+        time.sleep(0.05)
+    raise AssertionError(f"status never satisfied the condition; last: {last}")
+
+
 @dataclass
 class Finished:
     returncode: int
@@ -85,9 +102,11 @@ def run_launch(*args: str, run_id: str, timeout: float = 120, env: dict[str, str
 class Launcher:
     """A flodl-launch process running in the background, read line by line."""
 
-    def __init__(self, *args: str, run_id: str) -> None:
+    def __init__(self, *args: str, run_id: str, env: dict[str, str] | None = None) -> None:
         self.run_id = run_id
-        self.proc = subprocess.Popen(launch_cmd(*args, run_id=run_id), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1)
+        self.proc = subprocess.Popen(
+            launch_cmd(*args, run_id=run_id), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1, env={**os.environ, **(env or {})}
+        )
         self.stdout_lines: list[str] = []
 
     def wait_for_stdout(self, predicate: str, count: int = 1, timeout: float = 60) -> None:

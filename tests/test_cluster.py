@@ -113,9 +113,9 @@ ERRORS = [
     ("workers:\n  - host: a\n    devcies: cpu:1\n", r"^c\.yml:3: workers\[0\]\.devcies: unknown key 'devcies'; did you mean 'devices'\?$"),
     (
         "workers:\n  - host: a\n    devices: gpu\n",
-        r"^c\.yml:3: workers\[0\]\.devices: expected `all`, a list of GPU ids like \[0, 1\], or `cpu:N` with N >= 1, got 'gpu'$",
+        r"^c\.yml:3: workers\[0\]\.devices: expected `all`, GPU ids like 0,1, or cpu:N with N >= 1; got 'gpu'$",
     ),
-    ("workers:\n  - host: a\n    devices: cpu:0\n", r"workers\[0\]\.devices: expected `all`.*got 'cpu:0'"),
+    ("workers:\n  - host: a\n    devices: cpu:0\n", r"workers\[0\]\.devices: expected `all`.*got 'cpu:0' \(a host needs at least one CPU rank\)"),
     ("workers:\n  - host: a\n    devices: []\n", r"^c\.yml:3: workers\[0\]\.devices: expected at least one GPU id$"),
     ("workers:\n  - host: a\n    devices: [0, 0]\n", r"workers\[0\]\.devices\[1\]: GPU 0 listed twice — each rank must pin a distinct GPU"),
     ("workers:\n  - host: a\n    devices: [-1]\n", r"workers\[0\]\.devices\[0\]: expected an integer of at least 0 and at most 255, got '-1'"),

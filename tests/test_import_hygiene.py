@@ -5,7 +5,17 @@ from __future__ import annotations
 import subprocess
 import sys
 
-MODULES = ["flodl_async", "flodl_async.wire", "flodl_async.wire.tensor", "flodl_async.net.mux", "flodl_async.cli", "flodl_async.cluster"]
+MODULES = [
+    "flodl_async",
+    "flodl_async.wire",
+    "flodl_async.wire.tensor",
+    "flodl_async.net.mux",
+    "flodl_async.cli",
+    "flodl_async.cluster",
+    "flodl_async.agent",
+    "flodl_async.devices",
+    "flodl_async.runtime",
+]
 
 
 def test_importing_the_control_plane_does_not_import_torch() -> None:

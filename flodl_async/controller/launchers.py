@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-from ..agent import Agent, AgentConfig, RankOutput
+from ..agent import HostSession, RankOutput, SessionConfig
 from ..deadlines import Deadlines
 from ..plan import PlacedWorker
 
@@ -46,13 +46,13 @@ class LocalLauncher:
     def __init__(self, contact: ControllerContact, *, output: RankOutput) -> None:
         self._contact = contact
         self._output = output
-        self._agents: list[Agent] = []
+        self._sessions: list[HostSession] = []
 
     async def run_agent(self, worker: PlacedWorker) -> None:
         """Run the host's agent in this process until its run ends."""
         spec = worker.spec
-        agent = Agent(
-            AgentConfig(
+        session = HostSession(
+            SessionConfig(
                 controller_host="127.0.0.1",
                 controller_port=self._contact.port,
                 secret=self._contact.secret,
@@ -60,13 +60,14 @@ class LocalLauncher:
                 devices=spec.devices,
                 env=spec.env,
                 workdir=spec.workdir,
+                deadlines=self._contact.deadlines,
             ),
             output=self._output,
         )
-        self._agents.append(agent)
-        await agent.run()
+        self._sessions.append(session)
+        await session.run()
 
     def force_stop(self) -> None:
         """Kill every local agent's ranks now."""
-        for agent in self._agents:
-            agent.force_stop()
+        for session in self._sessions:
+            session.force_stop()

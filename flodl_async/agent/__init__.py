@@ -1,0 +1,18 @@
+"""The per-host agent: one host's session in a run, its rank processes, store, output and CLI.
+
+==============  ======================================================================
+``session``     :class:`HostSession` — join, the command table, endings (one host, one run)
+``ranks``       rank processes: spawn with the torchrun environment, watch, report, stop
+``storehost``   the store host's per-round TCPStore
+``output``      :class:`RankOutput` — ``[host:rN]`` line forwarding and per-rank logs
+``cli``         ``flodl-agent`` (also ``python -m flodl_async.agent``)
+==============  ======================================================================
+
+The controller imports what it needs from here; the name ``Agent`` is kept for the
+long-lived dial-in agent that comes next.
+"""
+
+from .output import RankOutput
+from .session import Ending, HostSession, SessionConfig, SessionOutcome, detect_gpu_count, device_labels
+
+__all__ = ["Ending", "HostSession", "RankOutput", "SessionConfig", "SessionOutcome", "detect_gpu_count", "device_labels"]

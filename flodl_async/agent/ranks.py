@@ -1,0 +1,244 @@
+"""This host's rank processes: spawned with the torchrun environment, watched, reported, stopped.
+
+Theory of operation. :meth:`RankProcesses.start` spawns one process per local
+rank of a round (own process group, parent-death signal: :mod:`flodl_async.procs`),
+forwards its output, and watches it: every exit goes up as ``RankExited`` with
+its code or signal, its ``@record`` error file and its last stderr lines.
+
+:meth:`RankProcesses.stop` follows the signal table
+(:func:`flodl_async.verdict.stop_schedule`). Stops may overlap — a restart's
+``StopRanks`` with a long grace, then an ``Abort`` with a short one — and the
+shorter deadline wins: ranks already stopping are not signalled again from the
+start of the table, they only get the new stop's KILL deadline, so whichever
+KILL comes first ends them. A stop of every rank also closes the set: no rank
+starts after it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import json
+import logging
+import os
+import signal
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..devices import DeviceKind, DeviceSpec
+from ..procs import signal_group, spawn, stop_processes
+from ..rankenv import RankPlacement, RankSpec, rank_environment
+from ..verdict import StopStep
+from ..wire import messages as m
+from .output import LINE_LIMIT, RankOutput, forward_lines
+
+log = logging.getLogger("flodl_async.agent")
+
+STDERR_TAIL_LINES = 20
+ERROR_FILE_LIMIT = 32 * 1024
+
+
+@dataclass(slots=True, kw_only=True)
+class _Rank:
+    rank: int
+    local_rank: int
+    round: int
+    proc: asyncio.subprocess.Process
+    error_file: Path
+    stderr_tail: collections.deque[str]
+    readers: list[asyncio.Task[None]] = field(default_factory=list)
+    stopping: bool = False
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RankWorld:
+    """What every round of this host's ranks shares: the formed world, as this host sees it."""
+
+    formed: m.WorldFormed
+    spec: RankSpec
+    devices: DeviceSpec
+    host_env: Mapping[str, str]
+    workdir: str | None
+
+
+class RankProcesses:
+    """The rank processes of one host session; their tasks live in the session's TaskGroup."""
+
+    def __init__(
+        self,
+        *,
+        host: str,
+        world: RankWorld,
+        output: RankOutput,
+        scratch: Path,
+        report: Callable[[m.RankExited], None],
+        task_group: asyncio.TaskGroup,
+        force: asyncio.Event,
+        output_drain: float,
+    ) -> None:
+        self._host = host
+        self._world = world
+        self._output = output
+        self._scratch = scratch
+        self._report = report
+        self._tg = task_group
+        self._force = force
+        self._output_drain = output_drain
+        self._ranks: dict[int, _Rank] = {}
+        self._closed = False
+        # Held across one spawn and its registration, so a stop of everything sees every rank.
+        self._spawning = asyncio.Lock()
+
+    def _gpu_ids(self) -> tuple[int, ...] | None:
+        devices = self._world.devices
+        if not devices.is_gpu:
+            return None
+        if devices.kind is DeviceKind.GPU_LIST:
+            return devices.gpu_ids
+        return tuple(range(len(self._world.formed.ranks)))
+
+    async def start(self, start: m.StartRanks) -> None:
+        """Spawn this host's ranks of ``start.round`` (a rank that cannot start is reported as exit 127)."""
+        formed = self._world.formed
+        for local_rank, rank in enumerate(formed.ranks):
+            placement = RankPlacement(
+                rank=rank,
+                local_rank=local_rank,
+                world_size=formed.world_size,
+                local_world_size=len(formed.ranks),
+                group_rank=formed.group_rank,
+                group_world_size=formed.group_world_size,
+                master_addr=start.master_addr,
+                master_port=start.master_port,
+                run_id=self._world.spec.run_id,
+                restart_count=start.restart_count,
+                max_restarts=formed.max_restarts,
+            )
+            error_file = self._scratch / f"error-r{rank}-round{start.round}.json"
+            env = rank_environment(
+                os.environ,
+                placement,
+                error_file=str(error_file),
+                rank_spec=self._world.spec,
+                cluster_env=formed.env,
+                host_env=self._world.host_env,
+                cuda_visible_devices=self._gpu_ids(),
+            )
+            async with self._spawning:
+                if self._closed:
+                    log.debug("agent %s: not starting rank %d, the session is stopping", self._host, rank)
+                    return
+                try:
+                    proc = await spawn(formed.command, env=env, cwd=self._world.workdir, line_limit=LINE_LIMIT)
+                except OSError as exc:
+                    self._report(
+                        m.RankExited(
+                            round=start.round,
+                            rank=rank,
+                            local_rank=local_rank,
+                            host=self._host,
+                            exit_code=127,
+                            stderr_tail=(f"cannot start {formed.command[0]!r}: {exc.strerror or exc}",),
+                        )
+                    )
+                    continue
+                self._register(_Rank(rank=rank, local_rank=local_rank, round=start.round, proc=proc, error_file=error_file, stderr_tail=_tail()))
+
+    def _register(self, entry: _Rank) -> None:
+        proc = entry.proc
+        assert proc.stdout is not None
+        assert proc.stderr is not None
+        self._output.rank_started(entry.rank)
+
+        def out(data: bytes) -> None:
+            self._output.line(self._host, entry.rank, err=False, data=data)
+
+        def err(data: bytes) -> None:
+            self._output.line(self._host, entry.rank, err=True, data=data)
+            entry.stderr_tail.append(data.decode(errors="replace").rstrip("\n"))
+
+        entry.readers = [
+            self._tg.create_task(forward_lines(proc.stdout, out), name=f"r{entry.rank}-stdout"),
+            self._tg.create_task(forward_lines(proc.stderr, err), name=f"r{entry.rank}-stderr"),
+        ]
+        self._ranks[entry.rank] = entry
+        self._tg.create_task(self._watch(entry), name=f"r{entry.rank}-watch")
+
+    async def _drain(self, entries: Sequence[_Rank]) -> None:
+        """Let the readers take the last lines of exited ranks (bounded: a grandchild may hold the pipe)."""
+        readers = [r for e in entries for r in e.readers]
+        if readers:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self._output_drain):
+                    await asyncio.gather(*readers, return_exceptions=True)
+
+    async def _watch(self, entry: _Rank) -> None:
+        code = await entry.proc.wait()
+        signal_group(entry.proc.pid, signal.SIGKILL)  # no stragglers from the rank's group
+        await self._drain([entry])
+        failed = code != 0
+        self._report(
+            m.RankExited(
+                round=entry.round,
+                rank=entry.rank,
+                local_rank=entry.local_rank,
+                host=self._host,
+                exit_code=code if code >= 0 else None,
+                signal=-code if code < 0 else None,
+                error_file=read_error_file(entry.error_file) if failed else "",
+                stderr_tail=tuple(entry.stderr_tail) if failed else (),
+            )
+        )
+
+    async def stop(self, schedule: Sequence[StopStep], *, round_: int | None = None) -> None:
+        """Stop the ranks of ``round_`` (every rank, and no more starts, when None) following ``schedule``.
+
+        Returns when they are all gone and their output is drained.
+        """
+        async with self._spawning:
+            if round_ is None:
+                self._closed = True
+            targets = [e for e in self._ranks.values() if round_ is None or e.round == round_]
+        fresh = [e for e in targets if not e.stopping]
+        already = [e for e in targets if e.stopping]
+        for entry in fresh:
+            entry.stopping = True
+        # Ranks that are stopping already only take this stop's KILL deadline (the shorter one wins).
+        kill_only = (StopStep(after=schedule[-1].after, signal=signal.SIGKILL),) if schedule else ()
+        async with asyncio.TaskGroup() as tg:
+            if fresh:
+                tg.create_task(stop_processes([e.proc for e in fresh], schedule=schedule, force=self._force), name="stop-ranks")
+            if already:
+                tg.create_task(stop_processes([e.proc for e in already], schedule=kill_only, force=self._force), name="stop-ranks-sooner")
+        await self._drain(targets)
+        for entry in targets:
+            if self._ranks.get(entry.rank) is entry:
+                del self._ranks[entry.rank]
+
+    @property
+    def running(self) -> int:
+        """Rank processes not yet known to have exited."""
+        return sum(1 for e in self._ranks.values() if e.proc.returncode is None)
+
+
+def _tail() -> collections.deque[str]:
+    return collections.deque(maxlen=STDERR_TAIL_LINES)
+
+
+def read_error_file(path: Path) -> str:
+    """The root-cause traceback torch's ``@record`` wrote, or its message, or ''."""
+    try:
+        raw = path.read_text(errors="replace")[:ERROR_FILE_LIMIT]
+    except OSError:
+        return ""
+    with contextlib.suppress(ValueError, TypeError, AttributeError):
+        doc = json.loads(raw)
+        message = doc.get("message", {})
+        if isinstance(message, dict):
+            extra = message.get("extraInfo", {})
+            stack = extra.get("py_callstack") if isinstance(extra, dict) else None
+            return str(stack or message.get("message", ""))
+        return str(message)
+    return raw

@@ -1,0 +1,432 @@
+"""One host's session in one run: join, serve the controller's commands, leave nothing behind.
+
+Theory of operation. :meth:`HostSession.run` dials the controller's join
+channel and asks to join with its host name and devices. Once admitted it
+takes its entry in the runtime directory (:mod:`flodl_async.runtime`), waits
+for ``WorldFormed`` (its global ranks and the command), starts the relay, and
+then follows the controller's commands on the join link, which stays open for
+the whole run. Commands are dispatched through one table (message class →
+handler); handlers never block the reading loop — long work runs as owned,
+named tasks in the session's TaskGroup, so an ``Abort`` is read and acted on
+while a ``StopRanks`` with a long grace is still waiting:
+
+- ``OpenRound`` (store host only): a fresh store, its address reported up;
+- ``StartRanks``: this host's ranks with the torchrun environment, each exit
+  reported up as ``RankExited``;
+- ``StopRanks``: stop one round's ranks (TERM first: a restart) and answer
+  ``RanksStopped``; the session stays for the next round;
+- ``Abort`` / ``Finish``: stop everything and leave.
+
+Round commands run one after another, in arrival order. An ending (``Abort``,
+``Finish``, a lost join link, or :meth:`HostSession.request_stop` from a
+signal) stops every rank following the signal table; a later ending while
+one is under way only brings the KILL deadline closer (the shorter deadline
+wins), and :meth:`HostSession.force_stop` means KILL now. The first ending
+decides the outcome. On every way out the ranks are gone, the relay, store
+and links are closed, and the runtime entry is removed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import logging
+import os
+import signal
+from collections.abc import Callable, Coroutine, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+
+from .. import __version__
+from ..deadlines import Deadlines
+from ..devices import DeviceKind, DeviceSpec
+from ..errors import (
+    AgentError,
+    ConfigError,
+    ConnectionClosed,
+    ControllerLost,
+    ControllerUnreachable,
+    FlodlError,
+    FormationAborted,
+    JoinFailed,
+    JoinRejected,
+    WireError,
+)
+from ..net.framed import FramedProtocol, open_framed
+from ..rankenv import RankSpec
+from ..relay import Relay
+from ..runtime import RuntimeEntry, create_entry, sweep_stale
+from ..verdict import StopStep, rank_signal_for, stop_schedule
+from ..wire import messages as m
+from ..wire.channels import Channel
+from ..wire.keys import SessionKeys
+from ..wire.schema import Message
+from .output import RankOutput
+from .ranks import RankProcesses, RankWorld
+from .storehost import StoreHost
+
+log = logging.getLogger("flodl_async.agent")
+
+
+def detect_gpu_count() -> int:
+    """GPUs on this host, without importing torch: the /dev/nvidiaN device nodes (none means 0)."""
+    with contextlib.suppress(OSError):
+        return sum(1 for name in os.listdir("/dev") if name.startswith("nvidia") and name[6:].isdigit())
+    return 0
+
+
+def device_labels(devices: DeviceSpec) -> tuple[str, ...]:
+    """The device labels this host offers."""
+    return devices.labels(detect_gpu_count() if devices.kind is DeviceKind.ALL_GPUS else 0)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SessionConfig:
+    """Everything one host needs to take part in one run."""
+
+    controller_host: str
+    controller_port: int
+    secret: bytes
+    host: str
+    devices: DeviceSpec
+    env: Mapping[str, str] = field(default_factory=dict)
+    workdir: str | None = None
+    advertise_addr: str | None = None
+    #: Every deadline, resolved once (``FLODL_NET_TIMEOUT_SCALE`` applied); ``stop_grace`` is used for Finish, signals and a lost controller.
+    deadlines: Deadlines = field(default_factory=Deadlines.resolve)
+    #: The runtime directory (default: :func:`flodl_async.runtime.runtime_root`).
+    runtime_root: Path | None = None
+
+    @property
+    def controller_addr(self) -> str:
+        """``host:port`` of the controller, for messages and the runtime marker."""
+        return f"{self.controller_host}:{self.controller_port}"
+
+
+class Ending(enum.Enum):
+    """How a session ended without an error."""
+
+    FINISHED = "finished"  # Finish: the run succeeded
+    ABORTED = "aborted"  # Abort: the controller ended the run (a failure elsewhere, or the launcher was stopped)
+    STOPPED = "stopped"  # this process was told to stop (a signal)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SessionOutcome:
+    """What :meth:`HostSession.run` returns: how it ended, why, and the signal for ``STOPPED``."""
+
+    ending: Ending
+    reason: str
+    signal: int | None = None
+
+
+class _StopRequested(Exception):
+    """Internal: a stop was requested before the session was serving (the join link was closed for it)."""
+
+
+class HostSession:
+    """One host's session in one run (the controller's own hosts run it in-process; ``flodl-agent`` stand-alone)."""
+
+    def __init__(self, config: SessionConfig, *, output: RankOutput) -> None:
+        self.config = config
+        self._output = output
+        self._force = asyncio.Event()
+        self._stop_signal: int | None = None
+        self._link: FramedProtocol | None = None
+        self._serving: _Serving | None = None
+
+    # ----- control from outside (signal handlers, the controller) ----------------------------
+
+    def request_stop(self, sig: int) -> None:
+        """First SIGTERM/SIGINT: stop the ranks by the signal table (``sig`` first), close the link, leave.
+
+        :meth:`run` then returns ``Ending.STOPPED`` with ``sig``. Idempotent; a second
+        signal is :meth:`force_stop`.
+        """
+        if self._stop_signal is not None:
+            return
+        self._stop_signal = sig
+        name = signal.Signals(sig).name
+        if self._serving is not None:
+            self._serving.begin_ending(
+                stop_schedule(rank_signal_for(sig), self.config.deadlines.stop_grace),
+                outcome=SessionOutcome(ending=Ending.STOPPED, reason=f"stopped by {name}", signal=sig),
+            )
+        elif self._link is not None:
+            log.info("agent %s: %s before the world formed; leaving the window", self.config.host, name)
+            self._link.abort()  # the controller sees the host leave; our pending receive ends
+
+    def force_stop(self) -> None:
+        """Kill ranks now instead of waiting out a grace period (second signal)."""
+        self._force.set()
+
+    # ----- the session ---------------------------------------------------------------------
+
+    async def run(self) -> SessionOutcome:
+        """Join, serve the run, and return how it ended; raises :class:`AgentError` (or :class:`ConfigError`) on failure."""
+        cfg = self.config
+        devices = device_labels(cfg.devices)
+        if not devices:
+            raise ConfigError(f"host {cfg.host!r} has no devices to offer (devices: {cfg.devices.kind.value}, 0 GPUs found)")
+        sweep_stale(cfg.runtime_root)  # leftovers of sessions that were SIGKILLed
+        try:
+            link = await open_framed(cfg.controller_host, cfg.controller_port, channel=Channel.JOIN, keys=SessionKeys.derive(cfg.secret, ""))
+        except OSError as exc:
+            raise ControllerUnreachable(cfg.host, f"cannot reach the controller at {cfg.controller_addr}: {exc.strerror or exc}") from exc
+        self._link = link
+        entry: RuntimeEntry | None = None
+        try:
+            if self._stop_signal is not None:
+                raise _StopRequested
+            accept = await self._join(link, devices)
+            entry = create_entry(run_id=accept.run_id, host=cfg.host, controller=cfg.controller_addr, root=cfg.runtime_root)
+            formed = await self._await_formation(link, accept)
+            keys = SessionKeys.derive(cfg.secret, accept.run_id)
+            serving = _Serving(self, link=link, keys=keys, formed=formed, entry=entry)
+            self._serving = serving
+            return await serving.run()
+        except _StopRequested:
+            sig = self._stop_signal or signal.SIGTERM
+            return SessionOutcome(ending=Ending.STOPPED, reason=f"stopped by {signal.Signals(sig).name} before the world formed", signal=sig)
+        finally:
+            await link.aclose(grace=cfg.deadlines.link_close)
+            if entry is not None:
+                entry.remove()
+
+    async def _recv(self, link: FramedProtocol, doing: str, lost: Callable[[str, str], AgentError]) -> Message:
+        try:
+            return await link.recv_message()
+        except ConnectionClosed as exc:
+            if self._stop_signal is not None:
+                raise _StopRequested from exc
+            raise lost(self.config.host, f"the controller closed the join link while {doing}") from exc
+        except WireError as exc:
+            raise lost(self.config.host, f"bad frame from the controller while {doing}: {exc}") from exc
+
+    async def _join(self, link: FramedProtocol, devices: tuple[str, ...]) -> m.JoinAccept:
+        cfg = self.config
+        link.send(m.JoinHello(host=cfg.host, devices=devices, pid=os.getpid(), agent_version=__version__))
+        try:
+            async with asyncio.timeout(cfg.deadlines.join_reply):
+                reply = await self._recv(link, "waiting for the join reply (a session-secret mismatch, or the controller stopped)", JoinFailed)
+        except TimeoutError:
+            raise JoinFailed(cfg.host, f"no answer to the join request within {cfg.deadlines.join_reply:g}s") from None
+        if isinstance(reply, m.JoinReject):
+            raise JoinRejected(cfg.host, f"join rejected by the controller: {reply.reason}")
+        if not isinstance(reply, m.JoinAccept):
+            raise JoinFailed(cfg.host, f"unexpected {type(reply).__name__} instead of a join reply")
+        log.debug("agent %s: admitted to run %s with ranks %s", cfg.host, reply.run_id, list(reply.ranks))
+        return reply
+
+    async def _await_formation(self, link: FramedProtocol, accept: m.JoinAccept) -> m.WorldFormed:
+        cfg = self.config
+        wait = accept.formation_wait_s + cfg.deadlines.formation_margin
+        try:
+            async with asyncio.timeout(wait):
+                formed = await self._recv(link, "waiting for the world to form", FormationAborted)
+        except TimeoutError:
+            raise FormationAborted(cfg.host, f"the world did not form within {wait:g}s") from None
+        if isinstance(formed, m.Abort):
+            raise FormationAborted(cfg.host, f"the controller aborted before formation: {formed.reason}")
+        if not isinstance(formed, m.WorldFormed):
+            raise FormationAborted(cfg.host, f"unexpected {type(formed).__name__} instead of WorldFormed")
+        return formed
+
+
+_Handler = Callable[["_Serving", Any], None]
+
+
+class _Serving:
+    """The serving phase of a session: the command table, the round work, the ending."""
+
+    #: Message class → handler; filled in below the class. Commands not in it are counted and ignored.
+    commands: ClassVar[Mapping[type[Message], _Handler]]
+
+    def __init__(self, session: HostSession, *, link: FramedProtocol, keys: SessionKeys, formed: m.WorldFormed, entry: RuntimeEntry) -> None:
+        cfg = session.config
+        self._session = session
+        self._cfg = cfg
+        self._link = link
+        self._keys = keys
+        self._formed = formed
+        self._entry = entry
+        self._world = RankWorld(
+            formed=formed,
+            spec=RankSpec(run_id=keys.run_id, host=cfg.host, relay_socket=entry.socket_path, secret_hex=cfg.secret.hex()),
+            devices=cfg.devices,
+            host_env=cfg.env,
+            workdir=cfg.workdir,
+        )
+        self._store = StoreHost(controller_host=cfg.controller_host, controller_port=cfg.controller_port, keys=keys, advertise_addr=cfg.advertise_addr)
+        self._round_work = asyncio.Lock()  # FIFO: round commands run in arrival order
+        self._tg: asyncio.TaskGroup | None = None
+        self._ranks: RankProcesses | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._serial = 0
+        self._ended: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._outcome: SessionOutcome | None = None
+        self._error: AgentError | None = None
+        self.ignored = 0
+
+    # ----- lifecycle -------------------------------------------------------------------------
+
+    async def run(self) -> SessionOutcome:
+        cfg = self._cfg
+        log.debug("agent %s: world formed, ranks %s of %d", cfg.host, list(self._formed.ranks), self._formed.world_size)
+        relay: Relay | None = None
+        async with asyncio.TaskGroup() as tg:
+            self._tg = tg
+            self._ranks = RankProcesses(
+                host=cfg.host,
+                world=self._world,
+                output=self._session._output,
+                scratch=self._entry.path,
+                report=self._send,
+                task_group=tg,
+                force=self._session._force,
+                output_drain=cfg.deadlines.output_drain,
+            )
+            try:
+                relay = Relay(
+                    socket_path=self._entry.socket_path,
+                    keys=self._keys,
+                    controller_host=cfg.controller_host,
+                    controller_port=cfg.controller_port,
+                    task_group=tg,
+                )
+                try:
+                    await relay.start()
+                except (OSError, FlodlError) as exc:
+                    lost = ControllerLost(cfg.host, f"cannot open the relay's upstream link to {cfg.controller_addr}: {exc}")
+                    self.begin_ending(self._lost_schedule(), error=lost)
+                else:
+                    self._spawn(self._read_commands(), name=f"{cfg.host}-commands")
+                if self._session._stop_signal is not None and self._outcome is None:  # a signal came while the world formed
+                    sig = self._session._stop_signal
+                    self.begin_ending(
+                        stop_schedule(rank_signal_for(sig), cfg.deadlines.stop_grace),
+                        outcome=SessionOutcome(ending=Ending.STOPPED, reason=f"stopped by {signal.Signals(sig).name}", signal=sig),
+                    )
+                await self._ended
+            finally:
+                await self._wind_down(relay)
+        if self._error is not None:
+            raise self._error
+        assert self._outcome is not None
+        return self._outcome
+
+    async def _wind_down(self, relay: Relay | None) -> None:
+        """Whatever ended the session: no task, rank, store or socket outlives it."""
+        for task in list(self._tasks):
+            task.cancel()
+        if self._ranks is not None:
+            await self._ranks.stop(stop_schedule(signal.SIGKILL, 0.0))  # normally none left: the ending stopped them
+        await self._store.aclose()
+        if relay is not None:
+            await relay.aclose()
+
+    def _spawn(self, coro: Coroutine[Any, Any, None], *, name: str) -> None:
+        """An owned task in the session's TaskGroup, tracked so the wind-down can cancel it."""
+        assert self._tg is not None
+        self._serial += 1
+        task = self._tg.create_task(coro, name=f"{name}#{self._serial}")
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _send(self, msg: Message) -> None:
+        """Up the join link; a link that just died is the reader's to report."""
+        with contextlib.suppress(ConnectionClosed):
+            self._link.send(msg)
+
+    def _lost_schedule(self) -> tuple[StopStep, ...]:
+        return stop_schedule(signal.SIGTERM, self._cfg.deadlines.stop_grace)
+
+    # ----- endings ---------------------------------------------------------------------------
+
+    def begin_ending(self, schedule: Sequence[StopStep], *, outcome: SessionOutcome | None = None, error: AgentError | None = None) -> None:
+        """Stop every rank by ``schedule``, then end; the first ending decides the outcome.
+
+        A later ending while one is under way runs alongside it, so its KILL deadline
+        applies too: the shorter one wins.
+        """
+        if self._outcome is None and self._error is None:
+            self._outcome, self._error = outcome, error
+            why = error.reason if error is not None else outcome.reason if outcome is not None else "?"
+            log.debug("agent %s: ending (%s)", self._cfg.host, why)
+        self._spawn(self._end(schedule), name="stop-all")
+
+    async def _end(self, schedule: Sequence[StopStep]) -> None:
+        assert self._ranks is not None
+        await self._ranks.stop(schedule)
+        if not self._ended.done():
+            self._ended.set_result(None)
+
+    @property
+    def ending(self) -> bool:
+        return self._outcome is not None or self._error is not None
+
+    # ----- the command loop --------------------------------------------------------------------
+
+    async def _read_commands(self) -> None:
+        """Read and dispatch until the link ends; never blocks on a command's work."""
+        while True:
+            try:
+                msg = await self._link.recv_message()
+            except (ConnectionClosed, WireError) as exc:
+                if not self.ending:
+                    reason = f"lost the join link to the controller ({exc}); stopping this host's ranks"
+                    self.begin_ending(self._lost_schedule(), error=ControllerLost(self._cfg.host, reason))
+                return
+            handler = self.commands.get(type(msg))
+            if handler is None:
+                self.ignored += 1
+                log.warning("agent %s: ignoring %s from the controller (not a command of a running session)", self._cfg.host, type(msg).__name__)
+                continue
+            handler(self, msg)
+
+    def _round_command(self, work: Coroutine[Any, Any, None], *, name: str) -> None:
+        if self.ending:
+            work.close()  # never started: nothing to undo
+            log.debug("agent %s: %s ignored, the session is ending", self._cfg.host, name)
+            return
+        self._spawn(self._in_order(work, name), name=name)
+
+    async def _in_order(self, work: Coroutine[Any, Any, None], name: str) -> None:
+        async with self._round_work:
+            try:
+                await work
+            except (OSError, FlodlError) as exc:
+                self.begin_ending(self._lost_schedule(), error=AgentError(self._cfg.host, f"{name} failed: {exc}"))
+
+    def _on_open_round(self, msg: m.OpenRound) -> None:
+        self._round_command(self._store.open_round(msg.round), name=f"open-round-{msg.round}")
+
+    def _on_start_ranks(self, msg: m.StartRanks) -> None:
+        assert self._ranks is not None
+        self._round_command(self._ranks.start(msg), name=f"start-ranks-{msg.round}")
+
+    def _on_stop_ranks(self, msg: m.StopRanks) -> None:
+        self._round_command(self._stop_round(msg), name=f"stop-ranks-{msg.round}")
+
+    async def _stop_round(self, msg: m.StopRanks) -> None:
+        assert self._ranks is not None
+        await self._ranks.stop(stop_schedule(signal.SIGTERM, msg.grace_s), round_=msg.round)
+        self._send(m.RanksStopped(round=msg.round))
+
+    def _on_abort(self, msg: m.Abort) -> None:
+        log.debug("agent %s: abort: %s", self._cfg.host, msg.reason)
+        self.begin_ending(stop_schedule(msg.first_signal, msg.grace_s), outcome=SessionOutcome(ending=Ending.ABORTED, reason=msg.reason))
+
+    def _on_finish(self, msg: m.Finish) -> None:
+        self.begin_ending(stop_schedule(signal.SIGTERM, self._cfg.deadlines.stop_grace), outcome=SessionOutcome(ending=Ending.FINISHED, reason=msg.reason))
+
+
+_Serving.commands = {
+    m.OpenRound: _Serving._on_open_round,
+    m.StartRanks: _Serving._on_start_ranks,
+    m.StopRanks: _Serving._on_stop_ranks,
+    m.Abort: _Serving._on_abort,
+    m.Finish: _Serving._on_finish,
+}

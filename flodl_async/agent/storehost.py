@@ -1,0 +1,71 @@
+"""The store host's part of a round: a fresh TCPStore per rendezvous round, its address reported up.
+
+Small on purpose: the store moves into the controller soon, and this module goes with it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+
+from ..net.framed import FramedProtocol, open_framed
+from ..net.tcpstore import StoreServer
+from ..store import BACKEND_VARIABLE, TorchStoreProcess
+from ..wire import messages as m
+from ..wire.channels import Channel
+from ..wire.keys import SessionKeys
+
+log = logging.getLogger("flodl_async.agent")
+
+
+class StoreHost:
+    """Serves one round's store at a time and reports it on the rendezvous channel."""
+
+    def __init__(self, *, controller_host: str, controller_port: int, keys: SessionKeys, advertise_addr: str | None) -> None:
+        self._controller = (controller_host, controller_port)
+        self._keys = keys
+        self._advertise_addr = advertise_addr
+        self._store: StoreServer | TorchStoreProcess | None = None
+        self._rendezvous: FramedProtocol | None = None
+
+    async def open_round(self, round_: int) -> None:
+        """Serve a fresh TCPStore for this round from our own loop and report its address.
+
+        The store speaks torch's protocol from Python (:mod:`flodl_async.storeproto`), so the
+        store host imports no torch and starts no process: the ranks' own ``import torch`` is
+        the only one on the critical path. Torch makes a new store for every restart round
+        (no key prefix per attempt), hence a new socket and state per round.
+        """
+        await self._close_store()
+        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            listener.bind(("0.0.0.0", 0))
+            listener.listen(1024)
+            port = listener.getsockname()[1]
+            if os.environ.get(BACKEND_VARIABLE, "python") == "torch":
+                self._store = await TorchStoreProcess.start(listener, run_id=self._keys.run_id)
+            else:
+                self._store = StoreServer()
+                await self._store.start(listener)
+        except BaseException:
+            listener.close()
+            raise
+        if self._rendezvous is None:
+            self._rendezvous = await open_framed(*self._controller, channel=Channel.RENDEZVOUS, keys=self._keys)
+        self._rendezvous.send(m.StoreAddress(round=round_, host=self._advertise_addr or "", port=port))
+        await self._rendezvous.drain()
+        log.debug("store for round %d on port %d", round_, port)
+
+    async def _close_store(self) -> None:
+        store, self._store = self._store, None
+        if store is not None:
+            await store.aclose()
+
+    async def aclose(self) -> None:
+        """Stop the store and close the rendezvous link (idempotent)."""
+        await self._close_store()
+        link, self._rendezvous = self._rendezvous, None
+        if link is not None:
+            link.close()

@@ -1,0 +1,110 @@
+"""flodl-agent end to end: signals by the table, exit codes, and nothing left on disk after a run."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from flodl_async.runtime import MARKER
+
+from .launchkit import PY, Launcher, assert_nothing_left, free_port, new_run_id, run_launch, script, wait_status
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture
+def xdg() -> Iterator[Path]:
+    """A private, short XDG_RUNTIME_DIR for the processes under test (pytest's tmp_path may be too deep for socket paths)."""
+    path = Path(tempfile.mkdtemp(prefix="fl-xdg-", dir="/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _run_dir(xdg: Path, run_id: str) -> Path:
+    return xdg / "flodl" / "runs" / run_id
+
+
+def test_sigterm_to_flodl_agent_stops_its_ranks_with_sigterm_and_exits_143(tmp_path: Path, xdg: Path) -> None:
+    port = free_port()
+    run_id = new_run_id()
+    secret_file = tmp_path / "secret"
+    record = tmp_path / "signals"
+    cluster = tmp_path / "cluster.yml"
+    cluster.write_text(
+        f"controller:\n  port: {port}\n  join: {{min_rank_start: 2, target_ranks: 2, join_timeout: 60}}\nworkers:\n  - host: localhost\n    devices: cpu:1\n"
+    )
+    env = {"XDG_RUNTIME_DIR": str(xdg)}
+    launcher = Launcher(
+        str(cluster), "--secret-file", str(secret_file), "--stop-grace", "5", "--", PY, script("record_signals.py"), str(record), "exit", run_id=run_id, env=env
+    )
+    agent = None
+    try:
+        wait_status(port, lambda doc: doc["joined_ranks"] == 1)  # the window is open, the local host is in
+        agent_cmd = [PY, "-m", "flodl_async.agent", "--controller", f"127.0.0.1:{port}", "--host", "walk-in", "--devices", "cpu:1", "--stop-grace", "5"]
+        agent = subprocess.Popen(
+            [*agent_cmd, "--secret-file", str(secret_file)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, **env}
+        )
+        assert agent.stdout is not None
+        assert "[walk-in:r1] ready pid" in agent.stdout.readline()
+        launcher.wait_for_stdout("ready pid", count=1)
+        assert (_run_dir(xdg, run_id) / "walk-in" / MARKER).exists()
+        agent.send_signal(signal.SIGTERM)
+        agent_out, agent_err = agent.communicate(timeout=30)
+        done = launcher.finish(timeout=60)
+    finally:
+        launcher.kill()
+        if agent is not None and agent.poll() is None:
+            agent.kill()
+            agent.communicate()
+        assert_nothing_left(run_id)
+    assert agent.returncode == 143, agent_err
+    assert "[walk-in:r1] got SIGTERM" in agent_out
+    assert "1 SIGTERM" in record.read_text().splitlines()  # the rank got the agent's own signal first
+    assert "stopped: stopped by SIGTERM" in agent_err
+    assert "Traceback" not in agent_err
+    assert done.returncode == 4, done.stderr  # the run lost a rank (143) on walk-in
+    assert "on host 'walk-in'" in done.stderr
+    assert not _run_dir(xdg, run_id).exists()
+
+
+def test_no_runtime_directory_of_a_run_remains(tmp_path: Path, xdg: Path) -> None:
+    env = {"XDG_RUNTIME_DIR": str(xdg)}
+    ok_id, failed_id, killed_id = new_run_id(), new_run_id(), new_run_id()
+
+    done = run_launch("--nproc", "2", "--devices", "cpu", "--port", "0", "--", PY, script("dump_env.py"), str(tmp_path), run_id=ok_id, env=env)
+    assert done.returncode == 0, done.stderr
+    error_file = Path((tmp_path / "env-0.json").read_text().split('"TORCHELASTIC_ERROR_FILE": "')[1].split('"')[0])
+    assert error_file.is_relative_to(_run_dir(xdg, ok_id))  # the scratch lived in the runtime directory
+    assert not _run_dir(xdg, ok_id).exists()
+
+    done = run_launch("--nproc", "2", "--devices", "cpu", "--port", "0", "--stop-grace", "3", "--", PY, script("fail.py"), run_id=failed_id, env=env)
+    assert done.returncode == 4, done.stderr
+    assert not _run_dir(xdg, failed_id).exists()
+
+    never = str(tmp_path / "never")
+    launcher = Launcher("--nproc", "1", "--devices", "cpu", "--port", "0", "--", PY, script("wait_for_file.py"), never, run_id=killed_id, env=env)
+    try:
+        launcher.wait_for_stdout("ready pid", count=1)
+        launcher.proc.kill()  # SIGKILL: no cleanup possible
+        launcher.proc.wait(10)
+        assert_nothing_left(killed_id)
+    finally:
+        launcher.kill()
+    assert (_run_dir(xdg, killed_id) / os.uname().nodename / MARKER).exists()  # left behind by a dead owner
+    done = run_launch("--nproc", "1", "--devices", "cpu", "--port", "0", "--", PY, "-c", "pass", run_id=new_run_id(), env=env)
+    assert done.returncode == 0, done.stderr
+    assert not _run_dir(xdg, killed_id).exists()  # the next session swept it
+    assert list((xdg / "flodl" / "runs").iterdir()) == []
+
+
+def test_flodl_agent_help_documents_its_exit_codes() -> None:
+    done = subprocess.run([PY, "-m", "flodl_async.agent", "--help"], capture_output=True, text=True, check=True, timeout=60)
+    for line in ("--stop-grace", "3    could not join", "4    the run failed", "143  stopped by SIGTERM", "130  stopped by SIGINT"):
+        assert line in done.stdout

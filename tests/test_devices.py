@@ -1,0 +1,71 @@
+"""The one devices parser: every text form, and one error style."""
+
+from __future__ import annotations
+
+import pytest
+
+from flodl_async.cluster import DeviceSpec as ClusterDeviceSpec
+from flodl_async.cluster import parse_cluster
+from flodl_async.devices import DeviceKind, DeviceSpec, parse_devices, parse_gpu_ids
+from flodl_async.errors import ConfigError
+
+
+@pytest.mark.parametrize(
+    ("text", "spec"),
+    [
+        ("all", DeviceSpec(kind=DeviceKind.ALL_GPUS)),
+        (" all ", DeviceSpec(kind=DeviceKind.ALL_GPUS)),
+        ("0", DeviceSpec.gpus((0,))),
+        ("0,1,3", DeviceSpec.gpus((0, 1, 3))),
+        ("2, 0", DeviceSpec.gpus((2, 0))),
+        ("cpu:1", DeviceSpec.cpu(1)),
+        ("cpu:16", DeviceSpec.cpu(16)),
+    ],
+)
+def test_text_forms(text: str, spec: DeviceSpec) -> None:
+    assert parse_devices(text) == spec
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("gpu", r"^expected `all`, GPU ids like 0,1, or cpu:N with N >= 1; got 'gpu'$"),
+        ("", r"^expected `all`.*; got ''$"),
+        ("cpu", r"^expected `all`.*; got 'cpu'$"),
+        ("cpu:0", r"got 'cpu:0' \(a host needs at least one CPU rank\)$"),
+        ("cpu:-1", r"got 'cpu:-1'$"),
+        ("cpu:x", r"got 'cpu:x'$"),
+        ("0,,1", r"got '0,,1'$"),
+        ("-1", r"got '-1'$"),
+        ("0,0", r"^GPU ids '0,0' must be distinct and non-negative$"),
+        ("ALL", r"got 'ALL'$"),
+    ],
+)
+def test_bad_text_says_what_was_expected(text: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        parse_devices(text)
+
+
+def test_bare_cpu_takes_the_callers_rank_count() -> None:
+    """flodl-launch --nproc 3 --devices cpu: the count comes from --nproc."""
+    assert parse_devices("cpu", bare_cpu_ranks=3) == DeviceSpec.cpu(3)
+    assert parse_devices("cpu:2", bare_cpu_ranks=3) == DeviceSpec.cpu(2)
+
+
+def test_gpu_ids() -> None:
+    assert parse_gpu_ids("3,1") == (3, 1)
+    with pytest.raises(ConfigError, match="is not a list of GPU ids"):
+        parse_gpu_ids("a")
+
+
+def test_cluster_reexports_the_same_types() -> None:
+    assert ClusterDeviceSpec is DeviceSpec
+
+
+@pytest.mark.parametrize(
+    ("devices", "spec"),
+    [("all", DeviceSpec(kind=DeviceKind.ALL_GPUS)), ("cpu:2", DeviceSpec.cpu(2)), ("'0,1'", DeviceSpec.gpus((0, 1))), ("3", DeviceSpec.gpus((3,)))],
+)
+def test_cluster_scalars_go_through_the_same_parser(devices: str, spec: DeviceSpec) -> None:
+    cluster = parse_cluster(f"workers:\n  - host: a\n    devices: {devices}\n", local_names=frozenset({"a"}))
+    assert cluster.workers[0].devices == spec

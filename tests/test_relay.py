@@ -1,0 +1,148 @@
+"""The relay's explicit rank addressing, on real unix and TCP sockets."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import tempfile
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from flodl_async.errors import ConnectionClosed
+from flodl_async.net.framed import FramedProtocol, StreamFramedProtocol
+from flodl_async.net.mux import PortMux
+from flodl_async.net.service import FramedService
+from flodl_async.relay import Relay, rank_of
+from flodl_async.wire import Channel, SessionKeys, Side
+from flodl_async.wire import messages as m
+from flodl_async.wire.schema import Message
+
+
+def test_the_table_reads_ranks_and_names_no_rank_for_others() -> None:
+    assert rank_of(m.RankHello(rank=3, local_rank=0, world_size=4, pid=1)) == 3
+    assert rank_of(m.RankWelcome(rank=2, run_id="r")) == 2
+    assert rank_of(m.Heartbeat(sent_at=1.0, rank=1)) == 1
+    assert rank_of(m.Finish()) is None
+
+
+@dataclass
+class FakeController:
+    """The controller's control channel: records what comes up, welcomes every hello."""
+
+    up: asyncio.Queue[Message] = field(default_factory=asyncio.Queue)
+    links: list[FramedProtocol] = field(default_factory=list)
+
+    async def handle(self, link: FramedProtocol) -> None:
+        self.links.append(link)
+        while True:
+            msg = await link.recv_message()
+            await self.up.put(msg)
+            if isinstance(msg, m.RankHello):
+                link.send(m.RankWelcome(rank=msg.rank, run_id="run"))
+
+
+@dataclass
+class Bench:
+    relay: Relay
+    controller: FakeController
+    keys: SessionKeys
+
+    async def rank_link(self) -> FramedProtocol:
+        loop = asyncio.get_running_loop()
+        _, link = await loop.create_unix_connection(
+            lambda: StreamFramedProtocol(channel=Channel.CONTROL, side=Side.PEER, keys=self.keys, peer_label="relay"), self.relay.socket_path
+        )
+        return link
+
+    async def hello(self, rank: int) -> FramedProtocol:
+        link = await self.rank_link()
+        link.send(m.RankHello(rank=rank, local_rank=rank, world_size=4, pid=100 + rank))
+        welcome = await link.recv_message()
+        assert welcome == m.RankWelcome(rank=rank, run_id="run")
+        return link
+
+    def down(self, msg: Message) -> None:
+        self.controller.links[0].send(msg)
+
+
+@pytest.fixture
+async def bench(keys: SessionKeys) -> AsyncIterator[Bench]:
+    scratch = Path(tempfile.mkdtemp(prefix="fl-relay-", dir="/tmp"))
+    controller = FakeController()
+    mux = PortMux(host="127.0.0.1", port=0)
+    try:
+        async with asyncio.timeout(30), asyncio.TaskGroup() as tg:
+            mux.register(Channel.CONTROL, FramedService(channel=Channel.CONTROL, keys=keys, handler=controller.handle, task_group=tg).protocol_factory)
+            await mux.start()
+            relay = Relay(socket_path=str(scratch / "relay.sock"), keys=keys, controller_host="127.0.0.1", controller_port=mux.port, task_group=tg)
+            await relay.start()
+            try:
+                yield Bench(relay=relay, controller=controller, keys=keys)
+            finally:
+                await relay.aclose()
+                await mux.aclose()
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+async def _closed(link: FramedProtocol) -> None:
+    """The relay closed ``link`` (anything it delivered before that is read and discarded)."""
+    try:
+        while True:
+            await link.recv_message()
+    except ConnectionClosed:
+        return
+
+
+async def test_controller_messages_reach_only_the_rank_they_address(bench: Bench) -> None:
+    r0, r1 = await bench.hello(0), await bench.hello(1)
+    bench.down(m.Heartbeat(sent_at=1.0, rank=1))
+    bench.down(m.Heartbeat(sent_at=2.0, rank=0))
+    assert await r1.recv_message() == m.Heartbeat(sent_at=1.0, rank=1)
+    assert await r0.recv_message() == m.Heartbeat(sent_at=2.0, rank=0)
+
+
+async def test_a_message_addressed_to_no_rank_is_dropped_and_counted(bench: Bench) -> None:
+    r0 = await bench.hello(0)
+    bench.down(m.Finish(reason="not for any rank"))
+    bench.down(m.Heartbeat(sent_at=7.0, rank=5))  # addressed, but rank 5 is not here
+    bench.down(m.Heartbeat(sent_at=8.0, rank=0))
+    assert await r0.recv_message() == m.Heartbeat(sent_at=8.0, rank=0)  # in order: the two before it were handled
+    stats = bench.relay.statistics()
+    assert stats.dropped_unaddressed == 1
+    assert stats.dropped_rank_gone == 1
+    assert stats.delivered_down == 2  # the welcome and the heartbeat
+
+
+async def test_a_link_claiming_another_rank_is_closed(bench: Bench) -> None:
+    r0 = await bench.hello(0)
+    assert isinstance(await bench.controller.up.get(), m.RankHello)
+    r0.send(m.Heartbeat(sent_at=1.0, rank=0))
+    r0.send(m.Heartbeat(sent_at=2.0, rank=3))  # rank 0's link speaking for rank 3
+    await _closed(r0)
+    assert await bench.controller.up.get() == m.Heartbeat(sent_at=1.0, rank=0)
+    assert bench.controller.up.empty()  # the forged one never went up
+    stats = bench.relay.statistics()
+    assert stats.refused_links == 1
+    assert stats.ranks_connected == 0
+
+
+async def test_a_link_must_open_with_rank_hello(bench: Bench) -> None:
+    link = await bench.rank_link()
+    link.send(m.Heartbeat(sent_at=1.0, rank=0))
+    await _closed(link)
+    assert bench.relay.statistics().refused_links == 1
+    assert bench.controller.up.empty()
+
+
+async def test_a_bound_rank_cannot_be_claimed_by_a_second_link(bench: Bench) -> None:
+    r0 = await bench.hello(0)
+    impostor = await bench.rank_link()
+    impostor.send(m.RankHello(rank=0, local_rank=0, world_size=4, pid=999))
+    await _closed(impostor)
+    bench.down(m.Heartbeat(sent_at=3.0, rank=0))
+    assert await r0.recv_message() == m.Heartbeat(sent_at=3.0, rank=0)  # the first binding holds
+    assert bench.relay.statistics().refused_links == 1
