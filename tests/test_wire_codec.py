@@ -20,7 +20,7 @@ from flodl_async.wire import CLOSED, NEED_DATA, Channel, FrameConnection, Sessio
 from flodl_async.wire import messages as m
 from flodl_async.wire.frame import HEADER, HEADER_LEN, PROTOCOL_VERSION, TAG_LEN, Frame, FrameLimits
 
-from .conftest import codec_pair
+from .wirekit import WHOLE_AND_BYTEWISE, codec_pair, feed, sealed
 
 SAMPLES = [
     m.JoinHello(host="node-a", devices=("cpu:0", "cpu:1"), pid=42, agent_version="0.1"),
@@ -35,20 +35,11 @@ SAMPLES = [
 ]
 
 
-def feed(conn: FrameConnection, data: bytes, *, bytewise: bool) -> list[Frame]:
-    out: list[Frame] = []
-    chunks = [data[i : i + 1] for i in range(len(data))] if bytewise else [data]
-    for chunk in chunks:
-        conn.receive_data(chunk)
-        out.extend(conn.frames())
-    return out
-
-
-@pytest.mark.parametrize("bytewise", [False, True], ids=["whole", "bytewise"])
-def test_every_sample_round_trips_in_one_stream(keys: SessionKeys, bytewise: bool) -> None:
+@WHOLE_AND_BYTEWISE
+def test_every_sample_round_trips_in_one_stream(keys: SessionKeys, chunk: int | None) -> None:
     peer, controller = codec_pair(keys)
     stream = b"".join(peer.send(msg) for msg in SAMPLES)
-    frames = feed(controller, stream, bytewise=bytewise)
+    frames = feed(controller, stream, chunk=chunk)
     assert [f.message for f in frames] == SAMPLES
     assert [f.seq for f in frames] == list(range(len(SAMPLES)))
     controller.receive_data(b"")
@@ -66,11 +57,11 @@ def test_need_data_until_the_last_byte(keys: SessionKeys) -> None:
     assert frame.message == m.Abort(reason="x")
 
 
-@pytest.mark.parametrize("bytewise", [False, True], ids=["whole", "bytewise"])
-def test_both_directions_use_their_own_keys(keys: SessionKeys, bytewise: bool) -> None:
+@WHOLE_AND_BYTEWISE
+def test_both_directions_use_their_own_keys(keys: SessionKeys, chunk: int | None) -> None:
     peer, controller = codec_pair(keys)
     down = controller.send(m.Abort(reason="stop"))
-    [frame] = feed(peer, down, bytewise=bytewise)
+    [frame] = feed(peer, down, chunk=chunk)
     assert frame.message == m.Abort(reason="stop")
 
 
@@ -166,21 +157,9 @@ def test_version_mismatch_names_both_versions(keys: SessionKeys) -> None:
         controller.next_frame()
 
 
-def _sealed(keys: SessionKeys, kind: int, body: bytes, seq: int = 0) -> bytes:
-    """A frame with a valid tag around an arbitrary body (what a buggy but keyed peer could send)."""
-    import hashlib
-    import hmac
-
-    from flodl_async.wire.keys import Direction
-
-    header = HEADER.pack(PROTOCOL_VERSION, 0, kind, seq, len(body), 0)
-    tag = hmac.new(keys.key(Channel.CONTROL, Direction.TO_CONTROLLER), header + body, hashlib.sha256).digest()
-    return header + body + tag
-
-
 def test_unknown_kind_after_authentication(keys: SessionKeys) -> None:
     _, controller = codec_pair(keys)
-    controller.receive_data(_sealed(keys, 0xFFFE, b"\x80"))
+    controller.receive_data(sealed(keys, 0xFFFE, b"\x80"))
     with pytest.raises(UnknownKind, match="0xfffe"):
         controller.next_frame()
 
@@ -198,7 +177,7 @@ def test_unknown_kind_after_authentication(keys: SessionKeys) -> None:
 )
 def test_malformed_bodies_are_named(keys: SessionKeys, body: bytes, match: str) -> None:
     _, controller = codec_pair(keys)
-    controller.receive_data(_sealed(keys, m.Abort.KIND, body))
+    controller.receive_data(sealed(keys, m.Abort.KIND, body))
     with pytest.raises(MalformedBody, match=match):
         controller.next_frame()
 
@@ -228,7 +207,7 @@ def test_newer_peer_extra_fields_are_ignored(keys: SessionKeys) -> None:
 
     body = msgpack.packb([2, "x", 3.5, 2, [1, 2]])
     _, controller = codec_pair(keys)
-    controller.receive_data(_sealed(keys, m.Abort.KIND, body))
+    controller.receive_data(sealed(keys, m.Abort.KIND, body))
     frame = controller.next_frame()
     assert isinstance(frame, Frame)
     assert frame.message == m.Abort(reason="x", grace_s=3.5, first_signal=2)
@@ -238,7 +217,7 @@ def test_older_peer_missing_trailing_fields_take_defaults(keys: SessionKeys) -> 
     import msgpack
 
     _, controller = codec_pair(keys)
-    controller.receive_data(_sealed(keys, m.Abort.KIND, msgpack.packb([1, "x"])))
+    controller.receive_data(sealed(keys, m.Abort.KIND, msgpack.packb([1, "x"])))
     frame = controller.next_frame()
     assert isinstance(frame, Frame)
     assert frame.message == m.Abort(reason="x", grace_s=10.0)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import typing
 
 from hypothesis import HealthCheck, given, settings
@@ -11,8 +10,10 @@ from hypothesis import strategies as st
 
 from flodl_async.errors import FrameTooLarge, WireError
 from flodl_async.wire import Channel, FrameConnection, SessionKeys, Side, new_session_secret, registered_kinds
-from flodl_async.wire.frame import HEADER, PROTOCOL_VERSION, Frame, FrameLimits, Pending
+from flodl_async.wire.frame import HEADER, PROTOCOL_VERSION, FrameLimits
 from flodl_async.wire.schema import Message
+
+from .wirekit import codec_pair, drain, feed_cut
 
 KEYS = SessionKeys.derive(new_session_secret(), "prop-run")
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -51,44 +52,24 @@ def _message_strategy(cls: type[Message]) -> st.SearchStrategy[Message]:
 any_message = st.sampled_from(sorted(registered_kinds().items())).flatmap(lambda item: _message_strategy(item[1]))
 
 
-def _pair(channel: Channel = Channel.CONTROL) -> tuple[FrameConnection, FrameConnection]:
-    return (
-        FrameConnection(channel=channel, side=Side.PEER, keys=KEYS),
-        FrameConnection(channel=channel, side=Side.CONTROLLER, keys=KEYS),
-    )
-
-
-def _drain(conn: FrameConnection) -> list[Frame]:
-    out: list[Frame] = []
-    while True:
-        item = conn.next_frame()
-        if isinstance(item, Pending):
-            return out
-        out.append(item)
-
-
 @SETTINGS
 @given(msgs=st.lists(any_message, min_size=1, max_size=5), cuts=st.lists(st.integers(min_value=0, max_value=10_000), max_size=6))
 def test_every_message_type_round_trips_under_any_split(msgs: list[Message], cuts: list[int]) -> None:
-    peer, controller = _pair()
+    peer, controller = codec_pair(KEYS)
     stream = b"".join(peer.send(msg) for msg in msgs)
-    points = sorted({c % (len(stream) + 1) for c in cuts} | {0, len(stream)})
-    frames: list[Frame] = []
-    for start, end in itertools.pairwise(points):
-        controller.receive_data(stream[start:end])
-        frames.extend(_drain(controller))
+    frames = feed_cut(controller, stream, cuts)
     assert [f.message for f in frames] == msgs
 
 
 @SETTINGS
 @given(data=st.binary(max_size=512), eof=st.booleans())
 def test_any_bytes_yield_frames_or_a_wire_error(data: bytes, eof: bool) -> None:
-    _, controller = _pair()
+    _, controller = codec_pair(KEYS)
     try:
         controller.receive_data(data)
         if eof:
             controller.receive_data(b"")
-        _drain(controller)
+        drain(controller)
     except WireError:
         pass
 
@@ -96,12 +77,12 @@ def test_any_bytes_yield_frames_or_a_wire_error(data: bytes, eof: bool) -> None:
 @SETTINGS
 @given(data=st.binary(min_size=0, max_size=256))
 def test_garbage_after_a_valid_header_prefix_is_a_wire_error(data: bytes) -> None:
-    _, controller = _pair()
+    _, controller = codec_pair(KEYS)
     header = HEADER.pack(PROTOCOL_VERSION, 0, 0x0108, 0, len(data), 0)
     try:
         controller.receive_data(header + data + bytes(32))
         controller.receive_data(b"")
-        _drain(controller)
+        drain(controller)
     except WireError:
         return
     raise AssertionError("a frame with a zero tag was accepted")
@@ -110,14 +91,14 @@ def test_garbage_after_a_valid_header_prefix_is_a_wire_error(data: bytes) -> Non
 @SETTINGS
 @given(msg=any_message, bit=st.integers(min_value=0))
 def test_flipping_any_bit_is_rejected(msg: Message, bit: int) -> None:
-    peer, controller = _pair()
+    peer, controller = codec_pair(KEYS)
     frame = bytearray(peer.send(msg))
     position = bit % (len(frame) * 8)
     frame[position // 8] ^= 1 << (position % 8)
     try:
         controller.receive_data(bytes(frame))
         controller.receive_data(b"")
-        frames = _drain(controller)
+        frames = drain(controller)
     except WireError:
         return
     raise AssertionError(f"tampered frame accepted: {frames}")
@@ -126,13 +107,13 @@ def test_flipping_any_bit_is_rejected(msg: Message, bit: int) -> None:
 @SETTINGS
 @given(msgs=st.lists(any_message, min_size=2, max_size=4), data=st.data())
 def test_replayed_or_reordered_frames_are_rejected(msgs: list[Message], data: st.DataObject) -> None:
-    peer, controller = _pair()
+    peer, controller = codec_pair(KEYS)
     frames = [peer.send(msg) for msg in msgs]
     order = data.draw(st.permutations(range(len(frames))).filter(lambda p: list(p) != sorted(p)) | st.just([0, 0]))
     try:
         for index in order:
             controller.receive_data(frames[index])
-            _drain(controller)
+            drain(controller)
     except WireError:
         return
     raise AssertionError(f"order {order} accepted")
@@ -149,7 +130,7 @@ def test_cross_channel_and_reflected_frames_are_rejected(msg: Message, channels:
     ):
         receiver.receive_data(wire)
         try:
-            _drain(receiver)
+            drain(receiver)
         except WireError:
             continue
         raise AssertionError("frame accepted on the wrong channel or direction")
