@@ -17,6 +17,7 @@ translated at the boundary with ``raise ... from exc``.
     │   ├── VersionMismatch
     │   └── TruncatedFrame        the peer closed in the middle of a frame
     ├── ConnectionClosed          a link ended (we closed it, or the peer broke it)
+    ├── BusyError                 a second task tried to receive on a link (also a RuntimeError)
     ├── ProtocolError             a valid frame out of place
     ├── ConfigError               bad cluster file, arguments or environment
     │   └── RoleError             inconsistent role variables
@@ -76,6 +77,15 @@ class ConnectionClosed(FlodlError):
         self.by_peer = by_peer
         who = "the peer closed" if by_peer else "we closed"
         super().__init__(f"{what}: {who} the connection")
+
+
+class BusyError(FlodlError, RuntimeError):
+    """A second task tried to receive on a link that already has a receiver.
+
+    A stream has one receiver at a time (trio's ``BusyResourceError``): two waiters would
+    race for frames, and neither could tell which frames the other took. A bug in the
+    caller, hence also a ``RuntimeError``, as asyncio's own streams raise for two readers.
+    """
 
 
 class ProtocolError(FlodlError):

@@ -3,7 +3,9 @@
 Used on both ends: the controller's channel services get one from the mux
 after routing; agents, relays and ranks get one from :func:`open_framed`.
 Bad bytes close the connection at once, without a reply (design §3), and the
-waiting receiver sees the :class:`WireError`.
+waiting receiver sees the :class:`WireError`. A link has one receiver at a
+time: a second concurrent :meth:`FramedProtocol.recv` raises :class:`BusyError`
+instead of taking the first one's wake-up.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import logging
 import typing
 from collections.abc import Callable, Sequence
 
-from ..errors import ConnectionClosed, WireError
+from ..errors import BusyError, ConnectionClosed, WireError
 from ..wire.channels import CHANNEL_MAGIC, Channel
 from ..wire.frame import Buffer, Frame, FrameConnection, FrameLimits, Side
 from ..wire.keys import SessionKeys
@@ -129,7 +131,17 @@ class FramedProtocol(asyncio.BaseProtocol):
             self._wakeup.set_result(None)
 
     async def recv(self) -> Frame:
-        """The next frame; raises :class:`ConnectionClosed` at the end or :class:`WireError` on bad bytes."""
+        """The next frame; raises :class:`ConnectionClosed` at the end or :class:`WireError` on bad bytes.
+
+        One receiver at a time: a call while another task waits in ``recv`` raises :class:`BusyError`.
+        """
+        if self._wakeup is not None:
+            # The one wake-up future belongs to the waiting receiver: replacing it would strand that
+            # one, and taking a frame queued for it would reorder the stream between two readers.
+            raise BusyError(
+                f"{self.channel.value} channel to {self.peer_label}: recv() called while another task is already "
+                "receiving; a link has one receiver at a time — hand its frames to the others through a queue"
+            )
         while not self._frames:
             if self._failure is not None:
                 raise self._failure
