@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from flodl_async.errors import BusyError, ConnectionClosed, FlodlError, VersionMismatch
+from flodl_async.errors import AuthenticationFailed, BusyError, ConnectionClosed, FlodlError, VersionMismatch
 from flodl_async.net.framed import FramedProtocol, StreamFramedProtocol
 from flodl_async.wire import FrameConnection, SessionKeys, Side
 from flodl_async.wire import messages as m
@@ -90,3 +90,21 @@ async def test_bad_bytes_wake_the_waiting_receiver_with_the_wire_error(
         writer.write(bytes(HEADER_LEN + 40))  # version 0: not a frame
         assert await reader.read() == b""  # dropped without a reply
     assert isinstance(waiting.result(), VersionMismatch)
+
+
+async def test_frames_before_a_bad_one_are_delivered_then_the_error(
+    keys: SessionKeys,
+    link_and_raw_peer: tuple[FramedProtocol, asyncio.StreamReader, asyncio.StreamWriter],
+) -> None:
+    link, reader, writer = link_and_raw_peer
+    peer = FrameConnection(channel=Channel.CONTROL, side=Side.PEER, keys=keys)
+    good = [m.Heartbeat(sent_at=float(i)) for i in range(3)]
+    stream = b"".join(peer.send(msg) for msg in good)
+    tampered = bytearray(peer.send(m.Heartbeat(sent_at=9.0)))
+    tampered[-1] ^= 1
+    writer.write(stream + bytes(tampered))  # one write: most likely one read
+    async with asyncio.timeout(5):
+        assert [(await link.recv()).message for _ in good] == good
+        with pytest.raises(AuthenticationFailed, match="did not verify"):
+            await link.recv()
+        assert await reader.read() == b""  # and the connection was dropped without a reply

@@ -228,3 +228,49 @@ def test_header_layout_is_stable() -> None:
     assert HEADER_LEN == 24
     assert TAG_LEN == 32
     assert struct.calcsize("<BBHQIQ") == HEADER_LEN
+
+
+def _good_then_tampered(peer: FrameConnection) -> tuple[list[m.RankExited], bytes]:
+    good = [m.RankExited(round=0, rank=r, local_rank=r, host="a", exit_code=1) for r in range(2)]
+    stream = b"".join(peer.send(msg) for msg in good)
+    bad = bytearray(peer.send(m.Heartbeat(sent_at=1.0)))
+    bad[-1] ^= 1
+    return good, stream + bytes(bad)
+
+
+def test_frames_delivers_the_good_prefix_then_stays_failed(keys: SessionKeys) -> None:
+    # Whole payload-less frames in one read: the fast _whole_frames path.
+    peer, controller = codec_pair(keys, channel=Channel.JOIN)
+    good, stream = _good_then_tampered(peer)
+    controller.receive_data(stream)
+    assert [f.message for f in controller.frames()] == good
+    with pytest.raises(AuthenticationFailed, match="did not verify"):
+        controller.frames()
+    with pytest.raises(AuthenticationFailed, match="already failed"):
+        controller.frames()
+    with pytest.raises(AuthenticationFailed, match="already failed"):
+        controller.next_frame()
+
+
+def test_state_machine_path_delivers_the_good_prefix_too(keys: SessionKeys) -> None:
+    # Half a frame first: the rest of the read starts mid-frame, so the state machine decodes it.
+    peer, controller = codec_pair(keys, channel=Channel.JOIN)
+    good, stream = _good_then_tampered(peer)
+    controller.receive_data(stream[:10])
+    assert controller.frames() == []
+    controller.receive_data(stream[10:])
+    assert [f.message for f in controller.frames()] == good
+    with pytest.raises(AuthenticationFailed, match="did not verify"):
+        controller.frames()
+
+
+def test_next_frame_delivers_the_good_prefix_one_at_a_time(keys: SessionKeys) -> None:
+    peer, controller = codec_pair(keys, channel=Channel.JOIN)
+    good, stream = _good_then_tampered(peer)
+    controller.receive_data(stream)
+    for msg in good:
+        frame = controller.next_frame()
+        assert isinstance(frame, Frame)
+        assert frame.message == msg
+    with pytest.raises(AuthenticationFailed, match="did not verify"):
+        controller.next_frame()

@@ -2,8 +2,9 @@
 
 Used on both ends: the controller's channel services get one from the mux
 after routing; agents, relays and ranks get one from :func:`open_framed`.
-Bad bytes close the connection at once, without a reply (design §3), and the
-waiting receiver sees the :class:`WireError`. A link has one receiver at a
+Bad bytes close the connection at once, without a reply (design §3); frames
+that verified before them in the same read are still delivered, and the
+receiver sees the :class:`WireError` after them. A link has one receiver at a
 time: a second concurrent :meth:`FramedProtocol.recv` raises :class:`BusyError`
 instead of taking the first one's wake-up.
 """
@@ -82,6 +83,11 @@ class FramedProtocol(asyncio.BaseProtocol):
             self._frames.extend(self.codec.frames())
         except WireError as exc:
             self._reject(exc)
+            return
+        if self.codec.failure is not None:
+            # Frames that verified before the bad one are queued above: the receiver gets them
+            # first, then the error (recv raises the failure only once the queue is empty).
+            self._reject(self.codec.failure)
             return
         if len(self._frames) >= _RECV_HIGH_WATER and self._transport is not None and not self._reading_paused:
             self._transport.pause_reading()

@@ -182,6 +182,7 @@ class FrameConnection:
         self._allocate = allocate
         self._eof = False
         self._failed: WireError | None = None
+        self._unraised = False  # _failed was found by frames() behind good frames and not raised yet
         self._state = _State.HEADER
         self._kind = 0
         self._seq = 0
@@ -284,15 +285,32 @@ class FrameConnection:
         with memoryview(self._scratch) as view:
             self.receive_data(view[:nbytes])
 
+    @property
+    def failure(self) -> WireError | None:
+        """The error that failed this connection, if any.
+
+        Set as soon as the bad frame is found, while frames decoded before it may still be
+        waiting to be delivered: an I/O shell queues those, then closes the connection.
+        """
+        return self._failed
+
     def next_frame(self) -> Frame | Pending:
         """The next complete frame, ``NEED_DATA``, or ``CLOSED`` after a clean EOF."""
-        if self._failed is not None:
-            raise type(self._failed)(f"connection already failed: {self._failed}")
+        self._raise_if_failed()
         try:
             return self._advance()
         except WireError as exc:
             self._failed = exc
             raise
+
+    def _raise_if_failed(self) -> None:
+        if self._failed is None:
+            return
+        if self._unraised:
+            # The first time the caller meets it: the original error, not the "already failed" echo.
+            self._unraised = False
+            raise self._failed
+        raise type(self._failed)(f"connection already failed: {self._failed}")
 
     def _available(self) -> int:
         return len(self._buf) - self._pos
@@ -334,8 +352,8 @@ class FrameConnection:
         self._pos += TAG_LEN
         return self._finish_frame(tag)
 
-    def _whole_frames(self) -> list[Frame]:
-        out: list[Frame] = []
+    def _whole_frames(self, out: list[Frame]) -> None:
+        # Appends to the caller's list, so frames decoded before a bad one survive the raise.
         buf, pos = self._buf, self._pos
         size = len(buf)
         key, max_body, unpack_from, digest, same = self._recv_key, self.limits.max_body, HEADER.unpack_from, hmac.digest, hmac.compare_digest
@@ -359,7 +377,6 @@ class FrameConnection:
                 self._recv_seq += 1
                 pos = end + TAG_LEN
                 self._pos = pos
-        return out
 
     def _auth_failure(self) -> AuthenticationFailed:
         return AuthenticationFailed(
@@ -418,24 +435,30 @@ class FrameConnection:
         return frame
 
     def frames(self) -> list[Frame]:
-        """Every complete frame buffered now (raises on a bad one, like :meth:`next_frame`).
+        """Every complete frame buffered now; raises on a bad one, like :meth:`next_frame`.
+
+        Frames that decoded before a bad one in the same buffer are returned first, and the
+        error is raised by the next call (then by every call after it).
 
         Runs of whole payload-less frames (the control plane's common case: a socket read
         holds hundreds of them) are decoded in one tight loop over one buffer view; anything
         else goes through the state machine.
         """
-        if self._failed is not None:
-            raise type(self._failed)(f"connection already failed: {self._failed}")
+        self._raise_if_failed()
+        out: list[Frame] = []
         try:
-            out = self._whole_frames() if self._state is _State.HEADER else []
+            if self._state is _State.HEADER:
+                self._whole_frames(out)
+            while not isinstance(item := self._advance(), Pending):
+                out.append(item)
         except WireError as exc:
             self._failed = exc
-            raise
-        while True:
-            item = self.next_frame()
-            if isinstance(item, Pending):
-                return out
-            out.append(item)
+            if not out:
+                raise
+            # h11's rule: the frames that verified before the bad one are delivered now; the
+            # error waits for the next call, and every call after that raises too.
+            self._unraised = True
+        return out
 
 
 class PayloadPool:
