@@ -15,6 +15,7 @@ translated at the boundary with ``raise ... from exc``.
     │   ├── MalformedBody
     │   ├── UnknownKind
     │   ├── VersionMismatch
+    │   ├── ReservedFlags         header flags this build does not know (a newer peer, or corruption)
     │   └── TruncatedFrame        the peer closed in the middle of a frame
     ├── ConnectionClosed          a link ended (we closed it, or the peer broke it)
     ├── BusyError                 a second task tried to receive on a link (also a RuntimeError)
@@ -64,6 +65,10 @@ class UnknownKind(WireError):
 
 class VersionMismatch(WireError):
     """The peer speaks another wire protocol version."""
+
+
+class ReservedFlags(WireError):
+    """A frame header set flag bits this build reserves: a newer peer, or corrupted bytes."""
 
 
 class TruncatedFrame(WireError):

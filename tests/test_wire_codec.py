@@ -10,6 +10,7 @@ from flodl_async.errors import (
     AuthenticationFailed,
     FrameTooLarge,
     MalformedBody,
+    ReservedFlags,
     SequenceError,
     TruncatedFrame,
     UnknownKind,
@@ -182,13 +183,14 @@ def test_malformed_bodies_are_named(keys: SessionKeys, body: bytes, match: str) 
         controller.next_frame()
 
 
-def test_reserved_flags_rejected(keys: SessionKeys) -> None:
+@WHOLE_AND_BYTEWISE
+def test_reserved_flags_have_their_own_error(keys: SessionKeys, chunk: int | None) -> None:
     peer, controller = codec_pair(keys)
     data = bytearray(peer.send(m.Heartbeat(sent_at=1.0)))
     data[1] = 0x80
-    controller.receive_data(bytes(data))
-    with pytest.raises(WireError):
-        controller.next_frame()
+    with pytest.raises(ReservedFlags, match=r"reserved header flags 0x80 .*newer peer.*corrupt"):
+        feed(controller, bytes(data), chunk=chunk)
+    assert issubclass(ReservedFlags, WireError)  # so every shell closes the connection on it
 
 
 @pytest.mark.parametrize("cut", [1, HEADER_LEN, HEADER_LEN + 3, -TAG_LEN, -1])

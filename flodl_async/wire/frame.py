@@ -41,6 +41,7 @@ from typing import NamedTuple
 from ..errors import (
     AuthenticationFailed,
     FrameTooLarge,
+    ReservedFlags,
     SequenceError,
     TruncatedFrame,
     VersionMismatch,
@@ -403,7 +404,11 @@ class FrameConnection:
                 f"v{PROTOCOL_VERSION}; run the same flodl_async version on every host"
             )
         if flags != 0:
-            raise AuthenticationFailed(f"{self.channel.value} channel: reserved header flags set ({flags:#04x})")
+            # Checked before the tag (like the version): the flags could one day change how the rest is read.
+            raise ReservedFlags(
+                f"{self.channel.value} channel: reserved header flags {flags:#04x} set — a newer peer using a feature "
+                "this build lacks (run the same flodl_async version on every host), or corrupted bytes"
+            )
         if body_len > self.limits.max_body:
             raise FrameTooLarge(f"{self.channel.value} channel: frame body of {body_len} bytes exceeds the {self.limits.max_body}-byte ceiling")
         if payload_len > self.limits.max_payload:
