@@ -7,7 +7,7 @@ translated at the boundary with ``raise ... from exc``.
 ::
 
     FlodlError
-    ├── WireError                 bytes on a connection were not a valid frame
+    ├── WireError                 bytes on a connection broke its protocol (frames, or torch's TCPStore)
     │   ├── BadMagic
     │   ├── FrameTooLarge
     │   ├── AuthenticationFailed
@@ -16,7 +16,8 @@ translated at the boundary with ``raise ... from exc``.
     │   ├── UnknownKind
     │   ├── VersionMismatch
     │   ├── ReservedFlags         header flags this build does not know (a newer peer, or corruption)
-    │   └── TruncatedFrame        the peer closed in the middle of a frame
+    │   ├── TruncatedFrame        the peer closed in the middle of a frame
+    │   └── StoreProtocolError    a TCPStore client sent what the store cannot accept
     ├── ConnectionClosed          a link ended (we closed it, or the peer broke it)
     ├── BusyError                 a second task tried to receive on a link (also a RuntimeError)
     ├── ProtocolError             a valid frame out of place
@@ -36,7 +37,7 @@ class FlodlError(Exception):
 
 
 class WireError(FlodlError):
-    """A connection carried bytes that are not a valid frame; the connection must close."""
+    """A connection carried bytes that break its protocol; the connection must close."""
 
 
 class BadMagic(WireError):
@@ -73,6 +74,10 @@ class ReservedFlags(WireError):
 
 class TruncatedFrame(WireError):
     """The stream ended in the middle of a frame."""
+
+
+class StoreProtocolError(WireError):
+    """A TCPStore client sent something the store cannot accept; close its connection."""
 
 
 class ConnectionClosed(FlodlError):
