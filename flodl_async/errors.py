@@ -8,7 +8,6 @@ translated at the boundary with ``raise ... from exc``.
 
     FlodlError
     ├── WireError                 bytes on a connection broke its protocol (frames, or torch's TCPStore)
-    │   ├── BadMagic
     │   ├── FrameTooLarge
     │   ├── AuthenticationFailed
     │   ├── SequenceError         replayed, dropped or reordered frame
@@ -24,9 +23,7 @@ translated at the boundary with ``raise ... from exc``.
     ├── ConfigError               bad cluster file, arguments or environment
     │   └── RoleError             inconsistent role variables
     ├── PortInUseError            the controller port is held by a live listener
-    ├── FormationError            the join window could not form a world
-    ├── LaunchError               spawning agents or ranks failed
-    └── RankFailure               a rank exited badly
+    └── LaunchError               spawning agents or ranks failed
 """
 
 from __future__ import annotations
@@ -38,10 +35,6 @@ class FlodlError(Exception):
 
 class WireError(FlodlError):
     """A connection carried bytes that break its protocol; the connection must close."""
-
-
-class BadMagic(WireError):
-    """The first bytes of a connection named no known channel."""
 
 
 class FrameTooLarge(WireError):
@@ -123,13 +116,5 @@ class PortInUseError(FlodlError):
         )
 
 
-class FormationError(FlodlError):
-    """The join window closed without forming a world."""
-
-
 class LaunchError(FlodlError):
     """Starting agents, relays or ranks failed."""
-
-
-class RankFailure(FlodlError):
-    """A rank exited with a non-zero code or a signal."""
