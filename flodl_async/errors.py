@@ -13,6 +13,7 @@ translated at the boundary with ``raise ... from exc``.
     │   ├── SequenceError         replayed, dropped or reordered frame
     │   ├── MalformedBody
     │   ├── UnknownKind
+    │   ├── IllegalKind           a known kind not legal on this channel in this direction
     │   ├── VersionMismatch
     │   ├── ReservedFlags         header flags this build does not know (a newer peer, or corruption)
     │   ├── TruncatedFrame        the peer closed in the middle of a frame
@@ -55,6 +56,14 @@ class MalformedBody(WireError):
 
 class UnknownKind(WireError):
     """An authenticated frame named a message kind this build does not know."""
+
+
+class IllegalKind(WireError):
+    """An authenticated frame carried a kind the table forbids on its channel in its direction.
+
+    See :data:`flodl_async.wire.legality.LEGAL_KINDS`. Sending such a kind is a bug in our own
+    code and raises ``TypeError`` instead: no handler of peer faults should swallow it.
+    """
 
 
 class VersionMismatch(WireError):

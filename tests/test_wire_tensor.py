@@ -48,6 +48,17 @@ def test_non_contiguous_tensor_refused() -> None:
         tensor_bytes(torch.ones(4, 4).t())
 
 
+def test_tensor_bundles_travel_both_ways_on_the_data_channel_only(keys: SessionKeys) -> None:
+    peer, controller = codec_pair(keys, channel=Channel.DATA)
+    average = torch.ones(4)  # held until its bytes are written: payload views do not keep it alive
+    bundle, parts = pack_tensors({"avg": average}, round=1)
+    [down] = feed(peer, b"".join(bytes(p) for p in controller.send_parts(bundle, parts)))  # a reduced result comes back
+    assert isinstance(down.message, m.TensorBundle)
+    assert torch.equal(unpack_tensors(down.message, down.payload)["avg"], average)
+    with pytest.raises(TypeError, match="Heartbeat may not be sent"):
+        peer.send(m.Heartbeat(sent_at=1.0))
+
+
 def test_tensor_over_the_ceiling_refused(keys: SessionKeys) -> None:
     peer, _ = codec_pair(keys, channel=Channel.DATA, limits=FrameLimits(max_payload=1024))
     bundle, parts = pack_tensors({"big": torch.ones(1024)})
@@ -83,9 +94,9 @@ def test_buffered_receive_path_writes_payloads_in_place(keys: SessionKeys, chunk
     for i in range(3):
         bundle, parts = pack_tensors(tensors, round=i)
         wire += b"".join(bytes(p) for p in peer.send_parts(bundle, parts))
-    wire += peer.send(m.Heartbeat(sent_at=1.0))
+    wire += peer.send(m.TensorBundle(round=3, weight=0.0, tensors=()))  # a payload-less frame after payload ones
     frames = feed_buffered(controller, wire, chunk=chunk)
-    assert [type(f.message).__name__ for f in frames] == ["TensorBundle"] * 3 + ["Heartbeat"]
+    assert [(f.message.round, f.payload is None) for f in frames if isinstance(f.message, m.TensorBundle)] == [(0, False), (1, False), (2, False), (3, True)]
     for frame in frames[:3]:
         assert isinstance(frame.message, m.TensorBundle)
         out = unpack_tensors(frame.message, frame.payload)

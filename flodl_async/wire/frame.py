@@ -17,11 +17,29 @@ Keys are derived per run, channel and direction from the session secret
 (:mod:`.keys`), so a frame can neither be replayed on another channel nor
 reflected back at its sender; the sequence number rejects replays, drops and
 reorders inside one direction. The order of checks is the security argument:
-lengths are checked against the ceilings *before* anything is buffered, the tag
-is checked with a constant-time compare *before* msgpack sees the body, and
-only then the sequence number and the schema. Any failure raises a
-:class:`~flodl_async.errors.WireError` subclass and poisons the connection:
-the caller must close it without replying.
+
+1. the header alone: version (:class:`~flodl_async.errors.VersionMismatch`),
+   reserved flags (:class:`~flodl_async.errors.ReservedFlags`: a newer peer or
+   corruption) and lengths against the ceilings
+   (:class:`~flodl_async.errors.FrameTooLarge`), *before* anything is buffered;
+2. the tag, with a constant-time compare, *before* anything else reads the body;
+3. the sequence number;
+4. the kind: it must be in this link's row of the kind table
+   (:data:`.legality.LEGAL_KINDS`, by channel and by the direction this side
+   receives), else :class:`~flodl_async.errors.IllegalKind` (or
+   :class:`~flodl_async.errors.UnknownKind` for a kind this build lacks);
+5. only then msgpack and the schema (:class:`~flodl_async.errors.MalformedBody`).
+
+The sending side applies the same table to itself: ``send`` of a kind its row
+lacks raises ``TypeError`` (our bug, not the peer's) before taking a sequence number.
+
+Any receive failure raises a :class:`~flodl_async.errors.WireError` subclass
+and fails the connection for good: the caller must close it without replying.
+Frames that verified before the bad one are still delivered (h11's rule):
+``frames()`` returns them and raises on its next call; ``next_frame()`` hands
+them out one by one, then raises; every call after that raises again, and
+:attr:`FrameConnection.failure` tells an I/O shell at once that, after the
+frames it was just given, the connection is done.
 
 :class:`FrameConnection` has h11's shape: ``receive_data(data)`` (``b""`` for
 EOF), ``next_frame()`` returning a :class:`Frame`, ``NEED_DATA`` or ``CLOSED``,
@@ -36,11 +54,12 @@ import hmac
 import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, NoReturn
 
 from ..errors import (
     AuthenticationFailed,
     FrameTooLarge,
+    IllegalKind,
     ReservedFlags,
     SequenceError,
     TruncatedFrame,
@@ -49,7 +68,8 @@ from ..errors import (
 )
 from .channels import Channel
 from .keys import Direction, SessionKeys
-from .schema import Message, pack_message, unpack_message
+from .legality import legal_kinds
+from .schema import Message, message_class, pack_message, unpack_message
 
 PROTOCOL_VERSION = 1
 HEADER = struct.Struct("<BBHQIQ")
@@ -173,7 +193,11 @@ class FrameConnection:
         self._send_mac = hmac.new(self._send_key, digestmod=hashlib.sha256)
         self._recv_mac = hmac.new(self._recv_key, digestmod=hashlib.sha256)
         self.channel = channel
+        self.side = side
         self.limits = limits or FrameLimits.for_channel(channel)
+        # The kind table's two rows for this link, as kind numbers: one set lookup per frame.
+        self._send_kinds = legal_kinds(channel, outgoing)
+        self._recv_kinds = legal_kinds(channel, incoming)
         self._send_seq = 0
         self._recv_seq = 0
         self._buf = bytearray()
@@ -196,7 +220,12 @@ class FrameConnection:
     # ----- sending -------------------------------------------------------------------------
 
     def send(self, msg: Message) -> bytes:
-        """One frame without payload, as a single bytes object (one write, one syscall)."""
+        """One frame without payload, as a single bytes object (one write, one syscall).
+
+        Raises ``TypeError`` for a kind the table does not allow from this side on this channel.
+        """
+        if msg.KIND not in self._send_kinds:
+            self._refuse_send(msg)
         body = pack_message(msg)
         if len(body) > self.limits.max_body:
             raise FrameTooLarge(f"{type(msg).__name__} body is {len(body)} bytes, above the {self.limits.max_body}-byte ceiling")
@@ -222,6 +251,8 @@ class FrameConnection:
         an I/O shell may run it in a worker thread while its loop keeps writing the previous
         frame. Frames must be written in the order they were started.
         """
+        if msg.KIND not in self._send_kinds:
+            self._refuse_send(msg)
         body = pack_message(msg)
         payload_len = sum(memoryview(p).nbytes for p in payload)
         if len(body) > self.limits.max_body:
@@ -235,6 +266,14 @@ class FrameConnection:
         mac.update(head)
         self._send_seq += 1
         return SealingFrame(head=head, payload=tuple(payload), mac=mac)
+
+    def _refuse_send(self, msg: Message) -> NoReturn:
+        # TypeError, not a WireError: this is our own bug, and the handlers that turn a peer's
+        # WireError into "close that link" must not hide it. No sequence number was taken.
+        raise TypeError(
+            f"{type(msg).__name__} may not be sent by the {self.side.value} on the {self.channel.value} channel "
+            "(flodl_async.wire.legality.LEGAL_KINDS); add it to the table if this link should carry it"
+        )
 
     # ----- receiving -----------------------------------------------------------------------
 
@@ -358,6 +397,7 @@ class FrameConnection:
         buf, pos = self._buf, self._pos
         size = len(buf)
         key, max_body, unpack_from, digest, same = self._recv_key, self.limits.max_body, HEADER.unpack_from, hmac.digest, hmac.compare_digest
+        recv_kinds = self._recv_kinds
         with memoryview(buf) as view:
             while size - pos >= HEADER_LEN:
                 version, flags, kind, seq, body_len, payload_len = unpack_from(buf, pos)
@@ -369,6 +409,8 @@ class FrameConnection:
                     raise self._auth_failure()
                 if seq != self._recv_seq:
                     raise self._sequence_failure(seq)
+                if kind not in recv_kinds:
+                    self._refuse_kind(kind)
                 body = view[pos + HEADER_LEN : end]
                 try:
                     msg = unpack_message(kind, body)
@@ -388,6 +430,15 @@ class FrameConnection:
 
     def _sequence_failure(self, seq: int) -> SequenceError:
         return SequenceError(f"{self.channel.value} channel: frame sequence {seq}, expected {self._recv_seq} (replayed, dropped or reordered frame)")
+
+    def _refuse_kind(self, kind: int) -> NoReturn:
+        cls = message_class(kind)  # raises UnknownKind for a kind this build does not know at all
+        sender = "controller" if self.side is Side.PEER else "peer"
+        raise IllegalKind(
+            f"{self.channel.value} channel: the {sender} sent {cls.__name__} ({kind:#06x}), which is not legal "
+            "on this channel in this direction (flodl_async.wire.legality.LEGAL_KINDS) — a peer of another "
+            "flodl_async version, or a bug in it; run the same version on every host"
+        )
 
     def _starved(self, *, mid_frame: bool) -> Pending:
         if not self._eof:
@@ -430,6 +481,8 @@ class FrameConnection:
             raise self._auth_failure()
         if self._seq != self._recv_seq:
             raise self._sequence_failure(self._seq)
+        if self._kind not in self._recv_kinds:
+            self._refuse_kind(self._kind)
         msg = unpack_message(self._kind, self._body)
         payload = memoryview(self._payload) if self._payload is not None else None
         frame = Frame(seq=self._seq, message=msg, payload=payload)
