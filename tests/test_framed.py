@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from flodl_async.errors import AuthenticationFailed, BusyError, ConnectionClosed, FlodlError, VersionMismatch
+from flodl_async.errors import AuthenticationFailed, BusyError, ConnectionClosed, FlodlError, TruncatedFrame, VersionMismatch
 from flodl_async.net.framed import FramedProtocol, StreamFramedProtocol
 from flodl_async.wire import FrameConnection, SessionKeys, Side
 from flodl_async.wire import messages as m
@@ -108,3 +108,18 @@ async def test_frames_before_a_bad_one_are_delivered_then_the_error(
         with pytest.raises(AuthenticationFailed, match="did not verify"):
             await link.recv()
         assert await reader.read() == b""  # and the connection was dropped without a reply
+
+
+async def test_a_peer_that_stops_mid_frame_is_a_truncated_frame_not_a_clean_close(
+    keys: SessionKeys,
+    link_and_raw_peer: tuple[FramedProtocol, asyncio.StreamReader, asyncio.StreamWriter],
+) -> None:
+    link, _reader, writer = link_and_raw_peer
+    peer = FrameConnection(channel=Channel.CONTROL, side=Side.PEER, keys=keys)
+    whole = peer.send(m.Heartbeat(sent_at=1.0))
+    writer.write(whole + peer.send(m.Heartbeat(sent_at=2.0))[:-5])
+    writer.write_eof()
+    async with asyncio.timeout(5):
+        assert (await link.recv()).message == m.Heartbeat(sent_at=1.0)
+        with pytest.raises(TruncatedFrame):
+            await link.recv()

@@ -103,9 +103,13 @@ class FramedProtocol(asyncio.BaseProtocol):
     def eof_received(self) -> bool | None:
         try:
             self.codec.receive_data(b"")
-            self.codec.frames()  # raises TruncatedFrame when the peer stopped mid-frame
+            # Raises TruncatedFrame when the peer stopped mid-frame; frames before it are still delivered.
+            self._frames.extend(self.codec.frames())
         except WireError as exc:
             self._fail(exc)
+            return None
+        if self.codec.failure is not None:
+            self._fail(self.codec.failure)
             return None
         self._closed_by_peer = True
         self._fail(ConnectionClosed(f"{self.channel.value} channel to {self.peer_label}", by_peer=True))
