@@ -59,13 +59,24 @@ def _loop_factory(kind: str) -> Callable[[], asyncio.AbstractEventLoop]:
 POOL = PayloadPool(max_per_size=32)
 
 
+def _marker(channel: Channel, count: float) -> m.Heartbeat | m.TensorBundle:
+    """The end-of-trial marker and its answer (carrying ``count``): a kind the channel carries both ways."""
+    if channel is Channel.DATA:
+        return m.TensorBundle(round=-1, weight=count, tensors=())
+    return m.Heartbeat(sent_at=count)
+
+
+def _marked_count(msg: m.Heartbeat | m.TensorBundle) -> float:
+    return msg.weight if isinstance(msg, m.TensorBundle) else msg.sent_at
+
+
 async def _count_frames(link: FramedProtocol) -> None:
-    """Consume frames; on a Heartbeat marker, answer with how many payload bytes arrived."""
+    """Consume frames; on a marker, answer with how many payload bytes (or frames) arrived."""
     received = 0
     while True:
         frame = await link.recv()
-        if isinstance(frame.message, m.Heartbeat):
-            link.send(m.Heartbeat(sent_at=float(received)))
+        if isinstance(frame.message, m.Heartbeat | m.TensorBundle) and frame.payload is None:
+            link.send(_marker(link.channel, float(received)))
             received = 0
         elif frame.payload is not None:
             received += frame.payload.nbytes
@@ -120,10 +131,10 @@ async def _bulk_framed(port: int, total: int) -> float:
     start = time.perf_counter()
     for _ in range(total // CHUNK):
         await link.send_tensors(bundle, [payload])
-    link.send(m.Heartbeat(sent_at=0.0))
+    link.send(_marker(Channel.DATA, 0.0))
     reply = await link.recv_message()
     elapsed = time.perf_counter() - start
-    assert isinstance(reply, m.Heartbeat) and int(reply.sent_at) == total, reply
+    assert isinstance(reply, m.TensorBundle) and int(_marked_count(reply)) == total, reply
     await link.aclose()
     return total / elapsed / 1e6
 
@@ -174,10 +185,10 @@ async def _small_frames(port: int, count: int) -> float:
             batch.clear()
             await link.drain()
     link._writable().write(b"".join(batch))
-    link.send(m.Heartbeat(sent_at=-1.0))
+    link.send(_marker(Channel.CONTROL, -1.0))
     reply = await link.recv_message()
     elapsed = time.perf_counter() - start
-    assert isinstance(reply, m.Heartbeat) and int(reply.sent_at) == count, reply
+    assert isinstance(reply, m.Heartbeat) and int(_marked_count(reply)) == count, reply
     await link.aclose()
     return count / elapsed
 
@@ -228,18 +239,21 @@ def _hmac_speed(total: int) -> float:
 
 
 def _codec_costs(repeat: int = 20000) -> dict[str, float]:
-    sender = FrameConnection(channel=Channel.DATA, side=Side.PEER, keys=KEYS, limits=LIMITS)
-    pool = PayloadPool()
-    receiver = FrameConnection(channel=Channel.DATA, side=Side.CONTROLLER, keys=KEYS, limits=LIMITS, allocate=pool.acquire)
+    # A control frame where the kind table allows it: an agent's RankExited on the join channel.
+    agent = FrameConnection(channel=Channel.JOIN, side=Side.PEER, keys=KEYS)
+    controller = FrameConnection(channel=Channel.JOIN, side=Side.CONTROLLER, keys=KEYS)
     msg = m.RankExited(round=1, rank=3, local_rank=1, host="node-a", exit_code=1, stderr_tail=("line",))
     start = time.perf_counter()
-    frames = [sender.send(msg) for _ in range(repeat)]
+    frames = [agent.send(msg) for _ in range(repeat)]
     encode = (time.perf_counter() - start) / repeat * 1e6
     start = time.perf_counter()
     for data in frames:
-        receiver.receive_data(data)
-        assert isinstance(receiver.next_frame(), Frame)
+        controller.receive_data(data)
+        assert isinstance(controller.next_frame(), Frame)
     decode = (time.perf_counter() - start) / repeat * 1e6
+    sender = FrameConnection(channel=Channel.DATA, side=Side.PEER, keys=KEYS, limits=LIMITS)
+    pool = PayloadPool()
+    receiver = FrameConnection(channel=Channel.DATA, side=Side.CONTROLLER, keys=KEYS, limits=LIMITS, allocate=pool.acquire)
     big = memoryview(os.urandom(16 * MiB))
     bundle = m.TensorBundle(round=0, weight=1.0, tensors=(m.TensorSpec(name="x", dtype="uint8", shape=(16 * MiB,), offset=0, nbytes=16 * MiB),))
     enc_t, dec_t = [], []

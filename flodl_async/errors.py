@@ -7,25 +7,32 @@ translated at the boundary with ``raise ... from exc``.
 ::
 
     FlodlError
-    ├── WireError                 bytes on a connection were not a valid frame
-    │   ├── BadMagic
+    ├── WireError                 bytes on a connection broke its protocol (frames, or torch's TCPStore)
     │   ├── FrameTooLarge
     │   ├── AuthenticationFailed
     │   ├── SequenceError         replayed, dropped or reordered frame
     │   ├── MalformedBody
     │   ├── UnknownKind
+    │   ├── IllegalKind           a known kind not legal on this channel in this direction
     │   ├── VersionMismatch
-    │   └── TruncatedFrame        the peer closed in the middle of a frame
+    │   ├── ReservedFlags         header flags this build does not know (a newer peer, or corruption)
+    │   ├── TruncatedFrame        the peer closed in the middle of a frame
+    │   └── StoreProtocolError    a TCPStore client sent what the store cannot accept
     ├── ConnectionClosed          a link ended (we closed it, or the peer broke it)
+    ├── BusyError                 a second task tried to receive on a link (also a RuntimeError)
     ├── ProtocolError             a valid frame out of place
     ├── ConfigError               bad cluster file, arguments or environment
     │   └── RoleError             inconsistent role variables
     ├── PortInUseError            the controller port is held by a live listener
-    ├── FormationError            the join window could not form a world
-    ├── LaunchError               spawning agents or ranks failed
-    ├── RankFailure               a rank exited badly
-    ├── BusyResourceError         a second receiver on a stream that has one at a time
-    └── SubscriptionClosed        a status subscription was closed
+    ├── SubscriptionClosed        a status subscription was closed
+    └── AgentError                one host's session failed (fields: host, reason)
+        ├── JoinFailed            the host never got into the run (exit 3)
+        │   ├── ControllerUnreachable
+        │   ├── JoinRejected      the controller said no (JoinReject)
+        │   └── FormationAborted  admitted, but the world never formed
+        └── ControllerLost        the join link broke mid-run (exit 4)
+
+``RuntimeDirError`` (a ``ConfigError``) says the per-user runtime directory is unusable.
 """
 
 from __future__ import annotations
@@ -36,11 +43,7 @@ class FlodlError(Exception):
 
 
 class WireError(FlodlError):
-    """A connection carried bytes that are not a valid frame; the connection must close."""
-
-
-class BadMagic(WireError):
-    """The first bytes of a connection named no known channel."""
+    """A connection carried bytes that break its protocol; the connection must close."""
 
 
 class FrameTooLarge(WireError):
@@ -63,12 +66,28 @@ class UnknownKind(WireError):
     """An authenticated frame named a message kind this build does not know."""
 
 
+class IllegalKind(WireError):
+    """An authenticated frame carried a kind the table forbids on its channel in its direction.
+
+    See :data:`flodl_async.wire.legality.LEGAL_KINDS`. Sending such a kind is a bug in our own
+    code and raises ``TypeError`` instead: no handler of peer faults should swallow it.
+    """
+
+
 class VersionMismatch(WireError):
     """The peer speaks another wire protocol version."""
 
 
+class ReservedFlags(WireError):
+    """A frame header set flag bits this build reserves: a newer peer, or corrupted bytes."""
+
+
 class TruncatedFrame(WireError):
     """The stream ended in the middle of a frame."""
+
+
+class StoreProtocolError(WireError):
+    """A TCPStore client sent something the store cannot accept; close its connection."""
 
 
 class ConnectionClosed(FlodlError):
@@ -78,6 +97,15 @@ class ConnectionClosed(FlodlError):
         self.by_peer = by_peer
         who = "the peer closed" if by_peer else "we closed"
         super().__init__(f"{what}: {who} the connection")
+
+
+class BusyError(FlodlError, RuntimeError):
+    """A second task tried to receive on a link that already has a receiver.
+
+    A stream has one receiver at a time (trio's ``BusyResourceError``): two waiters would
+    race for frames, and neither could tell which frames the other took. A bug in the
+    caller, hence also a ``RuntimeError``, as asyncio's own streams raise for two readers.
+    """
 
 
 class ProtocolError(FlodlError):
@@ -105,22 +133,6 @@ class PortInUseError(FlodlError):
         )
 
 
-class FormationError(FlodlError):
-    """The join window closed without forming a world."""
-
-
-class LaunchError(FlodlError):
-    """Starting agents, relays or ranks failed."""
-
-
-class RankFailure(FlodlError):
-    """A rank exited with a non-zero code or a signal."""
-
-
-class BusyResourceError(FlodlError):
-    """A second task tried to receive from a stream that has one receiver at a time (trio's rule)."""
-
-
 class SubscriptionClosed(FlodlError):
     """A status subscription was closed (unsubscribed); nothing more will arrive on it."""
 
@@ -129,15 +141,6 @@ class SubscriptionClosed(FlodlError):
 
 
 # ----- one host's session (the agent) and its state on disk ----------------------------------
-#
-#     FlodlError
-#     ├── AgentError                one host's session failed (fields: host, reason)
-#     │   ├── JoinFailed            the host never got into the run (exit 3)
-#     │   │   ├── ControllerUnreachable
-#     │   │   ├── JoinRejected      the controller said no (JoinReject)
-#     │   │   └── FormationAborted  admitted, but the world never formed
-#     │   └── ControllerLost        the join link broke mid-run (exit 4)
-#     └── RuntimeDirError           the per-user runtime directory is unusable (a ConfigError)
 
 
 class AgentError(FlodlError):

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import socket
-from collections.abc import AsyncIterator
+import typing
+from collections.abc import AsyncIterator, Callable
 
 import pytest
 
@@ -15,16 +16,49 @@ from flodl_async.net.service import FramedService
 from flodl_async.wire import CHANNEL_MAGIC, Channel, FrameConnection, SessionKeys, Side
 from flodl_async.wire import messages as m
 from flodl_async.wire.frame import FrameLimits
+from flodl_async.wire.schema import Message
 
 FRAMED_CHANNELS = [Channel.JOIN, Channel.RENDEZVOUS, Channel.DATA, Channel.CONTROL]
 
 
+# What each channel's probe and answer are, by the kind table: the probe is a kind a peer may send
+# there, the answer one the controller may send back, carrying the text "<channel>:<tag>".
+_PROBES: dict[Channel, Callable[[float], Message]] = {
+    Channel.JOIN: lambda tag: m.Heartbeat(sent_at=tag),
+    Channel.RENDEZVOUS: lambda tag: m.StoreAddress(round=0, host=repr(tag), port=0),
+    Channel.DATA: lambda tag: m.TensorBundle(round=0, weight=tag, tensors=()),
+    Channel.CONTROL: lambda tag: m.Heartbeat(sent_at=tag),
+}
+_ANSWERS: dict[Channel, Callable[[str], Message]] = {
+    Channel.JOIN: lambda text: m.JoinReject(reason=text),
+    Channel.DATA: lambda text: m.TensorBundle(round=0, weight=0.0, tensors=(m.TensorSpec(name=text, dtype="uint8", shape=(0,), offset=0, nbytes=0),)),
+    Channel.CONTROL: lambda text: m.RankWelcome(rank=0, run_id=text),
+}
+_TEXT_OF: dict[type[Message], Callable[[typing.Any], str]] = {
+    m.JoinReject: lambda msg: msg.reason,
+    m.TensorBundle: lambda msg: msg.tensors[0].name,
+    m.RankWelcome: lambda msg: msg.run_id,
+}
+_TAG_OF: dict[type[Message], Callable[[typing.Any], float]] = {
+    m.Heartbeat: lambda msg: msg.sent_at,
+    m.StoreAddress: lambda msg: float(msg.host),
+    m.TensorBundle: lambda msg: msg.weight,
+}
+#: Nothing may travel down the rendezvous channel: its answers come back through memory (one process).
+_RENDEZVOUS_ANSWERS: dict[float, str] = {}
+
+
 async def _echo_channel_name(link: FramedProtocol) -> None:
-    """Answer every heartbeat with a message naming the channel it arrived on."""
+    """Answer every probe with a message naming the channel it arrived on."""
     while True:
         msg = await link.recv_message()
-        assert isinstance(msg, m.Heartbeat)
-        link.send(m.JoinReject(reason=f"{link.channel.value}:{msg.sent_at}"))
+        text = f"{link.channel.value}:{_TAG_OF[type(msg)](msg)}"
+        answer = _ANSWERS.get(link.channel)
+        if answer is None:
+            _RENDEZVOUS_ANSWERS[_TAG_OF[type(msg)](msg)] = text
+            link.close()  # the peer's signal that the answer is in
+            return
+        link.send(answer(text))
         await link.drain()
 
 
@@ -45,10 +79,13 @@ async def mux(keys: SessionKeys) -> AsyncIterator[PortMux]:
 async def _ask(port: int, keys: SessionKeys, channel: Channel, tag: float) -> str:
     link = await open_framed("127.0.0.1", port, channel=channel, keys=keys)
     try:
-        link.send(m.Heartbeat(sent_at=tag))
+        link.send(_PROBES[channel](tag))
+        if channel is Channel.RENDEZVOUS:
+            with pytest.raises(ConnectionClosed):
+                await link.recv()
+            return _RENDEZVOUS_ANSWERS.pop(tag)
         reply = await link.recv_message()
-        assert isinstance(reply, m.JoinReject)
-        return reply.reason
+        return _TEXT_OF[type(reply)](reply)
     finally:
         await link.aclose()
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from flodl_async.errors import BusyResourceError, SubscriptionClosed
+from flodl_async.errors import BusyError, SubscriptionClosed
 from flodl_async.status import (
     SCHEMA,
     MemberState,
@@ -253,7 +253,7 @@ async def test_a_second_receiver_is_refused() -> None:
     sub = board.subscribe()
     first = asyncio.create_task(sub.next())
     await asyncio.sleep(0)
-    with pytest.raises(BusyResourceError, match="one receiver at a time"):
+    with pytest.raises(BusyError, match="one receiver at a time"):
         await sub.next()
     board.publish(_snapshot())
     await first

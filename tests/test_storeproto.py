@@ -10,6 +10,7 @@ from datetime import timedelta
 
 import pytest
 
+from flodl_async import errors
 from flodl_async.storeproto import CHECK_NOT_READY, CHECK_READY, STOP_WAITING, VALIDATION_MAGIC, Query, StoreConnection, StoreProtocolError, StoreState
 
 
@@ -71,6 +72,12 @@ def test_a_client_that_leaves_stops_waiting() -> None:
 def test_bad_clients_are_refused(data: bytes, match: str) -> None:
     with pytest.raises(StoreProtocolError, match=match):
         StoreConnection(StoreState()).receive_data(data)
+
+
+def test_store_protocol_errors_are_wire_errors() -> None:
+    # Bytes that are not the protocol, like a bad frame: one family, so one handler closes either.
+    assert StoreProtocolError is errors.StoreProtocolError
+    assert issubclass(StoreProtocolError, errors.WireError)
 
 
 SERVER = """

@@ -9,68 +9,86 @@ import pytest
 from flodl_async.errors import (
     AuthenticationFailed,
     FrameTooLarge,
+    IllegalKind,
     MalformedBody,
+    ReservedFlags,
     SequenceError,
     TruncatedFrame,
     UnknownKind,
     VersionMismatch,
     WireError,
 )
-from flodl_async.wire import CLOSED, NEED_DATA, Channel, FrameConnection, SessionKeys, Side, new_session_secret
+from flodl_async.wire import CLOSED, NEED_DATA, Channel, Direction, FrameConnection, SessionKeys, Side, new_session_secret
 from flodl_async.wire import messages as m
 from flodl_async.wire.frame import HEADER, HEADER_LEN, PROTOCOL_VERSION, TAG_LEN, Frame, FrameLimits
+from flodl_async.wire.legality import LEGAL_KINDS
+from flodl_async.wire.schema import Message, pack_message
 
-from .conftest import codec_pair
+from .wirekit import WHOLE_AND_BYTEWISE, codec_pair, feed, sealed, sender_and_receiver
 
-SAMPLES = [
-    m.JoinHello(host="node-a", devices=("cpu:0", "cpu:1"), pid=42, agent_version="0.1"),
-    m.JoinAccept(ranks=(0, 1), run_id="r", formation_wait_s=30.0),
-    m.JoinReject(reason="duplicate host"),
-    m.WorldFormed(world_size=4, ranks=(2, 3), group_rank=1, group_world_size=2, store_host=False, command=("python", "t.py"), env={"A": "1"}),
-    m.StartRanks(round=0, restart_count=0, master_addr="10.0.0.1", master_port=29500),
-    m.RankExited(round=0, rank=3, local_rank=1, host="b", exit_code=None, signal=9, stderr_tail=("boom",)),
-    m.Abort(reason="interrupted"),
-    m.StoreAddress(round=1, host="10.0.0.1", port=40000),
-    m.Heartbeat(sent_at=12.5, rank=1),
-]
+UP, DOWN = Direction.TO_CONTROLLER, Direction.FROM_CONTROLLER
+
+#: Samples of every kind in the kind table, by the route each may travel (data: see test_wire_tensor).
+SAMPLES: dict[tuple[Channel, Direction], list[Message]] = {
+    (Channel.JOIN, UP): [
+        m.JoinHello(host="node-a", devices=("cpu:0", "cpu:1"), pid=42, agent_version="0.1"),
+        m.RankExited(round=0, rank=3, local_rank=1, host="b", exit_code=None, signal=9, stderr_tail=("boom",)),
+        m.RanksStopped(round=2),
+        m.Heartbeat(sent_at=12.5, rank=1),
+    ],
+    (Channel.JOIN, DOWN): [
+        m.JoinAccept(ranks=(0, 1), run_id="r", formation_wait_s=30.0),
+        m.JoinReject(reason="duplicate host"),
+        m.WorldFormed(world_size=4, ranks=(2, 3), group_rank=1, group_world_size=2, store_host=False, command=("python", "t.py"), env={"A": "1"}),
+        m.OpenRound(round=1),
+        m.StartRanks(round=0, restart_count=0, master_addr="10.0.0.1", master_port=29500),
+        m.StopRanks(round=0, reason="restart", grace_s=1.0),
+        m.Abort(reason="interrupted"),
+        m.Finish(),
+        m.Heartbeat(sent_at=12.5),
+    ],
+    (Channel.RENDEZVOUS, UP): [m.RendezvousHello(host="node-a"), m.StoreAddress(round=1, host="10.0.0.1", port=40000)],
+    (Channel.CONTROL, UP): [m.RankHello(rank=1, local_rank=1, world_size=2, pid=7), m.Heartbeat(sent_at=1.0, rank=1)],
+    (Channel.CONTROL, DOWN): [m.RankWelcome(rank=1, run_id="r"), m.Heartbeat(sent_at=1.0, rank=1)],
+}
 
 
-def feed(conn: FrameConnection, data: bytes, *, bytewise: bool) -> list[Frame]:
-    out: list[Frame] = []
-    chunks = [data[i : i + 1] for i in range(len(data))] if bytewise else [data]
-    for chunk in chunks:
-        conn.receive_data(chunk)
-        out.extend(conn.frames())
-    return out
+def test_the_samples_cover_the_kind_table() -> None:
+    covered = {route: {type(msg) for msg in msgs} for route, msgs in SAMPLES.items()}
+    for route, kinds in LEGAL_KINDS.items():
+        if route[0] is not Channel.DATA:
+            assert covered.get(route, set()) == kinds, route
 
 
-@pytest.mark.parametrize("bytewise", [False, True], ids=["whole", "bytewise"])
-def test_every_sample_round_trips_in_one_stream(keys: SessionKeys, bytewise: bool) -> None:
-    peer, controller = codec_pair(keys)
-    stream = b"".join(peer.send(msg) for msg in SAMPLES)
-    frames = feed(controller, stream, bytewise=bytewise)
-    assert [f.message for f in frames] == SAMPLES
-    assert [f.seq for f in frames] == list(range(len(SAMPLES)))
-    controller.receive_data(b"")
-    assert controller.next_frame() is CLOSED
+@pytest.mark.parametrize("route", list(SAMPLES), ids=lambda route: f"{route[0].value}-{route[1].value}")
+@WHOLE_AND_BYTEWISE
+def test_every_sample_round_trips_in_one_stream(keys: SessionKeys, route: tuple[Channel, Direction], chunk: int | None) -> None:
+    sender, receiver = sender_and_receiver(keys, *route)
+    samples = SAMPLES[route]
+    stream = b"".join(sender.send(msg) for msg in samples)
+    frames = feed(receiver, stream, chunk=chunk)
+    assert [f.message for f in frames] == samples
+    assert [f.seq for f in frames] == list(range(len(samples)))
+    receiver.receive_data(b"")
+    assert receiver.next_frame() is CLOSED
 
 
 def test_need_data_until_the_last_byte(keys: SessionKeys) -> None:
     peer, controller = codec_pair(keys)
-    data = peer.send(m.Abort(reason="x"))
+    data = peer.send(m.Heartbeat(sent_at=3.0))
     controller.receive_data(data[:-1])
     assert controller.next_frame() is NEED_DATA
     controller.receive_data(data[-1:])
     frame = controller.next_frame()
     assert isinstance(frame, Frame)
-    assert frame.message == m.Abort(reason="x")
+    assert frame.message == m.Heartbeat(sent_at=3.0)
 
 
-@pytest.mark.parametrize("bytewise", [False, True], ids=["whole", "bytewise"])
-def test_both_directions_use_their_own_keys(keys: SessionKeys, bytewise: bool) -> None:
-    peer, controller = codec_pair(keys)
+@WHOLE_AND_BYTEWISE
+def test_both_directions_use_their_own_keys(keys: SessionKeys, chunk: int | None) -> None:
+    peer, controller = codec_pair(keys, channel=Channel.JOIN)
     down = controller.send(m.Abort(reason="stop"))
-    [frame] = feed(peer, down, bytewise=bytewise)
+    [frame] = feed(peer, down, chunk=chunk)
     assert frame.message == m.Abort(reason="stop")
 
 
@@ -154,9 +172,9 @@ def test_payload_refused_on_channels_without_tensors(keys: SessionKeys) -> None:
 
 
 def test_sender_refuses_to_build_an_oversized_frame(keys: SessionKeys) -> None:
-    peer, _ = codec_pair(keys, limits=FrameLimits(max_body=64))
+    peer, _ = codec_pair(keys, channel=Channel.JOIN, limits=FrameLimits(max_body=64))
     with pytest.raises(FrameTooLarge):
-        peer.send(m.JoinReject(reason="x" * 100))
+        peer.send(m.JoinHello(host="x" * 100, devices=(), pid=1))
 
 
 def test_version_mismatch_names_both_versions(keys: SessionKeys) -> None:
@@ -166,21 +184,9 @@ def test_version_mismatch_names_both_versions(keys: SessionKeys) -> None:
         controller.next_frame()
 
 
-def _sealed(keys: SessionKeys, kind: int, body: bytes, seq: int = 0) -> bytes:
-    """A frame with a valid tag around an arbitrary body (what a buggy but keyed peer could send)."""
-    import hashlib
-    import hmac
-
-    from flodl_async.wire.keys import Direction
-
-    header = HEADER.pack(PROTOCOL_VERSION, 0, kind, seq, len(body), 0)
-    tag = hmac.new(keys.key(Channel.CONTROL, Direction.TO_CONTROLLER), header + body, hashlib.sha256).digest()
-    return header + body + tag
-
-
 def test_unknown_kind_after_authentication(keys: SessionKeys) -> None:
     _, controller = codec_pair(keys)
-    controller.receive_data(_sealed(keys, 0xFFFE, b"\x80"))
+    controller.receive_data(sealed(keys, 0xFFFE, b"\x80"))
     with pytest.raises(UnknownKind, match="0xfffe"):
         controller.next_frame()
 
@@ -197,25 +203,26 @@ def test_unknown_kind_after_authentication(keys: SessionKeys) -> None:
     ],
 )
 def test_malformed_bodies_are_named(keys: SessionKeys, body: bytes, match: str) -> None:
-    _, controller = codec_pair(keys)
-    controller.receive_data(_sealed(keys, m.Abort.KIND, body))
+    peer, _ = codec_pair(keys, channel=Channel.JOIN)
+    peer.receive_data(sealed(keys, m.Abort.KIND, body, channel=Channel.JOIN, direction=DOWN))
     with pytest.raises(MalformedBody, match=match):
-        controller.next_frame()
+        peer.next_frame()
 
 
-def test_reserved_flags_rejected(keys: SessionKeys) -> None:
+@WHOLE_AND_BYTEWISE
+def test_reserved_flags_have_their_own_error(keys: SessionKeys, chunk: int | None) -> None:
     peer, controller = codec_pair(keys)
     data = bytearray(peer.send(m.Heartbeat(sent_at=1.0)))
     data[1] = 0x80
-    controller.receive_data(bytes(data))
-    with pytest.raises(WireError):
-        controller.next_frame()
+    with pytest.raises(ReservedFlags, match=r"reserved header flags 0x80 .*newer peer.*corrupt"):
+        feed(controller, bytes(data), chunk=chunk)
+    assert issubclass(ReservedFlags, WireError)  # so every shell closes the connection on it
 
 
 @pytest.mark.parametrize("cut", [1, HEADER_LEN, HEADER_LEN + 3, -TAG_LEN, -1])
 def test_eof_mid_frame_is_truncated(keys: SessionKeys, cut: int) -> None:
-    peer, controller = codec_pair(keys)
-    data = peer.send(m.Abort(reason="stop now"))
+    peer, controller = codec_pair(keys, channel=Channel.JOIN)
+    data = peer.send(m.RankExited(round=0, rank=1, local_rank=1, host="node-a"))  # a body longer than 3 bytes
     controller.receive_data(data[:cut])
     assert controller.next_frame() is NEED_DATA
     controller.receive_data(b"")
@@ -227,9 +234,9 @@ def test_newer_peer_extra_fields_are_ignored(keys: SessionKeys) -> None:
     import msgpack
 
     body = msgpack.packb([2, "x", 3.5, 2, [1, 2]])
-    _, controller = codec_pair(keys)
-    controller.receive_data(_sealed(keys, m.Abort.KIND, body))
-    frame = controller.next_frame()
+    peer, _ = codec_pair(keys, channel=Channel.JOIN)
+    peer.receive_data(sealed(keys, m.Abort.KIND, body, channel=Channel.JOIN, direction=DOWN))
+    frame = peer.next_frame()
     assert isinstance(frame, Frame)
     assert frame.message == m.Abort(reason="x", grace_s=3.5, first_signal=2)
 
@@ -237,9 +244,9 @@ def test_newer_peer_extra_fields_are_ignored(keys: SessionKeys) -> None:
 def test_older_peer_missing_trailing_fields_take_defaults(keys: SessionKeys) -> None:
     import msgpack
 
-    _, controller = codec_pair(keys)
-    controller.receive_data(_sealed(keys, m.Abort.KIND, msgpack.packb([1, "x"])))
-    frame = controller.next_frame()
+    peer, _ = codec_pair(keys, channel=Channel.JOIN)
+    peer.receive_data(sealed(keys, m.Abort.KIND, msgpack.packb([1, "x"]), channel=Channel.JOIN, direction=DOWN))
+    frame = peer.next_frame()
     assert isinstance(frame, Frame)
     assert frame.message == m.Abort(reason="x", grace_s=10.0)
 
@@ -249,3 +256,94 @@ def test_header_layout_is_stable() -> None:
     assert HEADER_LEN == 24
     assert TAG_LEN == 32
     assert struct.calcsize("<BBHQIQ") == HEADER_LEN
+
+
+def _good_then_tampered(peer: FrameConnection) -> tuple[list[m.RankExited], bytes]:
+    good = [m.RankExited(round=0, rank=r, local_rank=r, host="a", exit_code=1) for r in range(2)]
+    stream = b"".join(peer.send(msg) for msg in good)
+    bad = bytearray(peer.send(m.Heartbeat(sent_at=1.0)))
+    bad[-1] ^= 1
+    return good, stream + bytes(bad)
+
+
+def test_frames_delivers_the_good_prefix_then_stays_failed(keys: SessionKeys) -> None:
+    # Whole payload-less frames in one read: the fast _whole_frames path.
+    peer, controller = codec_pair(keys, channel=Channel.JOIN)
+    good, stream = _good_then_tampered(peer)
+    controller.receive_data(stream)
+    assert [f.message for f in controller.frames()] == good
+    with pytest.raises(AuthenticationFailed, match="did not verify"):
+        controller.frames()
+    with pytest.raises(AuthenticationFailed, match="already failed"):
+        controller.frames()
+    with pytest.raises(AuthenticationFailed, match="already failed"):
+        controller.next_frame()
+
+
+def test_state_machine_path_delivers_the_good_prefix_too(keys: SessionKeys) -> None:
+    # Half a frame first: the rest of the read starts mid-frame, so the state machine decodes it.
+    peer, controller = codec_pair(keys, channel=Channel.JOIN)
+    good, stream = _good_then_tampered(peer)
+    controller.receive_data(stream[:10])
+    assert controller.frames() == []
+    controller.receive_data(stream[10:])
+    assert [f.message for f in controller.frames()] == good
+    with pytest.raises(AuthenticationFailed, match="did not verify"):
+        controller.frames()
+
+
+def test_next_frame_delivers_the_good_prefix_one_at_a_time(keys: SessionKeys) -> None:
+    peer, controller = codec_pair(keys, channel=Channel.JOIN)
+    good, stream = _good_then_tampered(peer)
+    controller.receive_data(stream)
+    for msg in good:
+        frame = controller.next_frame()
+        assert isinstance(frame, Frame)
+        assert frame.message == msg
+    with pytest.raises(AuthenticationFailed, match="did not verify"):
+        controller.next_frame()
+
+
+def test_a_tensor_bundle_does_not_decode_on_the_join_channel(keys: SessionKeys) -> None:
+    bundle = m.TensorBundle(round=0, weight=1.0, tensors=())
+    _, controller = codec_pair(keys, channel=Channel.JOIN)
+    controller.receive_data(sealed(keys, bundle.KIND, pack_message(bundle), channel=Channel.JOIN))
+    with pytest.raises(IllegalKind, match=r"join channel: the peer sent TensorBundle \(0x0302\), which is not legal"):
+        controller.frames()
+    assert issubclass(IllegalKind, WireError)
+
+
+@WHOLE_AND_BYTEWISE
+def test_a_kind_legal_only_the_other_way_is_refused(keys: SessionKeys, chunk: int | None) -> None:
+    # Abort is legal on the join channel, but only from the controller.
+    _, controller = codec_pair(keys, channel=Channel.JOIN)
+    forged = sealed(keys, m.Abort.KIND, pack_message(m.Abort(reason="x")), channel=Channel.JOIN, direction=UP)
+    with pytest.raises(IllegalKind, match="the peer sent Abort"):
+        feed(controller, forged, chunk=chunk)
+
+
+def test_the_tag_is_checked_before_the_kind(keys: SessionKeys) -> None:
+    # An illegal kind under a bad tag is an authentication failure: unkeyed bytes learn nothing from the table.
+    _, controller = codec_pair(keys, channel=Channel.JOIN)
+    forged = bytearray(sealed(keys, m.TensorBundle.KIND, b"\x90", channel=Channel.JOIN))
+    forged[-1] ^= 1
+    controller.receive_data(bytes(forged))
+    with pytest.raises(AuthenticationFailed):
+        controller.frames()
+
+
+def test_the_kind_is_checked_before_the_body(keys: SessionKeys) -> None:
+    _, controller = codec_pair(keys, channel=Channel.CONTROL)
+    controller.receive_data(sealed(keys, m.Abort.KIND, b"\xc1"))  # not msgpack: the kind is refused first
+    with pytest.raises(IllegalKind):
+        controller.next_frame()
+
+
+def test_sending_an_illegal_kind_is_a_type_error_and_takes_no_sequence_number(keys: SessionKeys) -> None:
+    peer, controller = codec_pair(keys, channel=Channel.JOIN)
+    with pytest.raises(TypeError, match="Abort may not be sent by the peer on the join channel"):
+        peer.send(m.Abort(reason="x"))
+    with pytest.raises(TypeError, match="TensorBundle may not be sent by the peer on the join channel"):
+        peer.send_parts(m.TensorBundle(round=0, weight=1.0, tensors=()), [])
+    [frame] = feed(controller, peer.send(m.RanksStopped(round=1)))
+    assert frame.seq == 0

@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import typing
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from flodl_async.errors import FrameTooLarge, WireError
-from flodl_async.wire import Channel, FrameConnection, SessionKeys, Side, new_session_secret, registered_kinds
-from flodl_async.wire.frame import HEADER, PROTOCOL_VERSION, Frame, FrameLimits, Pending
-from flodl_async.wire.schema import Message
+from flodl_async.errors import FrameTooLarge, IllegalKind, WireError
+from flodl_async.wire import Channel, Direction, FrameConnection, SessionKeys, Side, new_session_secret, registered_kinds
+from flodl_async.wire.frame import HEADER, PROTOCOL_VERSION, FrameLimits
+from flodl_async.wire.legality import LEGAL_KINDS
+from flodl_async.wire.schema import Message, pack_message
+
+from .wirekit import codec_pair, drain, feed, feed_cut, sealed, sender_and_receiver
 
 KEYS = SessionKeys.derive(new_session_secret(), "prop-run")
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -50,45 +53,68 @@ def _message_strategy(cls: type[Message]) -> st.SearchStrategy[Message]:
 
 any_message = st.sampled_from(sorted(registered_kinds().items())).flatmap(lambda item: _message_strategy(item[1]))
 
+Route = tuple[Channel, Direction]
+#: Every (channel, direction) of the kind table, and those that carry at least one kind.
+ROUTES: list[Route] = sorted(LEGAL_KINDS, key=lambda route: (route[0].value, route[1].value))
+SPOKEN_ROUTES = [route for route in ROUTES if LEGAL_KINDS[route]]
 
-def _pair(channel: Channel = Channel.CONTROL) -> tuple[FrameConnection, FrameConnection]:
-    return (
-        FrameConnection(channel=channel, side=Side.PEER, keys=KEYS),
-        FrameConnection(channel=channel, side=Side.CONTROLLER, keys=KEYS),
+
+def _legal_message(route: Route) -> st.SearchStrategy[Message]:
+    return st.sampled_from(sorted(LEGAL_KINDS[route], key=lambda cls: cls.KIND)).flatmap(_message_strategy)
+
+
+def _routed(min_size: int = 1, max_size: int = 5) -> st.SearchStrategy[tuple[Route, list[Message]]]:
+    """A route and messages legal on it (what a correct sender may put on one connection)."""
+    return st.sampled_from(SPOKEN_ROUTES).flatmap(
+        lambda route: st.tuples(st.just(route), st.lists(_legal_message(route), min_size=min_size, max_size=max_size))
     )
 
 
-def _drain(conn: FrameConnection) -> list[Frame]:
-    out: list[Frame] = []
-    while True:
-        item = conn.next_frame()
-        if isinstance(item, Pending):
-            return out
-        out.append(item)
+def _route_id(route: Route) -> str:
+    return f"{route[0].value}-{route[1].value}"
 
 
 @SETTINGS
-@given(msgs=st.lists(any_message, min_size=1, max_size=5), cuts=st.lists(st.integers(min_value=0, max_value=10_000), max_size=6))
-def test_every_message_type_round_trips_under_any_split(msgs: list[Message], cuts: list[int]) -> None:
-    peer, controller = _pair()
-    stream = b"".join(peer.send(msg) for msg in msgs)
-    points = sorted({c % (len(stream) + 1) for c in cuts} | {0, len(stream)})
-    frames: list[Frame] = []
-    for start, end in itertools.pairwise(points):
-        controller.receive_data(stream[start:end])
-        frames.extend(_drain(controller))
+@given(routed=_routed(), cuts=st.lists(st.integers(min_value=0, max_value=10_000), max_size=6))
+def test_every_message_type_round_trips_under_any_split(routed: tuple[Route, list[Message]], cuts: list[int]) -> None:
+    route, msgs = routed
+    sender, receiver = sender_and_receiver(KEYS, *route)
+    stream = b"".join(sender.send(msg) for msg in msgs)
+    frames = feed_cut(receiver, stream, cuts)
     assert [f.message for f in frames] == msgs
+
+
+@pytest.mark.parametrize("route", ROUTES, ids=_route_id)
+@pytest.mark.parametrize("cls", [cls for _kind, cls in sorted(registered_kinds().items())], ids=lambda cls: cls.__name__)
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_the_kind_table_is_enforced_on_every_channel_and_side(route: Route, cls: type[Message], data: st.DataObject) -> None:
+    """In the table: it round-trips. Not in it: the sender refuses it, and a forged frame is refused after its tag.
+
+    Every (route, kind) pair is a case of its own, so none is left to chance; Hypothesis varies the contents.
+    """
+    msg = data.draw(_message_strategy(cls))
+    sender, receiver = sender_and_receiver(KEYS, *route)
+    if type(msg) in LEGAL_KINDS[route]:
+        [frame] = feed(receiver, sender.send(msg))
+        assert frame.message == msg
+        return
+    with pytest.raises(TypeError, match="may not be sent"):
+        sender.send(msg)
+    forged = sealed(KEYS, msg.KIND, pack_message(msg), channel=route[0], direction=route[1])
+    with pytest.raises(IllegalKind, match=f"{type(msg).__name__} .* not legal"):
+        feed(receiver, forged)
 
 
 @SETTINGS
 @given(data=st.binary(max_size=512), eof=st.booleans())
 def test_any_bytes_yield_frames_or_a_wire_error(data: bytes, eof: bool) -> None:
-    _, controller = _pair()
+    _, controller = codec_pair(KEYS)
     try:
         controller.receive_data(data)
         if eof:
             controller.receive_data(b"")
-        _drain(controller)
+        drain(controller)
     except WireError:
         pass
 
@@ -96,51 +122,54 @@ def test_any_bytes_yield_frames_or_a_wire_error(data: bytes, eof: bool) -> None:
 @SETTINGS
 @given(data=st.binary(min_size=0, max_size=256))
 def test_garbage_after_a_valid_header_prefix_is_a_wire_error(data: bytes) -> None:
-    _, controller = _pair()
+    _, controller = codec_pair(KEYS)
     header = HEADER.pack(PROTOCOL_VERSION, 0, 0x0108, 0, len(data), 0)
     try:
         controller.receive_data(header + data + bytes(32))
         controller.receive_data(b"")
-        _drain(controller)
+        drain(controller)
     except WireError:
         return
     raise AssertionError("a frame with a zero tag was accepted")
 
 
 @SETTINGS
-@given(msg=any_message, bit=st.integers(min_value=0))
-def test_flipping_any_bit_is_rejected(msg: Message, bit: int) -> None:
-    peer, controller = _pair()
-    frame = bytearray(peer.send(msg))
+@given(routed=_routed(max_size=1), bit=st.integers(min_value=0))
+def test_flipping_any_bit_is_rejected(routed: tuple[Route, list[Message]], bit: int) -> None:
+    route, [msg] = routed
+    sender, receiver = sender_and_receiver(KEYS, *route)
+    frame = bytearray(sender.send(msg))
     position = bit % (len(frame) * 8)
     frame[position // 8] ^= 1 << (position % 8)
     try:
-        controller.receive_data(bytes(frame))
-        controller.receive_data(b"")
-        frames = _drain(controller)
+        receiver.receive_data(bytes(frame))
+        receiver.receive_data(b"")
+        frames = drain(receiver)
     except WireError:
         return
     raise AssertionError(f"tampered frame accepted: {frames}")
 
 
 @SETTINGS
-@given(msgs=st.lists(any_message, min_size=2, max_size=4), data=st.data())
-def test_replayed_or_reordered_frames_are_rejected(msgs: list[Message], data: st.DataObject) -> None:
-    peer, controller = _pair()
-    frames = [peer.send(msg) for msg in msgs]
+@given(routed=_routed(min_size=2, max_size=4), data=st.data())
+def test_replayed_or_reordered_frames_are_rejected(routed: tuple[Route, list[Message]], data: st.DataObject) -> None:
+    route, msgs = routed
+    sender, receiver = sender_and_receiver(KEYS, *route)
+    frames = [sender.send(msg) for msg in msgs]
     order = data.draw(st.permutations(range(len(frames))).filter(lambda p: list(p) != sorted(p)) | st.just([0, 0]))
     try:
         for index in order:
-            controller.receive_data(frames[index])
-            _drain(controller)
+            receiver.receive_data(frames[index])
+            drain(receiver)
     except WireError:
         return
     raise AssertionError(f"order {order} accepted")
 
 
 @SETTINGS
-@given(msg=any_message, channels=st.permutations(list(Channel)[:4]))
-def test_cross_channel_and_reflected_frames_are_rejected(msg: Message, channels: list[Channel]) -> None:
+@given(channels=st.permutations(list(Channel)[:4]), data=st.data())
+def test_cross_channel_and_reflected_frames_are_rejected(channels: list[Channel], data: st.DataObject) -> None:
+    msg = data.draw(_legal_message((channels[0], Direction.TO_CONTROLLER)))
     sender = FrameConnection(channel=channels[0], side=Side.PEER, keys=KEYS, limits=FrameLimits(max_body=1 << 20, max_payload=0))
     wire = sender.send(msg)
     for receiver in (
@@ -149,7 +178,7 @@ def test_cross_channel_and_reflected_frames_are_rejected(msg: Message, channels:
     ):
         receiver.receive_data(wire)
         try:
-            _drain(receiver)
+            drain(receiver)
         except WireError:
             continue
         raise AssertionError("frame accepted on the wrong channel or direction")

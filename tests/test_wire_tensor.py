@@ -8,14 +8,14 @@ import torch
 from flodl_async.errors import AuthenticationFailed, FrameTooLarge, MalformedBody
 from flodl_async.wire import Channel, SessionKeys
 from flodl_async.wire import messages as m
-from flodl_async.wire.frame import Frame, FrameLimits
+from flodl_async.wire.frame import FrameLimits
 from flodl_async.wire.tensor import pack_tensors, tensor_bytes, unpack_tensors, validate_bundle
 
-from .conftest import codec_pair
+from .wirekit import WHOLE_AND_BYTEWISE, codec_pair, feed, feed_buffered
 
 
-@pytest.mark.parametrize("bytewise", [False, True], ids=["whole", "bytewise"])
-def test_tensor_bundle_round_trip(keys: SessionKeys, bytewise: bool) -> None:
+@WHOLE_AND_BYTEWISE
+def test_tensor_bundle_round_trip(keys: SessionKeys, chunk: int | None) -> None:
     tensors = {
         "w": torch.arange(12, dtype=torch.float32).reshape(3, 4),
         "b": torch.tensor([1.5, -2.0], dtype=torch.bfloat16),
@@ -25,12 +25,7 @@ def test_tensor_bundle_round_trip(keys: SessionKeys, bytewise: bool) -> None:
     peer, controller = codec_pair(keys, channel=Channel.DATA)
     bundle, parts = pack_tensors(tensors, round=3, weight=0.5)
     wire = b"".join(bytes(p) for p in peer.send_parts(bundle, parts))
-    chunks = [wire[i : i + 1] for i in range(len(wire))] if bytewise else [wire]
-    frames: list[Frame] = []
-    for chunk in chunks:
-        controller.receive_data(chunk)
-        frames.extend(controller.frames())
-    [frame] = frames
+    [frame] = feed(controller, wire, chunk=chunk)
     assert isinstance(frame.message, m.TensorBundle)
     assert frame.message.round == 3
     out = unpack_tensors(frame.message, frame.payload)
@@ -51,6 +46,17 @@ def test_send_side_does_not_copy_the_tensor() -> None:
 def test_non_contiguous_tensor_refused() -> None:
     with pytest.raises(ValueError, match="contiguous"):
         tensor_bytes(torch.ones(4, 4).t())
+
+
+def test_tensor_bundles_travel_both_ways_on_the_data_channel_only(keys: SessionKeys) -> None:
+    peer, controller = codec_pair(keys, channel=Channel.DATA)
+    average = torch.ones(4)  # held until its bytes are written: payload views do not keep it alive
+    bundle, parts = pack_tensors({"avg": average}, round=1)
+    [down] = feed(peer, b"".join(bytes(p) for p in controller.send_parts(bundle, parts)))  # a reduced result comes back
+    assert isinstance(down.message, m.TensorBundle)
+    assert torch.equal(unpack_tensors(down.message, down.payload)["avg"], average)
+    with pytest.raises(TypeError, match="Heartbeat may not be sent"):
+        peer.send(m.Heartbeat(sent_at=1.0))
 
 
 def test_tensor_over_the_ceiling_refused(keys: SessionKeys) -> None:
@@ -88,18 +94,9 @@ def test_buffered_receive_path_writes_payloads_in_place(keys: SessionKeys, chunk
     for i in range(3):
         bundle, parts = pack_tensors(tensors, round=i)
         wire += b"".join(bytes(p) for p in peer.send_parts(bundle, parts))
-    wire += peer.send(m.Heartbeat(sent_at=1.0))
-    frames: list[Frame] = []
-    offset = 0
-    while offset < len(wire):
-        target = controller.get_buffer(-1)
-        n = min(len(target), chunk, len(wire) - offset)
-        target[:n] = wire[offset : offset + n]
-        target.release()
-        controller.buffer_updated(n)
-        offset += n
-        frames.extend(controller.frames())
-    assert [type(f.message).__name__ for f in frames] == ["TensorBundle"] * 3 + ["Heartbeat"]
+    wire += peer.send(m.TensorBundle(round=3, weight=0.0, tensors=()))  # a payload-less frame after payload ones
+    frames = feed_buffered(controller, wire, chunk=chunk)
+    assert [(f.message.round, f.payload is None) for f in frames if isinstance(f.message, m.TensorBundle)] == [(0, False), (1, False), (2, False), (3, True)]
     for frame in frames[:3]:
         assert isinstance(frame.message, m.TensorBundle)
         out = unpack_tensors(frame.message, frame.payload)
@@ -112,17 +109,5 @@ def test_buffered_path_still_rejects_a_tampered_payload(keys: SessionKeys) -> No
     bundle, parts = pack_tensors({"a": torch.ones(100_000)})
     wire = bytearray(b"".join(bytes(p) for p in peer.send_parts(bundle, parts)))
     wire[len(wire) // 2] ^= 0x10
-
-    def feed_all() -> None:
-        offset = 0
-        while offset < len(wire):
-            target = controller.get_buffer(-1)
-            n = min(len(target), len(wire) - offset)
-            target[:n] = wire[offset : offset + n]
-            target.release()
-            controller.buffer_updated(n)
-            offset += n
-            controller.frames()
-
     with pytest.raises(AuthenticationFailed):
-        feed_all()
+        feed_buffered(controller, bytes(wire))

@@ -2,8 +2,11 @@
 
 Used on both ends: the controller's channel services get one from the mux
 after routing; agents, relays and ranks get one from :func:`open_framed`.
-Bad bytes close the connection at once, without a reply (design §3), and the
-waiting receiver sees the :class:`WireError`.
+Bad bytes close the connection at once, without a reply (design §3); frames
+that verified before them in the same read are still delivered, and the
+receiver sees the :class:`WireError` after them. A link has one receiver at a
+time: a second concurrent :meth:`FramedProtocol.recv` raises :class:`BusyError`
+instead of taking the first one's wake-up.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import logging
 import typing
 from collections.abc import Callable, Sequence
 
-from ..errors import ConnectionClosed, WireError
+from ..errors import BusyError, ConnectionClosed, WireError
 from ..wire.channels import CHANNEL_MAGIC, Channel
 from ..wire.frame import Buffer, Frame, FrameConnection, FrameLimits, Side
 from ..wire.keys import SessionKeys
@@ -81,6 +84,11 @@ class FramedProtocol(asyncio.BaseProtocol):
         except WireError as exc:
             self._reject(exc)
             return
+        if self.codec.failure is not None:
+            # Frames that verified before the bad one are queued above: the receiver gets them
+            # first, then the error (recv raises the failure only once the queue is empty).
+            self._reject(self.codec.failure)
+            return
         if len(self._frames) >= _RECV_HIGH_WATER and self._transport is not None and not self._reading_paused:
             self._transport.pause_reading()
             self._reading_paused = True
@@ -95,9 +103,13 @@ class FramedProtocol(asyncio.BaseProtocol):
     def eof_received(self) -> bool | None:
         try:
             self.codec.receive_data(b"")
-            self.codec.frames()  # raises TruncatedFrame when the peer stopped mid-frame
+            # Raises TruncatedFrame when the peer stopped mid-frame; frames before it are still delivered.
+            self._frames.extend(self.codec.frames())
         except WireError as exc:
             self._fail(exc)
+            return None
+        if self.codec.failure is not None:
+            self._fail(self.codec.failure)
             return None
         self._closed_by_peer = True
         self._fail(ConnectionClosed(f"{self.channel.value} channel to {self.peer_label}", by_peer=True))
@@ -129,7 +141,17 @@ class FramedProtocol(asyncio.BaseProtocol):
             self._wakeup.set_result(None)
 
     async def recv(self) -> Frame:
-        """The next frame; raises :class:`ConnectionClosed` at the end or :class:`WireError` on bad bytes."""
+        """The next frame; raises :class:`ConnectionClosed` at the end or :class:`WireError` on bad bytes.
+
+        One receiver at a time: a call while another task waits in ``recv`` raises :class:`BusyError`.
+        """
+        if self._wakeup is not None:
+            # The one wake-up future belongs to the waiting receiver: replacing it would strand that
+            # one, and taking a frame queued for it would reorder the stream between two readers.
+            raise BusyError(
+                f"{self.channel.value} channel to {self.peer_label}: recv() called while another task is already "
+                "receiving; a link has one receiver at a time — hand its frames to the others through a queue"
+            )
         while not self._frames:
             if self._failure is not None:
                 raise self._failure

@@ -46,7 +46,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from types import TracebackType
 
-from ..errors import BusyResourceError, SubscriptionClosed
+from ..errors import BusyError, SubscriptionClosed
 from .model import Counters, StatusSnapshot
 
 if typing.TYPE_CHECKING:
@@ -83,7 +83,7 @@ class Subscription:
 
     Receive with ``await sub.next()`` or ``async for snapshot in sub``; one
     receiver at a time (a second concurrent one raises
-    :class:`~flodl_async.errors.BusyResourceError`). :meth:`close` (or leaving
+    :class:`~flodl_async.errors.BusyError`). :meth:`close` (or leaving
     ``with``/``async with``) unsubscribes: queued snapshots are discarded, a
     waiting receiver wakes, ``next()`` raises
     :class:`~flodl_async.errors.SubscriptionClosed` and ``async for`` ends.
@@ -127,7 +127,7 @@ class Subscription:
     async def next(self) -> StatusSnapshot:
         """The oldest queued snapshot, waiting for a publish when none is queued."""
         if self._waiter is not None:
-            raise BusyResourceError("another task is already waiting on this status subscription; it has one receiver at a time")
+            raise BusyError("another task is already waiting on this status subscription; it has one receiver at a time")
         while (snapshot := self.get_nowait()) is None:
             # Deferred: the package is imported by the CLI, which must not pay for asyncio.
             import asyncio

@@ -17,11 +17,29 @@ Keys are derived per run, channel and direction from the session secret
 (:mod:`.keys`), so a frame can neither be replayed on another channel nor
 reflected back at its sender; the sequence number rejects replays, drops and
 reorders inside one direction. The order of checks is the security argument:
-lengths are checked against the ceilings *before* anything is buffered, the tag
-is checked with a constant-time compare *before* msgpack sees the body, and
-only then the sequence number and the schema. Any failure raises a
-:class:`~flodl_async.errors.WireError` subclass and poisons the connection:
-the caller must close it without replying.
+
+1. the header alone: version (:class:`~flodl_async.errors.VersionMismatch`),
+   reserved flags (:class:`~flodl_async.errors.ReservedFlags`: a newer peer or
+   corruption) and lengths against the ceilings
+   (:class:`~flodl_async.errors.FrameTooLarge`), *before* anything is buffered;
+2. the tag, with a constant-time compare, *before* anything else reads the body;
+3. the sequence number;
+4. the kind: it must be in this link's row of the kind table
+   (:data:`.legality.LEGAL_KINDS`, by channel and by the direction this side
+   receives), else :class:`~flodl_async.errors.IllegalKind` (or
+   :class:`~flodl_async.errors.UnknownKind` for a kind this build lacks);
+5. only then msgpack and the schema (:class:`~flodl_async.errors.MalformedBody`).
+
+The sending side applies the same table to itself: ``send`` of a kind its row
+lacks raises ``TypeError`` (our bug, not the peer's) before taking a sequence number.
+
+Any receive failure raises a :class:`~flodl_async.errors.WireError` subclass
+and fails the connection for good: the caller must close it without replying.
+Frames that verified before the bad one are still delivered (h11's rule):
+``frames()`` returns them and raises on its next call; ``next_frame()`` hands
+them out one by one, then raises; every call after that raises again, and
+:attr:`FrameConnection.failure` tells an I/O shell at once that, after the
+frames it was just given, the connection is done.
 
 :class:`FrameConnection` has h11's shape: ``receive_data(data)`` (``b""`` for
 EOF), ``next_frame()`` returning a :class:`Frame`, ``NEED_DATA`` or ``CLOSED``,
@@ -36,11 +54,13 @@ import hmac
 import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, NoReturn
 
 from ..errors import (
     AuthenticationFailed,
     FrameTooLarge,
+    IllegalKind,
+    ReservedFlags,
     SequenceError,
     TruncatedFrame,
     VersionMismatch,
@@ -48,7 +68,8 @@ from ..errors import (
 )
 from .channels import Channel
 from .keys import Direction, SessionKeys
-from .schema import Message, pack_message, unpack_message
+from .legality import legal_kinds
+from .schema import Message, message_class, pack_message, unpack_message
 
 PROTOCOL_VERSION = 1
 HEADER = struct.Struct("<BBHQIQ")
@@ -172,7 +193,11 @@ class FrameConnection:
         self._send_mac = hmac.new(self._send_key, digestmod=hashlib.sha256)
         self._recv_mac = hmac.new(self._recv_key, digestmod=hashlib.sha256)
         self.channel = channel
+        self.side = side
         self.limits = limits or FrameLimits.for_channel(channel)
+        # The kind table's two rows for this link, as kind numbers: one set lookup per frame.
+        self._send_kinds = legal_kinds(channel, outgoing)
+        self._recv_kinds = legal_kinds(channel, incoming)
         self._send_seq = 0
         self._recv_seq = 0
         self._buf = bytearray()
@@ -182,6 +207,7 @@ class FrameConnection:
         self._allocate = allocate
         self._eof = False
         self._failed: WireError | None = None
+        self._unraised = False  # _failed was found by frames() behind good frames and not raised yet
         self._state = _State.HEADER
         self._kind = 0
         self._seq = 0
@@ -194,7 +220,12 @@ class FrameConnection:
     # ----- sending -------------------------------------------------------------------------
 
     def send(self, msg: Message) -> bytes:
-        """One frame without payload, as a single bytes object (one write, one syscall)."""
+        """One frame without payload, as a single bytes object (one write, one syscall).
+
+        Raises ``TypeError`` for a kind the table does not allow from this side on this channel.
+        """
+        if msg.KIND not in self._send_kinds:
+            self._refuse_send(msg)
         body = pack_message(msg)
         if len(body) > self.limits.max_body:
             raise FrameTooLarge(f"{type(msg).__name__} body is {len(body)} bytes, above the {self.limits.max_body}-byte ceiling")
@@ -220,6 +251,8 @@ class FrameConnection:
         an I/O shell may run it in a worker thread while its loop keeps writing the previous
         frame. Frames must be written in the order they were started.
         """
+        if msg.KIND not in self._send_kinds:
+            self._refuse_send(msg)
         body = pack_message(msg)
         payload_len = sum(memoryview(p).nbytes for p in payload)
         if len(body) > self.limits.max_body:
@@ -233,6 +266,14 @@ class FrameConnection:
         mac.update(head)
         self._send_seq += 1
         return SealingFrame(head=head, payload=tuple(payload), mac=mac)
+
+    def _refuse_send(self, msg: Message) -> NoReturn:
+        # TypeError, not a WireError: this is our own bug, and the handlers that turn a peer's
+        # WireError into "close that link" must not hide it. No sequence number was taken.
+        raise TypeError(
+            f"{type(msg).__name__} may not be sent by the {self.side.value} on the {self.channel.value} channel "
+            "(flodl_async.wire.legality.LEGAL_KINDS); add it to the table if this link should carry it"
+        )
 
     # ----- receiving -----------------------------------------------------------------------
 
@@ -284,15 +325,32 @@ class FrameConnection:
         with memoryview(self._scratch) as view:
             self.receive_data(view[:nbytes])
 
+    @property
+    def failure(self) -> WireError | None:
+        """The error that failed this connection, if any.
+
+        Set as soon as the bad frame is found, while frames decoded before it may still be
+        waiting to be delivered: an I/O shell queues those, then closes the connection.
+        """
+        return self._failed
+
     def next_frame(self) -> Frame | Pending:
         """The next complete frame, ``NEED_DATA``, or ``CLOSED`` after a clean EOF."""
-        if self._failed is not None:
-            raise type(self._failed)(f"connection already failed: {self._failed}")
+        self._raise_if_failed()
         try:
             return self._advance()
         except WireError as exc:
             self._failed = exc
             raise
+
+    def _raise_if_failed(self) -> None:
+        if self._failed is None:
+            return
+        if self._unraised:
+            # The first time the caller meets it: the original error, not the "already failed" echo.
+            self._unraised = False
+            raise self._failed
+        raise type(self._failed)(f"connection already failed: {self._failed}")
 
     def _available(self) -> int:
         return len(self._buf) - self._pos
@@ -334,11 +392,12 @@ class FrameConnection:
         self._pos += TAG_LEN
         return self._finish_frame(tag)
 
-    def _whole_frames(self) -> list[Frame]:
-        out: list[Frame] = []
+    def _whole_frames(self, out: list[Frame]) -> None:
+        # Appends to the caller's list, so frames decoded before a bad one survive the raise.
         buf, pos = self._buf, self._pos
         size = len(buf)
         key, max_body, unpack_from, digest, same = self._recv_key, self.limits.max_body, HEADER.unpack_from, hmac.digest, hmac.compare_digest
+        recv_kinds = self._recv_kinds
         with memoryview(buf) as view:
             while size - pos >= HEADER_LEN:
                 version, flags, kind, seq, body_len, payload_len = unpack_from(buf, pos)
@@ -350,6 +409,8 @@ class FrameConnection:
                     raise self._auth_failure()
                 if seq != self._recv_seq:
                     raise self._sequence_failure(seq)
+                if kind not in recv_kinds:
+                    self._refuse_kind(kind)
                 body = view[pos + HEADER_LEN : end]
                 try:
                     msg = unpack_message(kind, body)
@@ -359,7 +420,6 @@ class FrameConnection:
                 self._recv_seq += 1
                 pos = end + TAG_LEN
                 self._pos = pos
-        return out
 
     def _auth_failure(self) -> AuthenticationFailed:
         return AuthenticationFailed(
@@ -370,6 +430,15 @@ class FrameConnection:
 
     def _sequence_failure(self, seq: int) -> SequenceError:
         return SequenceError(f"{self.channel.value} channel: frame sequence {seq}, expected {self._recv_seq} (replayed, dropped or reordered frame)")
+
+    def _refuse_kind(self, kind: int) -> NoReturn:
+        cls = message_class(kind)  # raises UnknownKind for a kind this build does not know at all
+        sender = "controller" if self.side is Side.PEER else "peer"
+        raise IllegalKind(
+            f"{self.channel.value} channel: the {sender} sent {cls.__name__} ({kind:#06x}), which is not legal "
+            "on this channel in this direction (flodl_async.wire.legality.LEGAL_KINDS) — a peer of another "
+            "flodl_async version, or a bug in it; run the same version on every host"
+        )
 
     def _starved(self, *, mid_frame: bool) -> Pending:
         if not self._eof:
@@ -386,7 +455,11 @@ class FrameConnection:
                 f"v{PROTOCOL_VERSION}; run the same flodl_async version on every host"
             )
         if flags != 0:
-            raise AuthenticationFailed(f"{self.channel.value} channel: reserved header flags set ({flags:#04x})")
+            # Checked before the tag (like the version): the flags could one day change how the rest is read.
+            raise ReservedFlags(
+                f"{self.channel.value} channel: reserved header flags {flags:#04x} set — a newer peer using a feature "
+                "this build lacks (run the same flodl_async version on every host), or corrupted bytes"
+            )
         if body_len > self.limits.max_body:
             raise FrameTooLarge(f"{self.channel.value} channel: frame body of {body_len} bytes exceeds the {self.limits.max_body}-byte ceiling")
         if payload_len > self.limits.max_payload:
@@ -408,6 +481,8 @@ class FrameConnection:
             raise self._auth_failure()
         if self._seq != self._recv_seq:
             raise self._sequence_failure(self._seq)
+        if self._kind not in self._recv_kinds:
+            self._refuse_kind(self._kind)
         msg = unpack_message(self._kind, self._body)
         payload = memoryview(self._payload) if self._payload is not None else None
         frame = Frame(seq=self._seq, message=msg, payload=payload)
@@ -418,24 +493,30 @@ class FrameConnection:
         return frame
 
     def frames(self) -> list[Frame]:
-        """Every complete frame buffered now (raises on a bad one, like :meth:`next_frame`).
+        """Every complete frame buffered now; raises on a bad one, like :meth:`next_frame`.
+
+        Frames that decoded before a bad one in the same buffer are returned first, and the
+        error is raised by the next call (then by every call after it).
 
         Runs of whole payload-less frames (the control plane's common case: a socket read
         holds hundreds of them) are decoded in one tight loop over one buffer view; anything
         else goes through the state machine.
         """
-        if self._failed is not None:
-            raise type(self._failed)(f"connection already failed: {self._failed}")
+        self._raise_if_failed()
+        out: list[Frame] = []
         try:
-            out = self._whole_frames() if self._state is _State.HEADER else []
+            if self._state is _State.HEADER:
+                self._whole_frames(out)
+            while not isinstance(item := self._advance(), Pending):
+                out.append(item)
         except WireError as exc:
             self._failed = exc
-            raise
-        while True:
-            item = self.next_frame()
-            if isinstance(item, Pending):
-                return out
-            out.append(item)
+            if not out:
+                raise
+            # h11's rule: the frames that verified before the bad one are delivered now; the
+            # error waits for the next call, and every call after that raises too.
+            self._unraised = True
+        return out
 
 
 class PayloadPool:

@@ -2,8 +2,10 @@
 
 Kinds are grouped by channel in the high byte (0x01xx join, 0x02xx
 rendezvous, 0x03xx data, 0x04xx control, 0x05xx relay-local); a new message
-takes the next free kind of its group. Schema evolution rules are in
-:mod:`.schema`.
+takes the next free kind of its group. The grouping is only a numbering: which
+kinds may travel on which channel, in which direction, is the table in
+:mod:`.legality`, which a new message must join before it can be sent. Schema
+evolution rules are in :mod:`.schema`.
 """
 
 from __future__ import annotations
@@ -154,7 +156,7 @@ class RendezvousHello(Message):
     host: str
 
 
-# ----- any channel -------------------------------------------------------------------------
+# ----- control channel (Heartbeat also travels the join channel) -----------------------------
 
 
 @message(kind=0x0401)

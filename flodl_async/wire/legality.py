@@ -1,0 +1,74 @@
+"""Which message kinds are legal on which channel, in which direction: one table.
+
+Theory of operation. Frame keys already bind a frame to its channel and
+direction, so a peer cannot move a frame between them; this table bounds what
+a *keyed* peer may say on a link at all. :class:`~.frame.FrameConnection`
+enforces it from its channel and side: a received frame of a kind outside its
+row raises :class:`~flodl_async.errors.IllegalKind` once its tag and sequence
+number verified (before msgpack sees the body), and sending one raises
+``TypeError``, because that is a bug in our own code, not a fault of the peer.
+
+The rows are how the messages are used (design §2, §3):
+
+* join — the agent's host link, open for the run: the agent joins and reports
+  its ranks' exits; the controller admits, forms the world and drives rounds.
+* rendezvous — the store host's agent reports where its store listens; nothing
+  comes back down.
+* control — ranks' hello and heartbeats. A host's relay terminates its ranks'
+  links as the *controller* side of a unix-socket connection and forwards up as
+  the *peer* side, so both hops read the same two rows.
+* data — tensor bundles, both ways (contributions up, reduced results down).
+
+``Heartbeat`` is legal both ways on join and control. A new message is added
+to its row here, or it cannot be sent.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from types import MappingProxyType
+
+from .channels import Channel
+from .keys import Direction
+from .messages import (
+    Abort,
+    Finish,
+    Heartbeat,
+    JoinAccept,
+    JoinHello,
+    JoinReject,
+    OpenRound,
+    RankExited,
+    RankHello,
+    RanksStopped,
+    RankWelcome,
+    RendezvousHello,
+    StartRanks,
+    StopRanks,
+    StoreAddress,
+    TensorBundle,
+    WorldFormed,
+)
+from .schema import Message
+
+UP = Direction.TO_CONTROLLER
+DOWN = Direction.FROM_CONTROLLER
+
+#: (channel, direction) → the message classes a frame travelling that way may carry.
+LEGAL_KINDS: Mapping[tuple[Channel, Direction], frozenset[type[Message]]] = MappingProxyType(
+    {
+        (Channel.JOIN, UP): frozenset({JoinHello, RankExited, RanksStopped, Heartbeat}),
+        (Channel.JOIN, DOWN): frozenset({JoinAccept, JoinReject, WorldFormed, OpenRound, StartRanks, StopRanks, Abort, Finish, Heartbeat}),
+        (Channel.RENDEZVOUS, UP): frozenset({RendezvousHello, StoreAddress}),
+        (Channel.RENDEZVOUS, DOWN): frozenset(),
+        (Channel.CONTROL, UP): frozenset({RankHello, Heartbeat}),
+        (Channel.CONTROL, DOWN): frozenset({RankWelcome, Heartbeat}),
+        (Channel.DATA, UP): frozenset({TensorBundle}),
+        (Channel.DATA, DOWN): frozenset({TensorBundle}),
+    }
+)
+
+
+def legal_kinds(channel: Channel, direction: Direction) -> frozenset[int]:
+    """The kind numbers legal on ``channel`` travelling ``direction`` (what the codec checks per frame)."""
+    return frozenset(cls.KIND for cls in LEGAL_KINDS[(channel, direction)])

@@ -1,0 +1,125 @@
+"""The asyncio shell around the codec, on real loopback sockets."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import pytest
+
+from flodl_async.errors import AuthenticationFailed, BusyError, ConnectionClosed, FlodlError, TruncatedFrame, VersionMismatch
+from flodl_async.net.framed import FramedProtocol, StreamFramedProtocol
+from flodl_async.wire import FrameConnection, SessionKeys, Side
+from flodl_async.wire import messages as m
+from flodl_async.wire.channels import Channel
+from flodl_async.wire.frame import HEADER_LEN, Frame
+
+
+@pytest.fixture
+async def link_and_raw_peer(keys: SessionKeys) -> AsyncIterator[tuple[FramedProtocol, asyncio.StreamReader, asyncio.StreamWriter]]:
+    """A controller-side framed link on a loopback socket, and the raw socket at its other end."""
+    accepted: asyncio.Future[FramedProtocol] = asyncio.get_running_loop().create_future()
+
+    def factory() -> FramedProtocol:
+        link = StreamFramedProtocol(channel=Channel.CONTROL, side=Side.CONTROLLER, keys=keys)
+        accepted.set_result(link)
+        return link
+
+    server = await asyncio.get_running_loop().create_server(factory, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    link = await accepted
+    try:
+        yield link, reader, writer
+    finally:
+        writer.close()
+        link.abort()
+        server.close()
+        await server.wait_closed()
+
+
+async def _receive(link: FramedProtocol) -> Frame | FlodlError:
+    """One ``recv()``, its error returned rather than raised (so a TaskGroup keeps its siblings)."""
+    try:
+        return await link.recv()
+    except FlodlError as exc:
+        return exc
+
+
+async def test_a_peer_abort_wakes_the_first_receiver_even_after_a_second_recv(
+    link_and_raw_peer: tuple[FramedProtocol, asyncio.StreamReader, asyncio.StreamWriter],
+) -> None:
+    link, _reader, writer = link_and_raw_peer
+    async with asyncio.timeout(5), asyncio.TaskGroup() as tg:
+        first = tg.create_task(_receive(link), name="first-receiver")
+        second = tg.create_task(_receive(link), name="second-receiver")
+        await asyncio.sleep(0)  # one loop turn, not a delay: both receivers start, in order
+        writer.transport.abort()  # the peer breaks the connection
+    closed = first.result()
+    assert isinstance(closed, ConnectionClosed)
+    assert closed.by_peer
+    assert isinstance(second.result(), BusyError)
+
+
+async def test_a_second_concurrent_receiver_is_busy_and_the_first_keeps_the_stream(
+    keys: SessionKeys,
+    link_and_raw_peer: tuple[FramedProtocol, asyncio.StreamReader, asyncio.StreamWriter],
+) -> None:
+    link, _reader, writer = link_and_raw_peer
+    peer = FrameConnection(channel=Channel.CONTROL, side=Side.PEER, keys=keys)
+    async with asyncio.timeout(5), asyncio.TaskGroup() as tg:
+        first = tg.create_task(link.recv(), name="first-receiver")
+        await asyncio.sleep(0)  # one loop turn: the first receiver is now waiting
+        with pytest.raises(BusyError, match="one receiver at a time"):
+            await link.recv()
+        writer.write(peer.send(m.Heartbeat(sent_at=1.0)))
+    assert first.result().message == m.Heartbeat(sent_at=1.0)
+    # Once the first receiver has returned, the link has no receiver: the next recv is fine.
+    writer.write(peer.send(m.Heartbeat(sent_at=2.0)))
+    async with asyncio.timeout(5):
+        assert (await link.recv()).message == m.Heartbeat(sent_at=2.0)
+
+
+async def test_bad_bytes_wake_the_waiting_receiver_with_the_wire_error(
+    link_and_raw_peer: tuple[FramedProtocol, asyncio.StreamReader, asyncio.StreamWriter],
+) -> None:
+    link, reader, writer = link_and_raw_peer
+    async with asyncio.timeout(5), asyncio.TaskGroup() as tg:
+        waiting = tg.create_task(_receive(link), name="receiver")
+        await asyncio.sleep(0)  # one loop turn: the receiver is now waiting
+        writer.write(bytes(HEADER_LEN + 40))  # version 0: not a frame
+        assert await reader.read() == b""  # dropped without a reply
+    assert isinstance(waiting.result(), VersionMismatch)
+
+
+async def test_frames_before_a_bad_one_are_delivered_then_the_error(
+    keys: SessionKeys,
+    link_and_raw_peer: tuple[FramedProtocol, asyncio.StreamReader, asyncio.StreamWriter],
+) -> None:
+    link, reader, writer = link_and_raw_peer
+    peer = FrameConnection(channel=Channel.CONTROL, side=Side.PEER, keys=keys)
+    good = [m.Heartbeat(sent_at=float(i)) for i in range(3)]
+    stream = b"".join(peer.send(msg) for msg in good)
+    tampered = bytearray(peer.send(m.Heartbeat(sent_at=9.0)))
+    tampered[-1] ^= 1
+    writer.write(stream + bytes(tampered))  # one write: most likely one read
+    async with asyncio.timeout(5):
+        assert [(await link.recv()).message for _ in good] == good
+        with pytest.raises(AuthenticationFailed, match="did not verify"):
+            await link.recv()
+        assert await reader.read() == b""  # and the connection was dropped without a reply
+
+
+async def test_a_peer_that_stops_mid_frame_is_a_truncated_frame_not_a_clean_close(
+    keys: SessionKeys,
+    link_and_raw_peer: tuple[FramedProtocol, asyncio.StreamReader, asyncio.StreamWriter],
+) -> None:
+    link, _reader, writer = link_and_raw_peer
+    peer = FrameConnection(channel=Channel.CONTROL, side=Side.PEER, keys=keys)
+    whole = peer.send(m.Heartbeat(sent_at=1.0))
+    writer.write(whole + peer.send(m.Heartbeat(sent_at=2.0))[:-5])
+    writer.write_eof()
+    async with asyncio.timeout(5):
+        assert (await link.recv()).message == m.Heartbeat(sent_at=1.0)
+        with pytest.raises(TruncatedFrame):
+            await link.recv()
