@@ -61,6 +61,8 @@ class Deadlines:
     link_close: float = 1.0
     #: Reading a rank's last output after it exited.
     output_drain: float = 2.0
+    #: The torch-backend store child gets this after its stdin closes before KILL (it holds no state worth saving).
+    store_stop: float = 2.0
     #: Seconds from the first stop signal to KILL (operator's seconds, not scaled).
     stop_grace: float = DEFAULT_STOP_GRACE
 

@@ -37,10 +37,10 @@ from .cluster import (
     is_local_host,
     load_cluster,
     local_host_names,
-    parse_gpu_ids,
 )
 from .controller import Controller
 from .deadlines import DEFAULT_STOP_GRACE, Deadlines
+from .devices import parse_devices
 from .errors import ConfigError, FlodlError, PortInUseError
 from .plan import LaunchPlan, PlacedWorker, Placement
 from .verdict import ExitCode, RunResult, exit_help
@@ -146,23 +146,22 @@ def parse_args(argv: Sequence[str]) -> _Args:
 
 
 def embedded_devices(nproc: int, devices: str, gpu_count: int) -> DeviceSpec:
-    """``--nproc`` with ``--devices`` → the one host's devices."""
+    """``--nproc`` with ``--devices`` → the one host's devices (the devices mini-language, plus ``auto``)."""
     choice = devices.strip()
     if choice == "auto":
         choice = "all" if gpu_count > 0 else "cpu"
-    if choice == "cpu":
-        return DeviceSpec.cpu(nproc)
-    if choice == "all":
+    try:
+        spec = parse_devices(choice, bare_cpu_ranks=nproc)
+    except ConfigError as exc:
+        raise ConfigError(f"--devices: {exc} (or auto)") from None
+    if spec.kind is DeviceKind.ALL_GPUS:
         if gpu_count < nproc:
             raise ConfigError(f"--nproc {nproc} with --devices all needs {nproc} GPUs, this host has {gpu_count}; use --devices cpu")
-        return DeviceSpec(kind=DeviceKind.GPU_LIST, gpu_ids=tuple(range(nproc)))
-    try:
-        ids = parse_gpu_ids(choice)
-    except ConfigError as exc:
-        raise ConfigError(f"--devices: expected cpu, all, auto, or GPU ids like 0,1 ({exc})") from None
-    if len(ids) != nproc:
-        raise ConfigError(f"--devices lists {len(ids)} GPU(s) but --nproc is {nproc}; one rank per device")
-    return DeviceSpec(kind=DeviceKind.GPU_LIST, gpu_ids=ids)
+        return DeviceSpec.gpus(tuple(range(nproc)))
+    count = spec.known_count
+    if count != nproc:
+        raise ConfigError(f"--devices gives {count} rank(s) but --nproc is {nproc}; one rank per device")
+    return spec
 
 
 def build_plan(args: _Args) -> LaunchPlan:

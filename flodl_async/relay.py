@@ -84,7 +84,10 @@ class RelayStatistics:
 class Relay:
     """One host's relay; owned by its session, its tasks by the session's TaskGroup."""
 
-    def __init__(self, *, socket_path: str, keys: SessionKeys, controller_host: str, controller_port: int, task_group: asyncio.TaskGroup) -> None:
+    def __init__(
+        self, *, socket_path: str, keys: SessionKeys, controller_host: str, controller_port: int, task_group: asyncio.TaskGroup, link_close: float
+    ) -> None:
+        self._link_close = link_close
         self.socket_path = socket_path
         self._keys = keys
         self._controller = (controller_host, controller_port)
@@ -192,6 +195,6 @@ class Relay:
         for link in list(self._ranks.values()):
             link.close()
         if self._upstream is not None:
-            await self._upstream.aclose(grace=1.0)
+            await self._upstream.aclose(grace=self._link_close)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.socket_path)

@@ -26,18 +26,17 @@ from .procs import spawn, stop_processes
 from .verdict import stop_schedule
 
 BACKEND_VARIABLE = "FLODL_STORE_BACKEND"
-#: Seconds the store child gets after its stdin closes before KILL (it holds no state worth saving).
-STOP_GRACE = 2.0
 
 
 class TorchStoreProcess:
     """A ``python -m flodl_async.store`` child serving one round's store."""
 
-    def __init__(self, proc: asyncio.subprocess.Process) -> None:
+    def __init__(self, proc: asyncio.subprocess.Process, *, stop_grace: float) -> None:
         self._proc = proc
+        self._stop_grace = stop_grace
 
     @classmethod
-    async def start(cls, listener: socket.socket, *, run_id: str) -> TorchStoreProcess:
+    async def start(cls, listener: socket.socket, *, run_id: str, stop_grace: float) -> TorchStoreProcess:
         """Start the store on ``listener`` (bound and listening); the child inherits it."""
         proc = await spawn(
             [sys.executable, "-m", "flodl_async.store", "--fd", str(listener.fileno())],
@@ -48,13 +47,13 @@ class TorchStoreProcess:
             pass_fds=(listener.fileno(),),
         )
         listener.close()  # the child holds its own copy
-        return cls(proc)
+        return cls(proc, stop_grace=stop_grace)
 
     async def aclose(self) -> None:
         """End the store: close its stdin, then TERM/KILL if it lingers."""
         if self._proc.stdin is not None:
             self._proc.stdin.close()
-        await stop_processes([self._proc], schedule=stop_schedule(signal.SIGTERM, STOP_GRACE))
+        await stop_processes([self._proc], schedule=stop_schedule(signal.SIGTERM, self._stop_grace))
 
 
 def main(argv: list[str] | None = None) -> int:  # runs in the child process

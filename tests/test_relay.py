@@ -79,7 +79,9 @@ async def bench(keys: SessionKeys) -> AsyncIterator[Bench]:
         async with asyncio.timeout(30), asyncio.TaskGroup() as tg:
             mux.register(Channel.CONTROL, FramedService(channel=Channel.CONTROL, keys=keys, handler=controller.handle, task_group=tg).protocol_factory)
             await mux.start()
-            relay = Relay(socket_path=str(scratch / "relay.sock"), keys=keys, controller_host="127.0.0.1", controller_port=mux.port, task_group=tg)
+            relay = Relay(
+                socket_path=str(scratch / "relay.sock"), keys=keys, controller_host="127.0.0.1", controller_port=mux.port, task_group=tg, link_close=1.0
+            )
             await relay.start()
             try:
                 yield Bench(relay=relay, controller=controller, keys=keys)

@@ -259,7 +259,9 @@ class _Serving:
             host_env=cfg.env,
             workdir=cfg.workdir,
         )
-        self._store = StoreHost(controller_host=cfg.controller_host, controller_port=cfg.controller_port, keys=keys, advertise_addr=cfg.advertise_addr)
+        self._store = StoreHost(
+            controller_host=cfg.controller_host, controller_port=cfg.controller_port, keys=keys, advertise_addr=cfg.advertise_addr, deadlines=cfg.deadlines
+        )
         self._round_work = asyncio.Lock()  # FIFO: round commands run in arrival order
         self._tg: asyncio.TaskGroup | None = None
         self._ranks: RankProcesses | None = None
@@ -295,6 +297,7 @@ class _Serving:
                     controller_host=cfg.controller_host,
                     controller_port=cfg.controller_port,
                     task_group=tg,
+                    link_close=cfg.deadlines.link_close,
                 )
                 try:
                     await relay.start()

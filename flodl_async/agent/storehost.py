@@ -9,6 +9,7 @@ import logging
 import os
 import socket
 
+from ..deadlines import Deadlines
 from ..net.framed import FramedProtocol, open_framed
 from ..net.tcpstore import StoreServer
 from ..store import BACKEND_VARIABLE, TorchStoreProcess
@@ -22,7 +23,8 @@ log = logging.getLogger("flodl_async.agent")
 class StoreHost:
     """Serves one round's store at a time and reports it on the rendezvous channel."""
 
-    def __init__(self, *, controller_host: str, controller_port: int, keys: SessionKeys, advertise_addr: str | None) -> None:
+    def __init__(self, *, controller_host: str, controller_port: int, keys: SessionKeys, advertise_addr: str | None, deadlines: Deadlines) -> None:
+        self._deadlines = deadlines
         self._controller = (controller_host, controller_port)
         self._keys = keys
         self._advertise_addr = advertise_addr
@@ -45,7 +47,7 @@ class StoreHost:
             listener.listen(1024)
             port = listener.getsockname()[1]
             if os.environ.get(BACKEND_VARIABLE, "python") == "torch":
-                self._store = await TorchStoreProcess.start(listener, run_id=self._keys.run_id)
+                self._store = await TorchStoreProcess.start(listener, run_id=self._keys.run_id, stop_grace=self._deadlines.store_stop)
             else:
                 self._store = StoreServer()
                 await self._store.start(listener)
