@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from flodl_async.cluster import DeviceSpec as ClusterDeviceSpec
@@ -69,3 +71,28 @@ def test_cluster_reexports_the_same_types() -> None:
 def test_cluster_scalars_go_through_the_same_parser(devices: str, spec: DeviceSpec) -> None:
     cluster = parse_cluster(f"workers:\n  - host: a\n    devices: {devices}\n", local_names=frozenset({"a"}))
     assert cluster.workers[0].devices == spec
+
+
+@pytest.mark.parametrize(
+    ("text", "gpus", "expected"),
+    [
+        ("cpu", 0, DeviceSpec.cpu(2)),
+        ("cpu:2", 4, DeviceSpec.cpu(2)),
+        ("auto", 0, DeviceSpec.cpu(2)),
+        ("auto", 4, DeviceSpec.gpus((0, 1))),
+        ("all", 2, DeviceSpec.gpus((0, 1))),
+        ("1,3", 4, DeviceSpec.gpus((1, 3))),
+    ],
+)
+def test_flodl_launch_nproc_devices_go_through_the_one_parser(text: str, gpus: int, expected: DeviceSpec) -> None:
+    from flodl_async.launch import embedded_devices
+
+    assert embedded_devices(2, text, gpus) == expected
+
+
+@pytest.mark.parametrize(("text", "message"), [("cpu:3", "gives 3 rank(s) but --nproc is 2"), ("gpu", "--devices: expected `all`"), ("0", "gives 1 rank(s)")])
+def test_flodl_launch_nproc_devices_mismatch_is_a_clear_error(text: str, message: str) -> None:
+    from flodl_async.launch import embedded_devices
+
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        embedded_devices(2, text, 4)
