@@ -110,3 +110,44 @@ def test_an_agent_of_another_version_is_refused_at_join_naming_both(tmp_path: Pa
     assert "install the same flodl_async version on every host" in reply.reason
     assert code is ExitCode.INTERRUPTED
     assert_nothing_left(plan.run_id)
+
+
+def test_cancelling_the_controller_still_aborts_a_remote_agent(tmp_path: Path) -> None:
+    """A stand-alone flodl-agent (another process, as on another host) is told Abort, not left to notice a dead link."""
+    base = plan_for(tmp_path, ranks=1, target=2, command=(PY, script("wait_for_file.py"), str(tmp_path / "never")))
+
+    async def main() -> tuple[int, str]:
+        sink = LineSink()
+        controller = Controller(base, output=RankOutput(stdout=sink, stderr=sink))  # type: ignore[arg-type]
+        await controller.bind()
+        task = asyncio.get_running_loop().create_task(controller.run(), name="controller")
+        agent = await asyncio.create_subprocess_exec(
+            PY, "-m", "flodl_async.agent", "--controller", f"127.0.0.1:{controller.port}", "--host", "remote", "--devices", "cpu:1",
+            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+        assert agent.stdin is not None
+        assert agent.stdout is not None
+        assert agent.stderr is not None
+        agent.stdin.write(base.secret.hex().encode() + b"\n")
+        agent.stdin.close()
+        try:
+            async with asyncio.timeout(60):
+                await sink.wait_for(b"ready pid")
+                assert b"ready pid" in await agent.stdout.readline()
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            async with asyncio.timeout(30):
+                stderr = (await agent.stderr.read()).decode()
+                code = await agent.wait()
+        finally:
+            if agent.returncode is None:
+                agent.kill()
+                await agent.wait()
+        return code, stderr
+
+    code, stderr = asyncio.run(main())
+    assert "the controller was cancelled" in stderr, stderr  # the Abort's reason reached the agent
+    assert "lost the join link" not in stderr
+    assert code == ExitCode.RANK_FAILURE
+    assert_nothing_left(base.run_id)
