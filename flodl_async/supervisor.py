@@ -37,7 +37,7 @@ from dataclasses import dataclass, field, replace
 
 from . import __version__
 from .membership import Admitted, Failed, Formed, JoinConfig, JoinedMember, JoinWindow
-from .status.model import RankState
+from .status.model import RankState, RankStatus
 from .verdict import ExitCode, RunResult, exit_code_for_signal, rank_signal_for
 from .wire import messages as m
 from .wire.schema import Message
@@ -248,19 +248,6 @@ Phase = Forming | Rendezvous | Running | Restarting | Ended
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class RankView:
-    """One rank in :class:`SupervisorView`."""
-
-    rank: int
-    host: str
-    local_rank: int
-    state: RankState
-    pid: int | None = None
-    exit_code: int | None = None
-    signal: int | None = None
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
 class SupervisorView:
     """A frozen snapshot for the status endpoint."""
 
@@ -269,7 +256,7 @@ class SupervisorView:
     joined_ranks: int
     world_size: int
     restart_count: int
-    ranks: tuple[RankView, ...]
+    ranks: tuple[RankStatus, ...]
     result: RunResult | None
     rejected_joins: int
 
@@ -286,7 +273,7 @@ class Supervisor:
         self._phase: Phase = Forming(window=window)
         self._window = window
         self._restart_count = 0
-        self._ranks: dict[int, RankView] = {}
+        self._ranks: dict[int, RankStatus] = {}
 
     # ----- queries ----------------------------------------------------------------------------
 
@@ -439,7 +426,7 @@ class Supervisor:
                     )
                 )
                 for local_rank, rank in enumerate(member.ranks):
-                    self._ranks[rank] = RankView(rank=rank, host=member.host, local_rank=local_rank, state=RankState.RUNNING)
+                    self._ranks[rank] = RankStatus(rank=rank, host=member.host, local_rank=local_rank, state=RankState.RUNNING)
             self._phase = Running(world=world, round=phase.round)
             actions.append(Announce(text=f"ranks started: round {phase.round}, restart {self._restart_count}, store at {event.addr}:{event.port}"))
             return tuple(actions)
@@ -541,7 +528,7 @@ class Supervisor:
 
     def _record_exit(self, report: m.RankExited) -> None:
         known = self._ranks.get(report.rank)
-        self._ranks[report.rank] = RankView(
+        self._ranks[report.rank] = RankStatus(
             rank=report.rank,
             host=report.host,
             local_rank=report.local_rank,

@@ -360,10 +360,7 @@ class Controller:
                 MemberStatus(host=mb.host, ranks=mb.ranks, devices=mb.devices, joined_at=self._started_at + (mb.joined_at - self._opened_at))
                 for mb in view.members
             )
-            ranks = tuple(
-                RankStatus(rank=r.rank, host=r.host, local_rank=r.local_rank, state=r.state, pid=r.pid, exit_code=r.exit_code, signal=r.signal)
-                for r in view.ranks
-            )
+            ranks = view.ranks
         self._board.publish(
             StatusSnapshot(
                 run_id=self.plan.run_id,
