@@ -10,7 +10,6 @@ import socket
 import struct
 import subprocess
 import sys
-import time
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -26,7 +25,7 @@ from flodl_async.wire import CHANNEL_MAGIC, Channel, FrameConnection, SessionKey
 from flodl_async.wire import messages as m
 from flodl_async.wire.frame import HEADER, PROTOCOL_VERSION
 
-from .launchkit import PY, Launcher, assert_nothing_left, free_port, new_run_id, run_launch, script
+from .launchkit import PY, Launcher, assert_nothing_left, free_port, new_run_id, run_launch, script, wait_status
 
 pytestmark = pytest.mark.e2e
 
@@ -38,18 +37,6 @@ def _status(port: int) -> dict[str, Any] | None:
             return doc
     except OSError:
         return None
-
-
-def _wait_status(port: int, predicate: Any, timeout: float = 60) -> dict[str, Any]:
-    """Poll the real status endpoint until ``predicate(doc)`` holds (the run's state is the event)."""
-    deadline = time.monotonic() + timeout
-    last = None
-    while time.monotonic() < deadline:
-        last = _status(port)
-        if last is not None and predicate(last):
-            return last
-        time.sleep(0.05)
-    raise AssertionError(f"status never satisfied the condition; last: {last}")
 
 
 def _local_worker_cluster(tmp_path: Path, port: int, *, quorum: int, target: int | None) -> Path:
@@ -75,7 +62,7 @@ def test_status_phases_with_a_stand_alone_agent_joining(tmp_path: Path) -> None:
     launcher = Launcher(str(cluster), "--secret-file", str(secret_file), "--", PY, script("wait_for_file.py"), str(go), run_id=run_id)
     agent = None
     try:
-        waiting = _wait_status(port, lambda d: d["joined_ranks"] == 1)
+        waiting = wait_status(port, lambda d: d["joined_ranks"] == 1)
         assert waiting["phase"] == "waiting"
         assert [mb["host"] for mb in waiting["members"]] == ["localhost"]
         assert oct(secret_file.stat().st_mode & 0o777) == "0o600"
@@ -85,7 +72,7 @@ def test_status_phases_with_a_stand_alone_agent_joining(tmp_path: Path) -> None:
             stderr=subprocess.PIPE,
             text=True,
         )
-        training = _wait_status(port, lambda d: d["phase"] == "training")
+        training = wait_status(port, lambda d: d["phase"] == "training")
         assert training["world_size"] == 2
         assert {mb["host"]: mb["ranks"] for mb in training["members"]} == {"localhost": [0], "walk-in": [1]}
         assert [r["rank"] for r in training["ranks"]] == [0, 1]
@@ -116,7 +103,7 @@ def test_wrong_secret_agent_is_refused_clearly(tmp_path: Path) -> None:
     wrong.write_text(new_session_secret().hex())
     launcher = Launcher(str(cluster), "--", PY, script("wait_for_file.py"), str(tmp_path / "never"), run_id=run_id)
     try:
-        _wait_status(port, lambda d: d["joined_ranks"] == 1)
+        wait_status(port, lambda d: d["joined_ranks"] == 1)
         agent = subprocess.run(  # the secret on stdin, never on the command line
             _walk_in(port, "intruder"),
             input=wrong.read_text() + "\n",
@@ -160,7 +147,7 @@ def test_garbage_on_the_port_does_not_disturb_the_run(tmp_path: Path) -> None:
         connect(CHANNEL_MAGIC[Channel.JOIN] + oversized)
         stranger = FrameConnection(channel=Channel.CONTROL, side=Side.PEER, keys=SessionKeys.derive(new_session_secret(), run_id))
         connect(CHANNEL_MAGIC[Channel.CONTROL] + stranger.send(m.RankHello(rank=0, local_rank=0, world_size=2, pid=1)))
-        doc = _wait_status(port, lambda d: d["connections"]["dropped"].get("unknown_magic", 0) >= 1)
+        doc = wait_status(port, lambda d: d["connections"]["dropped"].get("unknown_magic", 0) >= 1)
         assert doc["phase"] == "training"
         for sock in held[2:]:  # the bad frames were answered by a close, never by a reply
             sock.settimeout(5)
@@ -295,13 +282,13 @@ def test_an_agent_lost_before_formation_fails_the_window_naming_it(tmp_path: Pat
     launcher = Launcher(str(cluster), "--secret-file", str(secret_file), "--", PY, script("wait_for_file.py"), str(tmp_path / "never"), run_id=run_id)
     agent = None
     try:
-        _wait_status(port, lambda d: d["joined_ranks"] == 1)
+        wait_status(port, lambda d: d["joined_ranks"] == 1)
         agent = subprocess.Popen(
             _walk_in(port, "doomed", secret_file),
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
-        _wait_status(port, lambda d: d["joined_ranks"] == 2)
+        wait_status(port, lambda d: d["joined_ranks"] == 2)
         agent.kill()
         agent.wait(10)
         done = launcher.finish(timeout=60)
@@ -350,7 +337,7 @@ def test_an_agent_killed_mid_run_fails_the_run_and_leaves_nothing(tmp_path: Path
     )
     agent = None
     try:
-        _wait_status(port, lambda d: d["joined_ranks"] == 1)
+        wait_status(port, lambda d: d["joined_ranks"] == 1)
         agent = subprocess.Popen(
             _walk_in(port, "victim", secret_file),
             stdout=subprocess.PIPE,
