@@ -419,3 +419,13 @@ def test_rank_hello_marks_a_running_rank_connected_with_its_pid() -> None:
 def test_describe_exit_of_an_unknown_signal_number() -> None:
     report = m.RankExited(round=0, rank=0, local_rank=0, host="a", signal=200)
     assert describe_exit(report) == "rank 0 (local rank 0) on host 'a' was killed by signal 200"
+
+
+def test_an_undelivered_accept_of_the_join_that_formed_the_world_ends_the_run() -> None:
+    # The world formed on b's join, so the retraction comes too late; b never learnt it is in the
+    # world and its link reports nothing more: without this the run would wait for b's ranks forever.
+    sup = Supervisor(config(local_hosts=frozenset()), now=0.0)
+    formed(sup)
+    end = the_end(sup.handle(JoinUndelivered(host="b"), 1.0))
+    assert end.result.exit_code is ExitCode.RANK_FAILURE
+    assert end.result.reason == "agent on host 'b' was lost during rendezvous: its join accept could not be delivered"

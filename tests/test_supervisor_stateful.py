@@ -174,7 +174,10 @@ class SupervisorMachine(RuleBasedStateMachine):
             # A lost host before formation, member or a planned agent that never joined, ends the run.
             assert isinstance(after, Ended)
             assert after.result.exit_code is ExitCode.FORMATION
-        elif isinstance(before, Forming) and isinstance(event, Tick) and self.now >= OPENED_AT + self.config.join.max_join_timeout:
+        elif isinstance(before, Forming) and isinstance(after, Ended):
+            # Whatever ends the run while the window is open (the cap, a flood of refusals) is a formation failure.
+            assert after.result.exit_code is ExitCode.FORMATION
+        if isinstance(before, Forming) and isinstance(event, Tick) and self.now >= OPENED_AT + self.config.join.max_join_timeout:
             # At the cap the window has decided, one way or the other.
             assert not isinstance(after, Forming)
             if sum(self.accepted.values()) < self.config.join.min_rank_start:
@@ -290,13 +293,18 @@ class SupervisorMachine(RuleBasedStateMachine):
         # The shell reports it right after the accept it could not send.
         host = self.last_accepted
         assert host is not None
-        # Once the world formed on that join, the retraction is too late (the lost link ends the run).
-        forming = isinstance(self.sup.phase, Forming)
+        phase = self.sup.phase
+        forming = isinstance(phase, Forming)
         if forming:
             del self.accepted[host]
-        self._feed(JoinUndelivered(host=host))
+        actions = self._feed(JoinUndelivered(host=host))
         if forming:
             assert sum(self.accepted.values()) == self.sup.view().joined_ranks or not isinstance(self.sup.phase, Forming)
+        elif isinstance(phase, Rendezvous):
+            # The world formed on that join: too late to retract, the host is lost and the run ends.
+            ends = [a for a in actions if isinstance(a, EndRun)]
+            assert ends
+            assert ends[0].result.exit_code is ExitCode.RANK_FAILURE
 
     # ----- hosts and the store -------------------------------------------------------------------
 
@@ -402,10 +410,14 @@ class SupervisorMachine(RuleBasedStateMachine):
         self._feed(Tick())
         # A deadline reached is acted upon: the phase moves on, or (only while the window's end
         # passes without quorum) the window names its cap; the invariant checks it is later.
-        if isinstance(self.sup.phase, Forming):
+        after = self.sup.phase
+        if isinstance(after, Forming):
             assert deadline == OPENED_AT + self.config.join.join_timeout < OPENED_AT + self.config.join.max_join_timeout
         else:
-            assert self.sup.phase is not before
+            assert after is not before
+        if isinstance(after, Ended) and isinstance(before, Rendezvous | Restarting):
+            # A store that never came up is a formation failure; hosts that did not stop, a rank failure.
+            assert after.result.exit_code is (ExitCode.FORMATION if isinstance(before, Rendezvous) else ExitCode.RANK_FAILURE)
 
     # ----- the run's natural course ---------------------------------------------------------------
 
