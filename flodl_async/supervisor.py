@@ -334,6 +334,10 @@ class Supervisor:
             return (RejectJoin(host=event.host, reason=f"the join window is {self._window.state.value}; this run takes no more hosts"),)
         if isinstance(event, RankExited):
             self._record_exit(event.report)
+        if isinstance(event, JoinUndelivered):
+            # The world formed on that very join, too late to retract it: the host never learnt it
+            # is in the world and its link reports nothing more, so it is lost.
+            event = HostLost(host=event.host, reason="its join accept could not be delivered")
         if isinstance(event, HostLost):
             return self._host_lost(phase, event)
         if isinstance(phase, Rendezvous):

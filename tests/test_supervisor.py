@@ -25,6 +25,7 @@ from flodl_async.supervisor import (
     RankExited,
     RanksStopped,
     RankState,
+    RankView,
     RejectJoin,
     Rendezvous,
     Restarting,
@@ -134,8 +135,11 @@ def test_refused_join_is_answered_and_announced() -> None:
     actions = sup.handle(join("a"), 1.5)
     rejects = of(actions, RejectJoin)
     assert len(rejects) == 1
+    assert rejects[0].host == "a"
     assert "already joined" in rejects[0].reason
-    assert of(actions, Announce)[0].level is Level.WARNING
+    announced = of(actions, Announce)[0]
+    assert announced.level is Level.WARNING
+    assert announced.text == f'join refused: host "a": {rejects[0].reason}'
     assert sup.view().rejected_joins == 1
 
 
@@ -147,6 +151,27 @@ def test_an_agent_of_another_version_is_refused_naming_both_versions_and_the_hos
     assert "'0.0.1'" in reason
     assert __version__ in reason
     assert of(actions, AcceptJoin) == []
+
+
+def test_the_join_window_checks_the_configured_protocol_and_version() -> None:
+    sup = Supervisor(config(protocol_version=2, version="9.9"), now=0.0)
+    # This controller's own version, but the configured protocol: refused naming both.
+    protocol = of(sup.handle(JoinRequested(host="a", devices=("cpu:0",), protocol_version=1, agent_version="9.9"), 1.0), RejectJoin)
+    assert "protocol v1" in protocol[0].reason
+    assert "v2 (flodl_async 9.9)" in protocol[0].reason
+    # The installed version is not this controller's configured one.
+    version = of(sup.handle(JoinRequested(host="b", devices=("cpu:0",), protocol_version=2, agent_version=__version__), 1.0), RejectJoin)
+    assert f"runs flodl_async {__version__!r}, this controller 9.9" in version[0].reason
+    assert of(sup.handle(JoinRequested(host="c", devices=("cpu:0",), protocol_version=2, agent_version="9.9"), 1.0), AcceptJoin)
+
+
+def test_a_join_without_a_target_says_so_and_the_view_lists_the_members() -> None:
+    sup = Supervisor(config(join=JoinConfig(min_rank_start=2, join_timeout=10.0, target_ranks=None, max_join_timeout=30.0)), now=0.0)
+    actions = sup.handle(join("a", 3), 1.0)
+    assert 'host "a" joined with ranks [0, 1, 2] (cpu:0, cpu:1, cpu:2) — 3 rank(s) in, target none' in [a.text for a in of(actions, Announce)]
+    view = sup.view()
+    assert [(mb.host, mb.ranks) for mb in view.members] == [("a", (0, 1, 2))]
+    assert (view.phase, view.joined_ranks, view.world_size, view.result) == ("waiting", 3, 0, None)
 
 
 def test_undelivered_accept_is_retracted_keeping_ranks_contiguous() -> None:
@@ -200,6 +225,7 @@ def test_store_ready_starts_every_host_and_marks_ranks_running() -> None:
     starts = told(actions, m.StartRanks)
     assert starts == {h: m.StartRanks(round=0, restart_count=0, master_addr="10.0.0.2", master_port=4000) for h in ("a", "b")}
     assert isinstance(sup.phase, Running)
+    assert of(actions, Announce)[-1].text == "ranks started: round 0, restart 0, store at 10.0.0.2:4000"
     assert [(r.rank, r.host, r.local_rank, r.state) for r in sup.view().ranks] == [
         (0, "a", 0, RankState.RUNNING),
         (1, "a", 1, RankState.RUNNING),
@@ -230,7 +256,9 @@ def test_every_rank_exiting_zero_is_success_with_finish() -> None:
     sup = Supervisor(config(), now=0.0)
     running(sup)
     for rank, host in ((0, "a"), (1, "a"), (2, "b")):
-        assert of(sup.handle(exited(rank, host), 3.0), EndRun) == []
+        actions = sup.handle(exited(rank, host), 3.0)
+        assert of(actions, EndRun) == []
+        assert [a.text for a in of(actions, Announce)] == [f"rank {rank} on {host} exited with code 0"]
     end = the_end(sup.handle(exited(3, "b"), 3.0))
     assert end.result.exit_code is ExitCode.OK
     assert end.result.reason == "all 4 ranks exited 0"
@@ -250,9 +278,11 @@ def test_a_failing_rank_without_restarts_ends_the_run_with_details() -> None:
     sup = Supervisor(config(), now=0.0)
     running(sup)
     report = m.RankExited(round=0, rank=1, local_rank=1, host="a", exit_code=3, error_file="Traceback\n  boom\n", stderr_tail=("e1", "e2"))
-    end = the_end(sup.handle(RankExited(report=report), 3.0))
+    actions = sup.handle(RankExited(report=report), 3.0)
+    end = the_end(actions)
     assert end.result.exit_code is ExitCode.RANK_FAILURE
     assert end.result.reason == "rank 1 (local rank 1) on host 'a' exited with code 3"
+    assert [a.text for a in of(actions, Announce)] == [end.result.reason]
     assert end.result.details == failure_details(report)
     assert "traceback (from the rank's error file):\n  Traceback\n    boom" in end.result.details
     assert "last 2 stderr line(s) of rank 1:\n  e1\n  e2" in end.result.details
@@ -283,7 +313,9 @@ def test_a_failure_with_restarts_left_stops_every_host_then_opens_the_next_round
     actions = sup.handle(exited(1, "a", code=3), 3.0)
     assert of(actions, EndRun) == []
     assert told(actions, m.StopRanks) == {h: m.StopRanks(round=0, reason="restarting the world", grace_s=5.0) for h in ("a", "b")}
-    assert "restarting the world (restart 1 of 2)" in of(actions, Announce)[0].text
+    restarting = of(actions, Announce)[0]
+    assert restarting.text == "rank 1 (local rank 1) on host 'a' exited with code 3; restarting the world (restart 1 of 2)"
+    assert restarting.level is Level.WARNING
     assert isinstance(sup.phase, Restarting)
     assert sup.next_deadline(3.0) == 3.0 + 5.0 + 3.0
     assert sup.handle(RanksStopped(host="a", round=0), 4.0) == ()
@@ -293,6 +325,21 @@ def test_a_failure_with_restarts_left_stops_every_host_then_opens_the_next_round
     assert sup.restart_count == 1
     started = sup.handle(StoreReady(round=1, addr="h", port=5), 5.0)
     assert told(started, m.StartRanks)["a"] == m.StartRanks(round=1, restart_count=1, master_addr="h", master_port=5)
+
+
+def test_a_second_restart_counts_two() -> None:
+    sup = Supervisor(config(max_restarts=2), now=0.0)
+    running(sup)
+    for round_ in (0, 1):
+        sup.handle(exited(1, "a", code=3, round_=round_), 3.0)
+        sup.handle(RanksStopped(host="a", round=round_), 4.0)
+        reopened = sup.handle(RanksStopped(host="b", round=round_), 4.0)
+        assert told(reopened, m.OpenRound) == {"b": m.OpenRound(round=round_ + 1)}
+        started = sup.handle(StoreReady(round=round_ + 1, addr="h", port=5), 5.0)
+    assert sup.restart_count == 2
+    assert told(started, m.StartRanks)["a"].restart_count == 2
+    end = the_end(sup.handle(exited(0, "a", code=4, round_=2), 6.0))
+    assert end.result.reason.endswith("after 2 restart(s)")
 
 
 def test_restarts_exhausted_names_how_many() -> None:
@@ -340,7 +387,7 @@ def test_a_host_outside_the_world_going_away_changes_nothing() -> None:
     sup = Supervisor(config(), now=0.0)
     running(sup)
     actions = sup.handle(HostLost(host="walk-in", reason="gone"), 3.0)
-    assert of(actions, EndRun) == []
+    assert actions == (Announce(text="agent on host 'walk-in' (not in the world) went away: gone", level=Level.DEBUG),)
     assert isinstance(sup.phase, Running)
 
 
@@ -352,8 +399,9 @@ def test_first_signal_stops_with_the_signal_table(sig: signal.Signals, code: Exi
     end = the_end(actions)
     assert end.result.exit_code is code
     assert end.result.reason == f"interrupted by {sig.name}"
+    assert end.result.details == ""
     assert end.farewell == m.Abort(reason=end.result.reason, grace_s=5.0, first_signal=int(sig))
-    assert f"stopping: ranks got {sig.name}; KILL in 5 s ({sig.name} again to force)" in [a.text for a in of(actions, Announce)]
+    assert of(actions, Announce) == [Announce(text=f"stopping: ranks got {sig.name}; KILL in 5 s ({sig.name} again to force)", level=Level.WARNING)]
     assert of(actions, ForceStop) == []
 
 
@@ -363,13 +411,24 @@ def test_a_signal_while_the_window_is_open_says_so() -> None:
     assert end.result.reason == "interrupted by SIGINT while the join window was open"
 
 
+@pytest.mark.parametrize(("stage", "words"), [("rendezvous", "during rendezvous"), ("restarting", "while restarting")])
+def test_a_signal_names_the_phase_it_stopped(stage: str, words: str) -> None:
+    sup = Supervisor(config(max_restarts=1), now=0.0)
+    if stage == "rendezvous":
+        formed(sup)
+    else:
+        running(sup)
+        sup.handle(exited(1, "a", code=3), 3.0)
+    end = the_end(sup.handle(Interrupted(signal=signal.SIGTERM), 4.0))
+    assert end.result.reason == f"interrupted by SIGTERM {words}"
+
+
 def test_second_signal_forces_and_the_verdict_stays() -> None:
     sup = Supervisor(config(), now=0.0)
     running(sup)
     first = the_end(sup.handle(Interrupted(signal=signal.SIGINT), 3.0))
     second = sup.handle(Interrupted(signal=signal.SIGINT), 3.5)
-    assert of(second, ForceStop)
-    assert of(second, EndRun) == []
+    assert second == (Announce(text="second SIGINT: forcing the stop (KILL now)", level=Level.WARNING), ForceStop())
     assert sup.result == first.result
 
 
@@ -391,8 +450,7 @@ def test_a_verdict_is_final() -> None:
     assert isinstance(sup.phase, Ended)
     assert sup.result == end.result
     assert sup.next_deadline(4.0) is None
-    refused = of(sup.handle(join("late"), 5.0), RejectJoin)
-    assert refused[0].reason == "this run has ended"
+    assert sup.handle(join("late"), 5.0) == (RejectJoin(host="late", reason="this run has ended"),)
 
 
 def test_joins_after_formation_are_refused() -> None:
@@ -416,6 +474,32 @@ def test_rank_hello_marks_a_running_rank_connected_with_its_pid() -> None:
     assert (rank2.state, rank2.pid, rank2.exit_code) == (RankState.FAILED, 1234, 1)
 
 
+def test_the_rank_table_shows_how_a_rank_ended() -> None:
+    sup = Supervisor(config(), now=0.0)
+    formed(sup)
+    # A report for a rank that never ran here (a stale round) is shown, without a pid.
+    sup.handle(exited(1, "a", code=0, round_=9), 1.5)
+    assert sup.view().ranks[0] == RankView(rank=1, host="a", local_rank=1, state=RankState.EXITED, exit_code=0)
+    sup.handle(StoreReady(round=0, addr="h", port=1), 2.0)
+    sup.handle(exited(3, "b", code=None, sig=signal.SIGKILL), 3.0)
+    assert sup.view().ranks[3] == RankView(rank=3, host="b", local_rank=1, state=RankState.FAILED, signal=signal.SIGKILL)
+
+
+def test_trailing_blank_lines_of_the_error_file_are_dropped() -> None:
+    report = m.RankExited(round=0, rank=0, local_rank=0, host="a", exit_code=1, error_file="  File x\nValueError\n\n\n")
+    assert failure_details(report) == "traceback (from the rank's error file):\n    File x\n  ValueError"
+
+
 def test_describe_exit_of_an_unknown_signal_number() -> None:
     report = m.RankExited(round=0, rank=0, local_rank=0, host="a", signal=200)
     assert describe_exit(report) == "rank 0 (local rank 0) on host 'a' was killed by signal 200"
+
+
+def test_an_undelivered_accept_of_the_join_that_formed_the_world_ends_the_run() -> None:
+    # The world formed on b's join, so the retraction comes too late; b never learnt it is in the
+    # world and its link reports nothing more: without this the run would wait for b's ranks forever.
+    sup = Supervisor(config(local_hosts=frozenset()), now=0.0)
+    formed(sup)
+    end = the_end(sup.handle(JoinUndelivered(host="b"), 1.0))
+    assert end.result.exit_code is ExitCode.RANK_FAILURE
+    assert end.result.reason == "agent on host 'b' was lost during rendezvous: its join accept could not be delivered"
