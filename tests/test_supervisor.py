@@ -8,6 +8,7 @@ import pytest
 
 from flodl_async import __version__
 from flodl_async.membership import JoinConfig
+from flodl_async.status.model import RankState, RankStatus
 from flodl_async.supervisor import (
     AcceptJoin,
     Action,
@@ -24,8 +25,6 @@ from flodl_async.supervisor import (
     RankConnected,
     RankExited,
     RanksStopped,
-    RankState,
-    RankView,
     RejectJoin,
     Rendezvous,
     Restarting,
@@ -479,10 +478,10 @@ def test_the_rank_table_shows_how_a_rank_ended() -> None:
     formed(sup)
     # A report for a rank that never ran here (a stale round) is shown, without a pid.
     sup.handle(exited(1, "a", code=0, round_=9), 1.5)
-    assert sup.view().ranks[0] == RankView(rank=1, host="a", local_rank=1, state=RankState.EXITED, exit_code=0)
+    assert sup.view().ranks[0] == RankStatus(rank=1, host="a", local_rank=1, state=RankState.EXITED, exit_code=0)
     sup.handle(StoreReady(round=0, addr="h", port=1), 2.0)
     sup.handle(exited(3, "b", code=None, sig=signal.SIGKILL), 3.0)
-    assert sup.view().ranks[3] == RankView(rank=3, host="b", local_rank=1, state=RankState.FAILED, signal=signal.SIGKILL)
+    assert sup.view().ranks[3] == RankStatus(rank=3, host="b", local_rank=1, state=RankState.FAILED, signal=signal.SIGKILL)
 
 
 def test_trailing_blank_lines_of_the_error_file_are_dropped() -> None:
