@@ -73,7 +73,3 @@ class Deadlines:
         base = cls()
         scaled = {f.name: getattr(base, f.name) * scale for f in dataclasses.fields(cls) if f.name not in ("scale", "stop_grace")}
         return cls(scale=scale, stop_grace=stop_grace, **scaled)
-
-    def with_stop_grace(self, stop_grace: float) -> Deadlines:
-        """The same deadlines with another stop grace (an ``Abort`` carries its own)."""
-        return dataclasses.replace(self, stop_grace=stop_grace)

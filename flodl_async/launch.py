@@ -263,10 +263,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         plan = build_plan(args)
         log.info("run %s: %s", plan.run_id, " ".join(plan.command))
         result = run(_run(plan))
-    except PortInUseError as exc:
-        print(f"flodl-launch: error: {exc}", file=sys.stderr)
-        return int(ExitCode.USAGE)
-    except ConfigError as exc:
+    except (ConfigError, PortInUseError) as exc:
         print(f"flodl-launch: error: {exc}", file=sys.stderr)
         return int(ExitCode.USAGE)
     except FlodlError as exc:

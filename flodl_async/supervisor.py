@@ -376,7 +376,7 @@ class Supervisor:
             window.abort(f"agent on host {event.host!r} failed before joining: {event.reason}")
         verdict = window.poll(now)
         if isinstance(verdict, Failed):
-            actions.append(self._end(ExitCode.FORMATION, f"the world did not form: {verdict.reason}", world=None))
+            actions.append(self._end(ExitCode.FORMATION, f"the world did not form: {verdict.reason}"))
         elif isinstance(verdict, Formed):
             actions.extend(self._formed(verdict, now))
         return tuple(actions)
@@ -436,7 +436,7 @@ class Supervisor:
             return tuple(actions)
         if isinstance(event, Tick) and now >= phase.deadline:
             late = f"the store host {self._store_host(phase.world)!r} did not report its store within {self.config.store_ready_timeout:g}s"
-            return (self._end(ExitCode.FORMATION, late, world=phase.world),)
+            return (self._end(ExitCode.FORMATION, late),)
         return ()
 
     def _running(self, phase: Running, event: Event, now: float) -> tuple[Action, ...]:
@@ -448,7 +448,7 @@ class Supervisor:
                 restarts = f" after {self._restart_count} restart(s)" if self.config.max_restarts else ""
                 return (
                     Announce(text=describe_exit(report)),
-                    self._end(ExitCode.RANK_FAILURE, describe_exit(report) + restarts, world=phase.world, details=failure_details(report)),
+                    self._end(ExitCode.RANK_FAILURE, describe_exit(report) + restarts, details=failure_details(report)),
                 )
             hosts = frozenset(member.host for member in phase.world.members)
             self._phase = Restarting(world=phase.world, round=phase.round, waiting=hosts, deadline=now + self.config.stop_grace + self.config.stop_ack_margin)
@@ -467,7 +467,7 @@ class Supervisor:
         self._phase = replace(phase, succeeded=succeeded)
         done: list[Action] = [Announce(text=f"rank {report.rank} on {report.host} exited with code 0")]
         if len(succeeded) == phase.world.world_size:
-            done.append(self._end(ExitCode.OK, f"all {phase.world.world_size} ranks exited 0", world=phase.world))
+            done.append(self._end(ExitCode.OK, f"all {phase.world.world_size} ranks exited 0"))
         return tuple(done)
 
     def _restarting(self, phase: Restarting, event: Event, now: float) -> tuple[Action, ...]:
@@ -479,14 +479,14 @@ class Supervisor:
             self._restart_count += 1
             return tuple(self._open_round(phase.world, phase.round + 1, now))
         if isinstance(event, Tick) and now >= phase.deadline:
-            return (self._end(ExitCode.RANK_FAILURE, f"host(s) {sorted(phase.waiting)} did not stop their ranks for the restart", world=phase.world),)
+            return (self._end(ExitCode.RANK_FAILURE, f"host(s) {sorted(phase.waiting)} did not stop their ranks for the restart"),)
         return ()
 
     def _host_lost(self, phase: Rendezvous | Running | Restarting, event: HostLost) -> tuple[Action, ...]:
         if not any(member.host == event.host for member in phase.world.members):
             return (Announce(text=f"agent on host {event.host!r} (not in the world) went away: {event.reason}", level=Level.DEBUG),)
         during = {Rendezvous: "during rendezvous", Running: "mid-run", Restarting: "while restarting"}[type(phase)]
-        return (self._end(ExitCode.RANK_FAILURE, f"agent on host {event.host!r} was lost {during}: {event.reason}", world=phase.world),)
+        return (self._end(ExitCode.RANK_FAILURE, f"agent on host {event.host!r} was lost {during}: {event.reason}"),)
 
     # ----- signals and the end -------------------------------------------------------------------
 
@@ -501,7 +501,7 @@ class Supervisor:
         grace = self.config.stop_grace
         return (
             Announce(text=f"stopping: ranks got {first.name}; KILL in {grace:g} s ({name} again to force)", level=Level.WARNING),
-            self._end(exit_code_for_signal(event.signal), f"interrupted by {name}{where}", world=None, first_signal=first),
+            self._end(exit_code_for_signal(event.signal), f"interrupted by {name}{where}", first_signal=first),
         )
 
     def _after_verdict(self, event: Event) -> tuple[Action, ...]:
@@ -516,12 +516,10 @@ class Supervisor:
         code: ExitCode,
         reason: str,
         *,
-        world: Formed | None,
         details: str = "",
         first_signal: signal.Signals = signal.SIGTERM,
     ) -> EndRun:
-        if world is None and not isinstance(self._phase, Forming | Ended):
-            world = self._phase.world
+        world = None if isinstance(self._phase, Forming) else self._phase.world  # the world the verdict ends, if it formed
         result = RunResult(exit_code=code, reason=reason, details=details)
         self._phase = Ended(result=result, world=world)
         abort = m.Abort(reason=reason, grace_s=self.config.stop_grace, first_signal=int(first_signal))

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from ..deadlines import DEFAULT_STOP_GRACE, Deadlines
 from ..devices import parse_devices
-from ..errors import AgentError, ConfigError, FlodlError, JoinFailed
+from ..errors import AgentError, ConfigError, JoinFailed
 from ..verdict import ExitCode, exit_code_for_signal, exit_help
 from ..wire.keys import secret_from_hex
 from .output import RankOutput
@@ -159,7 +159,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(ExitCode.RANK_FAILURE)
     except KeyboardInterrupt:  # a Ctrl-C before the handlers were in place
         return int(ExitCode.INTERRUPTED)
-    except (FlodlError, Exception, BaseExceptionGroup):
+    except (Exception, BaseExceptionGroup):  # FlodlError included: one we did not expect here is a bug
         log.exception("internal error")
         return int(ExitCode.INTERNAL)
     finally:

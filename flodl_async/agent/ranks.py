@@ -217,11 +217,6 @@ class RankProcesses:
             if self._ranks.get(entry.rank) is entry:
                 del self._ranks[entry.rank]
 
-    @property
-    def running(self) -> int:
-        """Rank processes not yet known to have exited."""
-        return sum(1 for e in self._ranks.values() if e.proc.returncode is None)
-
 
 def _tail() -> collections.deque[str]:
     return collections.deque(maxlen=STDERR_TAIL_LINES)

@@ -148,14 +148,10 @@ class HostSession:
         if self._stop_signal is not None:
             return
         self._stop_signal = sig
-        name = signal.Signals(sig).name
         if self._serving is not None:
-            self._serving.begin_ending(
-                stop_schedule(rank_signal_for(sig), self.config.deadlines.stop_grace),
-                outcome=SessionOutcome(ending=Ending.STOPPED, reason=f"stopped by {name}", signal=sig),
-            )
+            self._serving.stop_for_signal(sig)
         elif self._link is not None:
-            log.info("agent %s: %s before the world formed; leaving the window", self.config.host, name)
+            log.info("agent %s: %s before the world formed; leaving the window", self.config.host, signal.Signals(sig).name)
             self._link.abort()  # the controller sees the host leave; our pending receive ends
 
     def force_stop(self) -> None:
@@ -241,7 +237,7 @@ _Handler = Callable[["_Serving", Any], None]
 class _Serving:
     """The serving phase of a session: the command table, the round work, the ending."""
 
-    #: Message class → handler; filled in below the class. Commands not in it are counted and ignored.
+    #: Message class → handler; filled in below the class. Commands not in it are logged and ignored.
     commands: ClassVar[Mapping[type[Message], _Handler]]
 
     def __init__(self, session: HostSession, *, link: FramedProtocol, keys: SessionKeys, formed: m.WorldFormed, entry: RuntimeEntry) -> None:
@@ -270,7 +266,6 @@ class _Serving:
         self._ended: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._outcome: SessionOutcome | None = None
         self._error: AgentError | None = None
-        self.ignored = 0
 
     # ----- lifecycle -------------------------------------------------------------------------
 
@@ -307,11 +302,7 @@ class _Serving:
                 else:
                     self._spawn(self._read_commands(), name=f"{cfg.host}-commands")
                 if self._session._stop_signal is not None and self._outcome is None:  # a signal came while the world formed
-                    sig = self._session._stop_signal
-                    self.begin_ending(
-                        stop_schedule(rank_signal_for(sig), cfg.deadlines.stop_grace),
-                        outcome=SessionOutcome(ending=Ending.STOPPED, reason=f"stopped by {signal.Signals(sig).name}", signal=sig),
-                    )
+                    self.stop_for_signal(self._session._stop_signal)
                 await self._ended
             finally:
                 await self._wind_down(relay)
@@ -360,6 +351,13 @@ class _Serving:
             log.debug("agent %s: ending (%s)", self._cfg.host, why)
         self._spawn(self._end(schedule), name="stop-all")
 
+    def stop_for_signal(self, sig: int) -> None:
+        """A signal to this process: stop the ranks by the signal table, ``sig`` first."""
+        self.begin_ending(
+            stop_schedule(rank_signal_for(sig), self._cfg.deadlines.stop_grace),
+            outcome=SessionOutcome(ending=Ending.STOPPED, reason=f"stopped by {signal.Signals(sig).name}", signal=sig),
+        )
+
     async def _end(self, schedule: Sequence[StopStep]) -> None:
         assert self._ranks is not None
         await self._ranks.stop(schedule)
@@ -384,7 +382,6 @@ class _Serving:
                 return
             handler = self.commands.get(type(msg))
             if handler is None:
-                self.ignored += 1
                 log.warning("agent %s: ignoring %s from the controller (not a command of a running session)", self._cfg.host, type(msg).__name__)
                 continue
             handler(self, msg)
