@@ -14,7 +14,9 @@ translated at the boundary with ``raise ... from exc``.
     │   ├── MalformedBody
     │   ├── UnknownKind
     │   ├── IllegalKind           a known kind not legal on this channel in this direction
-    │   ├── VersionMismatch
+    │   ├── VersionMismatch       the peer speaks another wire protocol (reported before any key is used)
+    │   ├── HandshakeFailed       the per-connection handshake did not complete (malformed, closed, cut short)
+    │   │   └── HandshakeRefused  the other side said no: a credential it does not take, another run
     │   ├── ReservedFlags         header flags this build does not know (a newer peer, or corruption)
     │   ├── TruncatedFrame        the peer closed in the middle of a frame
     │   └── StoreProtocolError    a TCPStore client sent what the store cannot accept
@@ -76,6 +78,14 @@ class IllegalKind(WireError):
 
 class VersionMismatch(WireError):
     """The peer speaks another wire protocol version."""
+
+
+class HandshakeFailed(WireError):
+    """A connection's handshake did not complete: malformed, cut short, or closed by the other side."""
+
+
+class HandshakeRefused(HandshakeFailed):
+    """The other side refused the handshake: a credential this endpoint does not take, or another run."""
 
 
 class ReservedFlags(WireError):

@@ -8,20 +8,18 @@ to the controller and back.
 
 from __future__ import annotations
 
-import asyncio
 import os
 import time
 from collections.abc import Mapping
 from types import TracebackType
 
 from .errors import ConfigError, ProtocolError
-from .net.framed import FramedProtocol, StreamFramedProtocol
+from .net.framed import FramedProtocol, open_unix_framed
 from .rankenv import RankSpec
 from .roles import LOCAL_RANK_VAR, RANK_VAR, Role, detect_role
 from .wire import messages as m
 from .wire.channels import Channel
-from .wire.frame import Side
-from .wire.keys import SessionKeys, secret_from_hex
+from .wire.keys import Credential
 
 
 class RankLink:
@@ -38,13 +36,13 @@ class RankLink:
         env = os.environ if env is None else env
         if detect_role(env) is not Role.RANK:
             raise ConfigError(f"not running as a flodl rank ({RANK_VAR} and {LOCAL_RANK_VAR} are not set); start it with flodl-launch")
-        spec = RankSpec.from_json(env[RANK_VAR])
-        keys = SessionKeys.derive(secret_from_hex(spec.secret_hex), spec.run_id)
-        rank = int(env["RANK"])
-        loop = asyncio.get_running_loop()
-        _transport, link = await loop.create_unix_connection(
-            lambda: StreamFramedProtocol(channel=Channel.CONTROL, side=Side.PEER, keys=keys, peer_label="relay"), spec.relay_socket
-        )
+        try:
+            spec = RankSpec.from_json(env[RANK_VAR])
+            rank = int(env["RANK"])
+        except (KeyError, ValueError, TypeError) as exc:
+            raise ConfigError(f"{RANK_VAR} or RANK in this rank's environment is not what flodl wrote ({exc!r}); start the rank with flodl-launch") from None
+        credential = Credential.rank_from_hex(spec.credential_hex, round=spec.round, rank=rank)
+        link = await open_unix_framed(spec.relay_socket, channel=Channel.CONTROL, credential=credential, peer_label=f"relay of {spec.host}")
         link.send(m.RankHello(rank=rank, local_rank=int(env["LOCAL_RANK"]), world_size=int(env["WORLD_SIZE"]), pid=os.getpid()))
         welcome = await link.recv_message()
         if not isinstance(welcome, m.RankWelcome) or welcome.rank != rank:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .roles import LOCAL_RANK_VAR, RANK_VAR
 
@@ -54,22 +54,34 @@ class RankPlacement:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RankSpec:
-    """What a flodl-aware rank needs to reach its relay (JSON in ``FLODL_INTERNAL_RANK_SPEC``)."""
+    """What a flodl-aware rank needs to reach its relay (JSON in ``FLODL_INTERNAL_RANK_SPEC``).
+
+    It holds the rank's own credential for this round, never the session secret: whatever
+    the rank (or a child of it, or a tool that logs its environment) does with it, it can
+    only speak to this host's relay, as this rank, in this round.
+    """
 
     run_id: str
     host: str
     relay_socket: str
-    secret_hex: str
+    round: int
+    credential_hex: str = field(repr=False)
 
     def to_json(self) -> str:
         """Serialised for the environment."""
-        return json.dumps({"run_id": self.run_id, "host": self.host, "relay_socket": self.relay_socket, "secret_hex": self.secret_hex})
+        return json.dumps({"run_id": self.run_id, "host": self.host, "relay_socket": self.relay_socket, "round": self.round, "credential": self.credential_hex})
 
     @classmethod
     def from_json(cls, text: str) -> RankSpec:
         """Parse what :meth:`to_json` wrote."""
         doc = json.loads(text)
-        return cls(run_id=str(doc["run_id"]), host=str(doc["host"]), relay_socket=str(doc["relay_socket"]), secret_hex=str(doc["secret_hex"]))
+        return cls(
+            run_id=str(doc["run_id"]),
+            host=str(doc["host"]),
+            relay_socket=str(doc["relay_socket"]),
+            round=int(doc["round"]),
+            credential_hex=str(doc["credential"]),
+        )
 
 
 def rank_environment(

@@ -13,10 +13,19 @@ against it in one place (:func:`rank_of`):
 
 - down: a message from the controller goes to the rank it is addressed to;
   one that is addressed to no rank is dropped and counted, never guessed at;
-- up: a rank's link is bound to the rank of its ``RankHello``. A later message
-  on that link that claims another rank — or no rank, which the shared
-  upstream connection would leave without an origin — is refused: the link
-  is closed and counted. A second link claiming a bound rank is refused too.
+- up: a rank's link is bound to the rank its credential proved in the
+  handshake. Its ``RankHello`` must name that rank, and a later message on that
+  link that claims another rank — or no rank, which the shared upstream
+  connection would leave without an origin — is refused: the link is closed
+  and counted. A second link for a bound rank is refused too.
+
+Credentials. The relay holds the session secret (it is part of its agent) and
+speaks upstream with it; ranks never get it. The rank socket takes only rank
+credentials (:func:`~flodl_async.wire.keys.rank_credential_key`), only for the
+ranks this host runs and only for the round it is running: the relay derives
+the key from the scope the rank claims, so a credential proves exactly one
+rank of one round and cannot be stretched to another rank, a later round, or
+the controller's port.
 """
 
 from __future__ import annotations
@@ -30,12 +39,14 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TypeVar
 
-from .errors import ConnectionClosed, WireError
+from .deadlines import Deadlines
+from .errors import ConnectionClosed, HandshakeRefused, WireError
 from .net.framed import FramedProtocol, open_framed
 from .net.service import FramedService
 from .wire import messages as m
 from .wire.channels import Channel
-from .wire.keys import SessionKeys
+from .wire.handshake import PeerHello
+from .wire.keys import Credential, CredentialKind, rank_credential_key
 from .wire.schema import Message
 
 log = logging.getLogger("flodl_async.relay")
@@ -85,11 +96,23 @@ class Relay:
     """One host's relay; owned by its session, its tasks by the session's TaskGroup."""
 
     def __init__(
-        self, *, socket_path: str, keys: SessionKeys, controller_host: str, controller_port: int, task_group: asyncio.TaskGroup, link_close: float
+        self,
+        *,
+        socket_path: str,
+        secret: bytes,
+        run_id: str,
+        ranks: frozenset[int],
+        controller_host: str,
+        controller_port: int,
+        task_group: asyncio.TaskGroup,
+        deadlines: Deadlines,
     ) -> None:
-        self._link_close = link_close
+        self._deadlines = deadlines
         self.socket_path = socket_path
-        self._keys = keys
+        self._secret = secret
+        self._run_id = run_id
+        self._host_ranks = ranks
+        self._round: int | None = None  # no rank credential is good before the first StartRanks
         self._controller = (controller_host, controller_port)
         self._tg = task_group
         self._ranks: dict[int, FramedProtocol] = {}
@@ -103,10 +126,13 @@ class Relay:
         self._warned: set[type[Message]] = set()
 
     async def start(self) -> None:
-        """Dial upstream, then listen on the unix socket (owner-only)."""
-        self._upstream = await open_framed(*self._controller, channel=Channel.CONTROL, keys=self._keys)
+        """Dial upstream (with the session secret), then listen on the unix socket (owner-only)."""
+        async with asyncio.timeout(self._deadlines.handshake):
+            self._upstream = await open_framed(
+                *self._controller, channel=Channel.CONTROL, credential=Credential.session(self._secret), expect_run_id=self._run_id
+            )
         self._tg.create_task(self._pump_down(self._upstream), name="relay-down")
-        service = FramedService(channel=Channel.CONTROL, keys=self._keys, handler=self._serve_rank, task_group=self._tg)
+        service = FramedService(channel=Channel.CONTROL, resolve=self._rank_key, run_id=self._run_id, handler=self._serve_rank, task_group=self._tg)
         loop = asyncio.get_running_loop()
         old_umask = os.umask(0o177)  # the socket is created owner-only, with no window before a chmod
         try:
@@ -114,6 +140,20 @@ class Relay:
         finally:
             os.umask(old_umask)
         os.chmod(self.socket_path, 0o600)
+
+    def open_round(self, round_: int) -> None:
+        """Ranks of ``round_`` are starting: from now on only their credentials are taken."""
+        self._round = round_
+
+    def _rank_key(self, peer: PeerHello) -> bytes:
+        """The credential resolver of the rank socket: one rank of this host, in the current round."""
+        if peer.kind is not CredentialKind.RANK:
+            raise HandshakeRefused(f"a relay takes rank credentials only, not a {peer.kind.name.lower()} credential")
+        if peer.rank not in self._host_ranks:
+            raise HandshakeRefused(f"rank {peer.rank} does not run on this host (its ranks: {sorted(self._host_ranks)})")
+        if peer.round != self._round:
+            raise HandshakeRefused(f"a credential of round {peer.round}, but this host runs round {self._round}")
+        return rank_credential_key(self._secret, run_id=self._run_id, round=peer.round, rank=peer.rank)
 
     def statistics(self) -> RelayStatistics:
         """What the relay has forwarded, delivered, dropped and refused so far."""
@@ -132,11 +172,15 @@ class Relay:
 
     async def _serve_rank(self, link: FramedProtocol) -> None:
         """One rank's link; returning closes it (the service's ``finally``)."""
+        assert link.peer is not None  # the service runs handlers on established links only
+        bound = link.peer.rank  # what the credential proved, not what a message says
         hello = await link.recv_message()
         if not isinstance(hello, m.RankHello):
-            self._refuse(f"it opened with {type(hello).__name__} instead of RankHello")
+            self._refuse(f"rank {bound} opened with {type(hello).__name__} instead of RankHello")
             return
-        bound = hello.rank
+        if hello.rank != bound:
+            self._refuse(f"the credential of rank {bound} sent a RankHello claiming rank {hello.rank}")
+            return
         current = self._ranks.get(bound)
         if current is not None and not current.is_closing:
             self._refuse(f"rank {bound} is already connected on another link")
@@ -195,6 +239,6 @@ class Relay:
         for link in list(self._ranks.values()):
             link.close()
         if self._upstream is not None:
-            await self._upstream.aclose(grace=self._link_close)
+            await self._upstream.aclose(grace=self._deadlines.link_close)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.socket_path)

@@ -15,7 +15,7 @@ from flodl_async.controller import Controller, ExitCode, LaunchPlan, PlacedWorke
 from flodl_async.membership import JoinConfig
 from flodl_async.net.framed import open_framed
 from flodl_async.status import Phase
-from flodl_async.wire import Channel, SessionKeys, new_session_secret
+from flodl_async.wire import Channel, Credential, new_session_secret
 from flodl_async.wire import messages as m
 
 from .launchkit import PY, assert_nothing_left, new_run_id, processes_of_run, script
@@ -91,7 +91,7 @@ def test_an_agent_of_another_version_is_refused_at_join_naming_both(tmp_path: Pa
         await controller.bind()
         async with asyncio.TaskGroup() as tg:
             task = tg.create_task(controller.run(), name="controller")
-            link = await open_framed("127.0.0.1", controller.port, channel=Channel.JOIN, keys=SessionKeys.derive(plan.secret, ""))
+            link = await open_framed("127.0.0.1", controller.port, channel=Channel.JOIN, credential=Credential.session(plan.secret))
             try:
                 link.send(m.JoinHello(host="gpu7", devices=("cpu:0",), pid=1, agent_version="0.0.1-other"))
                 async with asyncio.timeout(30):

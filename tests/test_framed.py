@@ -8,20 +8,22 @@ from collections.abc import AsyncIterator
 import pytest
 
 from flodl_async.errors import AuthenticationFailed, BusyError, ConnectionClosed, FlodlError, TruncatedFrame, VersionMismatch
-from flodl_async.net.framed import FramedProtocol, StreamFramedProtocol
-from flodl_async.wire import FrameConnection, SessionKeys, Side
+from flodl_async.net.framed import FramedProtocol, server_protocol
+from flodl_async.wire import ClientHandshake, Credential, FrameConnection, Side
 from flodl_async.wire import messages as m
 from flodl_async.wire.channels import Channel
 from flodl_async.wire.frame import HEADER_LEN, Frame
+from flodl_async.wire.handshake import session_resolver
 
 
 @pytest.fixture
-async def link_and_raw_peer(keys: SessionKeys) -> AsyncIterator[tuple[FramedProtocol, asyncio.StreamReader, asyncio.StreamWriter]]:
-    """A controller-side framed link on a loopback socket, and the raw socket at its other end."""
+async def link_and_raw_peer(secret: bytes) -> AsyncIterator[tuple[FramedProtocol, asyncio.StreamReader, asyncio.StreamWriter, FrameConnection]]:
+    """A controller-side framed link on a loopback socket; the raw socket at its other end, handshake
+    done by hand; and that end's frame codec (to forge, cut and tamper with frames)."""
     accepted: asyncio.Future[FramedProtocol] = asyncio.get_running_loop().create_future()
 
     def factory() -> FramedProtocol:
-        link = StreamFramedProtocol(channel=Channel.CONTROL, side=Side.CONTROLLER, keys=keys)
+        link = server_protocol(Channel.CONTROL, session_resolver(secret), run_id="test-run")
         accepted.set_result(link)
         return link
 
@@ -30,12 +32,23 @@ async def link_and_raw_peer(keys: SessionKeys) -> AsyncIterator[tuple[FramedProt
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     link = await accepted
     try:
-        yield link, reader, writer
+        async with asyncio.timeout(5):
+            handshake = ClientHandshake(channel=Channel.CONTROL, credential=Credential.session(secret), version="test")
+            writer.write(handshake.hello())
+            step = handshake.receive_data(await reader.read(4096))
+            assert step.established is not None
+            writer.write(step.send)
+            await link.established()
+        peer = FrameConnection(channel=Channel.CONTROL, side=Side.PEER, keys=step.established.keys)
+        yield link, reader, writer, peer
     finally:
         writer.close()
         link.abort()
         server.close()
         await server.wait_closed()
+
+
+RawPeer = tuple[FramedProtocol, asyncio.StreamReader, asyncio.StreamWriter, FrameConnection]
 
 
 async def _receive(link: FramedProtocol) -> Frame | FlodlError:
@@ -47,9 +60,9 @@ async def _receive(link: FramedProtocol) -> Frame | FlodlError:
 
 
 async def test_a_peer_abort_wakes_the_first_receiver_even_after_a_second_recv(
-    link_and_raw_peer: tuple[FramedProtocol, asyncio.StreamReader, asyncio.StreamWriter],
+    link_and_raw_peer: RawPeer,
 ) -> None:
-    link, _reader, writer = link_and_raw_peer
+    link, _reader, writer, _peer = link_and_raw_peer
     async with asyncio.timeout(5), asyncio.TaskGroup() as tg:
         first = tg.create_task(_receive(link), name="first-receiver")
         second = tg.create_task(_receive(link), name="second-receiver")
@@ -62,11 +75,9 @@ async def test_a_peer_abort_wakes_the_first_receiver_even_after_a_second_recv(
 
 
 async def test_a_second_concurrent_receiver_is_busy_and_the_first_keeps_the_stream(
-    keys: SessionKeys,
-    link_and_raw_peer: tuple[FramedProtocol, asyncio.StreamReader, asyncio.StreamWriter],
+    link_and_raw_peer: RawPeer,
 ) -> None:
-    link, _reader, writer = link_and_raw_peer
-    peer = FrameConnection(channel=Channel.CONTROL, side=Side.PEER, keys=keys)
+    link, _reader, writer, peer = link_and_raw_peer
     async with asyncio.timeout(5), asyncio.TaskGroup() as tg:
         first = tg.create_task(link.recv(), name="first-receiver")
         await asyncio.sleep(0)  # one loop turn: the first receiver is now waiting
@@ -81,9 +92,9 @@ async def test_a_second_concurrent_receiver_is_busy_and_the_first_keeps_the_stre
 
 
 async def test_bad_bytes_wake_the_waiting_receiver_with_the_wire_error(
-    link_and_raw_peer: tuple[FramedProtocol, asyncio.StreamReader, asyncio.StreamWriter],
+    link_and_raw_peer: RawPeer,
 ) -> None:
-    link, reader, writer = link_and_raw_peer
+    link, reader, writer, _peer = link_and_raw_peer
     async with asyncio.timeout(5), asyncio.TaskGroup() as tg:
         waiting = tg.create_task(_receive(link), name="receiver")
         await asyncio.sleep(0)  # one loop turn: the receiver is now waiting
@@ -93,11 +104,9 @@ async def test_bad_bytes_wake_the_waiting_receiver_with_the_wire_error(
 
 
 async def test_frames_before_a_bad_one_are_delivered_then_the_error(
-    keys: SessionKeys,
-    link_and_raw_peer: tuple[FramedProtocol, asyncio.StreamReader, asyncio.StreamWriter],
+    link_and_raw_peer: RawPeer,
 ) -> None:
-    link, reader, writer = link_and_raw_peer
-    peer = FrameConnection(channel=Channel.CONTROL, side=Side.PEER, keys=keys)
+    link, reader, writer, peer = link_and_raw_peer
     good = [m.Heartbeat(sent_at=float(i)) for i in range(3)]
     stream = b"".join(peer.send(msg) for msg in good)
     tampered = bytearray(peer.send(m.Heartbeat(sent_at=9.0)))
@@ -111,11 +120,9 @@ async def test_frames_before_a_bad_one_are_delivered_then_the_error(
 
 
 async def test_a_peer_that_stops_mid_frame_is_a_truncated_frame_not_a_clean_close(
-    keys: SessionKeys,
-    link_and_raw_peer: tuple[FramedProtocol, asyncio.StreamReader, asyncio.StreamWriter],
+    link_and_raw_peer: RawPeer,
 ) -> None:
-    link, _reader, writer = link_and_raw_peer
-    peer = FrameConnection(channel=Channel.CONTROL, side=Side.PEER, keys=keys)
+    link, _reader, writer, peer = link_and_raw_peer
     whole = peer.send(m.Heartbeat(sent_at=1.0))
     writer.write(whole + peer.send(m.Heartbeat(sent_at=2.0))[:-5])
     writer.write_eof()

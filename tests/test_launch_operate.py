@@ -19,11 +19,13 @@ import pytest
 from flodl_async.agent import RankOutput
 from flodl_async.cluster import DeviceSpec, WorkerSpec
 from flodl_async.controller import Controller, ExitCode, LaunchPlan, PlacedWorker, Placement
+from flodl_async.errors import AuthenticationFailed
 from flodl_async.membership import JoinConfig
 from flodl_async.status import Phase, Subscription
-from flodl_async.wire import CHANNEL_MAGIC, Channel, FrameConnection, SessionKeys, Side, new_session_secret
+from flodl_async.wire import CHANNEL_MAGIC, Channel, ClientHandshake, Credential, new_session_secret
 from flodl_async.wire import messages as m
-from flodl_async.wire.frame import HEADER, PROTOCOL_VERSION
+from flodl_async.wire.frame import HEADER
+from flodl_async.wire.handshake import PROTOCOL_VERSION
 
 from .launchkit import PY, Launcher, assert_nothing_left, free_port, new_run_id, run_launch, script, wait_status
 
@@ -113,7 +115,8 @@ def test_wrong_secret_agent_is_refused_clearly(tmp_path: Path) -> None:
             check=False,
         )
         assert agent.returncode == 3  # could not join
-        assert "session-secret mismatch" in agent.stderr
+        assert "handshake proof did not verify" in agent.stderr
+        assert "check --secret-file" in agent.stderr
         assert "Traceback" not in agent.stderr
         still = _status(port)
         assert still is not None
@@ -145,11 +148,17 @@ def test_garbage_on_the_port_does_not_disturb_the_run(tmp_path: Path) -> None:
         connect(b"")  # silent
         oversized = HEADER.pack(PROTOCOL_VERSION, 0, m.JoinHello.KIND, 0, 2**31, 0)
         connect(CHANNEL_MAGIC[Channel.JOIN] + oversized)
-        stranger = FrameConnection(channel=Channel.CONTROL, side=Side.PEER, keys=SessionKeys.derive(new_session_secret(), run_id))
-        connect(CHANNEL_MAGIC[Channel.CONTROL] + stranger.send(m.RankHello(rank=0, local_rank=0, world_size=2, pid=1)))
+        # A stranger (another secret): the controller's hello proves nothing to it, and its own made-up
+        # proof, with a frame behind it, gets a close. No frame of any kind ever comes back.
+        stranger = ClientHandshake(channel=Channel.CONTROL, credential=Credential.session(new_session_secret()), version="x")
+        sock = connect(CHANNEL_MAGIC[Channel.CONTROL] + stranger.hello())
+        sock.settimeout(5)
+        with pytest.raises(AuthenticationFailed, match="handshake proof did not verify"):
+            stranger.receive_data(sock.recv(4096))
+        sock.sendall(os.urandom(32) + HEADER.pack(PROTOCOL_VERSION, 0, m.RankHello.KIND, 0, 8, 0) + bytes(40))
         doc = wait_status(port, lambda d: d["connections"]["dropped"].get("unknown_magic", 0) >= 1)
         assert doc["phase"] == "training"
-        for sock in held[2:]:  # the bad frames were answered by a close, never by a reply
+        for sock in held[2:]:  # the bad bytes were answered by a close, never by a frame
             sock.settimeout(5)
             try:
                 answer = sock.recv(1024)

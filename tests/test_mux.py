@@ -9,14 +9,17 @@ from collections.abc import AsyncIterator, Callable
 
 import pytest
 
-from flodl_async.errors import ConfigError, ConnectionClosed, PortInUseError
+from flodl_async.errors import AuthenticationFailed, ConfigError, ConnectionClosed, PortInUseError
 from flodl_async.net.framed import FramedProtocol, open_framed
 from flodl_async.net.mux import PortMux, check_bind_host
 from flodl_async.net.service import FramedService
-from flodl_async.wire import CHANNEL_MAGIC, Channel, FrameConnection, SessionKeys, Side
+from flodl_async.wire import CHANNEL_MAGIC, Channel, Credential
 from flodl_async.wire import messages as m
 from flodl_async.wire.frame import FrameLimits
+from flodl_async.wire.handshake import session_resolver
 from flodl_async.wire.schema import Message
+
+from .wirekit import raw_handshake
 
 FRAMED_CHANNELS = [Channel.JOIN, Channel.RENDEZVOUS, Channel.DATA, Channel.CONTROL]
 
@@ -63,11 +66,11 @@ async def _echo_channel_name(link: FramedProtocol) -> None:
 
 
 @pytest.fixture
-async def mux(keys: SessionKeys) -> AsyncIterator[PortMux]:
+async def mux(secret: bytes) -> AsyncIterator[PortMux]:
     mux = PortMux(host="127.0.0.1", port=0, sniff_timeout=3.0, max_unsniffed=512)
     async with asyncio.TaskGroup() as tg:
         for channel in FRAMED_CHANNELS:
-            service = FramedService(channel=channel, keys=keys, handler=_echo_channel_name, task_group=tg)
+            service = FramedService(channel=channel, resolve=session_resolver(secret), run_id="test-run", handler=_echo_channel_name, task_group=tg)
             mux.register(channel, service.protocol_factory)
         await mux.start()
         try:
@@ -76,8 +79,8 @@ async def mux(keys: SessionKeys) -> AsyncIterator[PortMux]:
             await mux.aclose()
 
 
-async def _ask(port: int, keys: SessionKeys, channel: Channel, tag: float) -> str:
-    link = await open_framed("127.0.0.1", port, channel=channel, keys=keys)
+async def _ask(port: int, secret: bytes, channel: Channel, tag: float) -> str:
+    link = await open_framed("127.0.0.1", port, channel=channel, credential=Credential.session(secret))
     try:
         link.send(_PROBES[channel](tag))
         if channel is Channel.RENDEZVOUS:
@@ -90,10 +93,10 @@ async def _ask(port: int, keys: SessionKeys, channel: Channel, tag: float) -> st
         await link.aclose()
 
 
-async def test_hundreds_of_concurrent_connections_are_routed(mux: PortMux, keys: SessionKeys) -> None:
+async def test_hundreds_of_concurrent_connections_are_routed(mux: PortMux, secret: bytes) -> None:
     jobs = [(FRAMED_CHANNELS[i % 4], float(i)) for i in range(400)]
     async with asyncio.timeout(30):
-        answers = await asyncio.gather(*(_ask(mux.port, keys, channel, tag) for channel, tag in jobs))
+        answers = await asyncio.gather(*(_ask(mux.port, secret, channel, tag) for channel, tag in jobs))
     assert answers == [f"{channel.value}:{tag}" for channel, tag in jobs]
     stats = mux.statistics()
     assert stats.accepted == 400
@@ -105,7 +108,7 @@ async def _raw(port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
     return await asyncio.open_connection("127.0.0.1", port)
 
 
-async def test_bad_peers_do_not_delay_good_ones(mux: PortMux, keys: SessionKeys) -> None:
+async def test_bad_peers_do_not_delay_good_ones(mux: PortMux, secret: bytes) -> None:
     silent = [await _raw(mux.port) for _ in range(50)]
     half_magic = [await _raw(mux.port) for _ in range(20)]
     for _, writer in half_magic:
@@ -118,7 +121,7 @@ async def test_bad_peers_do_not_delay_good_ones(mux: PortMux, keys: SessionKeys)
     garbage = [await _raw(mux.port) for _ in range(20)]
     for _, writer in garbage:
         writer.write(b"\x00garbage that names no channel")
-    answers = await asyncio.gather(*(_ask(mux.port, keys, FRAMED_CHANNELS[i % 4], float(i)) for i in range(40)))
+    answers = await asyncio.gather(*(_ask(mux.port, secret, FRAMED_CHANNELS[i % 4], float(i)) for i in range(40)))
     assert len(answers) == 40
     # The good peers finished while the silent ones still hold their slots: nobody waited for the deadline.
     stats = mux.statistics()
@@ -138,7 +141,7 @@ async def test_bad_peers_do_not_delay_good_ones(mux: PortMux, keys: SessionKeys)
         writer.close()
 
 
-async def test_channel_without_handler_closes_at_once(keys: SessionKeys) -> None:
+async def test_channel_without_handler_closes_at_once(secret: bytes) -> None:
     mux = PortMux(host="127.0.0.1", port=0)
     await mux.start()
     try:
@@ -165,14 +168,11 @@ async def test_unsniffed_connections_are_capped() -> None:
         await mux.aclose()
 
 
-async def test_wrong_secret_frame_closes_only_that_connection(mux: PortMux, keys: SessionKeys) -> None:
-    stranger = SessionKeys.derive(b"\x01" * 16, keys.run_id)
-    link = await open_framed("127.0.0.1", mux.port, channel=Channel.CONTROL, keys=stranger)
-    link.send(m.Heartbeat(sent_at=1.0))
-    with pytest.raises(ConnectionClosed):
-        await asyncio.wait_for(link.recv(), 5)
-    await link.aclose()
-    assert await _ask(mux.port, keys, Channel.CONTROL, 2.0) == "control:2.0"
+async def test_wrong_secret_frame_closes_only_that_connection(mux: PortMux, secret: bytes) -> None:
+    # The controller's handshake proof does not verify under another secret: the dial fails, no frame is sent.
+    with pytest.raises(AuthenticationFailed, match=r"handshake proof did not verify .*--secret-file"):
+        await asyncio.wait_for(open_framed("127.0.0.1", mux.port, channel=Channel.CONTROL, credential=Credential.session(b"\x01" * 16)), 5)
+    assert await _ask(mux.port, secret, Channel.CONTROL, 2.0) == "control:2.0"
 
 
 async def test_live_listener_gives_a_clear_error(mux: PortMux) -> None:
@@ -181,14 +181,14 @@ async def test_live_listener_gives_a_clear_error(mux: PortMux) -> None:
         await second.start()
 
 
-async def test_time_wait_never_blocks_a_rebind(keys: SessionKeys) -> None:
+async def test_time_wait_never_blocks_a_rebind(secret: bytes) -> None:
     first = PortMux(host="127.0.0.1", port=0)
     async with asyncio.TaskGroup() as tg:
-        service = FramedService(channel=Channel.CONTROL, keys=keys, handler=_echo_channel_name, task_group=tg)
+        service = FramedService(channel=Channel.CONTROL, resolve=session_resolver(secret), run_id="test-run", handler=_echo_channel_name, task_group=tg)
         first.register(Channel.CONTROL, service.protocol_factory)
         await first.start()
         port = first.port
-        link = await open_framed("127.0.0.1", port, channel=Channel.CONTROL, keys=keys)
+        link = await open_framed("127.0.0.1", port, channel=Channel.CONTROL, credential=Credential.session(secret))
         link.send(m.Heartbeat(sent_at=1.0))
         await link.recv()
         await first.aclose()  # the server side closes first: its socket goes to TIME_WAIT
@@ -221,7 +221,7 @@ def test_port_mux_binds_for_real() -> None:
     assert asyncio.run(main()) > 0
 
 
-def test_routing_and_bad_peers_on_uvloop(keys: SessionKeys) -> None:
+def test_routing_and_bad_peers_on_uvloop(secret: bytes) -> None:
     """The same mux on uvloop (the loop the launcher uses): routing, garbage and silence."""
     import uvloop
 
@@ -229,13 +229,13 @@ def test_routing_and_bad_peers_on_uvloop(keys: SessionKeys) -> None:
         mux = PortMux(host="127.0.0.1", port=0, sniff_timeout=30)
         async with asyncio.TaskGroup() as tg:
             for channel in FRAMED_CHANNELS:
-                service = FramedService(channel=channel, keys=keys, handler=_echo_channel_name, task_group=tg)
+                service = FramedService(channel=channel, resolve=session_resolver(secret), run_id="test-run", handler=_echo_channel_name, task_group=tg)
                 mux.register(channel, service.protocol_factory)
             await mux.start()
             silent = [await _raw(mux.port) for _ in range(10)]
             reader, writer = await _raw(mux.port)
             writer.write(b"garbage!")
-            answers = await asyncio.gather(*(_ask(mux.port, keys, FRAMED_CHANNELS[i % 4], float(i)) for i in range(200)))
+            answers = await asyncio.gather(*(_ask(mux.port, secret, FRAMED_CHANNELS[i % 4], float(i)) for i in range(200)))
             assert answers == [f"{FRAMED_CHANNELS[i % 4].value}:{float(i)}" for i in range(200)]
             assert await asyncio.wait_for(reader.read(), 2) == b""
             assert mux.statistics().dropped == {"unknown_magic": 1}
@@ -255,7 +255,7 @@ def test_sniff_deadline_scales_with_the_one_knob(monkeypatch: pytest.MonkeyPatch
         PortMux(host="127.0.0.1", port=0)
 
 
-async def test_tensor_frames_cross_the_data_channel_and_tampering_is_caught(keys: SessionKeys) -> None:
+async def test_tensor_frames_cross_the_data_channel_and_tampering_is_caught(secret: bytes) -> None:
     """Real sockets: buffered receive into the payload, MAC checked in a worker thread, in order."""
     received: list[tuple[int, bytes]] = []
     all_in = asyncio.Event()
@@ -271,11 +271,11 @@ async def test_tensor_frames_cross_the_data_channel_and_tampering_is_caught(keys
 
     mux = PortMux(host="127.0.0.1", port=0)
     async with asyncio.TaskGroup() as tg:
-        service = FramedService(channel=Channel.DATA, keys=keys, handler=collect, task_group=tg)
+        service = FramedService(channel=Channel.DATA, resolve=session_resolver(secret), run_id="test-run", handler=collect, task_group=tg)
         mux.register(Channel.DATA, service.protocol_factory)
         await mux.start()
         payloads = [bytes([i]) * (3 * 1024 * 1024 + i) for i in range(4)]
-        link = await open_framed("127.0.0.1", mux.port, channel=Channel.DATA, keys=keys)
+        link = await open_framed("127.0.0.1", mux.port, channel=Channel.DATA, credential=Credential.session(secret))
         for i, payload in enumerate(payloads):
             spec = m.TensorSpec(name="x", dtype="uint8", shape=(len(payload),), offset=0, nbytes=len(payload))
             await link.send_tensors(m.TensorBundle(round=i, weight=1.0, tensors=(spec,)), [payload])
@@ -287,11 +287,11 @@ async def test_tensor_frames_cross_the_data_channel_and_tampering_is_caught(keys
 
         # A flipped payload bit closes the connection; nothing of that frame is delivered.
         raw_reader, raw_writer = await asyncio.open_connection("127.0.0.1", mux.port)
-        sender = FrameConnection(channel=Channel.DATA, side=Side.PEER, keys=keys, limits=FrameLimits(max_payload=1 << 26))
+        sender = await raw_handshake(raw_reader, raw_writer, secret, Channel.DATA, limits=FrameLimits(max_payload=1 << 26))
         spec = m.TensorSpec(name="x", dtype="uint8", shape=(2 << 20,), offset=0, nbytes=2 << 20)
         wire = bytearray(b"".join(bytes(p) for p in sender.send_parts(m.TensorBundle(round=9, weight=1.0, tensors=(spec,)), [b"\x07" * (2 << 20)])))
         wire[len(wire) // 2] ^= 1
-        raw_writer.write(CHANNEL_MAGIC[Channel.DATA] + bytes(wire))
+        raw_writer.write(bytes(wire))
         assert await asyncio.wait_for(raw_reader.read(), 10) == b""
         raw_writer.close()
         assert [r for r, _ in received] == [0, 1, 2, 3]

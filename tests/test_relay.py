@@ -11,13 +11,15 @@ from pathlib import Path
 
 import pytest
 
-from flodl_async.errors import ConnectionClosed
-from flodl_async.net.framed import FramedProtocol, StreamFramedProtocol
+from flodl_async.deadlines import Deadlines
+from flodl_async.errors import AuthenticationFailed, ConnectionClosed, HandshakeRefused
+from flodl_async.net.framed import FramedProtocol, open_framed, open_unix_framed
 from flodl_async.net.mux import PortMux
 from flodl_async.net.service import FramedService
 from flodl_async.relay import RANK_ADDRESS, Relay, rank_of
-from flodl_async.wire import Channel, SessionKeys, Side
+from flodl_async.wire import Channel, Credential
 from flodl_async.wire import messages as m
+from flodl_async.wire.handshake import session_resolver
 from flodl_async.wire.keys import Direction
 from flodl_async.wire.legality import LEGAL_KINDS
 from flodl_async.wire.schema import Message
@@ -46,21 +48,25 @@ class FakeController:
                 link.send(m.RankWelcome(rank=msg.rank, run_id="run"))
 
 
+RUN = "run"
+HOST_RANKS = frozenset({0, 1, 2, 3})
+
+
 @dataclass
 class Bench:
     relay: Relay
     controller: FakeController
-    keys: SessionKeys
+    secret: bytes
+    port: int
 
-    async def rank_link(self) -> FramedProtocol:
-        loop = asyncio.get_running_loop()
-        _, link = await loop.create_unix_connection(
-            lambda: StreamFramedProtocol(channel=Channel.CONTROL, side=Side.PEER, keys=self.keys, peer_label="relay"), self.relay.socket_path
-        )
-        return link
+    async def rank_link(self, rank: int = 0, *, round: int = 0, credential: Credential | None = None) -> FramedProtocol:
+        """Dial the relay's socket as a rank does: with its own credential for its round."""
+        credential = credential or Credential.for_rank(self.secret, run_id=RUN, round=round, rank=rank)
+        async with asyncio.timeout(5):
+            return await open_unix_framed(self.relay.socket_path, channel=Channel.CONTROL, credential=credential, peer_label="relay")
 
     async def hello(self, rank: int) -> FramedProtocol:
-        link = await self.rank_link()
+        link = await self.rank_link(rank)
         link.send(m.RankHello(rank=rank, local_rank=rank, world_size=4, pid=100 + rank))
         welcome = await link.recv_message()
         assert welcome == m.RankWelcome(rank=rank, run_id="run")
@@ -71,20 +77,29 @@ class Bench:
 
 
 @pytest.fixture
-async def bench(keys: SessionKeys) -> AsyncIterator[Bench]:
+async def bench(secret: bytes) -> AsyncIterator[Bench]:
     scratch = Path(tempfile.mkdtemp(prefix="fl-relay-", dir="/tmp"))
     controller = FakeController()
     mux = PortMux(host="127.0.0.1", port=0)
     try:
         async with asyncio.timeout(30), asyncio.TaskGroup() as tg:
-            mux.register(Channel.CONTROL, FramedService(channel=Channel.CONTROL, keys=keys, handler=controller.handle, task_group=tg).protocol_factory)
+            service = FramedService(channel=Channel.CONTROL, resolve=session_resolver(secret), run_id=RUN, handler=controller.handle, task_group=tg)
+            mux.register(Channel.CONTROL, service.protocol_factory)
             await mux.start()
             relay = Relay(
-                socket_path=str(scratch / "relay.sock"), keys=keys, controller_host="127.0.0.1", controller_port=mux.port, task_group=tg, link_close=1.0
+                socket_path=str(scratch / "relay.sock"),
+                secret=secret,
+                run_id=RUN,
+                ranks=HOST_RANKS,
+                controller_host="127.0.0.1",
+                controller_port=mux.port,
+                task_group=tg,
+                deadlines=Deadlines(),
             )
             await relay.start()
+            relay.open_round(0)
             try:
-                yield Bench(relay=relay, controller=controller, keys=keys)
+                yield Bench(relay=relay, controller=controller, secret=secret, port=mux.port)
             finally:
                 await relay.aclose()
                 await mux.aclose()
@@ -150,9 +165,66 @@ async def test_a_link_must_open_with_rank_hello(bench: Bench) -> None:
 
 async def test_a_bound_rank_cannot_be_claimed_by_a_second_link(bench: Bench) -> None:
     r0 = await bench.hello(0)
-    impostor = await bench.rank_link()
+    impostor = await bench.rank_link(0)  # even with rank 0's own credential (a second process holding it)
     impostor.send(m.RankHello(rank=0, local_rank=0, world_size=4, pid=999))
     await _closed(impostor)
     bench.down(m.Heartbeat(sent_at=3.0, rank=0))
     assert await r0.recv_message() == m.Heartbeat(sent_at=3.0, rank=0)  # the first binding holds
     assert bench.relay.statistics().refused_links == 1
+
+
+# ----- rank-scoped credentials: what a rank's environment can and cannot do ----------------------------
+
+
+async def test_a_rank_credential_cannot_speak_for_another_rank(bench: Bench) -> None:
+    """Rank 1's credential, claiming rank 0's scope: the relay derives rank 0's key, so the proofs fail."""
+    own = Credential.for_rank(bench.secret, run_id=RUN, round=0, rank=1)
+    posing = Credential(kind=own.kind, key=own.key, round=0, rank=0)
+    with pytest.raises(AuthenticationFailed, match="handshake proof did not verify"):
+        await bench.rank_link(credential=posing)
+    assert bench.relay.statistics().ranks_connected == 0
+
+
+async def test_a_rank_hello_must_name_the_rank_its_credential_proved(bench: Bench) -> None:
+    link = await bench.rank_link(1)
+    link.send(m.RankHello(rank=0, local_rank=0, world_size=4, pid=999))
+    await _closed(link)
+    assert bench.relay.statistics().refused_links == 1
+    assert bench.controller.up.empty()
+
+
+async def test_a_credential_of_an_earlier_round_is_refused(bench: Bench) -> None:
+    bench.relay.open_round(1)  # a restart: round 0's ranks are gone, and so are their credentials
+    with pytest.raises(HandshakeRefused, match="credential of round 0, but this host runs round 1"):
+        await bench.rank_link(0, round=0)
+    link = await bench.rank_link(0, round=1)
+    await link.aclose()
+
+
+async def test_a_rank_of_another_host_is_refused(bench: Bench) -> None:
+    with pytest.raises(HandshakeRefused, match="rank 7 does not run on this host"):
+        await bench.rank_link(7)
+
+
+async def test_the_relay_socket_takes_no_session_credential(bench: Bench) -> None:
+    with pytest.raises(HandshakeRefused, match="rank credentials only"):
+        async with asyncio.timeout(5):
+            await open_unix_framed(bench.relay.socket_path, channel=Channel.CONTROL, credential=Credential.session(bench.secret), peer_label="relay")
+
+
+async def test_the_controller_port_takes_no_rank_credential(bench: Bench) -> None:
+    """A rank's credential on the controller's control channel: refused, by name, before any frame
+    (every channel of a real controller: tests/test_launch_operate.py)."""
+    credential = Credential.for_rank(bench.secret, run_id=RUN, round=0, rank=0)
+    with pytest.raises(HandshakeRefused, match="controller port takes the session secret only"):
+        async with asyncio.timeout(5):
+            await open_framed("127.0.0.1", bench.port, channel=Channel.CONTROL, credential=credential)
+
+
+async def test_a_rank_key_presented_as_the_session_secret_fails_the_proof(bench: Bench) -> None:
+    """The rank's key bytes, claimed as a session credential: the controller's proof does not verify."""
+    key = Credential.for_rank(bench.secret, run_id=RUN, round=0, rank=0).key
+    for candidate in (key[:16], key[16:]):  # every 16-byte secret a rank could cut from its 32-byte key
+        with pytest.raises(AuthenticationFailed):
+            async with asyncio.timeout(5):
+                await open_framed("127.0.0.1", bench.port, channel=Channel.CONTROL, credential=Credential.session(candidate))

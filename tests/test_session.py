@@ -21,8 +21,9 @@ from flodl_async.errors import ControllerLost
 from flodl_async.net.framed import FramedProtocol
 from flodl_async.net.mux import PortMux
 from flodl_async.net.service import FramedService
-from flodl_async.wire import Channel, SessionKeys, new_session_secret
+from flodl_async.wire import Channel, new_session_secret
 from flodl_async.wire import messages as m
+from flodl_async.wire.handshake import session_resolver
 from flodl_async.wire.schema import Message
 
 from .launchkit import PY, new_run_id, processes_of_run, script
@@ -59,9 +60,7 @@ class FakeController:
         hello = await link.recv_message()
         assert isinstance(hello, m.JoinHello)
         link.send(m.JoinAccept(ranks=(0, 1), run_id=self.run_id, formation_wait_s=30.0))
-        link.send(
-            m.WorldFormed(world_size=2, ranks=(0, 1), group_rank=0, group_world_size=1, store_host=False, command=self.command, env={"FLODL_TEST": "1"})
-        )
+        link.send(m.WorldFormed(world_size=2, ranks=(0, 1), group_rank=0, group_world_size=1, store_host=False, command=self.command, env={"FLODL_TEST": "1"}))
         link.send(m.StartRanks(round=0, restart_count=0, master_addr="127.0.0.1", master_port=1))
         self.join_link.set_result(link)
         while True:
@@ -102,11 +101,9 @@ async def bench() -> AsyncIterator[Bench]:
     sink = LineSink()
     try:
         async with asyncio.TaskGroup() as tg:
-            for channel, keys, handler in (
-                (Channel.JOIN, SessionKeys.derive(secret, ""), controller.handle_join),
-                (Channel.CONTROL, SessionKeys.derive(secret, run_id), controller.handle_control),
-            ):
-                mux.register(channel, FramedService(channel=channel, keys=keys, handler=handler, task_group=tg).protocol_factory)
+            for channel, handler in ((Channel.JOIN, controller.handle_join), (Channel.CONTROL, controller.handle_control)):
+                service = FramedService(channel=channel, resolve=session_resolver(secret), run_id=run_id, handler=handler, task_group=tg)
+                mux.register(channel, service.protocol_factory)
             await mux.start()
             config = SessionConfig(
                 controller_host="127.0.0.1",

@@ -18,13 +18,14 @@ from flodl_async.errors import (
     VersionMismatch,
     WireError,
 )
-from flodl_async.wire import CLOSED, NEED_DATA, Channel, Direction, FrameConnection, SessionKeys, Side, new_session_secret
+from flodl_async.wire import CLOSED, NEED_DATA, Channel, Direction, FrameConnection, Side, new_session_secret
 from flodl_async.wire import messages as m
-from flodl_async.wire.frame import HEADER, HEADER_LEN, PROTOCOL_VERSION, TAG_LEN, Frame, FrameLimits
+from flodl_async.wire.frame import HEADER, HEADER_LEN, TAG_LEN, Frame, FrameLimits
+from flodl_async.wire.handshake import PROTOCOL_VERSION
 from flodl_async.wire.legality import LEGAL_KINDS
 from flodl_async.wire.schema import Message, pack_message
 
-from .wirekit import WHOLE_AND_BYTEWISE, codec_pair, feed, sealed, sender_and_receiver
+from .wirekit import WHOLE_AND_BYTEWISE, LinkPair, codec_pair, feed, handshake_keys, sealed, sender_and_receiver
 
 UP, DOWN = Direction.TO_CONTROLLER, Direction.FROM_CONTROLLER
 
@@ -62,7 +63,7 @@ def test_the_samples_cover_the_kind_table() -> None:
 
 @pytest.mark.parametrize("route", list(SAMPLES), ids=lambda route: f"{route[0].value}-{route[1].value}")
 @WHOLE_AND_BYTEWISE
-def test_every_sample_round_trips_in_one_stream(keys: SessionKeys, route: tuple[Channel, Direction], chunk: int | None) -> None:
+def test_every_sample_round_trips_in_one_stream(keys: LinkPair, route: tuple[Channel, Direction], chunk: int | None) -> None:
     sender, receiver = sender_and_receiver(keys, *route)
     samples = SAMPLES[route]
     stream = b"".join(sender.send(msg) for msg in samples)
@@ -73,7 +74,7 @@ def test_every_sample_round_trips_in_one_stream(keys: SessionKeys, route: tuple[
     assert receiver.next_frame() is CLOSED
 
 
-def test_need_data_until_the_last_byte(keys: SessionKeys) -> None:
+def test_need_data_until_the_last_byte(keys: LinkPair) -> None:
     peer, controller = codec_pair(keys)
     data = peer.send(m.Heartbeat(sent_at=3.0))
     controller.receive_data(data[:-1])
@@ -85,48 +86,57 @@ def test_need_data_until_the_last_byte(keys: SessionKeys) -> None:
 
 
 @WHOLE_AND_BYTEWISE
-def test_both_directions_use_their_own_keys(keys: SessionKeys, chunk: int | None) -> None:
+def test_both_directions_use_their_own_keys(keys: LinkPair, chunk: int | None) -> None:
     peer, controller = codec_pair(keys, channel=Channel.JOIN)
     down = controller.send(m.Abort(reason="stop"))
     [frame] = feed(peer, down, chunk=chunk)
     assert frame.message == m.Abort(reason="stop")
 
 
-def test_reflected_frame_is_rejected(keys: SessionKeys) -> None:
+def test_reflected_frame_is_rejected(keys: LinkPair) -> None:
     peer, _controller = codec_pair(keys)
     own = peer.send(m.Heartbeat(sent_at=1.0))
-    other_peer = FrameConnection(channel=Channel.CONTROL, side=Side.PEER, keys=keys)
+    other_peer = FrameConnection(channel=Channel.CONTROL, side=Side.PEER, keys=keys.peer)
     other_peer.receive_data(own)  # a peer receives its own direction's frame
     with pytest.raises(AuthenticationFailed, match="did not verify"):
         other_peer.next_frame()
 
 
-def test_cross_channel_frame_is_rejected(keys: SessionKeys) -> None:
-    peer = FrameConnection(channel=Channel.JOIN, side=Side.PEER, keys=keys)
-    control = FrameConnection(channel=Channel.CONTROL, side=Side.CONTROLLER, keys=keys)
-    control.receive_data(peer.send(m.Heartbeat(sent_at=1.0)))
+def test_frames_of_another_connection_are_rejected(secret: bytes) -> None:
+    # Same secret, same channel, same run: only the handshake nonces differ.
+    first, second = handshake_keys(secret), handshake_keys(secret)
+    peer, _ = codec_pair(first)
+    _, other_controller = codec_pair(second)
+    other_controller.receive_data(peer.send(m.Heartbeat(sent_at=1.0)))
+    with pytest.raises(AuthenticationFailed, match="did not verify"):
+        other_controller.next_frame()
+
+
+def test_frames_of_another_channel_are_rejected(secret: bytes) -> None:
+    join_peer, _ = codec_pair(handshake_keys(secret, Channel.JOIN), channel=Channel.JOIN)
+    _, control = codec_pair(handshake_keys(secret, Channel.CONTROL))
+    control.receive_data(join_peer.send(m.Heartbeat(sent_at=1.0)))
     with pytest.raises(AuthenticationFailed):
         control.next_frame()
 
 
-def test_other_run_secret_is_rejected(keys: SessionKeys) -> None:
-    peer, _ = codec_pair(keys)
-    stranger = FrameConnection(channel=Channel.CONTROL, side=Side.CONTROLLER, keys=SessionKeys.derive(new_session_secret(), "test-run"))
-    stranger.receive_data(peer.send(m.Heartbeat(sent_at=1.0)))
-    with pytest.raises(AuthenticationFailed, match="session-secret mismatch"):
-        stranger.next_frame()
-
-
-def test_same_secret_other_run_id_is_rejected() -> None:
-    secret = new_session_secret()
-    peer = FrameConnection(channel=Channel.CONTROL, side=Side.PEER, keys=SessionKeys.derive(secret, "run-1"))
-    other = FrameConnection(channel=Channel.CONTROL, side=Side.CONTROLLER, keys=SessionKeys.derive(secret, "run-2"))
+def test_frames_of_another_run_are_rejected(secret: bytes) -> None:
+    peer, _ = codec_pair(handshake_keys(secret, run_id="run-1"))
+    _, other = codec_pair(handshake_keys(secret, run_id="run-2"))
     other.receive_data(peer.send(m.Heartbeat(sent_at=1.0)))
     with pytest.raises(AuthenticationFailed):
         other.next_frame()
 
 
-def test_replayed_frame_is_rejected(keys: SessionKeys) -> None:
+def test_frames_under_another_secret_are_rejected(keys: LinkPair) -> None:
+    peer, _ = codec_pair(keys)
+    _, stranger = codec_pair(handshake_keys(new_session_secret()))
+    stranger.receive_data(peer.send(m.Heartbeat(sent_at=1.0)))
+    with pytest.raises(AuthenticationFailed, match="did not verify"):
+        stranger.next_frame()
+
+
+def test_replayed_frame_is_rejected(keys: LinkPair) -> None:
     peer, controller = codec_pair(keys)
     first = peer.send(m.Heartbeat(sent_at=1.0))
     controller.receive_data(first + first)
@@ -135,7 +145,7 @@ def test_replayed_frame_is_rejected(keys: SessionKeys) -> None:
         controller.next_frame()
 
 
-def test_reordered_frames_are_rejected(keys: SessionKeys) -> None:
+def test_reordered_frames_are_rejected(keys: LinkPair) -> None:
     peer, controller = codec_pair(keys)
     first = peer.send(m.Heartbeat(sent_at=1.0))
     second = peer.send(m.Heartbeat(sent_at=2.0))
@@ -144,7 +154,7 @@ def test_reordered_frames_are_rejected(keys: SessionKeys) -> None:
         controller.next_frame()
 
 
-def test_failed_connection_stays_failed(keys: SessionKeys) -> None:
+def test_failed_connection_stays_failed(keys: LinkPair) -> None:
     peer, controller = codec_pair(keys)
     data = bytearray(peer.send(m.Heartbeat(sent_at=1.0)))
     data[-1] ^= 1
@@ -156,7 +166,7 @@ def test_failed_connection_stays_failed(keys: SessionKeys) -> None:
         controller.next_frame()
 
 
-def test_oversized_body_rejected_from_the_header_alone(keys: SessionKeys) -> None:
+def test_oversized_body_rejected_from_the_header_alone(keys: LinkPair) -> None:
     _, controller = codec_pair(keys, limits=FrameLimits(max_body=1024))
     header = HEADER.pack(PROTOCOL_VERSION, 0, m.Heartbeat.KIND, 0, 1025, 0)
     controller.receive_data(header)  # no body bytes at all: the header alone must be enough
@@ -164,27 +174,27 @@ def test_oversized_body_rejected_from_the_header_alone(keys: SessionKeys) -> Non
         controller.next_frame()
 
 
-def test_payload_refused_on_channels_without_tensors(keys: SessionKeys) -> None:
+def test_payload_refused_on_channels_without_tensors(keys: LinkPair) -> None:
     _, controller = codec_pair(keys, channel=Channel.JOIN)
     controller.receive_data(HEADER.pack(PROTOCOL_VERSION, 0, m.Heartbeat.KIND, 0, 10, 1))
     with pytest.raises(FrameTooLarge, match="payload of 1 bytes"):
         controller.next_frame()
 
 
-def test_sender_refuses_to_build_an_oversized_frame(keys: SessionKeys) -> None:
+def test_sender_refuses_to_build_an_oversized_frame(keys: LinkPair) -> None:
     peer, _ = codec_pair(keys, channel=Channel.JOIN, limits=FrameLimits(max_body=64))
     with pytest.raises(FrameTooLarge):
         peer.send(m.JoinHello(host="x" * 100, devices=(), pid=1))
 
 
-def test_version_mismatch_names_both_versions(keys: SessionKeys) -> None:
+def test_version_mismatch_names_both_versions(keys: LinkPair) -> None:
     _, controller = codec_pair(keys)
     controller.receive_data(HEADER.pack(PROTOCOL_VERSION + 1, 0, 1, 0, 0, 0))
     with pytest.raises(VersionMismatch, match=f"v{PROTOCOL_VERSION + 1}.*v{PROTOCOL_VERSION}"):
         controller.next_frame()
 
 
-def test_unknown_kind_after_authentication(keys: SessionKeys) -> None:
+def test_unknown_kind_after_authentication(keys: LinkPair) -> None:
     _, controller = codec_pair(keys)
     controller.receive_data(sealed(keys, 0xFFFE, b"\x80"))
     with pytest.raises(UnknownKind, match="0xfffe"):
@@ -202,15 +212,15 @@ def test_unknown_kind_after_authentication(keys: SessionKeys) -> None:
         (b"\x90", "schema version"),
     ],
 )
-def test_malformed_bodies_are_named(keys: SessionKeys, body: bytes, match: str) -> None:
+def test_malformed_bodies_are_named(keys: LinkPair, body: bytes, match: str) -> None:
     peer, _ = codec_pair(keys, channel=Channel.JOIN)
-    peer.receive_data(sealed(keys, m.Abort.KIND, body, channel=Channel.JOIN, direction=DOWN))
+    peer.receive_data(sealed(keys, m.Abort.KIND, body, direction=DOWN))
     with pytest.raises(MalformedBody, match=match):
         peer.next_frame()
 
 
 @WHOLE_AND_BYTEWISE
-def test_reserved_flags_have_their_own_error(keys: SessionKeys, chunk: int | None) -> None:
+def test_reserved_flags_have_their_own_error(keys: LinkPair, chunk: int | None) -> None:
     peer, controller = codec_pair(keys)
     data = bytearray(peer.send(m.Heartbeat(sent_at=1.0)))
     data[1] = 0x80
@@ -220,7 +230,7 @@ def test_reserved_flags_have_their_own_error(keys: SessionKeys, chunk: int | Non
 
 
 @pytest.mark.parametrize("cut", [1, HEADER_LEN, HEADER_LEN + 3, -TAG_LEN, -1])
-def test_eof_mid_frame_is_truncated(keys: SessionKeys, cut: int) -> None:
+def test_eof_mid_frame_is_truncated(keys: LinkPair, cut: int) -> None:
     peer, controller = codec_pair(keys, channel=Channel.JOIN)
     data = peer.send(m.RankExited(round=0, rank=1, local_rank=1, host="node-a"))  # a body longer than 3 bytes
     controller.receive_data(data[:cut])
@@ -230,22 +240,22 @@ def test_eof_mid_frame_is_truncated(keys: SessionKeys, cut: int) -> None:
         controller.next_frame()
 
 
-def test_newer_peer_extra_fields_are_ignored(keys: SessionKeys) -> None:
+def test_newer_peer_extra_fields_are_ignored(keys: LinkPair) -> None:
     import msgpack
 
     body = msgpack.packb([2, "x", 3.5, 2, [1, 2]])
     peer, _ = codec_pair(keys, channel=Channel.JOIN)
-    peer.receive_data(sealed(keys, m.Abort.KIND, body, channel=Channel.JOIN, direction=DOWN))
+    peer.receive_data(sealed(keys, m.Abort.KIND, body, direction=DOWN))
     frame = peer.next_frame()
     assert isinstance(frame, Frame)
     assert frame.message == m.Abort(reason="x", grace_s=3.5, first_signal=2)
 
 
-def test_older_peer_missing_trailing_fields_take_defaults(keys: SessionKeys) -> None:
+def test_older_peer_missing_trailing_fields_take_defaults(keys: LinkPair) -> None:
     import msgpack
 
     peer, _ = codec_pair(keys, channel=Channel.JOIN)
-    peer.receive_data(sealed(keys, m.Abort.KIND, msgpack.packb([1, "x"]), channel=Channel.JOIN, direction=DOWN))
+    peer.receive_data(sealed(keys, m.Abort.KIND, msgpack.packb([1, "x"]), direction=DOWN))
     frame = peer.next_frame()
     assert isinstance(frame, Frame)
     assert frame.message == m.Abort(reason="x", grace_s=10.0)
@@ -266,7 +276,7 @@ def _good_then_tampered(peer: FrameConnection) -> tuple[list[m.RankExited], byte
     return good, stream + bytes(bad)
 
 
-def test_frames_delivers_the_good_prefix_then_stays_failed(keys: SessionKeys) -> None:
+def test_frames_delivers_the_good_prefix_then_stays_failed(keys: LinkPair) -> None:
     # Whole payload-less frames in one read: the fast _whole_frames path.
     peer, controller = codec_pair(keys, channel=Channel.JOIN)
     good, stream = _good_then_tampered(peer)
@@ -280,7 +290,7 @@ def test_frames_delivers_the_good_prefix_then_stays_failed(keys: SessionKeys) ->
         controller.next_frame()
 
 
-def test_state_machine_path_delivers_the_good_prefix_too(keys: SessionKeys) -> None:
+def test_state_machine_path_delivers_the_good_prefix_too(keys: LinkPair) -> None:
     # Half a frame first: the rest of the read starts mid-frame, so the state machine decodes it.
     peer, controller = codec_pair(keys, channel=Channel.JOIN)
     good, stream = _good_then_tampered(peer)
@@ -292,7 +302,7 @@ def test_state_machine_path_delivers_the_good_prefix_too(keys: SessionKeys) -> N
         controller.frames()
 
 
-def test_next_frame_delivers_the_good_prefix_one_at_a_time(keys: SessionKeys) -> None:
+def test_next_frame_delivers_the_good_prefix_one_at_a_time(keys: LinkPair) -> None:
     peer, controller = codec_pair(keys, channel=Channel.JOIN)
     good, stream = _good_then_tampered(peer)
     controller.receive_data(stream)
@@ -304,42 +314,42 @@ def test_next_frame_delivers_the_good_prefix_one_at_a_time(keys: SessionKeys) ->
         controller.next_frame()
 
 
-def test_a_tensor_bundle_does_not_decode_on_the_join_channel(keys: SessionKeys) -> None:
+def test_a_tensor_bundle_does_not_decode_on_the_join_channel(keys: LinkPair) -> None:
     bundle = m.TensorBundle(round=0, weight=1.0, tensors=())
     _, controller = codec_pair(keys, channel=Channel.JOIN)
-    controller.receive_data(sealed(keys, bundle.KIND, pack_message(bundle), channel=Channel.JOIN))
+    controller.receive_data(sealed(keys, bundle.KIND, pack_message(bundle)))
     with pytest.raises(IllegalKind, match=r"join channel: the peer sent TensorBundle \(0x0302\), which is not legal"):
         controller.frames()
     assert issubclass(IllegalKind, WireError)
 
 
 @WHOLE_AND_BYTEWISE
-def test_a_kind_legal_only_the_other_way_is_refused(keys: SessionKeys, chunk: int | None) -> None:
+def test_a_kind_legal_only_the_other_way_is_refused(keys: LinkPair, chunk: int | None) -> None:
     # Abort is legal on the join channel, but only from the controller.
     _, controller = codec_pair(keys, channel=Channel.JOIN)
-    forged = sealed(keys, m.Abort.KIND, pack_message(m.Abort(reason="x")), channel=Channel.JOIN, direction=UP)
+    forged = sealed(keys, m.Abort.KIND, pack_message(m.Abort(reason="x")), direction=UP)
     with pytest.raises(IllegalKind, match="the peer sent Abort"):
         feed(controller, forged, chunk=chunk)
 
 
-def test_the_tag_is_checked_before_the_kind(keys: SessionKeys) -> None:
+def test_the_tag_is_checked_before_the_kind(keys: LinkPair) -> None:
     # An illegal kind under a bad tag is an authentication failure: unkeyed bytes learn nothing from the table.
     _, controller = codec_pair(keys, channel=Channel.JOIN)
-    forged = bytearray(sealed(keys, m.TensorBundle.KIND, b"\x90", channel=Channel.JOIN))
+    forged = bytearray(sealed(keys, m.TensorBundle.KIND, b"\x90"))
     forged[-1] ^= 1
     controller.receive_data(bytes(forged))
     with pytest.raises(AuthenticationFailed):
         controller.frames()
 
 
-def test_the_kind_is_checked_before_the_body(keys: SessionKeys) -> None:
+def test_the_kind_is_checked_before_the_body(keys: LinkPair) -> None:
     _, controller = codec_pair(keys, channel=Channel.CONTROL)
     controller.receive_data(sealed(keys, m.Abort.KIND, b"\xc1"))  # not msgpack: the kind is refused first
     with pytest.raises(IllegalKind):
         controller.next_frame()
 
 
-def test_sending_an_illegal_kind_is_a_type_error_and_takes_no_sequence_number(keys: SessionKeys) -> None:
+def test_sending_an_illegal_kind_is_a_type_error_and_takes_no_sequence_number(keys: LinkPair) -> None:
     peer, controller = codec_pair(keys, channel=Channel.JOIN)
     with pytest.raises(TypeError, match="Abort may not be sent by the peer on the join channel"):
         peer.send(m.Abort(reason="x"))

@@ -10,14 +10,18 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from flodl_async.errors import FrameTooLarge, IllegalKind, WireError
-from flodl_async.wire import Channel, Direction, FrameConnection, SessionKeys, Side, new_session_secret, registered_kinds
-from flodl_async.wire.frame import HEADER, PROTOCOL_VERSION, FrameLimits
+from flodl_async.wire import Channel, Direction, FrameConnection, Side, new_session_secret, registered_kinds
+from flodl_async.wire import frame as frame_module
+from flodl_async.wire import messages as m
+from flodl_async.wire.frame import HEADER, FrameLimits
+from flodl_async.wire.handshake import PROTOCOL_VERSION
 from flodl_async.wire.legality import LEGAL_KINDS
 from flodl_async.wire.schema import Message, pack_message
 
-from .wirekit import codec_pair, drain, feed, feed_cut, sealed, sender_and_receiver
+from .wirekit import codec_pair, drain, feed, feed_cut, handshake_keys, sealed, sender_and_receiver
 
-KEYS = SessionKeys.derive(new_session_secret(), "prop-run")
+SECRET = new_session_secret()
+KEYS = handshake_keys(SECRET)
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 _text = st.text(max_size=20)
@@ -101,7 +105,7 @@ def test_the_kind_table_is_enforced_on_every_channel_and_side(route: Route, cls:
         return
     with pytest.raises(TypeError, match="may not be sent"):
         sender.send(msg)
-    forged = sealed(KEYS, msg.KIND, pack_message(msg), channel=route[0], direction=route[1])
+    forged = sealed(KEYS, msg.KIND, pack_message(msg), direction=route[1])
     with pytest.raises(IllegalKind, match=f"{type(msg).__name__} .* not legal"):
         feed(receiver, forged)
 
@@ -170,11 +174,13 @@ def test_replayed_or_reordered_frames_are_rejected(routed: tuple[Route, list[Mes
 @given(channels=st.permutations(list(Channel)[:4]), data=st.data())
 def test_cross_channel_and_reflected_frames_are_rejected(channels: list[Channel], data: st.DataObject) -> None:
     msg = data.draw(_legal_message((channels[0], Direction.TO_CONTROLLER)))
-    sender = FrameConnection(channel=channels[0], side=Side.PEER, keys=KEYS, limits=FrameLimits(max_body=1 << 20, max_payload=0))
+    # One secret: the keys of each channel's connection come from that connection's own handshake.
+    here, there = handshake_keys(SECRET, channels[0]), handshake_keys(SECRET, channels[1])
+    sender = FrameConnection(channel=channels[0], side=Side.PEER, keys=here.peer, limits=FrameLimits(max_body=1 << 20, max_payload=0))
     wire = sender.send(msg)
     for receiver in (
-        FrameConnection(channel=channels[1], side=Side.CONTROLLER, keys=KEYS),
-        FrameConnection(channel=channels[0], side=Side.PEER, keys=KEYS),  # reflected back at a peer
+        FrameConnection(channel=channels[1], side=Side.CONTROLLER, keys=there.controller),
+        FrameConnection(channel=channels[0], side=Side.PEER, keys=here.peer),  # reflected back at a peer
     ):
         receiver.receive_data(wire)
         try:
@@ -187,10 +193,70 @@ def test_cross_channel_and_reflected_frames_are_rejected(channels: list[Channel]
 @SETTINGS
 @given(body_len=st.integers(min_value=1025, max_value=2**32 - 1), payload_len=st.integers(min_value=0, max_value=2**64 - 1))
 def test_oversized_length_rejected_before_the_body(body_len: int, payload_len: int) -> None:
-    controller = FrameConnection(channel=Channel.DATA, side=Side.CONTROLLER, keys=KEYS, limits=FrameLimits(max_body=1024, max_payload=4096))
+    controller = FrameConnection(channel=Channel.DATA, side=Side.CONTROLLER, keys=KEYS.controller, limits=FrameLimits(max_body=1024, max_payload=4096))
     controller.receive_data(HEADER.pack(PROTOCOL_VERSION, 0, 0x0401, 0, body_len, payload_len))
     try:
         controller.next_frame()
     except FrameTooLarge:
         return
     raise AssertionError("oversized frame header accepted")
+
+
+def _recording_nonces() -> tuple[list[bytes], typing.Callable[[int, int], bytes]]:
+    made: list[bytes] = []
+    real = frame_module.seal_nonce
+
+    def recording(seq: int, index: int) -> bytes:
+        nonce = real(seq, index)
+        made.append(nonce)
+        return nonce
+
+    return made, recording
+
+
+@SETTINGS
+@given(
+    frames=st.lists(st.lists(st.binary(max_size=300), max_size=4), min_size=1, max_size=8),  # each frame's payload parts (tensors)
+    chunk=st.integers(min_value=1, max_value=200),
+)
+def test_a_gcm_nonce_never_repeats_under_one_key(frames: list[list[bytes]], chunk: int) -> None:
+    """Every nonce one sender makes (payload chunks, across part boundaries) is new, and all of it decrypts."""
+    made, recording = _recording_nonces()
+    keys = handshake_keys(SECRET, Channel.DATA)
+    limits = FrameLimits(max_payload=1 << 16)
+    sender = FrameConnection(channel=Channel.DATA, side=Side.PEER, keys=keys.peer, limits=limits, seal_chunk=chunk)
+    receiver = FrameConnection(channel=Channel.DATA, side=Side.CONTROLLER, keys=keys.controller, limits=limits, seal_chunk=chunk)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(frame_module, "seal_nonce", recording)
+        stream = b"".join(bytes(piece) for parts in frames for piece in sender.send_parts(m.TensorBundle(round=0, weight=1.0, tensors=()), parts))
+        sent = list(made)
+        received = feed(receiver, stream)
+    assert [bytes(f.payload or b"") for f in received] == [b"".join(parts) for parts in frames]
+    assert len(sent) == len(set(sent)), "a nonce was used twice under one key"
+    assert made[len(sent) :] == sent  # the receiver rebuilt exactly the sender's nonces
+
+
+@SETTINGS
+@given(msgs=st.lists(_legal_message((Channel.JOIN, Direction.FROM_CONTROLLER)), min_size=1, max_size=8))
+def test_sealed_body_nonces_never_repeat_either(msgs: list[Message]) -> None:
+    made, recording = _recording_nonces()
+    sender, receiver = sender_and_receiver(KEYS, Channel.JOIN, Direction.FROM_CONTROLLER)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(frame_module, "seal_nonce", recording)
+        stream = b"".join(sender.send(msg) for msg in msgs)
+        sent = list(made)
+        assert [f.message for f in feed(receiver, stream)] == msgs
+    assert len(sent) == sum(msg.SEALED for msg in msgs) == len(set(sent))
+
+
+@SETTINGS
+@given(routed=_routed(), chunk=st.integers(min_value=1, max_value=64))
+def test_sealed_bodies_round_trip_and_hide_their_contents(routed: tuple[Route, list[Message]], chunk: int) -> None:
+    route, msgs = routed
+    sender, receiver = sender_and_receiver(KEYS, *route)
+    for msg in msgs:
+        wire = sender.send(msg)
+        if msg.SEALED:
+            assert pack_message(msg) not in wire  # the msgpack body never travels in clear
+        [frame] = feed(receiver, wire)
+        assert frame.message == msg

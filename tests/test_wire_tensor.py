@@ -6,16 +6,16 @@ import pytest
 import torch
 
 from flodl_async.errors import AuthenticationFailed, FrameTooLarge, MalformedBody
-from flodl_async.wire import Channel, SessionKeys
+from flodl_async.wire import Channel
 from flodl_async.wire import messages as m
 from flodl_async.wire.frame import FrameLimits
 from flodl_async.wire.tensor import pack_tensors, tensor_bytes, unpack_tensors, validate_bundle
 
-from .wirekit import WHOLE_AND_BYTEWISE, codec_pair, feed, feed_buffered
+from .wirekit import WHOLE_AND_BYTEWISE, LinkPair, codec_pair, feed, feed_buffered
 
 
 @WHOLE_AND_BYTEWISE
-def test_tensor_bundle_round_trip(keys: SessionKeys, chunk: int | None) -> None:
+def test_tensor_bundle_round_trip(keys: LinkPair, chunk: int | None) -> None:
     tensors = {
         "w": torch.arange(12, dtype=torch.float32).reshape(3, 4),
         "b": torch.tensor([1.5, -2.0], dtype=torch.bfloat16),
@@ -48,7 +48,7 @@ def test_non_contiguous_tensor_refused() -> None:
         tensor_bytes(torch.ones(4, 4).t())
 
 
-def test_tensor_bundles_travel_both_ways_on_the_data_channel_only(keys: SessionKeys) -> None:
+def test_tensor_bundles_travel_both_ways_on_the_data_channel_only(keys: LinkPair) -> None:
     peer, controller = codec_pair(keys, channel=Channel.DATA)
     average = torch.ones(4)  # held until its bytes are written: payload views do not keep it alive
     bundle, parts = pack_tensors({"avg": average}, round=1)
@@ -59,7 +59,7 @@ def test_tensor_bundles_travel_both_ways_on_the_data_channel_only(keys: SessionK
         peer.send(m.Heartbeat(sent_at=1.0))
 
 
-def test_tensor_over_the_ceiling_refused(keys: SessionKeys) -> None:
+def test_tensor_over_the_ceiling_refused(keys: LinkPair) -> None:
     peer, _ = codec_pair(keys, channel=Channel.DATA, limits=FrameLimits(max_payload=1024))
     bundle, parts = pack_tensors({"big": torch.ones(1024)})
     with pytest.raises(FrameTooLarge, match="4096 bytes"):
@@ -86,7 +86,7 @@ def test_model_derived_ceiling() -> None:
 
 
 @pytest.mark.parametrize("chunk", [1, 7, 4096, 1 << 20])
-def test_buffered_receive_path_writes_payloads_in_place(keys: SessionKeys, chunk: int) -> None:
+def test_buffered_receive_path_writes_payloads_in_place(keys: LinkPair, chunk: int) -> None:
     """The BufferedProtocol shape: get_buffer/buffer_updated, including straight-into-payload writes."""
     peer, controller = codec_pair(keys, channel=Channel.DATA)
     tensors = {"a": torch.arange(50_000, dtype=torch.float32), "b": torch.ones(3, dtype=torch.int64)}
@@ -104,7 +104,7 @@ def test_buffered_receive_path_writes_payloads_in_place(keys: SessionKeys, chunk
         assert torch.equal(out["b"], tensors["b"])
 
 
-def test_buffered_path_still_rejects_a_tampered_payload(keys: SessionKeys) -> None:
+def test_buffered_path_still_rejects_a_tampered_payload(keys: LinkPair) -> None:
     peer, controller = codec_pair(keys, channel=Channel.DATA)
     bundle, parts = pack_tensors({"a": torch.ones(100_000)})
     wire = bytearray(b"".join(bytes(p) for p in peer.send_parts(bundle, parts)))

@@ -7,30 +7,55 @@ new way of slicing input is added here once and every test gets it.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
 import itertools
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import pytest
 
-from flodl_async.wire import Channel, Direction, FrameConnection, SessionKeys, Side
-from flodl_async.wire.frame import HEADER, PROTOCOL_VERSION, Frame, FrameLimits, Pending
+from flodl_async.wire import CHANNEL_MAGIC, Channel, ClientHandshake, Credential, Direction, FrameConnection, LinkKeys, ServerHandshake, Side
+from flodl_async.wire.frame import HEADER, Frame, FrameLimits, Pending
+from flodl_async.wire.handshake import PROTOCOL_VERSION, session_resolver
 
 #: Parametrise a test over feeding its bytes whole and one byte at a time.
 WHOLE_AND_BYTEWISE = pytest.mark.parametrize("chunk", [None, 1], ids=["whole", "bytewise"])
 
 
-def codec_pair(keys: SessionKeys, channel: Channel = Channel.CONTROL, limits: FrameLimits | None = None) -> tuple[FrameConnection, FrameConnection]:
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LinkPair:
+    """Both ends' keys of one connection, as its handshake gave them."""
+
+    peer: LinkKeys
+    controller: LinkKeys
+
+    def mac_key(self, direction: Direction) -> bytes:
+        """The HMAC key of frames travelling ``direction``."""
+        return self.peer.send_mac if direction is Direction.TO_CONTROLLER else self.controller.send_mac
+
+
+def handshake_keys(secret: bytes, channel: Channel = Channel.CONTROL, *, run_id: str = "test-run") -> LinkPair:
+    """Run a real handshake in memory (client and server, session secret) and return both key sets."""
+    client = ClientHandshake(channel=channel, credential=Credential.session(secret), version="test")
+    server = ServerHandshake(channel=channel, resolve=session_resolver(secret), run_id=run_id, version="test")
+    server_hello = server.receive_data(client.hello())
+    proof = client.receive_data(server_hello.send)
+    done = server.receive_data(proof.send)
+    assert proof.established is not None
+    assert done.established is not None
+    return LinkPair(peer=proof.established.keys, controller=done.established.keys)
+
+
+def codec_pair(keys: LinkPair, channel: Channel = Channel.CONTROL, limits: FrameLimits | None = None) -> tuple[FrameConnection, FrameConnection]:
     """(peer side, controller side) codecs of one connection."""
-    peer = FrameConnection(channel=channel, side=Side.PEER, keys=keys, limits=limits)
-    controller = FrameConnection(channel=channel, side=Side.CONTROLLER, keys=keys, limits=limits)
+    peer = FrameConnection(channel=channel, side=Side.PEER, keys=keys.peer, limits=limits)
+    controller = FrameConnection(channel=channel, side=Side.CONTROLLER, keys=keys.controller, limits=limits)
     return peer, controller
 
 
-def sender_and_receiver(
-    keys: SessionKeys, channel: Channel, direction: Direction, limits: FrameLimits | None = None
-) -> tuple[FrameConnection, FrameConnection]:
+def sender_and_receiver(keys: LinkPair, channel: Channel, direction: Direction, limits: FrameLimits | None = None) -> tuple[FrameConnection, FrameConnection]:
     """(sending, receiving) codecs of one connection for frames travelling ``direction``."""
     peer, controller = codec_pair(keys, channel, limits)
     return (peer, controller) if direction is Direction.TO_CONTROLLER else (controller, peer)
@@ -93,16 +118,35 @@ def drain(conn: FrameConnection) -> list[Frame]:
 
 
 def sealed(
-    keys: SessionKeys,
+    keys: LinkPair,
     kind: int,
     body: bytes,
     *,
-    channel: Channel = Channel.CONTROL,
     direction: Direction = Direction.TO_CONTROLLER,
     seq: int = 0,
     flags: int = 0,
 ) -> bytes:
-    """A frame with a valid tag around an arbitrary kind and body (what a buggy but keyed peer could send)."""
+    """A frame with a valid tag around an arbitrary kind and body (what a buggy but keyed peer could send).
+
+    Keys belong to one connection of one channel, so the frame is valid on whichever channel
+    that connection's codecs are built for.
+    """
     header = HEADER.pack(PROTOCOL_VERSION, flags, kind, seq, len(body), 0)
-    tag = hmac.new(keys.key(channel, direction), header + body, hashlib.sha256).digest()
+    tag = hmac.new(keys.mac_key(direction), header + body, hashlib.sha256).digest()
     return header + body + tag
+
+
+async def raw_handshake(
+    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, secret: bytes, channel: Channel, *, limits: FrameLimits | None = None
+) -> FrameConnection:
+    """Do a client's handshake by hand on a raw stream (magic first), and return the codec it keys.
+
+    For tests that write frames byte by byte: forged, cut or tampered after a real handshake.
+    """
+    client = ClientHandshake(channel=channel, credential=Credential.session(secret), version="test")
+    writer.write(CHANNEL_MAGIC[channel] + client.hello())
+    while True:
+        step = client.receive_data(await reader.read(4096))
+        if step.established is not None:
+            writer.write(step.send)
+            return FrameConnection(channel=channel, side=Side.PEER, keys=step.established.keys, limits=limits)

@@ -32,6 +32,7 @@ from ..procs import signal_group, spawn, stop_processes
 from ..rankenv import RankPlacement, RankSpec, rank_environment
 from ..verdict import StopStep
 from ..wire import messages as m
+from ..wire.keys import Credential
 from .output import LINE_LIMIT, RankOutput, forward_lines
 
 log = logging.getLogger("flodl_async.agent")
@@ -57,7 +58,11 @@ class RankWorld:
     """What every round of this host's ranks shares: the formed world, as this host sees it."""
 
     formed: m.WorldFormed
-    spec: RankSpec
+    run_id: str
+    host: str
+    relay_socket: str
+    #: (round, rank) → that rank's credential for that round (derived by the session; never the secret).
+    credential: Callable[[int, int], Credential]
     devices: DeviceSpec
     host_env: Mapping[str, str]
     workdir: str | None
@@ -112,7 +117,7 @@ class RankProcesses:
                 group_world_size=formed.group_world_size,
                 master_addr=start.master_addr,
                 master_port=start.master_port,
-                run_id=self._world.spec.run_id,
+                run_id=self._world.run_id,
                 restart_count=start.restart_count,
                 max_restarts=formed.max_restarts,
             )
@@ -121,7 +126,13 @@ class RankProcesses:
                 os.environ,
                 placement,
                 error_file=str(error_file),
-                rank_spec=self._world.spec,
+                rank_spec=RankSpec(
+                    run_id=self._world.run_id,
+                    host=self._world.host,
+                    relay_socket=self._world.relay_socket,
+                    round=start.round,
+                    credential_hex=self._world.credential(start.round, rank).key.hex(),
+                ),
                 cluster_env=formed.env,
                 host_env=self._world.host_env,
                 cuda_visible_devices=self._gpu_ids(),

@@ -55,13 +55,12 @@ from ..errors import (
     WireError,
 )
 from ..net.framed import FramedProtocol, open_framed
-from ..rankenv import RankSpec
 from ..relay import Relay
 from ..runtime import RuntimeEntry, create_entry, sweep_stale
 from ..verdict import StopStep, rank_signal_for, stop_schedule
 from ..wire import messages as m
 from ..wire.channels import Channel
-from ..wire.keys import SessionKeys
+from ..wire.keys import Credential
 from ..wire.schema import Message
 from .output import RankOutput
 from .ranks import RankProcesses, RankWorld
@@ -168,9 +167,17 @@ class HostSession:
             raise ConfigError(f"host {cfg.host!r} has no devices to offer (devices: {cfg.devices.kind.value}, 0 GPUs found)")
         sweep_stale(cfg.runtime_root)  # leftovers of sessions that were SIGKILLed
         try:
-            link = await open_framed(cfg.controller_host, cfg.controller_port, channel=Channel.JOIN, keys=SessionKeys.derive(cfg.secret, ""))
+            async with asyncio.timeout(cfg.deadlines.handshake):
+                link = await open_framed(cfg.controller_host, cfg.controller_port, channel=Channel.JOIN, credential=Credential.session(cfg.secret))
+        except TimeoutError as exc:
+            raise ControllerUnreachable(
+                cfg.host,
+                f"the controller at {cfg.controller_addr} accepted the connection but did not finish the handshake within {cfg.deadlines.handshake:g}s",
+            ) from exc
         except OSError as exc:
             raise ControllerUnreachable(cfg.host, f"cannot reach the controller at {cfg.controller_addr}: {exc.strerror or exc}") from exc
+        except WireError as exc:
+            raise JoinFailed(cfg.host, f"cannot join the controller at {cfg.controller_addr}: {exc}") from exc
         self._link = link
         entry: RuntimeEntry | None = None
         try:
@@ -179,8 +186,7 @@ class HostSession:
             accept = await self._join(link, devices)
             entry = create_entry(run_id=accept.run_id, host=cfg.host, controller=cfg.controller_addr, root=cfg.runtime_root)
             formed = await self._await_formation(link, accept)
-            keys = SessionKeys.derive(cfg.secret, accept.run_id)
-            serving = _Serving(self, link=link, keys=keys, formed=formed, entry=entry)
+            serving = _Serving(self, link=link, run_id=accept.run_id, formed=formed, entry=entry)
             self._serving = serving
             return await serving.run()
         except _StopRequested:
@@ -206,7 +212,7 @@ class HostSession:
         link.send(m.JoinHello(host=cfg.host, devices=devices, pid=os.getpid(), agent_version=__version__))
         try:
             async with asyncio.timeout(cfg.deadlines.join_reply):
-                reply = await self._recv(link, "waiting for the join reply (a session-secret mismatch, or the controller stopped)", JoinFailed)
+                reply = await self._recv(link, "waiting for the join reply", JoinFailed)
         except TimeoutError:
             raise JoinFailed(cfg.host, f"no answer to the join request within {cfg.deadlines.join_reply:g}s") from None
         if isinstance(reply, m.JoinReject):
@@ -240,24 +246,34 @@ class _Serving:
     #: Message class → handler; filled in below the class. Commands not in it are logged and ignored.
     commands: ClassVar[Mapping[type[Message], _Handler]]
 
-    def __init__(self, session: HostSession, *, link: FramedProtocol, keys: SessionKeys, formed: m.WorldFormed, entry: RuntimeEntry) -> None:
+    def __init__(self, session: HostSession, *, link: FramedProtocol, run_id: str, formed: m.WorldFormed, entry: RuntimeEntry) -> None:
         cfg = session.config
         self._session = session
         self._cfg = cfg
         self._link = link
-        self._keys = keys
+        self._run_id = run_id
         self._formed = formed
         self._entry = entry
         self._world = RankWorld(
             formed=formed,
-            spec=RankSpec(run_id=keys.run_id, host=cfg.host, relay_socket=entry.socket_path, secret_hex=cfg.secret.hex()),
+            run_id=run_id,
+            host=cfg.host,
+            relay_socket=entry.socket_path,
+            # Ranks get a credential for their own rank and round, derived here: never the secret.
+            credential=lambda round_, rank: Credential.for_rank(cfg.secret, run_id=run_id, round=round_, rank=rank),
             devices=cfg.devices,
             host_env=cfg.env,
             workdir=cfg.workdir,
         )
         self._store = StoreHost(
-            controller_host=cfg.controller_host, controller_port=cfg.controller_port, keys=keys, advertise_addr=cfg.advertise_addr, deadlines=cfg.deadlines
+            controller_host=cfg.controller_host,
+            controller_port=cfg.controller_port,
+            credential=Credential.session(cfg.secret),
+            run_id=run_id,
+            advertise_addr=cfg.advertise_addr,
+            deadlines=cfg.deadlines,
         )
+        self._relay: Relay | None = None
         self._round_work = asyncio.Lock()  # FIFO: round commands run in arrival order
         self._tg: asyncio.TaskGroup | None = None
         self._ranks: RankProcesses | None = None
@@ -288,12 +304,15 @@ class _Serving:
             try:
                 relay = Relay(
                     socket_path=self._entry.socket_path,
-                    keys=self._keys,
+                    secret=cfg.secret,
+                    run_id=self._run_id,
+                    ranks=frozenset(self._formed.ranks),
                     controller_host=cfg.controller_host,
                     controller_port=cfg.controller_port,
                     task_group=tg,
-                    link_close=cfg.deadlines.link_close,
+                    deadlines=cfg.deadlines,
                 )
+                self._relay = relay
                 try:
                     await relay.start()
                 except (OSError, FlodlError) as exc:
@@ -404,8 +423,13 @@ class _Serving:
         self._round_command(self._store.open_round(msg.round), name=f"open-round-{msg.round}")
 
     def _on_start_ranks(self, msg: m.StartRanks) -> None:
+        self._round_command(self._start_round(msg), name=f"start-ranks-{msg.round}")
+
+    async def _start_round(self, msg: m.StartRanks) -> None:
         assert self._ranks is not None
-        self._round_command(self._ranks.start(msg), name=f"start-ranks-{msg.round}")
+        if self._relay is not None:
+            self._relay.open_round(msg.round)  # from now on the relay takes this round's credentials only
+        await self._ranks.start(msg)
 
     def _on_stop_ranks(self, msg: m.StopRanks) -> None:
         self._round_command(self._stop_round(msg), name=f"stop-ranks-{msg.round}")

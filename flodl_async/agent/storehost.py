@@ -5,6 +5,7 @@ Small on purpose: the store moves into the controller soon, and this module goes
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import socket
@@ -15,7 +16,7 @@ from ..net.tcpstore import StoreServer
 from ..store import BACKEND_VARIABLE, TorchStoreProcess
 from ..wire import messages as m
 from ..wire.channels import Channel
-from ..wire.keys import SessionKeys
+from ..wire.keys import Credential
 
 log = logging.getLogger("flodl_async.agent")
 
@@ -23,10 +24,13 @@ log = logging.getLogger("flodl_async.agent")
 class StoreHost:
     """Serves one round's store at a time and reports it on the rendezvous channel."""
 
-    def __init__(self, *, controller_host: str, controller_port: int, keys: SessionKeys, advertise_addr: str | None, deadlines: Deadlines) -> None:
+    def __init__(
+        self, *, controller_host: str, controller_port: int, credential: Credential, run_id: str, advertise_addr: str | None, deadlines: Deadlines
+    ) -> None:
         self._deadlines = deadlines
         self._controller = (controller_host, controller_port)
-        self._keys = keys
+        self._credential = credential
+        self._run_id = run_id
         self._advertise_addr = advertise_addr
         self._store: StoreServer | TorchStoreProcess | None = None
         self._rendezvous: FramedProtocol | None = None
@@ -47,7 +51,7 @@ class StoreHost:
             listener.listen(1024)
             port = listener.getsockname()[1]
             if os.environ.get(BACKEND_VARIABLE, "python") == "torch":
-                self._store = await TorchStoreProcess.start(listener, run_id=self._keys.run_id, stop_grace=self._deadlines.store_stop)
+                self._store = await TorchStoreProcess.start(listener, run_id=self._run_id, stop_grace=self._deadlines.store_stop)
             else:
                 self._store = StoreServer()
                 await self._store.start(listener)
@@ -55,7 +59,8 @@ class StoreHost:
             listener.close()
             raise
         if self._rendezvous is None:
-            self._rendezvous = await open_framed(*self._controller, channel=Channel.RENDEZVOUS, keys=self._keys)
+            async with asyncio.timeout(self._deadlines.handshake):
+                self._rendezvous = await open_framed(*self._controller, channel=Channel.RENDEZVOUS, credential=self._credential, expect_run_id=self._run_id)
         self._rendezvous.send(m.StoreAddress(round=round_, host=self._advertise_addr or "", port=port))
         await self._rendezvous.drain()
         log.debug("store for round %d on port %d", round_, port)

@@ -61,8 +61,7 @@ from ..supervisor import (
 from ..verdict import ExitCode, RunResult
 from ..wire import messages as m
 from ..wire.channels import Channel
-from ..wire.frame import PROTOCOL_VERSION
-from ..wire.keys import SessionKeys
+from ..wire.handshake import PROTOCOL_VERSION, session_resolver
 from ..wire.schema import Message
 from .launchers import AgentLauncher, ControllerContact, LocalLauncher
 
@@ -95,8 +94,7 @@ class Controller:
         self.plan = plan
         self._deadlines = plan.deadlines
         self._output = output
-        self._keys = SessionKeys.derive(plan.secret, plan.run_id)
-        self._join_keys = SessionKeys.derive(plan.secret, "")
+        self._resolve = session_resolver(plan.secret)
         self._links: dict[str, FramedProtocol] = {}
         self._mux = PortMux(host=plan.bind_host, port=plan.port, sniff_timeout=self._deadlines.sniff)
         self._board = StatusBoard(counters=self._connection_counters)
@@ -163,12 +161,12 @@ class Controller:
         result: RunResult | None = None
         try:
             async with asyncio.TaskGroup() as tg:
-                for channel, handler, keys in (
-                    (Channel.JOIN, self._handle_join, self._join_keys),
-                    (Channel.RENDEZVOUS, self._handle_rendezvous, self._keys),
-                    (Channel.CONTROL, self._handle_control, self._keys),
+                for channel, handler in (
+                    (Channel.JOIN, self._handle_join),
+                    (Channel.RENDEZVOUS, self._handle_rendezvous),
+                    (Channel.CONTROL, self._handle_control),
                 ):
-                    service = FramedService(channel=channel, keys=keys, handler=handler, task_group=tg)
+                    service = FramedService(channel=channel, resolve=self._resolve, run_id=plan.run_id, handler=handler, task_group=tg)
                     self._mux.register(channel, service.protocol_factory)
                 self._announce_window()
                 agent_tasks = [tg.create_task(self._run_agent(worker), name=f"agent-{worker.host}") for worker in plan.workers]

@@ -1,7 +1,14 @@
-"""An asyncio Protocol around the sans-IO frame codec, with awaitable receive and flow control.
+"""An asyncio Protocol around the sans-IO handshake and frame codec, with awaitable receive and flow control.
 
-Used on both ends: the controller's channel services get one from the mux
-after routing; agents, relays and ranks get one from :func:`open_framed`.
+Used on both ends: the controller's channel services and a relay's rank socket
+get one per accepted connection (server side); agents, relays and ranks dial
+with :func:`open_framed` / :func:`open_unix_framed` (client side), which return
+once the handshake (:mod:`flodl_async.wire.handshake`) has proved both sides.
+Until then no frame is decoded and nothing can be sent. On the server, the
+mux's admission ticket learns when the peer authenticated (or why it was
+refused), so unauthenticated connections are capped and timed out, and
+rejections are counted and summarised instead of logged one by one.
+
 Bad bytes close the connection at once, without a reply (design §3); frames
 that verified before them in the same read are still delivered, and the
 receiver sees the :class:`WireError` after them. A link has one receiver at a
@@ -17,20 +24,45 @@ import logging
 import typing
 from collections.abc import Callable, Sequence
 
-from ..errors import BusyError, ConnectionClosed, WireError
+from .. import __version__
+from ..errors import AuthenticationFailed, BusyError, ConnectionClosed, HandshakeFailed, HandshakeRefused, VersionMismatch, WireError
 from ..wire.channels import CHANNEL_MAGIC, Channel
-from ..wire.frame import Buffer, Frame, FrameConnection, FrameLimits, Side
-from ..wire.keys import SessionKeys
+from ..wire.frame import Buffer, Frame, FrameConnection, FrameLimits, Side, sealed_length
+from ..wire.handshake import ClientHandshake, CredentialResolver, Established, PeerHello, ServerHandshake
+from ..wire.keys import Credential
 from ..wire.schema import Message
 
 log = logging.getLogger("flodl_async.net")
 
 #: Write-buffer high-water mark on the data channel.
 DATA_WRITE_HIGH_WATER = 32 * 1024 * 1024
-#: Payloads at least this large are MAC'd in a worker thread by send_tensors.
-_THREAD_MAC_BYTES = 1024 * 1024
+#: Payloads at least this large are sealed in a worker thread by send_tensors.
+_THREAD_SEAL_BYTES = 1024 * 1024
 #: Frames queued for the receiver before we stop reading from the socket.
 _RECV_HIGH_WATER = 64
+#: Sealing buffers kept for reuse per link once written (a fresh 16 MiB buffer costs ~20 ms of page faults).
+_SPARE_SEALING_BUFFERS = 4
+
+
+class AdmissionTicket(typing.Protocol):
+    """What the mux hands a server-side link: told when the peer authenticated, or why it was refused."""
+
+    def authenticated(self) -> None: ...
+
+    def rejected(self, reason: str, detail: str) -> None: ...
+
+
+def rejection_reason(exc: WireError) -> str:
+    """The admission counter a failed connection is counted under."""
+    if isinstance(exc, VersionMismatch):
+        return "version_mismatch"
+    if isinstance(exc, AuthenticationFailed):
+        return "auth_failed"
+    if isinstance(exc, HandshakeRefused):
+        return "refused_credential"
+    if isinstance(exc, HandshakeFailed):
+        return "bad_handshake"
+    return "bad_frame"
 
 
 class FramedProtocol(asyncio.BaseProtocol):
@@ -45,15 +77,27 @@ class FramedProtocol(asyncio.BaseProtocol):
         self,
         *,
         channel: Channel,
-        side: Side,
-        keys: SessionKeys,
+        handshake: ClientHandshake | ServerHandshake,
         limits: FrameLimits | None = None,
         peer_label: str = "",
         allocate: Callable[[int], bytearray] = bytearray,
+        magic: bytes = b"",
     ) -> None:
-        self.codec = FrameConnection(channel=channel, side=side, keys=keys, limits=limits, allocate=allocate)
+        """``handshake`` decides the side: a client handshake dials, a server one accepts.
+        ``magic`` (client side, on the controller port) is written before the hello."""
+        self._handshake: ClientHandshake | ServerHandshake | None = handshake
+        self.side = Side.PEER if isinstance(handshake, ClientHandshake) else Side.CONTROLLER
+        self.codec: FrameConnection | None = None
         self.channel = channel
         self.peer_label = peer_label
+        #: Who the peer proved to be (its credential's kind and scope) and the run, once established.
+        self.peer: PeerHello | None = None
+        self.run_id = ""
+        self._limits = limits
+        self._allocate = allocate
+        self._magic = magic
+        self._ticket: AdmissionTicket | None = None
+        self._established: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._transport: asyncio.Transport | None = None
         self._frames: collections.deque[Frame] = collections.deque()
         self._failure: BaseException | None = None
@@ -64,6 +108,15 @@ class FramedProtocol(asyncio.BaseProtocol):
         self._lost = asyncio.get_running_loop().create_future()
         self._reading_paused = False
         self._sealing = asyncio.Lock()
+        # Bytes ever handed to the transport; minus its buffered bytes, what reached the kernel.
+        # uvloop writes from our buffers without copying, so a sealing buffer is reused only then.
+        self._bytes_written = 0
+        self._in_flight: collections.deque[tuple[int, bytearray]] = collections.deque()
+        self._spare: list[bytearray] = []
+
+    def bind_admission(self, ticket: AdmissionTicket) -> None:
+        """Called by the mux before ``connection_made``: report the handshake's outcome to ``ticket``."""
+        self._ticket = ticket
 
     # ----- asyncio.Protocol ----------------------------------------------------------------
 
@@ -77,8 +130,54 @@ class FramedProtocol(asyncio.BaseProtocol):
         if not self.peer_label:
             peer = transport.get_extra_info("peername")
             self.peer_label = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer or "?")
+        if isinstance(self._handshake, ClientHandshake):
+            self._write(self._magic + self._handshake.hello())
+
+    def on_established(self, callback: Callable[[FramedProtocol], None]) -> None:
+        """Call ``callback(self)`` once the handshake succeeds (never, when it fails)."""
+
+        def done(future: asyncio.Future[None]) -> None:
+            if not future.cancelled() and future.exception() is None:
+                callback(self)
+
+        self._established.add_done_callback(done)
+
+    async def established(self) -> None:
+        """Wait until the handshake proved both sides; raises what failed it (wrap in ``asyncio.timeout``)."""
+        await asyncio.shield(self._established)
+
+    def _handshake_data(self, data: bytes) -> None:
+        assert self._handshake is not None
+        try:
+            step = self._handshake.receive_data(data)
+        except WireError as exc:
+            self._reject(exc)
+            return
+        if step.send and self._transport is not None and not self._transport.is_closing():
+            self._write(step.send)
+        if step.failure is not None:
+            self._report_rejection(step.failure)
+            self._fail(step.failure)
+            if self._transport is not None:
+                self._transport.close()  # flush the refusal (it names the reason), then close
+            return
+        if step.established is not None:
+            self._establish(step.established)
+
+    def _establish(self, done: Established) -> None:
+        self._handshake = None
+        self.peer, self.run_id = done.peer, done.run_id
+        self.codec = FrameConnection(channel=self.channel, side=self.side, keys=done.keys, limits=self._limits, allocate=self._allocate)
+        if self._ticket is not None:
+            self._ticket.authenticated()
+        if not self._established.done():
+            self._established.set_result(None)
+        if done.leftover:
+            self.codec.receive_data(done.leftover)
+            self._collect()
 
     def _collect(self) -> None:
+        assert self.codec is not None
         try:
             self._frames.extend(self.codec.frames())
         except WireError as exc:
@@ -94,13 +193,27 @@ class FramedProtocol(asyncio.BaseProtocol):
             self._reading_paused = True
         self._wake()
 
+    def _report_rejection(self, exc: WireError) -> None:
+        if self._ticket is not None:
+            # The mux counts it and summarises rejections per interval: a flood cannot flood the log.
+            self._ticket.rejected(rejection_reason(exc), str(exc))
+            self._ticket = None
+        elif self.side is Side.CONTROLLER:
+            log.warning("%s channel: dropping connection from %s: %s", self.channel.value, self.peer_label, exc)
+        else:
+            log.debug("%s channel: dropping connection to %s: %s", self.channel.value, self.peer_label, exc)  # the caller reports it
+
     def _reject(self, exc: WireError) -> None:
-        log.warning("%s channel: dropping connection from %s: %s", self.channel.value, self.peer_label, exc)
+        self._report_rejection(exc)
         self._fail(exc)
         if self._transport is not None:
             self._transport.abort()
 
     def eof_received(self) -> bool | None:
+        if self._handshake is not None:
+            self._handshake_data(b"")  # raises inside: the peer closed mid-handshake
+            return None
+        assert self.codec is not None
         try:
             self.codec.receive_data(b"")
             # Raises TruncatedFrame when the peer stopped mid-frame; frames before it are still delivered.
@@ -134,6 +247,9 @@ class FramedProtocol(asyncio.BaseProtocol):
     def _fail(self, exc: BaseException) -> None:
         if self._failure is None:
             self._failure = exc
+        if not self._established.done():
+            self._established.set_exception(exc)
+            self._established.exception()  # marked retrieved: a server-side link has nobody awaiting it
         self._wake()
 
     def _wake(self) -> None:
@@ -173,28 +289,70 @@ class FramedProtocol(asyncio.BaseProtocol):
     def send(self, msg: Message) -> None:
         """Queue one frame for writing (call :meth:`drain` to honour back-pressure)."""
         self._check_no_sealing()
-        self._writable().write(self.codec.send(msg))
+        self._write(self._require_codec().send(msg))
 
     def send_parts(self, msg: Message, payload: Sequence[Buffer]) -> None:
-        """Queue one frame with a raw payload, written from the given buffers without copying them."""
+        """Queue one frame with a payload, sealed here (small payloads; see :meth:`send_tensors`)."""
         self._check_no_sealing()
-        self._writable().writelines(self.codec.send_parts(msg, payload))
+        sealing = self._require_codec().start_parts(msg, payload, buffer=self._sealing_buffer(payload))
+        sealing.seal()
+        self._write_sealed(sealing.parts(), sealing.buffer)
 
     async def send_tensors(self, msg: Message, payload: Sequence[Buffer]) -> None:
-        """Send a payload frame, MAC'ing a large payload in a worker thread.
+        """Send a payload frame, encrypting a large payload in a worker thread.
 
-        While the thread hashes (GIL released), the loop keeps moving the previous frame's
-        bytes to the socket, so hashing and sending overlap instead of taking turns.
-        Waits for write back-pressure first; frames keep their sequence order.
+        While the thread seals (GIL released), the loop keeps moving earlier frames' bytes
+        to the socket, so encrypting and sending overlap instead of taking turns. Waits for
+        write back-pressure first; frames keep their sequence order. The payload buffers
+        may change again as soon as this returns (the frame holds their ciphertext).
         """
         async with self._sealing:
             await self.drain()
-            sealing = self.codec.start_parts(msg, payload)
-            if sum(memoryview(p).nbytes for p in payload) >= _THREAD_MAC_BYTES:
-                await asyncio.get_running_loop().run_in_executor(None, sealing.mac_payload)
-            else:
-                sealing.mac_payload()
-            self._writable().writelines(sealing.parts())
+            sealing = self._require_codec().start_parts(msg, payload, buffer=self._sealing_buffer(payload))
+            try:
+                if sealing.payload_len >= _THREAD_SEAL_BYTES:
+                    await asyncio.get_running_loop().run_in_executor(None, sealing.seal)
+                else:
+                    sealing.seal()
+            except BaseException:
+                # The frame took a sequence number and will never be written: the stream is broken.
+                # (A cancelled worker thread may still be writing into its buffer: it is dropped, not reused.)
+                self.abort()
+                raise
+            self._write_sealed(sealing.parts(), sealing.buffer)
+
+    def _sealing_buffer(self, payload: Sequence[Buffer]) -> bytearray:
+        need = sealed_length(sum(memoryview(p).nbytes for p in payload))
+        transport = self._transport
+        if transport is not None:
+            flushed = self._bytes_written - transport.get_write_buffer_size()
+            while self._in_flight and self._in_flight[0][0] <= flushed:
+                done = self._in_flight.popleft()[1]
+                if len(self._spare) < _SPARE_SEALING_BUFFERS:
+                    self._spare.append(done)
+        for index, spare in enumerate(self._spare):
+            if len(spare) >= need:
+                return self._spare.pop(index)
+        return bytearray(need)
+
+    def _write_sealed(self, parts: list[Buffer], buffer: bytearray) -> None:
+        self._writelines(parts)
+        self._in_flight.append((self._bytes_written, buffer))
+
+    def _write(self, data: bytes) -> None:
+        self._writable().write(data)
+        self._bytes_written += len(data)
+
+    def _writelines(self, parts: list[Buffer]) -> None:
+        self._writable().writelines(parts)
+        self._bytes_written += sum(memoryview(p).nbytes for p in parts)
+
+    def _require_codec(self) -> FrameConnection:
+        if self.codec is None:
+            if self._failure is not None:
+                raise ConnectionClosed(f"{self.channel.value} channel to {self.peer_label}", by_peer=self._closed_by_peer)
+            raise RuntimeError("the handshake has not finished: await established() (open_framed does) before sending")
+        return self.codec
 
     def _check_no_sealing(self) -> None:
         if self._sealing.locked():
@@ -255,6 +413,9 @@ class StreamFramedProtocol(FramedProtocol, asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self._failure is not None:
             return
+        if self.codec is None:
+            self._handshake_data(data)
+            return
         try:
             self.codec.receive_data(data)
         except WireError as exc:
@@ -266,11 +427,21 @@ class StreamFramedProtocol(FramedProtocol, asyncio.Protocol):
 class BulkFramedProtocol(FramedProtocol, asyncio.BufferedProtocol):
     """The data channel's link: the socket writes tensor payloads straight into their frame buffers."""
 
+    _handshake_buffer: bytearray | None = None
+
     def get_buffer(self, sizehint: int) -> memoryview:
+        if self.codec is None:
+            if self._handshake_buffer is None:
+                self._handshake_buffer = bytearray(4096)
+            return memoryview(self._handshake_buffer)
         return self.codec.get_buffer(sizehint)
 
     def buffer_updated(self, nbytes: int) -> None:
         if self._failure is not None:
+            return
+        if self.codec is None:
+            assert self._handshake_buffer is not None
+            self._handshake_data(bytes(self._handshake_buffer[:nbytes]))
             return
         try:
             self.codec.buffer_updated(nbytes)
@@ -285,21 +456,59 @@ def framed_protocol_class(channel: Channel) -> type[FramedProtocol]:
     return BulkFramedProtocol if channel is Channel.DATA else StreamFramedProtocol
 
 
+def client_protocol(
+    channel: Channel, credential: Credential, *, limits: FrameLimits | None, peer_label: str, magic: bytes, expect_run_id: str | None
+) -> FramedProtocol:
+    """A dialling link of the right read style for ``channel``."""
+    handshake = ClientHandshake(channel=channel, credential=credential, version=__version__, expect_run_id=expect_run_id)
+    return framed_protocol_class(channel)(channel=channel, handshake=handshake, limits=limits, peer_label=peer_label, magic=magic)
+
+
+def server_protocol(
+    channel: Channel, resolve: CredentialResolver, *, run_id: str, limits: FrameLimits | None = None, allocate: Callable[[int], bytearray] = bytearray
+) -> FramedProtocol:
+    """An accepting link of the right read style for ``channel``."""
+    handshake = ServerHandshake(channel=channel, resolve=resolve, run_id=run_id, version=__version__)
+    return framed_protocol_class(channel)(channel=channel, handshake=handshake, limits=limits, allocate=allocate)
+
+
+async def _handshaken(protocol: FramedProtocol) -> FramedProtocol:
+    try:
+        await protocol.established()
+    except BaseException:
+        protocol.abort()  # a failed, timed-out or cancelled dial leaves no socket behind
+        raise
+    return protocol
+
+
 async def open_framed(
     host: str,
     port: int,
     *,
     channel: Channel,
-    keys: SessionKeys,
+    credential: Credential,
     limits: FrameLimits | None = None,
+    expect_run_id: str | None = None,
 ) -> FramedProtocol:
-    """Dial the controller port, select ``channel`` with its magic, and return the framed link."""
+    """Dial the controller port, select ``channel`` with its magic, run the handshake, return the link.
+
+    One round trip more than the TCP connect. Wrap in ``asyncio.timeout``: a server that
+    accepts and never answers would otherwise be waited on forever. Raises ``OSError`` when
+    the port cannot be reached and a :class:`WireError` when the handshake fails.
+    """
     loop = asyncio.get_running_loop()
-    cls = framed_protocol_class(channel)
     _transport, protocol = await loop.create_connection(
-        lambda: cls(channel=channel, side=Side.PEER, keys=keys, limits=limits, peer_label=f"{host}:{port}"),
+        lambda: client_protocol(channel, credential, limits=limits, peer_label=f"{host}:{port}", magic=CHANNEL_MAGIC[channel], expect_run_id=expect_run_id),
         host,
         port,
     )
-    _transport.write(CHANNEL_MAGIC[channel])
-    return protocol
+    return await _handshaken(protocol)
+
+
+async def open_unix_framed(path: str, *, channel: Channel, credential: Credential, peer_label: str, limits: FrameLimits | None = None) -> FramedProtocol:
+    """Dial a relay's unix socket (no channel magic: the socket serves one channel) and run the handshake."""
+    loop = asyncio.get_running_loop()
+    _transport, protocol = await loop.create_unix_connection(
+        lambda: client_protocol(channel, credential, limits=limits, peer_label=peer_label, magic=b"", expect_run_id=None), path
+    )
+    return await _handshaken(protocol)

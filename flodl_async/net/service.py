@@ -1,4 +1,4 @@
-"""A channel service: one handler coroutine per routed connection, all owned by one TaskGroup."""
+"""A channel service: one handler coroutine per routed connection, started once its handshake proved the peer, all owned by one TaskGroup."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ from collections.abc import Awaitable, Callable
 
 from ..errors import ConnectionClosed, WireError
 from ..wire.channels import Channel
-from ..wire.frame import FrameLimits, Side
-from ..wire.keys import SessionKeys
-from .framed import FramedProtocol, framed_protocol_class
+from ..wire.frame import FrameLimits
+from ..wire.handshake import CredentialResolver
+from .framed import FramedProtocol, server_protocol
 
 log = logging.getLogger("flodl_async.net")
 
@@ -20,6 +20,8 @@ Handler = Callable[[FramedProtocol], Awaitable[None]]
 class FramedService:
     """Turns routed connections of ``channel`` into ``handler(link)`` tasks.
 
+    ``resolve`` says which credential a connecting peer must hold (:mod:`flodl_async.wire.handshake`).
+    The handler runs only after the handshake: it never sees an unauthenticated peer.
     A handler that raises a wire or connection error only ends its own connection; any
     other exception is a bug and is logged with its traceback, never allowed to take the
     controller down with it.
@@ -29,7 +31,8 @@ class FramedService:
         self,
         *,
         channel: Channel,
-        keys: SessionKeys,
+        resolve: CredentialResolver,
+        run_id: str,
         handler: Handler,
         task_group: asyncio.TaskGroup,
         limits: FrameLimits | None = None,
@@ -37,7 +40,8 @@ class FramedService:
     ) -> None:
         self.channel = channel
         self._allocate = allocate
-        self._keys = keys
+        self._resolve = resolve
+        self._run_id = run_id
         self._handler = handler
         self._task_group = task_group
         self._limits = limits
@@ -45,10 +49,14 @@ class FramedService:
 
     def protocol_factory(self) -> asyncio.BaseProtocol:
         """Called by the mux for each connection routed to this channel."""
-        link = framed_protocol_class(self.channel)(channel=self.channel, side=Side.CONTROLLER, keys=self._keys, limits=self._limits, allocate=self._allocate)
+        link = server_protocol(self.channel, self._resolve, run_id=self._run_id, limits=self._limits, allocate=self._allocate)
+        # No task until the peer proved the key: a flood of unauthenticated connections costs no tasks.
+        link.on_established(self._start)
+        return link
+
+    def _start(self, link: FramedProtocol) -> None:
         self._serial += 1
         self._task_group.create_task(self._serve(link), name=f"{self.channel.value}-conn-{self._serial}")
-        return link
 
     async def _serve(self, link: FramedProtocol) -> None:
         try:

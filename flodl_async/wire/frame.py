@@ -1,34 +1,54 @@
-"""Authenticated frames, sans-IO: bytes in, frames out; messages in, bytes out.
+"""Authenticated, encrypted frames, sans-IO: bytes in, frames out; messages in, bytes out.
 
-Theory of operation. After the channel magic, a connection carries frames::
+Theory of operation. After the channel magic and the handshake (:mod:`.handshake`),
+which gives this connection its own :class:`~.keys.LinkKeys`, a connection carries frames::
 
     header  (24 bytes, little-endian)
         u8  protocol version
         u8  flags (reserved, must be 0)
         u16 message kind
         u64 sequence number (0, 1, 2, ... per direction)
-        u32 body length      (msgpack map; capped by the channel's body ceiling)
-        u64 payload length   (raw tensor bytes; capped by the payload ceiling, 0 on most channels)
-    body     msgpack
-    payload  raw contiguous bytes (tensors), outside msgpack so they are never copied by it
-    tag      HMAC-SHA256 over header || body || payload, 32 bytes
+        u32 body length      (bytes on the wire; capped by the channel's body ceiling)
+        u64 payload length   (plaintext tensor bytes; capped by the payload ceiling, 0 on most channels)
+    body     msgpack — for a sealed kind (``Message.SEALED``): AES-256-GCM(msgpack) ‖ 16-byte GCM tag
+    payload  AES-256-GCM of the raw tensor bytes, in chunks of at most ``SEAL_CHUNK`` plaintext bytes,
+             each chunk's ciphertext followed by its 16-byte GCM tag
+    tag      HMAC-SHA256 over header ‖ body ‖ the payload's GCM tags, 32 bytes
 
-Keys are derived per run, channel and direction from the session secret
-(:mod:`.keys`), so a frame can neither be replayed on another channel nor
-reflected back at its sender; the sequence number rejects replays, drops and
-reorders inside one direction. The order of checks is the security argument:
+HMAC-SHA256 authenticates every frame, as the protocol always did; the bulk bytes
+are authenticated by GCM instead of HMAC (the HMAC binds their GCM tags), so they
+are confidential as well, and the frame is not limited by HMAC's speed. Every GCM
+call takes the header as associated data.
+
+**A GCM nonce never repeats under one key.** The nonce is 12 bytes,
+``u64 sequence ‖ u32 index``: the index is the chunk number for payload chunks
+and ``0xFFFFFFFF`` for a sealed body. (1) Keys are per connection and per
+direction (the handshake mixes both sides' fresh nonces into them), so two
+encryptions under one key are two encryptions by one sender on one connection.
+(2) That sender takes a new sequence number for every frame, strictly
+increasing, and refuses to send once it would wrap. (3) Within a frame, chunk
+indexes are distinct and below ``0xFFFFFFFF`` (a payload ceiling far below
+``2³² · SEAL_CHUNK`` bytes is enforced), and the body uses the one index no chunk
+uses. So every (key, nonce) pair is used once. A property test checks the
+nonces a sender produces are unique. ``cryptography`` refuses more than 2³¹−1
+bytes per call; ``SEAL_CHUNK`` (1 GiB) stays below that.
+
+The order of checks on receipt is the security argument:
 
 1. the header alone: version (:class:`~flodl_async.errors.VersionMismatch`),
    reserved flags (:class:`~flodl_async.errors.ReservedFlags`: a newer peer or
    corruption) and lengths against the ceilings
    (:class:`~flodl_async.errors.FrameTooLarge`), *before* anything is buffered;
-2. the tag, with a constant-time compare, *before* anything else reads the body;
-3. the sequence number;
+2. the HMAC tag, with a constant-time compare, *before* anything else reads the body;
+3. the sequence number (replays, drops and reorders inside one connection;
+   the handshake already made bytes of any other connection fail step 2);
 4. the kind: it must be in this link's row of the kind table
    (:data:`.legality.LEGAL_KINDS`, by channel and by the direction this side
    receives), else :class:`~flodl_async.errors.IllegalKind` (or
    :class:`~flodl_async.errors.UnknownKind` for a kind this build lacks);
-5. only then msgpack and the schema (:class:`~flodl_async.errors.MalformedBody`).
+5. GCM: a sealed body and every payload chunk must decrypt under their tags
+   (:class:`~flodl_async.errors.AuthenticationFailed` otherwise);
+6. only then msgpack and the schema (:class:`~flodl_async.errors.MalformedBody`).
 
 The sending side applies the same table to itself: ``send`` of a kind its row
 lacks raises ``TypeError`` (our bug, not the peer's) before taking a sequence number.
@@ -56,6 +76,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple, NoReturn
 
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
 from ..errors import (
     AuthenticationFailed,
     FrameTooLarge,
@@ -67,14 +91,22 @@ from ..errors import (
     WireError,
 )
 from .channels import Channel
-from .keys import Direction, SessionKeys
+from .handshake import PROTOCOL_VERSION
+from .keys import Direction, LinkKeys
 from .legality import legal_kinds
-from .schema import Message, message_class, pack_message, unpack_message
+from .schema import Message, message_class, pack_message, sealed_kinds, unpack_message
 
-PROTOCOL_VERSION = 1
 HEADER = struct.Struct("<BBHQIQ")
 HEADER_LEN = HEADER.size
 TAG_LEN = 32
+GCM_TAG_LEN = 16
+#: The 12-byte GCM nonce: sequence number, then chunk index (``BODY_INDEX`` for a sealed body).
+NONCE = struct.Struct("<QI")
+BODY_INDEX = 0xFFFFFFFF
+#: Plaintext bytes per GCM chunk of a payload (cryptography takes at most 2**31 - 1 per call).
+SEAL_CHUNK = 1 << 30
+#: The sender refuses to take a sequence number past this: the nonce's counter never wraps.
+_LAST_SEQ = (1 << 64) - 1
 
 KiB = 1024
 _SCRATCH_BYTES = 256 * 1024
@@ -122,8 +154,23 @@ class FrameLimits:
         return max(2 * model_bytes, DEFAULT_MAX_TENSOR_PAYLOAD)
 
 
+def seal_nonce(seq: int, index: int) -> bytes:
+    """The GCM nonce of chunk ``index`` (or ``BODY_INDEX``) of frame ``seq``; the one place nonces are made."""
+    return NONCE.pack(seq, index)
+
+
+def chunk_count(payload_len: int, chunk: int = SEAL_CHUNK) -> int:
+    """How many GCM chunks seal ``payload_len`` plaintext bytes."""
+    return -(-payload_len // chunk)
+
+
+def sealed_length(payload_len: int, chunk: int = SEAL_CHUNK) -> int:
+    """Bytes a payload of ``payload_len`` plaintext bytes takes on the wire."""
+    return payload_len + GCM_TAG_LEN * chunk_count(payload_len, chunk)
+
+
 class Frame(NamedTuple):
-    """One authenticated, decoded frame. ``payload`` is a writable view owned by this frame.
+    """One authenticated, decoded frame. ``payload`` is a writable view of the plaintext, owned by this frame.
 
     A named tuple rather than a frozen dataclass: equally immutable, and a third of the
     construction cost on a path that runs once per frame.
@@ -134,28 +181,74 @@ class Frame(NamedTuple):
     payload: memoryview | None = None
 
 
+Buffer = bytes | bytearray | memoryview
+
+
 class SealingFrame:
-    """A payload frame between :meth:`FrameConnection.start_parts` and its write."""
+    """A payload frame between :meth:`FrameConnection.start_parts` and its write.
 
-    __slots__ = ("_mac", "_tag", "head", "payload")
+    :meth:`seal` is the expensive part (AES-GCM over the payload) and releases the GIL, so
+    an I/O shell may run it in a worker thread while its loop keeps writing earlier frames.
+    """
 
-    def __init__(self, *, head: bytes, payload: tuple[Buffer, ...], mac: hmac.HMAC) -> None:
+    __slots__ = ("_aead", "_chunk", "_key", "_mac_key", "_parts", "_seq", "_tag", "buffer", "head", "payload_len")
+
+    def __init__(
+        self, *, head: bytes, parts: tuple[Buffer, ...], payload_len: int, buffer: bytearray, seq: int, keys: LinkKeys, aead: AESGCM, chunk: int
+    ) -> None:
         self.head = head
-        self.payload = payload
-        self._mac = mac
+        self.payload_len = payload_len
+        #: The sealed payload's bytes (the caller's recycled buffer, or a new one); written by :meth:`parts`.
+        self.buffer = buffer
+        self._parts = parts
+        self._seq = seq
+        self._key = keys.send_aead
+        self._aead = aead
+        self._mac_key = keys.send_mac
+        self._chunk = chunk
         self._tag: bytes | None = None
 
-    def mac_payload(self) -> None:
-        """MAC the payload (thread-safe with respect to the event loop: touches only this frame)."""
-        for part in self.payload:
-            self._mac.update(part)
-        self._tag = self._mac.digest()
+    def seal(self) -> None:
+        """Encrypt the payload into :attr:`buffer` and tag the frame (touches only this frame: thread-safe)."""
+        out = memoryview(self.buffer)
+        aad = self.head[:HEADER_LEN]
+        mac = hmac.new(self._mac_key, self.head, hashlib.sha256)
+        sources = [memoryview(p).cast("B") for p in self._parts]
+        source_index, source_offset = 0, 0
+        sealed_at = 0
+        for index in range(chunk_count(self.payload_len, self._chunk)):
+            size = min(self._chunk, self.payload_len - index * self._chunk)
+            nonce = seal_nonce(self._seq, index)
+            while sources[source_index].nbytes == source_offset:
+                source_index, source_offset = source_index + 1, 0
+            source = sources[source_index]
+            if source.nbytes - source_offset >= size:
+                # The common case: the chunk lies inside one buffer (one tensor, or a flat bucket).
+                self._aead.encrypt_into(nonce, source[source_offset : source_offset + size], aad, out[sealed_at : sealed_at + size + GCM_TAG_LEN])
+                source_offset += size
+            else:
+                # Spread over several tensors: stream them through one GCM context, no gather copy.
+                encryptor = Cipher(algorithms.AES(self._key), modes.GCM(nonce)).encryptor()
+                encryptor.authenticate_additional_data(aad)
+                filled = 0
+                while filled < size:
+                    while sources[source_index].nbytes == source_offset:
+                        source_index, source_offset = source_index + 1, 0
+                    take = min(size - filled, sources[source_index].nbytes - source_offset)
+                    encryptor.update_into(sources[source_index][source_offset : source_offset + take], out[sealed_at + filled : sealed_at + filled + take])
+                    filled += take
+                    source_offset += take
+                encryptor.finalize()
+                out[sealed_at + size : sealed_at + size + GCM_TAG_LEN] = encryptor.tag
+            mac.update(out[sealed_at + size : sealed_at + size + GCM_TAG_LEN])
+            sealed_at += size + GCM_TAG_LEN
+        self._tag = mac.digest()
 
     def parts(self) -> list[Buffer]:
         """The buffers to write, in order."""
         if self._tag is None:
-            raise RuntimeError("mac_payload() has not run")
-        return [self.head, *self.payload, self._tag]
+            raise RuntimeError("seal() has not run")
+        return [self.head, memoryview(self.buffer)[: sealed_length(self.payload_len, self._chunk)], self._tag]
 
 
 class _State(enum.Enum):
@@ -165,39 +258,46 @@ class _State(enum.Enum):
     TAG = 4
 
 
-Buffer = bytes | bytearray | memoryview
-
-
 class FrameConnection:
-    """Sans-IO codec for one direction pair of one connection on one channel."""
+    """Sans-IO codec for both directions of one established connection on one channel."""
 
     def __init__(
         self,
         *,
         channel: Channel,
         side: Side,
-        keys: SessionKeys,
+        keys: LinkKeys,
         limits: FrameLimits | None = None,
         allocate: Callable[[int], bytearray] = bytearray,
+        seal_chunk: int = SEAL_CHUNK,
     ) -> None:
-        """``allocate(n)`` supplies each received payload's buffer; pass a pool's ``acquire``
-        to reuse buffers (a fresh 16 MiB buffer costs ~20 ms of first-touch page faults here)."""
+        """``keys`` come from this connection's handshake. ``allocate(n)`` supplies each received
+        payload's buffer; pass a pool's ``acquire`` to reuse buffers (a fresh 16 MiB buffer costs
+        ~20 ms of first-touch page faults here). ``seal_chunk`` is a protocol constant that both
+        ends must share; only tests change it, to cover multi-chunk payloads cheaply."""
         if channel is Channel.STATUS:
             raise ValueError("the status channel speaks HTTP, not frames")
+        if not 0 < seal_chunk <= SEAL_CHUNK:
+            raise ValueError(f"seal_chunk must be in 1..{SEAL_CHUNK}")
         outgoing = Direction.TO_CONTROLLER if side is Side.PEER else Direction.FROM_CONTROLLER
         incoming = Direction.FROM_CONTROLLER if side is Side.PEER else Direction.TO_CONTROLLER
-        # Keyed templates: copying one skips the per-frame key schedule (~1 µs of 2-4 µs).
-        self._send_key = keys.key(channel, outgoing)
-        self._recv_key = keys.key(channel, incoming)
-        # Keyed templates for frames MAC'd in pieces (payloads): copying one skips the key schedule.
-        self._send_mac = hmac.new(self._send_key, digestmod=hashlib.sha256)
+        self._keys = keys
+        self._send_key = keys.send_mac
+        self._recv_key = keys.recv_mac
+        # Keyed templates for frames MAC'd in pieces: copying one skips the key schedule (~1 µs of 2-4 µs).
         self._recv_mac = hmac.new(self._recv_key, digestmod=hashlib.sha256)
+        self._send_aead = AESGCM(keys.send_aead)
+        self._recv_aead = AESGCM(keys.recv_aead)
+        self._chunk = seal_chunk
         self.channel = channel
         self.side = side
         self.limits = limits or FrameLimits.for_channel(channel)
+        if chunk_count(self.limits.max_payload, seal_chunk) >= BODY_INDEX:
+            raise ValueError("payload ceiling too large for the chunk nonce space")
         # The kind table's two rows for this link, as kind numbers: one set lookup per frame.
         self._send_kinds = legal_kinds(channel, outgoing)
         self._recv_kinds = legal_kinds(channel, incoming)
+        self._sealed = sealed_kinds()
         self._send_seq = 0
         self._recv_seq = 0
         self._buf = bytearray()
@@ -209,15 +309,36 @@ class FrameConnection:
         self._failed: WireError | None = None
         self._unraised = False  # _failed was found by frames() behind good frames and not raised yet
         self._state = _State.HEADER
+        self._header = b""
         self._kind = 0
         self._seq = 0
         self._body_len = 0
         self._body = b""
-        self._payload: bytearray | None = None
+        self._payload_len = 0
+        # The sealed payload lands here (reused across frames), then decrypts into the frame's own buffer.
+        self._sealed_buf = bytearray()
+        self._sealed_len = 0
         self._payload_filled = 0
         self._mac = self._recv_mac.copy()
 
     # ----- sending -------------------------------------------------------------------------
+
+    def _take_seq(self) -> int:
+        seq = self._send_seq
+        if seq == _LAST_SEQ:
+            raise RuntimeError("sequence numbers exhausted on this connection; open a new one")  # 2**64 frames: never in practice
+        self._send_seq = seq + 1
+        return seq
+
+    def _seal_body(self, header: bytes, seq: int, body: bytes) -> bytes:
+        return self._send_aead.encrypt(seal_nonce(seq, BODY_INDEX), body, header)
+
+    def _wire_body(self, msg: Message) -> bytes:
+        body = pack_message(msg)
+        wire_len = len(body) + (GCM_TAG_LEN if msg.SEALED else 0)
+        if wire_len > self.limits.max_body:
+            raise FrameTooLarge(f"{type(msg).__name__} body is {wire_len} bytes, above the {self.limits.max_body}-byte ceiling")
+        return body
 
     def send(self, msg: Message) -> bytes:
         """One frame without payload, as a single bytes object (one write, one syscall).
@@ -226,46 +347,52 @@ class FrameConnection:
         """
         if msg.KIND not in self._send_kinds:
             self._refuse_send(msg)
-        body = pack_message(msg)
-        if len(body) > self.limits.max_body:
-            raise FrameTooLarge(f"{type(msg).__name__} body is {len(body)} bytes, above the {self.limits.max_body}-byte ceiling")
-        sealed = HEADER.pack(PROTOCOL_VERSION, 0, msg.KIND, self._send_seq, len(body), 0) + body
-        self._send_seq += 1
+        body = self._wire_body(msg)
+        if msg.SEALED:
+            seq = self._take_seq()
+            header = HEADER.pack(PROTOCOL_VERSION, 0, msg.KIND, seq, len(body) + GCM_TAG_LEN, 0)
+            sealed = header + self._seal_body(header, seq, body)
+        else:
+            sealed = HEADER.pack(PROTOCOL_VERSION, 0, msg.KIND, self._take_seq(), len(body), 0) + body
         # One-shot C HMAC: a third of the per-frame cost of the copy/update/digest wrapper calls.
         return sealed + hmac.digest(self._send_key, sealed, "sha256")
 
     def send_parts(self, msg: Message, payload: Sequence[Buffer]) -> list[Buffer]:
-        """One frame whose raw payload is ``payload`` (concatenated), without copying it.
+        """One frame whose payload is ``payload`` (concatenated), encrypted without gathering it first.
 
-        The returned list is meant for ``transport.writelines``; the payload buffers must
-        stay unchanged until they are written.
+        The returned list is meant for ``transport.writelines``.
         """
         sealing = self.start_parts(msg, payload)
-        sealing.mac_payload()
+        sealing.seal()
         return sealing.parts()
 
-    def start_parts(self, msg: Message, payload: Sequence[Buffer]) -> SealingFrame:
-        """Reserve the next sequence number for a payload frame whose MAC the caller completes.
+    def start_parts(self, msg: Message, payload: Sequence[Buffer], *, buffer: bytearray | None = None) -> SealingFrame:
+        """Reserve the next sequence number for a payload frame whose sealing the caller completes.
 
-        ``SealingFrame.mac_payload`` is the expensive part (1.5 GB/s) and releases the GIL, so
-        an I/O shell may run it in a worker thread while its loop keeps writing the previous
-        frame. Frames must be written in the order they were started.
+        ``buffer`` (at least :func:`sealed_length` bytes) receives the ciphertext; an I/O shell
+        recycles buffers once the transport has written them. Frames must be written in the
+        order they were started.
         """
         if msg.KIND not in self._send_kinds:
             self._refuse_send(msg)
-        body = pack_message(msg)
+        body = self._wire_body(msg)
         payload_len = sum(memoryview(p).nbytes for p in payload)
-        if len(body) > self.limits.max_body:
-            raise FrameTooLarge(f"{type(msg).__name__} body is {len(body)} bytes, above the {self.limits.max_body}-byte ceiling")
         if payload_len > self.limits.max_payload:
             raise FrameTooLarge(
                 f"{type(msg).__name__} payload is {payload_len} bytes, above the {self.limits.max_payload}-byte ceiling of the {self.channel.value} channel"
             )
-        head = HEADER.pack(PROTOCOL_VERSION, 0, msg.KIND, self._send_seq, len(body), payload_len) + body
-        mac = self._send_mac.copy()
-        mac.update(head)
-        self._send_seq += 1
-        return SealingFrame(head=head, payload=tuple(payload), mac=mac)
+        need = sealed_length(payload_len, self._chunk)
+        if buffer is None:
+            buffer = bytearray(need)
+        elif len(buffer) < need:
+            raise ValueError(f"sealing buffer of {len(buffer)} bytes is smaller than the {need} the frame needs")
+        seq = self._take_seq()
+        wire_len = len(body) + (GCM_TAG_LEN if msg.SEALED else 0)
+        header = HEADER.pack(PROTOCOL_VERSION, 0, msg.KIND, seq, wire_len, payload_len)
+        head = header + (self._seal_body(header, seq, body) if msg.SEALED else body)
+        return SealingFrame(
+            head=head, parts=tuple(payload), payload_len=payload_len, buffer=buffer, seq=seq, keys=self._keys, aead=self._send_aead, chunk=self._chunk
+        )
 
     def _refuse_send(self, msg: Message) -> NoReturn:
         # TypeError, not a WireError: this is our own bug, and the handlers that turn a peer's
@@ -287,12 +414,11 @@ class FrameConnection:
         if self._pos:
             del self._buf[: self._pos]  # O(1) for bytearray: CPython moves its start offset
             self._pos = 0
-        if self._state is _State.PAYLOAD and not self._buf and self._payload is not None:
-            # Bulk path: copy straight into the frame's payload, once, and MAC it while it is hot.
+        if self._state is _State.PAYLOAD and not self._buf:
+            # Bulk path: copy straight into the sealed payload buffer, once.
             view = memoryview(data)
-            take = min(len(view), len(self._payload) - self._payload_filled)
-            chunk = view[:take]
-            self._payload[self._payload_filled : self._payload_filled + take] = chunk
+            take = min(len(view), self._sealed_len - self._payload_filled)
+            self._sealed_buf[self._payload_filled : self._payload_filled + take] = view[:take]
             self._payload_filled += take
             if take < len(view):
                 self._buf += view[take:]
@@ -302,13 +428,13 @@ class FrameConnection:
     def get_buffer(self, sizehint: int = -1) -> memoryview:
         """Where the next received bytes should go (``asyncio.BufferedProtocol`` shape).
 
-        In the middle of a payload with nothing else buffered, that is the payload itself:
-        the socket writes tensor bytes straight into the frame's buffer, with no copy and no
+        In the middle of a payload with nothing else buffered, that is the payload's own
+        buffer: the socket writes the ciphertext straight into it, with no copy and no
         intermediate allocation. Otherwise it is a reusable scratch buffer.
         """
-        if self._state is _State.PAYLOAD and self._payload is not None and self._pos >= len(self._buf):
+        if self._state is _State.PAYLOAD and self._pos >= len(self._buf):
             self._direct = True
-            return memoryview(self._payload)[self._payload_filled :]
+            return memoryview(self._sealed_buf)[self._payload_filled : self._sealed_len]
         self._direct = False
         if self._scratch is None:
             self._scratch = bytearray(_SCRATCH_BYTES)
@@ -317,8 +443,6 @@ class FrameConnection:
     def buffer_updated(self, nbytes: int) -> None:
         """``nbytes`` were written into the buffer :meth:`get_buffer` returned."""
         if self._direct:
-            assert self._payload is not None
-            # MAC'd in one pass when the payload is complete (see _advance).
             self._payload_filled += nbytes
             return
         assert self._scratch is not None
@@ -369,22 +493,20 @@ class FrameConnection:
             self._body = bytes(buf[self._pos : end])
             self._pos = end
             self._mac.update(self._body)
-            self._state = _State.PAYLOAD if self._payload is not None else _State.TAG
+            self._state = _State.PAYLOAD if self._sealed_len else _State.TAG
         if self._state is _State.PAYLOAD:
-            payload = self._payload
-            assert payload is not None
-            want = len(payload) - self._payload_filled
+            want = self._sealed_len - self._payload_filled
             take = min(want, len(buf) - self._pos)
             if take:
                 with memoryview(buf) as view:
                     chunk = view[self._pos : self._pos + take]
-                    payload[self._payload_filled : self._payload_filled + take] = chunk
+                    self._sealed_buf[self._payload_filled : self._payload_filled + take] = chunk
                     chunk.release()
                 self._pos += take
                 self._payload_filled += take
-            if self._payload_filled < len(payload):
+            if self._payload_filled < self._sealed_len:
                 return self._starved(mid_frame=True)
-            self._mac.update(payload)  # one pass over the whole payload, once it is complete
+            self._mac_gcm_tags()
             self._state = _State.TAG
         if len(buf) - self._pos < TAG_LEN:
             return self._starved(mid_frame=True)
@@ -392,12 +514,21 @@ class FrameConnection:
         self._pos += TAG_LEN
         return self._finish_frame(tag)
 
+    def _mac_gcm_tags(self) -> None:
+        # The HMAC covers the payload's GCM tags, which cover its ciphertext (16 bytes per chunk).
+        with memoryview(self._sealed_buf) as view:
+            at = 0
+            for index in range(chunk_count(self._payload_len, self._chunk)):
+                at += min(self._chunk, self._payload_len - index * self._chunk)
+                self._mac.update(view[at : at + GCM_TAG_LEN])
+                at += GCM_TAG_LEN
+
     def _whole_frames(self, out: list[Frame]) -> None:
         # Appends to the caller's list, so frames decoded before a bad one survive the raise.
         buf, pos = self._buf, self._pos
         size = len(buf)
         key, max_body, unpack_from, digest, same = self._recv_key, self.limits.max_body, HEADER.unpack_from, hmac.digest, hmac.compare_digest
-        recv_kinds = self._recv_kinds
+        recv_kinds, sealed = self._recv_kinds, self._sealed
         with memoryview(buf) as view:
             while size - pos >= HEADER_LEN:
                 version, flags, kind, seq, body_len, payload_len = unpack_from(buf, pos)
@@ -413,7 +544,9 @@ class FrameConnection:
                     self._refuse_kind(kind)
                 body = view[pos + HEADER_LEN : end]
                 try:
-                    msg = unpack_message(kind, body)
+                    msg = (
+                        unpack_message(kind, self._open_body(bytes(view[pos : pos + HEADER_LEN]), seq, body)) if kind in sealed else unpack_message(kind, body)
+                    )
                 finally:
                     body.release()
                 out.append(Frame(seq, msg))
@@ -421,11 +554,33 @@ class FrameConnection:
                 pos = end + TAG_LEN
                 self._pos = pos
 
+    def _open_body(self, header: bytes, seq: int, body: Buffer) -> bytes:
+        try:
+            return self._recv_aead.decrypt(seal_nonce(seq, BODY_INDEX), body, header)
+        except InvalidTag:
+            raise AuthenticationFailed(f"{self.channel.value} channel: a sealed body did not decrypt under its GCM tag (tampered, or a peer bug)") from None
+
+    def _open_payload(self, header: bytes, seq: int) -> bytearray:
+        plain = self._allocate(self._payload_len)
+        with memoryview(self._sealed_buf) as sealed, memoryview(plain) as out:
+            at = 0
+            for index in range(chunk_count(self._payload_len, self._chunk)):
+                start = index * self._chunk
+                size = min(self._chunk, self._payload_len - start)
+                try:
+                    self._recv_aead.decrypt_into(seal_nonce(seq, index), sealed[at : at + size + GCM_TAG_LEN], header, out[start : start + size])
+                except InvalidTag:
+                    raise AuthenticationFailed(
+                        f"{self.channel.value} channel: payload chunk {index} did not decrypt under its GCM tag (tampered, or a peer bug)"
+                    ) from None
+                at += size + GCM_TAG_LEN
+        return plain
+
     def _auth_failure(self) -> AuthenticationFailed:
         return AuthenticationFailed(
             f"{self.channel.value} channel: frame tag did not verify (kind={self._kind:#06x}, "
-            f"len={self._body_len}) — a session-secret mismatch (a peer from another run), "
-            "a tampered frame, or a frame sent on another channel"
+            f"len={self._body_len}) — a tampered frame, or a peer bug (this connection's handshake succeeded, "
+            "so both sides hold the same keys)"
         )
 
     def _sequence_failure(self, seq: int) -> SequenceError:
@@ -467,12 +622,16 @@ class FrameConnection:
                 f"{self.channel.value} channel: frame payload of {payload_len} bytes exceeds the "
                 f"{self.limits.max_payload}-byte ceiling (raise the tensor ceiling if the model is that large)"
             )
+        self._header = header
         self._kind = kind
         self._seq = seq
         self._body_len = body_len
         self._mac = self._recv_mac.copy()
         self._mac.update(header)
-        self._payload = self._allocate(payload_len) if payload_len else None
+        self._payload_len = payload_len
+        self._sealed_len = sealed_length(payload_len, self._chunk)
+        if len(self._sealed_buf) < self._sealed_len:
+            self._sealed_buf = bytearray(self._sealed_len)  # grows to the largest frame once, then is reused
         self._payload_filled = 0
         self._state = _State.BODY
 
@@ -483,13 +642,14 @@ class FrameConnection:
             raise self._sequence_failure(self._seq)
         if self._kind not in self._recv_kinds:
             self._refuse_kind(self._kind)
-        msg = unpack_message(self._kind, self._body)
-        payload = memoryview(self._payload) if self._payload is not None else None
+        body = self._open_body(self._header, self._seq, self._body) if self._kind in self._sealed else self._body
+        payload = memoryview(self._open_payload(self._header, self._seq)) if self._payload_len else None
+        msg = unpack_message(self._kind, body)
         frame = Frame(seq=self._seq, message=msg, payload=payload)
         self._recv_seq += 1
         self._state = _State.HEADER
-        self._payload = None
         self._body = b""
+        self._sealed_len = 0
         return frame
 
     def frames(self) -> list[Frame]:

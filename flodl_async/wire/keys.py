@@ -1,9 +1,21 @@
-"""Per-run session secret and the per-channel, per-direction keys derived from it.
+"""Key material: the session secret, the credentials derived from it, and one connection's frame keys.
 
-The 128-bit session secret is the only shared key material. HKDF-SHA256 turns
-it into one key per (run, channel, direction): a frame sealed for the join
-channel does not verify on the control channel, and a frame sealed by the
-controller does not verify when reflected back at it.
+Three kinds of long-lived key material exist, one per role (design §3):
+
+* the **session secret** (128 bits, one per run or per ``--secret-file``): held by
+  the controller and the agents only;
+* a **rank credential** (256 bits): ``HKDF(secret, run id, round, rank)``, given
+  by an agent to one rank of one rendezvous round. It lets that rank talk to its
+  own host's relay as itself, in that round, and to nothing else: HKDF is
+  one-way, so a rank can derive neither the secret nor another rank's or another
+  round's credential, and the controller refuses rank credentials outright;
+* a **cluster token** for dial-in agents (the multi-host issue): its kind is
+  reserved here so that the handshake can name it.
+
+None of them keys a frame directly. Every connection runs the handshake of
+:mod:`.handshake`, which mixes the credential with both sides' fresh nonces into
+:class:`LinkKeys`: an HMAC key and an AES-256-GCM key per direction, used by
+exactly one connection.
 """
 
 from __future__ import annotations
@@ -16,17 +28,26 @@ from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from ..errors import ConfigError
-from .channels import CHANNEL_MAGIC, Channel
 
 SECRET_BYTES = 16
-_KDF_LABEL = b"flodl-async/v1"
+CREDENTIAL_BYTES = 32
+#: HKDF label of everything wire v2 derives; a new derivation takes a new label, never reuses one.
+KDF_LABEL = b"flodl-async/wire-v2"
 
 
 class Direction(enum.Enum):
-    """Which way a frame travels relative to the controller."""
+    """Which way a frame travels relative to the controller (a relay is the controller of its ranks)."""
 
     TO_CONTROLLER = "up"
     FROM_CONTROLLER = "down"
+
+
+class CredentialKind(enum.IntEnum):
+    """What a connecting peer holds; sent in clear in its hello, and part of the handshake transcript."""
+
+    SESSION = 1  # the session secret: agents and their relays, to the controller
+    RANK = 2  # a rank credential: one rank of one round, to its host's relay only
+    TOKEN = 3  # a cluster token: dial-in agents (reserved for the multi-host issue)
 
 
 def new_session_secret() -> bytes:
@@ -49,26 +70,57 @@ def secret_from_hex(text: str) -> bytes:
     return raw
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class SessionKeys:
-    """Every frame key of one run, derived once."""
+def rank_credential_key(secret: bytes, *, run_id: str, round: int, rank: int) -> bytes:
+    """The credential of ``rank`` in rendezvous ``round`` of ``run_id`` (one-way from the secret)."""
+    if len(secret) != SECRET_BYTES:
+        raise ValueError(f"session secret must be {SECRET_BYTES} bytes, got {len(secret)}")
+    info = b"/".join((KDF_LABEL, b"rank-credential", run_id.encode(), str(round).encode(), str(rank).encode()))
+    return HKDF(algorithm=hashes.SHA256(), length=CREDENTIAL_BYTES, salt=None, info=info).derive(secret)
 
-    run_id: str
-    _keys: dict[tuple[Channel, Direction], bytes] = field(repr=False)
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Credential:
+    """What one side proves it holds in a handshake: a kind, its key, and the scope a rank credential covers."""
+
+    kind: CredentialKind
+    key: bytes = field(repr=False)
+    #: Rank credentials only: the rendezvous round and the global rank they are good for.
+    round: int = 0
+    rank: int = -1
 
     @classmethod
-    def derive(cls, secret: bytes, run_id: str) -> SessionKeys:
-        """Derive the key set for ``run_id`` from ``secret`` (16 bytes)."""
+    def session(cls, secret: bytes) -> Credential:
+        """The session secret's credential (agents, relays upstream, the store host)."""
         if len(secret) != SECRET_BYTES:
             raise ValueError(f"session secret must be {SECRET_BYTES} bytes, got {len(secret)}")
-        keys: dict[tuple[Channel, Direction], bytes] = {}
-        for channel in CHANNEL_MAGIC:
-            for direction in Direction:
-                info = b"/".join((_KDF_LABEL, run_id.encode(), channel.value.encode(), direction.value.encode()))
-                kdf = HKDF(algorithm=hashes.SHA256(), length=32, salt=None, info=info)
-                keys[(channel, direction)] = kdf.derive(secret)
-        return cls(run_id=run_id, _keys=keys)
+        return cls(kind=CredentialKind.SESSION, key=secret)
 
-    def key(self, channel: Channel, direction: Direction) -> bytes:
-        """The HMAC key for frames on ``channel`` travelling ``direction``."""
-        return self._keys[(channel, direction)]
+    @classmethod
+    def for_rank(cls, secret: bytes, *, run_id: str, round: int, rank: int) -> Credential:
+        """The credential an agent hands to ``rank`` of ``round`` (derived, never the secret itself)."""
+        return cls(kind=CredentialKind.RANK, key=rank_credential_key(secret, run_id=run_id, round=round, rank=rank), round=round, rank=rank)
+
+    @classmethod
+    def rank_from_hex(cls, text: str, *, round: int, rank: int) -> Credential:
+        """A rank credential as its environment carries it (64 hex characters)."""
+        try:
+            key = bytes.fromhex(text.strip())
+        except ValueError:
+            key = b""
+        if len(key) != CREDENTIAL_BYTES:
+            raise ConfigError(f"rank credential must be {2 * CREDENTIAL_BYTES} hex characters; this rank's environment was not written by flodl")
+        return cls(kind=CredentialKind.RANK, key=key, round=round, rank=rank)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LinkKeys:
+    """One connection's frame keys, from its handshake: per direction, one HMAC key and one AES-256-GCM key.
+
+    Held by exactly one connection: no two connections (nor the two directions of one)
+    share a key, which is what makes the GCM nonce rule of :mod:`.frame` sufficient.
+    """
+
+    send_mac: bytes = field(repr=False)
+    recv_mac: bytes = field(repr=False)
+    send_aead: bytes = field(repr=False)
+    recv_aead: bytes = field(repr=False)

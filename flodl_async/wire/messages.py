@@ -1,5 +1,10 @@
 """Every message that crosses the controller port, by channel.
 
+Messages whose bodies can carry secrets are ``sealed=True``: ``WorldFormed``
+(the command and the environment, which often hold tokens) and ``RankExited``
+(a user's traceback and stderr lines); their bodies are encrypted, not only
+authenticated. Tensor payloads are always encrypted.
+
 Kinds are grouped by channel in the high byte (0x01xx join, 0x02xx
 rendezvous, 0x03xx data, 0x04xx control, 0x05xx relay-local); a new message
 takes the next free kind of its group. The grouping is only a numbering: which
@@ -46,7 +51,7 @@ class JoinReject(Message):
     reason: str
 
 
-@message(kind=0x0104)
+@message(kind=0x0104, sealed=True)
 @dataclass(frozen=True, slots=True, kw_only=True)
 class WorldFormed(Message):
     """The world is frozen: sizes, this host's place in it, and the command its ranks run."""
@@ -82,7 +87,7 @@ class StopRanks(Message):
     grace_s: float
 
 
-@message(kind=0x0107)
+@message(kind=0x0107, sealed=True)
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RankExited(Message):
     """A rank process ended: exit code (or the signal that killed it) and what it left behind."""

@@ -33,6 +33,8 @@ class Message:
     __slots__ = ()
     KIND: ClassVar[int]
     SCHEMA_VERSION: ClassVar[int]
+    #: The body is encrypted on the wire (AES-256-GCM, :mod:`.frame`): messages that can carry secrets.
+    SEALED: ClassVar[bool]
 
 
 M = TypeVar("M", bound=type[Message])
@@ -41,8 +43,12 @@ _REGISTRY: dict[int, type[Message]] = {}
 _FIELDS: dict[type[Message], tuple[tuple[str, Any, bool], ...]] = {}
 
 
-def message(*, kind: int, version: int = 1) -> Callable[[M], M]:
-    """Register a message class under ``kind`` (unique, 1..0xFFFF) and schema ``version``."""
+def message(*, kind: int, version: int = 1, sealed: bool = False) -> Callable[[M], M]:
+    """Register a message class under ``kind`` (unique, 1..0xFFFF) and schema ``version``.
+
+    ``sealed``: its body can carry secrets (commands, environment values, a user's
+    stderr), so the frame codec encrypts it, not only authenticates it.
+    """
 
     def register(cls: M) -> M:
         if not 0 < kind <= 0xFFFF:
@@ -51,6 +57,7 @@ def message(*, kind: int, version: int = 1) -> Callable[[M], M]:
             raise ValueError(f"message kind {kind:#x} registered twice ({_REGISTRY[kind].__name__}, {cls.__name__})")
         cls.KIND = kind
         cls.SCHEMA_VERSION = version
+        cls.SEALED = sealed
         _REGISTRY[kind] = cls
         return cls
 
@@ -60,6 +67,11 @@ def message(*, kind: int, version: int = 1) -> Callable[[M], M]:
 def registered_kinds() -> dict[int, type[Message]]:
     """A copy of the kind → class registry (for tests and tooling)."""
     return dict(_REGISTRY)
+
+
+def sealed_kinds() -> frozenset[int]:
+    """The kinds whose bodies travel encrypted."""
+    return frozenset(kind for kind, cls in _REGISTRY.items() if cls.SEALED)
 
 
 def message_class(kind: int) -> type[Message]:
