@@ -1,16 +1,17 @@
 """The rank side of the relay: a flodl-aware rank's link to its host's relay.
 
 ``RankLink.connect()`` reads the rank's spec from the environment the agent set,
-dials the relay's unix socket, and performs the handshake (``RankHello`` up,
+dials the relay's unix socket with the rank's own credential (its rank, its
+round: never the session secret), and says hello (``RankHello`` up,
 ``RankWelcome`` back from the controller). ``heartbeat()`` measures a round trip
-to the controller and back.
+to the controller and back; ``open_data()`` opens the rank's data link.
 """
 
 from __future__ import annotations
 
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from types import TracebackType
 
 from .errors import ConfigError, ProtocolError
@@ -19,16 +20,18 @@ from .rankenv import RankSpec
 from .roles import LOCAL_RANK_VAR, RANK_VAR, Role, detect_role
 from .wire import messages as m
 from .wire.channels import Channel
+from .wire.frame import FrameLimits
 from .wire.keys import Credential
 
 
 class RankLink:
     """One rank's framed link to its relay."""
 
-    def __init__(self, link: FramedProtocol, *, rank: int, spec: RankSpec) -> None:
+    def __init__(self, link: FramedProtocol, *, rank: int, spec: RankSpec, credential: Credential) -> None:
         self._link = link
         self.rank = rank
         self.spec = spec
+        self._credential = credential
 
     @classmethod
     async def connect(cls, env: Mapping[str, str] | None = None) -> RankLink:
@@ -48,7 +51,21 @@ class RankLink:
         if not isinstance(welcome, m.RankWelcome) or welcome.rank != rank:
             link.close()
             raise ProtocolError(f"rank {rank}: expected RankWelcome from the controller, got {welcome!r}")
-        return cls(link, rank=rank, spec=spec)
+        return cls(link, rank=rank, spec=spec, credential=credential)
+
+    async def open_data(self, *, limits: FrameLimits | None = None, allocate: Callable[[int], bytearray] = bytearray) -> FramedProtocol:
+        """This rank's data link to its relay: its tensor bundles go up, the controller's come down.
+
+        Same credential, same scope as the control link. Wrap in ``asyncio.timeout``.
+        """
+        return await open_unix_framed(
+            self.spec.data_socket,
+            channel=Channel.DATA,
+            credential=self._credential,
+            peer_label=f"relay of {self.spec.host} (data)",
+            limits=limits,
+            allocate=allocate,
+        )
 
     async def heartbeat(self) -> float:
         """One heartbeat to the controller and back; returns the round trip in seconds."""

@@ -64,12 +64,14 @@ class RankSpec:
     run_id: str
     host: str
     relay_socket: str
+    data_socket: str
     round: int
     credential_hex: str = field(repr=False)
 
     def to_json(self) -> str:
         """Serialised for the environment."""
-        return json.dumps({"run_id": self.run_id, "host": self.host, "relay_socket": self.relay_socket, "round": self.round, "credential": self.credential_hex})
+        where = {"run_id": self.run_id, "host": self.host, "relay_socket": self.relay_socket, "data_socket": self.data_socket}
+        return json.dumps(where | {"round": self.round, "credential": self.credential_hex})
 
     @classmethod
     def from_json(cls, text: str) -> RankSpec:
@@ -79,6 +81,7 @@ class RankSpec:
             run_id=str(doc["run_id"]),
             host=str(doc["host"]),
             relay_socket=str(doc["relay_socket"]),
+            data_socket=str(doc["data_socket"]),
             round=int(doc["round"]),
             credential_hex=str(doc["credential"]),
         )

@@ -1,4 +1,4 @@
-"""The per-host relay: local ranks on a unix socket, one upstream control connection per host.
+"""The per-host relay: local ranks on unix sockets, one upstream connection per channel per host.
 
 Theory of operation. Ranks connect to a unix socket (mode 0600, in the
 session's private runtime entry) and speak the control channel's framed
@@ -6,6 +6,12 @@ protocol to it as they would to the controller. The relay terminates each
 rank's link and forwards its messages up its single upstream control
 connection; the controller's answers come back down and are routed by rank.
 Upstream connections therefore scale with hosts, not ranks.
+
+The data channel has its own socket. Each rank's tensor bundles go up the
+host's one data connection; the controller's bundles (reduced results) come
+down once per host and are delivered to every local rank's data link. Folding
+the local ranks' contributions into one host frame belongs to the Trainer's
+reducer and is not done here yet: the relay forwards each rank's bundle.
 
 Addressing is explicit, in one table (:data:`RANK_ADDRESS`): which control
 messages carry a rank, and how to read it. Both directions are checked
@@ -45,6 +51,7 @@ from .net.framed import FramedProtocol, open_framed
 from .net.service import FramedService
 from .wire import messages as m
 from .wire.channels import Channel
+from .wire.frame import PayloadPool
 from .wire.handshake import PeerHello
 from .wire.keys import Credential, CredentialKind, rank_credential_key
 from .wire.schema import Message
@@ -83,6 +90,9 @@ class RelayStatistics:
 
     ranks_connected: int
     forwarded_up: int
+    #: Tensor bundles forwarded up the data connection, and delivered down to local ranks (one per rank).
+    bundles_up: int
+    bundles_down: int
     delivered_down: int
     #: Controller messages addressed to no rank (dropped).
     dropped_unaddressed: int
@@ -99,6 +109,7 @@ class Relay:
         self,
         *,
         socket_path: str,
+        data_socket_path: str,
         secret: bytes,
         run_id: str,
         ranks: frozenset[int],
@@ -109,6 +120,7 @@ class Relay:
     ) -> None:
         self._deadlines = deadlines
         self.socket_path = socket_path
+        self.data_socket_path = data_socket_path
         self._secret = secret
         self._run_id = run_id
         self._host_ranks = ranks
@@ -117,8 +129,14 @@ class Relay:
         self._tg = task_group
         self._ranks: dict[int, FramedProtocol] = {}
         self._upstream: FramedProtocol | None = None
-        self._server: asyncio.AbstractServer | None = None
+        self._servers: list[asyncio.AbstractServer] = []
+        self._data_links: dict[int, FramedProtocol] = {}
+        self._data_upstream: FramedProtocol | None = None
+        self._data_dialling = asyncio.Lock()
+        self._payloads = PayloadPool()
         self._forwarded_up = 0
+        self._bundles_up = 0
+        self._bundles_down = 0
         self._delivered_down = 0
         self._dropped_unaddressed = 0
         self._dropped_rank_gone = 0
@@ -132,14 +150,26 @@ class Relay:
                 *self._controller, channel=Channel.CONTROL, credential=Credential.session(self._secret), expect_run_id=self._run_id
             )
         self._tg.create_task(self._pump_down(self._upstream), name="relay-down")
-        service = FramedService(channel=Channel.CONTROL, resolve=self._rank_key, run_id=self._run_id, handler=self._serve_rank, task_group=self._tg)
+        control = FramedService(channel=Channel.CONTROL, resolve=self._rank_key, run_id=self._run_id, handler=self._serve_rank, task_group=self._tg)
+        data = FramedService(
+            channel=Channel.DATA,
+            resolve=self._rank_key,
+            run_id=self._run_id,
+            handler=self._serve_rank_data,
+            task_group=self._tg,
+            allocate=self._payloads.acquire,
+        )
+        for path, service in ((self.socket_path, control), (self.data_socket_path, data)):
+            await self._listen(path, service)
+
+    async def _listen(self, path: str, service: FramedService) -> None:
         loop = asyncio.get_running_loop()
         old_umask = os.umask(0o177)  # the socket is created owner-only, with no window before a chmod
         try:
-            self._server = await loop.create_unix_server(service.protocol_factory, self.socket_path)
+            self._servers.append(await loop.create_unix_server(service.protocol_factory, path))
         finally:
             os.umask(old_umask)
-        os.chmod(self.socket_path, 0o600)
+        os.chmod(path, 0o600)
 
     def open_round(self, round_: int) -> None:
         """Ranks of ``round_`` are starting: from now on only their credentials are taken."""
@@ -160,6 +190,8 @@ class Relay:
         return RelayStatistics(
             ranks_connected=len(self._ranks),
             forwarded_up=self._forwarded_up,
+            bundles_up=self._bundles_up,
+            bundles_down=self._bundles_down,
             delivered_down=self._delivered_down,
             dropped_unaddressed=self._dropped_unaddressed,
             dropped_rank_gone=self._dropped_rank_gone,
@@ -227,18 +259,78 @@ class Relay:
                 link.send(msg)
                 self._delivered_down += 1
 
+    # ----- the data channel ---------------------------------------------------------------
+
+    async def _serve_rank_data(self, link: FramedProtocol) -> None:
+        """One rank's data link: its bundles go up; the controller's come down to it (and every local rank)."""
+        assert link.peer is not None
+        rank = link.peer.rank
+        current = self._data_links.get(rank)
+        if current is not None and not current.is_closing:
+            self._refuse(f"rank {rank} already has a data link")
+            return
+        self._data_links[rank] = link
+        try:
+            upstream = await self._data_uplink()
+            while True:
+                frame = await link.recv()
+                if not isinstance(frame.message, m.TensorBundle):
+                    continue  # the kind table admits nothing else on this channel
+                try:
+                    await upstream.send_tensors(frame.message, [frame.payload] if frame.payload is not None else [])
+                finally:
+                    if frame.payload is not None:
+                        self._payloads.release(frame.payload)  # sealed into the upstream frame: the buffer is free
+                self._bundles_up += 1
+        finally:
+            if self._data_links.get(rank) is link:
+                del self._data_links[rank]
+
+    async def _data_uplink(self) -> FramedProtocol:
+        """The host's one data connection to the controller, dialled when a rank first needs it."""
+        async with self._data_dialling:
+            if self._data_upstream is None or self._data_upstream.is_closing:
+                async with asyncio.timeout(self._deadlines.handshake):
+                    self._data_upstream = await open_framed(
+                        *self._controller,
+                        channel=Channel.DATA,
+                        credential=Credential.session(self._secret),
+                        expect_run_id=self._run_id,
+                        allocate=self._payloads.acquire,
+                    )
+                self._tg.create_task(self._pump_data_down(self._data_upstream), name="relay-data-down")
+            return self._data_upstream
+
+    async def _pump_data_down(self, upstream: FramedProtocol) -> None:
+        while True:
+            try:
+                frame = await upstream.recv()
+            except (ConnectionClosed, WireError):
+                return
+            parts = [frame.payload] if frame.payload is not None else []
+            try:
+                for link in list(self._data_links.values()):
+                    with contextlib.suppress(ConnectionClosed, OSError):
+                        await link.send_tensors(frame.message, parts)
+                        self._bundles_down += 1
+            finally:
+                if frame.payload is not None:
+                    self._payloads.release(frame.payload)  # sealed into every rank's frame: the buffer is free
+
     def _require_upstream(self) -> FramedProtocol:
         if self._upstream is None:
             raise RuntimeError("relay not started")
         return self._upstream
 
     async def aclose(self) -> None:
-        """Stop listening, close every rank link and the upstream connection."""
-        if self._server is not None:
-            self._server.close()
-        for link in list(self._ranks.values()):
+        """Stop listening, close every rank link and the upstream connections."""
+        for server in self._servers:
+            server.close()
+        for link in [*self._ranks.values(), *self._data_links.values()]:
             link.close()
-        if self._upstream is not None:
-            await self._upstream.aclose(grace=self._deadlines.link_close)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.socket_path)
+        for upstream in (self._upstream, self._data_upstream):
+            if upstream is not None:
+                await upstream.aclose(grace=self._deadlines.link_close)
+        for path in (self.socket_path, self.data_socket_path):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)

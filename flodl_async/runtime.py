@@ -46,8 +46,9 @@ log = logging.getLogger("flodl_async.runtime")
 
 #: The marker every entry holds.
 MARKER = "owner.json"
-#: The relay's socket inside an entry: the one path here bound by the unix-socket limit.
+#: The relay's sockets inside an entry (control, data): the paths here bound by the unix-socket limit.
 SOCKET_NAME = "relay.sock"
+DATA_SOCKET_NAME = "data.sock"  # never longer than SOCKET_NAME, so the limit check covers it
 #: ``sun_path`` is 108 bytes including the terminating NUL.
 UNIX_PATH_MAX = 107
 #: An entry without a readable marker is a creator that died mid-creation once it is this old.
@@ -219,6 +220,11 @@ class RuntimeEntry:
     def socket_path(self) -> str:
         """The relay's unix socket (within the 107-byte limit by construction)."""
         return str(self.path / SOCKET_NAME)
+
+    @property
+    def data_socket_path(self) -> str:
+        """The relay's data-channel socket, next to :attr:`socket_path`."""
+        return str(self.path / DATA_SOCKET_NAME)
 
     def remove(self) -> None:
         """Delete the entry, and its run directory once empty (idempotent)."""

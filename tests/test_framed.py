@@ -130,3 +130,69 @@ async def test_a_peer_that_stops_mid_frame_is_a_truncated_frame_not_a_clean_clos
         assert (await link.recv()).message == m.Heartbeat(sent_at=1.0)
         with pytest.raises(TruncatedFrame):
             await link.recv()
+
+
+def _small_kernel_buffers(link: FramedProtocol) -> None:
+    import socket
+
+    sock = link._transport.get_extra_info("socket") if link._transport is not None else None
+    assert sock is not None
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 64 * 1024)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 * 1024)
+
+
+def test_sealing_buffers_are_reused_only_once_the_transport_wrote_them(secret: bytes) -> None:
+    """uvloop writes from our buffers without copying: a buffer reused too early would corrupt a queued frame,
+    and its GCM tag would then fail at the receiver. A slow receiver keeps frames queued while more are sealed."""
+    import uvloop
+
+    from flodl_async.net.framed import open_framed
+    from flodl_async.net.mux import PortMux
+    from flodl_async.net.service import FramedService
+    from flodl_async.wire import Credential
+    from flodl_async.wire.frame import FrameLimits
+
+    count, size = 40, 1 << 20
+    payloads = [bytes([i]) * size for i in range(count)]
+
+    async def main() -> tuple[list[bytes], int]:
+        received: list[bytes] = []
+        done, sent_some = asyncio.Event(), asyncio.Event()
+
+        async def slow_reader(link: FramedProtocol) -> None:
+            _small_kernel_buffers(link)
+            await sent_some.wait()  # not reading yet: the sender's frames queue up in its transport
+            while len(received) < count:
+                frame = await link.recv()
+                received.append(bytes(frame.payload or b""))
+            done.set()
+
+        mux = PortMux(host="127.0.0.1", port=0)
+        limits = FrameLimits(max_payload=2 * size)
+        try:
+            async with asyncio.timeout(60), asyncio.TaskGroup() as tg:
+                service = FramedService(channel=Channel.DATA, resolve=session_resolver(secret), run_id="r", handler=slow_reader, task_group=tg, limits=limits)
+                mux.register(Channel.DATA, service.protocol_factory)
+                await mux.start()
+                link = await open_framed("127.0.0.1", mux.port, channel=Channel.DATA, credential=Credential.session(secret), limits=limits)
+                try:
+                    _small_kernel_buffers(link)  # so frames wait in the transport, not in the kernel
+                    for i, payload in enumerate(payloads):
+                        spec = m.TensorSpec(name="x", dtype="uint8", shape=(size,), offset=0, nbytes=size)
+                        if i == 20:
+                            sent_some.set()
+                        await link.send_tensors(m.TensorBundle(round=i, weight=1.0, tensors=(spec,)), [payload])
+                    sent_some.set()
+                    await done.wait()
+                    allocations = link.sealing_allocations
+                finally:
+                    link.abort()
+                await mux.aclose()
+        finally:
+            await mux.aclose()
+        return received, allocations
+
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        received, allocations = runner.run(main())
+    assert received == payloads  # every frame decrypted under its tag: no buffer was reused while queued
+    assert allocations < count  # and buffers were reused once written

@@ -9,7 +9,7 @@ PLACEMENT = RankPlacement(
     rank=5, local_rank=1, world_size=8, local_world_size=4, group_rank=1, group_world_size=2,
     master_addr="10.0.0.1", master_port=29400, run_id="r1", restart_count=2, max_restarts=3,
 )  # fmt: skip
-SPEC = RankSpec(run_id="r1", host="b", relay_socket="/tmp/x.sock", round=0, credential_hex="00" * 32)
+SPEC = RankSpec(run_id="r1", host="b", relay_socket="/tmp/x.sock", data_socket="/tmp/d.sock", round=0, credential_hex="00" * 32)
 
 
 def _env(**kw: object) -> dict[str, str]:

@@ -61,6 +61,7 @@ class RankWorld:
     run_id: str
     host: str
     relay_socket: str
+    data_socket: str
     #: (round, rank) → that rank's credential for that round (derived by the session; never the secret).
     credential: Callable[[int, int], Credential]
     devices: DeviceSpec
@@ -130,6 +131,7 @@ class RankProcesses:
                     run_id=self._world.run_id,
                     host=self._world.host,
                     relay_socket=self._world.relay_socket,
+                    data_socket=self._world.data_socket,
                     round=start.round,
                     credential_hex=self._world.credential(start.round, rank).key.hex(),
                 ),

@@ -259,6 +259,7 @@ class _Serving:
             run_id=run_id,
             host=cfg.host,
             relay_socket=entry.socket_path,
+            data_socket=entry.data_socket_path,
             # Ranks get a credential for their own rank and round, derived here: never the secret.
             credential=lambda round_, rank: Credential.for_rank(cfg.secret, run_id=run_id, round=round_, rank=rank),
             devices=cfg.devices,
@@ -304,6 +305,7 @@ class _Serving:
             try:
                 relay = Relay(
                     socket_path=self._entry.socket_path,
+                    data_socket_path=self._entry.data_socket_path,
                     secret=cfg.secret,
                     run_id=self._run_id,
                     ranks=frozenset(self._formed.ranks),
