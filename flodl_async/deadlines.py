@@ -43,6 +43,8 @@ class Deadlines:
     scale: float = 1.0
     #: A new connection must send its channel magic within this.
     sniff: float = 5.0
+    #: A connection routed to a framed channel must prove the key (finish its handshake) within this.
+    handshake: float = 5.0
     #: A status HTTP request must arrive whole within this.
     http_request: float = 5.0
     #: The controller waits this long for a joining agent's hello.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import typing
 from collections.abc import AsyncIterator, Callable
@@ -10,6 +11,7 @@ from collections.abc import AsyncIterator, Callable
 import pytest
 
 from flodl_async.errors import ConfigError, ConnectionClosed, PortInUseError
+from flodl_async.net.admission import AdmissionLimits
 from flodl_async.net.framed import FramedProtocol, open_framed
 from flodl_async.net.mux import PortMux, check_bind_host
 from flodl_async.net.service import FramedService
@@ -64,7 +66,8 @@ async def _echo_channel_name(link: FramedProtocol) -> None:
 
 @pytest.fixture
 async def mux(keys: SessionKeys) -> AsyncIterator[PortMux]:
-    mux = PortMux(host="127.0.0.1", port=0, sniff_timeout=3.0, max_unsniffed=512)
+    # Every client here is 127.0.0.1 and these tests are about routing: the per-address cap must not bite.
+    mux = PortMux(host="127.0.0.1", port=0, sniff_timeout=3.0, limits=AdmissionLimits(max_unauthenticated=1024, max_unauthenticated_per_peer=1024))
     async with asyncio.TaskGroup() as tg:
         for channel in FRAMED_CHANNELS:
             service = FramedService(channel=channel, keys=keys, handler=_echo_channel_name, task_group=tg)
@@ -151,15 +154,19 @@ async def test_channel_without_handler_closes_at_once(keys: SessionKeys) -> None
         await mux.aclose()
 
 
-async def test_unsniffed_connections_are_capped() -> None:
-    mux = PortMux(host="127.0.0.1", port=0, max_unsniffed=5, sniff_timeout=30)
+async def test_a_full_cap_evicts_the_oldest_unsniffed_connection_for_the_newcomer() -> None:
+    mux = PortMux(host="127.0.0.1", port=0, limits=AdmissionLimits(max_unauthenticated=10, max_unauthenticated_per_peer=5), sniff_timeout=30)
     await mux.start()
     try:
         held = [await _raw(mux.port) for _ in range(5)]
-        reader, writer = await _raw(mux.port)
-        assert await asyncio.wait_for(reader.read(), 2) == b""
-        assert mux.statistics().dropped == {"over_capacity": 1}
-        for _, w in [*held, (reader, writer)]:
+        newcomer = await _raw(mux.port)
+        oldest_reader, _ = held[0]
+        with contextlib.suppress(ConnectionResetError):  # evicted: aborted, so the peer may see a reset
+            assert await asyncio.wait_for(oldest_reader.read(), 2) == b""
+        stats = mux.statistics()
+        assert stats.dropped == {"evicted": 1}
+        assert stats.unsniffed_now == 5
+        for _, w in [*held, newcomer]:
             w.close()
     finally:
         await mux.aclose()
