@@ -252,8 +252,8 @@ class PortMux:
         self._arm_deadline()
         if self._open >= self._fd_warn_at:
             self._summary.note(
-                f"near the descriptor limit: more than {int(self._fd_warn_at)} connections open and this process may open "
-                f"{self._fd_limit.soft} descriptors ({self._fd_limit.describe()}); more will fail: raise `ulimit -n`",
+                f"near the descriptor limit: more than {int(self._fd_warn_at)} connections open ({self._fd_limit.describe()}); "
+                "more will fail: raise `ulimit -n`",
                 now,
             )
             self._report(now)
@@ -437,7 +437,7 @@ def _log_summary(line: SummaryLine) -> None:
 def _accept_advice(code: int, limit: DescriptorLimit) -> str:
     """What accept() failing with ``code`` means, and what to do about it (a summary note)."""
     if code == errno.EMFILE:
-        return f"accept() failed: this process is out of file descriptors (EMFILE, {limit.describe()}): raise `ulimit -n`"
+        return f"accept() failed: out of file descriptors (EMFILE; {limit.describe()}): raise `ulimit -n`"
     if code == errno.ENFILE:
         return "accept() failed: the system's file table is full (ENFILE): raise fs.file-max (sysctl) or close files elsewhere"
     return f"accept() failed: the kernel is out of memory for sockets ({errno.errorcode.get(code, code)})"
