@@ -13,8 +13,10 @@ import pytest
 from flodl_async.errors import ConfigError, ConnectionClosed, PortInUseError
 from flodl_async.net.admission import AdmissionLimits
 from flodl_async.net.framed import FramedProtocol, open_framed
+from flodl_async.net.http import StatusHttpProtocol
 from flodl_async.net.mux import PortMux, check_bind_host
 from flodl_async.net.service import FramedService
+from flodl_async.status import StatusBoard
 from flodl_async.wire import CHANNEL_MAGIC, Channel, FrameConnection, SessionKeys, Side
 from flodl_async.wire import messages as m
 from flodl_async.wire.frame import FrameLimits
@@ -172,6 +174,21 @@ async def test_a_full_cap_evicts_the_oldest_unsniffed_connection_for_the_newcome
         await mux.aclose()
 
 
+async def test_status_switched_off_refuses_requests_as_over_capacity() -> None:
+    mux = PortMux(host="127.0.0.1", port=0, limits=AdmissionLimits(max_status=0, max_status_per_peer=0))
+    mux.register(Channel.STATUS, lambda: StatusHttpProtocol(StatusBoard()))
+    await mux.start()
+    try:
+        reader, writer = await _raw(mux.port)
+        writer.write(b"GET / HTTP/1.1\r\n\r\n")
+        with contextlib.suppress(ConnectionResetError):
+            assert await asyncio.wait_for(reader.read(), 2) == b""
+        writer.close()
+        assert mux.statistics().dropped == {"over_capacity": 1}
+    finally:
+        await mux.aclose()
+
+
 async def test_wrong_secret_frame_closes_only_that_connection(mux: PortMux, keys: SessionKeys) -> None:
     stranger = SessionKeys.derive(b"\x01" * 16, keys.run_id)
     link = await open_framed("127.0.0.1", mux.port, channel=Channel.CONTROL, keys=stranger)
@@ -257,6 +274,7 @@ def test_routing_and_bad_peers_on_uvloop(keys: SessionKeys) -> None:
 def test_sniff_deadline_scales_with_the_one_knob(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("FLODL_NET_TIMEOUT_SCALE", "3")
     assert PortMux(host="127.0.0.1", port=0).sniff_timeout == 15.0
+    assert PortMux(host="127.0.0.1", port=0).handshake_timeout == 15.0
     monkeypatch.setenv("FLODL_NET_TIMEOUT_SCALE", "0.01")
     with pytest.raises(ConfigError, match=r"FLODL_NET_TIMEOUT_SCALE='0\.01' must be a finite number of at least 0\.1"):
         PortMux(host="127.0.0.1", port=0)
