@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import signal
+import typing
 from pathlib import Path
 
 import pytest
@@ -151,3 +153,37 @@ def test_cancelling_the_controller_still_aborts_a_remote_agent(tmp_path: Path) -
     assert "lost the join link" not in stderr
     assert code == ExitCode.RANK_FAILURE
     assert_nothing_left(base.run_id)
+
+
+def test_state_json_counts_refused_connections_by_reason(tmp_path: Path) -> None:
+    """The port's drop counters and open-connection gauges reach /state.json (``connections``)."""
+    plan = plan_for(tmp_path, ranks=1, target=1, command=(PY, "-c", "pass"))
+
+    async def main() -> dict[str, typing.Any]:
+        sink = LineSink()
+        controller = Controller(plan, output=RankOutput(stdout=sink, stderr=sink))  # type: ignore[arg-type]
+        await controller.bind()
+        try:
+            reader, writer = await asyncio.open_connection("127.0.0.1", controller.port)
+            writer.write(b"\x00 names no channel")
+            async with asyncio.timeout(10):
+                with contextlib.suppress(ConnectionResetError):
+                    assert await reader.read() == b""
+            writer.close()
+            board = controller.status_board
+            assert board.snapshot is not None
+            board.publish(board.snapshot)  # stamps the counters of now (requests see them at most 0.5 s late)
+            reader, writer = await asyncio.open_connection("127.0.0.1", controller.port)
+            writer.write(b"GET /state.json HTTP/1.1\r\nHost: test\r\n\r\n")
+            async with asyncio.timeout(10):
+                answer = await reader.read()
+            writer.close()
+            doc: dict[str, typing.Any] = json.loads(answer.split(b"\r\n\r\n", 1)[1])
+            return doc
+        finally:
+            await controller.aclose()
+
+    connections = asyncio.run(main())["connections"]
+    assert connections["dropped"] == {"unknown_magic": 1}
+    assert connections["accept_errors"] == {}
+    assert set(connections["open"]) == {"total", "unsniffed", "handshaking", "status"}

@@ -56,6 +56,7 @@ PURE_MODULES = [
     "flodl_async.wire",
     "flodl_async.wire.frame",
     "flodl_async.wire.tensor",
+    "flodl_async.net.admission",
 ]
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import typing
 from collections.abc import AsyncIterator, Callable
@@ -10,9 +11,12 @@ from collections.abc import AsyncIterator, Callable
 import pytest
 
 from flodl_async.errors import AuthenticationFailed, ConfigError, ConnectionClosed, PortInUseError
+from flodl_async.net.admission import AdmissionLimits
 from flodl_async.net.framed import FramedProtocol, open_framed
+from flodl_async.net.http import StatusHttpProtocol
 from flodl_async.net.mux import PortMux, check_bind_host
 from flodl_async.net.service import FramedService
+from flodl_async.status import StatusBoard
 from flodl_async.wire import CHANNEL_MAGIC, Channel, Credential
 from flodl_async.wire import messages as m
 from flodl_async.wire.frame import FrameLimits
@@ -67,7 +71,8 @@ async def _echo_channel_name(link: FramedProtocol) -> None:
 
 @pytest.fixture
 async def mux(secret: bytes) -> AsyncIterator[PortMux]:
-    mux = PortMux(host="127.0.0.1", port=0, sniff_timeout=3.0, max_unsniffed=512)
+    # Every client here is 127.0.0.1 and these tests are about routing: the per-address cap must not bite.
+    mux = PortMux(host="127.0.0.1", port=0, sniff_timeout=3.0, limits=AdmissionLimits(max_unauthenticated=1024, max_unauthenticated_per_peer=1024))
     async with asyncio.TaskGroup() as tg:
         for channel in FRAMED_CHANNELS:
             service = FramedService(channel=channel, resolve=session_resolver(secret), run_id="test-run", handler=_echo_channel_name, task_group=tg)
@@ -154,16 +159,35 @@ async def test_channel_without_handler_closes_at_once(secret: bytes) -> None:
         await mux.aclose()
 
 
-async def test_unsniffed_connections_are_capped() -> None:
-    mux = PortMux(host="127.0.0.1", port=0, max_unsniffed=5, sniff_timeout=30)
+async def test_a_full_cap_evicts_the_oldest_unsniffed_connection_for_the_newcomer() -> None:
+    mux = PortMux(host="127.0.0.1", port=0, limits=AdmissionLimits(max_unauthenticated=10, max_unauthenticated_per_peer=5), sniff_timeout=30)
     await mux.start()
     try:
         held = [await _raw(mux.port) for _ in range(5)]
-        reader, writer = await _raw(mux.port)
-        assert await asyncio.wait_for(reader.read(), 2) == b""
-        assert mux.statistics().dropped == {"over_capacity": 1}
-        for _, w in [*held, (reader, writer)]:
+        newcomer = await _raw(mux.port)
+        oldest_reader, _ = held[0]
+        with contextlib.suppress(ConnectionResetError):  # evicted: aborted, so the peer may see a reset
+            assert await asyncio.wait_for(oldest_reader.read(), 2) == b""
+        stats = mux.statistics()
+        assert stats.dropped == {"evicted": 1}
+        assert stats.unsniffed_now == 5
+        for _, w in [*held, newcomer]:
             w.close()
+    finally:
+        await mux.aclose()
+
+
+async def test_status_switched_off_refuses_requests_as_over_capacity() -> None:
+    mux = PortMux(host="127.0.0.1", port=0, limits=AdmissionLimits(max_status=0, max_status_per_peer=0))
+    mux.register(Channel.STATUS, lambda: StatusHttpProtocol(StatusBoard()))
+    await mux.start()
+    try:
+        reader, writer = await _raw(mux.port)
+        writer.write(b"GET / HTTP/1.1\r\n\r\n")
+        with contextlib.suppress(ConnectionResetError):
+            assert await asyncio.wait_for(reader.read(), 2) == b""
+        writer.close()
+        assert mux.statistics().dropped == {"over_capacity": 1}
     finally:
         await mux.aclose()
 
@@ -250,6 +274,7 @@ def test_routing_and_bad_peers_on_uvloop(secret: bytes) -> None:
 def test_sniff_deadline_scales_with_the_one_knob(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("FLODL_NET_TIMEOUT_SCALE", "3")
     assert PortMux(host="127.0.0.1", port=0).sniff_timeout == 15.0
+    assert PortMux(host="127.0.0.1", port=0).handshake_timeout == 15.0
     monkeypatch.setenv("FLODL_NET_TIMEOUT_SCALE", "0.01")
     with pytest.raises(ConfigError, match=r"FLODL_NET_TIMEOUT_SCALE='0\.01' must be a finite number of at least 0\.1"):
         PortMux(host="127.0.0.1", port=0)

@@ -136,10 +136,12 @@ def exit_code_for(outcome: SessionOutcome) -> ExitCode:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``flodl-agent``: join a controller and run this host's ranks; returns the exit code."""
+    from ..net.fdlimit import raise_descriptor_limit
     from ..net.loop import run
 
     args = _parser().parse_args(argv)  # --help and argparse's own errors exit here (code 2)
     logging.basicConfig(level=logging.INFO, format="flodl-agent: %(message)s")
+    raise_descriptor_limit()
     try:
         config = build_config(args)
     except ConfigError as exc:

@@ -30,6 +30,7 @@ from collections.abc import Callable
 from .. import __version__
 from ..agent import RankOutput
 from ..errors import ConnectionClosed, FlodlError, WireError
+from ..net.fdlimit import raise_descriptor_limit
 from ..net.framed import FramedProtocol
 from ..net.http import StatusHttpProtocol
 from ..net.mux import PortMux
@@ -96,7 +97,7 @@ class Controller:
         self._output = output
         self._resolve = session_resolver(plan.secret)
         self._links: dict[str, FramedProtocol] = {}
-        self._mux = PortMux(host=plan.bind_host, port=plan.port, sniff_timeout=self._deadlines.sniff)
+        self._mux = PortMux(host=plan.bind_host, port=plan.port, sniff_timeout=self._deadlines.sniff, handshake_timeout=self._deadlines.handshake)
         self._board = StatusBoard(counters=self._connection_counters)
         self._started_at = time.time()
         self._opened_at = time.monotonic()
@@ -126,6 +127,7 @@ class Controller:
     async def bind(self) -> None:
         """Bind the one port and serve status (``waiting``) before anything else happens."""
         self._mux.register(Channel.STATUS, lambda: StatusHttpProtocol(self._board, request_timeout=self._deadlines.http_request))
+        raise_descriptor_limit()  # every connection is a descriptor: take what the hard limit allows
         await self._mux.start()
         self._publish()
 
@@ -342,7 +344,12 @@ class Controller:
 
     def _connection_counters(self) -> Counters:
         stats = self._mux.statistics()
-        return {"routed": stats.routed, "dropped": stats.dropped}
+        return {
+            "routed": stats.routed,
+            "dropped": stats.dropped,  # by reason: evicted, handshake_timeout, auth_failed, unknown_magic...
+            "accept_errors": stats.accept_errors,
+            "open": {"total": stats.open_now, "unsniffed": stats.unsniffed_now, "handshaking": stats.handshaking_now, "status": stats.status_now},
+        }
 
     def _publish(self) -> None:
         phase, world_size, joined, restarts = Phase.WAITING, 0, 0, 0

@@ -1,13 +1,27 @@
-"""The one-port mux: one listening socket, connections routed by their first four bytes.
+"""The one-port mux: one listening socket, connections routed by their first four bytes, admission enforced.
 
-Each accepted connection starts under a small sniffing protocol with a
-deadline. When :func:`~flodl_async.wire.channels.sniff` names a channel, the
-transport is handed to that channel's protocol (``transport.set_protocol``)
-together with the bytes that followed the magic, so the hot path runs on
-plain ``asyncio.Protocol`` callbacks with no extra copy or task. Unknown magic,
-silence past the deadline, an early close, or a channel with no handler this
-run closes that one connection, logs one line and counts it; the accept path
-never waits on any peer.
+Theory of operation. Each accepted connection starts under a small sniffing protocol. When
+:func:`~flodl_async.wire.channels.sniff` names a channel, the transport is handed to that
+channel's protocol (``transport.set_protocol``) together with the bytes that followed the magic,
+so the hot path runs on plain ``asyncio.Protocol`` callbacks with no extra copy or task; a thin
+watcher in between only forwards them and notices the close.
+
+Until its peer proves the key, a connection is under admission
+(:mod:`flodl_async.net.admission`): capped per peer address and in total, the oldest evicted
+when a cap is full, with a deadline for the magic and another for the handshake. A framed
+channel's protocol is told of its connection's admission through an
+:class:`~flodl_async.net.admission.AdmissionTicket` — ``protocol.bind_admission(ticket)``,
+before ``connection_made`` — and calls ``ticket.authenticated()`` once the peer proved the key,
+or ``ticket.rejected(reason, detail)``. A protocol without ``bind_admission`` on a framed
+channel cannot say when its peer authenticated, so its connections are admitted once routed,
+as before admission existed. Status HTTP, which proves nothing, has its own small budget until
+its connection closes.
+
+Every refusal (unknown magic, silence, an early close, no handler, eviction, a handshake that
+timed out or failed) closes that one connection and is counted by reason (:meth:`PortMux.statistics`,
+``/state.json``); the log gets at most one summary line per interval, never a line per
+connection, and a clear one when accept() runs out of descriptors. The accept path never
+waits on any peer.
 """
 
 from __future__ import annotations
@@ -15,8 +29,10 @@ from __future__ import annotations
 import asyncio
 import collections
 import errno
+import functools
 import ipaddress
 import logging
+import math
 import typing
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -24,24 +40,37 @@ from dataclasses import dataclass
 from ..deadlines import Deadlines
 from ..errors import ConfigError, PortInUseError
 from ..wire.channels import Channel, NeedMore, Routed, sniff
+from .admission import SUMMARY_INTERVAL, Admission, AdmissionLimits, AdmissionTicket, Eviction, Refused, RejectionSummary, Stage, SummaryLine, peer_key
+from .fdlimit import DescriptorLimit, descriptor_limit
 
 log = logging.getLogger("flodl_async.mux")
 
 ProtocolFactory = Callable[[], asyncio.BaseProtocol]
 
-DEFAULT_MAX_UNSNIFFED = 512
 #: Longest prefix we buffer while sniffing: the magic is 4 bytes, more is a peer that talks past it.
 _MAX_SNIFF_BYTES = 64 * 1024
+#: accept() errors asyncio reports (and retries a second later) when the process or the kernel runs out.
+_ACCEPT_RESOURCE_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class MuxStatistics:
-    """A snapshot of what the mux has seen since it started."""
+    """A snapshot of what the mux has seen since it started, and what it holds now."""
 
     accepted: int
     routed: dict[str, int]
+    #: Connections closed by the mux or refused by their protocol, by reason (cumulative).
     dropped: dict[str, int]
+    #: accept() failures by errno name (EMFILE...): connections the process had no descriptor for.
+    accept_errors: dict[str, int]
+    #: Connections open now: unauthenticated, status and authenticated.
+    open_now: int
+    #: Connections that have not sent their channel magic yet.
     unsniffed_now: int
+    #: Connections routed to a framed channel whose peer has not proved the key yet.
+    handshaking_now: int
+    #: Status HTTP connections open now.
+    status_now: int
 
 
 def check_bind_host(host: str) -> str:
@@ -58,7 +87,7 @@ def check_bind_host(host: str) -> str:
 
 
 class PortMux:
-    """Owns the controller's listening socket and routes connections to channel handlers."""
+    """Owns the controller's listening socket, admits connections and routes them to channel handlers."""
 
     def __init__(
         self,
@@ -66,20 +95,39 @@ class PortMux:
         host: str = "0.0.0.0",
         port: int = 1337,
         sniff_timeout: float | None = None,
-        max_unsniffed: int = DEFAULT_MAX_UNSNIFFED,
+        handshake_timeout: float | None = None,
+        limits: AdmissionLimits | None = None,
+        summary_interval: float = SUMMARY_INTERVAL,
     ) -> None:
         self._host = check_bind_host(host)
         self._port = port
-        self._sniff_timeout = Deadlines.resolve().sniff if sniff_timeout is None else sniff_timeout
-        self._max_unsniffed = max_unsniffed
+        defaults = Deadlines.resolve() if sniff_timeout is None or handshake_timeout is None else Deadlines()
+        self._sniff_timeout = defaults.sniff if sniff_timeout is None else sniff_timeout
+        self._handshake_timeout = defaults.handshake if handshake_timeout is None else handshake_timeout
+        self._limits = limits or AdmissionLimits()
+        self._admission = Admission(self._limits, sniff_timeout=self._sniff_timeout, handshake_timeout=self._handshake_timeout)
+        self._summary = RejectionSummary(interval=summary_interval)
         self._handlers: dict[Channel, ProtocolFactory] = {}
         self._server: asyncio.Server | None = None
-        self._unsniffed: set[_Sniffer] = set()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        #: What to close for each connection admission tracks, by connection id.
+        self._held: dict[int, _Sniffer | _Routed] = {}
+        self._next_conn = 0
+        self._open = 0
         self._routed_transports: set[asyncio.BaseTransport] = set()
         self._prune_at = 1024
         self._accepted = 0
         self._routed: collections.Counter[str] = collections.Counter()
-        self._dropped: collections.Counter[str] = collections.Counter()
+        self._accept_errors: collections.Counter[str] = collections.Counter()
+        self._unbound_channels: set[Channel] = set()
+        self._deadline_timer: asyncio.TimerHandle | None = None
+        self._deadline_at = math.inf
+        self._summary_timer: asyncio.TimerHandle | None = None
+        self._summary_at = math.inf
+        self._fd_limit = DescriptorLimit(soft=None, hard=None)
+        self._fd_warn_at = math.inf
+        self._previous_handler: Callable[[asyncio.AbstractEventLoop, dict[str, typing.Any]], object] | None = None
+        self._handler_installed = False
 
     def register(self, channel: Channel, factory: ProtocolFactory) -> None:
         """Route ``channel`` to protocols made by ``factory`` (called once per connection)."""
@@ -88,6 +136,12 @@ class PortMux:
     async def start(self) -> None:
         """Bind and listen. A port held by a live listener raises :class:`PortInUseError`."""
         loop = asyncio.get_running_loop()
+        self._loop = loop
+        self._fd_limit = descriptor_limit()
+        if self._fd_limit.soft is not None:
+            # Past this many open connections the process is close to its limit (its other files,
+            # pipes and the loop's own descriptors need the rest): warn before accept() fails.
+            self._fd_warn_at = self._fd_limit.soft - max(64, self._fd_limit.soft // 8)
         try:
             # reuse_address: a previous run's TIME_WAIT sockets never block a rebind,
             # while a live listener still makes bind fail (the double-run guard).
@@ -96,6 +150,13 @@ class PortMux:
             if exc.errno == errno.EADDRINUSE:
                 raise PortInUseError(self._host, self._port) from exc
             raise ConfigError(f"cannot listen on {self._host}:{self._port}: {exc.strerror or exc}") from exc
+        # asyncio reports accept() failing for want of descriptors through the loop's exception
+        # handler, once per attempt (up to the backlog per retry) at ERROR with a generic message:
+        # taken here, it becomes one summary line that names the limit. (uvloop never reports it:
+        # libuv accepts and closes the pending connections; the open-connection warning covers it.)
+        self._previous_handler = loop.get_exception_handler()
+        loop.set_exception_handler(self._on_loop_exception)
+        self._handler_installed = True
 
     @property
     def port(self) -> int:
@@ -114,56 +175,253 @@ class PortMux:
         """The bound address."""
         return self._host
 
+    @property
+    def sniff_timeout(self) -> float:
+        """Seconds a new connection has to send its channel magic."""
+        return self._sniff_timeout
+
+    @property
+    def handshake_timeout(self) -> float:
+        """Seconds a connection routed to a framed channel has to authenticate."""
+        return self._handshake_timeout
+
+    @property
+    def limits(self) -> AdmissionLimits:
+        """The admission caps."""
+        return self._limits
+
     def statistics(self) -> MuxStatistics:
-        """What the mux has accepted, routed and dropped so far."""
+        """What the mux has accepted, routed and dropped so far, and what it holds now."""
+        admission = self._admission.statistics()
         return MuxStatistics(
             accepted=self._accepted,
             routed=dict(self._routed),
-            dropped=dict(self._dropped),
-            unsniffed_now=len(self._unsniffed),
+            dropped=self._summary.totals(),
+            accept_errors=dict(self._accept_errors),
+            open_now=self._open,
+            unsniffed_now=admission.sniffing,
+            handshaking_now=admission.handshaking,
+            status_now=admission.status,
         )
 
     async def aclose(self) -> None:
         """Stop accepting, then close every connection the mux accepted that is still open."""
         if self._server is not None:
             self._server.close()
-        for sniffer in list(self._unsniffed):
-            sniffer.drop("mux closing", count=False)
+        for conn, held in list(self._held.items()):
+            self._admission.release(conn)
+            held.abort()
+        self._held.clear()
         for transport in list(self._routed_transports):
             if not transport.is_closing():
                 transport.close()
         self._routed_transports.clear()
+        for timer in (self._deadline_timer, self._summary_timer):
+            if timer is not None:
+                timer.cancel()
+        self._deadline_timer = self._summary_timer = None
+        self._deadline_at = self._summary_at = math.inf
+        if self._loop is not None:
+            line = self._summary.flush(self._loop.time())  # nothing refused goes unreported
+            if line is not None:
+                _log_summary(line)
+            if self._handler_installed and self._loop.get_exception_handler() == self._on_loop_exception:
+                self._loop.set_exception_handler(self._previous_handler)
+            self._handler_installed = False
         if self._server is not None:
             await self._server.wait_closed()
             self._server = None
 
-    # ----- called by _Sniffer ---------------------------------------------------------------
+    # ----- admission ---------------------------------------------------------------------------
 
-    def _admit(self, sniffer: _Sniffer) -> bool:
+    def _now(self) -> float:
+        assert self._loop is not None
+        return self._loop.time()
+
+    def _admit(self, sniffer: _Sniffer, host: str) -> int:
+        """A new connection: admitted (always; the oldest may make room), under the sniff deadline."""
+        now = self._now()
         self._accepted += 1
-        if len(self._unsniffed) >= self._max_unsniffed:
-            return False
-        self._unsniffed.add(sniffer)
-        return True
+        self._open += 1
+        conn = self._next_conn
+        self._next_conn += 1
+        eviction = self._admission.admit(conn, peer_key(host), now)
+        self._held[conn] = sniffer
+        if eviction is not None:
+            self._evict(eviction)
+        self._arm_deadline()
+        if self._open >= self._fd_warn_at:
+            self._summary.note(
+                f"near the descriptor limit: more than {int(self._fd_warn_at)} connections open ({self._fd_limit.describe()}); "
+                "more will fail: raise `ulimit -n`",
+                now,
+            )
+            self._report(now)
+        return conn
 
-    def _count_drop(self, reason: str) -> None:
-        self._dropped[reason] += 1
+    def _evict(self, eviction: Eviction) -> None:
+        self._end(eviction.conn, "evicted", f"{eviction.describe()} ({eviction.cap.value} cap)", note=eviction.describe())
+
+    def _end(self, conn: int, reason: str, why: str, *, note: str = "") -> None:
+        """Close a connection admission tracks, and count it under ``reason``."""
+        self._admission.release(conn)
+        held = self._held.pop(conn, None)
+        if held is None:
+            return
+        self._refuse(reason, held.label, why, note=note)
+        held.abort()
+
+    def _refuse(self, reason: str, label: str, why: str, *, note: str = "") -> None:
+        now = self._now()
+        self._summary.record(reason, now, note=note)
+        log.debug("port mux: dropping connection from %s (%s: %s)", label, reason, why)
+        self._report(now)
+
+    def _arm_deadline(self) -> None:
+        at = self._admission.next_deadline()
+        if at is None or at >= self._deadline_at:
+            return
+        if self._deadline_timer is not None:
+            self._deadline_timer.cancel()
+        assert self._loop is not None
+        self._deadline_at = at
+        self._deadline_timer = self._loop.call_at(at, self._on_deadline)
+
+    def _on_deadline(self) -> None:
+        # The loop may run a timer a clock tick early: it was armed for _deadline_at, so that is now.
+        now = max(self._now(), self._deadline_at)
+        self._deadline_timer = None
+        self._deadline_at = math.inf
+        for expired in self._admission.expire(now):
+            if expired.stage is Stage.SNIFFING:
+                self._end(expired.conn, "sniff_timeout", f"no channel magic within {self._sniff_timeout:g}s")
+            else:
+                self._end(expired.conn, "handshake_timeout", f"not authenticated within {self._handshake_timeout:g}s")
+        self._arm_deadline()
+
+    def _report(self, now: float) -> None:
+        line = self._summary.due(now)
+        if line is not None:
+            _log_summary(line)
+        at = self._summary.next_due()
+        if at is None or at >= self._summary_at:
+            return
+        if self._summary_timer is not None:
+            self._summary_timer.cancel()
+        assert self._loop is not None
+        self._summary_at = at
+        self._summary_timer = self._loop.call_at(at, self._on_summary_due)
+
+    def _on_summary_due(self) -> None:
+        now = max(self._now(), self._summary_at)
+        self._summary_timer = None
+        self._summary_at = math.inf
+        self._report(now)
+
+    def _on_loop_exception(self, loop: asyncio.AbstractEventLoop, context: dict[str, typing.Any]) -> None:
+        exc = context.get("exception")
+        sock = context.get("socket")
+        if isinstance(exc, OSError) and exc.errno in _ACCEPT_RESOURCE_ERRNOS and sock is not None and self._is_listening_socket(sock):
+            self._accept_failed(exc)
+        elif self._previous_handler is not None:
+            self._previous_handler(loop, context)
+        else:
+            loop.default_exception_handler(context)
+
+    def _is_listening_socket(self, sock: typing.Any) -> bool:
+        try:
+            fileno = sock.fileno()
+        except (AttributeError, OSError):
+            return False
+        return self._server is not None and any(s.fileno() == fileno for s in self._server.sockets)
+
+    def _accept_failed(self, exc: OSError) -> None:
+        code = exc.errno if exc.errno is not None else 0
+        self._accept_errors[errno.errorcode.get(code, str(code))] += 1
+        now = self._now()
+        self._summary.note(_accept_advice(code, self._fd_limit), now)
+        self._report(now)
+
+    # ----- routing (called by _Sniffer) --------------------------------------------------------
 
     def _route(self, sniffer: _Sniffer, transport: asyncio.Transport, routed: Routed) -> None:
-        self._unsniffed.discard(sniffer)
+        conn = sniffer.conn
         factory = self._handlers.get(routed.channel)
         if factory is None:
-            sniffer.drop(f"no {routed.channel.value} service in this run", reason="no_handler")
+            self._end(conn, "no_handler", f"no {routed.channel.value} service in this run")
             return
-        self._routed[routed.channel.value] += 1
         protocol = factory()
-        transport.set_protocol(protocol)
+        record = _Routed(conn, transport, sniffer.label)
+        ticket: AdmissionTicket | None = None
+        if callable(getattr(protocol, "bind_admission", None)):
+            ticket = self._handshake(record)
+        elif routed.channel is Channel.STATUS:
+            outcome = self._admission.to_status(conn)
+            if isinstance(outcome, Refused):
+                self._end(conn, "over_capacity", "status HTTP is switched off (status cap 0)")
+                return
+            self._held[conn] = record
+            if outcome is not None:
+                self._evict(outcome)
+        else:
+            self._admit_unbound(record, routed.channel)
+        self._routed[routed.channel.value] += 1
+        sniffer.handed_over = True
+        transport.set_protocol(_watch(protocol, functools.partial(self._routed_lost, record)))
         self._track(transport)
+        if ticket is not None:
+            typing.cast(_BindsAdmission, protocol).bind_admission(ticket)
         protocol.connection_made(transport)
         if routed.leftover and not transport.is_closing():
             _feed(protocol, routed.leftover)
         if sniffer.saw_eof and not transport.is_closing() and not typing.cast(asyncio.Protocol, protocol).eof_received():
             transport.close()
+
+    def _handshake(self, record: _Routed) -> AdmissionTicket:
+        self._admission.handshake(record.conn, self._now())
+        self._held[record.conn] = record
+        self._arm_deadline()
+        return AdmissionTicket(
+            on_authenticated=functools.partial(self._authenticated, record),
+            on_rejected=functools.partial(self._rejected, record),
+        )
+
+    def _admit_unbound(self, record: _Routed, channel: Channel) -> None:
+        # A protocol that cannot report its handshake: nothing would ever end the deadline, so
+        # the connection is admitted as it is routed (the framed protocols bind a ticket).
+        if channel not in self._unbound_channels:
+            self._unbound_channels.add(channel)
+            log.debug("port mux: the %s channel's protocol has no bind_admission: its connections are admitted once routed", channel.value)
+        self._admission.release(record.conn)
+        self._held.pop(record.conn, None)
+
+    def _authenticated(self, record: _Routed) -> None:
+        if record.ended:
+            return  # too late: the mux already closed it
+        self._admission.release(record.conn)
+        self._held.pop(record.conn, None)
+
+    def _rejected(self, record: _Routed, reason: str, detail: str) -> None:
+        if record.ended:
+            return  # the mux closed it first and counted that
+        record.ended = True
+        self._admission.release(record.conn)
+        self._held.pop(record.conn, None)
+        self._refuse(reason, record.label, detail)
+
+    def _routed_lost(self, record: _Routed) -> None:
+        self._open -= 1
+        stage = self._admission.release(record.conn)
+        if stage is None:
+            return
+        self._held.pop(record.conn, None)
+        if stage is Stage.HANDSHAKING and not record.ended:
+            record.ended = True
+            self._refuse("early_close", record.label, "closed before authenticating")
+
+    def _sniffer_lost(self, sniffer: _Sniffer) -> None:
+        self._open -= 1
+        self._end(sniffer.conn, "early_close", "connection lost before sending a channel magic")
 
     def _track(self, transport: asyncio.BaseTransport) -> None:
         self._routed_transports.add(transport)
@@ -171,13 +429,100 @@ class PortMux:
             self._routed_transports = {t for t in self._routed_transports if not t.is_closing()}
             self._prune_at = max(1024, 2 * len(self._routed_transports))
 
-    def _forget(self, sniffer: _Sniffer) -> None:
-        self._unsniffed.discard(sniffer)
 
-    @property
-    def sniff_timeout(self) -> float:
-        """Seconds a new connection has to send its channel magic."""
-        return self._sniff_timeout
+def _log_summary(line: SummaryLine) -> None:
+    log.log(logging.WARNING if line.warning else logging.INFO, "%s", line.text)
+
+
+def _accept_advice(code: int, limit: DescriptorLimit) -> str:
+    """What accept() failing with ``code`` means, and what to do about it (a summary note)."""
+    if code == errno.EMFILE:
+        return f"accept() failed: out of file descriptors (EMFILE; {limit.describe()}): raise `ulimit -n`"
+    if code == errno.ENFILE:
+        return "accept() failed: the system's file table is full (ENFILE): raise fs.file-max (sysctl) or close files elsewhere"
+    return f"accept() failed: the kernel is out of memory for sockets ({errno.errorcode.get(code, code)})"
+
+
+class _BindsAdmission(typing.Protocol):
+    def bind_admission(self, ticket: AdmissionTicket) -> None: ...
+
+
+class _Routed:
+    """A routed connection, for as long as admission tracks it (handshake or status)."""
+
+    __slots__ = ("conn", "ended", "label", "transport")
+
+    def __init__(self, conn: int, transport: asyncio.Transport, label: str) -> None:
+        self.conn = conn
+        self.transport = transport
+        self.label = label
+        self.ended = False
+
+    def abort(self) -> None:
+        self.ended = True
+        self.transport.abort()
+
+
+class _Watch(asyncio.Protocol):
+    """Forwards a routed connection's callbacks to its protocol and tells the mux when it closes."""
+
+    def __init__(self, inner: asyncio.Protocol, on_lost: Callable[[], None]) -> None:
+        self._inner = inner
+        self._on_lost = on_lost
+
+    def data_received(self, data: bytes) -> None:
+        self._inner.data_received(data)
+
+    def eof_received(self) -> bool | None:
+        return self._inner.eof_received()
+
+    def pause_writing(self) -> None:
+        self._inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        self._inner.resume_writing()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        try:
+            self._inner.connection_lost(exc)  # first: the protocol may still report a rejection
+        finally:
+            self._on_lost()
+
+
+class _BufferedWatch(asyncio.BufferedProtocol):
+    """:class:`_Watch` for a protocol that reads into its own buffers (the data channel)."""
+
+    def __init__(self, inner: asyncio.BufferedProtocol, on_lost: Callable[[], None]) -> None:
+        self._inner = inner
+        self._on_lost = on_lost
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return typing.cast(memoryview, self._inner.get_buffer(sizehint))
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self._inner.buffer_updated(nbytes)
+
+    def eof_received(self) -> bool | None:
+        return self._inner.eof_received()
+
+    def pause_writing(self) -> None:
+        self._inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        self._inner.resume_writing()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        try:
+            self._inner.connection_lost(exc)
+        finally:
+            self._on_lost()
+
+
+def _watch(protocol: asyncio.BaseProtocol, on_lost: Callable[[], None]) -> asyncio.BaseProtocol:
+    # Same read style as the protocol: a class that were both would be read as a plain Protocol by uvloop.
+    if isinstance(protocol, asyncio.BufferedProtocol):
+        return _BufferedWatch(protocol, on_lost)
+    return _Watch(typing.cast(asyncio.Protocol, protocol), on_lost)
 
 
 def _feed(protocol: asyncio.BaseProtocol, data: bytes) -> None:
@@ -195,27 +540,25 @@ def _feed(protocol: asyncio.BaseProtocol, data: bytes) -> None:
 
 
 class _Sniffer(asyncio.Protocol):
-    """Holds a new connection until its first bytes name a channel."""
+    """Holds a new connection until its first bytes name a channel (its deadline is admission's)."""
 
     def __init__(self, mux: PortMux) -> None:
         self._mux = mux
         self._buf = bytearray()
         self._transport: asyncio.Transport | None = None
-        self._timer: asyncio.TimerHandle | None = None
-        self._peer = "?"
+        self.conn = -1
+        self.label = "?"
         self._done = False
         self.saw_eof = False
+        self.handed_over = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transports implement asyncio.Transport without subclassing it.
         self._transport = typing.cast(asyncio.Transport, transport)
         peer = transport.get_extra_info("peername")
-        self._peer = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
-        if not self._mux._admit(self):
-            self.drop(f"more than {self._mux._max_unsniffed} connections have not sent a channel magic yet", reason="over_capacity")
-            return
-        loop = asyncio.get_running_loop()
-        self._timer = loop.call_later(self._mux.sniff_timeout, self._expire)
+        host = str(peer[0]) if isinstance(peer, tuple) else ""
+        self.label = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer or "local")
+        self.conn = self._mux._admit(self, host)
 
     def data_received(self, data: bytes) -> None:
         if self._done:
@@ -228,42 +571,26 @@ class _Sniffer(asyncio.Protocol):
         if isinstance(result, NeedMore):
             return
         if isinstance(result, Routed):
-            self._finish()
+            self._done = True
             assert self._transport is not None
-            leftover = bytes(self._buf) if result.channel.value == "status" else bytes(self._buf[4:])
+            leftover = bytes(self._buf) if result.channel is Channel.STATUS else bytes(self._buf[4:])
+            self._buf.clear()
             self._mux._route(self, self._transport, Routed(channel=result.channel, leftover=leftover))
             return
-        self.drop(result.reason, reason="unknown_magic")
+        self._mux._end(self.conn, "unknown_magic", result.reason)
 
     def eof_received(self) -> bool | None:
         self.saw_eof = True
         if not self._done:
-            self.drop(f"closed after {len(self._buf)} bytes, before sending a channel magic", reason="early_close")
+            self._mux._end(self.conn, "early_close", f"closed after {len(self._buf)} bytes, before sending a channel magic")
         return None
 
     def connection_lost(self, exc: Exception | None) -> None:
-        if not self._done:
-            self.drop("connection lost before sending a channel magic", reason="early_close")
+        if not self.handed_over:
+            self._mux._sniffer_lost(self)
 
-    def _expire(self) -> None:
-        self._timer = None
-        if not self._done:
-            self.drop(f"no channel magic within {self._mux.sniff_timeout:g}s", reason="sniff_timeout")
-
-    def _finish(self) -> None:
+    def abort(self) -> None:
+        """Close at once (the mux counted why)."""
         self._done = True
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-        self._mux._forget(self)
-
-    def drop(self, why: str, *, reason: str = "", count: bool = True) -> None:
-        """Close this connection, log one line, and count it under ``reason``."""
-        if self._done and reason != "no_handler":
-            return
-        self._finish()
-        if count:
-            self._mux._count_drop(reason)
-            log.info("port mux: dropping connection from %s (%s); continuing to accept", self._peer, why)
         if self._transport is not None:
             self._transport.abort()

@@ -1,0 +1,458 @@
+"""Connection admission on the controller's one port: who may hold a descriptor before proving the key.
+
+Theory of operation
+-------------------
+Every connection the port accepts is *unauthenticated* until its protocol says that its peer
+proved the key: first while it has not sent a channel magic (:attr:`Stage.SNIFFING`), then,
+routed to a framed channel, while its handshake runs (:attr:`Stage.HANDSHAKING`). A flood is
+made of such connections, so they — and only they — are capped, per peer address and in total.
+A full cap never turns the newcomer away: it evicts the *oldest* unauthenticated connection (of
+that peer for the per-peer cap, overall for the total). A flood therefore churns through its own
+connections, while an honest peer that arrives in the middle of one — even from the same
+address, as an agent and an attacker on one host share 127.0.0.1 — needs only to finish its
+handshake before a cap's worth of newer connections arrive, and each stage has a short deadline
+(:meth:`Admission.expire`) that ends the stragglers. A connection that authenticated leaves
+admission altogether: it is never counted and never evicted.
+
+Status HTTP connections prove nothing (the page is public), so they move to a separate, small
+budget with the same rule (:meth:`Admission.to_status`) and stay there until they close; their
+request deadline is the HTTP protocol's own.
+
+The pieces are sans-IO: :class:`Admission` takes connection ids, peer keys and ``now`` (a
+monotonic clock) and answers which connection to evict or which have expired;
+:class:`RejectionSummary` turns refusals into at most one log line per interval;
+:class:`AdmissionTicket` is the seam through which a framed protocol reports its handshake. The
+port mux (:mod:`flodl_async.net.mux`) performs what they decide.
+"""
+
+from __future__ import annotations
+
+import enum
+import ipaddress
+from collections import Counter, OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ..errors import ConfigError
+
+#: Seconds between two summary lines of refused connections. A reporting period, not a deadline:
+#: it does not scale with FLODL_NET_TIMEOUT_SCALE.
+SUMMARY_INTERVAL = 10.0
+#: Distinct notes (why connections were refused, in words) one summary line keeps; more are counted.
+MAX_NOTES = 8
+#: Notes one summary line shows; the rest are summed up as "and N more".
+_SHOWN_NOTES = 3
+
+
+class Pool(enum.Enum):
+    """The two budgets: connections that have not proved the key, and status HTTP."""
+
+    UNAUTHENTICATED = "unauthenticated"
+    STATUS = "status"
+
+
+class Stage(enum.Enum):
+    """Where an admitted connection is; the first two are the unauthenticated pool and have deadlines."""
+
+    SNIFFING = "sniffing"
+    HANDSHAKING = "handshaking"
+    STATUS = "status"
+
+
+_POOL_OF = {Stage.SNIFFING: Pool.UNAUTHENTICATED, Stage.HANDSHAKING: Pool.UNAUTHENTICATED, Stage.STATUS: Pool.STATUS}
+
+
+class Cap(enum.Enum):
+    """Which cap made room for a newcomer."""
+
+    PER_PEER = "per peer"
+    TOTAL = "total"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AdmissionLimits:
+    """The caps; a full cap evicts the oldest connection of its pool (of that peer, or overall).
+
+    Why these defaults. Descriptors are what a flood exhausts, and the common soft limit is
+    1,024: 512 unauthenticated plus 64 status connections leave the other half to the
+    authenticated links (which scale with hosts: agents, relays and store hosts, not ranks) and
+    to the controller's own files, even where the limit cannot be raised. An unauthenticated
+    connection costs only kernel buffers and a few Python objects, so memory is not the bound.
+    An honest host opens a handful of connections at once (join, rendezvous, its relay's
+    control link, data links), so 64 per address leaves headroom for several hosts behind one
+    NAT or on one machine while holding a single flooding address to an eighth of the pool.
+    Status is one short request per connection (``Connection: close``): 16 concurrent from one
+    address covers a few dashboards, ``flodl status`` and a scraper; 64 in all.
+    """
+
+    max_unauthenticated: int = 512
+    max_unauthenticated_per_peer: int = 64
+    #: 0 turns status HTTP away (counted as ``over_capacity``).
+    max_status: int = 64
+    max_status_per_peer: int = 16
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.max_unauthenticated_per_peer <= self.max_unauthenticated:
+            raise ConfigError(
+                f"admission caps: need 1 <= unauthenticated per peer ({self.max_unauthenticated_per_peer}) <= "
+                f"unauthenticated in total ({self.max_unauthenticated}); the port must be able to admit its own agents"
+            )
+        if not 0 <= self.max_status_per_peer <= self.max_status:
+            raise ConfigError(f"admission caps: need 0 <= status per peer ({self.max_status_per_peer}) <= status in total ({self.max_status})")
+
+    def cap(self, pool: Pool, cap: Cap) -> int:
+        """The value of one cap."""
+        if pool is Pool.UNAUTHENTICATED:
+            return self.max_unauthenticated_per_peer if cap is Cap.PER_PEER else self.max_unauthenticated
+        return self.max_status_per_peer if cap is Cap.PER_PEER else self.max_status
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Eviction:
+    """Connection ``conn`` of ``peer`` was evicted from ``pool`` to make room: the shell closes it."""
+
+    conn: int
+    peer: str
+    pool: Pool
+    cap: Cap
+    limit: int
+
+    def describe(self) -> str:
+        """The note a summary line carries, the same for every eviction of this kind."""
+        scope = f"from {self.peer}" if self.cap is Cap.PER_PEER else "in total"
+        return f"evicting the oldest {self.pool.value} connections: more than {self.limit} {scope}"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Refused:
+    """The pool admits nobody (a cap of 0): the newcomer is turned away."""
+
+    pool: Pool
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Expired:
+    """Connection ``conn`` overran the deadline of ``stage``: the shell closes it."""
+
+    conn: int
+    stage: Stage
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AdmissionStatistics:
+    """How many connections each stage holds now, and how many were evicted from each pool so far."""
+
+    sniffing: int
+    handshaking: int
+    status: int
+    evicted: dict[str, int]
+
+
+def peer_key(host: str) -> str:
+    """The address a per-peer cap counts by.
+
+    IPv4 and IPv6 loopback addresses count as themselves; an IPv4-mapped IPv6 address as its
+    IPv4 address; any other IPv6 address by its /64, the block one subscriber or one host is
+    handed, so that an attacker cannot take a fresh cap from each of its 2**64 addresses.
+    """
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return host or "local"  # a unix socket has no address; all of its peers are this host
+    if isinstance(address, ipaddress.IPv6Address):
+        if address.ipv4_mapped is not None:
+            return str(address.ipv4_mapped)
+        if not address.is_loopback:
+            return str(ipaddress.IPv6Network((address, 64), strict=False))
+    return str(address)
+
+
+class _Entry:
+    __slots__ = ("peer", "stage")
+
+    def __init__(self, peer: str, stage: Stage) -> None:
+        self.peer = peer
+        self.stage = stage
+
+
+class Admission:
+    """The bookkeeper of admitted connections, by id; every answer is for the shell to carry out.
+
+    ``now`` must come from one monotonic clock: each stage's deadlines are then in arrival
+    order, and :meth:`expire` and :meth:`next_deadline` cost O(1) per connection. Ordered dicts
+    (a linked list inside) give the oldest of a pool or a peer in O(1) under constant churn.
+    """
+
+    def __init__(self, limits: AdmissionLimits, *, sniff_timeout: float, handshake_timeout: float) -> None:
+        self.limits = limits
+        self._timeouts = {Stage.SNIFFING: sniff_timeout, Stage.HANDSHAKING: handshake_timeout}
+        self._entries: dict[int, _Entry] = {}
+        self._oldest: dict[Pool, OrderedDict[int, None]] = {pool: OrderedDict() for pool in Pool}
+        self._by_peer: dict[Pool, dict[str, OrderedDict[int, None]]] = {pool: {} for pool in Pool}
+        self._due: dict[Stage, OrderedDict[int, float]] = {stage: OrderedDict() for stage in self._timeouts}
+        self._evicted: Counter[Pool] = Counter()
+
+    def admit(self, conn: int, peer: str, now: float) -> Eviction | None:
+        """A newly accepted connection, sniffing until ``now`` + the sniff deadline; it always gets in."""
+        if conn in self._entries:
+            raise ValueError(f"connection {conn} is already admitted")
+        outcome = self._make_room(Pool.UNAUTHENTICATED, peer)
+        assert not isinstance(outcome, Refused)  # unauthenticated caps are at least 1
+        self._insert(conn, _Entry(peer, Stage.SNIFFING), now)
+        return outcome
+
+    def handshake(self, conn: int, now: float) -> None:
+        """``conn`` was routed to a framed channel: it stays unauthenticated, now under the handshake deadline."""
+        entry = self._entries[conn]
+        if entry.stage is not Stage.SNIFFING:
+            raise ValueError(f"connection {conn} is {entry.stage.value}, not sniffing")
+        del self._due[Stage.SNIFFING][conn]
+        entry.stage = Stage.HANDSHAKING
+        self._due[Stage.HANDSHAKING][conn] = now + self._timeouts[Stage.HANDSHAKING]
+
+    def to_status(self, conn: int) -> Eviction | Refused | None:
+        """``conn`` was routed to status HTTP: it moves to the status budget (refused: it stays where it was)."""
+        entry = self._entries[conn]
+        if entry.stage is not Stage.SNIFFING:
+            raise ValueError(f"connection {conn} is {entry.stage.value}, not sniffing")
+        outcome = self._make_room(Pool.STATUS, entry.peer)
+        if isinstance(outcome, Refused):
+            return outcome
+        self._remove(conn)
+        self._insert(conn, _Entry(entry.peer, Stage.STATUS), 0.0)
+        return outcome
+
+    def release(self, conn: int) -> Stage | None:
+        """Forget ``conn`` (it authenticated, closed or was dropped); the stage it was in, or None if untracked."""
+        entry = self._entries.get(conn)
+        if entry is None:
+            return None
+        self._remove(conn)
+        return entry.stage
+
+    def expire(self, now: float) -> list[Expired]:
+        """Forget and name every connection whose stage's deadline is at or before ``now``."""
+        expired: list[Expired] = []
+        for stage, due in self._due.items():
+            while due:
+                conn, at = next(iter(due.items()))
+                if at > now:
+                    break
+                self._remove(conn)
+                expired.append(Expired(conn=conn, stage=stage))
+        return expired
+
+    def next_deadline(self) -> float | None:
+        """When :meth:`expire` next has something to say, or None while no connection has a deadline."""
+        heads = [next(iter(due.values())) for due in self._due.values() if due]
+        return min(heads) if heads else None
+
+    def stage(self, conn: int) -> Stage | None:
+        """Where ``conn`` is, or None if admission does not track it."""
+        entry = self._entries.get(conn)
+        return None if entry is None else entry.stage
+
+    def count(self, pool: Pool, peer: str | None = None) -> int:
+        """Connections in ``pool`` now (of ``peer``, if given)."""
+        if peer is None:
+            return len(self._oldest[pool])
+        return len(self._by_peer[pool].get(peer, ()))
+
+    def conns(self) -> list[int]:
+        """Every tracked connection, oldest first within each pool."""
+        return [conn for pool in Pool for conn in self._oldest[pool]]
+
+    def statistics(self) -> AdmissionStatistics:
+        """A snapshot of the gauges and eviction counts."""
+        return AdmissionStatistics(
+            sniffing=len(self._due[Stage.SNIFFING]),
+            handshaking=len(self._due[Stage.HANDSHAKING]),
+            status=len(self._oldest[Pool.STATUS]),
+            evicted={pool.value: n for pool, n in self._evicted.items()},
+        )
+
+    # ----- internals -----------------------------------------------------------------------------
+
+    def _make_room(self, pool: Pool, peer: str) -> Eviction | Refused | None:
+        per_peer = self.limits.cap(pool, Cap.PER_PEER)
+        if per_peer == 0:
+            return Refused(pool=pool)
+        mine = self._by_peer[pool].get(peer)
+        # The per-peer cap first: a flooding peer evicts its own oldest and leaves the others alone.
+        # After that the pool has room unless it is full in total, so at most one connection goes.
+        if mine is not None and len(mine) >= per_peer:
+            victim, cap = next(iter(mine)), Cap.PER_PEER
+        elif len(self._oldest[pool]) >= self.limits.cap(pool, Cap.TOTAL):
+            victim, cap = next(iter(self._oldest[pool])), Cap.TOTAL
+        else:
+            return None
+        victim_peer = self._entries[victim].peer
+        self._remove(victim)
+        self._evicted[pool] += 1
+        return Eviction(conn=victim, peer=victim_peer, pool=pool, cap=cap, limit=self.limits.cap(pool, cap))
+
+    def _insert(self, conn: int, entry: _Entry, now: float) -> None:
+        pool = _POOL_OF[entry.stage]
+        self._entries[conn] = entry
+        self._oldest[pool][conn] = None
+        self._by_peer[pool].setdefault(entry.peer, OrderedDict())[conn] = None
+        if entry.stage in self._due:
+            self._due[entry.stage][conn] = now + self._timeouts[entry.stage]
+
+    def _remove(self, conn: int) -> None:
+        entry = self._entries.pop(conn)
+        pool = _POOL_OF[entry.stage]
+        del self._oldest[pool][conn]
+        mine = self._by_peer[pool][entry.peer]
+        del mine[conn]
+        if not mine:
+            del self._by_peer[pool][entry.peer]
+        due = self._due.get(entry.stage)
+        if due is not None:
+            del due[conn]
+
+
+class TicketState(enum.Enum):
+    """What a ticket has been told."""
+
+    PENDING = "pending"
+    AUTHENTICATED = "authenticated"
+    REJECTED = "rejected"
+
+
+class AdmissionTicket:
+    """One routed connection's admission, handed to its protocol by ``bind_admission(ticket)``.
+
+    The mux binds it before ``connection_made``. The protocol calls :meth:`authenticated` once
+    the peer proved the key, or :meth:`rejected` when the peer turned out bad; until the first,
+    the connection counts against the unauthenticated caps and must authenticate within the
+    handshake deadline, or the mux aborts it (``handshake_timeout``).
+    """
+
+    __slots__ = ("_on_authenticated", "_on_rejected", "_state")
+
+    def __init__(self, *, on_authenticated: Callable[[], None], on_rejected: Callable[[str, str], None]) -> None:
+        self._on_authenticated = on_authenticated
+        self._on_rejected = on_rejected
+        self._state = TicketState.PENDING
+
+    @property
+    def state(self) -> TicketState:
+        """What the protocol has reported so far."""
+        return self._state
+
+    def authenticated(self) -> None:
+        """The peer proved the key: stop counting it as unauthenticated, cancel its handshake deadline. Idempotent."""
+        if self._state is TicketState.PENDING:
+            self._state = TicketState.AUTHENTICATED
+            self._on_authenticated()
+
+    def rejected(self, reason: str, detail: str) -> None:
+        """The peer is bad: count it under ``reason`` (summarised in the log, never a line each) and forget it.
+
+        The protocol aborts its transport itself. Only the first call counts; one after
+        :meth:`authenticated` (a bad frame from an authenticated peer) counts too.
+        """
+        if self._state is not TicketState.REJECTED:
+            self._state = TicketState.REJECTED
+            self._on_rejected(reason, detail)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SummaryLine:
+    """One log line of refusals; ``warning`` when it carries a note (evictions, exhausted resources)."""
+
+    text: str
+    warning: bool
+
+
+class RejectionSummary:
+    """Refused connections, counted by reason and reported at most once per interval.
+
+    The first refusal after a quiet interval is reported at once (an operator sees the first
+    bad agent without waiting); later ones are summed up until ``interval`` has passed since
+    that line. :meth:`next_due` says when the shell should ask :meth:`due` again, so pending
+    counts are reported even if the flood stops. Cumulative counts by reason are in :meth:`totals`.
+    Memory is bounded: reasons come from code, and notes are capped per line (:data:`MAX_NOTES`).
+    """
+
+    def __init__(self, *, interval: float = SUMMARY_INTERVAL, subject: str = "port mux", max_notes: int = MAX_NOTES) -> None:
+        self._interval = interval
+        self._subject = subject
+        self._max_notes = max_notes
+        self._totals: Counter[str] = Counter()
+        self._pending: Counter[str] = Counter()
+        self._notes: dict[str, int] = {}
+        self._other_notes = 0
+        self._since: float | None = None
+        self._last_line: float | None = None
+
+    def record(self, reason: str, now: float, *, note: str = "") -> None:
+        """One connection refused for ``reason``; ``note`` says in words why, and makes the line a warning."""
+        self._totals[reason] += 1
+        self._pending[reason] += 1
+        if note:
+            self._add_note(note)
+        if self._since is None:
+            self._since = now
+
+    def note(self, text: str, now: float) -> None:
+        """A problem that is not one connection's (accept failing for want of descriptors): reported as a warning."""
+        self._add_note(text)
+        if self._since is None:
+            self._since = now
+
+    def next_due(self) -> float | None:
+        """When the pending refusals may be reported, or None when nothing is pending."""
+        if self._since is None:
+            return None
+        if self._last_line is None:
+            return self._since
+        return max(self._since, self._last_line + self._interval)
+
+    def due(self, now: float) -> SummaryLine | None:
+        """The summary line, if one is due at ``now``; at most one per interval."""
+        at = self.next_due()
+        if at is None or now < at:
+            return None
+        return self._line(now)
+
+    def flush(self, now: float) -> SummaryLine | None:
+        """Whatever is pending, due or not (the port is closing)."""
+        return None if self._since is None else self._line(now)
+
+    def totals(self) -> dict[str, int]:
+        """Connections refused since the start, by reason."""
+        return dict(self._totals)
+
+    def _add_note(self, text: str) -> None:
+        if text in self._notes:
+            self._notes[text] += 1
+        elif len(self._notes) < self._max_notes:
+            self._notes[text] = 1
+        else:
+            self._other_notes += 1
+
+    def _line(self, now: float) -> SummaryLine:
+        assert self._since is not None
+        window = now - self._since
+        span = f" in the last {window:.3g} s" if window >= 0.05 else ""
+        parts: list[str] = []
+        refused = sum(self._pending.values())
+        if refused:
+            by_reason = ", ".join(f"{n} {reason}" for reason, n in sorted(self._pending.items(), key=lambda item: (-item[1], item[0])))
+            parts.append(f"refused {refused} connection{'' if refused == 1 else 's'}{span}: {by_reason}")
+        notes = sorted(self._notes.items(), key=lambda item: (-item[1], item[0]))
+        parts += [text if n == 1 else f"{text} ({n}×)" for text, n in notes[:_SHOWN_NOTES]]
+        hidden = sum(n for _, n in notes[_SHOWN_NOTES:]) + self._other_notes
+        if hidden:
+            parts.append(f"{hidden} more for other reasons")
+        if not refused:
+            parts[0] += span
+        warning = bool(notes) or self._other_notes > 0
+        self._pending.clear()
+        self._notes.clear()
+        self._other_notes = 0
+        self._since = None
+        self._last_line = now
+        return SummaryLine(text=f"{self._subject}: {'; '.join(parts)}; continuing to accept", warning=warning)

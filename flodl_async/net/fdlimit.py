@@ -1,0 +1,76 @@
+"""The process's descriptor limit (RLIMIT_NOFILE): raised to the hard limit at start, read for the mux's warnings.
+
+Every connection is a descriptor, and the common soft limit (1,024) is a fraction of what the
+hard limit allows: an unprivileged process may raise its own soft limit up to the hard one, so
+the controller and the stand-alone agent do that once when they start. It never fails a run: a
+platform without ``resource`` (Windows) or a refusal leaves the limit as it was, logged at DEBUG.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+log = logging.getLogger("flodl_async.net")
+
+#: Tried when the hard limit is "unlimited" (macOS), where the kernel refuses RLIM_INFINITY for
+#: RLIMIT_NOFILE: a large value first, then OPEN_MAX, which macOS always accepts.
+_FALLBACK_SOFT_LIMITS = (1 << 20, 10240)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DescriptorLimit:
+    """The soft and hard RLIMIT_NOFILE; None means unlimited or unknown."""
+
+    soft: int | None
+    hard: int | None
+
+    def describe(self) -> str:
+        """E.g. ``soft limit 1024, hard limit 4096``."""
+        return f"soft limit {_show(self.soft)}, hard limit {_show(self.hard)}"
+
+
+def _show(value: int | None) -> str:
+    return "unlimited" if value is None else str(value)
+
+
+def descriptor_limit() -> DescriptorLimit:
+    """This process's descriptor limits now."""
+    try:
+        import resource
+    except ImportError:  # Windows: no rlimits
+        return DescriptorLimit(soft=None, hard=None)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    infinity = resource.RLIM_INFINITY
+    return DescriptorLimit(soft=None if soft == infinity else soft, hard=None if hard == infinity else hard)
+
+
+def raise_descriptor_limit() -> DescriptorLimit:
+    """Raise the soft RLIMIT_NOFILE to the hard limit; returns the limits afterwards. Never raises."""
+    try:
+        import resource
+    except ImportError:
+        log.debug("descriptor limit: this platform has no rlimits; left as it is")
+        return DescriptorLimit(soft=None, hard=None)
+    try:
+        before = descriptor_limit()
+    except (OSError, ValueError) as exc:
+        log.debug("descriptor limit: cannot read RLIMIT_NOFILE (%s); left as it is", exc)
+        return DescriptorLimit(soft=None, hard=None)
+    if before.soft is None or before.soft == before.hard:
+        log.debug("descriptor limit: already at the hard limit (%s)", before.describe())
+        return before
+    targets = (before.hard,) if before.hard is not None else tuple(t for t in _FALLBACK_SOFT_LIMITS if t > before.soft)
+    hard = resource.RLIM_INFINITY if before.hard is None else before.hard
+    failure: Exception | None = None
+    for target in targets:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        except (OSError, ValueError) as exc:
+            failure = exc
+            continue
+        after = DescriptorLimit(soft=target, hard=before.hard)
+        log.debug("descriptor limit: raised the soft limit from %d to %d (%s)", before.soft, target, after.describe())
+        return after
+    log.debug("descriptor limit: could not raise the soft limit above %d (%s): %s", before.soft, before.describe(), failure)
+    return before
