@@ -19,9 +19,12 @@ every test replays.)
 
 from __future__ import annotations
 
+import asyncio
+import functools
+import os
 import shutil
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -29,9 +32,15 @@ from typing import Any
 
 import pytest
 
-from flodl_async.wire import Channel
+from flodl_async import __version__
+from flodl_async.errors import AuthenticationFailed, ConnectionClosed, HandshakeFailed, HandshakeRefused, WireError
+from flodl_async.net.framed import FramedProtocol, open_framed, open_unix_framed
+from flodl_async.rankenv import RankSpec
+from flodl_async.roles import RANK_VAR
+from flodl_async.wire import Channel, Credential, CredentialKind
 from flodl_async.wire import messages as m
-from flodl_async.wire.keys import secret_from_hex
+from flodl_async.wire.keys import SECRET_BYTES, secret_from_hex
+from flodl_async.wire.schema import Message
 
 from .launchkit import PY, Finished, assert_nothing_left, free_port, launch_cmd, new_run_id, script, wait_status
 from .replaykit import (
@@ -40,6 +49,8 @@ from .replaykit import (
     Recorded,
     RecordingProxy,
     decode_recording,
+    insist_on_port,
+    insist_on_unix,
     message_length,
     parse_server_hello,
     replay_burst,
@@ -272,3 +283,182 @@ def test_attack1_a_recorded_join_does_not_replay_into_a_later_run(tmp_path: Path
     assert len(rejections) == len(before + after), rejections
     assert all(BAD_PROOF in line or EARLY_BYTES in line for line in rejections), rejections
     assert sum(BAD_PROOF in line for line in rejections) >= sum(r.how == "paced" for r in before + after)
+
+
+# ----- one live run for attacks 2 and 3 ------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Live:
+    run: Run
+    proxy: RecordingProxy
+    secret: bytes
+    connected: Status
+
+    def recording(self, channel: Channel) -> Recorded:
+        (found,) = [r for r in self.proxy.recordings() if r.channel is channel]
+        return found
+
+
+@pytest.fixture(scope="module")
+def live(tmp_path_factory: pytest.TempPathFactory, xdg: Path) -> Iterator[Live]:
+    """A run whose walk-in agent (ranks 1 and 2) is recorded through the proxy; it must still end 0 after the attacks."""
+    base = tmp_path_factory.mktemp("live")
+    port = free_port()
+    with Run(base, name="live", secret_file=base / "secret", port=port, walk_in_ranks=2, xdg=xdg) as run, RecordingProxy(port) as proxy:
+        run.start_agent(proxy.port)
+        connected = run.wait_connected()
+        yield Live(run=run, proxy=proxy, secret=run.secret, connected=connected)
+        for rank in range(run.world_size):
+            run.release(rank, 0)
+        done, agent = run.finish()
+    assert done.returncode == 0, done.stderr  # the attacked run was undisturbed
+    assert agent.returncode == 0, agent.stderr
+
+
+# ----- attack 2 ----------------------------------------------------------------------------------
+
+
+def test_attack2_recorded_control_frames_do_not_replay_on_a_new_connection(live: Live) -> None:
+    run = live.run
+    upstream = live.recording(Channel.CONTROL)  # the walk-in relay's upstream, still open
+    assert not upstream.closed
+    decoded = decode_recording(upstream, secret=live.secret, run_id=run.run_id)
+    hellos = {msg.rank: msg.pid for msg in decoded.up if isinstance(msg, m.RankHello)}
+    assert hellos == {rank: pid for rank, (host, _state, pid) in _ranks(live.connected).items() if host == WALK_IN}
+    assert sum(isinstance(msg, m.Heartbeat) for msg in decoded.up) == 6
+    assert sorted(msg.rank for msg in decoded.down if isinstance(msg, m.RankWelcome)) == [1, 2]
+    logged = len(_rejections(run.launcher.stderr()))
+
+    def unchanged(r: Replayed) -> None:
+        doc = run.status()
+        assert _ranks(doc) == _ranks(live.connected), f"after the {r}"  # the pids RankHello set, and the states
+        assert doc["phase"] == "training"
+        assert _members(doc) == _members(live.connected)
+
+    replayed = _replay_all(run.port, [upstream, live.recording(Channel.JOIN)], after_each=unchanged)
+    _assert_refused_without_a_frame(replayed)
+    assert len(_rejections(run.launcher.stderr())) == logged + len(replayed)
+
+
+# ----- attack 3 ----------------------------------------------------------------------------------
+
+#: A frame each controller channel would act on, sent by the insistent client behind its proof.
+_ACTIONABLE: dict[Channel, list[Message]] = {
+    Channel.JOIN: [m.JoinHello(host="from-a-rank", devices=("cpu:0",), pid=os.getpid(), agent_version=__version__)],
+    Channel.RENDEZVOUS: [m.StoreAddress(round=0, host="127.0.0.1", port=9)],
+    Channel.CONTROL: [m.RankHello(rank=1, local_rank=0, world_size=3, pid=os.getpid())],
+    Channel.DATA: [],  # no service this run: the mux closes it before any handshake
+}
+_FRAMED = (Channel.JOIN, Channel.RENDEZVOUS, Channel.CONTROL)
+
+
+async def _open_each(dial: Callable[..., Awaitable[FramedProtocol]], credentials: list[Credential]) -> list[BaseException | None]:
+    """``dial(credential=...)`` (a real ``open_framed``/``open_unix_framed``) with each credential; what each raised (None: let in)."""
+    outcomes: list[BaseException | None] = []
+    for credential in credentials:
+        try:
+            async with asyncio.timeout(10):
+                link = await dial(credential=credential)
+        except (WireError, ConnectionClosed, OSError) as exc:
+            outcomes.append(exc)
+        else:
+            await link.aclose()
+            outcomes.append(None)
+    return outcomes
+
+
+def _environ(pid: int) -> bytes:
+    return Path(f"/proc/{pid}/environ").read_bytes()
+
+
+def test_attack3_ranks_hold_a_credential_that_opens_nothing_but_their_own_relay_link(live: Live) -> None:
+    run, secret = live.run, live.secret
+    before = run.status()
+    ranks = _ranks(before)
+
+    # The rank's environment, and a child's, carry no trace of the secret; the spec holds the rank's credential.
+    specs: dict[int, RankSpec] = {}
+    for rank, (_host, _state, pid) in ranks.items():
+        assert pid is not None
+        raw = _environ(pid)
+        child = (run.ranks_dir / f"env-{rank}.json").read_text()
+        for text in (raw.decode(errors="replace"), child):
+            assert secret.hex() not in text.lower()
+        assert secret not in raw
+        env = dict(item.split(b"=", 1) for item in raw.split(b"\0") if b"=" in item)
+        specs[rank] = RankSpec.from_json(env[RANK_VAR.encode()].decode())
+        assert specs[rank].credential_hex == Credential.for_rank(secret, run_id=run.run_id, round=0, rank=rank).key.hex()
+    spec = specs[1]
+    credential = Credential.rank_from_hex(spec.credential_hex, round=spec.round, rank=1)
+    assert credential.key != secret
+    as_session = [Credential(kind=CredentialKind.SESSION, key=credential.key[i : i + SECRET_BYTES]) for i in range(len(credential.key) - SECRET_BYTES + 1)]
+    as_session.append(Credential(kind=CredentialKind.SESSION, key=credential.key))  # all of it, as a (longer) secret
+
+    # Every channel of the controller port, with the credential as itself and every slice of it as the secret.
+    dropped_no_handler = before["connections"]["dropped"].get("no_handler", 0)  # none yet: nothing else dials DATA
+    logged = len(_rejections(run.launcher.stderr()))
+    for channel in (*_FRAMED, Channel.DATA):
+        outcomes = asyncio.run(_open_each(functools.partial(open_framed, "127.0.0.1", run.port, channel=channel), [credential, *as_session]))
+        if channel is Channel.DATA:  # routed nowhere: closed before a hello could be answered
+            assert all(isinstance(exc, HandshakeFailed | ConnectionClosed | OSError) for exc in outcomes), outcomes
+            continue
+        refused, *failed = outcomes
+        assert isinstance(refused, HandshakeRefused), refused
+        assert "a rank credential is not accepted here: the controller port takes the session secret only" in str(refused)
+        for exc in failed:
+            assert isinstance(exc, AuthenticationFailed), exc
+            assert "the server's handshake proof did not verify" in str(exc)
+        # The same slices from a client that ignores the server's proof and sends its own, and a frame behind it.
+        for key in as_session:
+            insisted = insist_on_port(run.port, channel, key, _ACTIONABLE[channel])
+            assert insisted.hello is not None
+            assert insisted.hello.accepted
+            assert insisted.frames == [], f"{channel.value}: {insisted.frames}"
+            assert insisted.closed
+    for key in as_session:
+        insisted = insist_on_port(run.port, Channel.DATA, key, [])
+        assert insisted.hello is None
+        assert insisted.closed
+    # The insistent client is a faithful one: with the real secret, its heartbeat is echoed.
+    control = insist_on_port(run.port, Channel.CONTROL, Credential.session(secret), [m.Heartbeat(sent_at=4.25, rank=-1)])
+    assert control.frames == [m.Heartbeat(sent_at=4.25, rank=-1)]
+
+    # The relay's socket: the credential works as itself (rank 1, round 0) and as nothing else.
+    path = spec.relay_socket
+    dial = functools.partial(open_unix_framed, path, channel=Channel.CONTROL, peer_label="relay under attack")
+
+    def scoped(*, rank: int, round_: int) -> Credential:
+        return Credential(kind=CredentialKind.RANK, key=credential.key, round=round_, rank=rank)
+
+    own, other_rank, other_host, next_round, *sessions = asyncio.run(
+        _open_each(dial, [credential, scoped(rank=2, round_=0), scoped(rank=0, round_=0), scoped(rank=1, round_=1), *as_session])
+    )
+    assert own is None  # a genuine credential: the refusals below are about its scope
+    assert isinstance(other_rank, AuthenticationFailed), other_rank  # the relay derived rank 2's key, which we lack
+    assert isinstance(other_host, HandshakeRefused), other_host
+    assert "rank 0 does not run on this host (its ranks: [1, 2])" in str(other_host)
+    assert isinstance(next_round, HandshakeRefused), next_round
+    assert "a credential of round 1, but this host runs round 0" in str(next_round)
+    for exc in sessions:
+        assert isinstance(exc, HandshakeRefused), exc
+        assert "a relay takes rank credentials only, not a session credential" in str(exc)
+    insisted = insist_on_unix(path, scoped(rank=2, round_=0), [m.RankHello(rank=2, local_rank=1, world_size=3, pid=os.getpid())])
+    assert insisted.hello is not None
+    assert insisted.hello.accepted
+    assert insisted.frames == []
+    assert insisted.closed
+
+    # The run is undisturbed: same members, same ranks and pids; every refusal was logged, DATA ones counted.
+    after = run.status()
+    assert after["phase"] == "training"
+    assert _ranks(after) == ranks
+    assert _members(after) == _members(before)
+    data_attempts = (1 + len(as_session)) + len(as_session)  # open_framed with each credential, then insisting with each slice
+    counted = run.status(lambda d: d["connections"]["dropped"].get("no_handler", 0) - dropped_no_handler >= data_attempts)
+    assert counted["connections"]["dropped"]["no_handler"] - dropped_no_handler == data_attempts
+    new_lines = _rejections(run.launcher.stderr())[logged:]
+    assert sum("a rank credential is not accepted here" in line for line in new_lines) == len(_FRAMED)
+    assert sum(BAD_PROOF in line for line in new_lines) == len(_FRAMED) * len(as_session)  # each insistent client, by the server
+    assert run.agent is not None
+    assert BAD_PROOF in run.agent.stderr()  # the relay's own refusal of the insistent rank-2 claim
