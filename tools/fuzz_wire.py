@@ -50,6 +50,7 @@ import contextlib
 import dataclasses
 import enum
 import fnmatch
+import functools
 import hmac
 import itertools
 import logging
@@ -67,7 +68,14 @@ from dataclasses import dataclass, field
 import msgpack
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
+from flodl_async.deadlines import Deadlines
 from flodl_async.errors import HandshakeRefused, MalformedBody, WireError
+from flodl_async.net.framed import FramedProtocol, open_framed
+from flodl_async.net.http import StatusHttpProtocol
+from flodl_async.net.loop import run as run_loop
+from flodl_async.net.mux import PortMux
+from flodl_async.net.service import FramedService
+from flodl_async.status import StatusBoard
 from flodl_async.wire import (
     CHANNEL_MAGIC,
     CLOSED,
@@ -498,7 +506,24 @@ def random_plain(rng: random.Random, depth: int = 0) -> object:
     return {rng.choice(keys): random_plain(rng, depth + 1) for _ in range(rng.randint(0, 3))}
 
 
-def _slots(tree: object, out: list[tuple[list[object] | dict[object, object], object]], budget: int = 64) -> None:
+#: A place in a msgpack tree: a list and an index, or a map and a key.
+Slot = tuple[list[object], int] | tuple[dict[object, object], object]
+
+
+def _get(slot: Slot) -> object:
+    container, key = slot
+    return container[key] if isinstance(container, dict) else container[typing.cast(int, key)]
+
+
+def _put(slot: Slot, value: object) -> None:
+    container, key = slot
+    if isinstance(container, dict):
+        container[key] = value
+    else:
+        container[typing.cast(int, key)] = value
+
+
+def _slots(tree: object, out: list[Slot], budget: int = 64) -> None:
     """Every (container, key) in a msgpack tree, for a mutation to replace (at most ``budget``)."""
     if isinstance(tree, list):
         for i, child in enumerate(tree):
@@ -536,21 +561,20 @@ def confuse(rng: random.Random, value: object) -> object:
 def mutate_body(rng: random.Random, body: bytes) -> bytes:
     """A value-level mutant of a msgpack body: a field retyped or replaced, fields dropped or added, the version changed, nested."""
     tree: object = msgpack.unpackb(body, raw=False, use_list=True, strict_map_key=False)
-    slots: list[tuple[list[object] | dict[object, object], object]] = []
+    slots: list[Slot] = []
     _slots(tree, slots)
     roll = rng.randrange(8)
     if roll == 0 and slots:
-        container, key = rng.choice(slots)
-        container[key] = random_plain(rng)  # type: ignore[index]
+        _put(rng.choice(slots), random_plain(rng))
     elif roll == 1 and slots:
-        container, key = rng.choice(slots)
-        container[key] = confuse(rng, container[key])  # type: ignore[index]
-    elif roll == 7 and slots:  # a map key of another type (a str field's key as bin)
+        slot = rng.choice(slots)
+        _put(slot, confuse(rng, _get(slot)))
+    elif roll == 7:  # a map key of another type (a str field's key as bin)
         maps = [c for c, _ in slots if isinstance(c, dict) and c]
         if maps:
             target = rng.choice(maps)
             key = rng.choice(list(target))
-            target[confuse(rng, key) if not isinstance(key, (list, dict)) else 0] = target.pop(key)
+            target[confuse(rng, key)] = target.pop(key)
     elif roll == 2 and isinstance(tree, list):
         del tree[rng.randrange(len(tree) + 1) :]
     elif roll == 3 and isinstance(tree, list):
@@ -769,9 +793,14 @@ def stays_failed(conn: FrameConnection, first: WireError, *, more: bytes) -> Non
     """After ``first``, every later call raises again, with the same class (also after more bytes)."""
     if conn.failure is not first:
         raise Violation("failure attribute", f"after {first!r}, FrameConnection.failure is {conn.failure!r}")
+
+    def more_then_frames() -> list[Frame]:
+        conn.receive_data(more)
+        return conn.frames()
+
     calls: list[tuple[str, Callable[[], object]]] = [("frames()", conn.frames), ("next_frame()", conn.next_frame)]
     if more:
-        calls.append(("receive_data(more) + frames()", lambda: (conn.receive_data(more), conn.frames())))
+        calls.append(("receive_data(more) + frames()", more_then_frames))
     calls.append(("next_frame()", conn.next_frame))
     for name, call in calls:
         try:
@@ -1082,16 +1111,23 @@ class Stream:
 class _FrameTarget(Target):
     """A frame codec on one channel and side, after a real handshake."""
 
+    group = "frames"
+
     def __init__(self, seed: int, channel: Channel, side: Side) -> None:
         self.channel, self.side = channel, side
         self.incoming = Direction.FROM_CONTROLLER if side is Side.PEER else Direction.TO_CONTROLLER
         self.legal = sorted(LEGAL_KINDS[(channel, self.incoming)], key=lambda cls: cls.KIND)
         self.weight = 4.0 if self.legal else 1.5
-        self.name = f"{self.group}/{channel.value}/{side.value}"
+        self.name = self.route_name(channel, side)
         self.setup_rng = input_rng(seed, self.name, "setup")
         self.keys = link_pair(self.setup_rng, self.setup_rng.randbytes(16), channel)
         self.max_payload = TENSOR_CEILING if channel is Channel.DATA else 0
         self.chunks = SEAL_CHUNKS if channel is Channel.DATA else (SEAL_CHUNK,)
+
+    @classmethod
+    def route_name(cls, channel: Channel, side: Side) -> str:
+        """The target's name: its group, channel, and the side of the receiving codec."""
+        return f"{cls.group}/{channel.value}/{side.value}"
 
     def receiver(self, case: Case) -> FrameConnection:
         """A fresh codec at the receiving end, with the case's seal chunk and ceilings."""
@@ -1251,21 +1287,26 @@ class KeyedFramesTarget(_FrameTarget):
         elif roll < 0.55:
             body, msg = Mutator(rng).mutate(Sample(data=body))[0], None
             notes.append("byte-mutated body")
-        seal = kind in self.sealed
-        tweaks = {"seq": seq, "version": PROTOCOL_VERSION, "flags": 0, "spoil_chunk": None}
+        seal, seq_field, version, flags, spoil = kind in self.sealed, seq, PROTOCOL_VERSION, 0, None
         if rng.random() < 0.12:
             name = rng.choice(("seq", "version", "flags", "seal", "spoil_chunk", "payload"))
             notes.append(f"bad {name}")
-            msg = None
+            msg, wrong = None, rng.choice((1, 2, 3, 255, seq + 1, seq - 1 if seq else 7))
             if name == "seal":
                 seal = not seal
             elif name == "payload":
                 payload = payload + rng.randbytes(rng.randint(1, 64))
             elif name == "spoil_chunk":
-                tweaks[name] = rng.randrange(max(1, chunk_count(len(payload), chunk)))
+                spoil = rng.randrange(max(1, chunk_count(len(payload), chunk)))
+            elif name == "seq":
+                seq_field = wrong
+            elif name == "version":
+                version = wrong
             else:
-                tweaks[name] = rng.choice((1, 2, 3, 255, seq + 1, seq - 1 if seq else 7))
-        frame = self.forger.frame(kind=kind, body=body, seal_body=seal, payload=payload, chunk=chunk, **tweaks)
+                flags = wrong
+        frame = self.forger.frame(
+            kind=kind, seq=seq_field, body=body, seal_body=seal, payload=payload, chunk=chunk, version=version, flags=flags, spoil_chunk=spoil
+        )
         if cls is None or cls not in LEGAL_KINDS[(self.channel, self.incoming)]:
             msg = None
         return frame, msg, payload, " ".join(notes)
@@ -1328,13 +1369,19 @@ class TensorsTarget(Target):
         return f"a TensorBundle body of {len(case.data)} bytes ({case.origin}) over a payload of {case.payload_len} bytes"
 
 
-def all_targets(seed: int) -> list[Target]:
-    """Every target, in table order."""
-    targets: list[Target] = [SniffTarget(seed), ServerHelloTarget(seed), ServerProofTarget(seed), ClientHelloTarget(seed)]
+def all_targets(seed: int, pattern: str = "*") -> list[Target]:
+    """The targets whose names match the glob ``pattern``, in table order (only those are built)."""
+    makers: list[tuple[str, Callable[[], Target]]] = [
+        (cls.name, functools.partial(cls, seed)) for cls in (SniffTarget, ServerHelloTarget, ServerProofTarget, ClientHelloTarget)
+    ]
     for group in (WireFramesTarget, KeyedFramesTarget):
-        targets += [group(seed, channel, side) for channel in FRAMED_CHANNELS for side in (Side.PEER, Side.CONTROLLER)]
-    targets.append(TensorsTarget(seed))
-    return targets
+        makers += [
+            (group.route_name(channel, side), functools.partial(group, seed, channel, side))
+            for channel in FRAMED_CHANNELS
+            for side in (Side.PEER, Side.CONTROLLER)
+        ]
+    makers.append((TensorsTarget.name, functools.partial(TensorsTarget, seed)))
+    return [make() for name, make in makers if fnmatch.fnmatchcase(name, pattern)]
 
 
 # ----- the runner ----------------------------------------------------------------------------------
@@ -1465,7 +1512,7 @@ def format_report(report: Report) -> str:
     """The tables: inputs per target, then errors by WireError subclass per group, then what broke."""
     lines = [f"fuzz_wire: seed {report.seed}, {sum(s.inputs for s in report.stats)} inputs", ""]
     head = ("target", "inputs", "clean", "wire errors", "frames", "handshakes", "inputs/s")
-    rows = [
+    rows: list[tuple[object, ...]] = [
         (s.name, s.inputs, s.inputs - sum(s.errors.values()), sum(s.errors.values()), s.frames, s.established, f"{s.inputs / max(s.seconds, 1e-9):,.0f}")
         for s in report.stats
     ]
@@ -1545,14 +1592,16 @@ class LiveReport:
     server_links: int = 0
     mux: dict[str, object] = field(default_factory=dict)
     violations: list[str] = field(default_factory=list)
+    #: Seconds the fuzzed connections took, and the whole run (which also waits out the stalled peers).
+    flood_seconds: float = 0.0
     seconds: float = 0.0
 
     def format(self) -> str:
         """The live table."""
-        rate = sum(self.connections.values()) / max(self.seconds, 1e-9)
+        rate = sum(self.connections.values()) / max(self.flood_seconds, 1e-9)
         lines = [
-            f"live: seed {self.seed}, {sum(self.connections.values())} fuzzed connections in {self.seconds:.1f} s ({rate:,.0f}/s), "
-            f"{self.server_links} framed links accepted",
+            f"live: seed {self.seed}, {sum(self.connections.values())} fuzzed connections in {self.flood_seconds:.1f} s ({rate:,.0f}/s; "
+            f"{self.seconds:.1f} s in all), {self.server_links} framed links accepted",
             "  by kind: " + ", ".join(f"{k} {n}" for k, n in sorted(self.connections.items())),
             "  endings: " + ", ".join(f"{k} {n}" for k, n in sorted(self.endings.items())),
             f"  well-behaved clients answered throughout: {self.probes} framed round trips, {self.status_gets} status GETs",
@@ -1562,7 +1611,7 @@ class LiveReport:
         return "\n".join(lines)
 
 
-async def _echo(link: typing.Any) -> None:
+async def echo_handler(link: FramedProtocol) -> None:
     """The services' handler: echo heartbeats (join, control) and tensor bundles with their payload (data)."""
     while True:
         frame = await link.recv()
@@ -1575,7 +1624,7 @@ async def _echo(link: typing.Any) -> None:
         await link.drain()
 
 
-async def _read_to_end(reader: asyncio.StreamReader, seconds: float) -> tuple[str, bytes]:
+async def read_to_end(reader: asyncio.StreamReader, seconds: float) -> tuple[str, bytes]:
     """Read until the server closes: ('closed' | 'reset' | 'open', what it sent)."""
     got = bytearray()
     try:
@@ -1656,7 +1705,7 @@ class _LiveClients:
             ending = rng.choice(("eof", "eof", "close", "abort"))
             if ending == "eof":
                 writer.write_eof()
-                how, _ = await _read_to_end(reader, 5.0)
+                how, _ = await read_to_end(reader, 5.0)
                 self.report.endings[f"server {how}"] += 1
                 if how == "open":
                     self.report.violations.append(f"connection {index} ({kind}, {channel.value}): the server kept it open 5 s after the peer's EOF")
@@ -1674,14 +1723,12 @@ class _LiveClients:
 
     async def well_behaved(self, done: asyncio.Event) -> None:
         """Until ``done``: a framed round trip on each answering channel, and a status GET; each must succeed in time."""
-        from flodl_async.net.framed import open_framed
-
         rng = input_rng(self.seed, "live", "probe")
         while not done.is_set():
             channel = rng.choice(_ECHOED)
             try:
                 async with asyncio.timeout(5):
-                    await self._round_trip(open_framed, channel, rng)
+                    await self._round_trip(channel, rng)
                     await self._status_get()
             except (TimeoutError, OSError, WireError) as exc:
                 self.report.violations.append(f"a well-behaved {channel.value} client or status GET failed mid-run: {exc!r}")
@@ -1689,9 +1736,10 @@ class _LiveClients:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(done.wait(), 0.02)
 
-    async def _round_trip(self, open_framed: typing.Any, channel: Channel, rng: random.Random) -> None:
+    async def _round_trip(self, channel: Channel, rng: random.Random) -> None:
         link = await open_framed("127.0.0.1", self.port, channel=channel, credential=Credential.session(self.secret))
         try:
+            msg: Message
             if channel is Channel.DATA:
                 msg, payload = random_bundle(rng)
                 link.send_parts(msg, [payload])
@@ -1709,7 +1757,7 @@ class _LiveClients:
         reader, writer = await asyncio.open_connection("127.0.0.1", self.port)
         try:
             writer.write(b"GET /state.json HTTP/1.1\r\nHost: fuzz\r\n\r\n")
-            how, answer = await _read_to_end(reader, 5.0)
+            how, answer = await read_to_end(reader, 5.0)
             if how != "closed" or not answer.startswith((b"HTTP/1.1 200 ", b"HTTP/1.1 503 ")):
                 self.report.violations.append(f"a status GET mid-run got {how}: {answer[:40]!r}")
             self.report.status_gets += 1
@@ -1721,7 +1769,7 @@ class _LiveClients:
         reader, writer = await asyncio.open_connection("127.0.0.1", self.port)
         try:
             writer.write(CHANNEL_MAGIC[channel] + self.hello_fixture.hello[:5])
-            how, _ = await _read_to_end(reader, wait)
+            how, _ = await read_to_end(reader, wait)
             self.report.endings[f"stalled peer: server {how}"] += 1
             if how == "open":
                 self.report.violations.append(
@@ -1732,11 +1780,14 @@ class _LiveClients:
             writer.close()
 
 
-def _tracked(factory: Callable[[], typing.Any], links: list[typing.Any]) -> Callable[[], asyncio.BaseProtocol]:
+def _tracked(factory: Callable[[], asyncio.BaseProtocol], links: list[FramedProtocol]) -> Callable[[], asyncio.BaseProtocol]:
+    """The service's factory, remembering each server-side link it makes."""
+
     def make() -> asyncio.BaseProtocol:
         link = factory()
+        assert isinstance(link, FramedProtocol)
         links.append(link)
-        return typing.cast(asyncio.BaseProtocol, link)
+        return link
 
     return make
 
@@ -1758,12 +1809,6 @@ async def live(seed: int, connections: int, *, concurrency: int = 32, stall: boo
     Throughout, well-behaved clients must get their answers; afterwards, every server-side link must be
     closed, no task left behind, and neither the loop nor a handler may have reported an error.
     """
-    from flodl_async.deadlines import Deadlines
-    from flodl_async.net.http import StatusHttpProtocol
-    from flodl_async.net.mux import PortMux
-    from flodl_async.net.service import FramedService
-    from flodl_async.status import StatusBoard
-
     report = LiveReport(seed=seed)
     started = time.perf_counter()
     secret = input_rng(seed, "live", "secret").randbytes(16)
@@ -1772,12 +1817,12 @@ async def live(seed: int, connections: int, *, concurrency: int = 32, stall: boo
     loop.set_exception_handler(lambda _loop, context: loop_errors.append(context))
     errors = _ErrorLog()
     logging.getLogger("flodl_async").addHandler(errors)
-    links: list[typing.Any] = []
+    links: list[FramedProtocol] = []
     mux = PortMux(host="127.0.0.1", port=0, sniff_timeout=2.0, max_unsniffed=4096)
     try:
         async with asyncio.timeout(120 + connections * 0.05), asyncio.TaskGroup() as services:
             for channel in FRAMED_CHANNELS:
-                service = FramedService(channel=channel, resolve=session_resolver(secret), run_id=RUN_ID, handler=_echo, task_group=services)
+                service = FramedService(channel=channel, resolve=session_resolver(secret), run_id=RUN_ID, handler=echo_handler, task_group=services)
                 mux.register(channel, _tracked(service.protocol_factory, links))
             mux.register(Channel.STATUS, lambda: StatusHttpProtocol(StatusBoard(), request_timeout=2.0))
             await mux.start()
@@ -1818,13 +1863,15 @@ async def _drive_clients(clients: _LiveClients, connections: int, concurrency: i
         if stall_wait is not None:
             for channel in FRAMED_CHANNELS:
                 tg.create_task(clients.stalled(channel, stall_wait), name=f"live-stalled-{channel.value}")
+        started = time.perf_counter()
         async with asyncio.TaskGroup() as flood:
             for index in range(connections):
                 flood.create_task(one(index), name=f"live-fuzz-{index}")
+        clients.report.flood_seconds = time.perf_counter() - started
         done.set()
 
 
-async def _all_closed(links: Sequence[typing.Any], report: LiveReport) -> None:
+async def _all_closed(links: Sequence[FramedProtocol], report: LiveReport) -> None:
     """Every server-side link ends once its peer is gone (within a few seconds)."""
     results = await asyncio.gather(*(asyncio.wait_for(link.wait_closed(), 5) for link in links), return_exceptions=True)
     still_open = sum(isinstance(r, TimeoutError) for r in results)
@@ -1849,18 +1896,16 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     faulthandler.enable()  # a crash in C (cryptography, msgpack) still prints where it happened
     logging.basicConfig(level=logging.CRITICAL)  # the services log every rejected peer; the tables say it all
-    targets = [t for t in all_targets(args.seed) if fnmatch.fnmatchcase(t.name, args.targets)]
     if args.replay:
-        return replay(all_targets(args.seed), args.seed, args.replay)
+        return replay(all_targets(args.seed, args.replay.rpartition(":")[0] or "-"), args.seed, args.replay)
+    targets = all_targets(args.seed, args.targets)
     failed = False
     if targets and args.inputs > 0:
         report = fuzz(targets, seed=args.seed, budget=split_budget(targets, args.inputs))
         print(format_report(report), flush=True)
         failed = bool(report.found)
     if args.live:
-        from flodl_async.net.loop import run
-
-        live_report = run(live(args.seed, args.connections))
+        live_report = run_loop(live(args.seed, args.connections))
         print("", live_report.format(), sep="\n")
         failed = failed or bool(live_report.violations)
     return 1 if failed else 0
