@@ -157,7 +157,7 @@ def test_bytes_before_the_servers_hello_are_refused(secret: bytes) -> None:
 
 def test_a_close_mid_handshake_says_what_it_may_mean(secret: bytes) -> None:
     client = _client(secret)
-    with pytest.raises(HandshakeFailed, match="closed the connection during the handshake .* refused or evicted it"):
+    with pytest.raises(HandshakeFailed, match=r"closed the connection during the handshake .* refused or evicted it"):
         client.receive_data(b"")
 
 
