@@ -1463,8 +1463,9 @@ def run_one(target: Target, seed: int, index: int) -> tuple[Case, Outcome | Viol
     except _Hang:
         return case, Violation("hang", f"the input ran past the watchdog's {HANG_SECONDS:g} s")
     except Exception as exc:  # the property's first clause: anything else is a bug
-        where = "".join(traceback.format_exception(exc, limit=-3)).strip().replace("\n", "\n    ")
-        return case, Violation(f"non-WireError {type(exc).__name__}", f"{exc}\n    {where}")
+        where = "".join(traceback.format_tb(exc.__traceback__, limit=-3)).rstrip().replace("\n", "\n    ")
+        first_line = next(iter(str(exc).splitlines()), "")  # torch appends its whole C++ stack to the message
+        return case, Violation(f"non-WireError {type(exc).__name__}", f"{first_line}\n    {where}")
 
 
 def fuzz(targets: Sequence[Target], *, seed: int, budget: dict[str, int], hang_seconds: float | None = HANG_SECONDS) -> Report:
@@ -1496,9 +1497,13 @@ def fuzz(targets: Sequence[Target], *, seed: int, budget: dict[str, int], hang_s
 
 
 def split_budget(targets: Sequence[Target], inputs: int) -> dict[str, int]:
-    """``inputs`` shared by the targets' weights (every target gets at least one)."""
+    """``inputs`` shared by the targets' weights, to the input (largest remainders first); every target gets at least one."""
     total = sum(t.weight for t in targets)
-    return {t.name: max(1, round(inputs * t.weight / total)) for t in targets}
+    shares = [inputs * t.weight / total for t in targets]
+    counts = [int(share) for share in shares]
+    for i in sorted(range(len(targets)), key=lambda i: counts[i] - shares[i])[: inputs - sum(counts)]:
+        counts[i] += 1
+    return {t.name: max(1, count) for t, count in zip(targets, counts, strict=True)}
 
 
 # ----- the report ----------------------------------------------------------------------------------
