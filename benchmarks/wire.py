@@ -51,7 +51,7 @@ from flodl_async.wire.frame import Frame, FrameLimits, PayloadPool
 from flodl_async.wire.handshake import session_resolver
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from wirekit import handshake_keys  # noqa: E402  (the benchmark's codec pairs come from a real handshake too)
+from wirekit import handshake_keys  # the benchmark's codec pairs come from a real handshake too
 
 MiB = 1024 * 1024
 SECRET = bytes(range(16))
@@ -305,6 +305,8 @@ def _bare_forwarder(path: str, target_port: int, ready: multiprocessing.connecti
     async def main() -> None:
         loop = asyncio.get_running_loop()
 
+        dials: set[asyncio.Task[None]] = set()
+
         def accept() -> asyncio.Protocol:
             inbound = _Forward()
 
@@ -316,7 +318,9 @@ def _bare_forwarder(path: str, target_port: int, ready: multiprocessing.connecti
                 for chunk in inbound.pending:
                     out_transport.write(chunk)
 
-            loop.create_task(dial())
+            task = loop.create_task(dial())
+            dials.add(task)
+            task.add_done_callback(dials.discard)
             return inbound
 
         server = await loop.create_unix_server(accept, path)
@@ -512,7 +516,8 @@ def main() -> None:
     enc, dec = (statistics.median(x) for x in zip(*(_aead_speed(total // 2) for _ in range(args.rounds)), strict=True))
     blocking = statistics.median(_blocking_aead_pair(total) for _ in range(args.rounds))
     print(f"\n(a) bulk: {args.total_mib} MiB per trial in {CHUNK // MiB} MiB frames, {args.rounds} rounds, medians")
-    print(f"{'loop':<8} {'raw socket MB/s':>16} {'handshaken+AES-GCM MB/s':>24} {'framed / raw':>13} {'framed / blocking AES pair':>27} {'control frames/s':>17}")
+    heads = ("raw socket MB/s", 16), ("handshaken+AES-GCM MB/s", 24), ("framed / raw", 13), ("framed / blocking AES pair", 27), ("control frames/s", 17)
+    print(f"{'loop':<8} " + " ".join(f"{name:>{width}}" for name, width in heads))
     for kind, rows in results.items():
         raw = statistics.median(rows["raw MB/s"])
         framed = statistics.median(rows["framed MB/s"])
@@ -524,7 +529,8 @@ def main() -> None:
     assert hops is not None
     framed_hop, bare_hop = hops
     print(f"\n(b) one relay hop (rank -> relay -> controller, uvloop, {args.total_mib // 2} MiB per trial):")
-    print(f"    bare uvloop forwarder {bare_hop:.0f} MB/s; flodl relay (two handshaken, sealed legs) {framed_hop:.0f} MB/s; ratio {framed_hop / bare_hop:.2f}")
+    print(f"    bare uvloop forwarder {bare_hop:.0f} MB/s; flodl relay (two handshaken, sealed legs) {framed_hop:.0f} MB/s", end="")
+    print(f"; ratio {framed_hop / bare_hop:.2f}")
     print("\n(d) dial to a usable link, median of 200:")
     for kind, (bare_ms, hs_ms) in connect.items():
         print(f"    {kind:<8} bare TCP connect {bare_ms:.3f} ms; connect + handshake {hs_ms:.3f} ms (+{hs_ms - bare_ms:.3f} ms)")

@@ -193,6 +193,7 @@ class ClientHandshake:
         self._hello = _PREAMBLE.pack(PROTOCOL_VERSION, int(credential.kind), len(body)) + body
         self._reader = _Reader()
         self._done = False
+        self._failed: WireError | None = None
         self.server_version = ""
 
     def hello(self) -> bytes:
@@ -200,9 +201,21 @@ class ClientHandshake:
         return self._hello
 
     def receive_data(self, data: bytes) -> Step:
-        """Feed bytes from the server; returns the proof to write and the keys once its ServerHello verified."""
+        """Feed bytes from the server; returns the proof to write and the keys once its ServerHello verified.
+
+        A failure is for good: every later call raises it again.
+        """
+        if self._failed is not None:
+            raise type(self._failed)(f"handshake already failed: {self._failed}")
         if self._done:
             raise RuntimeError("handshake already finished: feed later bytes to the frame codec")
+        try:
+            return self._receive(data)
+        except WireError as exc:
+            self._failed = exc
+            raise
+
+    def _receive(self, data: bytes) -> Step:
         if not data:
             raise HandshakeFailed(
                 f"{self.channel.value} channel: the server closed the connection during the handshake — it refused or "
@@ -273,11 +286,24 @@ class ServerHandshake:
         self._expected_proof = b""
         self._keys: LinkKeys | None = None
         self._peer: PeerHello | None = None
+        self._failed: WireError | None = None
 
     def receive_data(self, data: bytes) -> Step:
-        """Feed bytes from the client (``b""`` for EOF)."""
+        """Feed bytes from the client (``b""`` for EOF). A failure, or a refusal, is for good."""
+        if self._failed is not None:
+            raise type(self._failed)(f"handshake already failed: {self._failed}")
         if self._state is _ServerState.DONE:
             raise RuntimeError("handshake already finished: feed later bytes to the frame codec")
+        try:
+            step = self._receive(data)
+        except WireError as exc:
+            self._failed = exc
+            raise
+        if step.failure is not None:
+            self._failed = step.failure
+        return step
+
+    def _receive(self, data: bytes) -> Step:
         if not data:
             raise HandshakeFailed(f"{self.channel.value} channel: the peer closed during the handshake")
         self._reader.buf += data

@@ -303,6 +303,8 @@ def _converter(hint: Any) -> Converter:  # noqa: C901 — one branch per support
                 raise _Mismatch(f"expected a map, got {type(value).__name__}")
             out = {}
             for key, element in value.items():
+                if type(key) is not str:  # msgpack's strict_map_key still lets bytes keys through
+                    raise _Mismatch(f"expected a str key, got {type(key).__name__}", f"[{key!r}]")
                 try:
                     out[key] = entry(element)
                 except _Mismatch as exc:

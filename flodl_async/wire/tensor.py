@@ -11,6 +11,7 @@ plane stays torch-free.
 from __future__ import annotations
 
 import ctypes
+import math
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
@@ -19,6 +20,8 @@ from .messages import TensorBundle, TensorSpec
 
 if TYPE_CHECKING:
     import torch
+
+_MAX_TORCH_BYTES = 2**63 - 1
 
 #: Wire dtype names and their element sizes; the names match ``str(torch.<dtype>)`` minus ``torch.``.
 DTYPE_ITEMSIZE: dict[str, int] = {
@@ -74,6 +77,10 @@ def validate_bundle(bundle: TensorBundle, payload_len: int) -> None:
             raise MalformedBody(f"tensor {spec.name!r}: unknown dtype {spec.dtype!r}")
         if any(d < 0 for d in spec.shape):
             raise MalformedBody(f"tensor {spec.name!r}: negative dimension in shape {spec.shape}")
+        # torch sizes strides and storage as if empty dimensions were 1: a shape whose product overflows
+        # int64 that way cannot be made even when it holds no elements.
+        if math.prod(max(d, 1) for d in spec.shape) * itemsize > _MAX_TORCH_BYTES:
+            raise MalformedBody(f"tensor {spec.name!r}: shape {spec.shape} is larger than any tensor torch can make")
         numel = 1
         for d in spec.shape:
             numel *= d
