@@ -178,13 +178,13 @@ class JoinRejected(JoinFailed):
 class FormationAborted(JoinFailed):
     """The host was admitted but the world never formed (the window failed or timed out)."""
 
-    advice = "the run did not start; check the launcher's verdict and start a new run"
+    advice = "the run did not start; check the launcher (its verdict, or why it died) and start a new run"
 
 
 class ControllerLost(AgentError):
     """The join link broke mid-run: the controller stopped, crashed or became unreachable."""
 
-    advice = "this host's ranks were stopped; see the launcher's verdict, then start a new run"
+    advice = "this host's ranks were stopped; check the launcher (its verdict, or why it died), then start a new run"
 
 
 class RuntimeDirError(ConfigError):
