@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import os
 import secrets
 import shutil
 import signal
@@ -43,8 +42,9 @@ from .deadlines import DEFAULT_STOP_GRACE, Deadlines
 from .devices import parse_devices
 from .errors import ConfigError, FlodlError, PortInUseError
 from .plan import LaunchPlan, PlacedWorker, Placement
+from .secretfile import load_or_create_secret
 from .verdict import ExitCode, RunResult, exit_help
-from .wire.keys import new_session_secret, secret_from_hex
+from .wire.keys import new_session_secret
 
 log = logging.getLogger("flodl_async.launch")
 
@@ -97,7 +97,10 @@ def _parser() -> argparse.ArgumentParser:
         default=DEFAULT_STOP_GRACE,
         help=f"seconds from the first stop signal to KILL when stopping ranks (default {DEFAULT_STOP_GRACE:g})",
     )
-    parser.add_argument("--secret-file", help="read the session secret from this file, or write a new one there (mode 0600) for flodl-agent")
+    parser.add_argument(
+        "--secret-file",
+        help="read the session secret from this file (it must be yours, mode 0600), or write a new one there (0600) for flodl-agent",
+    )
     parser.add_argument("-q", "--quiet", action="store_true", help="only rank output and the verdict")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug output")
     return parser
@@ -206,22 +209,10 @@ def _embedded_controller() -> ControllerSpec:
 
 
 def _session_secret(path: str | None) -> bytes:
+    """A fresh secret; with ``--secret-file``, the one in that file (refused unless private), or a fresh one written there (0600)."""
     if path is None:
         return new_session_secret()
-    file = Path(path)
-    if file.exists():
-        try:
-            return secret_from_hex(file.read_text())
-        except OSError as exc:
-            raise ConfigError(f"--secret-file {path}: {exc.strerror or exc}") from exc
-    secret = new_session_secret()
-    try:
-        fd = os.open(file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as out:
-            out.write(secret.hex() + "\n")
-    except OSError as exc:
-        raise ConfigError(f"--secret-file {path}: cannot create it: {exc.strerror or exc}") from exc
-    return secret
+    return load_or_create_secret(path, new_session_secret())
 
 
 async def _run(plan: LaunchPlan) -> RunResult:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import io
 import json
 import os
@@ -25,7 +26,7 @@ from flodl_async.wire import CHANNEL_MAGIC, Channel, FrameConnection, SessionKey
 from flodl_async.wire import messages as m
 from flodl_async.wire.frame import HEADER, PROTOCOL_VERSION
 
-from .launchkit import PY, Launcher, assert_nothing_left, free_port, new_run_id, run_launch, script, wait_status
+from .launchkit import PY, Launcher, assert_nothing_left, free_port, launch_cmd, new_run_id, run_launch, script, wait_status
 
 pytestmark = pytest.mark.e2e
 
@@ -361,3 +362,66 @@ def test_an_agent_killed_mid_run_fails_the_run_and_leaves_nothing(tmp_path: Path
         assert_nothing_left(run_id)
     assert done.returncode == 4, done.stderr
     assert "agent on host 'victim' was lost mid-run" in done.stderr
+
+
+# ----- --secret-file must be private --------------------------------------------------------------
+
+
+def _loose_secret(tmp_path: Path, mode: int = 0o644) -> Path:
+    path = tmp_path / "loose secret"  # a space: the fix must be a command that can be pasted as it is
+    path.write_text(new_session_secret().hex() + "\n")
+    path.chmod(mode)
+    return path
+
+
+@pytest.mark.parametrize("mode", [0o644, 0o640, 0o604, 0o660], ids=lambda mode: f"{mode:04o}")
+def test_flodl_launch_refuses_a_secret_file_group_or_others_can_read(tmp_path: Path, mode: int) -> None:
+    secret = _loose_secret(tmp_path, mode)
+    port = free_port()
+    done = run_launch("--nproc", "1", "--devices", "cpu", "--port", str(port), "--secret-file", str(secret), "--", PY, "-c", "pass", run_id=new_run_id())
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip() == (
+        f"flodl-launch: error: secret file {secret}: has mode {mode:04o}, so group or others can get at the session secret "
+        f"(refused, as ssh refuses a loose private key) — run `chmod 600 '{secret}'`"
+    )
+    assert "window open" not in done.stderr
+    assert done.stdout == ""
+    assert oct(secret.stat().st_mode & 0o777) == oct(mode)  # refused, not silently fixed
+
+
+def test_flodl_agent_refuses_a_secret_file_group_or_others_can_read(tmp_path: Path) -> None:
+    secret = _loose_secret(tmp_path)
+    with socket.socket() as controller:  # a real listener: the agent must not even dial it
+        controller.bind(("127.0.0.1", 0))
+        controller.listen()
+        controller.settimeout(0)
+        port = controller.getsockname()[1]
+        done = subprocess.run(
+            [PY, "-m", "flodl_async.agent", "--controller", f"127.0.0.1:{port}", "--devices", "cpu:1", "--secret-file", str(secret)],
+            capture_output=True, text=True, timeout=60, check=False,
+        )  # fmt: skip
+        with contextlib.suppress(BlockingIOError):  # nothing connected
+            dialled, _ = controller.accept()
+            dialled.close()
+            pytest.fail("flodl-agent dialled the controller with a loose secret file")
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip() == (
+        f"flodl-agent: secret file {secret}: has mode 0644, so group or others can get at the session secret "
+        f"(refused, as ssh refuses a loose private key) — run `chmod 600 '{secret}'`"
+    )
+    assert done.stdout == ""
+
+
+def test_the_secret_file_flodl_launch_writes_is_0600_even_under_umask_0(tmp_path: Path) -> None:
+    secret = tmp_path / "secret"
+    run_id = new_run_id()
+    done = subprocess.run(
+        launch_cmd("--nproc", "1", "--devices", "cpu", "--port", "0", "--secret-file", str(secret), "--", PY, "-c", "pass", run_id=run_id),
+        capture_output=True, text=True, timeout=60, check=False, preexec_fn=lambda: os.umask(0),
+    )  # fmt: skip
+    assert_nothing_left(run_id)
+    assert done.returncode == 0, done.stderr
+    assert oct(secret.stat().st_mode & 0o777) == "0o600"
+    assert len(secret.read_text().strip()) == 32
+    again = run_launch("--nproc", "1", "--devices", "cpu", "--port", "0", "--secret-file", str(secret), "--", PY, "-c", "pass", run_id=new_run_id())
+    assert again.returncode == 0, again.stderr  # the file it wrote passes its own check

@@ -20,11 +20,11 @@ import signal
 import socket
 import sys
 from collections.abc import Iterator, Sequence
-from pathlib import Path
 
 from ..deadlines import DEFAULT_STOP_GRACE, Deadlines
 from ..devices import parse_devices
 from ..errors import AgentError, ConfigError, ConnectionClosed, ControllerLost, FlodlError, JoinFailed, WireError
+from ..secretfile import read_secret_file
 from ..verdict import ExitCode, exit_code_for_signal, exit_help
 from ..wire.keys import secret_from_hex
 from .output import RankOutput
@@ -61,7 +61,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--controller", required=True, help="controller HOST:PORT")
     parser.add_argument("--devices", default="all", help="`all` GPUs, ids like 0,1, or cpu:N (default %(default)s)")
     parser.add_argument("--host", default=socket.gethostname(), help="this host's name in the run (default: hostname)")
-    parser.add_argument("--secret-file", help="file holding the session secret in hex")
+    parser.add_argument("--secret-file", help="file holding the session secret in hex (yours, mode 0600)")
     parser.add_argument("--workdir", help="working directory of the ranks")
     parser.add_argument(
         "--stop-grace",
@@ -74,10 +74,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def _read_secret(secret_file: str | None) -> bytes:
     if secret_file:
-        try:
-            return secret_from_hex(Path(secret_file).read_text())
-        except OSError as exc:
-            raise ConfigError(f"--secret-file {secret_file}: {exc.strerror or exc}") from exc
+        return read_secret_file(secret_file)  # refused unless private, as ssh refuses a loose key
     if sys.stdin.isatty():
         raise ConfigError("no session secret: pipe it on stdin (never on the command line) or pass --secret-file")
     return secret_from_hex(sys.stdin.readline())
