@@ -35,12 +35,12 @@ from .cluster import (
     WorkerSpec,
     is_local_host,
     load_cluster,
-    local_host_names,
 )
 from .controller import Controller
 from .deadlines import DEFAULT_STOP_GRACE, Deadlines
 from .devices import parse_devices
 from .errors import ConfigError, FlodlError, PortInUseError
+from .hostnames import HostAliases
 from .plan import LaunchPlan, PlacedWorker, Placement
 from .secretfile import load_or_create_secret
 from .verdict import ExitCode, RunResult, exit_help
@@ -171,14 +171,15 @@ def build_plan(args: _Args) -> LaunchPlan:
     """Resolve the arguments (and cluster file) into a launch plan, or raise :class:`ConfigError`."""
     deadlines = Deadlines.resolve(stop_grace=args.stop_grace)
     gpu_count = detect_gpu_count()
+    aliases = this_machine()
     spec: ClusterSpec
     if args.nproc is not None:
         worker = WorkerSpec(host=socket.gethostname(), devices=embedded_devices(args.nproc, args.devices, gpu_count))
         spec = ClusterSpec(controller=_embedded_controller(), workers=(worker,), source="--nproc")
     else:
         assert args.cluster is not None
-        spec = load_cluster(args.cluster)
-    local = local_host_names()
+        spec = load_cluster(args.cluster, local_names=aliases.names)
+    local = aliases.names
     remote = [w.host for w in spec.workers if not is_local_host(w.host, local)]
     if remote:
         raise ConfigError(
@@ -200,7 +201,13 @@ def build_plan(args: _Args) -> LaunchPlan:
         max_restarts=args.max_restarts,
         log_dir=args.log_dir,
         deadlines=deadlines,
+        host_aliases=aliases,
     )
+
+
+def this_machine() -> HostAliases:
+    """This machine's spellings: its hostname, and its FQDN as the resolver has it (``/etc/hosts`` first, as a rule)."""
+    return HostAliases.of_machine(socket.gethostname(), socket.getfqdn())
 
 
 def _embedded_controller() -> ControllerSpec:

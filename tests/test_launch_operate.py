@@ -425,3 +425,50 @@ def test_the_secret_file_flodl_launch_writes_is_0600_even_under_umask_0(tmp_path
     assert len(secret.read_text().strip()) == 32
     again = run_launch("--nproc", "1", "--devices", "cpu", "--port", "0", "--secret-file", str(secret), "--", PY, "-c", "pass", run_id=new_run_id())
     assert again.returncode == 0, again.stderr  # the file it wrote passes its own check
+
+
+# ----- one machine, one host: localhost, loopback, the hostname and its FQDN ------------------------
+
+
+def _aliases_of_this_machine() -> list[str]:
+    hostname = socket.gethostname()
+    spellings = [hostname, hostname.upper(), f"{hostname}.", "127.0.0.1", "::1", "127.0.0.2"]
+    fqdn = socket.getfqdn()
+    if fqdn not in spellings and fqdn != "localhost":
+        spellings.append(fqdn)
+    return spellings
+
+
+@pytest.mark.parametrize("alias", _aliases_of_this_machine())
+def test_an_agent_joining_as_another_name_of_the_controllers_machine_is_a_duplicate(tmp_path: Path, alias: str) -> None:
+    port = free_port()
+    run_id = new_run_id()
+    secret_file = tmp_path / "secret"
+    cluster = _local_worker_cluster(tmp_path, port, quorum=2, target=2)  # the launcher's own agent joins as `localhost`
+    launcher = Launcher(str(cluster), "--secret-file", str(secret_file), "--", PY, script("wait_for_file.py"), str(tmp_path / "never"), run_id=run_id)
+    try:
+        wait_status(port, lambda d: d["joined_ranks"] == 1)
+        agent = subprocess.run(_walk_in(port, alias, secret_file), capture_output=True, text=True, timeout=60, check=False)
+        assert agent.returncode == 3, agent.stderr  # could not join: refused
+        assert f"join rejected by the controller: host {alias!r} is the machine that already joined this run as 'localhost'" in agent.stderr
+        assert "Traceback" not in agent.stderr
+        still = _status(port)
+        assert still is not None
+        assert [mb["host"] for mb in still["members"]] == ["localhost"]  # not admitted as a second host
+        assert still["phase"] == "waiting"
+        launcher.proc.terminate()
+        done = launcher.finish(timeout=30)
+    finally:
+        launcher.kill()
+    assert done.returncode == 143
+
+
+def test_a_cluster_file_naming_this_machine_twice_is_a_config_error_naming_the_line(tmp_path: Path) -> None:
+    cluster = tmp_path / "cluster.yml"
+    cluster.write_text(f"workers:\n  - host: localhost\n    devices: cpu:1\n  - host: {socket.gethostname()}\n    devices: cpu:1\n")
+    done = run_launch(str(cluster), "--", PY, "-c", "pass", run_id=new_run_id())
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip() == (
+        f"flodl-launch: error: {cluster}:4: workers[1].host: host {socket.gethostname()!r} is this machine, which workers[0] (line 2) "
+        "already lists as 'localhost'; one machine is one worker — give it one entry with all its devices"
+    )
