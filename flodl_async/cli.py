@@ -3,29 +3,46 @@
 Imports nothing heavy: no torch, no asyncio — a status query is one blocking
 HTTP request.
 
-What answers on the port is untrusted: the body is read up to a limit, must be
-a JSON object carrying the flodl status schema marker, and every string taken
-from it (or from an HTTP error about it) is stripped of control characters
-before it reaches the terminal, so a hostile server cannot send escape
-sequences to the operator's terminal.
+What answers on the port is untrusted. The whole answer shares one deadline
+(a server that drips a byte at a time cannot stretch it); a redirect is
+refused, not followed; the body is read up to a limit, must be JSON nested no
+deeper than a status document can be, must be an object carrying the flodl
+status schema marker, and the fields this client reads must have their
+documented types. Only then is it a flodl status, and printed; anything else
+is one line on stderr and exit 1. Every string taken from the answer (or from
+an HTTP error about it) is stripped of what can act on a terminal or mislead
+its reader — control characters, format characters such as bidi overrides,
+lone surrogates, line separators — before it is printed.
 """
 
 from __future__ import annotations
 
 import argparse
 import http.client
+import io
 import json
+import math
+import socket
 import sys
+import time
 import unicodedata
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 from .cluster import DEFAULT_PORT
 from .errors import ConfigError
 from .status.model import SCHEMA, SCHEMA_FAMILY
 from .verdict import STATUS_EXIT_MEANINGS, StatusExit
 
+if TYPE_CHECKING:
+    from _typeshed import WriteableBuffer
+
 #: A status document is kilobytes; a body this large is not one (and is not buffered past it).
 MAX_STATUS_BODY = 16 * 1024 * 1024
+#: A status document nests four deep (document, members, a member, its ranks); this leaves room to grow.
+MAX_STATUS_DEPTH = 32
+#: How much of a redirect's target the refusal quotes.
+_QUOTE_LIMIT = 200
 
 
 class NotFlodlStatus(ConfigError):
@@ -52,41 +69,181 @@ def parse_addr(text: str, *, default_port: int = DEFAULT_PORT) -> tuple[str, int
     return host, int(port_text)
 
 
+#: Unicode categories never printed: controls (C0, DEL, C1: terminal escape sequences start with
+#: them), format characters (bidi overrides and isolates, zero-width ones), lone surrogates (which
+#: cannot even be encoded), and the line and paragraph separators.
+UNPRINTED_CATEGORIES = frozenset({"Cc", "Cf", "Cs", "Zl", "Zp"})
+
+
 def strip_controls(text: str) -> str:
-    """``text`` without control characters (C0, DEL, C1: terminal escape sequences start with them)."""
-    return "".join(ch for ch in text if unicodedata.category(ch) != "Cc")
+    """``text`` without the characters of :data:`UNPRINTED_CATEGORIES`."""
+    if text.isprintable():  # the common case, checked in C: nothing of those categories in it
+        return text
+    return "".join(ch for ch in text if unicodedata.category(ch) not in UNPRINTED_CATEGORIES)
 
 
-def clean(value: object) -> object:
-    """A JSON value with :func:`strip_controls` applied to every string in it, keys included."""
+def clean(value: object, *, depth: int = 0) -> object:
+    """A JSON value with :func:`strip_controls` applied to every string in it, keys included.
+
+    Raises :class:`NotFlodlStatus` when it nests deeper than :data:`MAX_STATUS_DEPTH`.
+    """
+    if depth > MAX_STATUS_DEPTH:
+        raise NotFlodlStatus(f"JSON nested more than {MAX_STATUS_DEPTH} deep")
     if isinstance(value, str):
         return strip_controls(value)
     if isinstance(value, list):
-        return [clean(v) for v in value]
+        return [clean(v, depth=depth + 1) for v in value]
     if isinstance(value, dict):
-        return {strip_controls(str(k)): clean(v) for k, v in value.items()}
+        return {strip_controls(str(k)): clean(v, depth=depth + 1) for k, v in value.items()}
     return value
 
 
-def fetch_status(host: str, port: int, *, timeout: float = 3.0) -> tuple[int, dict[str, object]]:
-    """GET /state.json; returns (HTTP status, document with control characters stripped).
+# ----- the shape of a status document (the fields this client reads) ---------------------------
 
-    Raises :class:`NotFlodlStatus` when the answer is not a flodl status
-    document (not JSON, not an object, no ``schema`` marker, or too large), and
-    ``OSError``/``http.client.HTTPException`` when nothing answers over HTTP.
+#: Checks one value at ``path``; returns what is wrong with it, or None.
+_Check = Callable[[object, str], "str | None"]
+
+
+def _kind(value: object) -> str:
+    if isinstance(value, bool):
+        return "true/false"
+    if value is None:
+        return "null"
+    kinds: Mapping[type, str] = {str: "text", int: "a number", float: "a number", list: "a list", dict: "an object"}
+    return kinds.get(type(value), type(value).__name__)
+
+
+def _text(value: object, path: str) -> str | None:
+    return None if isinstance(value, str) else f"{path}: expected text, got {_kind(value)}"
+
+
+def _count(value: object, path: str) -> str | None:
+    return None if type(value) is int else f"{path}: expected an integer, got {_kind(value)}"
+
+
+def _optional_count(value: object, path: str) -> str | None:
+    return None if value is None else _count(value, path)
+
+
+def _list_of(item: _Check) -> _Check:
+    def check(value: object, path: str) -> str | None:
+        if not isinstance(value, list):
+            return f"{path}: expected a list, got {_kind(value)}"
+        for i, element in enumerate(value):
+            problem = item(element, f"{path}[{i}]")
+            if problem is not None:
+                return problem
+        return None
+
+    return check
+
+
+def _object_with(fields: Mapping[str, _Check]) -> _Check:
+    """An object whose listed fields, where present, pass their checks (other fields are a newer minor version's)."""
+
+    def check(value: object, path: str) -> str | None:
+        if not isinstance(value, dict):
+            return f"{path or 'the document'}: expected an object, got {_kind(value)}"
+        for key, field_check in fields.items():
+            if key in value:
+                problem = field_check(value[key], f"{path}.{key}" if path else key)
+                if problem is not None:
+                    return problem
+        return None
+
+    return check
+
+
+#: The shape of ``/state.json`` as :mod:`flodl_async.status.model` writes it, for the fields printed here.
+DOCUMENT_SHAPE = _object_with(
+    {
+        "run_id": _text,
+        "phase": _text,
+        "verdict": _text,
+        "error": _text,
+        **dict.fromkeys(("world_size", "joined_ranks", "min_rank_start", "target_ranks", "restart_count"), _count),
+        "members": _list_of(_object_with({"host": _text, "ranks": _list_of(_count), "devices": _list_of(_text), "state": _text})),
+        "ranks": _list_of(_object_with({"rank": _count, "host": _text, "pid": _optional_count, "state": _text})),
+    }
+)
+
+
+# ----- the request -----------------------------------------------------------------------------
+
+
+class _DeadlineSocket(socket.socket):
+    """A connected socket whose every read shares one deadline (``http.client`` reads through ``recv_into``)."""
+
+    _deadline: float
+
+    @classmethod
+    def wrap(cls, sock: socket.socket, deadline: float) -> _DeadlineSocket:
+        wrapped = cls(sock.family, sock.type, sock.proto, fileno=sock.detach())
+        wrapped._deadline = deadline
+        wrapped.settimeout(max(deadline - time.monotonic(), 0.001))
+        return wrapped
+
+    def recv_into(self, buffer: WriteableBuffer, nbytes: int = 0, flags: int = 0) -> int:
+        remaining = self._deadline - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError("timed out")
+        self.settimeout(remaining)
+        return super().recv_into(buffer, nbytes, flags)
+
+
+class _DeadlineConnection(http.client.HTTPConnection):
+    """An HTTP connection that must connect, send and receive the whole answer within ``timeout``."""
+
+    def __init__(self, host: str, port: int, *, timeout: float) -> None:
+        super().__init__(host, port, timeout=timeout)
+        self._deadline = time.monotonic() + timeout
+
+    def connect(self) -> None:
+        super().connect()
+        self.sock = _DeadlineSocket.wrap(self.sock, self._deadline)
+
+
+def _read_body(response: http.client.HTTPResponse, where: str) -> bytes:
+    chunks: list[bytes] = []
+    size = 0
+    while size <= MAX_STATUS_BODY:
+        chunk = response.read(min(65536, MAX_STATUS_BODY + 1 - size))
+        if not chunk:
+            break
+        chunks.append(chunk)
+        size += len(chunk)
+    if size > MAX_STATUS_BODY:
+        raise NotFlodlStatus(f"{where} answered with more than {MAX_STATUS_BODY} bytes, which is not a flodl status (is another service on that port?)")
+    if response.length:  # Content-Length promised more than came before the close
+        raise NotFlodlStatus(f"{where} answered with a body cut short ({size} bytes, {response.length} missing), so not a flodl status")
+    return b"".join(chunks)
+
+
+def fetch_status(host: str, port: int, *, timeout: float = 3.0) -> tuple[int, dict[str, object]]:
+    """GET /state.json; returns (HTTP status, document with unprintable characters stripped).
+
+    Raises :class:`NotFlodlStatus` when the answer is not a flodl status document (a
+    redirect, too large, cut short, not JSON, nested too deeply, not an object, no
+    ``schema`` marker, or fields of the wrong type), ``TimeoutError`` when the whole
+    answer did not come within ``timeout``, and ``OSError``/``http.client.HTTPException``
+    when nothing answers over HTTP.
     """
     where = f"{host}:{port}"
-    conn = http.client.HTTPConnection(host, port, timeout=timeout)
+    conn = _DeadlineConnection(host, port, timeout=timeout)
     try:
         conn.request("GET", "/state.json")
         response = conn.getresponse()
-        body = response.read(MAX_STATUS_BODY + 1)
+        if 300 <= response.status < 400:
+            target = strip_controls(response.getheader("Location") or "")[:_QUOTE_LIMIT]
+            to = f", a redirect to {target}" if target else ", a redirect"
+            raise NotFlodlStatus(f"{where} answered HTTP {response.status}{to}; a flodl controller never redirects, so this is not one (not followed)")
+        body = _read_body(response, where)
     finally:
         conn.close()
-    if len(body) > MAX_STATUS_BODY:
-        raise NotFlodlStatus(f"{where} answered with more than {MAX_STATUS_BODY} bytes, which is not a flodl status (is another service on that port?)")
     try:
         doc = json.loads(body)
+    except RecursionError:
+        raise NotFlodlStatus(f"{where} answered with JSON nested too deeply to be a flodl status (is another service on that port?)") from None
     except ValueError as exc:
         raise NotFlodlStatus(f"{where} answered, but not with JSON, so not a flodl status (is another service on that port?)") from exc
     if not isinstance(doc, dict):
@@ -97,7 +254,13 @@ def fetch_status(host: str, port: int, *, timeout: float = 3.0) -> tuple[int, di
             f"{where} answered with JSON that lacks the {SCHEMA!r} schema marker, so not a flodl status "
             "(another service on that port, or a controller older than this flodl?)"
         )
-    cleaned = clean(doc)
+    try:
+        cleaned = clean(doc)
+    except NotFlodlStatus:
+        raise NotFlodlStatus(f"{where} answered with JSON nested too deeply to be a flodl status (is another service on that port?)") from None
+    problem = DOCUMENT_SHAPE(cleaned, "")
+    if problem is not None:
+        raise NotFlodlStatus(f"{where} answered with the {SCHEMA!r} marker but is not a flodl status: {problem}")
     assert isinstance(cleaned, dict)
     return response.status, cleaned
 
@@ -133,7 +296,7 @@ def format_status(doc: dict[str, object]) -> str:
 
 
 def _say(text: str, *, error: bool = False) -> None:
-    # The last line of defence: whatever reaches the terminal has no control characters,
+    # The last line of defence: whatever reaches the terminal has nothing unprintable,
     # even text that quotes a server (an http.client error repeats a bad status line).
     print("\n".join(strip_controls(line) for line in text.split("\n")), file=sys.stderr if error else sys.stdout)
 
@@ -144,8 +307,14 @@ def _status(args: argparse.Namespace) -> StatusExit:
     except ConfigError as exc:
         _say(f"flodl status: {exc}", error=True)
         return StatusExit.USAGE
+    if not (args.timeout > 0 and math.isfinite(args.timeout)):
+        _say(f"flodl status: --timeout must be a positive number of seconds (got {args.timeout:g})", error=True)
+        return StatusExit.USAGE
     try:
         status, doc = fetch_status(host, port, timeout=args.timeout)
+    except TimeoutError:
+        _say(f"flodl status: {host}:{port} did not answer within {args.timeout:g}s; is a run active on that port? (--timeout for a slow link)", error=True)
+        return StatusExit.UNREACHABLE
     except (OSError, http.client.HTTPException) as exc:
         # The error may quote the server (a bad status line, its newline included): one clean line.
         reason = strip_controls(str(exc)).strip()
@@ -186,6 +355,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     status.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for an answer (default %(default)s)")
     status.set_defaults(handler=_status)
     args = parser.parse_args(argv)
+    for stream in (sys.stdout, sys.stderr):
+        if isinstance(stream, io.TextIOWrapper):  # text the terminal's encoding lacks is escaped, never a traceback
+            stream.reconfigure(errors="backslashreplace")
     return int(args.handler(args))
 
 

@@ -25,7 +25,6 @@ closest valid key for a typo.
 from __future__ import annotations
 
 import difflib
-import ipaddress
 import os
 import re
 from collections.abc import Mapping
@@ -37,6 +36,7 @@ import yaml
 from .devices import EXPECTED as DEVICES_EXPECTED
 from .devices import DeviceKind, DeviceSpec, parse_devices, parse_gpu_ids
 from .errors import ConfigError
+from .hostnames import HostAliases, names_this_machine
 from .membership import JoinConfig
 from .rankenv import TORCHRUN_CONTRACT
 
@@ -162,19 +162,13 @@ class ClusterSpec:
 
 
 def local_host_names() -> frozenset[str]:
-    """Names that mean this machine (no DNS lookups)."""
-    name = os.uname().nodename  # gethostname() without importing socket into this pure module
-    return frozenset({"localhost", name, name.split(".")[0]})
+    """Names that mean this machine (no DNS lookups; the launcher adds the FQDN): :class:`HostAliases`."""
+    return HostAliases.of_machine(os.uname().nodename).names  # gethostname() without importing socket into this pure module
 
 
 def is_local_host(host: str, local_names: frozenset[str]) -> bool:
-    """True when ``host`` names this machine."""
-    if host in local_names:
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
+    """True when ``host`` names this machine: one of ``local_names`` (any case) or a loopback address."""
+    return names_this_machine(host, local_names)
 
 
 # ----- parsing -----------------------------------------------------------------------------
@@ -397,11 +391,20 @@ def parse_cluster(text: str, *, source: str = "<cluster>", local_names: frozense
     workers_node = top["workers"]
     if not isinstance(workers_node, yaml.SequenceNode) or not workers_node.value:
         raise doc.error(workers_node, "workers", "expected a non-empty list of workers")
+    names = local_names if local_names is not None else local_host_names()
     workers: list[WorkerSpec] = []
     for i, item in enumerate(workers_node.value):
         worker = _worker(doc, item, f"workers[{i}]")
-        if any(w.host == worker.host for w in workers):
-            raise doc.error(item, f"workers[{i}].host", f"host {worker.host!r} is listed twice; give each host one entry")
+        for j, earlier in enumerate(workers):
+            if earlier.host == worker.host:
+                raise doc.error(item, f"workers[{i}].host", f"host {worker.host!r} is listed twice; give each host one entry")
+            if is_local_host(earlier.host, names) and is_local_host(worker.host, names):
+                raise doc.error(
+                    item,
+                    f"workers[{i}].host",
+                    f"host {worker.host!r} is this machine, which workers[{j}] (line {workers_node.value[j].start_mark.line + 1}) already lists "
+                    f"as {earlier.host!r}; one machine is one worker — give it one entry with all its devices",
+                )
         workers.append(worker)
     spec = ClusterSpec(
         controller=controller,
@@ -409,7 +412,7 @@ def parse_cluster(text: str, *, source: str = "<cluster>", local_names: frozense
         env=_env(doc, top["env"], "env") if "env" in top else {},
         source=source,
     )
-    _validate_topology(doc, spec, workers_node, local_names if local_names is not None else local_host_names())
+    _validate_topology(doc, spec, workers_node, names)
     return spec
 
 
@@ -435,8 +438,8 @@ def _validate_topology(doc: _Doc, spec: ClusterSpec, workers_node: yaml.Sequence
             )
 
 
-def load_cluster(path: str | Path) -> ClusterSpec:
-    """Read and parse a cluster file."""
+def load_cluster(path: str | Path, *, local_names: frozenset[str] | None = None) -> ClusterSpec:
+    """Read and parse a cluster file (``local_names``: this machine's names, as :func:`parse_cluster` takes them)."""
     path = Path(path)
     try:
         text = path.read_text()
@@ -444,4 +447,4 @@ def load_cluster(path: str | Path) -> ClusterSpec:
         raise ConfigError(f"{path}: cluster file not found") from None
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(f"{path}: cannot read the cluster file: {exc}") from exc
-    return parse_cluster(text, source=str(path))
+    return parse_cluster(text, source=str(path), local_names=local_names)

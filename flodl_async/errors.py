@@ -34,7 +34,8 @@ translated at the boundary with ``raise ... from exc``.
         │   └── FormationAborted  admitted, but the world never formed
         └── ControllerLost        the join link broke mid-run (exit 4)
 
-``RuntimeDirError`` (a ``ConfigError``) says the per-user runtime directory is unusable.
+``RuntimeDirError`` (a ``ConfigError``) says the per-user runtime directory is unusable,
+``SecretFileError`` (a ``ConfigError``) that a ``--secret-file`` is not private or not a secret.
 """
 
 from __future__ import annotations
@@ -188,13 +189,13 @@ class JoinRejected(JoinFailed):
 class FormationAborted(JoinFailed):
     """The host was admitted but the world never formed (the window failed or timed out)."""
 
-    advice = "the run did not start; check the launcher's verdict and start a new run"
+    advice = "the run did not start; check the launcher (its verdict, or why it died) and start a new run"
 
 
 class ControllerLost(AgentError):
     """The join link broke mid-run: the controller stopped, crashed or became unreachable."""
 
-    advice = "this host's ranks were stopped; see the launcher's verdict, then start a new run"
+    advice = "this host's ranks were stopped; check the launcher (its verdict, or why it died), then start a new run"
 
 
 class RuntimeDirError(ConfigError):
@@ -206,3 +207,13 @@ class RuntimeDirError(ConfigError):
         super().__init__(
             f"runtime directory {path}: {problem} — fix or remove it, or point XDG_RUNTIME_DIR at a short private directory (mode 0700, owned by you)"
         )
+
+
+class SecretFileError(ConfigError):
+    """A ``--secret-file`` that cannot be used safely (:mod:`flodl_async.secretfile`): ``problem`` says why, ``fix`` what to do."""
+
+    def __init__(self, path: str, problem: str, fix: str) -> None:
+        self.path = path
+        self.problem = problem
+        self.fix = fix
+        super().__init__(f"secret file {path}: {problem} — {fix}")

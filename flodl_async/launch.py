@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import os
 import secrets
 import shutil
 import signal
@@ -36,15 +35,16 @@ from .cluster import (
     WorkerSpec,
     is_local_host,
     load_cluster,
-    local_host_names,
 )
 from .controller import Controller
 from .deadlines import DEFAULT_STOP_GRACE, Deadlines
 from .devices import parse_devices
 from .errors import ConfigError, FlodlError, PortInUseError
+from .hostnames import HostAliases
 from .plan import LaunchPlan, PlacedWorker, Placement
+from .secretfile import load_or_create_secret
 from .verdict import ExitCode, RunResult, exit_help
-from .wire.keys import new_session_secret, secret_from_hex
+from .wire.keys import new_session_secret
 
 log = logging.getLogger("flodl_async.launch")
 
@@ -97,7 +97,10 @@ def _parser() -> argparse.ArgumentParser:
         default=DEFAULT_STOP_GRACE,
         help=f"seconds from the first stop signal to KILL when stopping ranks (default {DEFAULT_STOP_GRACE:g})",
     )
-    parser.add_argument("--secret-file", help="read the session secret from this file, or write a new one there (mode 0600) for flodl-agent")
+    parser.add_argument(
+        "--secret-file",
+        help="read the session secret from this file (it must be yours, mode 0600), or write a new one there (0600) for flodl-agent",
+    )
     parser.add_argument("-q", "--quiet", action="store_true", help="only rank output and the verdict")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug output")
     return parser
@@ -168,14 +171,15 @@ def build_plan(args: _Args) -> LaunchPlan:
     """Resolve the arguments (and cluster file) into a launch plan, or raise :class:`ConfigError`."""
     deadlines = Deadlines.resolve(stop_grace=args.stop_grace)
     gpu_count = detect_gpu_count()
+    aliases = this_machine()
     spec: ClusterSpec
     if args.nproc is not None:
         worker = WorkerSpec(host=socket.gethostname(), devices=embedded_devices(args.nproc, args.devices, gpu_count))
         spec = ClusterSpec(controller=_embedded_controller(), workers=(worker,), source="--nproc")
     else:
         assert args.cluster is not None
-        spec = load_cluster(args.cluster)
-    local = local_host_names()
+        spec = load_cluster(args.cluster, local_names=aliases.names)
+    local = aliases.names
     remote = [w.host for w in spec.workers if not is_local_host(w.host, local)]
     if remote:
         raise ConfigError(
@@ -197,7 +201,13 @@ def build_plan(args: _Args) -> LaunchPlan:
         max_restarts=args.max_restarts,
         log_dir=args.log_dir,
         deadlines=deadlines,
+        host_aliases=aliases,
     )
+
+
+def this_machine() -> HostAliases:
+    """This machine's spellings: its hostname, and its FQDN as the resolver has it (``/etc/hosts`` first, as a rule)."""
+    return HostAliases.of_machine(socket.gethostname(), socket.getfqdn())
 
 
 def _embedded_controller() -> ControllerSpec:
@@ -206,22 +216,10 @@ def _embedded_controller() -> ControllerSpec:
 
 
 def _session_secret(path: str | None) -> bytes:
+    """A fresh secret; with ``--secret-file``, the one in that file (refused unless private), or a fresh one written there (0600)."""
     if path is None:
         return new_session_secret()
-    file = Path(path)
-    if file.exists():
-        try:
-            return secret_from_hex(file.read_text())
-        except OSError as exc:
-            raise ConfigError(f"--secret-file {path}: {exc.strerror or exc}") from exc
-    secret = new_session_secret()
-    try:
-        fd = os.open(file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as out:
-            out.write(secret.hex() + "\n")
-    except OSError as exc:
-        raise ConfigError(f"--secret-file {path}: cannot create it: {exc.strerror or exc}") from exc
-    return secret
+    return load_or_create_secret(path, new_session_secret())
 
 
 async def _run(plan: LaunchPlan) -> RunResult:

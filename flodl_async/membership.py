@@ -19,8 +19,11 @@ Admission refuses, with a reason that goes back to the agent: a window that is
 no longer open, an empty host name, an agent of another flodl_async version or
 wire protocol version (mixed versions would fail later and obscurely, inside
 rendezvous or a collective), no or duplicate devices, and a host that already
-joined. Every refusal counts; too many of them fail the window, since the port is
-then being probed by something that is not an agent of this run.
+joined — by name, or as another spelling of the controller's machine
+(``localhost``, a loopback address, its hostname or FQDN: the
+:class:`~flodl_async.hostnames.HostAliases` the shell passes in are compared by
+their canonical name). Every refusal counts; too many of them fail the window,
+since the port is then being probed by something that is not an agent of this run.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from dataclasses import dataclass
 # The package's __init__ holds only the version string, so this keeps the module pure (no asyncio,
 # no socket; tests/test_membership.py checks it).
 from . import __version__
+from .hostnames import HostAliases
 
 MAX_RANKS_PER_JOIN = 256
 MAX_REJECTED_JOINS = 1024
@@ -111,14 +115,24 @@ Verdict = Formed | Failed | None
 class JoinWindow:
     """Admission ledger plus formation verdict; pure, ``now`` passed in."""
 
-    def __init__(self, config: JoinConfig, *, opened_at: float, protocol_version: int = 1, controller_version: str = __version__) -> None:
+    def __init__(
+        self,
+        config: JoinConfig,
+        *,
+        opened_at: float,
+        protocol_version: int = 1,
+        controller_version: str = __version__,
+        host_aliases: HostAliases | None = None,
+    ) -> None:
         """Open the window at ``opened_at``.
 
         Agents must speak ``protocol_version`` and run ``controller_version`` of flodl_async, which
-        defaults to the version installed here.
+        defaults to the version installed here. ``host_aliases`` are the spellings of the
+        controller's machine: two of them are one host (None: every name is its own host).
         """
         self.config = config
         self.opened_at = opened_at
+        self._host_aliases = host_aliases
         self._protocol_version = protocol_version
         self._controller_version = controller_version
         self._members: list[JoinedMember] = []
@@ -195,8 +209,23 @@ class JoinWindow:
             if device in seen:
                 return f"duplicate local device {device} on host {host!r} — each rank must pin a distinct device"
             seen.add(device)
-        if any(m.host == host for m in self._members):
+        same = self._same_host(host)
+        if same is not None and same.host == host:
             return f"host {host!r} already joined this run (duplicate join — a stale agent from a previous launch, or two agents sharing one host name)"
+        if same is not None:
+            return (
+                f"host {host!r} is the machine that already joined this run as {same.host!r} ({host!r} and {same.host!r} both name "
+                "this machine) — give a second agent on it a name of its own with --host, or stop the other one"
+            )
+        return None
+
+    def _same_host(self, host: str) -> JoinedMember | None:
+        """The admitted member that is ``host``: the same name, or another spelling of the controller's machine."""
+        aliases = self._host_aliases
+        key = host if aliases is None else aliases.canonical_name(host)
+        for member in self._members:
+            if (member.host if aliases is None else aliases.canonical_name(member.host)) == key:
+                return member
         return None
 
     def retract(self, host: str) -> None:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from .cluster import WorkerSpec
 from .deadlines import Deadlines
+from .hostnames import HostAliases
 from .membership import JoinConfig
 
 
@@ -58,6 +59,8 @@ class LaunchPlan:
     max_restarts: int = 0
     log_dir: Path | None = None
     deadlines: Deadlines = field(default_factory=Deadlines)
+    #: The spellings of the controller's machine, read once by the launcher (None: names are compared as given).
+    host_aliases: HostAliases | None = None
 
     @property
     def local_hosts(self) -> frozenset[str]:

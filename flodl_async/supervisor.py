@@ -36,6 +36,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
 from . import __version__
+from .hostnames import HostAliases
 from .membership import Admitted, Failed, Formed, JoinConfig, JoinedMember, JoinWindow
 from .status.model import RankState, RankStatus
 from .verdict import ExitCode, RunResult, exit_code_for_signal, rank_signal_for
@@ -59,6 +60,8 @@ class SupervisorConfig:
     stop_ack_margin: float = 10.0
     #: Hosts whose agent runs inside the controller's process: one of them hosts the store.
     local_hosts: frozenset[str] = frozenset()
+    #: The spellings of the controller's machine (localhost, loopback, hostname, FQDN): one host at join.
+    host_aliases: HostAliases | None = None
     protocol_version: int = 1
     #: This controller's flodl_async version: an agent of another version is refused at join.
     version: str = __version__
@@ -269,7 +272,9 @@ class Supervisor:
 
     def __init__(self, config: SupervisorConfig, *, now: float) -> None:
         self.config = config
-        window = JoinWindow(config.join, opened_at=now, protocol_version=config.protocol_version, controller_version=config.version)
+        window = JoinWindow(
+            config.join, opened_at=now, protocol_version=config.protocol_version, controller_version=config.version, host_aliases=config.host_aliases
+        )
         self._phase: Phase = Forming(window=window)
         self._window = window
         self._restart_count = 0

@@ -108,3 +108,126 @@ def test_flodl_agent_help_documents_its_exit_codes() -> None:
     done = subprocess.run([PY, "-m", "flodl_async.agent", "--help"], capture_output=True, text=True, check=True, timeout=60)
     for line in ("--stop-grace", "3    could not join", "4    the run failed", "143  stopped by SIGTERM", "130  stopped by SIGINT"):
         assert line in done.stdout
+
+
+# ----- the controller is killed under a stand-alone agent ---------------------------------------------
+
+
+def _kill_target_cluster(tmp_path: Path, port: int, ranks: int) -> Path:
+    """One local rank in the launcher; the window waits for ``ranks`` in all, so a walk-in either completes it or waits."""
+    cluster = tmp_path / "cluster.yml"
+    cluster.write_text(
+        f"controller:\n  port: {port}\n  join: {{min_rank_start: {ranks}, target_ranks: {ranks}, join_timeout: 60}}\n"
+        "workers:\n  - host: localhost\n    devices: cpu:1\n"
+    )
+    return cluster
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+@pytest.mark.parametrize("stdout_reader", ["stays", "dies with the controller"])
+def test_a_controller_killed_mid_run_is_one_line_from_flodl_agent_and_its_ranks_are_gone(tmp_path: Path, xdg: Path, stdout_reader: str) -> None:
+    """SIGKILL of flodl-launch while a walk-in serves: exit 4, one line naming host, controller and cause.
+
+    "dies with the controller": whoever read the agent's output went away with the controller
+    (an ssh session of a fan-out, a supervisor piping it); the ranks' last lines (``got SIGTERM``)
+    then meet a broken pipe, which used to end flodl-agent in an ExceptionGroup traceback.
+    """
+    port = free_port()
+    run_id = new_run_id()
+    secret_file = tmp_path / "secret"
+    env = {"XDG_RUNTIME_DIR": str(xdg)}
+    cluster = _kill_target_cluster(tmp_path, port, 2)
+    launcher = Launcher(
+        str(cluster), "--secret-file", str(secret_file), "--", PY, script("record_signals.py"), str(tmp_path / "record"), "exit", run_id=run_id, env=env
+    )
+    agent = None
+    try:
+        wait_status(port, lambda doc: doc["joined_ranks"] == 1)
+        agent = subprocess.Popen(
+            [PY, "-m", "flodl_async.agent", "--controller", f"127.0.0.1:{port}", "--host", "walk-in", "--devices", "cpu:1", "--secret-file", str(secret_file)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, **env},
+        )
+        assert agent.stdout is not None
+        assert agent.stderr is not None
+        ready = agent.stdout.readline()
+        assert "[walk-in:r1] ready pid" in ready
+        rank_pid = int(ready.rsplit(" ", 1)[1])
+        if stdout_reader != "stays":
+            agent.stdout.close()
+        launcher.proc.kill()  # SIGKILL: no Abort, no goodbye; the join link just ends
+        launcher.proc.wait(10)
+        agent_err = agent.stderr.read()
+        agent.wait(30)
+    finally:
+        launcher.kill()
+        if agent is not None:
+            if agent.poll() is None:
+                agent.kill()
+                agent.wait()
+            for stream in (agent.stdout, agent.stderr):
+                if stream is not None:
+                    stream.close()
+        assert_nothing_left(run_id)
+    assert not _pid_alive(rank_pid), "the walk-in's rank outlived its agent"
+    assert agent.returncode == 4, agent_err  # the run failed: the controller was lost
+    assert "Traceback" not in agent_err
+    assert "ExceptionGroup" not in agent_err
+    lost = [line for line in agent_err.splitlines() if "walk-in" in line and f"127.0.0.1:{port}" in line]
+    assert len(lost) == 1, agent_err
+    assert "lost the join link to the controller" in lost[0]
+    assert "the peer closed the connection" in lost[0]
+    assert agent_err.splitlines()[-1] == lost[0]
+    if stdout_reader == "stays":
+        assert agent_err.strip() == lost[0], agent_err  # that one line, nothing else
+    else:
+        assert len(agent_err.strip().splitlines()) == 2, agent_err  # and one saying the output is dropped
+        assert "stdout is gone" in agent_err
+    assert not (_run_dir(xdg, run_id) / "walk-in").exists()  # its own entry (the killed launcher's stays, for the next sweep)
+
+
+def test_a_controller_killed_while_flodl_agent_waits_in_the_join_window_is_one_line(tmp_path: Path, xdg: Path) -> None:
+    port = free_port()
+    run_id = new_run_id()
+    secret_file = tmp_path / "secret"
+    env = {"XDG_RUNTIME_DIR": str(xdg)}
+    cluster = _kill_target_cluster(tmp_path, port, 3)  # the walk-in's rank is the 2nd of 3: the window stays open
+    launcher = Launcher(str(cluster), "--secret-file", str(secret_file), "--", PY, script("wait_for_file.py"), str(tmp_path / "never"), run_id=run_id, env=env)
+    agent = None
+    try:
+        wait_status(port, lambda doc: doc["joined_ranks"] == 1)
+        agent = subprocess.Popen(
+            [PY, "-m", "flodl_async.agent", "--controller", f"127.0.0.1:{port}", "--host", "walk-in", "--devices", "cpu:1", "--secret-file", str(secret_file)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, **env},
+        )
+        wait_status(port, lambda doc: doc["joined_ranks"] == 2)
+        launcher.proc.kill()
+        launcher.proc.wait(10)
+        agent_out, agent_err = agent.communicate(timeout=30)
+    finally:
+        launcher.kill()
+        if agent is not None and agent.poll() is None:
+            agent.kill()
+            agent.communicate()
+        assert_nothing_left(run_id)
+    assert agent.returncode == 3, agent_err  # could not join: the world did not form
+    assert agent_out == ""
+    assert "Traceback" not in agent_err
+    line = agent_err.strip()
+    assert len(line.splitlines()) == 1, agent_err
+    assert "walk-in" in line
+    assert f"127.0.0.1:{port}" in line
+    assert "the controller closed the join link while waiting for the world to form" in line
+    assert not (_run_dir(xdg, run_id) / "walk-in").exists()  # its own entry (the killed launcher's stays, for the next sweep)

@@ -156,6 +156,16 @@ ERRORS = [
         r"workers\[0\]\.tunnel: worker 'far' sets `tunnel: true` with GPU devices \(NCCL backend\)",
     ),
     ("workers:\n  - host: a\n    devices: cpu:1\n  - host: a\n    devices: cpu:1\n", r"host 'a' is listed twice"),
+    (
+        "workers:\n  - host: localhost\n    devices: cpu:1\n  - host: b\n    devices: cpu:1\n  - host: ctl-host\n    devices: cpu:1\n",
+        r"^c\.yml:6: workers\[2\]\.host: host 'ctl-host' is this machine, which workers\[0\] \(line 2\) already lists as 'localhost'; "
+        r"one machine is one worker — give it one entry with all its devices$",
+    ),
+    (
+        "workers:\n  - {host: CTL-HOST, devices: cpu:1}\n  - {host: 127.0.0.1, devices: cpu:1}\n",
+        r"c\.yml:3: workers\[1\]\.host: host '127\.0\.0\.1' is this machine",
+    ),
+    ("workers:\n  - {host: '::1', devices: cpu:1}\n  - {host: localhost., devices: cpu:1}\n", r"host 'localhost\.' is this machine, which workers\[0\]"),
     ("workers:\n  - {host: a, devices: cpu:1}\n  - {host: b, devices: cpu:1, python: 3}\n", r"^c\.yml:3: workers\[1\]\.python: expected a non-empty string$"),
 ]
 
@@ -170,3 +180,10 @@ def test_quorum_above_the_configured_capacity_is_allowed_for_walk_in_agents() ->
     spec = parse_cluster(W + "controller: {join: {min_rank_start: 3, target_ranks: 3}}\n", local_names=LOCAL)
     assert spec.capacity == 1
     assert spec.controller.join.resolve(1).min_rank_start == 3
+
+
+def test_distinct_remote_names_and_one_local_entry_are_fine() -> None:
+    spec = parse_cluster(
+        "workers:\n  - {host: localhost, devices: cpu:1}\n  - {host: alpha, devices: cpu:1}\n  - {host: beta, devices: cpu:1}\n", local_names=LOCAL
+    )
+    assert [w.host for w in spec.workers] == ["localhost", "alpha", "beta"]

@@ -45,6 +45,7 @@ def test_status_query_does_not_import_asyncio() -> None:
 PURE_MODULES = [
     "flodl_async.supervisor",
     "flodl_async.membership",
+    "flodl_async.hostnames",
     "flodl_async.verdict",
     "flodl_async.deadlines",
     "flodl_async.plan",

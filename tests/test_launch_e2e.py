@@ -241,3 +241,14 @@ def test_torch_store_backend_with_a_restart() -> None:
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert re.search(r"r1\] attempt 1 rank 1 sum 2", done.stdout), done.stdout
+
+
+def test_a_rank_failing_with_huge_stderr_lines_is_a_rank_failure_not_an_agent_crash() -> None:
+    """20 stderr lines of 60 KB used to make a RankExited above the join channel's 1 MiB frame ceiling (an ExceptionGroup)."""
+    noisy = "import sys\nfor _ in range(25):\n    sys.stderr.write('E' * 60000 + '\\n')\nsys.exit(3)\n"
+    done = run_launch("--nproc", "1", "--devices", "cpu", "--port", "0", "--", PY, "-c", noisy, run_id=new_run_id())
+    assert done.returncode == 4, done.stderr[-2000:]
+    assert "Traceback" not in done.stderr
+    assert "exited with code 3" in done.stderr
+    assert "last 20 stderr line(s) of rank 0" in done.stderr
+    assert "(57952 more bytes)" in done.stderr

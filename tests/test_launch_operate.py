@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import io
 import json
 import os
@@ -27,7 +28,7 @@ from flodl_async.wire import messages as m
 from flodl_async.wire.frame import HEADER
 from flodl_async.wire.handshake import PROTOCOL_VERSION
 
-from .launchkit import PY, Launcher, assert_nothing_left, free_port, new_run_id, run_launch, script, wait_status
+from .launchkit import PY, Launcher, assert_nothing_left, free_port, launch_cmd, new_run_id, run_launch, script, wait_status
 
 pytestmark = pytest.mark.e2e
 
@@ -370,3 +371,113 @@ def test_an_agent_killed_mid_run_fails_the_run_and_leaves_nothing(tmp_path: Path
         assert_nothing_left(run_id)
     assert done.returncode == 4, done.stderr
     assert "agent on host 'victim' was lost mid-run" in done.stderr
+
+
+# ----- --secret-file must be private --------------------------------------------------------------
+
+
+def _loose_secret(tmp_path: Path, mode: int = 0o644) -> Path:
+    path = tmp_path / "loose secret"  # a space: the fix must be a command that can be pasted as it is
+    path.write_text(new_session_secret().hex() + "\n")
+    path.chmod(mode)
+    return path
+
+
+@pytest.mark.parametrize("mode", [0o644, 0o640, 0o604, 0o660], ids=lambda mode: f"{mode:04o}")
+def test_flodl_launch_refuses_a_secret_file_group_or_others_can_read(tmp_path: Path, mode: int) -> None:
+    secret = _loose_secret(tmp_path, mode)
+    port = free_port()
+    done = run_launch("--nproc", "1", "--devices", "cpu", "--port", str(port), "--secret-file", str(secret), "--", PY, "-c", "pass", run_id=new_run_id())
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip() == (
+        f"flodl-launch: error: secret file {secret}: has mode {mode:04o}, so group or others can get at the session secret "
+        f"(refused, as ssh refuses a loose private key) — run `chmod 600 '{secret}'`"
+    )
+    assert "window open" not in done.stderr
+    assert done.stdout == ""
+    assert oct(secret.stat().st_mode & 0o777) == oct(mode)  # refused, not silently fixed
+
+
+def test_flodl_agent_refuses_a_secret_file_group_or_others_can_read(tmp_path: Path) -> None:
+    secret = _loose_secret(tmp_path)
+    with socket.socket() as controller:  # a real listener: the agent must not even dial it
+        controller.bind(("127.0.0.1", 0))
+        controller.listen()
+        controller.settimeout(0)
+        port = controller.getsockname()[1]
+        done = subprocess.run(
+            [PY, "-m", "flodl_async.agent", "--controller", f"127.0.0.1:{port}", "--devices", "cpu:1", "--secret-file", str(secret)],
+            capture_output=True, text=True, timeout=60, check=False,
+        )  # fmt: skip
+        with contextlib.suppress(BlockingIOError):  # nothing connected
+            dialled, _ = controller.accept()
+            dialled.close()
+            pytest.fail("flodl-agent dialled the controller with a loose secret file")
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip() == (
+        f"flodl-agent: secret file {secret}: has mode 0644, so group or others can get at the session secret "
+        f"(refused, as ssh refuses a loose private key) — run `chmod 600 '{secret}'`"
+    )
+    assert done.stdout == ""
+
+
+def test_the_secret_file_flodl_launch_writes_is_0600_even_under_umask_0(tmp_path: Path) -> None:
+    secret = tmp_path / "secret"
+    run_id = new_run_id()
+    done = subprocess.run(
+        launch_cmd("--nproc", "1", "--devices", "cpu", "--port", "0", "--secret-file", str(secret), "--", PY, "-c", "pass", run_id=run_id),
+        capture_output=True, text=True, timeout=60, check=False, preexec_fn=lambda: os.umask(0),
+    )  # fmt: skip
+    assert_nothing_left(run_id)
+    assert done.returncode == 0, done.stderr
+    assert oct(secret.stat().st_mode & 0o777) == "0o600"
+    assert len(secret.read_text().strip()) == 32
+    again = run_launch("--nproc", "1", "--devices", "cpu", "--port", "0", "--secret-file", str(secret), "--", PY, "-c", "pass", run_id=new_run_id())
+    assert again.returncode == 0, again.stderr  # the file it wrote passes its own check
+
+
+# ----- one machine, one host: localhost, loopback, the hostname and its FQDN ------------------------
+
+
+def _aliases_of_this_machine() -> list[str]:
+    hostname = socket.gethostname()
+    spellings = [hostname, hostname.upper(), f"{hostname}.", "127.0.0.1", "::1", "127.0.0.2"]
+    fqdn = socket.getfqdn()
+    if fqdn not in spellings and fqdn != "localhost":
+        spellings.append(fqdn)
+    return spellings
+
+
+@pytest.mark.parametrize("alias", _aliases_of_this_machine())
+def test_an_agent_joining_as_another_name_of_the_controllers_machine_is_a_duplicate(tmp_path: Path, alias: str) -> None:
+    port = free_port()
+    run_id = new_run_id()
+    secret_file = tmp_path / "secret"
+    cluster = _local_worker_cluster(tmp_path, port, quorum=2, target=2)  # the launcher's own agent joins as `localhost`
+    launcher = Launcher(str(cluster), "--secret-file", str(secret_file), "--", PY, script("wait_for_file.py"), str(tmp_path / "never"), run_id=run_id)
+    try:
+        wait_status(port, lambda d: d["joined_ranks"] == 1)
+        agent = subprocess.run(_walk_in(port, alias, secret_file), capture_output=True, text=True, timeout=60, check=False)
+        assert agent.returncode == 3, agent.stderr  # could not join: refused
+        assert f"join rejected by the controller: host {alias!r} is the machine that already joined this run as 'localhost'" in agent.stderr
+        assert "Traceback" not in agent.stderr
+        still = _status(port)
+        assert still is not None
+        assert [mb["host"] for mb in still["members"]] == ["localhost"]  # not admitted as a second host
+        assert still["phase"] == "waiting"
+        launcher.proc.terminate()
+        done = launcher.finish(timeout=30)
+    finally:
+        launcher.kill()
+    assert done.returncode == 143
+
+
+def test_a_cluster_file_naming_this_machine_twice_is_a_config_error_naming_the_line(tmp_path: Path) -> None:
+    cluster = tmp_path / "cluster.yml"
+    cluster.write_text(f"workers:\n  - host: localhost\n    devices: cpu:1\n  - host: {socket.gethostname()}\n    devices: cpu:1\n")
+    done = run_launch(str(cluster), "--", PY, "-c", "pass", run_id=new_run_id())
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip() == (
+        f"flodl-launch: error: {cluster}:4: workers[1].host: host {socket.gethostname()!r} is this machine, which workers[0] (line 2) "
+        "already lists as 'localhost'; one machine is one worker — give it one entry with all its devices"
+    )

@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from flodl_async import __version__
+from flodl_async.hostnames import HostAliases
 from flodl_async.membership import MAX_RANKS_PER_JOIN, MAX_REJECTED_JOINS, Admitted, Failed, Formed, JoinConfig, JoinWindow, Rejected, WindowState
 
 OPENED_AT = 100.0
@@ -15,13 +16,18 @@ PROTOCOL = 1
 
 
 def window(
-    min_rank_start: int = 2, target: int | None = 4, join_timeout: float = 10, cap: float = 30, max_rejected_joins: int = MAX_REJECTED_JOINS
+    min_rank_start: int = 2,
+    target: int | None = 4,
+    join_timeout: float = 10,
+    cap: float = 30,
+    max_rejected_joins: int = MAX_REJECTED_JOINS,
+    host_aliases: HostAliases | None = None,
 ) -> JoinWindow:
     """Opened at t=100: the join window ends at 110, the hard cap at 130."""
     config = JoinConfig(
         min_rank_start=min_rank_start, join_timeout=join_timeout, target_ranks=target, max_join_timeout=cap, max_rejected_joins=max_rejected_joins
     )
-    return JoinWindow(config, opened_at=OPENED_AT, protocol_version=PROTOCOL)
+    return JoinWindow(config, opened_at=OPENED_AT, protocol_version=PROTOCOL, host_aliases=host_aliases)
 
 
 def join(
@@ -425,3 +431,52 @@ def test_config_messages_are_exact() -> None:
 def test_config_accepts_its_boundaries() -> None:
     config = JoinConfig(min_rank_start=1, join_timeout=5, target_ranks=1, max_join_timeout=5)
     assert (config.min_rank_start, config.target_ranks, config.max_join_timeout) == (1, 1, 5)
+
+
+# ----- one machine is one host ---------------------------------------------------------------------
+
+VM = HostAliases.of_machine("vm", "vm.example.com")
+
+
+@pytest.mark.parametrize("first", ["localhost", "vm", "127.0.0.1"])
+@pytest.mark.parametrize(
+    "second", ["localhost", "LocalHost", "vm", "VM", "vm.", "vm.example.com", "VM.Example.COM.", "127.0.0.1", "127.0.0.2", "::1", "[::1]", "::ffff:127.0.0.1"]
+)
+def test_a_second_spelling_of_the_controllers_machine_is_a_duplicate_naming_both(first: str, second: str) -> None:
+    w = window(host_aliases=VM)
+    assert isinstance(join(w, first), Admitted)
+    result = join(w, second, now=102)
+    assert isinstance(result, Rejected)
+    if second == first:
+        assert result.reason.startswith(f"host {first!r} already joined this run (duplicate join")
+    else:
+        assert result.reason == (
+            f"host {second!r} is the machine that already joined this run as {first!r} ({second!r} and {first!r} both name this machine) "
+            "— give a second agent on it a name of its own with --host, or stop the other one"
+        )
+    assert [m.host for m in w.members] == [first]  # the spelling it joined under stays its name
+    assert w.rejected_joins == 1
+
+
+def test_explicit_names_on_the_controllers_machine_are_distinct_hosts() -> None:
+    w = window(host_aliases=VM)
+    for i, host in enumerate(["vm", "alpha", "beta", "vm-2", "vm.other.example", "10.0.0.5"]):
+        assert isinstance(join(w, host, now=101 + i), Admitted), host
+    assert isinstance(join(w, "Alpha", now=110), Admitted)  # case only matters for this machine's own spellings
+
+
+def test_a_later_alias_is_compared_with_every_admitted_host_not_only_the_last() -> None:
+    w = window(target=None, host_aliases=VM)
+    join(w, "alpha")
+    join(w, "::1", now=102)
+    join(w, "beta", now=103)
+    result = join(w, "vm.example.com", now=104)
+    assert isinstance(result, Rejected)
+    assert "already joined this run as '::1'" in result.reason
+
+
+def test_without_aliases_names_are_compared_as_given() -> None:
+    w = window()
+    assert isinstance(join(w, "localhost"), Admitted)
+    assert isinstance(join(w, "vm", now=102), Admitted)
+    assert isinstance(join(w, "127.0.0.1", now=103), Admitted)

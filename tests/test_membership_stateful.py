@@ -15,11 +15,16 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from flodl_async import __version__
+from flodl_async.hostnames import HostAliases
 from flodl_async.membership import Admitted, Failed, Formed, JoinConfig, JoinWindow, Rejected, WindowState
 
 OPENED_AT = 1000.0
 PROTOCOL = 1
-HOSTS = ("h0", "h1", "h2", "h3", "h4")
+#: The controller's machine, for windows opened with host aliases.
+MACHINE = HostAliases.of_machine("vm", "vm.example.com")
+#: The model's own list of that machine's spellings (not the code's): with aliases, any two are one host.
+MACHINE_SPELLINGS = ("vm", "VM", "localhost", "127.0.0.1", "::1", "vm.example.com")
+HOSTS = ("h0", "h1", "h2", "h3", "h4", *MACHINE_SPELLINGS)
 VERSION_ADVICE = "install the same flodl_async version on every host"
 
 
@@ -43,6 +48,7 @@ class JoinWindowMachine(RuleBasedStateMachine):
         # Why the window may fail before the cap; a failure with none of these set must be the cap's.
         self.early_failure_cause: str | None = None
         self.verdict: Formed | Failed | None = None
+        self.aliases = False
 
     @initialize(
         min_rank_start=st.integers(1, 4),
@@ -50,8 +56,9 @@ class JoinWindowMachine(RuleBasedStateMachine):
         join_timeout=st.sampled_from([0.0, 1.0, 5.0, 10.0]),
         cap_slack=st.sampled_from([0.0, 2.0, 20.0]),
         max_rejected_joins=st.integers(1, 6),
+        aliases=st.booleans(),
     )
-    def open_window(self, min_rank_start: int, extra_target: int | None, join_timeout: float, cap_slack: float, max_rejected_joins: int) -> None:
+    def open_window(self, min_rank_start: int, extra_target: int | None, join_timeout: float, cap_slack: float, max_rejected_joins: int, aliases: bool) -> None:
         self.config = JoinConfig(
             min_rank_start=min_rank_start,
             target_ranks=None if extra_target is None else min_rank_start + extra_target,
@@ -59,7 +66,8 @@ class JoinWindowMachine(RuleBasedStateMachine):
             max_join_timeout=join_timeout + cap_slack,
             max_rejected_joins=max_rejected_joins,
         )
-        self.window = JoinWindow(self.config, opened_at=OPENED_AT, protocol_version=PROTOCOL)
+        self.aliases = aliases
+        self.window = JoinWindow(self.config, opened_at=OPENED_AT, protocol_version=PROTOCOL, host_aliases=MACHINE if aliases else None)
 
     # ----- helpers ------------------------------------------------------------------------------
 
@@ -74,6 +82,10 @@ class JoinWindowMachine(RuleBasedStateMachine):
     @property
     def joined(self) -> int:
         return sum(a.ranks for a in self.admitted)
+
+    def same_host(self, a: str, b: str) -> bool:
+        """The model's rule: the same name, or (with aliases) two spellings of the controller's machine."""
+        return a == b or (self.aliases and a in MACHINE_SPELLINGS and b in MACHINE_SPELLINGS)
 
     def _join(self, host: str, devices: tuple[str, ...], *, agent_version: str = __version__, protocol_version: int = PROTOCOL) -> Admitted | Rejected:
         was_open = self.window.state is WindowState.OPEN
@@ -111,7 +123,7 @@ class JoinWindowMachine(RuleBasedStateMachine):
 
     @rule(host=st.sampled_from(HOSTS), n_devices=st.integers(1, 3))
     def join_valid(self, host: str, n_devices: int) -> None:
-        duplicate = any(a.host == host for a in self.admitted)
+        duplicate = any(self.same_host(a.host, host) for a in self.admitted)
         was_open = self.window.state is WindowState.OPEN
         result = self._join(host, tuple(f"cuda:{i}" for i in range(n_devices)))
         assert isinstance(result, Admitted) == (was_open and not duplicate)
@@ -125,6 +137,17 @@ class JoinWindowMachine(RuleBasedStateMachine):
         host = data.draw(st.sampled_from([a.host for a in self.admitted]))
         result = self._join(host, ("cuda:0",))
         assert isinstance(result, Rejected)
+
+    @precondition(lambda self: self.aliases and any(a.host in MACHINE_SPELLINGS for a in self.admitted))
+    @rule(data=st.data())
+    def join_as_another_spelling_of_the_admitted_machine(self, data: st.DataObject) -> None:
+        admitted = next(a.host for a in self.admitted if a.host in MACHINE_SPELLINGS)
+        host = data.draw(st.sampled_from([h for h in MACHINE_SPELLINGS if h != admitted]))
+        was_open = self.window.state is WindowState.OPEN
+        result = self._join(host, ("cuda:0",))
+        assert isinstance(result, Rejected)
+        if was_open:
+            assert result.reason.startswith(f"host {host!r} is the machine that already joined this run as {admitted!r}")
 
     @rule(host=st.sampled_from(HOSTS), devices=st.sampled_from([(), ("cuda:0", "cuda:0"), ("cuda:1", "cuda:0", "cuda:1")]))
     def join_bad_devices(self, host: str, devices: tuple[str, ...]) -> None:
@@ -245,6 +268,11 @@ class JoinWindowMachine(RuleBasedStateMachine):
         assert flat == list(range(len(flat)))  # from 0, no holes, no overlaps, in admission order
         assert all(len(m.ranks) == len(m.devices) for m in members)
         assert self.window.joined_ranks == sum(len(m.ranks) for m in members) == self.joined
+
+    @invariant()
+    def one_machine_is_at_most_one_member(self) -> None:
+        hosts = [m.host for m in self.window.members]
+        assert all(not self.same_host(a, b) for i, a in enumerate(hosts) for b in hosts[i + 1 :])
 
     @invariant()
     def rejections_are_counted(self) -> None:

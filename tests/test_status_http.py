@@ -289,7 +289,7 @@ async def test_flodl_status_strips_control_characters_from_what_it_prints(as_jso
         "joined_ranks": 1,
         "world_size": 1,
         "members": [{"host": f"node{HOSTILE}", "ranks": [0], "devices": [f"cpu{HOSTILE}"], "state": f"joined{HOSTILE}"}],
-        "ranks": [{"rank": 0, "host": f"node{HOSTILE}", "pid": f"1{HOSTILE}", "state": f"running{HOSTILE}"}],
+        "ranks": [{"rank": 0, "host": f"node{HOSTILE}", "pid": 1, "state": f"running{HOSTILE}"}],  # a pid is a number (text there is not a status)
         f"key{HOSTILE}": "value",
     }
     # ensure_ascii=False: the control characters travel raw in the body, not as \u escapes

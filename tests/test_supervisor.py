@@ -7,6 +7,7 @@ import signal
 import pytest
 
 from flodl_async import __version__
+from flodl_async.hostnames import HostAliases
 from flodl_async.membership import JoinConfig
 from flodl_async.status.model import RankState, RankStatus
 from flodl_async.supervisor import (
@@ -140,6 +141,16 @@ def test_refused_join_is_answered_and_announced() -> None:
     assert announced.level is Level.WARNING
     assert announced.text == f'join refused: host "a": {rejects[0].reason}'
     assert sup.view().rejected_joins == 1
+
+
+def test_the_controllers_machine_under_a_second_spelling_is_refused_as_a_duplicate() -> None:
+    sup = Supervisor(config(local_hosts=frozenset({"localhost"}), host_aliases=HostAliases.of_machine("vm")), now=0.0)
+    sup.handle(join("localhost"), 1.0)
+    rejects = of(sup.handle(join("vm"), 1.5), RejectJoin)
+    assert [r.host for r in rejects] == ["vm"]
+    assert "host 'vm' is the machine that already joined this run as 'localhost'" in rejects[0].reason
+    assert [mb.host for mb in sup.view().members] == ["localhost"]
+    assert of(sup.handle(join("alpha"), 2.0), AcceptJoin)  # an explicit name of its own is another host
 
 
 def test_an_agent_of_another_version_is_refused_naming_both_versions_and_the_host() -> None:

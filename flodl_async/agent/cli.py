@@ -5,22 +5,26 @@ host's ranks by the signal table — the same signal first, then TERM, then
 KILL at one deadline, ``--stop-grace`` after the first — closes the join link
 (the controller sees the host leave) and exits 143 or 130. A second signal
 kills the ranks at once.
+
+Failures are one line naming this host, the controller's address and the cause,
+with the exit code of :data:`AGENT_EXIT_MEANINGS`; a traceback means a bug.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import signal
 import socket
 import sys
-from collections.abc import Sequence
-from pathlib import Path
+from collections.abc import Iterator, Sequence
 
 from ..deadlines import DEFAULT_STOP_GRACE, Deadlines
 from ..devices import parse_devices
-from ..errors import AgentError, ConfigError, JoinFailed
+from ..errors import AgentError, ConfigError, ConnectionClosed, ControllerLost, FlodlError, JoinFailed, WireError
+from ..secretfile import read_secret_file
 from ..verdict import ExitCode, exit_code_for_signal, exit_help
 from ..wire.keys import secret_from_hex
 from .output import RankOutput
@@ -57,7 +61,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--controller", required=True, help="controller HOST:PORT")
     parser.add_argument("--devices", default="all", help="`all` GPUs, ids like 0,1, or cpu:N (default %(default)s)")
     parser.add_argument("--host", default=socket.gethostname(), help="this host's name in the run (default: hostname)")
-    parser.add_argument("--secret-file", help="file holding the session secret in hex")
+    parser.add_argument("--secret-file", help="file holding the session secret in hex (yours, mode 0600)")
     parser.add_argument("--workdir", help="working directory of the ranks")
     parser.add_argument(
         "--stop-grace",
@@ -70,10 +74,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def _read_secret(secret_file: str | None) -> bytes:
     if secret_file:
-        try:
-            return secret_from_hex(Path(secret_file).read_text())
-        except OSError as exc:
-            raise ConfigError(f"--secret-file {secret_file}: {exc.strerror or exc}") from exc
+        return read_secret_file(secret_file)  # refused unless private, as ssh refuses a loose key
     if sys.stdin.isatty():
         raise ConfigError("no session secret: pipe it on stdin (never on the command line) or pass --secret-file")
     return secret_from_hex(sys.stdin.readline())
@@ -145,27 +146,82 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         config = build_config(args)
     except ConfigError as exc:
-        print(f"flodl-agent: {exc}", file=sys.stderr)
+        _say(f"flodl-agent: {exc}")
         return int(ExitCode.USAGE)
     output = RankOutput(stdout=sys.stdout.buffer, stderr=sys.stderr.buffer)
     try:
         outcome = run(serve(HostSession(config, output=output)))
-    except ConfigError as exc:
-        print(f"flodl-agent: {exc}", file=sys.stderr)
-        return int(ExitCode.USAGE)
-    except JoinFailed as exc:
-        print(f"flodl-agent: {exc}", file=sys.stderr)
-        return int(ExitCode.FORMATION)
-    except AgentError as exc:
-        print(f"flodl-agent: {exc}", file=sys.stderr)
-        return int(ExitCode.RANK_FAILURE)
     except KeyboardInterrupt:  # a Ctrl-C before the handlers were in place
         return int(ExitCode.INTERRUPTED)
-    except (Exception, BaseExceptionGroup):  # FlodlError included: one we did not expect here is a bug
-        log.exception("internal error")
-        return int(ExitCode.INTERNAL)
+    except (Exception, BaseExceptionGroup) as exc:
+        failure = session_failure(exc, config)
+        if failure is None:  # not an error of the run, the controller or the user: a bug
+            log.exception("internal error")
+            return int(ExitCode.INTERNAL)
+        _say(failure_line(failure, config.controller_addr))
+        return int(exit_code_for_error(failure))
     finally:
         output.close()
     if outcome.ending is not Ending.FINISHED:
-        print(f"flodl-agent: {outcome.ending.value}: {outcome.reason}", file=sys.stderr)
+        _say(f"flodl-agent: {outcome.ending.value}: {outcome.reason}")
     return int(exit_code_for(outcome))
+
+
+#: The exit code of each error a session ends with, most specific first (the first match wins).
+ERROR_EXIT_CODES: tuple[tuple[type[FlodlError], ExitCode], ...] = (
+    (ConfigError, ExitCode.USAGE),
+    (JoinFailed, ExitCode.FORMATION),
+    (AgentError, ExitCode.RANK_FAILURE),
+)
+
+
+def exit_code_for_error(exc: AgentError | ConfigError) -> ExitCode:
+    """The exit code of a session that ended with ``exc`` (:data:`ERROR_EXIT_CODES`)."""
+    return next(code for cls, code in ERROR_EXIT_CODES if isinstance(exc, cls))
+
+
+def session_failure(exc: BaseException, config: SessionConfig) -> AgentError | ConfigError | None:
+    """The user-facing error behind what a session raised, or None when it is a bug.
+
+    A session's serving phase runs in a TaskGroup, so its error may come wrapped in an
+    ``ExceptionGroup``: the group is unwrapped to its first session or config error. A
+    link error that escaped untranslated is the controller going away — before admission
+    when it comes bare (the join is outside the group), mid-run when it comes in the
+    group. Anything else in a group is a bug, and so is the whole group then.
+    """
+    if isinstance(exc, AgentError | ConfigError):
+        return exc
+    if isinstance(exc, ConnectionClosed | WireError):
+        return JoinFailed(config.host, f"lost the controller at {config.controller_addr} before joining: {exc}")
+    if not isinstance(exc, BaseExceptionGroup):
+        return None
+    leaves = list(_leaves(exc))
+    if not all(isinstance(leaf, AgentError | ConfigError | ConnectionClosed | WireError) for leaf in leaves):
+        return None
+    for leaf in leaves:
+        if isinstance(leaf, AgentError | ConfigError):
+            return leaf
+    return ControllerLost(config.host, f"lost the controller at {config.controller_addr} mid-run: {leaves[0]}")
+
+
+def _leaves(group: BaseExceptionGroup[BaseException]) -> Iterator[BaseException]:
+    for exc in group.exceptions:
+        if isinstance(exc, BaseExceptionGroup):
+            yield from _leaves(exc)
+        else:
+            yield exc
+
+
+def failure_line(exc: AgentError | ConfigError, controller: str) -> str:
+    """One line for the operator: this host, the controller's address, the cause, what to do next."""
+    if not isinstance(exc, AgentError):
+        return f"flodl-agent: {exc}"
+    # The session's reasons name the controller when they know its address; the rest get it here.
+    where = "" if controller in exc.reason else f" (controller {controller})"
+    return f"flodl-agent: agent {exc.host}: {exc.reason}{where} — {exc.advice}"
+
+
+def _say(line: str) -> None:
+    """To stderr; a stderr that is gone too (its reader died with the controller) has no one to tell."""
+    with contextlib.suppress(OSError):
+        print(line, file=sys.stderr, flush=True)

@@ -1,11 +1,23 @@
-"""Rank output: whole lines forwarded with ``[host:rN]`` prefixes, and per-rank log files."""
+"""Rank output: whole lines forwarded with ``[host:rN]`` prefixes, and per-rank log files.
+
+Where the output goes may go away while the ranks run: the reader of a pipe (an
+ssh session, ``| head``, a supervisor piping the agent) can die with the
+controller. A stream that fails a write is retired, with one warning: the ranks
+keep running and their later lines to it are dropped, so a lost reader never
+takes the session down with it.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO
+
+log = logging.getLogger("flodl_async.agent")
 
 #: Lines longer than this are forwarded in pieces rather than buffered without bound.
 LINE_LIMIT = 64 * 1024
@@ -23,6 +35,7 @@ class RankOutput:
         self._stderr = stderr
         self._log_dir = log_dir
         self._files: dict[int, BinaryIO] = {}
+        self._retired: list[BinaryIO] = []  # streams that failed a write (BinaryIO is compared by identity)
 
     def rank_started(self, rank: int) -> None:
         """Open the rank's log file now, so every rank has one even if it never prints."""
@@ -42,19 +55,44 @@ class RankOutput:
         """One whole line (one write, so lines from different ranks never interleave)."""
         if not data.endswith(b"\n"):
             data += b"\n"
-        target = self._stderr if err else self._stdout
-        target.write(f"[{host}:r{rank}] ".encode() + data)
-        target.flush()
+        self._write(self._stderr if err else self._stdout, f"[{host}:r{rank}] ".encode() + data, "stderr" if err else "stdout")
         file = self._log_file(rank)
         if file is not None:
-            file.write(data)
-            file.flush()
+            self._write(file, data, f"the log file of rank {rank}")
+
+    def _write(self, stream: BinaryIO, data: bytes, name: str) -> None:
+        if any(stream is gone for gone in self._retired):
+            return
+        try:
+            stream.write(data)
+            stream.flush()
+        except OSError as exc:  # EPIPE: its reader went away; EIO: the terminal hung up; ENOSPC: a full disk
+            self._retired.append(stream)
+            _point_at_devnull(stream)
+            log.warning("%s is gone (%s): rank output to it is dropped from now on; the ranks keep running", name, exc.strerror or exc)
 
     def close(self) -> None:
         """Close the per-rank log files."""
         for file in self._files.values():
-            file.close()
+            with contextlib.suppress(OSError):  # a retired file's buffered tail cannot be written either
+                file.close()
         self._files.clear()
+
+
+def _point_at_devnull(stream: BinaryIO) -> None:
+    """Send a failed stream's descriptor to /dev/null.
+
+    What it still buffers would fail again at the interpreter's exit flush ("Exception
+    ignored ... BrokenPipeError"); the Python docs' note on SIGPIPE does the same.
+    A stream without a descriptor (a test's BytesIO) is left alone.
+    """
+    with contextlib.suppress(OSError, ValueError):
+        fd = stream.fileno()
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        try:
+            os.dup2(devnull, fd)
+        finally:
+            os.close(devnull)
 
 
 async def forward_lines(stream: asyncio.StreamReader, emit: Callable[[bytes], None]) -> None:

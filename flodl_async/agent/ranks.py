@@ -38,6 +38,8 @@ from .output import LINE_LIMIT, RankOutput, forward_lines
 log = logging.getLogger("flodl_async.agent")
 
 STDERR_TAIL_LINES = 20
+#: Each tail line is cut to this many bytes, so a RankExited stays far below the join channel's frame ceiling.
+STDERR_TAIL_LINE_BYTES = 2 * 1024
 ERROR_FILE_LIMIT = 32 * 1024
 
 
@@ -170,7 +172,7 @@ class RankProcesses:
 
         def err(data: bytes) -> None:
             self._output.line(self._host, entry.rank, err=True, data=data)
-            entry.stderr_tail.append(data.decode(errors="replace").rstrip("\n"))
+            entry.stderr_tail.append(_tail_line(data))
 
         entry.readers = [
             self._tg.create_task(forward_lines(proc.stdout, out), name=f"r{entry.rank}-stdout"),
@@ -233,6 +235,14 @@ class RankProcesses:
 
 def _tail() -> collections.deque[str]:
     return collections.deque(maxlen=STDERR_TAIL_LINES)
+
+
+def _tail_line(data: bytes) -> str:
+    """One stderr line for the tail, cut to :data:`STDERR_TAIL_LINE_BYTES` (the whole line went to the output)."""
+    line = data.rstrip(b"\n")
+    if len(line) <= STDERR_TAIL_LINE_BYTES:
+        return line.decode(errors="replace")
+    return line[:STDERR_TAIL_LINE_BYTES].decode(errors="ignore") + f" … ({len(line) - STDERR_TAIL_LINE_BYTES} more bytes)"
 
 
 def read_error_file(path: Path) -> str:

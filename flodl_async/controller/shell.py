@@ -153,6 +153,7 @@ class Controller:
                 store_ready_timeout=self._deadlines.store_ready,
                 stop_ack_margin=self._deadlines.stop_ack_margin,
                 local_hosts=plan.local_hosts,
+                host_aliases=plan.host_aliases,
                 protocol_version=PROTOCOL_VERSION,
                 version=__version__,
             ),

@@ -1,0 +1,118 @@
+"""The session secret on disk (``--secret-file``): read only from a private file, written private from its first byte.
+
+Read: as ssh treats a private key, a secret file is refused unless it is a
+regular file, owned by the user running us, that neither group nor others can
+read or write; the error names the file, what is wrong and the command that
+fixes it. The checks are made on the opened descriptor (``fstat``), so the file
+checked is the file read. A FIFO is opened without blocking and then refused.
+
+Write: a new file is created with ``O_CREAT | O_EXCL`` and mode 0600, so it is
+private from the moment it exists (no chmod afterwards, hence no window in which
+it is readable), and an existing file — or a symlink planted where it should go —
+is never followed or overwritten: the caller reads that one instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shlex
+import stat
+
+from .errors import ConfigError, SecretFileError
+from .wire.keys import secret_from_hex
+
+#: A secret file holds 32 hex characters and a newline; anything much larger is not one (and is not read whole).
+MAX_SECRET_FILE_BYTES = 4096
+
+_KINDS = {stat.S_IFDIR: "a directory", stat.S_IFIFO: "a FIFO", stat.S_IFSOCK: "a socket", stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device"}
+
+
+def read_secret_file(path: str | os.PathLike[str]) -> bytes:
+    """The session secret in ``path``, after checking that the file is private; raises :class:`SecretFileError`."""
+    name = os.fspath(path)
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+    except OSError as exc:
+        raise SecretFileError(
+            name, f"cannot open it: {exc.strerror or exc}", "check the path (flodl-launch --secret-file PATH writes a new one when PATH does not exist)"
+        ) from exc
+    try:
+        _check_private(name, os.fstat(fd))
+        raw = _read_bounded(name, fd)
+    finally:
+        os.close(fd)
+    try:
+        return secret_from_hex(raw.decode("ascii", errors="replace"))
+    except ConfigError as exc:
+        raise SecretFileError(name, str(exc), "write the controller's secret into it (32 hex characters)") from None
+
+
+def _check_private(name: str, st: os.stat_result) -> None:
+    quoted = shlex.quote(name)
+    if not stat.S_ISREG(st.st_mode):
+        kind = _KINDS.get(stat.S_IFMT(st.st_mode), "not a regular file")
+        raise SecretFileError(name, f"is {kind}, not a regular file", "point --secret-file at a regular file of yours with mode 0600")
+    if st.st_uid != os.geteuid():
+        raise SecretFileError(
+            name,
+            f"is owned by uid {st.st_uid}, not by you (uid {os.geteuid()}); a secret must be its reader's own",
+            f"use a copy of your own: `install -m 600 {quoted} NEWFILE`",
+        )
+    mode = stat.S_IMODE(st.st_mode)
+    if mode & 0o077:
+        raise SecretFileError(
+            name,
+            f"has mode {mode:04o}, so group or others can get at the session secret (refused, as ssh refuses a loose private key)",
+            f"run `chmod 600 {quoted}`",
+        )
+
+
+def _read_bounded(name: str, fd: int) -> bytes:
+    chunks: list[bytes] = []
+    size = 0
+    while size <= MAX_SECRET_FILE_BYTES:
+        try:
+            chunk = os.read(fd, MAX_SECRET_FILE_BYTES + 1 - size)
+        except OSError as exc:
+            raise SecretFileError(name, f"cannot read it: {exc.strerror or exc}", "check the file") from exc
+        if not chunk:
+            return b"".join(chunks)
+        chunks.append(chunk)
+        size += len(chunk)
+    raise SecretFileError(name, f"is larger than {MAX_SECRET_FILE_BYTES} bytes, so not a session secret (32 hex characters)", "check the path")
+
+
+def create_secret_file(path: str | os.PathLike[str], secret: bytes) -> None:
+    """Write ``secret`` (hex) to a new file at ``path``, mode 0600 from its creation.
+
+    Raises ``FileExistsError`` when anything is already there (a file, a directory, a
+    symlink, dangling or not): the caller reads that instead. Other failures raise
+    :class:`SecretFileError`; a file that could not be written whole is removed.
+    """
+    name = os.fspath(path)
+    try:
+        # O_EXCL: created by this call or not at all, and a symlink at `name` is not followed.
+        fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except FileExistsError:
+        raise
+    except OSError as exc:
+        raise SecretFileError(name, f"cannot create it: {exc.strerror or exc}", "pick a path in a directory you can write") from exc
+    try:
+        with os.fdopen(fd, "wb") as out:
+            out.write(secret.hex().encode() + b"\n")
+            out.flush()
+            os.fsync(out.fileno())
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            os.unlink(name)
+        raise SecretFileError(name, f"cannot write it: {exc.strerror or exc}", "check the disk and the path") from exc
+
+
+def load_or_create_secret(path: str | os.PathLike[str], new_secret: bytes) -> bytes:
+    """The secret in ``path`` when it exists (checked by :func:`read_secret_file`), else ``new_secret``, written there."""
+    try:
+        create_secret_file(path, new_secret)
+    except FileExistsError:
+        return read_secret_file(path)
+    return new_secret
