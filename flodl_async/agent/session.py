@@ -209,7 +209,10 @@ class HostSession:
 
     async def _join(self, link: FramedProtocol, devices: tuple[str, ...]) -> m.JoinAccept:
         cfg = self.config
-        link.send(m.JoinHello(host=cfg.host, devices=devices, pid=os.getpid(), agent_version=__version__))
+        try:
+            link.send(m.JoinHello(host=cfg.host, devices=devices, pid=os.getpid(), agent_version=__version__))
+        except ConnectionClosed as exc:
+            raise JoinFailed(cfg.host, f"the controller at {cfg.controller_addr} closed the join link before the join request") from exc
         try:
             async with asyncio.timeout(cfg.deadlines.join_reply):
                 reply = await self._recv(link, "waiting for the join reply", JoinFailed)
