@@ -11,6 +11,7 @@ import json
 import os
 import secrets
 import shutil
+import signal
 import socket
 import stat
 import subprocess
@@ -96,6 +97,9 @@ def test_status_lines_say_what_the_agent_is_doing() -> None:
     assert status_line(SessionEvent(phase=Phase.DIALING, **base)) == "waiting for a controller at 10.0.0.1:1337"
     assert status_line(SessionEvent(phase=Phase.RUNNING, ranks=(7, 4, 5, 6), round=0, **base)) == "run r1: ranks 4–7 running (round 0)"
     assert status_line(SessionEvent(phase=Phase.ADMITTED, ranks=(3,), **base)) == "run r1: admitted with rank 3, waiting for the world to form"
+    assert status_line(SessionEvent(phase=Phase.STOPPING, host="node-b", controller="c:1", reason="SIGTERM before the world formed")) == (
+        "stopping: SIGTERM before the world formed"
+    )
     assert rank_span((0, 2, 5)) == "ranks 0, 2, 5"
 
 
@@ -346,3 +350,43 @@ def test_a_flodl_agent_tells_systemd_ready_status_watchdog_and_stopping(tmp_path
     finally:
         shutil.rmtree(xdg, ignore_errors=True)
         shutil.rmtree(service_dirs, ignore_errors=True)
+
+
+@pytest.mark.e2e
+def test_a_flodl_agent_stopped_before_the_world_forms_says_stopping(tmp_path: Path) -> None:
+    port = free_port()
+    run_id = new_run_id()
+    secret_file = tmp_path / "secret"
+    cluster = tmp_path / "cluster.yml"
+    cluster.write_text(  # three ranks wanted, two come: the window stays open while the agent waits in it
+        f"controller:\n  port: {port}\n  join: {{min_rank_start: 3, target_ranks: 3, join_timeout: 60}}\nworkers:\n  - host: localhost\n    devices: cpu:1\n"
+    )
+    xdg = Path(tempfile.mkdtemp(prefix="fl-xdg-", dir="/tmp"))
+    receiver = Receiver(abstract=True)
+    try:
+        args = (str(cluster), "--secret-file", str(secret_file), "--stop-grace", "3", "--", PY, "-c", "pass")
+        launcher = Launcher(*args, run_id=run_id, env={"XDG_RUNTIME_DIR": str(xdg)})
+        agent = None
+        try:
+            wait_status(port, lambda doc: doc["joined_ranks"] == 1)
+            env = {**os.environ, "NOTIFY_SOCKET": receiver.env_value, "XDG_RUNTIME_DIR": str(xdg)}
+            cmd = [PY, "-m", "flodl_async.agent", "--controller", f"127.0.0.1:{port}", "--host", "walk-in", "--devices", "cpu:1"]
+            agent = subprocess.Popen([*cmd, "--secret-file", str(secret_file)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+            receiver.wait_for(1, b"admitted with rank 1")
+            agent.send_signal(signal.SIGTERM)  # what systemctl stop sends (KillMode=mixed: to the agent alone)
+            _, agent_err = agent.communicate(timeout=60)
+            launcher.proc.send_signal(signal.SIGTERM)
+            launcher.finish(timeout=60)
+        finally:
+            launcher.kill()
+            if agent is not None and agent.poll() is None:
+                agent.kill()
+                agent.communicate()
+            assert_nothing_left(run_id)
+        assert agent.returncode == 143, agent_err
+        notes = [d.decode() for d in receiver.received()]
+        assert notes[-1] == "STOPPING=1\nSTATUS=stopping: SIGTERM before the world formed\n", notes
+        assert [n.split("\n")[0] for n in notes[:2]] == [f"STATUS=waiting for a controller at 127.0.0.1:{port}", "READY=1"]
+    finally:
+        receiver.close()
+        shutil.rmtree(xdg, ignore_errors=True)

@@ -153,6 +153,7 @@ class HostSession:
             self._serving.stop_for_signal(sig)
         elif self._link is not None:
             log.info("agent %s: %s before the world formed; leaving the window", self.config.host, signal.Signals(sig).name)
+            self.observe(Phase.STOPPING, reason=f"{signal.Signals(sig).name} before the world formed")
             self._link.abort()  # the controller sees the host leave; our pending receive ends
 
     def force_stop(self) -> None:

@@ -54,6 +54,8 @@ def status_line(event: SessionEvent) -> str:
             return f"{run}: admitted with {rank_span(event.ranks)}, waiting for the world to form"
         case Phase.RUNNING:
             return f"{run}: {rank_span(event.ranks)} running (round {event.round})"
+        case Phase.STOPPING if event.run_id is None:
+            return f"stopping: {event.reason}"
         case Phase.STOPPING:
             return f"{run}: stopping {rank_span(event.ranks)} ({event.reason})"
 
