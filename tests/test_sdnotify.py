@@ -28,8 +28,9 @@ from flodl_async.agent.systemd import apply_service_options, credential_path, no
 from flodl_async.errors import ConfigError
 from flodl_async.runtime import runtime_root
 from flodl_async.sdnotify import MAX_STATUS_CHARS, Notifier, NotifyTarget, message, socket_address, watchdog_interval
+from flodl_async.verdict import ExitCode
 
-from .launchkit import PY, Launcher, assert_nothing_left, free_port, new_run_id, script, wait_status
+from .launchkit import PY, Launcher, assert_nothing_left, free_port, new_run_id, run_launch, script, wait_status
 
 DEPLOY = Path(__file__).parent.parent / "deploy"
 
@@ -281,6 +282,42 @@ def test_the_units_verify_clean(tmp_path: Path) -> None:
     done = subprocess.run(["systemd-analyze", "verify", *units], capture_output=True, text=True, timeout=120, check=False)
     assert done.returncode == 0, done.stderr
     assert done.stderr == "", done.stderr
+
+
+def _unit_settings(unit: str) -> dict[str, str]:
+    settings = {}
+    for line in (DEPLOY / unit).read_text().splitlines():
+        key, sep, value = line.partition("=")
+        if sep and not line.startswith("#"):
+            settings[key] = value
+    return settings
+
+
+def test_the_agent_unit_agrees_with_the_exit_codes_and_the_stop_grace() -> None:
+    unit = _unit_settings("flodl-agent.service")
+    assert unit["Type"] == "notify"
+    assert unit["RestartPreventExitStatus"].split() == [str(int(ExitCode.USAGE))]  # a usage error would only fail again
+    assert sorted(unit["SuccessExitStatus"].split()) == sorted([str(int(ExitCode.INTERRUPTED)), str(int(ExitCode.TERMINATED))])
+    grace = float(unit["ExecStart"].split("--stop-grace ")[1].split()[0])
+    assert float(unit["TimeoutStopSec"]) > grace  # the agent's own TERM → KILL schedule finishes before systemd's KILL
+    assert "--token-credential flodl-token" in unit["ExecStart"]
+    assert unit["LoadCredential"].startswith("flodl-token:")
+    assert (unit["KillMode"], unit["RuntimeDirectory"], unit["RuntimeDirectoryMode"]) == ("mixed", "flodl", "0700")
+
+
+@pytest.mark.e2e
+def test_flodl_launch_prints_plain_lines_for_the_journal(tmp_path: Path) -> None:
+    run_id = new_run_id()
+    xdg = Path(tempfile.mkdtemp(prefix="fl-xdg-", dir="/tmp"))
+    try:
+        done = run_launch("--nproc", "1", "--devices", "cpu", "--port", "0", "--", PY, "-c", "print('hello')", run_id=run_id, env={"XDG_RUNTIME_DIR": str(xdg)})
+    finally:
+        shutil.rmtree(xdg, ignore_errors=True)
+    assert done.returncode == 0, done.stderr
+    assert "hello" in done.stdout
+    for text in (done.stdout, done.stderr):
+        assert "\x1b" not in text  # no colour or cursor movement
+        assert "\r" not in text  # no progress redraws
 
 
 # ----- a real flodl-agent in a real run -------------------------------------------------------------------
