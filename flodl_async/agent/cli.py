@@ -8,6 +8,10 @@ kills the ranks at once.
 
 Failures are one line naming this host, the controller's address and the cause,
 with the exit code of :data:`AGENT_EXIT_MEANINGS`; a traceback means a bug.
+
+Under systemd (deploy/flodl-agent.service) it notifies READY/STATUS/STOPPING and
+pings the watchdog from its loop, and ``--token-credential`` reads the secret
+from ``$CREDENTIALS_DIRECTORY`` (:mod:`flodl_async.agent.systemd`).
 """
 
 from __future__ import annotations

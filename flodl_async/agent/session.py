@@ -24,6 +24,10 @@ one is under way only brings the KILL deadline closer (the shorter deadline
 wins), and :meth:`HostSession.force_stop` means KILL now. The first ending
 decides the outcome. On every way out the ranks are gone, the relay, store
 and links are closed, and the runtime entry is removed.
+
+An observer (:mod:`flodl_async.agent.lifecycle`) hears each step as it
+happens — dialing, connected, admitted, ranks running, stopping — which is
+how ``flodl-agent`` keeps systemd told (:mod:`flodl_async.agent.systemd`).
 """
 
 from __future__ import annotations
