@@ -65,7 +65,7 @@ from ..errors import (
 from ..liveness import Liveness
 from ..net.framed import FramedProtocol, open_framed
 from ..relay import Relay
-from ..runtime import RuntimeEntry, create_entry, sweep_stale
+from ..runtime import RuntimeEntry, create_entry, reap_stale_ranks, sweep_stale
 from ..verdict import StopStep, rank_signal_for, stop_schedule
 from ..wire import messages as m
 from ..wire.channels import Channel
@@ -174,6 +174,8 @@ class HostSession:
         devices = device_labels(cfg.devices)
         if not devices:
             raise ConfigError(f"host {cfg.host!r} has no devices to offer (devices: {cfg.devices.kind.value}, 0 GPUs found)")
+        for cleaned in reap_stale_ranks(cfg.runtime_root):  # what ranks of SIGKILLed sessions forked, before the sweep forgets them
+            log.warning("agent %s: %s", cfg.host, cleaned.describe())
         sweep_stale(cfg.runtime_root)  # leftovers of sessions that were SIGKILLed
         try:
             async with asyncio.timeout(cfg.deadlines.handshake):
