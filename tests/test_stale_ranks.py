@@ -133,3 +133,36 @@ def test_the_next_agent_kills_what_a_sigkilled_agents_rank_forked_and_nothing_el
     assert f"pids [{walk_in_child}]" in cleaned[0]
     assert f"controller 127.0.0.1:{port}" in cleaned[0]
     assert "Traceback" not in again.stderr
+
+
+def test_reaping_kills_the_groups_of_a_dead_owner_only_and_no_process_outside_them(tmp_path: Path) -> None:
+    """A dead owner's marker: its rank's group (leader and forked child) is killed; a decoy of the same command line is not."""
+    root = tmp_path / "root"
+    entry = create_entry(run_id="r1", host="h", controller="10.0.0.1:1337", root=root)
+    rank = subprocess.Popen([PY, script("fork_survivor.py"), str(tmp_path / "rank-child")], stdout=subprocess.DEVNULL, start_new_session=True)
+    decoy = subprocess.Popen([PY, script("fork_survivor.py"), str(tmp_path / "decoy-child")], stdout=subprocess.DEVNULL, start_new_session=True)
+    gone = subprocess.run([PY, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, check=True)
+    try:
+        rank_child, decoy_child = int(_wait_for(tmp_path / "rank-child")), int(_wait_for(tmp_path / "decoy-child"))
+        write_rank_marker(entry.path, pid=rank.pid, rank=0)
+        # The owner is now a process that has exited: the entry is a dead session's.
+        owner = (entry.path / "owner.json").read_text().replace(f'"pid": {os.getpid()}', f'"pid": {int(gone.stdout)}')
+        (entry.path / "owner.json").write_text(owner)
+        cleaned = reap_stale_ranks(root)
+        assert len(cleaned) == 1
+        assert cleaned[0].pids == tuple(sorted((rank.pid, rank_child)))
+        assert cleaned[0].describe().startswith("cleaned up 2 processes of run r1 on host 'h' (their agent is gone; controller 10.0.0.1:1337)")
+        rank.wait(10)
+        deadline = time.monotonic() + 10
+        while _alive(rank_child) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive(rank_child)
+        assert _alive(decoy.pid)
+        assert _alive(decoy_child)
+        assert reap_stale_ranks(root) == ()  # nothing left to kill: a second look changes nothing
+    finally:
+        for proc in (rank, decoy):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        entry.remove()
