@@ -102,9 +102,10 @@ def test_the_next_agent_kills_what_a_sigkilled_agents_rank_forked_and_nothing_el
             time.sleep(0.05)
         assert not _alive(rank_pid)
         assert _alive(walk_in_child), "nothing survived the SIGKILLed agent: the test proves nothing"
+        secret = ("--secret-file", str(secret_file))
         nobody = free_port()  # the new agent has no controller to reach: it cleans up, then says it cannot join
         again = subprocess.run(
-            [PY, "-m", "flodl_async.agent", "--controller", f"127.0.0.1:{nobody}", "--host", "walk-in", "--devices", "cpu:1", "--secret-file", str(secret_file)],  # noqa: E501
+            [PY, "-m", "flodl_async.agent", "--controller", f"127.0.0.1:{nobody}", "--host", "walk-in", "--devices", "cpu:1", *secret],
             capture_output=True,
             text=True,
             timeout=60,
