@@ -22,7 +22,15 @@ Round commands run one after another, in arrival order. An ending (``Abort``,
 signal) stops every rank following the signal table; a later ending while
 one is under way only brings the KILL deadline closer (the shorter deadline
 wins), and :meth:`HostSession.force_stop` means KILL now. The first ending
-decides the outcome. On every way out the ranks are gone, the relay, store
+decides the outcome.
+
+Liveness: from admission on, any frame from the controller counts as a sign of
+life, and the agent beats up the link (:mod:`flodl_async.liveness`): while the
+world forms it echoes the controller's heartbeats; once serving, a ticker sends
+its own and ends the session with :class:`ControllerLost` (TERM, KILL at the
+stop grace) when the controller was silent past ``heartbeat_silence`` — a frozen
+launcher or a pulled cable leaves the TCP link open, so the reader alone would
+never notice. On every way out the ranks are gone, the relay, store
 and links are closed, and the runtime entry is removed.
 
 An observer (:mod:`flodl_async.agent.lifecycle`) hears each step as it
@@ -58,9 +66,10 @@ from ..errors import (
     JoinRejected,
     WireError,
 )
+from ..liveness import Liveness
 from ..net.framed import FramedProtocol, open_framed
 from ..relay import Relay
-from ..runtime import RuntimeEntry, create_entry, sweep_stale
+from ..runtime import RuntimeEntry, create_entry, reap_stale_ranks, sweep_stale
 from ..verdict import StopStep, rank_signal_for, stop_schedule
 from ..wire import messages as m
 from ..wire.channels import Channel
@@ -172,6 +181,8 @@ class HostSession:
         devices = device_labels(cfg.devices)
         if not devices:
             raise ConfigError(f"host {cfg.host!r} has no devices to offer (devices: {cfg.devices.kind.value}, 0 GPUs found)")
+        for cleaned in reap_stale_ranks(cfg.runtime_root):  # what ranks of SIGKILLed sessions forked, before the sweep forgets them
+            log.warning("agent %s: %s", cfg.host, cleaned.describe())
         sweep_stale(cfg.runtime_root)  # leftovers of sessions that were SIGKILLed
         self.observe(Phase.DIALING)
         try:
@@ -246,6 +257,10 @@ class HostSession:
         try:
             async with asyncio.timeout(wait):
                 formed = await self._recv(link, "waiting for the world to form", FormationAborted)
+                while isinstance(formed, m.Heartbeat):  # the controller checks we are alive: echo
+                    with contextlib.suppress(ConnectionClosed):
+                        link.send(m.Heartbeat(sent_at=formed.sent_at))
+                    formed = await self._recv(link, "waiting for the world to form", FormationAborted)
         except TimeoutError:
             raise FormationAborted(cfg.host, f"the world did not form within {wait:g}s") from None
         if isinstance(formed, m.Abort):
@@ -301,6 +316,8 @@ class _Serving:
         self._ended: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._outcome: SessionOutcome | None = None
         self._error: AgentError | None = None
+        d = cfg.deadlines
+        self._liveness = Liveness.start(asyncio.get_running_loop().time(), interval=d.heartbeat_interval, silence=d.heartbeat_silence)
 
     # ----- lifecycle -------------------------------------------------------------------------
 
@@ -340,6 +357,7 @@ class _Serving:
                     self.begin_ending(self._lost_schedule(), error=lost)
                 else:
                     self._spawn(self._read_commands(), name=f"{cfg.host}-commands")
+                    self._spawn(self._keep_alive(), name=f"{cfg.host}-heartbeat")
                 if self._session._stop_signal is not None and self._outcome is None:  # a signal came while the world formed
                     self.stop_for_signal(self._session._stop_signal)
                 await self._ended
@@ -420,11 +438,32 @@ class _Serving:
                     reason = f"lost the join link to the controller ({exc}); stopping this host's ranks"
                     self.begin_ending(self._lost_schedule(), error=ControllerLost(self._cfg.host, reason))
                 return
+            self._liveness = self._liveness.heard(asyncio.get_running_loop().time())  # any frame is a sign of life
             handler = self.commands.get(type(msg))
             if handler is None:
                 log.warning("agent %s: ignoring %s from the controller (not a command of a running session)", self._cfg.host, type(msg).__name__)
                 continue
             handler(self, msg)
+
+    async def _keep_alive(self) -> None:
+        """Beat up the join link; a controller silent past the deadline is lost (it may be frozen: the link stays open)."""
+        loop = asyncio.get_running_loop()
+        wake = loop.time()
+        while not self.ending:
+            now = loop.time()
+            if now - wake > self._cfg.deadlines.heartbeat_interval:  # this process was frozen: the controller could not be heard
+                self._liveness = self._liveness.excused(now)
+            live = self._liveness
+            if live.expired(now):
+                silence = self._cfg.deadlines.heartbeat_silence
+                reason = f"the controller at {self._cfg.controller_addr} sent nothing for {silence:g}s (frozen, down or cut off); stopping this host's ranks"
+                self.begin_ending(self._lost_schedule(), error=ControllerLost(self._cfg.host, reason))
+                return
+            if live.send_due(now):
+                self._send(m.Heartbeat(sent_at=now))
+                self._liveness = live = live.sent(now)
+            wake = live.next_deadline()
+            await asyncio.sleep(max(wake - loop.time(), 0.0))
 
     def _round_command(self, work: Coroutine[Any, Any, None], *, name: str) -> None:
         if self.ending:
@@ -465,6 +504,9 @@ class _Serving:
         log.debug("agent %s: abort: %s", self._cfg.host, msg.reason)
         self.begin_ending(stop_schedule(msg.first_signal, msg.grace_s), outcome=SessionOutcome(ending=Ending.ABORTED, reason=msg.reason))
 
+    def _on_heartbeat(self, msg: m.Heartbeat) -> None:
+        """The controller's beat: reading it already counted as a sign of life; nothing else to do."""
+
     def _on_finish(self, msg: m.Finish) -> None:
         self.begin_ending(stop_schedule(signal.SIGTERM, self._cfg.deadlines.stop_grace), outcome=SessionOutcome(ending=Ending.FINISHED, reason=msg.reason))
 
@@ -475,4 +517,5 @@ _Serving.commands = {
     m.StopRanks: _Serving._on_stop_ranks,
     m.Abort: _Serving._on_abort,
     m.Finish: _Serving._on_finish,
+    m.Heartbeat: _Serving._on_heartbeat,
 }
