@@ -64,6 +64,7 @@ from ..wire import messages as m
 from ..wire.channels import Channel
 from ..wire.handshake import PROTOCOL_VERSION, session_resolver
 from ..wire.schema import Message
+from .fanout import ssh_launcher
 from .launchers import AgentLauncher, ControllerContact, LocalLauncher
 
 log = logging.getLogger("flodl_async.launch")
@@ -160,7 +161,10 @@ class Controller:
             now=self._opened_at,
         )
         contact = ControllerContact(host="127.0.0.1", port=self.port, secret=plan.secret, deadlines=self._deadlines)
-        self._launchers = {Placement.LOCAL: LocalLauncher(contact, output=self._output)}
+        self._launchers = {
+            Placement.LOCAL: LocalLauncher(contact, output=self._output),
+            Placement.SSH: ssh_launcher(contact, bind_host=plan.bind_host, run_id=plan.run_id),
+        }
         result: RunResult | None = None
         try:
             async with asyncio.TaskGroup() as tg:
