@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
 import stat
 import subprocess
 import sys
@@ -11,8 +14,10 @@ from pathlib import Path
 
 import pytest
 
+from flodl_async.wire import new_session_secret
+
 from .hostkit import HostKit, NsHost
-from .launchkit import PY, Finished, free_port, new_run_id, run_launch, script
+from .launchkit import PY, Finished, Launcher, assert_nothing_left, free_port, new_run_id, run_launch, script
 
 pytestmark = pytest.mark.e2e
 
@@ -131,3 +136,69 @@ def test_flodl_async_missing_on_the_host_is_named(hostkit: HostKit, tmp_path: Pa
     done = _launch(cluster, PY, script("allreduce.py"))
     assert done.returncode == 3, done.stderr
     assert f"flodl_async is not importable by {bare} on {h1.addr}:22" in done.stderr
+
+
+def _agent_pid(kit: HostKit, host: NsHost) -> int:
+    for pid in kit.host_pids(host.ns):
+        with contextlib.suppress(OSError):
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            if b"flodl_async.agent" in argv and b"--spec-stdin" in argv:
+                return pid
+    raise AssertionError(f"no agent process on {host.name}")
+
+
+def _running(tmp_path: Path, kit: HostKit, *extra: str) -> tuple[Launcher, Path]:
+    h1, h2, h3 = kit.hosts[:3]
+    cluster = _cluster(tmp_path, kit, [(h1, "cpu:2"), (h2, "cpu:1"), (h3, "cpu:1")], python=str(_python_wrapper(tmp_path)))
+    release = tmp_path / "release"
+    launcher = Launcher(str(cluster), "--stop-grace", "3", *extra, "--", PY, script("wait_for_file.py"), str(release), run_id=new_run_id())
+    try:
+        launcher.wait_for_stdout("ready pid", count=4, timeout=120)
+    except BaseException:
+        launcher.kill()
+        raise
+    return launcher, release
+
+
+def test_the_secret_is_in_no_remote_argv(hostkit: HostKit, tmp_path: Path) -> None:
+    secret = new_session_secret().hex()
+    secret_file = tmp_path / "secret"
+    fd = os.open(secret_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secret + "\n")
+    launcher, release = _running(tmp_path, hostkit, "--secret-file", str(secret_file))
+    try:
+        scanned = 0
+        for host in hostkit.hosts[:3]:
+            for pid in hostkit.host_pids(host.ns):
+                with contextlib.suppress(OSError):
+                    argv = Path(f"/proc/{pid}/cmdline").read_bytes()
+                    scanned += 1
+                    assert secret.encode() not in argv.lower(), f"the secret is in the argv of pid {pid} on {host.name}"
+        assert scanned >= 3 + 4  # at least each agent and each rank were looked at
+        release.write_text("")
+        done = launcher.finish(timeout=120)
+    finally:
+        launcher.kill()
+    assert done.returncode == 0, done.stderr
+
+
+def test_kill_9_of_one_agent_fails_the_run_naming_its_host(hostkit: HostKit, tmp_path: Path) -> None:
+    launcher, _ = _running(tmp_path, hostkit)
+    try:
+        os.kill(_agent_pid(hostkit, hostkit.hosts[1]), signal.SIGKILL)
+        done = launcher.finish(timeout=120)
+    finally:
+        launcher.kill()
+    assert done.returncode == 4, done.stderr
+    assert "h2" in done.stderr.splitlines()[-1], done.stderr
+
+
+def test_the_launcher_killed_leaves_every_host_clean_within_the_stop_grace(hostkit: HostKit, tmp_path: Path) -> None:
+    launcher, _ = _running(tmp_path, hostkit)
+    launcher.proc.kill()
+    launcher.kill()
+    # The ssh sessions die with the launcher; each agent sees EOF on stdin and stops its ranks
+    # (TERM, then KILL 3s later). The fixture's check then finds nothing on any host.
+    assert hostkit.leftovers(within=3 + 10) == {}
+    assert_nothing_left(launcher.run_id)
