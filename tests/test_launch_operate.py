@@ -228,6 +228,15 @@ def test_an_unsupported_ssh_option_is_refused_by_name(tmp_path: Path) -> None:
     assert "window open" not in done.stderr
 
 
+def test_a_tunneled_ssh_worker_is_refused_for_now(tmp_path: Path) -> None:
+    cluster = tmp_path / "cluster.yml"
+    cluster.write_text("workers:\n  - host: far-away-node\n    devices: cpu:2\n    tunnel: true\n")
+    done = run_launch(str(cluster), "--", PY, "x.py", run_id=new_run_id())
+    assert done.returncode == 2
+    assert "worker(s) far-away-node set tunnel: true, which ssh workers do not support yet; remove it" in done.stderr
+    assert "window open" not in done.stderr
+
+
 def test_port_held_by_a_live_listener(tmp_path: Path) -> None:
     with socket.socket() as holder:
         holder.bind(("127.0.0.1", 0))
