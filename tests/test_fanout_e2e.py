@@ -40,6 +40,7 @@ def _cluster(
     python: str,
     known_hosts: Path | None = None,
     identity: Path | None = None,
+    options: Sequence[str] = (),
 ) -> Path:
     lines = [f"controller: {{host: 0.0.0.0, port: {free_port()}, join: {{join_timeout: 60}}}}", "workers:"]
     for host, devices in hosts:
@@ -48,6 +49,7 @@ def _cluster(
             "user": "root",
             "identity_file": str(identity or kit.user_key),
             "known_hosts": str(known_hosts or kit.known_hosts),
+            **({"options": list(options)} if options else {}),
         }
         lines += [f"  - host: {host.name}", f"    devices: {devices}", f"    python: {python}", f"    ssh: {json.dumps(ssh)}"]
     cluster = tmp_path / "cluster.yml"
@@ -136,6 +138,17 @@ def test_flodl_async_missing_on_the_host_is_named(hostkit: HostKit, tmp_path: Pa
     done = _launch(cluster, PY, script("allreduce.py"))
     assert done.returncode == 3, done.stderr
     assert f"flodl_async is not importable by {bare} on {h1.addr}:22" in done.stderr
+
+
+def test_proxy_jump_reaches_a_host_through_another(hostkit: HostKit, tmp_path: Path) -> None:
+    h1, h2 = hostkit.hosts[:2]
+    log = hostkit.root / h2.name / "sshd.log"
+    before = log.read_text()
+    cluster = _cluster(tmp_path, hostkit, [(h2, "cpu:1")], python=str(_python_wrapper(tmp_path)), options=[f"ProxyJump=root@{h1.addr}"])
+    done = _launch(cluster, PY, script("allreduce.py"))
+    assert done.returncode == 0, done.stderr
+    assert "rank 0 of 1 sum 1" in done.stdout
+    assert f"Connection from {h1.addr} port" in log.read_text()[len(before) :]  # h2 was reached from h1, not from us
 
 
 def _agent_pid(kit: HostKit, host: NsHost) -> int:

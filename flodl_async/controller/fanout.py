@@ -70,6 +70,8 @@ class SshTarget:
     identity_file: Path | None
     known_hosts: Path
     proxy_jump: str | None
+    #: Set on a jump host's own target: the address it leads to (for messages).
+    jump_of: str | None = None
 
     @classmethod
     def of(cls, host: str, ssh: SshSpec | None) -> SshTarget:
@@ -85,8 +87,24 @@ class SshTarget:
             proxy_jump=jump,
         )
 
+    def jump_host(self) -> SshTarget:
+        """The ProxyJump host (``[user@]host[:port]``), reached with this worker's key and known_hosts."""
+        assert self.proxy_jump is not None
+        user, _, rest = self.proxy_jump.rpartition("@")
+        address, _, port = rest.partition(":")
+        return dataclasses.replace(
+            self,
+            address=address,
+            port=int(port) if port.isdigit() else 22,
+            user=user or self.user,
+            proxy_jump=None,
+            jump_of=self.address,
+        )
+
     @property
     def where(self) -> str:
+        if self.jump_of is not None:
+            return f"{self.address}:{self.port} (the ProxyJump host to {self.jump_of})"
         via = f" via {self.proxy_jump}" if self.proxy_jump else ""
         return f"{self.address}:{self.port}{via}"
 
@@ -105,8 +123,13 @@ class SshLauncher:
         """Connect, start the agent, hand it its spec, relay its output until it exits."""
         spec = worker.spec
         target = SshTarget.of(spec.host, spec.ssh)
-        async with await self._connect(target) as conn:
-            controller_host = self._controller_host_for(conn)
+        async with contextlib.AsyncExitStack() as stack:
+            tunnel = None
+            if target.proxy_jump:
+                tunnel = await stack.enter_async_context(await self._connect(target.jump_host()))
+            conn = await stack.enter_async_context(await self._connect(target, tunnel=tunnel))
+            # With a jump host, the address the jump host reached us on is the best guess at ours.
+            controller_host = self._controller_host_for(tunnel or conn)
             command = remote_command(spec.python or DEFAULT_PYTHON, spec.workdir)
             process = await conn.create_process(command, encoding=None)
             self._processes.append(process)
@@ -150,14 +173,14 @@ class SshLauncher:
                 process.stdin.write_eof()
 
     def _controller_host_for(self, conn: Any) -> str:
-        # The address the remote host reached us on is one it can route back to; a proxied
-        # connection's local address faces the jump host, so the contact's host is used there.
+        # A configured controller address wins; else the address the remote host reached us on,
+        # which it can route back to.
         if self._contact.host not in ("", "0.0.0.0", "127.0.0.1", "::"):
             return self._contact.host
         sockname = conn.get_extra_info("sockname")
         return str(sockname[0]) if sockname else self._contact.host
 
-    async def _connect(self, target: SshTarget) -> Any:
+    async def _connect(self, target: SshTarget, *, tunnel: Any = None) -> Any:
         if not target.known_hosts.is_file():
             raise SshLaunchFailed(
                 target.host,
@@ -178,13 +201,13 @@ class SshLauncher:
             options["username"] = target.user
         if target.identity_file is not None:
             options["client_keys"] = [str(target.identity_file)]
-        if target.proxy_jump:
-            options["tunnel"] = target.proxy_jump
+        if tunnel is not None:
+            options["tunnel"] = tunnel
         try:
             async with asyncio.timeout(self._contact.deadlines.ssh_connect):
                 return await asyncssh.connect(target.address, **options)
         except asyncssh.HostKeyNotVerifiable:
-            raise SshLaunchFailed(target.host, await self._host_key_problem(target)) from None
+            raise SshLaunchFailed(target.host, await self._host_key_problem(target, tunnel)) from None
         except asyncssh.PermissionDenied:
             key = target.identity_file or "the default keys (~/.ssh/id_*)"
             who = f"as {target.user}" if target.user else "as the current user"
@@ -199,12 +222,12 @@ class SshLauncher:
         except (OSError, asyncssh.Error) as exc:
             raise SshLaunchFailed(target.host, f"cannot reach {target.where} over ssh: {exc}; check the address, port and that sshd runs there") from None
 
-    async def _host_key_problem(self, target: SshTarget) -> str:
+    async def _host_key_problem(self, target: SshTarget, tunnel: Any) -> str:
         """Unknown or changed: the key the host offers (fingerprint) and what known_hosts says."""
         offered = "?"
         with contextlib.suppress(Exception):
             async with asyncio.timeout(self._contact.deadlines.ssh_connect):
-                key = await asyncssh.get_server_host_key(target.address, target.port, tunnel=target.proxy_jump or (), config=None)
+                key = await asyncssh.get_server_host_key(target.address, target.port, tunnel=tunnel if tunnel is not None else (), config=None)
             if key is not None:
                 offered = key.get_fingerprint("sha256")
         listed: tuple[Any, ...] = ()
