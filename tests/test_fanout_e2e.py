@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from flodl_async import __version__
 from flodl_async.wire import new_session_secret
 
 from .hostkit import HostKit, NsHost
@@ -215,3 +216,14 @@ def test_the_launcher_killed_leaves_every_host_clean_within_the_stop_grace(hostk
     # (TERM, then KILL 3s later). The fixture's check then finds nothing on any host.
     assert hostkit.leftovers(within=3 + 10) == {}
     assert_nothing_left(launcher.run_id)
+
+
+def test_another_flodl_async_version_names_both(hostkit: HostKit, tmp_path: Path) -> None:
+    h1 = hostkit.hosts[0]
+    other = tmp_path / "other-python"
+    other.write_text("#!/bin/sh\necho flodl-agent-hello 0.0.1\ncat >/dev/null\n")  # an agent of another version
+    other.chmod(stat.S_IRWXU)
+    cluster = _cluster(tmp_path, hostkit, [(h1, "cpu:1")], python=str(other))
+    done = _launch(cluster, PY, script("allreduce.py"))
+    assert done.returncode == 3, done.stderr
+    assert f"{h1.addr}:22 has flodl_async 0.0.1, this launcher is {__version__}; install the same version on every host" in done.stderr

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 
@@ -107,3 +109,19 @@ def test_ssh_options() -> None:
     assert option_error("ProxyJump=bastion") is None
     assert option_error("StrictHostKeyChecking=no") == "ssh option 'StrictHostKeyChecking' is not supported (supported: ProxyJump); remove it"
     assert option_error("ProxyJump=") == "ssh option ProxyJump needs a value, like ProxyJump=user@bastion:22"
+
+
+@pytest.mark.parametrize(
+    ("stdin", "message"),
+    [
+        (b"", "stdin closed before the spec line came"),
+        (b"not json\n", "the first stdin line is not JSON"),
+    ],
+)
+def test_the_agent_says_hello_then_refuses_a_bad_spec_in_one_line(stdin: bytes, message: str) -> None:
+    done = subprocess.run([sys.executable, "-m", "flodl_async.agent", "--spec-stdin"], input=stdin, capture_output=True, timeout=60, check=False)
+    assert done.returncode == 2
+    assert done.stdout.decode().splitlines() == [hello_line()]
+    err = done.stderr.decode()
+    assert message in err
+    assert len(err.strip().splitlines()) == 1, err
