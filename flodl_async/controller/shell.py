@@ -161,10 +161,9 @@ class Controller:
             now=self._opened_at,
         )
         contact = ControllerContact(host="127.0.0.1", port=self.port, secret=plan.secret, deadlines=self._deadlines)
-        self._launchers = {
-            Placement.LOCAL: LocalLauncher(contact, output=self._output),
-            Placement.SSH: ssh_launcher(contact, bind_host=plan.bind_host, run_id=plan.run_id),
-        }
+        self._launchers = {Placement.LOCAL: LocalLauncher(contact, output=self._output)}
+        if any(w.placement is Placement.SSH for w in plan.workers):  # it writes to the process's own stdout/stderr
+            self._launchers[Placement.SSH] = ssh_launcher(contact, bind_host=plan.bind_host, run_id=plan.run_id)
         result: RunResult | None = None
         try:
             async with asyncio.TaskGroup() as tg:
