@@ -69,6 +69,8 @@ class Deadlines:
     output_drain: float = 2.0
     #: The torch-backend store child gets this after its stdin closes before KILL (it holds no state worth saving).
     store_stop: float = 2.0
+    #: An ssh connection to a worker (TCP, host key, login), and then its agent's hello line, each within this.
+    ssh_connect: float = 15.0
     #: Seconds from the first stop signal to KILL (operator's seconds, not scaled).
     stop_grace: float = DEFAULT_STOP_GRACE
 

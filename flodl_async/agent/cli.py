@@ -34,6 +34,7 @@ from ..verdict import ExitCode, exit_code_for_signal, exit_help
 from ..wire.keys import secret_from_hex
 from .output import RankOutput
 from .session import Ending, HostSession, SessionConfig, SessionOutcome
+from .specline import read_spec, serve_spec_stdin
 from .systemd import add_service_options, apply_service_options, notification_observer, with_watchdog
 
 log = logging.getLogger("flodl_async.agent")
@@ -64,7 +65,12 @@ def _parser() -> argparse.ArgumentParser:
         epilog=EXAMPLES + "\n" + exit_help(AGENT_EXIT_MEANINGS),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--controller", required=True, help="controller HOST:PORT")
+    parser.add_argument("--controller", help="controller HOST:PORT (required unless --spec-stdin)")
+    parser.add_argument(
+        "--spec-stdin",
+        action="store_true",
+        help="started by flodl-launch over ssh: read the whole spec as one JSON line on stdin; EOF on stdin stops the agent",
+    )
     parser.add_argument("--devices", default="all", help="`all` GPUs, ids like 0,1, or cpu:N (default %(default)s)")
     parser.add_argument("--host", default=socket.gethostname(), help="this host's name in the run (default: hostname)")
     parser.add_argument("--secret-file", help="file holding the session secret in hex (yours, mode 0600)")
@@ -91,6 +97,8 @@ def build_config(args: argparse.Namespace) -> SessionConfig:
     """The parsed command line as a session config; mistakes raise :class:`ConfigError`."""
     from ..cli import parse_addr
 
+    if args.controller is None:
+        raise ConfigError("--controller HOST:PORT is required (or --spec-stdin, when flodl-launch starts this agent)")
     if args.stop_grace < 0:
         raise ConfigError(f"--stop-grace must be 0 or more seconds (got {args.stop_grace:g})")
     host, port = parse_addr(args.controller)
@@ -152,7 +160,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     raise_descriptor_limit()
     try:
         apply_service_options(args)  # --token-credential: the secret file from $CREDENTIALS_DIRECTORY
-        config = build_config(args)
+        config = read_spec() if args.spec_stdin else build_config(args)
     except ConfigError as exc:
         _say(f"flodl-agent: {exc}")
         return int(ExitCode.USAGE)
@@ -160,7 +168,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     notifier = Notifier.from_environ()  # a no-op outside systemd; the ranks do not inherit $NOTIFY_SOCKET
     session = HostSession(config, output=output, observer=notification_observer(notifier))
     try:
-        outcome = run(with_watchdog(serve(session), notifier))
+        work = serve_spec_stdin(session, serve) if args.spec_stdin else serve(session)
+        outcome = run(with_watchdog(work, notifier))
     except KeyboardInterrupt:  # a Ctrl-C before the handlers were in place
         return int(ExitCode.INTERRUPTED)
     except (Exception, BaseExceptionGroup) as exc:

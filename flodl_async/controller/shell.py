@@ -65,6 +65,7 @@ from ..wire import messages as m
 from ..wire.channels import Channel
 from ..wire.handshake import PROTOCOL_VERSION, session_resolver
 from ..wire.schema import Message
+from .fanout import ssh_launcher
 from .launchers import AgentLauncher, ControllerContact, LocalLauncher
 
 log = logging.getLogger("flodl_async.launch")
@@ -163,6 +164,8 @@ class Controller:
         )
         contact = ControllerContact(host="127.0.0.1", port=self.port, secret=plan.secret, deadlines=self._deadlines)
         self._launchers = {Placement.LOCAL: LocalLauncher(contact, output=self._output)}
+        if any(w.placement is Placement.SSH for w in plan.workers):  # it writes to the process's own stdout/stderr
+            self._launchers[Placement.SSH] = ssh_launcher(contact, bind_host=plan.bind_host, run_id=plan.run_id)
         result: RunResult | None = None
         try:
             async with asyncio.TaskGroup() as tg:
