@@ -6,6 +6,7 @@ Shape (all keys optional unless marked)::
       host: 10.0.0.1          # address agents dial (default 127.0.0.1)
       port: 1337              # the one port
       join: {min_rank_start, join_timeout, target_ranks, max_join_timeout, open_admission}
+      token_file: PATH        # cluster token (`flodl token new`): admits dial-in agents
     env: {NAME: value}        # for every rank
     workers:                  # required, non-empty
       - host: node-a          # required; logical id and default ssh target
@@ -117,6 +118,8 @@ class ControllerSpec:
     host: str = "127.0.0.1"
     port: int = DEFAULT_PORT
     join: JoinKnobs = field(default_factory=JoinKnobs)
+    #: The cluster token file that admits dial-in agents (as written in the file; relative to the cluster file's directory).
+    token_file: str | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -297,7 +300,7 @@ def _devices(doc: _Doc, node: yaml.Node, path: str) -> DeviceSpec:
 
 
 _TOP_KEYS = ("controller", "workers", "env")
-_CONTROLLER_KEYS = ("host", "port", "join")
+_CONTROLLER_KEYS = ("host", "port", "join", "token_file")
 _JOIN_KEYS = ("min_rank_start", "join_timeout", "target_ranks", "max_join_timeout", "open_admission")
 _WORKER_KEYS = ("host", "devices", "ssh", "tunnel", "env", "python", "workdir", "nccl_socket_ifname")
 _SSH_KEYS = ("target", "port", "user", "identity_file", "known_hosts", "options")
@@ -385,6 +388,7 @@ def parse_cluster(text: str, *, source: str = "<cluster>", local_names: frozense
             host=_str(doc, ckeys["host"], "controller.host") if "host" in ckeys else "127.0.0.1",
             port=_int(doc, ckeys["port"], "controller.port", minimum=1, maximum=65535) if "port" in ckeys else DEFAULT_PORT,
             join=_join_knobs(doc, ckeys["join"], "controller.join") if "join" in ckeys else JoinKnobs(),
+            token_file=_str(doc, ckeys["token_file"], "controller.token_file") if "token_file" in ckeys else None,
         )
     if "workers" not in top:
         raise doc.error(root, "", "missing required key 'workers' (a list of worker hosts)")

@@ -49,7 +49,7 @@ class LaunchPlan:
     """Everything the controller needs for one run."""
 
     run_id: str
-    secret: bytes
+    secret: bytes = field(repr=False)
     bind_host: str
     port: int
     join: JoinConfig
@@ -61,6 +61,8 @@ class LaunchPlan:
     deadlines: Deadlines = field(default_factory=Deadlines)
     #: The spellings of the controller's machine, read once by the launcher (None: names are compared as given).
     host_aliases: HostAliases | None = None
+    #: The cluster token that admits dial-in agents to the join channel (None: token admission is off).
+    token: bytes | None = field(default=None, repr=False)
 
     @property
     def local_hosts(self) -> frozenset[str]:

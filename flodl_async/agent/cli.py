@@ -24,7 +24,7 @@ from collections.abc import Iterator, Sequence
 from ..deadlines import DEFAULT_STOP_GRACE, Deadlines
 from ..devices import parse_devices
 from ..errors import AgentError, ConfigError, ConnectionClosed, ControllerLost, FlodlError, JoinFailed, WireError
-from ..secretfile import read_secret_file
+from ..secretfile import read_secret_file, read_token_file
 from ..verdict import ExitCode, exit_code_for_signal, exit_help
 from ..wire.keys import secret_from_hex
 from .output import RankOutput
@@ -46,6 +46,7 @@ AGENT_EXIT_MEANINGS: dict[ExitCode, str] = {
 EXAMPLES = """\
 examples:
   flodl-agent --controller 10.0.0.1:1337 --devices cpu:4 --secret-file /run/flodl/secret
+  flodl-agent --controller 10.0.0.1:1337 --devices 0,1 --token-file /etc/flodl/token
   ssh node-b flodl-agent --controller 10.0.0.1:1337 --devices 0,1 < secret
 """
 
@@ -54,14 +55,19 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="flodl-agent",
         description="Join a flodl controller's run and run this host's ranks. The session secret "
-        "comes on stdin (32 hex characters) or from --secret-file, never on the command line.",
+        "comes on stdin (32 hex characters) or from --secret-file, or the agent holds the cluster token "
+        "(--token-file) and the controller sends it the secret sealed; never on the command line.",
         epilog=EXAMPLES + "\n" + exit_help(AGENT_EXIT_MEANINGS),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--controller", required=True, help="controller HOST:PORT")
     parser.add_argument("--devices", default="all", help="`all` GPUs, ids like 0,1, or cpu:N (default %(default)s)")
     parser.add_argument("--host", default=socket.gethostname(), help="this host's name in the run (default: hostname)")
-    parser.add_argument("--secret-file", help="file holding the session secret in hex (yours, mode 0600)")
+    parser.add_argument("--secret-file", help="file holding the session secret in hex (yours, mode 0600): one run")
+    parser.add_argument(
+        "--token-file",
+        help="file holding the cluster token (`flodl token new`; yours, mode 0600): join as a dial-in agent, given each run's secret sealed",
+    )
     parser.add_argument("--workdir", help="working directory of the ranks")
     parser.add_argument(
         "--stop-grace",
@@ -91,10 +97,14 @@ def build_config(args: argparse.Namespace) -> SessionConfig:
         devices = parse_devices(args.devices)
     except ConfigError as exc:
         raise ConfigError(f"--devices: {exc}") from None
+    if args.token_file and args.secret_file:
+        raise ConfigError("--token-file and --secret-file exclude each other: a dial-in agent learns the secret from the controller")
+    token = read_token_file(args.token_file) if args.token_file else None
     return SessionConfig(
         controller_host=host,
         controller_port=port,
-        secret=_read_secret(args.secret_file),
+        secret=b"" if token is not None else _read_secret(args.secret_file),
+        token=token,
         host=args.host,
         devices=devices,
         workdir=args.workdir,

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import enum
 import logging
 import os
@@ -60,7 +61,7 @@ from ..runtime import RuntimeEntry, create_entry, sweep_stale
 from ..verdict import StopStep, rank_signal_for, stop_schedule
 from ..wire import messages as m
 from ..wire.channels import Channel
-from ..wire.keys import Credential
+from ..wire.keys import SECRET_BYTES, Credential
 from ..wire.schema import Message
 from .output import RankOutput
 from .ranks import RankProcesses, RankWorld
@@ -87,7 +88,8 @@ class SessionConfig:
 
     controller_host: str
     controller_port: int
-    secret: bytes
+    #: The session secret; empty when ``token`` is set (the controller then sends the secret, sealed, on admission).
+    secret: bytes = field(repr=False)
     host: str
     devices: DeviceSpec
     env: Mapping[str, str] = field(default_factory=dict)
@@ -97,6 +99,8 @@ class SessionConfig:
     deadlines: Deadlines = field(default_factory=Deadlines.resolve)
     #: The runtime directory (default: :func:`flodl_async.runtime.runtime_root`).
     runtime_root: Path | None = None
+    #: A dial-in agent's cluster token: it joins with the token instead of the session secret.
+    token: bytes | None = field(default=None, repr=False)
 
     @property
     def controller_addr(self) -> str:
@@ -119,6 +123,17 @@ class SessionOutcome:
     ending: Ending
     reason: str
     signal: int | None = None
+
+
+def _with_session_secret(cfg: SessionConfig, accept: m.JoinAccept) -> SessionConfig:
+    """A token agent's config once admitted: the run's session secret, as its sealed JoinAccept carried it."""
+    if len(accept.session_secret) != SECRET_BYTES:
+        raise JoinFailed(
+            cfg.host,
+            f"the controller at {cfg.controller_addr} admitted this token agent without a valid session secret "
+            f"({len(accept.session_secret)} bytes); run the same flodl_async version on every host",
+        )
+    return dataclasses.replace(cfg, secret=accept.session_secret)
 
 
 class _StopRequested(Exception):
@@ -168,7 +183,8 @@ class HostSession:
         sweep_stale(cfg.runtime_root)  # leftovers of sessions that were SIGKILLed
         try:
             async with asyncio.timeout(cfg.deadlines.handshake):
-                link = await open_framed(cfg.controller_host, cfg.controller_port, channel=Channel.JOIN, credential=Credential.session(cfg.secret))
+                credential = Credential.token(cfg.token) if cfg.token is not None else Credential.session(cfg.secret)
+                link = await open_framed(cfg.controller_host, cfg.controller_port, channel=Channel.JOIN, credential=credential)
         except TimeoutError as exc:
             raise ControllerUnreachable(
                 cfg.host,
@@ -184,6 +200,8 @@ class HostSession:
             if self._stop_signal is not None:
                 raise _StopRequested
             accept = await self._join(link, devices)
+            if cfg.token is not None:
+                self.config = cfg = _with_session_secret(cfg, accept)
             entry = create_entry(run_id=accept.run_id, host=cfg.host, controller=cfg.controller_addr, root=cfg.runtime_root)
             formed = await self._await_formation(link, accept)
             serving = _Serving(self, link=link, run_id=accept.run_id, formed=formed, entry=entry)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import dataclasses
 import logging
 import signal
 import time
@@ -62,7 +63,8 @@ from ..supervisor import (
 from ..verdict import ExitCode, RunResult
 from ..wire import messages as m
 from ..wire.channels import Channel
-from ..wire.handshake import PROTOCOL_VERSION, session_resolver
+from ..wire.handshake import PROTOCOL_VERSION, join_resolver, session_resolver
+from ..wire.keys import CredentialKind
 from ..wire.schema import Message
 from .launchers import AgentLauncher, ControllerContact, LocalLauncher
 
@@ -86,6 +88,13 @@ _HOST_EVENTS: dict[type[Message], Callable[[str, Message], Event]] = {
     m.RankExited: _rank_exited,
     m.RanksStopped: _ranks_stopped,
 }
+
+
+def _with_secret_for_token_agent(reply: m.JoinAccept, link: FramedProtocol, secret: bytes) -> m.JoinAccept:
+    """An agent that joined with the cluster token learns the session secret from its (sealed) JoinAccept."""
+    if link.peer is not None and link.peer.kind is CredentialKind.TOKEN:
+        return dataclasses.replace(reply, session_secret=secret)
+    return reply
 
 
 class Controller:
@@ -169,7 +178,8 @@ class Controller:
                     (Channel.RENDEZVOUS, self._handle_rendezvous),
                     (Channel.CONTROL, self._handle_control),
                 ):
-                    service = FramedService(channel=channel, resolve=self._resolve, run_id=plan.run_id, handler=handler, task_group=tg)
+                    resolve = join_resolver(plan.secret, plan.token) if channel is Channel.JOIN else self._resolve
+                    service = FramedService(channel=channel, resolve=resolve, run_id=plan.run_id, handler=handler, task_group=tg)
                     self._mux.register(channel, service.protocol_factory)
                 self._announce_window()
                 agent_tasks = [tg.create_task(self._run_agent(worker), name=f"agent-{worker.host}") for worker in plan.workers]
@@ -232,7 +242,7 @@ class Controller:
         elif isinstance(action, AcceptJoin):
             assert reply_link is not None
             try:
-                reply_link.send(action.reply)
+                reply_link.send(_with_secret_for_token_agent(action.reply, reply_link, self.plan.secret))
             except ConnectionClosed:
                 return JoinUndelivered(host=action.host)
             self._links[action.host] = reply_link
@@ -338,7 +348,7 @@ class Controller:
             j.target_ranks if j.target_ranks is not None else "none",
             j.join_timeout,
             j.max_join_timeout,
-            "open" if j.open_admission else "pre-shared secret",
+            "open" if j.open_admission else "cluster token or pre-shared secret" if plan.token is not None else "pre-shared secret",
             "127.0.0.1" if plan.bind_host in ("0.0.0.0", "127.0.0.1") else plan.bind_host,
             self.port,
         )
