@@ -9,9 +9,11 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import signal
 import stat
 import subprocess
 import tempfile
+import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -217,3 +219,79 @@ def _auth_failed(doc: dict[str, object]) -> int:
         return 0
     dropped = counters.get("dropped")
     return int(dropped.get("wrong_token", 0)) if isinstance(dropped, dict) else 0
+
+
+# ----- flodl-agent --persist ----------------------------------------------------------------------
+
+
+def _persistent_agent(port: int, token_file: Path, env: dict[str, str], out: Path, err: Path) -> subprocess.Popen[str]:
+    cmd = [
+        *(PY, "-m", "flodl_async.agent", "--controller", f"127.0.0.1:{port}", "--host", "walk-in", "--devices", "cpu:1"),
+        *("--token-file", str(token_file), "--persist", "--reconnect-max", "1"),
+    ]
+    with out.open("w") as stdout, err.open("w") as stderr:
+        return subprocess.Popen(cmd, stdout=stdout, stderr=stderr, text=True, env={**os.environ, **env})
+
+
+def _wait_for_text(path: Path, text: str, *, count: int = 1, timeout: float = 60) -> None:
+    """The agent's output file holds ``text`` ``count`` times (its own output is the event)."""
+    deadline = time.monotonic() + timeout
+    while path.read_text().count(text) < count:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{path.name} never held {count}x {text!r}: {path.read_text()}")
+        time.sleep(0.05)
+
+
+@pytest.mark.e2e
+def test_a_persistent_agent_serves_two_runs_in_a_row_and_leaves_nothing_between(tmp_path: Path, xdg: Path) -> None:
+    assert _flodl("token", "new", str(tmp_path / "token")).returncode == 0
+    port = free_port()
+    env = {"XDG_RUNTIME_DIR": str(xdg)}
+    out, err = tmp_path / "agent.out", tmp_path / "agent.err"
+    agent = _persistent_agent(port, tmp_path / "token", env, out, err)  # up before any controller: it backs off
+    try:
+        _wait_for_text(err, "again in")
+        for n, run_id in enumerate((new_run_id(), new_run_id()), start=1):
+            done = Launcher(str(_cluster(tmp_path, port)), "--", PY, script("allreduce.py"), run_id=run_id, env=env).finish(timeout=120)
+            assert done.returncode == 0, done.stderr
+            assert "rank 0 of 2 sum 3" in done.stdout
+            _wait_for_text(out, "[walk-in:r1] rank 1 of 2 sum 3", count=n)
+            _wait_for_text(err, "the run finished", count=n)
+            assert agent.poll() is None, err.read_text()  # still up between the runs
+            assert_nothing_left(run_id)  # its ranks are gone...
+            assert not (xdg / "flodl" / "runs" / run_id / "walk-in").exists()  # ...and so is its runtime entry
+        agent.send_signal(signal.SIGTERM)
+        assert agent.wait(timeout=60) == 143, err.read_text()
+    finally:
+        if agent.poll() is None:
+            agent.kill()
+            agent.wait()
+    assert "stopped after serving 2 run(s)" in err.read_text()
+    assert "Traceback" not in err.read_text()
+    assert read_token_file(tmp_path / "token").hex() not in err.read_text() + out.read_text()
+
+
+@pytest.mark.e2e
+def test_sigterm_while_a_persistent_agent_backs_off_exits_143_at_once(tmp_path: Path) -> None:
+    assert _flodl("token", "new", str(tmp_path / "token")).returncode == 0
+    out, err = tmp_path / "agent.out", tmp_path / "agent.err"
+    agent = _persistent_agent(free_port(), tmp_path / "token", {}, out, err)  # nobody listens there
+    try:
+        _wait_for_text(err, "again in", count=2)  # it retried, and waits again
+        agent.send_signal(signal.SIGTERM)
+        assert agent.wait(timeout=30) == 143, err.read_text()
+    finally:
+        if agent.poll() is None:
+            agent.kill()
+            agent.wait()
+    text = err.read_text()
+    assert "cannot reach the controller" in text
+    assert "SIGTERM: stopped after serving 0 run(s)" in text
+    assert "Traceback" not in text
+
+
+def test_persist_needs_a_token_file() -> None:
+    done = subprocess.run([PY, "-m", "flodl_async.agent", "--controller", "127.0.0.1:1", "--persist"], capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 2
+    assert "--persist needs --token-file" in done.stderr
+    assert "Traceback" not in done.stderr

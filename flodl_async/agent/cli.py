@@ -46,7 +46,7 @@ AGENT_EXIT_MEANINGS: dict[ExitCode, str] = {
 EXAMPLES = """\
 examples:
   flodl-agent --controller 10.0.0.1:1337 --devices cpu:4 --secret-file /run/flodl/secret
-  flodl-agent --controller 10.0.0.1:1337 --devices 0,1 --token-file /etc/flodl/token
+  flodl-agent --controller 10.0.0.1:1337 --devices 0,1 --token-file /etc/flodl/token --persist
   ssh node-b flodl-agent --controller 10.0.0.1:1337 --devices 0,1 < secret
 """
 
@@ -69,6 +69,15 @@ def _parser() -> argparse.ArgumentParser:
         help="file holding the cluster token (`flodl token new`; yours, mode 0600): join as a dial-in agent, given each run's secret sealed",
     )
     parser.add_argument("--workdir", help="working directory of the ranks")
+    parser.add_argument(
+        "--persist",
+        action="store_true",
+        help="with --token-file: stay up across runs, dialing again (capped exponential backoff with jitter) after each run "
+        "and while no controller answers; SIGTERM stops it (exit 143)",
+    )
+    parser.add_argument(
+        "--reconnect-max", type=float, default=30.0, help="with --persist: the longest wait between two dials, in seconds (default %(default)g)"
+    )
     parser.add_argument(
         "--stop-grace",
         type=float,
@@ -97,6 +106,10 @@ def build_config(args: argparse.Namespace) -> SessionConfig:
         devices = parse_devices(args.devices)
     except ConfigError as exc:
         raise ConfigError(f"--devices: {exc}") from None
+    if args.persist and not args.token_file:
+        raise ConfigError("--persist needs --token-file: a session secret is good for one run only, the cluster token for every run")
+    if not args.reconnect_max > 0:
+        raise ConfigError(f"--reconnect-max must be more than 0 seconds (got {args.reconnect_max:g})")
     if args.token_file and args.secret_file:
         raise ConfigError("--token-file and --secret-file exclude each other: a dial-in agent learns the secret from the controller")
     token = read_token_file(args.token_file) if args.token_file else None
@@ -159,6 +172,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         _say(f"flodl-agent: {exc}")
         return int(ExitCode.USAGE)
     output = RankOutput(stdout=sys.stdout.buffer, stderr=sys.stderr.buffer)
+    if args.persist:
+        return _persist(config, output, reconnect_max=args.reconnect_max)
     try:
         outcome = run(serve(HostSession(config, output=output)))
     except KeyboardInterrupt:  # a Ctrl-C before the handlers were in place
@@ -175,6 +190,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     if outcome.ending is not Ending.FINISHED:
         _say(f"flodl-agent: {outcome.ending.value}: {outcome.reason}")
     return int(exit_code_for(outcome))
+
+
+def _persist(config: SessionConfig, output: RankOutput, *, reconnect_max: float) -> int:
+    from ..backoff import BackoffPolicy
+    from ..net.loop import run
+    from .daemon import PersistentAgent, serve_persistently
+
+    policy = BackoffPolicy(initial=min(0.5, reconnect_max), cap=reconnect_max)
+    try:
+        return int(run(serve_persistently(PersistentAgent(config, output=output, policy=policy))))
+    except KeyboardInterrupt:
+        return int(ExitCode.INTERRUPTED)
+    except (Exception, BaseExceptionGroup):
+        log.exception("internal error")
+        return int(ExitCode.INTERNAL)
+    finally:
+        output.close()
 
 
 #: The exit code of each error a session ends with, most specific first (the first match wins).
