@@ -17,6 +17,7 @@ Shape (all keys optional unless marked)::
         python: /usr/bin/python3
         workdir: /srv/train
         nccl_socket_ifname: eth0
+        dial_in: false        # true: the host joins on its own (flodl-agent --token-file F --persist)
 
 A top-level ``cluster:`` wrapper (flodl's layout) is accepted too. Every
 error names the file, line and key, says what was expected, and suggests the
@@ -134,6 +135,8 @@ class WorkerSpec:
     python: str | None = None
     workdir: str | None = None
     nccl_socket_ifname: str | None = None
+    #: The host joins on its own (a ``flodl-agent --token-file … --persist`` service): the launcher starts nothing there.
+    dial_in: bool = False
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -302,7 +305,7 @@ def _devices(doc: _Doc, node: yaml.Node, path: str) -> DeviceSpec:
 _TOP_KEYS = ("controller", "workers", "env")
 _CONTROLLER_KEYS = ("host", "port", "join", "token_file")
 _JOIN_KEYS = ("min_rank_start", "join_timeout", "target_ranks", "max_join_timeout", "open_admission")
-_WORKER_KEYS = ("host", "devices", "ssh", "tunnel", "env", "python", "workdir", "nccl_socket_ifname")
+_WORKER_KEYS = ("host", "devices", "ssh", "tunnel", "env", "python", "workdir", "nccl_socket_ifname", "dial_in")
 _SSH_KEYS = ("target", "port", "user", "identity_file", "known_hosts", "options")
 
 
@@ -362,6 +365,7 @@ def _worker(doc: _Doc, node: yaml.Node, path: str) -> WorkerSpec:
         python=optional_str("python"),
         workdir=optional_str("workdir"),
         nccl_socket_ifname=optional_str("nccl_socket_ifname"),
+        dial_in=_bool(doc, keys["dial_in"], f"{path}.dial_in") if "dial_in" in keys else False,
     )
 
 
@@ -423,6 +427,14 @@ def parse_cluster(text: str, *, source: str = "<cluster>", local_names: frozense
 def _validate_topology(doc: _Doc, spec: ClusterSpec, workers_node: yaml.SequenceNode, local_names: frozenset[str]) -> None:
     controller_names = local_names | {spec.controller.host}
     for i, worker in enumerate(spec.workers):
+        launched_by_us = [key for key, used in (("ssh", worker.ssh is not None), ("tunnel", worker.tunnel), ("python", worker.python is not None)) if used]
+        if worker.dial_in and launched_by_us:
+            raise doc.error(
+                workers_node.value[i],
+                f"workers[{i}].dial_in",
+                f"worker {worker.host!r} dials in on its own, so {', '.join(launched_by_us)} (how the launcher would start it) "
+                "cannot apply; drop them, or drop `dial_in: true` to have the launcher start it",
+            )
         if not worker.tunnel:
             continue
         node = workers_node.value[i]

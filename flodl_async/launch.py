@@ -186,11 +186,12 @@ def build_plan(args: _Args) -> LaunchPlan:
         assert args.cluster is not None
         spec = load_cluster(args.cluster, local_names=aliases.names)
     local = aliases.names
-    remote = [w.host for w in spec.workers if not is_local_host(w.host, local)]
+    remote = [w.host for w in spec.workers if not w.dial_in and not is_local_host(w.host, local)]
     if remote:
         raise ConfigError(
-            f"{spec.source}: worker(s) {', '.join(remote)} are on other hosts; remote workers are not yet supported "
-            "by this version (it runs workers on the controller's own host). Use this host's name or localhost."
+            f"{spec.source}: worker(s) {', '.join(remote)} are on other hosts; the launcher cannot start agents there in "
+            "this version (it runs workers on the controller's own host). Use this host's name or localhost, or set "
+            "`dial_in: true` and run `flodl-agent --token-file F --persist` on those hosts."
         )
     capacity = sum(w.devices.known_count if w.devices.known_count is not None else gpu_count for w in spec.workers)
     join = spec.controller.join.resolve(capacity, scale=deadlines.scale)
@@ -202,7 +203,7 @@ def build_plan(args: _Args) -> LaunchPlan:
         bind_host=spec.bind_host(local),
         port=args.port if args.port is not None else spec.controller.port,
         join=join,
-        workers=tuple(PlacedWorker(spec=w, placement=Placement.LOCAL) for w in spec.workers),
+        workers=tuple(PlacedWorker(spec=w, placement=Placement.DIAL_IN if w.dial_in else Placement.LOCAL) for w in spec.workers),
         command=args.command,
         cluster_env=dict(spec.env),
         max_restarts=args.max_restarts,

@@ -1,9 +1,9 @@
 """The launch plan: everything a controller needs, resolved from the command line and the cluster file.
 
 Each worker of the plan carries its :class:`Placement`: how its agent comes to
-exist. Today every planned worker is ``LOCAL`` (its agent runs inside the
-controller's process, over the real join protocol on loopback); ssh fan-out
-and dial-in agents plug in as further placements behind the controller's
+exist: ``LOCAL`` (its agent runs inside the controller's process, over the
+real join protocol on loopback) or ``DIAL_IN`` (``dial_in: true``: it joins on
+its own); ssh fan-out plugs in as a further placement behind the controller's
 agent-launcher seam without touching the lifecycle.
 """
 
@@ -27,7 +27,7 @@ class Placement(enum.Enum):
     LOCAL = "local"
     #: Started over ssh by the launcher (not in this version).
     SSH = "ssh"
-    #: Joins on its own, e.g. a systemd service (not in this version).
+    #: Joins on its own, e.g. a systemd ``flodl-agent --persist``: the controller launches nothing, the window waits for it.
     DIAL_IN = "dial-in"
 
 

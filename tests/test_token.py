@@ -20,7 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from flodl_async.errors import HandshakeRefused, WrongToken
+from flodl_async.cluster import parse_cluster
+from flodl_async.errors import ConfigError, HandshakeRefused, WrongToken
 from flodl_async.secretfile import read_secret_file, read_token_file
 from flodl_async.wire.channels import Channel
 from flodl_async.wire.handshake import ClientHandshake, ServerHandshake, join_resolver, session_resolver
@@ -128,11 +129,22 @@ def xdg() -> Iterator[Path]:
 
 
 def _cluster(tmp_path: Path, port: int, *, join_timeout: float = 120) -> Path:
+    """The walk-in is not in the file: the join targets (2 ranks) make room for it."""
     cluster = tmp_path / "cluster.yml"
     cluster.write_text(
         f"controller:\n  port: {port}\n  token_file: token\n"
         f"  join: {{min_rank_start: 2, target_ranks: 2, join_timeout: {join_timeout:g}, max_join_timeout: {join_timeout:g}}}\n"
         "workers:\n  - host: localhost\n    devices: cpu:1\n"
+    )
+    return cluster
+
+
+def _dial_in_cluster(tmp_path: Path, port: int) -> Path:
+    """The walk-in is listed as a dial-in worker: no join knobs, the window waits for the file's capacity (2 ranks)."""
+    cluster = tmp_path / "cluster.yml"
+    cluster.write_text(
+        f"controller:\n  port: {port}\n  token_file: token\n"
+        "workers:\n  - host: localhost\n    devices: cpu:1\n  - host: walk-in\n    devices: cpu:1\n    dial_in: true\n"
     )
     return cluster
 
@@ -157,13 +169,15 @@ def _state(port: int) -> str:
 
 
 @pytest.mark.e2e
-def test_a_token_agent_joins_gets_the_secret_sealed_and_runs_its_rank(tmp_path: Path, xdg: Path) -> None:
-    """The agent holds only the token; its rank all-reduces with the launcher's (the relay used the sealed secret)."""
+def test_a_listed_dial_in_agent_joins_with_the_token_gets_the_secret_sealed_and_runs_its_rank(tmp_path: Path, xdg: Path) -> None:
+    """A listed dial-in worker holds only the token; its rank all-reduces with the launcher's (its relay used the sealed secret)."""
     assert _flodl("token", "new", str(tmp_path / "token")).returncode == 0
     token_hex = read_token_file(tmp_path / "token").hex()
     port, run_id = free_port(), new_run_id()
     env = {"XDG_RUNTIME_DIR": str(xdg)}
-    launcher = Launcher(str(_cluster(tmp_path, port)), "--secret-file", str(tmp_path / "secret"), "--", PY, script("allreduce.py"), run_id=run_id, env=env)
+    launcher = Launcher(
+        str(_dial_in_cluster(tmp_path, port)), "--secret-file", str(tmp_path / "secret"), "--", PY, script("allreduce.py"), run_id=run_id, env=env
+    )
     agent = None
     try:
         wait_status(port, lambda doc: doc["joined_ranks"] == 1)
@@ -295,3 +309,10 @@ def test_persist_needs_a_token_file() -> None:
     assert done.returncode == 2
     assert "--persist needs --token-file" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_dial_in_workers_parse_and_refuse_what_only_a_launcher_uses() -> None:
+    spec = parse_cluster("workers:\n  - host: localhost\n    devices: cpu:1\n  - host: node-b\n    devices: cpu:2\n    dial_in: true\n")
+    assert [w.dial_in for w in spec.workers] == [False, True]
+    with pytest.raises(ConfigError, match=r"workers\[0\]\.dial_in.*dials in on its own, so ssh"):
+        parse_cluster("workers:\n  - host: node-b\n    devices: cpu:2\n    dial_in: true\n    ssh: {user: me}\n")

@@ -66,7 +66,7 @@ from ..wire.channels import Channel
 from ..wire.handshake import PROTOCOL_VERSION, join_resolver, session_resolver
 from ..wire.keys import CredentialKind
 from ..wire.schema import Message
-from .launchers import AgentLauncher, ControllerContact, LocalLauncher
+from .launchers import AgentLauncher, ControllerContact, DialInLauncher, LocalLauncher
 
 log = logging.getLogger("flodl_async.launch")
 
@@ -169,7 +169,7 @@ class Controller:
             now=self._opened_at,
         )
         contact = ControllerContact(host="127.0.0.1", port=self.port, secret=plan.secret, deadlines=self._deadlines)
-        self._launchers = {Placement.LOCAL: LocalLauncher(contact, output=self._output)}
+        self._launchers = {Placement.LOCAL: LocalLauncher(contact, output=self._output), Placement.DIAL_IN: DialInLauncher()}
         result: RunResult | None = None
         try:
             async with asyncio.TaskGroup() as tg:
