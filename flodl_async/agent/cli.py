@@ -8,6 +8,9 @@ kills the ranks at once.
 
 Failures are one line naming this host, the controller's address and the cause,
 with the exit code of :data:`AGENT_EXIT_MEANINGS`; a traceback means a bug.
+
+``--persist`` (with ``--token-file``) runs :class:`~flodl_async.agent.daemon.PersistentAgent`
+instead of one session: run after run, until a signal.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ AGENT_EXIT_MEANINGS: dict[ExitCode, str] = {
     ExitCode.OK: "the run finished (the controller said Finish)",
     ExitCode.INTERNAL: "internal error (a bug: please report it)",
     ExitCode.USAGE: "bad arguments, secret or runtime directory; nothing was started",
-    ExitCode.FORMATION: "could not join: controller unreachable, join refused, or the world did not form",
+    ExitCode.FORMATION: "could not join: controller unreachable, join refused (a wrong cluster token too, even with --persist), or the world did not form",
     ExitCode.RANK_FAILURE: "the run failed: the controller aborted it (a rank failed) or the controller was lost",
     ExitCode.INTERRUPTED: "stopped by SIGINT (the ranks got SIGINT first); a second signal kills them at once",
     ExitCode.TERMINATED: "stopped by SIGTERM (the ranks got SIGTERM first); a second signal kills them at once",
