@@ -316,3 +316,44 @@ def test_dial_in_workers_parse_and_refuse_what_only_a_launcher_uses() -> None:
     assert [w.dial_in for w in spec.workers] == [False, True]
     with pytest.raises(ConfigError, match=r"workers\[0\]\.dial_in.*dials in on its own, so ssh"):
         parse_cluster("workers:\n  - host: node-b\n    devices: cpu:2\n    dial_in: true\n    ssh: {user: me}\n")
+
+
+# ----- open admission -----------------------------------------------------------------------------
+
+
+def test_no_credential_is_taken_only_under_open_admission() -> None:
+    hello = ClientHandshake(channel=Channel.JOIN, credential=Credential.open_admission(), version="t").hello()
+    closed = ServerHandshake(channel=Channel.JOIN, resolve=join_resolver(new_session_secret(), None), run_id="r", version="t")
+    refused = closed.receive_data(hello)
+    assert isinstance(refused.failure, HandshakeRefused)
+    assert b"does not run open admission" in refused.send
+    client = ClientHandshake(channel=Channel.JOIN, credential=Credential.open_admission(), version="t")
+    server = ServerHandshake(channel=Channel.JOIN, resolve=join_resolver(new_session_secret(), None, open_admission=True), run_id="r", version="t")
+    step = client.receive_data(server.receive_data(client.hello()).send)
+    done = server.receive_data(step.send)
+    assert done.established is not None
+    assert done.established.peer.kind is CredentialKind.OPEN
+
+
+@pytest.mark.e2e
+def test_open_admission_admits_an_agent_without_a_credential_and_warns_loudly(tmp_path: Path, xdg: Path) -> None:
+    port, run_id = free_port(), new_run_id()
+    env = {"XDG_RUNTIME_DIR": str(xdg)}
+    cluster = tmp_path / "cluster.yml"
+    cluster.write_text(
+        f"controller:\n  port: {port}\n  join: {{min_rank_start: 2, target_ranks: 2, join_timeout: 120, open_admission: true}}\n"
+        "workers:\n  - host: localhost\n    devices: cpu:1\n"
+    )
+    launcher = Launcher(str(cluster), "--", PY, script("allreduce.py"), run_id=run_id, env=env)
+    try:
+        wait_status(port, lambda doc: doc["joined_ranks"] == 1)
+        cmd = [PY, "-m", "flodl_async.agent", "--controller", f"127.0.0.1:{port}", "--host", "walk-in", "--devices", "cpu:1", "--open-admission"]
+        agent = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env={**os.environ, **env}, check=False)
+        done = launcher.finish(timeout=120)
+    finally:
+        launcher.kill()
+    assert agent.returncode == 0, agent.stderr
+    assert "[walk-in:r1] rank 1 of 2 sum 3" in agent.stdout
+    assert done.returncode == 0, done.stderr
+    assert "WARNING: OPEN ADMISSION" in done.stderr
+    assert_nothing_left(run_id)

@@ -73,6 +73,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--workdir", help="working directory of the ranks")
     parser.add_argument(
+        "--open-admission",
+        action="store_true",
+        help="hold no credential: join a controller that runs join.open_admission (trusted networks only)",
+    )
+    parser.add_argument(
         "--persist",
         action="store_true",
         help="with --token-file: stay up across runs, dialing again (capped exponential backoff with jitter) after each run "
@@ -109,7 +114,9 @@ def build_config(args: argparse.Namespace) -> SessionConfig:
         devices = parse_devices(args.devices)
     except ConfigError as exc:
         raise ConfigError(f"--devices: {exc}") from None
-    if args.persist and not args.token_file:
+    if args.open_admission and (args.token_file or args.secret_file):
+        raise ConfigError("--open-admission means no credential: drop --token-file / --secret-file, or drop --open-admission")
+    if args.persist and not (args.token_file or args.open_admission):
         raise ConfigError("--persist needs --token-file: a session secret is good for one run only, the cluster token for every run")
     if not args.reconnect_max > 0:
         raise ConfigError(f"--reconnect-max must be more than 0 seconds (got {args.reconnect_max:g})")
@@ -119,8 +126,9 @@ def build_config(args: argparse.Namespace) -> SessionConfig:
     return SessionConfig(
         controller_host=host,
         controller_port=port,
-        secret=b"" if token is not None else _read_secret(args.secret_file),
+        secret=b"" if token is not None or args.open_admission else _read_secret(args.secret_file),
         token=token,
+        open_admission=args.open_admission,
         host=args.host,
         devices=devices,
         workdir=args.workdir,

@@ -101,6 +101,8 @@ class SessionConfig:
     runtime_root: Path | None = None
     #: A dial-in agent's cluster token: it joins with the token instead of the session secret.
     token: bytes | None = field(default=None, repr=False)
+    #: Join with no credential at all (a controller running ``join.open_admission``); the secret comes as with a token.
+    open_admission: bool = False
 
     @property
     def controller_addr(self) -> str:
@@ -125,12 +127,20 @@ class SessionOutcome:
     signal: int | None = None
 
 
+def _join_credential(cfg: SessionConfig) -> Credential:
+    if cfg.token is not None:
+        return Credential.token(cfg.token)
+    if cfg.open_admission:
+        return Credential.open_admission()
+    return Credential.session(cfg.secret)
+
+
 def _with_session_secret(cfg: SessionConfig, accept: m.JoinAccept) -> SessionConfig:
     """A token agent's config once admitted: the run's session secret, as its sealed JoinAccept carried it."""
     if len(accept.session_secret) != SECRET_BYTES:
         raise JoinFailed(
             cfg.host,
-            f"the controller at {cfg.controller_addr} admitted this token agent without a valid session secret "
+            f"the controller at {cfg.controller_addr} admitted this agent without a valid session secret "
             f"({len(accept.session_secret)} bytes); run the same flodl_async version on every host",
         )
     return dataclasses.replace(cfg, secret=accept.session_secret)
@@ -183,7 +193,7 @@ class HostSession:
         sweep_stale(cfg.runtime_root)  # leftovers of sessions that were SIGKILLed
         try:
             async with asyncio.timeout(cfg.deadlines.handshake):
-                credential = Credential.token(cfg.token) if cfg.token is not None else Credential.session(cfg.secret)
+                credential = _join_credential(cfg)
                 link = await open_framed(cfg.controller_host, cfg.controller_port, channel=Channel.JOIN, credential=credential)
         except TimeoutError as exc:
             raise ControllerUnreachable(
@@ -200,7 +210,7 @@ class HostSession:
             if self._stop_signal is not None:
                 raise _StopRequested
             accept = await self._join(link, devices)
-            if cfg.token is not None:
+            if cfg.token is not None or cfg.open_admission:
                 self.config = cfg = _with_session_secret(cfg, accept)
             entry = create_entry(run_id=accept.run_id, host=cfg.host, controller=cfg.controller_addr, root=cfg.runtime_root)
             formed = await self._await_formation(link, accept)

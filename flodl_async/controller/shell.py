@@ -91,8 +91,8 @@ _HOST_EVENTS: dict[type[Message], Callable[[str, Message], Event]] = {
 
 
 def _with_secret_for_token_agent(reply: m.JoinAccept, link: FramedProtocol, secret: bytes) -> m.JoinAccept:
-    """An agent that joined with the cluster token learns the session secret from its (sealed) JoinAccept."""
-    if link.peer is not None and link.peer.kind is CredentialKind.TOKEN:
+    """An agent that joined with the cluster token (or none, under open admission) learns the session secret from its sealed JoinAccept."""
+    if link.peer is not None and link.peer.kind in (CredentialKind.TOKEN, CredentialKind.OPEN):
         return dataclasses.replace(reply, session_secret=secret)
     return reply
 
@@ -178,7 +178,7 @@ class Controller:
                     (Channel.RENDEZVOUS, self._handle_rendezvous),
                     (Channel.CONTROL, self._handle_control),
                 ):
-                    resolve = join_resolver(plan.secret, plan.token) if channel is Channel.JOIN else self._resolve
+                    resolve = join_resolver(plan.secret, plan.token, open_admission=plan.join.open_admission) if channel is Channel.JOIN else self._resolve
                     service = FramedService(channel=channel, resolve=resolve, run_id=plan.run_id, handler=handler, task_group=tg)
                     self._mux.register(channel, service.protocol_factory)
                 self._announce_window()
@@ -342,6 +342,13 @@ class Controller:
 
     def _announce_window(self) -> None:
         plan, j = self.plan, self.plan.join
+        if j.open_admission:
+            log.warning(
+                "WARNING: OPEN ADMISSION — any host that reaches port %d joins this run without a secret or token, and is sent "
+                "the session secret over a link anyone on the network can decrypt; use it on a trusted network only "
+                "(set join.open_admission: false and give agents a cluster token: flodl token new)",
+                self.port,
+            )
         log.info(
             "window open (quorum %d ranks, target %s, window %gs, cap %gs, admission: %s) — status at http://%s:%d/",
             j.min_rank_start,

@@ -93,7 +93,7 @@ from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from ..errors import AuthenticationFailed, HandshakeFailed, HandshakeRefused, VersionMismatch, WireError, WrongToken
 from .channels import Channel
-from .keys import KDF_LABEL, Credential, CredentialKind, LinkKeys
+from .keys import KDF_LABEL, OPEN_ADMISSION_KEY, Credential, CredentialKind, LinkKeys
 
 #: The wire protocol this build speaks (handshake and frame format together).
 PROTOCOL_VERSION = 2
@@ -412,11 +412,15 @@ def session_resolver(secret: bytes) -> CredentialResolver:
     return resolve
 
 
-def join_resolver(secret: bytes, token: bytes | None) -> CredentialResolver:
-    """The controller's join channel: the session secret, and the cluster token when token admission is on."""
+def join_resolver(secret: bytes, token: bytes | None, *, open_admission: bool = False) -> CredentialResolver:
+    """The controller's join channel: the session secret, the cluster token when token admission is on, no credential under open admission."""
     by_session = session_resolver(secret)
 
     def resolve(peer: PeerHello) -> bytes:
+        if peer.kind is CredentialKind.OPEN:
+            if not open_admission:
+                raise HandshakeRefused("this controller does not run open admission: give the agent --token-file (a cluster token) or --secret-file")
+            return OPEN_ADMISSION_KEY
         if peer.kind is CredentialKind.TOKEN:
             if token is None:
                 raise HandshakeRefused(

@@ -15,6 +15,11 @@ Three kinds of long-lived key material exist, one per role (design §3):
   then travels to it sealed (:mod:`.handshake` says under which key), and the
   agent's other links use that secret like any agent's.
 
+With ``join.open_admission`` the controller also takes an OPEN credential on its
+join channel, whose key is public: such an agent proves nothing, and the secret
+it is sent is readable by anyone who records the link. That is what "open"
+means; the controller says so loudly when it starts.
+
 None of them keys a frame directly. Every connection runs the handshake of
 :mod:`.handshake`, which mixes the credential with both sides' fresh nonces into
 :class:`LinkKeys`: an HMAC key and an AES-256-GCM key per direction, used by
@@ -52,6 +57,7 @@ class CredentialKind(enum.IntEnum):
     SESSION = 1  # the session secret: agents and their relays, to the controller
     RANK = 2  # a rank credential: one rank of one round, to its host's relay only
     TOKEN = 3  # a cluster token: dial-in agents, on the controller's join channel only
+    OPEN = 4  # no credential (a public key): the join channel of a controller with join.open_admission only
 
 
 def new_session_secret() -> bytes:
@@ -72,6 +78,10 @@ def secret_from_hex(text: str) -> bytes:
             "pass the secret the controller printed or wrote to its secret file"
         )
     return raw
+
+
+#: The "key" of open admission: public by design, so it authenticates nobody (the controller warns loudly).
+OPEN_ADMISSION_KEY = KDF_LABEL + b"/open-admission"
 
 
 def new_cluster_token() -> bytes:
@@ -122,6 +132,11 @@ class Credential:
         if len(token) != TOKEN_BYTES:
             raise ValueError(f"cluster token must be {TOKEN_BYTES} bytes, got {len(token)}")
         return cls(kind=CredentialKind.TOKEN, key=token)
+
+    @classmethod
+    def open_admission(cls) -> Credential:
+        """No credential at all: only a controller that runs ``join.open_admission`` takes it."""
+        return cls(kind=CredentialKind.OPEN, key=OPEN_ADMISSION_KEY)
 
     @classmethod
     def for_rank(cls, secret: bytes, *, run_id: str, round: int, rank: int) -> Credential:
