@@ -2,7 +2,9 @@
 
 Theory of operation. Everything flodl keeps on disk while it runs (an agent's
 relay socket, its ranks' error files) lives under one private directory per
-user: ``$XDG_RUNTIME_DIR/flodl`` when the session manager provides one (a
+user: ``$RUNTIME_DIRECTORY`` when systemd made one for the service
+(``RuntimeDirectory=flodl``, removed when the service stops), else
+``$XDG_RUNTIME_DIR/flodl`` when the session manager provides one (a
 tmpfs that dies with the login), else ``<tempdir>/flodl-<uid>``. It is
 created mode 0700, and refused when it is a symlink, owned by someone else or
 readable by others — a shared ``/tmp`` is exactly where another user would
@@ -61,6 +63,10 @@ _NEW_PREFIX = ".new-"
 def runtime_root(env: Mapping[str, str] | None = None) -> Path:
     """Where this user's runtime directory is (not created): pure, from the environment."""
     env = os.environ if env is None else env
+    # systemd's RuntimeDirectory=flodl: the unit made this very directory for the service (first of a list).
+    service = env.get("RUNTIME_DIRECTORY", "").split(":")[0].strip()
+    if service and os.path.isabs(service):
+        return Path(service)
     xdg = env.get("XDG_RUNTIME_DIR", "").strip()
     if xdg and os.path.isabs(xdg):  # the XDG spec: a relative value is invalid and ignored
         return Path(xdg) / "flodl"

@@ -11,6 +11,10 @@ with the exit code of :data:`AGENT_EXIT_MEANINGS`; a traceback means a bug.
 
 ``--persist`` (with ``--token-file``) runs :class:`~flodl_async.agent.daemon.PersistentAgent`
 instead of one session: run after run, until a signal.
+
+Under systemd (deploy/flodl-agent.service) it notifies READY/STATUS/STOPPING and
+pings the watchdog from its loop, and ``--token-credential`` reads the secret
+from ``$CREDENTIALS_DIRECTORY`` (:mod:`flodl_async.agent.systemd`).
 """
 
 from __future__ import annotations
@@ -27,11 +31,13 @@ from collections.abc import Iterator, Sequence
 from ..deadlines import DEFAULT_STOP_GRACE, Deadlines
 from ..devices import parse_devices
 from ..errors import AgentError, ConfigError, ConnectionClosed, ControllerLost, FlodlError, JoinFailed, WireError
+from ..sdnotify import Notifier
 from ..secretfile import read_secret_file, read_token_file
 from ..verdict import ExitCode, exit_code_for_signal, exit_help
 from ..wire.keys import secret_from_hex
 from .output import RankOutput
 from .session import Ending, HostSession, SessionConfig, SessionOutcome
+from .systemd import add_service_options, apply_service_options, notification_observer, with_watchdog
 
 log = logging.getLogger("flodl_async.agent")
 
@@ -92,6 +98,7 @@ def _parser() -> argparse.ArgumentParser:
         default=DEFAULT_STOP_GRACE,
         help="seconds from the first stop signal to KILL when this agent is stopped (default %(default)g)",
     )
+    add_service_options(parser)
     return parser
 
 
@@ -178,6 +185,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="flodl-agent: %(message)s")
     raise_descriptor_limit()
     try:
+        apply_service_options(args)  # --token-credential: the secret file from $CREDENTIALS_DIRECTORY
         config = build_config(args)
     except ConfigError as exc:
         _say(f"flodl-agent: {exc}")
@@ -185,8 +193,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     output = RankOutput(stdout=sys.stdout.buffer, stderr=sys.stderr.buffer)
     if args.persist:
         return _persist(config, output, reconnect_max=args.reconnect_max)
+    notifier = Notifier.from_environ()  # a no-op outside systemd; the ranks do not inherit $NOTIFY_SOCKET
+    session = HostSession(config, output=output, observer=notification_observer(notifier))
     try:
-        outcome = run(serve(HostSession(config, output=output)))
+        outcome = run(with_watchdog(serve(session), notifier))
     except KeyboardInterrupt:  # a Ctrl-C before the handlers were in place
         return int(ExitCode.INTERRUPTED)
     except (Exception, BaseExceptionGroup) as exc:
@@ -198,6 +208,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(exit_code_for_error(failure))
     finally:
         output.close()
+        notifier.close()
     if outcome.ending is not Ending.FINISHED:
         _say(f"flodl-agent: {outcome.ending.value}: {outcome.reason}")
     return int(exit_code_for(outcome))

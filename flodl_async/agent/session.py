@@ -24,6 +24,10 @@ one is under way only brings the KILL deadline closer (the shorter deadline
 wins), and :meth:`HostSession.force_stop` means KILL now. The first ending
 decides the outcome. On every way out the ranks are gone, the relay, store
 and links are closed, and the runtime entry is removed.
+
+An observer (:mod:`flodl_async.agent.lifecycle`) hears each step as it
+happens — dialing, connected, admitted, ranks running, stopping — which is
+how ``flodl-agent`` keeps systemd told (:mod:`flodl_async.agent.systemd`).
 """
 
 from __future__ import annotations
@@ -63,6 +67,7 @@ from ..wire import messages as m
 from ..wire.channels import Channel
 from ..wire.keys import SECRET_BYTES, Credential
 from ..wire.schema import Message
+from .lifecycle import Phase, SessionEvent, SessionObserver, ignore
 from .output import RankOutput
 from .ranks import RankProcesses, RankWorld
 from .storehost import StoreHost
@@ -153,9 +158,10 @@ class _StopRequested(Exception):
 class HostSession:
     """One host's session in one run (the controller's own hosts run it in-process; ``flodl-agent`` stand-alone)."""
 
-    def __init__(self, config: SessionConfig, *, output: RankOutput) -> None:
+    def __init__(self, config: SessionConfig, *, output: RankOutput, observer: SessionObserver = ignore) -> None:
         self.config = config
         self._output = output
+        self._observer = observer
         self._force = asyncio.Event()
         self._stop_signal: int | None = None
         self._link: FramedProtocol | None = None
@@ -176,6 +182,7 @@ class HostSession:
             self._serving.stop_for_signal(sig)
         elif self._link is not None:
             log.info("agent %s: %s before the world formed; leaving the window", self.config.host, signal.Signals(sig).name)
+            self.observe(Phase.STOPPING, reason=f"{signal.Signals(sig).name} before the world formed")
             self._link.abort()  # the controller sees the host leave; our pending receive ends
 
     def force_stop(self) -> None:
@@ -191,6 +198,7 @@ class HostSession:
         if not devices:
             raise ConfigError(f"host {cfg.host!r} has no devices to offer (devices: {cfg.devices.kind.value}, 0 GPUs found)")
         sweep_stale(cfg.runtime_root)  # leftovers of sessions that were SIGKILLed
+        self.observe(Phase.DIALING)
         try:
             async with asyncio.timeout(cfg.deadlines.handshake):
                 credential = _join_credential(cfg)
@@ -205,6 +213,7 @@ class HostSession:
         except WireError as exc:
             raise JoinFailed(cfg.host, f"cannot join the controller at {cfg.controller_addr}: {exc}") from exc
         self._link = link
+        self.observe(Phase.CONNECTED)
         entry: RuntimeEntry | None = None
         try:
             if self._stop_signal is not None:
@@ -212,6 +221,7 @@ class HostSession:
             accept = await self._join(link, devices)
             if cfg.token is not None or cfg.open_admission:
                 self.config = cfg = _with_session_secret(cfg, accept)
+            self.observe(Phase.ADMITTED, run_id=accept.run_id, ranks=accept.ranks)
             entry = create_entry(run_id=accept.run_id, host=cfg.host, controller=cfg.controller_addr, root=cfg.runtime_root)
             formed = await self._await_formation(link, accept)
             serving = _Serving(self, link=link, run_id=accept.run_id, formed=formed, entry=entry)
@@ -224,6 +234,11 @@ class HostSession:
             await link.aclose(grace=cfg.deadlines.link_close)
             if entry is not None:
                 entry.remove()
+
+    def observe(self, phase: Phase, *, run_id: str | None = None, ranks: tuple[int, ...] = (), round_: int | None = None, reason: str = "") -> None:
+        """Tell the observer this session reached ``phase``, with what is known of the run by then."""
+        cfg = self.config
+        self._observer(SessionEvent(phase=phase, host=cfg.host, controller=cfg.controller_addr, run_id=run_id, ranks=ranks, round=round_, reason=reason))
 
     async def _recv(self, link: FramedProtocol, doing: str, lost: Callable[[str, str], AgentError]) -> Message:
         try:
@@ -401,6 +416,7 @@ class _Serving:
             self._outcome, self._error = outcome, error
             why = error.reason if error is not None else outcome.reason if outcome is not None else "?"
             log.debug("agent %s: ending (%s)", self._cfg.host, why)
+            self._session.observe(Phase.STOPPING, run_id=self._run_id, ranks=self._formed.ranks, reason=why)
         self._spawn(self._end(schedule), name="stop-all")
 
     def stop_for_signal(self, sig: int) -> None:
@@ -463,6 +479,7 @@ class _Serving:
         if self._relay is not None:
             self._relay.open_round(msg.round)  # from now on the relay takes this round's credentials only
         await self._ranks.start(msg)
+        self._session.observe(Phase.RUNNING, run_id=self._run_id, ranks=self._formed.ranks, round_=msg.round)
 
     def _on_stop_ranks(self, msg: m.StopRanks) -> None:
         self._round_command(self._stop_round(msg), name=f"stop-ranks-{msg.round}")
