@@ -220,8 +220,10 @@ def _persist(config: SessionConfig, output: RankOutput, *, reconnect_max: float)
     from .daemon import PersistentAgent, serve_persistently
 
     policy = BackoffPolicy(initial=min(0.5, reconnect_max), cap=reconnect_max)
+    notifier = Notifier.from_environ()  # as for one run: a no-op outside systemd
+    agent = PersistentAgent(config, output=output, policy=policy, observer=notification_observer(notifier))
     try:
-        return int(run(serve_persistently(PersistentAgent(config, output=output, policy=policy))))
+        return int(run(with_watchdog(serve_persistently(agent), notifier)))
     except KeyboardInterrupt:
         return int(ExitCode.INTERRUPTED)
     except (Exception, BaseExceptionGroup):
@@ -229,6 +231,7 @@ def _persist(config: SessionConfig, output: RankOutput, *, reconnect_max: float)
         return int(ExitCode.INTERNAL)
     finally:
         output.close()
+        notifier.close()
 
 
 #: The exit code of each error a session ends with, most specific first (the first match wins).

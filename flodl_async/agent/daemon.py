@@ -30,6 +30,7 @@ import signal
 from ..backoff import Backoff, BackoffPolicy
 from ..errors import AgentError, ConfigError, WrongToken
 from ..verdict import ExitCode, exit_code_for_signal
+from .lifecycle import SessionObserver, ignore
 from .output import RankOutput
 from .session import Ending, HostSession, SessionConfig
 
@@ -39,9 +40,12 @@ log = logging.getLogger("flodl_async.agent")
 class PersistentAgent:
     """Serves runs until stopped; :meth:`run` returns the exit code."""
 
-    def __init__(self, config: SessionConfig, *, output: RankOutput, policy: BackoffPolicy, rng: random.Random | None = None) -> None:
+    def __init__(
+        self, config: SessionConfig, *, output: RankOutput, policy: BackoffPolicy, rng: random.Random | None = None, observer: SessionObserver = ignore
+    ) -> None:
         self.config = config
         self._output = output
+        self._observer = observer  # every session's (systemd's notifier under a unit)
         self._backoff = Backoff(policy)
         self._rng = rng or random.SystemRandom()
         self._stop = asyncio.Event()
@@ -74,7 +78,7 @@ class PersistentAgent:
         cfg = self.config
         loop = asyncio.get_running_loop()
         while not self.stopping():
-            session = HostSession(cfg, output=self._output)
+            session = HostSession(cfg, output=self._output, observer=self._observer)
             self._session = session
             try:
                 outcome = await session.run()
