@@ -6,6 +6,7 @@ Shape (all keys optional unless marked)::
       host: 10.0.0.1          # address agents dial (default 127.0.0.1)
       port: 1337              # the one port
       join: {min_rank_start, join_timeout, target_ranks, max_join_timeout, open_admission}
+      token_file: PATH        # cluster token (`flodl token new`): admits dial-in agents
     env: {NAME: value}        # for every rank
     workers:                  # required, non-empty
       - host: node-a          # required; logical id and default ssh target
@@ -16,6 +17,7 @@ Shape (all keys optional unless marked)::
         python: /usr/bin/python3
         workdir: /srv/train
         nccl_socket_ifname: eth0
+        dial_in: false        # true: the host joins on its own (flodl-agent --token-file F --persist)
 
 A top-level ``cluster:`` wrapper (flodl's layout) is accepted too. Every
 error names the file, line and key, says what was expected, and suggests the
@@ -118,6 +120,8 @@ class ControllerSpec:
     host: str = "127.0.0.1"
     port: int = DEFAULT_PORT
     join: JoinKnobs = field(default_factory=JoinKnobs)
+    #: The cluster token file that admits dial-in agents (as written in the file; relative to the cluster file's directory).
+    token_file: str | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -132,6 +136,8 @@ class WorkerSpec:
     python: str | None = None
     workdir: str | None = None
     nccl_socket_ifname: str | None = None
+    #: The host joins on its own (a ``flodl-agent --token-file … --persist`` service): the launcher starts nothing there.
+    dial_in: bool = False
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -298,9 +304,9 @@ def _devices(doc: _Doc, node: yaml.Node, path: str) -> DeviceSpec:
 
 
 _TOP_KEYS = ("controller", "workers", "env")
-_CONTROLLER_KEYS = ("host", "port", "join")
+_CONTROLLER_KEYS = ("host", "port", "join", "token_file")
 _JOIN_KEYS = ("min_rank_start", "join_timeout", "target_ranks", "max_join_timeout", "open_admission")
-_WORKER_KEYS = ("host", "devices", "ssh", "tunnel", "env", "python", "workdir", "nccl_socket_ifname")
+_WORKER_KEYS = ("host", "devices", "ssh", "tunnel", "env", "python", "workdir", "nccl_socket_ifname", "dial_in")
 _SSH_KEYS = ("target", "port", "user", "identity_file", "known_hosts", "options")
 
 
@@ -363,6 +369,7 @@ def _worker(doc: _Doc, node: yaml.Node, path: str) -> WorkerSpec:
         python=optional_str("python"),
         workdir=optional_str("workdir"),
         nccl_socket_ifname=optional_str("nccl_socket_ifname"),
+        dial_in=_bool(doc, keys["dial_in"], f"{path}.dial_in") if "dial_in" in keys else False,
     )
 
 
@@ -389,6 +396,7 @@ def parse_cluster(text: str, *, source: str = "<cluster>", local_names: frozense
             host=_str(doc, ckeys["host"], "controller.host") if "host" in ckeys else "127.0.0.1",
             port=_int(doc, ckeys["port"], "controller.port", minimum=1, maximum=65535) if "port" in ckeys else DEFAULT_PORT,
             join=_join_knobs(doc, ckeys["join"], "controller.join") if "join" in ckeys else JoinKnobs(),
+            token_file=_str(doc, ckeys["token_file"], "controller.token_file") if "token_file" in ckeys else None,
         )
     if "workers" not in top:
         raise doc.error(root, "", "missing required key 'workers' (a list of worker hosts)")
@@ -423,6 +431,14 @@ def parse_cluster(text: str, *, source: str = "<cluster>", local_names: frozense
 def _validate_topology(doc: _Doc, spec: ClusterSpec, workers_node: yaml.SequenceNode, local_names: frozenset[str]) -> None:
     controller_names = local_names | {spec.controller.host}
     for i, worker in enumerate(spec.workers):
+        launched_by_us = [key for key, used in (("ssh", worker.ssh is not None), ("tunnel", worker.tunnel), ("python", worker.python is not None)) if used]
+        if worker.dial_in and launched_by_us:
+            raise doc.error(
+                workers_node.value[i],
+                f"workers[{i}].dial_in",
+                f"worker {worker.host!r} dials in on its own, so {', '.join(launched_by_us)} (how the launcher would start it) "
+                "cannot apply; drop them, or drop `dial_in: true` to have the launcher start it",
+            )
         if not worker.tunnel:
             continue
         node = workers_node.value[i]
