@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from .hostkit import HostKit, NsHost
+from .hostkit import HostKit, NsHost, missing_requirements
 from .launchkit import PY, Launcher, assert_nothing_left, free_port, new_run_id, run_launch, script
 from .test_fanout_e2e import _python_wrapper
 
@@ -109,3 +109,22 @@ def test_tunnel_hosts_get_the_env_contract_through_their_relay(hostkit: HostKit,
     assert "Traceback" not in done.stderr
     assert hostkit.leftovers() == {}
     assert_nothing_left(run_id)
+
+
+def test_an_sshd_that_refuses_forwarding_is_named_with_what_to_do(tmp_path: Path) -> None:
+    why = missing_requirements()
+    if why is not None:
+        pytest.skip(why)
+    kit = HostKit.create(1, sshd_options=("AllowTcpForwarding no",))
+    try:
+        cluster = _tunnel_cluster(tmp_path, kit, [(kit.hosts[0], "cpu:1")], port=free_port())
+        run_id = new_run_id()
+        done = run_launch(str(cluster), "--", PY, script("dump_env.py"), str(tmp_path), run_id=run_id, timeout=180)
+        assert done.returncode == 3, done.stderr
+        assert f"sshd on {kit.hosts[0].addr}:22 refused the tunnel's remote port forward" in done.stderr
+        assert "AllowTcpForwarding" in done.stderr
+        assert "Traceback" not in done.stderr
+        assert kit.leftovers() == {}
+        assert_nothing_left(run_id)
+    finally:
+        kit.close()

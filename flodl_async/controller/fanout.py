@@ -202,7 +202,7 @@ class SshLauncher:
             raise SshLaunchFailed(
                 target.host, f"sshd on {target.where} did not answer the tunnel's port-forward request within {self._contact.deadlines.ssh_connect:g}s"
             ) from None
-        except asyncssh.Error as exc:
+        except (asyncssh.ChannelListenError, asyncssh.Error) as exc:  # the first is no asyncssh.Error
             raise SshLaunchFailed(
                 target.host,
                 f"sshd on {target.where} refused the tunnel's remote port forward ({exc}); allow it there "
