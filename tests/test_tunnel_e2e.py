@@ -27,14 +27,15 @@ TCP_LISTEN = "0A"
 LOOPBACK_HEX = "0100007F"
 
 
-def _tunnel_cluster(tmp_path: Path, kit: HostKit, hosts: Sequence[tuple[NsHost, str]], *, port: int) -> Path:
+def _tunnel_cluster(tmp_path: Path, kit: HostKit, hosts: Sequence[tuple[NsHost, str]], *, port: int, direct: Sequence[NsHost] = ()) -> Path:
+    """Every host tunnels, but those in ``direct``."""
     lines = ["trainer: cpu", f"controller: {{port: {port}, join: {{join_timeout: 60}}}}", "workers:"]
     for host, devices in hosts:
         ssh = {"target": host.addr, "user": "root", "identity_file": str(kit.user_key), "known_hosts": str(kit.known_hosts)}
         lines += [
             f"  - host: {host.name}",
             f"    devices: {devices}",
-            "    tunnel: true",
+            f"    tunnel: {'false' if host in direct else 'true'}",
             f"    python: {_python_wrapper(tmp_path)}",
             f"    ssh: {json.dumps(ssh)}",
         ]
@@ -107,6 +108,35 @@ def test_tunnel_hosts_get_the_env_contract_through_their_relay(hostkit: HostKit,
     # interface of its join connection, which it hands its ranks, is lo.
     assert {e["GLOO_SOCKET_IFNAME"] for e in seen.values()} == {"lo"}
     assert "Traceback" not in done.stderr
+    assert hostkit.leftovers() == {}
+    assert_nothing_left(run_id)
+
+
+def test_ranks_say_hello_and_heartbeat_to_the_controller_through_relay_and_tunnel(hostkit: HostKit, tmp_path: Path) -> None:
+    h1, h2 = hostkit.hosts[:2]
+    cluster = _tunnel_cluster(tmp_path, hostkit, [(h1, "cpu:2"), (h2, "cpu:1")], port=free_port())
+    run_id = new_run_id()
+    done = run_launch(str(cluster), "--", PY, script("relay_client.py"), run_id=run_id, timeout=180)
+    assert done.returncode == 0, done.stderr
+    # Each welcome and heartbeat answer came from the controller, which only the tunnels reach.
+    assert done.stdout.count(f"welcomed by run {run_id}; heartbeat rtts ms") == 3, done.stdout
+    assert hostkit.leftovers() == {}
+    assert_nothing_left(run_id)
+
+
+def test_a_tunnel_host_and_a_direct_host_share_a_wildcard_bound_controller(hostkit: HostKit, tmp_path: Path) -> None:
+    h1, h2 = hostkit.hosts[:2]
+    port = free_port()
+    cluster = _tunnel_cluster(tmp_path, hostkit, [(h1, "cpu:1"), (h2, "cpu:1")], port=port, direct=[h2])
+    out_dir = tmp_path / "envs"
+    out_dir.mkdir()
+    run_id = new_run_id()
+    done = run_launch(str(cluster), "--", PY, script("dump_env.py"), str(out_dir), run_id=run_id, timeout=180)
+    assert done.returncode == 0, done.stderr
+    by_group = {e["GROUP_RANK"]: e for e in (json.loads(p.read_text()) for p in out_dir.glob("env-*.json"))}
+    assert sorted(by_group) == ["0", "1"]
+    # h1 came in on its loopback (the tunnel's end), h2 on its bridge interface.
+    assert sorted(e["GLOO_SOCKET_IFNAME"] for e in by_group.values()) == ["eth0", "lo"]
     assert hostkit.leftovers() == {}
     assert_nothing_left(run_id)
 
