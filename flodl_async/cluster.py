@@ -8,11 +8,12 @@ Shape (all keys optional unless marked)::
       join: {min_rank_start, join_timeout, target_ranks, max_join_timeout, open_admission}
       token_file: PATH        # cluster token (`flodl token new`): admits dial-in agents
     env: {NAME: value}        # for every rank
+    trainer: cpu              # the run is a flodl Trainer CPU-backend job (needed by `tunnel: true`)
     workers:                  # required, non-empty
       - host: node-a          # required; logical id and default ssh target
         devices: all | [0, 1] | 0,1 | cpu:4   # required (flodl_async.devices)
         ssh: {target, port, user, identity_file, known_hosts, options: [..]}
-        tunnel: false
+        tunnel: false         # reach the controller through an ssh remote forward (needs `trainer: cpu`)
         env: {NAME: value}    # this host's ranks; overrides the cluster env
         python: /usr/bin/python3
         workdir: /srv/train
@@ -147,6 +148,9 @@ class ClusterSpec:
     controller: ControllerSpec
     workers: tuple[WorkerSpec, ...]
     env: Mapping[str, str] = field(default_factory=dict)
+    #: ``trainer: cpu``: the script is a Trainer CPU-backend job, whose ranks talk only to the
+    #: controller (so a tunnel carries all of it); None for a plain torchrun-contract script.
+    trainer: str | None = None
     source: str = "<cluster>"
 
     @property
@@ -303,7 +307,9 @@ def _devices(doc: _Doc, node: yaml.Node, path: str) -> DeviceSpec:
     raise doc.error(node, path, f"{DEVICES_EXPECTED}, or a list of GPU ids like [0, 1]; got {_show(node)}")
 
 
-_TOP_KEYS = ("controller", "workers", "env")
+_TOP_KEYS = ("controller", "workers", "env", "trainer")
+#: The values `trainer:` takes (only the CPU backend rides a tunnel).
+TRAINERS = ("cpu",)
 _CONTROLLER_KEYS = ("host", "port", "join", "token_file")
 _JOIN_KEYS = ("min_rank_start", "join_timeout", "target_ranks", "max_join_timeout", "open_admission")
 _WORKER_KEYS = ("host", "devices", "ssh", "tunnel", "env", "python", "workdir", "nccl_socket_ifname", "dial_in")
@@ -422,10 +428,26 @@ def parse_cluster(text: str, *, source: str = "<cluster>", local_names: frozense
         controller=controller,
         workers=tuple(workers),
         env=_env(doc, top["env"], "env") if "env" in top else {},
+        trainer=_trainer(doc, top["trainer"]) if "trainer" in top else None,
         source=source,
     )
     _validate_topology(doc, spec, workers_node, names)
     return spec
+
+
+def _trainer(doc: _Doc, node: yaml.Node) -> str:
+    value = _scalar(node) if isinstance(node, yaml.ScalarNode) else None
+    if value not in TRAINERS:
+        raise doc.error(node, "trainer", f"expected {' or '.join(TRAINERS)} (a flodl Trainer CPU-backend job), got {_show(node)}")
+    assert isinstance(value, str)
+    return value
+
+
+def _tunnel_node(node: yaml.Node) -> yaml.Node:
+    """The value node of a worker's ``tunnel`` key, for the line an error points at."""
+    assert isinstance(node, yaml.MappingNode)
+    value: yaml.Node = next(v for k, v in node.value if _scalar(k) == "tunnel")
+    return value
 
 
 def _validate_topology(doc: _Doc, spec: ClusterSpec, workers_node: yaml.SequenceNode, local_names: frozenset[str]) -> None:
@@ -455,6 +477,16 @@ def _validate_topology(doc: _Doc, spec: ClusterSpec, workers_node: yaml.Sequence
                 f"workers[{i}].tunnel",
                 f"worker {worker.host!r} sets `tunnel: true` with GPU devices (NCCL backend); NCCL's data plane "
                 "is peer-to-peer and cannot ride a controller tunnel — use `devices: cpu:N` or drop the tunnel",
+            )
+        if spec.trainer != "cpu":
+            # The launcher cannot tell a torchrun-contract script (gloo rank-to-rank traffic,
+            # which no tunnel carries) from a Trainer CPU-backend one, so the file must say.
+            raise doc.error(
+                _tunnel_node(node),
+                f"workers[{i}].tunnel",
+                f"worker {worker.host!r} sets `tunnel: true`, but a tunnel carries only controller traffic, not the "
+                "rank-to-rank traffic (gloo) of a torchrun-contract script; declare the run a Trainer CPU-backend job "
+                "with a top-level `trainer: cpu`, or drop the tunnel",
             )
 
 

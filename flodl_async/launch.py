@@ -183,12 +183,6 @@ def build_plan(args: _Args) -> LaunchPlan:
         assert args.cluster is not None
         spec = load_cluster(args.cluster, local_names=aliases.names)
     local = aliases.names
-    tunneled = [w.host for w in spec.workers if w.tunnel and placement_of(w, local) is Placement.SSH]
-    if tunneled:
-        raise ConfigError(
-            f"{spec.source}: worker(s) {', '.join(tunneled)} set tunnel: true, which ssh workers do not support yet; "
-            "remove it (the agent dials the controller's address directly)"
-        )
     capacity = sum(w.devices.known_count if w.devices.known_count is not None else gpu_count for w in spec.workers)
     join = spec.controller.join.resolve(capacity, scale=deadlines.scale)
     secret = _session_secret(args.secret_file)
