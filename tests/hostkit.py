@@ -162,9 +162,13 @@ class HostKit:
                 *inside,
                 "unshare",
                 "--uts",
+                "--mount",  # private mounts: the host's shells start without this machine's rc files (below)
                 "sh",
                 "-c",
-                f'hostname {name} && exec {SSHD} -D -f "$1" -E "$2"',
+                # A test host's login shell must not run the developer's rc files: `pyenv init` there runs a
+                # rehash that waits forever on a lock left by a process a test killed, so no agent would start.
+                f'hostname {name} && for rc in "$HOME/.bashrc" "$HOME/.profile" "$HOME/.bash_profile"; do '
+                f'[ -f "$rc" ] && mount --bind /dev/null "$rc"; done; exec {SSHD} -D -f "$1" -E "$2"',
                 "sh",
                 str(config),
                 str(hdir / "sshd.log"),

@@ -144,8 +144,12 @@ class SshLauncher:
             process = await conn.create_process(command, encoding=None)
             self._processes.append(process)
             stderr_tail: list[bytes] = []
-            with _first_error():
-                await self._serve(target, process, worker, (controller_host, controller_port), stderr_tail)
+            try:
+                with _first_error():
+                    await self._serve(target, process, worker, (controller_host, controller_port), stderr_tail)
+            except asyncssh.Error as exc:
+                # The connection itself went mid-run (the host died, its sshd was killed): name the host, not asyncssh.
+                raise AgentError(spec.host, f"the ssh connection to {target.where} was lost: {exc.reason or exc}{_tail(stderr_tail)}") from None
             completed = process.returncode, process.exit_signal
             if completed != (0, None):
                 code, sig = completed
@@ -290,6 +294,11 @@ class SshLauncher:
                 line = await process.stdout.readline()
         except TimeoutError:
             raise SshLaunchFailed(target.host, f"the agent on {target.where} said nothing within {self._contact.deadlines.ssh_connect:g}s") from None
+        except asyncssh.Error as exc:
+            # The host died (or its sshd session was killed) before the agent started: a host lost before joining.
+            raise SshLaunchFailed(
+                target.host, f"the ssh connection to {target.where} was lost before the agent said hello ({exc.reason or exc}); check that the host is up"
+            ) from None
         version = parse_hello(line.decode(errors="replace"))
         if version == __version__:
             return
@@ -340,12 +349,12 @@ def ssh_launcher(contact: ControllerContact, *, bind_host: str, run_id: str) -> 
 
 @contextlib.contextmanager
 def _first_error() -> Iterator[None]:
-    """Re-raise a task group's first flodl error bare, so the controller reads it as this host's failure."""
+    """Re-raise a task group's first flodl (or asyncssh) error bare, so the controller reads it as this host's failure."""
     try:
         yield
     except BaseExceptionGroup as group:
         leaf = _first_leaf(group)
-        if isinstance(leaf, FlodlError):
+        if isinstance(leaf, (FlodlError, asyncssh.Error)):  # run_agent names the host of an asyncssh one
             raise leaf from None
         raise
 
