@@ -63,6 +63,8 @@ class Deadlines:
     link_close: float = 1.0
     #: Reading a rank's last output after it exited.
     output_drain: float = 2.0
+    #: A partial line (a progress bar before its newline) is forwarded once it waited this long.
+    output_idle: float = 0.1
     #: The torch-backend store child gets this after its stdin closes before KILL (it holds no state worth saving).
     store_stop: float = 2.0
     #: Seconds from the first stop signal to KILL (operator's seconds, not scaled).

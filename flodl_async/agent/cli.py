@@ -27,7 +27,6 @@ from ..errors import AgentError, ConfigError, ConnectionClosed, ControllerLost, 
 from ..secretfile import read_secret_file
 from ..verdict import ExitCode, exit_code_for_signal, exit_help
 from ..wire.keys import secret_from_hex
-from .output import RankOutput
 from .session import Ending, HostSession, SessionConfig, SessionOutcome
 
 log = logging.getLogger("flodl_async.agent")
@@ -148,9 +147,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:
         _say(f"flodl-agent: {exc}")
         return int(ExitCode.USAGE)
-    output = RankOutput(stdout=sys.stdout.buffer, stderr=sys.stderr.buffer)
     try:
-        outcome = run(serve(HostSession(config, output=output)))
+        # The ranks' output goes up the join link to the launcher, not to this process's stdout.
+        outcome = run(serve(HostSession(config)))
     except KeyboardInterrupt:  # a Ctrl-C before the handlers were in place
         return int(ExitCode.INTERRUPTED)
     except (Exception, BaseExceptionGroup) as exc:
@@ -160,8 +159,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             return int(ExitCode.INTERNAL)
         _say(failure_line(failure, config.controller_addr))
         return int(exit_code_for_error(failure))
-    finally:
-        output.close()
     if outcome.ending is not Ending.FINISHED:
         _say(f"flodl-agent: {outcome.ending.value}: {outcome.reason}")
     return int(exit_code_for(outcome))

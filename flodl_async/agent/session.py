@@ -62,7 +62,7 @@ from ..wire import messages as m
 from ..wire.channels import Channel
 from ..wire.keys import Credential
 from ..wire.schema import Message
-from .output import RankOutput
+from .output import LinkOutput, OutputSink
 from .ranks import RankProcesses, RankWorld
 from .storehost import StoreHost
 
@@ -128,7 +128,8 @@ class _StopRequested(Exception):
 class HostSession:
     """One host's session in one run (the controller's own hosts run it in-process; ``flodl-agent`` stand-alone)."""
 
-    def __init__(self, config: SessionConfig, *, output: RankOutput) -> None:
+    def __init__(self, config: SessionConfig, *, output: OutputSink | None = None) -> None:
+        """``output``: where the ranks' output goes; None (a stand-alone agent) sends it up the join link."""
         self.config = config
         self._output = output
         self._force = asyncio.Event()
@@ -298,12 +299,13 @@ class _Serving:
             self._ranks = RankProcesses(
                 host=cfg.host,
                 world=self._world,
-                output=self._session._output,
+                output=LinkOutput(self._link) if self._session._output is None else self._session._output,
                 scratch=self._entry.path,
                 report=self._send,
                 task_group=tg,
                 force=self._session._force,
                 output_drain=cfg.deadlines.output_drain,
+                output_idle=cfg.deadlines.output_idle,
             )
             try:
                 relay = Relay(

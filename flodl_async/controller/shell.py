@@ -307,6 +307,9 @@ class Controller:
         try:
             while True:
                 msg = await link.recv_message()
+                if isinstance(msg, m.RankOutput):  # output is I/O, not a supervisor event
+                    self._output.receive(hello.host, msg)
+                    continue
                 to_event = _HOST_EVENTS.get(type(msg))
                 if to_event is not None:
                     self._dispatch(to_event(hello.host, msg))
