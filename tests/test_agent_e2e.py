@@ -51,9 +51,8 @@ def test_sigterm_to_flodl_agent_stops_its_ranks_with_sigterm_and_exits_143(tmp_p
         agent = subprocess.Popen(
             [*agent_cmd, "--secret-file", str(secret_file)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, **env}
         )
-        assert agent.stdout is not None
-        assert "[walk-in:r1] ready pid" in agent.stdout.readline()
-        launcher.wait_for_stdout("ready pid", count=1)
+        launcher.wait_for_stdout("ready pid", count=2)  # the walk-in's rank's line crossed its join link
+        assert any(line.startswith("[walk-in:r1] ready pid") for line in launcher.stdout_lines)
         assert (_run_dir(xdg, run_id) / "walk-in" / MARKER).exists()
         agent.send_signal(signal.SIGTERM)
         agent_out, agent_err = agent.communicate(timeout=30)
@@ -65,7 +64,8 @@ def test_sigterm_to_flodl_agent_stops_its_ranks_with_sigterm_and_exits_143(tmp_p
             agent.communicate()
         assert_nothing_left(run_id)
     assert agent.returncode == 143, agent_err
-    assert "[walk-in:r1] got SIGTERM" in agent_out
+    assert "[walk-in:r1] got SIGTERM" in done.stdout
+    assert "[walk-in:" not in agent_out  # rank output goes to the launcher, not the agent's stdout
     assert "1 SIGTERM" in record.read_text().splitlines()  # the rank got the agent's own signal first
     assert "stopped: stopped by SIGTERM" in agent_err
     assert "Traceback" not in agent_err
