@@ -35,7 +35,7 @@ from collections.abc import Awaitable, Callable, Collection
 from pathlib import Path
 from typing import BinaryIO, Protocol
 
-from ..errors import ConnectionClosed
+from ..errors import ConnectionClosed, WireError
 from ..net.framed import FramedProtocol
 from ..outputlines import CHUNK_LIMIT, LineAssembler, OutputChunker
 from ..wire import messages as m
@@ -69,12 +69,14 @@ class LinkOutput:
     def rank_started(self, host: str, attempt: int, rank: int) -> None:
         # An empty chunk per stream tells the launcher the rank started (its files are created).
         for stream in STREAMS:
-            with contextlib.suppress(ConnectionClosed):  # a lost link is the command reader's to report
+            with contextlib.suppress(ConnectionClosed, WireError):  # a lost or broken link is the command reader's to report
                 self._link.send(m.RankOutput(attempt=attempt, rank=rank, stream=stream, data=b""))
 
     async def send(self, host: str, attempt: int, rank: int, stream: str, data: bytes) -> None:
         # drain() first: output waits for the link, control messages (sent without waiting) never do.
-        with contextlib.suppress(ConnectionClosed):
+        # On a lost or broken link the chunk is dropped (the command reader reports the loss and the
+        # ranks are stopped); reading on keeps the ranks from blocking on a pipe nobody empties.
+        with contextlib.suppress(ConnectionClosed, WireError):
             await self._link.drain()
             self._link.send(m.RankOutput(attempt=attempt, rank=rank, stream=stream, data=data))
 
