@@ -30,6 +30,7 @@ from pathlib import Path
 from ..devices import DeviceKind, DeviceSpec
 from ..procs import signal_group, spawn, stop_processes
 from ..rankenv import RankPlacement, RankSpec, rank_environment
+from ..runtime import remove_rank_marker, write_rank_marker
 from ..verdict import StopStep
 from ..wire import messages as m
 from ..wire.keys import Credential
@@ -98,6 +99,7 @@ class RankProcesses:
         self._output_drain = output_drain
         self._output_idle = output_idle
         self._ranks: dict[int, _Rank] = {}
+        self._readers: set[asyncio.Task[None]] = set()
         self._closed = False
         # Held across one spawn and its registration, so a stop of everything sees every rank.
         self._spawning = asyncio.Lock()
@@ -162,6 +164,10 @@ class RankProcesses:
                         )
                     )
                     continue
+                try:  # so that a next session can clean up what this rank forks, should this agent be SIGKILLed
+                    write_rank_marker(self._scratch, pid=proc.pid, rank=rank)
+                except OSError as exc:
+                    log.warning("agent %s: cannot record rank %d (pid %d) in %s: %s", self._host, rank, proc.pid, self._scratch, exc)
                 entry = _Rank(
                     rank=rank, local_rank=local_rank, round=start.round, attempt=start.restart_count, proc=proc, error_file=error_file, stderr_tail=_tail()
                 )
@@ -187,6 +193,9 @@ class RankProcesses:
             self._tg.create_task(forward_output(proc.stderr, idle=idle, emit=err), name=f"r{entry.rank}-stderr"),
         ]
         entry.readers[1].add_done_callback(lambda _task: tail.end())
+        for reader in entry.readers:  # tracked past the rank's own entry, for cancel_readers()
+            self._readers.add(reader)
+            reader.add_done_callback(self._readers.discard)
         self._ranks[entry.rank] = entry
         self._tg.create_task(self._watch(entry), name=f"r{entry.rank}-watch")
 
@@ -201,6 +210,7 @@ class RankProcesses:
     async def _watch(self, entry: _Rank) -> None:
         code = await entry.proc.wait()
         signal_group(entry.proc.pid, signal.SIGKILL)  # no stragglers from the rank's group
+        remove_rank_marker(self._scratch, entry.proc.pid)
         await self._drain([entry])
         failed = code != 0
         self._report(
@@ -215,6 +225,12 @@ class RankProcesses:
                 stderr_tail=tuple(entry.stderr_tail) if failed else (),
             )
         )
+
+    def cancel_readers(self) -> None:
+        """Give up the output every reader still holds (the session is over; its link may never drain)."""
+        for task in self._readers:
+            task.cancel()
+        self._readers.clear()
 
     async def stop(self, schedule: Sequence[StopStep], *, round_: int | None = None) -> None:
         """Stop the ranks of ``round_`` (every rank, and no more starts, when None) following ``schedule``.
