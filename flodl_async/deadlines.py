@@ -67,6 +67,8 @@ class Deadlines:
     link_close: float = 1.0
     #: Reading a rank's last output after it exited.
     output_drain: float = 2.0
+    #: A partial line (a progress bar before its newline) is forwarded once it waited this long.
+    output_idle: float = 0.1
     #: The torch-backend store child gets this after its stdin closes before KILL (it holds no state worth saving).
     store_stop: float = 2.0
     #: An ssh connection to a worker (TCP, host key, login), and then its agent's hello line, each within this.

@@ -65,6 +65,7 @@ class _Args:
     port: int | None
     max_restarts: int
     log_dir: Path | None
+    ranks_filter: frozenset[int] | None
     run_id: str | None
     quiet: bool
     verbose: bool
@@ -87,7 +88,16 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--devices", default="auto", help="with --nproc: cpu, all (GPUs), GPU ids like 0,1, or auto (GPUs if present; default)")
     parser.add_argument("--port", type=int, help=f"the controller port (default {DEFAULT_PORT}, or the cluster file's; 0 picks a free one)")
     parser.add_argument("--max-restarts", type=int, default=0, help="restart the whole world up to K times after a rank failure (default 0)")
-    parser.add_argument("--log-dir", type=Path, help="also write each rank's output to DIR/rankN.log")
+    parser.add_argument(
+        "--log-dir",
+        type=Path,
+        help="also write every rank's output, from every host, to DIR/RUN_ID/attempt_N/RANK/{stdout,stderr}.log (torchrun's layout)",
+    )
+    parser.add_argument(
+        "--local-ranks-filter",
+        metavar="RANKS",
+        help="show only these ranks' output on the console, e.g. 0,1 (log files still get every rank)",
+    )
     parser.add_argument("--run-id", help="run id (TORCHELASTIC_RUN_ID; default: random)")
     parser.add_argument(
         "--stop-grace",
@@ -132,6 +142,7 @@ def parse_args(argv: Sequence[str]) -> _Args:
         raise ConfigError(f"--stop-grace must be 0 or more seconds (got {ns.stop_grace})")
     if ns.quiet and ns.verbose:
         raise ConfigError("--quiet and --verbose contradict each other; pick one")
+    ranks_filter = _ranks_filter(ns.local_ranks_filter)
     if "/" not in command[0] and shutil.which(command[0]) is None:
         raise ConfigError(f"command not found: {command[0]!r} (is it on PATH?)")
     return _Args(
@@ -141,6 +152,7 @@ def parse_args(argv: Sequence[str]) -> _Args:
         port=ns.port,
         max_restarts=ns.max_restarts,
         log_dir=ns.log_dir,
+        ranks_filter=ranks_filter,
         run_id=ns.run_id,
         quiet=ns.quiet,
         verbose=ns.verbose,
@@ -228,6 +240,19 @@ def this_machine() -> HostAliases:
     return HostAliases.of_machine(socket.gethostname(), socket.getfqdn())
 
 
+def _ranks_filter(raw: str | None) -> frozenset[int] | None:
+    """``--local-ranks-filter 0,1`` → {0, 1}; None shows every rank."""
+    if raw is None:
+        return None
+    ranks: set[int] = set()
+    for item in raw.split(","):
+        number = item.strip()
+        if not number.isdigit():
+            raise ConfigError(f"--local-ranks-filter takes rank numbers separated by commas, like 0,1 (got {raw!r})")
+        ranks.add(int(number))
+    return frozenset(ranks)
+
+
 def _embedded_controller() -> ControllerSpec:
     # One host, no file: the window closes the moment the local agent is in.
     return ControllerSpec(host="127.0.0.1", port=DEFAULT_PORT, join=JoinKnobs(join_timeout=60.0))
@@ -240,8 +265,8 @@ def _session_secret(path: str | None) -> bytes:
     return load_or_create_secret(path, new_session_secret())
 
 
-async def _run(plan: LaunchPlan) -> RunResult:
-    output = RankOutput(stdout=sys.stdout.buffer, stderr=sys.stderr.buffer, log_dir=plan.log_dir)
+async def _run(plan: LaunchPlan, *, show_ranks: frozenset[int] | None = None) -> RunResult:
+    output = RankOutput(stdout=sys.stdout.buffer, stderr=sys.stderr.buffer, log_dir=plan.log_dir, run_id=plan.run_id, show_ranks=show_ranks)
     controller = Controller(plan, output=output)
     try:
         await controller.bind()
@@ -278,7 +303,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         plan = build_plan(args)
         log.info("run %s: %s", plan.run_id, " ".join(plan.command))
-        result = run(_run(plan))
+        result = run(_run(plan, show_ranks=args.ranks_filter))
     except (ConfigError, PortInUseError) as exc:
         print(f"flodl-launch: error: {exc}", file=sys.stderr)
         return int(ExitCode.USAGE)

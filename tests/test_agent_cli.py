@@ -99,9 +99,9 @@ def test_rank_output_retires_a_pipe_whose_reader_is_gone(caplog: pytest.LogCaptu
     stderr = io.BytesIO()
     output = RankOutput(stdout=stdout, stderr=stderr)
     with caplog.at_level(logging.WARNING, logger="flodl_async.agent"):
-        output.line("node-b", 1, err=False, data=b"got SIGTERM\n")  # would raise BrokenPipeError
-        output.line("node-b", 1, err=False, data=b"and more\n")
-        output.line("node-b", 1, err=True, data=b"still here\n")
+        output.chunk("node-b", 0, 1, "out", b"got SIGTERM\n")  # would raise BrokenPipeError
+        output.chunk("node-b", 0, 1, "out", b"and more\n")
+        output.chunk("node-b", 0, 1, "err", b"still here\n")
     assert [r.getMessage() for r in caplog.records] == ["stdout is gone (Broken pipe): rank output to it is dropped from now on; the ranks keep running"]
     assert stderr.getvalue() == b"[node-b:r1] still here\n"
     stdout.close()  # its descriptor now points at /dev/null: the buffered line no longer fails at close
@@ -111,8 +111,8 @@ def test_rank_output_keeps_the_log_files_when_stdout_is_gone(tmp_path: Path) -> 
     read_end, write_end = os.pipe()
     os.close(read_end)
     with os.fdopen(write_end, "wb") as stdout:
-        output = RankOutput(stdout=stdout, stderr=io.BytesIO(), log_dir=tmp_path)
-        output.line("node-b", 0, err=False, data=b"one\n")
-        output.line("node-b", 0, err=False, data=b"two\n")
+        output = RankOutput(stdout=stdout, stderr=io.BytesIO(), log_dir=tmp_path, run_id="r")
+        output.chunk("node-b", 0, 0, "out", b"one\n")
+        output.chunk("node-b", 0, 0, "out", b"two\n")
         output.close()
-    assert (tmp_path / "rank0.log").read_bytes() == b"one\ntwo\n"
+    assert (tmp_path / "r" / "attempt_0" / "0" / "stdout.log").read_bytes() == b"one\ntwo\n"

@@ -53,6 +53,7 @@ PURE_MODULES = [
     "flodl_async.rankenv",
     "flodl_async.roles",
     "flodl_async.storeproto",
+    "flodl_async.outputlines",
     "flodl_async.status.model",
     "flodl_async.wire",
     "flodl_async.wire.frame",

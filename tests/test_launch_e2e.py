@@ -45,9 +45,11 @@ def test_example_training_loss_falls(tmp_path: Path) -> None:
     assert match, done.stdout
     first, last = float(match.group(1)), float(match.group(2))
     assert last < first / 2
-    # --log-dir: one file per rank, holding that rank's lines without prefixes.
-    assert "first loss" in (tmp_path / "rank0.log").read_text()
-    assert (tmp_path / "rank1.log").exists()
+    # --log-dir: torchrun's layout, one file per rank and stream, holding its bytes without prefixes.
+    attempt = tmp_path / run_id / "attempt_0"
+    assert "first loss" in (attempt / "0" / "stdout.log").read_text()
+    assert (attempt / "1" / "stdout.log").exists()
+    assert (attempt / "1" / "stderr.log").exists()
 
 
 def test_every_rank_gets_the_torchrun_contract(tmp_path: Path) -> None:

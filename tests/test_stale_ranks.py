@@ -85,9 +85,8 @@ def test_the_next_agent_kills_what_a_sigkilled_agents_rank_forked_and_nothing_el
             text=True,
             env={**os.environ, **env},
         )
-        assert agent.stdout is not None
-        ready = agent.stdout.readline()
-        assert "[walk-in:r1] ready pid" in ready, ready
+        launcher.wait_for_stdout("[walk-in:r1] ready pid")  # the walk-in's rank output crosses its join link
+        ready = next(line for line in launcher.stdout_lines if line.startswith("[walk-in:r1] ready pid"))
         rank_pid = int(ready.rsplit(" ", 1)[1])
         walk_in_child = int(_wait_for(tmp_path / "child-1"))
         # A decoy: the same command line, not of the run (no marker names its group).

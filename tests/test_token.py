@@ -194,7 +194,9 @@ def test_a_listed_dial_in_agent_joins_with_the_token_gets_the_secret_sealed_and_
         launcher.kill()
     assert agent.returncode == 0, agent_err
     assert done.returncode == 0, done.stderr
-    assert "[walk-in:r1] rank 1 of 2 sum 3" in agent_out
+    # The walk-in's rank output crossed its join link: the launcher prints it, the agent does not.
+    assert "[walk-in:r1] rank 1 of 2 sum 3" in done.stdout
+    assert "[walk-in:r1]" not in agent_out
     assert "rank 0 of 2 sum 3" in done.stdout
     for secret in (token_hex, secret_hex):
         for text in (seen.decode(errors="replace"), agent_out, agent_err, done.stdout, done.stderr):
@@ -269,7 +271,7 @@ def test_a_persistent_agent_serves_two_runs_in_a_row_and_leaves_nothing_between(
             done = Launcher(str(_cluster(tmp_path, port)), "--", PY, script("allreduce.py"), run_id=run_id, env=env).finish(timeout=120)
             assert done.returncode == 0, done.stderr
             assert "rank 0 of 2 sum 3" in done.stdout
-            _wait_for_text(out, "[walk-in:r1] rank 1 of 2 sum 3", count=n)
+            assert "[walk-in:r1] rank 1 of 2 sum 3" in done.stdout  # over the agent's link, to this run's launcher
             _wait_for_text(err, "the run finished", count=n)
             assert agent.poll() is None, err.read_text()  # still up between the runs
             assert_nothing_left(run_id)  # its ranks are gone...
@@ -353,7 +355,7 @@ def test_open_admission_admits_an_agent_without_a_credential_and_warns_loudly(tm
     finally:
         launcher.kill()
     assert agent.returncode == 0, agent.stderr
-    assert "[walk-in:r1] rank 1 of 2 sum 3" in agent.stdout
+    assert "[walk-in:r1] rank 1 of 2 sum 3" in done.stdout
     assert done.returncode == 0, done.stderr
     assert "WARNING: OPEN ADMISSION" in done.stderr
     assert_nothing_left(run_id)

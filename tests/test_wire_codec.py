@@ -34,6 +34,7 @@ SAMPLES: dict[tuple[Channel, Direction], list[Message]] = {
     (Channel.JOIN, UP): [
         m.JoinHello(host="node-a", devices=("cpu:0", "cpu:1"), pid=42, agent_version="0.1"),
         m.RankExited(round=0, rank=3, local_rank=1, host="b", exit_code=None, signal=9, stderr_tail=("boom",)),
+        m.RankOutput(attempt=1, rank=3, stream="out", data=b" 10%|#\r 20%|##"),
         m.RanksStopped(round=2),
         m.Heartbeat(sent_at=12.5, rank=1),
     ],
@@ -357,3 +358,13 @@ def test_sending_an_illegal_kind_is_a_type_error_and_takes_no_sequence_number(ke
         peer.send_parts(m.TensorBundle(round=0, weight=1.0, tensors=()), [])
     [frame] = feed(controller, peer.send(m.RanksStopped(round=1)))
     assert frame.seq == 0
+
+
+def test_rank_output_is_sealed_on_the_wire(keys: LinkPair) -> None:
+    """What a rank prints often holds secrets: RankOutput's body is encrypted, not only authenticated."""
+    sender, receiver = sender_and_receiver(keys, Channel.JOIN, UP)
+    msg = m.RankOutput(attempt=0, rank=1, stream="err", data=b"HF_TOKEN=hf_secret_value\n")
+    frame = sender.send(msg)
+    assert b"hf_secret_value" not in frame
+    assert b"err" not in frame
+    assert [f.message for f in feed(receiver, frame)] == [msg]

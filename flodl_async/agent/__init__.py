@@ -4,7 +4,7 @@
 ``session``     :class:`HostSession` — join, the command table, endings (one host, one run)
 ``ranks``       rank processes: spawn with the torchrun environment, watch, report, stop
 ``storehost``   the store host's per-round TCPStore
-``output``      :class:`RankOutput` — ``[host:rN]`` line forwarding and per-rank logs
+``output``      rank output: to the launcher's console and logs, or up the join link
 ``cli``         ``flodl-agent`` (also ``python -m flodl_async.agent``)
 ==============  ======================================================================
 

@@ -35,7 +35,6 @@ from ..sdnotify import Notifier
 from ..secretfile import read_secret_file, read_token_file
 from ..verdict import ExitCode, exit_code_for_signal, exit_help
 from ..wire.keys import secret_from_hex
-from .output import RankOutput
 from .session import Ending, HostSession, SessionConfig, SessionOutcome
 from .specline import read_spec, serve_spec_stdin
 from .systemd import add_service_options, apply_service_options, notification_observer, with_watchdog
@@ -198,11 +197,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:
         _say(f"flodl-agent: {exc}")
         return int(ExitCode.USAGE)
-    output = RankOutput(stdout=sys.stdout.buffer, stderr=sys.stderr.buffer)
     if args.persist:
-        return _persist(config, output, reconnect_max=args.reconnect_max)
+        return _persist(config, reconnect_max=args.reconnect_max)
     notifier = Notifier.from_environ()  # a no-op outside systemd; the ranks do not inherit $NOTIFY_SOCKET
-    session = HostSession(config, output=output, observer=notification_observer(notifier))
+    # The ranks' output goes up the join link to the launcher, not to this process's stdout.
+    session = HostSession(config, observer=notification_observer(notifier))
     try:
         work = serve_spec_stdin(session, serve) if args.spec_stdin else serve(session)
         outcome = run(with_watchdog(work, notifier))
@@ -216,21 +215,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         _say(failure_line(failure, config.controller_addr))
         return int(exit_code_for_error(failure))
     finally:
-        output.close()
         notifier.close()
     if outcome.ending is not Ending.FINISHED:
         _say(f"flodl-agent: {outcome.ending.value}: {outcome.reason}")
     return int(exit_code_for(outcome))
 
 
-def _persist(config: SessionConfig, output: RankOutput, *, reconnect_max: float) -> int:
+def _persist(config: SessionConfig, *, reconnect_max: float) -> int:
     from ..backoff import BackoffPolicy
     from ..net.loop import run
     from .daemon import PersistentAgent, serve_persistently
 
     policy = BackoffPolicy(initial=min(0.5, reconnect_max), cap=reconnect_max)
     notifier = Notifier.from_environ()  # as for one run: a no-op outside systemd
-    agent = PersistentAgent(config, output=output, policy=policy, observer=notification_observer(notifier))
+    # Each run's rank output goes up that run's join link, as for one run.
+    agent = PersistentAgent(config, policy=policy, observer=notification_observer(notifier))
     try:
         return int(run(with_watchdog(serve_persistently(agent), notifier)))
     except KeyboardInterrupt:
@@ -239,7 +238,6 @@ def _persist(config: SessionConfig, output: RankOutput, *, reconnect_max: float)
         log.exception("internal error")
         return int(ExitCode.INTERNAL)
     finally:
-        output.close()
         notifier.close()
 
 

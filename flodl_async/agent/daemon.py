@@ -41,7 +41,13 @@ class PersistentAgent:
     """Serves runs until stopped; :meth:`run` returns the exit code."""
 
     def __init__(
-        self, config: SessionConfig, *, output: RankOutput, policy: BackoffPolicy, rng: random.Random | None = None, observer: SessionObserver = ignore
+        self,
+        config: SessionConfig,
+        *,
+        policy: BackoffPolicy,
+        output: RankOutput | None = None,
+        rng: random.Random | None = None,
+        observer: SessionObserver = ignore,
     ) -> None:
         self.config = config
         self._output = output

@@ -1,10 +1,28 @@
-"""Rank output: whole lines forwarded with ``[host:rN]`` prefixes, and per-rank log files.
+"""Rank output: chunks from the ranks' pipes, ``[host:rN]`` lines on the launcher's console, per-rank log files.
 
-Where the output goes may go away while the ranks run: the reader of a pipe (an
-ssh session, ``| head``, a supervisor piping the agent) can die with the
-controller. A stream that fails a write is retired, with one warning: the ranks
-keep running and their later lines to it are dropped, so a lost reader never
-takes the session down with it.
+Theory of operation. Each rank's stdout and stderr are read by
+:func:`forward_output`, which cuts them into chunks
+(:class:`~flodl_async.outputlines.OutputChunker`: whole lines at once, a
+partial line after a short idle time) and hands each to an :class:`OutputSink`:
+
+- :class:`LinkOutput`, in a stand-alone ``flodl-agent``: every chunk goes up
+  the join link as a sealed ``RankOutput`` message, after ``link.drain()``.
+  While the link is saturated the reader waits, the rank's pipe fills and its
+  writes block, as with a slow terminal: nothing is dropped, and the session's
+  control messages (``RankExited``, ``RanksStopped``) never queue behind output.
+- :class:`RankOutput`, in the launcher: the controller hands it the chunks that
+  arrive from every host's link, and its own in-process agents hand it theirs
+  directly (the same bytes, without the loopback hop and two AES-GCM passes).
+  It assembles lines per rank and stream
+  (:class:`~flodl_async.outputlines.LineAssembler`), writes whole prefixed lines
+  to its stdout/stderr (one write each, so ranks never tear each other's lines),
+  and the raw bytes to torchrun's log layout
+  ``<log_dir>/<run_id>/attempt_<n>/<rank>/{stdout,stderr}.log``.
+
+Where the console goes may go away while the ranks run: the reader of a pipe
+(``| head``, a supervisor piping the launcher) can die. A stream that fails a
+write is retired, with one warning: the ranks keep running and their later
+lines to it are dropped, so a lost reader never takes the run down with it.
 """
 
 from __future__ import annotations
@@ -13,52 +31,144 @@ import asyncio
 import contextlib
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Collection
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, Protocol
+
+from ..errors import ConnectionClosed, WireError
+from ..net.framed import FramedProtocol
+from ..outputlines import CHUNK_LIMIT, LineAssembler, OutputChunker
+from ..wire import messages as m
 
 log = logging.getLogger("flodl_async.agent")
 
 #: Lines longer than this are forwarded in pieces rather than buffered without bound.
-LINE_LIMIT = 64 * 1024
+LINE_LIMIT = CHUNK_LIMIT
+#: The two streams of a rank, as ``RankOutput.stream`` names them, and their log file names.
+STREAMS = {"out": "stdout.log", "err": "stderr.log"}
+
+
+class OutputSink(Protocol):
+    """Where a host's rank output goes (the launcher's :class:`RankOutput`, or the join link)."""
+
+    def rank_started(self, host: str, attempt: int, rank: int) -> None:
+        """A rank of ``attempt`` started (its log files exist from now on, even if it never prints)."""
+        ...
+
+    async def send(self, host: str, attempt: int, rank: int, stream: str, data: bytes) -> None:
+        """One chunk of a rank's ``stream`` ('out' or 'err'); returns when the next one may follow."""
+        ...
+
+
+class LinkOutput:
+    """A stand-alone agent's sink: chunks up the join link, behind the link's back-pressure."""
+
+    def __init__(self, link: FramedProtocol) -> None:
+        self._link = link
+
+    def rank_started(self, host: str, attempt: int, rank: int) -> None:
+        # An empty chunk per stream tells the launcher the rank started (its files are created).
+        for stream in STREAMS:
+            with contextlib.suppress(ConnectionClosed, WireError):  # a lost or broken link is the command reader's to report
+                self._link.send(m.RankOutput(attempt=attempt, rank=rank, stream=stream, data=b""))
+
+    async def send(self, host: str, attempt: int, rank: int, stream: str, data: bytes) -> None:
+        # drain() first: output waits for the link, control messages (sent without waiting) never do.
+        # On a lost or broken link the chunk is dropped (the command reader reports the loss and the
+        # ranks are stopped); reading on keeps the ranks from blocking on a pipe nobody empties.
+        with contextlib.suppress(ConnectionClosed, WireError):
+            await self._link.drain()
+            self._link.send(m.RankOutput(attempt=attempt, rank=rank, stream=stream, data=data))
 
 
 class RankOutput:
-    """Forwards rank output line by line with ``[host:rN]`` prefixes, and to per-rank log files.
+    """The launcher's rank output: ``[host:rN]`` lines on its console, raw bytes in per-rank log files.
 
-    One instance is shared by every session of a process (the controller's local hosts
-    write to the launcher's stdout through it), so each line is one write.
+    One instance serves every host of a run. ``show_ranks`` (``--local-ranks-filter``)
+    limits which ranks reach the console; the files get every rank.
     """
 
-    def __init__(self, *, stdout: BinaryIO, stderr: BinaryIO, log_dir: Path | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        stdout: BinaryIO,
+        stderr: BinaryIO,
+        log_dir: Path | None = None,
+        run_id: str = "run",
+        show_ranks: Collection[int] | None = None,
+    ) -> None:
         self._stdout = stdout
         self._stderr = stderr
         self._log_dir = log_dir
-        self._files: dict[int, BinaryIO] = {}
+        self._run_id = run_id
+        self._show = None if show_ranks is None else frozenset(show_ranks)
+        self._lines: dict[tuple[int, str], LineAssembler] = {}
+        self._files: dict[tuple[int, str], tuple[int, BinaryIO]] = {}  # (rank, stream) → (attempt, file)
         self._retired: list[BinaryIO] = []  # streams that failed a write (BinaryIO is compared by identity)
 
-    def rank_started(self, rank: int) -> None:
-        """Open the rank's log file now, so every rank has one even if it never prints."""
-        self._log_file(rank)
-
-    def _log_file(self, rank: int) -> BinaryIO | None:
+    def log_path(self, attempt: int, rank: int, stream: str) -> Path | None:
+        """Where ``rank``'s ``stream`` of ``attempt`` is logged (torchrun's layout), or None without a log dir."""
         if self._log_dir is None:
             return None
-        file = self._files.get(rank)
-        if file is None:
-            self._log_dir.mkdir(parents=True, exist_ok=True)
-            file = open(self._log_dir / f"rank{rank}.log", "ab")  # noqa: SIM115 — kept open for the run, closed in close()
-            self._files[rank] = file
+        return self._log_dir / self._run_id / f"attempt_{attempt}" / str(rank) / STREAMS[stream]
+
+    def rank_started(self, host: str, attempt: int, rank: int) -> None:
+        """Open the rank's log files now, so every rank has them even if it never prints."""
+        for stream in STREAMS:
+            self._stream_started(host, attempt, rank, stream)
+
+    def _stream_started(self, host: str, attempt: int, rank: int, stream: str) -> None:
+        old = self._lines.pop((rank, stream), None)
+        if old is not None:  # the previous attempt's unfinished line, if it was never shown
+            for line in old.end():
+                self._console(host, rank, stream, line.text)
+        self._log_file(attempt, rank, stream)
+
+    def _log_file(self, attempt: int, rank: int, stream: str) -> BinaryIO | None:
+        path = self.log_path(attempt, rank, stream)
+        if path is None:
+            return None
+        held = self._files.get((rank, stream))
+        if held is not None and held[0] == attempt:
+            return held[1]
+        if held is not None:
+            with contextlib.suppress(OSError):
+                held[1].close()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        file = open(path, "ab")  # noqa: SIM115 — kept open for the attempt, closed in close() or at the next attempt
+        self._files[(rank, stream)] = (attempt, file)
         return file
 
-    def line(self, host: str, rank: int, *, err: bool, data: bytes) -> None:
-        """One whole line (one write, so lines from different ranks never interleave)."""
-        if not data.endswith(b"\n"):
-            data += b"\n"
-        self._write(self._stderr if err else self._stdout, f"[{host}:r{rank}] ".encode() + data, "stderr" if err else "stdout")
-        file = self._log_file(rank)
+    def chunk(self, host: str, attempt: int, rank: int, stream: str, data: bytes) -> None:
+        """One chunk of ``rank``'s ``stream`` ('out' or 'err'); an empty one marks the stream's start."""
+        if stream not in STREAMS:
+            log.warning("rank output from %s for rank %d names an unknown stream %r; dropped", host, rank, stream)
+            return
+        if not data:
+            self._stream_started(host, attempt, rank, stream)
+            return
+        assembler = self._lines.get((rank, stream))
+        if assembler is None:
+            assembler = self._lines[(rank, stream)] = LineAssembler()
+        for line in assembler.receive_data(data):
+            self._console(host, rank, stream, line.text)
+        file = self._log_file(attempt, rank, stream)
         if file is not None:
             self._write(file, data, f"the log file of rank {rank}")
+
+    async def send(self, host: str, attempt: int, rank: int, stream: str, data: bytes) -> None:
+        """:class:`OutputSink` for the launcher's in-process agents: the chunk is written now."""
+        self.chunk(host, attempt, rank, stream, data)
+
+    def receive(self, host: str, msg: m.RankOutput) -> None:
+        """A ``RankOutput`` message from ``host``'s join link."""
+        self.chunk(host, msg.attempt, msg.rank, msg.stream, msg.data)
+
+    def _console(self, host: str, rank: int, stream: str, text: bytes) -> None:
+        if self._show is not None and rank not in self._show:
+            return
+        err = stream == "err"
+        self._write(self._stderr if err else self._stdout, f"[{host}:r{rank}] ".encode() + text, "stderr" if err else "stdout")
 
     def _write(self, stream: BinaryIO, data: bytes, name: str) -> None:
         if any(stream is gone for gone in self._retired):
@@ -73,7 +183,7 @@ class RankOutput:
 
     def close(self) -> None:
         """Close the per-rank log files."""
-        for file in self._files.values():
+        for _attempt, file in self._files.values():
             with contextlib.suppress(OSError):  # a retired file's buffered tail cannot be written either
                 file.close()
         self._files.clear()
@@ -95,15 +205,25 @@ def _point_at_devnull(stream: BinaryIO) -> None:
             os.close(devnull)
 
 
-async def forward_lines(stream: asyncio.StreamReader, emit: Callable[[bytes], None]) -> None:
-    """Hand every line of ``stream`` to ``emit`` until EOF (an over-long line in pieces, a last partial line too)."""
+async def forward_output(stream: asyncio.StreamReader, *, idle: float, emit: Callable[[bytes], Awaitable[None]]) -> None:
+    """Hand ``stream``'s bytes to ``emit`` in chunks until EOF (whole lines at once, a partial line after ``idle``).
+
+    ``emit`` is awaited before the pipe is read again: a slow sink makes the rank's
+    writes block rather than this buffer grow.
+    """
+    loop = asyncio.get_running_loop()
+    chunker = OutputChunker(idle=idle, limit=CHUNK_LIMIT)
     while True:
+        while (chunk := chunker.next_chunk(loop.time())) is not None:
+            await emit(chunk)
         try:
-            data = await stream.readuntil(b"\n")
-        except asyncio.IncompleteReadError as exc:
-            if exc.partial:
-                emit(exc.partial)
+            async with asyncio.timeout_at(chunker.next_deadline()):
+                data = await stream.read(CHUNK_LIMIT)  # cancelling a read loses nothing: the bytes stay buffered
+        except TimeoutError:
+            continue
+        if not data:
+            rest = chunker.end()
+            if rest:
+                await emit(rest)
             return
-        except asyncio.LimitOverrunError as exc:
-            data = await stream.readexactly(max(exc.consumed, 1))
-        emit(data)
+        chunker.receive_data(data, loop.time())

@@ -34,7 +34,7 @@ from ..runtime import remove_rank_marker, write_rank_marker
 from ..verdict import StopStep
 from ..wire import messages as m
 from ..wire.keys import Credential
-from .output import LINE_LIMIT, RankOutput, forward_lines
+from .output import LINE_LIMIT, OutputSink, forward_output
 
 log = logging.getLogger("flodl_async.agent")
 
@@ -49,6 +49,7 @@ class _Rank:
     rank: int
     local_rank: int
     round: int
+    attempt: int
     proc: asyncio.subprocess.Process
     error_file: Path
     stderr_tail: collections.deque[str]
@@ -80,12 +81,13 @@ class RankProcesses:
         *,
         host: str,
         world: RankWorld,
-        output: RankOutput,
+        output: OutputSink,
         scratch: Path,
         report: Callable[[m.RankExited], None],
         task_group: asyncio.TaskGroup,
         force: asyncio.Event,
         output_drain: float,
+        output_idle: float,
     ) -> None:
         self._host = host
         self._world = world
@@ -95,7 +97,9 @@ class RankProcesses:
         self._tg = task_group
         self._force = force
         self._output_drain = output_drain
+        self._output_idle = output_idle
         self._ranks: dict[int, _Rank] = {}
+        self._readers: set[asyncio.Task[None]] = set()
         self._closed = False
         # Held across one spawn and its registration, so a stop of everything sees every rank.
         self._spawning = asyncio.Lock()
@@ -164,25 +168,34 @@ class RankProcesses:
                     write_rank_marker(self._scratch, pid=proc.pid, rank=rank)
                 except OSError as exc:
                     log.warning("agent %s: cannot record rank %d (pid %d) in %s: %s", self._host, rank, proc.pid, self._scratch, exc)
-                self._register(_Rank(rank=rank, local_rank=local_rank, round=start.round, proc=proc, error_file=error_file, stderr_tail=_tail()))
+                entry = _Rank(
+                    rank=rank, local_rank=local_rank, round=start.round, attempt=start.restart_count, proc=proc, error_file=error_file, stderr_tail=_tail()
+                )
+                self._register(entry)
 
     def _register(self, entry: _Rank) -> None:
         proc = entry.proc
         assert proc.stdout is not None
         assert proc.stderr is not None
-        self._output.rank_started(entry.rank)
+        self._output.rank_started(self._host, entry.attempt, entry.rank)
+        tail = _TailLines(entry.stderr_tail)
 
-        def out(data: bytes) -> None:
-            self._output.line(self._host, entry.rank, err=False, data=data)
+        async def out(data: bytes) -> None:
+            await self._output.send(self._host, entry.attempt, entry.rank, "out", data)
 
-        def err(data: bytes) -> None:
-            self._output.line(self._host, entry.rank, err=True, data=data)
-            entry.stderr_tail.append(_tail_line(data))
+        async def err(data: bytes) -> None:
+            tail.feed(data)
+            await self._output.send(self._host, entry.attempt, entry.rank, "err", data)
 
+        idle = self._output_idle
         entry.readers = [
-            self._tg.create_task(forward_lines(proc.stdout, out), name=f"r{entry.rank}-stdout"),
-            self._tg.create_task(forward_lines(proc.stderr, err), name=f"r{entry.rank}-stderr"),
+            self._tg.create_task(forward_output(proc.stdout, idle=idle, emit=out), name=f"r{entry.rank}-stdout"),
+            self._tg.create_task(forward_output(proc.stderr, idle=idle, emit=err), name=f"r{entry.rank}-stderr"),
         ]
+        entry.readers[1].add_done_callback(lambda _task: tail.end())
+        for reader in entry.readers:  # tracked past the rank's own entry, for cancel_readers()
+            self._readers.add(reader)
+            reader.add_done_callback(self._readers.discard)
         self._ranks[entry.rank] = entry
         self._tg.create_task(self._watch(entry), name=f"r{entry.rank}-watch")
 
@@ -213,6 +226,12 @@ class RankProcesses:
             )
         )
 
+    def cancel_readers(self) -> None:
+        """Give up the output every reader still holds (the session is over; its link may never drain)."""
+        for task in self._readers:
+            task.cancel()
+        self._readers.clear()
+
     async def stop(self, schedule: Sequence[StopStep], *, round_: int | None = None) -> None:
         """Stop the ranks of ``round_`` (every rank, and no more starts, when None) following ``schedule``.
 
@@ -241,6 +260,26 @@ class RankProcesses:
 
 def _tail() -> collections.deque[str]:
     return collections.deque(maxlen=STDERR_TAIL_LINES)
+
+
+class _TailLines:
+    """Cuts stderr chunks into the tail's lines (a partial line is held, bounded, until its newline or the end)."""
+
+    def __init__(self, tail: collections.deque[str]) -> None:
+        self._tail = tail
+        self._partial = bytearray()
+
+    def feed(self, data: bytes) -> None:
+        self._partial += data
+        *lines, rest = self._partial.split(b"\n")
+        for line in lines:
+            self._tail.append(_tail_line(bytes(line)))
+        self._partial = bytearray(rest[: STDERR_TAIL_LINE_BYTES + 1])  # enough to say "more bytes" follow
+
+    def end(self) -> None:
+        if self._partial.strip():
+            self._tail.append(_tail_line(bytes(self._partial)))
+        self._partial.clear()
 
 
 def _tail_line(data: bytes) -> str:

@@ -77,7 +77,7 @@ from ..wire.channels import Channel
 from ..wire.keys import SECRET_BYTES, Credential
 from ..wire.schema import Message
 from .lifecycle import Phase, SessionEvent, SessionObserver, ignore
-from .output import RankOutput
+from .output import LinkOutput, OutputSink
 from .ranks import RankProcesses, RankWorld
 from .storehost import StoreHost
 
@@ -167,7 +167,8 @@ class _StopRequested(Exception):
 class HostSession:
     """One host's session in one run (the controller's own hosts run it in-process; ``flodl-agent`` stand-alone)."""
 
-    def __init__(self, config: SessionConfig, *, output: RankOutput, observer: SessionObserver = ignore) -> None:
+    def __init__(self, config: SessionConfig, *, output: OutputSink | None = None, observer: SessionObserver = ignore) -> None:
+        """``output``: where the ranks' output goes; None (a stand-alone agent) sends it up the join link."""
         self.config = config
         self._output = output
         self._observer = observer
@@ -358,12 +359,13 @@ class _Serving:
             self._ranks = RankProcesses(
                 host=cfg.host,
                 world=self._world,
-                output=self._session._output,
+                output=LinkOutput(self._link) if self._session._output is None else self._session._output,
                 scratch=self._entry.path,
                 report=self._send,
                 task_group=tg,
                 force=self._session._force,
                 output_drain=cfg.deadlines.output_drain,
+                output_idle=cfg.deadlines.output_idle,
             )
             try:
                 relay = Relay(
@@ -402,6 +404,7 @@ class _Serving:
             task.cancel()
         if self._ranks is not None:
             await self._ranks.stop(stop_schedule(signal.SIGKILL, 0.0))  # normally none left: the ending stopped them
+            self._ranks.cancel_readers()  # output still waiting on a link nobody reads (a frozen launcher) is given up
         await self._store.aclose()
         if relay is not None:
             await relay.aclose()

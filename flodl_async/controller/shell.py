@@ -355,6 +355,9 @@ class Controller:
                 live = self._liveness.get(hello.host)
                 if live is not None and self._links.get(hello.host) is link:
                     self._liveness[hello.host] = live.heard(time.monotonic())  # any frame is a sign of life
+                if isinstance(msg, m.RankOutput):  # output is I/O, not a supervisor event
+                    self._output.receive(hello.host, msg)
+                    continue
                 to_event = _HOST_EVENTS.get(type(msg))
                 if to_event is not None:
                     self._dispatch(to_event(hello.host, msg))

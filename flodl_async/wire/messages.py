@@ -1,9 +1,9 @@
 """Every message that crosses the controller port, by channel.
 
 Messages whose bodies can carry secrets are ``sealed=True``: ``WorldFormed``
-(the command and the environment, which often hold tokens) and ``RankExited``
-(a user's traceback and stderr lines); their bodies are encrypted, not only
-authenticated. Tensor payloads are always encrypted.
+(the command and the environment, which often hold tokens), ``RankExited``
+(a user's traceback and stderr lines) and ``RankOutput`` (whatever a rank
+prints); their bodies are encrypted, not only authenticated. Tensor payloads are always encrypted.
 
 Kinds are grouped by channel in the high byte (0x01xx join, 0x02xx
 rendezvous, 0x03xx data, 0x04xx control, 0x05xx relay-local); a new message
@@ -143,6 +143,23 @@ class OpenRound(Message):
     """To the store host: bring up a fresh store for rendezvous ``round`` and report its address."""
 
     round: int
+
+
+@message(kind=0x010C, sealed=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RankOutput(Message):
+    """A chunk of one rank's stdout or stderr, up the host link to the launcher.
+
+    ``data`` is whole lines, or the partial line a rank left unfinished for a moment
+    (a progress bar before its newline); the launcher assembles lines per rank and
+    stream. ``attempt`` is the round's restart count (the log directory's
+    ``attempt_<n>``). Sealed: output often carries secrets.
+    """
+
+    attempt: int
+    rank: int
+    stream: str  # "out" | "err"
+    data: bytes
 
 
 # ----- rendezvous channel ---------------------------------------------------------------

@@ -1,0 +1,106 @@
+"""The pure rank-output core: the agent's chunker and the launcher's line assembler, whole and a byte at a time."""
+
+from __future__ import annotations
+
+import itertools
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from flodl_async.outputlines import ConsoleLine, LineAssembler, OutputChunker
+
+# Bytes rich in newlines and carriage returns, cut into pieces, each arriving after a time step.
+_text = st.binary(max_size=400).map(lambda b: bytes(c if c % 5 else 10 for c in b))
+_no_cr = _text.map(lambda b: b.replace(b"\r", b""))
+_pieces = st.lists(st.tuples(_text, st.floats(min_value=0.0, max_value=0.3)), max_size=20)
+
+
+def _chunks(pieces: list[tuple[bytes, float]], *, idle: float = 0.1, limit: int = 64) -> list[bytes]:
+    chunker = OutputChunker(idle=idle, limit=limit)
+    now, out = 0.0, []
+    for data, step in pieces:
+        now += step
+        while (chunk := chunker.next_chunk(now)) is not None:
+            out.append(chunk)
+        chunker.receive_data(data, now)
+        while (chunk := chunker.next_chunk(now)) is not None:
+            out.append(chunk)
+    out.append(chunker.end())
+    return [c for c in out if c]
+
+
+@given(_pieces)
+def test_the_chunker_loses_no_byte_and_keeps_every_chunk_within_the_limit(pieces: list[tuple[bytes, float]]) -> None:
+    chunks = _chunks(pieces, limit=64)
+    assert b"".join(chunks) == b"".join(d for d, _ in pieces)
+    assert all(len(c) <= 64 for c in chunks)
+
+
+def test_whole_lines_go_at_once_and_a_partial_line_only_after_idle() -> None:
+    chunker = OutputChunker(idle=0.1)
+    chunker.receive_data(b"epoch 1\n 10%|#", now=5.0)
+    assert chunker.next_chunk(5.0) == b"epoch 1\n"
+    assert chunker.next_chunk(5.05) is None  # the bar waits for its idle time
+    assert chunker.next_deadline() == 5.1
+    chunker.receive_data(b"#", now=5.08)  # a redraw does not push the deadline back
+    assert chunker.next_deadline() == 5.1
+    assert chunker.next_chunk(5.1) == b" 10%|##"
+    assert chunker.next_deadline() is None
+    assert chunker.end() == b""
+
+
+def test_a_line_longer_than_the_limit_goes_in_pieces() -> None:
+    chunker = OutputChunker(idle=10.0, limit=4)
+    chunker.receive_data(b"abcdefghij\n", now=0.0)
+    assert [chunker.next_chunk(0.0) for _ in range(4)] == [b"abcd", b"efgh", b"ij\n", None]
+
+
+def _assemble(chunks: list[bytes]) -> list[ConsoleLine]:
+    assembler = LineAssembler(limit=10_000)
+    lines = [line for c in chunks for line in assembler.receive_data(c)]
+    return lines + assembler.end()
+
+
+@given(_no_cr, st.lists(st.integers(min_value=0, max_value=400), max_size=10))
+def test_the_assembler_shows_every_line_once_whole_however_it_was_cut(data: bytes, cuts: list[int]) -> None:
+    bounds = sorted({0, len(data), *(c for c in cuts if c <= len(data))})
+    chunks = [data[a:b] for a, b in itertools.pairwise(bounds)]
+    lines = _assemble(chunks)
+    assert all(line.text.endswith(b"\n") and line.text.count(b"\n") == 1 for line in lines)
+    whole = [line.text for line in lines if not line.update]
+    expected = [line + b"\n" for line in data.split(b"\n")[:-1]]
+    assert whole[: len(expected)] == expected
+    # Updates show a line as it stood: each is the start of the line that follows it.
+    finished = iter(whole)
+    pending: list[bytes] = []
+    for line in lines:
+        if line.update:
+            pending.append(line.text[:-1])
+        else:
+            text = next(finished)
+            assert all(text.startswith(p) for p in pending)
+            pending.clear()
+
+
+def test_a_progress_bar_shows_what_the_terminal_would() -> None:
+    assembler = LineAssembler()
+    assert assembler.receive_data(b"\r 10%|#") == [ConsoleLine(text=b" 10%|#\n", update=True)]
+    assert assembler.receive_data(b"\r 50%|#####\r") == [ConsoleLine(text=b" 50%|#####\n", update=True)]
+    assert assembler.receive_data(b"\r100%|##########|\n") == [ConsoleLine(text=b"100%|##########|\n")]
+    assert assembler.end() == []
+
+
+def test_an_unfinished_line_already_shown_is_not_shown_again_at_the_end() -> None:
+    assembler = LineAssembler()
+    assert assembler.receive_data(b"waiting") == [ConsoleLine(text=b"waiting\n", update=True)]
+    assert assembler.end() == []
+    assert assembler.receive_data(b"") == []
+
+
+@given(_pieces)
+def test_chunker_then_assembler_gives_back_the_ranks_lines(pieces: list[tuple[bytes, float]]) -> None:
+    data = b"".join(d for d, _ in pieces).replace(b"\r", b"")
+    clean = [(d.replace(b"\r", b""), t) for d, t in pieces]
+    assembler = LineAssembler(limit=10_000)
+    whole = [line.text for c in _chunks(clean, limit=10_000) for line in assembler.receive_data(c) if not line.update]
+    assert whole == [line + b"\n" for line in data.split(b"\n")[:-1]]
