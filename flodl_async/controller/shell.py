@@ -176,6 +176,8 @@ class Controller:
                     (Channel.RENDEZVOUS, self._handle_rendezvous),
                     (Channel.CONTROL, self._handle_control),
                 ):
+                    if channel is Channel.RENDEZVOUS and self._store is not None:
+                        continue  # the StoreAddress exchange is the torch backend's only: our store needs none
                     service = FramedService(channel=channel, resolve=self._resolve, run_id=plan.run_id, handler=handler, task_group=tg)
                     self._mux.register(channel, service.protocol_factory)
                 if self._store is not None:
