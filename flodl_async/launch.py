@@ -48,13 +48,16 @@ from .wire.keys import new_session_secret
 
 log = logging.getLogger("flodl_async.launch")
 
-EPILOG = """\
+EPILOG = (
+    """\
 examples:
   flodl-launch --nproc 2 -- python examples/train.py
   flodl-launch --nproc 4 --devices cpu --max-restarts 2 --log-dir logs -- python train.py --epochs 3
   flodl-launch cluster.yml -- python train.py
 
-""" + exit_help()
+"""
+    + exit_help()
+)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
