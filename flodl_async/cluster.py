@@ -39,6 +39,7 @@ from .errors import ConfigError
 from .hostnames import HostAliases, names_this_machine
 from .membership import JoinConfig
 from .rankenv import TORCHRUN_CONTRACT
+from .sshopts import option_error as ssh_option_error
 
 # The device types live in flodl_async.devices; re-exported so `from flodl_async.cluster import DeviceSpec` keeps working.
 __all__ = [
@@ -327,6 +328,9 @@ def _ssh(doc: _Doc, node: yaml.Node, path: str) -> SshSpec:
         if not isinstance(opt_node, yaml.SequenceNode):
             raise doc.error(opt_node, f"{path}.options", "expected a list of ssh options like [ProxyJump=bastion]")
         options = tuple(_str(doc, item, f"{path}.options[{i}]") for i, item in enumerate(opt_node.value))
+        for i, (item, option) in enumerate(zip(opt_node.value, options, strict=True)):
+            if (problem := ssh_option_error(option)) is not None:
+                raise doc.error(item, f"{path}.options[{i}]", problem)
 
     def optional_str(key: str) -> str | None:
         return _str(doc, keys[key], f"{path}.{key}") if key in keys else None

@@ -59,12 +59,18 @@ class Deadlines:
     stop_ack_margin: float = 10.0
     #: Added to the stop grace while teardown waits for agents to leave.
     teardown_margin: float = 5.0
+    #: Seconds between heartbeats on an agent's join link, both ways (flodl_async.liveness).
+    heartbeat_interval: float = 2.0
+    #: A join link whose peer sent nothing (no heartbeat, no message) for this long is lost: a frozen host, a pulled cable.
+    heartbeat_silence: float = 10.0
     #: A link's graceful close before it is aborted.
     link_close: float = 1.0
     #: Reading a rank's last output after it exited.
     output_drain: float = 2.0
     #: The torch-backend store child gets this after its stdin closes before KILL (it holds no state worth saving).
     store_stop: float = 2.0
+    #: An ssh connection to a worker (TCP, host key, login), and then its agent's hello line, each within this.
+    ssh_connect: float = 15.0
     #: Seconds from the first stop signal to KILL (operator's seconds, not scaled).
     stop_grace: float = DEFAULT_STOP_GRACE
 

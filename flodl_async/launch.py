@@ -48,16 +48,13 @@ from .wire.keys import new_session_secret
 
 log = logging.getLogger("flodl_async.launch")
 
-EPILOG = (
-    """\
+EPILOG = """\
 examples:
   flodl-launch --nproc 2 -- python examples/train.py
   flodl-launch --nproc 4 --devices cpu --max-restarts 2 --log-dir logs -- python train.py --epochs 3
   flodl-launch cluster.yml -- python train.py
 
-"""
-    + exit_help()
-)
+""" + exit_help()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -180,11 +177,11 @@ def build_plan(args: _Args) -> LaunchPlan:
         assert args.cluster is not None
         spec = load_cluster(args.cluster, local_names=aliases.names)
     local = aliases.names
-    remote = [w.host for w in spec.workers if not is_local_host(w.host, local)]
-    if remote:
+    tunneled = [w.host for w in spec.workers if w.tunnel and placement_of(w, local) is Placement.SSH]
+    if tunneled:
         raise ConfigError(
-            f"{spec.source}: worker(s) {', '.join(remote)} are on other hosts; remote workers are not yet supported "
-            "by this version (it runs workers on the controller's own host). Use this host's name or localhost."
+            f"{spec.source}: worker(s) {', '.join(tunneled)} set tunnel: true, which ssh workers do not support yet; "
+            "remove it (the agent dials the controller's address directly)"
         )
     capacity = sum(w.devices.known_count if w.devices.known_count is not None else gpu_count for w in spec.workers)
     join = spec.controller.join.resolve(capacity, scale=deadlines.scale)
@@ -195,7 +192,7 @@ def build_plan(args: _Args) -> LaunchPlan:
         bind_host=spec.bind_host(local),
         port=args.port if args.port is not None else spec.controller.port,
         join=join,
-        workers=tuple(PlacedWorker(spec=w, placement=Placement.LOCAL) for w in spec.workers),
+        workers=tuple(PlacedWorker(spec=w, placement=placement_of(w, local)) for w in spec.workers),
         command=args.command,
         cluster_env=dict(spec.env),
         max_restarts=args.max_restarts,
@@ -203,6 +200,11 @@ def build_plan(args: _Args) -> LaunchPlan:
         deadlines=deadlines,
         host_aliases=aliases,
     )
+
+
+def placement_of(worker: WorkerSpec, local_names: frozenset[str]) -> Placement:
+    """The controller's own host runs in-process; every other host is started over ssh."""
+    return Placement.LOCAL if is_local_host(worker.host, local_names) else Placement.SSH
 
 
 def this_machine() -> HostAliases:

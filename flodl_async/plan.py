@@ -1,10 +1,10 @@
 """The launch plan: everything a controller needs, resolved from the command line and the cluster file.
 
 Each worker of the plan carries its :class:`Placement`: how its agent comes to
-exist. Today every planned worker is ``LOCAL`` (its agent runs inside the
-controller's process, over the real join protocol on loopback); ssh fan-out
-and dial-in agents plug in as further placements behind the controller's
-agent-launcher seam without touching the lifecycle.
+exist: ``LOCAL`` on the controller's host (its agent runs inside the controller's
+process, over the real join protocol on loopback), ``SSH`` on every other host
+(started over ssh by :mod:`flodl_async.controller.fanout`); dial-in agents plug in
+as a further placement behind the controller's agent-launcher seam.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ class Placement(enum.Enum):
 
     #: In the controller's own process (the controller's host).
     LOCAL = "local"
-    #: Started over ssh by the launcher (not in this version).
+    #: Started over ssh by the launcher (:mod:`flodl_async.controller.fanout`).
     SSH = "ssh"
     #: Joins on its own, e.g. a systemd service (not in this version).
     DIAL_IN = "dial-in"

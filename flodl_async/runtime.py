@@ -2,7 +2,9 @@
 
 Theory of operation. Everything flodl keeps on disk while it runs (an agent's
 relay socket, its ranks' error files) lives under one private directory per
-user: ``$XDG_RUNTIME_DIR/flodl`` when the session manager provides one (a
+user: ``$RUNTIME_DIRECTORY`` when systemd made one for the service
+(``RuntimeDirectory=flodl``, removed when the service stops), else
+``$XDG_RUNTIME_DIR/flodl`` when the session manager provides one (a
 tmpfs that dies with the login), else ``<tempdir>/flodl-<uid>``. It is
 created mode 0700, and refused when it is a symlink, owned by someone else or
 readable by others — a shared ``/tmp`` is exactly where another user would
@@ -16,6 +18,12 @@ The session removes its entry on every way out; an entry whose owner died
 without that chance (SIGKILL) is removed by :func:`sweep_stale`, which every
 session calls when it starts. A process is judged alive by pid *and* start
 time: pids are reused, and a stranger that got the old pid is not the owner.
+
+Ranks may outlive their session: the parent-death signal kills a rank when its
+agent is SIGKILLed, but not the processes the rank forked. So each running rank
+has a marker in its entry (``ranks/<pid>.json``: pid = process group, start
+time, rank, run id, controller), and :func:`reap_stale_ranks`, called before the
+sweep, KILLs the live members of those groups for entries whose owner is gone.
 
 Unix socket paths are limited to 107 bytes: an entry whose socket path would
 be longer falls back to short hashed names, and a root too long even for
@@ -33,6 +41,7 @@ import os
 import re
 import secrets
 import shutil
+import signal
 import stat
 import tempfile
 import time
@@ -61,6 +70,10 @@ _NEW_PREFIX = ".new-"
 def runtime_root(env: Mapping[str, str] | None = None) -> Path:
     """Where this user's runtime directory is (not created): pure, from the environment."""
     env = os.environ if env is None else env
+    # systemd's RuntimeDirectory=flodl: the unit made this very directory for the service (first of a list).
+    service = env.get("RUNTIME_DIRECTORY", "").split(":")[0].strip()
+    if service and os.path.isabs(service):
+        return Path(service)
     xdg = env.get("XDG_RUNTIME_DIR", "").strip()
     if xdg and os.path.isabs(xdg):  # the XDG spec: a relative value is invalid and ignored
         return Path(xdg) / "flodl"
@@ -308,3 +321,155 @@ def sweep_stale(root: Path | None = None) -> tuple[Path, ...]:
     if removed:
         log.info("removed %d stale runtime entr%s under %s", len(removed), "y" if len(removed) == 1 else "ies", runs)
     return tuple(removed)
+
+
+# ----- rank markers: processes that may outlive their session -----------------------------------
+
+#: Inside an entry: one marker per running rank, ``<pid>.json``.
+RANKS_DIR = "ranks"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RankMarker:
+    """A rank's process group, written when the rank starts and removed when it ends.
+
+    Ranks lead their own session and group (:func:`flodl_async.procs.spawn`), so the group id
+    is the leader's pid. The parent-death signal kills the leader with its agent, but not what
+    the leader forked (a data-loader worker, a daemonised helper): those keep the group alive,
+    and a group id is not reused while any member lives, so the group names exactly them.
+    """
+
+    leader: ProcessIdentity
+    rank: int
+    run_id: str
+    controller: str
+
+    @property
+    def pgid(self) -> int:
+        return self.leader.pid
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {
+                "pid": self.leader.pid,
+                "pgid": self.pgid,
+                "start_time": self.leader.start_time,
+                "rank": self.rank,
+                "run_id": self.run_id,
+                "controller": self.controller,
+            }
+        )
+
+    @classmethod
+    def read(cls, path: Path) -> RankMarker | None:
+        try:
+            doc = json.loads(path.read_text())
+            start = doc["start_time"]
+            return cls(
+                leader=ProcessIdentity(pid=int(doc["pid"]), start_time=None if start is None else int(start)),
+                rank=int(doc["rank"]),
+                run_id=str(doc["run_id"]),
+                controller=str(doc["controller"]),
+            )
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
+
+def write_rank_marker(entry: Path, *, pid: int, rank: int) -> None:
+    """Record a rank just started under the session entry ``entry`` (its run and controller come from the entry's marker)."""
+    owner = Marker.read(entry)
+    marker = RankMarker(
+        leader=ProcessIdentity(pid=pid, start_time=process_start_time(pid)),
+        rank=rank,
+        run_id=owner.run_id if owner is not None else "?",
+        controller=owner.controller if owner is not None else "?",
+    )
+    ranks = entry / RANKS_DIR
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(ranks, 0o700)
+    tmp = ranks / f"{_NEW_PREFIX}{pid}"
+    tmp.write_text(marker.to_json())
+    os.rename(tmp, ranks / f"{pid}.json")  # whole or not at all
+
+
+def remove_rank_marker(entry: Path, pid: int) -> None:
+    """The rank's group is gone (its watcher killed it): forget it (idempotent)."""
+    with contextlib.suppress(OSError):
+        os.unlink(entry / RANKS_DIR / f"{pid}.json")
+
+
+def group_members(marker: RankMarker) -> tuple[int, ...]:
+    """Our live processes in the marker's group: same group and session id, ours, started no earlier than the leader."""
+    uid = os.getuid()
+    members: list[int] = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            raw = Path(f"/proc/{name}/stat").read_text()
+            owner = os.stat(f"/proc/{name}").st_uid
+        except OSError:
+            continue
+        fields = raw.rsplit(")", 1)[-1].split()
+        if len(fields) < 20 or fields[0] in ("Z", "X") or owner != uid:
+            continue
+        try:
+            pgrp, session, started = int(fields[2]), int(fields[3]), int(fields[19])
+        except ValueError:
+            continue
+        if pgrp == marker.pgid and session == marker.pgid and (marker.leader.start_time is None or started >= marker.leader.start_time):
+            members.append(int(name))
+    return tuple(sorted(members))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CleanedRun:
+    """What :func:`reap_stale_ranks` killed of one dead session."""
+
+    run_id: str
+    host: str
+    controller: str
+    pids: tuple[int, ...]
+
+    def describe(self) -> str:
+        n = len(self.pids)
+        return (
+            f"cleaned up {n} process{'es' if n != 1 else ''} of run {self.run_id} on host {self.host!r} "
+            f"(their agent is gone; controller {self.controller}): pids {list(self.pids)}"
+        )
+
+
+def reap_stale_ranks(root: Path | None = None) -> tuple[CleanedRun, ...]:
+    """KILL what the ranks of dead sessions left running; call before :func:`sweep_stale` removes their markers.
+
+    Only processes named by a rank marker of an entry whose owner is gone are touched,
+    found by process group (never by command line), and only this user's.
+    """
+    root = runtime_root() if root is None else root
+    runs = root / "runs"
+    if not os.path.lexists(root):
+        return ()
+    _check_private(root)
+    if not runs.is_dir() or runs.is_symlink():
+        return ()
+    cleaned: list[CleanedRun] = []
+    for run_dir in sorted(runs.iterdir()):
+        if run_dir.is_symlink() or not run_dir.is_dir():
+            continue
+        for entry in sorted(run_dir.iterdir()):
+            ranks = entry / RANKS_DIR
+            owner = Marker.read(entry)
+            if owner is None or owner.owner.is_alive() or not ranks.is_dir() or ranks.is_symlink():
+                continue
+            killed: list[int] = []
+            for path in sorted(ranks.glob("*.json")):
+                marker = RankMarker.read(path)
+                if marker is None:
+                    continue
+                for pid in group_members(marker):
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
+                        killed.append(pid)
+            if killed:
+                cleaned.append(CleanedRun(run_id=owner.run_id, host=owner.host, controller=owner.controller, pids=tuple(killed)))
+    return tuple(cleaned)

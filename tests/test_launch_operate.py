@@ -206,12 +206,35 @@ def test_bad_cluster_file_names_the_line(tmp_path: Path) -> None:
     assert "window open" not in done.stderr
 
 
-def test_remote_workers_are_not_yet_supported(tmp_path: Path) -> None:
+def test_an_unreachable_ssh_worker_fails_the_window_naming_host_and_address(tmp_path: Path) -> None:
+    known_hosts = tmp_path / "known_hosts"
+    known_hosts.write_text("")
+    closed = free_port()  # nothing listens there
     cluster = tmp_path / "cluster.yml"
-    cluster.write_text("workers:\n  - host: far-away-node\n    devices: cpu:2\n")
+    cluster.write_text(f"workers:\n  - host: far-away-node\n    devices: cpu:2\n    ssh: {{target: 127.0.0.1, port: {closed}, known_hosts: {known_hosts}}}\n")
+    done = run_launch(str(cluster), "--", PY, "x.py", run_id=new_run_id())
+    assert done.returncode == 3, done.stderr
+    assert "far-away-node" in done.stderr
+    assert f"cannot reach 127.0.0.1:{closed} over ssh" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_an_unsupported_ssh_option_is_refused_by_name(tmp_path: Path) -> None:
+    cluster = tmp_path / "cluster.yml"
+    cluster.write_text("workers:\n  - host: far-away-node\n    devices: cpu:2\n    ssh: {options: [ForwardAgent=yes]}\n")
     done = run_launch(str(cluster), "--", PY, "x.py", run_id=new_run_id())
     assert done.returncode == 2
-    assert "far-away-node are on other hosts; remote workers are not yet supported" in done.stderr
+    assert "ssh option 'ForwardAgent' is not supported (supported: ProxyJump); remove it" in done.stderr
+    assert "window open" not in done.stderr
+
+
+def test_a_tunneled_ssh_worker_is_refused_for_now(tmp_path: Path) -> None:
+    cluster = tmp_path / "cluster.yml"
+    cluster.write_text("workers:\n  - host: far-away-node\n    devices: cpu:2\n    tunnel: true\n")
+    done = run_launch(str(cluster), "--", PY, "x.py", run_id=new_run_id())
+    assert done.returncode == 2
+    assert "worker(s) far-away-node set tunnel: true, which ssh workers do not support yet; remove it" in done.stderr
+    assert "window open" not in done.stderr
 
 
 def test_port_held_by_a_live_listener(tmp_path: Path) -> None:

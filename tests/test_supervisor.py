@@ -542,3 +542,14 @@ def test_an_undelivered_accept_of_the_join_that_formed_the_world_ends_the_run() 
     end = the_end(sup.handle(JoinUndelivered(host="b"), 1.0))
     assert end.result.exit_code is ExitCode.RANK_FAILURE
     assert end.result.reason == "agent on host 'b' was lost during rendezvous: its join accept could not be delivered"
+
+
+def test_a_host_gone_silent_mid_run_ends_the_run_naming_it_and_aborts_the_rest() -> None:
+    """The controller's liveness check reports a silent join link as HostLost: the verdict names the host (exit 4)."""
+    sup = Supervisor(config(), now=0.0)
+    running(sup)
+    end = the_end(sup.handle(HostLost(host="b", reason="no heartbeat for 10s (the host is frozen, down or cut off)"), 20.0))
+    assert end.result.exit_code is ExitCode.RANK_FAILURE
+    assert end.result.reason == "agent on host 'b' was lost mid-run: no heartbeat for 10s (the host is frozen, down or cut off)"
+    assert isinstance(end.farewell, m.Abort)
+    assert sup.handle(HostLost(host="b", reason="link reset"), 21.0) == ()  # the reader's own report after the cut-off changes nothing

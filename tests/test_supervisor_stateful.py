@@ -338,15 +338,18 @@ class SupervisorMachine(RuleBasedStateMachine):
     # ----- hosts and the store -------------------------------------------------------------------
 
     @precondition(_may_end_it)
-    @rule(host=st.sampled_from((*HOSTS, STRANGER)))
-    def host_lost(self, host: str) -> None:
+    # A link that closed, or one the controller's liveness check found silent past its deadline.
+    @rule(host=st.sampled_from((*HOSTS, STRANGER)), reason=st.sampled_from(["link closed", "no heartbeat for 10s (the host is frozen, down or cut off)"]))
+    def host_lost(self, host: str, reason: str) -> None:
         phase = self.sup.phase
-        actions = self._feed(HostLost(host=host, reason="link closed"))
+        actions = self._feed(HostLost(host=host, reason=reason))
         if isinstance(phase, Rendezvous | Running | Restarting):
             ends = [a for a in actions if isinstance(a, EndRun)]
             assert bool(ends) == (host in self.world)
             if ends:
                 assert ends[0].result.exit_code is ExitCode.RANK_FAILURE
+                assert f"agent on host {host!r} was lost" in ends[0].result.reason
+                assert reason in ends[0].result.reason
 
     @precondition(lambda self: bool(self.world))
     @rule(right_round=st.sampled_from([True, True, False]))

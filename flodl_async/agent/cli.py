@@ -8,6 +8,10 @@ kills the ranks at once.
 
 Failures are one line naming this host, the controller's address and the cause,
 with the exit code of :data:`AGENT_EXIT_MEANINGS`; a traceback means a bug.
+
+Under systemd (deploy/flodl-agent.service) it notifies READY/STATUS/STOPPING and
+pings the watchdog from its loop, and ``--token-credential`` reads the secret
+from ``$CREDENTIALS_DIRECTORY`` (:mod:`flodl_async.agent.systemd`).
 """
 
 from __future__ import annotations
@@ -24,11 +28,14 @@ from collections.abc import Iterator, Sequence
 from ..deadlines import DEFAULT_STOP_GRACE, Deadlines
 from ..devices import parse_devices
 from ..errors import AgentError, ConfigError, ConnectionClosed, ControllerLost, FlodlError, JoinFailed, WireError
+from ..sdnotify import Notifier
 from ..secretfile import read_secret_file
 from ..verdict import ExitCode, exit_code_for_signal, exit_help
 from ..wire.keys import secret_from_hex
 from .output import RankOutput
 from .session import Ending, HostSession, SessionConfig, SessionOutcome
+from .specline import read_spec, serve_spec_stdin
+from .systemd import add_service_options, apply_service_options, notification_observer, with_watchdog
 
 log = logging.getLogger("flodl_async.agent")
 
@@ -58,7 +65,12 @@ def _parser() -> argparse.ArgumentParser:
         epilog=EXAMPLES + "\n" + exit_help(AGENT_EXIT_MEANINGS),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--controller", required=True, help="controller HOST:PORT")
+    parser.add_argument("--controller", help="controller HOST:PORT (required unless --spec-stdin)")
+    parser.add_argument(
+        "--spec-stdin",
+        action="store_true",
+        help="started by flodl-launch over ssh: read the whole spec as one JSON line on stdin; EOF on stdin stops the agent",
+    )
     parser.add_argument("--devices", default="all", help="`all` GPUs, ids like 0,1, or cpu:N (default %(default)s)")
     parser.add_argument("--host", default=socket.gethostname(), help="this host's name in the run (default: hostname)")
     parser.add_argument("--secret-file", help="file holding the session secret in hex (yours, mode 0600)")
@@ -69,6 +81,7 @@ def _parser() -> argparse.ArgumentParser:
         default=DEFAULT_STOP_GRACE,
         help="seconds from the first stop signal to KILL when this agent is stopped (default %(default)g)",
     )
+    add_service_options(parser)
     return parser
 
 
@@ -84,6 +97,8 @@ def build_config(args: argparse.Namespace) -> SessionConfig:
     """The parsed command line as a session config; mistakes raise :class:`ConfigError`."""
     from ..cli import parse_addr
 
+    if args.controller is None:
+        raise ConfigError("--controller HOST:PORT is required (or --spec-stdin, when flodl-launch starts this agent)")
     if args.stop_grace < 0:
         raise ConfigError(f"--stop-grace must be 0 or more seconds (got {args.stop_grace:g})")
     host, port = parse_addr(args.controller)
@@ -144,13 +159,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="flodl-agent: %(message)s")
     raise_descriptor_limit()
     try:
-        config = build_config(args)
+        apply_service_options(args)  # --token-credential: the secret file from $CREDENTIALS_DIRECTORY
+        config = read_spec() if args.spec_stdin else build_config(args)
     except ConfigError as exc:
         _say(f"flodl-agent: {exc}")
         return int(ExitCode.USAGE)
     output = RankOutput(stdout=sys.stdout.buffer, stderr=sys.stderr.buffer)
+    notifier = Notifier.from_environ()  # a no-op outside systemd; the ranks do not inherit $NOTIFY_SOCKET
+    session = HostSession(config, output=output, observer=notification_observer(notifier))
     try:
-        outcome = run(serve(HostSession(config, output=output)))
+        work = serve_spec_stdin(session, serve) if args.spec_stdin else serve(session)
+        outcome = run(with_watchdog(work, notifier))
     except KeyboardInterrupt:  # a Ctrl-C before the handlers were in place
         return int(ExitCode.INTERRUPTED)
     except (Exception, BaseExceptionGroup) as exc:
@@ -162,6 +181,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(exit_code_for_error(failure))
     finally:
         output.close()
+        notifier.close()
     if outcome.ending is not Ending.FINISHED:
         _say(f"flodl-agent: {outcome.ending.value}: {outcome.reason}")
     return int(exit_code_for(outcome))

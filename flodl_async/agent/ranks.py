@@ -30,6 +30,7 @@ from pathlib import Path
 from ..devices import DeviceKind, DeviceSpec
 from ..procs import signal_group, spawn, stop_processes
 from ..rankenv import RankPlacement, RankSpec, rank_environment
+from ..runtime import remove_rank_marker, write_rank_marker
 from ..verdict import StopStep
 from ..wire import messages as m
 from ..wire.keys import Credential
@@ -159,6 +160,10 @@ class RankProcesses:
                         )
                     )
                     continue
+                try:  # so that a next session can clean up what this rank forks, should this agent be SIGKILLed
+                    write_rank_marker(self._scratch, pid=proc.pid, rank=rank)
+                except OSError as exc:
+                    log.warning("agent %s: cannot record rank %d (pid %d) in %s: %s", self._host, rank, proc.pid, self._scratch, exc)
                 self._register(_Rank(rank=rank, local_rank=local_rank, round=start.round, proc=proc, error_file=error_file, stderr_tail=_tail()))
 
     def _register(self, entry: _Rank) -> None:
@@ -192,6 +197,7 @@ class RankProcesses:
     async def _watch(self, entry: _Rank) -> None:
         code = await entry.proc.wait()
         signal_group(entry.proc.pid, signal.SIGKILL)  # no stragglers from the rank's group
+        remove_rank_marker(self._scratch, entry.proc.pid)
         await self._drain([entry])
         failed = code != 0
         self._report(

@@ -22,8 +22,20 @@ Round commands run one after another, in arrival order. An ending (``Abort``,
 signal) stops every rank following the signal table; a later ending while
 one is under way only brings the KILL deadline closer (the shorter deadline
 wins), and :meth:`HostSession.force_stop` means KILL now. The first ending
-decides the outcome. On every way out the ranks are gone, the relay, store
+decides the outcome.
+
+Liveness: from admission on, any frame from the controller counts as a sign of
+life, and the agent beats up the link (:mod:`flodl_async.liveness`): while the
+world forms it echoes the controller's heartbeats; once serving, a ticker sends
+its own and ends the session with :class:`ControllerLost` (TERM, KILL at the
+stop grace) when the controller was silent past ``heartbeat_silence`` — a frozen
+launcher or a pulled cable leaves the TCP link open, so the reader alone would
+never notice. On every way out the ranks are gone, the relay, store
 and links are closed, and the runtime entry is removed.
+
+An observer (:mod:`flodl_async.agent.lifecycle`) hears each step as it
+happens — dialing, connected, admitted, ranks running, stopping — which is
+how ``flodl-agent`` keeps systemd told (:mod:`flodl_async.agent.systemd`).
 """
 
 from __future__ import annotations
@@ -54,14 +66,16 @@ from ..errors import (
     JoinRejected,
     WireError,
 )
+from ..liveness import Liveness
 from ..net.framed import FramedProtocol, open_framed
 from ..relay import Relay
-from ..runtime import RuntimeEntry, create_entry, sweep_stale
+from ..runtime import RuntimeEntry, create_entry, reap_stale_ranks, sweep_stale
 from ..verdict import StopStep, rank_signal_for, stop_schedule
 from ..wire import messages as m
 from ..wire.channels import Channel
 from ..wire.keys import Credential
 from ..wire.schema import Message
+from .lifecycle import Phase, SessionEvent, SessionObserver, ignore
 from .output import RankOutput
 from .ranks import RankProcesses, RankWorld
 from .storehost import StoreHost
@@ -128,9 +142,10 @@ class _StopRequested(Exception):
 class HostSession:
     """One host's session in one run (the controller's own hosts run it in-process; ``flodl-agent`` stand-alone)."""
 
-    def __init__(self, config: SessionConfig, *, output: RankOutput) -> None:
+    def __init__(self, config: SessionConfig, *, output: RankOutput, observer: SessionObserver = ignore) -> None:
         self.config = config
         self._output = output
+        self._observer = observer
         self._force = asyncio.Event()
         self._stop_signal: int | None = None
         self._link: FramedProtocol | None = None
@@ -151,6 +166,7 @@ class HostSession:
             self._serving.stop_for_signal(sig)
         elif self._link is not None:
             log.info("agent %s: %s before the world formed; leaving the window", self.config.host, signal.Signals(sig).name)
+            self.observe(Phase.STOPPING, reason=f"{signal.Signals(sig).name} before the world formed")
             self._link.abort()  # the controller sees the host leave; our pending receive ends
 
     def force_stop(self) -> None:
@@ -165,7 +181,10 @@ class HostSession:
         devices = device_labels(cfg.devices)
         if not devices:
             raise ConfigError(f"host {cfg.host!r} has no devices to offer (devices: {cfg.devices.kind.value}, 0 GPUs found)")
+        for cleaned in reap_stale_ranks(cfg.runtime_root):  # what ranks of SIGKILLed sessions forked, before the sweep forgets them
+            log.warning("agent %s: %s", cfg.host, cleaned.describe())
         sweep_stale(cfg.runtime_root)  # leftovers of sessions that were SIGKILLed
+        self.observe(Phase.DIALING)
         try:
             async with asyncio.timeout(cfg.deadlines.handshake):
                 link = await open_framed(cfg.controller_host, cfg.controller_port, channel=Channel.JOIN, credential=Credential.session(cfg.secret))
@@ -179,11 +198,13 @@ class HostSession:
         except WireError as exc:
             raise JoinFailed(cfg.host, f"cannot join the controller at {cfg.controller_addr}: {exc}") from exc
         self._link = link
+        self.observe(Phase.CONNECTED)
         entry: RuntimeEntry | None = None
         try:
             if self._stop_signal is not None:
                 raise _StopRequested
             accept = await self._join(link, devices)
+            self.observe(Phase.ADMITTED, run_id=accept.run_id, ranks=accept.ranks)
             entry = create_entry(run_id=accept.run_id, host=cfg.host, controller=cfg.controller_addr, root=cfg.runtime_root)
             formed = await self._await_formation(link, accept)
             serving = _Serving(self, link=link, run_id=accept.run_id, formed=formed, entry=entry)
@@ -196,6 +217,11 @@ class HostSession:
             await link.aclose(grace=cfg.deadlines.link_close)
             if entry is not None:
                 entry.remove()
+
+    def observe(self, phase: Phase, *, run_id: str | None = None, ranks: tuple[int, ...] = (), round_: int | None = None, reason: str = "") -> None:
+        """Tell the observer this session reached ``phase``, with what is known of the run by then."""
+        cfg = self.config
+        self._observer(SessionEvent(phase=phase, host=cfg.host, controller=cfg.controller_addr, run_id=run_id, ranks=ranks, round=round_, reason=reason))
 
     async def _recv(self, link: FramedProtocol, doing: str, lost: Callable[[str, str], AgentError]) -> Message:
         try:
@@ -231,6 +257,10 @@ class HostSession:
         try:
             async with asyncio.timeout(wait):
                 formed = await self._recv(link, "waiting for the world to form", FormationAborted)
+                while isinstance(formed, m.Heartbeat):  # the controller checks we are alive: echo
+                    with contextlib.suppress(ConnectionClosed):
+                        link.send(m.Heartbeat(sent_at=formed.sent_at))
+                    formed = await self._recv(link, "waiting for the world to form", FormationAborted)
         except TimeoutError:
             raise FormationAborted(cfg.host, f"the world did not form within {wait:g}s") from None
         if isinstance(formed, m.Abort):
@@ -286,6 +316,8 @@ class _Serving:
         self._ended: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._outcome: SessionOutcome | None = None
         self._error: AgentError | None = None
+        d = cfg.deadlines
+        self._liveness = Liveness.start(asyncio.get_running_loop().time(), interval=d.heartbeat_interval, silence=d.heartbeat_silence)
 
     # ----- lifecycle -------------------------------------------------------------------------
 
@@ -325,6 +357,7 @@ class _Serving:
                     self.begin_ending(self._lost_schedule(), error=lost)
                 else:
                     self._spawn(self._read_commands(), name=f"{cfg.host}-commands")
+                    self._spawn(self._keep_alive(), name=f"{cfg.host}-heartbeat")
                 if self._session._stop_signal is not None and self._outcome is None:  # a signal came while the world formed
                     self.stop_for_signal(self._session._stop_signal)
                 await self._ended
@@ -373,6 +406,7 @@ class _Serving:
             self._outcome, self._error = outcome, error
             why = error.reason if error is not None else outcome.reason if outcome is not None else "?"
             log.debug("agent %s: ending (%s)", self._cfg.host, why)
+            self._session.observe(Phase.STOPPING, run_id=self._run_id, ranks=self._formed.ranks, reason=why)
         self._spawn(self._end(schedule), name="stop-all")
 
     def stop_for_signal(self, sig: int) -> None:
@@ -404,11 +438,32 @@ class _Serving:
                     reason = f"lost the join link to the controller ({exc}); stopping this host's ranks"
                     self.begin_ending(self._lost_schedule(), error=ControllerLost(self._cfg.host, reason))
                 return
+            self._liveness = self._liveness.heard(asyncio.get_running_loop().time())  # any frame is a sign of life
             handler = self.commands.get(type(msg))
             if handler is None:
                 log.warning("agent %s: ignoring %s from the controller (not a command of a running session)", self._cfg.host, type(msg).__name__)
                 continue
             handler(self, msg)
+
+    async def _keep_alive(self) -> None:
+        """Beat up the join link; a controller silent past the deadline is lost (it may be frozen: the link stays open)."""
+        loop = asyncio.get_running_loop()
+        wake = loop.time()
+        while not self.ending:
+            now = loop.time()
+            if now - wake > self._cfg.deadlines.heartbeat_interval:  # this process was frozen: the controller could not be heard
+                self._liveness = self._liveness.excused(now)
+            live = self._liveness
+            if live.expired(now):
+                silence = self._cfg.deadlines.heartbeat_silence
+                reason = f"the controller at {self._cfg.controller_addr} sent nothing for {silence:g}s (frozen, down or cut off); stopping this host's ranks"
+                self.begin_ending(self._lost_schedule(), error=ControllerLost(self._cfg.host, reason))
+                return
+            if live.send_due(now):
+                self._send(m.Heartbeat(sent_at=now))
+                self._liveness = live = live.sent(now)
+            wake = live.next_deadline()
+            await asyncio.sleep(max(wake - loop.time(), 0.0))
 
     def _round_command(self, work: Coroutine[Any, Any, None], *, name: str) -> None:
         if self.ending:
@@ -438,6 +493,7 @@ class _Serving:
             # The store rides the controller's port: the ranks reach it the way this agent does.
             msg = replace(msg, master_addr=self._cfg.controller_host, master_port=self._cfg.controller_port)
         await self._ranks.start(msg)
+        self._session.observe(Phase.RUNNING, run_id=self._run_id, ranks=self._formed.ranks, round_=msg.round)
 
     def _on_stop_ranks(self, msg: m.StopRanks) -> None:
         self._round_command(self._stop_round(msg), name=f"stop-ranks-{msg.round}")
@@ -451,6 +507,9 @@ class _Serving:
         log.debug("agent %s: abort: %s", self._cfg.host, msg.reason)
         self.begin_ending(stop_schedule(msg.first_signal, msg.grace_s), outcome=SessionOutcome(ending=Ending.ABORTED, reason=msg.reason))
 
+    def _on_heartbeat(self, msg: m.Heartbeat) -> None:
+        """The controller's beat: reading it already counted as a sign of life; nothing else to do."""
+
     def _on_finish(self, msg: m.Finish) -> None:
         self.begin_ending(stop_schedule(signal.SIGTERM, self._cfg.deadlines.stop_grace), outcome=SessionOutcome(ending=Ending.FINISHED, reason=msg.reason))
 
@@ -461,4 +520,5 @@ _Serving.commands = {
     m.StopRanks: _Serving._on_stop_ranks,
     m.Abort: _Serving._on_abort,
     m.Finish: _Serving._on_finish,
+    m.Heartbeat: _Serving._on_heartbeat,
 }

@@ -31,6 +31,7 @@ from collections.abc import Callable
 from .. import __version__
 from ..agent import RankOutput
 from ..errors import ConnectionClosed, FlodlError, WireError
+from ..liveness import Liveness
 from ..net.fdlimit import raise_descriptor_limit
 from ..net.framed import FramedProtocol
 from ..net.http import StatusHttpProtocol
@@ -68,6 +69,7 @@ from ..wire import messages as m
 from ..wire.channels import Channel
 from ..wire.handshake import PROTOCOL_VERSION, session_resolver
 from ..wire.schema import Message
+from .fanout import ssh_launcher
 from .launchers import AgentLauncher, ControllerContact, LocalLauncher
 
 log = logging.getLogger("flodl_async.launch")
@@ -101,6 +103,7 @@ class Controller:
         self._output = output
         self._resolve = session_resolver(plan.secret)
         self._links: dict[str, FramedProtocol] = {}
+        self._liveness: dict[str, Liveness] = {}  # per admitted host's join link, until it closes or goes silent
         self._mux = PortMux(host=plan.bind_host, port=plan.port, sniff_timeout=self._deadlines.sniff, handshake_timeout=self._deadlines.handshake)
         self._board = StatusBoard(counters=self._connection_counters)
         self._started_at = time.time()
@@ -168,6 +171,8 @@ class Controller:
         )
         contact = ControllerContact(host="127.0.0.1", port=self.port, secret=plan.secret, deadlines=self._deadlines)
         self._launchers = {Placement.LOCAL: LocalLauncher(contact, output=self._output)}
+        if any(w.placement is Placement.SSH for w in plan.workers):  # it writes to the process's own stdout/stderr
+            self._launchers[Placement.SSH] = ssh_launcher(contact, bind_host=plan.bind_host, run_id=plan.run_id)
         result: RunResult | None = None
         try:
             async with asyncio.TaskGroup() as tg:
@@ -196,6 +201,9 @@ class Controller:
                     if result is None:
                         self._final = RunResult(exit_code=ExitCode.INTERRUPTED, reason="the controller was cancelled")
                     await self._teardown(agent_tasks)
+                    # What is still connected after the teardown's grace is stuck (a frozen host's relay link
+                    # says nothing and never closes): closing the port ends those handlers, so the group can close.
+                    await self._mux.aclose()
         finally:
             if self._store is not None:
                 self._store.close()
@@ -214,12 +222,37 @@ class Controller:
         while self._end is None:
             self._changed.clear()
             deadline = supervisor.next_deadline(time.monotonic())
+            beat = min((live.next_deadline() for live in self._liveness.values()), default=None)
+            wake = beat if deadline is None or (beat is not None and beat < deadline) else deadline
             try:
-                async with asyncio.timeout(None if deadline is None else max(deadline - time.monotonic(), 0.0)):
+                async with asyncio.timeout(None if wake is None else max(wake - time.monotonic(), 0.0)):
                     await self._changed.wait()
             except TimeoutError:
-                self._dispatch(Tick())
+                assert wake is not None
+                self._keep_alive(time.monotonic(), late=time.monotonic() - wake)
+                if deadline is not None and time.monotonic() >= deadline and self._end is None:
+                    self._dispatch(Tick())
         return self._end.result
+
+    def _keep_alive(self, now: float, *, late: float) -> None:
+        """Beat down every join link that is due; a host silent past the deadline is lost, by name."""
+        if late > self._deadlines.heartbeat_interval:  # this process was frozen: no host could be heard meanwhile
+            self._liveness = {host: live.excused(now) for host, live in self._liveness.items()}
+        for host, live in list(self._liveness.items()):
+            if live.expired(now):
+                del self._liveness[host]
+                link = self._links.pop(host, None)
+                if link is not None:
+                    link.abort()  # its reader then ends without a second HostLost (the link is no longer the host's)
+                silence = self._deadlines.heartbeat_silence
+                reason = f"no heartbeat for {silence:g}s (the host is frozen, down or cut off)"
+                self._dispatch(HostLost(host=host, reason=reason))
+            elif live.send_due(now):
+                link = self._links.get(host)
+                if link is not None:
+                    with contextlib.suppress(ConnectionClosed):  # a link that just died: its reader reports it
+                        link.send(m.Heartbeat(sent_at=now))
+                self._liveness[host] = live.sent(now)
 
     def _dispatch(self, event: Event, *, reply_link: FramedProtocol | None = None) -> None:
         """Hand one event to the supervisor and carry out its actions now, in order."""
@@ -249,6 +282,8 @@ class Controller:
             except ConnectionClosed:
                 return JoinUndelivered(host=action.host)
             self._links[action.host] = reply_link
+            d = self._deadlines
+            self._liveness[action.host] = Liveness.start(time.monotonic(), interval=d.heartbeat_interval, silence=d.heartbeat_silence)
             if self._store is not None:
                 self._store.admit_host(reply_link.peer_host)  # its ranks dial the store from the same address
         elif isinstance(action, RejectJoin):
@@ -325,11 +360,16 @@ class Controller:
         try:
             while True:
                 msg = await link.recv_message()
+                live = self._liveness.get(hello.host)
+                if live is not None and self._links.get(hello.host) is link:
+                    self._liveness[hello.host] = live.heard(time.monotonic())  # any frame is a sign of life
                 to_event = _HOST_EVENTS.get(type(msg))
                 if to_event is not None:
                     self._dispatch(to_event(hello.host, msg))
         except (ConnectionClosed, WireError) as exc:
-            self._dispatch(HostLost(host=hello.host, reason=str(exc)))
+            if self._links.get(hello.host) is link:  # not when the liveness check already cut it off
+                self._liveness.pop(hello.host, None)
+                self._dispatch(HostLost(host=hello.host, reason=str(exc)))
 
     async def _handle_rendezvous(self, link: FramedProtocol) -> None:
         while True:

@@ -1,0 +1,321 @@
+"""ssh fan-out: the :class:`~flodl_async.controller.launchers.AgentLauncher` of ``Placement.SSH`` workers.
+
+Every worker's agent is started by its own ``run_agent`` call, and the controller runs
+those concurrently, so all hosts are dialled in parallel. Per host: connect with asyncssh
+(host keys always checked against the worker's ``known_hosts``, never accepted silently;
+only the worker's identity file, no ssh-agent and no ``~/.ssh/config``, so what the cluster
+file says is what happens), start ``<python> -m flodl_async.agent --spec-stdin`` in the
+worker's ``workdir``, wait for the agent's hello line (its version), then write its spec as
+one JSON line on stdin. The secret is never on the remote command line. The ssh session
+stays open for the whole run: it is the agent's lifeline (EOF on its stdin stops it).
+
+Every failure before the agent is up is a :class:`SshLaunchFailed` (a ``JoinFailed``)
+naming the host, the cause and what to do; the controller turns it into ``HostLost``, and a
+planned host lost before joining fails the window at once (exit 3).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import shlex
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import asyncssh
+
+from .. import __version__
+from ..agent.specline import AgentSpec, devices_text, parse_hello
+from ..cluster import SshSpec
+from ..errors import AgentError, FlodlError, JoinFailed
+from ..plan import PlacedWorker
+from ..sshopts import parse_option
+from .launchers import ControllerContact
+
+log = logging.getLogger("flodl_async.controller.fanout")
+
+DEFAULT_KNOWN_HOSTS = "~/.ssh/known_hosts"
+DEFAULT_PYTHON = "python3"
+#: Exit status of a remote command the shell could not find.
+COMMAND_NOT_FOUND = 127
+#: How many of the agent's last stderr lines a failure quotes.
+STDERR_TAIL = 5
+
+
+class SshLaunchFailed(JoinFailed):
+    """flodl-launch could not bring a worker's agent up over ssh."""
+
+    advice = "fix the worker's ssh settings in the cluster file (or the host) and run again"
+
+
+def remote_command(python: str, workdir: str | None) -> str:
+    """The remote command line: no secret, no spec, just where and what to run."""
+    run = f"exec {shlex.quote(python)} -m flodl_async.agent --spec-stdin"
+    return run if workdir is None else f"cd {shlex.quote(workdir)} && {run}"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SshTarget:
+    """Where and as whom one worker is reached, resolved from its ``ssh`` block."""
+
+    host: str
+    address: str
+    port: int
+    user: str | None
+    identity_file: Path | None
+    known_hosts: Path
+    proxy_jump: str | None
+    #: Set on a jump host's own target: the address it leads to (for messages).
+    jump_of: str | None = None
+
+    @classmethod
+    def of(cls, host: str, ssh: SshSpec | None) -> SshTarget:
+        ssh = ssh or SshSpec()
+        jump = next((value for name, value in map(parse_option, ssh.options) if name == "ProxyJump"), None)
+        return cls(
+            host=host,
+            address=ssh.target or host,
+            port=ssh.port or 22,
+            user=ssh.user,
+            identity_file=Path(ssh.identity_file).expanduser() if ssh.identity_file else None,
+            known_hosts=Path(ssh.known_hosts or DEFAULT_KNOWN_HOSTS).expanduser(),
+            proxy_jump=jump,
+        )
+
+    def jump_host(self) -> SshTarget:
+        """The ProxyJump host (``[user@]host[:port]``), reached with this worker's key and known_hosts."""
+        assert self.proxy_jump is not None
+        user, _, rest = self.proxy_jump.rpartition("@")
+        address, _, port = rest.partition(":")
+        return dataclasses.replace(
+            self,
+            address=address,
+            port=int(port) if port.isdigit() else 22,
+            user=user or self.user,
+            proxy_jump=None,
+            jump_of=self.address,
+        )
+
+    @property
+    def where(self) -> str:
+        if self.jump_of is not None:
+            return f"{self.address}:{self.port} (the ProxyJump host to {self.jump_of})"
+        via = f" via {self.proxy_jump}" if self.proxy_jump else ""
+        return f"{self.address}:{self.port}{via}"
+
+
+class SshLauncher:
+    """Agents on other hosts, started over ssh; stdout/stderr lines of each are relayed here."""
+
+    def __init__(self, contact: ControllerContact, *, run_id: str, stdout: BinaryIO, stderr: BinaryIO) -> None:
+        self._contact = contact
+        self._run_id = run_id
+        self._stdout = stdout
+        self._stderr = stderr
+        self._processes: list[Any] = []
+
+    async def run_agent(self, worker: PlacedWorker) -> None:
+        """Connect, start the agent, hand it its spec, relay its output until it exits."""
+        spec = worker.spec
+        target = SshTarget.of(spec.host, spec.ssh)
+        async with contextlib.AsyncExitStack() as stack:
+            tunnel = None
+            if target.proxy_jump:
+                tunnel = await stack.enter_async_context(await self._connect(target.jump_host()))
+            conn = await stack.enter_async_context(await self._connect(target, tunnel=tunnel))
+            # With a jump host, the address the jump host reached us on is the best guess at ours.
+            controller_host = self._controller_host_for(tunnel or conn)
+            command = remote_command(spec.python or DEFAULT_PYTHON, spec.workdir)
+            process = await conn.create_process(command, encoding=None)
+            self._processes.append(process)
+            stderr_tail: list[bytes] = []
+            with _first_error():
+                await self._serve(target, process, worker, controller_host, stderr_tail)
+            completed = process.returncode, process.exit_signal
+            if completed != (0, None):
+                code, sig = completed
+                status = f"signal {sig[0]}" if sig else f"exit {code}" if code is not None else "its ssh session closing"
+                raise AgentError(spec.host, f"the agent on {target.where} ended with {status}{_tail(stderr_tail)}")
+
+    async def _serve(self, target: SshTarget, process: Any, worker: PlacedWorker, controller_host: str, stderr_tail: list[bytes]) -> None:
+        spec = worker.spec
+        async with asyncio.TaskGroup() as tg:
+            stderr_done = tg.create_task(self._relay_stderr(process, stderr_tail))
+            await self._await_hello(target, process, stderr_tail, stderr_done, spec.python or DEFAULT_PYTHON)
+            agent_spec = AgentSpec(
+                controller_host=controller_host,
+                controller_port=self._contact.port,
+                secret_hex=self._contact.secret.hex(),
+                host=spec.host,
+                devices=devices_text(spec.devices),
+                run_id=self._run_id,
+                env=dict(spec.env),
+                workdir=spec.workdir,
+                timeout_scale=self._contact.deadlines.scale,
+                stop_grace=self._contact.deadlines.stop_grace,
+                nccl_socket_ifname=spec.nccl_socket_ifname,
+            )
+            process.stdin.write(agent_spec.to_line())  # stdin stays open: it is the agent's lifeline
+            tg.create_task(self._relay(process.stdout, self._stdout))
+            await process.wait_closed()
+
+    def force_stop(self) -> None:
+        """A second signal: kill every remote agent now (its ranks die with it)."""
+        for process in self._processes:
+            with contextlib.suppress(Exception):  # a channel already gone needs no killing
+                process.send_signal("KILL")
+            with contextlib.suppress(Exception):
+                process.stdin.write_eof()
+
+    def _controller_host_for(self, conn: Any) -> str:
+        # A configured controller address wins; else the address the remote host reached us on,
+        # which it can route back to.
+        if self._contact.host not in ("", "0.0.0.0", "127.0.0.1", "::"):
+            return self._contact.host
+        sockname = conn.get_extra_info("sockname")
+        return str(sockname[0]) if sockname else self._contact.host
+
+    async def _connect(self, target: SshTarget, *, tunnel: Any = None) -> Any:
+        if not target.known_hosts.is_file():
+            raise SshLaunchFailed(
+                target.host,
+                f"known_hosts file {target.known_hosts} does not exist; add {target.address}'s host key there "
+                f"(ssh-keyscan -p {target.port} {target.address} >> {target.known_hosts}, after checking its fingerprint)",
+            )
+        if target.identity_file is not None and not target.identity_file.is_file():
+            raise SshLaunchFailed(target.host, f"identity_file {target.identity_file} does not exist")
+        options: dict[str, Any] = {
+            "port": target.port,
+            "known_hosts": str(target.known_hosts),
+            "config": None,
+            "agent_path": None,
+            "connect_timeout": self._contact.deadlines.ssh_connect,
+            "login_timeout": self._contact.deadlines.ssh_connect,
+        }
+        if target.user:
+            options["username"] = target.user
+        if target.identity_file is not None:
+            options["client_keys"] = [str(target.identity_file)]
+        if tunnel is not None:
+            options["tunnel"] = tunnel
+        try:
+            async with asyncio.timeout(self._contact.deadlines.ssh_connect):
+                return await asyncssh.connect(target.address, **options)
+        except asyncssh.HostKeyNotVerifiable:
+            raise SshLaunchFailed(target.host, await self._host_key_problem(target, tunnel)) from None
+        except asyncssh.PermissionDenied:
+            key = target.identity_file or "the default keys (~/.ssh/id_*)"
+            who = f"as {target.user}" if target.user else "as the current user"
+            raise SshLaunchFailed(
+                target.host, f"ssh authentication to {target.where} {who} failed with {key}; add its public key to the remote authorized_keys"
+            ) from None
+        except TimeoutError:
+            raise SshLaunchFailed(
+                target.host,
+                f"ssh to {target.where} did not connect within {self._contact.deadlines.ssh_connect:g}s; check the address and that sshd runs there",
+            ) from None
+        except (OSError, asyncssh.Error) as exc:
+            raise SshLaunchFailed(target.host, f"cannot reach {target.where} over ssh: {exc}; check the address, port and that sshd runs there") from None
+
+    async def _host_key_problem(self, target: SshTarget, tunnel: Any) -> str:
+        """Unknown or changed: the key the host offers (fingerprint) and what known_hosts says."""
+        offered = "?"
+        with contextlib.suppress(Exception):
+            async with asyncio.timeout(self._contact.deadlines.ssh_connect):
+                key = await asyncssh.get_server_host_key(target.address, target.port, tunnel=tunnel if tunnel is not None else (), config=None)
+            if key is not None:
+                offered = key.get_fingerprint("sha256")
+        listed: tuple[Any, ...] = ()
+        with contextlib.suppress(Exception):
+            known = asyncssh.read_known_hosts(str(target.known_hosts))
+            host = target.address if target.port == 22 else f"[{target.address}]:{target.port}"
+            listed = tuple(known.match(host, "", target.port)[0])
+        if listed:
+            return (
+                f"the host key of {target.where} CHANGED: it offers {offered}, but {target.known_hosts} lists another key for it; "
+                f"if the host was reinstalled, remove the old entry (ssh-keygen -R {target.address} -f {target.known_hosts}) and add the new one"
+            )
+        return (
+            f"the host key of {target.where} is unknown: it offers {offered}, which is not in {target.known_hosts}; "
+            f"check the fingerprint, then add it (ssh-keyscan -p {target.port} {target.address} >> {target.known_hosts})"
+        )
+
+    async def _await_hello(self, target: SshTarget, process: Any, stderr_tail: list[bytes], stderr_done: asyncio.Task[None], python: str) -> None:
+        """The agent's first stdout line must be a hello of this version; else say what is wrong there."""
+        try:
+            async with asyncio.timeout(self._contact.deadlines.ssh_connect):
+                line = await process.stdout.readline()
+        except TimeoutError:
+            raise SshLaunchFailed(target.host, f"the agent on {target.where} said nothing within {self._contact.deadlines.ssh_connect:g}s") from None
+        version = parse_hello(line.decode(errors="replace"))
+        if version == __version__:
+            return
+        if version is not None:
+            raise SshLaunchFailed(
+                target.host, f"{target.where} has flodl_async {version}, this launcher is {__version__}; install the same version on every host"
+            )
+        await process.wait_closed()
+        with contextlib.suppress(TimeoutError):  # the relay has the agent's last words once stderr ends
+            async with asyncio.timeout(self._contact.deadlines.output_drain):
+                await asyncio.shield(stderr_done)
+        status = process.returncode
+        if status == COMMAND_NOT_FOUND:
+            raise SshLaunchFailed(target.host, f"python {python!r} was not found on {target.where} (exit 127); set the worker's python: to its path there")
+        tail = b"\n".join(stderr_tail).decode(errors="replace")
+        if "No module named" in tail and "flodl_async" in tail:
+            raise SshLaunchFailed(
+                target.host,
+                f"flodl_async is not importable by {python} on {target.where}; install flodl_async {__version__} there (or set the worker's python:)",
+            )
+        if "--spec-stdin" in tail:
+            raise SshLaunchFailed(
+                target.host, f"flodl_async on {target.where} is older than {__version__} (no --spec-stdin); install the same version on every host"
+            )
+        raise SshLaunchFailed(target.host, f"the agent on {target.where} exited with {status} before saying hello{_tail(stderr_tail)}")
+
+    async def _relay_stderr(self, process: Any, tail: list[bytes]) -> None:
+        async for line in process.stderr:
+            tail.append(line.rstrip(b"\n"))
+            del tail[:-STDERR_TAIL]
+            _write(self._stderr, line)
+
+    async def _relay(self, reader: Any, sink: BinaryIO) -> None:
+        async for line in reader:
+            _write(sink, line)
+
+
+def _write(sink: BinaryIO, line: bytes) -> None:
+    with contextlib.suppress(OSError, ValueError):  # a closed terminal loses the line, not the run
+        sink.write(line if line.endswith(b"\n") else line + b"\n")
+        sink.flush()
+
+
+def ssh_launcher(contact: ControllerContact, *, bind_host: str, run_id: str) -> SshLauncher:
+    """The controller's ssh launcher: agents reach the controller at its bind address (or the ssh link's own), output to ours."""
+    return SshLauncher(dataclasses.replace(contact, host=bind_host), run_id=run_id, stdout=sys.stdout.buffer, stderr=sys.stderr.buffer)
+
+
+@contextlib.contextmanager
+def _first_error() -> Iterator[None]:
+    """Re-raise a task group's first flodl error bare, so the controller reads it as this host's failure."""
+    try:
+        yield
+    except BaseExceptionGroup as group:
+        leaf = _first_leaf(group)
+        if isinstance(leaf, FlodlError):
+            raise leaf from None
+        raise
+
+
+def _first_leaf(group: BaseExceptionGroup[BaseException]) -> BaseException:
+    first = group.exceptions[0]
+    return _first_leaf(first) if isinstance(first, BaseExceptionGroup) else first
+
+
+def _tail(lines: list[bytes]) -> str:
+    return f": {lines[-1].decode(errors='replace')}" if lines else ""

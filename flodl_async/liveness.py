@@ -1,0 +1,75 @@
+"""Liveness of one link: when we last heard the peer, when our next heartbeat is due, and whether the peer went silent.
+
+Theory of operation. A TCP connection to a frozen host (SIGSTOP, a hung kernel) or
+behind a pulled cable stays open for minutes: nothing fails, nothing arrives. So
+both ends of every agent's join link send a :class:`~flodl_async.wire.messages.Heartbeat`
+every ``interval`` seconds, and each counts *any* frame from the peer as a sign of
+life. A peer unheard for ``silence`` seconds is gone. This object only keeps the
+two instants and answers questions about them, with ``now`` passed in; the shells
+(the controller's pump, the agent's ticker) send, read the clock, and act. A
+shell that wakes more than one interval late was itself frozen; it excuses every
+peer (:meth:`Liveness.excused`) rather than accuse a host that could not be
+heard by a process that was not running.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Liveness:
+    """One link's liveness; build with :meth:`start`, advance with :meth:`heard` and :meth:`sent` (each returns a new one)."""
+
+    #: Seconds between our heartbeats.
+    interval: float
+    #: Seconds of the peer's silence after which it is lost.
+    silence: float
+    last_heard: float
+    next_send: float
+
+    def __post_init__(self) -> None:
+        if not 0 < self.interval < self.silence:
+            # A silence shorter than the interval would expire a healthy peer between two beats.
+            raise ValueError(f"heartbeat interval {self.interval:g}s must be positive and shorter than the silence deadline {self.silence:g}s")
+
+    @classmethod
+    def start(cls, now: float, *, interval: float, silence: float) -> Liveness:
+        """A link that was just heard from (it was established now); our first beat is due at once."""
+        return cls(interval=interval, silence=silence, last_heard=now, next_send=now)
+
+    def heard(self, now: float) -> Liveness:
+        """Any frame arrived from the peer."""
+        return replace(self, last_heard=max(self.last_heard, now))
+
+    def excused(self, now: float) -> Liveness:
+        """We ourselves did not run (our process was frozen, the machine suspended): the peer's silence meanwhile is not its own.
+
+        The shell calls this when it wakes later than one ``interval`` past the time it meant to;
+        the peer then gets a whole deadline from now, as a freshly heard one.
+        """
+        return self.heard(now)
+
+    def sent(self, now: float) -> Liveness:
+        """We just sent a heartbeat."""
+        return replace(self, next_send=now + self.interval)
+
+    def send_due(self, now: float) -> bool:
+        """Time to send our next heartbeat."""
+        return now >= self.next_send
+
+    def expires_at(self) -> float:
+        """When the peer is lost unless it is heard from before."""
+        return self.last_heard + self.silence
+
+    def expired(self, now: float) -> bool:
+        """The peer was silent for the whole deadline."""
+        return now >= self.expires_at()
+
+    def silent_for(self, now: float) -> float:
+        """Seconds since the peer was last heard."""
+        return max(now - self.last_heard, 0.0)
+
+    def next_deadline(self) -> float:
+        """When to look again if nothing arrives: the next beat or the expiry, whichever is first."""
+        return min(self.next_send, self.expires_at())

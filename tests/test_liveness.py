@@ -1,0 +1,60 @@
+"""The pure liveness tracker: beats due on time, any frame keeps a link alive, silence past the deadline expires it."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from flodl_async.deadlines import Deadlines
+from flodl_async.liveness import Liveness
+
+
+def test_a_fresh_link_beats_at_once_and_expires_after_the_silence() -> None:
+    live = Liveness.start(100.0, interval=2.0, silence=10.0)
+    assert live.send_due(100.0)
+    live = live.sent(100.0)
+    assert not live.send_due(101.9)
+    assert live.send_due(102.0)
+    assert live.next_deadline() == 102.0
+    assert not live.expired(109.9)
+    assert live.expired(110.0)
+    assert live.silent_for(104.5) == 4.5
+
+
+def test_hearing_the_peer_pushes_the_expiry_out() -> None:
+    live = Liveness.start(0.0, interval=2.0, silence=10.0).heard(8.0)
+    assert not live.expired(17.9)
+    assert live.expired(18.0)
+    assert live.heard(5.0).last_heard == 8.0  # a late-read clock never moves it back
+
+
+def test_an_interval_not_shorter_than_the_silence_is_refused() -> None:
+    with pytest.raises(ValueError, match="shorter than the silence deadline"):
+        Liveness.start(0.0, interval=10.0, silence=10.0)
+
+
+def test_the_documented_defaults_scale_with_the_knob() -> None:
+    d = Deadlines.resolve(env={"FLODL_NET_TIMEOUT_SCALE": "0.5"})
+    assert (Deadlines().heartbeat_interval, Deadlines().heartbeat_silence) == (2.0, 10.0)
+    assert (d.heartbeat_interval, d.heartbeat_silence) == (1.0, 5.0)
+
+
+@given(st.lists(st.floats(min_value=0.0, max_value=1.9), min_size=1, max_size=50))
+def test_a_peer_that_beats_every_interval_never_expires_and_we_always_beat_in_time(gaps: list[float]) -> None:
+    """Both ends beating at the interval: the peer is never lost, and our beat is never later than its due time."""
+    now = 0.0
+    live = Liveness.start(now, interval=2.0, silence=10.0).sent(now)
+    for gap in gaps:
+        now += gap
+        assert not live.expired(now)
+        if live.send_due(now):
+            live = live.sent(now)
+        live = live.heard(now)
+        assert live.next_deadline() <= now + 2.0
+
+
+def test_a_peer_is_excused_for_the_time_we_ourselves_were_frozen() -> None:
+    live = Liveness.start(0.0, interval=2.0, silence=10.0)
+    assert live.expired(60.0)  # what a shell that slept through a SIGSTOP would conclude
+    assert not live.excused(60.0).expired(69.9)

@@ -1,0 +1,429 @@
+"""systemd integration: sd_notify datagrams on a real AF_UNIX socket, the watchdog ticker, credentials, the units.
+
+PID 1 here is not systemd, so the protocol is tested from systemd's side: the test binds the
+datagram socket that ``$NOTIFY_SOCKET`` names and reads what the agent sends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import secrets
+import shutil
+import signal
+import socket
+import stat
+import subprocess
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from flodl_async.agent.lifecycle import Phase, SessionEvent
+from flodl_async.agent.systemd import apply_service_options, credential_path, notification_observer, rank_span, status_line, with_watchdog
+from flodl_async.errors import ConfigError
+from flodl_async.runtime import runtime_root
+from flodl_async.sdnotify import MAX_STATUS_CHARS, Notifier, NotifyTarget, message, socket_address, watchdog_interval
+from flodl_async.verdict import ExitCode
+
+from .launchkit import PY, Launcher, assert_nothing_left, free_port, new_run_id, run_launch, script, wait_status
+
+DEPLOY = Path(__file__).parent.parent / "deploy"
+
+
+# ----- pure: messages and the environment ----------------------------------------------------------
+
+
+def test_a_message_is_its_fields_as_lines_in_a_fixed_order() -> None:
+    assert message(ready=True, status="up", mainpid=42) == b"READY=1\nMAINPID=42\nSTATUS=up\n"
+    assert message(stopping=True, status="going") == b"STOPPING=1\nSTATUS=going\n"
+    assert message(watchdog=True) == b"WATCHDOG=1\n"
+    assert message() == b""
+
+
+def test_a_status_is_one_line_and_bounded() -> None:
+    assert message(status="two\nlines\tand  tabs") == b"STATUS=two lines and tabs\n"
+    assert message(status="x" * 1000) == b"STATUS=" + b"x" * MAX_STATUS_CHARS + b"\n"
+
+
+@pytest.mark.parametrize(
+    ("value", "address"),
+    [("/run/systemd/notify", "/run/systemd/notify"), ("@sd-notify", b"\0sd-notify"), ("", None), ("@", None), ("relative/path", None), ("vsock:2:1", None)],
+)
+def test_the_notify_socket_is_a_path_or_an_abstract_name(value: str, address: str | bytes | None) -> None:
+    assert socket_address(value) == address
+
+
+@pytest.mark.parametrize(
+    ("env", "interval"),
+    [
+        ({"WATCHDOG_USEC": "30000000"}, 15.0),  # half the interval, as systemd advises
+        ({"WATCHDOG_USEC": "30000000", "WATCHDOG_PID": "7"}, 15.0),
+        ({"WATCHDOG_USEC": "30000000", "WATCHDOG_PID": "8"}, None),  # another process's watchdog
+        ({"WATCHDOG_USEC": "0"}, None),
+        ({"WATCHDOG_USEC": "soon"}, None),
+        ({}, None),
+    ],
+)
+def test_the_watchdog_interval_is_half_of_watchdog_usec_for_its_own_pid(env: dict[str, str], interval: float | None) -> None:
+    assert watchdog_interval(env, pid=7) == interval
+
+
+def test_not_under_systemd_everything_is_a_no_op() -> None:
+    target = NotifyTarget.from_env({"WATCHDOG_USEC": "1000000"}, pid=1)
+    assert target == NotifyTarget()
+    notifier = Notifier(target)
+    assert not notifier.enabled
+    assert not notifier.ready("up")
+    asyncio.run(asyncio.wait_for(notifier.watchdog(), 60))  # returns at once: no watchdog without a socket
+    notifier.close()
+
+
+def test_the_protocol_variables_are_taken_out_of_the_environment() -> None:
+    environ = {"NOTIFY_SOCKET": "@x", "WATCHDOG_USEC": "2000000", "WATCHDOG_PID": str(os.getpid()), "PATH": "/bin"}
+    notifier = Notifier.from_environ(environ)
+    try:
+        assert notifier.target == NotifyTarget(address=b"\0x", watchdog_interval=1.0)
+        assert environ == {"PATH": "/bin"}  # the ranks inherit none of it
+    finally:
+        notifier.close()
+
+
+def test_status_lines_say_what_the_agent_is_doing() -> None:
+    base = {"host": "node-b", "controller": "10.0.0.1:1337", "run_id": "r1"}
+    assert status_line(SessionEvent(phase=Phase.DIALING, **base)) == "waiting for a controller at 10.0.0.1:1337"
+    assert status_line(SessionEvent(phase=Phase.RUNNING, ranks=(7, 4, 5, 6), round=0, **base)) == "run r1: ranks 4–7 running (round 0)"
+    assert status_line(SessionEvent(phase=Phase.ADMITTED, ranks=(3,), **base)) == "run r1: admitted with rank 3, waiting for the world to form"
+    assert status_line(SessionEvent(phase=Phase.STOPPING, host="node-b", controller="c:1", reason="SIGTERM before the world formed")) == (
+        "stopping: SIGTERM before the world formed"
+    )
+    assert rank_span((0, 2, 5)) == "ranks 0, 2, 5"
+
+
+def test_the_runtime_directory_of_a_service_is_systemds() -> None:
+    assert runtime_root({"RUNTIME_DIRECTORY": "/run/flodl", "XDG_RUNTIME_DIR": "/run/user/1"}) == Path("/run/flodl")
+    assert runtime_root({"RUNTIME_DIRECTORY": "/run/flodl:/run/other"}) == Path("/run/flodl")
+    assert runtime_root({"RUNTIME_DIRECTORY": "relative", "XDG_RUNTIME_DIR": "/run/user/1"}) == Path("/run/user/1/flodl")
+
+
+# ----- a real datagram socket ----------------------------------------------------------------------
+
+
+class Receiver:
+    """The service manager's end: a bound AF_UNIX datagram socket, read by a thread (the queue holds only a few datagrams)."""
+
+    def __init__(self, abstract: bool) -> None:
+        self.dir = Path(tempfile.mkdtemp(prefix="fl-sd-", dir="/tmp"))
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        if abstract:
+            name = f"flodl-test-{secrets.token_hex(6)}"
+            self.sock.bind(b"\0" + name.encode())
+            self.env_value = "@" + name
+        else:
+            path = str(self.dir / "notify")
+            self.sock.bind(path)
+            self.env_value = path
+        self.sock.settimeout(0.2)
+        self.datagrams: list[bytes] = []
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._read, name="sd-receiver", daemon=True)
+        self._thread.start()
+
+    def _read(self) -> None:
+        while not self._stop.is_set():
+            try:
+                data = self.sock.recv(4096)
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            with self._lock:
+                self.datagrams.append(data)
+
+    def received(self) -> list[bytes]:
+        with self._lock:
+            return list(self.datagrams)
+
+    def wait_for(self, count: int, what: bytes, timeout: float = 60) -> list[bytes]:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            got = [d for d in self.received() if what in d]
+            if len(got) >= count:
+                return got
+            time.sleep(0.02)
+        raise AssertionError(f"fewer than {count} datagrams with {what!r}: {self.received()}")
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.sock.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+@pytest.fixture(params=["path", "abstract"])
+def receiver(request: pytest.FixtureRequest) -> Iterator[Receiver]:
+    r = Receiver(abstract=request.param == "abstract")
+    yield r
+    r.close()
+
+
+def test_notifications_reach_the_socket(receiver: Receiver) -> None:
+    notifier = Notifier(NotifyTarget.from_env({"NOTIFY_SOCKET": receiver.env_value}, pid=os.getpid()))
+    try:
+        observe = notification_observer(notifier)
+        for phase in (Phase.DIALING, Phase.CONNECTED, Phase.STOPPING):
+            observe(SessionEvent(phase=phase, host="h", controller="127.0.0.1:1", run_id="r", ranks=(0, 1), reason="finished"))
+        got = receiver.wait_for(3, b"STATUS=")
+    finally:
+        notifier.close()
+    assert got == [
+        b"STATUS=waiting for a controller at 127.0.0.1:1\n",
+        f"READY=1\nMAINPID={os.getpid()}\nSTATUS=connected to the controller at 127.0.0.1:1, joining as h\n".encode(),
+        "STOPPING=1\nSTATUS=run r: stopping ranks 0–1 (finished)\n".encode(),
+    ]
+
+
+async def test_watchdog_pings_keep_coming_while_the_loop_is_healthy_and_stop_when_it_is_stuck(receiver: Receiver) -> None:
+    env = {"NOTIFY_SOCKET": receiver.env_value, "WATCHDOG_USEC": "100000"}  # a ping every 0.05 s
+    notifier = Notifier(NotifyTarget.from_env(env, pid=os.getpid()))
+
+    async def body() -> int:
+        await asyncio.to_thread(receiver.wait_for, 5, b"WATCHDOG=1")  # the loop is free meanwhile: pings flow
+        before = len(receiver.received())
+        time.sleep(1.0)  # noqa: ASYNC251  # the loop is stuck on purpose: the ticker cannot run
+        stuck = len(receiver.received()) - before  # at most a ping already in flight before the sleep
+        await asyncio.to_thread(receiver.wait_for, before + 3, b"WATCHDOG=1")  # and they resume
+        return stuck
+
+    try:
+        stuck = await with_watchdog(body(), notifier)
+    finally:
+        notifier.close()
+    assert stuck <= 1  # a healthy loop would have sent about 20 in that second
+    assert set(receiver.received()) == {b"WATCHDOG=1\n"}
+
+
+async def test_with_watchdog_returns_the_result_and_raises_the_error_unwrapped() -> None:
+    notifier = Notifier(NotifyTarget())
+
+    async def fails() -> None:
+        raise ConfigError("bad")
+
+    async def works() -> int:
+        return 3
+
+    assert await with_watchdog(works(), notifier) == 3
+    with pytest.raises(ConfigError, match="bad"):
+        await with_watchdog(fails(), notifier)
+
+
+# ----- credentials -----------------------------------------------------------------------------------
+
+
+def test_a_credential_name_resolves_against_credentials_directory(tmp_path: Path) -> None:
+    (tmp_path / "flodl-token").write_text("00" * 16)
+    assert credential_path("flodl-token", {"CREDENTIALS_DIRECTORY": str(tmp_path)}) == tmp_path / "flodl-token"
+    with pytest.raises(ConfigError, match=r"\$CREDENTIALS_DIRECTORY is not set; run under systemd with LoadCredential=flodl-token:PATH"):
+        credential_path("flodl-token", {})
+    with pytest.raises(ConfigError, match="no credential 'other' in"):
+        credential_path("other", {"CREDENTIALS_DIRECTORY": str(tmp_path)})
+    with pytest.raises(ConfigError, match="a plain file name"):
+        credential_path("../flodl-token", {"CREDENTIALS_DIRECTORY": str(tmp_path)})
+
+
+def test_token_credential_and_secret_file_are_one_or_the_other(tmp_path: Path) -> None:
+    import argparse
+
+    with pytest.raises(ConfigError, match="give one"):
+        apply_service_options(argparse.Namespace(token_credential="t", secret_file="/x"), {"CREDENTIALS_DIRECTORY": str(tmp_path)})
+
+
+def test_flodl_agent_without_a_credentials_directory_says_so_in_one_line() -> None:
+    env = {k: v for k, v in os.environ.items() if k != "CREDENTIALS_DIRECTORY"}
+    done = subprocess.run(
+        [PY, "-m", "flodl_async.agent", "--controller", "127.0.0.1:1", "--token-credential", "flodl-token"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        "flodl-agent: --token-credential flodl-token: $CREDENTIALS_DIRECTORY is not set; run under systemd with LoadCredential=flodl-token:PATH,"
+        " or use --secret-file PATH"
+    ]
+
+
+# ----- the units ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze is not installed (apt-get install systemd)")
+def test_the_units_verify_clean(tmp_path: Path) -> None:
+    # systemd-analyze checks that ExecStart's binary exists: the units' /opt/flodl/venv/bin is pointed at shims here.
+    shims = tmp_path / "bin"
+    shims.mkdir()
+    for name in ("flodl-agent", "flodl-launch"):
+        (shims / name).write_text("#!/bin/sh\n")
+        (shims / name).chmod(0o755)
+    units = []
+    for unit in sorted(DEPLOY.glob("*.service")):
+        text = unit.read_text()
+        assert "/opt/flodl/venv/bin/" in text
+        name = unit.name.replace("@.service", "@job.service")  # a template verifies as an instance
+        (tmp_path / name).write_text(text.replace("/opt/flodl/venv/bin/", f"{shims}/"))
+        units.append(str(tmp_path / name))
+    assert len(units) == 2
+    done = subprocess.run(["systemd-analyze", "verify", *units], capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr
+    assert done.stderr == "", done.stderr
+
+
+def _unit_settings(unit: str) -> dict[str, str]:
+    settings = {}
+    for line in (DEPLOY / unit).read_text().splitlines():
+        key, sep, value = line.partition("=")
+        if sep and not line.startswith("#"):
+            settings[key] = value
+    return settings
+
+
+def test_the_agent_unit_agrees_with_the_exit_codes_and_the_stop_grace() -> None:
+    unit = _unit_settings("flodl-agent.service")
+    assert unit["Type"] == "notify"
+    assert unit["RestartPreventExitStatus"].split() == [str(int(ExitCode.USAGE))]  # a usage error would only fail again
+    assert sorted(unit["SuccessExitStatus"].split()) == sorted([str(int(ExitCode.INTERRUPTED)), str(int(ExitCode.TERMINATED))])
+    grace = float(unit["ExecStart"].split("--stop-grace ")[1].split()[0])
+    assert float(unit["TimeoutStopSec"]) > grace  # the agent's own TERM → KILL schedule finishes before systemd's KILL
+    assert "--token-credential flodl-token" in unit["ExecStart"]
+    assert unit["LoadCredential"].startswith("flodl-token:")
+    assert (unit["KillMode"], unit["RuntimeDirectory"], unit["RuntimeDirectoryMode"]) == ("mixed", "flodl", "0700")
+
+
+@pytest.mark.e2e
+def test_flodl_launch_prints_plain_lines_for_the_journal(tmp_path: Path) -> None:
+    run_id = new_run_id()
+    xdg = Path(tempfile.mkdtemp(prefix="fl-xdg-", dir="/tmp"))
+    try:
+        done = run_launch("--nproc", "1", "--devices", "cpu", "--port", "0", "--", PY, "-c", "print('hello')", run_id=run_id, env={"XDG_RUNTIME_DIR": str(xdg)})
+    finally:
+        shutil.rmtree(xdg, ignore_errors=True)
+    assert done.returncode == 0, done.stderr
+    assert "hello" in done.stdout
+    for text in (done.stdout, done.stderr):
+        assert "\x1b" not in text  # no colour or cursor movement
+        assert "\r" not in text  # no progress redraws
+
+
+# ----- a real flodl-agent in a real run -------------------------------------------------------------------
+
+
+@pytest.mark.e2e
+def test_a_flodl_agent_tells_systemd_ready_status_watchdog_and_stopping(tmp_path: Path, receiver: Receiver) -> None:
+    port = free_port()
+    run_id = new_run_id()
+    secret_file = tmp_path / "secret"
+    cluster = tmp_path / "cluster.yml"
+    cluster.write_text(
+        f"controller:\n  port: {port}\n  join: {{min_rank_start: 2, target_ranks: 2, join_timeout: 60}}\nworkers:\n  - host: localhost\n    devices: cpu:1\n"
+    )
+    dumps = tmp_path / "env"
+    dumps.mkdir()
+    xdg = Path(tempfile.mkdtemp(prefix="fl-xdg-", dir="/tmp"))
+    service_dirs = Path(tempfile.mkdtemp(prefix="fl-svc-", dir="/tmp"))
+    try:
+        rank_cmd = ["--", PY, script("dump_env.py"), str(dumps)]
+        launcher = Launcher(str(cluster), "--secret-file", str(secret_file), *rank_cmd, run_id=run_id, env={"XDG_RUNTIME_DIR": str(xdg)})
+        agent = None
+        try:
+            wait_status(port, lambda doc: doc["joined_ranks"] == 1)
+            # What systemd gives a service: the credential (0400, ours), its runtime directory (0700), the notify socket.
+            credentials = service_dirs / "credentials"
+            credentials.mkdir(mode=0o700)
+            shutil.copyfile(secret_file, credentials / "flodl-token")
+            (credentials / "flodl-token").chmod(stat.S_IRUSR)
+            runtime = service_dirs / "run"
+            runtime.mkdir(mode=0o700)
+            env = {
+                **os.environ,
+                "NOTIFY_SOCKET": receiver.env_value,
+                "WATCHDOG_USEC": "200000",
+                "CREDENTIALS_DIRECTORY": str(credentials),
+                "RUNTIME_DIRECTORY": str(runtime),
+            }
+            cmd = [PY, "-m", "flodl_async.agent", "--controller", f"127.0.0.1:{port}", "--host", "walk-in", "--devices", "cpu:1"]
+            cmd += ["--token-credential", "flodl-token"]
+            agent = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+            _, agent_err = agent.communicate(timeout=90)
+            done = launcher.finish(timeout=60)
+        finally:
+            launcher.kill()
+            if agent is not None and agent.poll() is None:
+                agent.kill()
+                agent.communicate()
+            assert_nothing_left(run_id)
+        assert agent is not None
+        assert agent.returncode == 0, agent_err
+        assert done.returncode == 0, done.stderr
+        assert "Traceback" not in agent_err
+        notes = [d.decode() for d in receiver.received() if d != b"WATCHDOG=1\n"]
+        assert notes == [
+            f"STATUS=waiting for a controller at 127.0.0.1:{port}\n",
+            f"READY=1\nMAINPID={agent.pid}\nSTATUS=connected to the controller at 127.0.0.1:{port}, joining as walk-in\n",
+            f"STATUS=run {run_id}: admitted with rank 1, waiting for the world to form\n",
+            f"STATUS=run {run_id}: rank 1 running (round 0)\n",
+            f"STOPPING=1\nSTATUS=run {run_id}: stopping rank 1 (run complete)\n",
+        ], agent_err
+        assert receiver.received().count(b"WATCHDOG=1\n") >= 1  # the first ping goes out as the agent starts
+        rank_env = json.loads((dumps / "env-1.json").read_text())
+        assert not {"NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID"} & set(rank_env)  # a rank cannot speak for the service
+        assert Path(rank_env["TORCHELASTIC_ERROR_FILE"]).is_relative_to(runtime)  # the entry lived in $RUNTIME_DIRECTORY
+        assert list((runtime / "runs").iterdir()) == []  # and is gone
+    finally:
+        shutil.rmtree(xdg, ignore_errors=True)
+        shutil.rmtree(service_dirs, ignore_errors=True)
+
+
+@pytest.mark.e2e
+def test_a_flodl_agent_stopped_before_the_world_forms_says_stopping(tmp_path: Path) -> None:
+    port = free_port()
+    run_id = new_run_id()
+    secret_file = tmp_path / "secret"
+    cluster = tmp_path / "cluster.yml"
+    cluster.write_text(  # three ranks wanted, two come: the window stays open while the agent waits in it
+        f"controller:\n  port: {port}\n  join: {{min_rank_start: 3, target_ranks: 3, join_timeout: 60}}\nworkers:\n  - host: localhost\n    devices: cpu:1\n"
+    )
+    xdg = Path(tempfile.mkdtemp(prefix="fl-xdg-", dir="/tmp"))
+    receiver = Receiver(abstract=True)
+    try:
+        args = (str(cluster), "--secret-file", str(secret_file), "--stop-grace", "3", "--", PY, "-c", "pass")
+        launcher = Launcher(*args, run_id=run_id, env={"XDG_RUNTIME_DIR": str(xdg)})
+        agent = None
+        try:
+            wait_status(port, lambda doc: doc["joined_ranks"] == 1)
+            env = {**os.environ, "NOTIFY_SOCKET": receiver.env_value, "XDG_RUNTIME_DIR": str(xdg)}
+            cmd = [PY, "-m", "flodl_async.agent", "--controller", f"127.0.0.1:{port}", "--host", "walk-in", "--devices", "cpu:1"]
+            agent = subprocess.Popen([*cmd, "--secret-file", str(secret_file)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+            receiver.wait_for(1, b"admitted with rank 1")
+            agent.send_signal(signal.SIGTERM)  # what systemctl stop sends (KillMode=mixed: to the agent alone)
+            _, agent_err = agent.communicate(timeout=60)
+            launcher.proc.send_signal(signal.SIGTERM)
+            launcher.finish(timeout=60)
+        finally:
+            launcher.kill()
+            if agent is not None and agent.poll() is None:
+                agent.kill()
+                agent.communicate()
+            assert_nothing_left(run_id)
+        assert agent.returncode == 143, agent_err
+        notes = [d.decode() for d in receiver.received()]
+        assert notes[-1] == "STOPPING=1\nSTATUS=stopping: SIGTERM before the world formed\n", notes
+        assert [n.split("\n")[0] for n in notes[:2]] == [f"STATUS=waiting for a controller at 127.0.0.1:{port}", "READY=1"]
+    finally:
+        receiver.close()
+        shutil.rmtree(xdg, ignore_errors=True)
