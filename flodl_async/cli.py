@@ -1,4 +1,4 @@
-"""The ``flodl`` command: operator subcommands (``flodl status``).
+"""The ``flodl`` command: operator subcommands (``flodl status``, ``flodl token new``).
 
 Imports nothing heavy: no torch, no asyncio — a status query is one blocking
 HTTP request.
@@ -335,6 +335,18 @@ def _status(args: argparse.Namespace) -> StatusExit:
     return StatusExit.OK
 
 
+def _token_new(args: argparse.Namespace) -> int:
+    from .secretfile import create_token_file
+
+    try:
+        create_token_file(args.path)
+    except ConfigError as exc:
+        _say(f"flodl token new: {exc}", error=True)
+        return 2
+    _say(f"wrote a new cluster token to {args.path} (mode 0600); give it to the controller (--token-file) and to each dial-in agent")
+    return 0
+
+
 def _exit_epilog() -> str:
     return "exit codes:\n" + "\n".join(f"  {int(code):<4} {text}" for code, text in STATUS_EXIT_MEANINGS.items()) + "\n"
 
@@ -354,6 +366,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     status.add_argument("--json", action="store_true", help="print the raw JSON document")
     status.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for an answer (default %(default)s)")
     status.set_defaults(handler=_status)
+    token = sub.add_parser(
+        "token",
+        help="manage the cluster token of dial-in agents",
+        description="The cluster token admits dial-in agents (flodl-agent --token-file) to a controller started with --token-file or controller.token_file.",
+    )
+    token_sub = token.add_subparsers(dest="token_command", required=True)
+    token_new = token_sub.add_parser(
+        "new",
+        help="write a fresh cluster token to a new file",
+        description="Write a fresh 256-bit cluster token (hex) to PATH, created with mode 0600; an existing PATH is never "
+        "overwritten. Nothing secret is printed: copy the file to each host (e.g. scp, then keep it 0600).",
+        epilog="examples:\n  flodl token new /etc/flodl/token\n",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    token_new.add_argument("path", help="where to write the token (must not exist)")
+    token_new.set_defaults(handler=_token_new)
     args = parser.parse_args(argv)
     for stream in (sys.stdout, sys.stderr):
         if isinstance(stream, io.TextIOWrapper):  # text the terminal's encoding lacks is escaped, never a traceback

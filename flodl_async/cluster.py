@@ -6,16 +6,19 @@ Shape (all keys optional unless marked)::
       host: 10.0.0.1          # address agents dial (default 127.0.0.1)
       port: 1337              # the one port
       join: {min_rank_start, join_timeout, target_ranks, max_join_timeout, open_admission}
+      token_file: PATH        # cluster token (`flodl token new`): admits dial-in agents
     env: {NAME: value}        # for every rank
+    trainer: cpu              # the run is a flodl Trainer CPU-backend job (needed by `tunnel: true`)
     workers:                  # required, non-empty
       - host: node-a          # required; logical id and default ssh target
         devices: all | [0, 1] | 0,1 | cpu:4   # required (flodl_async.devices)
         ssh: {target, port, user, identity_file, known_hosts, options: [..]}
-        tunnel: false
+        tunnel: false         # reach the controller through an ssh remote forward (needs `trainer: cpu`)
         env: {NAME: value}    # this host's ranks; overrides the cluster env
         python: /usr/bin/python3
         workdir: /srv/train
         nccl_socket_ifname: eth0
+        dial_in: false        # true: the host joins on its own (flodl-agent --token-file F --persist)
 
 A top-level ``cluster:`` wrapper (flodl's layout) is accepted too. Every
 error names the file, line and key, says what was expected, and suggests the
@@ -118,6 +121,8 @@ class ControllerSpec:
     host: str = "127.0.0.1"
     port: int = DEFAULT_PORT
     join: JoinKnobs = field(default_factory=JoinKnobs)
+    #: The cluster token file that admits dial-in agents (as written in the file; relative to the cluster file's directory).
+    token_file: str | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -132,6 +137,8 @@ class WorkerSpec:
     python: str | None = None
     workdir: str | None = None
     nccl_socket_ifname: str | None = None
+    #: The host joins on its own (a ``flodl-agent --token-file … --persist`` service): the launcher starts nothing there.
+    dial_in: bool = False
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -141,6 +148,9 @@ class ClusterSpec:
     controller: ControllerSpec
     workers: tuple[WorkerSpec, ...]
     env: Mapping[str, str] = field(default_factory=dict)
+    #: ``trainer: cpu``: the script is a Trainer CPU-backend job, whose ranks talk only to the
+    #: controller (so a tunnel carries all of it); None for a plain torchrun-contract script.
+    trainer: str | None = None
     source: str = "<cluster>"
 
     @property
@@ -297,10 +307,12 @@ def _devices(doc: _Doc, node: yaml.Node, path: str) -> DeviceSpec:
     raise doc.error(node, path, f"{DEVICES_EXPECTED}, or a list of GPU ids like [0, 1]; got {_show(node)}")
 
 
-_TOP_KEYS = ("controller", "workers", "env")
-_CONTROLLER_KEYS = ("host", "port", "join")
+_TOP_KEYS = ("controller", "workers", "env", "trainer")
+#: The values `trainer:` takes (only the CPU backend rides a tunnel).
+TRAINERS = ("cpu",)
+_CONTROLLER_KEYS = ("host", "port", "join", "token_file")
 _JOIN_KEYS = ("min_rank_start", "join_timeout", "target_ranks", "max_join_timeout", "open_admission")
-_WORKER_KEYS = ("host", "devices", "ssh", "tunnel", "env", "python", "workdir", "nccl_socket_ifname")
+_WORKER_KEYS = ("host", "devices", "ssh", "tunnel", "env", "python", "workdir", "nccl_socket_ifname", "dial_in")
 _SSH_KEYS = ("target", "port", "user", "identity_file", "known_hosts", "options")
 
 
@@ -363,6 +375,7 @@ def _worker(doc: _Doc, node: yaml.Node, path: str) -> WorkerSpec:
         python=optional_str("python"),
         workdir=optional_str("workdir"),
         nccl_socket_ifname=optional_str("nccl_socket_ifname"),
+        dial_in=_bool(doc, keys["dial_in"], f"{path}.dial_in") if "dial_in" in keys else False,
     )
 
 
@@ -389,6 +402,7 @@ def parse_cluster(text: str, *, source: str = "<cluster>", local_names: frozense
             host=_str(doc, ckeys["host"], "controller.host") if "host" in ckeys else "127.0.0.1",
             port=_int(doc, ckeys["port"], "controller.port", minimum=1, maximum=65535) if "port" in ckeys else DEFAULT_PORT,
             join=_join_knobs(doc, ckeys["join"], "controller.join") if "join" in ckeys else JoinKnobs(),
+            token_file=_str(doc, ckeys["token_file"], "controller.token_file") if "token_file" in ckeys else None,
         )
     if "workers" not in top:
         raise doc.error(root, "", "missing required key 'workers' (a list of worker hosts)")
@@ -414,15 +428,39 @@ def parse_cluster(text: str, *, source: str = "<cluster>", local_names: frozense
         controller=controller,
         workers=tuple(workers),
         env=_env(doc, top["env"], "env") if "env" in top else {},
+        trainer=_trainer(doc, top["trainer"]) if "trainer" in top else None,
         source=source,
     )
     _validate_topology(doc, spec, workers_node, names)
     return spec
 
 
+def _trainer(doc: _Doc, node: yaml.Node) -> str:
+    value = _scalar(node) if isinstance(node, yaml.ScalarNode) else None
+    if value not in TRAINERS:
+        raise doc.error(node, "trainer", f"expected {' or '.join(TRAINERS)} (a flodl Trainer CPU-backend job), got {_show(node)}")
+    assert isinstance(value, str)
+    return value
+
+
+def _tunnel_node(node: yaml.Node) -> yaml.Node:
+    """The value node of a worker's ``tunnel`` key, for the line an error points at."""
+    assert isinstance(node, yaml.MappingNode)
+    value: yaml.Node = next(v for k, v in node.value if _scalar(k) == "tunnel")
+    return value
+
+
 def _validate_topology(doc: _Doc, spec: ClusterSpec, workers_node: yaml.SequenceNode, local_names: frozenset[str]) -> None:
     controller_names = local_names | {spec.controller.host}
     for i, worker in enumerate(spec.workers):
+        launched_by_us = [key for key, used in (("ssh", worker.ssh is not None), ("tunnel", worker.tunnel), ("python", worker.python is not None)) if used]
+        if worker.dial_in and launched_by_us:
+            raise doc.error(
+                workers_node.value[i],
+                f"workers[{i}].dial_in",
+                f"worker {worker.host!r} dials in on its own, so {', '.join(launched_by_us)} (how the launcher would start it) "
+                "cannot apply; drop them, or drop `dial_in: true` to have the launcher start it",
+            )
         if not worker.tunnel:
             continue
         node = workers_node.value[i]
@@ -439,6 +477,16 @@ def _validate_topology(doc: _Doc, spec: ClusterSpec, workers_node: yaml.Sequence
                 f"workers[{i}].tunnel",
                 f"worker {worker.host!r} sets `tunnel: true` with GPU devices (NCCL backend); NCCL's data plane "
                 "is peer-to-peer and cannot ride a controller tunnel — use `devices: cpu:N` or drop the tunnel",
+            )
+        if spec.trainer != "cpu":
+            # The launcher cannot tell a torchrun-contract script (gloo rank-to-rank traffic,
+            # which no tunnel carries) from a Trainer CPU-backend one, so the file must say.
+            raise doc.error(
+                _tunnel_node(node),
+                f"workers[{i}].tunnel",
+                f"worker {worker.host!r} sets `tunnel: true`, but a tunnel carries only controller traffic, not the "
+                "rank-to-rank traffic (gloo) of a torchrun-contract script; declare the run a Trainer CPU-backend job "
+                "with a top-level `trainer: cpu`, or drop the tunnel",
             )
 
 

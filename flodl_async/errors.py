@@ -57,6 +57,10 @@ class AuthenticationFailed(WireError):
     """A frame's HMAC tag did not verify (wrong secret, tampering, or wrong channel)."""
 
 
+class WrongToken(AuthenticationFailed):
+    """A cluster-token handshake failed its proof: the two sides hold different cluster tokens."""
+
+
 class SequenceError(WireError):
     """A frame arrived with an unexpected sequence number (replay, drop or reorder)."""
 
@@ -212,8 +216,8 @@ class RuntimeDirError(ConfigError):
 class SecretFileError(ConfigError):
     """A ``--secret-file`` that cannot be used safely (:mod:`flodl_async.secretfile`): ``problem`` says why, ``fix`` what to do."""
 
-    def __init__(self, path: str, problem: str, fix: str) -> None:
+    def __init__(self, path: str, problem: str, fix: str, *, what: str = "secret file") -> None:
         self.path = path
         self.problem = problem
         self.fix = fix
-        super().__init__(f"secret file {path}: {problem} — {fix}")
+        super().__init__(f"{what} {path}: {problem} — {fix}")

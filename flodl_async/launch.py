@@ -42,7 +42,7 @@ from .devices import parse_devices
 from .errors import ConfigError, FlodlError, PortInUseError
 from .hostnames import HostAliases
 from .plan import LaunchPlan, PlacedWorker, Placement
-from .secretfile import load_or_create_secret
+from .secretfile import load_or_create_secret, read_token_file
 from .verdict import ExitCode, RunResult, exit_help
 from .wire.keys import new_session_secret
 
@@ -71,6 +71,7 @@ class _Args:
     stop_grace: float
     secret_file: str | None
     command: tuple[str, ...]
+    token_file: str | None = None
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -97,6 +98,10 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--secret-file",
         help="read the session secret from this file (it must be yours, mode 0600), or write a new one there (0600) for flodl-agent",
+    )
+    parser.add_argument(
+        "--token-file",
+        help="admit dial-in agents holding this cluster token (`flodl token new PATH`; yours, mode 0600); overrides controller.token_file",
     )
     parser.add_argument("-q", "--quiet", action="store_true", help="only rank output and the verdict")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug output")
@@ -142,6 +147,7 @@ def parse_args(argv: Sequence[str]) -> _Args:
         stop_grace=ns.stop_grace,
         secret_file=ns.secret_file,
         command=command,
+        token_file=ns.token_file,
     )
 
 
@@ -177,15 +183,10 @@ def build_plan(args: _Args) -> LaunchPlan:
         assert args.cluster is not None
         spec = load_cluster(args.cluster, local_names=aliases.names)
     local = aliases.names
-    tunneled = [w.host for w in spec.workers if w.tunnel and placement_of(w, local) is Placement.SSH]
-    if tunneled:
-        raise ConfigError(
-            f"{spec.source}: worker(s) {', '.join(tunneled)} set tunnel: true, which ssh workers do not support yet; "
-            "remove it (the agent dials the controller's address directly)"
-        )
     capacity = sum(w.devices.known_count if w.devices.known_count is not None else gpu_count for w in spec.workers)
     join = spec.controller.join.resolve(capacity, scale=deadlines.scale)
     secret = _session_secret(args.secret_file)
+    token = _cluster_token(args.token_file, spec)
     return LaunchPlan(
         run_id=args.run_id or f"flodl-{secrets.token_hex(4)}",
         secret=secret,
@@ -199,11 +200,26 @@ def build_plan(args: _Args) -> LaunchPlan:
         log_dir=args.log_dir,
         deadlines=deadlines,
         host_aliases=aliases,
+        token=token,
     )
 
 
+def _cluster_token(flag: str | None, spec: ClusterSpec) -> bytes | None:
+    """The token of ``--token-file``, else of ``controller.token_file`` (relative to the cluster file), else None."""
+    if flag is not None:
+        return read_token_file(flag)
+    if spec.controller.token_file is None:
+        return None
+    path = Path(spec.controller.token_file).expanduser()
+    if not path.is_absolute():
+        path = Path(spec.source).parent / path
+    return read_token_file(path)
+
+
 def placement_of(worker: WorkerSpec, local_names: frozenset[str]) -> Placement:
-    """The controller's own host runs in-process; every other host is started over ssh."""
+    """A dial-in worker joins on its own; the controller's own host runs in-process; every other host is started over ssh."""
+    if worker.dial_in:
+        return Placement.DIAL_IN
     return Placement.LOCAL if is_local_host(worker.host, local_names) else Placement.SSH
 
 

@@ -3,8 +3,8 @@
 Each worker of the plan carries its :class:`Placement`: how its agent comes to
 exist: ``LOCAL`` on the controller's host (its agent runs inside the controller's
 process, over the real join protocol on loopback), ``SSH`` on every other host
-(started over ssh by :mod:`flodl_async.controller.fanout`); dial-in agents plug in
-as a further placement behind the controller's agent-launcher seam.
+(started over ssh by :mod:`flodl_async.controller.fanout`), or ``DIAL_IN``
+(``dial_in: true``: it joins on its own, with the cluster token).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ class Placement(enum.Enum):
     LOCAL = "local"
     #: Started over ssh by the launcher (:mod:`flodl_async.controller.fanout`).
     SSH = "ssh"
-    #: Joins on its own, e.g. a systemd service (not in this version).
+    #: Joins on its own, e.g. a systemd ``flodl-agent --persist``: the controller launches nothing, the window waits for it.
     DIAL_IN = "dial-in"
 
 
@@ -49,7 +49,7 @@ class LaunchPlan:
     """Everything the controller needs for one run."""
 
     run_id: str
-    secret: bytes
+    secret: bytes = field(repr=False)
     bind_host: str
     port: int
     join: JoinConfig
@@ -61,6 +61,8 @@ class LaunchPlan:
     deadlines: Deadlines = field(default_factory=Deadlines)
     #: The spellings of the controller's machine, read once by the launcher (None: names are compared as given).
     host_aliases: HostAliases | None = None
+    #: The cluster token that admits dial-in agents to the join channel (None: token admission is off).
+    token: bytes | None = field(default=None, repr=False)
 
     @property
     def local_hosts(self) -> frozenset[str]:

@@ -1,4 +1,4 @@
-"""The session secret on disk (``--secret-file``): read only from a private file, written private from its first byte.
+"""The session secret (``--secret-file``) and the cluster token (``--token-file``) on disk: read only from a private file, written private from its first byte.
 
 Read: as ssh treats a private key, a secret file is refused unless it is a
 regular file, owned by the user running us, that neither group nor others can
@@ -20,7 +20,7 @@ import shlex
 import stat
 
 from .errors import ConfigError, SecretFileError
-from .wire.keys import secret_from_hex
+from .wire.keys import new_cluster_token, secret_from_hex, token_from_hex
 
 #: A secret file holds 32 hex characters and a newline; anything much larger is not one (and is not read whole).
 MAX_SECRET_FILE_BYTES = 4096
@@ -31,56 +31,88 @@ _KINDS = {stat.S_IFDIR: "a directory", stat.S_IFIFO: "a FIFO", stat.S_IFSOCK: "a
 def read_secret_file(path: str | os.PathLike[str]) -> bytes:
     """The session secret in ``path``, after checking that the file is private; raises :class:`SecretFileError`."""
     name = os.fspath(path)
-    try:
-        fd = os.open(name, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
-    except OSError as exc:
-        raise SecretFileError(
-            name, f"cannot open it: {exc.strerror or exc}", "check the path (flodl-launch --secret-file PATH writes a new one when PATH does not exist)"
-        ) from exc
-    try:
-        _check_private(name, os.fstat(fd))
-        raw = _read_bounded(name, fd)
-    finally:
-        os.close(fd)
+    missing = "flodl-launch --secret-file PATH writes a new one when PATH does not exist"
+    raw = _read_private(name, flag="--secret-file", what="the session secret", missing=missing, label="secret file")
     try:
         return secret_from_hex(raw.decode("ascii", errors="replace"))
     except ConfigError as exc:
         raise SecretFileError(name, str(exc), "write the controller's secret into it (32 hex characters)") from None
 
 
-def _check_private(name: str, st: os.stat_result) -> None:
+def read_token_file(path: str | os.PathLike[str]) -> bytes:
+    """The cluster token in ``path`` (``--token-file``), checked private as a secret file is; raises :class:`SecretFileError`."""
+    name = os.fspath(path)
+    raw = _read_private(name, flag="--token-file", what="the cluster token", missing="`flodl token new PATH` writes a new one", label="token file")
+    try:
+        return token_from_hex(raw.decode("ascii", errors="replace"))
+    except ConfigError as exc:
+        raise SecretFileError(name, str(exc), "use the file `flodl token new` wrote (the same file on every host)", what="token file") from None
+
+
+def create_token_file(path: str | os.PathLike[str]) -> None:
+    """Write a fresh cluster token to a new file at ``path`` (0600 from its creation); never overwrites.
+
+    Raises :class:`SecretFileError` when anything is already there, or it cannot be written.
+    """
+    name = os.fspath(path)
+    try:
+        create_secret_file(name, new_cluster_token())
+    except FileExistsError:
+        raise SecretFileError(
+            name,
+            "already exists (a token file is never overwritten: hosts holding the old token would be locked out)",
+            "pick a new path, or remove it first",
+            what="token file",
+        ) from None
+
+
+def _read_private(name: str, *, flag: str, what: str, missing: str, label: str) -> bytes:
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+    except OSError as exc:
+        raise SecretFileError(name, f"cannot open it: {exc.strerror or exc}", f"check the path ({missing})", what=label) from exc
+    try:
+        _check_private(name, os.fstat(fd), flag=flag, what=what, label=label)
+        return _read_bounded(name, fd, label=label)
+    finally:
+        os.close(fd)
+
+
+def _check_private(name: str, st: os.stat_result, *, flag: str, what: str, label: str) -> None:
     quoted = shlex.quote(name)
     if not stat.S_ISREG(st.st_mode):
         kind = _KINDS.get(stat.S_IFMT(st.st_mode), "not a regular file")
-        raise SecretFileError(name, f"is {kind}, not a regular file", "point --secret-file at a regular file of yours with mode 0600")
+        raise SecretFileError(name, f"is {kind}, not a regular file", f"point {flag} at a regular file of yours with mode 0600", what=label)
     if st.st_uid != os.geteuid():
         raise SecretFileError(
             name,
             f"is owned by uid {st.st_uid}, not by you (uid {os.geteuid()}); a secret must be its reader's own",
             f"use a copy of your own: `install -m 600 {quoted} NEWFILE`",
+            what=label,
         )
     mode = stat.S_IMODE(st.st_mode)
     if mode & 0o077:
         raise SecretFileError(
             name,
-            f"has mode {mode:04o}, so group or others can get at the session secret (refused, as ssh refuses a loose private key)",
+            f"has mode {mode:04o}, so group or others can get at {what} (refused, as ssh refuses a loose private key)",
             f"run `chmod 600 {quoted}`",
+            what=label,
         )
 
 
-def _read_bounded(name: str, fd: int) -> bytes:
+def _read_bounded(name: str, fd: int, *, label: str) -> bytes:
     chunks: list[bytes] = []
     size = 0
     while size <= MAX_SECRET_FILE_BYTES:
         try:
             chunk = os.read(fd, MAX_SECRET_FILE_BYTES + 1 - size)
         except OSError as exc:
-            raise SecretFileError(name, f"cannot read it: {exc.strerror or exc}", "check the file") from exc
+            raise SecretFileError(name, f"cannot read it: {exc.strerror or exc}", "check the file", what=label) from exc
         if not chunk:
             return b"".join(chunks)
         chunks.append(chunk)
         size += len(chunk)
-    raise SecretFileError(name, f"is larger than {MAX_SECRET_FILE_BYTES} bytes, so not a session secret (32 hex characters)", "check the path")
+    raise SecretFileError(name, f"is larger than {MAX_SECRET_FILE_BYTES} bytes, so not a secret or token (hex characters)", "check the path", what=label)
 
 
 def create_secret_file(path: str | os.PathLike[str], secret: bytes) -> None:

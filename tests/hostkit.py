@@ -22,6 +22,7 @@ import socket
 import subprocess
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -75,7 +76,8 @@ class HostKit:
         return f"{self.prefix}.1"
 
     @classmethod
-    def create(cls, count: int) -> HostKit:
+    def create(cls, count: int, *, sshd_options: Sequence[str] = ()) -> HostKit:
+        """``count`` hosts; ``sshd_options``: extra sshd_config lines for each (e.g. ``AllowTcpForwarding no``)."""
         tag = secrets.token_hex(3)
         root = Path(tempfile.mkdtemp(prefix=f"flodl-hosts-{tag}-"))
         os.chmod(root, 0o700)
@@ -94,20 +96,20 @@ class HostKit:
             _run("ip", "link", "add", kit.bridge, "type", "bridge")
             _run("ip", "addr", "add", f"{kit.controller_addr}/24", "dev", kit.bridge)
             _run("ip", "link", "set", kit.bridge, "up")
-            kit.add_hosts(count)
+            kit.add_hosts(count, sshd_options=sshd_options)
         except BaseException:
             kit.close()
             raise
         return kit
 
-    def add_hosts(self, count: int) -> list[NsHost]:
+    def add_hosts(self, count: int, *, sshd_options: Sequence[str] = ()) -> list[NsHost]:
         """Bring up ``count`` more hosts (h1, h2, ... in order); return them once each sshd answers."""
-        added = [self._add_host(len(self.hosts) + 1) for _ in range(count)]
+        added = [self._add_host(len(self.hosts) + 1, sshd_options) for _ in range(count)]
         for host in added:
             self._wait_sshd(host)
         return added
 
-    def _add_host(self, index: int) -> NsHost:
+    def _add_host(self, index: int, sshd_options: Sequence[str]) -> NsHost:
         name = f"h{index}"
         ns = f"fl{self.tag}{name}"
         addr = f"{self.prefix}.{index + 1}"
@@ -149,6 +151,7 @@ class HostKit:
                     "X11Forwarding no",
                     "PrintMotd no",
                     "LogLevel VERBOSE",
+                    *sshd_options,
                     "",
                 )
             )

@@ -24,6 +24,7 @@ controller:
 env:
   NCCL_DEBUG: INFO
   BATCH: 32
+trainer: cpu
 workers:
   - host: ctl-host
     devices: [0, 1]
@@ -52,6 +53,7 @@ def test_full_file_parses_into_frozen_specs() -> None:
     assert spec.controller.port == 2000
     assert spec.controller.join == JoinKnobs(min_rank_start=2, join_timeout=30, target_ranks=3, max_join_timeout=60, open_admission=False)
     assert spec.env == {"NCCL_DEBUG": "INFO", "BATCH": "32"}
+    assert spec.trainer == "cpu"
     a, b, c = spec.workers
     assert a.devices == DeviceSpec(kind=DeviceKind.GPU_LIST, gpu_ids=(0, 1))
     assert a.nccl_socket_ifname == "eth0"
@@ -72,6 +74,7 @@ def test_defaults_and_cluster_wrapper() -> None:
     assert spec.controller.host == "127.0.0.1"
     assert spec.capacity == 2
     assert spec.bind_host(LOCAL) == "127.0.0.1"
+    assert spec.trainer is None  # a plain torchrun-contract script unless the file says otherwise
 
 
 def test_join_defaults_follow_the_seed() -> None:
@@ -85,6 +88,11 @@ def test_join_defaults_follow_the_seed() -> None:
 def test_bind_host_is_wildcard_with_remote_untunneled_workers() -> None:
     spec = parse_cluster(FULL.replace("devices: all", "devices: cpu:1"), local_names=LOCAL)
     assert spec.bind_host(LOCAL) == "0.0.0.0"
+
+
+def test_bind_host_is_loopback_when_every_remote_worker_tunnels() -> None:
+    text = "trainer: cpu\nworkers:\n  - {host: localhost, devices: cpu:1}\n  - {host: far, devices: cpu:2, tunnel: true}\n"
+    assert parse_cluster(text, local_names=LOCAL).bind_host(LOCAL) == "127.0.0.1"
 
 
 def test_load_cluster_reads_a_file(tmp_path: Path) -> None:
@@ -103,7 +111,7 @@ W = "workers:\n  - host: a\n    devices: cpu:1\n"
 ERRORS = [
     ("", r"^c\.yml: the file is empty; it needs at least a `workers:` list$"),
     ("workers: [\n", r"^c\.yml:2: not valid YAML: "),
-    ("- a\n- b\n", r"^c\.yml:1: expected a mapping with keys controller, workers, env$"),
+    ("- a\n- b\n", r"^c\.yml:1: expected a mapping with keys controller, workers, env, trainer$"),
     ("controller: {}\n", r"^c\.yml:1: missing required key 'workers' \(a list of worker hosts\)$"),
     ("wrokers: []\n", r"^c\.yml:1: wrokers: unknown key 'wrokers'; did you mean 'workers'\?$"),
     ("workers: []\n", r"^c\.yml:1: workers: expected a non-empty list of workers$"),
@@ -155,6 +163,14 @@ ERRORS = [
         "workers:\n  - host: far\n    devices: [0]\n    tunnel: true\n",
         r"workers\[0\]\.tunnel: worker 'far' sets `tunnel: true` with GPU devices \(NCCL backend\)",
     ),
+    (
+        "workers:\n  - host: far\n    devices: cpu:2\n    tunnel: true\n",
+        r"^c\.yml:4: workers\[0\]\.tunnel: worker 'far' sets `tunnel: true`, but a tunnel carries only controller traffic, not the "
+        r"rank-to-rank traffic \(gloo\) of a torchrun-contract script; declare the run a Trainer CPU-backend job "
+        r"with a top-level `trainer: cpu`, or drop the tunnel$",
+    ),
+    (W + "trainer: gpu\n", r"^c\.yml:4: trainer: expected cpu \(a flodl Trainer CPU-backend job\), got 'gpu'$"),
+    (W + "trainer: [cpu]\n", r"^c\.yml:4: trainer: expected cpu .*got a list$"),
     ("workers:\n  - host: a\n    devices: cpu:1\n  - host: a\n    devices: cpu:1\n", r"host 'a' is listed twice"),
     (
         "workers:\n  - host: localhost\n    devices: cpu:1\n  - host: b\n    devices: cpu:1\n  - host: ctl-host\n    devices: cpu:1\n",

@@ -228,12 +228,14 @@ def test_an_unsupported_ssh_option_is_refused_by_name(tmp_path: Path) -> None:
     assert "window open" not in done.stderr
 
 
-def test_a_tunneled_ssh_worker_is_refused_for_now(tmp_path: Path) -> None:
+def test_a_tunnel_without_trainer_cpu_is_a_config_error_naming_the_line(tmp_path: Path) -> None:
     cluster = tmp_path / "cluster.yml"
     cluster.write_text("workers:\n  - host: far-away-node\n    devices: cpu:2\n    tunnel: true\n")
     done = run_launch(str(cluster), "--", PY, "x.py", run_id=new_run_id())
     assert done.returncode == 2
-    assert "worker(s) far-away-node set tunnel: true, which ssh workers do not support yet; remove it" in done.stderr
+    assert f"{cluster}:4: workers[0].tunnel: worker 'far-away-node' sets `tunnel: true`, but a tunnel carries only controller traffic" in done.stderr
+    assert "top-level `trainer: cpu`" in done.stderr
+    assert "Traceback" not in done.stderr
     assert "window open" not in done.stderr
 
 

@@ -9,6 +9,9 @@ kills the ranks at once.
 Failures are one line naming this host, the controller's address and the cause,
 with the exit code of :data:`AGENT_EXIT_MEANINGS`; a traceback means a bug.
 
+``--persist`` (with ``--token-file``) runs :class:`~flodl_async.agent.daemon.PersistentAgent`
+instead of one session: run after run, until a signal.
+
 Under systemd (deploy/flodl-agent.service) it notifies READY/STATUS/STOPPING and
 pings the watchdog from its loop, and ``--token-credential`` reads the secret
 from ``$CREDENTIALS_DIRECTORY`` (:mod:`flodl_async.agent.systemd`).
@@ -29,7 +32,7 @@ from ..deadlines import DEFAULT_STOP_GRACE, Deadlines
 from ..devices import parse_devices
 from ..errors import AgentError, ConfigError, ConnectionClosed, ControllerLost, FlodlError, JoinFailed, WireError
 from ..sdnotify import Notifier
-from ..secretfile import read_secret_file
+from ..secretfile import read_secret_file, read_token_file
 from ..verdict import ExitCode, exit_code_for_signal, exit_help
 from ..wire.keys import secret_from_hex
 from .output import RankOutput
@@ -44,7 +47,7 @@ AGENT_EXIT_MEANINGS: dict[ExitCode, str] = {
     ExitCode.OK: "the run finished (the controller said Finish)",
     ExitCode.INTERNAL: "internal error (a bug: please report it)",
     ExitCode.USAGE: "bad arguments, secret or runtime directory; nothing was started",
-    ExitCode.FORMATION: "could not join: controller unreachable, join refused, or the world did not form",
+    ExitCode.FORMATION: "could not join: controller unreachable, join refused (a wrong cluster token too, even with --persist), or the world did not form",
     ExitCode.RANK_FAILURE: "the run failed: the controller aborted it (a rank failed) or the controller was lost",
     ExitCode.INTERRUPTED: "stopped by SIGINT (the ranks got SIGINT first); a second signal kills them at once",
     ExitCode.TERMINATED: "stopped by SIGTERM (the ranks got SIGTERM first); a second signal kills them at once",
@@ -53,6 +56,7 @@ AGENT_EXIT_MEANINGS: dict[ExitCode, str] = {
 EXAMPLES = """\
 examples:
   flodl-agent --controller 10.0.0.1:1337 --devices cpu:4 --secret-file /run/flodl/secret
+  flodl-agent --controller 10.0.0.1:1337 --devices 0,1 --token-file /etc/flodl/token --persist
   ssh node-b flodl-agent --controller 10.0.0.1:1337 --devices 0,1 < secret
 """
 
@@ -61,7 +65,8 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="flodl-agent",
         description="Join a flodl controller's run and run this host's ranks. The session secret "
-        "comes on stdin (32 hex characters) or from --secret-file, never on the command line.",
+        "comes on stdin (32 hex characters) or from --secret-file, or the agent holds the cluster token "
+        "(--token-file) and the controller sends it the secret sealed; never on the command line.",
         epilog=EXAMPLES + "\n" + exit_help(AGENT_EXIT_MEANINGS),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -73,8 +78,26 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--devices", default="all", help="`all` GPUs, ids like 0,1, or cpu:N (default %(default)s)")
     parser.add_argument("--host", default=socket.gethostname(), help="this host's name in the run (default: hostname)")
-    parser.add_argument("--secret-file", help="file holding the session secret in hex (yours, mode 0600)")
+    parser.add_argument("--secret-file", help="file holding the session secret in hex (yours, mode 0600): one run")
+    parser.add_argument(
+        "--token-file",
+        help="file holding the cluster token (`flodl token new`; yours, mode 0600): join as a dial-in agent, given each run's secret sealed",
+    )
     parser.add_argument("--workdir", help="working directory of the ranks")
+    parser.add_argument(
+        "--open-admission",
+        action="store_true",
+        help="hold no credential: join a controller that runs join.open_admission (trusted networks only)",
+    )
+    parser.add_argument(
+        "--persist",
+        action="store_true",
+        help="with --token-file: stay up across runs, dialing again (capped exponential backoff with jitter) after each run "
+        "and while no controller answers; SIGTERM stops it (exit 143)",
+    )
+    parser.add_argument(
+        "--reconnect-max", type=float, default=30.0, help="with --persist: the longest wait between two dials, in seconds (default %(default)g)"
+    )
     parser.add_argument(
         "--stop-grace",
         type=float,
@@ -106,10 +129,21 @@ def build_config(args: argparse.Namespace) -> SessionConfig:
         devices = parse_devices(args.devices)
     except ConfigError as exc:
         raise ConfigError(f"--devices: {exc}") from None
+    if args.open_admission and (args.token_file or args.secret_file):
+        raise ConfigError("--open-admission means no credential: drop --token-file / --secret-file, or drop --open-admission")
+    if args.persist and not (args.token_file or args.open_admission):
+        raise ConfigError("--persist needs --token-file: a session secret is good for one run only, the cluster token for every run")
+    if not args.reconnect_max > 0:
+        raise ConfigError(f"--reconnect-max must be more than 0 seconds (got {args.reconnect_max:g})")
+    if args.token_file and args.secret_file:
+        raise ConfigError("--token-file and --secret-file exclude each other: a dial-in agent learns the secret from the controller")
+    token = read_token_file(args.token_file) if args.token_file else None
     return SessionConfig(
         controller_host=host,
         controller_port=port,
-        secret=_read_secret(args.secret_file),
+        secret=b"" if token is not None or args.open_admission else _read_secret(args.secret_file),
+        token=token,
+        open_admission=args.open_admission,
         host=args.host,
         devices=devices,
         workdir=args.workdir,
@@ -165,6 +199,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         _say(f"flodl-agent: {exc}")
         return int(ExitCode.USAGE)
     output = RankOutput(stdout=sys.stdout.buffer, stderr=sys.stderr.buffer)
+    if args.persist:
+        return _persist(config, output, reconnect_max=args.reconnect_max)
     notifier = Notifier.from_environ()  # a no-op outside systemd; the ranks do not inherit $NOTIFY_SOCKET
     session = HostSession(config, output=output, observer=notification_observer(notifier))
     try:
@@ -185,6 +221,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     if outcome.ending is not Ending.FINISHED:
         _say(f"flodl-agent: {outcome.ending.value}: {outcome.reason}")
     return int(exit_code_for(outcome))
+
+
+def _persist(config: SessionConfig, output: RankOutput, *, reconnect_max: float) -> int:
+    from ..backoff import BackoffPolicy
+    from ..net.loop import run
+    from .daemon import PersistentAgent, serve_persistently
+
+    policy = BackoffPolicy(initial=min(0.5, reconnect_max), cap=reconnect_max)
+    notifier = Notifier.from_environ()  # as for one run: a no-op outside systemd
+    agent = PersistentAgent(config, output=output, policy=policy, observer=notification_observer(notifier))
+    try:
+        return int(run(with_watchdog(serve_persistently(agent), notifier)))
+    except KeyboardInterrupt:
+        return int(ExitCode.INTERRUPTED)
+    except (Exception, BaseExceptionGroup):
+        log.exception("internal error")
+        return int(ExitCode.INTERNAL)
+    finally:
+        output.close()
+        notifier.close()
 
 
 #: The exit code of each error a session ends with, most specific first (the first match wins).

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import enum
 import logging
 import os
@@ -73,7 +74,7 @@ from ..runtime import RuntimeEntry, create_entry, reap_stale_ranks, sweep_stale
 from ..verdict import StopStep, rank_signal_for, stop_schedule
 from ..wire import messages as m
 from ..wire.channels import Channel
-from ..wire.keys import Credential
+from ..wire.keys import SECRET_BYTES, Credential
 from ..wire.schema import Message
 from .lifecycle import Phase, SessionEvent, SessionObserver, ignore
 from .output import RankOutput
@@ -101,7 +102,8 @@ class SessionConfig:
 
     controller_host: str
     controller_port: int
-    secret: bytes
+    #: The session secret; empty when ``token`` is set (the controller then sends the secret, sealed, on admission).
+    secret: bytes = field(repr=False)
     host: str
     devices: DeviceSpec
     env: Mapping[str, str] = field(default_factory=dict)
@@ -111,6 +113,10 @@ class SessionConfig:
     deadlines: Deadlines = field(default_factory=Deadlines.resolve)
     #: The runtime directory (default: :func:`flodl_async.runtime.runtime_root`).
     runtime_root: Path | None = None
+    #: A dial-in agent's cluster token: it joins with the token instead of the session secret.
+    token: bytes | None = field(default=None, repr=False)
+    #: Join with no credential at all (a controller running ``join.open_admission``); the secret comes as with a token.
+    open_admission: bool = False
 
     @property
     def controller_addr(self) -> str:
@@ -133,6 +139,25 @@ class SessionOutcome:
     ending: Ending
     reason: str
     signal: int | None = None
+
+
+def _join_credential(cfg: SessionConfig) -> Credential:
+    if cfg.token is not None:
+        return Credential.token(cfg.token)
+    if cfg.open_admission:
+        return Credential.open_admission()
+    return Credential.session(cfg.secret)
+
+
+def _with_session_secret(cfg: SessionConfig, accept: m.JoinAccept) -> SessionConfig:
+    """A token agent's config once admitted: the run's session secret, as its sealed JoinAccept carried it."""
+    if len(accept.session_secret) != SECRET_BYTES:
+        raise JoinFailed(
+            cfg.host,
+            f"the controller at {cfg.controller_addr} admitted this agent without a valid session secret "
+            f"({len(accept.session_secret)} bytes); run the same flodl_async version on every host",
+        )
+    return dataclasses.replace(cfg, secret=accept.session_secret)
 
 
 class _StopRequested(Exception):
@@ -187,7 +212,8 @@ class HostSession:
         self.observe(Phase.DIALING)
         try:
             async with asyncio.timeout(cfg.deadlines.handshake):
-                link = await open_framed(cfg.controller_host, cfg.controller_port, channel=Channel.JOIN, credential=Credential.session(cfg.secret))
+                credential = _join_credential(cfg)
+                link = await open_framed(cfg.controller_host, cfg.controller_port, channel=Channel.JOIN, credential=credential)
         except TimeoutError as exc:
             raise ControllerUnreachable(
                 cfg.host,
@@ -204,6 +230,8 @@ class HostSession:
             if self._stop_signal is not None:
                 raise _StopRequested
             accept = await self._join(link, devices)
+            if cfg.token is not None or cfg.open_admission:
+                self.config = cfg = _with_session_secret(cfg, accept)
             self.observe(Phase.ADMITTED, run_id=accept.run_id, ranks=accept.ranks)
             entry = create_entry(run_id=accept.run_id, host=cfg.host, controller=cfg.controller_addr, root=cfg.runtime_root)
             formed = await self._await_formation(link, accept)

@@ -9,6 +9,12 @@ worker's ``workdir``, wait for the agent's hello line (its version), then write 
 one JSON line on stdin. The secret is never on the remote command line. The ssh session
 stays open for the whole run: it is the agent's lifeline (EOF on its stdin stops it).
 
+A ``tunnel: true`` worker (cluster file ``trainer: cpu`` only, see :mod:`flodl_async.cluster`)
+reaches the controller through a remote forward on that same ssh session: sshd on the host
+listens on its 127.0.0.1:<ephemeral>, each connection there is carried back over ssh to the
+controller's port, and the agent's spec names 127.0.0.1:<that port> as its controller. When
+every remote worker tunnels the controller binds loopback only, so the tunnel is the one path.
+
 Every failure before the agent is up is a :class:`SshLaunchFailed` (a ``JoinFailed``)
 naming the host, the cause and what to do; the controller turns it into ``HostLost``, and a
 planned host lost before joining fails the window at once (exit 3).
@@ -43,6 +49,8 @@ DEFAULT_KNOWN_HOSTS = "~/.ssh/known_hosts"
 DEFAULT_PYTHON = "python3"
 #: Exit status of a remote command the shell could not find.
 COMMAND_NOT_FOUND = 127
+#: Where a tunnel listens on its host (loopback: only that host's agent and ranks reach it).
+TUNNEL_HOST = "127.0.0.1"
 #: How many of the agent's last stderr lines a failure quotes.
 STDERR_TAIL = 5
 
@@ -129,27 +137,30 @@ class SshLauncher:
                 tunnel = await stack.enter_async_context(await self._connect(target.jump_host()))
             conn = await stack.enter_async_context(await self._connect(target, tunnel=tunnel))
             # With a jump host, the address the jump host reached us on is the best guess at ours.
-            controller_host = self._controller_host_for(tunnel or conn)
+            controller_host, controller_port = self._controller_host_for(tunnel or conn), self._contact.port
+            if spec.tunnel:
+                controller_host, controller_port = await self._open_tunnel(target, conn)
             command = remote_command(spec.python or DEFAULT_PYTHON, spec.workdir)
             process = await conn.create_process(command, encoding=None)
             self._processes.append(process)
             stderr_tail: list[bytes] = []
             with _first_error():
-                await self._serve(target, process, worker, controller_host, stderr_tail)
+                await self._serve(target, process, worker, (controller_host, controller_port), stderr_tail)
             completed = process.returncode, process.exit_signal
             if completed != (0, None):
                 code, sig = completed
                 status = f"signal {sig[0]}" if sig else f"exit {code}" if code is not None else "its ssh session closing"
                 raise AgentError(spec.host, f"the agent on {target.where} ended with {status}{_tail(stderr_tail)}")
 
-    async def _serve(self, target: SshTarget, process: Any, worker: PlacedWorker, controller_host: str, stderr_tail: list[bytes]) -> None:
+    async def _serve(self, target: SshTarget, process: Any, worker: PlacedWorker, controller: tuple[str, int], stderr_tail: list[bytes]) -> None:
         spec = worker.spec
+        controller_host, controller_port = controller
         async with asyncio.TaskGroup() as tg:
             stderr_done = tg.create_task(self._relay_stderr(process, stderr_tail))
             await self._await_hello(target, process, stderr_tail, stderr_done, spec.python or DEFAULT_PYTHON)
             agent_spec = AgentSpec(
                 controller_host=controller_host,
-                controller_port=self._contact.port,
+                controller_port=controller_port,
                 secret_hex=self._contact.secret.hex(),
                 host=spec.host,
                 devices=devices_text(spec.devices),
@@ -179,6 +190,33 @@ class SshLauncher:
             return self._contact.host
         sockname = conn.get_extra_info("sockname")
         return str(sockname[0]) if sockname else self._contact.host
+
+    async def _open_tunnel(self, target: SshTarget, conn: Any) -> tuple[str, int]:
+        """A remote forward, host's 127.0.0.1:<ephemeral> to the controller's port; closed with ``conn``."""
+        # The controller listens on its bind address; a wildcard bind is reached on loopback too.
+        local = self._contact.host if self._contact.host not in ("", "0.0.0.0", "::") else TUNNEL_HOST
+        try:
+            async with asyncio.timeout(self._contact.deadlines.ssh_connect):
+                listener = await conn.forward_remote_port(TUNNEL_HOST, 0, local, self._contact.port)
+        except TimeoutError:
+            raise SshLaunchFailed(
+                target.host, f"sshd on {target.where} did not answer the tunnel's port-forward request within {self._contact.deadlines.ssh_connect:g}s"
+            ) from None
+        except (asyncssh.ChannelListenError, asyncssh.Error) as exc:  # the first is no asyncssh.Error
+            raise SshLaunchFailed(
+                target.host,
+                f"sshd on {target.where} refused the tunnel's remote port forward ({exc}); allow it there "
+                "(AllowTcpForwarding yes or remote in sshd_config) or drop `tunnel: true`",
+            ) from None
+        if listener is None:  # asyncssh's answer to a refused forward on some versions
+            raise SshLaunchFailed(
+                target.host,
+                f"sshd on {target.where} refused the tunnel's remote port forward; allow it there "
+                "(AllowTcpForwarding yes or remote in sshd_config) or drop `tunnel: true`",
+            )
+        port = int(listener.get_port())
+        log.info("%s: tunnel %s:%d on the host -> %s:%d here", target.host, TUNNEL_HOST, port, local, self._contact.port)
+        return TUNNEL_HOST, port
 
     async def _connect(self, target: SshTarget, *, tunnel: Any = None) -> Any:
         if not target.known_hosts.is_file():

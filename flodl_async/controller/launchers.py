@@ -71,3 +71,14 @@ class LocalLauncher:
         """Kill every local agent's ranks now."""
         for session in self._sessions:
             session.force_stop()
+
+
+class DialInLauncher:
+    """Workers that join on their own (``dial_in: true``): nothing to start; the window waits for their join."""
+
+    async def run_agent(self, worker: PlacedWorker) -> None:
+        """Launch nothing: the host's own agent dials the join channel like a walk-in."""
+        del worker
+
+    def force_stop(self) -> None:
+        """Nothing of ours runs there: the controller's Abort down the join link stops that agent's ranks."""

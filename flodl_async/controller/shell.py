@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import dataclasses
 import logging
 import os
 import signal
@@ -67,10 +68,11 @@ from ..supervisor import (
 from ..verdict import ExitCode, RunResult
 from ..wire import messages as m
 from ..wire.channels import Channel
-from ..wire.handshake import PROTOCOL_VERSION, session_resolver
+from ..wire.handshake import PROTOCOL_VERSION, join_resolver, session_resolver
+from ..wire.keys import CredentialKind
 from ..wire.schema import Message
 from .fanout import ssh_launcher
-from .launchers import AgentLauncher, ControllerContact, LocalLauncher
+from .launchers import AgentLauncher, ControllerContact, DialInLauncher, LocalLauncher
 
 log = logging.getLogger("flodl_async.launch")
 
@@ -92,6 +94,13 @@ _HOST_EVENTS: dict[type[Message], Callable[[str, Message], Event]] = {
     m.RankExited: _rank_exited,
     m.RanksStopped: _ranks_stopped,
 }
+
+
+def _with_secret_for_token_agent(reply: m.JoinAccept, link: FramedProtocol, secret: bytes) -> m.JoinAccept:
+    """An agent that joined with the cluster token (or none, under open admission) learns the session secret from its sealed JoinAccept."""
+    if link.peer is not None and link.peer.kind in (CredentialKind.TOKEN, CredentialKind.OPEN):
+        return dataclasses.replace(reply, session_secret=secret)
+    return reply
 
 
 class Controller:
@@ -170,7 +179,7 @@ class Controller:
             now=self._opened_at,
         )
         contact = ControllerContact(host="127.0.0.1", port=self.port, secret=plan.secret, deadlines=self._deadlines)
-        self._launchers = {Placement.LOCAL: LocalLauncher(contact, output=self._output)}
+        self._launchers = {Placement.LOCAL: LocalLauncher(contact, output=self._output), Placement.DIAL_IN: DialInLauncher()}
         if any(w.placement is Placement.SSH for w in plan.workers):  # it writes to the process's own stdout/stderr
             self._launchers[Placement.SSH] = ssh_launcher(contact, bind_host=plan.bind_host, run_id=plan.run_id)
         result: RunResult | None = None
@@ -183,7 +192,8 @@ class Controller:
                 ):
                     if channel is Channel.RENDEZVOUS and self._store is not None:
                         continue  # the StoreAddress exchange is the torch backend's only: our store needs none
-                    service = FramedService(channel=channel, resolve=self._resolve, run_id=plan.run_id, handler=handler, task_group=tg)
+                    resolve = join_resolver(plan.secret, plan.token, open_admission=plan.join.open_admission) if channel is Channel.JOIN else self._resolve
+                    service = FramedService(channel=channel, resolve=resolve, run_id=plan.run_id, handler=handler, task_group=tg)
                     self._mux.register(channel, service.protocol_factory)
                 if self._store is not None:
                     self._mux.register(Channel.STORE, self._store.protocol_factory)
@@ -278,7 +288,7 @@ class Controller:
         elif isinstance(action, AcceptJoin):
             assert reply_link is not None
             try:
-                reply_link.send(action.reply)
+                reply_link.send(_with_secret_for_token_agent(action.reply, reply_link, self.plan.secret))
             except ConnectionClosed:
                 return JoinUndelivered(host=action.host)
             self._links[action.host] = reply_link
@@ -390,13 +400,20 @@ class Controller:
 
     def _announce_window(self) -> None:
         plan, j = self.plan, self.plan.join
+        if j.open_admission:
+            log.warning(
+                "WARNING: OPEN ADMISSION — any host that reaches port %d joins this run without a secret or token, and is sent "
+                "the session secret over a link anyone on the network can decrypt; use it on a trusted network only "
+                "(set join.open_admission: false and give agents a cluster token: flodl token new)",
+                self.port,
+            )
         log.info(
             "window open (quorum %d ranks, target %s, window %gs, cap %gs, admission: %s) — status at http://%s:%d/",
             j.min_rank_start,
             j.target_ranks if j.target_ranks is not None else "none",
             j.join_timeout,
             j.max_join_timeout,
-            "open" if j.open_admission else "pre-shared secret",
+            "open" if j.open_admission else "cluster token or pre-shared secret" if plan.token is not None else "pre-shared secret",
             "127.0.0.1" if plan.bind_host in ("0.0.0.0", "127.0.0.1") else plan.bind_host,
             self.port,
         )

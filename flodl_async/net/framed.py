@@ -25,7 +25,7 @@ import typing
 from collections.abc import Callable, Sequence
 
 from .. import __version__
-from ..errors import AuthenticationFailed, BusyError, ConnectionClosed, HandshakeFailed, HandshakeRefused, VersionMismatch, WireError
+from ..errors import AuthenticationFailed, BusyError, ConnectionClosed, HandshakeFailed, HandshakeRefused, VersionMismatch, WireError, WrongToken
 from ..wire.channels import CHANNEL_MAGIC, Channel
 from ..wire.frame import Buffer, Frame, FrameConnection, FrameLimits, Side, sealed_length
 from ..wire.handshake import ClientHandshake, CredentialResolver, Established, PeerHello, ServerHandshake
@@ -56,6 +56,8 @@ def rejection_reason(exc: WireError) -> str:
     """The admission counter a failed connection is counted under."""
     if isinstance(exc, VersionMismatch):
         return "version_mismatch"
+    if isinstance(exc, WrongToken):
+        return "wrong_token"
     if isinstance(exc, AuthenticationFailed):
         return "auth_failed"
     if isinstance(exc, HandshakeRefused):

@@ -45,7 +45,8 @@ What each check defeats:
   their sender fail their tag (:mod:`.frame`); the channel in the derivation info
   stops a connection's keys from being valid on another channel.
 * **Credential kind and scope, checked by the server's resolver before it answers**:
-  the controller takes the session secret (and, later, cluster tokens); a relay
+  the controller takes the session secret, and a cluster token on its join channel
+  only when token admission is on (:func:`join_resolver`); a relay
   takes only rank credentials, only for the ranks it runs in the round it runs,
   and derives the key from the claimed scope itself — so a rank credential proves
   exactly one (run, round, rank) and nothing on the controller port.
@@ -55,6 +56,22 @@ What each check defeats:
 * **Bounded, deadline-limited**: each message has a fixed ceiling, so a peer that
   talks past it fails at once; the mux gives the whole handshake a short deadline
   and caps unauthenticated connections (:mod:`flodl_async.net.admission`).
+
+The cluster token (dial-in agents). A join link opened with a TOKEN credential
+runs exactly this handshake with the token as ``K``: the token never crosses the
+wire, the controller proves it holds the token before the agent proves anything,
+and a wrong token fails at the agent with "the controller's proof did not verify:
+another cluster token" (and at the controller, which sees the agent close instead
+of proving, counted as ``wrong_token`` in the admission counters). The run's session secret then reaches
+the agent in ``JoinAccept.session_secret``, a sealed body (:mod:`.frame`): AES-256-GCM
+under this connection's controller→agent key, which is the HKDF of the token with
+both nonces as salt and the transcript in the info. So the secret is readable only
+by a holder of the token, on this connection: without the token the key cannot be
+derived; bytes recorded from this connection open on no other (the nonces differ)
+and not in a later run (the secret differs, and the nonces again); the GCM nonce is
+the frame's sequence number, never repeated under one key; and the GCM tag is bound
+into the HMAC'd frame, so it cannot be swapped or edited. A session-secret join
+gets an empty ``session_secret``: it holds the secret already.
 
 Comparisons are constant-time (``hmac.compare_digest``). Any failure raises a
 :class:`~flodl_async.errors.WireError` subclass; the I/O shell closes the
@@ -74,9 +91,9 @@ from dataclasses import dataclass
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
-from ..errors import AuthenticationFailed, HandshakeFailed, HandshakeRefused, VersionMismatch, WireError
+from ..errors import AuthenticationFailed, HandshakeFailed, HandshakeRefused, VersionMismatch, WireError, WrongToken
 from .channels import Channel
-from .keys import KDF_LABEL, Credential, CredentialKind, LinkKeys
+from .keys import KDF_LABEL, OPEN_ADMISSION_KEY, Credential, CredentialKind, LinkKeys
 
 #: The wire protocol this build speaks (handshake and frame format together).
 PROTOCOL_VERSION = 2
@@ -252,6 +269,8 @@ class ClientHandshake:
             channel=self.channel, key=self._credential.key, client_nonce=self._nonce, server_nonce=server_nonce, transcript=transcript
         )
         if not hmac.compare_digest(hmac.digest(server_proof_key, transcript, "sha256"), proof):
+            if self._credential.kind is CredentialKind.TOKEN:
+                raise WrongToken(f"{self.channel.value} channel: the controller's proof did not verify: another cluster token (check --token-file)")
             raise AuthenticationFailed(
                 f"{self.channel.value} channel: the server's handshake proof did not verify — it holds another "
                 "session secret (check --secret-file: use the controller's), or it is not the flodl controller you meant"
@@ -305,6 +324,12 @@ class ServerHandshake:
 
     def _receive(self, data: bytes) -> Step:
         if not data:
+            if self._state is _ServerState.PROOF and self._peer is not None and self._peer.kind is CredentialKind.TOKEN:
+                # A token client closes without a proof exactly when ours did not verify under its token.
+                raise WrongToken(
+                    f"{self.channel.value} channel: a dial-in agent refused this controller's proof: it holds another "
+                    "cluster token (check --token-file / controller.token_file on both sides)"
+                )
             raise HandshakeFailed(f"{self.channel.value} channel: the peer closed during the handshake")
         self._reader.buf += data
         if self._state is _ServerState.HELLO:
@@ -383,5 +408,26 @@ def session_resolver(secret: bytes) -> CredentialResolver:
                 "secret only (a rank speaks to its own host's relay)"
             )
         return secret
+
+    return resolve
+
+
+def join_resolver(secret: bytes, token: bytes | None, *, open_admission: bool = False) -> CredentialResolver:
+    """The controller's join channel: the session secret, the cluster token when token admission is on, no credential under open admission."""
+    by_session = session_resolver(secret)
+
+    def resolve(peer: PeerHello) -> bytes:
+        if peer.kind is CredentialKind.OPEN:
+            if not open_admission:
+                raise HandshakeRefused("this controller does not run open admission: give the agent --token-file (a cluster token) or --secret-file")
+            return OPEN_ADMISSION_KEY
+        if peer.kind is CredentialKind.TOKEN:
+            if token is None:
+                raise HandshakeRefused(
+                    "a cluster token is not accepted here: this controller runs without token admission "
+                    "(start flodl-launch with --token-file, or set controller.token_file in cluster.yml)"
+                )
+            return token
+        return by_session(peer)
 
     return resolve

@@ -9,8 +9,16 @@ Three kinds of long-lived key material exist, one per role (design §3):
   own host's relay as itself, in that round, and to nothing else: HKDF is
   one-way, so a rank can derive neither the secret nor another rank's or another
   round's credential, and the controller refuses rank credentials outright;
-* a **cluster token** for dial-in agents (the multi-host issue): its kind is
-  reserved here so that the handshake can name it.
+* a **cluster token** (256 bits, ``flodl token new``): long-lived, held by the
+  controller (``controller.token_file`` / ``--token-file``) and by dial-in
+  agents. It admits an agent to the join channel only; the run's session secret
+  then travels to it sealed (:mod:`.handshake` says under which key), and the
+  agent's other links use that secret like any agent's.
+
+With ``join.open_admission`` the controller also takes an OPEN credential on its
+join channel, whose key is public: such an agent proves nothing, and the secret
+it is sent is readable by anyone who records the link. That is what "open"
+means; the controller says so loudly when it starts.
 
 None of them keys a frame directly. Every connection runs the handshake of
 :mod:`.handshake`, which mixes the credential with both sides' fresh nonces into
@@ -30,6 +38,7 @@ from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from ..errors import ConfigError
 
 SECRET_BYTES = 16
+TOKEN_BYTES = 32
 CREDENTIAL_BYTES = 32
 #: HKDF label of everything wire v2 derives; a new derivation takes a new label, never reuses one.
 KDF_LABEL = b"flodl-async/wire-v2"
@@ -47,7 +56,8 @@ class CredentialKind(enum.IntEnum):
 
     SESSION = 1  # the session secret: agents and their relays, to the controller
     RANK = 2  # a rank credential: one rank of one round, to its host's relay only
-    TOKEN = 3  # a cluster token: dial-in agents (reserved for the multi-host issue)
+    TOKEN = 3  # a cluster token: dial-in agents, on the controller's join channel only
+    OPEN = 4  # no credential (a public key): the join channel of a controller with join.open_admission only
 
 
 def new_session_secret() -> bytes:
@@ -67,6 +77,27 @@ def secret_from_hex(text: str) -> bytes:
             f"session secret must be {2 * SECRET_BYTES} hex characters (got {len(text)} characters); "
             "pass the secret the controller printed or wrote to its secret file"
         )
+    return raw
+
+
+#: The "key" of open admission: public by design, so it authenticates nobody (the controller warns loudly).
+OPEN_ADMISSION_KEY = KDF_LABEL + b"/open-admission"
+
+
+def new_cluster_token() -> bytes:
+    """A fresh 256-bit cluster token."""
+    return secrets.token_bytes(TOKEN_BYTES)
+
+
+def token_from_hex(text: str) -> bytes:
+    """Parse a cluster token given as 64 hex characters (a token file)."""
+    text = text.strip()
+    try:
+        raw = bytes.fromhex(text)
+    except ValueError:
+        raw = b""
+    if len(raw) != TOKEN_BYTES:
+        raise ConfigError(f"cluster token must be {2 * TOKEN_BYTES} hex characters (got {len(text)} characters); write one with `flodl token new PATH`")
     return raw
 
 
@@ -94,6 +125,18 @@ class Credential:
         if len(secret) != SECRET_BYTES:
             raise ValueError(f"session secret must be {SECRET_BYTES} bytes, got {len(secret)}")
         return cls(kind=CredentialKind.SESSION, key=secret)
+
+    @classmethod
+    def token(cls, token: bytes) -> Credential:
+        """The cluster token's credential (a dial-in agent's join link)."""
+        if len(token) != TOKEN_BYTES:
+            raise ValueError(f"cluster token must be {TOKEN_BYTES} bytes, got {len(token)}")
+        return cls(kind=CredentialKind.TOKEN, key=token)
+
+    @classmethod
+    def open_admission(cls) -> Credential:
+        """No credential at all: only a controller that runs ``join.open_admission`` takes it."""
+        return cls(kind=CredentialKind.OPEN, key=OPEN_ADMISSION_KEY)
 
     @classmethod
     def for_rank(cls, secret: bytes, *, run_id: str, round: int, rank: int) -> Credential:

@@ -33,14 +33,19 @@ class JoinHello(Message):
     agent_version: str = ""
 
 
-@message(kind=0x0102)
+@message(kind=0x0102, sealed=True)
 @dataclass(frozen=True, slots=True, kw_only=True)
 class JoinAccept(Message):
-    """The agent is admitted with these global ranks; formation happens within ``formation_wait_s``."""
+    """The agent is admitted with these global ranks; formation happens within ``formation_wait_s``.
+
+    Sealed: an agent that joined with the cluster token gets the run's session secret here
+    (the argument is in :mod:`.handshake`); one that joined with the secret gets ``b""``.
+    """
 
     ranks: tuple[int, ...]
     run_id: str
     formation_wait_s: float
+    session_secret: bytes = field(default=b"", repr=False)
 
 
 @message(kind=0x0103)

@@ -1,0 +1,137 @@
+"""``flodl-agent --persist``: one host's long-lived dial-in agent, serving run after run.
+
+Theory of operation. The daemon runs one :class:`HostSession` at a time. A
+session joins a run's window, serves it and returns (or raises); everything of
+that run — its ranks, its runtime entry, its sockets — is gone when it has
+returned, because the session's own ``finally`` removes it. Then the daemon
+dials again for the next run. While no controller answers (none is up yet, the
+last run's controller is closing, a window refused us), it waits out a capped
+exponential backoff with jitter (:mod:`flodl_async.backoff`) and retries; a run
+it joined resets the schedule.
+
+What is not worth retrying ends the daemon with the one-run agent's exit code:
+a usage problem (exit 2), and a wrong cluster token (exit 3: every retry would
+fail the same way, and hammering a controller with a wrong token fills its
+refusal counters).
+
+Signals: the first SIGTERM/SIGINT stops the current session as a one-run agent
+stops (its ranks by the signal table), or ends the backoff wait at once; the
+daemon then exits 143 / 130. A second signal kills the ranks at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import signal
+
+from ..backoff import Backoff, BackoffPolicy
+from ..errors import AgentError, ConfigError, WrongToken
+from ..verdict import ExitCode, exit_code_for_signal
+from .lifecycle import SessionObserver, ignore
+from .output import RankOutput
+from .session import Ending, HostSession, SessionConfig
+
+log = logging.getLogger("flodl_async.agent")
+
+
+class PersistentAgent:
+    """Serves runs until stopped; :meth:`run` returns the exit code."""
+
+    def __init__(
+        self, config: SessionConfig, *, output: RankOutput, policy: BackoffPolicy, rng: random.Random | None = None, observer: SessionObserver = ignore
+    ) -> None:
+        self.config = config
+        self._output = output
+        self._observer = observer  # every session's (systemd's notifier under a unit)
+        self._backoff = Backoff(policy)
+        self._rng = rng or random.SystemRandom()
+        self._stop = asyncio.Event()
+        self._signal: int | None = None
+        self._session: HostSession | None = None
+        self.runs_served = 0
+
+    def stopping(self) -> bool:
+        """A stop signal has arrived."""
+        return self._signal is not None
+
+    def request_stop(self, sig: int) -> None:
+        """First signal: stop the session (if any) and leave."""
+        if self._signal is not None:
+            return
+        self._signal = sig
+        self._stop.set()
+        if self._session is not None:
+            self._session.request_stop(sig)
+
+    def force_stop(self) -> None:
+        """Second signal: kill the current session's ranks now."""
+        if self._session is not None:
+            self._session.force_stop()
+
+    async def run(self) -> ExitCode:
+        """Join, serve, reconnect — until a signal or an error not worth retrying."""
+        from .cli import failure_line, session_failure
+
+        cfg = self.config
+        loop = asyncio.get_running_loop()
+        while not self.stopping():
+            session = HostSession(cfg, output=self._output, observer=self._observer)
+            self._session = session
+            try:
+                outcome = await session.run()
+            except (Exception, BaseExceptionGroup) as exc:
+                failure = session_failure(exc, cfg)
+                if failure is None:
+                    raise
+                if self.stopping():
+                    break
+                if isinstance(failure, ConfigError):
+                    log.error("%s", failure_line(failure, cfg.controller_addr).removeprefix("flodl-agent: "))
+                    return ExitCode.USAGE
+                if isinstance(failure.__cause__, WrongToken):
+                    log.error("%s", failure_line(failure, cfg.controller_addr).removeprefix("flodl-agent: "))
+                    return ExitCode.FORMATION
+                assert isinstance(failure, AgentError)
+                reason = failure.reason
+            else:
+                if outcome.ending is Ending.STOPPED:
+                    break
+                self.runs_served += 1
+                self._backoff.succeeded()
+                reason = f"the run {outcome.ending.value}: {outcome.reason}"
+            finally:
+                self._session = None
+            at = self._backoff.failed(loop.time(), self._rng.random())
+            delay = max(0.0, at - loop.time())
+            log.info("agent %s: %s; dialing %s again in %.1fs", cfg.host, reason, cfg.controller_addr, delay)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(delay):
+                    await self._stop.wait()
+        sig = self._signal or signal.SIGTERM
+        log.info("agent %s: %s: stopped after serving %d run(s)", cfg.host, signal.Signals(sig).name, self.runs_served)
+        return exit_code_for_signal(sig)
+
+
+async def serve_persistently(agent: PersistentAgent) -> ExitCode:
+    """Run ``agent`` with SIGTERM/SIGINT wired: the first stops gracefully, the second forces."""
+    loop = asyncio.get_running_loop()
+    received: list[signal.Signals] = []
+
+    def on_signal(sig: signal.Signals) -> None:
+        received.append(sig)
+        if len(received) == 1:
+            agent.request_stop(sig)
+        else:
+            log.warning("second signal (%s): killing this host's ranks now", sig.name)
+            agent.force_stop()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, on_signal, sig)
+    try:
+        return await agent.run()
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
