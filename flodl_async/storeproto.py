@@ -153,6 +153,11 @@ class StoreConnection:
             del self._buf[: self._pos]
         return replies
 
+    @property
+    def validated(self) -> bool:
+        """True once the client's VALIDATE arrived: it speaks torch's store protocol."""
+        return self._validated
+
     def closed(self) -> None:
         """The client went away: forget its waits."""
         self._state.cancel_wait(self)

@@ -58,6 +58,10 @@ class SupervisorConfig:
     stop_grace: float = 10.0
     store_ready_timeout: float = 120.0
     stop_ack_margin: float = 10.0
+    #: The store rides the controller's port (the default backend): each round empties it
+    #: (:class:`ResetStore`) and starts the ranks at once, each host dialling the controller
+    #: the way its agent does. False: a store host serves it and reports :class:`StoreReady`.
+    controller_store: bool = False
     #: Hosts whose agent runs inside the controller's process: one of them hosts the store.
     local_hosts: frozenset[str] = frozenset()
     #: The spellings of the controller's machine (localhost, loopback, hostname, FQDN): one host at join.
@@ -198,7 +202,18 @@ class EndRun:
     farewell: m.Finish | m.Abort
 
 
-Action = AcceptJoin | RejectJoin | Tell | Announce | ForceStop | EndRun
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ResetStore:
+    """Empty the controller's store and close its connections: ``round`` starts from nothing.
+
+    torch adds no per-attempt key prefix under the agent-store contract, so a restarted
+    world reading the last round's keys would rendezvous with ghosts.
+    """
+
+    round: int
+
+
+Action = AcceptJoin | RejectJoin | Tell | Announce | ForceStop | EndRun | ResetStore
 
 
 # ----- phases ----------------------------------------------------------------------------------
@@ -400,7 +415,7 @@ class Supervisor:
                         ranks=member.ranks,
                         group_rank=index,
                         group_world_size=len(world.members),
-                        store_host=member.host == store_host,
+                        store_host=not self.config.controller_store and member.host == store_host,
                         command=self.config.command,
                         env=dict(self.config.cluster_env),  # the host's own env is applied by its agent
                         max_restarts=self.config.max_restarts,
@@ -418,27 +433,29 @@ class Supervisor:
         return world.members[0].host
 
     def _open_round(self, world: Formed, round_: int, now: float) -> list[Action]:
+        if self.config.controller_store:
+            # The store is the controller's own: ready once emptied, no exchange to wait for.
+            # An empty address tells each agent to hand its ranks its own controller address.
+            return [ResetStore(round=round_), *self._start_ranks(world, round_, addr="", port=0)]
         self._phase = Rendezvous(world=world, round=round_, deadline=now + self.config.store_ready_timeout)
         return [Tell(host=self._store_host(world), message=m.OpenRound(round=round_))]
+
+    def _start_ranks(self, world: Formed, round_: int, *, addr: str, port: int) -> list[Action]:
+        actions: list[Action] = []
+        for member in world.members:
+            actions.append(Tell(host=member.host, message=m.StartRanks(round=round_, restart_count=self._restart_count, master_addr=addr, master_port=port)))
+            for local_rank, rank in enumerate(member.ranks):
+                self._ranks[rank] = RankStatus(rank=rank, host=member.host, local_rank=local_rank, state=RankState.RUNNING)
+        self._phase = Running(world=world, round=round_)
+        where = f"{addr}:{port}" if addr else "the controller port"
+        actions.append(Announce(text=f"ranks started: round {round_}, restart {self._restart_count}, store at {where}"))
+        return actions
 
     # ----- after formation -------------------------------------------------------------------
 
     def _rendezvous(self, phase: Rendezvous, event: Event, now: float) -> tuple[Action, ...]:
         if isinstance(event, StoreReady) and event.round == phase.round:
-            world = phase.world
-            actions: list[Action] = []
-            for member in world.members:
-                actions.append(
-                    Tell(
-                        host=member.host,
-                        message=m.StartRanks(round=phase.round, restart_count=self._restart_count, master_addr=event.addr, master_port=event.port),
-                    )
-                )
-                for local_rank, rank in enumerate(member.ranks):
-                    self._ranks[rank] = RankStatus(rank=rank, host=member.host, local_rank=local_rank, state=RankState.RUNNING)
-            self._phase = Running(world=world, round=phase.round)
-            actions.append(Announce(text=f"ranks started: round {phase.round}, restart {self._restart_count}, store at {event.addr}:{event.port}"))
-            return tuple(actions)
+            return tuple(self._start_ranks(phase.world, phase.round, addr=event.addr, port=event.port))
         if isinstance(event, Tick) and now >= phase.deadline:
             late = f"the store host {self._store_host(phase.world)!r} did not report its store within {self.config.store_ready_timeout:g}s"
             return (self._end(ExitCode.FORMATION, late),)

@@ -84,7 +84,9 @@ def test_three_hosts_run_a_gloo_all_reduce_with_the_env_contract(hostkit: HostKi
     assert sorted({e["GROUP_RANK"] for envs in by_host.values() for e in envs}) == ["0", "1", "2"]
     envs = [e for es in by_host.values() for e in es]
     assert {e["WORLD_SIZE"] for e in envs} == {"4"}
-    assert {e["MASTER_ADDR"] for e in envs} <= {h.addr for h in (h1, h2, h3)}  # a host address every host reaches
+    # The store rides the controller's port: every host's ranks reach it where their agent reached the controller.
+    assert {e["MASTER_ADDR"] for e in envs} == {hostkit.controller_addr}
+    assert len({e["MASTER_PORT"] for e in envs}) == 1
 
 
 def test_an_unknown_host_key_names_the_host_the_fingerprint_and_the_file(hostkit: HostKit, tmp_path: Path) -> None:

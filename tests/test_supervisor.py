@@ -28,6 +28,7 @@ from flodl_async.supervisor import (
     RanksStopped,
     RejectJoin,
     Rendezvous,
+    ResetStore,
     Restarting,
     Running,
     StoreReady,
@@ -122,6 +123,34 @@ def test_target_reached_forms_the_world_and_opens_round_zero_on_the_local_host()
     assert isinstance(sup.phase, Rendezvous)
     assert sup.view().phase == "forming"
     assert any("world formed — 4 ranks across 2 host(s)" in a.text for a in of(actions, Announce))
+
+
+def test_with_the_store_on_the_controller_port_formation_empties_it_and_starts_ranks_at_once() -> None:
+    sup = Supervisor(config(controller_store=True), now=0.0)
+    actions = formed(sup)
+    assert not any(w.store_host for w in told(actions, m.WorldFormed).values())  # no store host, no election
+    assert told(actions, m.OpenRound) == {}
+    resets = [i for i, a in enumerate(actions) if isinstance(a, ResetStore)]
+    starts = [i for i, a in enumerate(actions) if isinstance(a, Tell) and isinstance(a.message, m.StartRanks)]
+    assert [actions[i] for i in resets] == [ResetStore(round=0)]
+    assert len(starts) == 2
+    assert resets[0] < min(starts)  # emptied before any rank can dial it
+    # An empty address: each agent hands its ranks its own way to the controller.
+    assert set(told(actions, m.StartRanks).values()) == {m.StartRanks(round=0, restart_count=0, master_addr="", master_port=0)}
+    assert isinstance(sup.phase, Running)
+    assert sup.next_deadline(1.0) is None  # no store-ready deadline to wait on
+
+
+def test_with_the_store_on_the_controller_port_a_restart_empties_it_for_the_next_round() -> None:
+    sup = Supervisor(config(controller_store=True, max_restarts=1), now=0.0)
+    formed(sup)
+    sup.handle(exited(1, "a", code=3), 3.0)
+    sup.handle(RanksStopped(host="a", round=0), 4.0)
+    reopened = sup.handle(RanksStopped(host="b", round=0), 4.0)
+    assert of(reopened, ResetStore) == [ResetStore(round=1)]
+    assert reopened.index(ResetStore(round=1)) < min(i for i, a in enumerate(reopened) if isinstance(a, Tell))
+    assert told(reopened, m.StartRanks)["b"] == m.StartRanks(round=1, restart_count=1, master_addr="", master_port=0)
+    assert sup.handle(StoreReady(round=1, addr="h", port=5), 5.0) == ()  # the exchange is the torch backend's only
 
 
 def test_without_a_local_host_rank_zeros_host_holds_the_store() -> None:

@@ -37,6 +37,7 @@ from flodl_async.supervisor import (
     RanksStopped,
     RejectJoin,
     Rendezvous,
+    ResetStore,
     Restarting,
     Running,
     StoreReady,
@@ -91,6 +92,7 @@ class SupervisorMachine(RuleBasedStateMachine):
         max_restarts=st.integers(0, 3),
         local_hosts=st.sets(st.sampled_from(HOSTS), max_size=2),
         patience=st.integers(0, 2),
+        controller_store=st.booleans(),
     )
     def start(
         self,
@@ -102,6 +104,7 @@ class SupervisorMachine(RuleBasedStateMachine):
         max_restarts: int,
         local_hosts: set[str],
         patience: int,
+        controller_store: bool,
     ) -> None:
         join = JoinConfig(
             min_rank_start=min_rank_start,
@@ -119,6 +122,7 @@ class SupervisorMachine(RuleBasedStateMachine):
             store_ready_timeout=STORE_READY_TIMEOUT,
             stop_ack_margin=STOP_ACK_MARGIN,
             local_hosts=frozenset(local_hosts),
+            controller_store=controller_store,
         )
         self.sup = Supervisor(self.config, now=OPENED_AT)
         self.patience = patience
@@ -196,18 +200,35 @@ class SupervisorMachine(RuleBasedStateMachine):
             else:
                 assert isinstance(before, Forming)
                 assert after.round == 0
+        new_round = isinstance(after, Rendezvous) and not isinstance(before, Rendezvous)
         if isinstance(after, Running) and not isinstance(before, Running):
-            assert isinstance(before, Rendezvous)
-            assert isinstance(event, StoreReady)
-            assert event.round == before.round == after.round
-        if not isinstance(after, Rendezvous) or isinstance(before, Rendezvous):
+            if self.config.controller_store:
+                # The store is the controller's: a round runs as it opens, no StoreReady awaited.
+                assert not isinstance(event, StoreReady)
+                assert isinstance(before, Forming | Restarting)
+                assert after.round == (before.round + 1 if isinstance(before, Restarting) else 0)
+                new_round = True
+                if isinstance(before, Restarting):
+                    assert self.sup.restart_count == restarts_before + 1
+            else:
+                assert isinstance(before, Rendezvous)
+                assert isinstance(event, StoreReady)
+                assert event.round == before.round == after.round
+        if self.config.controller_store:
+            assert not isinstance(after, Rendezvous), "no store host to wait for"
+        if not new_round or isinstance(before, Forming):
             assert self.sup.restart_count == restarts_before
 
     def _check_actions(self, before: Phase, event: Event, actions: tuple[Action, ...]) -> None:
         worlds: list[tuple[str, m.WorldFormed]] = []
         opened: list[tuple[str, int]] = []
+        resets: list[int] = []
         for action in actions:
-            if isinstance(action, AcceptJoin):
+            if isinstance(action, ResetStore):
+                assert self.config.controller_store
+                resets.append(action.round)
+                self.round = action.round
+            elif isinstance(action, AcceptJoin):
                 assert action.host not in self.accepted
                 assert action.reply.run_id == "run-s"
                 self.accepted[action.host] = len(action.reply.ranks)
@@ -219,6 +240,10 @@ class SupervisorMachine(RuleBasedStateMachine):
                     worlds.append((action.host, message))
                 elif isinstance(message, m.OpenRound):
                     opened.append((action.host, message.round))
+                elif isinstance(message, m.StartRanks) and self.config.controller_store:
+                    assert resets == [message.round], "the store is emptied for the round before its ranks start"
+                    assert message.restart_count == self.sup.restart_count
+                    assert (message.master_addr, message.master_port) == ("", 0)  # each agent's own controller address
                 elif isinstance(message, m.StartRanks):
                     assert isinstance(before, Rendezvous)
                     assert isinstance(event, StoreReady)
@@ -234,6 +259,7 @@ class SupervisorMachine(RuleBasedStateMachine):
         if worlds:
             self._check_world(worlds)
         if opened:
+            assert not self.config.controller_store
             assert opened == [(self.store_host, opened[0][1])], "one round opens, on the store host"
             self.round = opened[0][1]
         starts = [a for a in actions if isinstance(a, Tell) and isinstance(a.message, m.StartRanks)]
@@ -254,10 +280,13 @@ class SupervisorMachine(RuleBasedStateMachine):
         for _, w in worlds:
             assert (w.world_size, w.group_world_size, w.max_restarts) == (size, len(worlds), self.config.max_restarts)
         store_hosts = [host for host, w in worlds if w.store_host]
+        self.world = {host: w.ranks for host, w in worlds}
+        if self.config.controller_store:
+            assert store_hosts == [], "the store rides the controller's port: no store host"
+            return
         assert len(store_hosts) == 1
         local = [host for host, _ in worlds if host in self.config.local_hosts]
         assert store_hosts[0] == (local[0] if local else worlds[0][0])
-        self.world = {host: w.ranks for host, w in worlds}
         self.store_host = store_hosts[0]
 
     def _check_verdict(self, end: EndRun) -> None:

@@ -106,7 +106,7 @@ from flodl_async.wire import (
     sniff,
 )
 from flodl_async.wire import messages as m
-from flodl_async.wire.channels import HTTP_PREFIXES
+from flodl_async.wire.channels import HTTP_PREFIXES, STORE_PREFIX
 from flodl_async.wire.frame import BODY_INDEX, GCM_TAG_LEN, HEADER, SEAL_CHUNK, chunk_count, seal_nonce
 from flodl_async.wire.handshake import session_resolver
 from flodl_async.wire.keys import rank_credential_key
@@ -942,8 +942,8 @@ class Target(abc.ABC):
 
 
 def _magic_samples() -> list[Sample]:
-    heads = [*CHANNEL_MAGIC.values(), *HTTP_PREFIXES]
-    return [Sample(data=head + tail, units=(0, MAGIC_LEN)) for head in heads for tail in (b"", b"\x02\x01", b" / HTTP/1.1\r\n")]
+    heads = [*CHANNEL_MAGIC.values(), *HTTP_PREFIXES, STORE_PREFIX]
+    return [Sample(data=head + tail, units=(0, len(head))) for head in heads for tail in (b"", b"\x02\x01", b" / HTTP/1.1\r\n")]
 
 
 class SniffTarget(Target):
@@ -967,6 +967,10 @@ class SniffTarget(Target):
     @staticmethod
     def spec(prefix: bytes) -> tuple[str, Channel | None, bytes]:
         """What sniff must answer for ``prefix`` (channels.py's theory of operation)."""
+        if prefix[:1] == STORE_PREFIX[:1]:  # torch's VALIDATE: all five bytes, none consumed
+            if prefix[: len(STORE_PREFIX)] == STORE_PREFIX:
+                return ("routed", Channel.STORE, prefix)
+            return ("need more" if STORE_PREFIX.startswith(prefix) else "unrouted", None, b"")
         if len(prefix) < MAGIC_LEN:
             fits = not prefix or any(c.startswith(prefix) for c in (*CHANNEL_MAGIC.values(), *HTTP_PREFIXES))
             return ("need more" if fits else "unrouted", None, b"")
@@ -978,7 +982,7 @@ class SniffTarget(Target):
 
     def execute(self, case: Case) -> Outcome:
         label = ""
-        for k in sorted({*range(min(len(case.data), MAGIC_LEN + 1) + 1), len(case.data)}):
+        for k in sorted({*range(min(len(case.data), len(STORE_PREFIX) + 1) + 1), len(case.data)}):
             result = sniff(case.data[:k])
             if isinstance(result, Routed):
                 got: tuple[str, Channel | None, bytes] = ("routed", result.channel, result.leftover)

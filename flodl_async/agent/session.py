@@ -48,7 +48,7 @@ import logging
 import os
 import signal
 from collections.abc import Callable, Coroutine, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -520,6 +520,9 @@ class _Serving:
         assert self._ranks is not None
         if self._relay is not None:
             self._relay.open_round(msg.round)  # from now on the relay takes this round's credentials only
+        if not msg.master_addr:
+            # The store rides the controller's port: the ranks reach it the way this agent does.
+            msg = replace(msg, master_addr=self._cfg.controller_host, master_port=self._cfg.controller_port)
         await self._ranks.start(msg)
         self._session.observe(Phase.RUNNING, run_id=self._run_id, ranks=self._formed.ranks, round_=msg.round)
 

@@ -1,6 +1,7 @@
 """The store host's part of a round: a fresh TCPStore per rendezvous round, its address reported up.
 
-Small on purpose: the store moves into the controller soon, and this module goes with it.
+Only for ``FLODL_STORE_BACKEND=torch`` now: by default the store rides the controller's port
+(:mod:`flodl_async.net.portstore`) and no host is told ``OpenRound``.
 """
 
 from __future__ import annotations

@@ -24,6 +24,7 @@ import collections
 import contextlib
 import dataclasses
 import logging
+import os
 import signal
 import time
 from collections.abc import Callable
@@ -36,9 +37,11 @@ from ..net.fdlimit import raise_descriptor_limit
 from ..net.framed import FramedProtocol
 from ..net.http import StatusHttpProtocol
 from ..net.mux import PortMux
+from ..net.portstore import PortStore
 from ..net.service import FramedService
 from ..plan import LaunchPlan, PlacedWorker, Placement
 from ..status import Counters, MemberStatus, Phase, RankStatus, StatusBoard, StatusSnapshot
+from ..store import BACKEND_VARIABLE
 from ..supervisor import (
     AcceptJoin,
     Action,
@@ -55,6 +58,7 @@ from ..supervisor import (
     RankExited,
     RanksStopped,
     RejectJoin,
+    ResetStore,
     StoreReady,
     Supervisor,
     SupervisorConfig,
@@ -120,6 +124,8 @@ class Controller:
         self._end: EndRun | None = None
         self._forced = False
         self._final: RunResult | None = None  # a verdict the supervisor did not give (internal error, cancelled)
+        # The store rides the port unless torch's own store was asked for (then a store host serves it).
+        self._store = None if os.environ.get(BACKEND_VARIABLE, "python") == "torch" else PortStore()
 
     @property
     def status_board(self) -> StatusBoard:
@@ -163,6 +169,7 @@ class Controller:
                 max_restarts=plan.max_restarts,
                 stop_grace=self._deadlines.stop_grace,
                 store_ready_timeout=self._deadlines.store_ready,
+                controller_store=self._store is not None,
                 stop_ack_margin=self._deadlines.stop_ack_margin,
                 local_hosts=plan.local_hosts,
                 host_aliases=plan.host_aliases,
@@ -183,9 +190,13 @@ class Controller:
                     (Channel.RENDEZVOUS, self._handle_rendezvous),
                     (Channel.CONTROL, self._handle_control),
                 ):
+                    if channel is Channel.RENDEZVOUS and self._store is not None:
+                        continue  # the StoreAddress exchange is the torch backend's only: our store needs none
                     resolve = join_resolver(plan.secret, plan.token, open_admission=plan.join.open_admission) if channel is Channel.JOIN else self._resolve
                     service = FramedService(channel=channel, resolve=resolve, run_id=plan.run_id, handler=handler, task_group=tg)
                     self._mux.register(channel, service.protocol_factory)
+                if self._store is not None:
+                    self._mux.register(Channel.STORE, self._store.protocol_factory)
                 self._announce_window()
                 agent_tasks = [tg.create_task(self._run_agent(worker), name=f"agent-{worker.host}") for worker in plan.workers]
                 try:
@@ -204,6 +215,8 @@ class Controller:
                     # says nothing and never closes): closing the port ends those handlers, so the group can close.
                     await self._mux.aclose()
         finally:
+            if self._store is not None:
+                self._store.close()
             await self._mux.aclose()
         assert result is not None  # None only when cancelled, and then CancelledError propagates
         return result
@@ -281,6 +294,8 @@ class Controller:
             self._links[action.host] = reply_link
             d = self._deadlines
             self._liveness[action.host] = Liveness.start(time.monotonic(), interval=d.heartbeat_interval, silence=d.heartbeat_silence)
+            if self._store is not None:
+                self._store.admit_host(reply_link.peer_host)  # its ranks dial the store from the same address
         elif isinstance(action, RejectJoin):
             assert reply_link is not None
             with contextlib.suppress(ConnectionClosed):
@@ -290,6 +305,9 @@ class Controller:
             for launcher in self._launchers.values():
                 launcher.force_stop()
             self._send_all(m.Abort(reason="forced stop", grace_s=0.0, first_signal=int(signal.SIGKILL)))
+        elif isinstance(action, ResetStore):
+            assert self._store is not None  # only asked for when the store is ours
+            self._store.reset(action.round)
         elif isinstance(action, EndRun):
             self._end = action
         return None

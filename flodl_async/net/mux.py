@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 from ..deadlines import Deadlines
 from ..errors import ConfigError, PortInUseError
-from ..wire.channels import Channel, NeedMore, Routed, sniff
+from ..wire.channels import MAGIC_LEN, UNCONSUMED, Channel, NeedMore, Routed, sniff
 from .admission import SUMMARY_INTERVAL, Admission, AdmissionLimits, AdmissionTicket, Eviction, Refused, RejectionSummary, Stage, SummaryLine, peer_key
 from .fdlimit import DescriptorLimit, descriptor_limit
 
@@ -573,7 +573,7 @@ class _Sniffer(asyncio.Protocol):
         if isinstance(result, Routed):
             self._done = True
             assert self._transport is not None
-            leftover = bytes(self._buf) if result.channel is Channel.STATUS else bytes(self._buf[4:])
+            leftover = bytes(self._buf) if result.channel in UNCONSUMED else bytes(self._buf[MAGIC_LEN:])
             self._buf.clear()
             self._mux._route(self, self._transport, Routed(channel=result.channel, leftover=leftover))
             return

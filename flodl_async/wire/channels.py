@@ -8,6 +8,13 @@ status channel. For binary channels the magic is consumed and the bytes after
 it are handed on; for HTTP nothing is consumed (the request line is the
 request). Routing is unauthenticated on purpose: a spoofed magic only reaches
 a channel whose frame authentication rejects it.
+
+torch's TCPStore client cannot be taught a magic, but it opens every connection
+the same way: a ``VALIDATE`` query, the byte 0x00 then the u32 0x3C85F7CE
+little-endian (captured from torch 2.13's own client: ``00 ce f7 85 3c``). No
+binary magic and no HTTP method starts with 0x00, so those five bytes route to
+the store channel, and nothing is consumed: they are the store protocol's first
+request, which it must see.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ class Channel(enum.Enum):
     DATA = "data"
     CONTROL = "control"
     STATUS = "status"
+    STORE = "store"
 
 
 CHANNEL_MAGIC: dict[Channel, bytes] = {
@@ -36,6 +44,10 @@ CHANNEL_MAGIC: dict[Channel, bytes] = {
 }
 _BY_MAGIC = {magic: channel for channel, magic in CHANNEL_MAGIC.items()}
 HTTP_PREFIXES = (b"GET ", b"HEAD", b"POST")
+#: A torch TCPStore client's first request: VALIDATE (0x00) and the magic 0x3C85F7CE, little-endian.
+STORE_PREFIX = b"\x00" + (0x3C85F7CE).to_bytes(4, "little")
+#: Channels whose opening bytes are their protocol's own first bytes: handed on, not consumed.
+UNCONSUMED: frozenset[Channel] = frozenset({Channel.STATUS, Channel.STORE})
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -63,6 +75,13 @@ SniffResult = NeedMore | Routed | Unrouted
 
 def sniff(prefix: bytes) -> SniffResult:
     """Classify the bytes received so far on a new connection."""
+    if prefix[:1] == STORE_PREFIX[:1]:
+        # Five bytes, not four: the whole VALIDATE, so a stray 0x00 never reaches the store.
+        if prefix[: len(STORE_PREFIX)] == STORE_PREFIX:
+            return Routed(channel=Channel.STORE, leftover=prefix)
+        if len(prefix) < len(STORE_PREFIX) and STORE_PREFIX.startswith(prefix):
+            return NeedMore()
+        return Unrouted(reason=f"unknown channel magic {prefix[: len(STORE_PREFIX)].hex()}")
     if len(prefix) < MAGIC_LEN:
         # Reject early when the bytes so far already fit no magic: a peer that
         # sends one garbage byte and waits must not hold a slot until the deadline.
