@@ -362,7 +362,10 @@ _ACTIONABLE: dict[Channel, list[Message]] = {
     Channel.CONTROL: [m.RankHello(rank=1, local_rank=0, world_size=3, pid=os.getpid())],
     Channel.DATA: [],  # no service this run: the mux closes it before any handshake
 }
-_FRAMED = (Channel.JOIN, Channel.RENDEZVOUS, Channel.CONTROL)
+#: The framed channels this run serves, and those it does not (the store rides the port itself; the framed
+#: rendezvous channel exists only under FLODL_STORE_BACKEND=torch): those are closed before any handshake.
+_FRAMED = (Channel.JOIN, Channel.CONTROL)
+_UNSERVED = (Channel.RENDEZVOUS, Channel.DATA)
 
 
 async def _open_each(dial: Callable[..., Awaitable[FramedProtocol]], credentials: list[Credential]) -> list[BaseException | None]:
@@ -408,11 +411,11 @@ def test_attack3_ranks_hold_a_credential_that_opens_nothing_but_their_own_relay_
     as_session.append(Credential(kind=CredentialKind.SESSION, key=credential.key))  # all of it, as a (longer) secret
 
     # Every channel of the controller port, with the credential as itself and every slice of it as the secret.
-    dropped_no_handler = before["connections"]["dropped"].get("no_handler", 0)  # none yet: nothing else dials DATA
+    dropped_no_handler = before["connections"]["dropped"].get("no_handler", 0)  # none yet: nothing else dials those channels
     refused_before = {reason: _refused(before, reason) for reason in ("refused_credential", *HANDSHAKE_FAILURES)}
-    for channel in (*_FRAMED, Channel.DATA):
+    for channel in (*_FRAMED, *_UNSERVED):
         outcomes = asyncio.run(_open_each(functools.partial(open_framed, "127.0.0.1", run.port, channel=channel), [credential, *as_session]))
-        if channel is Channel.DATA:  # routed nowhere: closed before a hello could be answered
+        if channel in _UNSERVED:  # routed nowhere: closed before a hello could be answered
             assert all(isinstance(exc, HandshakeFailed | ConnectionClosed | OSError) for exc in outcomes), outcomes
             continue
         refused, *failed = outcomes
@@ -428,10 +431,11 @@ def test_attack3_ranks_hold_a_credential_that_opens_nothing_but_their_own_relay_
             assert insisted.hello.accepted
             assert insisted.frames == [], f"{channel.value}: {insisted.frames}"
             assert insisted.closed
-    for key in as_session:
-        insisted = insist_on_port(run.port, Channel.DATA, key, [])
-        assert insisted.hello is None
-        assert insisted.closed
+    for channel in _UNSERVED:
+        for key in as_session:
+            insisted = insist_on_port(run.port, channel, key, [])
+            assert insisted.hello is None
+            assert insisted.closed
     # The insistent client is a faithful one: with the real secret, its heartbeat is echoed.
     control = insist_on_port(run.port, Channel.CONTROL, Credential.session(secret), [m.Heartbeat(sent_at=4.25, rank=-1)])
     assert control.frames == [m.Heartbeat(sent_at=4.25, rank=-1)]
@@ -466,7 +470,8 @@ def test_attack3_ranks_hold_a_credential_that_opens_nothing_but_their_own_relay_
     assert after["phase"] == "training"
     assert _ranks(after) == ranks
     assert _members(after) == _members(before)
-    data_attempts = (1 + len(as_session)) + len(as_session)  # open_framed with each credential, then insisting with each slice
+    # open_framed with each credential, then insisting with each slice, on each channel this run does not serve
+    data_attempts = len(_UNSERVED) * ((1 + len(as_session)) + len(as_session))
     counted = run.status(lambda d: d["connections"]["dropped"].get("no_handler", 0) - dropped_no_handler >= data_attempts)
     assert counted["connections"]["dropped"]["no_handler"] - dropped_no_handler == data_attempts
     slices = len(_FRAMED) * len(as_session)
