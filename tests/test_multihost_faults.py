@@ -180,5 +180,10 @@ def test_a_killed_ssh_session_mid_run_names_the_host_and_its_agent_stops_its_ran
         launcher.kill()
     assert done.returncode == 4, done.stderr
     verdict = done.stderr.strip().splitlines()[-1]
-    assert f"agent on host 'h2' was lost mid-run: agent h2: the ssh connection to {h2.addr}:22 was lost" in verdict, done.stderr
+    # Two true stories race, and either may reach the verdict first: the launcher sees the ssh connection go,
+    # or h2's agent, its lifeline cut, stops its ranks and reports a rank stopped by SIGTERM up its join link
+    # (which does not ride the ssh session). Both name h2, and in both every rank is gone.
+    lost = f"agent on host 'h2' was lost mid-run: agent h2: the ssh connection to {h2.addr}:22 was lost"
+    stopped = "on host 'h2' was killed by SIGTERM"
+    assert lost in verdict or stopped in verdict, done.stderr
     assert "Traceback" not in done.stderr, done.stderr[-6000:]
