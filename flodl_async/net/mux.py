@@ -120,10 +120,8 @@ class PortMux:
         self._routed: collections.Counter[str] = collections.Counter()
         self._accept_errors: collections.Counter[str] = collections.Counter()
         self._unbound_channels: set[Channel] = set()
-        self._deadline_timer: asyncio.TimerHandle | None = None
-        self._deadline_at = math.inf
-        self._summary_timer: asyncio.TimerHandle | None = None
-        self._summary_at = math.inf
+        self._deadlines_due = _WakeUp(self._on_deadline)  # the admission core's next deadline
+        self._summary_due = _WakeUp(self._report)  # the rejection summary's next line
         self._fd_limit = DescriptorLimit(soft=None, hard=None)
         self._fd_warn_at = math.inf
         self._previous_handler: Callable[[asyncio.AbstractEventLoop, dict[str, typing.Any]], object] | None = None
@@ -216,11 +214,8 @@ class PortMux:
             if not transport.is_closing():
                 transport.close()
         self._routed_transports.clear()
-        for timer in (self._deadline_timer, self._summary_timer):
-            if timer is not None:
-                timer.cancel()
-        self._deadline_timer = self._summary_timer = None
-        self._deadline_at = self._summary_at = math.inf
+        self._deadlines_due.cancel()
+        self._summary_due.cancel()
         if self._loop is not None:
             line = self._summary.flush(self._loop.time())  # nothing refused goes unreported
             if line is not None:
@@ -278,20 +273,10 @@ class PortMux:
         self._report(now)
 
     def _arm_deadline(self) -> None:
-        at = self._admission.next_deadline()
-        if at is None or at >= self._deadline_at:
-            return
-        if self._deadline_timer is not None:
-            self._deadline_timer.cancel()
         assert self._loop is not None
-        self._deadline_at = at
-        self._deadline_timer = self._loop.call_at(at, self._on_deadline)
+        self._deadlines_due.arm(self._loop, self._admission.next_deadline())
 
-    def _on_deadline(self) -> None:
-        # The loop may run a timer a clock tick early: it was armed for _deadline_at, so that is now.
-        now = max(self._now(), self._deadline_at)
-        self._deadline_timer = None
-        self._deadline_at = math.inf
+    def _on_deadline(self, now: float) -> None:
         for expired in self._admission.expire(now):
             if expired.stage is Stage.SNIFFING:
                 self._end(expired.conn, "sniff_timeout", f"no channel magic within {self._sniff_timeout:g}s")
@@ -303,20 +288,8 @@ class PortMux:
         line = self._summary.due(now)
         if line is not None:
             _log_summary(line)
-        at = self._summary.next_due()
-        if at is None or at >= self._summary_at:
-            return
-        if self._summary_timer is not None:
-            self._summary_timer.cancel()
         assert self._loop is not None
-        self._summary_at = at
-        self._summary_timer = self._loop.call_at(at, self._on_summary_due)
-
-    def _on_summary_due(self) -> None:
-        now = max(self._now(), self._summary_at)
-        self._summary_timer = None
-        self._summary_at = math.inf
-        self._report(now)
+        self._summary_due.arm(self._loop, self._summary.next_due())
 
     def _on_loop_exception(self, loop: asyncio.AbstractEventLoop, context: dict[str, typing.Any]) -> None:
         exc = context.get("exception")
@@ -461,6 +434,37 @@ class _Routed:
     def abort(self) -> None:
         self.ended = True
         self.transport.abort()
+
+
+class _WakeUp:
+    """One loop timer for the earliest of a stream of wake-up times: re-armed only for an earlier one."""
+
+    def __init__(self, callback: Callable[[float], None]) -> None:
+        self._callback = callback
+        self._timer: asyncio.TimerHandle | None = None
+        self._at = math.inf
+
+    def arm(self, loop: asyncio.AbstractEventLoop, at: float | None) -> None:
+        """Wake at ``at`` unless already due no later (None: nothing to wake for)."""
+        if at is None or at >= self._at:
+            return
+        if self._timer is not None:
+            self._timer.cancel()
+        self._at = at
+        self._timer = loop.call_at(at, self._fire, loop)
+
+    def _fire(self, loop: asyncio.AbstractEventLoop) -> None:
+        # The loop may run a timer a clock tick early: it was armed for _at, so that is now.
+        now = max(loop.time(), self._at)
+        self._timer = None
+        self._at = math.inf
+        self._callback(now)
+
+    def cancel(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer = None
+        self._at = math.inf
 
 
 class _Watch(asyncio.Protocol):
