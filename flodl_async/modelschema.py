@@ -63,7 +63,7 @@ def wire_dtype(tensor: torch.Tensor) -> str:
     name = str(tensor.dtype).removeprefix("torch.")
     if name not in DTYPE_ITEMSIZE:
         supported = ", ".join(sorted(DTYPE_ITEMSIZE))
-        raise ConfigError(f"dtype {name} is not supported by the Trainer's averaging (supported: {supported}); cast the tensor or make it a non-persistent buffer")
+        raise ConfigError(f"dtype {name} is not supported by the Trainer's averaging (supported: {supported}); cast it or make it non-persistent")
     return name
 
 
