@@ -330,3 +330,13 @@ class ModelSchemaWire(Message):
     dtypes: tuple[str, ...]
     shapes: tuple[tuple[int, ...], ...]
     aliases: dict[str, str] = field(default_factory=dict)
+
+
+@message(kind=0x030A)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class OuterSpecWire(Message):
+    """An outer optimizer spec (:mod:`flodl_async.outer`): ``kind`` is ``avg``, ``slowmo`` or ``diloco``."""
+
+    kind: str
+    lr: float = 0.0
+    momentum: float = 0.0
