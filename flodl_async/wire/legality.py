@@ -19,7 +19,10 @@ The rows are how the messages are used (design §2, §3):
   deaths, shutdown; ``RankGone`` is the relay's own report of a closed link). A host's relay terminates its ranks'
   links as the *controller* side of a unix-socket connection and forwards up as
   the *peer* side, so both hops read the same two rows.
-* data — tensor bundles, both ways (contributions up, reduced results down).
+* data — tensor bundles, both ways (contributions up, reduced results down); the
+  Trainer's averaging: a rank's ``DataHello``/``Contribution`` to its relay, the relay's
+  ``HostDataHello``/``HostContribution`` to the controller (a relay is the peer side of both
+  hops, as on control), ``DataWelcome``/``Consensus`` back down.
 
 ``Heartbeat`` is legal both ways on join and control. A new message is added
 to its row here, or it cannot be sent.
@@ -34,11 +37,17 @@ from .channels import Channel
 from .keys import Direction
 from .messages import (
     Abort,
+    Consensus,
+    Contribution,
+    DataHello,
+    DataWelcome,
     DeclareDead,
     EpochAggregated,
     Exiting,
     Finish,
     Heartbeat,
+    HostContribution,
+    HostDataHello,
     Intent,
     JoinAccept,
     JoinHello,
@@ -84,8 +93,8 @@ LEGAL_KINDS: Mapping[tuple[Channel, Direction], frozenset[type[Message]]] = Mapp
         (Channel.CONTROL, DOWN): frozenset(
             {RankWelcome, Heartbeat, TrainerWelcome, TrainerReject, Plan, Reduce, EpochAggregated, DeclareDead, Shutdown}
         ),
-        (Channel.DATA, UP): frozenset({TensorBundle}),
-        (Channel.DATA, DOWN): frozenset({TensorBundle}),
+        (Channel.DATA, UP): frozenset({TensorBundle, DataHello, HostDataHello, Contribution, HostContribution}),
+        (Channel.DATA, DOWN): frozenset({TensorBundle, DataWelcome, Consensus}),
     }
 )
 
