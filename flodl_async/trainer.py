@@ -49,7 +49,10 @@ if TYPE_CHECKING:
 
     from .cluster import ClusterSpec
     from .metrics import EpochMetrics
+    from .modelschema import ModelSchema
     from .outer import OuterSpec
+    from .trainspec import TrainerSpec
+    from .wire.messages import TrainerSpecWire
     from .worker import Worker
 
 log = logging.getLogger("flodl_async.trainer")
@@ -276,6 +279,35 @@ class Trainer:
         """What ``run()`` would do in this process, without doing it."""
         env = os.environ
         return decide_entry(env, cluster_given=self.cluster is not None, auto_promote=self.auto_promote, visible_gpus=count_visible_gpus(env))
+
+    def spec(self) -> TrainerSpec:
+        """The serializable, digestable config the coordinator and reducer run from (spec §2.3)."""
+        from .trainspec import TrainerSpec
+
+        return TrainerSpec(
+            policy=self.policy,
+            backend=self.backend,
+            epochs=self.epochs,
+            batch_size=self.batch_size,
+            dataset_len=self.dataset_len,
+            drop_last=self.drop_last,
+            seed=self.seed,
+            elche=self.elche,
+            outer=self.outer,
+            checkpoint=self.checkpoint,
+            max_failure=self.max_failure,
+            heartbeat_timeout=self.heartbeat_timeout,
+            lr_schedule=self.lr_schedule is not None,
+            max_grad_norm=self.max_grad_norm,
+            name=self.name,
+        )
+
+    def spec_wire_and_digest(self, schema: ModelSchema) -> tuple[TrainerSpecWire, str]:
+        """What a rank's ``TrainerHello`` carries: the spec on the wire and the run digest of (spec, model schema)."""
+        from .trainspec import digest
+
+        spec = self.spec()
+        return spec.to_wire(), digest(spec, schema)
 
     def compute_config(self) -> ComputeConfig:
         """The arguments that make a step, for the compute side."""
