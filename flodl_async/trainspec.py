@@ -236,6 +236,8 @@ class TrainerSpec:
     name: str = ""
 
     def __post_init__(self) -> None:
+        # ``max_failure=1`` / ``0.25`` are shorthands; frozen, so the normal form is set through object.
+        object.__setattr__(self, "max_failure", MaxFailure.coerce(self.max_failure))
         _require(isinstance(self.policy, Policy), f"Trainer: policy must be a Policy (SYNC, CADENCE or ASYNC), got {self.policy!r}")
         _require(isinstance(self.backend, Backend), f"Trainer: backend must be a Backend (CPU or COLLECTIVE), got {self.backend!r}")
         _require(_int(self.epochs) and self.epochs >= 1, f"Trainer: epochs must be an integer >= 1, got {self.epochs!r}")
