@@ -123,6 +123,11 @@ class LinkThread:
         assert self._loop is not None
         return asyncio.run_coroutine_threadsafe(self._data.contribute(round_, kind, tensors, steps, weight), self._loop)
 
+    def receive(self, round_: int) -> concurrent.futures.Future[Any]:
+        """Wait for a round's consensus without contributing (``from_controller`` rounds)."""
+        assert self._loop is not None
+        return asyncio.run_coroutine_threadsafe(self._data.receive(round_), self._loop)
+
     def close(self, farewell: m.Exiting | None) -> None:
         """Say goodbye (``Exiting``) and close both links; waits for the thread (bounded)."""
         loop, closing = self._loop, self._closing
@@ -300,7 +305,7 @@ class RankSchedule:
                 self._drain(block=True)
                 continue
             current = self._current_plan()
-            if current is not None and not self._window_sent and (self._window_steps >= current.plan.quota or (current.exhausted and len(self._plans) == 1)):
+            if current is not None and self._window_due(current):
                 self._report_window(current.plan)
                 continue  # what the report brings (a Reduce, a next plan) is handled before the next batch
             if current is None or current.exhausted or self._holding():
@@ -348,6 +353,21 @@ class RankSchedule:
             self._plans.popleft()
             self._open_window(self._plans[0].plan.round)
         return self._plans[0] if self._plans else None
+
+    def _window_due(self, current: _PlanState) -> bool:
+        """Report now: the quota is reached, or the planned data ran out; a window planned empty is answered at once.
+
+        A window with no step is never reported otherwise: under SYNC a rank past its slice is
+        exempt from the gate, and the next plan may simply not have arrived yet (it rides the
+        control link, the consensus the data link).
+        """
+        if self._window_sent:
+            return False
+        if current.plan.quota == 0:
+            return current.plan.round == self._window_round
+        if self._window_steps == 0:
+            return False
+        return self._window_steps >= current.plan.quota or (current.exhausted and len(self._plans) == 1)
 
     def _open_window(self, round_: int) -> None:
         if round_ > self._window_round:
@@ -458,9 +478,10 @@ class RankSchedule:
 
     def _cpu_reduce(self, reduce: m.Reduce, steps: int) -> None:
         kind = reduce.kind
-        if reduce.from_controller:
-            tensors, weight = None, 0.0
-        elif kind in ("init", "upload"):
+        if reduce.from_controller:  # the controller holds the consensus (natural end, resume): only wait for it
+            self._apply(self._wait(self._link.receive(reduce.round)), blend=False)
+            return
+        if kind in ("init", "upload"):
             root = self.rank == 0  # init: the root's state seeds every rank; upload: COLLECTIVE ranks agree, one copy is enough
             tensors, weight = (self._tensors(copy=False), 1.0) if root else (None, 0.0)
         elif kind == "final" and self._policy is Policy.ASYNC:

@@ -65,6 +65,13 @@ class ScriptedLink:
         self.coordinator(self, ("contributed", round_, kind))
         return future
 
+    def receive(self, round_: int) -> concurrent.futures.Future[Result]:
+        self.contributions.append((round_, "received", 0, 0.0, False))
+        future: concurrent.futures.Future[Result] = concurrent.futures.Future()
+        future.set_result(Result(round_, "final", 0.0, None))
+        self.coordinator(self, ("contributed", round_, "final"))
+        return future
+
     def close(self, farewell: m.Exiting | None) -> None:
         self.closed.append(farewell)
 
@@ -110,7 +117,7 @@ def run_rank(policy: fa.Policy, link: ScriptedLink, **trainer_kw: Any) -> tuple[
         except Exception as exc:  # asserted by the caller
             out["error"] = exc
 
-    thread = threading.Thread(target=body)
+    thread = threading.Thread(target=body, daemon=True)
     thread.start()
     thread.join(timeout=60)
     assert not thread.is_alive()
@@ -145,7 +152,7 @@ def test_cadence_trains_each_window_then_holds_and_contributes_its_steps() -> No
     compute, _schedule, out = run_rank(fa.Policy.CADENCE, link)
     # init: rank 0 is the root, weight 1; then each window's steps ** gamma (1.0)
     assert link.contributions[0] == (0, "init", 0, 1.0, True)
-    assert [c[:4] for c in link.contributions[1:]] == [(1, "model", 4, 4.0), (2, "model", 4, 4.0), (3, "model", 8, 8.0), (4, "final", 0, 0.0)]
+    assert [c[:4] for c in link.contributions[1:]] == [(1, "model", 4, 4.0), (2, "model", 4, 4.0), (3, "model", 8, 8.0), (4, "received", 0, 0.0)]
     assert windows(link) == [(1, 4), (2, 4), (3, 8)]
     assert sorted(b for _e, b in trained_batches(compute)) == list(range(16))  # every planned batch once
     assert out["state_dict"].keys() == compute.model.state_dict().keys()
@@ -153,20 +160,21 @@ def test_cadence_trains_each_window_then_holds_and_contributes_its_steps() -> No
 
 
 def test_sync_reports_after_one_step_keeps_training_until_the_reduce_and_covers_the_slice() -> None:
+    reported = [0]
+
     def respond(link: ScriptedLink, msg: Any) -> None:
         if isinstance(msg, m.WindowDone):
-            if msg.batches > 0:
-                link.push(m.Reduce(round=msg.round, kind="model"))
-            else:  # out of data: the final round
-                link.push(m.Reduce(round=msg.round, kind="final"))
+            reported[0] += msg.batches
+            link.push(m.Reduce(round=msg.round, kind="model"))
+            if reported[0] == N_BATCHES:  # the slice is covered: the natural end, from the controller's consensus
+                link.push(m.Reduce(round=msg.round + 1, kind="final", from_controller=True))
         elif isinstance(msg, tuple) and msg[2] == "final":
             link.push(m.Shutdown(reason="training complete", save_reason="completed"))
 
     link = ScriptedLink(respond)
     link.push(m.Reduce(round=0, kind="init"), plan(1, 0, 16, quota=1, hold_after=-1))
     compute, _s, _out = run_rank(fa.Policy.SYNC, link)
-    rounds = [w for w in windows(link) if w[1] > 0]
-    assert rounds == [(k, 1) for k in range(1, 17)]  # the reduce is there by the next step: lockstep here
+    assert windows(link) == [(k, 1) for k in range(1, 17)]  # the reduce is there by the next step: lockstep here
     model_rounds = [c for c in link.contributions if c[1] == "model"]
     assert [(c[0], c[2]) for c in model_rounds] == [(k, 1) for k in range(1, 17)]
     assert sorted(b for _e, b in trained_batches(compute)) == list(range(16))
@@ -178,7 +186,7 @@ def test_a_consensus_is_adopted_and_zero_mass_keeps_the_local_state() -> None:
     compute, _s, out = run_rank(fa.Policy.CADENCE, link)
     # The last model consensus was the contribution halved; the final round (mass 0) kept it.
     before_final = out["state_dict"]
-    assert link.contributions[-1][1:4] == ("final", 0, 0.0)
+    assert link.contributions[-1][1:4] == ("received", 0, 0.0)
     for name, tensor in compute.model.state_dict().items():
         assert torch.equal(tensor, before_final[name])
 
