@@ -333,6 +333,11 @@ class Coordinator:
         return self._spec
 
     @property
+    def reference_schema(self) -> m.ModelSchemaWire | None:
+        """The model schema of the reference hello (what the reducer averages)."""
+        return None if self._reference is None else self._reference.model
+
+    @property
     def alive(self) -> frozenset[int]:
         """Ranks that joined and are not lost."""
         return frozenset(self._alive)
