@@ -15,6 +15,10 @@ MODULES = [
     "flodl_async.agent",
     "flodl_async.devices",
     "flodl_async.runtime",
+    "flodl_async.controller",
+    "flodl_async.controller.training",
+    "flodl_async.coordinator",
+    "flodl_async.relay",
 ]
 
 
@@ -59,6 +63,12 @@ PURE_MODULES = [
     "flodl_async.wire.frame",
     "flodl_async.wire.tensor",
     "flodl_async.net.admission",
+    "flodl_async.partition",
+    "flodl_async.elche",
+    "flodl_async.policy",
+    "flodl_async.metrics",
+    "flodl_async.trainspec",
+    "flodl_async.coordinator",
 ]
 
 

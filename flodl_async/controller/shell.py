@@ -74,7 +74,7 @@ from ..wire.keys import CredentialKind
 from ..wire.schema import Message
 from .fanout import ssh_launcher
 from .launchers import AgentLauncher, ControllerContact, DialInLauncher, LocalLauncher
-from .training import RoundRunner, TrainingOutcome, TrainingShell
+from .training import RoundRunner, RoundRunnerFactory, TrainingOutcome, TrainingShell, default_round_runner
 
 log = logging.getLogger("flodl_async.launch")
 
@@ -108,8 +108,9 @@ def _with_secret_for_token_agent(reply: m.JoinAccept, link: FramedProtocol, secr
 class Controller:
     """Runs one launch from bind to teardown."""
 
-    def __init__(self, plan: LaunchPlan, *, output: RankOutput) -> None:
+    def __init__(self, plan: LaunchPlan, *, output: RankOutput, training_rounds: RoundRunnerFactory | None = None) -> None:
         self.plan = plan
+        self._training_rounds = training_rounds  # None: the Trainer's reducer (tests pass a seam)
         self._deadlines = plan.deadlines
         self._output = output
         self._resolve = session_resolver(plan.secret)
@@ -432,6 +433,7 @@ class Controller:
             hello_timeout=120.0 * scale,
             reduce_stall=120.0 * scale,
             timeout_scale=scale,
+            round_runner=self._training_rounds or default_round_runner,
         )
 
     def _training_world(self) -> tuple[int, dict[int, str]]:
