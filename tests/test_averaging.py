@@ -14,6 +14,8 @@ import contextlib
 import io
 import logging
 import shutil
+import subprocess
+import sys
 import tempfile
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
@@ -187,9 +189,7 @@ class Bench:
     def spec(self, rank: int) -> RankSpec:
         host = next(h for h, ranks in HOSTS.items() if rank in ranks)
         key = Credential.for_rank(self.secret, run_id=RUN, round=0, rank=rank).key
-        return RankSpec(
-            run_id=RUN, host=host, relay_socket="", data_socket=self.relays[host].data_socket_path, round=0, credential_hex=key.hex()
-        )
+        return RankSpec(run_id=RUN, host=host, relay_socket="", data_socket=self.relays[host].data_socket_path, round=0, credential_hex=key.hex())
 
     async def links(self, ranks: list[int]) -> dict[int, DataLink]:
         async with asyncio.timeout(20):
@@ -576,3 +576,22 @@ async def test_the_controller_serves_the_data_channel_only_once_a_reducer_is_ins
         launch_log.removeHandler(said)
         launch_log.setLevel(level)
     assert not controller.serving
+
+
+def test_a_lone_rank_is_forwarded_as_bytes_without_importing_torch() -> None:
+    """The relay process of a one-rank host never loads torch: its rank's frame goes up as it came."""
+    script = Path(__file__).parent / "scripts" / "relay_lone_rank.py"
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60, check=False)
+    assert result.returncode == 0, result.stderr
+    said = dict(item.split("=", 1) for line in result.stdout.split() for item in [line] if "=" in item)
+    assert said == {
+        "up_prescaled": "False",
+        "up_ranks": "[0]",
+        "up_weight": "2.0",
+        "up_same": "True",
+        "down_same": "True",
+        "down_mass": "2.0",
+        "forwarded_raw": "1",
+        "folded": "0",
+        "torch_imported": "False",
+    }
