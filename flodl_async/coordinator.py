@@ -333,9 +333,9 @@ class Coordinator:
         return self._spec
 
     @property
-    def reference_schema(self) -> m.ModelSchemaWire | None:
-        """The model schema of the reference hello (what the reducer averages)."""
-        return None if self._reference is None else self._reference.model
+    def reference(self) -> m.TrainerHello | None:
+        """The hello that fixed the run's spec, schema and digest."""
+        return self._reference
 
     @property
     def alive(self) -> frozenset[int]:

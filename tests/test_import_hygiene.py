@@ -15,10 +15,19 @@ MODULES = [
     "flodl_async.agent",
     "flodl_async.devices",
     "flodl_async.runtime",
-    "flodl_async.controller",
+    # the Trainer's coordinator and its shell
     "flodl_async.controller.training",
     "flodl_async.coordinator",
+    # the Trainer's data plane: torch only inside the functions that do tensor math (executor threads)
     "flodl_async.relay",
+    "flodl_async.relayfold",
+    "flodl_async.reducer",
+    "flodl_async.datalink",
+    "flodl_async.foldmath",
+    "flodl_async.modelschema",
+    "flodl_async.outer",
+    "flodl_async.net.bufpool",
+    "flodl_async.controller",
 ]
 
 
@@ -69,6 +78,9 @@ PURE_MODULES = [
     "flodl_async.metrics",
     "flodl_async.trainspec",
     "flodl_async.coordinator",
+    "flodl_async.modelschema",
+    "flodl_async.outer",
+    "flodl_async.foldmath",
 ]
 
 

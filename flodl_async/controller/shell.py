@@ -27,7 +27,9 @@ import logging
 import os
 import signal
 import time
+import typing
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from .. import __version__
 from ..agent import RankOutput
@@ -75,6 +77,9 @@ from ..wire.schema import Message
 from .fanout import ssh_launcher
 from .launchers import AgentLauncher, ControllerContact, DialInLauncher, LocalLauncher
 from .training import RoundRunner, RoundRunnerFactory, TrainingOutcome, TrainingShell, default_round_runner
+
+if TYPE_CHECKING:
+    from ..reducer import Reducer
 
 log = logging.getLogger("flodl_async.launch")
 
@@ -228,6 +233,17 @@ class Controller:
             await self._mux.aclose()
         assert result is not None  # None only when cancelled, and then CancelledError propagates
         return result
+
+    def install_reducer(self, reducer: Reducer) -> None:
+        """Serve the data channel with ``reducer`` (the training shell calls this when its coordinator starts).
+
+        Until then the port serves no data channel: a relay that dials it is closed before any
+        handshake (counted as ``no_handler``), so runs without Trainer ranks never load torch.
+        """
+        if self._tg is None:
+            raise RuntimeError("install_reducer() needs a running controller (call it from inside run())")
+        service = reducer.attach(task_group=self._tg, resolve=self._resolve, run_id=self.plan.run_id)
+        self._mux.register(Channel.DATA, service.protocol_factory)
 
     async def aclose(self) -> None:
         """Close the port (idempotent)."""
@@ -445,13 +461,9 @@ class Controller:
         self._dispatch(TrainingEnded(ok=outcome.ok, reason=outcome.reason, code=code, details=outcome.details))
 
     def _serve_training_data(self, reducer: RoundRunner) -> None:
-        """The reducer exists: serve the DATA channel from now on (a run without Trainer ranks never does)."""
-        serve = getattr(reducer, "serve", None)
-        if serve is None or self._tg is None:
-            return
-        allocate = getattr(reducer, "allocate", bytearray)
-        service = FramedService(channel=Channel.DATA, resolve=self._resolve, run_id=self.plan.run_id, handler=serve, task_group=self._tg, allocate=allocate)
-        self._mux.register(Channel.DATA, service.protocol_factory)
+        """The coordinator started: its reducer serves the DATA channel (a test's round seam has no data plane)."""
+        if getattr(reducer, "attach", None) is not None:
+            self.install_reducer(typing.cast("Reducer", reducer))
 
     # ----- status --------------------------------------------------------------------------------
 

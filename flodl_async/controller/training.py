@@ -60,7 +60,7 @@ from ..coordinator import (
     TrainerJoined,
     WindowReported,
 )
-from ..errors import ConfigError, ConnectionClosed, FlodlError
+from ..errors import ConnectionClosed, FlodlError
 from ..metrics import EpochMetrics
 from ..modelschema import ModelSchema
 from ..net.framed import FramedProtocol
@@ -92,21 +92,20 @@ class RoundRunner(Protocol):
     def open_round(self, round: int, kind: str, expected_ranks: frozenset[int], from_controller: bool = False) -> None: ...
     async def wait_round(self, round: int) -> RoundResultLike: ...
     def declare_dead(self, rank: int) -> None: ...
+    async def aclose(self) -> None: ...
 
 
-#: Builds the reducer once the reference spec and model schema are known.
-RoundRunnerFactory = Callable[[TrainerSpec, ModelSchema], RoundRunner]
+#: Builds the reducer once the reference spec, model schema and run digest are known.
+RoundRunnerFactory = Callable[[TrainerSpec, ModelSchema, str], RoundRunner]
 #: Serves one DATA-channel link with the reducer (the controller registers it on the mux).
 DataServer = Callable[[RoundRunner], None]
 
 
-def default_round_runner(spec: TrainerSpec, schema: ModelSchema) -> RoundRunner:
+def default_round_runner(spec: TrainerSpec, schema: ModelSchema, digest: str) -> RoundRunner:
     """TD's reducer (imported here, lazily: a run without Trainer ranks never loads it)."""
-    try:
-        from ..reducer import Reducer  # type: ignore[import-not-found,unused-ignore]  # TD's module, merged separately
-    except ImportError as exc:
-        raise ConfigError(f"this build has no controller-side reducer (flodl_async.reducer: {exc}); it cannot average a Trainer run") from None
-    return typing.cast(RoundRunner, Reducer(schema, spec.outer, spec.settings.gamma))
+    from ..reducer import Reducer
+
+    return typing.cast(RoundRunner, Reducer(schema, spec.outer, spec.settings.gamma, digest=digest))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -232,13 +231,15 @@ class TrainingShell:
         return None if self.coordinator is None else self.coordinator.view(self._clock())
 
     async def aclose(self) -> None:
-        """Cancel the round waiters (the reducer's rounds end with the run)."""
+        """Cancel the round waiters, then close the reducer (its driver task and hosts' data links)."""
         tasks = list(self._tasks)
         for task in tasks:
             task.cancel()
         for task in tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        if self.reducer is not None:
+            await self.reducer.aclose()
 
     # ----- internals ---------------------------------------------------------------------
 
@@ -272,11 +273,11 @@ class TrainingShell:
         self._on_change()
 
     def _start_reducer(self, coordinator: Coordinator) -> bool:
-        spec, schema = coordinator.spec, coordinator.reference_schema
+        spec, hello = coordinator.spec, coordinator.reference
         assert spec is not None
-        assert schema is not None
+        assert hello is not None
         try:
-            self.reducer = self._round_runner(spec, ModelSchema.from_wire(schema))
+            self.reducer = self._round_runner(spec, ModelSchema.from_wire(hello.model), hello.digest)
         except FlodlError as exc:
             self._conclude(TrainingOutcome(ok=False, reason=str(exc), code=1))
             return False
