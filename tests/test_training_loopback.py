@@ -63,7 +63,7 @@ class LoopbackRounds:
 
 
 def run_controller(
-    tmp_path: Path, mode: str, mode_rank: int, *, scale: float = 1.0, heartbeat_timeout: float = 2.0
+    tmp_path: Path, mode: str, mode_rank: int, *, scale: float = 1.0, heartbeat_timeout: float = 2.0, command: tuple[str, ...] | None = None
 ) -> tuple[RunResult, bytes, LoopbackRounds, Controller]:
     run_id = new_run_id()
     plan = LaunchPlan(
@@ -73,14 +73,15 @@ def run_controller(
         port=0,
         join=JoinConfig(min_rank_start=2, join_timeout=30, target_ranks=2, max_join_timeout=60),
         workers=(PlacedWorker(spec=WorkerSpec(host="localhost", devices=DeviceSpec.cpu(2)), placement=Placement.LOCAL),),
-        command=(PY, script("trainer_rank.py"), mode, str(mode_rank), str(heartbeat_timeout)),
+        command=command or (PY, script("trainer_rank.py"), mode, str(mode_rank), str(heartbeat_timeout)),
         deadlines=Deadlines.resolve(stop_grace=1.0, env={"FLODL_NET_TIMEOUT_SCALE": str(scale)}),
     )
     rounds = LoopbackRounds()
 
     async def main() -> tuple[RunResult, bytes, Controller]:
         sink = LineSink()
-        controller = Controller(plan, output=RankOutput(stdout=sink, stderr=sink), training_rounds=lambda _spec, _schema, _digest: rounds)  # type: ignore[arg-type]
+        seam = None if command is not None else (lambda _spec, _schema, _digest: rounds)
+        controller = Controller(plan, output=RankOutput(stdout=sink, stderr=sink), training_rounds=seam)  # type: ignore[arg-type]
         await controller.bind()
         async with asyncio.timeout(90):
             result = await controller.run()
@@ -153,3 +154,20 @@ def test_a_rank_that_never_starts_its_trainer_times_out_by_name(tmp_path: Path) 
     assert result.reason == (
         "rank 1 on host localhost did not start its Trainer within 12 s of rank 0 — is it running the same script, and does it reach trainer.run()?"
     )
+
+
+def test_rounds_average_through_the_real_reducer_and_relay(tmp_path: Path) -> None:
+    """TD's Reducer and relay fold under the coordinator: init is rank 0's state, model rounds the steps-weighted mean."""
+    result, output, _rounds, controller = run_controller(tmp_path, "", -1, command=(PY, script("trainer_data_rank.py")))
+    text = output.decode()
+    assert result.exit_code is ExitCode.OK, (result, text)
+    assert result.reason == "training complete: 1 epoch(s) on 2 rank(s)"
+    for rank in (0, 1):
+        assert f"rank {rank} round 0 init mass 1 w [1.0, 1.0, 1.0, 1.0]" in text  # the root's state, everywhere
+        assert f"rank {rank} round 1 model mass 4 w [1.5, 1.5, 1.5, 1.5]" in text  # (2·1 + 2·2) / (2 + 2)
+        assert f"rank {rank} round 2 model mass 4 w [1.5, 1.5, 1.5, 1.5]" in text
+        assert re.search(rf"rank {rank} round 3 final mass [\d.]+ w \[1.5, 1.5, 1.5, 1.5\]", text), text  # the held consensus
+        assert f"rank {rank} shutdown: training complete: 1 epoch(s) on 2 rank(s) (completed)" in text
+    training = controller._training
+    assert training is not None
+    assert [e.batches for e in training.epochs] == [8]
