@@ -333,6 +333,11 @@ class Coordinator:
         return self._spec
 
     @property
+    def reference(self) -> m.TrainerHello | None:
+        """The hello that fixed the run's spec, schema and digest."""
+        return self._reference
+
+    @property
     def alive(self) -> frozenset[int]:
         """Ranks that joined and are not lost."""
         return frozenset(self._alive)

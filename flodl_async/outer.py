@@ -162,7 +162,7 @@ class OuterStepper:
             v = velocity.get(name)
             v = g.clone() if v is None else v.mul_(mu).add_(g)
             velocity[name] = v
-            step = v if isinstance(spec, SlowMo) else g.add_(v, alpha=mu)  # Nesterov look-ahead: mu*v + g
+            step = v if isinstance(spec, SlowMo) else v * mu + g  # Nesterov look-ahead, as written: mu*v + g (no fused add)
             new[name] = (p - lr * step).to(out_dtype[name])
         self._velocity = velocity
         self.set_prev_global(new)

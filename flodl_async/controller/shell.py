@@ -27,7 +27,9 @@ import logging
 import os
 import signal
 import time
+import typing
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from .. import __version__
 from ..agent import RankOutput
@@ -64,6 +66,7 @@ from ..supervisor import (
     SupervisorConfig,
     Tell,
     Tick,
+    TrainingEnded,
 )
 from ..verdict import ExitCode, RunResult
 from ..wire import messages as m
@@ -73,6 +76,10 @@ from ..wire.keys import CredentialKind
 from ..wire.schema import Message
 from .fanout import ssh_launcher
 from .launchers import AgentLauncher, ControllerContact, DialInLauncher, LocalLauncher
+from .training import RoundRunner, RoundRunnerFactory, TrainingOutcome, TrainingShell, default_round_runner
+
+if TYPE_CHECKING:
+    from ..reducer import Reducer
 
 log = logging.getLogger("flodl_async.launch")
 
@@ -106,8 +113,9 @@ def _with_secret_for_token_agent(reply: m.JoinAccept, link: FramedProtocol, secr
 class Controller:
     """Runs one launch from bind to teardown."""
 
-    def __init__(self, plan: LaunchPlan, *, output: RankOutput) -> None:
+    def __init__(self, plan: LaunchPlan, *, output: RankOutput, training_rounds: RoundRunnerFactory | None = None) -> None:
         self.plan = plan
+        self._training_rounds = training_rounds  # None: the Trainer's reducer (tests pass a seam)
         self._deadlines = plan.deadlines
         self._output = output
         self._resolve = session_resolver(plan.secret)
@@ -126,6 +134,8 @@ class Controller:
         self._final: RunResult | None = None  # a verdict the supervisor did not give (internal error, cancelled)
         # The store rides the port unless torch's own store was asked for (then a store host serves it).
         self._store = None if os.environ.get(BACKEND_VARIABLE, "python") == "torch" else PortStore()
+        self._training: TrainingShell | None = None  # the Trainer's coordinator shell, idle until a TrainerHello
+        self._tg: asyncio.TaskGroup | None = None
 
     @property
     def status_board(self) -> StatusBoard:
@@ -185,6 +195,8 @@ class Controller:
         result: RunResult | None = None
         try:
             async with asyncio.TaskGroup() as tg:
+                self._tg = tg
+                self._training = self._training_shell(tg)
                 for channel, handler in (
                     (Channel.JOIN, self._handle_join),
                     (Channel.RENDEZVOUS, self._handle_rendezvous),
@@ -210,6 +222,7 @@ class Controller:
                 finally:
                     if result is None:
                         self._final = RunResult(exit_code=ExitCode.INTERRUPTED, reason="the controller was cancelled")
+                    await self._training.aclose()
                     await self._teardown(agent_tasks)
                     # What is still connected after the teardown's grace is stuck (a frozen host's relay link
                     # says nothing and never closes): closing the port ends those handlers, so the group can close.
@@ -220,6 +233,17 @@ class Controller:
             await self._mux.aclose()
         assert result is not None  # None only when cancelled, and then CancelledError propagates
         return result
+
+    def install_reducer(self, reducer: Reducer) -> None:
+        """Serve the data channel with ``reducer`` (the training shell calls this when its coordinator starts).
+
+        Until then the port serves no data channel: a relay that dials it is closed before any
+        handshake (counted as ``no_handler``), so runs without Trainer ranks never load torch.
+        """
+        if self._tg is None:
+            raise RuntimeError("install_reducer() needs a running controller (call it from inside run())")
+        service = reducer.attach(task_group=self._tg, resolve=self._resolve, run_id=self.plan.run_id)
+        self._mux.register(Channel.DATA, service.protocol_factory)
 
     async def aclose(self) -> None:
         """Close the port (idempotent)."""
@@ -233,13 +257,16 @@ class Controller:
             self._changed.clear()
             deadline = supervisor.next_deadline(time.monotonic())
             beat = min((live.next_deadline() for live in self._liveness.values()), default=None)
-            wake = beat if deadline is None or (beat is not None and beat < deadline) else deadline
+            training = self._training.next_deadline() if self._training is not None else None
+            wake = min((t for t in (deadline, beat, training) if t is not None), default=None)
             try:
                 async with asyncio.timeout(None if wake is None else max(wake - time.monotonic(), 0.0)):
                     await self._changed.wait()
             except TimeoutError:
                 assert wake is not None
                 self._keep_alive(time.monotonic(), late=time.monotonic() - wake)
+                if training is not None and time.monotonic() >= training and self._training is not None:
+                    self._training.tick()
                 if deadline is not None and time.monotonic() >= deadline and self._end is None:
                     self._dispatch(Tick())
         return self._end.result
@@ -391,13 +418,52 @@ class Controller:
                 self._dispatch(StoreReady(round=msg.round, addr=msg.host or link.peer_host, port=msg.port))
 
     async def _handle_control(self, link: FramedProtocol) -> None:
-        while True:
-            msg = await link.recv_message()
-            if isinstance(msg, m.RankHello):
-                self._dispatch(RankConnected(rank=msg.rank, pid=msg.pid))
-                link.send(m.RankWelcome(rank=msg.rank, run_id=self.plan.run_id))
-            elif isinstance(msg, m.Heartbeat):
-                link.send(m.Heartbeat(sent_at=msg.sent_at, rank=msg.rank))
+        training = self._training
+        assert training is not None
+        try:
+            while True:
+                msg = await link.recv_message()
+                if isinstance(msg, m.RankHello):
+                    self._dispatch(RankConnected(rank=msg.rank, pid=msg.pid))
+                    training.bind_rank(msg.rank, link)
+                    link.send(m.RankWelcome(rank=msg.rank, run_id=self.plan.run_id))
+                elif isinstance(msg, m.Heartbeat):
+                    link.send(m.Heartbeat(sent_at=msg.sent_at, rank=msg.rank))
+                    training.seen(msg.rank)
+                else:
+                    training.receive(msg, link)  # the Trainer's coordinator protocol
+        finally:
+            training.link_closed(link)
+
+    # ----- the Trainer (controller/training.py does the work) -------------------------------------
+
+    def _training_shell(self, tg: asyncio.TaskGroup) -> TrainingShell:
+        scale = self._deadlines.scale
+        return TrainingShell(
+            run_id=self.plan.run_id,
+            world=self._training_world,
+            task_group=tg,
+            on_outcome=self._training_outcome,
+            on_change=self._changed.set,
+            serve_data=self._serve_training_data,
+            hello_timeout=120.0 * scale,
+            reduce_stall=120.0 * scale,
+            timeout_scale=scale,
+            round_runner=self._training_rounds or default_round_runner,
+        )
+
+    def _training_world(self) -> tuple[int, dict[int, str]]:
+        view = self._require_supervisor().view()
+        return view.world_size, {r.rank: r.host for r in view.ranks}
+
+    def _training_outcome(self, outcome: TrainingOutcome) -> None:
+        code = ExitCode(outcome.code) if not outcome.ok else ExitCode.OK
+        self._dispatch(TrainingEnded(ok=outcome.ok, reason=outcome.reason, code=code, details=outcome.details))
+
+    def _serve_training_data(self, reducer: RoundRunner) -> None:
+        """The coordinator started: its reducer serves the DATA channel (a test's round seam has no data plane)."""
+        if getattr(reducer, "attach", None) is not None:
+            self.install_reducer(typing.cast("Reducer", reducer))
 
     # ----- status --------------------------------------------------------------------------------
 

@@ -295,6 +295,8 @@ class HostContribution(Message):
 
     ``prescaled``: the relay folded several ranks (``Σ w_r·t_r``, in the accumulator dtype);
     otherwise the one rank's raw tensors, to be scaled by ``weight`` at the controller.
+    ``steps`` (appended to the spec's fields): each listed rank's realized steps, in ``ranks``
+    order, so the controller can check a model round's weight against ``steps ** gamma``.
     """
 
     round: int
@@ -304,6 +306,7 @@ class HostContribution(Message):
     weight: float
     prescaled: bool
     tensors: tuple[TensorSpec, ...] = ()
+    steps: tuple[int, ...] = ()
 
 
 @message(kind=0x0308)
