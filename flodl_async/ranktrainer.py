@@ -355,19 +355,19 @@ class RankSchedule:
         return self._plans[0] if self._plans else None
 
     def _window_due(self, current: _PlanState) -> bool:
-        """Report now: the quota is reached, or the planned data ran out; a window planned empty is answered at once.
+        """Report now: the quota is reached, or the planned data ran out with steps unreported; a window planned empty at once.
 
-        A window with no step is never reported otherwise: under SYNC a rank past its slice is
-        exempt from the gate, and the next plan may simply not have arrived yet (it rides the
+        Nothing else is reported: a SYNC rank past its slice with everything reported is exempt from
+        the gate, and under CADENCE the next plan may simply not have arrived yet (it rides the
         control link, the consensus the data link).
         """
         if self._window_sent:
             return False
         if current.plan.quota == 0:
             return current.plan.round == self._window_round
-        if self._window_steps == 0:
-            return False
-        return self._window_steps >= current.plan.quota or (current.exhausted and len(self._plans) == 1)
+        if current.exhausted and len(self._plans) == 1:
+            return self._stats is not None and self._stats.batches > 0
+        return self._window_steps > 0 and self._window_steps >= current.plan.quota
 
     def _open_window(self, round_: int) -> None:
         if round_ > self._window_round:
@@ -419,6 +419,7 @@ class RankSchedule:
                 return
 
     def _handle(self, item: _Inbound) -> None:
+        log.debug("rank %d: %r (window %d, %d steps in it)", self.rank, item, self._window_round, self._window_steps)
         if isinstance(item, _Lost):
             raise item.error
         if isinstance(item, _Woken):
