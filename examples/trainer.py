@@ -44,11 +44,17 @@ def train_step(m: nn.Module, batch: list[torch.Tensor]) -> torch.Tensor:
     return nn.functional.mse_loss(m(x), y)
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 def local_cluster(ranks: int) -> str:
     """A one-host cluster file with `ranks` CPU ranks on a free port (what `cluster=` takes)."""
     path = os.path.join(tempfile.mkdtemp(prefix="flodl-example-"), "cluster.yml")
     with open(path, "w") as f:
-        f.write(f"controller:\n  host: 127.0.0.1\n  port: 0\nworkers:\n  - host: {socket.gethostname()}\n    devices: cpu:{ranks}\n")
+        f.write(f"controller:\n  host: 127.0.0.1\n  port: {free_port()}\nworkers:\n  - host: {socket.gethostname()}\n    devices: cpu:{ranks}\n")
     return path
 
 

@@ -138,8 +138,7 @@ class LauncherDriver:
         _configure_logging()
         plan = self.plan
         output = RankOutput(stdout=sys.stdout.buffer, stderr=sys.stderr.buffer, run_id=plan.run_id)
-        controller = Controller(plan, output=output)
-        training = attach_trainer(controller, self._trainer, publish)
+        controller = Controller(plan, output=output, metrics_sink=publish)
         self._controller = controller
         loop = asyncio.get_running_loop()
         handled = _add_signal_handler(loop, signal.SIGTERM, self.request_stop)
@@ -159,7 +158,7 @@ class LauncherDriver:
                 loop.remove_signal_handler(signal.SIGTERM)
             await controller.aclose()
             output.close()
-        return final_state(training, result)
+        return await final_state(controller, result)
 
     def request_stop(self) -> None:
         """The first stop asks the coordinator for an orderly end; a second forces (the signal table)."""
@@ -189,41 +188,43 @@ def _add_signal_handler(loop: asyncio.AbstractEventLoop, sig: signal.Signals, ca
     return True
 
 
-# ----- the controller's training shell (branch tc): the three things the launcher needs of it ----------
-
-
-def attach_trainer(controller: Controller, trainer: Trainer, publish: Callable[[EpochMetrics], None]) -> Any:
-    """Tell the controller's training shell this launcher's spec (the reference) and where epochs go."""
-    from .controller import training as shell
-
-    return shell.attach(controller, reference=trainer.spec(), on_epoch=publish)
+# ----- the controller's training shell (controller/training.py): what the launcher reads of it ---------
 
 
 def request_orderly_stop(controller: Controller) -> None:
-    """Ask the coordinator for a stop with a final round (no signal reaches a rank for it)."""
-    from .controller import training as shell
+    """Ask the coordinator for a stop with a final round (no signal reaches a rank for it); before it exists, stop the run."""
+    if not controller.stop_training("the launcher's TrainingRun.shutdown()"):
+        controller.interrupt(int(signal.SIGTERM))
 
-    shell.request_stop(controller)
 
-
-def final_state(training: Any, result: RunResult) -> TrainedState:
+async def final_state(controller: Controller, result: RunResult) -> TrainedState:
     """The launcher's ``TrainedState``: the reducer's last consensus, or ``TrainingFailed`` with the verdict."""
+    from .modelschema import ModelSchema
     from .trainer import TrainedState
 
-    outcome = training.outcome() if training is not None else None
-    if outcome is None or outcome.state_dict is None:
-        if result.exit_code is ExitCode.OK:
-            result = RunResult(exit_code=ExitCode.INTERNAL, reason=f"{result.reason}, but the launcher holds no final consensus", details=result.details)
+    training = controller.training
+    coordinator = training.coordinator if training is not None else None
+    reducer = training.reducer if training is not None else None
+    outcome = training.outcome if training is not None else None
+    stopped = result.exit_code in (ExitCode.INTERRUPTED, ExitCode.TERMINATED) and outcome is not None and outcome.ok
+    if result.exit_code is not ExitCode.OK and not stopped:
         raise TrainingFailed(result)
-    if result.exit_code not in (ExitCode.OK, ExitCode.INTERRUPTED, ExitCode.TERMINATED) or (result.exit_code is not ExitCode.OK and not outcome.interrupted):
-        raise TrainingFailed(result)
+    consensus = None
+    if reducer is not None and hasattr(reducer, "last_consensus"):
+        consensus = await asyncio.get_running_loop().run_in_executor(None, lambda: reducer.last_consensus)  # copies tensors: off the loop
+    reference = coordinator.reference if coordinator is not None else None
+    if coordinator is None or consensus is None or reference is None:
+        reason = f"{result.reason}, but the launcher holds no final consensus"
+        raise TrainingFailed(RunResult(exit_code=ExitCode.INTERNAL, reason=reason, details=result.details))
+    assert training is not None
+    schema = ModelSchema.from_wire(reference.model)
+    world = coordinator.config.world_size
     return TrainedState(
-        state_dict=outcome.state_dict,
-        param_names=tuple(outcome.param_names),
-        epochs_completed=outcome.epochs_completed,
-        global_step=outcome.global_step,
-        world_size=outcome.world_size,
-        lost_ranks=tuple(outcome.lost_ranks),
-        interrupted=outcome.interrupted,
+        state_dict=consensus,
+        param_names=schema.param_names,
+        epochs_completed=coordinator.completed_epochs,
+        global_step=sum(m.batches for m in training.epochs) // max(world, 1),
+        world_size=world,
+        interrupted=outcome is not None and outcome.save_reason == "graceful_shutdown",
         primary=True,
     )

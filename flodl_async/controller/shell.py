@@ -79,6 +79,7 @@ from .launchers import AgentLauncher, ControllerContact, DialInLauncher, LocalLa
 from .training import RoundRunner, RoundRunnerFactory, TrainingOutcome, TrainingShell, default_round_runner
 
 if TYPE_CHECKING:
+    from ..metrics import EpochMetrics
     from ..reducer import Reducer
 
 log = logging.getLogger("flodl_async.launch")
@@ -113,9 +114,18 @@ def _with_secret_for_token_agent(reply: m.JoinAccept, link: FramedProtocol, secr
 class Controller:
     """Runs one launch from bind to teardown."""
 
-    def __init__(self, plan: LaunchPlan, *, output: RankOutput, training_rounds: RoundRunnerFactory | None = None) -> None:
+    def __init__(
+        self,
+        plan: LaunchPlan,
+        *,
+        output: RankOutput,
+        training_rounds: RoundRunnerFactory | None = None,
+        metrics_sink: Callable[[EpochMetrics], None] | None = None,
+    ) -> None:
         self.plan = plan
         self._training_rounds = training_rounds  # None: the Trainer's reducer (tests pass a seam)
+        self._metrics_sink = metrics_sink  # a Trainer launcher's handle: each aggregated epoch
+        self._stop_signal: int | None = None  # the signal that asked the Trainer for an orderly stop
         self._deadlines = plan.deadlines
         self._output = output
         self._resolve = session_resolver(plan.secret)
@@ -160,11 +170,32 @@ class Controller:
         self._publish()
 
     def interrupt(self, signum: int) -> None:
-        """SIGINT/SIGTERM: the first stops gracefully (the signal table), the second forces."""
+        """SIGINT/SIGTERM: the first stops gracefully (the signal table), the second forces.
+
+        With Trainer ranks training, the first asks the coordinator for an orderly stop instead (a
+        final round, the state returned) and no signal reaches a rank; the next one is the table's.
+        """
         if self._supervisor is None:
             self._early_signals.append(signum)
             return
+        if self._stop_signal is None and self.stop_training(f"{signal.Signals(signum).name} to the launcher"):
+            self._stop_signal = signum
+            return
         self._dispatch(Interrupted(signal=signum))
+
+    @property
+    def training(self) -> TrainingShell | None:
+        """The Trainer's coordinator shell (None before :meth:`run`); its ``coordinator`` exists once a rank said hello."""
+        return self._training
+
+    def stop_training(self, reason: str) -> bool:
+        """Ask a live Trainer coordinator for an orderly stop; False when there is none to ask (no Trainer, not yet, or over)."""
+        training = self._training
+        if training is None or training.coordinator is None or training.outcome is not None:
+            return False
+        training.stop(reason)
+        self._changed.set()
+        return True
 
     async def run(self) -> RunResult:
         """The whole lifecycle; call :meth:`bind` first. Teardown runs on every exit path."""
@@ -232,6 +263,9 @@ class Controller:
                 self._store.close()
             await self._mux.aclose()
         assert result is not None  # None only when cancelled, and then CancelledError propagates
+        if self._stop_signal is not None and result.exit_code is ExitCode.OK:  # stopped in order, but by a signal
+            code = ExitCode.INTERRUPTED if self._stop_signal == signal.SIGINT else ExitCode.TERMINATED
+            result = dataclasses.replace(result, exit_code=code)
         return result
 
     def install_reducer(self, reducer: Reducer) -> None:
@@ -450,6 +484,7 @@ class Controller:
             reduce_stall=120.0 * scale,
             timeout_scale=scale,
             round_runner=self._training_rounds or default_round_runner,
+            metrics_sink=self._metrics_sink,
         )
 
     def _training_world(self) -> tuple[int, dict[int, str]]:
