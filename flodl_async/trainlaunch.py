@@ -35,6 +35,7 @@ from .deadlines import Deadlines
 from .errors import ConfigError, TrainingFailed
 from .plan import LaunchPlan, PlacedWorker
 from .policy import Backend
+from .rankenv import RUN_ID_VAR
 from .ranktrainer import LAUNCHER_PRIMARY_VAR
 from .roles import CONTROLLER_VAR
 from .trainer_roles import count_visible_gpus, resolve_rank_command
@@ -126,7 +127,8 @@ class LauncherDriver:
     def __init__(self, trainer: Trainer) -> None:
         self._trainer = trainer
         spec = cluster_of(trainer, os.environ)
-        self.plan = launch_plan(trainer, spec, argv=list(sys.orig_argv), executable=sys.executable)
+        # FLODL_RUN_ID names the run when an outer tool (or a test) wants to find its processes.
+        self.plan = launch_plan(trainer, spec, argv=list(sys.orig_argv), executable=sys.executable, run_id=os.environ.get(RUN_ID_VAR) or None)
         self.run_id = self.plan.run_id
         self._controller: Controller | None = None
         self._stops = 0
