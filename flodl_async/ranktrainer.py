@@ -281,6 +281,7 @@ class RankSchedule:
         self._plans: collections.deque[_PlanState] = collections.deque()
         self._reduces: collections.deque[m.Reduce] = collections.deque()
         self._initialized = False
+        self._final_round = False  # the final (or upload) round is done: only Shutdown is left
         self._ended: m.Shutdown | None = None
         self._window_round = -1
         self._window_steps = 0
@@ -306,8 +307,8 @@ class RankSchedule:
             if self._ended is not None:
                 self._apply_outstanding(wait=True)
                 return None
-            if not self._initialized:
-                self._drain(block=True)
+            if not self._initialized or self._final_round:
+                self._drain(block=True)  # before INIT nothing may train; after the final round nothing must
                 continue
             current = self._current_plan()
             if current is not None and self._window_due(current):
@@ -479,6 +480,8 @@ class RankSchedule:
             self._cpu_reduce(reduce, steps)
         if reduce.kind == "init":
             self._initialized = True
+        elif reduce.kind in ("final", "upload"):
+            self._final_round = True
         if reduce.reset_inner:
             self._compute.optimizer.state.clear()  # DiLoCo: inner state is disposable each round
 

@@ -53,7 +53,7 @@ def mse(m: nn.Module, batch: list[torch.Tensor]) -> torch.Tensor:
 
 POLICIES = {"sync": fa.Policy.SYNC, "cadence": fa.Policy.CADENCE, "async": fa.Policy.ASYNC}
 BACKENDS = {"cpu": fa.Backend.CPU, "collective": fa.Backend.COLLECTIVE}
-OUTERS = {"avg": fa.OuterAvg(), "slowmo": fa.SlowMo(), "diloco": fa.DiLoCo()}
+OUTERS = {"avg": fa.OuterAvg(), "slowmo": fa.SlowMo(lr=0.5, momentum=0.5), "diloco": fa.DiLoCo()}
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -69,6 +69,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--fast-ms", type=float, default=0.0)
     p.add_argument("--fail-rank", type=int, default=-2)
     p.add_argument("--cooperative", action="store_true")
+    p.add_argument("--ticker", action="store_true", help="run another asyncio task next to the training")
     p.add_argument("--anchor", type=int, default=None)
     p.add_argument("--no-adapt", action="store_true")
     return p.parse_args(argv)
@@ -118,11 +119,29 @@ def save(args: argparse.Namespace, trainer: fa.Trainer, state: fa.TrainedState, 
         },
         out / f"{entry}-{rank}.pt",
     )
-    print(f"TRAINER-DONE entry={entry} rank={rank} primary={state.primary} world={state.world_size} epochs={state.epochs_completed}", flush=True)
+    print(
+        f"TRAINER-DONE entry={entry} rank={rank} primary={state.primary} world={state.world_size} epochs={state.epochs_completed} "
+        f"interrupted={state.interrupted}",
+        flush=True,
+    )
 
 
 async def managed(args: argparse.Namespace) -> None:
     trainer = build(args)
+    ticks = 0
+    ticking = asyncio.Event()
+
+    async def ticker() -> None:
+        """Other work of the same program, on the same loop, while the run trains."""
+        nonlocal ticks
+        while True:
+            ticks += 1
+            ticking.set()
+            await asyncio.sleep(0.01)
+
+    if args.ticker:
+        other = asyncio.create_task(ticker(), name="ticker")
+        await ticking.wait()
     run = trainer.start()
     losses: list[float] = []
     shares: list[list[float]] = []
@@ -132,6 +151,9 @@ async def managed(args: argparse.Namespace) -> None:
         if run.primary:
             print(f"EPOCH {m.epoch} loss {m.avg_loss:.5f} shares {[round(s, 3) for s in shares[-1]]}", flush=True)
     state = await run.join()
+    if args.ticker:
+        other.cancel()
+        print(f"TICKS {ticks}", flush=True)
     save(args, trainer, state, losses, shares)
 
 
