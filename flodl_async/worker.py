@@ -481,11 +481,15 @@ class Worker:
             self._current = work
             _sink.stats = self._stats
             yield batch
-            if self._current is not None:
+            if self._awaiting_step():
                 raise ConfigError("Worker.batches(): call w.step(loss) after each batch (it steps the optimizer and reduces when due)")
             work = self._next
             if self._over:
                 return
+
+    def _awaiting_step(self) -> bool:
+        """The batch handed out last has not been stepped (``step()`` clears it, from the caller's side of the yield)."""
+        return self._current is not None
 
     def step(self, loss: torch.Tensor) -> StepOutcome:
         """Finish the batch (clip, step, zero_grad) and do the reduce when one is due."""

@@ -249,3 +249,17 @@ def test_record_scalar_is_averaged_per_epoch() -> None:
     (only,) = asyncio.run(main())
     assert only.scalars == {"batch_rows": 32.0}
     fa.record_scalar("outside", 1.0)  # outside a step: ignored, not an error
+
+
+def test_a_second_session_in_a_rank_process_is_refused_with_the_advice() -> None:
+    from flodl_async import trainer as trainer_module
+
+    t = trainer()
+    try:
+        t._one_session()
+        with pytest.raises(ConfigError) as info:
+            t._one_session()
+        assert "already run in this process" in str(info.value)
+        assert "loop at the process level" in str(info.value)
+    finally:
+        trainer_module._RANK_SESSION.clear()
