@@ -579,6 +579,10 @@ async def _on_thread(fn: Callable[[], Any], *, name: str, on_cancel: Callable[[]
         with contextlib.suppress(BaseException):
             await asyncio.shield(done)
         raise
+    finally:
+        # The thread still drops its frames (torch tensors, the model) after handing over the outcome; a
+        # daemon thread caught in torch's C++ at interpreter exit aborts the process ("terminate called").
+        await loop.run_in_executor(None, thread.join)
 
 
 def _inline_worker(trainer: Trainer) -> Worker:
