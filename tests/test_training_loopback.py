@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import signal
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -171,3 +172,40 @@ def test_rounds_average_through_the_real_reducer_and_relay(tmp_path: Path) -> No
     training = controller._training
     assert training is not None
     assert [e.batches for e in training.epochs] == [8]
+
+
+def test_a_launcher_signal_stops_training_in_order_before_any_signal_reaches_the_ranks(tmp_path: Path) -> None:
+    run_id = new_run_id()
+    plan = LaunchPlan(
+        run_id=run_id,
+        secret=new_session_secret(),
+        bind_host="127.0.0.1",
+        port=0,
+        join=JoinConfig(min_rank_start=2, join_timeout=30, target_ranks=2, max_join_timeout=60),
+        workers=(PlacedWorker(spec=WorkerSpec(host="localhost", devices=DeviceSpec.cpu(2)), placement=Placement.LOCAL),),
+        command=(PY, script("trainer_rank.py"), "slow", "-1", "10"),
+        deadlines=Deadlines.resolve(stop_grace=1.0, env={}),
+    )
+    rounds = LoopbackRounds()
+
+    async def main() -> tuple[RunResult, bytes]:
+        sink = LineSink()
+        controller = Controller(plan, output=RankOutput(stdout=sink, stderr=sink), training_rounds=lambda _s, _m, _d: rounds)  # type: ignore[arg-type]
+        await controller.bind()
+        task = asyncio.get_running_loop().create_task(controller.run(), name="controller")
+        async with asyncio.timeout(60):
+            await sink.wait_for(b"rank 1 window 2")  # training, mid-epoch
+            controller.interrupt(signal.SIGTERM)
+            result = await task
+        return result, bytes(sink.data)
+
+    result, output = asyncio.run(main())
+    assert_nothing_left(run_id)
+    text = output.decode()
+    assert result.exit_code is ExitCode.TERMINATED, (result, text)
+    assert re.fullmatch(r"training stopped \(SIGTERM\) after [01] of 2 epoch\(s\)", result.reason), result.reason
+    for rank in (0, 1):  # each rank heard the orderly Shutdown and exited 0: no signal reached it first
+        assert f"rank {rank} shutdown: {result.reason} (graceful_shutdown)" in text
+    final = [r for r in rounds.opened if r[1] == "final"]
+    assert len(final) == 1
+    assert final[0][3] is False  # the ranks stepped since the last reduce: they contribute

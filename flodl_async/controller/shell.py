@@ -68,7 +68,7 @@ from ..supervisor import (
     Tick,
     TrainingEnded,
 )
-from ..verdict import ExitCode, RunResult
+from ..verdict import ExitCode, RunResult, exit_code_for_signal
 from ..wire import messages as m
 from ..wire.channels import Channel
 from ..wire.handshake import PROTOCOL_VERSION, join_resolver, session_resolver
@@ -135,6 +135,7 @@ class Controller:
         # The store rides the port unless torch's own store was asked for (then a store host serves it).
         self._store = None if os.environ.get(BACKEND_VARIABLE, "python") == "torch" else PortStore()
         self._training: TrainingShell | None = None  # the Trainer's coordinator shell, idle until a TrainerHello
+        self._training_signal: int | None = None  # the launcher signal that asked for an orderly training stop
         self._tg: asyncio.TaskGroup | None = None
 
     @property
@@ -160,11 +161,25 @@ class Controller:
         self._publish()
 
     def interrupt(self, signum: int) -> None:
-        """SIGINT/SIGTERM: the first stops gracefully (the signal table), the second forces."""
+        """SIGINT/SIGTERM: the first stops gracefully (the signal table), the second forces.
+
+        With Trainer ranks training, the first asks the coordinator for an orderly stop (a final
+        round, ``Shutdown``, the ranks return their state) before any signal reaches them; the
+        next one goes to the supervisor's table.
+        """
         if self._supervisor is None:
             self._early_signals.append(signum)
             return
+        if self._training_signal is None and self._training is not None and self._training.stop(_signal_name(signum)):
+            self._training_signal = signum
+            name = _signal_name(signum)
+            log.warning("stopping training in order on %s: a final round, then shutdown (%s again to stop the ranks)", name, name)
+            return
         self._dispatch(Interrupted(signal=signum))
+
+    def stop_training(self, reason: str) -> bool:
+        """An orderly stop of the Trainer (``TrainingRun.shutdown``); False when nothing trains."""
+        return self._training is not None and self._training.stop(reason)
 
     async def run(self) -> RunResult:
         """The whole lifecycle; call :meth:`bind` first. Teardown runs on every exit path."""
@@ -458,6 +473,8 @@ class Controller:
 
     def _training_outcome(self, outcome: TrainingOutcome) -> None:
         code = ExitCode(outcome.code) if not outcome.ok else ExitCode.OK
+        if outcome.ok and self._training_signal is not None:
+            code = exit_code_for_signal(self._training_signal)
         self._dispatch(TrainingEnded(ok=outcome.ok, reason=outcome.reason, code=code, details=outcome.details))
 
     def _serve_training_data(self, reducer: RoundRunner) -> None:
@@ -533,3 +550,10 @@ class Controller:
         if self._supervisor is None:
             raise RuntimeError("run() has not started")
         return self._supervisor
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"

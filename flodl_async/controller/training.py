@@ -212,10 +212,15 @@ class TrainingShell:
             return  # no Trainer in this run (yet): nothing to coordinate
         self._handle(to_event(msg))
 
-    def stop(self, reason: str) -> None:
-        """An orderly stop (a launcher signal, ``TrainingRun.shutdown``): the final round, then ``Shutdown``."""
-        if self.coordinator is not None:
-            self._handle(StopRequested(reason=reason))
+    def stop(self, reason: str) -> bool:
+        """An orderly stop (a launcher signal, ``TrainingRun.shutdown``): the final round, then ``Shutdown``.
+
+        False when there is no training to stop in order (no coordinator, or it already concluded).
+        """
+        if self.coordinator is None or self._outcome is not None:
+            return False
+        self._handle(StopRequested(reason=reason))
+        return True
 
     def next_deadline(self) -> float | None:
         """When :meth:`tick` is due (None: nothing pending)."""

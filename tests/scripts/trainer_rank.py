@@ -2,7 +2,7 @@
 
 ``trainer_rank.py <mode> <mode_rank> [heartbeat_timeout]``: rank ``mode_rank`` behaves as ``mode`` (``ok``, ``mismatch``: builds
 ``epochs=3``, ``freeze``: SIGSTOPs itself after its first plan, ``raise``: sends a death record at its second
-plan, ``silent``: never says TrainerHello); every other rank is ``ok``. Each window is "trained" at once: the
+plan, ``silent``: never says TrainerHello, ``slow``: takes 50 ms per window and says so); every other rank is ``ok``. Each window is "trained" at once: the
 rank reports its plan's quota. Rounds are not contributed on the data channel (the test's reducer seam
 completes them); the rank prints what it trained and what it was told.
 """
@@ -70,6 +70,9 @@ async def main() -> int:
                     await link.drain()
                     beats.cancel()
                     return 1
+                if mode_name == "slow":
+                    await asyncio.sleep(0.05)  # every rank: the test stops the run mid-training
+                    print(f"rank {rank} window {msg.round}", flush=True)
                 batches = [b for first, n in msg.ranges for b in range(first, first + n)]
                 trained.setdefault(msg.epoch, []).extend(batches)
                 link.send(
@@ -95,7 +98,7 @@ async def main() -> int:
                 link.send(m.Exiting(rank=rank, reason="done"))
                 await link.drain()
                 beats.cancel()
-                return 0 if msg.save_reason == "completed" else 1
+                return 0 if msg.save_reason in ("completed", "graceful_shutdown") else 1
 
 
 sys.exit(asyncio.run(main()))
