@@ -9,6 +9,7 @@ is real: the relay's rank checks and broadcasts, the controller's routing, heart
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import signal
 from dataclasses import dataclass, field
@@ -117,6 +118,12 @@ def test_a_trainer_run_completes_with_every_batch_trained_once(tmp_path: Path) -
     assert training is not None
     assert [e.epoch for e in training.epochs] == [0, 1]
     assert all(e.batches == spec.n_batches for e in training.epochs)
+    snapshot = controller.status_board.snapshot
+    assert snapshot is not None
+    doc = json.loads(snapshot.to_json())["training"]  # what /state.json serves
+    assert (doc["phase"], doc["epoch"], doc["epochs"], doc["policy"], doc["backend"]) == ("done", 2, 2, "cadence", "cpu")
+    assert [r["batches"] for r in doc["ranks"]] == [16, 16]
+    assert doc["last_epoch"]["epoch"] == 1
 
 
 def test_a_rank_with_a_different_trainer_is_the_runs_verdict(tmp_path: Path) -> None:

@@ -459,13 +459,17 @@ class Controller:
             world=self._training_world,
             task_group=tg,
             on_outcome=self._training_outcome,
-            on_change=self._changed.set,
+            on_change=self._training_changed,
             serve_data=self._serve_training_data,
             hello_timeout=120.0 * scale,
             reduce_stall=120.0 * scale,
             timeout_scale=scale,
             round_runner=self._training_rounds or default_round_runner,
         )
+
+    def _training_changed(self) -> None:
+        self._publish()  # the status page's training block
+        self._changed.set()  # the pump recomputes its wake-up (the coordinator's deadline moved)
 
     def _training_world(self) -> tuple[int, dict[int, str]]:
         view = self._require_supervisor().view()
@@ -543,6 +547,7 @@ class Controller:
                 ranks=ranks,
                 verdict=result.reason if result is not None else "",
                 exit_code=int(result.exit_code) if result is not None else None,
+                training=self._training.status() if self._training is not None else None,
             )
         )
 

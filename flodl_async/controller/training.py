@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 import typing
@@ -232,8 +233,17 @@ class TrainingShell:
             self._handle(Tick())
 
     def view(self) -> CoordinatorView | None:
-        """The status page's ``training`` block."""
+        """The coordinator's frozen snapshot."""
         return None if self.coordinator is None else self.coordinator.view(self._clock())
+
+    def status(self) -> dict[str, object] | None:
+        """The ``training`` block of ``/state.json`` (None until a Trainer said hello)."""
+        view = self.view()
+        if view is None:
+            return None
+        block = dataclasses.asdict(view)
+        block["last_epoch"] = dataclasses.asdict(self.epochs[-1]) if self.epochs else None
+        return block
 
     async def aclose(self) -> None:
         """Cancel the round waiters, then close the reducer (its driver task and hosts' data links)."""
