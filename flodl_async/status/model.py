@@ -103,6 +103,8 @@ class StatusSnapshot:
     def to_document(self) -> dict[str, object]:
         """The document served at ``/state.json``, as plain JSON values (enums as their strings)."""
         doc = {f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(self)}
+        if self.training is None:
+            del doc["training"]  # additive: a run without Trainer ranks serves the document it always did
         doc["schema"] = SCHEMA
         return doc
 
