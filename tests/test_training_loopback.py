@@ -216,3 +216,12 @@ def test_a_launcher_signal_stops_training_in_order_before_any_signal_reaches_the
     final = [r for r in rounds.opened if r[1] == "final"]
     assert len(final) == 1
     assert final[0][3] is False  # the ranks stepped since the last reduce: they contribute
+
+
+def test_collective_rounds_are_answered_by_the_ranks_and_the_primary_uploads(tmp_path: Path) -> None:
+    result, output, rounds, _c = run_controller(tmp_path, "collective", -1)
+    text = output.decode()
+    assert result.exit_code is ExitCode.OK, (result, text)
+    assert "rank 1 all_reduced round 0 (init)" in text
+    assert "rank 0 all_reduced round 1 (model)" in text
+    assert rounds.opened == [(rounds.opened[0][0], "upload", frozenset({0}), False)]  # only the upload goes through the reducer
