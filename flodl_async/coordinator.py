@@ -70,6 +70,8 @@ class CoordinatorConfig:
     #: Continue after a rank loss within ``max_failure`` (the elastic issue); off here.
     elastic: bool = False
     primary_rank: int = 0
+    #: The launcher's own spec when the user's script is the launcher: every rank must match it.
+    reference: TrainerSpec | None = None
 
 
 class CoordPhase(enum.Enum):
@@ -347,6 +349,16 @@ class Coordinator:
         """Epochs closed so far."""
         return self._completed_epochs
 
+    @property
+    def dead(self) -> frozenset[int]:
+        """Ranks lost so far."""
+        return frozenset(self._dead)
+
+    @property
+    def global_step(self) -> int:
+        """Cohort batches trained, divided by the world size (trainer-spec §2.4)."""
+        return sum(self._batches.values()) // self.config.world_size
+
     def _heartbeat_timeout(self) -> float | None:
         return None if self._spec is None else self._spec.heartbeat_timeout * self.config.timeout_scale
 
@@ -449,6 +461,14 @@ class Coordinator:
                 f"rank {hello.rank} ({self._host(hello.rank)}) sent a digest that does not match its own Trainer spec; "
                 "are the rank and the controller running the same flodl_async version?"
             )
+        launcher = self.config.reference
+        if launcher is not None:
+            diff = spec_diff(launcher.to_wire(), hello.spec)
+            if diff is not None:
+                return (
+                    f"rank {hello.rank} ({self._host(hello.rank)}) built a different Trainer than the launcher: {diff}. "
+                    "Every rank must build the Trainer from the same arguments — are the ranks running different code or command lines?"
+                )
         ref = self._reference
         if ref is None:
             try:

@@ -372,3 +372,14 @@ def test_round_completions_for_other_rounds_are_ignored() -> None:
     d = started()
     out = d.coord.handle(RoundCompleted(round=7, kind="model", mass=1.0, duration_ms=1.0), d.now)
     assert not [a for a in out if isinstance(a, StartRound)]
+
+
+def test_in_the_launcher_role_every_rank_must_match_the_launchers_spec() -> None:
+    c = Coordinator(CoordinatorConfig(run_id="r", world_size=2, hosts={0: "a"}, reference=spec(epochs=5)), now=0.0)
+    [fail] = [a for a in c.handle(TrainerJoined(hello=hello(0, spec(epochs=10))), 1.0) if isinstance(a, Fail)]
+    assert fail.reason == (
+        "rank 0 (host a) built a different Trainer than the launcher: epochs 10 != 5. Every rank must build the Trainer from the same arguments "
+        "— are the ranks running different code or command lines?"
+    )
+    ok = Coordinator(CoordinatorConfig(run_id="r", world_size=2, reference=spec(epochs=5)), now=0.0)
+    assert [a for a in ok.handle(TrainerJoined(hello=hello(0, spec(epochs=5))), 1.0) if isinstance(a, Fail)] == []

@@ -35,6 +35,7 @@ from .. import __version__
 from ..agent import RankOutput
 from ..errors import ConnectionClosed, FlodlError, WireError
 from ..liveness import Liveness
+from ..metrics import EpochMetrics
 from ..net.fdlimit import raise_descriptor_limit
 from ..net.framed import FramedProtocol
 from ..net.http import StatusHttpProtocol
@@ -68,6 +69,7 @@ from ..supervisor import (
     Tick,
     TrainingEnded,
 )
+from ..trainspec import TrainerSpec
 from ..verdict import ExitCode, RunResult, exit_code_for_signal
 from ..wire import messages as m
 from ..wire.channels import Channel
@@ -136,6 +138,8 @@ class Controller:
         self._store = None if os.environ.get(BACKEND_VARIABLE, "python") == "torch" else PortStore()
         self._training: TrainingShell | None = None  # the Trainer's coordinator shell, idle until a TrainerHello
         self._training_signal: int | None = None  # the launcher signal that asked for an orderly training stop
+        self._training_reference: TrainerSpec | None = None  # the launcher's own spec (the user's script is the launcher)
+        self._training_metrics: Callable[[EpochMetrics], None] | None = None
         self._tg: asyncio.TaskGroup | None = None
 
     @property
@@ -176,6 +180,16 @@ class Controller:
             log.warning("stopping training in order on %s: a final round, then shutdown (%s again to stop the ranks)", name, name)
             return
         self._dispatch(Interrupted(signal=signum))
+
+    @property
+    def training(self) -> TrainingShell | None:
+        """The Trainer's coordinator shell (after :meth:`run` started)."""
+        return self._training
+
+    def configure_training(self, *, reference: TrainerSpec | None, metrics_sink: Callable[[EpochMetrics], None] | None) -> None:
+        """Before :meth:`run`: the launcher's spec every rank must match, and where aggregated epochs go."""
+        self._training_reference = reference
+        self._training_metrics = metrics_sink
 
     def stop_training(self, reason: str) -> bool:
         """An orderly stop of the Trainer (``TrainingRun.shutdown``); False when nothing trains."""
@@ -465,6 +479,8 @@ class Controller:
             reduce_stall=120.0 * scale,
             timeout_scale=scale,
             round_runner=self._training_rounds or default_round_runner,
+            reference=self._training_reference,
+            metrics_sink=self._training_metrics,
         )
 
     def _training_changed(self) -> None:
