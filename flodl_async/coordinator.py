@@ -783,6 +783,13 @@ class Coordinator:
                 actions.extend(self._window_plans(k + 1, waiting))
             else:
                 actions.extend(self._plan(r, k + 1, 0) for r in waiting)  # the epoch's tail is in other ranks' windows
+            if RULES[spec.policy].early_dispatch:
+                # ASYNC ranks that already finished window k+1 were held back (two ahead of the gate): now one ahead.
+                reported = self._reports.get(k + 1, {})
+                for rank in sorted(self._alive):
+                    if rank in reported and self._planned_round.get(rank) == k + 1 and self._pool.remaining > 0:
+                        elche_counts = self._elche.counts if self._elche is not None else ()
+                        actions.append(self._plan(rank, k + 2, min(elche_counts[rank], self._pool.remaining)))
         return actions
 
     # ----- stop, loss, deadlines -------------------------------------------------------------
