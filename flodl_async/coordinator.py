@@ -523,9 +523,11 @@ class Coordinator:
 
     def _start_round(self, round_: int, kind: str, now: float, *, from_controller: bool = False, closes_epoch: int | None = None) -> StartRound:
         spec = self._require_spec()
-        upload = kind == "upload"
-        collective = spec.backend is Backend.COLLECTIVE and not upload
-        expected = frozenset({self._primary()}) if upload else frozenset(self._alive)
+        # ``upload`` (COLLECTIVE's end) brings the primary's state to the controller. Like ``init``, every
+        # alive rank takes part — the primary with its tensors, the others with empty contributions — since
+        # each host's relay folds a barrier over all of its live ranks.
+        collective = spec.backend is Backend.COLLECTIVE and kind != "upload"
+        expected = frozenset(self._alive)
         self._in_flight = _InFlight(round=round_, kind=kind, started_at=now, collective=collective, waiting=set(expected), closes_epoch=closes_epoch)
         reset = kind == "model" and spec.outer.resets_inner
         return StartRound(
@@ -536,9 +538,6 @@ class Coordinator:
             reducer=not collective,
             message=m.Reduce(round=round_, kind=kind, from_controller=from_controller, reset_inner=reset),
         )
-
-    def _primary(self) -> int:
-        return self.config.primary_rank if self.config.primary_rank in self._alive else min(self._alive)
 
     def _on_round_completed(self, event: RoundCompleted, now: float) -> list[Action]:
         flying = self._in_flight

@@ -253,4 +253,4 @@ def test_collective_rounds_are_answered_by_the_ranks_and_the_primary_uploads(tmp
     assert result.exit_code is ExitCode.OK, (result, text)
     assert "rank 1 all_reduced round 0 (init)" in text
     assert "rank 0 all_reduced round 1 (model)" in text
-    assert rounds.opened == [(rounds.opened[0][0], "upload", frozenset({0}), False)]  # only the upload goes through the reducer
+    assert rounds.opened == [(rounds.opened[0][0], "upload", frozenset({0, 1}), False)]  # only the upload goes through the reducer
