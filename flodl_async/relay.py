@@ -274,7 +274,8 @@ class Relay:
                 try:
                     msg = await link.recv_message()
                 except ConnectionClosed as exc:
-                    gone = f"its link to the relay closed ({exc})" if exc.by_peer else gone
+                    if exc.by_peer:  # the rank's side went away: its process ended (the agent reports how)
+                        gone = "its link to the relay closed (the rank exited, crashed or was killed)"
                     raise
                 claimed = rank_of(msg)
                 if claimed != bound or type(msg) in RELAY_ONLY:
