@@ -78,7 +78,7 @@ class DataLink:
         credential = Credential.rank_from_hex(spec.credential_hex, round=spec.round, rank=rank)
         label = f"relay of {spec.host} (data)"
         link = await open_unix_framed(
-            spec.data_socket, channel=Channel.DATA, credential=credential, peer_label=label, limits=_HELLO_LIMITS, allocate=pool.acquire
+            spec.data_socket, channel=Channel.DATA, credential=credential, peer_label=label, limits=_HELLO_LIMITS, allocate=pool.acquire, plain_payloads=True
         )
         try:
             link.send(m.DataHello(rank=rank, model_bytes=schema.model_bytes, digest=digest))

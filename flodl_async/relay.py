@@ -155,6 +155,7 @@ class Relay:
             task_group=self._tg,
             limits=HELLO_LIMITS,
             allocate=self._fold.pool.acquire,
+            plain_payloads=True,  # owner-only unix socket: same-user peers (FrameConnection's plain_payloads)
         )
         for path, service in ((self.socket_path, control), (self.data_socket_path, data)):
             await self._listen(path, service)
