@@ -14,7 +14,9 @@ order alternates every round), each after a gloo barrier:
   reducer → relay → both ranks) and ``param.copy_(consensus)``;
 * ``gloo``: ``dist.all_reduce(param)`` and ``param.div_(2)``.
 
-A round's latency is the slower rank's (max over ranks). The table prints median (min–max) per
+``--uplink tcp`` makes the relay dial the port as a worker host's relay does (the sealed TCP
+leg) instead of handing its frames to the in-process reducer. A round's latency is the slower
+rank's (max over ranks). The table prints median (min–max) per
 variant and the ratio flodl / gloo as the median of per-round ratios.
 """
 
@@ -47,13 +49,13 @@ def _free_port() -> int:
 # ----- the host: mux + reducer + relay -------------------------------------------------------------
 
 
-def _host(conns: list[multiprocessing.connection.Connection], sizes: list[int], rounds: list[int], warmup: int) -> None:
+def _host(conns: list[multiprocessing.connection.Connection], sizes: list[int], rounds: list[int], warmup: int, uplink: str) -> None:
     from flodl_async.net.loop import run
 
-    run(_host_main(conns, sizes, rounds, warmup))
+    run(_host_main(conns, sizes, rounds, warmup, uplink))
 
 
-async def _host_main(conns: list[multiprocessing.connection.Connection], sizes: list[int], rounds: list[int], warmup: int) -> None:
+async def _host_main(conns: list[multiprocessing.connection.Connection], sizes: list[int], rounds: list[int], warmup: int, uplink: str) -> None:
     import tempfile
 
     import torch
@@ -83,7 +85,8 @@ async def _host_main(conns: list[multiprocessing.connection.Connection], sizes: 
         async with asyncio.TaskGroup() as tg:
             control = FramedService(channel=Channel.CONTROL, resolve=session_resolver(secret), run_id=run_id, handler=drain, task_group=tg)
             mux.register(Channel.CONTROL, control.protocol_factory)
-            mux.register(Channel.DATA, reducer.attach(task_group=tg, resolve=session_resolver(secret), run_id=run_id).protocol_factory)
+            service = reducer.attach(task_group=tg, resolve=session_resolver(secret), run_id=run_id, serve_local=uplink == "in-process")
+            mux.register(Channel.DATA, service.protocol_factory)
             await mux.start()
             relay = Relay(
                 socket_path=f"{scratch}/relay-{size}.sock",
@@ -184,6 +187,13 @@ def main() -> None:
     parser.add_argument("--rounds", default="20,10,5", help="timed rounds per size")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
+    parser.add_argument(
+        "--uplink",
+        choices=["in-process", "tcp"],
+        default="in-process",
+        help="in-process: the relay hands host frames to the reducer in memory (the launcher's own host); "
+        "tcp: it dials the controller port like a worker host's relay (sealed TCP leg)",
+    )
     args = parser.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
     rounds = [int(r) for r in args.rounds.split(",")]
@@ -199,7 +209,7 @@ def main() -> None:
     ranks = [ctx.Process(target=_rank, args=(r, pipes[r][1], port, args.warmup, result_tx if r == 0 else None), name=f"rank{r}") for r in range(2)]
     for p in ranks:
         p.start()
-    host = ctx.Process(target=_host, args=(host_conns, sizes, rounds, args.warmup), name="host")
+    host = ctx.Process(target=_host, args=(host_conns, sizes, rounds, args.warmup, args.uplink), name="host")
     host.start()
     results: dict[int, dict[str, list[float]]] = result_rx.recv()
     host.join(60)
@@ -207,7 +217,10 @@ def main() -> None:
         p.join(60)
 
     rows: list[dict[str, Any]] = []
-    print(f"CPU averaging round (2 ranks → relay fold → reducer → back) vs gloo all_reduce+div, float32, max over ranks, {args.warmup} warm-ups")
+    print(
+        f"CPU averaging round (2 ranks → relay fold → reducer → back, uplink {args.uplink}) vs gloo all_reduce+div, "
+        f"float32, max over ranks, {args.warmup} warm-ups"
+    )
     print(f"{'size':>7} | {'rounds':>6} | {'flodl ms':>24} | {'gloo ms':>24} | ratio (median of per-round)")
     for size in sizes:
         t = results[size]
@@ -216,7 +229,7 @@ def main() -> None:
         print(f"{size:>4} MiB | {len(t['flodl']):>6} | {_fmt(t['flodl']):>24} | {_fmt(t['gloo']):>24} | {ratio:.2f}× ({min(ratios):.2f}–{max(ratios):.2f})")
         rows.append({"size_mib": size, "flodl_ms": t["flodl"], "gloo_ms": t["gloo"], "ratio_median": ratio})
     if args.json is not None:
-        args.json.write_text(json.dumps({"benchmark": "averaging", "rows": rows}, indent=2))
+        args.json.write_text(json.dumps({"benchmark": "averaging", "uplink": args.uplink, "rows": rows}, indent=2))
 
 
 if __name__ == "__main__":

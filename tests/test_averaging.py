@@ -185,6 +185,7 @@ class Bench:
     secret: bytes
     port: int
     scratch: Path
+    local: bool
 
     def spec(self, rank: int) -> RankSpec:
         host = next(h for h, ranks in HOSTS.items() if rank in ranks)
@@ -216,7 +217,9 @@ async def _control(link: FramedProtocol) -> None:
 
 
 @contextlib.asynccontextmanager
-async def _bench(secret: bytes, outer: OuterSpec | None = None, gamma: float = 1.0) -> AsyncIterator[Bench]:
+async def _bench(secret: bytes, outer: OuterSpec | None = None, gamma: float = 1.0, *, local: bool = False) -> AsyncIterator[Bench]:
+    """``local``: the relays find the reducer in this process and hand frames over in memory (the launcher's own
+    host); otherwise they dial its port like a remote host's relay (TCP, sealed payloads)."""
     scratch = Path(tempfile.mkdtemp(prefix="fl-avg-", dir="/tmp"))
     mux = PortMux(host="127.0.0.1", port=0)
     reducer = Reducer(SCHEMA, outer or OuterAvg(), gamma, digest=DIGEST)
@@ -224,7 +227,7 @@ async def _bench(secret: bytes, outer: OuterSpec | None = None, gamma: float = 1
         async with asyncio.timeout(90), asyncio.TaskGroup() as tg:
             control = FramedService(channel=Channel.CONTROL, resolve=session_resolver(secret), run_id=RUN, handler=_control, task_group=tg)
             mux.register(Channel.CONTROL, control.protocol_factory)
-            mux.register(Channel.DATA, reducer.attach(task_group=tg, resolve=session_resolver(secret), run_id=RUN).protocol_factory)
+            mux.register(Channel.DATA, reducer.attach(task_group=tg, resolve=session_resolver(secret), run_id=RUN, serve_local=local).protocol_factory)
             await mux.start()
             relays = {}
             for host, ranks in HOSTS.items():
@@ -244,7 +247,7 @@ async def _bench(secret: bytes, outer: OuterSpec | None = None, gamma: float = 1
                 relay.open_round(0)
                 relays[host] = relay
             try:
-                yield Bench(reducer=reducer, relays=relays, secret=secret, port=mux.port, scratch=scratch)
+                yield Bench(reducer=reducer, relays=relays, secret=secret, port=mux.port, scratch=scratch, local=local)
             finally:
                 for relay in relays.values():
                     await relay.aclose()
@@ -254,9 +257,9 @@ async def _bench(secret: bytes, outer: OuterSpec | None = None, gamma: float = 1
         shutil.rmtree(scratch, ignore_errors=True)
 
 
-@pytest.fixture
-async def bench(secret: bytes) -> AsyncIterator[Bench]:
-    async with _bench(secret) as b:
+@pytest.fixture(params=["tcp", "in-process"])
+async def bench(secret: bytes, request: pytest.FixtureRequest) -> AsyncIterator[Bench]:
+    async with _bench(secret, local=request.param == "in-process") as b:
         yield b
 
 
@@ -301,6 +304,8 @@ async def test_a_round_equals_the_reference_for_every_dtype(bench: Bench) -> Non
     assert (stats["a"].folded, stats["a"].forwarded_raw) == (1, 0)  # two ranks: folded into one host frame
     assert (stats["b"].folded, stats["b"].forwarded_raw) == (0, 1)  # one rank: its bytes, untouched
     assert stats["a"].delivered_down == 2
+    reducer = bench.reducer.statistics()
+    assert (reducer.hosts, reducer.in_process_hosts, reducer.rounds_completed) == (2, 2 if bench.local else 0, 1)
     for link in links.values():
         await link.aclose()
 
@@ -500,9 +505,10 @@ async def test_a_from_controller_round_sends_the_held_consensus(bench: Bench) ->
         await link.aclose()
 
 
+@pytest.mark.parametrize("local", [False, True], ids=["tcp", "in-process"])
 @pytest.mark.parametrize("outer", [SlowMo(lr=0.5, momentum=0.9), DiLoCo(lr=0.7, momentum=0.9)], ids=["slowmo", "diloco"])
-async def test_outer_steps_through_the_reducer_equal_the_reference(secret: bytes, outer: OuterSpec) -> None:
-    async with _bench(secret, outer=outer) as bench:
+async def test_outer_steps_through_the_reducer_equal_the_reference(secret: bytes, outer: OuterSpec, local: bool) -> None:
+    async with _bench(secret, outer=outer, local=local) as bench:
         links = await bench.links([0, 1, 2])
         plain: list[tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]] = []
         got: list[dict[str, torch.Tensor]] = []

@@ -316,16 +316,24 @@ class FramedProtocol(asyncio.BaseProtocol):
         sealing.seal()
         self._write_sealed(sealing.parts(), sealing.buffer)
 
-    async def send_tensors(self, msg: Message, payload: Sequence[Buffer]) -> None:
+    async def send_tensors(self, msg: Message, payload: Sequence[Buffer], *, borrow: bool = False) -> None:
         """Send a payload frame, encrypting a large payload in a worker thread.
 
         While the thread seals (GIL released), the loop keeps moving earlier frames' bytes
         to the socket, so encrypting and sending overlap instead of taking turns. Waits for
         write back-pressure first; frames keep their sequence order. The payload buffers
         may change again as soon as this returns (the frame holds their ciphertext).
+
+        ``borrow`` (plain-payload links only, else ignored): write the payload buffers
+        themselves, without a copy. The caller then keeps them alive and unchanged until the
+        peer has read the frame (e.g. until it answered it).
         """
         async with self._sealing:
             await self.drain()
+            codec = self._require_codec()
+            if borrow and codec.plain_payloads:
+                self._writelines(codec.send_parts_borrowed(msg, payload))
+                return
             sealing = self._require_codec().start_parts(msg, payload, buffer=self._sealing_buffer(payload))
             try:
                 if sealing.payload_len >= _THREAD_SEAL_BYTES:

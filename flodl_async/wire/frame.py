@@ -396,13 +396,8 @@ class FrameConnection:
         sealing.seal()
         return sealing.parts()
 
-    def start_parts(self, msg: Message, payload: Sequence[Buffer], *, buffer: bytearray | None = None) -> SealingFrame:
-        """Reserve the next sequence number for a payload frame whose sealing the caller completes.
-
-        ``buffer`` (at least :func:`sealed_length` bytes) receives the ciphertext; an I/O shell
-        recycles buffers once the transport has written them. Frames must be written in the
-        order they were started.
-        """
+    def _payload_head(self, msg: Message, payload: Sequence[Buffer]) -> tuple[bytes, int, int]:
+        """Check a payload frame and take its sequence number: (header + wire body, seq, payload length)."""
         if msg.KIND not in self._send_kinds:
             self._refuse_send(msg)
         body = self._wire_body(msg)
@@ -411,26 +406,48 @@ class FrameConnection:
             raise FrameTooLarge(
                 f"{type(msg).__name__} payload is {payload_len} bytes, above the {self.limits.max_payload}-byte ceiling of the {self.channel.value} channel"
             )
-        need = self.wire_payload_length(payload_len)
-        if buffer is None:
-            buffer = bytearray(need)
-        elif len(buffer) < need:
-            raise ValueError(f"sealing buffer of {len(buffer)} bytes is smaller than the {need} the frame needs")
         seq = self._take_seq()
         wire_len = len(body) + (GCM_TAG_LEN if msg.SEALED else 0)
         header = HEADER.pack(PROTOCOL_VERSION, 0, msg.KIND, seq, wire_len, payload_len)
-        head = header + (self._seal_body(header, seq, body) if msg.SEALED else body)
+        return header + (self._seal_body(header, seq, body) if msg.SEALED else body), seq, payload_len
+
+    def start_parts(self, msg: Message, payload: Sequence[Buffer], *, buffer: bytearray | None = None) -> SealingFrame:
+        """Reserve the next sequence number for a payload frame whose sealing the caller completes.
+
+        ``buffer`` (at least :func:`sealed_length` bytes) receives the ciphertext; an I/O shell
+        recycles buffers once the transport has written them. Frames must be written in the
+        order they were started.
+        """
+        need = self.wire_payload_length(sum(memoryview(p).nbytes for p in payload))
+        if buffer is not None and len(buffer) < need:
+            raise ValueError(f"sealing buffer of {len(buffer)} bytes is smaller than the {need} the frame needs")
+        head, seq, payload_len = self._payload_head(msg, payload)
         return SealingFrame(
             head=head,
             parts=tuple(payload),
             payload_len=payload_len,
-            buffer=buffer,
+            buffer=buffer if buffer is not None else bytearray(need),
             seq=seq,
             keys=self._keys,
             aead=self._send_aead,
             chunk=self._chunk,
             plain=self._plain,
         )
+
+    @property
+    def plain_payloads(self) -> bool:
+        """Payloads travel as they are on this link (see the constructor)."""
+        return self._plain
+
+    def send_parts_borrowed(self, msg: Message, payload: Sequence[Buffer]) -> list[Buffer]:
+        """A plain-payload frame that writes ``payload``'s own buffers (no copy): head, the buffers, the tag.
+
+        The caller keeps the buffers alive and unchanged until the transport wrote them.
+        """
+        if not self._plain:
+            raise RuntimeError("only a plain-payload link can send borrowed payload buffers")
+        head, _seq, _payload_len = self._payload_head(msg, payload)
+        return [head, *payload, hmac.digest(self._send_key, head, "sha256")]
 
     def wire_payload_length(self, payload_len: int) -> int:
         """Bytes a payload of ``payload_len`` takes on this link's wire (sealed, or as it is)."""
