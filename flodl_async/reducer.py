@@ -244,11 +244,26 @@ class Reducer:
 
     @property
     def last_consensus(self) -> dict[str, torch.Tensor] | None:
-        """A copy of the latest consensus, as a full state_dict (tied keys included); None before the first."""
-        if self._held is None:
+        """A copy of the latest consensus, as a full state_dict (tied keys included); None before the first.
+
+        The copy is made on the calling thread: from the event loop, prefer :meth:`copy_consensus`.
+        """
+        held = self._held
+        if held is None:
             return None
-        copies = {meta.name: t.clone() for meta, t in zip(self._metas, self._held.tensors, strict=True)}
+        copies = {meta.name: t.clone() for meta, t in zip(self._metas, held.tensors, strict=True)}
         return self.schema.with_aliases(copies)
+
+    async def copy_consensus(self) -> dict[str, torch.Tensor] | None:
+        """:attr:`last_consensus`, copied in an executor thread (tensor math stays off the loop)."""
+        held = self._held
+        if held is None:
+            return None
+
+        def copy() -> dict[str, torch.Tensor]:
+            return self.schema.with_aliases({meta.name: t.clone() for meta, t in zip(self._metas, held.tensors, strict=True)})
+
+        return await asyncio.get_running_loop().run_in_executor(self._executor, copy)
 
     def set_initial(self, state: Mapping[str, torch.Tensor]) -> None:
         """Resume: ``state`` (a state_dict of this schema) is the consensus, and the outer optimizer's previous global (D9)."""

@@ -19,7 +19,12 @@ sends one ``Contribution(k)``; contributions are taken in ascending rank order:
   thread into a pooled accumulator (float32, float64 for float64 and integer
   tensors), sent up ``prescaled=True`` *in the accumulator dtype*.
 
-Empty (weight-0) contributions add nothing but are listed in ``ranks``. The
+Empty (weight-0) contributions add nothing but are listed in ``ranks``.
+
+Rank links carry plain payloads (the socket is owner-only: same-user peers; see
+:class:`~flodl_async.wire.frame.FrameConnection`), so the rank leg costs no AES-GCM. When the
+run's reducer lives in this process (the launcher's own host), the host's "connection" is a
+:class:`LocalUplink`: frames change hands in memory, drawn from one shared buffer pool. The
 controller's ``Consensus`` comes down once per host and is sent to every rank
 with an open data link (one seal per link, all in worker threads). The latest one
 is kept and handed to a rank that connects after it went by (a resumed run's

@@ -300,6 +300,10 @@ async def test_a_round_equals_the_reference_for_every_dtype(bench: Bench) -> Non
     assert last is not None
     _assert_equal(last, want)
     assert last["tied"] is last["w32"]  # the full state_dict, aliases included
+    copied = await bench.reducer.copy_consensus()
+    assert copied is not None
+    _assert_equal(copied, last)
+    assert copied["w32"].data_ptr() != last["w32"].data_ptr()  # each call is its own copy
     stats = {host: relay.statistics().data for host, relay in bench.relays.items()}
     assert (stats["a"].folded, stats["a"].forwarded_raw) == (1, 0)  # two ranks: folded into one host frame
     assert (stats["b"].folded, stats["b"].forwarded_raw) == (0, 1)  # one rank: its bytes, untouched
