@@ -14,6 +14,7 @@ import contextlib
 import io
 import logging
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -559,6 +560,7 @@ async def test_the_controller_serves_the_data_channel_only_once_a_reducer_is_ins
         join=JoinConfig(min_rank_start=1, join_timeout=60, target_ranks=1, max_join_timeout=60),
         workers=(PlacedWorker(spec=WorkerSpec(host="elsewhere", devices=DeviceSpec.cpu(1)), placement=Placement.DIAL_IN),),
         command=("true",),
+        deadlines=Deadlines(stop_grace=1.0, teardown_margin=1.0),
     )
     controller = Controller(plan, output=RankOutput(stdout=io.BytesIO(), stderr=io.BytesIO()))  # type: ignore[arg-type]
     said = _Said("window open")
@@ -580,8 +582,10 @@ async def test_the_controller_serves_the_data_channel_only_once_a_reducer_is_ins
             welcome = await link.recv_message()
             assert welcome == m.DataWelcome(max_payload=max(64 << 20, 2 * SCHEMA.model_bytes))
             await link.aclose()
-            await reducer.aclose()
-            run.cancel()
+            controller.interrupt(signal.SIGTERM)  # an orderly end: the controller stops its reducer in its teardown
+            result = await run
+        assert result.exit_code != 0
+        assert reducer.statistics().hosts == 0
     finally:
         launch_log.removeHandler(said)
         launch_log.setLevel(level)

@@ -131,6 +131,7 @@ class Controller:
         # The store rides the port unless torch's own store was asked for (then a store host serves it).
         self._store = None if os.environ.get(BACKEND_VARIABLE, "python") == "torch" else PortStore()
         self._tg: asyncio.TaskGroup | None = None
+        self._reducer: Reducer | None = None
 
     @property
     def status_board(self) -> StatusBoard:
@@ -220,6 +221,8 @@ class Controller:
                     # What is still connected after the teardown's grace is stuck (a frozen host's relay link
                     # says nothing and never closes): closing the port ends those handlers, so the group can close.
                     await self._mux.aclose()
+                    if self._reducer is not None:
+                        await self._reducer.aclose()  # its round driver is a task of this group
         finally:
             if self._store is not None:
                 self._store.close()
@@ -236,6 +239,7 @@ class Controller:
         if self._tg is None:
             raise RuntimeError("install_reducer() needs a running controller (call it from inside run())")
         service = reducer.attach(task_group=self._tg, resolve=self._resolve, run_id=self.plan.run_id)
+        self._reducer = reducer
         self._mux.register(Channel.DATA, service.protocol_factory)
 
     async def aclose(self) -> None:
