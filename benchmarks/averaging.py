@@ -40,6 +40,28 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 MiB = 1 << 20
 
 
+def _model(size: str, seed: int) -> dict[str, Any]:
+    """``"16"``: one float32 tensor of 16 MiB; ``"resnet"``: a ResNet-20-like list (65 tensors, 1.1 MB)."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    if size != "resnet":
+        return {"w": torch.randn(int(size) * MiB // 4, generator=g)}
+    shapes: list[tuple[int, ...]] = [(16, 3, 3, 3)]
+    for c_in, c_out in ((16, 16), (16, 32), (32, 64)):
+        for block in range(3):
+            first_in = c_in if block == 0 else c_out
+            shapes += [(c_out, first_in, 3, 3), (c_out,), (c_out,), (c_out, c_out, 3, 3), (c_out,), (c_out,)]
+            if block == 0 and c_in != c_out:
+                shapes += [(c_out, c_in, 1, 1), (c_out,), (c_out,)]
+    shapes += [(16,), (16,), (10, 64), (10,)]
+    return {f"t{i}": torch.randn(shape, generator=g) for i, shape in enumerate(shapes)}
+
+
+def _label(size: str) -> str:
+    return "resnet20" if size == "resnet" else f"{size} MiB"
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -49,16 +71,14 @@ def _free_port() -> int:
 # ----- the host: mux + reducer + relay -------------------------------------------------------------
 
 
-def _host(conns: list[multiprocessing.connection.Connection], sizes: list[int], rounds: list[int], warmup: int, uplink: str) -> None:
+def _host(conns: list[multiprocessing.connection.Connection], sizes: list[str], rounds: list[int], warmup: int, uplink: str) -> None:
     from flodl_async.net.loop import run
 
     run(_host_main(conns, sizes, rounds, warmup, uplink))
 
 
-async def _host_main(conns: list[multiprocessing.connection.Connection], sizes: list[int], rounds: list[int], warmup: int, uplink: str) -> None:
+async def _host_main(conns: list[multiprocessing.connection.Connection], sizes: list[str], rounds: list[int], warmup: int, uplink: str) -> None:
     import tempfile
-
-    import torch
 
     from flodl_async.deadlines import Deadlines
     from flodl_async.modelschema import ModelSchema
@@ -77,7 +97,8 @@ async def _host_main(conns: list[multiprocessing.connection.Connection], sizes: 
 
     scratch = tempfile.mkdtemp(prefix="fl-avgbench-", dir="/tmp")
     for size, n_rounds in zip(sizes, rounds, strict=True):
-        schema = ModelSchema.from_state_dict({"w": torch.zeros(size * MiB // 4)}, ["w"])
+        model = _model(size, 0)
+        schema = ModelSchema.from_state_dict(model, list(model))
         secret = new_session_secret()
         run_id = f"bench-{size}"
         mux = PortMux(host="127.0.0.1", port=0)
@@ -137,15 +158,15 @@ async def _rank_main(rank: int, conn: multiprocessing.connection.Connection, war
     from flodl_async.rankenv import RankSpec
 
     dist.init_process_group("gloo", rank=rank, world_size=2)
-    results: dict[int, dict[str, list[float]]] = {}
+    results: dict[str, dict[str, list[float]]] = {}
     loop = asyncio.get_running_loop()
     while True:
         cfg = await loop.run_in_executor(None, conn.recv)
         if cfg is None:
             break
         size = cfg["size"]
-        param = torch.randn(size * MiB // 4, generator=torch.Generator().manual_seed(rank))
-        schema = ModelSchema.from_state_dict({"w": param}, ["w"])
+        params = _model(size, rank)
+        schema = ModelSchema.from_state_dict(params, list(params))
         spec = RankSpec(run_id=cfg["run_id"], host="bench", relay_socket="", data_socket=cfg["data_socket"], round=0, credential_hex=cfg["credential"])
         link = await DataLink.connect(spec, rank, schema, "bench")
         times: dict[str, list[float]] = {"flodl": [], "gloo": []}
@@ -155,13 +176,22 @@ async def _rank_main(rank: int, conn: multiprocessing.connection.Connection, war
                 dist.barrier()
                 t0 = time.perf_counter()
                 if variant == "flodl":
-                    res = await link.contribute(k, "model", {"w": param}, steps=1, weight=1.0)
+                    res = await link.contribute(k, "model", params, steps=1, weight=1.0)
                     assert res.tensors is not None
-                    param.copy_(res.tensors["w"])
+                    for name, t in params.items():
+                        t.copy_(res.tensors[name])
                     del res
-                else:
+                elif len(params) == 1:
+                    (param,) = params.values()
                     dist.all_reduce(param)
                     param.div_(2)
+                else:
+                    # A flat bucket, as DDP does: one all_reduce instead of 65 small ones.
+                    flat = torch._utils._flatten_dense_tensors(list(params.values()))
+                    dist.all_reduce(flat)
+                    flat.div_(2)
+                    for t, back in zip(params.values(), torch._utils._unflatten_dense_tensors(flat, list(params.values())), strict=True):
+                        t.copy_(back)
                 elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
                 dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
                 if k > warmup:
@@ -183,8 +213,8 @@ def _fmt(values: list[float]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sizes", default="1,16,64", help="MiB per tensor, comma separated")
-    parser.add_argument("--rounds", default="20,10,5", help="timed rounds per size")
+    parser.add_argument("--sizes", default="1,16,64,resnet", help="MiB of one float32 tensor, or resnet (65 tensors, 1.1 MB); comma separated")
+    parser.add_argument("--rounds", default="20,10,5,20", help="timed rounds per size")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
     parser.add_argument(
@@ -195,7 +225,7 @@ def main() -> None:
         "tcp: it dials the controller port like a worker host's relay (sealed TCP leg)",
     )
     args = parser.parse_args()
-    sizes = [int(s) for s in args.sizes.split(",")]
+    sizes = args.sizes.split(",")
     rounds = [int(r) for r in args.rounds.split(",")]
     if len(rounds) != len(sizes):
         parser.error("--rounds needs one count per size")
@@ -211,7 +241,7 @@ def main() -> None:
         p.start()
     host = ctx.Process(target=_host, args=(host_conns, sizes, rounds, args.warmup, args.uplink), name="host")
     host.start()
-    results: dict[int, dict[str, list[float]]] = result_rx.recv()
+    results: dict[str, dict[str, list[float]]] = result_rx.recv()
     host.join(60)
     for p in ranks:
         p.join(60)
@@ -221,13 +251,13 @@ def main() -> None:
         f"CPU averaging round (2 ranks → relay fold → reducer → back, uplink {args.uplink}) vs gloo all_reduce+div, "
         f"float32, max over ranks, {args.warmup} warm-ups"
     )
-    print(f"{'size':>7} | {'rounds':>6} | {'flodl ms':>24} | {'gloo ms':>24} | ratio (median of per-round)")
+    print(f"{'size':>8} | {'rounds':>6} | {'flodl ms':>24} | {'gloo ms':>24} | ratio (median of per-round)")
     for size in sizes:
         t = results[size]
         ratios = [a / b for a, b in zip(t["flodl"], t["gloo"], strict=True)]
         ratio = statistics.median(ratios)
-        print(f"{size:>4} MiB | {len(t['flodl']):>6} | {_fmt(t['flodl']):>24} | {_fmt(t['gloo']):>24} | {ratio:.2f}× ({min(ratios):.2f}–{max(ratios):.2f})")
-        rows.append({"size_mib": size, "flodl_ms": t["flodl"], "gloo_ms": t["gloo"], "ratio_median": ratio})
+        print(f"{_label(size):>8} | {len(t['flodl']):>6} | {_fmt(t['flodl']):>24} | {_fmt(t['gloo']):>24} | {ratio:.2f}× ({min(ratios):.2f}–{max(ratios):.2f})")
+        rows.append({"size": _label(size), "flodl_ms": t["flodl"], "gloo_ms": t["gloo"], "ratio_median": ratio})
     if args.json is not None:
         args.json.write_text(json.dumps({"benchmark": "averaging", "uplink": args.uplink, "rows": rows}, indent=2))
 
