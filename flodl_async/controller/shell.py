@@ -141,6 +141,7 @@ class Controller:
         self._training_reference: TrainerSpec | None = None  # the launcher's own spec (the user's script is the launcher)
         self._training_metrics: Callable[[EpochMetrics], None] | None = None
         self._tg: asyncio.TaskGroup | None = None
+        self._reducer: Reducer | None = None
 
     @property
     def status_board(self) -> StatusBoard:
@@ -256,6 +257,8 @@ class Controller:
                     # What is still connected after the teardown's grace is stuck (a frozen host's relay link
                     # says nothing and never closes): closing the port ends those handlers, so the group can close.
                     await self._mux.aclose()
+                    if self._reducer is not None:
+                        await self._reducer.aclose()  # its round driver is a task of this group
         finally:
             if self._store is not None:
                 self._store.close()
@@ -272,6 +275,7 @@ class Controller:
         if self._tg is None:
             raise RuntimeError("install_reducer() needs a running controller (call it from inside run())")
         service = reducer.attach(task_group=self._tg, resolve=self._resolve, run_id=self.plan.run_id)
+        self._reducer = reducer
         self._mux.register(Channel.DATA, service.protocol_factory)
 
     async def aclose(self) -> None:
