@@ -479,9 +479,9 @@ class Controller:
             on_outcome=self._training_outcome,
             on_change=self._training_changed,
             serve_data=self._serve_training_data,
-            hello_timeout=120.0 * scale,
-            reduce_stall=120.0 * scale,
-            timeout_scale=scale,
+            hello_timeout=self._deadlines.trainer_hello,
+            reduce_stall=self._deadlines.reduce_stall,
+            timeout_scale=scale,  # the spec's heartbeat_timeout is the user's; the run's scale applies to it
             round_runner=self._training_rounds or default_round_runner,
             reference=self._training_reference,
             metrics_sink=self._training_metrics,
