@@ -350,6 +350,11 @@ class Coordinator:
         return self._completed_epochs
 
     @property
+    def stop_requested(self) -> bool:
+        """An orderly stop was asked for (a second request changes nothing)."""
+        return self._stop_reason is not None
+
+    @property
     def dead(self) -> frozenset[int]:
         """Ranks lost so far."""
         return frozenset(self._dead)

@@ -418,3 +418,12 @@ def test_async_runs_at_most_one_window_ahead_of_the_gate() -> None:
     assert [a.round for a in out if isinstance(a, StartRound)] == [1]  # the gate fires for window 1
     # Rank 1's next window; rank 0, done with window 2 already, may now run one ahead: window 3.
     assert [(p.rank, p.round) for p in plans(out)] == [(1, 2), (0, 3)]
+
+
+def test_a_second_stop_request_changes_nothing() -> None:
+    d = started()
+    d.coord.handle(RoundCompleted(round=0, kind="init", mass=1.0, duration_ms=1.0), d.now)
+    first = d.coord.handle(StopRequested(reason="SIGTERM"), d.now)
+    assert d.coord.stop_requested
+    assert [r.kind for r in first if isinstance(r, StartRound)] == ["final"]
+    assert d.coord.handle(StopRequested(reason="SIGTERM"), d.now) == []  # the shell sends the next signal to the supervisor

@@ -241,9 +241,10 @@ class TrainingShell:
     def stop(self, reason: str) -> bool:
         """An orderly stop (a launcher signal, ``TrainingRun.shutdown``): the final round, then ``Shutdown``.
 
-        False when there is no training to stop in order (no coordinator, or it already concluded).
+        False when there is no training to stop in order (no coordinator, it already concluded, or a
+        stop is already under way): the caller's next step is then the supervisor's signal table.
         """
-        if self.coordinator is None or self._outcome is not None:
+        if self.coordinator is None or self._outcome is not None or self.coordinator.stop_requested:
             return False
         self._handle(StopRequested(reason=reason))
         return True
