@@ -70,6 +70,8 @@ class CoordinatorConfig:
     #: Continue after a rank loss within ``max_failure`` (the elastic issue); off here.
     elastic: bool = False
     primary_rank: int = 0
+    #: The launcher's own spec when the user's script is the launcher: every rank must match it.
+    reference: TrainerSpec | None = None
 
 
 class CoordPhase(enum.Enum):
@@ -347,6 +349,21 @@ class Coordinator:
         """Epochs closed so far."""
         return self._completed_epochs
 
+    @property
+    def stop_requested(self) -> bool:
+        """An orderly stop was asked for (a second request changes nothing)."""
+        return self._stop_reason is not None
+
+    @property
+    def dead(self) -> frozenset[int]:
+        """Ranks lost so far."""
+        return frozenset(self._dead)
+
+    @property
+    def global_step(self) -> int:
+        """Cohort batches trained, divided by the world size (trainer-spec §2.4)."""
+        return sum(self._batches.values()) // self.config.world_size
+
     def _heartbeat_timeout(self) -> float | None:
         return None if self._spec is None else self._spec.heartbeat_timeout * self.config.timeout_scale
 
@@ -449,6 +466,14 @@ class Coordinator:
                 f"rank {hello.rank} ({self._host(hello.rank)}) sent a digest that does not match its own Trainer spec; "
                 "are the rank and the controller running the same flodl_async version?"
             )
+        launcher = self.config.reference
+        if launcher is not None:
+            diff = spec_diff(launcher.to_wire(), hello.spec)
+            if diff is not None:
+                return (
+                    f"rank {hello.rank} ({self._host(hello.rank)}) built a different Trainer than the launcher: {diff}. "
+                    "Every rank must build the Trainer from the same arguments — are the ranks running different code or command lines?"
+                )
         ref = self._reference
         if ref is None:
             try:
@@ -503,9 +528,11 @@ class Coordinator:
 
     def _start_round(self, round_: int, kind: str, now: float, *, from_controller: bool = False, closes_epoch: int | None = None) -> StartRound:
         spec = self._require_spec()
-        upload = kind == "upload"
-        collective = spec.backend is Backend.COLLECTIVE and not upload
-        expected = frozenset({self._primary()}) if upload else frozenset(self._alive)
+        # ``upload`` (COLLECTIVE's end) brings the primary's state to the controller. Like ``init``, every
+        # alive rank takes part — the primary with its tensors, the others with empty contributions — since
+        # each host's relay folds a barrier over all of its live ranks.
+        collective = spec.backend is Backend.COLLECTIVE and kind != "upload"
+        expected = frozenset(self._alive)
         self._in_flight = _InFlight(round=round_, kind=kind, started_at=now, collective=collective, waiting=set(expected), closes_epoch=closes_epoch)
         reset = kind == "model" and spec.outer.resets_inner
         return StartRound(
@@ -516,9 +543,6 @@ class Coordinator:
             reducer=not collective,
             message=m.Reduce(round=round_, kind=kind, from_controller=from_controller, reset_inner=reset),
         )
-
-    def _primary(self) -> int:
-        return self.config.primary_rank if self.config.primary_rank in self._alive else min(self._alive)
 
     def _on_round_completed(self, event: RoundCompleted, now: float) -> list[Action]:
         flying = self._in_flight
@@ -763,6 +787,13 @@ class Coordinator:
                 actions.extend(self._window_plans(k + 1, waiting))
             else:
                 actions.extend(self._plan(r, k + 1, 0) for r in waiting)  # the epoch's tail is in other ranks' windows
+            if RULES[spec.policy].early_dispatch:
+                # ASYNC ranks that already finished window k+1 were held back (two ahead of the gate): now one ahead.
+                reported = self._reports.get(k + 1, {})
+                for rank in sorted(self._alive):
+                    if rank in reported and self._planned_round.get(rank) == k + 1 and self._pool.remaining > 0:
+                        elche_counts = self._elche.counts if self._elche is not None else ()
+                        actions.append(self._plan(rank, k + 2, min(elche_counts[rank], self._pool.remaining)))
         return actions
 
     # ----- stop, loss, deadlines -------------------------------------------------------------

@@ -78,7 +78,7 @@ class DataLink:
         credential = Credential.rank_from_hex(spec.credential_hex, round=spec.round, rank=rank)
         label = f"relay of {spec.host} (data)"
         link = await open_unix_framed(
-            spec.data_socket, channel=Channel.DATA, credential=credential, peer_label=label, limits=_HELLO_LIMITS, allocate=pool.acquire
+            spec.data_socket, channel=Channel.DATA, credential=credential, peer_label=label, limits=_HELLO_LIMITS, allocate=pool.acquire, plain_payloads=True
         )
         try:
             link.send(m.DataHello(rank=rank, model_bytes=schema.model_bytes, digest=digest))
@@ -113,7 +113,7 @@ class DataLink:
             parts.append(tensor_bytes(t.detach()))
         return parts
 
-    async def send(self, round: int, kind: str, tensors: Mapping[str, torch.Tensor] | None, steps: int, weight: float) -> None:
+    async def send(self, round: int, kind: str, tensors: Mapping[str, torch.Tensor] | None, steps: int, weight: float, *, _borrow: bool = False) -> None:
         """Send this rank's contribution to ``round`` without waiting for the consensus (ASYNC submits).
 
         ``tensors=None`` is an empty contribution (weight 0). The tensors must be contiguous CPU
@@ -126,7 +126,7 @@ class DataLink:
             return
         parts = self._parts(tensors)
         msg = m.Contribution(round=round, kind=kind, rank=self.rank, weight=float(weight), steps=steps, tensors=self._specs)
-        await self._link.send_tensors(msg, parts)
+        await self._link.send_tensors(msg, parts, borrow=_borrow)
 
     async def receive(self, round: int) -> ConsensusResult:
         """The consensus of ``round`` (earlier rounds' frames are skipped). Wrap in ``asyncio.timeout``."""
@@ -171,8 +171,12 @@ class DataLink:
         self._pool.release(held)  # dropped, not reused, while a caller still holds its tensors
 
     async def contribute(self, round: int, kind: str, tensors: Mapping[str, torch.Tensor] | None, steps: int, weight: float) -> ConsensusResult:
-        """Send this rank's contribution to ``round`` and wait for its consensus (wrap in ``asyncio.timeout``)."""
-        await self.send(round, kind, tensors, steps, weight)
+        """Send this rank's contribution to ``round`` and wait for its consensus (wrap in ``asyncio.timeout``).
+
+        The tensors are written from their own memory (no copy): the consensus cannot come
+        before the relay read all of them, and the caller holds them until this returns.
+        """
+        await self.send(round, kind, tensors, steps, weight, _borrow=True)
         return await self.receive(round)
 
     async def aclose(self) -> None:

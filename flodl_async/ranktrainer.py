@@ -128,11 +128,6 @@ class LinkThread:
         assert self._loop is not None
         return asyncio.run_coroutine_threadsafe(self._data.receive(round_), self._loop)
 
-    def close_data(self) -> concurrent.futures.Future[Any]:
-        """Close the data link alone (a COLLECTIVE rank that takes no part in the upload round)."""
-        assert self._loop is not None
-        return asyncio.run_coroutine_threadsafe(self._data.aclose(), self._loop)
-
     def close(self, farewell: m.Exiting | None) -> None:
         """Say goodbye (``Exiting``) and close both links; waits for the thread (bounded)."""
         loop, closing = self._loop, self._closing
@@ -490,15 +485,9 @@ class RankSchedule:
         if reduce.from_controller:  # the controller holds the consensus (natural end, resume): only wait for it
             self._apply(self._wait(self._link.receive(reduce.round)), blend=False)
             return
-        if kind == "upload":
-            # COLLECTIVE: the ranks agree, the primary rank alone sends the state to the controller. The
-            # others are done with the data link: closing it takes them out of their relay's fold barrier.
-            if self.rank == self.welcome.primary_rank:
-                self._wait(self._link.contribute(reduce.round, kind, self._tensors(copy=False), 0, 1.0))
-            else:
-                self._wait(self._link.close_data())
-            return
-        if kind == "init":  # the root's state seeds every rank
+        if kind in ("init", "upload"):
+            # init: the root's state seeds every rank; upload (COLLECTIVE): the ranks agree, rank 0's copy
+            # goes to the controller. Either way the others send an empty contribution and wait.
             tensors, weight = (self._tensors(copy=False), 1.0) if self.rank == 0 else (None, 0.0)
         elif kind == "final" and self._policy is Policy.ASYNC:
             tensors, weight = self._tensors(copy=False), 1.0  # ASYNC locals differ on purpose: the final round is a plain mean

@@ -41,10 +41,11 @@ from typing import TYPE_CHECKING
 from . import foldmath
 from .errors import ConnectionClosed, ProtocolError, WireError
 from .modelschema import ModelSchema
-from .net.bufpool import BufferPool
+from .net.bufpool import SHARED
 from .net.framed import FramedProtocol
 from .net.service import FramedService
 from .outer import OuterAvg, OuterSpec, OuterStepper
+from .relayfold import LocalUplink
 from .wire import messages as m
 from .wire.channels import Channel
 from .wire.frame import FrameLimits
@@ -73,11 +74,51 @@ class RoundResult:
     duration_ms: float
 
 
+#: Reducers serving a run in this process, by run id: a relay in the same process (the launcher's own
+#: host) hands its frames over in memory instead of dialling (flodl_async.relayfold.LocalUplink).
+_LOCAL: dict[str, Reducer] = {}
+
+
+def local_reducer(run_id: str) -> Reducer | None:
+    """The reducer of ``run_id`` if it runs in this process."""
+    return _LOCAL.get(run_id)
+
+
+class _LocalDown:
+    """The reducer's side of an in-process host: consensus frames go to the relay's fan-out directly."""
+
+    def __init__(self, uplink: LocalUplink) -> None:
+        self.uplink = uplink
+        self.peer_label = "this process's relay"
+
+    @property
+    def is_closing(self) -> bool:
+        return self.uplink.is_closing
+
+    async def send_tensors(self, msg: m.Consensus, parts: list[memoryview]) -> None:
+        await self.uplink.deliver(msg, parts)
+
+    def abort(self) -> None:
+        self.uplink.abort()
+
+    async def aclose(self) -> None:
+        self.uplink.abort()
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ReducerStatistics:
+    """Hosts connected (over the port, and in this process) and rounds completed."""
+
+    hosts: int
+    in_process_hosts: int
+    rounds_completed: int
+
+
 @dataclass(slots=True)
 class _Host:
     name: str
     ranks: frozenset[int]
-    link: FramedProtocol
+    link: FramedProtocol | _LocalDown
 
 
 @dataclass(slots=True)
@@ -125,7 +166,7 @@ class Reducer:
         self._executor = executor
         self._hello_timeout = hello_timeout
         self._stepper = OuterStepper(outer)
-        self.pool = BufferPool()
+        self.pool = SHARED  # shared with a relay in this process: buffers change hands in memory
         self._metas = schema.tensors
         self._specs, self._model_len = foldmath.schema_specs(self._metas)
         self._acc_specs, self._acc_len = foldmath.schema_specs(self._metas, accumulated=True)
@@ -141,13 +182,21 @@ class Reducer:
         self._held: _Consensus | None = None
         self._wake = asyncio.Event()
         self._closing = False
+        self._run_id: str | None = None
         self._rounds_done = 0
 
     # ----- wiring into the controller -------------------------------------------------------------
 
-    def attach(self, *, task_group: asyncio.TaskGroup, resolve: CredentialResolver, run_id: str) -> FramedService:
-        """Start the round driver in ``task_group`` and return the data channel's service for the mux."""
+    def attach(self, *, task_group: asyncio.TaskGroup, resolve: CredentialResolver, run_id: str, serve_local: bool = True) -> FramedService:
+        """Start the round driver in ``task_group`` and return the data channel's service for the mux.
+
+        ``serve_local``: a relay of ``run_id`` in this process hands its frames over in memory
+        (False: it dials the port like any other; tests and benchmarks compare the two).
+        """
         task_group.create_task(self.run(), name="reducer")
+        if serve_local:
+            self._run_id = run_id
+            _LOCAL[run_id] = self
         return FramedService(
             channel=Channel.DATA, resolve=resolve, run_id=run_id, handler=self.serve, task_group=task_group, limits=HELLO_LIMITS, allocate=self.pool.acquire
         )
@@ -195,11 +244,26 @@ class Reducer:
 
     @property
     def last_consensus(self) -> dict[str, torch.Tensor] | None:
-        """A copy of the latest consensus, as a full state_dict (tied keys included); None before the first."""
-        if self._held is None:
+        """A copy of the latest consensus, as a full state_dict (tied keys included); None before the first.
+
+        The copy is made on the calling thread: from the event loop, prefer :meth:`copy_consensus`.
+        """
+        held = self._held
+        if held is None:
             return None
-        copies = {meta.name: t.clone() for meta, t in zip(self._metas, self._held.tensors, strict=True)}
+        copies = {meta.name: t.clone() for meta, t in zip(self._metas, held.tensors, strict=True)}
         return self.schema.with_aliases(copies)
+
+    async def copy_consensus(self) -> dict[str, torch.Tensor] | None:
+        """:attr:`last_consensus`, copied in an executor thread (tensor math stays off the loop)."""
+        held = self._held
+        if held is None:
+            return None
+
+        def copy() -> dict[str, torch.Tensor]:
+            return self.schema.with_aliases({meta.name: t.clone() for meta, t in zip(self._metas, held.tensors, strict=True)})
+
+        return await asyncio.get_running_loop().run_in_executor(self._executor, copy)
 
     def set_initial(self, state: Mapping[str, torch.Tensor]) -> None:
         """Resume: ``state`` (a state_dict of this schema) is the consensus, and the outer optimizer's previous global (D9)."""
@@ -251,6 +315,39 @@ class Reducer:
                     return
         finally:
             self._hosts.remove(host)
+
+    def statistics(self) -> ReducerStatistics:
+        """A snapshot for the status board and tests."""
+        local = sum(isinstance(h.link, _LocalDown) for h in self._hosts)
+        return ReducerStatistics(hosts=len(self._hosts), in_process_hosts=local, rounds_completed=self._rounds_done)
+
+    # ----- a host in this process ------------------------------------------------------------------
+
+    def connect_local(self, hello: m.HostDataHello, uplink: LocalUplink) -> str | None:
+        """A relay in this process introduces its host; returns why it is refused, or None."""
+        refusal = self._check_hello(hello)
+        if refusal is not None:
+            log.error("data channel: refusing this process's relay: %s", refusal)
+            return refusal
+        uplink.bind(self)
+        self._hosts.append(_Host(name=hello.host or "local", ranks=frozenset(hello.ranks), link=_LocalDown(uplink)))
+        self._wake.set()
+        return None
+
+    def offer_local(self, uplink: LocalUplink, msg: m.HostContribution, payload: memoryview | None) -> None:
+        """A host frame from this process's relay; its buffer is the reducer's from now on."""
+        host = next((h for h in self._hosts if isinstance(h.link, _LocalDown) and h.link.uplink is uplink), None)
+        if host is None:
+            self.pool.release(payload)
+            raise ConnectionClosed("data channel of this process's relay", by_peer=False)
+        item = _Frame(msg=msg, payload=payload, host=host)
+        try:
+            self._offer(item)
+        except ProtocolError as exc:
+            self._close_host(item, str(exc))
+
+    def disconnect_local(self, uplink: LocalUplink) -> None:
+        self._hosts = [h for h in self._hosts if not (isinstance(h.link, _LocalDown) and h.link.uplink is uplink)]
 
     def _check_hello(self, hello: Message) -> str | None:
         if not isinstance(hello, m.HostDataHello):
@@ -512,6 +609,8 @@ class Reducer:
         """Stop the round driver (open rounds are cancelled) and close every host's data connection."""
         self._closing = True
         self._wake.set()
+        if self._run_id is not None and _LOCAL.get(self._run_id) is self:
+            del _LOCAL[self._run_id]
         for host in list(self._hosts):
             with contextlib.suppress(ConnectionClosed, OSError):
                 await host.link.aclose()

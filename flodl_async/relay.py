@@ -58,6 +58,7 @@ from .deadlines import Deadlines
 from .errors import ConnectionClosed, HandshakeRefused, WireError
 from .net.framed import FramedProtocol, open_framed
 from .net.service import FramedService
+from .reducer import local_reducer
 from .relayfold import HELLO_LIMITS, HostFold, HostFoldStatistics
 from .wire import messages as m
 from .wire.channels import Channel
@@ -170,7 +171,9 @@ class Relay:
         self._ranks: dict[int, FramedProtocol] = {}
         self._upstream: FramedProtocol | None = None
         self._servers: list[asyncio.AbstractServer] = []
-        self._fold = HostFold(host=host, ranks=ranks, dial=self._dial_data, task_group=task_group, hello_timeout=deadlines.handshake)
+        self._fold = HostFold(
+            host=host, ranks=ranks, dial=self._dial_data, task_group=task_group, hello_timeout=deadlines.handshake, local=lambda: local_reducer(run_id)
+        )
         self._forwarded_up = 0
         self._delivered_down = 0
         self._dropped_unaddressed = 0
@@ -200,6 +203,7 @@ class Relay:
             task_group=self._tg,
             limits=HELLO_LIMITS,
             allocate=self._fold.pool.acquire,
+            plain_payloads=True,  # owner-only unix socket: same-user peers (FrameConnection's plain_payloads)
         )
         for path, service in ((self.socket_path, control), (self.data_socket_path, data)):
             await self._listen(path, service)
@@ -274,7 +278,8 @@ class Relay:
                 try:
                     msg = await link.recv_message()
                 except ConnectionClosed as exc:
-                    gone = f"its link to the relay closed ({exc})" if exc.by_peer else gone
+                    if exc.by_peer:  # the rank's side went away: its process ended (the agent reports how)
+                        gone = "its link to the relay closed (the rank exited, crashed or was killed)"
                     raise
                 claimed = rank_of(msg)
                 if claimed != bound or type(msg) in RELAY_ONLY:

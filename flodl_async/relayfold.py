@@ -19,7 +19,12 @@ sends one ``Contribution(k)``; contributions are taken in ascending rank order:
   thread into a pooled accumulator (float32, float64 for float64 and integer
   tensors), sent up ``prescaled=True`` *in the accumulator dtype*.
 
-Empty (weight-0) contributions add nothing but are listed in ``ranks``. The
+Empty (weight-0) contributions add nothing but are listed in ``ranks``.
+
+Rank links carry plain payloads (the socket is owner-only: same-user peers; see
+:class:`~flodl_async.wire.frame.FrameConnection`), so the rank leg costs no AES-GCM. When the
+run's reducer lives in this process (the launcher's own host), the host's "connection" is a
+:class:`LocalUplink`: frames change hands in memory, drawn from one shared buffer pool. The
 controller's ``Consensus`` comes down once per host and is sent to every rank
 with an open data link (one seal per link, all in worker threads). The latest one
 is kept and handed to a rank that connects after it went by (a resumed run's
@@ -35,13 +40,15 @@ import math
 from collections.abc import Awaitable, Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from . import foldmath
 from .errors import ConnectionClosed, FlodlError, ProtocolError, WireError
-from .net.bufpool import BufferPool
+from .net.bufpool import SHARED, BufferPool
 from .net.framed import FramedProtocol
 from .wire import messages as m
 from .wire.frame import FrameLimits
+from .wire.schema import Message
 
 log = logging.getLogger("flodl_async.relay")
 
@@ -99,24 +106,31 @@ class HostFold:
         hello_timeout: float,
         pool: BufferPool | None = None,
         executor: Executor | None = None,
+        local: Callable[[], LocalReducer | None] | None = None,
     ) -> None:
-        """``dial()`` opens the host's data connection to the controller (with ``HELLO_LIMITS``, the session secret)."""
+        """``dial()`` opens the host's data connection to the controller (with ``HELLO_LIMITS``, the session secret).
+
+        ``local()``: the run's reducer when it lives in this very process (the launcher's own
+        host, whose agent runs in the controller's process); then the host's frames are handed
+        to it in memory — no socket, no AES-GCM, no copy — instead of dialling.
+        """
         self._host = host
         self._host_ranks = ranks
         self._dial = dial
         self._tg = task_group
         self._hello_timeout = hello_timeout
-        self.pool = pool or BufferPool()
+        self.pool = pool or SHARED
+        self._local = local
         self._executor = executor
         self._links: dict[int, FramedProtocol] = {}
         self._dead: set[int] = set()
         self._rounds: dict[int, _HostRound] = {}
         self._finished: set[int] = set()
         self._model: tuple[int, str] | None = None  # (model_bytes, digest) of the first hello: every rank must match
-        self._upstream: FramedProtocol | None = None
+        self._upstream: FramedProtocol | LocalUplink | None = None
         self._max_payload = 0
         self._dialling = asyncio.Lock()
-        self._last: tuple[m.Consensus, memoryview | None] | None = None
+        self._last: tuple[m.Consensus, list[memoryview], memoryview | None] | None = None
         self._contributions = 0
         self._host_frames = 0
         self._forwarded_raw = 0
@@ -199,7 +213,7 @@ class HostFold:
         self._links[rank] = link
         if self._last is not None:  # a consensus that went by before this rank dialled (see the module doc)
             with contextlib.suppress(ConnectionClosed, OSError):
-                await link.send_tensors(self._last[0], [self._last[1]] if self._last[1] is not None else [])
+                await link.send_tensors(self._last[0], self._last[1])
         try:
             while True:
                 frame = await link.recv()
@@ -358,6 +372,11 @@ class HostFold:
         try:
             await upstream.send_tensors(msg, parts)
             self._host_frames += 1
+            if isinstance(upstream, LocalUplink):
+                # Handed over in memory: the reducer owns these buffers now (and gives them back to the pool).
+                state.acc_buffer = None
+                if state.lone is not None:
+                    state.lone.payload = None
         except (ConnectionClosed, OSError) as exc:
             log.warning("relay: round %d could not go up: %s", number, exc)
 
@@ -374,11 +393,21 @@ class HostFold:
 
     # ----- upstream -----------------------------------------------------------------------------
 
-    async def _uplink(self, hello: m.DataHello) -> FramedProtocol:
+    async def _uplink(self, hello: m.DataHello) -> FramedProtocol | LocalUplink:
         """The host's one data connection, dialled and introduced when the first rank needs it."""
         async with self._dialling:
             if self._upstream is not None and not self._upstream.is_closing:
                 return self._upstream
+            reducer = self._local() if self._local is not None else None
+            if reducer is not None:
+                host_hello = m.HostDataHello(host=self._host, ranks=tuple(sorted(self._host_ranks)), model_bytes=hello.model_bytes, digest=hello.digest)
+                local = LocalUplink(fold=self)
+                refusal = reducer.connect_local(host_hello, local)
+                if refusal is not None:
+                    raise FlodlError(f"the controller refused this host's data connection: {refusal}")
+                self._max_payload = reducer.max_payload
+                self._upstream = local
+                return local
             try:
                 upstream = await self._dial()
             except (ConnectionClosed, WireError, TimeoutError) as exc:
@@ -410,26 +439,34 @@ class HostFold:
                 frame = await upstream.recv()
             except (ConnectionClosed, WireError) as exc:
                 log.debug("relay: the data connection to the controller ended: %s", exc)
-                for link in list(self._links.values()):
-                    link.close()  # ranks must not wait for a consensus that cannot come
+                self._upstream_gone()
                 return
             msg = frame.message
             if not isinstance(msg, m.Consensus):
                 self.pool.release(frame.payload)
                 continue
-            self._consensus_down += 1
-            parts = [frame.payload] if frame.payload is not None else []
-            links = [link for link in self._links.values() if not link.is_closing]
-            results = await asyncio.gather(*(link.send_tensors(msg, parts) for link in links), return_exceptions=True)
-            for result in results:
-                if isinstance(result, BaseException):
-                    if not isinstance(result, ConnectionClosed | OSError):
-                        raise result
-                else:
-                    self._delivered_down += 1
-            previous, self._last = self._last, (msg, frame.payload)
-            if previous is not None:
-                self.pool.release(previous[1])
+            await self.fan_out(msg, [frame.payload] if frame.payload is not None else [], frame.payload)
+
+    def _upstream_gone(self) -> None:
+        for link in list(self._links.values()):
+            link.close()  # ranks must not wait for a consensus that cannot come
+
+    async def fan_out(self, msg: m.Consensus, parts: list[memoryview], owned: memoryview | None) -> None:
+        """Send one consensus to every local rank; ``owned`` (a received payload) is this fold's to release later."""
+        self._consensus_down += 1
+        links = [link for link in self._links.values() if not link.is_closing]
+        # Borrowed: the payload stays held (self._last) until the next consensus, which cannot exist before
+        # every rank read this one and contributed again.
+        results = await asyncio.gather(*(link.send_tensors(msg, parts, borrow=True) for link in links), return_exceptions=True)
+        for result in results:
+            if isinstance(result, BaseException):
+                if not isinstance(result, ConnectionClosed | OSError):
+                    raise result
+            else:
+                self._delivered_down += 1
+        previous, self._last = self._last, (msg, parts, owned)
+        if previous is not None:
+            self.pool.release(previous[2])
 
     async def aclose(self, grace: float) -> None:
         """Close every rank's data link and the upstream connection."""
@@ -440,3 +477,68 @@ class HostFold:
         for state in self._rounds.values():
             self._release_round(state)
         self._rounds.clear()
+
+
+class LocalReducer(Protocol):
+    """What the host fold needs of a reducer in its own process (flodl_async.reducer.Reducer)."""
+
+    max_payload: int
+
+    def connect_local(self, hello: m.HostDataHello, uplink: LocalUplink) -> str | None: ...
+
+    def offer_local(self, uplink: LocalUplink, msg: m.HostContribution, payload: memoryview | None) -> None: ...
+
+    def disconnect_local(self, uplink: LocalUplink) -> None: ...
+
+
+class LocalUplink:
+    """The host's data connection when the reducer is in this process: frames handed over in memory.
+
+    Up: :meth:`send_tensors` gives the reducer the host frame's buffer itself (no copy; the
+    reducer owns it from then on). Down: the reducer calls :meth:`deliver`, which fans the
+    consensus out from the reducer's own buffers, which it keeps until its next round completes —
+    after every rank read this one.
+    """
+
+    def __init__(self, *, fold: HostFold) -> None:
+        self._fold = fold
+        self._reducer: LocalReducer | None = None
+        self._closed = False
+        self.peer_label = "the controller (in this process)"
+
+    def bind(self, reducer: LocalReducer) -> None:
+        self._reducer = reducer
+
+    @property
+    def is_closing(self) -> bool:
+        return self._closed
+
+    async def send_tensors(self, msg: Message, payload: list[bytearray | memoryview]) -> None:
+        if self._closed or self._reducer is None:
+            raise ConnectionClosed("data channel to the controller (in this process)", by_peer=True)
+        assert isinstance(msg, m.HostContribution)
+        view: memoryview | None = None
+        if payload:
+            (buffer,) = payload
+            view = buffer if isinstance(buffer, memoryview) else memoryview(buffer)
+        self._reducer.offer_local(self, msg, view)
+
+    async def deliver(self, msg: m.Consensus, parts: list[memoryview]) -> None:
+        """The reducer's consensus for this host's ranks."""
+        if not self._closed:
+            await self._fold.fan_out(msg, parts, None)
+
+    def abort(self) -> None:
+        """The reducer refused a frame: the host's ranks are cut off, as on a socket."""
+        if not self._closed:
+            self._closed = True
+            self._fold._upstream_gone()
+
+    close = abort
+
+    async def aclose(self, grace: float = 0.0) -> None:
+        del grace
+        reducer, self._reducer = self._reducer, None
+        self.abort()
+        if reducer is not None:
+            reducer.disconnect_local(self)

@@ -44,6 +44,7 @@ from .wire.keys import new_session_secret
 
 if TYPE_CHECKING:
     from .controller import Controller
+    from .controller.training import TrainerAttachment
     from .metrics import EpochMetrics
     from .trainer import TrainedState, Trainer
 
@@ -135,12 +136,13 @@ class LauncherDriver:
 
     async def run(self, publish: Callable[[EpochMetrics], None]) -> TrainedState:
         from .agent import RankOutput
-        from .controller import Controller
+        from .controller import Controller, training
 
         _configure_logging()
         plan = self.plan
         output = RankOutput(stdout=sys.stdout.buffer, stderr=sys.stderr.buffer, run_id=plan.run_id)
-        controller = Controller(plan, output=output, metrics_sink=publish)
+        controller = Controller(plan, output=output)
+        attachment = training.attach(controller, reference=self._trainer.spec(), on_epoch=publish)
         self._controller = controller
         loop = asyncio.get_running_loop()
         handled = _add_signal_handler(loop, signal.SIGTERM, self.request_stop)
@@ -160,7 +162,7 @@ class LauncherDriver:
                 loop.remove_signal_handler(signal.SIGTERM)
             await controller.aclose()
             output.close()
-        return await final_state(controller, result)
+        return final_state(attachment, result)
 
     def request_stop(self) -> None:
         """The first stop asks the coordinator for an orderly end; a second forces (the signal table)."""
@@ -195,38 +197,30 @@ def _add_signal_handler(loop: asyncio.AbstractEventLoop, sig: signal.Signals, ca
 
 def request_orderly_stop(controller: Controller) -> None:
     """Ask the coordinator for a stop with a final round (no signal reaches a rank for it); before it exists, stop the run."""
-    if not controller.stop_training("the launcher's TrainingRun.shutdown()"):
+    from .controller import training
+
+    if not training.request_stop(controller, "the launcher's TrainingRun.shutdown()"):
         controller.interrupt(int(signal.SIGTERM))
 
 
-async def final_state(controller: Controller, result: RunResult) -> TrainedState:
-    """The launcher's ``TrainedState``: the reducer's last consensus, or ``TrainingFailed`` with the verdict."""
-    from .modelschema import ModelSchema
+def final_state(attachment: TrainerAttachment, result: RunResult) -> TrainedState:
+    """The launcher's ``TrainedState``: the final consensus the controller kept, or ``TrainingFailed`` with the verdict."""
     from .trainer import TrainedState
 
-    training = controller.training
-    coordinator = training.coordinator if training is not None else None
-    reducer = training.reducer if training is not None else None
-    outcome = training.outcome if training is not None else None
+    outcome = attachment.outcome()
     stopped = result.exit_code in (ExitCode.INTERRUPTED, ExitCode.TERMINATED) and outcome is not None and outcome.ok
     if result.exit_code is not ExitCode.OK and not stopped:
         raise TrainingFailed(result)
-    consensus = None
-    if reducer is not None and hasattr(reducer, "last_consensus"):
-        consensus = await asyncio.get_running_loop().run_in_executor(None, lambda: reducer.last_consensus)  # copies tensors: off the loop
-    reference = coordinator.reference if coordinator is not None else None
-    if coordinator is None or consensus is None or reference is None:
+    if outcome is None or outcome.state_dict is None:
         reason = f"{result.reason}, but the launcher holds no final consensus"
         raise TrainingFailed(RunResult(exit_code=ExitCode.INTERNAL, reason=reason, details=result.details))
-    assert training is not None
-    schema = ModelSchema.from_wire(reference.model)
-    world = coordinator.config.world_size
     return TrainedState(
-        state_dict=consensus,
-        param_names=schema.param_names,
-        epochs_completed=coordinator.completed_epochs,
-        global_step=sum(m.batches for m in training.epochs) // max(world, 1),
-        world_size=world,
-        interrupted=outcome is not None and outcome.save_reason == "graceful_shutdown",
+        state_dict=outcome.state_dict,
+        param_names=outcome.param_names,
+        epochs_completed=outcome.epochs_completed,
+        global_step=outcome.global_step,
+        world_size=outcome.world_size,
+        lost_ranks=outcome.lost_ranks,
+        interrupted=outcome.interrupted,
         primary=True,
     )

@@ -14,6 +14,7 @@ import contextlib
 import io
 import logging
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -185,6 +186,7 @@ class Bench:
     secret: bytes
     port: int
     scratch: Path
+    local: bool
 
     def spec(self, rank: int) -> RankSpec:
         host = next(h for h, ranks in HOSTS.items() if rank in ranks)
@@ -216,7 +218,9 @@ async def _control(link: FramedProtocol) -> None:
 
 
 @contextlib.asynccontextmanager
-async def _bench(secret: bytes, outer: OuterSpec | None = None, gamma: float = 1.0) -> AsyncIterator[Bench]:
+async def _bench(secret: bytes, outer: OuterSpec | None = None, gamma: float = 1.0, *, local: bool = False) -> AsyncIterator[Bench]:
+    """``local``: the relays find the reducer in this process and hand frames over in memory (the launcher's own
+    host); otherwise they dial its port like a remote host's relay (TCP, sealed payloads)."""
     scratch = Path(tempfile.mkdtemp(prefix="fl-avg-", dir="/tmp"))
     mux = PortMux(host="127.0.0.1", port=0)
     reducer = Reducer(SCHEMA, outer or OuterAvg(), gamma, digest=DIGEST)
@@ -224,7 +228,7 @@ async def _bench(secret: bytes, outer: OuterSpec | None = None, gamma: float = 1
         async with asyncio.timeout(90), asyncio.TaskGroup() as tg:
             control = FramedService(channel=Channel.CONTROL, resolve=session_resolver(secret), run_id=RUN, handler=_control, task_group=tg)
             mux.register(Channel.CONTROL, control.protocol_factory)
-            mux.register(Channel.DATA, reducer.attach(task_group=tg, resolve=session_resolver(secret), run_id=RUN).protocol_factory)
+            mux.register(Channel.DATA, reducer.attach(task_group=tg, resolve=session_resolver(secret), run_id=RUN, serve_local=local).protocol_factory)
             await mux.start()
             relays = {}
             for host, ranks in HOSTS.items():
@@ -244,7 +248,7 @@ async def _bench(secret: bytes, outer: OuterSpec | None = None, gamma: float = 1
                 relay.open_round(0)
                 relays[host] = relay
             try:
-                yield Bench(reducer=reducer, relays=relays, secret=secret, port=mux.port, scratch=scratch)
+                yield Bench(reducer=reducer, relays=relays, secret=secret, port=mux.port, scratch=scratch, local=local)
             finally:
                 for relay in relays.values():
                     await relay.aclose()
@@ -254,9 +258,9 @@ async def _bench(secret: bytes, outer: OuterSpec | None = None, gamma: float = 1
         shutil.rmtree(scratch, ignore_errors=True)
 
 
-@pytest.fixture
-async def bench(secret: bytes) -> AsyncIterator[Bench]:
-    async with _bench(secret) as b:
+@pytest.fixture(params=["tcp", "in-process"])
+async def bench(secret: bytes, request: pytest.FixtureRequest) -> AsyncIterator[Bench]:
+    async with _bench(secret, local=request.param == "in-process") as b:
         yield b
 
 
@@ -297,10 +301,16 @@ async def test_a_round_equals_the_reference_for_every_dtype(bench: Bench) -> Non
     assert last is not None
     _assert_equal(last, want)
     assert last["tied"] is last["w32"]  # the full state_dict, aliases included
+    copied = await bench.reducer.copy_consensus()
+    assert copied is not None
+    _assert_equal(copied, last)
+    assert copied["w32"].data_ptr() != last["w32"].data_ptr()  # each call is its own copy
     stats = {host: relay.statistics().data for host, relay in bench.relays.items()}
     assert (stats["a"].folded, stats["a"].forwarded_raw) == (1, 0)  # two ranks: folded into one host frame
     assert (stats["b"].folded, stats["b"].forwarded_raw) == (0, 1)  # one rank: its bytes, untouched
     assert stats["a"].delivered_down == 2
+    reducer = bench.reducer.statistics()
+    assert (reducer.hosts, reducer.in_process_hosts, reducer.rounds_completed) == (2, 2 if bench.local else 0, 1)
     for link in links.values():
         await link.aclose()
 
@@ -500,9 +510,10 @@ async def test_a_from_controller_round_sends_the_held_consensus(bench: Bench) ->
         await link.aclose()
 
 
+@pytest.mark.parametrize("local", [False, True], ids=["tcp", "in-process"])
 @pytest.mark.parametrize("outer", [SlowMo(lr=0.5, momentum=0.9), DiLoCo(lr=0.7, momentum=0.9)], ids=["slowmo", "diloco"])
-async def test_outer_steps_through_the_reducer_equal_the_reference(secret: bytes, outer: OuterSpec) -> None:
-    async with _bench(secret, outer=outer) as bench:
+async def test_outer_steps_through_the_reducer_equal_the_reference(secret: bytes, outer: OuterSpec, local: bool) -> None:
+    async with _bench(secret, outer=outer, local=local) as bench:
         links = await bench.links([0, 1, 2])
         plain: list[tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]] = []
         got: list[dict[str, torch.Tensor]] = []
@@ -549,6 +560,7 @@ async def test_the_controller_serves_the_data_channel_only_once_a_reducer_is_ins
         join=JoinConfig(min_rank_start=1, join_timeout=60, target_ranks=1, max_join_timeout=60),
         workers=(PlacedWorker(spec=WorkerSpec(host="elsewhere", devices=DeviceSpec.cpu(1)), placement=Placement.DIAL_IN),),
         command=("true",),
+        deadlines=Deadlines(stop_grace=1.0, teardown_margin=1.0),
     )
     controller = Controller(plan, output=RankOutput(stdout=io.BytesIO(), stderr=io.BytesIO()))  # type: ignore[arg-type]
     said = _Said("window open")
@@ -570,8 +582,10 @@ async def test_the_controller_serves_the_data_channel_only_once_a_reducer_is_ins
             welcome = await link.recv_message()
             assert welcome == m.DataWelcome(max_payload=max(64 << 20, 2 * SCHEMA.model_bytes))
             await link.aclose()
-            await reducer.aclose()
-            run.cancel()
+            controller.interrupt(signal.SIGTERM)  # an orderly end: the controller stops its reducer in its teardown
+            result = await run
+        assert result.exit_code != 0
+        assert reducer.statistics().hosts == 0
     finally:
         launch_log.removeHandler(said)
         launch_log.setLevel(level)

@@ -157,7 +157,8 @@ def test_collective_rounds_run_in_the_ranks_and_upload_at_the_end() -> None:
     d.run()
     assert all(not r.reducer for r in d.rounds[:-1])
     upload = d.rounds[-1]
-    assert (upload.kind, upload.expected, upload.reducer) == ("upload", frozenset({0}), True)  # the primary alone, to the controller
+    # The primary's state to the controller; the others send empty contributions (the relay's fold waits for every local rank).
+    assert (upload.kind, upload.expected, upload.reducer) == ("upload", frozenset({0, 1}), True)
     assert isinstance(d.ended, Finish)
 
 
@@ -372,3 +373,57 @@ def test_round_completions_for_other_rounds_are_ignored() -> None:
     d = started()
     out = d.coord.handle(RoundCompleted(round=7, kind="model", mass=1.0, duration_ms=1.0), d.now)
     assert not [a for a in out if isinstance(a, StartRound)]
+
+
+def test_in_the_launcher_role_every_rank_must_match_the_launchers_spec() -> None:
+    c = Coordinator(CoordinatorConfig(run_id="r", world_size=2, hosts={0: "a"}, reference=spec(epochs=5)), now=0.0)
+    [fail] = [a for a in c.handle(TrainerJoined(hello=hello(0, spec(epochs=10))), 1.0) if isinstance(a, Fail)]
+    assert fail.reason == (
+        "rank 0 (host a) built a different Trainer than the launcher: epochs 10 != 5. Every rank must build the Trainer from the same arguments "
+        "— are the ranks running different code or command lines?"
+    )
+    ok = Coordinator(CoordinatorConfig(run_id="r", world_size=2, reference=spec(epochs=5)), now=0.0)
+    assert [a for a in ok.handle(TrainerJoined(hello=hello(0, spec(epochs=5))), 1.0) if isinstance(a, Fail)] == []
+
+
+def test_the_epochs_tail_is_split_by_largest_remainder_and_an_empty_rank_gets_a_quota_0_plan() -> None:
+    s = TrainerSpec(epochs=1, batch_size=1, dataset_len=5, elche=ElCheConfig(anchor=2, adapt=False))
+    d = Driver(s)
+    d.run()
+    assert [(p.rank, p.round, p.ranges, p.quota) for p in plans(d.actions)] == [
+        (0, 1, ((0, 2),), 2),
+        (1, 1, ((2, 2),), 2),
+        (0, 2, ((4, 1),), 1),  # 1 batch left for counts (2, 2): (1, 0)
+        (1, 2, (), 0),  # nothing for rank 1: it answers at once and is exempt from the gate
+    ]
+    assert [r.kind for r in d.rounds] == ["init", "model", "model", "final"]
+    assert d.epochs[0].batches == 5
+
+
+def test_async_runs_at_most_one_window_ahead_of_the_gate() -> None:
+    d = Driver(spec(Policy.ASYNC, epochs=1, dataset_len=400))
+    d.join_all()
+    d.coord.handle(RoundCompleted(round=0, kind="init", mass=1.0, duration_ms=1.0), d.now)
+
+    def report(rank: int, round_: int) -> list[m.Plan]:
+        done = m.WindowDone(rank=rank, round=round_, epoch=0, batches=2, samples=8, compute_ms=2.0, data_ms=0.0, loss_sum=1.0)
+        return plans(d.coord.handle(WindowReported(report=done), d.now))
+
+    [ahead] = report(0, 1)  # rank 0 finished window 1: its window 2 at once
+    assert ahead.round == 2
+    assert report(0, 2) == []  # window 3 would be two ahead of the gate (still at window 1, waiting on rank 1)
+    out = d.coord.handle(
+        WindowReported(report=m.WindowDone(rank=1, round=1, epoch=0, batches=2, samples=8, compute_ms=2.0, data_ms=0.0, loss_sum=1.0)), d.now
+    )
+    assert [a.round for a in out if isinstance(a, StartRound)] == [1]  # the gate fires for window 1
+    # Rank 1's next window; rank 0, done with window 2 already, may now run one ahead: window 3.
+    assert [(p.rank, p.round) for p in plans(out)] == [(1, 2), (0, 3)]
+
+
+def test_a_second_stop_request_changes_nothing() -> None:
+    d = started()
+    d.coord.handle(RoundCompleted(round=0, kind="init", mass=1.0, duration_ms=1.0), d.now)
+    first = d.coord.handle(StopRequested(reason="SIGTERM"), d.now)
+    assert d.coord.stop_requested
+    assert [r.kind for r in first if isinstance(r, StartRound)] == ["final"]
+    assert d.coord.handle(StopRequested(reason="SIGTERM"), d.now) == []  # the shell sends the next signal to the supervisor

@@ -9,7 +9,9 @@ is real: the relay's rank checks and broadcasts, the controller's routing, heart
 from __future__ import annotations
 
 import asyncio
+import json
 import re
+import signal
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -18,9 +20,11 @@ import pytest
 from flodl_async.agent import RankOutput
 from flodl_async.cluster import DeviceSpec, WorkerSpec
 from flodl_async.controller import Controller, ExitCode, LaunchPlan, PlacedWorker, Placement
+from flodl_async.controller.training import TrainerAttachment, attach
 from flodl_async.deadlines import Deadlines
 from flodl_async.membership import JoinConfig
-from flodl_async.trainspec import TrainerSpec
+from flodl_async.metrics import EpochMetrics
+from flodl_async.trainspec import ElCheConfig, TrainerSpec
 from flodl_async.verdict import RunResult
 from flodl_async.wire import new_session_secret
 
@@ -28,6 +32,10 @@ from .launchkit import PY, assert_nothing_left, new_run_id, script
 from .test_controller_inprocess import LineSink
 
 pytestmark = pytest.mark.e2e
+
+#: What tests/scripts/trainer_data_rank.py builds (the launcher's reference in the launcher-role test).
+LAUNCHER_SPEC = TrainerSpec(epochs=1, batch_size=4, dataset_len=32, elche=ElCheConfig(anchor=2, adapt=False), heartbeat_timeout=10.0)
+epochs_seen: list[EpochMetrics] = []
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -58,12 +66,23 @@ class LoopbackRounds:
     def declare_dead(self, rank: int) -> None:
         self.dead.append(rank)
 
+    @property
+    def last_consensus(self) -> None:
+        return None  # no data plane behind this seam
+
     async def aclose(self) -> None:
         self.closed = True
 
 
 def run_controller(
-    tmp_path: Path, mode: str, mode_rank: int, *, scale: float = 1.0, heartbeat_timeout: float = 2.0, command: tuple[str, ...] | None = None
+    tmp_path: Path,
+    mode: str,
+    mode_rank: int,
+    *,
+    scale: float = 1.0,
+    heartbeat_timeout: float = 2.0,
+    command: tuple[str, ...] | None = None,
+    attach_to: list[TrainerAttachment] | None = None,
 ) -> tuple[RunResult, bytes, LoopbackRounds, Controller]:
     run_id = new_run_id()
     plan = LaunchPlan(
@@ -82,6 +101,8 @@ def run_controller(
         sink = LineSink()
         seam = None if command is not None else (lambda _spec, _schema, _digest: rounds)
         controller = Controller(plan, output=RankOutput(stdout=sink, stderr=sink), training_rounds=seam)  # type: ignore[arg-type]
+        if attach_to is not None:  # the launcher role: its own spec is the reference, epochs come to it
+            attach_to.append(attach(controller, reference=LAUNCHER_SPEC, on_epoch=epochs_seen.append))
         await controller.bind()
         async with asyncio.timeout(90):
             result = await controller.run()
@@ -116,6 +137,12 @@ def test_a_trainer_run_completes_with_every_batch_trained_once(tmp_path: Path) -
     assert training is not None
     assert [e.epoch for e in training.epochs] == [0, 1]
     assert all(e.batches == spec.n_batches for e in training.epochs)
+    snapshot = controller.status_board.snapshot
+    assert snapshot is not None
+    doc = json.loads(snapshot.to_json())["training"]  # what /state.json serves
+    assert (doc["phase"], doc["epoch"], doc["epochs"], doc["policy"], doc["backend"]) == ("done", 2, 2, "cadence", "cpu")
+    assert [r["batches"] for r in doc["ranks"]] == [16, 16]
+    assert doc["last_epoch"]["epoch"] == 1
 
 
 def test_a_rank_with_a_different_trainer_is_the_runs_verdict(tmp_path: Path) -> None:
@@ -158,7 +185,9 @@ def test_a_rank_that_never_starts_its_trainer_times_out_by_name(tmp_path: Path) 
 
 def test_rounds_average_through_the_real_reducer_and_relay(tmp_path: Path) -> None:
     """TD's Reducer and relay fold under the coordinator: init is rank 0's state, model rounds the steps-weighted mean."""
-    result, output, _rounds, controller = run_controller(tmp_path, "", -1, command=(PY, script("trainer_data_rank.py")))
+    attached: list[TrainerAttachment] = []
+    epochs_seen.clear()
+    result, output, _rounds, controller = run_controller(tmp_path, "", -1, command=(PY, script("trainer_data_rank.py")), attach_to=attached)
     text = output.decode()
     assert result.exit_code is ExitCode.OK, (result, text)
     assert result.reason == "training complete: 1 epoch(s) on 2 rank(s)"
@@ -171,3 +200,57 @@ def test_rounds_average_through_the_real_reducer_and_relay(tmp_path: Path) -> No
     training = controller._training
     assert training is not None
     assert [e.batches for e in training.epochs] == [8]
+    # The launcher's side (D1): the final consensus and counters, and the epochs it was handed.
+    [handle] = attached
+    final = handle.outcome()
+    assert final is not None
+    assert final.state_dict is not None
+    assert final.state_dict["w"].tolist() == [1.5, 1.5, 1.5, 1.5]
+    assert (final.param_names, final.epochs_completed, final.global_step, final.world_size, final.lost_ranks, final.interrupted) == (("w",), 1, 4, 2, (), False)
+    assert [e.epoch for e in epochs_seen] == [0]
+
+
+def test_a_launcher_signal_stops_training_in_order_before_any_signal_reaches_the_ranks(tmp_path: Path) -> None:
+    run_id = new_run_id()
+    plan = LaunchPlan(
+        run_id=run_id,
+        secret=new_session_secret(),
+        bind_host="127.0.0.1",
+        port=0,
+        join=JoinConfig(min_rank_start=2, join_timeout=30, target_ranks=2, max_join_timeout=60),
+        workers=(PlacedWorker(spec=WorkerSpec(host="localhost", devices=DeviceSpec.cpu(2)), placement=Placement.LOCAL),),
+        command=(PY, script("trainer_rank.py"), "slow", "-1", "10"),
+        deadlines=Deadlines.resolve(stop_grace=1.0, env={}),
+    )
+    rounds = LoopbackRounds()
+
+    async def main() -> tuple[RunResult, bytes]:
+        sink = LineSink()
+        controller = Controller(plan, output=RankOutput(stdout=sink, stderr=sink), training_rounds=lambda _s, _m, _d: rounds)  # type: ignore[arg-type]
+        await controller.bind()
+        task = asyncio.get_running_loop().create_task(controller.run(), name="controller")
+        async with asyncio.timeout(60):
+            await sink.wait_for(b"rank 1 window 2")  # training, mid-epoch
+            controller.interrupt(signal.SIGTERM)
+            result = await task
+        return result, bytes(sink.data)
+
+    result, output = asyncio.run(main())
+    assert_nothing_left(run_id)
+    text = output.decode()
+    assert result.exit_code is ExitCode.TERMINATED, (result, text)
+    assert re.fullmatch(r"training stopped \(SIGTERM\) after [01] of 2 epoch\(s\)", result.reason), result.reason
+    for rank in (0, 1):  # each rank heard the orderly Shutdown and exited 0: no signal reached it first
+        assert f"rank {rank} shutdown: {result.reason} (graceful_shutdown)" in text
+    final = [r for r in rounds.opened if r[1] == "final"]
+    assert len(final) == 1
+    assert final[0][3] is False  # the ranks stepped since the last reduce: they contribute
+
+
+def test_collective_rounds_are_answered_by_the_ranks_and_the_primary_uploads(tmp_path: Path) -> None:
+    result, output, rounds, _c = run_controller(tmp_path, "collective", -1)
+    text = output.decode()
+    assert result.exit_code is ExitCode.OK, (result, text)
+    assert "rank 1 all_reduced round 0 (init)" in text
+    assert "rank 0 all_reduced round 1 (model)" in text
+    assert rounds.opened == [(rounds.opened[0][0], "upload", frozenset({0, 1}), False)]  # only the upload goes through the reducer

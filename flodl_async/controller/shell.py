@@ -35,6 +35,7 @@ from .. import __version__
 from ..agent import RankOutput
 from ..errors import ConnectionClosed, FlodlError, WireError
 from ..liveness import Liveness
+from ..metrics import EpochMetrics
 from ..net.fdlimit import raise_descriptor_limit
 from ..net.framed import FramedProtocol
 from ..net.http import StatusHttpProtocol
@@ -68,7 +69,8 @@ from ..supervisor import (
     Tick,
     TrainingEnded,
 )
-from ..verdict import ExitCode, RunResult
+from ..trainspec import TrainerSpec
+from ..verdict import ExitCode, RunResult, exit_code_for_signal
 from ..wire import messages as m
 from ..wire.channels import Channel
 from ..wire.handshake import PROTOCOL_VERSION, join_resolver, session_resolver
@@ -79,7 +81,6 @@ from .launchers import AgentLauncher, ControllerContact, DialInLauncher, LocalLa
 from .training import RoundRunner, RoundRunnerFactory, TrainingOutcome, TrainingShell, default_round_runner
 
 if TYPE_CHECKING:
-    from ..metrics import EpochMetrics
     from ..reducer import Reducer
 
 log = logging.getLogger("flodl_async.launch")
@@ -114,18 +115,9 @@ def _with_secret_for_token_agent(reply: m.JoinAccept, link: FramedProtocol, secr
 class Controller:
     """Runs one launch from bind to teardown."""
 
-    def __init__(
-        self,
-        plan: LaunchPlan,
-        *,
-        output: RankOutput,
-        training_rounds: RoundRunnerFactory | None = None,
-        metrics_sink: Callable[[EpochMetrics], None] | None = None,
-    ) -> None:
+    def __init__(self, plan: LaunchPlan, *, output: RankOutput, training_rounds: RoundRunnerFactory | None = None) -> None:
         self.plan = plan
         self._training_rounds = training_rounds  # None: the Trainer's reducer (tests pass a seam)
-        self._metrics_sink = metrics_sink  # a Trainer launcher's handle: each aggregated epoch
-        self._stop_signal: int | None = None  # the signal that asked the Trainer for an orderly stop
         self._deadlines = plan.deadlines
         self._output = output
         self._resolve = session_resolver(plan.secret)
@@ -145,7 +137,11 @@ class Controller:
         # The store rides the port unless torch's own store was asked for (then a store host serves it).
         self._store = None if os.environ.get(BACKEND_VARIABLE, "python") == "torch" else PortStore()
         self._training: TrainingShell | None = None  # the Trainer's coordinator shell, idle until a TrainerHello
+        self._training_signal: int | None = None  # the launcher signal that asked for an orderly training stop
+        self._training_reference: TrainerSpec | None = None  # the launcher's own spec (the user's script is the launcher)
+        self._training_metrics: Callable[[EpochMetrics], None] | None = None
         self._tg: asyncio.TaskGroup | None = None
+        self._reducer: Reducer | None = None
 
     @property
     def status_board(self) -> StatusBoard:
@@ -172,30 +168,33 @@ class Controller:
     def interrupt(self, signum: int) -> None:
         """SIGINT/SIGTERM: the first stops gracefully (the signal table), the second forces.
 
-        With Trainer ranks training, the first asks the coordinator for an orderly stop instead (a
-        final round, the state returned) and no signal reaches a rank; the next one is the table's.
+        With Trainer ranks training, the first asks the coordinator for an orderly stop (a final
+        round, ``Shutdown``, the ranks return their state) before any signal reaches them; the
+        next one goes to the supervisor's table.
         """
         if self._supervisor is None:
             self._early_signals.append(signum)
             return
-        if self._stop_signal is None and self.stop_training(f"{signal.Signals(signum).name} to the launcher"):
-            self._stop_signal = signum
+        if self._training_signal is None and self._training is not None and self._training.stop(_signal_name(signum)):
+            self._training_signal = signum
+            name = _signal_name(signum)
+            log.warning("stopping training in order on %s: a final round, then shutdown (%s again to stop the ranks)", name, name)
             return
         self._dispatch(Interrupted(signal=signum))
 
     @property
     def training(self) -> TrainingShell | None:
-        """The Trainer's coordinator shell (None before :meth:`run`); its ``coordinator`` exists once a rank said hello."""
+        """The Trainer's coordinator shell (after :meth:`run` started)."""
         return self._training
 
+    def configure_training(self, *, reference: TrainerSpec | None, metrics_sink: Callable[[EpochMetrics], None] | None) -> None:
+        """Before :meth:`run`: the launcher's spec every rank must match, and where aggregated epochs go."""
+        self._training_reference = reference
+        self._training_metrics = metrics_sink
+
     def stop_training(self, reason: str) -> bool:
-        """Ask a live Trainer coordinator for an orderly stop; False when there is none to ask (no Trainer, not yet, or over)."""
-        training = self._training
-        if training is None or training.coordinator is None or training.outcome is not None:
-            return False
-        training.stop(reason)
-        self._changed.set()
-        return True
+        """An orderly stop of the Trainer (``TrainingRun.shutdown``); False when nothing trains."""
+        return self._training is not None and self._training.stop(reason)
 
     async def run(self) -> RunResult:
         """The whole lifecycle; call :meth:`bind` first. Teardown runs on every exit path."""
@@ -258,14 +257,13 @@ class Controller:
                     # What is still connected after the teardown's grace is stuck (a frozen host's relay link
                     # says nothing and never closes): closing the port ends those handlers, so the group can close.
                     await self._mux.aclose()
+                    if self._reducer is not None:
+                        await self._reducer.aclose()  # its round driver is a task of this group
         finally:
             if self._store is not None:
                 self._store.close()
             await self._mux.aclose()
         assert result is not None  # None only when cancelled, and then CancelledError propagates
-        if self._stop_signal is not None and result.exit_code is ExitCode.OK:  # stopped in order, but by a signal
-            code = ExitCode.INTERRUPTED if self._stop_signal == signal.SIGINT else ExitCode.TERMINATED
-            result = dataclasses.replace(result, exit_code=code)
         return result
 
     def install_reducer(self, reducer: Reducer) -> None:
@@ -277,6 +275,7 @@ class Controller:
         if self._tg is None:
             raise RuntimeError("install_reducer() needs a running controller (call it from inside run())")
         service = reducer.attach(task_group=self._tg, resolve=self._resolve, run_id=self.plan.run_id)
+        self._reducer = reducer
         self._mux.register(Channel.DATA, service.protocol_factory)
 
     async def aclose(self) -> None:
@@ -478,14 +477,19 @@ class Controller:
             world=self._training_world,
             task_group=tg,
             on_outcome=self._training_outcome,
-            on_change=self._changed.set,
+            on_change=self._training_changed,
             serve_data=self._serve_training_data,
-            hello_timeout=120.0 * scale,
-            reduce_stall=120.0 * scale,
-            timeout_scale=scale,
+            hello_timeout=self._deadlines.trainer_hello,
+            reduce_stall=self._deadlines.reduce_stall,
+            timeout_scale=scale,  # the spec's heartbeat_timeout is the user's; the run's scale applies to it
             round_runner=self._training_rounds or default_round_runner,
-            metrics_sink=self._metrics_sink,
+            reference=self._training_reference,
+            metrics_sink=self._training_metrics,
         )
+
+    def _training_changed(self) -> None:
+        self._publish()  # the status page's training block
+        self._changed.set()  # the pump recomputes its wake-up (the coordinator's deadline moved)
 
     def _training_world(self) -> tuple[int, dict[int, str]]:
         view = self._require_supervisor().view()
@@ -493,6 +497,8 @@ class Controller:
 
     def _training_outcome(self, outcome: TrainingOutcome) -> None:
         code = ExitCode(outcome.code) if not outcome.ok else ExitCode.OK
+        if outcome.ok and self._training_signal is not None:
+            code = exit_code_for_signal(self._training_signal)
         self._dispatch(TrainingEnded(ok=outcome.ok, reason=outcome.reason, code=code, details=outcome.details))
 
     def _serve_training_data(self, reducer: RoundRunner) -> None:
@@ -561,6 +567,7 @@ class Controller:
                 ranks=ranks,
                 verdict=result.reason if result is not None else "",
                 exit_code=int(result.exit_code) if result is not None else None,
+                training=self._training.status() if self._training is not None else None,
             )
         )
 
@@ -568,3 +575,10 @@ class Controller:
         if self._supervisor is None:
             raise RuntimeError("run() has not started")
         return self._supervisor
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"

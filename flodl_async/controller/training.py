@@ -28,12 +28,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 import typing
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from ..coordinator import (
     Action,
@@ -68,6 +69,11 @@ from ..trainspec import TrainerSpec
 from ..wire import messages as m
 from ..wire.schema import Message
 
+if TYPE_CHECKING:
+    import torch
+
+    from .shell import Controller
+
 log = logging.getLogger("flodl_async.launch")
 
 _LEVELS = {Level.INFO: logging.INFO, Level.WARNING: logging.WARNING}
@@ -92,6 +98,8 @@ class RoundRunner(Protocol):
     def open_round(self, round: int, kind: str, expected_ranks: frozenset[int], from_controller: bool = False) -> None: ...
     async def wait_round(self, round: int) -> RoundResultLike: ...
     def declare_dead(self, rank: int) -> None: ...
+    @property
+    def last_consensus(self) -> Mapping[str, torch.Tensor] | None: ...
     async def aclose(self) -> None: ...
 
 
@@ -106,6 +114,21 @@ def default_round_runner(spec: TrainerSpec, schema: ModelSchema, digest: str) ->
     from ..reducer import Reducer
 
     return typing.cast(RoundRunner, Reducer(schema, spec.outer, spec.settings.gamma, digest=digest))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TrainingResult:
+    """What the launcher's ``TrainedState`` is built from, after the run (D1: the final consensus)."""
+
+    state_dict: Mapping[str, torch.Tensor] | None
+    param_names: tuple[str, ...]
+    epochs_completed: int
+    global_step: int
+    world_size: int
+    lost_ranks: tuple[int, ...]
+    interrupted: bool
+    ok: bool
+    reason: str
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -150,6 +173,7 @@ class TrainingShell:
         reduce_stall: float = 120.0,
         timeout_scale: float = 1.0,
         metrics_sink: Callable[[EpochMetrics], None] | None = None,
+        reference: TrainerSpec | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._run_id = run_id
@@ -163,7 +187,9 @@ class TrainingShell:
         self._reduce_stall = reduce_stall
         self._scale = timeout_scale
         self._metrics_sink = metrics_sink
+        self._reference = reference
         self._clock = clock
+        self._final_state: Mapping[str, torch.Tensor] | None = None
         self.coordinator: Coordinator | None = None
         self.reducer: RoundRunner | None = None
         self.epochs: list[EpochMetrics] = []
@@ -212,10 +238,16 @@ class TrainingShell:
             return  # no Trainer in this run (yet): nothing to coordinate
         self._handle(to_event(msg))
 
-    def stop(self, reason: str) -> None:
-        """An orderly stop (a launcher signal, ``TrainingRun.shutdown``): the final round, then ``Shutdown``."""
-        if self.coordinator is not None:
-            self._handle(StopRequested(reason=reason))
+    def stop(self, reason: str) -> bool:
+        """An orderly stop (a launcher signal, ``TrainingRun.shutdown``): the final round, then ``Shutdown``.
+
+        False when there is no training to stop in order (no coordinator, it already concluded, or a
+        stop is already under way): the caller's next step is then the supervisor's signal table.
+        """
+        if self.coordinator is None or self._outcome is not None or self.coordinator.stop_requested:
+            return False
+        self._handle(StopRequested(reason=reason))
+        return True
 
     def next_deadline(self) -> float | None:
         """When :meth:`tick` is due (None: nothing pending)."""
@@ -227,8 +259,17 @@ class TrainingShell:
             self._handle(Tick())
 
     def view(self) -> CoordinatorView | None:
-        """The status page's ``training`` block."""
+        """The coordinator's frozen snapshot."""
         return None if self.coordinator is None else self.coordinator.view(self._clock())
+
+    def status(self) -> dict[str, object] | None:
+        """The ``training`` block of ``/state.json`` (None until a Trainer said hello)."""
+        view = self.view()
+        if view is None:
+            return None
+        block = dataclasses.asdict(view)
+        block["last_epoch"] = dataclasses.asdict(self.epochs[-1]) if self.epochs else None
+        return block
 
     async def aclose(self) -> None:
         """Cancel the round waiters, then close the reducer (its driver task and hosts' data links)."""
@@ -238,8 +279,30 @@ class TrainingShell:
         for task in tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-        if self.reducer is not None:
-            await self.reducer.aclose()
+        reducer = self.reducer
+        if reducer is not None:
+            # The launcher's final state (D1): copied off the loop (clones), before the reducer lets its buffers go.
+            self._final_state = await asyncio.get_running_loop().run_in_executor(None, lambda: reducer.last_consensus)
+            await reducer.aclose()
+
+    def result(self) -> TrainingResult | None:
+        """The run's result for the launcher (None when no Trainer ran)."""
+        coordinator = self.coordinator
+        if coordinator is None:
+            return None
+        hello = coordinator.reference
+        outcome = self._outcome
+        return TrainingResult(
+            state_dict=self._final_state,
+            param_names=tuple(hello.model.param_names) if hello is not None else (),
+            epochs_completed=coordinator.completed_epochs,
+            global_step=coordinator.global_step,
+            world_size=len(coordinator.alive),
+            lost_ranks=tuple(sorted(coordinator.dead)),
+            interrupted=outcome is not None and outcome.save_reason == "graceful_shutdown",
+            ok=outcome is not None and outcome.ok,
+            reason="" if outcome is None else outcome.reason,
+        )
 
     # ----- internals ---------------------------------------------------------------------
 
@@ -256,6 +319,7 @@ class TrainingShell:
                 hello_timeout=self._hello_timeout,
                 reduce_stall=self._reduce_stall,
                 timeout_scale=self._scale,
+                reference=self._reference,
             ),
             now=self._clock(),
         )
@@ -336,3 +400,29 @@ class TrainingShell:
         result = await reducer.wait_round(round_)
         if self.coordinator is not None:
             self._handle(RoundCompleted(round=result.round, kind=result.kind, mass=result.mass, duration_ms=result.duration_ms))
+
+
+# ----- the launcher's side (trainlaunch: the user's script is the launcher) ---------------------------
+
+
+class TrainerAttachment:
+    """What :func:`attach` gives the launcher: the run's result once the controller returns."""
+
+    def __init__(self, controller: Controller) -> None:
+        self._controller = controller
+
+    def outcome(self) -> TrainingResult | None:
+        """The final consensus and counters (None when no Trainer rank said hello)."""
+        shell = self._controller.training
+        return None if shell is None else shell.result()
+
+
+def attach(controller: Controller, *, reference: TrainerSpec | None = None, on_epoch: Callable[[EpochMetrics], None] | None = None) -> TrainerAttachment:
+    """Before ``controller.run()``: the launcher's own spec is the reference every rank must match; epochs go to ``on_epoch``."""
+    controller.configure_training(reference=reference, metrics_sink=on_epoch)
+    return TrainerAttachment(controller)
+
+
+def request_stop(controller: Controller, reason: str = "shutdown requested") -> bool:
+    """An orderly stop of the training (a final round, then ``Shutdown``); False when nothing trains."""
+    return controller.stop_training(reason)

@@ -75,6 +75,12 @@ class BufferPool:
             self._free.clear()
 
     def statistics(self) -> BufferPoolStatistics:
+        """Reuse counters and what the pool holds now."""
         with self._lock:
             held = [b for free in self._free.values() for b in free]
             return BufferPoolStatistics(hits=self._hits, misses=self._misses, held_buffers=len(held), held_bytes=sum(len(b) for b in held))
+
+
+#: The process's pool for averaging buffers: a relay and the reducer in one process (the launcher's
+#: own host) hand buffers to each other, so they draw from one pool.
+SHARED = BufferPool(max_per_size=8)

@@ -73,7 +73,7 @@ async def main() -> None:
             relay.open_round(0)
             credential = Credential.for_rank(secret, run_id=RUN, round=0, rank=0)
             link = await open_unix_framed(
-                relay.data_socket_path, channel=Channel.DATA, credential=credential, peer_label="relay", limits=FrameLimits(max_payload=0)
+                relay.data_socket_path, channel=Channel.DATA, credential=credential, peer_label="relay", limits=FrameLimits(max_payload=0), plain_payloads=True
             )
             link.send(m.DataHello(rank=0, model_bytes=len(PAYLOAD), digest="x"))
             welcome = await link.recv_message()

@@ -2,7 +2,8 @@
 
 ``trainer_rank.py <mode> <mode_rank> [heartbeat_timeout]``: rank ``mode_rank`` behaves as ``mode`` (``ok``, ``mismatch``: builds
 ``epochs=3``, ``freeze``: SIGSTOPs itself after its first plan, ``raise``: sends a death record at its second
-plan, ``silent``: never says TrainerHello); every other rank is ``ok``. Each window is "trained" at once: the
+plan, ``silent``: never says TrainerHello, ``slow``: takes 50 ms per window and says so; ``collective``: every rank builds a COLLECTIVE Trainer and answers
+each collective Reduce with ReduceDone); every other rank is ``ok``. Each window is "trained" at once: the
 rank reports its plan's quota. Rounds are not contributed on the data channel (the test's reducer seam
 completes them); the rank prints what it trained and what it was told.
 """
@@ -14,6 +15,7 @@ import sys
 
 from flodl_async.modelschema import ModelSchema
 from flodl_async.net.framed import open_unix_framed
+from flodl_async.policy import Backend
 from flodl_async.rankenv import RankSpec
 from flodl_async.roles import RANK_VAR
 from flodl_async.trainspec import ElCheConfig, TrainerSpec, digest
@@ -42,7 +44,10 @@ async def main() -> int:
         link.send(m.RankHello(rank=rank, local_rank=int(os.environ["LOCAL_RANK"]), world_size=int(os.environ["WORLD_SIZE"]), pid=os.getpid()))
         welcome = await link.recv_message()
     assert isinstance(welcome, m.RankWelcome), welcome
-    spec = TrainerSpec(epochs=3 if mode == "mismatch" else 2, batch_size=4, dataset_len=64, elche=ElCheConfig(anchor=2), heartbeat_timeout=heartbeat_timeout)
+    backend = Backend.COLLECTIVE if mode_name == "collective" else Backend.CPU
+    spec = TrainerSpec(
+        backend=backend, epochs=3 if mode == "mismatch" else 2, batch_size=4, dataset_len=64, elche=ElCheConfig(anchor=2), heartbeat_timeout=heartbeat_timeout
+    )
     async with asyncio.TaskGroup() as tg:
         beats = tg.create_task(beat(link, rank), name="heartbeats")
         if mode == "silent":
@@ -70,6 +75,9 @@ async def main() -> int:
                     await link.drain()
                     beats.cancel()
                     return 1
+                if mode_name == "slow":
+                    await asyncio.sleep(0.05)  # every rank: the test stops the run mid-training
+                    print(f"rank {rank} window {msg.round}", flush=True)
                 batches = [b for first, n in msg.ranges for b in range(first, first + n)]
                 trained.setdefault(msg.epoch, []).extend(batches)
                 link.send(
@@ -84,6 +92,9 @@ async def main() -> int:
                         loss_sum=0.5 * msg.quota,
                     )
                 )
+            elif isinstance(msg, m.Reduce) and backend is Backend.COLLECTIVE and msg.kind != "upload":
+                link.send(m.ReduceDone(rank=rank, round=msg.round, mass=2.0, ms=0.5))  # the all_reduce, as TR's ranks do it
+                print(f"rank {rank} all_reduced round {msg.round} ({msg.kind})", flush=True)
             elif isinstance(msg, m.EpochAggregated):
                 epochs_seen += 1
             elif isinstance(msg, m.DeclareDead):
@@ -95,7 +106,7 @@ async def main() -> int:
                 link.send(m.Exiting(rank=rank, reason="done"))
                 await link.drain()
                 beats.cancel()
-                return 0 if msg.save_reason == "completed" else 1
+                return 0 if msg.save_reason in ("completed", "graceful_shutdown") else 1
 
 
 sys.exit(asyncio.run(main()))
