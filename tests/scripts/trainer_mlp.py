@@ -139,9 +139,14 @@ async def managed(args: argparse.Namespace) -> None:
             ticking.set()
             await asyncio.sleep(0.01)
 
-    if args.ticker:
+    if args.ticker:  # the plain form, `state = await trainer.run()`, inside a program doing other things
         other = asyncio.create_task(ticker(), name="ticker")
         await ticking.wait()
+        state = await trainer.run()
+        other.cancel()
+        print(f"TICKS {ticks}", flush=True)
+        save(args, trainer, state, [], [])
+        return
     run = trainer.start()
     losses: list[float] = []
     shares: list[list[float]] = []
@@ -151,9 +156,6 @@ async def managed(args: argparse.Namespace) -> None:
         if run.primary:
             print(f"EPOCH {m.epoch} loss {m.avg_loss:.5f} shares {[round(s, 3) for s in shares[-1]]}", flush=True)
     state = await run.join()
-    if args.ticker:
-        other.cancel()
-        print(f"TICKS {ticks}", flush=True)
     save(args, trainer, state, losses, shares)
 
 
