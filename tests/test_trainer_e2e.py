@@ -229,3 +229,14 @@ def test_the_cooperative_worker_under_flodl_launch(tmp_path: Path) -> None:
     assert_identical(saved, {"rank-0", "rank-1"})
     assert_converged(saved["rank-0"]["losses"])
 
+
+
+def test_the_cooperative_worker_as_the_launcher_runs_the_launch_and_exits(tmp_path: Path) -> None:
+    """The launcher has no cooperative loop to hand back (spec §1.6): trainer.worker() launches, reports, exits."""
+    done = as_launcher(tmp_path, "--cooperative", "--epochs", "3", run_id=new_run_id())
+    assert done.returncode == 0, done.stderr
+    saved = states(tmp_path)
+    assert set(saved) == {"rank-0", "rank-1"}  # the launcher exited inside worker(): it saves nothing
+    for key, tensor in saved["rank-0"]["state"].items():
+        assert torch.equal(saved["rank-1"]["state"][key], tensor)
+    assert not saved["rank-0"]["primary"]  # the launcher was the primary
