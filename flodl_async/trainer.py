@@ -146,10 +146,7 @@ class TrainingRun:
         self._arrived.set()
 
     def _publish(self, metrics: EpochMetrics) -> None:
-        """Thread-safe: queue one epoch's metrics for the handle."""
-        if threading.get_ident() == getattr(self._loop, "_thread_id", None):
-            self._push(metrics)
-            return
+        """Thread-safe: queue one epoch's metrics for the handle (in order, ahead of the run's end, which is scheduled after)."""
         with contextlib.suppress(RuntimeError):  # the loop is closed: nobody can read them any more
             self._loop.call_soon_threadsafe(self._push, metrics)
 

@@ -32,9 +32,11 @@ def cluster_file(tmp_path: Path, ranks: int = 2) -> str:
     return str(path)
 
 
-def as_launcher(tmp_path: Path, *args: str, run_id: str, timeout: float = 180, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+def as_launcher(
+    tmp_path: Path, *args: str, run_id: str, timeout: float = 180, env: dict[str, str] | None = None, ranks: int = 2
+) -> subprocess.CompletedProcess[str]:
     """Run the script with cluster= (the launcher role) to its end; nothing of the run may survive."""
-    cmd = [PY, SCRIPT, "--out", str(tmp_path / "out"), "--cluster", cluster_file(tmp_path), *args]
+    cmd = [PY, SCRIPT, "--out", str(tmp_path / "out"), "--cluster", cluster_file(tmp_path, ranks), *args]
     try:
         full_env = {**os.environ, **ENV, "FLODL_RUN_ID": run_id, **(env or {})}
         return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env, check=False)
@@ -74,6 +76,15 @@ def test_cpu_policies_converge_and_every_process_ends_with_the_same_state(tmp_pa
     assert (launcher["world_size"], launcher["epochs_completed"], launcher["interrupted"]) == (2, 4, False)
     assert_converged(launcher["losses"])
     assert saved["rank-0"]["losses"] == launcher["losses"]  # ranks hear the same aggregated epochs
+
+
+def test_three_ranks_fold_on_one_host_and_agree(tmp_path: Path) -> None:
+    done = as_launcher(tmp_path, "--epochs", "4", run_id=new_run_id(), ranks=3)
+    assert done.returncode == 0, done.stderr
+    saved = states(tmp_path)
+    assert_identical(saved, {*ALL, "rank-2"})
+    assert saved["launcher--1"]["world_size"] == 3
+    assert_converged(saved["launcher--1"]["losses"])
 
 
 @pytest.mark.parametrize("outer", ["slowmo", "diloco"])
