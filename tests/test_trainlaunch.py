@@ -65,3 +65,23 @@ def test_tunnel_workers_need_the_cpu_backend() -> None:
     t = trainer(backend=fa.Backend.COLLECTIVE, policy=fa.Policy.SYNC)
     with pytest.raises(ConfigError, match="tunnel: true"):
         launch_plan(t, spec, argv=["python", "t.py"], executable="/py")
+
+
+def _gate(env: dict[str, str]) -> Any:
+    import os
+    import subprocess
+    import sys
+
+    code = "import flodl_async as fa\nfa.exit_if_worker_role()\nprint('passed through')"
+    base = {k: v for k, v in os.environ.items() if not k.startswith("FLODL_INTERNAL_")}
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env={**base, **env}, check=False)
+
+
+def test_exit_if_worker_role_passes_through_outside_an_agent_and_runs_the_agent_inside() -> None:
+    assert _gate({}).stdout.strip() == "passed through"
+    bad = _gate({"FLODL_INTERNAL_AGENT_SPEC": "not json"})
+    assert bad.returncode == 2
+    assert "JSON list" in bad.stderr
+    agent = _gate({"FLODL_INTERNAL_AGENT_SPEC": '["--help"]'})  # the agent ran (its --help) and the script never went on
+    assert "flodl-agent" in agent.stdout
+    assert "passed through" not in agent.stdout
