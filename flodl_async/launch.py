@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import secrets
 import shutil
 import signal
@@ -24,7 +25,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from .agent import RankOutput, detect_gpu_count
+from . import __version__
+from .agent import RankOutput
 from .cluster import (
     DEFAULT_PORT,
     ClusterSpec,
@@ -40,6 +42,7 @@ from .controller import Controller
 from .deadlines import DEFAULT_STOP_GRACE, Deadlines
 from .devices import parse_devices
 from .errors import ConfigError, FlodlError, PortInUseError
+from .gpus import host_visible_gpus, select
 from .hostnames import HostAliases
 from .plan import LaunchPlan, PlacedWorker, Placement
 from .secretfile import load_or_create_secret, read_token_file
@@ -51,6 +54,8 @@ log = logging.getLogger("flodl_async.launch")
 EPILOG = """\
 examples:
   flodl-launch --nproc 2 -- python examples/train.py
+  CUDA_VISIBLE_DEVICES=2,3 flodl-launch --nproc auto -- python train.py     # one rank on each of GPUs 2 and 3
+  flodl-launch --nproc 2 --devices 0,2 --local-ranks-filter 0 -- python train.py
   flodl-launch --nproc 4 --devices cpu --max-restarts 2 --log-dir logs -- python train.py --epochs 3
   flodl-launch cluster.yml -- python train.py
 
@@ -60,7 +65,7 @@ examples:
 @dataclass(frozen=True, slots=True, kw_only=True)
 class _Args:
     cluster: str | None
-    nproc: int | None
+    nproc: int | str | None  # a count, or "auto"
     devices: str
     port: int | None
     max_restarts: int
@@ -84,7 +89,15 @@ def _parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("cluster", nargs="?", help="cluster file (omit it and give --nproc for one host)")
-    parser.add_argument("--nproc", type=int, help="ranks on this host (the embedded one-host cluster)")
+    parser.add_argument(
+        "--nproc",
+        "--nproc-per-node",
+        "--nproc_per_node",
+        dest="nproc",
+        help="ranks on this host (the embedded one-host cluster): a number, or auto (the visible GPUs, else the cores)",
+    )
+    parser.add_argument("--standalone", action="store_true", help="accepted for torchrun habits: --nproc runs are always stand-alone")
+    parser.add_argument("--version", action="version", version=f"flodl-launch {__version__}")
     parser.add_argument("--devices", default="auto", help="with --nproc: cpu, all (GPUs), GPU ids like 0,1, or auto (GPUs if present; default)")
     parser.add_argument("--port", type=int, help=f"the controller port (default {DEFAULT_PORT}, or the cluster file's; 0 picks a free one)")
     parser.add_argument("--max-restarts", type=int, default=0, help="restart the whole world up to K times after a rank failure (default 0)")
@@ -127,13 +140,19 @@ def parse_args(argv: Sequence[str]) -> _Args:
         ours, command = argv[:split], tuple(argv[split + 1 :])
     else:
         ours, command = argv, ()
-    ns = parser.parse_args(ours)  # --help and argparse's own errors exit here (code 2)
+    ns, stray = parser.parse_known_args(ours)  # --help and argparse's own errors exit here (code 2)
+    if stray and (ns.cluster is None or stray[0].startswith("-")):
+        parser.error(f"unrecognized arguments: {' '.join(stray)}")  # a mistyped option of ours, not a command
+    if stray or (not command and ns.cluster is not None and ns.nproc is not None):
+        # `flodl-launch --nproc 2 python train.py --epochs 3`: the command was taken for our arguments.
+        raise ConfigError(
+            f"unexpected {(stray or [ns.cluster])[0]!r}: did you forget `--` before the command? e.g. flodl-launch --nproc 2 -- python train.py"
+        )
     if not command:
         raise ConfigError("missing the command to run: put it after `--`, e.g. flodl-launch --nproc 2 -- python train.py")
     if (ns.cluster is None) == (ns.nproc is None):
         raise ConfigError("give either --nproc N (one host) or a cluster file, not both and not neither")
-    if ns.nproc is not None and ns.nproc < 1:
-        raise ConfigError(f"--nproc must be at least 1 (got {ns.nproc})")
+    nproc = _nproc(ns.nproc)
     if ns.port is not None and not 0 <= ns.port <= 65535:
         raise ConfigError(f"--port must be 0..65535 (got {ns.port})")
     if ns.max_restarts < 0:
@@ -147,7 +166,7 @@ def parse_args(argv: Sequence[str]) -> _Args:
         raise ConfigError(f"command not found: {command[0]!r} (is it on PATH?)")
     return _Args(
         cluster=ns.cluster,
-        nproc=ns.nproc,
+        nproc=nproc,
         devices=ns.devices,
         port=ns.port,
         max_restarts=ns.max_restarts,
@@ -163,7 +182,23 @@ def parse_args(argv: Sequence[str]) -> _Args:
     )
 
 
-def embedded_devices(nproc: int, devices: str, gpu_count: int) -> DeviceSpec:
+def _nproc(raw: str | None) -> int | str | None:
+    """``--nproc``: a rank count of at least 1, or ``auto`` (resolved by :func:`resolve_nproc` once the GPUs are counted)."""
+    if raw is None or raw.strip() == "auto":
+        return None if raw is None else "auto"
+    if not raw.strip().isdigit() or int(raw) < 1:
+        raise ConfigError(f"--nproc must be a number of at least 1, or auto (got {raw!r})")
+    return int(raw)
+
+
+def resolve_nproc(nproc: int | str, gpu_count: int) -> int:
+    """``auto`` is torchrun's: one rank per visible GPU, else one per core this process may use."""
+    if nproc != "auto":
+        return int(nproc)
+    return gpu_count if gpu_count > 0 else len(os.sched_getaffinity(0))
+
+
+def embedded_devices(nproc: int, devices: str, gpu_count: int, visible: Sequence[str] | None = None) -> DeviceSpec:
     """``--nproc`` with ``--devices`` → the one host's devices (the devices mini-language, plus ``auto``)."""
     choice = devices.strip()
     if choice == "auto":
@@ -173,9 +208,16 @@ def embedded_devices(nproc: int, devices: str, gpu_count: int) -> DeviceSpec:
     except ConfigError as exc:
         raise ConfigError(f"--devices: {exc} (or auto)") from None
     if spec.kind is DeviceKind.ALL_GPUS:
+        if gpu_count == 0:
+            raise ConfigError(f"--devices all: this host has no visible GPU; for CPU ranks use --devices cpu:{nproc} (or --devices cpu)")
         if gpu_count < nproc:
-            raise ConfigError(f"--nproc {nproc} with --devices all needs {nproc} GPUs, this host has {gpu_count}; use --devices cpu")
+            raise ConfigError(f"--nproc {nproc} with --devices all needs {nproc} GPUs, this host shows {gpu_count}; use --devices cpu:{nproc}")
         return DeviceSpec.gpus(tuple(range(nproc)))
+    if spec.kind is DeviceKind.GPU_LIST:
+        try:
+            select(spec.gpu_ids, tuple(visible) if visible is not None else tuple(str(i) for i in range(gpu_count)))
+        except ConfigError as exc:
+            raise ConfigError(f"--devices: {exc}") from None
     count = spec.known_count
     if count != nproc:
         raise ConfigError(f"--devices gives {count} rank(s) but --nproc is {nproc}; one rank per device")
@@ -185,11 +227,13 @@ def embedded_devices(nproc: int, devices: str, gpu_count: int) -> DeviceSpec:
 def build_plan(args: _Args) -> LaunchPlan:
     """Resolve the arguments (and cluster file) into a launch plan, or raise :class:`ConfigError`."""
     deadlines = Deadlines.resolve(stop_grace=args.stop_grace)
-    gpu_count = detect_gpu_count()
+    visible = host_visible_gpus()
+    gpu_count = len(visible)
     aliases = this_machine()
     spec: ClusterSpec
     if args.nproc is not None:
-        worker = WorkerSpec(host=socket.gethostname(), devices=embedded_devices(args.nproc, args.devices, gpu_count))
+        nproc = resolve_nproc(args.nproc, gpu_count)
+        worker = WorkerSpec(host=socket.gethostname(), devices=embedded_devices(nproc, args.devices, gpu_count, visible))
         spec = ClusterSpec(controller=_embedded_controller(), workers=(worker,), source="--nproc")
     else:
         assert args.cluster is not None

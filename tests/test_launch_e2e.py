@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import subprocess
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from .launchkit import PY, Launcher, assert_nothing_left, new_run_id, processes_of_run, run_launch, script
+from .launchkit import PY, Launcher, assert_nothing_left, launch_cmd, new_run_id, processes_of_run, run_launch, script
 
 pytestmark = pytest.mark.e2e
 
@@ -254,3 +255,70 @@ def test_a_rank_failing_with_huge_stderr_lines_is_a_rank_failure_not_an_agent_cr
     assert "exited with code 3" in done.stderr
     assert "last 20 stderr line(s) of rank 0" in done.stderr
     assert "(57952 more bytes)" in done.stderr
+
+
+def _four_gpu_host(tmp_path: Path) -> dict[str, str]:
+    """This host made to look like it has four GPUs: only where the device nodes are counted changes."""
+    dev = tmp_path / "dev"
+    dev.mkdir()
+    for name in ("nvidia0", "nvidia1", "nvidia2", "nvidia3", "nvidiactl", "nvidia-uvm"):
+        (dev / name).touch()
+    return {"FLODL_INTERNAL_DEV_DIR": str(dev)}
+
+
+def _rank_gpus(out: Path, nproc: int) -> dict[int, str]:
+    """Each rank's GPU as torch would pick it: cuda:LOCAL_RANK within the rank's own CUDA_VISIBLE_DEVICES."""
+    envs = [json.loads((out / f"env-{r}.json").read_text()) for r in range(nproc)]
+    return {int(e["RANK"]): e["CUDA_VISIBLE_DEVICES"].split(",")[int(e["LOCAL_RANK"])] for e in envs}
+
+
+@pytest.mark.parametrize(
+    ("mask", "args", "expected"),
+    [
+        ("2,3", ["--nproc", "auto"], {0: "2", 1: "3"}),  # auto: the visible GPUs, placed within the caller's mask
+        ("2,3", ["--nproc", "2", "--devices", "all"], {0: "2", 1: "3"}),
+        ("1,2,3", ["--nproc", "2", "--devices", "0,2"], {0: "1", 1: "3"}),  # ids index into the visible set, as cuda:N does
+        (None, ["--nproc", "2", "--devices", "1,3"], {0: "1", 1: "3"}),
+    ],
+)
+def test_gpu_ranks_are_placed_within_the_callers_cuda_visible_devices(tmp_path: Path, mask: str | None, args: list[str], expected: dict[int, str]) -> None:
+    env = _four_gpu_host(tmp_path)
+    if mask is not None:
+        env["CUDA_VISIBLE_DEVICES"] = mask
+    out = tmp_path / "out"
+    out.mkdir()
+    done = run_launch(*args, "--port", "0", "--", PY, script("dump_env.py"), str(out), run_id=new_run_id(), env=env)
+    assert done.returncode == 0, done.stderr
+    assert _rank_gpus(out, len(expected)) == expected
+
+
+def test_a_gpu_id_outside_the_mask_is_refused_before_anything_starts(tmp_path: Path) -> None:
+    env = {**_four_gpu_host(tmp_path), "CUDA_VISIBLE_DEVICES": "2,3"}
+    done = run_launch("--nproc", "2", "--devices", "0,2", "--port", "0", "--", PY, script("dump_env.py"), str(tmp_path), run_id=new_run_id(), env=env)
+    assert done.returncode == 2
+    assert "GPU 2 is not visible here: this host shows 2 GPU(s) (visible: 2,3)" in done.stderr
+
+
+def test_one_rank_keeps_every_core_and_nproc_auto_without_gpus_uses_the_cores(tmp_path: Path) -> None:
+    """OMP_NUM_THREADS=1 only when a host runs several ranks (torchrun's rule); auto on a GPU-less host is one rank per core."""
+    env = {"FLODL_INTERNAL_DEV_DIR": str(tmp_path / "no-dev")}  # a host with no GPU at all
+    env_without_omp = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    one = tmp_path / "one"
+    one.mkdir()
+    done = subprocess.run(
+        [*launch_cmd("--nproc", "1", "--port", "0", "--", PY, script("dump_env.py"), str(one), run_id=(run_id := new_run_id()))],
+        capture_output=True, text=True, timeout=120, env={**env_without_omp, **env}, check=False,
+    )  # fmt: skip
+    assert_nothing_left(run_id)
+    assert done.returncode == 0, done.stderr
+    assert "OMP_NUM_THREADS" not in json.loads((one / "env-0.json").read_text())
+    cores = len(os.sched_getaffinity(0))
+    auto = tmp_path / "auto"
+    auto.mkdir()
+    done = run_launch("--nproc", "auto", "--port", "0", "--", PY, script("dump_env.py"), str(auto), run_id=new_run_id(), env=env)
+    assert done.returncode == 0, done.stderr
+    envs = [json.loads((auto / f"env-{r}.json").read_text()) for r in range(cores)]
+    assert {e["WORLD_SIZE"] for e in envs} == {str(cores)}
+    assert all("CUDA_VISIBLE_DEVICES" not in e for e in envs)
+    if cores > 1 and "OMP_NUM_THREADS" not in os.environ:
+        assert {e["OMP_NUM_THREADS"] for e in envs} == {"1"}

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..devices import DeviceKind, DeviceSpec
+from ..gpus import host_visible_gpus, select
 from ..procs import signal_group, spawn, stop_processes
 from ..rankenv import RankPlacement, RankSpec, rank_environment
 from ..runtime import remove_rank_marker, write_rank_marker
@@ -104,13 +105,13 @@ class RankProcesses:
         # Held across one spawn and its registration, so a stop of everything sees every rank.
         self._spawning = asyncio.Lock()
 
-    def _gpu_ids(self) -> tuple[int, ...] | None:
+    def _gpu_ids(self) -> tuple[str, ...] | None:
+        """The ranks' CUDA_VISIBLE_DEVICES: the host's devices as indices into the caller's own mask (:mod:`flodl_async.gpus`)."""
         devices = self._world.devices
         if not devices.is_gpu:
             return None
-        if devices.kind is DeviceKind.GPU_LIST:
-            return devices.gpu_ids
-        return tuple(range(len(self._world.formed.ranks)))
+        indices = devices.gpu_ids if devices.kind is DeviceKind.GPU_LIST else tuple(range(len(self._world.formed.ranks)))
+        return select(indices, host_visible_gpus())
 
     async def start(self, start: m.StartRanks) -> None:
         """Spawn this host's ranks of ``start.round`` (a rank that cannot start is reported as exit 127)."""

@@ -67,6 +67,7 @@ from ..errors import (
     JoinRejected,
     WireError,
 )
+from ..gpus import host_visible_gpus, select
 from ..liveness import Liveness
 from ..net.framed import FramedProtocol, open_framed
 from ..relay import Relay
@@ -85,10 +86,8 @@ log = logging.getLogger("flodl_async.agent")
 
 
 def detect_gpu_count() -> int:
-    """GPUs on this host, without importing torch: the /dev/nvidiaN device nodes (none means 0)."""
-    with contextlib.suppress(OSError):
-        return sum(1 for name in os.listdir("/dev") if name.startswith("nvidia") and name[6:].isdigit())
-    return 0
+    """GPUs this process may use, without importing torch: the device nodes, within the caller's CUDA_VISIBLE_DEVICES (:mod:`flodl_async.gpus`)."""
+    return len(host_visible_gpus())
 
 
 def device_labels(devices: DeviceSpec) -> tuple[str, ...]:
@@ -206,7 +205,12 @@ class HostSession:
         cfg = self.config
         devices = device_labels(cfg.devices)
         if not devices:
-            raise ConfigError(f"host {cfg.host!r} has no devices to offer (devices: {cfg.devices.kind.value}, 0 GPUs found)")
+            raise ConfigError(
+                f"host {cfg.host!r} has no devices to offer (devices: {cfg.devices.kind.value}, 0 GPUs visible); "
+                "for CPU ranks use --devices cpu:N (devices: cpu:N in a cluster file)"
+            )
+        if cfg.devices.kind is DeviceKind.GPU_LIST:
+            select(cfg.devices.gpu_ids, host_visible_gpus())  # an id past the visible set is refused before joining
         for cleaned in reap_stale_ranks(cfg.runtime_root):  # what ranks of SIGKILLed sessions forked, before the sweep forgets them
             log.warning("agent %s: %s", cfg.host, cleaned.describe())
         sweep_stale(cfg.runtime_root)  # leftovers of sessions that were SIGKILLed
