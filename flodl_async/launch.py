@@ -257,6 +257,7 @@ def build_plan(args: _Args) -> LaunchPlan:
         deadlines=deadlines,
         host_aliases=aliases,
         token=token,
+        one_host=args.nproc is not None,
     )
 
 
@@ -309,11 +310,34 @@ def _session_secret(path: str | None) -> bytes:
     return load_or_create_secret(path, new_session_secret())
 
 
+def banner(plan: LaunchPlan, port: int) -> str:
+    """The one line a run starts with: what runs where, and where its status is."""
+    command = " ".join(plan.command)
+    where = "127.0.0.1" if plan.bind_host in ("0.0.0.0", "127.0.0.1", "::") else plan.bind_host
+    if plan.one_host:
+        devices = plan.workers[0].spec.devices
+        count = devices.known_count or 0
+        kind = "CPU" if not devices.is_gpu else f"GPU {','.join(str(i) for i in devices.gpu_ids)}"
+        ranks = f"{count} rank" if count == 1 else f"{count} ranks"
+        return f"run {plan.run_id}: {ranks} on this host ({kind}) — {command} — status: flodl status, or http://{where}:{port}/"
+    hosts = len(plan.workers)
+    return f"run {plan.run_id}: {command} on {hosts} host(s) — status: flodl status --addr {where}:{port}, or http://{where}:{port}/"
+
+
+def warn_oversubscribed(plan: LaunchPlan) -> None:
+    """More CPU ranks on this machine than cores it lets us use: every rank will run slower than it could."""
+    cores = len(os.sched_getaffinity(0))
+    ranks = sum(w.spec.devices.cpu_ranks for w in plan.workers if w.placement is Placement.LOCAL and not w.spec.devices.is_gpu)
+    if ranks > cores:
+        log.warning("warning: %d CPU ranks on this host, which has %d core(s) for them: they will compete for the cores (fewer ranks run faster)", ranks, cores)
+
+
 async def _run(plan: LaunchPlan, *, show_ranks: frozenset[int] | None = None) -> RunResult:
     output = RankOutput(stdout=sys.stdout.buffer, stderr=sys.stderr.buffer, log_dir=plan.log_dir, run_id=plan.run_id, show_ranks=show_ranks)
     controller = Controller(plan, output=output)
     try:
         await controller.bind()
+        log.info("%s", banner(plan, controller.port))
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, controller.interrupt, int(sig))
@@ -346,7 +370,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     started = time.monotonic()
     try:
         plan = build_plan(args)
-        log.info("run %s: %s", plan.run_id, " ".join(plan.command))
+        warn_oversubscribed(plan)
         result = run(_run(plan, show_ranks=args.ranks_filter))
     except (ConfigError, PortInUseError) as exc:
         print(f"flodl-launch: error: {exc}", file=sys.stderr)
@@ -355,13 +379,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"flodl-launch: FAILED — {exc}", file=sys.stderr)
         return int(ExitCode.INTERNAL)
     elapsed = time.monotonic() - started
+    # The verdict line is printed under -q too: it is what -q keeps.
     if result.exit_code is ExitCode.OK:
-        if not args.quiet:
-            print(f"flodl-launch: done — {result.reason} ({elapsed:.1f}s)", file=sys.stderr)
+        print(f"flodl-launch: done — {result.reason} ({elapsed:.1f}s)", file=sys.stderr)
     else:
         print(f"flodl-launch: FAILED — {result.reason} ({elapsed:.1f}s)", file=sys.stderr)
-        if result.details:
-            print(result.details, file=sys.stderr)
+        details = result.details_for(args.ranks_filter)  # a traceback the console already showed is not repeated
+        if details:
+            print(details, file=sys.stderr)
     return int(result.exit_code)
 
 

@@ -39,7 +39,7 @@ from . import __version__
 from .hostnames import HostAliases
 from .membership import Admitted, Failed, Formed, JoinConfig, JoinedMember, JoinWindow
 from .status.model import RankState, RankStatus
-from .verdict import ExitCode, RunResult, exit_code_for_signal, rank_signal_for
+from .verdict import ExitCode, RunResult, device_ranges, exit_code_for_signal, rank_ranges, rank_signal_for, restarts_text
 from .wire import messages as m
 from .wire.schema import Message
 
@@ -385,7 +385,7 @@ class Supervisor:
                 target = window.config.target_ranks
                 actions.append(
                     Announce(
-                        text=f'host "{member.host}" joined with ranks {list(member.ranks)} ({", ".join(member.devices)}) — '
+                        text=f'host "{member.host}" joined with ranks {rank_ranges(member.ranks)} ({device_ranges(member.devices)}) — '
                         f"{window.joined_ranks} rank(s) in, target {target if target is not None else 'none'}"
                     )
                 )
@@ -467,10 +467,16 @@ class Supervisor:
         report = event.report
         if _failed(report):
             if self._restart_count >= self.config.max_restarts:
-                restarts = f" after {self._restart_count} restart(s)" if self.config.max_restarts else ""
+                restarts = f" after {restarts_text(self._restart_count)}" if self.config.max_restarts else ""
                 return (
                     Announce(text=describe_exit(report)),
-                    self._end(ExitCode.RANK_FAILURE, describe_exit(report) + restarts, details=failure_details(report)),
+                    self._end(
+                        ExitCode.RANK_FAILURE,
+                        describe_exit(report) + restarts,
+                        details=failure_details(report),
+                        rank=report.rank,
+                        details_if_shown=failure_details(report, shown_live=True),
+                    ),
                 )
             hosts = frozenset(member.host for member in phase.world.members)
             self._phase = Restarting(world=phase.world, round=phase.round, waiting=hosts, deadline=now + self.config.stop_grace + self.config.stop_ack_margin)
@@ -489,7 +495,8 @@ class Supervisor:
         self._phase = replace(phase, succeeded=succeeded)
         done: list[Action] = [Announce(text=f"rank {report.rank} on {report.host} exited with code 0")]
         if len(succeeded) == phase.world.world_size:
-            done.append(self._end(ExitCode.OK, f"all {phase.world.world_size} ranks exited 0"))
+            after = f" after {restarts_text(self._restart_count)}" if self._restart_count else ""
+            done.append(self._end(ExitCode.OK, f"all {phase.world.world_size} ranks exited 0{after}"))
         return tuple(done)
 
     def _restarting(self, phase: Restarting, event: Event, now: float) -> tuple[Action, ...]:
@@ -540,9 +547,11 @@ class Supervisor:
         *,
         details: str = "",
         first_signal: signal.Signals = signal.SIGTERM,
+        rank: int | None = None,
+        details_if_shown: str = "",
     ) -> EndRun:
         world = None if isinstance(self._phase, Forming) else self._phase.world  # the world the verdict ends, if it formed
-        result = RunResult(exit_code=code, reason=reason, details=details)
+        result = RunResult(exit_code=code, reason=reason, details=details, rank=rank, details_if_shown=details_if_shown)
         self._phase = Ended(result=result, world=world)
         abort = m.Abort(reason=reason, grace_s=self.config.stop_grace, first_signal=int(first_signal))
         farewell: m.Finish | m.Abort = m.Finish() if code is ExitCode.OK else abort
@@ -592,19 +601,39 @@ def _phase_name(phase: Phase) -> str:
     return "done" if phase.result.exit_code is ExitCode.OK else "failed"
 
 
+#: Said of a SIGKILL that reached a running rank: flodl sends KILL only when it stops a run, and then the run has already ended.
+OOM_HINT = "not sent by flodl; the kernel's OOM killer is the usual cause: look for \"Out of memory\" in `dmesg` or `journalctl -k`"
+
+
 def describe_exit(report: m.RankExited) -> str:
-    """``rank 1 (local rank 1) on host 'vm' exited with code 3`` (or ``was killed by SIGKILL``)."""
+    """``rank 1 (local rank 1) on host 'vm' exited with code 3`` (or ``was killed by SIGKILL``, with the OOM hint)."""
     how = f"was killed by {_signal_name(report.signal)}" if report.signal is not None else f"exited with code {report.exit_code}"
+    if report.signal == signal.SIGKILL:
+        how += f" ({OOM_HINT})"
     return f"rank {report.rank} (local rank {report.local_rank}) on host {report.host!r} {how}"
 
 
-def failure_details(report: m.RankExited) -> str:
-    """The traceback from the rank's error file and its last stderr lines, for the verdict."""
+def failure_details(report: m.RankExited, *, shown_live: bool = False) -> str:
+    """The traceback from the rank's error file and its last stderr lines, for the verdict — each line once.
+
+    ``@record`` writes the traceback to the error file and Python prints it to stderr too,
+    so the stderr tail lines the traceback already holds are not repeated. ``shown_live``:
+    the console showed the rank's stderr as it came, traceback included; the verdict then
+    points at it and repeats only its last line (the exception).
+    """
     details: list[str] = []
+    tail = list(report.stderr_tail)
     if report.error_file:
-        details.append("traceback (from the rank's error file):")
-        details.extend(f"  {line}" for line in report.error_file.rstrip().splitlines())
-    if report.stderr_tail:
-        details.append(f"last {len(report.stderr_tail)} stderr line(s) of rank {report.rank}:")
-        details.extend(f"  {line}" for line in report.stderr_tail)
+        traceback = report.error_file.rstrip().splitlines()
+        if shown_live:
+            details.append(f"traceback: above, in rank {report.rank}'s stderr (also in its error file); it ended with:")
+            details.extend(f"  {line}" for line in traceback[-1:])
+        else:
+            details.append("traceback (from the rank's error file):")
+            details.extend(f"  {line}" for line in traceback)
+        told = {line.strip() for line in traceback}
+        tail = [line for line in tail if line.strip() not in told]
+    if tail:
+        details.append(f"last {len(tail)} stderr line(s) of rank {report.rank}:")
+        details.extend(f"  {line}" for line in tail)
     return "\n".join(details)

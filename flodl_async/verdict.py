@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import enum
 import signal
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 
@@ -56,6 +57,16 @@ class RunResult:
     exit_code: ExitCode
     reason: str
     details: str = ""
+    #: The failed rank the verdict names, if one; its live output may already hold the traceback.
+    rank: int | None = None
+    #: ``details`` for a console that already showed that rank's stderr live: the traceback is not repeated.
+    details_if_shown: str = ""
+
+    def details_for(self, shown: frozenset[int] | None) -> str:
+        """The details to print when the console shows the ranks in ``shown`` (None: every rank)."""
+        if self.rank is not None and (shown is None or self.rank in shown) and self.details_if_shown:
+            return self.details_if_shown
+        return self.details
 
 
 class StatusExit(enum.IntEnum):
@@ -84,6 +95,41 @@ def exit_table_markdown() -> str:
     lines = ["| code | meaning |", "| --- | --- |"]
     lines.extend(f"| {int(code)} | {text} |" for code, text in EXIT_MEANINGS.items())
     return "\n".join(lines)
+
+
+def rank_ranges(ranks: Iterable[int]) -> str:
+    """``0-99`` or ``0-3,7``: a rank list as short as it can be said (sorted, duplicates dropped)."""
+    ordered = sorted(set(ranks))
+    parts: list[str] = []
+    start = prev = None
+    for rank in ordered:
+        if prev is not None and rank == prev + 1:
+            prev = rank
+            continue
+        if start is not None:
+            parts.append(str(start) if start == prev else f"{start}-{prev}")
+        start = prev = rank
+    if start is not None:
+        parts.append(str(start) if start == prev else f"{start}-{prev}")
+    return ",".join(parts)
+
+
+def device_ranges(labels: Iterable[str]) -> str:
+    """``cpu:0-99`` or ``cuda:0-3,7``: device labels of one kind folded like :func:`rank_ranges` (others as they are)."""
+    kinds: dict[str, list[int]] = {}
+    others: list[str] = []
+    for label in labels:
+        kind, _, index = label.partition(":")
+        if index.isdigit():
+            kinds.setdefault(kind, []).append(int(index))
+        else:
+            others.append(label)
+    return ", ".join([f"{kind}:{rank_ranges(ids)}" for kind, ids in kinds.items()] + others)
+
+
+def restarts_text(count: int) -> str:
+    """``1 restart`` / ``2 restarts``."""
+    return f"{count} restart" if count == 1 else f"{count} restarts"
 
 
 def exit_code_for_signal(sig: int) -> ExitCode:

@@ -93,12 +93,64 @@ def test_rank_failure_names_the_rank_and_its_last_stderr_lines() -> None:
 
 
 def test_record_traceback_appears_in_the_verdict() -> None:
+    """Hidden from the console (--local-ranks-filter 1), rank 0's traceback is in the verdict, once."""
     run_id = new_run_id()
-    done = run_launch("--nproc", "2", "--devices", "cpu", "--port", "0", "--stop-grace", "3", "--", PY, script("raise_record.py"), run_id=run_id)
+    args = ("--nproc", "2", "--devices", "cpu", "--port", "0", "--stop-grace", "3", "--local-ranks-filter", "1")
+    done = run_launch(*args, "--", PY, script("raise_record.py"), run_id=run_id)
     assert done.returncode == 4, done.stderr
     assert "rank 0 (local rank 0)" in done.stderr
     assert "traceback (from the rank's error file):" in done.stderr
-    assert "ValueError: deliberate failure for the verdict test" in done.stderr
+    assert done.stderr.count('raise ValueError("deliberate failure for the verdict test")') == 1, done.stderr
+
+
+def test_record_traceback_shown_live_is_not_repeated_by_the_verdict() -> None:
+    """Today's three copies (live, error file, stderr tail) are one: the live one, which the verdict points at."""
+    run_id = new_run_id()
+    done = run_launch("--nproc", "2", "--devices", "cpu", "--port", "0", "--stop-grace", "3", "--", PY, script("raise_record.py"), run_id=run_id)
+    assert done.returncode == 4, done.stderr
+    assert done.stderr.count('raise ValueError("deliberate failure for the verdict test")') == 1, done.stderr
+    assert re.search(r"^\[[^\]]+:r0\] .*raise ValueError", done.stderr, re.M), done.stderr  # the one copy: rank 0's own, live
+    assert "traceback: above, in rank 0's stderr" in done.stderr
+    assert "  ValueError: deliberate failure for the verdict test" in done.stderr.split("FAILED —", 1)[1]
+
+
+def test_quiet_keeps_the_verdict_line_and_the_rank_output() -> None:
+    run_id = new_run_id()
+    done = run_launch("-q", "--nproc", "2", "--devices", "cpu", "--port", "0", "--", PY, script("allreduce.py"), run_id=run_id)
+    assert done.returncode == 0, done.stderr
+    assert "rank 1 of 2 sum 3" in done.stdout
+    assert [line for line in done.stderr.splitlines() if line.startswith("flodl-launch:")] == [
+        line for line in done.stderr.splitlines() if "flodl-launch: done — all 2 ranks exited 0" in line
+    ]
+
+
+def test_an_nproc_run_starts_with_one_banner_line_and_details_under_verbose() -> None:
+    run_id = new_run_id()
+    done = run_launch("--nproc", "2", "--devices", "cpu", "--port", "0", "--", PY, script("allreduce.py"), run_id=run_id)
+    assert done.returncode == 0, done.stderr
+    ours = [line for line in done.stderr.splitlines() if line.startswith("flodl-launch:")]
+    assert len(ours) == 2, ours  # the banner and the verdict
+    assert re.fullmatch(rf"flodl-launch: run {run_id}: 2 ranks on this host \(CPU\) — .*allreduce.py — status: flodl status, or http://127.0.0.1:\d+/", ours[0])
+    verbose = run_launch("-v", "--nproc", "2", "--devices", "cpu", "--port", "0", "--", PY, script("allreduce.py"), run_id=new_run_id())
+    assert "window open (quorum 2 ranks" in verbose.stderr
+    assert 'joined with ranks 0-1 (cpu:0-1)' in verbose.stderr
+
+
+def test_a_sigkill_we_did_not_send_points_at_the_oom_killer() -> None:
+    run_id = new_run_id()
+    kill_self = "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"
+    done = run_launch("--nproc", "1", "--port", "0", "--", PY, "-c", kill_self, run_id=run_id)
+    assert done.returncode == 4, done.stderr
+    assert "was killed by SIGKILL (not sent by flodl; the kernel's OOM killer is the usual cause" in done.stderr
+
+
+def test_more_cpu_ranks_than_cores_is_warned_about() -> None:
+    cores = len(os.sched_getaffinity(0))
+    done = run_launch("--nproc", str(cores + 1), "--devices", "cpu", "--port", "0", "--", PY, "-c", "pass", run_id=new_run_id())
+    assert done.returncode == 0, done.stderr
+    assert f"warning: {cores + 1} CPU ranks on this host, which has {cores} core(s) for them" in done.stderr
+    fits = run_launch("--nproc", "1", "--devices", "cpu", "--port", "0", "--", PY, "-c", "pass", run_id=new_run_id())
+    assert "CPU ranks on this host" not in fits.stderr
 
 
 def test_max_restarts_recovers_from_one_failure() -> None:
@@ -106,6 +158,7 @@ def test_max_restarts_recovers_from_one_failure() -> None:
     done = run_launch("--nproc", "2", "--devices", "cpu", "--port", "0", "--max-restarts", "1", "--", PY, script("flaky.py"), run_id=run_id)
     assert done.returncode == 0, done.stderr
     assert "restarting the world (restart 1 of 1)" in done.stderr
+    assert "done — all 2 ranks exited 0 after 1 restart (" in done.stderr
     assert re.search(r"r0\] attempt 1 rank 0 sum 2", done.stdout), done.stdout
     assert re.search(r"r1\] attempt 1 rank 1 sum 2", done.stdout), done.stdout
 

@@ -93,7 +93,7 @@ def test_status_phases_with_a_stand_alone_agent_joining(tmp_path: Path) -> None:
             agent.communicate()
         assert_nothing_left(run_id)
     assert done.returncode == 0, done.stderr
-    assert 'host "walk-in" joined with ranks [1]' in done.stderr
+    assert 'host "walk-in" joined with ranks 1 ' in done.stderr
     assert agent.returncode == 0, agent_err
     assert "[walk-in:r1] released" in done.stdout  # the walk-in's rank output crossed its join link
     assert "[walk-in:" not in agent_out

@@ -284,7 +284,10 @@ class Controller:
                 with contextlib.suppress(ConnectionClosed):  # a link that just died: its handler reports HostLost
                     link.send(action.message)
         elif isinstance(action, Announce):
-            log.log(_LOG_LEVELS[action.level], "%s", action.text)
+            level = _LOG_LEVELS[action.level]
+            if self.plan.one_host and level == logging.INFO:
+                level = logging.DEBUG  # a --nproc run said it all in its banner: the progress is for -v
+            log.log(level, "%s", action.text)
         elif isinstance(action, AcceptJoin):
             assert reply_link is not None
             try:
@@ -410,7 +413,8 @@ class Controller:
                 "(set join.open_admission: false and give agents a cluster token: flodl token new)",
                 self.port,
             )
-        log.info(
+        log.log(
+            logging.DEBUG if plan.one_host else logging.INFO,
             "window open (quorum %d ranks, target %s, window %gs, cap %gs, admission: %s) — status at http://%s:%d/",
             j.min_rank_start,
             j.target_ranks if j.target_ranks is not None else "none",
