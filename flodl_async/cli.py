@@ -18,6 +18,7 @@ lone surrogates, line separators — before it is printed.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import http.client
 import io
 import json
@@ -29,7 +30,9 @@ import unicodedata
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
+from . import __version__
 from .cluster import DEFAULT_PORT
+from .controllers import LocalRun, local_runs
 from .errors import ConfigError
 from .status.model import SCHEMA, SCHEMA_FAMILY
 from .verdict import STATUS_EXIT_MEANINGS, StatusExit
@@ -301,7 +304,53 @@ def _say(text: str, *, error: bool = False) -> None:
     print("\n".join(strip_controls(line) for line in text.split("\n")), file=sys.stderr if error else sys.stdout)
 
 
+def _age(seconds: float) -> str:
+    """``45s``, ``12m``, ``3h05m``, ``2d04h``."""
+    s = max(int(seconds), 0)
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m"
+    if s < 86400:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    return f"{s // 86400}d{s % 86400 // 3600:02d}h"
+
+
+def _runs_table(runs: Sequence[LocalRun], *, timeout: float) -> str:
+    """One row per local run: its registration, plus ranks and phase from its own /state.json."""
+    now = time.time()
+    rows = [f"{'RUN ID':<24} {'ADDRESS':<22} {'PID':<8} {'AGE':<7} {'RANKS':<8} PHASE"]
+    for run in runs:
+        ranks, phase = "?", "not answering"
+        with contextlib.suppress(OSError, http.client.HTTPException, NotFlodlStatus, TimeoutError):
+            _code, doc = fetch_status(run.address, run.port, timeout=timeout)
+            ranks = str(doc.get("world_size") or doc.get("joined_ranks") or 0)
+            phase = str(doc.get("phase", "?"))
+        address = f"{run.address}:{run.port}"
+        rows.append(f"{strip_controls(run.run_id):<24} {address:<22} {run.owner.pid:<8} {_age(now - run.started_at):<7} {ranks:<8} {phase}")
+    return "\n".join(rows)
+
+
+def _ps(args: argparse.Namespace) -> StatusExit:
+    if not (args.timeout > 0 and math.isfinite(args.timeout)):
+        _say(f"flodl ps: --timeout must be a positive number of seconds (got {args.timeout:g})", error=True)
+        return StatusExit.USAGE
+    runs = local_runs()
+    if not runs:
+        _say("no flodl run on this machine (of yours)")
+        return StatusExit.OK
+    _say(_runs_table(runs, timeout=args.timeout))
+    return StatusExit.OK
+
+
 def _status(args: argparse.Namespace) -> StatusExit:
+    if args.addr is None:  # the local run, when there is exactly one
+        runs = local_runs()
+        if len(runs) > 1:
+            _say(_runs_table(runs, timeout=args.timeout))
+            _say(f"flodl status: {len(runs)} runs on this machine; pick one with --addr HOST:PORT", error=True)
+            return StatusExit.USAGE
+        args.addr = f"{runs[0].address}:{runs[0].port}" if runs else f"127.0.0.1:{DEFAULT_PORT}"
     try:
         host, port = parse_addr(args.addr)
     except ConfigError as exc:
@@ -353,16 +402,36 @@ def _exit_epilog() -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``flodl``."""
-    parser = argparse.ArgumentParser(prog="flodl", description="Operate flodl_async runs.")
+    parser = argparse.ArgumentParser(
+        prog="flodl",
+        description="Operate flodl_async runs.",
+        epilog="examples:\n  flodl ps\n  flodl status\n  flodl status --addr 10.0.0.1:1337\n  flodl token new /etc/flodl/token\n",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"flodl {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
+    ps = sub.add_parser(
+        "ps",
+        help="list the runs on this machine",
+        description="List your flodl runs on this machine (every controller registers in the runtime directory): "
+        "run id, status address, pid, age, ranks and phase.",
+        epilog="examples:\n  flodl ps\n\n" + _exit_epilog(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    ps.add_argument("--timeout", type=float, default=1.0, help="seconds to wait for each run's status (default %(default)s)")
+    ps.set_defaults(handler=_ps)
     status = sub.add_parser(
         "status",
         help="show a run's status",
         description="Query a controller's status endpoint and print it.",
-        epilog="examples:\n  flodl status\n  flodl status --addr 10.0.0.1:1337 --json\n\n" + _exit_epilog(),
+        epilog="examples:\n  flodl status                      # the run on this machine (flodl ps lists them)\n"
+        "  flodl status --addr 10.0.0.1:1337 --json\n\n" + _exit_epilog(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    status.add_argument("--addr", default=f"127.0.0.1:{DEFAULT_PORT}", help="controller HOST:PORT (default %(default)s)")
+    status.add_argument(
+        "--addr",
+        help=f"controller HOST:PORT (default: the one run on this machine, as `flodl ps` lists it; else 127.0.0.1:{DEFAULT_PORT})",
+    )
     status.add_argument("--json", action="store_true", help="print the raw JSON document")
     status.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for an answer (default %(default)s)")
     status.set_defaults(handler=_status)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import os
 import secrets
@@ -39,9 +40,10 @@ from .cluster import (
     load_cluster,
 )
 from .controller import Controller
+from .controllers import Registration, register
 from .deadlines import DEFAULT_STOP_GRACE, Deadlines
 from .devices import parse_devices
-from .errors import ConfigError, FlodlError, PortInUseError
+from .errors import ConfigError, FlodlError, PortInUseError, RuntimeDirError
 from .gpus import host_visible_gpus, select
 from .hostnames import HostAliases
 from .plan import LaunchPlan, PlacedWorker, Placement
@@ -313,7 +315,7 @@ def _session_secret(path: str | None) -> bytes:
 def banner(plan: LaunchPlan, port: int) -> str:
     """The one line a run starts with: what runs where, and where its status is."""
     command = " ".join(plan.command)
-    where = "127.0.0.1" if plan.bind_host in ("0.0.0.0", "127.0.0.1", "::") else plan.bind_host
+    where = _status_host(plan.bind_host)
     if plan.one_host:
         devices = plan.workers[0].spec.devices
         count = devices.known_count or 0
@@ -332,12 +334,38 @@ def warn_oversubscribed(plan: LaunchPlan) -> None:
         log.warning("warning: %d CPU ranks on this host, which has %d core(s) for them: they will compete for the cores (fewer ranks run faster)", ranks, cores)
 
 
-async def _run(plan: LaunchPlan, *, show_ranks: frozenset[int] | None = None) -> RunResult:
-    output = RankOutput(stdout=sys.stdout.buffer, stderr=sys.stderr.buffer, log_dir=plan.log_dir, run_id=plan.run_id, show_ranks=show_ranks)
+def _status_host(bind_host: str) -> str:
+    """Where this machine reaches the controller's status."""
+    return "127.0.0.1" if bind_host in ("0.0.0.0", "127.0.0.1", "::", "") else bind_host
+
+
+async def _bind(plan: LaunchPlan, output: RankOutput, *, port_fallback: bool) -> Controller:
+    """The controller, bound; with ``port_fallback`` (``--nproc`` with no ``--port``) a taken port gives way to a free one, as torchrun --standalone does."""
     controller = Controller(plan, output=output)
     try:
         await controller.bind()
+        return controller
+    except PortInUseError:
+        await controller.aclose()
+        if not port_fallback:
+            raise  # a port the user or the cluster file named is kept strictly
+    controller = Controller(dataclasses.replace(plan, port=0), output=output)
+    await controller.bind()
+    log.warning("port %d is taken (another run? see `flodl ps`); using free port %d instead", plan.port, controller.port)
+    return controller
+
+
+async def _run(plan: LaunchPlan, *, show_ranks: frozenset[int] | None = None, port_fallback: bool = False) -> RunResult:
+    output = RankOutput(stdout=sys.stdout.buffer, stderr=sys.stderr.buffer, log_dir=plan.log_dir, run_id=plan.run_id, show_ranks=show_ranks)
+    controller: Controller | None = None
+    registration: Registration | None = None
+    try:
+        controller = await _bind(plan, output, port_fallback=port_fallback)
         log.info("%s", banner(plan, controller.port))
+        try:  # so that `flodl status` (no address) and `flodl ps` find this run
+            registration = register(run_id=plan.run_id, address=_status_host(plan.bind_host), port=controller.port)
+        except RuntimeDirError as exc:
+            log.warning("not registered for `flodl ps` / `flodl status`: %s", exc)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, controller.interrupt, int(sig))
@@ -347,7 +375,10 @@ async def _run(plan: LaunchPlan, *, show_ranks: frozenset[int] | None = None) ->
             for sig in (signal.SIGINT, signal.SIGTERM):
                 loop.remove_signal_handler(sig)
     finally:
-        await controller.aclose()
+        if registration is not None:
+            registration.remove()
+        if controller is not None:
+            await controller.aclose()
         output.close()
 
 
@@ -371,7 +402,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         plan = build_plan(args)
         warn_oversubscribed(plan)
-        result = run(_run(plan, show_ranks=args.ranks_filter))
+        result = run(_run(plan, show_ranks=args.ranks_filter, port_fallback=args.nproc is not None and args.port is None))
     except (ConfigError, PortInUseError) as exc:
         print(f"flodl-launch: error: {exc}", file=sys.stderr)
         return int(ExitCode.USAGE)

@@ -7,6 +7,7 @@ import contextlib
 import io
 import json
 import os
+import re
 import socket
 import struct
 import subprocess
@@ -506,3 +507,87 @@ def test_a_cluster_file_naming_this_machine_twice_is_a_config_error_naming_the_l
         f"flodl-launch: error: {cluster}:4: workers[1].host: host {socket.gethostname()!r} is this machine, which workers[0] (line 2) "
         "already lists as 'localhost'; one machine is one worker — give it one entry with all its devices"
     )
+
+
+# ----- several runs on one machine ----------------------------------------------------------------
+
+
+@pytest.fixture
+def own_runtime() -> Any:
+    """A runtime directory of this test's own, so other runs on the machine are not listed."""
+    import shutil
+    import tempfile
+
+    path = Path(tempfile.mkdtemp(prefix="fl-xdg-", dir="/tmp"))
+    yield {"XDG_RUNTIME_DIR": str(path)}
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _flodl(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([PY, "-m", "flodl_async.cli", *args], capture_output=True, text=True, timeout=30, env={**os.environ, **env}, check=False)
+
+
+def test_flodl_ps_and_status_find_the_local_runs(tmp_path: Path, own_runtime: dict[str, str]) -> None:
+    release = tmp_path / "release"
+    assert "no flodl run on this machine" in _flodl("ps", env=own_runtime).stdout
+    waiting = ("--port", "0", "--", PY, script("wait_for_file.py"), str(release))
+    first = Launcher("--nproc", "2", "--devices", "cpu", *waiting, run_id=new_run_id(), env=own_runtime)
+    second: Launcher | None = None
+    try:
+        first.wait_for_stdout("ready pid", count=2)
+        alone = _flodl("status", env=own_runtime)
+        assert alone.returncode == 0, alone.stderr
+        assert f"run      {first.run_id}" in alone.stdout  # no --addr: the one local run
+        second = Launcher("--nproc", "1", "--devices", "cpu", *waiting, run_id=new_run_id(), env=own_runtime)
+        second.wait_for_stdout("ready pid")
+        ps = _flodl("ps", env=own_runtime)
+        assert ps.returncode == 0, ps.stderr
+        rows = {line.split()[0]: line.split() for line in ps.stdout.splitlines()[1:]}
+        assert set(rows) == {first.run_id, second.run_id}
+        assert rows[first.run_id][2] == str(first.proc.pid)
+        assert rows[first.run_id][4] == "2"
+        assert rows[first.run_id][5] == "training"
+        assert rows[second.run_id][2] == str(second.proc.pid)
+        assert rows[second.run_id][4] == "1"
+        ambiguous = _flodl("status", env=own_runtime)
+        assert ambiguous.returncode == 2
+        assert "2 runs on this machine; pick one with --addr HOST:PORT" in ambiguous.stderr
+        assert first.run_id in ambiguous.stdout
+        assert second.run_id in ambiguous.stdout
+        # A SIGKILLed launcher cannot remove its entry: the next reader sweeps it.
+        second.proc.kill()
+        second.kill()
+        assert_nothing_left(second.run_id)
+        after_kill = _flodl("ps", env=own_runtime)
+        assert second.run_id not in after_kill.stdout
+        assert first.run_id in after_kill.stdout
+        release.touch()
+        assert first.finish().returncode == 0
+    finally:
+        release.touch()
+        first.kill()
+        if second is not None:
+            second.kill()
+    assert "no flodl run on this machine" in _flodl("ps", env=own_runtime).stdout
+    assert os.listdir(Path(own_runtime["XDG_RUNTIME_DIR"]) / "flodl" / "controllers") == []
+
+
+def test_a_taken_default_port_gives_way_for_nproc_runs_but_an_explicit_port_is_strict(tmp_path: Path, own_runtime: dict[str, str]) -> None:
+    from flodl_async.cluster import DEFAULT_PORT
+
+    with socket.socket() as holder:
+        holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        with contextlib.suppress(OSError):  # already taken by someone else: taken all the same
+            holder.bind(("127.0.0.1", DEFAULT_PORT))
+            holder.listen()
+        done = run_launch("--nproc", "1", "--devices", "cpu", "--", PY, "-c", "pass", run_id=new_run_id(), env=own_runtime)
+        assert done.returncode == 0, done.stderr
+        assert re.search(rf"port {DEFAULT_PORT} is taken \(another run\? see `flodl ps`\); using free port \d+ instead", done.stderr), done.stderr
+        strict = run_launch("--nproc", "1", "--devices", "cpu", "--port", str(DEFAULT_PORT), "--", PY, "-c", "pass", run_id=new_run_id(), env=own_runtime)
+        assert strict.returncode == 2
+        assert f"port {DEFAULT_PORT} on 127.0.0.1 is already held by a live listener" in strict.stderr
+        cluster = tmp_path / "cluster.yml"
+        cluster.write_text(f"controller:\n  port: {DEFAULT_PORT}\nworkers:\n  - host: localhost\n    devices: cpu:1\n")
+        from_file = run_launch(str(cluster), "--", PY, "-c", "pass", run_id=new_run_id(), env=own_runtime)
+        assert from_file.returncode == 2, from_file.stderr
+        assert "already held by a live listener" in from_file.stderr

@@ -28,6 +28,7 @@ import socket
 import sys
 from collections.abc import Iterator, Sequence
 
+from .. import __version__
 from ..deadlines import DEFAULT_STOP_GRACE, Deadlines
 from ..devices import parse_devices
 from ..errors import AgentError, ConfigError, ConnectionClosed, ControllerLost, FlodlError, JoinFailed, WireError
@@ -69,6 +70,7 @@ def _parser() -> argparse.ArgumentParser:
         epilog=EXAMPLES + "\n" + exit_help(AGENT_EXIT_MEANINGS),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    parser.add_argument("--version", action="version", version=f"flodl-agent {__version__}")
     parser.add_argument("--controller", help="controller HOST:PORT (required unless --spec-stdin)")
     parser.add_argument(
         "--spec-stdin",
