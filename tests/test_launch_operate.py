@@ -182,9 +182,11 @@ def test_garbage_on_the_port_does_not_disturb_the_run(tmp_path: Path) -> None:
     [
         (["--nproc", "2"], "missing the command to run"),
         (["--", PY, "x.py"], "give either --nproc N (one host) or a cluster file"),
-        (["--nproc", "0", "--", PY, "x.py"], "--nproc must be at least 1"),
+        (["--nproc", "0", "--", PY, "x.py"], "--nproc must be a number of at least 1, or auto (got '0')"),
+        (["--nproc", "2", PY, "x.py", "--epochs", "3"], "unexpected 'x.py': did you forget `--` before the command?"),
+        (["--nproc", "2", "--nprc", "3", "--", PY, "x.py"], "unrecognized arguments: --nprc"),
         (["--nproc", "2", "--devices", "0,0", "--", PY, "x.py"], "GPU ids '0,0' must be distinct and non-negative"),
-        (["--nproc", "2", "--devices", "all", "--", PY, "x.py"], "needs 2 GPUs, this host has 0"),
+        (["--nproc", "2", "--devices", "all", "--", PY, "x.py"], "this host has no visible GPU; for CPU ranks use --devices cpu:2"),
         (["--nproc", "1", "--", "no-such-program-here"], "command not found: 'no-such-program-here'"),
         (["--nproc", "1", "--max-restarts", "-1", "--", PY, "x.py"], "--max-restarts must be 0 or more"),
         (["missing.yml", "--", PY, "x.py"], "missing.yml: cluster file not found"),
@@ -309,6 +311,24 @@ def test_flodl_launch_help_lists_examples_and_exit_codes() -> None:
     done = subprocess.run([sys.executable, "-m", "flodl_async.launch", "--help"], capture_output=True, text=True, check=True)
     assert "flodl-launch --nproc 2 -- python examples/train.py" in done.stdout
     assert "130  interrupted" in done.stdout
+    assert "--nproc-per-node" in done.stdout
+
+
+@pytest.mark.parametrize("module", ["flodl_async.launch", "flodl_async.agent", "flodl_async.cli"])
+def test_every_command_has_a_version_and_examples(module: str) -> None:
+    from flodl_async import __version__
+
+    version = subprocess.run([sys.executable, "-m", module, "--version"], capture_output=True, text=True, check=True)
+    assert version.stdout.strip().endswith(__version__)
+    helped = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True, check=True)
+    assert "examples:" in helped.stdout
+
+
+def test_torchrun_spellings_are_accepted(tmp_path: Path) -> None:
+    for spelling in ("--nproc-per-node", "--nproc_per_node"):
+        done = run_launch("--standalone", spelling, "2", "--devices", "cpu", "--port", "0", "--", PY, "-c", "pass", run_id=new_run_id())
+        assert done.returncode == 0, done.stderr
+        assert "all 2 ranks exited 0" in done.stderr
     _ = struct  # header packing above uses the wire's own struct layout
 
 
