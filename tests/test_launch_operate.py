@@ -482,6 +482,20 @@ def test_the_secret_file_flodl_launch_writes_is_0600_even_under_umask_0(tmp_path
     assert again.returncode == 0, again.stderr  # the file it wrote passes its own check
 
 
+def test_a_missing_directory_of_the_secret_file_is_made_0700_even_under_umask_0(tmp_path: Path) -> None:
+    secret = tmp_path / "made" / "here" / "secret"
+    run_id = new_run_id()
+    done = subprocess.run(
+        launch_cmd("--nproc", "1", "--devices", "cpu", "--port", "0", "--secret-file", str(secret), "--", PY, "-c", "pass", run_id=run_id),
+        capture_output=True, text=True, timeout=60, check=False, preexec_fn=lambda: os.umask(0),
+    )  # fmt: skip
+    assert_nothing_left(run_id)
+    assert done.returncode == 0, done.stderr
+    assert oct(secret.stat().st_mode & 0o777) == "0o600"
+    assert oct((tmp_path / "made").stat().st_mode & 0o777) == "0o700"
+    assert oct(secret.parent.stat().st_mode & 0o777) == "0o700"
+
+
 # ----- one machine, one host: localhost, loopback, the hostname and its FQDN ------------------------
 
 
