@@ -8,6 +8,7 @@ import io
 import json
 import os
 import re
+import signal
 import socket
 import struct
 import subprocess
@@ -377,7 +378,7 @@ def test_flodl_agent_bad_input_is_a_usage_error(args: list[str], stdin: str, mes
 def test_flodl_agent_unreachable_controller_is_reported() -> None:
     port = free_port()
     done = subprocess.run(
-        [PY, "-m", "flodl_async.agent", "--controller", f"127.0.0.1:{port}", "--devices", "cpu:1"],
+        [PY, "-m", "flodl_async.agent", "--controller", f"127.0.0.1:{port}", "--devices", "cpu:1", "--connect-timeout", "0"],
         input="00" * 16 + "\n", capture_output=True, text=True, timeout=60, check=False,
     )  # fmt: skip
     assert done.returncode == 3  # could not join
@@ -625,3 +626,65 @@ def test_a_taken_default_port_gives_way_for_nproc_runs_but_an_explicit_port_is_s
         from_file = run_launch(str(cluster), "--", PY, "-c", "pass", run_id=new_run_id(), env=own_runtime)
         assert from_file.returncode == 2, from_file.stderr
         assert "already held by a live listener" in from_file.stderr
+
+
+def test_flodl_agent_started_before_its_controller_waits_for_it(tmp_path: Path) -> None:
+    port = free_port()
+    run_id = new_run_id()
+    secret_file = tmp_path / "secret"
+    fd = os.open(secret_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    os.write(fd, new_session_secret().hex().encode() + b"\n")
+    os.close(fd)
+    agent = subprocess.Popen([*_walk_in(port, "early", secret_file), "--connect-timeout", "120"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    launcher = None
+    try:
+        assert agent.stderr is not None
+        first = agent.stderr.readline()  # nothing listens yet: it says so once, and keeps dialing
+        assert f"agent early: no controller at 127.0.0.1:{port} yet (Connection refused); retrying for up to 120s" in first
+        assert agent.poll() is None
+        cluster = _local_worker_cluster(tmp_path, port, quorum=2, target=2)
+        launcher = Launcher(str(cluster), "--secret-file", str(secret_file), "--", PY, "-c", "pass", run_id=run_id)
+        done = launcher.finish(timeout=90)
+        _out, rest = agent.communicate(timeout=30)
+    finally:
+        if launcher is not None:
+            launcher.kill()
+        if agent.poll() is None:
+            agent.kill()
+            agent.communicate()
+        assert_nothing_left(run_id)
+    assert done.returncode == 0, done.stderr
+    assert 'host "early" joined with ranks 1 ' in done.stderr
+    assert agent.returncode == 0, rest
+    assert "no controller at" not in rest  # said once only
+
+
+def test_flodl_agent_gives_up_after_its_connect_timeout() -> None:
+    port = free_port()
+    done = subprocess.run(
+        [PY, "-m", "flodl_async.agent", "--controller", f"127.0.0.1:{port}", "--devices", "cpu:1", "--connect-timeout", "1.5"],
+        input="00" * 16 + "\n", capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert done.returncode == 3, done.stderr
+    assert f"cannot reach the controller at 127.0.0.1:{port}: Connection refused (waited 1.5s, --connect-timeout)" in done.stderr
+    assert done.stderr.count("no controller at") == 1
+
+
+@pytest.mark.parametrize(("sig", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_a_signal_ends_the_wait_for_the_controller(sig: signal.Signals, code: int) -> None:
+    agent = subprocess.Popen(
+        [PY, "-m", "flodl_async.agent", "--controller", f"127.0.0.1:{free_port()}", "--devices", "cpu:1", "--connect-timeout", "300"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert agent.stdin is not None
+        assert agent.stderr is not None
+        agent.stdin.write("00" * 16 + "\n")
+        agent.stdin.flush()
+        assert "yet (Connection refused); retrying for up to 300s" in agent.stderr.readline()
+        agent.send_signal(sig)
+        assert agent.wait(timeout=30) == code
+    finally:
+        if agent.poll() is None:
+            agent.kill()
+        agent.communicate()

@@ -29,6 +29,7 @@ import sys
 from collections.abc import Iterator, Sequence
 
 from .. import __version__
+from ..backoff import BackoffPolicy
 from ..deadlines import DEFAULT_STOP_GRACE, Deadlines
 from ..devices import parse_devices
 from ..errors import AgentError, ConfigError, ConnectionClosed, ControllerLost, FlodlError, JoinFailed, WireError
@@ -55,6 +56,7 @@ AGENT_EXIT_MEANINGS: dict[ExitCode, str] = {
 
 EXAMPLES = """\
 examples:
+  flodl-agent --controller 10.0.0.1:1337 --devices all --secret-file ~/.flodl/secret --connect-timeout 120
   flodl-agent --controller 10.0.0.1:1337 --devices cpu:4 --secret-file /run/flodl/secret
   flodl-agent --controller 10.0.0.1:1337 --devices 0,1 --token-file /etc/flodl/token --persist
   ssh node-b flodl-agent --controller 10.0.0.1:1337 --devices 0,1 < secret
@@ -97,6 +99,13 @@ def _parser() -> argparse.ArgumentParser:
         "and while no controller answers; SIGTERM stops it (exit 143)",
     )
     parser.add_argument(
+        "--connect-timeout",
+        type=float,
+        default=60.0,
+        help="started before the controller: keep dialing (the capped backoff of --persist) this many seconds "
+        "while nothing listens at --controller; 0 tries once (default %(default)g)",
+    )
+    parser.add_argument(
         "--reconnect-max", type=float, default=30.0, help="with --persist: the longest wait between two dials, in seconds (default %(default)g)"
     )
     parser.add_argument(
@@ -136,6 +145,8 @@ def build_config(args: argparse.Namespace) -> SessionConfig:
         raise ConfigError("--persist needs --token-file: a session secret is good for one run only, the cluster token for every run")
     if not args.reconnect_max > 0:
         raise ConfigError(f"--reconnect-max must be more than 0 seconds (got {args.reconnect_max:g})")
+    if not args.connect_timeout >= 0:
+        raise ConfigError(f"--connect-timeout must be 0 or more seconds (got {args.connect_timeout:g})")
     if args.token_file and args.secret_file:
         raise ConfigError("--token-file and --secret-file exclude each other: a dial-in agent learns the secret from the controller")
     token = read_token_file(args.token_file) if args.token_file else None
@@ -149,6 +160,9 @@ def build_config(args: argparse.Namespace) -> SessionConfig:
         devices=devices,
         workdir=args.workdir,
         deadlines=Deadlines.resolve(stop_grace=args.stop_grace),
+        # --persist paces its own dials between runs; one run waits for its controller here.
+        connect_timeout=0.0 if args.persist else args.connect_timeout,
+        connect_backoff=BackoffPolicy(initial=min(0.5, args.reconnect_max), cap=args.reconnect_max),
     )
 
 
@@ -224,7 +238,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _persist(config: SessionConfig, *, reconnect_max: float) -> int:
-    from ..backoff import BackoffPolicy
     from ..net.loop import run
     from .daemon import PersistentAgent, serve_persistently
 
