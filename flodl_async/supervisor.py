@@ -528,8 +528,9 @@ class Supervisor:
         where = {Forming: " while the join window was open", Rendezvous: " during rendezvous", Restarting: " while restarting"}.get(type(phase), "")
         first = rank_signal_for(event.signal)
         grace = self.config.stop_grace
+        again = "Ctrl-C" if event.signal == signal.SIGINT else name  # what the user at the terminal does
         return (
-            Announce(text=f"stopping: ranks got {first.name}; KILL in {grace:g} s ({name} again to force)", level=Level.WARNING),
+            Announce(text=f"stopping: ranks got {first.name}; KILL in {grace:g} s ({again} again to force)", level=Level.WARNING),
             self._end(exit_code_for_signal(event.signal), f"interrupted by {name}{where}", first_signal=first),
         )
 

@@ -213,6 +213,8 @@ def test_ranks_get_the_launchers_signal_first(sig: signal.Signals, tmp_path: Pat
         launcher.kill()
     assert done.returncode == 128 + sig, done.stderr
     assert done.stdout.count(f"saved on {sig.name}") == 2, done.stdout
+    again = "Ctrl-C" if sig is signal.SIGINT else "SIGTERM"
+    assert f"stopping: ranks got {sig.name}; KILL in 20 s ({again} again to force)" in done.stderr
 
 
 def test_second_signal_forces(tmp_path: Path) -> None:

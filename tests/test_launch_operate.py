@@ -688,3 +688,46 @@ def test_a_signal_ends_the_wait_for_the_controller(sig: signal.Signals, code: in
         if agent.poll() is None:
             agent.kill()
         agent.communicate()
+
+
+SAVE_ON_SIGNAL = (
+    "import os, signal, sys, time\n"
+    "signal.signal(signal.SIGTERM, lambda s, f: (print('saved on SIGTERM', flush=True), sys.exit(0)))\n"
+    "print('ready', flush=True)\n"
+    "try:\n"
+    "    time.sleep(600)\n"
+    "except KeyboardInterrupt:\n"
+    "    print('saved on SIGINT', flush=True)\n"
+)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_the_launchers_signal_reaches_a_stand_alone_agents_ranks_first(sig: signal.Signals, tmp_path: Path) -> None:
+    """The signal table holds on every host: a walk-in flodl-agent's plain-script rank gets Ctrl-C as SIGINT too."""
+    port = free_port()
+    run_id = new_run_id()
+    secret_file = tmp_path / "secret"
+    rank = tmp_path / "save_on_signal.py"
+    rank.write_text(SAVE_ON_SIGNAL)
+    cluster = _local_worker_cluster(tmp_path, port, quorum=2, target=2)
+    launcher = Launcher(str(cluster), "--secret-file", str(secret_file), "--stop-grace", "20", "--", PY, str(rank), run_id=run_id)
+    agent = None
+    try:
+        wait_status(port, lambda d: d["joined_ranks"] == 1)
+        agent = subprocess.Popen(_walk_in(port, "walk-in", secret_file), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        launcher.wait_for_stdout("ready", count=2)
+        launcher.proc.send_signal(sig)
+        done = launcher.finish(timeout=60)
+        _out, agent_err = agent.communicate(timeout=30)
+    finally:
+        launcher.kill()
+        if agent is not None and agent.poll() is None:
+            agent.kill()
+            agent.communicate()
+        assert_nothing_left(run_id)
+    assert done.returncode == 128 + sig, done.stderr
+    assert f"[walk-in:r1] saved on {sig.name}" in done.stdout  # the remote host's rank, over its join link
+    assert re.search(rf"^\[localhost:r0\] saved on {sig.name}$", done.stdout, re.M), done.stdout
+    assert f"stopping: ranks got {sig.name}; KILL in 20 s" in done.stderr
+    assert agent.returncode == 4, agent_err  # the controller ended the run (flodl-agent's table)
+    assert "Traceback" not in agent_err

@@ -441,7 +441,8 @@ def test_first_signal_stops_with_the_signal_table(sig: signal.Signals, code: Exi
     assert end.result.reason == f"interrupted by {sig.name}"
     assert end.result.details == ""
     assert end.farewell == m.Abort(reason=end.result.reason, grace_s=5.0, first_signal=int(sig))
-    assert of(actions, Announce) == [Announce(text=f"stopping: ranks got {sig.name}; KILL in 5 s ({sig.name} again to force)", level=Level.WARNING)]
+    again = "Ctrl-C" if sig is signal.SIGINT else "SIGTERM"
+    assert of(actions, Announce) == [Announce(text=f"stopping: ranks got {sig.name}; KILL in 5 s ({again} again to force)", level=Level.WARNING)]
     assert of(actions, ForceStop) == []
 
 
