@@ -377,3 +377,40 @@ def test_one_rank_keeps_every_core_and_nproc_auto_without_gpus_uses_the_cores(tm
     assert all("CUDA_VISIBLE_DEVICES" not in e for e in envs)
     if cores > 1 and "OMP_NUM_THREADS" not in os.environ:
         assert {e["OMP_NUM_THREADS"] for e in envs} == {"1"}
+
+
+def _left_on_disk(tmp: Path) -> list[str]:
+    """What a run left in the temp dir: any flodl-agent-* directory, and any entry in the runtime directory."""
+    left = [p.name for p in tmp.iterdir() if p.name.startswith("flodl-agent-")]
+    root = tmp / f"flodl-{os.getuid()}"
+    for sub in ("runs", "controllers"):
+        if (root / sub).is_dir():
+            left.extend(f"{sub}/{p.name}" for p in (root / sub).iterdir())
+    return left
+
+
+def test_nothing_of_a_run_outlives_it_on_disk(tmp_path: Path) -> None:
+    """Success, failure, and a SIGKILLed launcher (whose leftovers the next start sweeps): the temp dir ends as it began."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    env = {"TMPDIR": str(tmp), "XDG_RUNTIME_DIR": ""}  # the runtime directory falls back to <tempdir>/flodl-<uid>
+    ok = run_launch("--nproc", "2", "--devices", "cpu", "--port", "0", "--", PY, "-c", "pass", run_id=new_run_id(), env=env)
+    assert ok.returncode == 0, ok.stderr
+    assert _left_on_disk(tmp) == []
+    failed = run_launch("--nproc", "2", "--devices", "cpu", "--port", "0", "--stop-grace", "2", "--", PY, script("fail.py"), run_id=new_run_id(), env=env)
+    assert failed.returncode == 4, failed.stderr
+    assert _left_on_disk(tmp) == []
+    run_id = new_run_id()
+    killed = Launcher("--nproc", "2", "--devices", "cpu", "--port", "0", "--", PY, script("wait_for_file.py"), str(tmp_path / "never"), run_id=run_id, env=env)
+    try:
+        killed.wait_for_stdout("ready pid", count=2)
+        assert _left_on_disk(tmp)  # a live run has its entries
+        killed.proc.kill()
+        killed.proc.wait(10)
+        assert_nothing_left(run_id)
+        assert _left_on_disk(tmp)  # SIGKILL left no chance to clean up: the sweep below is what removes them
+    finally:
+        killed.kill()
+    after = run_launch("--nproc", "1", "--devices", "cpu", "--port", "0", "--", PY, "-c", "pass", run_id=new_run_id(), env=env)
+    assert after.returncode == 0, after.stderr
+    assert _left_on_disk(tmp) == []  # the SIGKILLed run's entries were swept by the next start
