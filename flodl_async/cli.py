@@ -128,6 +128,19 @@ def _optional_count(value: object, path: str) -> str | None:
     return None if value is None else _count(value, path)
 
 
+def _optional_number(value: object, path: str) -> str | None:
+    ok = value is None or (isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value))
+    return None if ok else f"{path}: expected a number, got {_kind(value)}"
+
+
+def _optional_text(value: object, path: str) -> str | None:
+    return None if value is None else _text(value, path)
+
+
+def _optional_flag(value: object, path: str) -> str | None:
+    return None if value is None or isinstance(value, bool) else f"{path}: expected true/false, got {_kind(value)}"
+
+
 def _list_of(item: _Check) -> _Check:
     def check(value: object, path: str) -> str | None:
         if not isinstance(value, list):
@@ -166,7 +179,20 @@ DOCUMENT_SHAPE = _object_with(
         "error": _text,
         **dict.fromkeys(("world_size", "joined_ranks", "min_rank_start", "target_ranks", "restart_count"), _count),
         "members": _list_of(_object_with({"host": _text, "ranks": _list_of(_count), "devices": _list_of(_text), "state": _text})),
-        "ranks": _list_of(_object_with({"rank": _count, "host": _text, "pid": _optional_count, "state": _text})),
+        "ranks": _list_of(
+            _object_with(
+                {
+                    "rank": _count,
+                    "host": _text,
+                    "pid": _optional_count,
+                    "state": _text,
+                    "process": _optional_text,
+                    "last_line": _text,
+                    "store_connected": _optional_flag,
+                    **dict.fromkeys(("uptime_s", "cpu_percent", "output_age_s", "quiet_s"), _optional_number),
+                }
+            )
+        ),
     }
 )
 
@@ -268,7 +294,11 @@ def fetch_status(host: str, port: int, *, timeout: float = 3.0) -> tuple[int, di
     return response.status, cleaned
 
 
-def format_status(doc: dict[str, object]) -> str:
+#: ``flodl status`` flags a running rank with neither output nor CPU progress for this long (``--silent-after``).
+SILENT_AFTER = 60.0
+
+
+def format_status(doc: dict[str, object], *, silent_after: float = SILENT_AFTER) -> str:
     """A human table of a status document."""
     lines = [
         f"run      {doc.get('run_id', '?')}",
@@ -291,11 +321,39 @@ def format_status(doc: dict[str, object]) -> str:
     rank_rows = doc.get("ranks") or []
     if isinstance(rank_rows, list) and rank_rows:
         lines.append("")
-        lines.append(f"{'RANK':<6} {'HOST':<24} {'PID':<8} STATE")
+        lines.append(f"{'RANK':<6} {'HOST':<20} {'PID':<8} {'STATE':<10} {'PROCESS':<16} {'CPU':>6} {'UP':>7} {'STORE':<6} {'OUTPUT':>7}  LAST LINE")
+        flagged: list[str] = []
         for rank in rank_rows:
-            if isinstance(rank, dict):
-                lines.append(f"{rank.get('rank', '?')!s:<6} {rank.get('host', '?'):<24} {rank.get('pid') or '-'!s:<8} {rank.get('state', '?')}")
+            if not isinstance(rank, dict):
+                continue
+            lines.append(_rank_row(rank))
+            quiet = rank.get("quiet_s")
+            if isinstance(quiet, int | float) and quiet >= silent_after and rank.get("state") in ("running", "connected"):
+                flagged.append(f"rank {rank.get('rank', '?')} on {rank.get('host', '?')}: silent and idle for {_age(quiet)} ({rank.get('process') or '?'})")
+        for flag in flagged:
+            lines.append(f"SILENT   {flag} — hung? (a stack: py-spy dump --pid PID)")
     return "\n".join(lines)
+
+
+def _rank_row(rank: Mapping[str, object]) -> str:
+    """One rank of the table; activity columns show ``-`` until its agent's first report."""
+
+    def number(key: str, fmt: str) -> str:
+        value = rank.get(key)
+        return format(value, fmt) if isinstance(value, int | float) and not isinstance(value, bool) else "-"
+
+    age = rank.get("output_age_s")
+    output = _age(age) if isinstance(age, int | float) and not isinstance(age, bool) else "-"
+    up = rank.get("uptime_s")
+    uptime = _age(up) if isinstance(up, int | float) and not isinstance(up, bool) else "-"
+    connected = rank.get("store_connected")
+    store = "-" if not isinstance(connected, bool) else "yes" if connected else "no"
+    cpu = number("cpu_percent", ".0f") + ("%" if isinstance(rank.get("cpu_percent"), int | float) else "")
+    last = str(rank.get("last_line") or "")
+    return (
+        f"{rank.get('rank', '?')!s:<6} {rank.get('host', '?')!s:<20} {rank.get('pid') or '-'!s:<8} {rank.get('state', '?')!s:<10} "
+        f"{rank.get('process') or '-'!s:<16} {cpu:>6} {uptime:>7} {store:<6} {output:>7}  {last}"
+    ).rstrip()
 
 
 def _say(text: str, *, error: bool = False) -> None:
@@ -380,7 +438,7 @@ def _status(args: argparse.Namespace) -> StatusExit:
         _say(f"flodl status: the controller at {host}:{port} answered HTTP {status}: {doc.get('error', 'no state')}", error=True)
         return StatusExit.UNREACHABLE
     else:
-        _say(format_status(doc))
+        _say(format_status(doc, silent_after=args.silent_after))
     return StatusExit.OK
 
 
@@ -433,6 +491,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         help=f"controller HOST:PORT (default: the one run on this machine, as `flodl ps` lists it; else 127.0.0.1:{DEFAULT_PORT})",
     )
     status.add_argument("--json", action="store_true", help="print the raw JSON document")
+    status.add_argument(
+        "--silent-after",
+        type=float,
+        default=SILENT_AFTER,
+        metavar="S",
+        help="flag a rank with neither output nor CPU progress for S seconds (default %(default)g)",
+    )
     status.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for an answer (default %(default)s)")
     status.set_defaults(handler=_status)
     token = sub.add_parser(

@@ -80,6 +80,7 @@ class _Args:
     secret_file: str | None
     command: tuple[str, ...]
     token_file: str | None = None
+    hang_timeout: float | None = None
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -128,6 +129,12 @@ def _parser() -> argparse.ArgumentParser:
         "--token-file",
         help="admit dial-in agents holding this cluster token (`flodl token new PATH`; yours, mode 0600); overrides controller.token_file",
     )
+    parser.add_argument(
+        "--hang-timeout",
+        type=float,
+        metavar="S",
+        help="end the run (exit 6, naming the rank) when a rank prints nothing and uses no CPU for S seconds (default: off)",
+    )
     parser.add_argument("-q", "--quiet", action="store_true", help="only rank output and the verdict")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug output")
     return parser
@@ -161,6 +168,8 @@ def parse_args(argv: Sequence[str]) -> _Args:
         raise ConfigError(f"--max-restarts must be 0 or more (got {ns.max_restarts})")
     if ns.stop_grace < 0:
         raise ConfigError(f"--stop-grace must be 0 or more seconds (got {ns.stop_grace})")
+    if ns.hang_timeout is not None and not ns.hang_timeout > 0:
+        raise ConfigError(f"--hang-timeout must be more than 0 seconds (got {ns.hang_timeout:g})")
     if ns.quiet and ns.verbose:
         raise ConfigError("--quiet and --verbose contradict each other; pick one")
     ranks_filter = _ranks_filter(ns.local_ranks_filter)
@@ -181,6 +190,7 @@ def parse_args(argv: Sequence[str]) -> _Args:
         secret_file=ns.secret_file,
         command=command,
         token_file=ns.token_file,
+        hang_timeout=ns.hang_timeout,
     )
 
 
@@ -260,6 +270,7 @@ def build_plan(args: _Args) -> LaunchPlan:
         host_aliases=aliases,
         token=token,
         one_host=args.nproc is not None,
+        hang_timeout=args.hang_timeout,
     )
 
 

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field, replace
 from . import __version__
 from .hostnames import HostAliases
 from .membership import Admitted, Failed, Formed, JoinConfig, JoinedMember, JoinWindow
-from .status.model import RankState, RankStatus
+from .status.model import PROCESS_STATES, RankState, RankStatus
 from .verdict import ExitCode, RunResult, device_ranges, exit_code_for_signal, rank_ranges, rank_signal_for, restarts_text
 from .wire import messages as m
 from .wire.schema import Message
@@ -69,6 +69,8 @@ class SupervisorConfig:
     protocol_version: int = 1
     #: This controller's flodl_async version: an agent of another version is refused at join.
     version: str = __version__
+    #: ``--hang-timeout``: a rank with neither output nor CPU progress this long ends the run (exit 6); None: off.
+    hang_timeout: float | None = None
 
 
 # ----- events ------------------------------------------------------------------------------------
@@ -132,6 +134,14 @@ class RankConnected:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class RanksReported:
+    """A host's periodic report of its running ranks (pid, process state, CPU, output, store connection)."""
+
+    host: str
+    report: m.RankStats
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Interrupted:
     """The launcher received ``signal`` (SIGINT or SIGTERM)."""
 
@@ -143,7 +153,7 @@ class Tick:
     """:meth:`Supervisor.next_deadline` has passed."""
 
 
-Event = JoinRequested | JoinUndelivered | HostLost | StoreReady | RankExited | RanksStopped | RankConnected | Interrupted | Tick
+Event = JoinRequested | JoinUndelivered | HostLost | StoreReady | RankExited | RanksStopped | RankConnected | RanksReported | Interrupted | Tick
 
 
 # ----- actions -----------------------------------------------------------------------------------
@@ -345,6 +355,8 @@ class Supervisor:
         if isinstance(event, RankConnected):
             self._rank_connected(event)
             return ()
+        if isinstance(event, RanksReported):
+            return self._ranks_reported(event)
         phase = self._phase
         if isinstance(phase, Ended):
             return self._after_verdict(event)
@@ -571,6 +583,42 @@ class Supervisor:
             exit_code=report.exit_code,
             signal=report.signal,
         )
+
+    def _ranks_reported(self, event: RanksReported) -> tuple[Action, ...]:
+        """Fold a host's activity report into the rank table; under ``hang_timeout``, a rank quiet that long ends the run."""
+        phase = self._phase
+        if not isinstance(phase, Running) or event.report.round != phase.round:
+            return ()  # a report of another round, or after the verdict: the table already says how those ended
+        hung: m.RankActivity | None = None
+        for activity in event.report.ranks:
+            known = self._ranks.get(activity.rank)
+            if known is None or known.host != event.host or known.state not in (RankState.RUNNING, RankState.CONNECTED):
+                continue
+            self._ranks[activity.rank] = replace(
+                known,
+                pid=activity.pid,
+                uptime_s=activity.uptime_s,
+                process=PROCESS_STATES.get(activity.state, activity.state),
+                cpu_percent=activity.cpu_percent,
+                last_line=activity.last_line,
+                output_age_s=activity.output_age_s if activity.output_age_s >= 0 else None,
+                quiet_s=activity.quiet_s,
+                store_connected=activity.store_connected,
+            )
+            limit = self.config.hang_timeout
+            if limit is not None and activity.quiet_s >= limit and (hung is None or activity.quiet_s > hung.quiet_s):
+                hung = activity
+        if hung is None:
+            return ()
+        known = self._ranks[hung.rank]
+        process = PROCESS_STATES.get(hung.state, hung.state)
+        reason = (
+            f"rank {hung.rank} (local rank {known.local_rank}) on host {event.host!r} hung: no output and no CPU progress "
+            f"for {hung.quiet_s:g} s (--hang-timeout {self.config.hang_timeout:g}); its process {hung.pid} is {process}"
+        )
+        store = "it is connected to the rendezvous store" if hung.store_connected else "it never connected to the rendezvous store"
+        last = f"its last output line: {hung.last_line}" if hung.last_line else "it printed nothing"
+        return (Announce(text=reason, level=Level.WARNING), self._end(ExitCode.STALLED, reason, details=f"{store}; {last}"))
 
     def _rank_connected(self, event: RankConnected) -> None:
         known = self._ranks.get(event.rank)

@@ -35,6 +35,7 @@ from ..runtime import remove_rank_marker, write_rank_marker
 from ..verdict import StopStep
 from ..wire import messages as m
 from ..wire.keys import Credential
+from .activity import RankActivityTracker, store_connections
 from .output import LINE_LIMIT, OutputSink, forward_output
 
 log = logging.getLogger("flodl_async.agent")
@@ -54,6 +55,7 @@ class _Rank:
     proc: asyncio.subprocess.Process
     error_file: Path
     stderr_tail: collections.deque[str]
+    activity: RankActivityTracker
     readers: list[asyncio.Task[None]] = field(default_factory=list)
     stopping: bool = False
 
@@ -169,8 +171,16 @@ class RankProcesses:
                     write_rank_marker(self._scratch, pid=proc.pid, rank=rank)
                 except OSError as exc:
                     log.warning("agent %s: cannot record rank %d (pid %d) in %s: %s", self._host, rank, proc.pid, self._scratch, exc)
+                activity = RankActivityTracker(rank=rank, pid=proc.pid, store_port=start.master_port, now=asyncio.get_running_loop().time())
                 entry = _Rank(
-                    rank=rank, local_rank=local_rank, round=start.round, attempt=start.restart_count, proc=proc, error_file=error_file, stderr_tail=_tail()
+                    rank=rank,
+                    local_rank=local_rank,
+                    round=start.round,
+                    attempt=start.restart_count,
+                    proc=proc,
+                    error_file=error_file,
+                    stderr_tail=_tail(),
+                    activity=activity,
                 )
                 self._register(entry)
 
@@ -180,12 +190,15 @@ class RankProcesses:
         assert proc.stderr is not None
         self._output.rank_started(self._host, entry.attempt, entry.rank)
         tail = _TailLines(entry.stderr_tail)
+        clock = asyncio.get_running_loop().time
 
         async def out(data: bytes) -> None:
+            entry.activity.output(data, clock())
             await self._output.send(self._host, entry.attempt, entry.rank, "out", data)
 
         async def err(data: bytes) -> None:
             tail.feed(data)
+            entry.activity.output(data, clock())
             await self._output.send(self._host, entry.attempt, entry.rank, "err", data)
 
         idle = self._output_idle
@@ -226,6 +239,16 @@ class RankProcesses:
                 stderr_tail=tuple(entry.stderr_tail) if failed else (),
             )
         )
+
+    def activity(self, now: float) -> tuple[int, tuple[m.RankActivity, ...]]:
+        """The round and activity of every running rank (one ``/proc`` read each; the TCP tables only while a rank is not yet seen at the store)."""
+        running = [e for e in self._ranks.values() if not e.stopping and e.proc.returncode is None]
+        if not running:
+            return -1, ()
+        ports = {e.activity.store_port for e in running if not e.activity.connected and e.activity.store_port > 0}
+        tables = {port: store_connections(port) for port in ports}
+        reports = tuple(e.activity.sample(now, tables.get(e.activity.store_port)) for e in sorted(running, key=lambda e: e.rank))
+        return max(e.round for e in running), reports
 
     def cancel_readers(self) -> None:
         """Give up the output every reader still holds (the session is over; its link may never drain)."""

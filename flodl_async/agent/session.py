@@ -436,6 +436,7 @@ class _Serving:
                 else:
                     self._spawn(self._read_commands(), name=f"{cfg.host}-commands")
                     self._spawn(self._keep_alive(), name=f"{cfg.host}-heartbeat")
+                    self._spawn(self._report_activity(), name=f"{cfg.host}-activity")
                 if self._session._stop_signal is not None and self._outcome is None:  # a signal came while the world formed
                     self.stop_for_signal(self._session._stop_signal)
                 await self._ended
@@ -543,6 +544,16 @@ class _Serving:
                 self._liveness = live = live.sent(now)
             wake = live.next_deadline()
             await asyncio.sleep(max(wake - loop.time(), 0.0))
+
+    async def _report_activity(self) -> None:
+        """Every heartbeat interval, each running rank's pid, process state, CPU, last output and store connection, up the link (:mod:`.activity`)."""
+        assert self._ranks is not None
+        loop = asyncio.get_running_loop()
+        while not self.ending:
+            await asyncio.sleep(self._cfg.deadlines.heartbeat_interval)
+            round_, ranks = self._ranks.activity(loop.time())
+            if ranks and not self.ending:
+                self._send(m.RankStats(round=round_, ranks=ranks))
 
     def _round_command(self, work: Coroutine[Any, Any, None], *, name: str) -> None:
         if self.ending:

@@ -56,6 +56,7 @@ from ..supervisor import (
     Level,
     RankConnected,
     RankExited,
+    RanksReported,
     RanksStopped,
     RejectJoin,
     ResetStore,
@@ -89,10 +90,16 @@ def _ranks_stopped(host: str, msg: Message) -> Event:
     return RanksStopped(host=host, round=msg.round)
 
 
+def _ranks_reported(host: str, msg: Message) -> Event:
+    assert isinstance(msg, m.RankStats)
+    return RanksReported(host=host, report=msg)
+
+
 #: What an agent's messages up its join link mean to the supervisor (the wire's table says what is legal).
 _HOST_EVENTS: dict[type[Message], Callable[[str, Message], Event]] = {
     m.RankExited: _rank_exited,
     m.RanksStopped: _ranks_stopped,
+    m.RankStats: _ranks_reported,
 }
 
 
@@ -175,6 +182,7 @@ class Controller:
                 host_aliases=plan.host_aliases,
                 protocol_version=PROTOCOL_VERSION,
                 version=__version__,
+                hang_timeout=plan.hang_timeout,
             ),
             now=self._opened_at,
         )
