@@ -716,6 +716,9 @@ def test_the_launchers_signal_reaches_a_stand_alone_agents_ranks_first(sig: sign
         wait_status(port, lambda d: d["joined_ranks"] == 1)
         agent = subprocess.Popen(_walk_in(port, "walk-in", secret_file), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         launcher.wait_for_stdout("ready", count=2)
+        # The stand-alone agent reports its rank's activity up its join link, like the local one.
+        reported = wait_status(port, lambda d: all(isinstance(r.get("pid"), int) and r.get("process") for r in d["ranks"]) and len(d["ranks"]) == 2)
+        assert {r["host"]: r["last_line"] for r in reported["ranks"]} == {"localhost": "ready", "walk-in": "ready"}
         launcher.proc.send_signal(sig)
         done = launcher.finish(timeout=60)
         _out, agent_err = agent.communicate(timeout=30)
@@ -731,3 +734,57 @@ def test_the_launchers_signal_reaches_a_stand_alone_agents_ranks_first(sig: sign
     assert f"stopping: ranks got {sig.name}; KILL in 20 s" in done.stderr
     assert agent.returncode == 4, agent_err  # the controller ended the run (flodl-agent's table)
     assert "Traceback" not in agent_err
+
+
+# ----- hangs you can see ------------------------------------------------------------------------
+
+
+def _rank_rows(doc: dict[str, Any]) -> dict[int, dict[str, Any]]:
+    return {int(r["rank"]): r for r in doc["ranks"]}
+
+
+def test_a_hang_is_visible_per_rank_in_status(tmp_path: Path) -> None:
+    """Rank 0 waits in init_process_group (connected to the store); rank 1 never gets there (asleep): status tells them apart."""
+    port = free_port()
+    run_id = new_run_id()
+    launcher = Launcher("--nproc", "2", "--devices", "cpu", "--port", str(port), "--stop-grace", "3", "--", PY, script("hang_at_init.py"), run_id=run_id)
+    try:
+        launcher.wait_for_stdout("loading", count=2)
+
+        def both_reported(doc: dict[str, Any]) -> bool:
+            rows = _rank_rows(doc)
+            return len(rows) == 2 and rows[0].get("store_connected") is True and (rows[1].get("quiet_s") or 0) >= 2
+
+        doc = wait_status(port, both_reported, timeout=90)
+        rows = _rank_rows(doc)
+        for rank in (0, 1):
+            assert isinstance(rows[rank]["pid"], int)
+            assert rows[rank]["last_line"] == f"rank {rank} loading"  # a loopback client sees the line itself
+            assert rows[rank]["output_age_s"] is not None
+            assert rows[rank]["uptime_s"] > 0
+        assert rows[1]["store_connected"] is False  # never reached init_process_group
+        assert rows[1]["process"] == "sleeping"
+        assert rows[1]["cpu_percent"] == 0
+        status_cmd = [PY, "-m", "flodl_async.cli", "status", "--addr", f"127.0.0.1:{port}", "--silent-after", "2"]
+        table = subprocess.run(status_cmd, capture_output=True, text=True, check=True)
+        assert re.search(r"SILENT   rank 1 on \S+: silent and idle for \d+s \(sleeping\)", table.stdout), table.stdout
+        assert "rank 1 loading" in table.stdout
+        os.kill(rows[1]["pid"], signal.SIGSTOP)  # a stopped rank shows as stopped
+        stopped = wait_status(port, lambda d: _rank_rows(d)[1].get("process") == "stopped", timeout=30)
+        assert _rank_rows(stopped)[1]["state"] == "running"
+        os.kill(rows[1]["pid"], signal.SIGCONT)
+        launcher.proc.send_signal(signal.SIGTERM)
+        done = launcher.finish(timeout=60)
+    finally:
+        launcher.kill()
+    assert done.returncode == 143, done.stderr
+
+
+def test_hang_timeout_ends_the_run_naming_the_rank(tmp_path: Path) -> None:
+    run_id = new_run_id()
+    args = ("--nproc", "2", "--devices", "cpu", "--port", "0", "--stop-grace", "3", "--hang-timeout", "3")
+    done = run_launch(*args, "--", PY, script("hang_at_init.py"), run_id=run_id, timeout=120)
+    assert done.returncode == 6, done.stderr
+    hung = r"FAILED — rank [01] \(local rank [01]\) on host '[^']+' hung: no output and no CPU progress for [\d.]+ s \(--hang-timeout 3\)"
+    assert re.search(hung, done.stderr), done.stderr
+    assert "its last output line: rank " in done.stderr

@@ -26,6 +26,7 @@ from flodl_async.supervisor import (
     Level,
     RankConnected,
     RankExited,
+    RanksReported,
     RanksStopped,
     RejectJoin,
     Rendezvous,
@@ -589,3 +590,40 @@ def test_success_after_restarts_says_how_many() -> None:
         sup.handle(StoreReady(round=round_ + 1, addr="h", port=5), 5.0)
     ends = [a for r in range(4) for a in sup.handle(exited(r, "a" if r < 2 else "b", code=0, round_=2), 6.0) if isinstance(a, EndRun)]
     assert [e.result.reason for e in ends] == ["all 4 ranks exited 0 after 2 restarts"]
+
+
+# ----- rank activity: hangs you can see ----------------------------------------------------------
+
+
+def _activity(rank: int, *, quiet: float, state: str = "S", line: str = "step 3", connected: bool = False) -> m.RankActivity:
+    return m.RankActivity(
+        rank=rank, pid=100 + rank, uptime_s=50.0, state=state, cpu_percent=0.0, last_line=line, output_age_s=quiet, quiet_s=quiet, store_connected=connected
+    )
+
+
+def test_activity_reports_fill_the_rank_table() -> None:
+    sup = Supervisor(config(), now=0.0)
+    running(sup)
+    assert sup.handle(RanksReported(host="b", report=m.RankStats(round=0, ranks=(_activity(2, quiet=4.0, state="D", connected=True),))), 3.0) == ()
+    row = sup.view().ranks[2]
+    assert (row.pid, row.process, row.last_line, row.quiet_s, row.store_connected, row.uptime_s) == (102, "uninterruptible", "step 3", 4.0, True, 50.0)
+    # Another host cannot speak for b's ranks, and a report of another round changes nothing.
+    sup.handle(RanksReported(host="a", report=m.RankStats(round=0, ranks=(_activity(2, quiet=9.0, state="T"),))), 4.0)
+    sup.handle(RanksReported(host="b", report=m.RankStats(round=7, ranks=(_activity(2, quiet=9.0, state="T"),))), 4.0)
+    assert sup.view().ranks[2].process == "uninterruptible"
+    # Without --hang-timeout even a long quiet is only shown.
+    assert sup.handle(RanksReported(host="b", report=m.RankStats(round=0, ranks=(_activity(3, quiet=1e6),))), 5.0) == ()
+
+
+def test_hang_timeout_ends_the_run_naming_the_quietest_rank() -> None:
+    sup = Supervisor(config(hang_timeout=30.0), now=0.0)
+    running(sup)
+    assert sup.handle(RanksReported(host="a", report=m.RankStats(round=0, ranks=(_activity(0, quiet=29.0),))), 3.0) == ()
+    actions = sup.handle(RanksReported(host="b", report=m.RankStats(round=0, ranks=(_activity(2, quiet=31.0), _activity(3, quiet=45.0, line="")))), 4.0)
+    end = the_end(actions)
+    assert end.result.exit_code is ExitCode.STALLED
+    assert end.result.reason == (
+        "rank 3 (local rank 1) on host 'b' hung: no output and no CPU progress for 45 s (--hang-timeout 30); its process 103 is sleeping"
+    )
+    assert end.result.details == "it never connected to the rendezvous store; it printed nothing"
+    assert isinstance(end.farewell, m.Abort)
