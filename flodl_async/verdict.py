@@ -50,6 +50,19 @@ EXIT_MEANINGS: dict[ExitCode, str] = {
 }
 
 
+#: What flodl-agent's exit codes mean (its --help and the README's agent table are rendered from it).
+AGENT_EXIT_MEANINGS: dict[ExitCode, str] = {
+    ExitCode.OK: "the run finished (the controller said Finish)",
+    ExitCode.INTERNAL: "internal error (a bug: please report it)",
+    ExitCode.USAGE: "bad arguments, secret or runtime directory; nothing was started",
+    ExitCode.FORMATION: "could not join: no controller answered within --connect-timeout, join refused "
+    "(a wrong cluster token too, even with --persist), or the world did not form",
+    ExitCode.RANK_FAILURE: "the run failed: the controller aborted it (a rank failed, the launcher was stopped) or the controller was lost",
+    ExitCode.INTERRUPTED: "stopped by SIGINT (the ranks got SIGINT first); a second signal kills them at once",
+    ExitCode.TERMINATED: "stopped by SIGTERM (the ranks got SIGTERM first); a second signal kills them at once",
+}
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RunResult:
     """A run's verdict: an exit code, a one-line reason, and details for the operator."""
@@ -90,10 +103,11 @@ def exit_help(meanings: dict[ExitCode, str] | None = None) -> str:
     return "exit codes:\n" + "\n".join(f"  {int(code):<4} {text}" for code, text in rows.items()) + "\n"
 
 
-def exit_table_markdown() -> str:
-    """The README's exit-code table, rendered from :data:`EXIT_MEANINGS`."""
+def exit_table_markdown(meanings: dict[ExitCode, str] | None = None) -> str:
+    """The README's exit-code table, rendered from :data:`EXIT_MEANINGS` (or flodl-agent's, :data:`AGENT_EXIT_MEANINGS`)."""
+    rows = EXIT_MEANINGS if meanings is None else meanings
     lines = ["| code | meaning |", "| --- | --- |"]
-    lines.extend(f"| {int(code)} | {text} |" for code, text in EXIT_MEANINGS.items())
+    lines.extend(f"| {int(code)} | {text} |" for code, text in rows.items())
     return "\n".join(lines)
 
 

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from flodl_async.verdict import (
+    AGENT_EXIT_MEANINGS,
     EXIT_MEANINGS,
     ExitCode,
     RunResult,
@@ -32,6 +33,21 @@ def test_the_reserved_codes_are_the_documented_ones() -> None:
 
 def test_readme_exit_table_is_the_table() -> None:
     assert exit_table_markdown() in README.read_text()
+
+
+def test_readme_agent_exit_table_is_flodl_agents_table() -> None:
+    assert exit_table_markdown(AGENT_EXIT_MEANINGS) in README.read_text()
+    assert set(AGENT_EXIT_MEANINGS) <= set(ExitCode)
+
+
+def test_readme_links_stay_inside_the_repository() -> None:
+    """A link to ../shared or to another site is dead in a clone or out of our hands: only files of the repository."""
+    import re
+
+    text = README.read_text()
+    for target in re.findall(r"\]\(([^)]+)\)", text):
+        assert not target.startswith(("http:", "https:", "/", "..")), target
+        assert (README.parent / target.split("#", 1)[0]).exists(), target
 
 
 def test_help_block_lists_every_code() -> None:

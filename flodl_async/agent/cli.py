@@ -35,24 +35,13 @@ from ..devices import parse_devices
 from ..errors import AgentError, ConfigError, ConnectionClosed, ControllerLost, FlodlError, JoinFailed, WireError
 from ..sdnotify import Notifier
 from ..secretfile import read_secret_file, read_token_file
-from ..verdict import ExitCode, exit_code_for_signal, exit_help
+from ..verdict import AGENT_EXIT_MEANINGS, ExitCode, exit_code_for_signal, exit_help
 from ..wire.keys import secret_from_hex
 from .session import Ending, HostSession, SessionConfig, SessionOutcome
 from .specline import read_spec, serve_spec_stdin
 from .systemd import add_service_options, apply_service_options, notification_observer, with_watchdog
 
 log = logging.getLogger("flodl_async.agent")
-
-#: What flodl-agent's exit codes mean (rendered into --help).
-AGENT_EXIT_MEANINGS: dict[ExitCode, str] = {
-    ExitCode.OK: "the run finished (the controller said Finish)",
-    ExitCode.INTERNAL: "internal error (a bug: please report it)",
-    ExitCode.USAGE: "bad arguments, secret or runtime directory; nothing was started",
-    ExitCode.FORMATION: "could not join: controller unreachable, join refused (a wrong cluster token too, even with --persist), or the world did not form",
-    ExitCode.RANK_FAILURE: "the run failed: the controller aborted it (a rank failed) or the controller was lost",
-    ExitCode.INTERRUPTED: "stopped by SIGINT (the ranks got SIGINT first); a second signal kills them at once",
-    ExitCode.TERMINATED: "stopped by SIGTERM (the ranks got SIGTERM first); a second signal kills them at once",
-}
 
 EXAMPLES = """\
 examples:
