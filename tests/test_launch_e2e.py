@@ -119,17 +119,17 @@ def test_quiet_keeps_the_verdict_line_and_the_rank_output() -> None:
     done = run_launch("-q", "--nproc", "2", "--devices", "cpu", "--port", "0", "--", PY, script("allreduce.py"), run_id=run_id)
     assert done.returncode == 0, done.stderr
     assert "rank 1 of 2 sum 3" in done.stdout
-    assert [line for line in done.stderr.splitlines() if line.startswith("flodl-launch:")] == [
-        line for line in done.stderr.splitlines() if "flodl-launch: done — all 2 ranks exited 0" in line
-    ]
+    ours = [line for line in done.stderr.splitlines() if line.startswith("flodl-launch:") and "warning:" not in line]  # a 1-core CI box warns
+    assert len(ours) == 1, ours
+    assert ours[0].startswith("flodl-launch: done — all 2 ranks exited 0")
 
 
 def test_an_nproc_run_starts_with_one_banner_line_and_details_under_verbose() -> None:
     run_id = new_run_id()
     done = run_launch("--nproc", "2", "--devices", "cpu", "--port", "0", "--", PY, script("allreduce.py"), run_id=run_id)
     assert done.returncode == 0, done.stderr
-    ours = [line for line in done.stderr.splitlines() if line.startswith("flodl-launch:")]
-    assert len(ours) == 2, ours  # the banner and the verdict
+    ours = [line for line in done.stderr.splitlines() if line.startswith("flodl-launch:") and "warning:" not in line]
+    assert len(ours) == 2, ours  # the banner and the verdict (a 1-core CI box adds the oversubscription warning)
     assert re.fullmatch(rf"flodl-launch: run {run_id}: 2 ranks on this host \(CPU\) — .*allreduce.py — status: flodl status, or http://127.0.0.1:\d+/", ours[0])
     verbose = run_launch("-v", "--nproc", "2", "--devices", "cpu", "--port", "0", "--", PY, script("allreduce.py"), run_id=new_run_id())
     assert "window open (quorum 2 ranks" in verbose.stderr

@@ -788,3 +788,29 @@ def test_hang_timeout_ends_the_run_naming_the_rank(tmp_path: Path) -> None:
     hung = r"FAILED — rank [01] \(local rank [01]\) on host '[^']+' hung: no output and no CPU progress for [\d.]+ s \(--hang-timeout 3\)"
     assert re.search(hung, done.stderr), done.stderr
     assert "its last output line: rank " in done.stderr
+
+
+@pytest.mark.parametrize(
+    ("devices", "mask", "message"),
+    [
+        ("all", None, "0 GPUs visible); for CPU ranks use --devices cpu:N"),
+        ("0,2", "2,3", "GPU 2 is not visible here: this host shows 2 GPU(s) (visible: 2,3)"),
+    ],
+)
+def test_flodl_agent_checks_its_gpus_within_the_mask_before_dialing(tmp_path: Path, devices: str, mask: str | None, message: str) -> None:
+    dev = tmp_path / "dev"
+    dev.mkdir()
+    count = 0 if mask is None else 4
+    for i in range(count):
+        (dev / f"nvidia{i}").touch()
+    env = {**os.environ, "FLODL_INTERNAL_DEV_DIR": str(dev)}
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    if mask is not None:
+        env["CUDA_VISIBLE_DEVICES"] = mask
+    done = subprocess.run(
+        [PY, "-m", "flodl_async.agent", "--controller", f"127.0.0.1:{free_port()}", "--devices", devices, "--connect-timeout", "0"],
+        input="00" * 16 + "\n", capture_output=True, text=True, timeout=60, check=False, env=env,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert message in done.stderr
+    assert "cannot reach" not in done.stderr  # refused before any dial
