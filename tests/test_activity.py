@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from flodl_async.agent.activity import RankActivityTracker, last_line_of, parse_net_tcp, parse_stat, socket_inodes, store_connections
+from flodl_async.agent.activity import RECHECK_S, RankActivityTracker, last_line_of, parse_net_tcp, parse_stat, socket_inodes, store_connections
 
 STAT = "4242 (python3 (x) y) S 1 4242 4242 0 -1 4194304 100 0 0 0 {utime} {stime} 0 0 20 0 3 0 {start} 1000 100 18446744073709551615"
 TCP = """  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode
@@ -70,14 +70,29 @@ def test_a_store_connection_is_traced_to_the_process_that_holds_it(tmp_path: Pat
                 connections = store_connections(port)
                 assert socket_inodes(client.pid) & connections
                 assert not socket_inodes(bystander.pid) & connections
+                asked: list[int] = []
+
+                def tables(p: int) -> frozenset[int]:
+                    asked.append(p)
+                    return store_connections(p)
+
                 tracker = RankActivityTracker(rank=0, pid=client.pid, store_port=port, now=0.0)
-                assert tracker.sample(1.0, connections).store_connected
-                assert tracker.sample(2.0, connections).state in ("S", "R")
+                assert tracker.sample(1.0, tables).store_connected
+                assert tracker.sample(2.0, tables).state in ("S", "R")
+                assert asked == [port]  # once seen, the tables are not read again
+                # A connect still in progress at the first look (the tables do not list it yet): looked at again after RECHECK_S.
+                late: list[float] = []
+                pending = RankActivityTracker(rank=2, pid=client.pid, store_port=port, now=0.0)
+                assert not pending.sample(1.0, lambda p: (late.append(1.0), frozenset())[1]).store_connected
+                assert not pending.sample(2.0, lambda p: (late.append(2.0), store_connections(p))[1]).store_connected  # same sockets: not asked
+                assert pending.sample(1.0 + RECHECK_S, lambda p: (late.append(3.0), store_connections(p))[1]).store_connected
+                assert late == [1.0, 3.0]
                 idle = RankActivityTracker(rank=1, pid=bystander.pid, store_port=port, now=0.0)
-                assert not idle.sample(1.0, connections).store_connected
+                assert not idle.sample(1.0, tables).store_connected
+                assert asked == [port]  # a process without sockets costs no table read
         finally:
             for proc in (client, bystander):
                 proc.kill()
                 proc.communicate()
     gone = RankActivityTracker(rank=0, pid=client.pid, store_port=port, now=0.0)
-    assert gone.sample(1.0, frozenset()).state == "X"
+    assert gone.sample(1.0, store_connections).state == "X"

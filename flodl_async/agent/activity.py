@@ -3,8 +3,8 @@
 Theory of operation. The agent spawned every rank, so it knows each pid. Every
 report interval (the heartbeat interval: a couple of seconds) it reads, per
 rank, one ``/proc/<pid>/stat`` (the state letter, CPU ticks, start time) and,
-until the rank is seen connected, its ``/proc/<pid>/fd`` links and the host's
-``/proc/net/tcp{,6}``: a socket of the rank whose established TCP connection
+until the rank is seen connected, its ``/proc/<pid>/fd`` links — and the host's
+``/proc/net/tcp{,6}`` only when those hold a socket not seen before: a socket of the rank whose established TCP connection
 goes to the store's port means the rank reached the rendezvous store (the
 store is ours, and its port is the controller's). Output comes for free: the
 agent forwards every chunk, and :class:`RankActivityTracker` keeps the last
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,6 +28,8 @@ from ..wire import messages as m
 
 #: The last line is cut to this many characters (a report stays small whatever a rank prints).
 LAST_LINE_LIMIT = 200
+#: A rank not yet seen at the store has its sockets matched against the TCP tables at least this often.
+RECHECK_S = 30.0
 _TCP_ESTABLISHED = "01"
 _CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
@@ -110,6 +113,8 @@ class RankActivityTracker:
         self._progress_at = now  # spawning counts as progress: a new rank is not quiet
         self._cpu_percent = 0.0
         self._connected = False
+        self._sockets: frozenset[int] = frozenset()
+        self._checked_at = now
 
     def output(self, data: bytes, now: float) -> None:
         """A chunk the rank wrote (either stream)."""
@@ -141,8 +146,13 @@ class RankActivityTracker:
             store_connected=self._connected,
         )
 
-    def sample(self, now: float, connections: frozenset[int] | None) -> m.RankActivity:
-        """Read the rank's ``/proc`` entry (and, until seen connected, its sockets against ``connections``)."""
+    def sample(self, now: float, connections: Callable[[int], frozenset[int]]) -> m.RankActivity:
+        """Read the rank's ``/proc`` entry and, until it is seen at the store, its sockets.
+
+        ``connections(port)`` reads the host's TCP tables (costly: milliseconds on a busy
+        host), so it is asked only when the rank holds sockets it did not hold at the last
+        look, or every :data:`RECHECK_S` (a connect that was still in progress then).
+        """
         try:
             stat = parse_stat(Path(f"/proc/{self.pid}/stat").read_text())
         except OSError:
@@ -150,8 +160,11 @@ class RankActivityTracker:
         if stat is None:
             return self.report("X", now)
         self.cpu(stat.cpu_ticks, now)
-        if not self._connected and connections:
-            self._connected = bool(socket_inodes(self.pid) & connections)
+        if not self._connected and self.store_port > 0:
+            sockets = socket_inodes(self.pid)
+            if sockets and (sockets != self._sockets or now - self._checked_at >= RECHECK_S):
+                self._sockets, self._checked_at = sockets, now
+                self._connected = bool(sockets & connections(self.store_port))
         return self.report(stat.state, now)
 
     @property

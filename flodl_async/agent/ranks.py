@@ -241,13 +241,18 @@ class RankProcesses:
         )
 
     def activity(self, now: float) -> tuple[int, tuple[m.RankActivity, ...]]:
-        """The round and activity of every running rank (one ``/proc`` read each; the TCP tables only while a rank is not yet seen at the store)."""
+        """The round and activity of every running rank (a few ``/proc`` reads each; the TCP tables only when a rank not yet at the store opened a socket)."""
         running = [e for e in self._ranks.values() if not e.stopping and e.proc.returncode is None]
         if not running:
             return -1, ()
-        ports = {e.activity.store_port for e in running if not e.activity.connected and e.activity.store_port > 0}
-        tables = {port: store_connections(port) for port in ports}
-        reports = tuple(e.activity.sample(now, tables.get(e.activity.store_port)) for e in sorted(running, key=lambda e: e.rank))
+        tables: dict[int, frozenset[int]] = {}  # read at most once per port per report, and only when a rank asks
+
+        def connections(port: int) -> frozenset[int]:
+            if port not in tables:
+                tables[port] = store_connections(port)
+            return tables[port]
+
+        reports = tuple(e.activity.sample(now, connections) for e in sorted(running, key=lambda e: e.rank))
         return max(e.round for e in running), reports
 
     def cancel_readers(self) -> None:
