@@ -15,6 +15,16 @@ MODULES = [
     "flodl_async.agent",
     "flodl_async.devices",
     "flodl_async.runtime",
+    # the Trainer's data plane: torch only inside the functions that do tensor math (executor threads)
+    "flodl_async.relay",
+    "flodl_async.relayfold",
+    "flodl_async.reducer",
+    "flodl_async.datalink",
+    "flodl_async.foldmath",
+    "flodl_async.modelschema",
+    "flodl_async.outer",
+    "flodl_async.net.bufpool",
+    "flodl_async.controller",
 ]
 
 
@@ -59,6 +69,9 @@ PURE_MODULES = [
     "flodl_async.wire.frame",
     "flodl_async.wire.tensor",
     "flodl_async.net.admission",
+    "flodl_async.modelschema",
+    "flodl_async.outer",
+    "flodl_async.foldmath",
 ]
 
 

@@ -39,16 +39,6 @@ class FakeController:
     up: asyncio.Queue[Message] = field(default_factory=asyncio.Queue)
     links: list[FramedProtocol] = field(default_factory=list)
 
-    data_up: asyncio.Queue[tuple[m.TensorBundle, bytes]] = field(default_factory=asyncio.Queue)
-    data_links: list[FramedProtocol] = field(default_factory=list)
-
-    async def handle_data(self, link: FramedProtocol) -> None:
-        self.data_links.append(link)
-        while True:
-            frame = await link.recv()
-            assert isinstance(frame.message, m.TensorBundle)
-            await self.data_up.put((frame.message, bytes(frame.payload or b"")))
-
     async def handle(self, link: FramedProtocol) -> None:
         self.links.append(link)
         while True:
@@ -82,11 +72,6 @@ class Bench:
         assert welcome == m.RankWelcome(rank=rank, run_id="run")
         return link
 
-    async def data_link(self, rank: int) -> FramedProtocol:
-        credential = Credential.for_rank(self.secret, run_id=RUN, round=0, rank=rank)
-        async with asyncio.timeout(5):
-            return await open_unix_framed(self.relay.data_socket_path, channel=Channel.DATA, credential=credential, peer_label="relay data")
-
     def down(self, msg: Message) -> None:
         self.controller.links[0].send(msg)
 
@@ -100,8 +85,6 @@ async def bench(secret: bytes) -> AsyncIterator[Bench]:
         async with asyncio.timeout(30), asyncio.TaskGroup() as tg:
             service = FramedService(channel=Channel.CONTROL, resolve=session_resolver(secret), run_id=RUN, handler=controller.handle, task_group=tg)
             mux.register(Channel.CONTROL, service.protocol_factory)
-            data = FramedService(channel=Channel.DATA, resolve=session_resolver(secret), run_id=RUN, handler=controller.handle_data, task_group=tg)
-            mux.register(Channel.DATA, data.protocol_factory)
             await mux.start()
             relay = Relay(
                 socket_path=str(scratch / "relay.sock"),
@@ -248,32 +231,7 @@ async def test_a_rank_key_presented_as_the_session_secret_fails_the_proof(bench:
                 await open_framed("127.0.0.1", bench.port, channel=Channel.CONTROL, credential=Credential.session(candidate))
 
 
-# ----- the data channel ---------------------------------------------------------------------------------
-
-
-def _bundle(round_: int, payload: bytes) -> tuple[m.TensorBundle, list[bytes]]:
-    spec = m.TensorSpec(name="w", dtype="uint8", shape=(len(payload),), offset=0, nbytes=len(payload))
-    return m.TensorBundle(round=round_, weight=1.0, tensors=(spec,)), [payload]
-
-
-async def test_rank_bundles_go_up_the_hosts_one_data_connection_and_results_come_down_to_every_rank(bench: Bench) -> None:
-    r0, r1 = await bench.data_link(0), await bench.data_link(1)
-    sent = {0: bytes(range(256)) * 4096, 1: b"\x07" * (3 << 20)}  # 1 MiB and 3 MiB: the worker-thread sealing path too
-    async with asyncio.timeout(20):
-        await r0.send_tensors(*_bundle(0, sent[0]))
-        await r1.send_tensors(*_bundle(1, sent[1]))
-        got = [await bench.controller.data_up.get() for _ in range(2)]
-    assert sorted((msg.round, payload) for msg, payload in got) == sorted(sent.items())
-    assert len(bench.controller.data_links) == 1  # one upstream data connection for the host, not one per rank
-    result = b"\x2a" * (2 << 20)
-    await bench.controller.data_links[0].send_tensors(*_bundle(9, result))
-    async with asyncio.timeout(20):
-        for link in (r0, r1):
-            frame = await link.recv()
-            assert frame.message.round == 9  # type: ignore[attr-defined]
-            assert bytes(frame.payload or b"") == result
-    stats = bench.relay.statistics()
-    assert (stats.bundles_up, stats.bundles_down) == (2, 2)
+# ----- the data channel (the host fold itself: tests/test_averaging.py) ---------------------------------
 
 
 async def test_the_data_socket_takes_the_same_rank_scoped_credentials(bench: Bench) -> None:

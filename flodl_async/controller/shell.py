@@ -28,6 +28,7 @@ import os
 import signal
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from .. import __version__
 from ..agent import RankOutput
@@ -73,6 +74,9 @@ from ..wire.keys import CredentialKind
 from ..wire.schema import Message
 from .fanout import ssh_launcher
 from .launchers import AgentLauncher, ControllerContact, DialInLauncher, LocalLauncher
+
+if TYPE_CHECKING:
+    from ..reducer import Reducer
 
 log = logging.getLogger("flodl_async.launch")
 
@@ -126,6 +130,8 @@ class Controller:
         self._final: RunResult | None = None  # a verdict the supervisor did not give (internal error, cancelled)
         # The store rides the port unless torch's own store was asked for (then a store host serves it).
         self._store = None if os.environ.get(BACKEND_VARIABLE, "python") == "torch" else PortStore()
+        self._tg: asyncio.TaskGroup | None = None
+        self._reducer: Reducer | None = None
 
     @property
     def status_board(self) -> StatusBoard:
@@ -185,6 +191,7 @@ class Controller:
         result: RunResult | None = None
         try:
             async with asyncio.TaskGroup() as tg:
+                self._tg = tg
                 for channel, handler in (
                     (Channel.JOIN, self._handle_join),
                     (Channel.RENDEZVOUS, self._handle_rendezvous),
@@ -214,12 +221,26 @@ class Controller:
                     # What is still connected after the teardown's grace is stuck (a frozen host's relay link
                     # says nothing and never closes): closing the port ends those handlers, so the group can close.
                     await self._mux.aclose()
+                    if self._reducer is not None:
+                        await self._reducer.aclose()  # its round driver is a task of this group
         finally:
             if self._store is not None:
                 self._store.close()
             await self._mux.aclose()
         assert result is not None  # None only when cancelled, and then CancelledError propagates
         return result
+
+    def install_reducer(self, reducer: Reducer) -> None:
+        """Serve the data channel with ``reducer`` (the training shell calls this when its coordinator starts).
+
+        Until then the port serves no data channel: a relay that dials it is closed before any
+        handshake (counted as ``no_handler``), so runs without Trainer ranks never load torch.
+        """
+        if self._tg is None:
+            raise RuntimeError("install_reducer() needs a running controller (call it from inside run())")
+        service = reducer.attach(task_group=self._tg, resolve=self._resolve, run_id=self.plan.run_id)
+        self._reducer = reducer
+        self._mux.register(Channel.DATA, service.protocol_factory)
 
     async def aclose(self) -> None:
         """Close the port (idempotent)."""

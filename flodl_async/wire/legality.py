@@ -17,7 +17,10 @@ The rows are how the messages are used (design §2, §3):
 * control — ranks' hello and heartbeats. A host's relay terminates its ranks'
   links as the *controller* side of a unix-socket connection and forwards up as
   the *peer* side, so both hops read the same two rows.
-* data — tensor bundles, both ways (contributions up, reduced results down).
+* data — tensor bundles, both ways (contributions up, reduced results down); the
+  Trainer's averaging: a rank's ``DataHello``/``Contribution`` to its relay, the relay's
+  ``HostDataHello``/``HostContribution`` to the controller (a relay is the peer side of both
+  hops, as on control), ``DataWelcome``/``Consensus`` back down.
 
 ``Heartbeat`` is legal both ways on join and control. A new message is added
 to its row here, or it cannot be sent.
@@ -32,8 +35,14 @@ from .channels import Channel
 from .keys import Direction
 from .messages import (
     Abort,
+    Consensus,
+    Contribution,
+    DataHello,
+    DataWelcome,
     Finish,
     Heartbeat,
+    HostContribution,
+    HostDataHello,
     JoinAccept,
     JoinHello,
     JoinReject,
@@ -64,8 +73,8 @@ LEGAL_KINDS: Mapping[tuple[Channel, Direction], frozenset[type[Message]]] = Mapp
         (Channel.RENDEZVOUS, DOWN): frozenset(),
         (Channel.CONTROL, UP): frozenset({RankHello, Heartbeat}),
         (Channel.CONTROL, DOWN): frozenset({RankWelcome, Heartbeat}),
-        (Channel.DATA, UP): frozenset({TensorBundle}),
-        (Channel.DATA, DOWN): frozenset({TensorBundle}),
+        (Channel.DATA, UP): frozenset({TensorBundle, DataHello, HostDataHello, Contribution, HostContribution}),
+        (Channel.DATA, DOWN): frozenset({TensorBundle, DataWelcome, Consensus}),
     }
 )
 

@@ -238,3 +238,108 @@ class TensorBundle(Message):
     round: int
     weight: float
     tensors: tuple[TensorSpec, ...]
+
+
+# ----- data channel: the Trainer's averaging (trainer spec §3.2) -----------------------------
+
+
+@message(kind=0x0303)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DataHello(Message):
+    """A rank opens its data link to its relay: the model it averages (size and run digest)."""
+
+    rank: int
+    model_bytes: int
+    digest: str
+
+
+@message(kind=0x0304)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class HostDataHello(Message):
+    """A relay opens the host's one data connection: its ranks, and the model they average."""
+
+    host: str
+    ranks: tuple[int, ...]
+    model_bytes: int
+    digest: str
+
+
+@message(kind=0x0305)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DataWelcome(Message):
+    """The hello matched: tensor frames up to ``max_payload`` bytes are accepted from now on."""
+
+    max_payload: int
+
+
+@message(kind=0x0306)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Contribution(Message):
+    """One rank's tensors for round ``round`` (raw, in the model's dtypes), weighted ``steps ** gamma``.
+
+    ``tensors == ()`` is an empty contribution: nothing to add, the rank waits for the consensus.
+    """
+
+    round: int
+    kind: str
+    rank: int
+    weight: float
+    steps: int
+    tensors: tuple[TensorSpec, ...] = ()
+
+
+@message(kind=0x0307)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class HostContribution(Message):
+    """One host's part of round ``round``: ranks ``ranks`` (each exactly once), total ``weight``.
+
+    ``prescaled``: the relay folded several ranks (``Σ w_r·t_r``, in the accumulator dtype);
+    otherwise the one rank's raw tensors, to be scaled by ``weight`` at the controller.
+    ``steps`` (appended to the spec's fields): each listed rank's realized steps, in ``ranks``
+    order, so the controller can check a model round's weight against ``steps ** gamma``.
+    """
+
+    round: int
+    kind: str
+    host: str
+    ranks: tuple[int, ...]
+    weight: float
+    prescaled: bool
+    tensors: tuple[TensorSpec, ...] = ()
+    steps: tuple[int, ...] = ()
+
+
+@message(kind=0x0308)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Consensus(Message):
+    """The result of round ``round``; ``mass == 0`` carries no tensors (ranks keep their local state)."""
+
+    round: int
+    kind: str
+    mass: float
+    tensors: tuple[TensorSpec, ...] = ()
+
+
+@message(kind=0x0309)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ModelSchemaWire(Message):
+    """A model's tensor layout (nested in ``TrainerHello``; :class:`flodl_async.modelschema.ModelSchema`).
+
+    ``dtypes``/``shapes`` are in wire order: parameters, then persistent buffers.
+    """
+
+    param_names: tuple[str, ...]
+    buffer_names: tuple[str, ...]
+    dtypes: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    aliases: dict[str, str] = field(default_factory=dict)
+
+
+@message(kind=0x030A)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class OuterSpecWire(Message):
+    """An outer optimizer spec (:mod:`flodl_async.outer`): ``kind`` is ``avg``, ``slowmo`` or ``diloco``."""
+
+    kind: str
+    lr: float = 0.0
+    momentum: float = 0.0
