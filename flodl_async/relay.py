@@ -17,13 +17,22 @@ Addressing is explicit, in one table (:data:`RANK_ADDRESS`): which control
 messages carry a rank, and how to read it. Both directions are checked
 against it in one place (:func:`rank_of`):
 
-- down: a message from the controller goes to the rank it is addressed to;
-  one that is addressed to no rank is dropped and counted, never guessed at;
+- down: a message from the controller goes to the rank it is addressed to,
+  ``rank = -1`` to every live local rank (one frame per host for the Trainer's
+  broadcasts); one that is addressed to no rank is dropped and counted, never
+  guessed at;
 - up: a rank's link is bound to the rank its credential proved in the
   handshake. Its ``RankHello`` must name that rank, and a later message on that
   link that claims another rank — or no rank, which the shared upstream
   connection would leave without an origin — is refused: the link is closed
-  and counted. A second link for a bound rank is refused too.
+  and counted. A second link for a bound rank is refused too. ``RankGone`` is the
+  relay's own: when a bound rank's link closes, the relay says so up the shared
+  connection (the controller learns of a dead Trainer rank without waiting for
+  its heartbeat deadline or its exit report).
+
+The relay also reads two Trainer messages as they pass: the first ``TrainerHello``
+(the model's size and the run digest, which its data socket's ceiling and hello
+check need) and ``DeclareDead`` (a rank its fold barrier must stop waiting for).
 
 Credentials. The relay holds the session secret (it is part of its agent) and
 speaks upstream with it; ranks never get it. The rank socket takes only rank
@@ -75,8 +84,34 @@ RANK_ADDRESS: Mapping[type[Message], Callable[[Message], int]] = dict(
         _address(m.RankHello, lambda msg: msg.rank),
         _address(m.RankWelcome, lambda msg: msg.rank),
         _address(m.Heartbeat, lambda msg: msg.rank),
+        # The Trainer's coordinator protocol (trainer-spec §2.2); down, rank -1 is every local rank.
+        *(
+            _address(cls, lambda msg: msg.rank)  # type: ignore[attr-defined]
+            for cls in (
+                m.TrainerHello,
+                m.TrainerWelcome,
+                m.TrainerReject,
+                m.Plan,
+                m.WindowDone,
+                m.Reduce,
+                m.ReduceDone,
+                m.EpochAggregated,
+                m.DeclareDead,
+                m.RankGone,
+                m.Exiting,
+                m.Intent,
+                m.RankStateSaved,
+                m.Shutdown,
+            )
+        ),
     ]
 )
+
+#: ``rank`` of a down-message that means every local rank of this relay (one frame per host).
+EVERY_LOCAL_RANK = -1
+
+#: Up-messages only the relay itself originates: a rank's link that sends one is refused.
+RELAY_ONLY: frozenset[type[Message]] = frozenset({m.RankGone})
 
 
 def rank_of(msg: Message) -> int | None:
@@ -100,6 +135,10 @@ class RelayStatistics:
     refused_links: int
     #: The data socket: contributions folded into host frames, consensus fanned out.
     data: HostFoldStatistics
+    #: Down-messages for every local rank (``rank = -1``), counted once per frame.
+    broadcasts_down: int = 0
+    #: ``RankGone`` reports sent up for closed rank links.
+    ranks_gone: int = 0
 
 
 class Relay:
@@ -141,6 +180,12 @@ class Relay:
         self._dropped_rank_gone = 0
         self._refused_links = 0
         self._warned: set[type[Message]] = set()
+        self._broadcasts_down = 0
+        self._ranks_gone = 0
+        #: ``(model_bytes, digest)`` from the first local TrainerHello; None before any.
+        self.trainer_model: tuple[int, str] | None = None
+        #: Ranks the controller declared dead (the fold barrier's exclusions).
+        self.declared_dead: set[int] = set()
 
     async def start(self) -> None:
         """Dial upstream (with the session secret), then listen on the unix socket (owner-only)."""
@@ -201,6 +246,8 @@ class Relay:
             dropped_rank_gone=self._dropped_rank_gone,
             refused_links=self._refused_links,
             data=self._fold.statistics(),
+            broadcasts_down=self._broadcasts_down,
+            ranks_gone=self._ranks_gone,
         )
 
     def _refuse(self, why: str) -> None:
@@ -224,21 +271,42 @@ class Relay:
             return
         self._ranks[bound] = link
         upstream = self._require_upstream()
+        gone = "its link to the relay closed"
         try:
             self._up(upstream, hello)
             while True:
-                msg = await link.recv_message()
+                try:
+                    msg = await link.recv_message()
+                except ConnectionClosed as exc:
+                    if exc.by_peer:  # the rank's side went away: its process ended (the agent reports how)
+                        gone = "its link to the relay closed (the rank exited, crashed or was killed)"
+                    raise
                 claimed = rank_of(msg)
-                if claimed != bound:
+                if claimed != bound or type(msg) in RELAY_ONLY:
                     claim = "no rank" if claimed is None else f"rank {claimed}"
-                    self._refuse(f"the link of rank {bound} sent {type(msg).__name__} claiming {claim}")
+                    why = f"the link of rank {bound} sent {type(msg).__name__} claiming {claim}"
+                    if type(msg) in RELAY_ONLY:
+                        why = f"the link of rank {bound} sent {type(msg).__name__}, which only a relay sends"
+                    self._refuse(why)
+                    gone = f"the relay closed its link: {why}"
                     return
+                if isinstance(msg, m.TrainerHello) and self.trainer_model is None:
+                    self.trainer_model = (msg.model_bytes, msg.digest)
                 self._up(upstream, msg)
                 await upstream.drain()
         finally:
             if self._ranks.get(bound) is link:
                 del self._ranks[bound]
                 self._fold.rank_gone(bound, "its control link closed")
+                self._report_gone(upstream, bound, gone)
+
+    def _report_gone(self, upstream: FramedProtocol, rank: int, reason: str) -> None:
+        """Rule 4 of the coordinator protocol: a bound rank's closed link is reported up as ``RankGone``."""
+        if upstream.is_closing:
+            return
+        with contextlib.suppress(ConnectionClosed, OSError):
+            upstream.send(m.RankGone(rank=rank, reason=reason))
+            self._ranks_gone += 1
 
     def _up(self, upstream: FramedProtocol, msg: Message) -> None:
         upstream.send(msg)
@@ -251,6 +319,17 @@ class Relay:
             except (ConnectionClosed, WireError):
                 return  # the controller went away; the session's join link reports it
             rank = rank_of(msg)
+            if isinstance(msg, m.DeclareDead):
+                self.declared_dead.add(msg.dead_rank)
+                self.rank_dead(msg.dead_rank, msg.reason)
+            if rank == EVERY_LOCAL_RANK:
+                self._broadcasts_down += 1
+                for local in list(self._ranks.values()):
+                    if not local.is_closing:
+                        with contextlib.suppress(ConnectionClosed, OSError):
+                            local.send(msg)
+                            self._delivered_down += 1
+                continue
             if rank is None:
                 self._dropped_unaddressed += 1
                 if type(msg) not in self._warned:  # once per kind: a peer could flood the log otherwise

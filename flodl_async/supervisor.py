@@ -132,6 +132,22 @@ class RankConnected:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class TrainingEnded:
+    """The Trainer's coordinator concluded: in order (the ranks now exit 0) or failed (its cause is the run's).
+
+    A coordinator that fails (spec mismatch, hello timeout, a rank lost, a stall) is the root
+    cause of the exits that follow it, so the verdict is its ``reason``, given at once. An
+    orderly end waits for the ranks' exits; ``code`` is the verdict's code then (OK, or the
+    signal's code when a launcher signal asked for the orderly stop).
+    """
+
+    ok: bool
+    reason: str
+    code: ExitCode = ExitCode.OK
+    details: str = ""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Interrupted:
     """The launcher received ``signal`` (SIGINT or SIGTERM)."""
 
@@ -143,7 +159,7 @@ class Tick:
     """:meth:`Supervisor.next_deadline` has passed."""
 
 
-Event = JoinRequested | JoinUndelivered | HostLost | StoreReady | RankExited | RanksStopped | RankConnected | Interrupted | Tick
+Event = JoinRequested | JoinUndelivered | HostLost | StoreReady | RankExited | RanksStopped | RankConnected | TrainingEnded | Interrupted | Tick
 
 
 # ----- actions -----------------------------------------------------------------------------------
@@ -294,6 +310,7 @@ class Supervisor:
         self._window = window
         self._restart_count = 0
         self._ranks: dict[int, RankStatus] = {}
+        self._training_done: tuple[str, ExitCode] | None = None  # the coordinator's orderly end, for the verdict
 
     # ----- queries ----------------------------------------------------------------------------
 
@@ -348,6 +365,8 @@ class Supervisor:
         phase = self._phase
         if isinstance(phase, Ended):
             return self._after_verdict(event)
+        if isinstance(event, TrainingEnded):
+            return self._training_ended(event)
         if isinstance(phase, Forming):
             return self._forming(phase, event, now)
         if isinstance(event, JoinRequested):
@@ -489,8 +508,16 @@ class Supervisor:
         self._phase = replace(phase, succeeded=succeeded)
         done: list[Action] = [Announce(text=f"rank {report.rank} on {report.host} exited with code 0")]
         if len(succeeded) == phase.world.world_size:
-            done.append(self._end(ExitCode.OK, f"all {phase.world.world_size} ranks exited 0"))
+            reason, code = self._training_done or (f"all {phase.world.world_size} ranks exited 0", ExitCode.OK)
+            done.append(self._end(code, reason))
         return tuple(done)
+
+    def _training_ended(self, event: TrainingEnded) -> tuple[Action, ...]:
+        if event.ok:
+            # The ranks now leave; their clean exits give the verdict (130/143 after an orderly stop on a signal).
+            self._training_done = (event.reason, event.code)
+            return (Announce(text=event.reason),)
+        return (Announce(text=event.reason, level=Level.WARNING), self._end(event.code, event.reason, details=event.details))
 
     def _restarting(self, phase: Restarting, event: Event, now: float) -> tuple[Action, ...]:
         if isinstance(event, RanksStopped) and event.round == phase.round:

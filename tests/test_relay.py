@@ -150,7 +150,8 @@ async def test_a_link_claiming_another_rank_is_closed(bench: Bench) -> None:
     r0.send(m.Heartbeat(sent_at=2.0, rank=3))  # rank 0's link speaking for rank 3
     await _closed(r0)
     assert await bench.controller.up.get() == m.Heartbeat(sent_at=1.0, rank=0)
-    assert bench.controller.up.empty()  # the forged one never went up
+    gone = await bench.controller.up.get()  # the forged one never went up; the closed link is reported
+    assert gone == m.RankGone(rank=0, reason="the relay closed its link: the link of rank 0 sent Heartbeat claiming rank 3")
     stats = bench.relay.statistics()
     assert stats.refused_links == 1
     assert stats.ranks_connected == 0
@@ -239,3 +240,57 @@ async def test_the_data_socket_takes_the_same_rank_scoped_credentials(bench: Ben
     with pytest.raises(HandshakeRefused, match="rank 7 does not run on this host"):
         async with asyncio.timeout(5):
             await open_unix_framed(bench.relay.data_socket_path, channel=Channel.DATA, credential=credential, peer_label="relay data")
+
+
+# ----- the Trainer's control rules (trainer-spec §2.2, rules 1-4) ---------------------------------
+
+
+async def test_a_broadcast_reaches_every_local_rank_once(bench: Bench) -> None:
+    r0, r1 = await bench.hello(0), await bench.hello(1)
+    bench.down(m.Shutdown(reason="training complete", save_reason="completed"))  # rank -1: every local rank
+    bench.down(m.Plan(rank=1, round=1, epoch=0, ranges=((0, 2),), quota=2, hold_after=2, progress=0.0))
+    assert await r0.recv_message() == m.Shutdown(reason="training complete", save_reason="completed")
+    assert await r1.recv_message() == m.Shutdown(reason="training complete", save_reason="completed")
+    assert isinstance(await r1.recv_message(), m.Plan)  # addressed: rank 1 only
+    stats = bench.relay.statistics()
+    assert stats.broadcasts_down == 1
+    assert stats.dropped_unaddressed == 0
+
+
+async def test_a_closed_rank_link_is_reported_up_as_rank_gone(bench: Bench) -> None:
+    r1 = await bench.hello(1)
+    assert isinstance(await bench.controller.up.get(), m.RankHello)
+    await r1.aclose(grace=1.0)
+    gone = await bench.controller.up.get()
+    assert isinstance(gone, m.RankGone)
+    assert gone.rank == 1
+    assert gone.reason.startswith("its link to the relay closed")
+    assert bench.relay.statistics().ranks_gone == 1
+
+
+async def test_a_rank_cannot_send_rank_gone(bench: Bench) -> None:
+    r0 = await bench.hello(0)
+    assert isinstance(await bench.controller.up.get(), m.RankHello)
+    r0.send(m.RankGone(rank=0, reason="forged"))
+    await _closed(r0)
+    gone = await bench.controller.up.get()
+    assert gone == m.RankGone(rank=0, reason="the relay closed its link: the link of rank 0 sent RankGone, which only a relay sends")
+    assert bench.relay.statistics().refused_links == 1
+
+
+async def test_trainer_frames_are_rank_checked_and_the_relay_reads_hello_and_deaths(bench: Bench) -> None:
+    from .trainerwire import CONTROL_UP
+
+    r1 = await bench.hello(1)
+    assert isinstance(await bench.controller.up.get(), m.RankHello)
+    trainer_hello = CONTROL_UP[0]
+    assert isinstance(trainer_hello, m.TrainerHello)
+    r1.send(trainer_hello)
+    assert await bench.controller.up.get() == trainer_hello  # read, and forwarded
+    assert bench.relay.trainer_model == (trainer_hello.model_bytes, trainer_hello.digest)
+    bench.down(m.DeclareDead(dead_rank=3, reason="heartbeat timeout"))
+    assert await r1.recv_message() == m.DeclareDead(dead_rank=3, reason="heartbeat timeout")
+    assert bench.relay.declared_dead == {3}
+    r1.send(m.WindowDone(rank=2, round=1, epoch=0, batches=1, samples=1, compute_ms=1.0, data_ms=0.0, loss_sum=0.0))  # for another rank
+    await _closed(r1)
+    assert bench.relay.statistics().refused_links == 1

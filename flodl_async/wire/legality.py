@@ -14,7 +14,9 @@ The rows are how the messages are used (design §2, §3):
   its ranks' exits and output; the controller admits, forms the world and drives rounds.
 * rendezvous — the store host's agent reports where its store listens; nothing
   comes back down.
-* control — ranks' hello and heartbeats. A host's relay terminates its ranks'
+* control — ranks' hello and heartbeats, and the Trainer's coordinator protocol
+  (trainer-spec §2.2: hello/welcome, plans, window reports, reduces, epoch metrics,
+  deaths, shutdown; ``RankGone`` is the relay's own report of a closed link). A host's relay terminates its ranks'
   links as the *controller* side of a unix-socket connection and forwards up as
   the *peer* side, so both hops read the same two rows.
 * data — tensor bundles, both ways (contributions up, reduced results down); the
@@ -39,24 +41,38 @@ from .messages import (
     Contribution,
     DataHello,
     DataWelcome,
+    DeclareDead,
+    EpochAggregated,
+    Exiting,
     Finish,
     Heartbeat,
     HostContribution,
     HostDataHello,
+    Intent,
     JoinAccept,
     JoinHello,
     JoinReject,
     OpenRound,
+    Plan,
     RankExited,
+    RankGone,
     RankHello,
     RankOutput,
     RanksStopped,
+    RankStateSaved,
     RankWelcome,
+    Reduce,
+    ReduceDone,
     RendezvousHello,
+    Shutdown,
     StartRanks,
     StopRanks,
     StoreAddress,
     TensorBundle,
+    TrainerHello,
+    TrainerReject,
+    TrainerWelcome,
+    WindowDone,
     WorldFormed,
 )
 from .schema import Message
@@ -71,8 +87,12 @@ LEGAL_KINDS: Mapping[tuple[Channel, Direction], frozenset[type[Message]]] = Mapp
         (Channel.JOIN, DOWN): frozenset({JoinAccept, JoinReject, WorldFormed, OpenRound, StartRanks, StopRanks, Abort, Finish, Heartbeat}),
         (Channel.RENDEZVOUS, UP): frozenset({RendezvousHello, StoreAddress}),
         (Channel.RENDEZVOUS, DOWN): frozenset(),
-        (Channel.CONTROL, UP): frozenset({RankHello, Heartbeat}),
-        (Channel.CONTROL, DOWN): frozenset({RankWelcome, Heartbeat}),
+        (Channel.CONTROL, UP): frozenset(
+            {RankHello, Heartbeat, TrainerHello, WindowDone, ReduceDone, RankGone, Exiting, Intent, RankStateSaved}
+        ),
+        (Channel.CONTROL, DOWN): frozenset(
+            {RankWelcome, Heartbeat, TrainerWelcome, TrainerReject, Plan, Reduce, EpochAggregated, DeclareDead, Shutdown}
+        ),
         (Channel.DATA, UP): frozenset({TensorBundle, DataHello, HostDataHello, Contribution, HostContribution}),
         (Channel.DATA, DOWN): frozenset({TensorBundle, DataWelcome, Consensus}),
     }
