@@ -142,6 +142,22 @@ class RanksReported:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class TrainingEnded:
+    """The Trainer's coordinator concluded: in order (the ranks now exit 0) or failed (its cause is the run's).
+
+    A coordinator that fails (spec mismatch, hello timeout, a rank lost, a stall) is the root
+    cause of the exits that follow it, so the verdict is its ``reason``, given at once. An
+    orderly end waits for the ranks' exits; ``code`` is the verdict's code then (OK, or the
+    signal's code when a launcher signal asked for the orderly stop).
+    """
+
+    ok: bool
+    reason: str
+    code: ExitCode = ExitCode.OK
+    details: str = ""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Interrupted:
     """The launcher received ``signal`` (SIGINT or SIGTERM)."""
 
@@ -153,7 +169,9 @@ class Tick:
     """:meth:`Supervisor.next_deadline` has passed."""
 
 
-Event = JoinRequested | JoinUndelivered | HostLost | StoreReady | RankExited | RanksStopped | RankConnected | RanksReported | Interrupted | Tick
+Event = (
+    JoinRequested | JoinUndelivered | HostLost | StoreReady | RankExited | RanksStopped | RankConnected | RanksReported | TrainingEnded | Interrupted | Tick
+)
 
 
 # ----- actions -----------------------------------------------------------------------------------
@@ -304,6 +322,7 @@ class Supervisor:
         self._window = window
         self._restart_count = 0
         self._ranks: dict[int, RankStatus] = {}
+        self._training_done: tuple[str, ExitCode] | None = None  # the coordinator's orderly end, for the verdict
 
     # ----- queries ----------------------------------------------------------------------------
 
@@ -360,6 +379,8 @@ class Supervisor:
         phase = self._phase
         if isinstance(phase, Ended):
             return self._after_verdict(event)
+        if isinstance(event, TrainingEnded):
+            return self._training_ended(event)
         if isinstance(phase, Forming):
             return self._forming(phase, event, now)
         if isinstance(event, JoinRequested):
@@ -508,8 +529,16 @@ class Supervisor:
         done: list[Action] = [Announce(text=f"rank {report.rank} on {report.host} exited with code 0")]
         if len(succeeded) == phase.world.world_size:
             after = f" after {restarts_text(self._restart_count)}" if self._restart_count else ""
-            done.append(self._end(ExitCode.OK, f"all {phase.world.world_size} ranks exited 0{after}"))
+            reason, code = self._training_done or (f"all {phase.world.world_size} ranks exited 0{after}", ExitCode.OK)
+            done.append(self._end(code, reason))
         return tuple(done)
+
+    def _training_ended(self, event: TrainingEnded) -> tuple[Action, ...]:
+        if event.ok:
+            # The ranks now leave; their clean exits give the verdict (130/143 after an orderly stop on a signal).
+            self._training_done = (event.reason, event.code)
+            return (Announce(text=event.reason),)
+        return (Announce(text=event.reason, level=Level.WARNING), self._end(event.code, event.reason, details=event.details))
 
     def _restarting(self, phase: Restarting, event: Event, now: float) -> tuple[Action, ...]:
         if isinstance(event, RanksStopped) and event.round == phase.round:

@@ -38,6 +38,7 @@ from flodl_async.supervisor import (
     SupervisorConfig,
     Tell,
     Tick,
+    TrainingEnded,
     describe_exit,
     failure_details,
 )
@@ -627,3 +628,39 @@ def test_hang_timeout_ends_the_run_naming_the_quietest_rank() -> None:
     )
     assert end.result.details == "it never connected to the rendezvous store; it printed nothing"
     assert isinstance(end.farewell, m.Abort)
+
+
+# ----- the Trainer's coordinator ------------------------------------------------------------
+
+
+def test_a_failed_coordinator_is_the_verdict_at_once() -> None:
+    sup = Supervisor(config(), now=0.0)
+    running(sup)
+    reason = "rank 1 on host a was lost mid-training: no frame for 30 s (heartbeat timeout: the rank is frozen, stopped or cut off)"
+    end = the_end(sup.handle(TrainingEnded(ok=False, reason=reason, code=ExitCode.RANK_FAILURE), 3.0))
+    assert (end.result.exit_code, end.result.reason) == (ExitCode.RANK_FAILURE, reason)
+    assert isinstance(end.farewell, m.Abort)
+    # The exits that follow it are consequences: the verdict stays the coordinator's.
+    assert of(sup.handle(exited(1, "a", code=1), 4.0), EndRun) == []
+    assert sup.result is not None
+    assert sup.result.reason == reason
+
+
+def test_an_orderly_training_end_names_the_verdict_once_the_ranks_exit() -> None:
+    sup = Supervisor(config(), now=0.0)
+    running(sup)
+    assert of(sup.handle(TrainingEnded(ok=True, reason="training complete: 2 epoch(s) on 4 rank(s)"), 3.0), EndRun) == []
+    for rank, host in ((0, "a"), (1, "a"), (2, "b")):
+        sup.handle(exited(rank, host), 3.0)
+    end = the_end(sup.handle(exited(3, "b"), 3.0))
+    assert (end.result.exit_code, end.result.reason) == (ExitCode.OK, "training complete: 2 epoch(s) on 4 rank(s)")
+
+
+def test_an_orderly_stop_on_a_signal_keeps_the_signals_code() -> None:
+    sup = Supervisor(config(), now=0.0)
+    running(sup)
+    sup.handle(TrainingEnded(ok=True, reason="training stopped (SIGTERM) after 1 of 2 epoch(s)", code=ExitCode.TERMINATED), 3.0)
+    for rank, host in ((0, "a"), (1, "a"), (2, "b")):
+        sup.handle(exited(rank, host), 3.0)
+    end = the_end(sup.handle(exited(3, "b"), 3.0))
+    assert end.result.exit_code is ExitCode.TERMINATED

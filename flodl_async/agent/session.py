@@ -426,6 +426,7 @@ class _Serving:
                     controller_port=cfg.controller_port,
                     task_group=tg,
                     deadlines=cfg.deadlines,
+                    host=cfg.host,
                 )
                 self._relay = relay
                 try:

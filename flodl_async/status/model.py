@@ -118,10 +118,15 @@ class StatusSnapshot:
     verdict: str = ""
     exit_code: int | None = None
     connections: Counters = field(default_factory=dict)
+    #: The Trainer's coordinator (epoch/epochs, policy, backend, anchor, counts, last reduce ms, per-rank
+    #: state, batches and heartbeat age, the last epoch's metrics); None in a run without Trainer ranks.
+    training: Mapping[str, object] | None = None
 
     def to_document(self) -> dict[str, object]:
         """The document served at ``/state.json``, as plain JSON values (enums as their strings)."""
         doc = {f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(self)}
+        if self.training is None:
+            del doc["training"]  # additive: a run without Trainer ranks serves the document it always did
         doc["schema"] = SCHEMA
         return doc
 
