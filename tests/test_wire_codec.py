@@ -37,6 +37,10 @@ SAMPLES: dict[tuple[Channel, Direction], list[Message]] = {
         m.RankExited(round=0, rank=3, local_rank=1, host="b", exit_code=None, signal=9, stderr_tail=("boom",)),
         m.RankOutput(attempt=1, rank=3, stream="out", data=b" 10%|#\r 20%|##"),
         m.RanksStopped(round=2),
+        m.RankStats(
+            round=1,
+            ranks=(m.RankActivity(rank=3, pid=99, uptime_s=12.0, state="S", cpu_percent=0.5, last_line="epoch 1", output_age_s=3.5, quiet_s=3.5),),
+        ),
         m.Heartbeat(sent_at=12.5, rank=1),
     ],
     (Channel.JOIN, DOWN): [

@@ -59,6 +59,7 @@ from ..supervisor import (
     Level,
     RankConnected,
     RankExited,
+    RanksReported,
     RanksStopped,
     RejectJoin,
     ResetStore,
@@ -98,10 +99,16 @@ def _ranks_stopped(host: str, msg: Message) -> Event:
     return RanksStopped(host=host, round=msg.round)
 
 
+def _ranks_reported(host: str, msg: Message) -> Event:
+    assert isinstance(msg, m.RankStats)
+    return RanksReported(host=host, report=msg)
+
+
 #: What an agent's messages up its join link mean to the supervisor (the wire's table says what is legal).
 _HOST_EVENTS: dict[type[Message], Callable[[str, Message], Event]] = {
     m.RankExited: _rank_exited,
     m.RanksStopped: _ranks_stopped,
+    m.RankStats: _ranks_reported,
 }
 
 
@@ -215,6 +222,7 @@ class Controller:
                 host_aliases=plan.host_aliases,
                 protocol_version=PROTOCOL_VERSION,
                 version=__version__,
+                hang_timeout=plan.hang_timeout,
             ),
             now=self._opened_at,
         )
@@ -344,7 +352,10 @@ class Controller:
                 with contextlib.suppress(ConnectionClosed):  # a link that just died: its handler reports HostLost
                     link.send(action.message)
         elif isinstance(action, Announce):
-            log.log(_LOG_LEVELS[action.level], "%s", action.text)
+            level = _LOG_LEVELS[action.level]
+            if self.plan.one_host and level == logging.INFO:
+                level = logging.DEBUG  # a --nproc run said it all in its banner: the progress is for -v
+            log.log(level, "%s", action.text)
         elif isinstance(action, AcceptJoin):
             assert reply_link is not None
             try:
@@ -517,7 +528,8 @@ class Controller:
                 "(set join.open_admission: false and give agents a cluster token: flodl token new)",
                 self.port,
             )
-        log.info(
+        log.log(
+            logging.DEBUG if plan.one_host else logging.INFO,
             "window open (quorum %d ranks, target %s, window %gs, cap %gs, admission: %s) — status at http://%s:%d/",
             j.min_rank_start,
             j.target_ranks if j.target_ranks is not None else "none",

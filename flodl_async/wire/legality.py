@@ -11,7 +11,7 @@ number verified (before msgpack sees the body), and sending one raises
 The rows are how the messages are used (design §2, §3):
 
 * join — the agent's host link, open for the run: the agent joins and reports
-  its ranks' exits and output; the controller admits, forms the world and drives rounds.
+  its ranks' exits, output and activity (``RankStats``); the controller admits, forms the world and drives rounds.
 * rendezvous — the store host's agent reports where its store listens; nothing
   comes back down.
 * control — ranks' hello and heartbeats, and the Trainer's coordinator protocol
@@ -60,6 +60,7 @@ from .messages import (
     RankOutput,
     RanksStopped,
     RankStateSaved,
+    RankStats,
     RankWelcome,
     Reduce,
     ReduceDone,
@@ -83,7 +84,7 @@ DOWN = Direction.FROM_CONTROLLER
 #: (channel, direction) → the message classes a frame travelling that way may carry.
 LEGAL_KINDS: Mapping[tuple[Channel, Direction], frozenset[type[Message]]] = MappingProxyType(
     {
-        (Channel.JOIN, UP): frozenset({JoinHello, RankExited, RankOutput, RanksStopped, Heartbeat}),
+        (Channel.JOIN, UP): frozenset({JoinHello, RankExited, RankOutput, RankStats, RanksStopped, Heartbeat}),
         (Channel.JOIN, DOWN): frozenset({JoinAccept, JoinReject, WorldFormed, OpenRound, StartRanks, StopRanks, Abort, Finish, Heartbeat}),
         (Channel.RENDEZVOUS, UP): frozenset({RendezvousHello, StoreAddress}),
         (Channel.RENDEZVOUS, DOWN): frozenset(),

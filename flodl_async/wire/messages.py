@@ -2,8 +2,8 @@
 
 Messages whose bodies can carry secrets are ``sealed=True``: ``WorldFormed``
 (the command and the environment, which often hold tokens), ``RankExited``
-(a user's traceback and stderr lines) and ``RankOutput`` (whatever a rank
-prints); their bodies are encrypted, not only authenticated. Tensor payloads are always encrypted.
+(a user's traceback and stderr lines), ``RankOutput`` (whatever a rank
+prints) and ``RankStats`` (each rank's last output line); their bodies are encrypted, not only authenticated. Tensor payloads are always encrypted.
 
 Kinds are grouped by channel in the high byte (0x01xx join, 0x02xx
 rendezvous, 0x03xx data, 0x04xx control, 0x05xx relay-local); a new message
@@ -160,6 +160,37 @@ class RankOutput(Message):
     rank: int
     stream: str  # "out" | "err"
     data: bytes
+
+
+@message(kind=0x010D)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RankActivity(Message):
+    """One rank as its agent sees it (inside :class:`RankStats`): what makes a hang visible.
+
+    ``state`` is the process state letter of ``/proc/<pid>/stat`` (R running, S sleeping,
+    D uninterruptible, T stopped...); ages are seconds, -1 for "never".
+    """
+
+    rank: int
+    pid: int
+    uptime_s: float
+    state: str
+    cpu_percent: float
+    last_line: str = ""
+    output_age_s: float = -1.0
+    #: Seconds with neither output nor CPU progress (what ``--hang-timeout`` measures).
+    quiet_s: float = 0.0
+    #: The rank has a TCP connection to the rendezvous store (traced to its pid through /proc).
+    store_connected: bool = False
+
+
+@message(kind=0x010E, sealed=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RankStats(Message):
+    """An agent's periodic report of its running ranks, up the host link. Sealed: it quotes each rank's last output line."""
+
+    round: int
+    ranks: tuple[RankActivity, ...]
 
 
 # ----- rendezvous channel ---------------------------------------------------------------
