@@ -17,7 +17,6 @@ Nothing here touches CUDA, a socket or torch: visible GPUs are counted from
 from __future__ import annotations
 
 import enum
-import os
 from collections.abc import Callable, Mapping, Sequence
 
 from .errors import ConfigError
@@ -52,28 +51,14 @@ def decide_entry(env: Mapping[str, str], *, cluster_given: bool, auto_promote: b
 
 
 def count_visible_gpus(env: Mapping[str, str], *, device_nodes: Callable[[], int] | None = None) -> int:
-    """GPUs this process may use, without touching CUDA.
+    """GPUs this process may use, without touching CUDA: the device nodes, within ``CUDA_VISIBLE_DEVICES`` (:mod:`flodl_async.gpus`).
 
-    ``CUDA_VISIBLE_DEVICES`` wins when set (a comma list; empty or one starting with ``-1`` means none, as
-    CUDA reads it: the list stops at the first invalid id); otherwise the ``/dev/nvidiaN`` nodes.
+    The mask is read as CUDA reads it (empty or ``-1`` means none; it stops at the first invalid entry).
     """
-    raw = env.get("CUDA_VISIBLE_DEVICES")
-    if raw is None:
-        return (device_nodes or _device_nodes)()
-    count = 0
-    for item in raw.split(","):
-        ident = item.strip()
-        if not ident or ident.startswith("-"):
-            break  # CUDA ignores everything from the first invalid entry on
-        count += 1
-    return count
+    from .gpus import MASK_VARIABLE, physical_gpu_count, visible_gpus
 
-
-def _device_nodes() -> int:
-    try:
-        return sum(1 for name in os.listdir("/dev") if name.startswith("nvidia") and name[6:].isdigit())
-    except OSError:
-        return 0
+    physical = device_nodes() if device_nodes is not None else physical_gpu_count(env)
+    return len(visible_gpus(env.get(MASK_VARIABLE), physical))
 
 
 def resolve_rank_command(orig_argv: Sequence[str], executable: str, *, given: Sequence[str] | None = None) -> tuple[str, ...]:

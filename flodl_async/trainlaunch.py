@@ -105,6 +105,7 @@ def launch_plan(trainer: Trainer, spec: ClusterSpec, *, argv: list[str], executa
         deadlines=deadlines,
         host_aliases=aliases,
         token=_cluster_token(None, spec),
+        one_host=spec.source == "auto-promote",
     )
 
 

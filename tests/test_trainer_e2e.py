@@ -223,7 +223,8 @@ def test_flodl_launch_sigint_stops_the_trainer_in_order(tmp_path: Path) -> None:
         launcher.kill()
     assert done.returncode == 130, done.stderr
     assert "stopping training in order on SIGINT" in done.stderr
-    assert "exited with code 0" in done.stderr  # the ranks finished run() and left on their own
+    # The ranks got no signal: they finished run() with the state and reached the end of the script.
+    assert done.stdout.count("interrupted=True") == 2, done.stdout
     saved = states(tmp_path)
     assert_identical(saved, {"rank-0", "rank-1"})
     assert all(doc["interrupted"] for doc in saved.values())

@@ -51,12 +51,14 @@ def test_rank_command_wins_and_a_program_from_dash_c_is_refused() -> None:
         launch_plan(trainer(), spec, argv=["python", "-c", "x"], executable="/py")
 
 
-def test_auto_promote_spans_the_visible_gpus_and_says_so_when_it_cannot() -> None:
-    spec = cluster_of(trainer(), {"CUDA_VISIBLE_DEVICES": "0,1"})
+def test_auto_promote_spans_the_visible_gpus_and_says_so_when_it_cannot(tmp_path: Path) -> None:
+    for i in range(4):
+        (tmp_path / f"nvidia{i}").touch()  # a host with four GPUs, of which the mask shows two
+    spec = cluster_of(trainer(), {"CUDA_VISIBLE_DEVICES": "2,3", "FLODL_INTERNAL_DEV_DIR": str(tmp_path)})
     (worker,) = spec.workers
     assert worker.devices == DeviceSpec.gpus((0, 1))
     with pytest.raises(ConfigError, match="auto-promote multi-GPU failed"):
-        cluster_of(trainer(), {"CUDA_VISIBLE_DEVICES": "0"})
+        cluster_of(trainer(), {"CUDA_VISIBLE_DEVICES": "0", "FLODL_INTERNAL_DEV_DIR": str(tmp_path)})
 
 
 def test_tunnel_workers_need_the_cpu_backend() -> None:
