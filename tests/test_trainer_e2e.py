@@ -252,3 +252,15 @@ def test_the_cooperative_worker_as_the_launcher_runs_the_launch_and_exits(tmp_pa
     for key, tensor in saved["rank-0"]["state"].items():
         assert torch.equal(saved["rank-1"]["state"][key], tensor)
     assert not saved["rank-0"]["primary"]  # the launcher was the primary
+
+
+def test_an_exception_in_a_cooperative_loop_is_a_death_record_naming_the_rank(tmp_path: Path) -> None:
+    run_id = new_run_id()
+    done = run_launch(
+        "--nproc", "2", "--devices", "cpu", "--port", "0", "--", PY, SCRIPT, "--out", str(tmp_path / "out"), "--cooperative", "--fail-rank", "1",
+        run_id=run_id, env=ENV, timeout=180,
+    )  # fmt: skip
+    assert done.returncode == 4, done.stderr
+    assert "rank 1" in done.stderr
+    assert "it raised" in done.stderr  # the rank's Exiting(error=...), not a heartbeat deadline
+    assert "fails on purpose in its own loop" in done.stderr

@@ -166,6 +166,8 @@ def cooperative(args: argparse.Namespace) -> None:
     with trainer.worker() as w:
         for _plan in w.plans():
             for batch in w.batches():
+                if int(os.environ.get("RANK", "-1")) == args.fail_rank:
+                    raise RuntimeError(f"rank {args.fail_rank} fails on purpose in its own loop")
                 loss = mse(w.model, batch)
                 loss.backward()
                 if w.step(loss).shutdown:
