@@ -263,3 +263,15 @@ def test_a_second_session_in_a_rank_process_is_refused_with_the_advice() -> None
         assert "loop at the process level" in str(info.value)
     finally:
         trainer_module._RANK_SESSION.clear()
+
+
+def test_lr_schedule_and_max_grad_norm_shape_the_steps() -> None:
+    initial = mlp.model(torch.device("cpu")).state_dict()
+    frozen = asyncio.run(trainer(epochs=1, lr_schedule=lambda progress: 0.0).run())  # LR x 0 all along: nothing moves
+    for name, tensor in initial.items():
+        assert torch.equal(frozen.state_dict[name], tensor), name
+    clipped = asyncio.run(trainer(epochs=1, max_grad_norm=1e-12).run())  # every step clipped to (almost) nothing
+    free = asyncio.run(trainer(epochs=1).run())
+    for name, tensor in initial.items():
+        assert torch.allclose(clipped.state_dict[name], tensor, atol=1e-9), name
+    assert any(not torch.allclose(free.state_dict[n], t, atol=1e-3) for n, t in initial.items())
