@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from .hostkit import HostKit, NsHost
-from .launchkit import PY, Launcher, assert_nothing_left, free_port, new_run_id
+from .launchkit import PY, Launcher, assert_nothing_left, free_port, new_run_id, wait_status
 from .test_fanout_e2e import _python_wrapper
 from .test_trainer_e2e import SCRIPT, assert_identical, states
 from .test_tunnel_e2e import LOOPBACK_HEX, _dial_from, _listen_addresses
@@ -41,7 +41,7 @@ def _cluster(tmp_path: Path, header: Sequence[str], workers: Sequence[str]) -> s
     return str(path)
 
 
-def _as_launcher(tmp_path: Path, cluster: str, *args: str, run_id: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
+def _as_launcher(tmp_path: Path, cluster: str, *args: str, run_id: str, timeout: float = 110) -> subprocess.CompletedProcess[str]:
     cmd = [PY, SCRIPT, "--out", str(tmp_path / "out"), "--cluster", cluster, *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "FLODL_RUN_ID": run_id}
     try:
@@ -62,7 +62,7 @@ class ScriptLauncher(Launcher):
 
     def held_rank(self) -> tuple[int, int]:
         """The held rank (the script's ``--hold-host``) and its pid, once its first step waits."""
-        self.wait_for_stdout("HOLDING rank", timeout=180)
+        self.wait_for_stdout("HOLDING rank", timeout=90)
         line = next(line for line in self.stdout_lines if "HOLDING rank" in line)
         held = re.search(r"HOLDING rank (\d+) pid (\d+) on ", line)
         assert held is not None, line
@@ -126,8 +126,13 @@ def test_a_tunnel_only_cluster_trains_end_to_end_through_a_loopback_only_control
         launcher.held_rank()  # the world trains (h2's rank waits in its first step)
         assert _listen_addresses(port) == {LOOPBACK_HEX}  # the controller's one port: loopback only
         assert _dial_from(h2, hostkit.controller_addr, port) == "ConnectionRefusedError"  # no way in but the tunnel
+        # A rank steps only after the init round's consensus, so both hosts' init frames are in the status page already.
+        doc = wait_status(port, lambda d: isinstance(d.get("training"), dict) and len(d["training"]["uplinks"]) == 2, timeout=30)
+        assert isinstance(doc["training"], dict)
+        assert {(u["host"], u["in_process"]) for u in doc["training"]["uplinks"]} == {("h1", False), ("h2", False)}
+        assert all(u["frames"] >= 1 for u in doc["training"]["uplinks"])
         hold.touch()
-        done = launcher.finish(timeout=240)
+        done = launcher.finish(timeout=90)
     finally:
         hold.touch()
         launcher.kill()
@@ -150,7 +155,7 @@ def test_a_rank_killed_on_the_remote_host_names_host_and_rank_and_leaves_nothing
         rank, pid = launcher.held_rank()
         assert pid in hostkit.host_pids(hostkit.hosts[0].ns)  # it runs on h1
         os.kill(pid, signal.SIGKILL)  # h1's one rank, in its first step
-        done = launcher.finish(timeout=240)
+        done = launcher.finish(timeout=90)
     finally:
         hold.touch()
         launcher.kill()
