@@ -106,12 +106,31 @@ class _LocalDown:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class HostUplinkStatistics:
+    """What one host's relay sent up so far (kept after its connection closed): frames and tensor bytes accepted."""
+
+    host: str
+    ranks: tuple[int, ...]
+    #: True for the relay in the controller's process (memory), False for one that dialled the port (sealed TCP).
+    in_process: bool
+    frames: int
+    payload_bytes: int
+
+    def summary(self) -> str:
+        """One line for the run's log: which host's contributions took which path."""
+        path = "in this process" if self.in_process else "over the port"
+        ranks = ",".join(str(r) for r in self.ranks)
+        return f"host {self.host} (ranks {ranks}) sent {self.frames} contribution(s), {self.payload_bytes} tensor bytes, {path}"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class ReducerStatistics:
-    """Hosts connected (over the port, and in this process) and rounds completed."""
+    """Hosts connected (over the port, and in this process), rounds completed, and every host's uplink since the start."""
 
     hosts: int
     in_process_hosts: int
     rounds_completed: int
+    uplinks: tuple[HostUplinkStatistics, ...] = ()
 
 
 @dataclass(slots=True)
@@ -119,6 +138,14 @@ class _Host:
     name: str
     ranks: frozenset[int]
     link: FramedProtocol | _LocalDown
+
+
+@dataclass(slots=True)
+class _UplinkCount:
+    ranks: tuple[int, ...]
+    in_process: bool
+    frames: int = 0
+    payload_bytes: int = 0
 
 
 @dataclass(slots=True)
@@ -184,6 +211,8 @@ class Reducer:
         self._closing = False
         self._run_id: str | None = None
         self._rounds_done = 0
+        #: Each host's accepted frames by name; cumulative, so a host whose link closed still shows what it sent.
+        self._uplinks: dict[str, _UplinkCount] = {}
 
     # ----- wiring into the controller -------------------------------------------------------------
 
@@ -319,7 +348,11 @@ class Reducer:
     def statistics(self) -> ReducerStatistics:
         """A snapshot for the status board and tests."""
         local = sum(isinstance(h.link, _LocalDown) for h in self._hosts)
-        return ReducerStatistics(hosts=len(self._hosts), in_process_hosts=local, rounds_completed=self._rounds_done)
+        uplinks = tuple(
+            HostUplinkStatistics(host=name, ranks=c.ranks, in_process=c.in_process, frames=c.frames, payload_bytes=c.payload_bytes)
+            for name, c in sorted(self._uplinks.items(), key=lambda item: min(item[1].ranks, default=0))
+        )
+        return ReducerStatistics(hosts=len(self._hosts), in_process_hosts=local, rounds_completed=self._rounds_done, uplinks=uplinks)
 
     # ----- a host in this process ------------------------------------------------------------------
 
@@ -422,6 +455,11 @@ class Reducer:
         elif msg.weight != 0 or payload_len:
             raise ProtocolError(f"{what} carries no tensors, so it must weigh 0 and have no payload")
         state.covered.update(ranks)
+        count = self._uplinks.setdefault(
+            frame.host.name, _UplinkCount(ranks=tuple(sorted(frame.host.ranks)), in_process=isinstance(frame.host.link, _LocalDown))
+        )
+        count.frames += 1
+        count.payload_bytes += payload_len
         state.pending.append(frame)
         state.pending.sort(key=lambda f: min(f.msg.ranks))
 

@@ -311,6 +311,10 @@ async def test_a_round_equals_the_reference_for_every_dtype(bench: Bench) -> Non
     assert stats["a"].delivered_down == 2
     reducer = bench.reducer.statistics()
     assert (reducer.hosts, reducer.in_process_hosts, reducer.rounds_completed) == (2, 2 if bench.local else 0, 1)
+    # Each host's uplink: which path it took, one frame each; b's one rank went up raw, a's fold as its accumulator.
+    assert [(u.host, u.ranks, u.in_process, u.frames) for u in reducer.uplinks] == [("a", (0, 1), bench.local, 1), ("b", (2,), bench.local, 1)]
+    assert reducer.uplinks[1].payload_bytes == bench.reducer.schema.model_bytes
+    assert reducer.uplinks[0].payload_bytes > 0
     for link in links.values():
         await link.aclose()
 

@@ -72,6 +72,7 @@ from ..wire.schema import Message
 if TYPE_CHECKING:
     import torch
 
+    from ..reducer import HostUplinkStatistics
     from .shell import Controller
 
 log = logging.getLogger("flodl_async.launch")
@@ -269,7 +270,13 @@ class TrainingShell:
             return None
         block = dataclasses.asdict(view)
         block["last_epoch"] = dataclasses.asdict(self.epochs[-1]) if self.epochs else None
+        block["uplinks"] = [dataclasses.asdict(u) for u in self.uplinks()]
         return block
+
+    def uplinks(self) -> tuple[HostUplinkStatistics, ...]:
+        """What each host's relay sent the reducer so far, and by which path (a test's round seam keeps none)."""
+        statistics = getattr(self.reducer, "statistics", None)  # TD's Reducer has it; RoundRunner does not require it
+        return () if statistics is None else typing.cast("tuple[HostUplinkStatistics, ...]", statistics().uplinks)
 
     async def aclose(self) -> None:
         """Cancel the round waiters, then close the reducer (its driver task and hosts' data links)."""
@@ -280,6 +287,8 @@ class TrainingShell:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         reducer = self.reducer
+        for uplink in self.uplinks():  # which host's contributions came over the port and which in memory, for the log
+            log.info("training data: %s", uplink.summary())
         if reducer is not None:
             # The launcher's final state (D1): copied off the loop (clones), before the reducer lets its buffers go.
             self._final_state = await asyncio.get_running_loop().run_in_executor(None, lambda: reducer.last_consensus)

@@ -2,7 +2,7 @@
 
     python trainer_mlp.py --out DIR [--policy sync|cadence|async] [--backend cpu|collective]
                           [--outer avg|slowmo|diloco] [--epochs N] [--cluster FILE]
-                          [--slow-rank R --slow-ms MS] [--fail-rank R] [--cooperative]
+                          [--slow-rank R --slow-ms MS] [--fail-rank R] [--cooperative] [--hold-file F --hold-host H]
 
 Each process writes its TrainedState to DIR/<entry>-<RANK>.pt (the launcher and the inline process
 as -1) with its epoch losses and its batch shares, and prints one `TRAINER-DONE` line.
@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import socket
 import sys
 import time
 from pathlib import Path
@@ -72,14 +73,23 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--ticker", action="store_true", help="run another asyncio task next to the training")
     p.add_argument("--anchor", type=int, default=None)
     p.add_argument("--no-adapt", action="store_true")
+    p.add_argument("--hold-file", help="with --hold-host: that host's local rank 0 prints HOLDING before its first step and waits for this file")
+    p.add_argument("--hold-host", help="the hostname whose local rank 0 holds (a test inspects the running world meanwhile)")
     return p.parse_args(argv)
 
 
 def build(args: argparse.Namespace) -> fa.Trainer:
     rank = int(os.environ.get("RANK", "-1"))
     sleep_s = (args.slow_ms if rank == args.slow_rank else args.fast_ms) / 1e3
+    holding = args.hold_file is not None and rank >= 0 and socket.gethostname() == args.hold_host and os.environ.get("LOCAL_RANK") == "0"
 
     def train_step(m: nn.Module, batch: list[torch.Tensor]) -> torch.Tensor:
+        nonlocal holding
+        if holding:
+            holding = False
+            print(f"HOLDING rank {rank} pid {os.getpid()} on {socket.gethostname()}", flush=True)
+            while not os.path.exists(args.hold_file):
+                time.sleep(0.05)
         if rank == args.fail_rank:
             raise RuntimeError(f"rank {rank} fails on purpose")
         if sleep_s:
