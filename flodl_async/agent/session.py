@@ -50,7 +50,7 @@ import signal
 from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from .. import __version__
 from ..deadlines import Deadlines
@@ -69,7 +69,6 @@ from ..errors import (
 )
 from ..liveness import Liveness
 from ..net.framed import FramedProtocol, open_framed
-from ..relay import Relay
 from ..runtime import RuntimeEntry, create_entry, reap_stale_ranks, sweep_stale
 from ..verdict import StopStep, rank_signal_for, stop_schedule
 from ..wire import messages as m
@@ -78,8 +77,10 @@ from ..wire.keys import SECRET_BYTES, Credential
 from ..wire.schema import Message
 from .lifecycle import Phase, SessionEvent, SessionObserver, ignore
 from .output import LinkOutput, OutputSink
-from .ranks import RankProcesses, RankWorld
-from .storehost import StoreHost
+
+if TYPE_CHECKING:  # imported where the world has formed: an agent's start (the fan-out's per-host path) skips them
+    from ..relay import Relay
+    from .ranks import RankProcesses
 
 log = logging.getLogger("flodl_async.agent")
 
@@ -309,6 +310,10 @@ class _Serving:
     commands: ClassVar[Mapping[type[Message], _Handler]]
 
     def __init__(self, session: HostSession, *, link: FramedProtocol, run_id: str, formed: m.WorldFormed, entry: RuntimeEntry) -> None:
+        # Only a formed world needs ranks, a relay and a store: importing them here keeps them off the join path.
+        from .ranks import RankWorld
+        from .storehost import StoreHost
+
         cfg = session.config
         self._session = session
         self._cfg = cfg
@@ -353,6 +358,9 @@ class _Serving:
     async def run(self) -> SessionOutcome:
         cfg = self._cfg
         log.debug("agent %s: world formed, ranks %s of %d", cfg.host, list(self._formed.ranks), self._formed.world_size)
+        from ..relay import Relay
+        from .ranks import RankProcesses
+
         relay: Relay | None = None
         async with asyncio.TaskGroup() as tg:
             self._tg = tg

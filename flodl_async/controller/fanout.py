@@ -126,6 +126,10 @@ class SshLauncher:
         self._stdout = stdout
         self._stderr = stderr
         self._processes: list[Any] = []
+        # Parsed once per file for every host of the run, not once per connection: K hosts
+        # sharing one known_hosts and one key cost one parse each, off the per-host path.
+        self._known_hosts: dict[Path, Any] = {}
+        self._client_keys: dict[Path, Any] = {}
 
     async def run_agent(self, worker: PlacedWorker) -> None:
         """Connect, start the agent, hand it its spec, relay its output until it exits."""
@@ -233,7 +237,7 @@ class SshLauncher:
             raise SshLaunchFailed(target.host, f"identity_file {target.identity_file} does not exist")
         options: dict[str, Any] = {
             "port": target.port,
-            "known_hosts": str(target.known_hosts),
+            "known_hosts": self._parsed_known_hosts(target),
             "config": None,
             "agent_path": None,
             "connect_timeout": self._contact.deadlines.ssh_connect,
@@ -242,7 +246,7 @@ class SshLauncher:
         if target.user:
             options["username"] = target.user
         if target.identity_file is not None:
-            options["client_keys"] = [str(target.identity_file)]
+            options["client_keys"] = [self._client_key(target, target.identity_file)]
         if tunnel is not None:
             options["tunnel"] = tunnel
         try:
@@ -263,6 +267,26 @@ class SshLauncher:
             ) from None
         except (OSError, asyncssh.Error) as exc:
             raise SshLaunchFailed(target.host, f"cannot reach {target.where} over ssh: {exc}; check the address, port and that sshd runs there") from None
+
+    def _parsed_known_hosts(self, target: SshTarget) -> Any:
+        known = self._known_hosts.get(target.known_hosts)
+        if known is None:
+            try:
+                known = self._known_hosts[target.known_hosts] = asyncssh.read_known_hosts(str(target.known_hosts))
+            except (OSError, ValueError) as exc:
+                raise SshLaunchFailed(target.host, f"cannot read known_hosts file {target.known_hosts}: {exc}; fix or regenerate it") from None
+        return known
+
+    def _client_key(self, target: SshTarget, path: Path) -> Any:
+        key = self._client_keys.get(path)
+        if key is None:
+            try:
+                key = self._client_keys[path] = asyncssh.read_private_key(str(path))
+            except (OSError, ValueError) as exc:  # asyncssh.KeyImportError is a ValueError: a passphrase, a foreign format
+                raise SshLaunchFailed(
+                    target.host, f"cannot load identity_file {path}: {exc}; it must be an unencrypted OpenSSH/PEM private key readable here"
+                ) from None
+        return key
 
     async def _host_key_problem(self, target: SshTarget, tunnel: Any) -> str:
         """Unknown or changed: the key the host offers (fingerprint) and what known_hosts says."""
