@@ -195,8 +195,10 @@ def build_plan(args: _Args) -> LaunchPlan:
         assert args.cluster is not None
         spec = load_cluster(args.cluster, local_names=aliases.names)
     local = aliases.names
-    capacity = sum(w.devices.known_count if w.devices.known_count is not None else gpu_count for w in spec.workers)
-    join = spec.controller.join.resolve(capacity, scale=deadlines.scale)
+    # `devices: all` counts this machine's GPUs only on this machine; another host's agent reports its own at join.
+    reported = frozenset(w.host for w in spec.workers if w.devices.known_count is None and placement_of(w, local) is not Placement.LOCAL)
+    capacity = sum(w.devices.known_count if w.devices.known_count is not None else 0 if w.host in reported else gpu_count for w in spec.workers)
+    join = spec.controller.join.resolve(capacity, scale=deadlines.scale, reported_hosts=reported)
     secret = _session_secret(args.secret_file)
     token = _cluster_token(args.token_file, spec)
     return LaunchPlan(

@@ -85,10 +85,20 @@ if TYPE_CHECKING:  # imported where the world has formed: an agent's start (the 
 log = logging.getLogger("flodl_async.agent")
 
 
-def detect_gpu_count() -> int:
-    """GPUs on this host, without importing torch: the /dev/nvidiaN device nodes (none means 0)."""
+#: Where :func:`detect_gpu_count` looks for the nvidiaN nodes instead of /dev (tests fake a host's GPUs with it).
+DEVICE_DIR_VARIABLE = "FLODL_DEVICE_DIR"
+
+
+def detect_gpu_count(env: Mapping[str, str] | None = None) -> int:
+    """GPUs on this host, without importing torch: the /dev/nvidiaN device nodes (none means 0).
+
+    Each agent counts its own host's, and reports them as its devices at join: that is a
+    remote ``devices: all`` host's capacity, never the controller's count.
+    """
+    env = os.environ if env is None else env
+    directory = env.get(DEVICE_DIR_VARIABLE) or "/dev"
     with contextlib.suppress(OSError):
-        return sum(1 for name in os.listdir("/dev") if name.startswith("nvidia") and name[6:].isdigit())
+        return sum(1 for name in os.listdir(directory) if name.startswith("nvidia") and name[6:].isdigit())
     return 0
 
 

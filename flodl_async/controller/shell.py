@@ -33,6 +33,7 @@ from .. import __version__
 from ..agent import RankOutput
 from ..errors import ConnectionClosed, FlodlError, WireError
 from ..liveness import Liveness
+from ..membership import describe_threshold
 from ..net.fdlimit import raise_descriptor_limit
 from ..net.framed import FramedProtocol
 from ..net.http import StatusHttpProtocol
@@ -411,9 +412,9 @@ class Controller:
                 self.port,
             )
         log.info(
-            "window open (quorum %d ranks, target %s, window %gs, cap %gs, admission: %s) — status at http://%s:%d/",
-            j.min_rank_start,
-            j.target_ranks if j.target_ranks is not None else "none",
+            "window open (quorum %s ranks, target %s, window %gs, cap %gs, admission: %s) — status at http://%s:%d/",
+            describe_threshold(j.min_rank_start, j.quorum_reported),
+            describe_threshold(j.target_ranks, j.target_reported) if j.target_ranks is not None else "none",
             j.join_timeout,
             j.max_join_timeout,
             "open" if j.open_admission else "cluster token or pre-shared secret" if plan.token is not None else "pre-shared secret",
