@@ -67,6 +67,7 @@ from ..errors import (
     JoinRejected,
     WireError,
 )
+from ..hostaddrs import host_addresses
 from ..liveness import Liveness
 from ..net.framed import FramedProtocol, open_framed
 from ..runtime import RuntimeEntry, create_entry, reap_stale_ranks, sweep_stale
@@ -276,7 +277,7 @@ class HostSession:
     async def _join(self, link: FramedProtocol, devices: tuple[str, ...]) -> m.JoinAccept:
         cfg = self.config
         try:
-            link.send(m.JoinHello(host=cfg.host, devices=devices, pid=os.getpid(), agent_version=__version__))
+            link.send(m.JoinHello(host=cfg.host, devices=devices, pid=os.getpid(), agent_version=__version__, addresses=host_addresses()))
         except ConnectionClosed as exc:
             raise JoinFailed(cfg.host, f"the controller at {cfg.controller_addr} closed the join link before the join request") from exc
         try:

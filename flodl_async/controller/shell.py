@@ -32,6 +32,7 @@ from collections.abc import Callable
 from .. import __version__
 from ..agent import RankOutput
 from ..errors import ConnectionClosed, FlodlError, WireError
+from ..hostaddrs import routable
 from ..liveness import Liveness
 from ..membership import describe_threshold
 from ..net.fdlimit import raise_descriptor_limit
@@ -368,6 +369,9 @@ class Controller:
         if self._links.get(hello.host) is not link:
             await link.drain()  # refused: the reject is flushed, then the service closes the link
             return
+        if self._store is not None:  # a multi-homed host's ranks may dial the store from any of its addresses
+            for address in routable(hello.addresses):
+                self._store.admit_host(address)
         try:
             while True:
                 msg = await link.recv_message()

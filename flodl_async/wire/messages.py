@@ -31,6 +31,8 @@ class JoinHello(Message):
     devices: tuple[str, ...]
     pid: int
     agent_version: str = ""
+    #: Every address of the agent's host (:mod:`flodl_async.hostaddrs`): its ranks' store connections may come from any.
+    addresses: tuple[str, ...] = ()
 
 
 @message(kind=0x0102, sealed=True)
