@@ -36,6 +36,7 @@ from .cluster import (
     is_local_host,
     load_cluster,
 )
+from .console import ConsoleWriter
 from .controller import Controller
 from .deadlines import DEFAULT_STOP_GRACE, Deadlines
 from .devices import parse_devices
@@ -268,7 +269,9 @@ def _session_secret(path: str | None) -> bytes:
 
 
 async def _run(plan: LaunchPlan, *, show_ranks: frozenset[int] | None = None) -> RunResult:
-    output = RankOutput(stdout=sys.stdout.buffer, stderr=sys.stderr.buffer, log_dir=plan.log_dir, run_id=plan.run_id, show_ranks=show_ranks)
+    # Rank output goes through writer threads: a console nobody reads must not stall the loop (heartbeats, status).
+    consoles = (ConsoleWriter(sys.stdout.buffer, name="stdout"), ConsoleWriter(sys.stderr.buffer, name="stderr"))
+    output = RankOutput(stdout=consoles[0], stderr=consoles[1], log_dir=plan.log_dir, run_id=plan.run_id, show_ranks=show_ranks)
     controller = Controller(plan, output=output)
     try:
         await controller.bind()
@@ -283,6 +286,8 @@ async def _run(plan: LaunchPlan, *, show_ranks: frozenset[int] | None = None) ->
     finally:
         await controller.aclose()
         output.close()
+        for console in consoles:  # every byte still queued is written out (off the loop) before the exit code
+            await asyncio.to_thread(console.close)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
