@@ -61,9 +61,18 @@ class SshLaunchFailed(JoinFailed):
     advice = "fix the worker's ssh settings in the cluster file (or the host) and run again"
 
 
+#: The first stdout line of the remote command, before the agent's own hello: ``PID_PREFIX <pid>``.
+PID_PREFIX = "flodl-agent-pid"
+
+
 def remote_command(python: str, workdir: str | None) -> str:
-    """The remote command line: no secret, no spec, just where and what to run."""
-    run = f"exec {shlex.quote(python)} -m flodl_async.agent --spec-stdin"
+    """The remote command line: no secret, no spec, just where and what to run.
+
+    The shell says its pid first, which ``exec`` hands on to python: a ``python`` that hangs
+    before its hello can then be KILLed over a second channel (sshd delivers no signal
+    requests to a root session, and hangs up nothing without a tty).
+    """
+    run = f"echo {PID_PREFIX} $$ && exec {shlex.quote(python)} -m flodl_async.agent --spec-stdin"
     return run if workdir is None else f"cd {shlex.quote(workdir)} && {run}"
 
 
@@ -150,7 +159,7 @@ class SshLauncher:
             stderr_tail: list[bytes] = []
             try:
                 with _first_error():
-                    await self._serve(target, process, worker, (controller_host, controller_port), stderr_tail)
+                    await self._serve(target, process, worker, (controller_host, controller_port), stderr_tail, conn=conn)
             except asyncssh.Error as exc:
                 # The connection itself went mid-run (the host died, its sshd was killed): name the host, not asyncssh.
                 raise AgentError(spec.host, f"the ssh connection to {target.where} was lost: {exc.reason or exc}{_tail(stderr_tail)}") from None
@@ -160,12 +169,14 @@ class SshLauncher:
                 status = f"signal {sig[0]}" if sig else f"exit {code}" if code is not None else "its ssh session closing"
                 raise AgentError(spec.host, f"the agent on {target.where} ended with {status}{_tail(stderr_tail)}")
 
-    async def _serve(self, target: SshTarget, process: Any, worker: PlacedWorker, controller: tuple[str, int], stderr_tail: list[bytes]) -> None:
+    async def _serve(
+        self, target: SshTarget, process: Any, worker: PlacedWorker, controller: tuple[str, int], stderr_tail: list[bytes], *, conn: Any
+    ) -> None:
         spec = worker.spec
         controller_host, controller_port = controller
         async with asyncio.TaskGroup() as tg:
             stderr_done = tg.create_task(self._relay_stderr(process, stderr_tail))
-            await self._await_hello(target, process, stderr_tail, stderr_done, spec.python or DEFAULT_PYTHON)
+            await self._await_hello(target, process, stderr_tail, stderr_done, conn=conn, python=spec.python or DEFAULT_PYTHON)
             agent_spec = AgentSpec(
                 controller_host=controller_host,
                 controller_port=controller_port,
@@ -311,13 +322,27 @@ class SshLauncher:
             f"check the fingerprint, then add it (ssh-keyscan -p {target.port} {target.address} >> {target.known_hosts})"
         )
 
-    async def _await_hello(self, target: SshTarget, process: Any, stderr_tail: list[bytes], stderr_done: asyncio.Task[None], python: str) -> None:
-        """The agent's first stdout line must be a hello of this version; else say what is wrong there."""
+    async def _await_hello(
+        self, target: SshTarget, process: Any, stderr_tail: list[bytes], stderr_done: asyncio.Task[None], *, conn: Any, python: str
+    ) -> None:
+        """The agent's first stdout line (after the shell's pid line) must be a hello of this version; else say what is wrong there."""
+        pid: int | None = None
         try:
             async with asyncio.timeout(self._contact.deadlines.ssh_connect):
                 line = await process.stdout.readline()
+                head, _, value = line.decode(errors="replace").strip().partition(" ")
+                if head == PID_PREFIX and value.isdigit():
+                    pid = int(value)
+                    line = await process.stdout.readline()
         except TimeoutError:
-            raise SshLaunchFailed(target.host, f"the agent on {target.where} said nothing within {self._contact.deadlines.ssh_connect:g}s") from None
+            # Whatever runs there as `python` is stuck before its hello: no spec, so no ranks, yet it would
+            # outlive the session. KILL it (by the pid its shell said) before the connection closes.
+            await self._abandon(conn, process, pid)
+            raise SshLaunchFailed(
+                target.host,
+                f"the agent on {target.where} said nothing within {self._contact.deadlines.ssh_connect:g}s; "
+                "check the worker's python: there (it must start `python -m flodl_async.agent`)",
+            ) from None
         except asyncssh.Error as exc:
             # The host died (or its sshd session was killed) before the agent started: a host lost before joining.
             raise SshLaunchFailed(
@@ -327,6 +352,7 @@ class SshLauncher:
         if version == __version__:
             return
         if version is not None:
+            await self._abandon(conn, process, pid)  # another version's agent: it never gets a spec
             raise SshLaunchFailed(
                 target.host, f"{target.where} has flodl_async {version}, this launcher is {__version__}; install the same version on every host"
             )
@@ -348,6 +374,18 @@ class SshLauncher:
                 target.host, f"flodl_async on {target.where} is older than {__version__} (no --spec-stdin); install the same version on every host"
             )
         raise SshLaunchFailed(target.host, f"the agent on {target.where} exited with {status} before saying hello{_tail(stderr_tail)}")
+
+    async def _abandon(self, conn: Any, process: Any, pid: int | None) -> None:
+        """KILL a remote process that was never handed a spec (so it has no ranks), and end its stdin."""
+        with contextlib.suppress(Exception):  # a channel already gone has nothing to end
+            process.stdin.write_eof()
+        if pid is None:  # no pid line: a signal request is all there is (sshd honours it for non-root users)
+            with contextlib.suppress(Exception):
+                process.send_signal("KILL")
+            return
+        with contextlib.suppress(Exception):  # the connection itself going is the session's end anyway
+            async with asyncio.timeout(self._contact.deadlines.ssh_connect):
+                await conn.run(f"kill -KILL {pid}", check=False)
 
     async def _relay_stderr(self, process: Any, tail: list[bytes]) -> None:
         async for line in process.stderr:
