@@ -397,6 +397,7 @@ class _Serving:
                     controller_port=cfg.controller_port,
                     task_group=tg,
                     deadlines=cfg.deadlines,
+                    on_upstream_lost=self._relay_lost,
                 )
                 self._relay = relay
                 try:
@@ -494,6 +495,11 @@ class _Serving:
                 log.warning("agent %s: ignoring %s from the controller (not a command of a running session)", self._cfg.host, type(msg).__name__)
                 continue
             handler(self, msg)
+
+    def _relay_lost(self, reason: str) -> None:
+        """The relay's upstream control link went silent: the controller is as lost as on the join link."""
+        if not self.ending:
+            self.begin_ending(self._lost_schedule(), error=ControllerLost(self._cfg.host, f"{reason} (frozen, down or cut off); stopping this host's ranks"))
 
     async def _keep_alive(self) -> None:
         """Beat up the join link; a controller silent past the deadline is lost (it may be frozen: the link stays open)."""

@@ -115,6 +115,10 @@ class Controller:
         self._resolve = session_resolver(plan.secret)
         self._links: dict[str, FramedProtocol] = {}
         self._liveness: dict[str, Liveness] = {}  # per admitted host's join link, until it closes or goes silent
+        # Each host's relay upstream control links (known by the ranks their RankHellos name): they share the
+        # join link's fate, so a host lost by its join link's liveness loses them too (see _handle_control).
+        self._control_links: dict[str, set[FramedProtocol]] = {}
+        self._relay_liveness: dict[FramedProtocol, tuple[str, Liveness]] = {}  # relay upstream links that beat: whose, how live
         self._mux = PortMux(host=plan.bind_host, port=plan.port, sniff_timeout=self._deadlines.sniff, handshake_timeout=self._deadlines.handshake)
         self._board = StatusBoard(counters=self._connection_counters)
         self._started_at = time.time()
@@ -235,6 +239,9 @@ class Controller:
             self._changed.clear()
             deadline = supervisor.next_deadline(time.monotonic())
             beat = min((live.next_deadline() for live in self._liveness.values()), default=None)
+            relay_silence = min((live.expires_at() for _host, live in self._relay_liveness.values()), default=None)
+            if relay_silence is not None and (beat is None or relay_silence < beat):
+                beat = relay_silence
             wake = beat if deadline is None or (beat is not None and beat < deadline) else deadline
             try:
                 async with asyncio.timeout(None if wake is None else max(wake - time.monotonic(), 0.0)):
@@ -250,6 +257,18 @@ class Controller:
         """Beat down every join link that is due; a host silent past the deadline is lost, by name."""
         if late > self._deadlines.heartbeat_interval:  # this process was frozen: no host could be heard meanwhile
             self._liveness = {host: live.excused(now) for host, live in self._liveness.items()}
+            self._relay_liveness = {link: (host, live.excused(now)) for link, (host, live) in self._relay_liveness.items()}
+        for relay_link, (host, live) in list(self._relay_liveness.items()):
+            if live.expired(now):  # the relay's own link went silent: the host is lost as by its join link
+                joined = self._liveness.get(host)
+                if joined is not None and joined.silent_for(now) > self._deadlines.heartbeat_interval:
+                    # Silent on its join link too (a frozen host, a cut cable): its join link expires now or within a beat
+                    # and names the host with the usual reason; this link waits until then (heard as last as that one).
+                    self._relay_liveness[relay_link] = (host, live.heard(joined.last_heard))
+                    continue
+                del self._relay_liveness[relay_link]
+                silence = self._deadlines.heartbeat_silence
+                self._dispatch(HostLost(host=host, reason=f"its relay's control link sent nothing for {silence:g}s (the host is frozen, down or cut off)"))
         for host, live in list(self._liveness.items()):
             if live.expired(now):
                 del self._liveness[host]
@@ -269,6 +288,8 @@ class Controller:
     def _dispatch(self, event: Event, *, reply_link: FramedProtocol | None = None) -> None:
         """Hand one event to the supervisor and carry out its actions now, in order."""
         supervisor = self._require_supervisor()
+        if isinstance(event, HostLost):
+            self._drop_control_links(event.host)
         pending: collections.deque[tuple[Event, FramedProtocol | None]] = collections.deque([(event, reply_link)])
         while pending:
             current, link = pending.popleft()
@@ -396,13 +417,57 @@ class Controller:
                 self._dispatch(StoreReady(round=msg.round, addr=msg.host or link.peer_host, port=msg.port))
 
     async def _handle_control(self, link: FramedProtocol) -> None:
-        while True:
-            msg = await link.recv_message()
-            if isinstance(msg, m.RankHello):
-                self._dispatch(RankConnected(rank=msg.rank, pid=msg.pid))
-                link.send(m.RankWelcome(rank=msg.rank, run_id=self.plan.run_id))
-            elif isinstance(msg, m.Heartbeat):
-                link.send(m.Heartbeat(sent_at=msg.sent_at, rank=msg.rank))
+        """A control link: a host's relay upstream (or a rank of its own, under the torch store backend).
+
+        Liveness: a relay beats up its link (``Heartbeat(relay=True)``, naming one of its host's ranks)
+        and the controller echoes; a relay link silent past ``heartbeat_silence`` loses its host, by
+        name, as a silent join link does (:meth:`_keep_alive`). A link is bound to the host of the rank
+        its first beat or RankHello names, and when that host is lost for any reason (join link silent or
+        closed, its agent failed) the controller aborts the link at once, not at teardown.
+        """
+        host: str | None = None
+        try:
+            while True:
+                msg = await link.recv_message()
+                if isinstance(msg, m.RankHello):
+                    host = host or self._bind_control_link(link, msg.rank)
+                    self._dispatch(RankConnected(rank=msg.rank, pid=msg.pid))
+                    link.send(m.RankWelcome(rank=msg.rank, run_id=self.plan.run_id))
+                elif isinstance(msg, m.Heartbeat) and msg.relay:
+                    host = host or self._bind_control_link(link, msg.rank)
+                    self._relay_heard(link, host)
+                    link.send(m.Heartbeat(sent_at=msg.sent_at, rank=msg.rank, relay=True))
+                elif isinstance(msg, m.Heartbeat):
+                    link.send(m.Heartbeat(sent_at=msg.sent_at, rank=msg.rank))
+        finally:
+            self._relay_liveness.pop(link, None)
+            if host is not None:
+                self._control_links.get(host, set()).discard(link)
+
+    def _relay_heard(self, link: FramedProtocol, host: str | None) -> None:
+        if host is None or host not in self._links:  # not (or no longer) a host of this run: nothing to watch
+            return
+        now, d = time.monotonic(), self._deadlines
+        held = self._relay_liveness.get(link)
+        live = held[1].heard(now) if held is not None else Liveness.start(now, interval=d.heartbeat_interval, silence=d.heartbeat_silence)
+        self._relay_liveness[link] = (host, live)
+
+    def _bind_control_link(self, link: FramedProtocol, rank: int) -> str | None:
+        """The host that runs ``rank`` (from the formed world), with ``link`` recorded as one of its control links."""
+        if self._supervisor is None:
+            return None
+        host = next((mb.host for mb in self._supervisor.view().members if rank in mb.ranks), None)
+        if host is not None:
+            self._control_links.setdefault(host, set()).add(link)
+        return host
+
+    def _drop_control_links(self, host: str) -> None:
+        links = self._control_links.pop(host, set())
+        for link in links:
+            self._relay_liveness.pop(link, None)  # lost already: its silence must not lose the host twice
+            link.abort()
+        if links:
+            log.info('host "%s" lost: closed its %d control link(s) (relay upstream) with it', host, len(links))
 
     # ----- status --------------------------------------------------------------------------------
 

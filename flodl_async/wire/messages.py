@@ -195,6 +195,8 @@ class Heartbeat(Message):
 
     sent_at: float
     rank: int = -1
+    #: A relay's own beat on its upstream control link (``rank``: one of its host's ranks, which binds the link to the host).
+    relay: bool = False
 
 
 @message(kind=0x0402)
