@@ -73,6 +73,7 @@ from ..wire.channels import Channel
 from ..wire.handshake import PROTOCOL_VERSION, join_resolver, session_resolver
 from ..wire.keys import CredentialKind
 from ..wire.schema import Message
+from .controllinks import ControlLinks
 from .fanout import ssh_launcher
 from .launchers import AgentLauncher, ControllerContact, DialInLauncher, LocalLauncher
 
@@ -115,10 +116,8 @@ class Controller:
         self._resolve = session_resolver(plan.secret)
         self._links: dict[str, FramedProtocol] = {}
         self._liveness: dict[str, Liveness] = {}  # per admitted host's join link, until it closes or goes silent
-        # Each host's relay upstream control links (known by the ranks their RankHellos name): they share the
-        # join link's fate, so a host lost by its join link's liveness loses them too (see _handle_control).
-        self._control_links: dict[str, set[FramedProtocol]] = {}
-        self._relay_liveness: dict[FramedProtocol, tuple[str, Liveness]] = {}  # relay upstream links that beat: whose, how live
+        # Each host's control links (its relay's upstream), and the liveness of the relays' beats (see _handle_control).
+        self._control_links: ControlLinks[FramedProtocol] = ControlLinks(interval=self._deadlines.heartbeat_interval, silence=self._deadlines.heartbeat_silence)
         self._mux = PortMux(host=plan.bind_host, port=plan.port, sniff_timeout=self._deadlines.sniff, handshake_timeout=self._deadlines.handshake)
         self._board = StatusBoard(counters=self._connection_counters)
         self._started_at = time.time()
@@ -239,7 +238,7 @@ class Controller:
             self._changed.clear()
             deadline = supervisor.next_deadline(time.monotonic())
             beat = min((live.next_deadline() for live in self._liveness.values()), default=None)
-            relay_silence = min((live.expires_at() for _host, live in self._relay_liveness.values()), default=None)
+            relay_silence = self._control_links.next_deadline()
             if relay_silence is not None and (beat is None or relay_silence < beat):
                 beat = relay_silence
             wake = beat if deadline is None or (beat is not None and beat < deadline) else deadline
@@ -257,18 +256,10 @@ class Controller:
         """Beat down every join link that is due; a host silent past the deadline is lost, by name."""
         if late > self._deadlines.heartbeat_interval:  # this process was frozen: no host could be heard meanwhile
             self._liveness = {host: live.excused(now) for host, live in self._liveness.items()}
-            self._relay_liveness = {link: (host, live.excused(now)) for link, (host, live) in self._relay_liveness.items()}
-        for relay_link, (host, live) in list(self._relay_liveness.items()):
-            if live.expired(now):  # the relay's own link went silent: the host is lost as by its join link
-                joined = self._liveness.get(host)
-                if joined is not None and joined.silent_for(now) > self._deadlines.heartbeat_interval:
-                    # Silent on its join link too (a frozen host, a cut cable): its join link expires now or within a beat
-                    # and names the host with the usual reason; this link waits until then (heard as last as that one).
-                    self._relay_liveness[relay_link] = (host, live.heard(joined.last_heard))
-                    continue
-                del self._relay_liveness[relay_link]
-                silence = self._deadlines.heartbeat_silence
-                self._dispatch(HostLost(host=host, reason=f"its relay's control link sent nothing for {silence:g}s (the host is frozen, down or cut off)"))
+            self._control_links.excused(now)
+        for host in self._control_links.silent_hosts(now, self._liveness):  # a relay's own link went silent
+            silence = self._deadlines.heartbeat_silence
+            self._dispatch(HostLost(host=host, reason=f"its relay's control link sent nothing for {silence:g}s (the host is frozen, down or cut off)"))
         for host, live in list(self._liveness.items()):
             if live.expired(now):
                 del self._liveness[host]
@@ -435,22 +426,13 @@ class Controller:
                     link.send(m.RankWelcome(rank=msg.rank, run_id=self.plan.run_id))
                 elif isinstance(msg, m.Heartbeat) and msg.relay:
                     host = host or self._bind_control_link(link, msg.rank)
-                    self._relay_heard(link, host)
+                    if host is not None and host in self._links:  # a host of this run, still in it: watch this link
+                        self._control_links.heard(link, host, time.monotonic())
                     link.send(m.Heartbeat(sent_at=msg.sent_at, rank=msg.rank, relay=True))
                 elif isinstance(msg, m.Heartbeat):
                     link.send(m.Heartbeat(sent_at=msg.sent_at, rank=msg.rank))
         finally:
-            self._relay_liveness.pop(link, None)
-            if host is not None:
-                self._control_links.get(host, set()).discard(link)
-
-    def _relay_heard(self, link: FramedProtocol, host: str | None) -> None:
-        if host is None or host not in self._links:  # not (or no longer) a host of this run: nothing to watch
-            return
-        now, d = time.monotonic(), self._deadlines
-        held = self._relay_liveness.get(link)
-        live = held[1].heard(now) if held is not None else Liveness.start(now, interval=d.heartbeat_interval, silence=d.heartbeat_silence)
-        self._relay_liveness[link] = (host, live)
+            self._control_links.closed(link, host)
 
     def _bind_control_link(self, link: FramedProtocol, rank: int) -> str | None:
         """The host that runs ``rank`` (from the formed world), with ``link`` recorded as one of its control links."""
@@ -458,13 +440,12 @@ class Controller:
             return None
         host = next((mb.host for mb in self._supervisor.view().members if rank in mb.ranks), None)
         if host is not None:
-            self._control_links.setdefault(host, set()).add(link)
+            self._control_links.bind(link, host)
         return host
 
     def _drop_control_links(self, host: str) -> None:
-        links = self._control_links.pop(host, set())
+        links = self._control_links.drop(host)
         for link in links:
-            self._relay_liveness.pop(link, None)  # lost already: its silence must not lose the host twice
             link.abort()
         if links:
             log.info('host "%s" lost: closed its %d control link(s) (relay upstream) with it', host, len(links))
