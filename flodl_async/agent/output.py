@@ -113,6 +113,11 @@ class RankOutput:
         self._files: dict[tuple[int, str], tuple[int, BinaryIO]] = {}  # (rank, stream) → (attempt, file)
         self._retired: list[Console] = []  # streams that failed a write (compared by identity)
 
+    @property
+    def consoles(self) -> tuple[Console, Console]:
+        """Its stdout and stderr (for the agents' own lines: the same writers, in the same order)."""
+        return self._stdout, self._stderr
+
     def log_path(self, attempt: int, rank: int, stream: str) -> Path | None:
         """Where ``rank``'s ``stream`` of ``attempt`` is logged (torchrun's layout), or None without a log dir."""
         if self._log_dir is None:

@@ -31,11 +31,12 @@ import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import asyncssh
 
 from .. import __version__
+from ..agent.output import Console
 from ..agent.specline import AgentSpec, devices_text, parse_hello
 from ..cluster import SshSpec
 from ..errors import AgentError, FlodlError, JoinFailed
@@ -129,7 +130,7 @@ class SshTarget:
 class SshLauncher:
     """Agents on other hosts, started over ssh; stdout/stderr lines of each are relayed here."""
 
-    def __init__(self, contact: ControllerContact, *, run_id: str, stdout: BinaryIO, stderr: BinaryIO) -> None:
+    def __init__(self, contact: ControllerContact, *, run_id: str, stdout: Console, stderr: Console) -> None:
         self._contact = contact
         self._run_id = run_id
         self._stdout = stdout
@@ -393,20 +394,26 @@ class SshLauncher:
             del tail[:-STDERR_TAIL]
             _write(self._stderr, line)
 
-    async def _relay(self, reader: Any, sink: BinaryIO) -> None:
+    async def _relay(self, reader: Any, sink: Console) -> None:
         async for line in reader:
             _write(sink, line)
 
 
-def _write(sink: BinaryIO, line: bytes) -> None:
+def _write(sink: Console, line: bytes) -> None:
     with contextlib.suppress(OSError, ValueError):  # a closed terminal loses the line, not the run
         sink.write(line if line.endswith(b"\n") else line + b"\n")
         sink.flush()
 
 
-def ssh_launcher(contact: ControllerContact, *, bind_host: str, run_id: str) -> SshLauncher:
-    """The controller's ssh launcher: agents reach the controller at its bind address (or the ssh link's own), output to ours."""
-    return SshLauncher(dataclasses.replace(contact, host=bind_host), run_id=run_id, stdout=sys.stdout.buffer, stderr=sys.stderr.buffer)
+def ssh_launcher(contact: ControllerContact, *, bind_host: str, run_id: str, stdout: Console | None = None, stderr: Console | None = None) -> SshLauncher:
+    """The controller's ssh launcher: agents reach the controller at its bind address (or the ssh link's own).
+
+    The agents' own lines go to ``stdout``/``stderr`` (the launcher's console writers, which never block
+    the loop; default: this process's streams).
+    """
+    return SshLauncher(
+        dataclasses.replace(contact, host=bind_host), run_id=run_id, stdout=stdout or sys.stdout.buffer, stderr=stderr or sys.stderr.buffer
+    )
 
 
 @contextlib.contextmanager

@@ -186,7 +186,8 @@ class Controller:
         contact = ControllerContact(host="127.0.0.1", port=self.port, secret=plan.secret, deadlines=self._deadlines)
         self._launchers = {Placement.LOCAL: LocalLauncher(contact, output=self._output), Placement.DIAL_IN: DialInLauncher()}
         if any(w.placement is Placement.SSH for w in plan.workers):  # it writes to the process's own stdout/stderr
-            self._launchers[Placement.SSH] = ssh_launcher(contact, bind_host=plan.bind_host, run_id=plan.run_id)
+            out, err = self._output.consoles
+            self._launchers[Placement.SSH] = ssh_launcher(contact, bind_host=plan.bind_host, run_id=plan.run_id, stdout=out, stderr=err)
         result: RunResult | None = None
         try:
             async with asyncio.TaskGroup() as tg:
