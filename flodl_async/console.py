@@ -60,15 +60,28 @@ class ConsoleWriter:
             return self._backlog
 
     def write(self, data: bytes) -> int:
-        """Queue ``data`` (never blocks; dropped only once the stream has failed)."""
+        """Queue ``data`` (never blocks; dropped only once the stream has failed).
+
+        After :meth:`close` there is no thread and no loop to protect: the bytes are written inline.
+        """
         if not data:
             return 0
         with self._cond:
-            if not self._failed:
+            if self._failed:
+                return len(data)
+            if not self._closed:
                 self._queue.append(bytes(data))
                 self._backlog += len(data)
                 self._cond.notify()
+                return len(data)
+        with contextlib.suppress(OSError, ValueError):
+            self._stream.write(data)
+            self._stream.flush()
         return len(data)
+
+    def text(self) -> TextConsole:
+        """A text view (what ``logging.StreamHandler`` writes to): the launcher's log lines keep their place among the ranks'."""
+        return TextConsole(self)
 
     def flush(self) -> None:
         """Nothing to do here: the thread flushes after every write."""
@@ -137,6 +150,20 @@ class ConsoleWriter:
         for loop, future in waiters:
             with contextlib.suppress(RuntimeError):  # a loop already closed has nobody waiting any more
                 loop.call_soon_threadsafe(_resolve, future)
+
+
+class TextConsole:
+    """``str`` in, UTF-8 into the writer (undecodable characters escaped, never an error)."""
+
+    def __init__(self, writer: ConsoleWriter) -> None:
+        self._writer = writer
+
+    def write(self, text: str) -> int:
+        self._writer.write(text.encode("utf-8", "backslashreplace"))
+        return len(text)
+
+    def flush(self) -> None:
+        """The writer's thread flushes."""
 
 
 def _resolve(future: asyncio.Future[None]) -> None:

@@ -271,6 +271,9 @@ def _session_secret(path: str | None) -> bytes:
 async def _run(plan: LaunchPlan, *, show_ranks: frozenset[int] | None = None) -> RunResult:
     # Rank output goes through writer threads: a console nobody reads must not stall the loop (heartbeats, status).
     consoles = (ConsoleWriter(sys.stdout.buffer, name="stdout"), ConsoleWriter(sys.stderr.buffer, name="stderr"))
+    # Our own log lines go through the same stderr writer: in order with the ranks' stderr, and never blocking either.
+    handlers = [h for h in logging.getLogger("flodl_async").handlers if isinstance(h, logging.StreamHandler)]
+    previous = [h.setStream(consoles[1].text()) for h in handlers]
     output = RankOutput(stdout=consoles[0], stderr=consoles[1], log_dir=plan.log_dir, run_id=plan.run_id, show_ranks=show_ranks)
     controller = Controller(plan, output=output)
     try:
@@ -288,6 +291,9 @@ async def _run(plan: LaunchPlan, *, show_ranks: frozenset[int] | None = None) ->
         output.close()
         for console in consoles:  # every byte still queued is written out (off the loop) before the exit code
             await asyncio.to_thread(console.close)
+        for handler, stream in zip(handlers, previous, strict=True):
+            if stream is not None:
+                handler.setStream(stream)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -114,3 +114,4 @@ def test_a_launcher_whose_stdout_is_not_read_serves_status_and_loses_no_output(t
     assert len(numbered) == lines  # not one line lost or torn
     assert [int(line.split()[1]) for line in numbered] == list(range(lines))  # in order
     assert any(line.endswith("flood done") for line in text)
+
