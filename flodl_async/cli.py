@@ -18,6 +18,7 @@ lone surrogates, line separators — before it is printed.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import http.client
 import io
 import json
@@ -29,7 +30,9 @@ import unicodedata
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
+from . import __version__
 from .cluster import DEFAULT_PORT
+from .controllers import LocalRun, local_runs
 from .errors import ConfigError
 from .status.model import SCHEMA, SCHEMA_FAMILY
 from .verdict import STATUS_EXIT_MEANINGS, StatusExit
@@ -125,6 +128,19 @@ def _optional_count(value: object, path: str) -> str | None:
     return None if value is None else _count(value, path)
 
 
+def _optional_number(value: object, path: str) -> str | None:
+    ok = value is None or (isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value))
+    return None if ok else f"{path}: expected a number, got {_kind(value)}"
+
+
+def _optional_text(value: object, path: str) -> str | None:
+    return None if value is None else _text(value, path)
+
+
+def _optional_flag(value: object, path: str) -> str | None:
+    return None if value is None or isinstance(value, bool) else f"{path}: expected true/false, got {_kind(value)}"
+
+
 def _list_of(item: _Check) -> _Check:
     def check(value: object, path: str) -> str | None:
         if not isinstance(value, list):
@@ -163,7 +179,20 @@ DOCUMENT_SHAPE = _object_with(
         "error": _text,
         **dict.fromkeys(("world_size", "joined_ranks", "min_rank_start", "target_ranks", "restart_count"), _count),
         "members": _list_of(_object_with({"host": _text, "ranks": _list_of(_count), "devices": _list_of(_text), "state": _text})),
-        "ranks": _list_of(_object_with({"rank": _count, "host": _text, "pid": _optional_count, "state": _text})),
+        "ranks": _list_of(
+            _object_with(
+                {
+                    "rank": _count,
+                    "host": _text,
+                    "pid": _optional_count,
+                    "state": _text,
+                    "process": _optional_text,
+                    "last_line": _text,
+                    "store_connected": _optional_flag,
+                    **dict.fromkeys(("uptime_s", "cpu_percent", "output_age_s", "quiet_s"), _optional_number),
+                }
+            )
+        ),
     }
 )
 
@@ -265,7 +294,11 @@ def fetch_status(host: str, port: int, *, timeout: float = 3.0) -> tuple[int, di
     return response.status, cleaned
 
 
-def format_status(doc: dict[str, object]) -> str:
+#: ``flodl status`` flags a running rank with neither output nor CPU progress for this long (``--silent-after``).
+SILENT_AFTER = 60.0
+
+
+def format_status(doc: dict[str, object], *, silent_after: float = SILENT_AFTER) -> str:
     """A human table of a status document."""
     lines = [
         f"run      {doc.get('run_id', '?')}",
@@ -288,11 +321,39 @@ def format_status(doc: dict[str, object]) -> str:
     rank_rows = doc.get("ranks") or []
     if isinstance(rank_rows, list) and rank_rows:
         lines.append("")
-        lines.append(f"{'RANK':<6} {'HOST':<24} {'PID':<8} STATE")
+        lines.append(f"{'RANK':<6} {'HOST':<20} {'PID':<8} {'STATE':<10} {'PROCESS':<16} {'CPU':>6} {'UP':>7} {'STORE':<6} {'OUTPUT':>7}  LAST LINE")
+        flagged: list[str] = []
         for rank in rank_rows:
-            if isinstance(rank, dict):
-                lines.append(f"{rank.get('rank', '?')!s:<6} {rank.get('host', '?'):<24} {rank.get('pid') or '-'!s:<8} {rank.get('state', '?')}")
+            if not isinstance(rank, dict):
+                continue
+            lines.append(_rank_row(rank))
+            quiet = rank.get("quiet_s")
+            if isinstance(quiet, int | float) and quiet >= silent_after and rank.get("state") in ("running", "connected"):
+                flagged.append(f"rank {rank.get('rank', '?')} on {rank.get('host', '?')}: silent and idle for {_age(quiet)} ({rank.get('process') or '?'})")
+        for flag in flagged:
+            lines.append(f"SILENT   {flag} — hung? (a stack: py-spy dump --pid PID)")
     return "\n".join(lines)
+
+
+def _rank_row(rank: Mapping[str, object]) -> str:
+    """One rank of the table; activity columns show ``-`` until its agent's first report."""
+
+    def number(key: str, fmt: str) -> str:
+        value = rank.get(key)
+        return format(value, fmt) if isinstance(value, int | float) and not isinstance(value, bool) else "-"
+
+    age = rank.get("output_age_s")
+    output = _age(age) if isinstance(age, int | float) and not isinstance(age, bool) else "-"
+    up = rank.get("uptime_s")
+    uptime = _age(up) if isinstance(up, int | float) and not isinstance(up, bool) else "-"
+    connected = rank.get("store_connected")
+    store = "-" if not isinstance(connected, bool) else "yes" if connected else "no"
+    cpu = number("cpu_percent", ".0f") + ("%" if isinstance(rank.get("cpu_percent"), int | float) else "")
+    last = str(rank.get("last_line") or "")
+    return (
+        f"{rank.get('rank', '?')!s:<6} {rank.get('host', '?')!s:<20} {rank.get('pid') or '-'!s:<8} {rank.get('state', '?')!s:<10} "
+        f"{rank.get('process') or '-'!s:<16} {cpu:>6} {uptime:>7} {store:<6} {output:>7}  {last}"
+    ).rstrip()
 
 
 def _say(text: str, *, error: bool = False) -> None:
@@ -301,7 +362,53 @@ def _say(text: str, *, error: bool = False) -> None:
     print("\n".join(strip_controls(line) for line in text.split("\n")), file=sys.stderr if error else sys.stdout)
 
 
+def _age(seconds: float) -> str:
+    """``45s``, ``12m``, ``3h05m``, ``2d04h``."""
+    s = max(int(seconds), 0)
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m"
+    if s < 86400:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    return f"{s // 86400}d{s % 86400 // 3600:02d}h"
+
+
+def _runs_table(runs: Sequence[LocalRun], *, timeout: float) -> str:
+    """One row per local run: its registration, plus ranks and phase from its own /state.json."""
+    now = time.time()
+    rows = [f"{'RUN ID':<24} {'ADDRESS':<22} {'PID':<8} {'AGE':<7} {'RANKS':<8} PHASE"]
+    for run in runs:
+        ranks, phase = "?", "not answering"
+        with contextlib.suppress(OSError, http.client.HTTPException, NotFlodlStatus, TimeoutError):
+            _code, doc = fetch_status(run.address, run.port, timeout=timeout)
+            ranks = str(doc.get("world_size") or doc.get("joined_ranks") or 0)
+            phase = str(doc.get("phase", "?"))
+        address = f"{run.address}:{run.port}"
+        rows.append(f"{strip_controls(run.run_id):<24} {address:<22} {run.owner.pid:<8} {_age(now - run.started_at):<7} {ranks:<8} {phase}")
+    return "\n".join(rows)
+
+
+def _ps(args: argparse.Namespace) -> StatusExit:
+    if not (args.timeout > 0 and math.isfinite(args.timeout)):
+        _say(f"flodl ps: --timeout must be a positive number of seconds (got {args.timeout:g})", error=True)
+        return StatusExit.USAGE
+    runs = local_runs()
+    if not runs:
+        _say("no flodl run on this machine (of yours)")
+        return StatusExit.OK
+    _say(_runs_table(runs, timeout=args.timeout))
+    return StatusExit.OK
+
+
 def _status(args: argparse.Namespace) -> StatusExit:
+    if args.addr is None:  # the local run, when there is exactly one
+        runs = local_runs()
+        if len(runs) > 1:
+            _say(_runs_table(runs, timeout=args.timeout))
+            _say(f"flodl status: {len(runs)} runs on this machine; pick one with --addr HOST:PORT", error=True)
+            return StatusExit.USAGE
+        args.addr = f"{runs[0].address}:{runs[0].port}" if runs else f"127.0.0.1:{DEFAULT_PORT}"
     try:
         host, port = parse_addr(args.addr)
     except ConfigError as exc:
@@ -331,7 +438,7 @@ def _status(args: argparse.Namespace) -> StatusExit:
         _say(f"flodl status: the controller at {host}:{port} answered HTTP {status}: {doc.get('error', 'no state')}", error=True)
         return StatusExit.UNREACHABLE
     else:
-        _say(format_status(doc))
+        _say(format_status(doc, silent_after=args.silent_after))
     return StatusExit.OK
 
 
@@ -353,17 +460,44 @@ def _exit_epilog() -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``flodl``."""
-    parser = argparse.ArgumentParser(prog="flodl", description="Operate flodl_async runs.")
+    parser = argparse.ArgumentParser(
+        prog="flodl",
+        description="Operate flodl_async runs.",
+        epilog="examples:\n  flodl ps\n  flodl status\n  flodl status --addr 10.0.0.1:1337\n  flodl token new /etc/flodl/token\n",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"flodl {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
+    ps = sub.add_parser(
+        "ps",
+        help="list the runs on this machine",
+        description="List your flodl runs on this machine (every controller registers in the runtime directory): "
+        "run id, status address, pid, age, ranks and phase.",
+        epilog="examples:\n  flodl ps\n\n" + _exit_epilog(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    ps.add_argument("--timeout", type=float, default=1.0, help="seconds to wait for each run's status (default %(default)s)")
+    ps.set_defaults(handler=_ps)
     status = sub.add_parser(
         "status",
         help="show a run's status",
         description="Query a controller's status endpoint and print it.",
-        epilog="examples:\n  flodl status\n  flodl status --addr 10.0.0.1:1337 --json\n\n" + _exit_epilog(),
+        epilog="examples:\n  flodl status                      # the run on this machine (flodl ps lists them)\n"
+        "  flodl status --addr 10.0.0.1:1337 --json\n\n" + _exit_epilog(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    status.add_argument("--addr", default=f"127.0.0.1:{DEFAULT_PORT}", help="controller HOST:PORT (default %(default)s)")
+    status.add_argument(
+        "--addr",
+        help=f"controller HOST:PORT (default: the one run on this machine, as `flodl ps` lists it; else 127.0.0.1:{DEFAULT_PORT})",
+    )
     status.add_argument("--json", action="store_true", help="print the raw JSON document")
+    status.add_argument(
+        "--silent-after",
+        type=float,
+        default=SILENT_AFTER,
+        metavar="S",
+        help="flag a rank with neither output nor CPU progress for S seconds (default %(default)g)",
+    )
     status.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for an answer (default %(default)s)")
     status.set_defaults(handler=_status)
     token = sub.add_parser(

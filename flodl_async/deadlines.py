@@ -73,6 +73,10 @@ class Deadlines:
     store_stop: float = 2.0
     #: An ssh connection to a worker (TCP, host key, login), and then its agent's hello line, each within this.
     ssh_connect: float = 15.0
+    #: Every rank of the formed world must say TrainerHello within this of the first (trainer-spec §2.3).
+    trainer_hello: float = 120.0
+    #: A reduce round in flight longer than this is a stall (trainer-spec §2.7; the ranks' data-link read deadline too).
+    reduce_stall: float = 120.0
     #: Seconds from the first stop signal to KILL (operator's seconds, not scaled).
     stop_grace: float = DEFAULT_STOP_GRACE
 

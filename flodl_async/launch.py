@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
+import os
 import secrets
 import shutil
 import signal
@@ -24,7 +26,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from .agent import RankOutput, detect_gpu_count
+from . import __version__
+from .agent import RankOutput
 from .cluster import (
     DEFAULT_PORT,
     ClusterSpec,
@@ -38,9 +41,11 @@ from .cluster import (
 )
 from .console import ConsoleWriter
 from .controller import Controller
+from .controllers import Registration, register
 from .deadlines import DEFAULT_STOP_GRACE, Deadlines
 from .devices import parse_devices
-from .errors import ConfigError, FlodlError, PortInUseError
+from .errors import ConfigError, FlodlError, PortInUseError, RuntimeDirError
+from .gpus import host_visible_gpus, select
 from .hostnames import HostAliases
 from .plan import LaunchPlan, PlacedWorker, Placement
 from .secretfile import load_or_create_secret, read_token_file
@@ -52,6 +57,8 @@ log = logging.getLogger("flodl_async.launch")
 EPILOG = """\
 examples:
   flodl-launch --nproc 2 -- python examples/train.py
+  CUDA_VISIBLE_DEVICES=2,3 flodl-launch --nproc auto -- python train.py     # one rank on each of GPUs 2 and 3
+  flodl-launch --nproc 2 --devices 0,2 --local-ranks-filter 0 -- python train.py
   flodl-launch --nproc 4 --devices cpu --max-restarts 2 --log-dir logs -- python train.py --epochs 3
   flodl-launch cluster.yml -- python train.py
 
@@ -61,7 +68,7 @@ examples:
 @dataclass(frozen=True, slots=True, kw_only=True)
 class _Args:
     cluster: str | None
-    nproc: int | None
+    nproc: int | str | None  # a count, or "auto"
     devices: str
     port: int | None
     max_restarts: int
@@ -74,6 +81,7 @@ class _Args:
     secret_file: str | None
     command: tuple[str, ...]
     token_file: str | None = None
+    hang_timeout: float | None = None
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -85,7 +93,15 @@ def _parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("cluster", nargs="?", help="cluster file (omit it and give --nproc for one host)")
-    parser.add_argument("--nproc", type=int, help="ranks on this host (the embedded one-host cluster)")
+    parser.add_argument(
+        "--nproc",
+        "--nproc-per-node",
+        "--nproc_per_node",
+        dest="nproc",
+        help="ranks on this host (the embedded one-host cluster): a number, or auto (the visible GPUs, else the cores)",
+    )
+    parser.add_argument("--standalone", action="store_true", help="accepted for torchrun habits: --nproc runs are always stand-alone")
+    parser.add_argument("--version", action="version", version=f"flodl-launch {__version__}")
     parser.add_argument("--devices", default="auto", help="with --nproc: cpu, all (GPUs), GPU ids like 0,1, or auto (GPUs if present; default)")
     parser.add_argument("--port", type=int, help=f"the controller port (default {DEFAULT_PORT}, or the cluster file's; 0 picks a free one)")
     parser.add_argument("--max-restarts", type=int, default=0, help="restart the whole world up to K times after a rank failure (default 0)")
@@ -114,6 +130,12 @@ def _parser() -> argparse.ArgumentParser:
         "--token-file",
         help="admit dial-in agents holding this cluster token (`flodl token new PATH`; yours, mode 0600); overrides controller.token_file",
     )
+    parser.add_argument(
+        "--hang-timeout",
+        type=float,
+        metavar="S",
+        help="end the run (exit 6, naming the rank) when a rank prints nothing and uses no CPU for S seconds (default: off)",
+    )
     parser.add_argument("-q", "--quiet", action="store_true", help="only rank output and the verdict")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug output")
     return parser
@@ -128,19 +150,27 @@ def parse_args(argv: Sequence[str]) -> _Args:
         ours, command = argv[:split], tuple(argv[split + 1 :])
     else:
         ours, command = argv, ()
-    ns = parser.parse_args(ours)  # --help and argparse's own errors exit here (code 2)
+    ns, stray = parser.parse_known_args(ours)  # --help and argparse's own errors exit here (code 2)
+    if stray and (ns.cluster is None or stray[0].startswith("-")):
+        parser.error(f"unrecognized arguments: {' '.join(stray)}")  # a mistyped option of ours, not a command
+    if stray or (not command and ns.cluster is not None and ns.nproc is not None):
+        # `flodl-launch --nproc 2 python train.py --epochs 3`: the command was taken for our arguments.
+        raise ConfigError(
+            f"unexpected {(stray or [ns.cluster])[0]!r}: did you forget `--` before the command? e.g. flodl-launch --nproc 2 -- python train.py"
+        )
     if not command:
         raise ConfigError("missing the command to run: put it after `--`, e.g. flodl-launch --nproc 2 -- python train.py")
     if (ns.cluster is None) == (ns.nproc is None):
         raise ConfigError("give either --nproc N (one host) or a cluster file, not both and not neither")
-    if ns.nproc is not None and ns.nproc < 1:
-        raise ConfigError(f"--nproc must be at least 1 (got {ns.nproc})")
+    nproc = _nproc(ns.nproc)
     if ns.port is not None and not 0 <= ns.port <= 65535:
         raise ConfigError(f"--port must be 0..65535 (got {ns.port})")
     if ns.max_restarts < 0:
         raise ConfigError(f"--max-restarts must be 0 or more (got {ns.max_restarts})")
     if ns.stop_grace < 0:
         raise ConfigError(f"--stop-grace must be 0 or more seconds (got {ns.stop_grace})")
+    if ns.hang_timeout is not None and not ns.hang_timeout > 0:
+        raise ConfigError(f"--hang-timeout must be more than 0 seconds (got {ns.hang_timeout:g})")
     if ns.quiet and ns.verbose:
         raise ConfigError("--quiet and --verbose contradict each other; pick one")
     ranks_filter = _ranks_filter(ns.local_ranks_filter)
@@ -148,7 +178,7 @@ def parse_args(argv: Sequence[str]) -> _Args:
         raise ConfigError(f"command not found: {command[0]!r} (is it on PATH?)")
     return _Args(
         cluster=ns.cluster,
-        nproc=ns.nproc,
+        nproc=nproc,
         devices=ns.devices,
         port=ns.port,
         max_restarts=ns.max_restarts,
@@ -161,10 +191,27 @@ def parse_args(argv: Sequence[str]) -> _Args:
         secret_file=ns.secret_file,
         command=command,
         token_file=ns.token_file,
+        hang_timeout=ns.hang_timeout,
     )
 
 
-def embedded_devices(nproc: int, devices: str, gpu_count: int) -> DeviceSpec:
+def _nproc(raw: str | None) -> int | str | None:
+    """``--nproc``: a rank count of at least 1, or ``auto`` (resolved by :func:`resolve_nproc` once the GPUs are counted)."""
+    if raw is None or raw.strip() == "auto":
+        return None if raw is None else "auto"
+    if not raw.strip().isdigit() or int(raw) < 1:
+        raise ConfigError(f"--nproc must be a number of at least 1, or auto (got {raw!r})")
+    return int(raw)
+
+
+def resolve_nproc(nproc: int | str, gpu_count: int) -> int:
+    """``auto`` is torchrun's: one rank per visible GPU, else one per core this process may use."""
+    if nproc != "auto":
+        return int(nproc)
+    return gpu_count if gpu_count > 0 else len(os.sched_getaffinity(0))
+
+
+def embedded_devices(nproc: int, devices: str, gpu_count: int, visible: Sequence[str] | None = None) -> DeviceSpec:
     """``--nproc`` with ``--devices`` → the one host's devices (the devices mini-language, plus ``auto``)."""
     choice = devices.strip()
     if choice == "auto":
@@ -174,9 +221,16 @@ def embedded_devices(nproc: int, devices: str, gpu_count: int) -> DeviceSpec:
     except ConfigError as exc:
         raise ConfigError(f"--devices: {exc} (or auto)") from None
     if spec.kind is DeviceKind.ALL_GPUS:
+        if gpu_count == 0:
+            raise ConfigError(f"--devices all: this host has no visible GPU; for CPU ranks use --devices cpu:{nproc} (or --devices cpu)")
         if gpu_count < nproc:
-            raise ConfigError(f"--nproc {nproc} with --devices all needs {nproc} GPUs, this host has {gpu_count}; use --devices cpu")
+            raise ConfigError(f"--nproc {nproc} with --devices all needs {nproc} GPUs, this host shows {gpu_count}; use --devices cpu:{nproc}")
         return DeviceSpec.gpus(tuple(range(nproc)))
+    if spec.kind is DeviceKind.GPU_LIST:
+        try:
+            select(spec.gpu_ids, tuple(visible) if visible is not None else tuple(str(i) for i in range(gpu_count)))
+        except ConfigError as exc:
+            raise ConfigError(f"--devices: {exc}") from None
     count = spec.known_count
     if count != nproc:
         raise ConfigError(f"--devices gives {count} rank(s) but --nproc is {nproc}; one rank per device")
@@ -186,11 +240,13 @@ def embedded_devices(nproc: int, devices: str, gpu_count: int) -> DeviceSpec:
 def build_plan(args: _Args) -> LaunchPlan:
     """Resolve the arguments (and cluster file) into a launch plan, or raise :class:`ConfigError`."""
     deadlines = Deadlines.resolve(stop_grace=args.stop_grace)
-    gpu_count = detect_gpu_count()
+    visible = host_visible_gpus()
+    gpu_count = len(visible)
     aliases = this_machine()
     spec: ClusterSpec
     if args.nproc is not None:
-        worker = WorkerSpec(host=socket.gethostname(), devices=embedded_devices(args.nproc, args.devices, gpu_count))
+        nproc = resolve_nproc(args.nproc, gpu_count)
+        worker = WorkerSpec(host=socket.gethostname(), devices=embedded_devices(nproc, args.devices, gpu_count, visible))
         spec = ClusterSpec(controller=_embedded_controller(), workers=(worker,), source="--nproc")
     else:
         assert args.cluster is not None
@@ -216,6 +272,8 @@ def build_plan(args: _Args) -> LaunchPlan:
         deadlines=deadlines,
         host_aliases=aliases,
         token=token,
+        one_host=args.nproc is not None,
+        hang_timeout=args.hang_timeout,
     )
 
 
@@ -268,16 +326,65 @@ def _session_secret(path: str | None) -> bytes:
     return load_or_create_secret(path, new_session_secret())
 
 
-async def _run(plan: LaunchPlan, *, show_ranks: frozenset[int] | None = None) -> RunResult:
+def banner(plan: LaunchPlan, port: int) -> str:
+    """The one line a run starts with: what runs where, and where its status is."""
+    command = " ".join(plan.command)
+    where = _status_host(plan.bind_host)
+    if plan.one_host:
+        devices = plan.workers[0].spec.devices
+        count = devices.known_count or 0
+        kind = "CPU" if not devices.is_gpu else f"GPU {','.join(str(i) for i in devices.gpu_ids)}"
+        ranks = f"{count} rank" if count == 1 else f"{count} ranks"
+        return f"run {plan.run_id}: {ranks} on this host ({kind}) — {command} — status: flodl status, or http://{where}:{port}/"
+    hosts = len(plan.workers)
+    return f"run {plan.run_id}: {command} on {hosts} host(s) — status: flodl status --addr {where}:{port}, or http://{where}:{port}/"
+
+
+def warn_oversubscribed(plan: LaunchPlan) -> None:
+    """More CPU ranks on this machine than cores it lets us use: every rank will run slower than it could."""
+    cores = len(os.sched_getaffinity(0))
+    ranks = sum(w.spec.devices.cpu_ranks for w in plan.workers if w.placement is Placement.LOCAL and not w.spec.devices.is_gpu)
+    if ranks > cores:
+        log.warning("warning: %d CPU ranks on this host, which has %d core(s) for them: they will compete for the cores (fewer ranks run faster)", ranks, cores)
+
+
+def _status_host(bind_host: str) -> str:
+    """Where this machine reaches the controller's status."""
+    return "127.0.0.1" if bind_host in ("0.0.0.0", "127.0.0.1", "::", "") else bind_host
+
+
+async def _bind(plan: LaunchPlan, output: RankOutput, *, port_fallback: bool) -> Controller:
+    """The controller, bound; with ``port_fallback`` (``--nproc`` with no ``--port``) a taken port gives way to a free one, as torchrun --standalone does."""
+    controller = Controller(plan, output=output)
+    try:
+        await controller.bind()
+        return controller
+    except PortInUseError:
+        await controller.aclose()
+        if not port_fallback:
+            raise  # a port the user or the cluster file named is kept strictly
+    controller = Controller(dataclasses.replace(plan, port=0), output=output)
+    await controller.bind()
+    log.warning("port %d is taken (another run? see `flodl ps`); using free port %d instead", plan.port, controller.port)
+    return controller
+
+
+async def _run(plan: LaunchPlan, *, show_ranks: frozenset[int] | None = None, port_fallback: bool = False) -> RunResult:
     # Rank output goes through writer threads: a console nobody reads must not stall the loop (heartbeats, status).
     consoles = (ConsoleWriter(sys.stdout.buffer, name="stdout"), ConsoleWriter(sys.stderr.buffer, name="stderr"))
     # Our own log lines go through the same stderr writer: in order with the ranks' stderr, and never blocking either.
     handlers = [h for h in logging.getLogger("flodl_async").handlers if isinstance(h, logging.StreamHandler)]
     previous = [h.setStream(consoles[1].text()) for h in handlers]
     output = RankOutput(stdout=consoles[0], stderr=consoles[1], log_dir=plan.log_dir, run_id=plan.run_id, show_ranks=show_ranks)
-    controller = Controller(plan, output=output)
+    controller: Controller | None = None
+    registration: Registration | None = None
     try:
-        await controller.bind()
+        controller = await _bind(plan, output, port_fallback=port_fallback)
+        log.info("%s", banner(plan, controller.port))
+        try:  # so that `flodl status` (no address) and `flodl ps` find this run
+            registration = register(run_id=plan.run_id, address=_status_host(plan.bind_host), port=controller.port)
+        except RuntimeDirError as exc:
+            log.warning("not registered for `flodl ps` / `flodl status`: %s", exc)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, controller.interrupt, int(sig))
@@ -287,7 +394,10 @@ async def _run(plan: LaunchPlan, *, show_ranks: frozenset[int] | None = None) ->
             for sig in (signal.SIGINT, signal.SIGTERM):
                 loop.remove_signal_handler(sig)
     finally:
-        await controller.aclose()
+        if registration is not None:
+            registration.remove()
+        if controller is not None:
+            await controller.aclose()
         output.close()
         for console in consoles:  # every byte still queued is written out (off the loop) before the exit code
             await asyncio.to_thread(console.close)
@@ -315,8 +425,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     started = time.monotonic()
     try:
         plan = build_plan(args)
-        log.info("run %s: %s", plan.run_id, " ".join(plan.command))
-        result = run(_run(plan, show_ranks=args.ranks_filter))
+        warn_oversubscribed(plan)
+        result = run(_run(plan, show_ranks=args.ranks_filter, port_fallback=args.nproc is not None and args.port is None))
     except (ConfigError, PortInUseError) as exc:
         print(f"flodl-launch: error: {exc}", file=sys.stderr)
         return int(ExitCode.USAGE)
@@ -324,13 +434,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"flodl-launch: FAILED — {exc}", file=sys.stderr)
         return int(ExitCode.INTERNAL)
     elapsed = time.monotonic() - started
+    # The verdict line is printed under -q too: it is what -q keeps.
     if result.exit_code is ExitCode.OK:
-        if not args.quiet:
-            print(f"flodl-launch: done — {result.reason} ({elapsed:.1f}s)", file=sys.stderr)
+        print(f"flodl-launch: done — {result.reason} ({elapsed:.1f}s)", file=sys.stderr)
     else:
         print(f"flodl-launch: FAILED — {result.reason} ({elapsed:.1f}s)", file=sys.stderr)
-        if result.details:
-            print(result.details, file=sys.stderr)
+        details = result.details_for(args.ranks_filter)  # a traceback the console already showed is not repeated
+        if details:
+            print(details, file=sys.stderr)
     return int(result.exit_code)
 
 

@@ -63,6 +63,10 @@ class LaunchPlan:
     host_aliases: HostAliases | None = None
     #: The cluster token that admits dial-in agents to the join channel (None: token admission is off).
     token: bytes | None = field(default=None, repr=False)
+    #: The embedded one-host cluster of ``--nproc``: one banner line; the join window's progress only under ``-v``.
+    one_host: bool = False
+    #: ``--hang-timeout``: a rank with neither output nor CPU progress this long ends the run (None: off).
+    hang_timeout: float | None = None
 
     @property
     def local_hosts(self) -> frozenset[str]:

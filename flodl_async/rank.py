@@ -54,9 +54,10 @@ class RankLink:
         return cls(link, rank=rank, spec=spec, credential=credential)
 
     async def open_data(self, *, limits: FrameLimits | None = None, allocate: Callable[[int], bytearray] = bytearray) -> FramedProtocol:
-        """This rank's data link to its relay: its tensor bundles go up, the controller's come down.
+        """This rank's raw data link to its relay (the Trainer speaks through :class:`flodl_async.datalink.DataLink`).
 
-        Same credential, same scope as the control link. Wrap in ``asyncio.timeout``.
+        Same credential, same scope as the control link; payloads travel plain on this owner-only
+        socket, as the relay expects. Wrap in ``asyncio.timeout``.
         """
         return await open_unix_framed(
             self.spec.data_socket,
@@ -65,6 +66,7 @@ class RankLink:
             peer_label=f"relay of {self.spec.host} (data)",
             limits=limits,
             allocate=allocate,
+            plain_payloads=True,
         )
 
     async def heartbeat(self) -> float:

@@ -95,7 +95,7 @@ def rank_environment(
     rank_spec: RankSpec,
     cluster_env: Mapping[str, str],
     host_env: Mapping[str, str],
-    cuda_visible_devices: tuple[int, ...] | None,
+    cuda_visible_devices: tuple[str, ...] | None,
 ) -> dict[str, str]:
     """The complete environment of one rank process.
 
@@ -132,9 +132,11 @@ def rank_environment(
             "PYTHONUNBUFFERED": env.get("PYTHONUNBUFFERED", "1"),
         }
     )
-    # Several ranks on one host each spinning a full OpenMP pool oversubscribe the cores.
-    if "OMP_NUM_THREADS" not in cluster_env and "OMP_NUM_THREADS" not in host_env and "OMP_NUM_THREADS" not in base:
+    # Several ranks on one host each spinning a full OpenMP pool oversubscribe the cores (torchrun's
+    # rule: only then); a host's only rank keeps every core.
+    user_set = "OMP_NUM_THREADS" in cluster_env or "OMP_NUM_THREADS" in host_env or "OMP_NUM_THREADS" in base
+    if p.local_world_size > 1 and not user_set:
         env["OMP_NUM_THREADS"] = "1"
     if cuda_visible_devices is not None:
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in cuda_visible_devices)
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(cuda_visible_devices)
     return env

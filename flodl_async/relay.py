@@ -7,23 +7,32 @@ rank's link and forwards its messages up its single upstream control
 connection; the controller's answers come back down and are routed by rank.
 Upstream connections therefore scale with hosts, not ranks.
 
-The data channel has its own socket. Each rank's tensor bundles go up the
-host's one data connection; the controller's bundles (reduced results) come
-down once per host and are delivered to every local rank's data link. Folding
-the local ranks' contributions into one host frame belongs to the Trainer's
-reducer and is not done here yet: the relay forwards each rank's bundle.
+The data channel has its own socket, served by :class:`~flodl_async.relayfold.HostFold`:
+the host's ranks' contributions to a round are folded into one host frame that
+goes up the host's one data connection (dialled when the first rank says
+hello), and the controller's consensus comes down once per host and is sent to
+every local rank.
 
 Addressing is explicit, in one table (:data:`RANK_ADDRESS`): which control
 messages carry a rank, and how to read it. Both directions are checked
 against it in one place (:func:`rank_of`):
 
-- down: a message from the controller goes to the rank it is addressed to;
-  one that is addressed to no rank is dropped and counted, never guessed at;
+- down: a message from the controller goes to the rank it is addressed to,
+  ``rank = -1`` to every live local rank (one frame per host for the Trainer's
+  broadcasts); one that is addressed to no rank is dropped and counted, never
+  guessed at;
 - up: a rank's link is bound to the rank its credential proved in the
   handshake. Its ``RankHello`` must name that rank, and a later message on that
   link that claims another rank — or no rank, which the shared upstream
   connection would leave without an origin — is refused: the link is closed
-  and counted. A second link for a bound rank is refused too.
+  and counted. A second link for a bound rank is refused too. ``RankGone`` is the
+  relay's own: when a bound rank's link closes, the relay says so up the shared
+  connection (the controller learns of a dead Trainer rank without waiting for
+  its heartbeat deadline or its exit report).
+
+The relay also reads two Trainer messages as they pass: the first ``TrainerHello``
+(the model's size and the run digest, which its data socket's ceiling and hello
+check need) and ``DeclareDead`` (a rank its fold barrier must stop waiting for).
 
 Credentials. The relay holds the session secret (it is part of its agent) and
 speaks upstream with it; ranks never get it. The rank socket takes only rank
@@ -50,9 +59,10 @@ from .errors import ConnectionClosed, HandshakeRefused, WireError
 from .liveness import Liveness
 from .net.framed import FramedProtocol, open_framed
 from .net.service import FramedService
+from .reducer import local_reducer
+from .relayfold import HELLO_LIMITS, HostFold, HostFoldStatistics
 from .wire import messages as m
 from .wire.channels import Channel
-from .wire.frame import PayloadPool
 from .wire.handshake import PeerHello
 from .wire.keys import Credential, CredentialKind, rank_credential_key
 from .wire.schema import Message
@@ -75,8 +85,34 @@ RANK_ADDRESS: Mapping[type[Message], Callable[[Message], int]] = dict(
         _address(m.RankHello, lambda msg: msg.rank),
         _address(m.RankWelcome, lambda msg: msg.rank),
         _address(m.Heartbeat, lambda msg: msg.rank),
+        # The Trainer's coordinator protocol (trainer-spec §2.2); down, rank -1 is every local rank.
+        *(
+            _address(cls, lambda msg: msg.rank)  # type: ignore[attr-defined]
+            for cls in (
+                m.TrainerHello,
+                m.TrainerWelcome,
+                m.TrainerReject,
+                m.Plan,
+                m.WindowDone,
+                m.Reduce,
+                m.ReduceDone,
+                m.EpochAggregated,
+                m.DeclareDead,
+                m.RankGone,
+                m.Exiting,
+                m.Intent,
+                m.RankStateSaved,
+                m.Shutdown,
+            )
+        ),
     ]
 )
+
+#: ``rank`` of a down-message that means every local rank of this relay (one frame per host).
+EVERY_LOCAL_RANK = -1
+
+#: Up-messages only the relay itself originates: a rank's link that sends one is refused.
+RELAY_ONLY: frozenset[type[Message]] = frozenset({m.RankGone})
 
 
 def rank_of(msg: Message) -> int | None:
@@ -91,9 +127,6 @@ class RelayStatistics:
 
     ranks_connected: int
     forwarded_up: int
-    #: Tensor bundles forwarded up the data connection, and delivered down to local ranks (one per rank).
-    bundles_up: int
-    bundles_down: int
     delivered_down: int
     #: Controller messages addressed to no rank (dropped).
     dropped_unaddressed: int
@@ -101,6 +134,12 @@ class RelayStatistics:
     dropped_rank_gone: int
     #: Rank links closed: no RankHello first, a bound rank claimed twice, or a message claiming another rank.
     refused_links: int
+    #: The data socket: contributions folded into host frames, consensus fanned out.
+    data: HostFoldStatistics
+    #: Down-messages for every local rank (``rank = -1``), counted once per frame.
+    broadcasts_down: int = 0
+    #: ``RankGone`` reports sent up for closed rank links.
+    ranks_gone: int = 0
 
 
 class Relay:
@@ -118,9 +157,13 @@ class Relay:
         controller_port: int,
         task_group: asyncio.TaskGroup,
         deadlines: Deadlines,
+        host: str = "",
         on_upstream_lost: Callable[[str], None] | None = None,
     ) -> None:
-        """``on_upstream_lost(reason)``: the upstream control link went silent past the heartbeat deadline."""
+        """``host`` names this host in its data connection's hello (the controller's log lines).
+
+        ``on_upstream_lost(reason)``: the upstream control link went silent past the heartbeat deadline.
+        """
         self._deadlines = deadlines
         self._on_upstream_lost = on_upstream_lost
         self._upstream_live: Liveness | None = None
@@ -136,18 +179,21 @@ class Relay:
         self._ranks: dict[int, FramedProtocol] = {}
         self._upstream: FramedProtocol | None = None
         self._servers: list[asyncio.AbstractServer] = []
-        self._data_links: dict[int, FramedProtocol] = {}
-        self._data_upstream: FramedProtocol | None = None
-        self._data_dialling = asyncio.Lock()
-        self._payloads = PayloadPool()
+        self._fold = HostFold(
+            host=host, ranks=ranks, dial=self._dial_data, task_group=task_group, hello_timeout=deadlines.handshake, local=lambda: local_reducer(run_id)
+        )
         self._forwarded_up = 0
-        self._bundles_up = 0
-        self._bundles_down = 0
         self._delivered_down = 0
         self._dropped_unaddressed = 0
         self._dropped_rank_gone = 0
         self._refused_links = 0
         self._warned: set[type[Message]] = set()
+        self._broadcasts_down = 0
+        self._ranks_gone = 0
+        #: ``(model_bytes, digest)`` from the first local TrainerHello; None before any.
+        self.trainer_model: tuple[int, str] | None = None
+        #: Ranks the controller declared dead (the fold barrier's exclusions).
+        self.declared_dead: set[int] = set()
 
     async def start(self) -> None:
         """Dial upstream (with the session secret), then listen on the unix socket (owner-only)."""
@@ -163,9 +209,11 @@ class Relay:
             channel=Channel.DATA,
             resolve=self._rank_key,
             run_id=self._run_id,
-            handler=self._serve_rank_data,
+            handler=self._fold.serve_rank,
             task_group=self._tg,
-            allocate=self._payloads.acquire,
+            limits=HELLO_LIMITS,
+            allocate=self._fold.pool.acquire,
+            plain_payloads=True,  # owner-only unix socket: same-user peers (FrameConnection's plain_payloads)
         )
         for path, service in ((self.socket_path, control), (self.data_socket_path, data)):
             await self._listen(path, service)
@@ -182,6 +230,11 @@ class Relay:
     def open_round(self, round_: int) -> None:
         """Ranks of ``round_`` are starting: from now on only their credentials are taken."""
         self._round = round_
+        self._fold.open_round()
+
+    def rank_dead(self, rank: int, reason: str) -> None:
+        """The controller declared ``rank`` dead (``DeclareDead``): no host fold waits for it."""
+        self._fold.rank_gone(rank, reason)
 
     def _rank_key(self, peer: PeerHello) -> bytes:
         """The credential resolver of the rank socket: one rank of this host, in the current round."""
@@ -198,12 +251,13 @@ class Relay:
         return RelayStatistics(
             ranks_connected=len(self._ranks),
             forwarded_up=self._forwarded_up,
-            bundles_up=self._bundles_up,
-            bundles_down=self._bundles_down,
             delivered_down=self._delivered_down,
             dropped_unaddressed=self._dropped_unaddressed,
             dropped_rank_gone=self._dropped_rank_gone,
             refused_links=self._refused_links,
+            data=self._fold.statistics(),
+            broadcasts_down=self._broadcasts_down,
+            ranks_gone=self._ranks_gone,
         )
 
     def _refuse(self, why: str) -> None:
@@ -227,20 +281,42 @@ class Relay:
             return
         self._ranks[bound] = link
         upstream = self._require_upstream()
+        gone = "its link to the relay closed"
         try:
             self._up(upstream, hello)
             while True:
-                msg = await link.recv_message()
+                try:
+                    msg = await link.recv_message()
+                except ConnectionClosed as exc:
+                    if exc.by_peer:  # the rank's side went away: its process ended (the agent reports how)
+                        gone = "its link to the relay closed (the rank exited, crashed or was killed)"
+                    raise
                 claimed = rank_of(msg)
-                if claimed != bound:
+                if claimed != bound or type(msg) in RELAY_ONLY:
                     claim = "no rank" if claimed is None else f"rank {claimed}"
-                    self._refuse(f"the link of rank {bound} sent {type(msg).__name__} claiming {claim}")
+                    why = f"the link of rank {bound} sent {type(msg).__name__} claiming {claim}"
+                    if type(msg) in RELAY_ONLY:
+                        why = f"the link of rank {bound} sent {type(msg).__name__}, which only a relay sends"
+                    self._refuse(why)
+                    gone = f"the relay closed its link: {why}"
                     return
+                if isinstance(msg, m.TrainerHello) and self.trainer_model is None:
+                    self.trainer_model = (msg.model_bytes, msg.digest)
                 self._up(upstream, msg)
                 await upstream.drain()
         finally:
             if self._ranks.get(bound) is link:
                 del self._ranks[bound]
+                self._fold.rank_gone(bound, "its control link closed")
+                self._report_gone(upstream, bound, gone)
+
+    def _report_gone(self, upstream: FramedProtocol, rank: int, reason: str) -> None:
+        """Rule 4 of the coordinator protocol: a bound rank's closed link is reported up as ``RankGone``."""
+        if upstream.is_closing:
+            return
+        with contextlib.suppress(ConnectionClosed, OSError):
+            upstream.send(m.RankGone(rank=rank, reason=reason))
+            self._ranks_gone += 1
 
     def _up(self, upstream: FramedProtocol, msg: Message) -> None:
         upstream.send(msg)
@@ -257,6 +333,17 @@ class Relay:
             if isinstance(msg, m.Heartbeat) and msg.relay:
                 continue  # the echo of our own beat: heard, nothing to deliver
             rank = rank_of(msg)
+            if isinstance(msg, m.DeclareDead):
+                self.declared_dead.add(msg.dead_rank)
+                self.rank_dead(msg.dead_rank, msg.reason)
+            if rank == EVERY_LOCAL_RANK:
+                self._broadcasts_down += 1
+                for local in list(self._ranks.values()):
+                    if not local.is_closing:
+                        with contextlib.suppress(ConnectionClosed, OSError):
+                            local.send(msg)
+                            self._delivered_down += 1
+                continue
             if rank is None:
                 self._dropped_unaddressed += 1
                 if type(msg) not in self._warned:  # once per kind: a peer could flood the log otherwise
@@ -302,61 +389,17 @@ class Relay:
 
     # ----- the data channel ---------------------------------------------------------------
 
-    async def _serve_rank_data(self, link: FramedProtocol) -> None:
-        """One rank's data link: its bundles go up; the controller's come down to it (and every local rank)."""
-        assert link.peer is not None
-        rank = link.peer.rank
-        current = self._data_links.get(rank)
-        if current is not None and not current.is_closing:
-            self._refuse(f"rank {rank} already has a data link")
-            return
-        self._data_links[rank] = link
-        try:
-            upstream = await self._data_uplink()
-            while True:
-                frame = await link.recv()
-                if not isinstance(frame.message, m.TensorBundle):
-                    continue  # the kind table admits nothing else on this channel
-                try:
-                    await upstream.send_tensors(frame.message, [frame.payload] if frame.payload is not None else [])
-                finally:
-                    if frame.payload is not None:
-                        self._payloads.release(frame.payload)  # sealed into the upstream frame: the buffer is free
-                self._bundles_up += 1
-        finally:
-            if self._data_links.get(rank) is link:
-                del self._data_links[rank]
-
-    async def _data_uplink(self) -> FramedProtocol:
-        """The host's one data connection to the controller, dialled when a rank first needs it."""
-        async with self._data_dialling:
-            if self._data_upstream is None or self._data_upstream.is_closing:
-                async with asyncio.timeout(self._deadlines.handshake):
-                    self._data_upstream = await open_framed(
-                        *self._controller,
-                        channel=Channel.DATA,
-                        credential=Credential.session(self._secret),
-                        expect_run_id=self._run_id,
-                        allocate=self._payloads.acquire,
-                    )
-                self._tg.create_task(self._pump_data_down(self._data_upstream), name="relay-data-down")
-            return self._data_upstream
-
-    async def _pump_data_down(self, upstream: FramedProtocol) -> None:
-        while True:
-            try:
-                frame = await upstream.recv()
-            except (ConnectionClosed, WireError):
-                return
-            parts = [frame.payload] if frame.payload is not None else []
-            try:
-                for link in list(self._data_links.values()):
-                    with contextlib.suppress(ConnectionClosed, OSError):
-                        await link.send_tensors(frame.message, parts)
-                        self._bundles_down += 1
-            finally:
-                if frame.payload is not None:
-                    self._payloads.release(frame.payload)  # sealed into every rank's frame: the buffer is free
+    async def _dial_data(self) -> FramedProtocol:
+        """The host's data connection to the controller (the fold introduces it and raises its ceiling)."""
+        async with asyncio.timeout(self._deadlines.handshake):
+            return await open_framed(
+                *self._controller,
+                channel=Channel.DATA,
+                credential=Credential.session(self._secret),
+                expect_run_id=self._run_id,
+                limits=HELLO_LIMITS,
+                allocate=self._fold.pool.acquire,
+            )
 
     def _require_upstream(self) -> FramedProtocol:
         if self._upstream is None:
@@ -369,11 +412,11 @@ class Relay:
             self._beats.cancel()  # it may be asleep until its next beat: the session's group must not wait for it
         for server in self._servers:
             server.close()
-        for link in [*self._ranks.values(), *self._data_links.values()]:
+        for link in self._ranks.values():
             link.close()
-        for upstream in (self._upstream, self._data_upstream):
-            if upstream is not None:
-                await upstream.aclose(grace=self._deadlines.link_close)
+        await self._fold.aclose(grace=self._deadlines.link_close)
+        if self._upstream is not None:
+            await self._upstream.aclose(grace=self._deadlines.link_close)
         for path in (self.socket_path, self.data_socket_path):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)

@@ -107,6 +107,13 @@ def _mkdir_private(path: Path) -> None:
     _check_private(path)
 
 
+def private_subdir(root: Path, name: str) -> Path:
+    """``root/name``, created mode 0700 unless it exists, and checked like the root itself."""
+    path = root / name
+    _mkdir_private(path)
+    return path
+
+
 def ensure_root(root: Path | None = None) -> Path:
     """The runtime directory, created if missing and checked; raises :class:`RuntimeDirError`."""
     root = runtime_root() if root is None else root

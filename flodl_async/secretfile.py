@@ -6,7 +6,7 @@ read or write; the error names the file, what is wrong and the command that
 fixes it. The checks are made on the opened descriptor (``fstat``), so the file
 checked is the file read. A FIFO is opened without blocking and then refused.
 
-Write: a new file is created with ``O_CREAT | O_EXCL`` and mode 0600, so it is
+Write: missing parent directories are made mode 0700, then a new file is created with ``O_CREAT | O_EXCL`` and mode 0600, so it is
 private from the moment it exists (no chmod afterwards, hence no window in which
 it is readable), and an existing file — or a symlink planted where it should go —
 is never followed or overwritten: the caller reads that one instead.
@@ -123,6 +123,7 @@ def create_secret_file(path: str | os.PathLike[str], secret: bytes) -> None:
     :class:`SecretFileError`; a file that could not be written whole is removed.
     """
     name = os.fspath(path)
+    _make_parents(name)
     try:
         # O_EXCL: created by this call or not at all, and a symlink at `name` is not followed.
         fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
@@ -139,6 +140,24 @@ def create_secret_file(path: str | os.PathLike[str], secret: bytes) -> None:
         with contextlib.suppress(OSError):
             os.unlink(name)
         raise SecretFileError(name, f"cannot write it: {exc.strerror or exc}", "check the disk and the path") from exc
+
+
+def _make_parents(name: str) -> None:
+    """Missing parent directories of a secret file are made mode 0700 (only ours can list them); existing ones are left as they are."""
+    parent = os.path.dirname(os.path.abspath(name))
+    if os.path.isdir(parent):
+        return
+    missing: list[str] = []
+    while not os.path.isdir(parent) and parent not in missing:
+        missing.append(parent)
+        parent = os.path.dirname(parent)
+    try:
+        # One by one: os.makedirs gives its mode to the last directory only (the others get the umask's default).
+        for directory in reversed(missing):
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(directory, 0o700)  # the umask can only narrow it
+    except OSError as exc:
+        raise SecretFileError(name, f"cannot create its directory: {exc.strerror or exc}", "pick a path you can write") from exc
 
 
 def load_or_create_secret(path: str | os.PathLike[str], new_secret: bytes) -> bytes:

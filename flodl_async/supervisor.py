@@ -38,8 +38,8 @@ from dataclasses import dataclass, field, replace
 from . import __version__
 from .hostnames import HostAliases
 from .membership import Admitted, Failed, Formed, JoinConfig, JoinedMember, JoinWindow
-from .status.model import RankState, RankStatus
-from .verdict import ExitCode, RunResult, exit_code_for_signal, rank_signal_for
+from .status.model import PROCESS_STATES, RankState, RankStatus
+from .verdict import ExitCode, RunResult, device_ranges, exit_code_for_signal, rank_ranges, rank_signal_for, restarts_text
 from .wire import messages as m
 from .wire.schema import Message
 
@@ -69,6 +69,8 @@ class SupervisorConfig:
     protocol_version: int = 1
     #: This controller's flodl_async version: an agent of another version is refused at join.
     version: str = __version__
+    #: ``--hang-timeout``: a rank with neither output nor CPU progress this long ends the run (exit 6); None: off.
+    hang_timeout: float | None = None
 
 
 # ----- events ------------------------------------------------------------------------------------
@@ -132,6 +134,30 @@ class RankConnected:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class RanksReported:
+    """A host's periodic report of its running ranks (pid, process state, CPU, output, store connection)."""
+
+    host: str
+    report: m.RankStats
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TrainingEnded:
+    """The Trainer's coordinator concluded: in order (the ranks now exit 0) or failed (its cause is the run's).
+
+    A coordinator that fails (spec mismatch, hello timeout, a rank lost, a stall) is the root
+    cause of the exits that follow it, so the verdict is its ``reason``, given at once. An
+    orderly end waits for the ranks' exits; ``code`` is the verdict's code then (OK, or the
+    signal's code when a launcher signal asked for the orderly stop).
+    """
+
+    ok: bool
+    reason: str
+    code: ExitCode = ExitCode.OK
+    details: str = ""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Interrupted:
     """The launcher received ``signal`` (SIGINT or SIGTERM)."""
 
@@ -143,7 +169,9 @@ class Tick:
     """:meth:`Supervisor.next_deadline` has passed."""
 
 
-Event = JoinRequested | JoinUndelivered | HostLost | StoreReady | RankExited | RanksStopped | RankConnected | Interrupted | Tick
+Event = (
+    JoinRequested | JoinUndelivered | HostLost | StoreReady | RankExited | RanksStopped | RankConnected | RanksReported | TrainingEnded | Interrupted | Tick
+)
 
 
 # ----- actions -----------------------------------------------------------------------------------
@@ -294,6 +322,7 @@ class Supervisor:
         self._window = window
         self._restart_count = 0
         self._ranks: dict[int, RankStatus] = {}
+        self._training_done: tuple[str, ExitCode] | None = None  # the coordinator's orderly end, for the verdict
 
     # ----- queries ----------------------------------------------------------------------------
 
@@ -345,9 +374,13 @@ class Supervisor:
         if isinstance(event, RankConnected):
             self._rank_connected(event)
             return ()
+        if isinstance(event, RanksReported):
+            return self._ranks_reported(event)
         phase = self._phase
         if isinstance(phase, Ended):
             return self._after_verdict(event)
+        if isinstance(event, TrainingEnded):
+            return self._training_ended(event)
         if isinstance(phase, Forming):
             return self._forming(phase, event, now)
         if isinstance(event, JoinRequested):
@@ -384,7 +417,7 @@ class Supervisor:
                 actions.append(AcceptJoin(host=member.host, reply=reply))
                 actions.append(
                     Announce(
-                        text=f'host "{member.host}" joined with ranks {list(member.ranks)} ({", ".join(member.devices)}) — '
+                        text=f'host "{member.host}" joined with ranks {rank_ranges(member.ranks)} ({device_ranges(member.devices)}) — '
                         f"{window.joined_ranks} rank(s) in, target {window.describe_target()}"
                     )
                 )
@@ -466,10 +499,16 @@ class Supervisor:
         report = event.report
         if _failed(report):
             if self._restart_count >= self.config.max_restarts:
-                restarts = f" after {self._restart_count} restart(s)" if self.config.max_restarts else ""
+                restarts = f" after {restarts_text(self._restart_count)}" if self.config.max_restarts else ""
                 return (
                     Announce(text=describe_exit(report)),
-                    self._end(ExitCode.RANK_FAILURE, describe_exit(report) + restarts, details=failure_details(report)),
+                    self._end(
+                        ExitCode.RANK_FAILURE,
+                        describe_exit(report) + restarts,
+                        details=failure_details(report),
+                        rank=report.rank,
+                        details_if_shown=failure_details(report, shown_live=True),
+                    ),
                 )
             hosts = frozenset(member.host for member in phase.world.members)
             self._phase = Restarting(world=phase.world, round=phase.round, waiting=hosts, deadline=now + self.config.stop_grace + self.config.stop_ack_margin)
@@ -488,8 +527,17 @@ class Supervisor:
         self._phase = replace(phase, succeeded=succeeded)
         done: list[Action] = [Announce(text=f"rank {report.rank} on {report.host} exited with code 0")]
         if len(succeeded) == phase.world.world_size:
-            done.append(self._end(ExitCode.OK, f"all {phase.world.world_size} ranks exited 0"))
+            after = f" after {restarts_text(self._restart_count)}" if self._restart_count else ""
+            reason, code = self._training_done or (f"all {phase.world.world_size} ranks exited 0{after}", ExitCode.OK)
+            done.append(self._end(code, reason))
         return tuple(done)
+
+    def _training_ended(self, event: TrainingEnded) -> tuple[Action, ...]:
+        if event.ok:
+            # The ranks now leave; their clean exits give the verdict (130/143 after an orderly stop on a signal).
+            self._training_done = (event.reason, event.code)
+            return (Announce(text=event.reason),)
+        return (Announce(text=event.reason, level=Level.WARNING), self._end(event.code, event.reason, details=event.details))
 
     def _restarting(self, phase: Restarting, event: Event, now: float) -> tuple[Action, ...]:
         if isinstance(event, RanksStopped) and event.round == phase.round:
@@ -520,8 +568,9 @@ class Supervisor:
         where = {Forming: " while the join window was open", Rendezvous: " during rendezvous", Restarting: " while restarting"}.get(type(phase), "")
         first = rank_signal_for(event.signal)
         grace = self.config.stop_grace
+        again = "Ctrl-C" if event.signal == signal.SIGINT else name  # what the user at the terminal does
         return (
-            Announce(text=f"stopping: ranks got {first.name}; KILL in {grace:g} s ({name} again to force)", level=Level.WARNING),
+            Announce(text=f"stopping: ranks got {first.name}; KILL in {grace:g} s ({again} again to force)", level=Level.WARNING),
             self._end(exit_code_for_signal(event.signal), f"interrupted by {name}{where}", first_signal=first),
         )
 
@@ -539,9 +588,11 @@ class Supervisor:
         *,
         details: str = "",
         first_signal: signal.Signals = signal.SIGTERM,
+        rank: int | None = None,
+        details_if_shown: str = "",
     ) -> EndRun:
         world = None if isinstance(self._phase, Forming) else self._phase.world  # the world the verdict ends, if it formed
-        result = RunResult(exit_code=code, reason=reason, details=details)
+        result = RunResult(exit_code=code, reason=reason, details=details, rank=rank, details_if_shown=details_if_shown)
         self._phase = Ended(result=result, world=world)
         abort = m.Abort(reason=reason, grace_s=self.config.stop_grace, first_signal=int(first_signal))
         farewell: m.Finish | m.Abort = m.Finish() if code is ExitCode.OK else abort
@@ -560,6 +611,42 @@ class Supervisor:
             exit_code=report.exit_code,
             signal=report.signal,
         )
+
+    def _ranks_reported(self, event: RanksReported) -> tuple[Action, ...]:
+        """Fold a host's activity report into the rank table; under ``hang_timeout``, a rank quiet that long ends the run."""
+        phase = self._phase
+        if not isinstance(phase, Running) or event.report.round != phase.round:
+            return ()  # a report of another round, or after the verdict: the table already says how those ended
+        hung: m.RankActivity | None = None
+        for activity in event.report.ranks:
+            known = self._ranks.get(activity.rank)
+            if known is None or known.host != event.host or known.state not in (RankState.RUNNING, RankState.CONNECTED):
+                continue
+            self._ranks[activity.rank] = replace(
+                known,
+                pid=activity.pid,
+                uptime_s=activity.uptime_s,
+                process=PROCESS_STATES.get(activity.state, activity.state),
+                cpu_percent=activity.cpu_percent,
+                last_line=activity.last_line,
+                output_age_s=activity.output_age_s if activity.output_age_s >= 0 else None,
+                quiet_s=activity.quiet_s,
+                store_connected=activity.store_connected,
+            )
+            limit = self.config.hang_timeout
+            if limit is not None and activity.quiet_s >= limit and (hung is None or activity.quiet_s > hung.quiet_s):
+                hung = activity
+        if hung is None:
+            return ()
+        known = self._ranks[hung.rank]
+        process = PROCESS_STATES.get(hung.state, hung.state)
+        reason = (
+            f"rank {hung.rank} (local rank {known.local_rank}) on host {event.host!r} hung: no output and no CPU progress "
+            f"for {hung.quiet_s:g} s (--hang-timeout {self.config.hang_timeout:g}); its process {hung.pid} is {process}"
+        )
+        store = "it is connected to the rendezvous store" if hung.store_connected else "it never connected to the rendezvous store"
+        last = f"its last output line: {hung.last_line}" if hung.last_line else "it printed nothing"
+        return (Announce(text=reason, level=Level.WARNING), self._end(ExitCode.STALLED, reason, details=f"{store}; {last}"))
 
     def _rank_connected(self, event: RankConnected) -> None:
         known = self._ranks.get(event.rank)
@@ -591,19 +678,39 @@ def _phase_name(phase: Phase) -> str:
     return "done" if phase.result.exit_code is ExitCode.OK else "failed"
 
 
+#: Said of a SIGKILL that reached a running rank: flodl sends KILL only when it stops a run, and then the run has already ended.
+OOM_HINT = "not sent by flodl; the kernel's OOM killer is the usual cause: look for \"Out of memory\" in `dmesg` or `journalctl -k`"
+
+
 def describe_exit(report: m.RankExited) -> str:
-    """``rank 1 (local rank 1) on host 'vm' exited with code 3`` (or ``was killed by SIGKILL``)."""
+    """``rank 1 (local rank 1) on host 'vm' exited with code 3`` (or ``was killed by SIGKILL``, with the OOM hint)."""
     how = f"was killed by {_signal_name(report.signal)}" if report.signal is not None else f"exited with code {report.exit_code}"
+    if report.signal == signal.SIGKILL:
+        how += f" ({OOM_HINT})"
     return f"rank {report.rank} (local rank {report.local_rank}) on host {report.host!r} {how}"
 
 
-def failure_details(report: m.RankExited) -> str:
-    """The traceback from the rank's error file and its last stderr lines, for the verdict."""
+def failure_details(report: m.RankExited, *, shown_live: bool = False) -> str:
+    """The traceback from the rank's error file and its last stderr lines, for the verdict — each line once.
+
+    ``@record`` writes the traceback to the error file and Python prints it to stderr too,
+    so the stderr tail lines the traceback already holds are not repeated. ``shown_live``:
+    the console showed the rank's stderr as it came, traceback included; the verdict then
+    points at it and repeats only its last line (the exception).
+    """
     details: list[str] = []
+    tail = list(report.stderr_tail)
     if report.error_file:
-        details.append("traceback (from the rank's error file):")
-        details.extend(f"  {line}" for line in report.error_file.rstrip().splitlines())
-    if report.stderr_tail:
-        details.append(f"last {len(report.stderr_tail)} stderr line(s) of rank {report.rank}:")
-        details.extend(f"  {line}" for line in report.stderr_tail)
+        traceback = report.error_file.rstrip().splitlines()
+        if shown_live:
+            details.append(f"traceback: above, in rank {report.rank}'s stderr (also in its error file); it ended with:")
+            details.extend(f"  {line}" for line in traceback[-1:])
+        else:
+            details.append("traceback (from the rank's error file):")
+            details.extend(f"  {line}" for line in traceback)
+        told = {line.strip() for line in traceback}
+        tail = [line for line in tail if line.strip() not in told]
+    if tail:
+        details.append(f"last {len(tail)} stderr line(s) of rank {report.rank}:")
+        details.extend(f"  {line}" for line in tail)
     return "\n".join(details)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import enum
 import signal
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 
@@ -49,6 +50,19 @@ EXIT_MEANINGS: dict[ExitCode, str] = {
 }
 
 
+#: What flodl-agent's exit codes mean (its --help and the README's agent table are rendered from it).
+AGENT_EXIT_MEANINGS: dict[ExitCode, str] = {
+    ExitCode.OK: "the run finished (the controller said Finish)",
+    ExitCode.INTERNAL: "internal error (a bug: please report it)",
+    ExitCode.USAGE: "bad arguments, secret or runtime directory; nothing was started",
+    ExitCode.FORMATION: "could not join: no controller answered within --connect-timeout, join refused "
+    "(a wrong cluster token too, even with --persist), or the world did not form",
+    ExitCode.RANK_FAILURE: "the run failed: the controller aborted it (a rank failed, the launcher was stopped) or the controller was lost",
+    ExitCode.INTERRUPTED: "stopped by SIGINT (the ranks got SIGINT first); a second signal kills them at once",
+    ExitCode.TERMINATED: "stopped by SIGTERM (the ranks got SIGTERM first); a second signal kills them at once",
+}
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RunResult:
     """A run's verdict: an exit code, a one-line reason, and details for the operator."""
@@ -56,6 +70,16 @@ class RunResult:
     exit_code: ExitCode
     reason: str
     details: str = ""
+    #: The failed rank the verdict names, if one; its live output may already hold the traceback.
+    rank: int | None = None
+    #: ``details`` for a console that already showed that rank's stderr live: the traceback is not repeated.
+    details_if_shown: str = ""
+
+    def details_for(self, shown: frozenset[int] | None) -> str:
+        """The details to print when the console shows the ranks in ``shown`` (None: every rank)."""
+        if self.rank is not None and (shown is None or self.rank in shown) and self.details_if_shown:
+            return self.details_if_shown
+        return self.details
 
 
 class StatusExit(enum.IntEnum):
@@ -79,11 +103,47 @@ def exit_help(meanings: dict[ExitCode, str] | None = None) -> str:
     return "exit codes:\n" + "\n".join(f"  {int(code):<4} {text}" for code, text in rows.items()) + "\n"
 
 
-def exit_table_markdown() -> str:
-    """The README's exit-code table, rendered from :data:`EXIT_MEANINGS`."""
+def exit_table_markdown(meanings: dict[ExitCode, str] | None = None) -> str:
+    """The README's exit-code table, rendered from :data:`EXIT_MEANINGS` (or flodl-agent's, :data:`AGENT_EXIT_MEANINGS`)."""
+    rows = EXIT_MEANINGS if meanings is None else meanings
     lines = ["| code | meaning |", "| --- | --- |"]
-    lines.extend(f"| {int(code)} | {text} |" for code, text in EXIT_MEANINGS.items())
+    lines.extend(f"| {int(code)} | {text} |" for code, text in rows.items())
     return "\n".join(lines)
+
+
+def rank_ranges(ranks: Iterable[int]) -> str:
+    """``0-99`` or ``0-3,7``: a rank list as short as it can be said (sorted, duplicates dropped)."""
+    ordered = sorted(set(ranks))
+    parts: list[str] = []
+    start = prev = None
+    for rank in ordered:
+        if prev is not None and rank == prev + 1:
+            prev = rank
+            continue
+        if start is not None:
+            parts.append(str(start) if start == prev else f"{start}-{prev}")
+        start = prev = rank
+    if start is not None:
+        parts.append(str(start) if start == prev else f"{start}-{prev}")
+    return ",".join(parts)
+
+
+def device_ranges(labels: Iterable[str]) -> str:
+    """``cpu:0-99`` or ``cuda:0-3,7``: device labels of one kind folded like :func:`rank_ranges` (others as they are)."""
+    kinds: dict[str, list[int]] = {}
+    others: list[str] = []
+    for label in labels:
+        kind, _, index = label.partition(":")
+        if index.isdigit():
+            kinds.setdefault(kind, []).append(int(index))
+        else:
+            others.append(label)
+    return ", ".join([f"{kind}:{rank_ranges(ids)}" for kind, ids in kinds.items()] + others)
+
+
+def restarts_text(count: int) -> str:
+    """``1 restart`` / ``2 restarts``."""
+    return f"{count} restart" if count == 1 else f"{count} restarts"
 
 
 def exit_code_for_signal(sig: int) -> ExitCode:

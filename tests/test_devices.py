@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 
+from flodl_async import gpus
 from flodl_async.cluster import DeviceSpec as ClusterDeviceSpec
 from flodl_async.cluster import parse_cluster
 from flodl_async.devices import DeviceKind, DeviceSpec, parse_devices, parse_gpu_ids
@@ -96,3 +98,51 @@ def test_flodl_launch_nproc_devices_mismatch_is_a_clear_error(text: str, message
 
     with pytest.raises(ConfigError, match=re.escape(message)):
         embedded_devices(2, text, 4)
+
+
+# ----- the caller's CUDA_VISIBLE_DEVICES (flodl_async.gpus) -------------------------------------
+
+
+def _fake_dev(tmp_path: Path, count: int) -> dict[str, str]:
+    """A host that looks like it has ``count`` GPUs: only where the device nodes are counted changes."""
+    dev = tmp_path / "dev"
+    dev.mkdir()
+    for name in [f"nvidia{i}" for i in range(count)] + ["nvidiactl", "nvidia-uvm", "null"]:
+        (dev / name).touch()
+    return {gpus.DEV_DIR_VARIABLE: str(dev)}
+
+
+def test_the_host_count_reads_the_device_nodes_only(tmp_path: Path) -> None:
+    env = _fake_dev(tmp_path, 4)
+    assert gpus.physical_gpu_count(env) == 4
+    assert gpus.physical_gpu_count({gpus.DEV_DIR_VARIABLE: str(tmp_path / "missing")}) == 0
+
+
+@pytest.mark.parametrize(
+    ("mask", "visible"),
+    [
+        (None, ("0", "1", "2", "3")),
+        ("2,3", ("2", "3")),
+        (" 3 , 1 ", ("3", "1")),
+        ("", ()),
+        ("0,7,1", ("0",)),  # CUDA reads up to the first invalid entry
+        ("1,1", ("1",)),
+        ("-1", ()),
+        ("GPU-8a3c,MIG-1f", ("GPU-8a3c", "MIG-1f")),
+    ],
+)
+def test_the_mask_is_read_as_cuda_reads_it(mask: str | None, visible: tuple[str, ...]) -> None:
+    assert gpus.visible_gpus(mask, 4) == visible
+
+
+def test_device_ids_index_into_the_visible_set() -> None:
+    assert gpus.select((0, 1), ("2", "3")) == ("2", "3")
+    assert gpus.select((1,), ("4", "5", "6")) == ("5",)
+    with pytest.raises(ConfigError, match=r"GPU 2 is not visible here: this host shows 2 GPU\(s\) \(visible: 2,3\); device ids count from 0"):
+        gpus.select((0, 2), ("2", "3"))
+
+
+def test_the_visible_count_honours_the_mask(tmp_path: Path) -> None:
+    env = _fake_dev(tmp_path, 4)
+    assert gpus.host_visible_gpus(env) == ("0", "1", "2", "3")
+    assert gpus.host_visible_gpus({**env, "CUDA_VISIBLE_DEVICES": "2,3"}) == ("2", "3")

@@ -229,3 +229,36 @@ def test_another_flodl_async_version_names_both(hostkit: HostKit, tmp_path: Path
     done = _launch(cluster, PY, script("allreduce.py"))
     assert done.returncode == 3, done.stderr
     assert f"{h1.addr}:22 has flodl_async 0.0.1, this launcher is {__version__}; install the same version on every host" in done.stderr
+
+
+def test_ranks_on_ssh_hosts_report_their_activity_and_only_local_clients_read_their_lines(hostkit: HostKit, tmp_path: Path) -> None:
+    """Hangs you can see on every host: each ssh-started agent reports its ranks; a status client on another host gets the ages, not the lines."""
+    import re
+
+    from .launchkit import wait_status
+
+    launcher, release = _running(tmp_path, hostkit)
+    try:
+        port = int(re.search(r"port: (\d+)", (tmp_path / "cluster.yml").read_text()).group(1))  # type: ignore[union-attr]
+
+        def all_reported(doc: dict[str, object]) -> bool:
+            ranks = doc["ranks"]
+            return isinstance(ranks, list) and len(ranks) == 4 and all(isinstance(r.get("pid"), int) and r.get("process") for r in ranks)
+
+        local = wait_status(port, all_reported, timeout=60)
+        ranks = local["ranks"]
+        assert isinstance(ranks, list)
+        assert {r["host"] for r in ranks} == {"h1", "h2", "h3"}
+        assert all(r["last_line"].startswith("ready pid ") for r in ranks)  # the controller's own host sees the lines
+        fetch = f"import json, urllib.request; print(urllib.request.urlopen('http://{hostkit.controller_addr}:{port}/state.json', timeout=10).read().decode())"
+        remote = subprocess.run(["ip", "netns", "exec", hostkit.hosts[0].ns, PY, "-c", fetch], capture_output=True, text=True, timeout=60, check=True)
+        remote_ranks = json.loads(remote.stdout)["ranks"]
+        assert [r["last_line"] for r in remote_ranks] == ["", "", "", ""]
+        assert all(r["output_age_s"] is not None for r in remote_ranks)
+        assert "ready pid" not in remote.stdout
+        release.touch()
+        done = launcher.finish(timeout=120)
+    finally:
+        release.touch()
+        launcher.kill()
+    assert done.returncode == 0, done.stderr

@@ -15,6 +15,19 @@ MODULES = [
     "flodl_async.agent",
     "flodl_async.devices",
     "flodl_async.runtime",
+    # the Trainer's coordinator and its shell
+    "flodl_async.controller.training",
+    "flodl_async.coordinator",
+    # the Trainer's data plane: torch only inside the functions that do tensor math (executor threads)
+    "flodl_async.relay",
+    "flodl_async.relayfold",
+    "flodl_async.reducer",
+    "flodl_async.datalink",
+    "flodl_async.foldmath",
+    "flodl_async.modelschema",
+    "flodl_async.outer",
+    "flodl_async.net.bufpool",
+    "flodl_async.controller",
 ]
 
 
@@ -59,6 +72,15 @@ PURE_MODULES = [
     "flodl_async.wire.frame",
     "flodl_async.wire.tensor",
     "flodl_async.net.admission",
+    "flodl_async.partition",
+    "flodl_async.elche",
+    "flodl_async.policy",
+    "flodl_async.metrics",
+    "flodl_async.trainspec",
+    "flodl_async.coordinator",
+    "flodl_async.modelschema",
+    "flodl_async.outer",
+    "flodl_async.foldmath",
 ]
 
 

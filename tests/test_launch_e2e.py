@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import subprocess
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from .launchkit import PY, Launcher, assert_nothing_left, new_run_id, processes_of_run, run_launch, script
+from .launchkit import PY, Launcher, assert_nothing_left, launch_cmd, new_run_id, processes_of_run, run_launch, script
 
 pytestmark = pytest.mark.e2e
 
@@ -92,12 +93,64 @@ def test_rank_failure_names_the_rank_and_its_last_stderr_lines() -> None:
 
 
 def test_record_traceback_appears_in_the_verdict() -> None:
+    """Hidden from the console (--local-ranks-filter 1), rank 0's traceback is in the verdict, once."""
     run_id = new_run_id()
-    done = run_launch("--nproc", "2", "--devices", "cpu", "--port", "0", "--stop-grace", "3", "--", PY, script("raise_record.py"), run_id=run_id)
+    args = ("--nproc", "2", "--devices", "cpu", "--port", "0", "--stop-grace", "3", "--local-ranks-filter", "1")
+    done = run_launch(*args, "--", PY, script("raise_record.py"), run_id=run_id)
     assert done.returncode == 4, done.stderr
     assert "rank 0 (local rank 0)" in done.stderr
     assert "traceback (from the rank's error file):" in done.stderr
-    assert "ValueError: deliberate failure for the verdict test" in done.stderr
+    assert done.stderr.count('raise ValueError("deliberate failure for the verdict test")') == 1, done.stderr
+
+
+def test_record_traceback_shown_live_is_not_repeated_by_the_verdict() -> None:
+    """Today's three copies (live, error file, stderr tail) are one: the live one, which the verdict points at."""
+    run_id = new_run_id()
+    done = run_launch("--nproc", "2", "--devices", "cpu", "--port", "0", "--stop-grace", "3", "--", PY, script("raise_record.py"), run_id=run_id)
+    assert done.returncode == 4, done.stderr
+    assert done.stderr.count('raise ValueError("deliberate failure for the verdict test")') == 1, done.stderr
+    assert re.search(r"^\[[^\]]+:r0\] .*raise ValueError", done.stderr, re.M), done.stderr  # the one copy: rank 0's own, live
+    assert "traceback: above, in rank 0's stderr" in done.stderr
+    assert "  ValueError: deliberate failure for the verdict test" in done.stderr.split("FAILED —", 1)[1]
+
+
+def test_quiet_keeps_the_verdict_line_and_the_rank_output() -> None:
+    run_id = new_run_id()
+    done = run_launch("-q", "--nproc", "2", "--devices", "cpu", "--port", "0", "--", PY, script("allreduce.py"), run_id=run_id)
+    assert done.returncode == 0, done.stderr
+    assert "rank 1 of 2 sum 3" in done.stdout
+    ours = [line for line in done.stderr.splitlines() if line.startswith("flodl-launch:") and "warning:" not in line]  # a 1-core CI box warns
+    assert len(ours) == 1, ours
+    assert ours[0].startswith("flodl-launch: done — all 2 ranks exited 0")
+
+
+def test_an_nproc_run_starts_with_one_banner_line_and_details_under_verbose() -> None:
+    run_id = new_run_id()
+    done = run_launch("--nproc", "2", "--devices", "cpu", "--port", "0", "--", PY, script("allreduce.py"), run_id=run_id)
+    assert done.returncode == 0, done.stderr
+    ours = [line for line in done.stderr.splitlines() if line.startswith("flodl-launch:") and "warning:" not in line]
+    assert len(ours) == 2, ours  # the banner and the verdict (a 1-core CI box adds the oversubscription warning)
+    assert re.fullmatch(rf"flodl-launch: run {run_id}: 2 ranks on this host \(CPU\) — .*allreduce.py — status: flodl status, or http://127.0.0.1:\d+/", ours[0])
+    verbose = run_launch("-v", "--nproc", "2", "--devices", "cpu", "--port", "0", "--", PY, script("allreduce.py"), run_id=new_run_id())
+    assert "window open (quorum 2 ranks" in verbose.stderr
+    assert 'joined with ranks 0-1 (cpu:0-1)' in verbose.stderr
+
+
+def test_a_sigkill_we_did_not_send_points_at_the_oom_killer() -> None:
+    run_id = new_run_id()
+    kill_self = "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"
+    done = run_launch("--nproc", "1", "--port", "0", "--", PY, "-c", kill_self, run_id=run_id)
+    assert done.returncode == 4, done.stderr
+    assert "was killed by SIGKILL (not sent by flodl; the kernel's OOM killer is the usual cause" in done.stderr
+
+
+def test_more_cpu_ranks_than_cores_is_warned_about() -> None:
+    cores = len(os.sched_getaffinity(0))
+    done = run_launch("--nproc", str(cores + 1), "--devices", "cpu", "--port", "0", "--", PY, "-c", "pass", run_id=new_run_id())
+    assert done.returncode == 0, done.stderr
+    assert f"warning: {cores + 1} CPU ranks on this host, which has {cores} core(s) for them" in done.stderr
+    fits = run_launch("--nproc", "1", "--devices", "cpu", "--port", "0", "--", PY, "-c", "pass", run_id=new_run_id())
+    assert "CPU ranks on this host" not in fits.stderr
 
 
 def test_max_restarts_recovers_from_one_failure() -> None:
@@ -105,6 +158,7 @@ def test_max_restarts_recovers_from_one_failure() -> None:
     done = run_launch("--nproc", "2", "--devices", "cpu", "--port", "0", "--max-restarts", "1", "--", PY, script("flaky.py"), run_id=run_id)
     assert done.returncode == 0, done.stderr
     assert "restarting the world (restart 1 of 1)" in done.stderr
+    assert "done — all 2 ranks exited 0 after 1 restart (" in done.stderr
     assert re.search(r"r0\] attempt 1 rank 0 sum 2", done.stdout), done.stdout
     assert re.search(r"r1\] attempt 1 rank 1 sum 2", done.stdout), done.stdout
 
@@ -159,6 +213,8 @@ def test_ranks_get_the_launchers_signal_first(sig: signal.Signals, tmp_path: Pat
         launcher.kill()
     assert done.returncode == 128 + sig, done.stderr
     assert done.stdout.count(f"saved on {sig.name}") == 2, done.stdout
+    again = "Ctrl-C" if sig is signal.SIGINT else "SIGTERM"
+    assert f"stopping: ranks got {sig.name}; KILL in 20 s ({again} again to force)" in done.stderr
 
 
 def test_second_signal_forces(tmp_path: Path) -> None:
@@ -254,3 +310,107 @@ def test_a_rank_failing_with_huge_stderr_lines_is_a_rank_failure_not_an_agent_cr
     assert "exited with code 3" in done.stderr
     assert "last 20 stderr line(s) of rank 0" in done.stderr
     assert "(57952 more bytes)" in done.stderr
+
+
+def _four_gpu_host(tmp_path: Path) -> dict[str, str]:
+    """This host made to look like it has four GPUs: only where the device nodes are counted changes."""
+    dev = tmp_path / "dev"
+    dev.mkdir()
+    for name in ("nvidia0", "nvidia1", "nvidia2", "nvidia3", "nvidiactl", "nvidia-uvm"):
+        (dev / name).touch()
+    return {"FLODL_INTERNAL_DEV_DIR": str(dev)}
+
+
+def _rank_gpus(out: Path, nproc: int) -> dict[int, str]:
+    """Each rank's GPU as torch would pick it: cuda:LOCAL_RANK within the rank's own CUDA_VISIBLE_DEVICES."""
+    envs = [json.loads((out / f"env-{r}.json").read_text()) for r in range(nproc)]
+    return {int(e["RANK"]): e["CUDA_VISIBLE_DEVICES"].split(",")[int(e["LOCAL_RANK"])] for e in envs}
+
+
+@pytest.mark.parametrize(
+    ("mask", "args", "expected"),
+    [
+        ("2,3", ["--nproc", "auto"], {0: "2", 1: "3"}),  # auto: the visible GPUs, placed within the caller's mask
+        ("2,3", ["--nproc", "2", "--devices", "all"], {0: "2", 1: "3"}),
+        ("1,2,3", ["--nproc", "2", "--devices", "0,2"], {0: "1", 1: "3"}),  # ids index into the visible set, as cuda:N does
+        (None, ["--nproc", "2", "--devices", "1,3"], {0: "1", 1: "3"}),
+    ],
+)
+def test_gpu_ranks_are_placed_within_the_callers_cuda_visible_devices(tmp_path: Path, mask: str | None, args: list[str], expected: dict[int, str]) -> None:
+    env = _four_gpu_host(tmp_path)
+    if mask is not None:
+        env["CUDA_VISIBLE_DEVICES"] = mask
+    out = tmp_path / "out"
+    out.mkdir()
+    done = run_launch(*args, "--port", "0", "--", PY, script("dump_env.py"), str(out), run_id=new_run_id(), env=env)
+    assert done.returncode == 0, done.stderr
+    assert _rank_gpus(out, len(expected)) == expected
+
+
+def test_a_gpu_id_outside_the_mask_is_refused_before_anything_starts(tmp_path: Path) -> None:
+    env = {**_four_gpu_host(tmp_path), "CUDA_VISIBLE_DEVICES": "2,3"}
+    done = run_launch("--nproc", "2", "--devices", "0,2", "--port", "0", "--", PY, script("dump_env.py"), str(tmp_path), run_id=new_run_id(), env=env)
+    assert done.returncode == 2
+    assert "GPU 2 is not visible here: this host shows 2 GPU(s) (visible: 2,3)" in done.stderr
+
+
+def test_one_rank_keeps_every_core_and_nproc_auto_without_gpus_uses_the_cores(tmp_path: Path) -> None:
+    """OMP_NUM_THREADS=1 only when a host runs several ranks (torchrun's rule); auto on a GPU-less host is one rank per core."""
+    env = {"FLODL_INTERNAL_DEV_DIR": str(tmp_path / "no-dev")}  # a host with no GPU at all
+    env_without_omp = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    one = tmp_path / "one"
+    one.mkdir()
+    done = subprocess.run(
+        [*launch_cmd("--nproc", "1", "--port", "0", "--", PY, script("dump_env.py"), str(one), run_id=(run_id := new_run_id()))],
+        capture_output=True, text=True, timeout=120, env={**env_without_omp, **env}, check=False,
+    )  # fmt: skip
+    assert_nothing_left(run_id)
+    assert done.returncode == 0, done.stderr
+    assert "OMP_NUM_THREADS" not in json.loads((one / "env-0.json").read_text())
+    cores = len(os.sched_getaffinity(0))
+    auto = tmp_path / "auto"
+    auto.mkdir()
+    done = run_launch("--nproc", "auto", "--port", "0", "--", PY, script("dump_env.py"), str(auto), run_id=new_run_id(), env=env)
+    assert done.returncode == 0, done.stderr
+    envs = [json.loads((auto / f"env-{r}.json").read_text()) for r in range(cores)]
+    assert {e["WORLD_SIZE"] for e in envs} == {str(cores)}
+    assert all("CUDA_VISIBLE_DEVICES" not in e for e in envs)
+    if cores > 1 and "OMP_NUM_THREADS" not in os.environ:
+        assert {e["OMP_NUM_THREADS"] for e in envs} == {"1"}
+
+
+def _left_on_disk(tmp: Path) -> list[str]:
+    """What a run left in the temp dir: any flodl-agent-* directory, and any entry in the runtime directory."""
+    left = [p.name for p in tmp.iterdir() if p.name.startswith("flodl-agent-")]
+    root = tmp / f"flodl-{os.getuid()}"
+    for sub in ("runs", "controllers"):
+        if (root / sub).is_dir():
+            left.extend(f"{sub}/{p.name}" for p in (root / sub).iterdir())
+    return left
+
+
+def test_nothing_of_a_run_outlives_it_on_disk(tmp_path: Path) -> None:
+    """Success, failure, and a SIGKILLed launcher (whose leftovers the next start sweeps): the temp dir ends as it began."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    env = {"TMPDIR": str(tmp), "XDG_RUNTIME_DIR": ""}  # the runtime directory falls back to <tempdir>/flodl-<uid>
+    ok = run_launch("--nproc", "2", "--devices", "cpu", "--port", "0", "--", PY, "-c", "pass", run_id=new_run_id(), env=env)
+    assert ok.returncode == 0, ok.stderr
+    assert _left_on_disk(tmp) == []
+    failed = run_launch("--nproc", "2", "--devices", "cpu", "--port", "0", "--stop-grace", "2", "--", PY, script("fail.py"), run_id=new_run_id(), env=env)
+    assert failed.returncode == 4, failed.stderr
+    assert _left_on_disk(tmp) == []
+    run_id = new_run_id()
+    killed = Launcher("--nproc", "2", "--devices", "cpu", "--port", "0", "--", PY, script("wait_for_file.py"), str(tmp_path / "never"), run_id=run_id, env=env)
+    try:
+        killed.wait_for_stdout("ready pid", count=2)
+        assert _left_on_disk(tmp)  # a live run has its entries
+        killed.proc.kill()
+        killed.proc.wait(10)
+        assert_nothing_left(run_id)
+        assert _left_on_disk(tmp)  # SIGKILL left no chance to clean up: the sweep below is what removes them
+    finally:
+        killed.kill()
+    after = run_launch("--nproc", "1", "--devices", "cpu", "--port", "0", "--", PY, "-c", "pass", run_id=new_run_id(), env=env)
+    assert after.returncode == 0, after.stderr
+    assert _left_on_disk(tmp) == []  # the SIGKILLed run's entries were swept by the next start

@@ -7,6 +7,8 @@ import contextlib
 import io
 import json
 import os
+import re
+import signal
 import socket
 import struct
 import subprocess
@@ -93,7 +95,7 @@ def test_status_phases_with_a_stand_alone_agent_joining(tmp_path: Path) -> None:
             agent.communicate()
         assert_nothing_left(run_id)
     assert done.returncode == 0, done.stderr
-    assert 'host "walk-in" joined with ranks [1]' in done.stderr
+    assert 'host "walk-in" joined with ranks 1 ' in done.stderr
     assert agent.returncode == 0, agent_err
     assert "[walk-in:r1] released" in done.stdout  # the walk-in's rank output crossed its join link
     assert "[walk-in:" not in agent_out
@@ -181,9 +183,11 @@ def test_garbage_on_the_port_does_not_disturb_the_run(tmp_path: Path) -> None:
     [
         (["--nproc", "2"], "missing the command to run"),
         (["--", PY, "x.py"], "give either --nproc N (one host) or a cluster file"),
-        (["--nproc", "0", "--", PY, "x.py"], "--nproc must be at least 1"),
+        (["--nproc", "0", "--", PY, "x.py"], "--nproc must be a number of at least 1, or auto (got '0')"),
+        (["--nproc", "2", PY, "x.py", "--epochs", "3"], "unexpected 'x.py': did you forget `--` before the command?"),
+        (["--nproc", "2", "--nprc", "3", "--", PY, "x.py"], "unrecognized arguments: --nprc"),
         (["--nproc", "2", "--devices", "0,0", "--", PY, "x.py"], "GPU ids '0,0' must be distinct and non-negative"),
-        (["--nproc", "2", "--devices", "all", "--", PY, "x.py"], "needs 2 GPUs, this host has 0"),
+        (["--nproc", "2", "--devices", "all", "--", PY, "x.py"], "this host has no visible GPU; for CPU ranks use --devices cpu:2"),
         (["--nproc", "1", "--", "no-such-program-here"], "command not found: 'no-such-program-here'"),
         (["--nproc", "1", "--max-restarts", "-1", "--", PY, "x.py"], "--max-restarts must be 0 or more"),
         (["missing.yml", "--", PY, "x.py"], "missing.yml: cluster file not found"),
@@ -308,6 +312,24 @@ def test_flodl_launch_help_lists_examples_and_exit_codes() -> None:
     done = subprocess.run([sys.executable, "-m", "flodl_async.launch", "--help"], capture_output=True, text=True, check=True)
     assert "flodl-launch --nproc 2 -- python examples/train.py" in done.stdout
     assert "130  interrupted" in done.stdout
+    assert "--nproc-per-node" in done.stdout
+
+
+@pytest.mark.parametrize("module", ["flodl_async.launch", "flodl_async.agent", "flodl_async.cli"])
+def test_every_command_has_a_version_and_examples(module: str) -> None:
+    from flodl_async import __version__
+
+    version = subprocess.run([sys.executable, "-m", module, "--version"], capture_output=True, text=True, check=True)
+    assert version.stdout.strip().endswith(__version__)
+    helped = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True, check=True)
+    assert "examples:" in helped.stdout
+
+
+def test_torchrun_spellings_are_accepted(tmp_path: Path) -> None:
+    for spelling in ("--nproc-per-node", "--nproc_per_node"):
+        done = run_launch("--standalone", spelling, "2", "--devices", "cpu", "--port", "0", "--", PY, "-c", "pass", run_id=new_run_id())
+        assert done.returncode == 0, done.stderr
+        assert "all 2 ranks exited 0" in done.stderr
     _ = struct  # header packing above uses the wire's own struct layout
 
 
@@ -356,7 +378,7 @@ def test_flodl_agent_bad_input_is_a_usage_error(args: list[str], stdin: str, mes
 def test_flodl_agent_unreachable_controller_is_reported() -> None:
     port = free_port()
     done = subprocess.run(
-        [PY, "-m", "flodl_async.agent", "--controller", f"127.0.0.1:{port}", "--devices", "cpu:1"],
+        [PY, "-m", "flodl_async.agent", "--controller", f"127.0.0.1:{port}", "--devices", "cpu:1", "--connect-timeout", "0"],
         input="00" * 16 + "\n", capture_output=True, text=True, timeout=60, check=False,
     )  # fmt: skip
     assert done.returncode == 3  # could not join
@@ -461,6 +483,20 @@ def test_the_secret_file_flodl_launch_writes_is_0600_even_under_umask_0(tmp_path
     assert again.returncode == 0, again.stderr  # the file it wrote passes its own check
 
 
+def test_a_missing_directory_of_the_secret_file_is_made_0700_even_under_umask_0(tmp_path: Path) -> None:
+    secret = tmp_path / "made" / "here" / "secret"
+    run_id = new_run_id()
+    done = subprocess.run(
+        launch_cmd("--nproc", "1", "--devices", "cpu", "--port", "0", "--secret-file", str(secret), "--", PY, "-c", "pass", run_id=run_id),
+        capture_output=True, text=True, timeout=60, check=False, preexec_fn=lambda: os.umask(0),
+    )  # fmt: skip
+    assert_nothing_left(run_id)
+    assert done.returncode == 0, done.stderr
+    assert oct(secret.stat().st_mode & 0o777) == "0o600"
+    assert oct((tmp_path / "made").stat().st_mode & 0o777) == "0o700"
+    assert oct(secret.parent.stat().st_mode & 0o777) == "0o700"
+
+
 # ----- one machine, one host: localhost, loopback, the hostname and its FQDN ------------------------
 
 
@@ -506,3 +542,275 @@ def test_a_cluster_file_naming_this_machine_twice_is_a_config_error_naming_the_l
         f"flodl-launch: error: {cluster}:4: workers[1].host: host {socket.gethostname()!r} is this machine, which workers[0] (line 2) "
         "already lists as 'localhost'; one machine is one worker — give it one entry with all its devices"
     )
+
+
+# ----- several runs on one machine ----------------------------------------------------------------
+
+
+@pytest.fixture
+def own_runtime() -> Any:
+    """A runtime directory of this test's own, so other runs on the machine are not listed."""
+    import shutil
+    import tempfile
+
+    path = Path(tempfile.mkdtemp(prefix="fl-xdg-", dir="/tmp"))
+    yield {"XDG_RUNTIME_DIR": str(path)}
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _flodl(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([PY, "-m", "flodl_async.cli", *args], capture_output=True, text=True, timeout=30, env={**os.environ, **env}, check=False)
+
+
+def test_flodl_ps_and_status_find_the_local_runs(tmp_path: Path, own_runtime: dict[str, str]) -> None:
+    release = tmp_path / "release"
+    assert "no flodl run on this machine" in _flodl("ps", env=own_runtime).stdout
+    waiting = ("--port", "0", "--", PY, script("wait_for_file.py"), str(release))
+    first = Launcher("--nproc", "2", "--devices", "cpu", *waiting, run_id=new_run_id(), env=own_runtime)
+    second: Launcher | None = None
+    try:
+        first.wait_for_stdout("ready pid", count=2)
+        alone = _flodl("status", env=own_runtime)
+        assert alone.returncode == 0, alone.stderr
+        assert f"run      {first.run_id}" in alone.stdout  # no --addr: the one local run
+        second = Launcher("--nproc", "1", "--devices", "cpu", *waiting, run_id=new_run_id(), env=own_runtime)
+        second.wait_for_stdout("ready pid")
+        ps = _flodl("ps", env=own_runtime)
+        assert ps.returncode == 0, ps.stderr
+        rows = {line.split()[0]: line.split() for line in ps.stdout.splitlines()[1:]}
+        assert set(rows) == {first.run_id, second.run_id}
+        assert rows[first.run_id][2] == str(first.proc.pid)
+        assert rows[first.run_id][4] == "2"
+        assert rows[first.run_id][5] == "training"
+        assert rows[second.run_id][2] == str(second.proc.pid)
+        assert rows[second.run_id][4] == "1"
+        ambiguous = _flodl("status", env=own_runtime)
+        assert ambiguous.returncode == 2
+        assert "2 runs on this machine; pick one with --addr HOST:PORT" in ambiguous.stderr
+        assert first.run_id in ambiguous.stdout
+        assert second.run_id in ambiguous.stdout
+        # A SIGKILLed launcher cannot remove its entry: the next reader sweeps it.
+        second.proc.kill()
+        second.kill()
+        assert_nothing_left(second.run_id)
+        after_kill = _flodl("ps", env=own_runtime)
+        assert second.run_id not in after_kill.stdout
+        assert first.run_id in after_kill.stdout
+        release.touch()
+        assert first.finish().returncode == 0
+    finally:
+        release.touch()
+        first.kill()
+        if second is not None:
+            second.kill()
+    assert "no flodl run on this machine" in _flodl("ps", env=own_runtime).stdout
+    assert os.listdir(Path(own_runtime["XDG_RUNTIME_DIR"]) / "flodl" / "controllers") == []
+
+
+def test_a_taken_default_port_gives_way_for_nproc_runs_but_an_explicit_port_is_strict(tmp_path: Path, own_runtime: dict[str, str]) -> None:
+    from flodl_async.cluster import DEFAULT_PORT
+
+    with socket.socket() as holder:
+        holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        with contextlib.suppress(OSError):  # already taken by someone else: taken all the same
+            holder.bind(("127.0.0.1", DEFAULT_PORT))
+            holder.listen()
+        done = run_launch("--nproc", "1", "--devices", "cpu", "--", PY, "-c", "pass", run_id=new_run_id(), env=own_runtime)
+        assert done.returncode == 0, done.stderr
+        assert re.search(rf"port {DEFAULT_PORT} is taken \(another run\? see `flodl ps`\); using free port \d+ instead", done.stderr), done.stderr
+        strict = run_launch("--nproc", "1", "--devices", "cpu", "--port", str(DEFAULT_PORT), "--", PY, "-c", "pass", run_id=new_run_id(), env=own_runtime)
+        assert strict.returncode == 2
+        assert f"port {DEFAULT_PORT} on 127.0.0.1 is already held by a live listener" in strict.stderr
+        cluster = tmp_path / "cluster.yml"
+        cluster.write_text(f"controller:\n  port: {DEFAULT_PORT}\nworkers:\n  - host: localhost\n    devices: cpu:1\n")
+        from_file = run_launch(str(cluster), "--", PY, "-c", "pass", run_id=new_run_id(), env=own_runtime)
+        assert from_file.returncode == 2, from_file.stderr
+        assert "already held by a live listener" in from_file.stderr
+
+
+def test_flodl_agent_started_before_its_controller_waits_for_it(tmp_path: Path) -> None:
+    port = free_port()
+    run_id = new_run_id()
+    secret_file = tmp_path / "secret"
+    fd = os.open(secret_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    os.write(fd, new_session_secret().hex().encode() + b"\n")
+    os.close(fd)
+    agent = subprocess.Popen([*_walk_in(port, "early", secret_file), "--connect-timeout", "120"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    launcher = None
+    try:
+        assert agent.stderr is not None
+        first = agent.stderr.readline()  # nothing listens yet: it says so once, and keeps dialing
+        assert f"agent early: no controller at 127.0.0.1:{port} yet (Connection refused); retrying for up to 120s" in first
+        assert agent.poll() is None
+        cluster = _local_worker_cluster(tmp_path, port, quorum=2, target=2)
+        launcher = Launcher(str(cluster), "--secret-file", str(secret_file), "--", PY, "-c", "pass", run_id=run_id)
+        done = launcher.finish(timeout=90)
+        _out, rest = agent.communicate(timeout=30)
+    finally:
+        if launcher is not None:
+            launcher.kill()
+        if agent.poll() is None:
+            agent.kill()
+            agent.communicate()
+        assert_nothing_left(run_id)
+    assert done.returncode == 0, done.stderr
+    assert 'host "early" joined with ranks 1 ' in done.stderr
+    assert agent.returncode == 0, rest
+    assert "no controller at" not in rest  # said once only
+
+
+def test_flodl_agent_gives_up_after_its_connect_timeout() -> None:
+    port = free_port()
+    done = subprocess.run(
+        [PY, "-m", "flodl_async.agent", "--controller", f"127.0.0.1:{port}", "--devices", "cpu:1", "--connect-timeout", "1.5"],
+        input="00" * 16 + "\n", capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert done.returncode == 3, done.stderr
+    assert f"cannot reach the controller at 127.0.0.1:{port}: Connection refused (waited 1.5s, --connect-timeout)" in done.stderr
+    assert done.stderr.count("no controller at") == 1
+
+
+@pytest.mark.parametrize(("sig", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_a_signal_ends_the_wait_for_the_controller(sig: signal.Signals, code: int) -> None:
+    agent = subprocess.Popen(
+        [PY, "-m", "flodl_async.agent", "--controller", f"127.0.0.1:{free_port()}", "--devices", "cpu:1", "--connect-timeout", "300"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert agent.stdin is not None
+        assert agent.stderr is not None
+        agent.stdin.write("00" * 16 + "\n")
+        agent.stdin.flush()
+        assert "yet (Connection refused); retrying for up to 300s" in agent.stderr.readline()
+        agent.send_signal(sig)
+        assert agent.wait(timeout=30) == code
+    finally:
+        if agent.poll() is None:
+            agent.kill()
+        agent.communicate()
+
+
+SAVE_ON_SIGNAL = (
+    "import os, signal, sys, time\n"
+    "signal.signal(signal.SIGTERM, lambda s, f: (print('saved on SIGTERM', flush=True), sys.exit(0)))\n"
+    "print('ready', flush=True)\n"
+    "try:\n"
+    "    time.sleep(600)\n"
+    "except KeyboardInterrupt:\n"
+    "    print('saved on SIGINT', flush=True)\n"
+)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_the_launchers_signal_reaches_a_stand_alone_agents_ranks_first(sig: signal.Signals, tmp_path: Path) -> None:
+    """The signal table holds on every host: a walk-in flodl-agent's plain-script rank gets Ctrl-C as SIGINT too."""
+    port = free_port()
+    run_id = new_run_id()
+    secret_file = tmp_path / "secret"
+    rank = tmp_path / "save_on_signal.py"
+    rank.write_text(SAVE_ON_SIGNAL)
+    cluster = _local_worker_cluster(tmp_path, port, quorum=2, target=2)
+    launcher = Launcher(str(cluster), "--secret-file", str(secret_file), "--stop-grace", "20", "--", PY, str(rank), run_id=run_id)
+    agent = None
+    try:
+        wait_status(port, lambda d: d["joined_ranks"] == 1)
+        agent = subprocess.Popen(_walk_in(port, "walk-in", secret_file), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        launcher.wait_for_stdout("ready", count=2)
+        # The stand-alone agent reports its rank's activity up its join link, like the local one.
+        reported = wait_status(port, lambda d: all(isinstance(r.get("pid"), int) and r.get("process") for r in d["ranks"]) and len(d["ranks"]) == 2)
+        assert {r["host"]: r["last_line"] for r in reported["ranks"]} == {"localhost": "ready", "walk-in": "ready"}
+        launcher.proc.send_signal(sig)
+        done = launcher.finish(timeout=60)
+        _out, agent_err = agent.communicate(timeout=30)
+    finally:
+        launcher.kill()
+        if agent is not None and agent.poll() is None:
+            agent.kill()
+            agent.communicate()
+        assert_nothing_left(run_id)
+    assert done.returncode == 128 + sig, done.stderr
+    assert f"[walk-in:r1] saved on {sig.name}" in done.stdout  # the remote host's rank, over its join link
+    assert re.search(rf"^\[localhost:r0\] saved on {sig.name}$", done.stdout, re.M), done.stdout
+    assert f"stopping: ranks got {sig.name}; KILL in 20 s" in done.stderr
+    assert agent.returncode == 4, agent_err  # the controller ended the run (flodl-agent's table)
+    assert "Traceback" not in agent_err
+
+
+# ----- hangs you can see ------------------------------------------------------------------------
+
+
+def _rank_rows(doc: dict[str, Any]) -> dict[int, dict[str, Any]]:
+    return {int(r["rank"]): r for r in doc["ranks"]}
+
+
+def test_a_hang_is_visible_per_rank_in_status(tmp_path: Path) -> None:
+    """Rank 0 waits in init_process_group (connected to the store); rank 1 never gets there (asleep): status tells them apart."""
+    port = free_port()
+    run_id = new_run_id()
+    launcher = Launcher("--nproc", "2", "--devices", "cpu", "--port", str(port), "--stop-grace", "3", "--", PY, script("hang_at_init.py"), run_id=run_id)
+    try:
+        launcher.wait_for_stdout("loading", count=2)
+
+        def both_reported(doc: dict[str, Any]) -> bool:
+            rows = _rank_rows(doc)
+            return len(rows) == 2 and rows[0].get("store_connected") is True and (rows[1].get("quiet_s") or 0) >= 2
+
+        doc = wait_status(port, both_reported, timeout=90)
+        rows = _rank_rows(doc)
+        for rank in (0, 1):
+            assert isinstance(rows[rank]["pid"], int)
+            assert rows[rank]["last_line"] == f"rank {rank} loading"  # a loopback client sees the line itself
+            assert rows[rank]["output_age_s"] is not None
+            assert rows[rank]["uptime_s"] > 0
+        assert rows[1]["store_connected"] is False  # never reached init_process_group
+        assert rows[1]["process"] == "sleeping"
+        assert rows[1]["cpu_percent"] == 0
+        status_cmd = [PY, "-m", "flodl_async.cli", "status", "--addr", f"127.0.0.1:{port}", "--silent-after", "2"]
+        table = subprocess.run(status_cmd, capture_output=True, text=True, check=True)
+        assert re.search(r"SILENT   rank 1 on \S+: silent and idle for \d+s \(sleeping\)", table.stdout), table.stdout
+        assert "rank 1 loading" in table.stdout
+        os.kill(rows[1]["pid"], signal.SIGSTOP)  # a stopped rank shows as stopped
+        stopped = wait_status(port, lambda d: _rank_rows(d)[1].get("process") == "stopped", timeout=30)
+        assert _rank_rows(stopped)[1]["state"] == "running"
+        os.kill(rows[1]["pid"], signal.SIGCONT)
+        launcher.proc.send_signal(signal.SIGTERM)
+        done = launcher.finish(timeout=60)
+    finally:
+        launcher.kill()
+    assert done.returncode == 143, done.stderr
+
+
+def test_hang_timeout_ends_the_run_naming_the_rank(tmp_path: Path) -> None:
+    run_id = new_run_id()
+    args = ("--nproc", "2", "--devices", "cpu", "--port", "0", "--stop-grace", "3", "--hang-timeout", "3")
+    done = run_launch(*args, "--", PY, script("hang_at_init.py"), run_id=run_id, timeout=120)
+    assert done.returncode == 6, done.stderr
+    hung = r"FAILED — rank [01] \(local rank [01]\) on host '[^']+' hung: no output and no CPU progress for [\d.]+ s \(--hang-timeout 3\)"
+    assert re.search(hung, done.stderr), done.stderr
+    assert "its last output line: rank " in done.stderr
+
+
+@pytest.mark.parametrize(
+    ("devices", "mask", "message"),
+    [
+        ("all", None, "0 GPUs visible); for CPU ranks use --devices cpu:N"),
+        ("0,2", "2,3", "GPU 2 is not visible here: this host shows 2 GPU(s) (visible: 2,3)"),
+    ],
+)
+def test_flodl_agent_checks_its_gpus_within_the_mask_before_dialing(tmp_path: Path, devices: str, mask: str | None, message: str) -> None:
+    dev = tmp_path / "dev"
+    dev.mkdir()
+    count = 0 if mask is None else 4
+    for i in range(count):
+        (dev / f"nvidia{i}").touch()
+    env = {**os.environ, "FLODL_INTERNAL_DEV_DIR": str(dev)}
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    if mask is not None:
+        env["CUDA_VISIBLE_DEVICES"] = mask
+    done = subprocess.run(
+        [PY, "-m", "flodl_async.agent", "--controller", f"127.0.0.1:{free_port()}", "--devices", devices, "--connect-timeout", "0"],
+        input="00" * 16 + "\n", capture_output=True, text=True, timeout=60, check=False, env=env,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert message in done.stderr
+    assert "cannot reach" not in done.stderr  # refused before any dial

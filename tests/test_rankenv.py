@@ -32,7 +32,7 @@ def test_the_whole_contract_with_the_placement_values() -> None:
 
 
 def test_gpu_hosts_expose_their_devices_and_local_rank_indexes_them() -> None:
-    env = _env(cuda_visible_devices=(2, 3, 6, 7))
+    env = _env(cuda_visible_devices=("2", "3", "6", "7"))
     assert env["CUDA_VISIBLE_DEVICES"] == "2,3,6,7"
     assert env["CUDA_VISIBLE_DEVICES"].split(",")[int(env["LOCAL_RANK"])] == "3"
 
@@ -41,6 +41,19 @@ def test_omp_threads_default_and_user_override() -> None:
     assert _env()["OMP_NUM_THREADS"] == "1"
     assert _env(cluster_env={"OMP_NUM_THREADS": "4"})["OMP_NUM_THREADS"] == "4"
     assert _env(host_env={"OMP_NUM_THREADS": "2"})["OMP_NUM_THREADS"] == "2"
+
+
+def test_a_hosts_only_rank_keeps_every_core() -> None:
+    """torchrun's rule: OMP_NUM_THREADS=1 only when a host runs several ranks."""
+    import dataclasses
+
+    alone = dataclasses.replace(PLACEMENT, local_rank=0, local_world_size=1)
+    env = rank_environment({"PATH": "/bin"}, alone, error_file="/tmp/e.json", rank_spec=SPEC, cluster_env={}, host_env={}, cuda_visible_devices=None)
+    assert "OMP_NUM_THREADS" not in env
+    inherited = rank_environment(
+        {"OMP_NUM_THREADS": "3"}, PLACEMENT, error_file="/tmp/e.json", rank_spec=SPEC, cluster_env={}, host_env={}, cuda_visible_devices=None
+    )
+    assert inherited["OMP_NUM_THREADS"] == "3"
 
 
 def test_host_env_overrides_cluster_env_and_neither_overrides_the_contract() -> None:

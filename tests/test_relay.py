@@ -39,16 +39,6 @@ class FakeController:
     up: asyncio.Queue[Message] = field(default_factory=asyncio.Queue)
     links: list[FramedProtocol] = field(default_factory=list)
 
-    data_up: asyncio.Queue[tuple[m.TensorBundle, bytes]] = field(default_factory=asyncio.Queue)
-    data_links: list[FramedProtocol] = field(default_factory=list)
-
-    async def handle_data(self, link: FramedProtocol) -> None:
-        self.data_links.append(link)
-        while True:
-            frame = await link.recv()
-            assert isinstance(frame.message, m.TensorBundle)
-            await self.data_up.put((frame.message, bytes(frame.payload or b"")))
-
     relay_beats: int = 0
     echo_relay_beats: bool = True
 
@@ -90,11 +80,6 @@ class Bench:
         assert welcome == m.RankWelcome(rank=rank, run_id="run")
         return link
 
-    async def data_link(self, rank: int) -> FramedProtocol:
-        credential = Credential.for_rank(self.secret, run_id=RUN, round=0, rank=rank)
-        async with asyncio.timeout(5):
-            return await open_unix_framed(self.relay.data_socket_path, channel=Channel.DATA, credential=credential, peer_label="relay data")
-
     def down(self, msg: Message) -> None:
         self.controller.links[0].send(msg)
 
@@ -108,8 +93,6 @@ async def bench(secret: bytes) -> AsyncIterator[Bench]:
         async with asyncio.timeout(30), asyncio.TaskGroup() as tg:
             service = FramedService(channel=Channel.CONTROL, resolve=session_resolver(secret), run_id=RUN, handler=controller.handle, task_group=tg)
             mux.register(Channel.CONTROL, service.protocol_factory)
-            data = FramedService(channel=Channel.DATA, resolve=session_resolver(secret), run_id=RUN, handler=controller.handle_data, task_group=tg)
-            mux.register(Channel.DATA, data.protocol_factory)
             await mux.start()
             relay = Relay(
                 socket_path=str(scratch / "relay.sock"),
@@ -175,7 +158,8 @@ async def test_a_link_claiming_another_rank_is_closed(bench: Bench) -> None:
     r0.send(m.Heartbeat(sent_at=2.0, rank=3))  # rank 0's link speaking for rank 3
     await _closed(r0)
     assert await bench.controller.up.get() == m.Heartbeat(sent_at=1.0, rank=0)
-    assert bench.controller.up.empty()  # the forged one never went up
+    gone = await bench.controller.up.get()  # the forged one never went up; the closed link is reported
+    assert gone == m.RankGone(rank=0, reason="the relay closed its link: the link of rank 0 sent Heartbeat claiming rank 3")
     stats = bench.relay.statistics()
     assert stats.refused_links == 1
     assert stats.ranks_connected == 0
@@ -256,32 +240,7 @@ async def test_a_rank_key_presented_as_the_session_secret_fails_the_proof(bench:
                 await open_framed("127.0.0.1", bench.port, channel=Channel.CONTROL, credential=Credential.session(candidate))
 
 
-# ----- the data channel ---------------------------------------------------------------------------------
-
-
-def _bundle(round_: int, payload: bytes) -> tuple[m.TensorBundle, list[bytes]]:
-    spec = m.TensorSpec(name="w", dtype="uint8", shape=(len(payload),), offset=0, nbytes=len(payload))
-    return m.TensorBundle(round=round_, weight=1.0, tensors=(spec,)), [payload]
-
-
-async def test_rank_bundles_go_up_the_hosts_one_data_connection_and_results_come_down_to_every_rank(bench: Bench) -> None:
-    r0, r1 = await bench.data_link(0), await bench.data_link(1)
-    sent = {0: bytes(range(256)) * 4096, 1: b"\x07" * (3 << 20)}  # 1 MiB and 3 MiB: the worker-thread sealing path too
-    async with asyncio.timeout(20):
-        await r0.send_tensors(*_bundle(0, sent[0]))
-        await r1.send_tensors(*_bundle(1, sent[1]))
-        got = [await bench.controller.data_up.get() for _ in range(2)]
-    assert sorted((msg.round, payload) for msg, payload in got) == sorted(sent.items())
-    assert len(bench.controller.data_links) == 1  # one upstream data connection for the host, not one per rank
-    result = b"\x2a" * (2 << 20)
-    await bench.controller.data_links[0].send_tensors(*_bundle(9, result))
-    async with asyncio.timeout(20):
-        for link in (r0, r1):
-            frame = await link.recv()
-            assert frame.message.round == 9  # type: ignore[attr-defined]
-            assert bytes(frame.payload or b"") == result
-    stats = bench.relay.statistics()
-    assert (stats.bundles_up, stats.bundles_down) == (2, 2)
+# ----- the data channel (the host fold itself: tests/test_averaging.py) ---------------------------------
 
 
 async def test_the_data_socket_takes_the_same_rank_scoped_credentials(bench: Bench) -> None:
@@ -289,3 +248,57 @@ async def test_the_data_socket_takes_the_same_rank_scoped_credentials(bench: Ben
     with pytest.raises(HandshakeRefused, match="rank 7 does not run on this host"):
         async with asyncio.timeout(5):
             await open_unix_framed(bench.relay.data_socket_path, channel=Channel.DATA, credential=credential, peer_label="relay data")
+
+
+# ----- the Trainer's control rules (trainer-spec §2.2, rules 1-4) ---------------------------------
+
+
+async def test_a_broadcast_reaches_every_local_rank_once(bench: Bench) -> None:
+    r0, r1 = await bench.hello(0), await bench.hello(1)
+    bench.down(m.Shutdown(reason="training complete", save_reason="completed"))  # rank -1: every local rank
+    bench.down(m.Plan(rank=1, round=1, epoch=0, ranges=((0, 2),), quota=2, hold_after=2, progress=0.0))
+    assert await r0.recv_message() == m.Shutdown(reason="training complete", save_reason="completed")
+    assert await r1.recv_message() == m.Shutdown(reason="training complete", save_reason="completed")
+    assert isinstance(await r1.recv_message(), m.Plan)  # addressed: rank 1 only
+    stats = bench.relay.statistics()
+    assert stats.broadcasts_down == 1
+    assert stats.dropped_unaddressed == 0
+
+
+async def test_a_closed_rank_link_is_reported_up_as_rank_gone(bench: Bench) -> None:
+    r1 = await bench.hello(1)
+    assert isinstance(await bench.controller.up.get(), m.RankHello)
+    await r1.aclose(grace=1.0)
+    gone = await bench.controller.up.get()
+    assert isinstance(gone, m.RankGone)
+    assert gone.rank == 1
+    assert gone.reason.startswith("its link to the relay closed")
+    assert bench.relay.statistics().ranks_gone == 1
+
+
+async def test_a_rank_cannot_send_rank_gone(bench: Bench) -> None:
+    r0 = await bench.hello(0)
+    assert isinstance(await bench.controller.up.get(), m.RankHello)
+    r0.send(m.RankGone(rank=0, reason="forged"))
+    await _closed(r0)
+    gone = await bench.controller.up.get()
+    assert gone == m.RankGone(rank=0, reason="the relay closed its link: the link of rank 0 sent RankGone, which only a relay sends")
+    assert bench.relay.statistics().refused_links == 1
+
+
+async def test_trainer_frames_are_rank_checked_and_the_relay_reads_hello_and_deaths(bench: Bench) -> None:
+    from .trainerwire import CONTROL_UP
+
+    r1 = await bench.hello(1)
+    assert isinstance(await bench.controller.up.get(), m.RankHello)
+    trainer_hello = CONTROL_UP[0]
+    assert isinstance(trainer_hello, m.TrainerHello)
+    r1.send(trainer_hello)
+    assert await bench.controller.up.get() == trainer_hello  # read, and forwarded
+    assert bench.relay.trainer_model == (trainer_hello.model_bytes, trainer_hello.digest)
+    bench.down(m.DeclareDead(dead_rank=3, reason="heartbeat timeout"))
+    assert await r1.recv_message() == m.DeclareDead(dead_rank=3, reason="heartbeat timeout")
+    assert bench.relay.declared_dead == {3}
+    r1.send(m.WindowDone(rank=2, round=1, epoch=0, batches=1, samples=1, compute_ms=1.0, data_ms=0.0, loss_sum=0.0))  # for another rank
+    await _closed(r1)
+    assert bench.relay.statistics().refused_links == 1

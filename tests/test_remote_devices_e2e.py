@@ -1,7 +1,8 @@
 """A remote host's `devices: all` is what its own agent counts, not the controller's GPUs (namespace hosts).
 
 Each host's GPUs are faked the way the agent counts them: ``nvidiaN`` nodes in the directory
-``FLODL_DEVICE_DIR`` names (instead of /dev), set by that host's ``python:`` wrapper only. This
+``FLODL_INTERNAL_DEV_DIR`` names (instead of /dev, :mod:`flodl_async.gpus`), set by that host's
+``python:`` wrapper only. This
 machine (the controller) has no /dev/nvidia* at all, so a count taken here would be 0.
 """
 
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from flodl_async.agent.session import DEVICE_DIR_VARIABLE, detect_gpu_count
+from flodl_async.gpus import DEV_DIR_VARIABLE, physical_gpu_count
 
 from .hostkit import HostKit
 from .launchkit import PY, new_run_id, run_launch, script
@@ -31,7 +32,7 @@ def _host_with_gpus(tmp_path: Path, name: str, gpus: int) -> Path:
     for node in [f"nvidia{i}" for i in range(gpus)] + ["nvidiactl", "nvidia-uvm"]:
         (nodes / node).touch()
     wrapper = tmp_path / f"python-{name}"
-    wrapper.write_text(f'#!/bin/sh\nexport PYTHONPATH={REPO} {DEVICE_DIR_VARIABLE}={nodes}\nexec {sys.executable} "$@"\n')
+    wrapper.write_text(f'#!/bin/sh\nexport PYTHONPATH={REPO} {DEV_DIR_VARIABLE}={nodes}\nexec {sys.executable} "$@"\n')
     wrapper.chmod(stat.S_IRWXU)
     return wrapper
 
@@ -54,12 +55,12 @@ def test_the_fake_device_dir_is_counted_like_dev(tmp_path: Path) -> None:
     nodes.mkdir()
     for node in ("nvidia0", "nvidia1", "nvidia7", "nvidiactl", "nvidia-modeset", "nvme0"):
         (nodes / node).touch()
-    assert detect_gpu_count({DEVICE_DIR_VARIABLE: str(nodes)}) == 3
-    assert detect_gpu_count({DEVICE_DIR_VARIABLE: str(tmp_path / "absent")}) == 0
+    assert physical_gpu_count({DEV_DIR_VARIABLE: str(nodes)}) == 3
+    assert physical_gpu_count({DEV_DIR_VARIABLE: str(tmp_path / "absent")}) == 0
 
 
 def test_a_remote_all_is_the_gpus_its_agent_reports_at_join(hostkit: HostKit, tmp_path: Path) -> None:
-    assert detect_gpu_count({}) == 0, "this test expects a controller machine without GPUs"
+    assert physical_gpu_count({}) == 0, "this test expects a controller machine without GPUs"
     out = tmp_path / "envs"
     out.mkdir()
     cluster = _cluster(tmp_path, hostkit, [("h1", "all", _host_with_gpus(tmp_path, "h1", 2)), ("h2", "cpu:1", _host_with_gpus(tmp_path, "h2", 0))])
@@ -80,5 +81,5 @@ def test_a_remote_all_with_no_gpus_fails_the_window_naming_that_host(hostkit: Ho
     cluster = _cluster(tmp_path, hostkit, [("h1", "all", _host_with_gpus(tmp_path, "h1", 2)), ("h2", "all", _host_with_gpus(tmp_path, "h2", 0))])
     done = run_launch(str(cluster), "--", PY, script("dump_env.py"), str(tmp_path), run_id=new_run_id(), timeout=180)
     assert done.returncode == 3, done.stderr
-    assert "host 'h2' has no devices to offer (devices: all, 0 GPUs found)" in done.stderr
+    assert "host 'h2' has no devices to offer (devices: all, 0 GPUs visible)" in done.stderr
     assert "Traceback" not in done.stderr

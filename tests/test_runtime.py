@@ -161,3 +161,36 @@ def test_long_paths_fall_back_to_short_names_or_fail_clearly(short_tmp: Path) ->
     assert path.name.startswith("h-")
     with pytest.raises(RuntimeDirError, match=r"too deep for unix socket paths .* XDG_RUNTIME_DIR"):
         entry_path(short_tmp / ("d" * 120), "r", "h")
+
+
+# ----- controllers register while they run (flodl ps, flodl status with no address) ------------
+
+
+def test_a_controller_registers_and_removes_itself(root: Path) -> None:
+    from flodl_async import controllers
+
+    registration = controllers.register(run_id="run-a", address="127.0.0.1", port=4242, root=root)
+    assert (root / "controllers").stat().st_mode & 0o777 == 0o700
+    (run,) = controllers.local_runs(root)
+    assert (run.run_id, run.address, run.port, run.owner.pid) == ("run-a", "127.0.0.1", 4242, os.getpid())
+    registration.remove()
+    registration.remove()  # idempotent
+    assert controllers.local_runs(root) == ()
+
+
+def test_a_dead_controllers_entry_is_swept_and_a_stranger_on_its_pid_does_not_count(root: Path) -> None:
+    from flodl_async import controllers
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    alive = controllers.register(run_id="live", address="127.0.0.1", port=1, root=root)
+    directory = root / "controllers"
+    gone = controllers.LocalRun(owner=ProcessIdentity(pid=dead.pid, start_time=1), run_id="gone", address="127.0.0.1", port=2, started_at=0.0)
+    (directory / "gone.json").write_text(gone.to_json())
+    # Our own pid with another start time: a reused pid, so not the owner.
+    reused = controllers.LocalRun(owner=ProcessIdentity(pid=os.getpid(), start_time=-5), run_id="reused", address="127.0.0.1", port=3, started_at=0.0)
+    (directory / "reused.json").write_text(reused.to_json())
+    (directory / "torn.json").write_text("{not json")
+    assert [r.run_id for r in controllers.local_runs(root)] == ["live"]
+    assert sorted(p.name for p in directory.iterdir()) == [alive.path.name]
+    alive.remove()

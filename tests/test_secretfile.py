@@ -160,5 +160,12 @@ def test_load_or_create_reads_an_existing_file_and_writes_a_missing_one(tmp_path
 
 
 def test_a_directory_that_cannot_be_written_is_one_line(tmp_path: Path) -> None:
-    with pytest.raises(SecretFileError, match=r"cannot create it: No such file or directory"):
-        create_secret_file(tmp_path / "no-such-dir" / "secret", new_session_secret())
+    (tmp_path / "a-file").write_text("")
+    with pytest.raises(SecretFileError, match=r"cannot create it: Not a directory"):
+        create_secret_file(tmp_path / "a-file" / "secret", new_session_secret())
+
+
+def test_missing_directories_are_made_private(tmp_path: Path) -> None:
+    create_secret_file(tmp_path / "x" / "y" / "secret", new_session_secret())
+    assert (tmp_path / "x").stat().st_mode & 0o777 == 0o700
+    assert (tmp_path / "x" / "y").stat().st_mode & 0o777 == 0o700

@@ -101,7 +101,7 @@ def test_the_next_agent_kills_what_a_sigkilled_agents_rank_forked_and_nothing_el
             time.sleep(0.05)
         assert not _alive(rank_pid)
         assert _alive(walk_in_child), "nothing survived the SIGKILLed agent: the test proves nothing"
-        secret = ("--secret-file", str(secret_file))
+        secret = ("--secret-file", str(secret_file), "--connect-timeout", "0")  # one dial: nobody will ever answer there
         nobody = free_port()  # the new agent has no controller to reach: it cleans up, then says it cannot join
         again = subprocess.run(
             [PY, "-m", "flodl_async.agent", "--controller", f"127.0.0.1:{nobody}", "--host", "walk-in", "--devices", "cpu:1", *secret],

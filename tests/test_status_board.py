@@ -74,7 +74,11 @@ def test_states_serialise_to_the_old_strings() -> None:
     assert doc["phase"] == "failed"
     assert [r["state"] for r in doc["ranks"]] == ["running", "connected", "exited", "failed"]
     assert doc["members"] == [{"host": "a", "ranks": [0, 1], "devices": ["cpu:0"], "joined_at": 1.5, "state": "joined"}]
-    assert doc["ranks"][0] == {"rank": 0, "host": "a", "local_rank": 0, "state": "running", "pid": None, "exit_code": None, "signal": None}
+    assert doc["ranks"][0] == {
+        "rank": 0, "host": "a", "local_rank": 0, "state": "running", "pid": None, "exit_code": None, "signal": None,
+        # the activity an agent reports, null until its first report
+        "uptime_s": None, "process": None, "cpu_percent": None, "last_line": "", "output_age_s": None, "quiet_s": None, "store_connected": None,
+    }  # fmt: skip
     assert {p.value for p in Phase} == {"waiting", "forming", "training", "done", "failed"}
     assert MemberState.JOINED.value == "joined"
 

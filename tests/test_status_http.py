@@ -323,3 +323,51 @@ async def test_flodl_status_reports_an_unexpected_http_status() -> None:
     assert out == ""
     assert "answered HTTP 404: no such endpoint" in err
     _assert_no_controls(err)
+
+
+def _this_hosts_other_address() -> str | None:
+    """A non-loopback address of this machine (a UDP connect sends nothing), or None."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect(("10.255.255.255", 1))
+        except OSError:
+            return None
+        address = str(probe.getsockname()[0])
+    return None if address.startswith("127.") else address
+
+
+async def test_rank_output_lines_are_served_to_loopback_clients_only() -> None:
+    """A rank's last output line may hold a secret: a client on another host sees only its age."""
+    import dataclasses
+
+    from flodl_async.status import RankState, RankStatus
+
+    address = _this_hosts_other_address()
+    if address is None:
+        pytest.skip("this machine has no non-loopback address")
+    board = StatusBoard()
+    mux = PortMux(host="0.0.0.0", port=0)  # reached here from another address of this host
+    mux.register(Channel.STATUS, lambda: StatusHttpProtocol(board, request_timeout=2.0))
+    await mux.start()
+    try:
+        rank = RankStatus(rank=0, host="node-a", local_rank=0, state=RankState.RUNNING, pid=7, last_line="token=hunter2", output_age_s=4.0, quiet_s=4.0)
+        board.publish(dataclasses.replace(_snapshot(), ranks=(rank,)))
+
+        def get(host: str) -> dict[str, object]:
+            conn = http.client.HTTPConnection(host, mux.port, timeout=5)
+            try:
+                conn.request("GET", "/state.json")
+                return dict(json.loads(conn.getresponse().read()))
+            finally:
+                conn.close()
+
+        local = await asyncio.to_thread(get, "127.0.0.1")
+        remote = await asyncio.to_thread(get, address)
+    finally:
+        await mux.aclose()
+    assert local["ranks"][0]["last_line"] == "token=hunter2"  # type: ignore[index]
+    assert remote["ranks"][0]["last_line"] == ""  # type: ignore[index]
+    assert remote["ranks"][0]["output_age_s"] == 4.0  # type: ignore[index]
+    assert b"hunter2" not in json.dumps(remote).encode()

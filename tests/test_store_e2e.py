@@ -36,7 +36,8 @@ def listening_ports(pid: int) -> set[int]:
 def test_during_a_run_the_controller_listens_on_its_one_port_and_ranks_rendezvous_through_it(tmp_path: Path) -> None:
     run_id, port = new_run_id(), free_port()
     release = tmp_path / "release"
-    launcher = Launcher("--nproc", "2", "--devices", "cpu", "--port", str(port), "--", PY, script("store_round.py"), str(release), run_id=run_id)
+    args = ("-v", "--nproc", "2", "--devices", "cpu", "--port", str(port))  # -v: the round's line says where the store is
+    launcher = Launcher(*args, "--", PY, script("store_round.py"), str(release), run_id=run_id)
     try:
         launcher.wait_for_stdout(" sum 2", count=2)  # both ranks met through the store and all-reduced
         assert listening_ports(launcher.proc.pid) == {port}

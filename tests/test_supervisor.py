@@ -11,6 +11,7 @@ from flodl_async.hostnames import HostAliases
 from flodl_async.membership import JoinConfig
 from flodl_async.status.model import RankState, RankStatus
 from flodl_async.supervisor import (
+    OOM_HINT,
     AcceptJoin,
     Action,
     Announce,
@@ -25,6 +26,7 @@ from flodl_async.supervisor import (
     Level,
     RankConnected,
     RankExited,
+    RanksReported,
     RanksStopped,
     RejectJoin,
     Rendezvous,
@@ -36,6 +38,7 @@ from flodl_async.supervisor import (
     SupervisorConfig,
     Tell,
     Tick,
+    TrainingEnded,
     describe_exit,
     failure_details,
 )
@@ -102,7 +105,7 @@ def test_a_join_is_accepted_with_contiguous_ranks_and_announced() -> None:
     first = sup.handle(join("a"), 1.0)
     accept = of(first, AcceptJoin)
     assert [(a.host, a.reply.ranks, a.reply.run_id, a.reply.formation_wait_s) for a in accept] == [("a", (0, 1), "run-1", 30.0)]
-    assert 'host "a" joined with ranks [0, 1] (cpu:0, cpu:1) — 2 rank(s) in, target 4' in [a.text for a in of(first, Announce)]
+    assert 'host "a" joined with ranks 0-1 (cpu:0-1) — 2 rank(s) in, target 4' in [a.text for a in of(first, Announce)]
     assert isinstance(sup.phase, Forming)
     second = sup.handle(join("b"), 2.0)
     assert of(second, AcceptJoin)[0].reply.ranks == (2, 3)
@@ -207,7 +210,7 @@ def test_the_join_window_checks_the_configured_protocol_and_version() -> None:
 def test_a_join_without_a_target_says_so_and_the_view_lists_the_members() -> None:
     sup = Supervisor(config(join=JoinConfig(min_rank_start=2, join_timeout=10.0, target_ranks=None, max_join_timeout=30.0)), now=0.0)
     actions = sup.handle(join("a", 3), 1.0)
-    assert 'host "a" joined with ranks [0, 1, 2] (cpu:0, cpu:1, cpu:2) — 3 rank(s) in, target none' in [a.text for a in of(actions, Announce)]
+    assert 'host "a" joined with ranks 0-2 (cpu:0-2) — 3 rank(s) in, target none' in [a.text for a in of(actions, Announce)]
     view = sup.view()
     assert [(mb.host, mb.ranks) for mb in view.members] == [("a", (0, 1, 2))]
     assert (view.phase, view.joined_ranks, view.world_size, view.result) == ("waiting", 3, 0, None)
@@ -333,7 +336,7 @@ def test_a_rank_killed_by_a_signal_is_a_failure_named_by_signal() -> None:
     sup = Supervisor(config(), now=0.0)
     running(sup)
     end = the_end(sup.handle(exited(2, "b", code=None, sig=signal.SIGKILL), 3.0))
-    assert end.result.reason == "rank 2 (local rank 0) on host 'b' was killed by SIGKILL"
+    assert end.result.reason == f"rank 2 (local rank 0) on host 'b' was killed by SIGKILL ({OOM_HINT})"
 
 
 def test_exits_of_another_round_do_not_decide() -> None:
@@ -378,7 +381,7 @@ def test_a_second_restart_counts_two() -> None:
     assert sup.restart_count == 2
     assert told(started, m.StartRanks)["a"].restart_count == 2
     end = the_end(sup.handle(exited(0, "a", code=4, round_=2), 6.0))
-    assert end.result.reason.endswith("after 2 restart(s)")
+    assert end.result.reason.endswith("after 2 restarts")
 
 
 def test_restarts_exhausted_names_how_many() -> None:
@@ -389,7 +392,7 @@ def test_restarts_exhausted_names_how_many() -> None:
     sup.handle(RanksStopped(host="b", round=0), 4.0)
     sup.handle(StoreReady(round=1, addr="h", port=5), 5.0)
     end = the_end(sup.handle(exited(0, "a", code=4, round_=1), 6.0))
-    assert end.result.reason == "rank 0 (local rank 0) on host 'a' exited with code 4 after 1 restart(s)"
+    assert end.result.reason == "rank 0 (local rank 0) on host 'a' exited with code 4 after 1 restart"
 
 
 def test_hosts_that_do_not_stop_their_ranks_in_time_fail_the_run() -> None:
@@ -440,7 +443,8 @@ def test_first_signal_stops_with_the_signal_table(sig: signal.Signals, code: Exi
     assert end.result.reason == f"interrupted by {sig.name}"
     assert end.result.details == ""
     assert end.farewell == m.Abort(reason=end.result.reason, grace_s=5.0, first_signal=int(sig))
-    assert of(actions, Announce) == [Announce(text=f"stopping: ranks got {sig.name}; KILL in 5 s ({sig.name} again to force)", level=Level.WARNING)]
+    again = "Ctrl-C" if sig is signal.SIGINT else "SIGTERM"
+    assert of(actions, Announce) == [Announce(text=f"stopping: ranks got {sig.name}; KILL in 5 s ({again} again to force)", level=Level.WARNING)]
     assert of(actions, ForceStop) == []
 
 
@@ -553,3 +557,110 @@ def test_a_host_gone_silent_mid_run_ends_the_run_naming_it_and_aborts_the_rest()
     assert end.result.reason == "agent on host 'b' was lost mid-run: no heartbeat for 10s (the host is frozen, down or cut off)"
     assert isinstance(end.farewell, m.Abort)
     assert sup.handle(HostLost(host="b", reason="link reset"), 21.0) == ()  # the reader's own report after the cut-off changes nothing
+
+
+def test_the_traceback_is_told_once() -> None:
+    """@record writes the error file and Python prints the same traceback to stderr: the tail does not repeat it."""
+    traceback = "Traceback (most recent call last):\n  File \"t.py\", line 3, in main\n    raise ValueError(\"x\")\nValueError: x"
+    tail = ("a warning before it", *traceback.splitlines())
+    report = m.RankExited(round=0, rank=2, local_rank=0, host="a", exit_code=1, error_file=traceback, stderr_tail=tail)
+    full = failure_details(report)
+    assert full.count("ValueError: x") == 1
+    assert "last 1 stderr line(s) of rank 2:\n  a warning before it" in full
+    shown = failure_details(report, shown_live=True)
+    assert "File \"t.py\"" not in shown  # the console showed it already, live
+    assert "traceback: above, in rank 2's stderr" in shown
+    assert shown.count("ValueError: x") == 1
+
+
+def test_a_sigkill_flodl_did_not_send_points_at_the_oom_killer() -> None:
+    report = m.RankExited(round=0, rank=0, local_rank=0, host="a", signal=signal.SIGKILL)
+    assert describe_exit(report).endswith(
+        "was killed by SIGKILL (not sent by flodl; the kernel's OOM killer is the usual cause: look for \"Out of memory\" in `dmesg` or `journalctl -k`)"
+    )
+    assert "OOM" not in describe_exit(m.RankExited(round=0, rank=0, local_rank=0, host="a", signal=signal.SIGSEGV))
+
+
+def test_success_after_restarts_says_how_many() -> None:
+    sup = Supervisor(config(max_restarts=2), now=0.0)
+    running(sup)
+    for round_ in (0, 1):
+        sup.handle(exited(1, "a", code=3, round_=round_), 3.0)
+        sup.handle(RanksStopped(host="a", round=round_), 4.0)
+        sup.handle(RanksStopped(host="b", round=round_), 4.0)
+        sup.handle(StoreReady(round=round_ + 1, addr="h", port=5), 5.0)
+    ends = [a for r in range(4) for a in sup.handle(exited(r, "a" if r < 2 else "b", code=0, round_=2), 6.0) if isinstance(a, EndRun)]
+    assert [e.result.reason for e in ends] == ["all 4 ranks exited 0 after 2 restarts"]
+
+
+# ----- rank activity: hangs you can see ----------------------------------------------------------
+
+
+def _activity(rank: int, *, quiet: float, state: str = "S", line: str = "step 3", connected: bool = False) -> m.RankActivity:
+    return m.RankActivity(
+        rank=rank, pid=100 + rank, uptime_s=50.0, state=state, cpu_percent=0.0, last_line=line, output_age_s=quiet, quiet_s=quiet, store_connected=connected
+    )
+
+
+def test_activity_reports_fill_the_rank_table() -> None:
+    sup = Supervisor(config(), now=0.0)
+    running(sup)
+    assert sup.handle(RanksReported(host="b", report=m.RankStats(round=0, ranks=(_activity(2, quiet=4.0, state="D", connected=True),))), 3.0) == ()
+    row = sup.view().ranks[2]
+    assert (row.pid, row.process, row.last_line, row.quiet_s, row.store_connected, row.uptime_s) == (102, "uninterruptible", "step 3", 4.0, True, 50.0)
+    # Another host cannot speak for b's ranks, and a report of another round changes nothing.
+    sup.handle(RanksReported(host="a", report=m.RankStats(round=0, ranks=(_activity(2, quiet=9.0, state="T"),))), 4.0)
+    sup.handle(RanksReported(host="b", report=m.RankStats(round=7, ranks=(_activity(2, quiet=9.0, state="T"),))), 4.0)
+    assert sup.view().ranks[2].process == "uninterruptible"
+    # Without --hang-timeout even a long quiet is only shown.
+    assert sup.handle(RanksReported(host="b", report=m.RankStats(round=0, ranks=(_activity(3, quiet=1e6),))), 5.0) == ()
+
+
+def test_hang_timeout_ends_the_run_naming_the_quietest_rank() -> None:
+    sup = Supervisor(config(hang_timeout=30.0), now=0.0)
+    running(sup)
+    assert sup.handle(RanksReported(host="a", report=m.RankStats(round=0, ranks=(_activity(0, quiet=29.0),))), 3.0) == ()
+    actions = sup.handle(RanksReported(host="b", report=m.RankStats(round=0, ranks=(_activity(2, quiet=31.0), _activity(3, quiet=45.0, line="")))), 4.0)
+    end = the_end(actions)
+    assert end.result.exit_code is ExitCode.STALLED
+    assert end.result.reason == (
+        "rank 3 (local rank 1) on host 'b' hung: no output and no CPU progress for 45 s (--hang-timeout 30); its process 103 is sleeping"
+    )
+    assert end.result.details == "it never connected to the rendezvous store; it printed nothing"
+    assert isinstance(end.farewell, m.Abort)
+
+
+# ----- the Trainer's coordinator ------------------------------------------------------------
+
+
+def test_a_failed_coordinator_is_the_verdict_at_once() -> None:
+    sup = Supervisor(config(), now=0.0)
+    running(sup)
+    reason = "rank 1 on host a was lost mid-training: no frame for 30 s (heartbeat timeout: the rank is frozen, stopped or cut off)"
+    end = the_end(sup.handle(TrainingEnded(ok=False, reason=reason, code=ExitCode.RANK_FAILURE), 3.0))
+    assert (end.result.exit_code, end.result.reason) == (ExitCode.RANK_FAILURE, reason)
+    assert isinstance(end.farewell, m.Abort)
+    # The exits that follow it are consequences: the verdict stays the coordinator's.
+    assert of(sup.handle(exited(1, "a", code=1), 4.0), EndRun) == []
+    assert sup.result is not None
+    assert sup.result.reason == reason
+
+
+def test_an_orderly_training_end_names_the_verdict_once_the_ranks_exit() -> None:
+    sup = Supervisor(config(), now=0.0)
+    running(sup)
+    assert of(sup.handle(TrainingEnded(ok=True, reason="training complete: 2 epoch(s) on 4 rank(s)"), 3.0), EndRun) == []
+    for rank, host in ((0, "a"), (1, "a"), (2, "b")):
+        sup.handle(exited(rank, host), 3.0)
+    end = the_end(sup.handle(exited(3, "b"), 3.0))
+    assert (end.result.exit_code, end.result.reason) == (ExitCode.OK, "training complete: 2 epoch(s) on 4 rank(s)")
+
+
+def test_an_orderly_stop_on_a_signal_keeps_the_signals_code() -> None:
+    sup = Supervisor(config(), now=0.0)
+    running(sup)
+    sup.handle(TrainingEnded(ok=True, reason="training stopped (SIGTERM) after 1 of 2 epoch(s)", code=ExitCode.TERMINATED), 3.0)
+    for rank, host in ((0, "a"), (1, "a"), (2, "b")):
+        sup.handle(exited(rank, host), 3.0)
+    end = the_end(sup.handle(exited(3, "b"), 3.0))
+    assert end.result.exit_code is ExitCode.TERMINATED

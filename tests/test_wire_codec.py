@@ -25,6 +25,7 @@ from flodl_async.wire.handshake import PROTOCOL_VERSION
 from flodl_async.wire.legality import LEGAL_KINDS
 from flodl_async.wire.schema import Message, pack_message
 
+from .trainerwire import CONTROL_DOWN, CONTROL_UP
 from .wirekit import WHOLE_AND_BYTEWISE, LinkPair, codec_pair, feed, handshake_keys, sealed, sender_and_receiver
 
 UP, DOWN = Direction.TO_CONTROLLER, Direction.FROM_CONTROLLER
@@ -36,6 +37,10 @@ SAMPLES: dict[tuple[Channel, Direction], list[Message]] = {
         m.RankExited(round=0, rank=3, local_rank=1, host="b", exit_code=None, signal=9, stderr_tail=("boom",)),
         m.RankOutput(attempt=1, rank=3, stream="out", data=b" 10%|#\r 20%|##"),
         m.RanksStopped(round=2),
+        m.RankStats(
+            round=1,
+            ranks=(m.RankActivity(rank=3, pid=99, uptime_s=12.0, state="S", cpu_percent=0.5, last_line="epoch 1", output_age_s=3.5, quiet_s=3.5),),
+        ),
         m.Heartbeat(sent_at=12.5, rank=1),
     ],
     (Channel.JOIN, DOWN): [
@@ -50,8 +55,8 @@ SAMPLES: dict[tuple[Channel, Direction], list[Message]] = {
         m.Heartbeat(sent_at=12.5),
     ],
     (Channel.RENDEZVOUS, UP): [m.RendezvousHello(host="node-a"), m.StoreAddress(round=1, host="10.0.0.1", port=40000)],
-    (Channel.CONTROL, UP): [m.RankHello(rank=1, local_rank=1, world_size=2, pid=7), m.Heartbeat(sent_at=1.0, rank=1)],
-    (Channel.CONTROL, DOWN): [m.RankWelcome(rank=1, run_id="r"), m.Heartbeat(sent_at=1.0, rank=1)],
+    (Channel.CONTROL, UP): [m.RankHello(rank=1, local_rank=1, world_size=2, pid=7), m.Heartbeat(sent_at=1.0, rank=1), *CONTROL_UP],
+    (Channel.CONTROL, DOWN): [m.RankWelcome(rank=1, run_id="r"), m.Heartbeat(sent_at=1.0, rank=1), *CONTROL_DOWN],
 }
 
 

@@ -1630,6 +1630,8 @@ async def echo_handler(link: FramedProtocol) -> None:
     while True:
         frame = await link.recv()
         if link.channel is Channel.DATA:
+            if not isinstance(frame.message, m.TensorBundle):
+                continue  # the averaging messages travel one way only: nothing to echo
             link.send_parts(frame.message, [frame.payload] if frame.payload is not None else [])
         elif isinstance(frame.message, m.Heartbeat):
             link.send(frame.message)

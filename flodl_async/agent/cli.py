@@ -28,12 +28,14 @@ import socket
 import sys
 from collections.abc import Iterator, Sequence
 
+from .. import __version__
+from ..backoff import BackoffPolicy
 from ..deadlines import DEFAULT_STOP_GRACE, Deadlines
 from ..devices import parse_devices
 from ..errors import AgentError, ConfigError, ConnectionClosed, ControllerLost, FlodlError, JoinFailed, WireError
 from ..sdnotify import Notifier
 from ..secretfile import read_secret_file, read_token_file
-from ..verdict import ExitCode, exit_code_for_signal, exit_help
+from ..verdict import AGENT_EXIT_MEANINGS, ExitCode, exit_code_for_signal, exit_help
 from ..wire.keys import secret_from_hex
 from .session import Ending, HostSession, SessionConfig, SessionOutcome
 from .specline import read_spec, serve_spec_stdin
@@ -41,19 +43,9 @@ from .systemd import notification_observer, with_watchdog
 
 log = logging.getLogger("flodl_async.agent")
 
-#: What flodl-agent's exit codes mean (rendered into --help).
-AGENT_EXIT_MEANINGS: dict[ExitCode, str] = {
-    ExitCode.OK: "the run finished (the controller said Finish)",
-    ExitCode.INTERNAL: "internal error (a bug: please report it)",
-    ExitCode.USAGE: "bad arguments, secret or runtime directory; nothing was started",
-    ExitCode.FORMATION: "could not join: controller unreachable, join refused (a wrong cluster token too, even with --persist), or the world did not form",
-    ExitCode.RANK_FAILURE: "the run failed: the controller aborted it (a rank failed) or the controller was lost",
-    ExitCode.INTERRUPTED: "stopped by SIGINT (the ranks got SIGINT first); a second signal kills them at once",
-    ExitCode.TERMINATED: "stopped by SIGTERM (the ranks got SIGTERM first); a second signal kills them at once",
-}
-
 EXAMPLES = """\
 examples:
+  flodl-agent --controller 10.0.0.1:1337 --devices all --secret-file ~/.flodl/secret --connect-timeout 120
   flodl-agent --controller 10.0.0.1:1337 --devices cpu:4 --secret-file /run/flodl/secret
   flodl-agent --controller 10.0.0.1:1337 --devices 0,1 --token-file /etc/flodl/token --persist
   ssh node-b flodl-agent --controller 10.0.0.1:1337 --devices 0,1 < secret
@@ -69,6 +61,7 @@ def _parser() -> argparse.ArgumentParser:
         epilog=EXAMPLES + "\n" + exit_help(AGENT_EXIT_MEANINGS),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    parser.add_argument("--version", action="version", version=f"flodl-agent {__version__}")
     parser.add_argument("--controller", help="controller HOST:PORT (required unless --spec-stdin)")
     parser.add_argument(
         "--spec-stdin",
@@ -93,6 +86,13 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="with --token-file: stay up across runs, dialing again (capped exponential backoff with jitter) after each run "
         "and while no controller answers; SIGTERM stops it (exit 143)",
+    )
+    parser.add_argument(
+        "--connect-timeout",
+        type=float,
+        default=60.0,
+        help="started before the controller: keep dialing (the capped backoff of --persist) this many seconds "
+        "while nothing listens at --controller; 0 tries once (default %(default)g)",
     )
     parser.add_argument(
         "--reconnect-max", type=float, default=30.0, help="with --persist: the longest wait between two dials, in seconds (default %(default)g)"
@@ -133,6 +133,8 @@ def build_config(args: argparse.Namespace) -> SessionConfig:
         raise ConfigError("--persist needs --token-file: a session secret is good for one run only, the cluster token for every run")
     if not args.reconnect_max > 0:
         raise ConfigError(f"--reconnect-max must be more than 0 seconds (got {args.reconnect_max:g})")
+    if not args.connect_timeout >= 0:
+        raise ConfigError(f"--connect-timeout must be 0 or more seconds (got {args.connect_timeout:g})")
     if args.token_file and args.secret_file:
         raise ConfigError("--token-file and --secret-file exclude each other: a dial-in agent learns the secret from the controller")
     token = read_token_file(args.token_file) if args.token_file else None
@@ -146,6 +148,9 @@ def build_config(args: argparse.Namespace) -> SessionConfig:
         devices=devices,
         workdir=args.workdir,
         deadlines=Deadlines.resolve(stop_grace=args.stop_grace),
+        # --persist paces its own dials between runs; one run waits for its controller here.
+        connect_timeout=0.0 if args.persist else args.connect_timeout,
+        connect_backoff=BackoffPolicy(initial=min(0.5, args.reconnect_max), cap=args.reconnect_max),
     )
 
 
@@ -220,7 +225,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _persist(config: SessionConfig, *, reconnect_max: float) -> int:
-    from ..backoff import BackoffPolicy
     from ..net.loop import run
     from .daemon import PersistentAgent, serve_persistently
 

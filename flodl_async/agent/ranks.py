@@ -28,12 +28,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..devices import DeviceKind, DeviceSpec
+from ..gpus import host_visible_gpus, select
 from ..procs import signal_group, spawn, stop_processes
 from ..rankenv import RankPlacement, RankSpec, rank_environment
 from ..runtime import remove_rank_marker, write_rank_marker
 from ..verdict import StopStep
 from ..wire import messages as m
 from ..wire.keys import Credential
+from .activity import RankActivityTracker, store_connections
 from .output import LINE_LIMIT, OutputSink, forward_output
 
 log = logging.getLogger("flodl_async.agent")
@@ -53,6 +55,7 @@ class _Rank:
     proc: asyncio.subprocess.Process
     error_file: Path
     stderr_tail: collections.deque[str]
+    activity: RankActivityTracker
     readers: list[asyncio.Task[None]] = field(default_factory=list)
     stopping: bool = False
 
@@ -104,13 +107,13 @@ class RankProcesses:
         # Held across one spawn and its registration, so a stop of everything sees every rank.
         self._spawning = asyncio.Lock()
 
-    def _gpu_ids(self) -> tuple[int, ...] | None:
+    def _gpu_ids(self) -> tuple[str, ...] | None:
+        """The ranks' CUDA_VISIBLE_DEVICES: the host's devices as indices into the caller's own mask (:mod:`flodl_async.gpus`)."""
         devices = self._world.devices
         if not devices.is_gpu:
             return None
-        if devices.kind is DeviceKind.GPU_LIST:
-            return devices.gpu_ids
-        return tuple(range(len(self._world.formed.ranks)))
+        indices = devices.gpu_ids if devices.kind is DeviceKind.GPU_LIST else tuple(range(len(self._world.formed.ranks)))
+        return select(indices, host_visible_gpus())
 
     async def start(self, start: m.StartRanks) -> None:
         """Spawn this host's ranks of ``start.round`` (a rank that cannot start is reported as exit 127)."""
@@ -168,8 +171,16 @@ class RankProcesses:
                     write_rank_marker(self._scratch, pid=proc.pid, rank=rank)
                 except OSError as exc:
                     log.warning("agent %s: cannot record rank %d (pid %d) in %s: %s", self._host, rank, proc.pid, self._scratch, exc)
+                activity = RankActivityTracker(rank=rank, pid=proc.pid, store_port=start.master_port, now=asyncio.get_running_loop().time())
                 entry = _Rank(
-                    rank=rank, local_rank=local_rank, round=start.round, attempt=start.restart_count, proc=proc, error_file=error_file, stderr_tail=_tail()
+                    rank=rank,
+                    local_rank=local_rank,
+                    round=start.round,
+                    attempt=start.restart_count,
+                    proc=proc,
+                    error_file=error_file,
+                    stderr_tail=_tail(),
+                    activity=activity,
                 )
                 self._register(entry)
 
@@ -179,12 +190,15 @@ class RankProcesses:
         assert proc.stderr is not None
         self._output.rank_started(self._host, entry.attempt, entry.rank)
         tail = _TailLines(entry.stderr_tail)
+        clock = asyncio.get_running_loop().time
 
         async def out(data: bytes) -> None:
+            entry.activity.output(data, clock())
             await self._output.send(self._host, entry.attempt, entry.rank, "out", data)
 
         async def err(data: bytes) -> None:
             tail.feed(data)
+            entry.activity.output(data, clock())
             await self._output.send(self._host, entry.attempt, entry.rank, "err", data)
 
         idle = self._output_idle
@@ -225,6 +239,21 @@ class RankProcesses:
                 stderr_tail=tuple(entry.stderr_tail) if failed else (),
             )
         )
+
+    def activity(self, now: float) -> tuple[int, tuple[m.RankActivity, ...]]:
+        """The round and activity of every running rank (a few ``/proc`` reads each; the TCP tables only when a rank not yet at the store opened a socket)."""
+        running = [e for e in self._ranks.values() if not e.stopping and e.proc.returncode is None]
+        if not running:
+            return -1, ()
+        tables: dict[int, frozenset[int]] = {}  # read at most once per port per report, and only when a rank asks
+
+        def connections(port: int) -> frozenset[int]:
+            if port not in tables:
+                tables[port] = store_connections(port)
+            return tables[port]
+
+        reports = tuple(e.activity.sample(now, connections) for e in sorted(running, key=lambda e: e.rank))
+        return max(e.round for e in running), reports
 
     def cancel_readers(self) -> None:
         """Give up the output every reader still holds (the session is over; its link may never drain)."""

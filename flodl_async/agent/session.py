@@ -46,13 +46,16 @@ import dataclasses
 import enum
 import logging
 import os
+import random
 import signal
+import socket
 from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from .. import __version__
+from ..backoff import Backoff, BackoffPolicy
 from ..deadlines import Deadlines
 from ..devices import DeviceKind, DeviceSpec
 from ..errors import (
@@ -67,6 +70,7 @@ from ..errors import (
     JoinRejected,
     WireError,
 )
+from ..gpus import host_visible_gpus, select
 from ..hostaddrs import host_addresses
 from ..liveness import Liveness
 from ..net.framed import FramedProtocol, open_framed
@@ -86,21 +90,13 @@ if TYPE_CHECKING:  # imported where the world has formed: an agent's start (the 
 log = logging.getLogger("flodl_async.agent")
 
 
-#: Where :func:`detect_gpu_count` looks for the nvidiaN nodes instead of /dev (tests fake a host's GPUs with it).
-DEVICE_DIR_VARIABLE = "FLODL_DEVICE_DIR"
+def detect_gpu_count() -> int:
+    """GPUs this process may use, without importing torch: the device nodes, within the caller's CUDA_VISIBLE_DEVICES (:mod:`flodl_async.gpus`).
 
-
-def detect_gpu_count(env: Mapping[str, str] | None = None) -> int:
-    """GPUs on this host, without importing torch: the /dev/nvidiaN device nodes (none means 0).
-
-    Each agent counts its own host's, and reports them as its devices at join: that is a
-    remote ``devices: all`` host's capacity, never the controller's count.
+    Each agent counts its own host's and reports them as its devices at join: that is a remote
+    ``devices: all`` host's capacity, never the controller's count.
     """
-    env = os.environ if env is None else env
-    directory = env.get(DEVICE_DIR_VARIABLE) or "/dev"
-    with contextlib.suppress(OSError):
-        return sum(1 for name in os.listdir(directory) if name.startswith("nvidia") and name[6:].isdigit())
-    return 0
+    return len(host_visible_gpus())
 
 
 def device_labels(devices: DeviceSpec) -> tuple[str, ...]:
@@ -129,6 +125,10 @@ class SessionConfig:
     token: bytes | None = field(default=None, repr=False)
     #: Join with no credential at all (a controller running ``join.open_admission``); the secret comes as with a token.
     open_admission: bool = False
+    #: While nothing listens at the controller address, keep dialing this long (0: one try). ``flodl-agent --connect-timeout``.
+    connect_timeout: float = 0.0
+    #: The pacing of those dials: the capped backoff of ``--persist``.
+    connect_backoff: BackoffPolicy = field(default_factory=BackoffPolicy)
 
     @property
     def controller_addr(self) -> str:
@@ -188,6 +188,7 @@ class HostSession:
         self._stop_signal: int | None = None
         self._link: FramedProtocol | None = None
         self._serving: _Serving | None = None
+        self._stop_waiting = asyncio.Event()
 
     # ----- control from outside (signal handlers, the controller) ----------------------------
 
@@ -200,6 +201,7 @@ class HostSession:
         if self._stop_signal is not None:
             return
         self._stop_signal = sig
+        self._stop_waiting.set()  # a wait for the controller ends at once
         if self._serving is not None:
             self._serving.stop_for_signal(sig)
         elif self._link is not None:
@@ -218,24 +220,20 @@ class HostSession:
         cfg = self.config
         devices = device_labels(cfg.devices)
         if not devices:
-            raise ConfigError(f"host {cfg.host!r} has no devices to offer (devices: {cfg.devices.kind.value}, 0 GPUs found)")
+            raise ConfigError(
+                f"host {cfg.host!r} has no devices to offer (devices: {cfg.devices.kind.value}, 0 GPUs visible); "
+                "for CPU ranks use --devices cpu:N (devices: cpu:N in a cluster file)"
+            )
+        if cfg.devices.kind is DeviceKind.GPU_LIST:
+            select(cfg.devices.gpu_ids, host_visible_gpus())  # an id past the visible set is refused before joining
         for cleaned in reap_stale_ranks(cfg.runtime_root):  # what ranks of SIGKILLed sessions forked, before the sweep forgets them
             log.warning("agent %s: %s", cfg.host, cleaned.describe())
         sweep_stale(cfg.runtime_root)  # leftovers of sessions that were SIGKILLed
         self.observe(Phase.DIALING)
-        try:
-            async with asyncio.timeout(cfg.deadlines.handshake):
-                credential = _join_credential(cfg)
-                link = await open_framed(cfg.controller_host, cfg.controller_port, channel=Channel.JOIN, credential=credential)
-        except TimeoutError as exc:
-            raise ControllerUnreachable(
-                cfg.host,
-                f"the controller at {cfg.controller_addr} accepted the connection but did not finish the handshake within {cfg.deadlines.handshake:g}s",
-            ) from exc
-        except OSError as exc:
-            raise ControllerUnreachable(cfg.host, f"cannot reach the controller at {cfg.controller_addr}: {exc.strerror or exc}") from exc
-        except WireError as exc:
-            raise JoinFailed(cfg.host, f"cannot join the controller at {cfg.controller_addr}: {exc}") from exc
+        link = await self._dial_until_answered()
+        if link is None:
+            sig = self._stop_signal or signal.SIGTERM
+            return SessionOutcome(ending=Ending.STOPPED, reason=f"stopped by {signal.Signals(sig).name} while waiting for the controller", signal=sig)
         self._link = link
         self.observe(Phase.CONNECTED)
         entry: RuntimeEntry | None = None
@@ -258,6 +256,50 @@ class HostSession:
             await link.aclose(grace=cfg.deadlines.link_close)
             if entry is not None:
                 entry.remove()
+
+    async def _dial_until_answered(self) -> FramedProtocol | None:
+        """Dial the join channel; while nothing listens there, retry (the capped backoff of ``--persist``) up to ``connect_timeout``.
+
+        An agent started before its controller waits instead of failing on the first
+        refused connection, and says so once. None: a signal stopped the wait.
+        """
+        cfg = self.config
+        loop = asyncio.get_running_loop()
+        give_up = loop.time() + cfg.connect_timeout
+        backoff = Backoff(cfg.connect_backoff)
+        while True:
+            try:
+                return await self._dial_once()
+            except ControllerUnreachable as exc:
+                cause = exc.__cause__
+                if not isinstance(cause, OSError) or isinstance(cause, socket.gaierror | TimeoutError) or loop.time() >= give_up:
+                    raise  # a name that does not resolve, or a handshake that hung, will not mend by waiting
+                if backoff.failures == 0:
+                    why = cause.strerror or cause
+                    log.warning("agent %s: no controller at %s yet (%s); retrying for up to %gs", cfg.host, cfg.controller_addr, why, cfg.connect_timeout)
+                at = min(backoff.failed(loop.time(), random.random()), give_up)  # noqa: S311 -- jitter, not a secret
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(max(at - loop.time(), 0.0)):
+                        await self._stop_waiting.wait()
+                if self._stop_signal is not None:
+                    return None
+
+    async def _dial_once(self) -> FramedProtocol:
+        cfg = self.config
+        try:
+            async with asyncio.timeout(cfg.deadlines.handshake):
+                credential = _join_credential(cfg)
+                return await open_framed(cfg.controller_host, cfg.controller_port, channel=Channel.JOIN, credential=credential)
+        except TimeoutError as exc:
+            raise ControllerUnreachable(
+                cfg.host,
+                f"the controller at {cfg.controller_addr} accepted the connection but did not finish the handshake within {cfg.deadlines.handshake:g}s",
+            ) from exc
+        except OSError as exc:
+            waited = f" (waited {cfg.connect_timeout:g}s, --connect-timeout)" if cfg.connect_timeout > 0 else ""
+            raise ControllerUnreachable(cfg.host, f"cannot reach the controller at {cfg.controller_addr}: {exc.strerror or exc}{waited}") from exc
+        except WireError as exc:
+            raise JoinFailed(cfg.host, f"cannot join the controller at {cfg.controller_addr}: {exc}") from exc
 
     def observe(self, phase: Phase, *, run_id: str | None = None, ranks: tuple[int, ...] = (), round_: int | None = None, reason: str = "") -> None:
         """Tell the observer this session reached ``phase``, with what is known of the run by then."""
@@ -397,6 +439,7 @@ class _Serving:
                     controller_port=cfg.controller_port,
                     task_group=tg,
                     deadlines=cfg.deadlines,
+                    host=cfg.host,
                     on_upstream_lost=self._relay_lost,
                 )
                 self._relay = relay
@@ -408,6 +451,7 @@ class _Serving:
                 else:
                     self._spawn(self._read_commands(), name=f"{cfg.host}-commands")
                     self._spawn(self._keep_alive(), name=f"{cfg.host}-heartbeat")
+                    self._spawn(self._report_activity(), name=f"{cfg.host}-activity")
                 if self._session._stop_signal is not None and self._outcome is None:  # a signal came while the world formed
                     self.stop_for_signal(self._session._stop_signal)
                 await self._ended
@@ -520,6 +564,16 @@ class _Serving:
                 self._liveness = live = live.sent(now)
             wake = live.next_deadline()
             await asyncio.sleep(max(wake - loop.time(), 0.0))
+
+    async def _report_activity(self) -> None:
+        """Every heartbeat interval, each running rank's pid, process state, CPU, last output and store connection, up the link (:mod:`.activity`)."""
+        assert self._ranks is not None
+        loop = asyncio.get_running_loop()
+        while not self.ending:
+            await asyncio.sleep(self._cfg.deadlines.heartbeat_interval)
+            round_, ranks = self._ranks.activity(loop.time())
+            if ranks and not self.ending:
+                self._send(m.RankStats(round=round_, ranks=ranks))
 
     def _round_command(self, work: Coroutine[Any, Any, None], *, name: str) -> None:
         if self.ending:

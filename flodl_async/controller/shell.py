@@ -27,7 +27,9 @@ import logging
 import os
 import signal
 import time
+import typing
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from .. import __version__
 from ..agent import RankOutput
@@ -35,6 +37,7 @@ from ..errors import ConnectionClosed, FlodlError, WireError
 from ..hostaddrs import routable
 from ..liveness import Liveness
 from ..membership import describe_threshold
+from ..metrics import EpochMetrics
 from ..net.fdlimit import raise_descriptor_limit
 from ..net.framed import FramedProtocol
 from ..net.http import StatusHttpProtocol
@@ -58,6 +61,7 @@ from ..supervisor import (
     Level,
     RankConnected,
     RankExited,
+    RanksReported,
     RanksStopped,
     RejectJoin,
     ResetStore,
@@ -66,8 +70,10 @@ from ..supervisor import (
     SupervisorConfig,
     Tell,
     Tick,
+    TrainingEnded,
 )
-from ..verdict import ExitCode, RunResult
+from ..trainspec import TrainerSpec
+from ..verdict import ExitCode, RunResult, exit_code_for_signal
 from ..wire import messages as m
 from ..wire.channels import Channel
 from ..wire.handshake import PROTOCOL_VERSION, join_resolver, session_resolver
@@ -76,6 +82,10 @@ from ..wire.schema import Message
 from .controllinks import ControlLinks
 from .fanout import ssh_launcher
 from .launchers import AgentLauncher, ControllerContact, DialInLauncher, LocalLauncher
+from .training import RoundRunner, RoundRunnerFactory, TrainingOutcome, TrainingShell, default_round_runner
+
+if TYPE_CHECKING:
+    from ..reducer import Reducer
 
 log = logging.getLogger("flodl_async.launch")
 
@@ -92,10 +102,16 @@ def _ranks_stopped(host: str, msg: Message) -> Event:
     return RanksStopped(host=host, round=msg.round)
 
 
+def _ranks_reported(host: str, msg: Message) -> Event:
+    assert isinstance(msg, m.RankStats)
+    return RanksReported(host=host, report=msg)
+
+
 #: What an agent's messages up its join link mean to the supervisor (the wire's table says what is legal).
 _HOST_EVENTS: dict[type[Message], Callable[[str, Message], Event]] = {
     m.RankExited: _rank_exited,
     m.RanksStopped: _ranks_stopped,
+    m.RankStats: _ranks_reported,
 }
 
 
@@ -109,8 +125,9 @@ def _with_secret_for_token_agent(reply: m.JoinAccept, link: FramedProtocol, secr
 class Controller:
     """Runs one launch from bind to teardown."""
 
-    def __init__(self, plan: LaunchPlan, *, output: RankOutput) -> None:
+    def __init__(self, plan: LaunchPlan, *, output: RankOutput, training_rounds: RoundRunnerFactory | None = None) -> None:
         self.plan = plan
+        self._training_rounds = training_rounds  # None: the Trainer's reducer (tests pass a seam)
         self._deadlines = plan.deadlines
         self._output = output
         self._resolve = session_resolver(plan.secret)
@@ -131,6 +148,12 @@ class Controller:
         self._final: RunResult | None = None  # a verdict the supervisor did not give (internal error, cancelled)
         # The store rides the port unless torch's own store was asked for (then a store host serves it).
         self._store = None if os.environ.get(BACKEND_VARIABLE, "python") == "torch" else PortStore()
+        self._training: TrainingShell | None = None  # the Trainer's coordinator shell, idle until a TrainerHello
+        self._training_signal: int | None = None  # the launcher signal that asked for an orderly training stop
+        self._training_reference: TrainerSpec | None = None  # the launcher's own spec (the user's script is the launcher)
+        self._training_metrics: Callable[[EpochMetrics], None] | None = None
+        self._tg: asyncio.TaskGroup | None = None
+        self._reducer: Reducer | None = None
 
     @property
     def status_board(self) -> StatusBoard:
@@ -155,11 +178,35 @@ class Controller:
         self._publish()
 
     def interrupt(self, signum: int) -> None:
-        """SIGINT/SIGTERM: the first stops gracefully (the signal table), the second forces."""
+        """SIGINT/SIGTERM: the first stops gracefully (the signal table), the second forces.
+
+        With Trainer ranks training, the first asks the coordinator for an orderly stop (a final
+        round, ``Shutdown``, the ranks return their state) before any signal reaches them; the
+        next one goes to the supervisor's table.
+        """
         if self._supervisor is None:
             self._early_signals.append(signum)
             return
+        if self._training_signal is None and self._training is not None and self._training.stop(_signal_name(signum)):
+            self._training_signal = signum
+            name = _signal_name(signum)
+            log.warning("stopping training in order on %s: a final round, then shutdown (%s again to stop the ranks)", name, name)
+            return
         self._dispatch(Interrupted(signal=signum))
+
+    @property
+    def training(self) -> TrainingShell | None:
+        """The Trainer's coordinator shell (after :meth:`run` started)."""
+        return self._training
+
+    def configure_training(self, *, reference: TrainerSpec | None, metrics_sink: Callable[[EpochMetrics], None] | None) -> None:
+        """Before :meth:`run`: the launcher's spec every rank must match, and where aggregated epochs go."""
+        self._training_reference = reference
+        self._training_metrics = metrics_sink
+
+    def stop_training(self, reason: str) -> bool:
+        """An orderly stop of the Trainer (``TrainingRun.shutdown``); False when nothing trains."""
+        return self._training is not None and self._training.stop(reason)
 
     async def run(self) -> RunResult:
         """The whole lifecycle; call :meth:`bind` first. Teardown runs on every exit path."""
@@ -180,6 +227,7 @@ class Controller:
                 host_aliases=plan.host_aliases,
                 protocol_version=PROTOCOL_VERSION,
                 version=__version__,
+                hang_timeout=plan.hang_timeout,
             ),
             now=self._opened_at,
         )
@@ -191,6 +239,8 @@ class Controller:
         result: RunResult | None = None
         try:
             async with asyncio.TaskGroup() as tg:
+                self._tg = tg
+                self._training = self._training_shell(tg)
                 for channel, handler in (
                     (Channel.JOIN, self._handle_join),
                     (Channel.RENDEZVOUS, self._handle_rendezvous),
@@ -216,16 +266,31 @@ class Controller:
                 finally:
                     if result is None:
                         self._final = RunResult(exit_code=ExitCode.INTERRUPTED, reason="the controller was cancelled")
+                    await self._training.aclose()
                     await self._teardown(agent_tasks)
                     # What is still connected after the teardown's grace is stuck (a frozen host's relay link
                     # says nothing and never closes): closing the port ends those handlers, so the group can close.
                     await self._mux.aclose()
+                    if self._reducer is not None:
+                        await self._reducer.aclose()  # its round driver is a task of this group
         finally:
             if self._store is not None:
                 self._store.close()
             await self._mux.aclose()
         assert result is not None  # None only when cancelled, and then CancelledError propagates
         return result
+
+    def install_reducer(self, reducer: Reducer) -> None:
+        """Serve the data channel with ``reducer`` (the training shell calls this when its coordinator starts).
+
+        Until then the port serves no data channel: a relay that dials it is closed before any
+        handshake (counted as ``no_handler``), so runs without Trainer ranks never load torch.
+        """
+        if self._tg is None:
+            raise RuntimeError("install_reducer() needs a running controller (call it from inside run())")
+        service = reducer.attach(task_group=self._tg, resolve=self._resolve, run_id=self.plan.run_id)
+        self._reducer = reducer
+        self._mux.register(Channel.DATA, service.protocol_factory)
 
     async def aclose(self) -> None:
         """Close the port (idempotent)."""
@@ -242,13 +307,16 @@ class Controller:
             relay_silence = self._control_links.next_deadline()
             if relay_silence is not None and (beat is None or relay_silence < beat):
                 beat = relay_silence
-            wake = beat if deadline is None or (beat is not None and beat < deadline) else deadline
+            training = self._training.next_deadline() if self._training is not None else None
+            wake = min((t for t in (deadline, beat, training) if t is not None), default=None)
             try:
                 async with asyncio.timeout(None if wake is None else max(wake - time.monotonic(), 0.0)):
                     await self._changed.wait()
             except TimeoutError:
                 assert wake is not None
                 self._keep_alive(time.monotonic(), late=time.monotonic() - wake)
+                if training is not None and time.monotonic() >= training and self._training is not None:
+                    self._training.tick()
                 if deadline is not None and time.monotonic() >= deadline and self._end is None:
                     self._dispatch(Tick())
         return self._end.result
@@ -299,7 +367,10 @@ class Controller:
                 with contextlib.suppress(ConnectionClosed):  # a link that just died: its handler reports HostLost
                     link.send(action.message)
         elif isinstance(action, Announce):
-            log.log(_LOG_LEVELS[action.level], "%s", action.text)
+            level = _LOG_LEVELS[action.level]
+            if self.plan.one_host and level == logging.INFO:
+                level = logging.DEBUG  # a --nproc run said it all in its banner: the progress is for -v
+            log.log(level, "%s", action.text)
         elif isinstance(action, AcceptJoin):
             assert reply_link is not None
             try:
@@ -418,21 +489,28 @@ class Controller:
         closed, its agent failed) the controller aborts the link at once, not at teardown.
         """
         host: str | None = None
+        training = self._training
+        assert training is not None
         try:
             while True:
                 msg = await link.recv_message()
                 if isinstance(msg, m.RankHello):
                     host = host or self._bind_control_link(link, msg.rank)
                     self._dispatch(RankConnected(rank=msg.rank, pid=msg.pid))
+                    training.bind_rank(msg.rank, link)
                     link.send(m.RankWelcome(rank=msg.rank, run_id=self.plan.run_id))
-                elif isinstance(msg, m.Heartbeat) and msg.relay:
+                elif isinstance(msg, m.Heartbeat) and msg.relay:  # the relay's own beat: its link's liveness, no rank's
                     host = host or self._bind_control_link(link, msg.rank)
                     if host is not None and host in self._links:  # a host of this run, still in it: watch this link
                         self._control_links.heard(link, host, time.monotonic())
                     link.send(m.Heartbeat(sent_at=msg.sent_at, rank=msg.rank, relay=True))
                 elif isinstance(msg, m.Heartbeat):
                     link.send(m.Heartbeat(sent_at=msg.sent_at, rank=msg.rank))
+                    training.seen(msg.rank)
+                else:
+                    training.receive(msg, link)  # the Trainer's coordinator protocol
         finally:
+            training.link_closed(link)
             self._control_links.closed(link, host)
 
     def _bind_control_link(self, link: FramedProtocol, rank: int) -> str | None:
@@ -451,6 +529,44 @@ class Controller:
         if links:
             log.info('host "%s" lost: closed its %d control link(s) (relay upstream) with it', host, len(links))
 
+    # ----- the Trainer (controller/training.py does the work) -------------------------------------
+
+    def _training_shell(self, tg: asyncio.TaskGroup) -> TrainingShell:
+        scale = self._deadlines.scale
+        return TrainingShell(
+            run_id=self.plan.run_id,
+            world=self._training_world,
+            task_group=tg,
+            on_outcome=self._training_outcome,
+            on_change=self._training_changed,
+            serve_data=self._serve_training_data,
+            hello_timeout=self._deadlines.trainer_hello,
+            reduce_stall=self._deadlines.reduce_stall,
+            timeout_scale=scale,  # the spec's heartbeat_timeout is the user's; the run's scale applies to it
+            round_runner=self._training_rounds or default_round_runner,
+            reference=self._training_reference,
+            metrics_sink=self._training_metrics,
+        )
+
+    def _training_changed(self) -> None:
+        self._publish()  # the status page's training block
+        self._changed.set()  # the pump recomputes its wake-up (the coordinator's deadline moved)
+
+    def _training_world(self) -> tuple[int, dict[int, str]]:
+        view = self._require_supervisor().view()
+        return view.world_size, {r.rank: r.host for r in view.ranks}
+
+    def _training_outcome(self, outcome: TrainingOutcome) -> None:
+        code = ExitCode(outcome.code) if not outcome.ok else ExitCode.OK
+        if outcome.ok and self._training_signal is not None:
+            code = exit_code_for_signal(self._training_signal)
+        self._dispatch(TrainingEnded(ok=outcome.ok, reason=outcome.reason, code=code, details=outcome.details))
+
+    def _serve_training_data(self, reducer: RoundRunner) -> None:
+        """The coordinator started: its reducer serves the DATA channel (a test's round seam has no data plane)."""
+        if getattr(reducer, "attach", None) is not None:
+            self.install_reducer(typing.cast("Reducer", reducer))
+
     # ----- status --------------------------------------------------------------------------------
 
     def _announce_window(self) -> None:
@@ -462,7 +578,8 @@ class Controller:
                 "(set join.open_admission: false and give agents a cluster token: flodl token new)",
                 self.port,
             )
-        log.info(
+        log.log(
+            logging.DEBUG if plan.one_host else logging.INFO,
             "window open (quorum %s ranks, target %s, window %gs, cap %gs, admission: %s) — status at http://%s:%d/",
             describe_threshold(j.min_rank_start, j.quorum_reported),
             describe_threshold(j.target_ranks, j.target_reported) if j.target_ranks is not None else "none",
@@ -512,6 +629,7 @@ class Controller:
                 ranks=ranks,
                 verdict=result.reason if result is not None else "",
                 exit_code=int(result.exit_code) if result is not None else None,
+                training=self._training.status() if self._training is not None else None,
             )
         )
 
@@ -519,3 +637,10 @@ class Controller:
         if self._supervisor is None:
             raise RuntimeError("run() has not started")
         return self._supervisor
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import socket
 import typing
 from collections.abc import Callable, Sequence
 
@@ -84,9 +85,12 @@ class FramedProtocol(asyncio.BaseProtocol):
         peer_label: str = "",
         allocate: Callable[[int], bytearray] = bytearray,
         magic: bytes = b"",
+        plain_payloads: bool = False,
     ) -> None:
         """``handshake`` decides the side: a client handshake dials, a server one accepts.
-        ``magic`` (client side, on the controller port) is written before the hello."""
+        ``magic`` (client side, on the controller port) is written before the hello.
+        ``plain_payloads``: see :class:`~flodl_async.wire.frame.FrameConnection`; refused on
+        anything but a unix socket."""
         self._handshake: ClientHandshake | ServerHandshake | None = handshake
         self.side = Side.PEER if isinstance(handshake, ClientHandshake) else Side.CONTROLLER
         self.codec: FrameConnection | None = None
@@ -98,6 +102,7 @@ class FramedProtocol(asyncio.BaseProtocol):
         self._limits = limits
         self._allocate = allocate
         self._magic = magic
+        self._plain_payloads = plain_payloads
         self._ticket: AdmissionTicket | None = None
         self._established: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._transport: asyncio.Transport | None = None
@@ -131,6 +136,13 @@ class FramedProtocol(asyncio.BaseProtocol):
             # Let one whole tensor frame sit in the write buffer while the next one is MAC'd:
             # with the default 64 KiB mark, hashing and sending would take turns instead.
             self._transport.set_write_buffer_limits(high=DATA_WRITE_HIGH_WATER)
+        if self._plain_payloads:
+            sock = transport.get_extra_info("socket")
+            if sock is None or sock.family != socket.AF_UNIX:
+                # Unprotected payloads are for a private unix socket only: never on a network link.
+                self._fail(ConnectionClosed(f"{self.channel.value} channel: plain payloads on a non-unix socket", by_peer=False))
+                self._transport.abort()
+                return
         if not self.peer_label:
             peer = transport.get_extra_info("peername")
             self.peer_label = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer or "?")
@@ -171,7 +183,9 @@ class FramedProtocol(asyncio.BaseProtocol):
     def _establish(self, done: Established) -> None:
         self._handshake = None
         self.peer, self.run_id = done.peer, done.run_id
-        self.codec = FrameConnection(channel=self.channel, side=self.side, keys=done.keys, limits=self._limits, allocate=self._allocate)
+        self.codec = FrameConnection(
+            channel=self.channel, side=self.side, keys=done.keys, limits=self._limits, allocate=self._allocate, plain_payloads=self._plain_payloads
+        )
         if self._ticket is not None:
             self._ticket.authenticated()
         if not self._established.done():
@@ -302,16 +316,24 @@ class FramedProtocol(asyncio.BaseProtocol):
         sealing.seal()
         self._write_sealed(sealing.parts(), sealing.buffer)
 
-    async def send_tensors(self, msg: Message, payload: Sequence[Buffer]) -> None:
+    async def send_tensors(self, msg: Message, payload: Sequence[Buffer], *, borrow: bool = False) -> None:
         """Send a payload frame, encrypting a large payload in a worker thread.
 
         While the thread seals (GIL released), the loop keeps moving earlier frames' bytes
         to the socket, so encrypting and sending overlap instead of taking turns. Waits for
         write back-pressure first; frames keep their sequence order. The payload buffers
         may change again as soon as this returns (the frame holds their ciphertext).
+
+        ``borrow`` (plain-payload links only, else ignored): write the payload buffers
+        themselves, without a copy. The caller then keeps them alive and unchanged until the
+        peer has read the frame (e.g. until it answered it).
         """
         async with self._sealing:
             await self.drain()
+            codec = self._require_codec()
+            if borrow and codec.plain_payloads:
+                self._writelines(codec.send_parts_borrowed(msg, payload))
+                return
             sealing = self._require_codec().start_parts(msg, payload, buffer=self._sealing_buffer(payload))
             try:
                 if sealing.payload_len >= _THREAD_SEAL_BYTES:
@@ -326,7 +348,8 @@ class FramedProtocol(asyncio.BaseProtocol):
             self._write_sealed(sealing.parts(), sealing.buffer)
 
     def _sealing_buffer(self, payload: Sequence[Buffer]) -> bytearray:
-        need = sealed_length(sum(memoryview(p).nbytes for p in payload))
+        payload_len = sum(memoryview(p).nbytes for p in payload)
+        need = self.codec.wire_payload_length(payload_len) if self.codec is not None else sealed_length(payload_len)
         transport = self._transport
         if transport is not None:
             flushed = self._bytes_written - transport.get_write_buffer_size()
@@ -470,18 +493,27 @@ def client_protocol(
     magic: bytes,
     expect_run_id: str | None,
     allocate: Callable[[int], bytearray] = bytearray,
+    plain_payloads: bool = False,
 ) -> FramedProtocol:
     """A dialling link of the right read style for ``channel``."""
     handshake = ClientHandshake(channel=channel, credential=credential, version=__version__, expect_run_id=expect_run_id)
-    return framed_protocol_class(channel)(channel=channel, handshake=handshake, limits=limits, peer_label=peer_label, magic=magic, allocate=allocate)
+    return framed_protocol_class(channel)(
+        channel=channel, handshake=handshake, limits=limits, peer_label=peer_label, magic=magic, allocate=allocate, plain_payloads=plain_payloads
+    )
 
 
 def server_protocol(
-    channel: Channel, resolve: CredentialResolver, *, run_id: str, limits: FrameLimits | None = None, allocate: Callable[[int], bytearray] = bytearray
+    channel: Channel,
+    resolve: CredentialResolver,
+    *,
+    run_id: str,
+    limits: FrameLimits | None = None,
+    allocate: Callable[[int], bytearray] = bytearray,
+    plain_payloads: bool = False,
 ) -> FramedProtocol:
     """An accepting link of the right read style for ``channel``."""
     handshake = ServerHandshake(channel=channel, resolve=resolve, run_id=run_id, version=__version__)
-    return framed_protocol_class(channel)(channel=channel, handshake=handshake, limits=limits, allocate=allocate)
+    return framed_protocol_class(channel)(channel=channel, handshake=handshake, limits=limits, allocate=allocate, plain_payloads=plain_payloads)
 
 
 async def _handshaken(protocol: FramedProtocol) -> FramedProtocol:
@@ -528,10 +560,17 @@ async def open_unix_framed(
     peer_label: str,
     limits: FrameLimits | None = None,
     allocate: Callable[[int], bytearray] = bytearray,
+    plain_payloads: bool = False,
 ) -> FramedProtocol:
-    """Dial a relay's unix socket (no channel magic: each socket serves one channel) and run the handshake."""
+    """Dial a relay's unix socket (no channel magic: each socket serves one channel) and run the handshake.
+
+    ``plain_payloads``: tensor payloads unencrypted on this owner-only socket (the relay's data
+    socket; see :class:`~flodl_async.wire.frame.FrameConnection`)."""
     loop = asyncio.get_running_loop()
     _transport, protocol = await loop.create_unix_connection(
-        lambda: client_protocol(channel, credential, limits=limits, peer_label=peer_label, magic=b"", expect_run_id=None, allocate=allocate), path
+        lambda: client_protocol(
+            channel, credential, limits=limits, peer_label=peer_label, magic=b"", expect_run_id=None, allocate=allocate, plain_payloads=plain_payloads
+        ),
+        path,
     )
     return await _handshaken(protocol)

@@ -10,6 +10,7 @@ controller. Every JSON body, errors included, carries the schema marker.
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import json
 import logging
 import typing
@@ -39,10 +40,12 @@ class StatusHttpProtocol(asyncio.Protocol):
         self._timeout = Deadlines.resolve().http_request if request_timeout is None else request_timeout
         self._timer: asyncio.TimerHandle | None = None
         self._answered = False
+        self._local = False  # a client on the controller's own host (loopback) also sees the ranks' output lines
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transports implement asyncio.Transport without subclassing it.
         self._transport = typing.cast(asyncio.Transport, transport)
+        self._local = _is_loopback(transport.get_extra_info("peername"))
         self._timer = asyncio.get_running_loop().call_later(self._timeout, self._expire)
 
     def data_received(self, data: bytes) -> None:
@@ -109,7 +112,7 @@ class StatusHttpProtocol(asyncio.Protocol):
             return
         head = method == "HEAD"
         if path == "/state.json":
-            encoded = self._board.encoded
+            encoded = self._board.encoded_for(local=self._local)
             if encoded is None:
                 self._send(503, _json({"error": "no status published yet; the controller is starting"}), head=head)
             else:
@@ -157,6 +160,16 @@ class StatusHttpProtocol(asyncio.Protocol):
             self._timer = None
         if self._transport is not None:
             self._transport.close()
+
+
+def _is_loopback(peer: object) -> bool:
+    """Whether a transport's ``peername`` is this host's loopback (unix sockets and unknown peers are not)."""
+    if not isinstance(peer, tuple) or not peer:
+        return False
+    try:
+        return ipaddress.ip_address(str(peer[0]).split("%", 1)[0]).is_loopback
+    except ValueError:
+        return False
 
 
 def _json(doc: dict[str, object]) -> bytes:

@@ -37,9 +37,12 @@ class FramedService:
         task_group: asyncio.TaskGroup,
         limits: FrameLimits | None = None,
         allocate: Callable[[int], bytearray] = bytearray,
+        plain_payloads: bool = False,
     ) -> None:
+        """``plain_payloads``: unencrypted tensor payloads (a relay's owner-only unix data socket only)."""
         self.channel = channel
         self._allocate = allocate
+        self._plain_payloads = plain_payloads
         self._resolve = resolve
         self._run_id = run_id
         self._handler = handler
@@ -49,7 +52,9 @@ class FramedService:
 
     def protocol_factory(self) -> asyncio.BaseProtocol:
         """Called by the mux for each connection routed to this channel."""
-        link = server_protocol(self.channel, self._resolve, run_id=self._run_id, limits=self._limits, allocate=self._allocate)
+        link = server_protocol(
+            self.channel, self._resolve, run_id=self._run_id, limits=self._limits, allocate=self._allocate, plain_payloads=self._plain_payloads
+        )
         # No task until the peer proved the key: a flood of unauthenticated connections costs no tasks.
         link.on_established(self._start)
         return link

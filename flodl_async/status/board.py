@@ -199,6 +199,7 @@ class StatusBoard:
         self._clock = clock
         self._snapshot: StatusSnapshot | None = None
         self._encoded: bytes | None = None
+        self._encoded_public: bytes | None = None
         self._encoded_at = -math.inf
         self._subscriptions: dict[Subscription, None] = {}  # a dict: ordered, O(1) removal
         self._published = 0
@@ -237,6 +238,11 @@ class StatusBoard:
                 self._refresh_counters(self._snapshot, self._counters(), now)
         return self._encoded
 
+    def encoded_for(self, *, local: bool) -> bytes | None:
+        """:attr:`encoded` for a client on the controller's own host; without the ranks' output lines for any other."""
+        encoded = self.encoded  # refreshes the counters (both encodings) when due
+        return encoded if local else self._encoded_public
+
     def statistics(self) -> BoardStatistics:
         """Counts so far, as a frozen snapshot."""
         return BoardStatistics(published=self._published, encodes=self._encodes, subscribers=len(self._subscriptions))
@@ -250,5 +256,7 @@ class StatusBoard:
     def _set(self, snapshot: StatusSnapshot, now: float) -> None:
         self._snapshot = snapshot
         self._encoded = snapshot.to_json()
+        # What clients on other hosts get: the ranks' output lines (which may carry secrets) left out.
+        self._encoded_public = snapshot.without_output().to_json() if snapshot.quotes_output else self._encoded
         self._encoded_at = now
         self._encodes += 1

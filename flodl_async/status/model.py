@@ -65,9 +65,23 @@ class MemberStatus:
     state: MemberState = MemberState.JOINED
 
 
+#: What a ``/proc/<pid>/stat`` state letter means, for people (what agents report of their ranks).
+PROCESS_STATES: Mapping[str, str] = {
+    "R": "running",
+    "S": "sleeping",
+    "D": "uninterruptible",
+    "T": "stopped",
+    "t": "stopped (traced)",
+    "Z": "zombie",
+    "X": "gone",
+    "I": "idle",
+    "P": "parked",
+}
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RankStatus:
-    """One rank process."""
+    """One rank process; the activity fields come from its agent's periodic report (None until the first)."""
 
     rank: int
     host: str
@@ -76,6 +90,14 @@ class RankStatus:
     pid: int | None = None
     exit_code: int | None = None
     signal: int | None = None
+    uptime_s: float | None = None
+    process: str | None = None  # PROCESS_STATES: running, sleeping, uninterruptible, stopped...
+    cpu_percent: float | None = None
+    #: The rank's last output line: served only to status clients on the controller's own host.
+    last_line: str = ""
+    output_age_s: float | None = None  # None: no output yet
+    quiet_s: float | None = None  # neither output nor CPU progress for this long
+    store_connected: bool | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -96,16 +118,30 @@ class StatusSnapshot:
     verdict: str = ""
     exit_code: int | None = None
     connections: Counters = field(default_factory=dict)
+    #: The Trainer's coordinator (epoch/epochs, policy, backend, anchor, counts, last reduce ms, per-rank
+    #: state, batches and heartbeat age, the last epoch's metrics); None in a run without Trainer ranks.
+    training: Mapping[str, object] | None = None
 
     def to_document(self) -> dict[str, object]:
         """The document served at ``/state.json``, as plain JSON values (enums as their strings)."""
         doc = {f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(self)}
+        if self.training is None:
+            del doc["training"]  # additive: a run without Trainer ranks serves the document it always did
         doc["schema"] = SCHEMA
         return doc
 
     def to_json(self) -> bytes:
         """The JSON bytes served at ``/state.json`` (keys sorted, so equal snapshots encode equal)."""
         return json.dumps(self.to_document(), sort_keys=True).encode()
+
+    @property
+    def quotes_output(self) -> bool:
+        """Whether any rank's last output line is in it (then remote clients get :meth:`without_output`)."""
+        return any(r.last_line for r in self.ranks)
+
+    def without_output(self) -> StatusSnapshot:
+        """This snapshot with the ranks' output lines left out (their ages stay): for clients on other hosts."""
+        return dataclasses.replace(self, ranks=tuple(dataclasses.replace(r, last_line="") for r in self.ranks))
 
 
 def _plain(value: object) -> object:

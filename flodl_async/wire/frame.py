@@ -191,10 +191,20 @@ class SealingFrame:
     an I/O shell may run it in a worker thread while its loop keeps writing earlier frames.
     """
 
-    __slots__ = ("_aead", "_chunk", "_key", "_mac_key", "_parts", "_seq", "_tag", "buffer", "head", "payload_len")
+    __slots__ = ("_aead", "_chunk", "_key", "_mac_key", "_parts", "_plain", "_seq", "_tag", "buffer", "head", "payload_len")
 
     def __init__(
-        self, *, head: bytes, parts: tuple[Buffer, ...], payload_len: int, buffer: bytearray, seq: int, keys: LinkKeys, aead: AESGCM, chunk: int
+        self,
+        *,
+        head: bytes,
+        parts: tuple[Buffer, ...],
+        payload_len: int,
+        buffer: bytearray,
+        seq: int,
+        keys: LinkKeys,
+        aead: AESGCM,
+        chunk: int,
+        plain: bool = False,
     ) -> None:
         self.head = head
         self.payload_len = payload_len
@@ -206,11 +216,21 @@ class SealingFrame:
         self._aead = aead
         self._mac_key = keys.send_mac
         self._chunk = chunk
+        self._plain = plain
         self._tag: bytes | None = None
 
     def seal(self) -> None:
         """Encrypt the payload into :attr:`buffer` and tag the frame (touches only this frame: thread-safe)."""
         out = memoryview(self.buffer)
+        if self._plain:
+            # A plain-payload link (a private unix socket, see FrameConnection): copy, tag the head only.
+            at = 0
+            for part in self._parts:
+                view = memoryview(part).cast("B")
+                out[at : at + view.nbytes] = view
+                at += view.nbytes
+            self._tag = hmac.digest(self._mac_key, self.head, "sha256")
+            return
         aad = self.head[:HEADER_LEN]
         mac = hmac.new(self._mac_key, self.head, hashlib.sha256)
         sources = [memoryview(p).cast("B") for p in self._parts]
@@ -248,7 +268,8 @@ class SealingFrame:
         """The buffers to write, in order."""
         if self._tag is None:
             raise RuntimeError("seal() has not run")
-        return [self.head, memoryview(self.buffer)[: sealed_length(self.payload_len, self._chunk)], self._tag]
+        wire_len = self.payload_len if self._plain else sealed_length(self.payload_len, self._chunk)
+        return [self.head, memoryview(self.buffer)[:wire_len], self._tag]
 
 
 class _State(enum.Enum):
@@ -270,11 +291,19 @@ class FrameConnection:
         limits: FrameLimits | None = None,
         allocate: Callable[[int], bytearray] = bytearray,
         seal_chunk: int = SEAL_CHUNK,
+        plain_payloads: bool = False,
     ) -> None:
         """``keys`` come from this connection's handshake. ``allocate(n)`` supplies each received
         payload's buffer; pass a pool's ``acquire`` to reuse buffers (a fresh 16 MiB buffer costs
         ~20 ms of first-touch page faults here). ``seal_chunk`` is a protocol constant that both
-        ends must share; only tests change it, to cover multi-chunk payloads cheaply."""
+        ends must share; only tests change it, to cover multi-chunk payloads cheaply.
+
+        ``plain_payloads``: tensor payloads travel as they are — neither encrypted nor covered by
+        the frame's tag (headers and bodies still are) — and land straight in their own buffer.
+        Both ends must agree (a mismatch fails the first payload frame's tag). Only for a relay's
+        owner-only unix socket, whose peers are the same user (who could read the ranks' memory
+        anyway): it removes two AES-GCM passes and a copy per tensor frame on that leg
+        (benchmarks/averaging.py; trainer spec §3.7)."""
         if channel is Channel.STATUS:
             raise ValueError("the status channel speaks HTTP, not frames")
         if not 0 < seal_chunk <= SEAL_CHUNK:
@@ -289,6 +318,7 @@ class FrameConnection:
         self._send_aead = AESGCM(keys.send_aead)
         self._recv_aead = AESGCM(keys.recv_aead)
         self._chunk = seal_chunk
+        self._plain = plain_payloads
         self.channel = channel
         self.side = side
         self.limits = limits or FrameLimits.for_channel(channel)
@@ -366,13 +396,8 @@ class FrameConnection:
         sealing.seal()
         return sealing.parts()
 
-    def start_parts(self, msg: Message, payload: Sequence[Buffer], *, buffer: bytearray | None = None) -> SealingFrame:
-        """Reserve the next sequence number for a payload frame whose sealing the caller completes.
-
-        ``buffer`` (at least :func:`sealed_length` bytes) receives the ciphertext; an I/O shell
-        recycles buffers once the transport has written them. Frames must be written in the
-        order they were started.
-        """
+    def _payload_head(self, msg: Message, payload: Sequence[Buffer]) -> tuple[bytes, int, int]:
+        """Check a payload frame and take its sequence number: (header + wire body, seq, payload length)."""
         if msg.KIND not in self._send_kinds:
             self._refuse_send(msg)
         body = self._wire_body(msg)
@@ -381,18 +406,52 @@ class FrameConnection:
             raise FrameTooLarge(
                 f"{type(msg).__name__} payload is {payload_len} bytes, above the {self.limits.max_payload}-byte ceiling of the {self.channel.value} channel"
             )
-        need = sealed_length(payload_len, self._chunk)
-        if buffer is None:
-            buffer = bytearray(need)
-        elif len(buffer) < need:
-            raise ValueError(f"sealing buffer of {len(buffer)} bytes is smaller than the {need} the frame needs")
         seq = self._take_seq()
         wire_len = len(body) + (GCM_TAG_LEN if msg.SEALED else 0)
         header = HEADER.pack(PROTOCOL_VERSION, 0, msg.KIND, seq, wire_len, payload_len)
-        head = header + (self._seal_body(header, seq, body) if msg.SEALED else body)
+        return header + (self._seal_body(header, seq, body) if msg.SEALED else body), seq, payload_len
+
+    def start_parts(self, msg: Message, payload: Sequence[Buffer], *, buffer: bytearray | None = None) -> SealingFrame:
+        """Reserve the next sequence number for a payload frame whose sealing the caller completes.
+
+        ``buffer`` (at least :func:`sealed_length` bytes) receives the ciphertext; an I/O shell
+        recycles buffers once the transport has written them. Frames must be written in the
+        order they were started.
+        """
+        need = self.wire_payload_length(sum(memoryview(p).nbytes for p in payload))
+        if buffer is not None and len(buffer) < need:
+            raise ValueError(f"sealing buffer of {len(buffer)} bytes is smaller than the {need} the frame needs")
+        head, seq, payload_len = self._payload_head(msg, payload)
         return SealingFrame(
-            head=head, parts=tuple(payload), payload_len=payload_len, buffer=buffer, seq=seq, keys=self._keys, aead=self._send_aead, chunk=self._chunk
+            head=head,
+            parts=tuple(payload),
+            payload_len=payload_len,
+            buffer=buffer if buffer is not None else bytearray(need),
+            seq=seq,
+            keys=self._keys,
+            aead=self._send_aead,
+            chunk=self._chunk,
+            plain=self._plain,
         )
+
+    @property
+    def plain_payloads(self) -> bool:
+        """Payloads travel as they are on this link (see the constructor)."""
+        return self._plain
+
+    def send_parts_borrowed(self, msg: Message, payload: Sequence[Buffer]) -> list[Buffer]:
+        """A plain-payload frame that writes ``payload``'s own buffers (no copy): head, the buffers, the tag.
+
+        The caller keeps the buffers alive and unchanged until the transport wrote them.
+        """
+        if not self._plain:
+            raise RuntimeError("only a plain-payload link can send borrowed payload buffers")
+        head, _seq, _payload_len = self._payload_head(msg, payload)
+        return [head, *payload, hmac.digest(self._send_key, head, "sha256")]
+
+    def wire_payload_length(self, payload_len: int) -> int:
+        """Bytes a payload of ``payload_len`` takes on this link's wire (sealed, or as it is)."""
+        return payload_len if self._plain else sealed_length(payload_len, self._chunk)
 
     def _refuse_send(self, msg: Message) -> NoReturn:
         # TypeError, not a WireError: this is our own bug, and the handlers that turn a peer's
@@ -506,7 +565,8 @@ class FrameConnection:
                 self._payload_filled += take
             if self._payload_filled < self._sealed_len:
                 return self._starved(mid_frame=True)
-            self._mac_gcm_tags()
+            if not self._plain:
+                self._mac_gcm_tags()
             self._state = _State.TAG
         if len(buf) - self._pos < TAG_LEN:
             return self._starved(mid_frame=True)
@@ -629,8 +689,11 @@ class FrameConnection:
         self._mac = self._recv_mac.copy()
         self._mac.update(header)
         self._payload_len = payload_len
-        self._sealed_len = sealed_length(payload_len, self._chunk)
-        if len(self._sealed_buf) < self._sealed_len:
+        self._sealed_len = self.wire_payload_length(payload_len)
+        if self._plain:
+            if payload_len:
+                self._sealed_buf = self._allocate(payload_len)  # the payload's own buffer: no decrypt, no copy
+        elif len(self._sealed_buf) < self._sealed_len:
             self._sealed_buf = bytearray(self._sealed_len)  # grows to the largest frame once, then is reused
         self._payload_filled = 0
         self._state = _State.BODY
@@ -643,7 +706,13 @@ class FrameConnection:
         if self._kind not in self._recv_kinds:
             self._refuse_kind(self._kind)
         body = self._open_body(self._header, self._seq, self._body) if self._kind in self._sealed else self._body
-        payload = memoryview(self._open_payload(self._header, self._seq)) if self._payload_len else None
+        if not self._payload_len:
+            payload = None
+        elif self._plain:
+            payload = memoryview(self._sealed_buf)  # received in place: the frame owns this buffer now
+            self._sealed_buf = bytearray()
+        else:
+            payload = memoryview(self._open_payload(self._header, self._seq))
         msg = unpack_message(self._kind, body)
         frame = Frame(seq=self._seq, message=msg, payload=payload)
         self._recv_seq += 1

@@ -2,8 +2,8 @@
 
 Messages whose bodies can carry secrets are ``sealed=True``: ``WorldFormed``
 (the command and the environment, which often hold tokens), ``RankExited``
-(a user's traceback and stderr lines) and ``RankOutput`` (whatever a rank
-prints); their bodies are encrypted, not only authenticated. Tensor payloads are always encrypted.
+(a user's traceback and stderr lines), ``RankOutput`` (whatever a rank
+prints) and ``RankStats`` (each rank's last output line); their bodies are encrypted, not only authenticated. Tensor payloads are always encrypted.
 
 Kinds are grouped by channel in the high byte (0x01xx join, 0x02xx
 rendezvous, 0x03xx data, 0x04xx control, 0x05xx relay-local); a new message
@@ -164,6 +164,37 @@ class RankOutput(Message):
     data: bytes
 
 
+@message(kind=0x010D)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RankActivity(Message):
+    """One rank as its agent sees it (inside :class:`RankStats`): what makes a hang visible.
+
+    ``state`` is the process state letter of ``/proc/<pid>/stat`` (R running, S sleeping,
+    D uninterruptible, T stopped...); ages are seconds, -1 for "never".
+    """
+
+    rank: int
+    pid: int
+    uptime_s: float
+    state: str
+    cpu_percent: float
+    last_line: str = ""
+    output_age_s: float = -1.0
+    #: Seconds with neither output nor CPU progress (what ``--hang-timeout`` measures).
+    quiet_s: float = 0.0
+    #: The rank has a TCP connection to the rendezvous store (traced to its pid through /proc).
+    store_connected: bool = False
+
+
+@message(kind=0x010E, sealed=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RankStats(Message):
+    """An agent's periodic report of its running ranks, up the host link. Sealed: it quotes each rank's last output line."""
+
+    round: int
+    ranks: tuple[RankActivity, ...]
+
+
 # ----- rendezvous channel ---------------------------------------------------------------
 
 
@@ -242,3 +273,374 @@ class TensorBundle(Message):
     round: int
     weight: float
     tensors: tuple[TensorSpec, ...]
+
+
+# ----- data channel: the Trainer's averaging (trainer spec §3.2) -----------------------------
+
+
+@message(kind=0x0303)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DataHello(Message):
+    """A rank opens its data link to its relay: the model it averages (size and run digest)."""
+
+    rank: int
+    model_bytes: int
+    digest: str
+
+
+@message(kind=0x0304)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class HostDataHello(Message):
+    """A relay opens the host's one data connection: its ranks, and the model they average."""
+
+    host: str
+    ranks: tuple[int, ...]
+    model_bytes: int
+    digest: str
+
+
+@message(kind=0x0305)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DataWelcome(Message):
+    """The hello matched: tensor frames up to ``max_payload`` bytes are accepted from now on."""
+
+    max_payload: int
+
+
+@message(kind=0x0306)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Contribution(Message):
+    """One rank's tensors for round ``round`` (raw, in the model's dtypes), weighted ``steps ** gamma``.
+
+    ``tensors == ()`` is an empty contribution: nothing to add, the rank waits for the consensus.
+    """
+
+    round: int
+    kind: str
+    rank: int
+    weight: float
+    steps: int
+    tensors: tuple[TensorSpec, ...] = ()
+
+
+@message(kind=0x0307)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class HostContribution(Message):
+    """One host's part of round ``round``: ranks ``ranks`` (each exactly once), total ``weight``.
+
+    ``prescaled``: the relay folded several ranks (``Σ w_r·t_r``, in the accumulator dtype);
+    otherwise the one rank's raw tensors, to be scaled by ``weight`` at the controller.
+    ``steps`` (appended to the spec's fields): each listed rank's realized steps, in ``ranks``
+    order, so the controller can check a model round's weight against ``steps ** gamma``.
+    """
+
+    round: int
+    kind: str
+    host: str
+    ranks: tuple[int, ...]
+    weight: float
+    prescaled: bool
+    tensors: tuple[TensorSpec, ...] = ()
+    steps: tuple[int, ...] = ()
+
+
+@message(kind=0x0308)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Consensus(Message):
+    """The result of round ``round``; ``mass == 0`` carries no tensors (ranks keep their local state)."""
+
+    round: int
+    kind: str
+    mass: float
+    tensors: tuple[TensorSpec, ...] = ()
+
+
+@message(kind=0x0309)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ModelSchemaWire(Message):
+    """A model's tensor layout (nested in ``TrainerHello``; :class:`flodl_async.modelschema.ModelSchema`).
+
+    ``dtypes``/``shapes`` are in wire order: parameters, then persistent buffers.
+    """
+
+    param_names: tuple[str, ...]
+    buffer_names: tuple[str, ...]
+    dtypes: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    aliases: dict[str, str] = field(default_factory=dict)
+
+
+@message(kind=0x030A)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class OuterSpecWire(Message):
+    """An outer optimizer spec (:mod:`flodl_async.outer`): ``kind`` is ``avg``, ``slowmo`` or ``diloco``."""
+
+    kind: str
+    lr: float = 0.0
+    momentum: float = 0.0
+
+
+# ----- control channel: the Trainer's coordinator protocol (trainer-spec §2.2) ----------------
+#
+# Down-messages carry ``rank`` (the relay routes on it); ``rank = -1`` means every local rank
+# of the receiving relay, one frame per host. The nested ``...Wire`` classes are registered
+# kinds so the schema can nest them, but are legal on no route by themselves.
+
+
+@message(kind=0x0412)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ElCheConfigWire(Message):
+    """:class:`flodl_async.trainspec.ElCheConfig` with every default resolved for its policy."""
+
+    anchor: int
+    min_anchor: int
+    max_anchor: int
+    overhead_target: float
+    max_batch_diff: int | None
+    adapt: bool
+    speed_hint_rank: int | None
+    speed_hint_ratio: float | None
+    partition_ratios: tuple[float, ...] | None
+    max_overshoot: int | None
+    easgd_alpha: float | None
+    gamma: float
+    guard: bool
+    guard_threshold: float
+    guard_nudge: float
+
+
+@message(kind=0x0413)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TrainerSpecWire(Message):
+    """Everything the coordinator and reducer need from a rank's Trainer, as plain values (§2.3)."""
+
+    policy: str
+    backend: str
+    epochs: int
+    batch_size: int
+    dataset_len: int
+    drop_last: bool
+    seed: int
+    elche: ElCheConfigWire
+    outer: OuterSpecWire
+    save_path: str | None
+    resume_from: str | None
+    every_epochs: int | None
+    on_shutdown: bool
+    rank_state: bool
+    max_failure_absolute: int | None
+    max_failure_percent: float | None
+    heartbeat_timeout: float
+    lr_schedule: bool
+    max_grad_norm: float | None
+    name: str
+
+
+@message(kind=0x0415)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RankEpochStatsWire(Message):
+    """One rank's share of an aggregated epoch (:class:`flodl_async.metrics.RankEpochStats`)."""
+
+    rank: int
+    batches: int
+    samples: int
+    avg_loss: float
+    throughput: float
+    batch_share: float
+    compute_ms: float
+    data_ms: float
+    alive: bool
+
+
+@message(kind=0x0416)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EpochMetricsWire(Message):
+    """One aggregated epoch (:class:`flodl_async.metrics.EpochMetrics`)."""
+
+    epoch: int
+    avg_loss: float
+    epoch_ms: float
+    batches: int
+    samples: int
+    reduces: int
+    avg_reduce_ms: float
+    anchor: int
+    counts: tuple[int, ...]
+    per_rank: tuple[RankEpochStatsWire, ...]
+    scalars: dict[str, float] = field(default_factory=dict)
+
+
+@message(kind=0x0404)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TrainerHello(Message):
+    """A rank's Trainer joins the session: its spec, model schema and their digest."""
+
+    rank: int
+    spec: TrainerSpecWire
+    digest: str
+    model: ModelSchemaWire
+    model_bytes: int
+    device: str
+
+
+@message(kind=0x0405)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TrainerWelcome(Message):
+    """The spec is accepted; where the run starts."""
+
+    rank: int
+    world_size: int
+    run_id: str
+    start_epoch: int = 0
+    global_step: int = 0
+    sync_round: int = 0
+    resumed: bool = False
+    restore_rank_state: bool = False
+    primary_rank: int = 0
+
+
+@message(kind=0x0406)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TrainerReject(Message):
+    """The rank's spec does not match, or it came too late: it exits non-zero with ``reason``."""
+
+    rank: int
+    reason: str
+
+
+@message(kind=0x0407)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Plan(Message):
+    """Work for one window: batch ranges ``(first_batch, n)`` of epoch ``epoch``'s pool.
+
+    Send ``WindowDone`` after ``quota`` steps (0: at once); hold once the steps since the last
+    contribution reach ``hold_after`` (-1: never); ``progress`` is the epoch progress at the
+    window's start, for LR schedules.
+    """
+
+    rank: int
+    round: int
+    epoch: int
+    ranges: tuple[tuple[int, ...], ...]
+    quota: int
+    hold_after: int
+    progress: float
+
+
+@message(kind=0x0408)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class WindowDone(Message):
+    """A rank finished its window's quota (Async: it keeps training).
+
+    ``divergence`` is ``‖pre−post‖/‖post‖`` of the last consensus applied, -1 if none. Scalars
+    travel as two maps (sum, count) because the schema has no mixed-type tuples.
+    """
+
+    rank: int
+    round: int
+    epoch: int
+    batches: int
+    samples: int
+    compute_ms: float
+    data_ms: float
+    loss_sum: float
+    divergence: float = -1.0
+    scalar_sums: dict[str, float] = field(default_factory=dict)
+    scalar_counts: dict[str, int] = field(default_factory=dict)
+
+
+@message(kind=0x0409)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Reduce(Message):
+    """Contribute to round ``round`` on the data channel (``from_controller``: only await its consensus).
+
+    ``kind`` is ``init``, ``model``, ``final`` or ``upload``; ``checkpoint`` > 0 asks for the rank
+    state as checkpoint version N after applying; ``reset_inner`` clears the inner optimizer (DiLoCo).
+    """
+
+    round: int
+    kind: str
+    from_controller: bool = False
+    checkpoint: int = 0
+    reset_inner: bool = False
+    rank: int = -1
+
+
+@message(kind=0x040A)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ReduceDone(Message):
+    """COLLECTIVE backend: the rank's in-place all_reduce of round ``round`` finished."""
+
+    rank: int
+    round: int
+    mass: float
+    ms: float
+
+
+@message(kind=0x040B)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EpochAggregated(Message):
+    """An aggregated epoch, for the ranks' ``TrainingRun.metrics()``."""
+
+    metrics: EpochMetricsWire
+    rank: int = -1
+
+
+@message(kind=0x040C)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DeclareDead(Message):
+    """``dead_rank`` is lost: relays drop it from their fold barrier, ranks log it."""
+
+    dead_rank: int
+    reason: str
+    rank: int = -1
+
+
+@message(kind=0x040D)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RankGone(Message):
+    """A relay's local control link from ``rank`` closed (sent by the relay, never by a rank)."""
+
+    rank: int
+    reason: str
+
+
+@message(kind=0x040E, sealed=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Exiting(Message):
+    """The rank is leaving: a clean exit (``error`` empty) or a death record (``error`` = traceback)."""
+
+    rank: int
+    reason: str
+    error: str = ""
+
+
+@message(kind=0x040F)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Intent(Message):
+    """A rank's request folded into the next reduce (``kind``: ``checkpoint``)."""
+
+    rank: int
+    kind: str
+
+
+@message(kind=0x0410)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RankStateSaved(Message):
+    """The rank wrote (or failed to write: ``error``) its state file for checkpoint ``version``."""
+
+    rank: int
+    version: int
+    path: str
+    sha256: str
+    error: str = ""
+
+
+@message(kind=0x0411)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Shutdown(Message):
+    """The end: ranks finish ``run()`` (normal end, graceful stop) or raise (failure: ``save_reason``)."""
+
+    reason: str
+    save_reason: str = ""
+    rank: int = -1

@@ -1,0 +1,428 @@
+"""The controller's Trainer shell: rank control messages into the coordinator, its actions out to relays and the reducer.
+
+Theory of operation. Nothing here decides anything: :class:`~flodl_async.coordinator.Coordinator`
+does. The controller's control-channel handler hands every relay link's frames to
+:meth:`TrainingShell.receive` (plus :meth:`bind_rank` on each ``RankHello`` and
+:meth:`seen` on each heartbeat). The first ``TrainerHello`` creates the coordinator for
+the formed world and the reducer (the DATA channel is served from then on, never in a
+run without Trainer ranks); every later frame becomes an event, and the actions come
+back and are carried out at once, in order:
+
+* ``Send`` — a down-message to its rank's relay link, or (``rank = -1``) once to every relay;
+* ``StartRound`` — open the round in the reducer, then broadcast its ``Reduce``; a task
+  owned by the controller's TaskGroup awaits the round and feeds ``RoundCompleted`` back
+  (COLLECTIVE rounds are answered by the ranks' ``ReduceDone`` instead);
+* ``DeclareDead`` — the reducer stops waiting on the rank, the relays and ranks learn it;
+* ``PublishEpoch`` — the log line, the status page's ``training`` block, the launcher's
+  metrics sink, and ``EpochAggregated`` to every relay;
+* ``Finish`` / ``Fail`` — handed to the run's supervisor as an event, so the verdict names
+  the coordinator's cause (and rank) rather than the exits that follow it.
+
+Deadlines (hello timeout, heartbeat staleness, reduce stall) are the coordinator's
+:meth:`~flodl_async.coordinator.Coordinator.next_deadline`: the controller's pump sleeps
+until the earliest of its own and this one and calls :meth:`tick`. Tensor math never runs
+here (the reducer runs it in executor threads); torch is not imported by this module.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import time
+import typing
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+from ..coordinator import (
+    Action,
+    CollectiveDone,
+    Coordinator,
+    CoordinatorConfig,
+    CoordinatorView,
+    CoordPhase,
+    DeclareDead,
+    Event,
+    Fail,
+    Finish,
+    FrameSeen,
+    Level,
+    Log,
+    PublishEpoch,
+    RankExiting,
+    RankLost,
+    RoundCompleted,
+    Send,
+    StartRound,
+    StopRequested,
+    Tick,
+    TrainerJoined,
+    WindowReported,
+)
+from ..errors import ConnectionClosed, FlodlError
+from ..metrics import EpochMetrics
+from ..modelschema import ModelSchema
+from ..net.framed import FramedProtocol
+from ..trainspec import TrainerSpec
+from ..wire import messages as m
+from ..wire.schema import Message
+
+if TYPE_CHECKING:
+    import torch
+
+    from .shell import Controller
+
+log = logging.getLogger("flodl_async.launch")
+
+_LEVELS = {Level.INFO: logging.INFO, Level.WARNING: logging.WARNING}
+
+
+class RoundResultLike(Protocol):
+    """What the reducer reports for a finished round (TD's ``RoundResult``)."""
+
+    @property
+    def round(self) -> int: ...
+    @property
+    def kind(self) -> str: ...
+    @property
+    def mass(self) -> float: ...
+    @property
+    def duration_ms(self) -> float: ...
+
+
+class RoundRunner(Protocol):
+    """The controller-side reducer as this shell uses it (TD's ``flodl_async.reducer.Reducer``)."""
+
+    def open_round(self, round: int, kind: str, expected_ranks: frozenset[int], from_controller: bool = False) -> None: ...
+    async def wait_round(self, round: int) -> RoundResultLike: ...
+    def declare_dead(self, rank: int) -> None: ...
+    @property
+    def last_consensus(self) -> Mapping[str, torch.Tensor] | None: ...
+    async def aclose(self) -> None: ...
+
+
+#: Builds the reducer once the reference spec, model schema and run digest are known.
+RoundRunnerFactory = Callable[[TrainerSpec, ModelSchema, str], RoundRunner]
+#: Serves one DATA-channel link with the reducer (the controller registers it on the mux).
+DataServer = Callable[[RoundRunner], None]
+
+
+def default_round_runner(spec: TrainerSpec, schema: ModelSchema, digest: str) -> RoundRunner:
+    """TD's reducer (imported here, lazily: a run without Trainer ranks never loads it)."""
+    from ..reducer import Reducer
+
+    return typing.cast(RoundRunner, Reducer(schema, spec.outer, spec.settings.gamma, digest=digest))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TrainingResult:
+    """What the launcher's ``TrainedState`` is built from, after the run (D1: the final consensus)."""
+
+    state_dict: Mapping[str, torch.Tensor] | None
+    param_names: tuple[str, ...]
+    epochs_completed: int
+    global_step: int
+    world_size: int
+    lost_ranks: tuple[int, ...]
+    interrupted: bool
+    ok: bool
+    reason: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TrainingOutcome:
+    """What the coordinator concluded, for the supervisor."""
+
+    ok: bool
+    reason: str
+    rank: int = -1
+    details: str = ""
+    save_reason: str = ""
+    code: int = 0
+
+
+#: Rank control messages up → the coordinator's events (the wire's table says what is legal).
+_UP_EVENTS: Mapping[type[Message], Callable[[Message], Event]] = {
+    m.TrainerHello: lambda msg: TrainerJoined(hello=typing.cast(m.TrainerHello, msg)),
+    m.WindowDone: lambda msg: WindowReported(report=typing.cast(m.WindowDone, msg)),
+    m.ReduceDone: lambda msg: CollectiveDone(message=typing.cast(m.ReduceDone, msg)),
+    m.RankGone: lambda msg: RankLost(rank=typing.cast(m.RankGone, msg).rank, reason=typing.cast(m.RankGone, msg).reason),
+    m.Exiting: lambda msg: RankExiting(message=typing.cast(m.Exiting, msg)),
+    # Checkpoint intents and rank-state reports arrive with the checkpoint issue; today they are signs of life.
+    m.Intent: lambda msg: FrameSeen(rank=typing.cast(m.Intent, msg).rank),
+    m.RankStateSaved: lambda msg: FrameSeen(rank=typing.cast(m.RankStateSaved, msg).rank),
+}
+
+
+class TrainingShell:
+    """One run's Trainer side of the controller; created with the controller, idle until a TrainerHello."""
+
+    def __init__(
+        self,
+        *,
+        run_id: str,
+        world: Callable[[], tuple[int, Mapping[int, str]]],
+        task_group: asyncio.TaskGroup,
+        on_outcome: Callable[[TrainingOutcome], None],
+        on_change: Callable[[], None] = lambda: None,
+        serve_data: DataServer | None = None,
+        round_runner: RoundRunnerFactory = default_round_runner,
+        hello_timeout: float = 120.0,
+        reduce_stall: float = 120.0,
+        timeout_scale: float = 1.0,
+        metrics_sink: Callable[[EpochMetrics], None] | None = None,
+        reference: TrainerSpec | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._run_id = run_id
+        self._world = world
+        self._tg = task_group
+        self._on_outcome = on_outcome
+        self._on_change = on_change
+        self._serve_data = serve_data
+        self._round_runner = round_runner
+        self._hello_timeout = hello_timeout
+        self._reduce_stall = reduce_stall
+        self._scale = timeout_scale
+        self._metrics_sink = metrics_sink
+        self._reference = reference
+        self._clock = clock
+        self._final_state: Mapping[str, torch.Tensor] | None = None
+        self.coordinator: Coordinator | None = None
+        self.reducer: RoundRunner | None = None
+        self.epochs: list[EpochMetrics] = []
+        self._rank_links: dict[int, FramedProtocol] = {}
+        self._relay_links: list[FramedProtocol] = []
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._outcome: TrainingOutcome | None = None
+
+    # ----- what the controller calls --------------------------------------------------------
+
+    @property
+    def outcome(self) -> TrainingOutcome | None:
+        """The coordinator's conclusion, once given."""
+        return self._outcome
+
+    def bind_rank(self, rank: int, link: FramedProtocol) -> None:
+        """``rank`` said hello on ``link`` (its host's relay connection): down-messages for it go there."""
+        self._rank_links[rank] = link
+        if link not in self._relay_links:
+            self._relay_links.append(link)
+
+    def link_closed(self, link: FramedProtocol) -> None:
+        """A relay's connection ended: its ranks are lost to the coordinator (their exits follow from the agent)."""
+        if link in self._relay_links:
+            self._relay_links.remove(link)
+        for rank in [r for r, lk in self._rank_links.items() if lk is link]:
+            del self._rank_links[rank]
+            if self.coordinator is not None:
+                self._handle(RankLost(rank=rank, reason="its host's relay connection to the controller closed"))
+
+    def seen(self, rank: int) -> None:
+        """A heartbeat (or any frame) from ``rank``."""
+        if self.coordinator is not None:
+            self._handle(FrameSeen(rank=rank))
+
+    def receive(self, msg: Message, link: FramedProtocol) -> None:
+        """A Trainer control message up from a relay."""
+        to_event = _UP_EVENTS.get(type(msg))
+        if to_event is None:
+            return
+        if isinstance(msg, m.TrainerHello):
+            self.bind_rank(msg.rank, link)
+            if self.coordinator is None and not self._create(msg):
+                return
+        if self.coordinator is None:
+            return  # no Trainer in this run (yet): nothing to coordinate
+        self._handle(to_event(msg))
+
+    def stop(self, reason: str) -> bool:
+        """An orderly stop (a launcher signal, ``TrainingRun.shutdown``): the final round, then ``Shutdown``.
+
+        False when there is no training to stop in order (no coordinator, it already concluded, or a
+        stop is already under way): the caller's next step is then the supervisor's signal table.
+        """
+        if self.coordinator is None or self._outcome is not None or self.coordinator.stop_requested:
+            return False
+        self._handle(StopRequested(reason=reason))
+        return True
+
+    def next_deadline(self) -> float | None:
+        """When :meth:`tick` is due (None: nothing pending)."""
+        return None if self.coordinator is None else self.coordinator.next_deadline(self._clock())
+
+    def tick(self) -> None:
+        """The coordinator's deadline passed."""
+        if self.coordinator is not None:
+            self._handle(Tick())
+
+    def view(self) -> CoordinatorView | None:
+        """The coordinator's frozen snapshot."""
+        return None if self.coordinator is None else self.coordinator.view(self._clock())
+
+    def status(self) -> dict[str, object] | None:
+        """The ``training`` block of ``/state.json`` (None until a Trainer said hello)."""
+        view = self.view()
+        if view is None:
+            return None
+        block = dataclasses.asdict(view)
+        block["last_epoch"] = dataclasses.asdict(self.epochs[-1]) if self.epochs else None
+        return block
+
+    async def aclose(self) -> None:
+        """Cancel the round waiters, then close the reducer (its driver task and hosts' data links)."""
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        reducer = self.reducer
+        if reducer is not None:
+            # The launcher's final state (D1): copied off the loop (clones), before the reducer lets its buffers go.
+            self._final_state = await asyncio.get_running_loop().run_in_executor(None, lambda: reducer.last_consensus)
+            await reducer.aclose()
+
+    def result(self) -> TrainingResult | None:
+        """The run's result for the launcher (None when no Trainer ran)."""
+        coordinator = self.coordinator
+        if coordinator is None:
+            return None
+        hello = coordinator.reference
+        outcome = self._outcome
+        return TrainingResult(
+            state_dict=self._final_state,
+            param_names=tuple(hello.model.param_names) if hello is not None else (),
+            epochs_completed=coordinator.completed_epochs,
+            global_step=coordinator.global_step,
+            world_size=len(coordinator.alive),
+            lost_ranks=tuple(sorted(coordinator.dead)),
+            interrupted=outcome is not None and outcome.save_reason == "graceful_shutdown",
+            ok=outcome is not None and outcome.ok,
+            reason="" if outcome is None else outcome.reason,
+        )
+
+    # ----- internals ---------------------------------------------------------------------
+
+    def _create(self, hello: m.TrainerHello) -> bool:
+        world_size, hosts = self._world()
+        if world_size < 1:
+            log.warning("a TrainerHello from rank %d arrived before the world formed; ignoring it", hello.rank)
+            return False
+        self.coordinator = Coordinator(
+            CoordinatorConfig(
+                run_id=self._run_id,
+                world_size=world_size,
+                hosts=dict(hosts),
+                hello_timeout=self._hello_timeout,
+                reduce_stall=self._reduce_stall,
+                timeout_scale=self._scale,
+                reference=self._reference,
+            ),
+            now=self._clock(),
+        )
+        return True
+
+    def _handle(self, event: Event) -> None:
+        coordinator = self.coordinator
+        assert coordinator is not None
+        actions = coordinator.handle(event, self._clock())
+        needs_reducer = coordinator.spec is not None and self.reducer is None and coordinator.phase is not CoordPhase.FAILED
+        if needs_reducer and not self._start_reducer(coordinator):
+            return
+        for action in actions:
+            self._carry_out(action)
+        self._on_change()
+
+    def _start_reducer(self, coordinator: Coordinator) -> bool:
+        spec, hello = coordinator.spec, coordinator.reference
+        assert spec is not None
+        assert hello is not None
+        try:
+            self.reducer = self._round_runner(spec, ModelSchema.from_wire(hello.model), hello.digest)
+        except FlodlError as exc:
+            self._conclude(TrainingOutcome(ok=False, reason=str(exc), code=1))
+            return False
+        if self._serve_data is not None:
+            self._serve_data(self.reducer)
+        return True
+
+    def _carry_out(self, action: Action) -> None:
+        if isinstance(action, Send):
+            self._send(action.message)
+        elif isinstance(action, StartRound):
+            if action.reducer:
+                reducer = self.reducer
+                assert reducer is not None
+                reducer.open_round(action.round, action.kind, action.expected, action.from_controller)
+                task = self._tg.create_task(self._await_round(reducer, action.round), name=f"training-round-{action.round}")
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+            self._send(action.message)
+        elif isinstance(action, DeclareDead):
+            if self.reducer is not None:
+                self.reducer.declare_dead(action.rank)
+            self._send(m.DeclareDead(dead_rank=action.rank, reason=action.reason))
+        elif isinstance(action, PublishEpoch):
+            self._publish(action.metrics)
+        elif isinstance(action, Log):
+            log.log(_LEVELS[action.level], "%s", action.text)
+        elif isinstance(action, Finish):
+            self._conclude(TrainingOutcome(ok=True, reason=action.reason, save_reason=action.save_reason))
+        elif isinstance(action, Fail):
+            self._conclude(
+                TrainingOutcome(ok=False, reason=action.reason, rank=action.rank, details=action.details, save_reason=action.save_reason, code=int(action.code))
+            )
+
+    def _conclude(self, outcome: TrainingOutcome) -> None:
+        if self._outcome is None:
+            self._outcome = outcome
+            self._on_outcome(outcome)
+
+    def _publish(self, metrics: EpochMetrics) -> None:
+        spec = self.coordinator.spec if self.coordinator is not None else None
+        self.epochs.append(metrics)
+        log.info("%s", metrics.summary(spec.epochs if spec is not None else 0, len(metrics.per_rank)))
+        if self._metrics_sink is not None:
+            self._metrics_sink(metrics)
+        self._send(m.EpochAggregated(metrics=metrics.to_wire()))
+
+    def _send(self, msg: Message) -> None:
+        rank = getattr(msg, "rank", -1)
+        links = list(self._relay_links) if rank == -1 else [lk for lk in (self._rank_links.get(rank),) if lk is not None]
+        for link in links:
+            with contextlib.suppress(ConnectionClosed):  # a link that just died: its handler reports it
+                link.send(msg)
+
+    async def _await_round(self, reducer: RoundRunner, round_: int) -> None:
+        result = await reducer.wait_round(round_)
+        if self.coordinator is not None:
+            self._handle(RoundCompleted(round=result.round, kind=result.kind, mass=result.mass, duration_ms=result.duration_ms))
+
+
+# ----- the launcher's side (trainlaunch: the user's script is the launcher) ---------------------------
+
+
+class TrainerAttachment:
+    """What :func:`attach` gives the launcher: the run's result once the controller returns."""
+
+    def __init__(self, controller: Controller) -> None:
+        self._controller = controller
+
+    def outcome(self) -> TrainingResult | None:
+        """The final consensus and counters (None when no Trainer rank said hello)."""
+        shell = self._controller.training
+        return None if shell is None else shell.result()
+
+
+def attach(controller: Controller, *, reference: TrainerSpec | None = None, on_epoch: Callable[[EpochMetrics], None] | None = None) -> TrainerAttachment:
+    """Before ``controller.run()``: the launcher's own spec is the reference every rank must match; epochs go to ``on_epoch``."""
+    controller.configure_training(reference=reference, metrics_sink=on_epoch)
+    return TrainerAttachment(controller)
+
+
+def request_stop(controller: Controller, reason: str = "shutdown requested") -> bool:
+    """An orderly stop of the training (a final round, then ``Shutdown``); False when nothing trains."""
+    return controller.stop_training(reason)

@@ -1,0 +1,144 @@
+"""A scripted driver for the pure coordinator: fake ranks that train their plans instantly on a fake clock."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from dataclasses import dataclass, field
+
+from flodl_async.coordinator import (
+    Action,
+    CollectiveDone,
+    Coordinator,
+    CoordinatorConfig,
+    Event,
+    Fail,
+    Finish,
+    PublishEpoch,
+    RoundCompleted,
+    Send,
+    StartRound,
+    TrainerJoined,
+    WindowReported,
+)
+from flodl_async.metrics import EpochMetrics
+from flodl_async.modelschema import ModelSchema
+from flodl_async.policy import Policy
+from flodl_async.trainspec import TrainerSpec, digest
+from flodl_async.wire import messages as m
+
+from .trainerwire import schema_wire
+
+
+def hello(rank: int, spec: TrainerSpec) -> m.TrainerHello:
+    """A rank's TrainerHello for ``spec`` (with its true digest)."""
+    wire = schema_wire()
+    return m.TrainerHello(rank=rank, spec=spec.to_wire(), digest=digest(spec, ModelSchema.from_wire(wire)), model=wire, model_bytes=36, device="cpu")
+
+
+@dataclass
+class Driver:
+    """Feeds a coordinator; ranks train each plan at ``ms_per_batch[r]`` and answer every round at once."""
+
+    spec: TrainerSpec
+    world: int = 2
+    ms_per_batch: tuple[float, ...] = ()
+    now: float = 100.0
+    coord: Coordinator = field(init=False)
+    actions: list[Action] = field(default_factory=list)
+    trained: dict[tuple[int, int], list[int]] = field(default_factory=lambda: collections.defaultdict(list))  # (epoch, rank) -> batches
+    epochs: list[EpochMetrics] = field(default_factory=list)
+    rounds: list[StartRound] = field(default_factory=list)
+    ended: Finish | Fail | None = None
+    pending: collections.deque[Event] = field(default_factory=collections.deque)
+    _sync: dict[int, tuple[int, int, int, int]] = field(default_factory=dict)  # rank -> (epoch, next batch, end, round)
+
+    def __post_init__(self) -> None:
+        if not self.ms_per_batch:
+            self.ms_per_batch = (1.0,) * self.world
+        self.coord = Coordinator(CoordinatorConfig(run_id="r", world_size=self.world, hosts={r: f"h{r % 2}" for r in range(self.world)}), now=self.now)
+
+    def feed(self, event: Event) -> list[Action]:
+        out = self.coord.handle(event, self.now)
+        self.now += 0.001
+        self.actions.extend(out)
+        for action in out:
+            self._react(action)
+        return out
+
+    def join_all(self) -> None:
+        for rank in range(self.world):
+            self.feed(TrainerJoined(hello=hello(rank, self.spec)))
+
+    def run(self, limit: int = 100_000) -> None:
+        self.join_all()
+        steps = 0
+        while self.pending and steps < limit:
+            self.feed(self.pending.popleft())
+            steps += 1
+
+    def _window(self, rank: int, round_: int, epoch: int, batches: list[int]) -> None:
+        self.trained[(epoch, rank)].extend(batches)
+        ms = self.ms_per_batch[rank] * len(batches)
+        self.pending.append(
+            WindowReported(
+                report=m.WindowDone(
+                    rank=rank,
+                    round=round_,
+                    epoch=epoch,
+                    batches=len(batches),
+                    samples=len(batches) * 4,
+                    compute_ms=ms,
+                    data_ms=0.0,
+                    loss_sum=0.5 * len(batches),
+                )
+            )
+        )
+
+    def _react(self, action: Action) -> None:
+        if isinstance(action, Send) and isinstance(action.message, m.Plan):
+            plan = action.message
+            batches = [b for first, n in plan.ranges for b in range(first, first + n)]
+            if self.spec.policy is Policy.SYNC:
+                first, n = plan.ranges[0] if plan.ranges else (0, 0)
+                self._sync[plan.rank] = (plan.epoch, first, first + n, plan.round)
+                self._sync_step(plan.rank)
+            else:
+                self._window(plan.rank, plan.round, plan.epoch, batches)
+        elif isinstance(action, StartRound):
+            self.rounds.append(action)
+            if action.reducer:
+                self.pending.append(RoundCompleted(round=action.round, kind=action.kind, mass=1.0, duration_ms=2.0))
+            else:
+                for rank in sorted(action.expected):
+                    self.pending.append(CollectiveDone(message=m.ReduceDone(rank=rank, round=action.round, mass=2.0, ms=2.0)))
+            if self.spec.policy is Policy.SYNC and action.kind == "model":
+                for rank in list(self._sync):
+                    epoch, at, end, _round = self._sync[rank]
+                    self._sync[rank] = (epoch, at, end, action.round + 1)
+                    self._sync_step(rank)
+        elif isinstance(action, PublishEpoch):
+            self.epochs.append(action.metrics)
+        elif isinstance(action, Finish | Fail):
+            self.ended = action
+
+    def _sync_step(self, rank: int) -> None:
+        """Lockstep SYNC: one batch of the slice per window, reported at once."""
+        epoch, at, end, round_ = self._sync[rank]
+        if at < end:
+            self._sync[rank] = (epoch, at + 1, end, round_)
+            self._window(rank, round_, epoch, [at])
+
+
+def plans(actions: list[Action]) -> list[m.Plan]:
+    """The plans among ``actions``."""
+    return [a.message for a in actions if isinstance(a, Send) and isinstance(a.message, m.Plan)]
+
+
+def sent(actions: list[Action], kind: type[m.Message]) -> list[m.Message]:
+    """The messages of type ``kind`` among ``actions``."""
+    return [a.message for a in actions if isinstance(a, Send) and isinstance(a.message, kind)]
+
+
+def replace_spec(spec: TrainerSpec, **changes: object) -> TrainerSpec:
+    return dataclasses.replace(spec, **changes)  # type: ignore[arg-type]
