@@ -40,6 +40,11 @@ translated at the boundary with ``raise ... from exc``.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .verdict import RunResult
+
 
 class FlodlError(Exception):
     """Root of every error flodl_async raises on purpose."""
@@ -221,3 +226,22 @@ class SecretFileError(ConfigError):
         self.problem = problem
         self.fix = fix
         super().__init__(f"{what} {path}: {problem} — {fix}")
+
+
+# ----- the Trainer ----------------------------------------------------------------------------
+
+
+class TrainingFailed(FlodlError):
+    """A Trainer run ended without a trained state: ``result`` is its verdict (exit code, reason, details)."""
+
+    def __init__(self, result: RunResult) -> None:
+        self.result = result
+        super().__init__(f"training failed: {result.reason}")
+
+
+class TrainingStopped(FlodlError):
+    """The coordinator ended the run on a failure (``Shutdown`` with a failure, ``TrainerReject``): this rank stops."""
+
+
+class CoordinatorLost(FlodlError):
+    """This rank lost its coordinator: the relay link closed, or nothing arrived within the heartbeat deadline."""

@@ -22,6 +22,7 @@ from .wire import messages as m
 from .wire.channels import Channel
 from .wire.frame import FrameLimits
 from .wire.keys import Credential
+from .wire.schema import Message
 
 
 class RankLink:
@@ -68,6 +69,18 @@ class RankLink:
             allocate=allocate,
             plain_payloads=True,
         )
+
+    def send(self, msg: Message) -> None:
+        """Send one control message up (the Trainer's link thread is the link's one user)."""
+        self._link.send(msg)
+
+    async def recv(self) -> Message:
+        """The next control message from the controller (one receiver at a time)."""
+        return await self._link.recv_message()
+
+    async def drain(self) -> None:
+        """Wait until what was sent is handed to the socket."""
+        await self._link.drain()
 
     async def heartbeat(self) -> float:
         """One heartbeat to the controller and back; returns the round trip in seconds."""

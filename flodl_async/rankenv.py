@@ -10,7 +10,7 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from .roles import LOCAL_RANK_VAR, RANK_VAR
+from .roles import AGENT_VAR, CONTROLLER_VAR, LOCAL_RANK_VAR, RANK_VAR
 
 #: The variables every rank gets from the launcher (design §5).
 TORCHRUN_CONTRACT = (
@@ -33,6 +33,8 @@ TORCHRUN_CONTRACT = (
     "TORCH_NCCL_ASYNC_ERROR_HANDLING",
 )
 RUN_ID_VAR = "FLODL_RUN_ID"
+#: Role variables of the launcher and agent processes, stripped from what ranks inherit.
+_NOT_INHERITED = frozenset({CONTROLLER_VAR, AGENT_VAR})
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -101,8 +103,10 @@ def rank_environment(
 
     Precedence, lowest first: the agent's own environment, the cluster file's ``env``,
     the host's ``env``, then the launcher's contract (which a cluster file cannot set).
+    A launcher's or agent's role variables are never inherited: a rank that saw them too would name
+    two roles and fail at dispatch (the script re-entering as a rank must not re-promote).
     """
-    env = dict(base)
+    env = {name: value for name, value in base.items() if name not in _NOT_INHERITED}
     env.update(cluster_env)
     env.update(host_env)
     p = placement

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -28,6 +29,12 @@ MODULES = [
     "flodl_async.outer",
     "flodl_async.net.bufpool",
     "flodl_async.controller",
+    # the Trainer API: building a Trainer (and the launcher role) needs no torch until a model is built
+    "flodl_async.trainer",
+    "flodl_async.trainer_roles",
+    "flodl_async.trainlaunch",
+    "flodl_async.ranktrainer",
+    "flodl_async.worker",
 ]
 
 
@@ -81,6 +88,7 @@ PURE_MODULES = [
     "flodl_async.modelschema",
     "flodl_async.outer",
     "flodl_async.foldmath",
+    "flodl_async.trainer_roles",
 ]
 
 
@@ -165,3 +173,16 @@ def test_agent_start_over_ssh_imports_only_what_the_join_needs() -> None:
     assert "flodl_async.net.framed" in modules  # the probe sees the join path's own imports
     offenders = [mod for mod in modules if any(mod == bad or mod.startswith(bad + ".") for bad in AGENT_START_FORBIDDEN)]
     assert offenders == []
+
+
+def test_building_a_trainer_and_its_spec_does_not_import_torch() -> None:
+    """Trainer(...) at import time is safe in every role: the launcher never builds the model."""
+    code = (
+        "import sys\nimport flodl_async as fa\n"
+        "t = fa.Trainer(model=lambda d: None, optimizer=lambda m: None, train_step=lambda m, b: None, dataset=[0] * 8, batch_size=2, epochs=1, "
+        "policy=fa.Policy.SYNC, outer=fa.SlowMo())\n"
+        "t.spec().to_wire()\nprint(t.entry.value, 'torch' in sys.modules)"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FLODL_INTERNAL_")} | {"CUDA_VISIBLE_DEVICES": ""}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60, env=env)
+    assert result.stdout.strip() == "inline False"

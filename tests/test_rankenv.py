@@ -59,3 +59,13 @@ def test_a_hosts_only_rank_keeps_every_core() -> None:
 def test_host_env_overrides_cluster_env_and_neither_overrides_the_contract() -> None:
     env = _env(cluster_env={"A": "cluster", "B": "cluster"}, host_env={"B": "host"})
     assert (env["A"], env["B"]) == ("cluster", "host")
+
+
+def test_a_launchers_or_agents_role_variables_never_reach_a_rank() -> None:
+    """A CONTROLLER-role launcher's ranks would otherwise see CONTROLLER+RANK and die at dispatch (spec §1.5)."""
+    base = {"PATH": "/bin", "FLODL_INTERNAL_CLUSTER_SPEC": "/x.yml", "FLODL_INTERNAL_AGENT_SPEC": "{}"}
+    args: dict[str, object] = {"error_file": "/tmp/e.json", "rank_spec": SPEC, "cluster_env": {}, "host_env": {}, "cuda_visible_devices": None}
+    env = rank_environment(base, PLACEMENT, **args)  # type: ignore[arg-type]
+    assert "FLODL_INTERNAL_CLUSTER_SPEC" not in env
+    assert "FLODL_INTERNAL_AGENT_SPEC" not in env
+    assert detect_role(env) is Role.RANK

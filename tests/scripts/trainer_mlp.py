@@ -1,0 +1,190 @@
+"""The e2e tests' one Trainer script: a small deterministic regression, run inline, as launcher or as a rank.
+
+    python trainer_mlp.py --out DIR [--policy sync|cadence|async] [--backend cpu|collective]
+                          [--outer avg|slowmo|diloco] [--epochs N] [--cluster FILE]
+                          [--slow-rank R --slow-ms MS] [--fail-rank R] [--cooperative]
+
+Each process writes its TrainedState to DIR/<entry>-<RANK>.pt (the launcher and the inline process
+as -1) with its epoch losses and its batch shares, and prints one `TRAINER-DONE` line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+import flodl_async as fa
+
+FEATURES = 8
+
+
+def dataset(n: int = 512) -> TensorDataset:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(n, FEATURES, generator=g)
+    w = torch.randn(FEATURES, 1, generator=g)
+    return TensorDataset(x, x @ w + 0.01 * torch.randn(n, 1, generator=g))
+
+
+def model(device: torch.device) -> nn.Module:
+    torch.manual_seed(1)  # every rank starts the same (the init round makes it so anyway)
+    return nn.Sequential(nn.Linear(FEATURES, 16), nn.ReLU(), nn.Linear(16, 1)).to(device)
+
+
+def optimizer(m: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.SGD(m.parameters(), lr=0.05)
+
+
+def adam(m: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.Adam(m.parameters(), lr=0.01)
+
+
+def mse(m: nn.Module, batch: list[torch.Tensor]) -> torch.Tensor:
+    x, y = batch
+    return nn.functional.mse_loss(m(x), y)
+
+
+POLICIES = {"sync": fa.Policy.SYNC, "cadence": fa.Policy.CADENCE, "async": fa.Policy.ASYNC}
+BACKENDS = {"cpu": fa.Backend.CPU, "collective": fa.Backend.COLLECTIVE}
+OUTERS = {"avg": fa.OuterAvg(), "slowmo": fa.SlowMo(lr=0.5, momentum=0.5), "diloco": fa.DiLoCo()}
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--policy", default="cadence", choices=POLICIES)
+    p.add_argument("--backend", default="cpu", choices=BACKENDS)
+    p.add_argument("--outer", default="avg", choices=OUTERS)
+    p.add_argument("--epochs", type=int, default=4)
+    p.add_argument("--cluster")
+    p.add_argument("--slow-rank", type=int, default=-2)
+    p.add_argument("--slow-ms", type=float, default=0.0)
+    p.add_argument("--fast-ms", type=float, default=0.0)
+    p.add_argument("--fail-rank", type=int, default=-2)
+    p.add_argument("--cooperative", action="store_true")
+    p.add_argument("--ticker", action="store_true", help="run another asyncio task next to the training")
+    p.add_argument("--anchor", type=int, default=None)
+    p.add_argument("--no-adapt", action="store_true")
+    return p.parse_args(argv)
+
+
+def build(args: argparse.Namespace) -> fa.Trainer:
+    rank = int(os.environ.get("RANK", "-1"))
+    sleep_s = (args.slow_ms if rank == args.slow_rank else args.fast_ms) / 1e3
+
+    def train_step(m: nn.Module, batch: list[torch.Tensor]) -> torch.Tensor:
+        if rank == args.fail_rank:
+            raise RuntimeError(f"rank {rank} fails on purpose")
+        if sleep_s:
+            time.sleep(sleep_s)  # models a slower device without CPU contention
+        return mse(m, batch)
+
+    elche = fa.ElCheConfig(anchor=args.anchor, adapt=not args.no_adapt)
+    return fa.Trainer(
+        model=model,
+        optimizer=adam if args.outer == "diloco" else optimizer,
+        train_step=train_step,
+        dataset=dataset(),
+        batch_size=32,
+        epochs=args.epochs,
+        policy=POLICIES[args.policy],
+        backend=BACKENDS[args.backend],
+        outer=OUTERS[args.outer],
+        elche=elche,
+        cluster=args.cluster,
+    )
+
+
+def save(args: argparse.Namespace, trainer: fa.Trainer, state: fa.TrainedState, losses: list[float], shares: list[list[float]]) -> None:
+    rank = int(os.environ.get("RANK", "-1"))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    entry = trainer.entry.value
+    torch.save(
+        {
+            "state": dict(state.state_dict),
+            "primary": state.primary,
+            "world_size": state.world_size,
+            "epochs_completed": state.epochs_completed,
+            "interrupted": state.interrupted,
+            "losses": losses,
+            "shares": shares,
+        },
+        out / f"{entry}-{rank}.pt",
+    )
+    print(
+        f"TRAINER-DONE entry={entry} rank={rank} primary={state.primary} world={state.world_size} epochs={state.epochs_completed} "
+        f"interrupted={state.interrupted}",
+        flush=True,
+    )
+
+
+async def managed(args: argparse.Namespace) -> None:
+    trainer = build(args)
+    ticks = 0
+    ticking = asyncio.Event()
+
+    async def ticker() -> None:
+        """Other work of the same program, on the same loop, while the run trains."""
+        nonlocal ticks
+        while True:
+            ticks += 1
+            ticking.set()
+            await asyncio.sleep(0.01)
+
+    if args.ticker:  # the plain form, `state = await trainer.run()`, inside a program doing other things
+        other = asyncio.create_task(ticker(), name="ticker")
+        await ticking.wait()
+        state = await trainer.run()
+        other.cancel()
+        print(f"TICKS {ticks}", flush=True)
+        save(args, trainer, state, [], [])
+        return
+    run = trainer.start()
+    losses: list[float] = []
+    shares: list[list[float]] = []
+    async for m in run.metrics():
+        losses.append(m.avg_loss)
+        shares.append([r.batch_share for r in m.per_rank])
+        if run.primary:
+            print(f"EPOCH {m.epoch} loss {m.avg_loss:.5f} shares {[round(s, 3) for s in shares[-1]]}", flush=True)
+    state = await run.join()
+    save(args, trainer, state, losses, shares)
+
+
+def cooperative(args: argparse.Namespace) -> None:
+    trainer = build(args)
+    losses: list[float] = []
+    shares: list[list[float]] = []
+    with trainer.worker() as w:
+        for _plan in w.plans():
+            for batch in w.batches():
+                if int(os.environ.get("RANK", "-1")) == args.fail_rank:
+                    raise RuntimeError(f"rank {args.fail_rank} fails on purpose in its own loop")
+                loss = mse(w.model, batch)
+                loss.backward()
+                if w.step(loss).shutdown:
+                    break
+            for m in w.poll_metrics():
+                losses.append(m.avg_loss)
+                shares.append([r.batch_share for r in m.per_rank])
+        state = w.finish()
+        for m in w.poll_metrics():
+            losses.append(m.avg_loss)
+            shares.append([r.batch_share for r in m.per_rank])
+    save(args, trainer, state, losses, shares)
+
+
+if __name__ == "__main__":
+    arguments = parse(sys.argv[1:])
+    if arguments.cooperative:
+        cooperative(arguments)
+    else:
+        asyncio.run(managed(arguments))

@@ -1,0 +1,266 @@
+"""The Trainer end to end: real processes, real torch, gloo on CPU, 2 ranks, one small deterministic model.
+
+Every run uses tests/scripts/trainer_mlp.py. Most run it as the launcher (``--cluster`` a one-host
+cluster file: this test's process runs the script, which re-executes itself as the ranks); a few run
+it under ``flodl-launch`` (the script is a rank there). Each process writes its TrainedState, epoch
+losses and batch shares to the output directory. Nothing of a run may survive it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from .launchkit import PY, Launcher, assert_nothing_left, free_port, new_run_id, processes_of_run, run_launch
+
+pytestmark = pytest.mark.e2e
+
+SCRIPT = str(Path(__file__).parent / "scripts" / "trainer_mlp.py")
+ENV = {"OMP_NUM_THREADS": "1"}
+
+
+def cluster_file(tmp_path: Path, ranks: int = 2) -> str:
+    path = tmp_path / "cluster.yml"
+    path.write_text(f"controller:\n  host: 127.0.0.1\n  port: {free_port()}\nworkers:\n  - host: {socket.gethostname()}\n    devices: cpu:{ranks}\n")
+    return str(path)
+
+
+def as_launcher(
+    tmp_path: Path, *args: str, run_id: str, timeout: float = 180, env: dict[str, str] | None = None, ranks: int = 2
+) -> subprocess.CompletedProcess[str]:
+    """Run the script with cluster= (the launcher role) to its end; nothing of the run may survive."""
+    cmd = [PY, SCRIPT, "--out", str(tmp_path / "out"), "--cluster", cluster_file(tmp_path, ranks), *args]
+    try:
+        full_env = {**os.environ, **ENV, "FLODL_RUN_ID": run_id, **(env or {})}
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env, check=False)
+    finally:
+        assert_nothing_left(run_id)
+
+
+def states(tmp_path: Path) -> dict[str, dict[str, Any]]:
+    return {p.stem: torch.load(p) for p in sorted((tmp_path / "out").glob("*.pt"))}
+
+
+def assert_identical(saved: dict[str, dict[str, Any]], names: set[str]) -> None:
+    assert set(saved) == names, saved.keys()
+    first = next(iter(saved.values()))["state"]
+    for name, doc in saved.items():
+        assert doc["state"].keys() == first.keys(), name
+        for key, tensor in first.items():
+            assert torch.equal(doc["state"][key], tensor), (name, key)
+    assert sum(doc["primary"] for doc in saved.values()) == 1  # exactly one primary per run
+
+
+def assert_converged(losses: list[float]) -> None:
+    assert losses[-1] < 0.05 * losses[0], losses
+
+
+ALL = {"launcher--1", "rank-0", "rank-1"}
+
+
+@pytest.mark.parametrize("policy", ["sync", "cadence", "async"])
+def test_cpu_policies_converge_and_every_process_ends_with_the_same_state(tmp_path: Path, policy: str) -> None:
+    done = as_launcher(tmp_path, "--policy", policy, "--epochs", "4", run_id=new_run_id())
+    assert done.returncode == 0, done.stderr
+    saved = states(tmp_path)
+    assert_identical(saved, ALL)
+    launcher = saved["launcher--1"]
+    assert launcher["primary"]
+    assert (launcher["world_size"], launcher["epochs_completed"], launcher["interrupted"]) == (2, 4, False)
+    assert_converged(launcher["losses"])
+    assert saved["rank-0"]["losses"] == launcher["losses"]  # ranks hear the same aggregated epochs
+
+
+def test_three_ranks_fold_on_one_host_and_agree(tmp_path: Path) -> None:
+    done = as_launcher(tmp_path, "--epochs", "4", run_id=new_run_id(), ranks=3)
+    assert done.returncode == 0, done.stderr
+    saved = states(tmp_path)
+    assert_identical(saved, {*ALL, "rank-2"})
+    assert saved["launcher--1"]["world_size"] == 3
+    assert_converged(saved["launcher--1"]["losses"])
+
+
+@pytest.mark.parametrize("outer", ["slowmo", "diloco"])
+def test_outer_optimizers_converge(tmp_path: Path, outer: str) -> None:
+    done = as_launcher(tmp_path, "--outer", outer, "--anchor", "2", "--epochs", "4", run_id=new_run_id())
+    assert done.returncode == 0, done.stderr
+    saved = states(tmp_path)
+    assert_identical(saved, ALL)
+    assert_converged(saved["launcher--1"]["losses"])
+
+
+def test_collective_cadence_with_the_launcher(tmp_path: Path) -> None:
+    done = as_launcher(tmp_path, "--backend", "collective", "--epochs", "4", run_id=new_run_id())
+    assert done.returncode == 0, done.stderr
+    saved = states(tmp_path)
+    assert_identical(saved, ALL)  # the launcher's state is the primary rank's upload
+    assert_converged(saved["launcher--1"]["losses"])
+
+
+def test_collective_sync_under_flodl_launch(tmp_path: Path) -> None:
+    """The same script, unchanged, as ranks of flodl-launch: the controller learns the Trainer from the hellos."""
+    run_id = new_run_id()
+    done = run_launch(
+        "--nproc", "2", "--devices", "cpu", "--port", "0", "--", PY, SCRIPT, "--out", str(tmp_path / "out"),
+        "--policy", "sync", "--backend", "collective", "--epochs", "4", run_id=run_id, env=ENV, timeout=180,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    saved = states(tmp_path)
+    assert_identical(saved, {"rank-0", "rank-1"})
+    assert saved["rank-0"]["primary"]
+    assert_converged(saved["rank-0"]["losses"])
+    assert "training complete: 4 epoch(s) on 2 rank(s)" in done.stderr
+    assert "epoch 4/4: loss" in done.stderr  # the controller's per-epoch line
+
+
+def test_a_3x_slower_rank_gets_a_proportional_share_under_cadence(tmp_path: Path) -> None:
+    """Sleep models a slower device without CPU contention; the timing ratio belongs to benchmarks/cadence.py."""
+    done = as_launcher(tmp_path, "--epochs", "4", "--fast-ms", "4", "--slow-ms", "12", "--slow-rank", "1", run_id=new_run_id())
+    assert done.returncode == 0, done.stderr
+    shares = states(tmp_path)["launcher--1"]["shares"]
+    later = [epoch[0] for epoch in shares[1:]]  # epoch 0 calibrates
+    assert all(0.6 <= share <= 0.85 for share in later), shares  # ideal 0.75: rank 0 does 3x the batches of rank 1
+
+
+def test_the_launcher_runs_on_the_callers_loop_next_to_other_tasks(tmp_path: Path) -> None:
+    done = as_launcher(tmp_path, "--epochs", "2", "--ticker", "--fast-ms", "2", run_id=new_run_id())
+    assert done.returncode == 0, done.stderr
+    ticks = [int(line.split()[1]) for line in done.stdout.splitlines() if line.startswith("TICKS")]
+    assert len(ticks) == 1  # the launcher's own line; ranks' lines carry a [host:rN] prefix
+    assert ticks[0] > 10  # the program's other task kept running while the launcher coordinated
+    assert_identical(states(tmp_path), ALL)
+
+
+# ----- failures: a verdict naming the rank, nothing left behind ------------------------------------
+
+
+def test_a_rank_that_raises_fails_the_run_naming_it(tmp_path: Path) -> None:
+    done = as_launcher(tmp_path, "--fail-rank", "1", run_id=new_run_id())
+    assert done.returncode != 0
+    assert "TrainingFailed" in done.stderr
+    assert "rank 1" in done.stderr
+    assert "fails on purpose" in done.stderr
+
+
+def _rank_pid(run_id: str, rank: int) -> int:
+    for pid in processes_of_run(run_id):
+        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        if f"RANK={rank}".encode() in environ and b"FLODL_INTERNAL_RANK_SPEC" in b"".join(environ):
+            return pid
+    raise AssertionError(f"no rank {rank} of run {run_id}")
+
+
+class ScriptLauncher(Launcher):
+    """The Trainer script as a background launcher (launchkit's reader, another command)."""
+
+    def __init__(self, tmp_path: Path, *args: str, run_id: str, env: dict[str, str] | None = None) -> None:
+        self.run_id = run_id
+        cmd = [PY, SCRIPT, "--out", str(tmp_path / "out"), "--cluster", cluster_file(tmp_path), *args]
+        full_env = {**os.environ, **ENV, "FLODL_RUN_ID": run_id, **(env or {})}
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1, env=full_env)
+        self.stdout_lines = []
+
+
+@pytest.mark.parametrize(("how", "named"), [("kill", "rank 1"), ("stop", "rank 1")])
+def test_a_killed_or_frozen_rank_ends_the_run_naming_it(tmp_path: Path, how: str, named: str) -> None:
+    run_id = new_run_id()
+    # A frozen rank is noticed by its silence: 30 s x 0.1 = 3 s without a frame.
+    env = {"FLODL_NET_TIMEOUT_SCALE": "0.1"} if how == "stop" else None
+    launcher = ScriptLauncher(tmp_path, "--epochs", "200", "--fast-ms", "3", run_id=run_id, env=env)
+    try:
+        launcher.wait_for_stdout("EPOCH 0", timeout=120)
+        os.kill(_rank_pid(run_id, 1), signal.SIGKILL if how == "kill" else signal.SIGSTOP)
+        done = launcher.finish(timeout=120)
+    finally:
+        launcher.kill()
+        assert_nothing_left(run_id)
+    assert done.returncode != 0
+    assert named in done.stderr
+    assert "TrainingFailed" in done.stderr
+    if how == "stop":
+        assert "heartbeat" in done.stderr or "nothing from" in done.stderr or "silent" in done.stderr, done.stderr
+
+
+# ----- stopping: in order, before any signal reaches a rank ------------------------------------------
+
+
+def test_a_launcher_sigterm_stops_in_order_and_returns_the_state_everywhere(tmp_path: Path) -> None:
+    run_id = new_run_id()
+    launcher = ScriptLauncher(tmp_path, "--epochs", "200", "--fast-ms", "3", run_id=run_id)
+    try:
+        launcher.wait_for_stdout("EPOCH 1", timeout=120)
+        launcher.proc.send_signal(signal.SIGTERM)
+        done = launcher.finish(timeout=120)
+    finally:
+        launcher.kill()
+        assert_nothing_left(run_id)
+    assert done.returncode == 0, done.stderr
+    assert "a final round, then shutdown" in done.stderr
+    assert "rank 0 on" in done.stderr
+    assert "exited with code 0" in done.stderr  # no signal reached a rank
+    saved = states(tmp_path)
+    assert_identical(saved, ALL)
+    assert all(doc["interrupted"] for doc in saved.values())
+    assert 2 <= saved["launcher--1"]["epochs_completed"] < 200
+
+
+def test_flodl_launch_sigint_stops_the_trainer_in_order(tmp_path: Path) -> None:
+    run_id = new_run_id()
+    cmd = ["--nproc", "2", "--devices", "cpu", "--port", "0", "--", PY, SCRIPT, "--out", str(tmp_path / "out"), "--epochs", "200", "--fast-ms", "3"]
+    launcher = Launcher(*cmd, run_id=run_id, env=ENV)
+    try:
+        launcher.wait_for_stdout("EPOCH 1", timeout=120)
+        launcher.proc.send_signal(signal.SIGINT)
+        done = launcher.finish(timeout=120)
+    finally:
+        launcher.kill()
+    assert done.returncode == 130, done.stderr
+    assert "stopping training in order on SIGINT" in done.stderr
+    # The ranks got no signal: they finished run() with the state and reached the end of the script.
+    assert done.stdout.count("interrupted=True") == 2, done.stdout
+    saved = states(tmp_path)
+    assert_identical(saved, {"rank-0", "rank-1"})
+    assert all(doc["interrupted"] for doc in saved.values())
+
+
+def test_the_cooperative_worker_under_flodl_launch(tmp_path: Path) -> None:
+    run_id = new_run_id()
+    done = run_launch(
+        "--nproc", "2", "--devices", "cpu", "--port", "0", "--", PY, SCRIPT, "--out", str(tmp_path / "out"), "--cooperative", "--epochs", "4",
+        run_id=run_id, env=ENV, timeout=180,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    saved = states(tmp_path)
+    assert_identical(saved, {"rank-0", "rank-1"})
+    assert_converged(saved["rank-0"]["losses"])
+
+
+
+def test_the_cooperative_worker_as_the_launcher_runs_the_launch_and_exits(tmp_path: Path) -> None:
+    """The launcher has no cooperative loop to hand back (spec §1.6): trainer.worker() launches, reports, exits."""
+    done = as_launcher(tmp_path, "--cooperative", "--epochs", "3", run_id=new_run_id())
+    assert done.returncode == 0, done.stderr
+    saved = states(tmp_path)
+    assert set(saved) == {"rank-0", "rank-1"}  # the launcher exited inside worker(): it saves nothing
+    for key, tensor in saved["rank-0"]["state"].items():
+        assert torch.equal(saved["rank-1"]["state"][key], tensor)
+    assert not saved["rank-0"]["primary"]  # the launcher was the primary
+
+
+def test_an_exception_in_a_cooperative_loop_is_a_death_record_naming_the_rank(tmp_path: Path) -> None:
+    run_id = new_run_id()
+    done = run_launch(
+        "--nproc", "2", "--devices", "cpu", "--port", "0", "--", PY, SCRIPT, "--out", str(tmp_path / "out"), "--cooperative", "--fail-rank", "1",
+        run_id=run_id, env=ENV, timeout=180,
+    )  # fmt: skip
+    assert done.returncode == 4, done.stderr
+    assert "rank 1" in done.stderr
+    assert "it raised" in done.stderr  # the rank's Exiting(error=...), not a heartbeat deadline
+    assert "fails on purpose in its own loop" in done.stderr

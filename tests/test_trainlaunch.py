@@ -1,0 +1,89 @@
+"""The launcher role's plan: flodl-launch's rules, this program as the ranks' command (no process started)."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import flodl_async as fa
+from flodl_async.cluster import ClusterSpec, ControllerSpec, DeviceSpec, WorkerSpec
+from flodl_async.devices import parse_devices
+from flodl_async.errors import ConfigError
+from flodl_async.plan import Placement
+from flodl_async.ranktrainer import LAUNCHER_PRIMARY_VAR
+from flodl_async.trainlaunch import cluster_of, launch_plan
+
+
+def trainer(**kw: Any) -> fa.Trainer:
+    args: dict[str, Any] = {
+        "model": lambda d: None,
+        "optimizer": lambda m: None,
+        "train_step": lambda m, b: None,
+        "dataset": [0] * 8,
+        "batch_size": 2,
+        "epochs": 1,
+    }
+    args.update(kw)
+    return fa.Trainer(**args)
+
+
+def test_a_cluster_file_becomes_a_local_plan_that_re_runs_this_program(tmp_path: Path) -> None:
+    path = tmp_path / "c.yml"
+    path.write_text(f"controller:\n  host: 127.0.0.1\n  port: 4242\nworkers:\n  - host: {socket.gethostname()}\n    devices: cpu:3\n")
+    t = trainer(cluster=str(path))
+    plan = launch_plan(t, cluster_of(t, {}), argv=["python", "train.py", "--lr", "1"], executable="/py", run_id="r1")
+    assert plan.command == ("/py", "train.py", "--lr", "1")
+    assert plan.port == 4242
+    assert plan.run_id == "r1"
+    assert [w.placement for w in plan.workers] == [Placement.LOCAL]
+    assert plan.cluster_env[LAUNCHER_PRIMARY_VAR] == "1"  # the launcher is the primary, no rank is
+    assert plan.join.min_rank_start == 3
+
+
+def test_rank_command_wins_and_a_program_from_dash_c_is_refused() -> None:
+    spec = ClusterSpec(controller=ControllerSpec(port=1), workers=(WorkerSpec(host=socket.gethostname(), devices=parse_devices("cpu:2")),))
+    given = launch_plan(trainer(rank_command=["/py", "-m", "app.rank"]), spec, argv=["python", "-c", "x"], executable="/py")
+    assert given.command == ("/py", "-m", "app.rank")
+    with pytest.raises(ConfigError, match="rank_command"):
+        launch_plan(trainer(), spec, argv=["python", "-c", "x"], executable="/py")
+
+
+def test_auto_promote_spans_the_visible_gpus_and_says_so_when_it_cannot(tmp_path: Path) -> None:
+    for i in range(4):
+        (tmp_path / f"nvidia{i}").touch()  # a host with four GPUs, of which the mask shows two
+    spec = cluster_of(trainer(), {"CUDA_VISIBLE_DEVICES": "2,3", "FLODL_INTERNAL_DEV_DIR": str(tmp_path)})
+    (worker,) = spec.workers
+    assert worker.devices == DeviceSpec.gpus((0, 1))
+    with pytest.raises(ConfigError, match="auto-promote multi-GPU failed"):
+        cluster_of(trainer(), {"CUDA_VISIBLE_DEVICES": "0", "FLODL_INTERNAL_DEV_DIR": str(tmp_path)})
+
+
+def test_tunnel_workers_need_the_cpu_backend() -> None:
+    worker = WorkerSpec(host="far", devices=parse_devices("cpu:1"), tunnel=True)
+    spec = ClusterSpec(controller=ControllerSpec(port=1), workers=(worker,), trainer="cpu", source="c.yml")
+    t = trainer(backend=fa.Backend.COLLECTIVE, policy=fa.Policy.SYNC)
+    with pytest.raises(ConfigError, match="tunnel: true"):
+        launch_plan(t, spec, argv=["python", "t.py"], executable="/py")
+
+
+def _gate(env: dict[str, str]) -> Any:
+    import os
+    import subprocess
+    import sys
+
+    code = "import flodl_async as fa\nfa.exit_if_worker_role()\nprint('passed through')"
+    base = {k: v for k, v in os.environ.items() if not k.startswith("FLODL_INTERNAL_")}
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env={**base, **env}, check=False)
+
+
+def test_exit_if_worker_role_passes_through_outside_an_agent_and_runs_the_agent_inside() -> None:
+    assert _gate({}).stdout.strip() == "passed through"
+    bad = _gate({"FLODL_INTERNAL_AGENT_SPEC": "not json"})
+    assert bad.returncode == 2
+    assert "JSON list" in bad.stderr
+    agent = _gate({"FLODL_INTERNAL_AGENT_SPEC": '["--help"]'})  # the agent ran (its --help) and the script never went on
+    assert "flodl-agent" in agent.stdout
+    assert "passed through" not in agent.stdout
