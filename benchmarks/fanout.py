@@ -5,6 +5,9 @@ network + UTS namespaces, a real sshd each). For each K, the baseline runs the O
 ``ssh host true`` to all K hosts in parallel (connect, key exchange, login, run, exit); the
 measured time is from starting ``flodl-launch cluster.yml`` (one cpu rank per host) to its
 "world formed" line: every ssh connection, every agent's start-up and hello, every join.
+A second launch per cell runs a gloo script instead of ``python -c pass`` and measures command →
+every rank past its first all_reduce (its marker line seen on the launcher's stdout): that adds
+each rank's ``import torch`` and the rendezvous, all on the same cores (no goal, just reported).
 Each cell is the median of ``--repeats`` runs. Run: ``sudo python benchmarks/fanout.py``.
 """
 
@@ -35,32 +38,57 @@ def ssh_true(kit: HostKit, hosts: list[NsHost]) -> float:
     return elapsed
 
 
-def to_world_formed(kit: HostKit, hosts: list[NsHost], work: Path) -> float:
+ALL_REDUCE_MARKER = "flodl-bench-past-all-reduce"
+ALL_REDUCE_SCRIPT = f"""\
+import torch
+import torch.distributed as dist
+dist.init_process_group("gloo")
+t = torch.ones(1)
+dist.all_reduce(t)
+print("{ALL_REDUCE_MARKER}", int(t.item()), flush=True)
+dist.destroy_process_group()
+"""
+
+
+def launch(kit: HostKit, hosts: list[NsHost], work: Path, *, all_reduce: bool) -> float:
+    """Seconds from the command to "world formed" or, with ``all_reduce``, to every rank's marker line."""
     wrapper = work / "python3"
     wrapper.write_text(f'#!/bin/sh\nexport PYTHONPATH={ROOT}\nexec {sys.executable} "$@"\n')
     wrapper.chmod(0o700)
+    script = work / "allreduce.py"
+    script.write_text(ALL_REDUCE_SCRIPT)
     lines = [f"controller: {{host: 0.0.0.0, port: {free_port()}}}", "workers:"]
     for h in hosts:
         ssh = {"target": h.addr, "user": "root", "identity_file": str(kit.user_key), "known_hosts": str(kit.known_hosts)}
         lines += [f"  - host: {h.name}", "    devices: cpu:1", f"    python: {wrapper}", f"    ssh: {json.dumps(ssh)}"]
     cluster = work / "cluster.yml"
     cluster.write_text("\n".join(lines) + "\n")
+    command = [sys.executable, str(script)] if all_reduce else [sys.executable, "-c", "pass"]
     start = time.perf_counter()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "flodl_async.launch", str(cluster), "--", sys.executable, "-c", "pass"],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
+        [sys.executable, "-m", "flodl_async.launch", str(cluster), "--", *command],
+        stdout=subprocess.PIPE if all_reduce else subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL if all_reduce else subprocess.PIPE,
         text=True,
         cwd=ROOT,
     )
-    assert proc.stderr is not None
-    formed: float | None = None
-    for line in proc.stderr:
-        if formed is None and "world formed" in line:
-            formed = time.perf_counter() - start
+    stream = proc.stdout if all_reduce else proc.stderr
+    assert stream is not None
+    reached: float | None = None
+    seen = 0
+    for line in stream:
+        if reached is not None:
+            continue  # read on to the end: a launcher whose output nobody reads would stall
+        if all_reduce and ALL_REDUCE_MARKER in line:
+            assert line.split()[-1] == str(len(hosts)), line  # the all_reduce really summed every rank
+            seen += 1
+            if seen == len(hosts):
+                reached = time.perf_counter() - start
+        elif not all_reduce and "world formed" in line:
+            reached = time.perf_counter() - start
     code = proc.wait(timeout=120)
-    assert code == 0 and formed is not None, f"flodl-launch exited {code} (world formed: {formed})"
-    return formed
+    assert code == 0 and reached is not None, f"flodl-launch exited {code} (reached: {reached})"
+    return reached
 
 
 def main() -> int:
@@ -75,13 +103,20 @@ def main() -> int:
     ks = [int(k) for k in args.hosts.split(",")]
     kit = HostKit.create(max(ks))
     try:
-        print(f"{'K':>3} {'ssh host true (s)':>18} {'flodl world formed (s)':>23} {'ratio':>6}")
+        print(f"{'K':>3} {'ssh host true (s)':>18} {'flodl world formed (s)':>23} {'ratio':>6} {'past 1st all_reduce (s)':>24}")
+        formed_at: dict[int, float] = {}
         for k in ks:
             hosts = kit.hosts[:k]
             base = statistics.median(ssh_true(kit, hosts) for _ in range(args.repeats))
             with tempfile.TemporaryDirectory() as work:
-                ours = statistics.median(to_world_formed(kit, hosts, Path(work)) for _ in range(args.repeats))
-            print(f"{k:>3} {base:>18.3f} {ours:>23.3f} {ours / base:>6.1f}", flush=True)
+                ours = statistics.median(launch(kit, hosts, Path(work), all_reduce=False) for _ in range(args.repeats))
+                reduced = statistics.median(launch(kit, hosts, Path(work), all_reduce=True) for _ in range(args.repeats))
+            formed_at[k] = ours
+            print(f"{k:>3} {base:>18.3f} {ours:>23.3f} {ours / base:>6.1f} {reduced:>24.3f}", flush=True)
+        if 1 in formed_at and len(formed_at) > 1:
+            top = max(formed_at)
+            ratio = formed_at[top] / formed_at[1]
+            print(f"world formed on {top} hosts / on 1 host: {ratio:.2f}x (goal <= 1.5x: {'met' if ratio <= 1.5 else 'NOT met'})")
     finally:
         kit.close()
     return 0

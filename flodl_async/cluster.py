@@ -99,18 +99,28 @@ class JoinKnobs:
     max_join_timeout: float | None = None
     open_admission: bool = False
 
-    def resolve(self, capacity: int, *, scale: float = 1.0) -> JoinConfig:
-        """Seed defaults: quorum and target default to the configured capacity; the cap covers the window."""
+    def resolve(self, capacity: int, *, scale: float = 1.0, reported_hosts: frozenset[str] = frozenset()) -> JoinConfig:
+        """Seed defaults: quorum and target default to the configured capacity; the cap covers the window.
+
+        ``reported_hosts`` are planned hosts whose capacity only their agent knows (a remote
+        ``devices: all``): not in ``capacity``, a defaulted quorum or target adds what each reports at join.
+        """
         join_timeout = self.join_timeout if self.join_timeout is not None else DEFAULT_JOIN_TIMEOUT
         max_join = self.max_join_timeout if self.max_join_timeout is not None else max(DEFAULT_MAX_JOIN_TIMEOUT, join_timeout)
-        min_start = self.min_rank_start if self.min_rank_start is not None else max(capacity, 1)
-        target = self.target_ranks if self.target_ranks is not None else max(capacity, min_start)
+        floor = 0 if reported_hosts else 1  # with a host still to report, capacity may be that host's alone
+        min_start = self.min_rank_start if self.min_rank_start is not None else max(capacity, floor)
+        quorum_reported = reported_hosts if self.min_rank_start is None else frozenset()
+        target_reported = reported_hosts if self.target_ranks is None else frozenset()
+        # A reported target is never below the quorum either: the window takes the larger (JoinWindow.target).
+        target = self.target_ranks if self.target_ranks is not None else capacity if target_reported else max(capacity, min_start)
         return JoinConfig(
             min_rank_start=min_start,
             join_timeout=join_timeout * scale,
             target_ranks=target,
             max_join_timeout=max_join * scale,
             open_admission=self.open_admission,
+            quorum_reported=quorum_reported,
+            target_reported=target_reported,
         )
 
 

@@ -39,6 +39,7 @@ from .cluster import (
     is_local_host,
     load_cluster,
 )
+from .console import ConsoleWriter
 from .controller import Controller
 from .controllers import Registration, register
 from .deadlines import DEFAULT_STOP_GRACE, Deadlines
@@ -251,8 +252,10 @@ def build_plan(args: _Args) -> LaunchPlan:
         assert args.cluster is not None
         spec = load_cluster(args.cluster, local_names=aliases.names)
     local = aliases.names
-    capacity = sum(w.devices.known_count if w.devices.known_count is not None else gpu_count for w in spec.workers)
-    join = spec.controller.join.resolve(capacity, scale=deadlines.scale)
+    # `devices: all` counts this machine's GPUs only on this machine; another host's agent reports its own at join.
+    reported = frozenset(w.host for w in spec.workers if w.devices.known_count is None and placement_of(w, local) is not Placement.LOCAL)
+    capacity = sum(w.devices.known_count if w.devices.known_count is not None else 0 if w.host in reported else gpu_count for w in spec.workers)
+    join = spec.controller.join.resolve(capacity, scale=deadlines.scale, reported_hosts=reported)
     secret = _session_secret(args.secret_file)
     token = _cluster_token(args.token_file, spec)
     return LaunchPlan(
@@ -367,7 +370,12 @@ async def _bind(plan: LaunchPlan, output: RankOutput, *, port_fallback: bool) ->
 
 
 async def _run(plan: LaunchPlan, *, show_ranks: frozenset[int] | None = None, port_fallback: bool = False) -> RunResult:
-    output = RankOutput(stdout=sys.stdout.buffer, stderr=sys.stderr.buffer, log_dir=plan.log_dir, run_id=plan.run_id, show_ranks=show_ranks)
+    # Rank output goes through writer threads: a console nobody reads must not stall the loop (heartbeats, status).
+    consoles = (ConsoleWriter(sys.stdout.buffer, name="stdout"), ConsoleWriter(sys.stderr.buffer, name="stderr"))
+    # Our own log lines go through the same stderr writer: in order with the ranks' stderr, and never blocking either.
+    handlers = [h for h in logging.getLogger("flodl_async").handlers if isinstance(h, logging.StreamHandler)]
+    previous = [h.setStream(consoles[1].text()) for h in handlers]
+    output = RankOutput(stdout=consoles[0], stderr=consoles[1], log_dir=plan.log_dir, run_id=plan.run_id, show_ranks=show_ranks)
     controller: Controller | None = None
     registration: Registration | None = None
     try:
@@ -391,6 +399,11 @@ async def _run(plan: LaunchPlan, *, show_ranks: frozenset[int] | None = None, po
         if controller is not None:
             await controller.aclose()
         output.close()
+        for console in consoles:  # every byte still queued is written out (off the loop) before the exit code
+            await asyncio.to_thread(console.close)
+        for handler, stream in zip(handlers, previous, strict=True):
+            if stream is not None:
+                handler.setStream(stream)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -10,6 +10,25 @@ two instants and answers questions about them, with ``now`` passed in; the shell
 shell that wakes more than one interval late was itself frozen; it excuses every
 peer (:meth:`Liveness.excused`) rather than accuse a host that could not be
 heard by a process that was not running.
+
+What is covered, link by link (defaults: ``interval`` 2 s, ``silence`` 10 s, both scaled by
+``FLODL_NET_TIMEOUT_SCALE``):
+
+- **Join link** (agent ↔ controller): heartbeats both ways. The controller loses a silent host
+  by name (exit 4 mid-run); the agent stops its ranks when the controller is silent.
+- **Relay upstream control link** (one per host, the relay ↔ controller): the relay beats
+  (``Heartbeat(relay=True)`` naming one of its host's ranks) and the controller echoes. A
+  controller silent there ends the agent's session like a silent join link (the relay's
+  ``on_upstream_lost``); a relay silent there loses its host at the controller, by name —
+  unless the host is silent on its join link too, which then names it with the join link's
+  reason. Any loss of a host (either link, or its agent failing) makes the controller abort
+  that host's control links at once.
+- **Relay data upstream link**: no heartbeats of its own; it is closed with its session (which
+  ends with the join link's or the control link's liveness) and at the controller's teardown.
+- **Ranks' links to their relay** (unix sockets on the same host): none; a rank that dies
+  closes its socket, and the agent watches its rank processes directly.
+- **The store's connections** (torch's protocol, no frames of ours): none; they are closed
+  between rounds and at the end of the run.
 """
 
 from __future__ import annotations

@@ -15,6 +15,12 @@ seed's:
 
 An agent that dies before formation fails the window at once, naming the host.
 
+A planned host whose capacity is not known before it joins (``devices: all`` on a
+host that is not the controller's: its GPUs are counted by its own agent) adds what
+its agent reports to a quorum or target that was left to default to the capacity
+(``quorum_reported`` / ``target_reported``): until that host has joined, such a
+threshold is not known, so it is not met.
+
 Admission refuses, with a reason that goes back to the agent: a window that is
 no longer open, an empty host name, an agent of another flodl_async version or
 wire protocol version (mixed versions would fail later and obscurely, inside
@@ -50,11 +56,15 @@ class JoinConfig:
     max_join_timeout: float
     open_admission: bool = False
     max_rejected_joins: int = MAX_REJECTED_JOINS
+    #: Hosts whose reported rank count adds to ``min_rank_start`` (a defaulted quorum: capacity known only at their join).
+    quorum_reported: frozenset[str] = frozenset()
+    #: Likewise for ``target_ranks``.
+    target_reported: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:
-        if self.min_rank_start < 1:
+        if self.min_rank_start < (0 if self.quorum_reported else 1):
             raise ValueError("min_rank_start must be at least 1")
-        if self.target_ranks is not None and self.target_ranks < self.min_rank_start:
+        if self.target_ranks is not None and self.target_ranks < self.min_rank_start and not self.target_reported:
             raise ValueError("target_ranks must be at least min_rank_start")
         if self.max_join_timeout < self.join_timeout:
             raise ValueError("max_join_timeout must be at least join_timeout")
@@ -161,6 +171,40 @@ class JoinWindow:
         """How many joins were refused."""
         return self._rejected
 
+    def _threshold(self, base: int, reported: frozenset[str]) -> int | None:
+        """``base`` plus what each host of ``reported`` brought at its join; None while one of them is still out."""
+        if not reported:
+            return base
+        brought = {member.host: len(member.ranks) for member in self._members}
+        if not reported <= brought.keys():
+            return None
+        return base + sum(brought[host] for host in reported)
+
+    @property
+    def quorum(self) -> int | None:
+        """The quorum in ranks; None while a host whose capacity comes at its join has not joined."""
+        return self._threshold(self.config.min_rank_start, self.config.quorum_reported)
+
+    @property
+    def target(self) -> int | None:
+        """The target in ranks; None when there is none, or while it waits on a host's report."""
+        cfg = self.config
+        if cfg.target_ranks is None:
+            return None
+        target = self._threshold(cfg.target_ranks, cfg.target_reported)
+        if target is None or not cfg.target_reported:
+            return target
+        quorum = self.quorum  # a defaulted target never forms a world below the quorum
+        return None if quorum is None else max(target, quorum)
+
+    def describe_target(self) -> str:
+        """The target for messages: ``8``, ``none``, or ``2 + what gpu-b reports`` while that is still unknown."""
+        cfg = self.config
+        if cfg.target_ranks is None:
+            return "none"
+        target = self.target
+        return str(target) if target is not None else describe_threshold(cfg.target_ranks, cfg.target_reported)
+
     def request_join(self, *, host: str, devices: tuple[str, ...], now: float, agent_version: str, protocol_version: int) -> Admitted | Rejected:
         """Admit or refuse one agent.
 
@@ -257,16 +301,18 @@ class JoinWindow:
         cfg = self.config
         elapsed = now - self.opened_at
         joined = self._next_rank
-        if cfg.target_ranks is not None and joined >= cfg.target_ranks:
+        target, quorum = self.target, self.quorum
+        if target is not None and joined >= target:
             return self._form("target ranks reached", elapsed)
         if elapsed < cfg.join_timeout:
             return None
-        if joined >= cfg.min_rank_start:
-            return self._form(self._quorum_reason(), elapsed)
+        if quorum is not None and joined >= quorum:
+            return self._form(self._quorum_reason(quorum), elapsed)
         if elapsed < cfg.max_join_timeout:
             return None
+        needed = str(quorum) if quorum is not None else describe_threshold(cfg.min_rank_start, cfg.quorum_reported)
         self._fail(
-            f"quorum not met: {joined}/{cfg.min_rank_start} ranks joined "
+            f"quorum not met: {joined}/{needed} ranks joined "
             f"({', '.join(m.host for m in self._members) or 'no host'}) within the join window of "
             f"{cfg.join_timeout:g}s and the max_join_timeout hard cap of {cfg.max_join_timeout:g}s"
         )
@@ -278,11 +324,11 @@ class JoinWindow:
         self._verdict = verdict
         return verdict
 
-    def _quorum_reason(self) -> str:
+    def _quorum_reason(self, quorum: int) -> str:
         count = 0
         for member in self._members:
             count += len(member.ranks)
-            if count >= self.config.min_rank_start:
+            if count >= quorum:
                 if member.joined_at <= self.opened_at + self.config.join_timeout:
                     return "join window closed with quorum"
                 break
@@ -296,3 +342,11 @@ class JoinWindow:
         # Before the window ends only its end matters; after it a quorum forms on the join
         # itself, so only the hard cap remains.
         return window_end if now < window_end else self.opened_at + self.config.max_join_timeout
+
+
+def describe_threshold(base: int, reported: frozenset[str]) -> str:
+    """``base`` plus the hosts that report their capacity at join, for messages: ``2 + what gpu-a, gpu-b report``."""
+    if not reported:
+        return str(base)
+    hosts = ", ".join(sorted(reported))
+    return f"what {hosts} report" if base == 0 else f"{base} + what {hosts} report"

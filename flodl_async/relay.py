@@ -56,6 +56,7 @@ from typing import TypeVar
 
 from .deadlines import Deadlines
 from .errors import ConnectionClosed, HandshakeRefused, WireError
+from .liveness import Liveness
 from .net.framed import FramedProtocol, open_framed
 from .net.service import FramedService
 from .reducer import local_reducer
@@ -157,9 +158,16 @@ class Relay:
         task_group: asyncio.TaskGroup,
         deadlines: Deadlines,
         host: str = "",
+        on_upstream_lost: Callable[[str], None] | None = None,
     ) -> None:
-        """``host`` names this host in its data connection's hello (the controller's log lines)."""
+        """``host`` names this host in its data connection's hello (the controller's log lines).
+
+        ``on_upstream_lost(reason)``: the upstream control link went silent past the heartbeat deadline.
+        """
         self._deadlines = deadlines
+        self._on_upstream_lost = on_upstream_lost
+        self._upstream_live: Liveness | None = None
+        self._beats: asyncio.Task[None] | None = None
         self.socket_path = socket_path
         self.data_socket_path = data_socket_path
         self._secret = secret
@@ -194,6 +202,8 @@ class Relay:
                 *self._controller, channel=Channel.CONTROL, credential=Credential.session(self._secret), expect_run_id=self._run_id
             )
         self._tg.create_task(self._pump_down(self._upstream), name="relay-down")
+        if self._host_ranks:
+            self._beats = self._tg.create_task(self._beat_upstream(self._upstream), name="relay-heartbeat")
         control = FramedService(channel=Channel.CONTROL, resolve=self._rank_key, run_id=self._run_id, handler=self._serve_rank, task_group=self._tg)
         data = FramedService(
             channel=Channel.DATA,
@@ -318,6 +328,10 @@ class Relay:
                 msg = await upstream.recv_message()
             except (ConnectionClosed, WireError):
                 return  # the controller went away; the session's join link reports it
+            if self._upstream_live is not None:
+                self._upstream_live = self._upstream_live.heard(asyncio.get_running_loop().time())
+            if isinstance(msg, m.Heartbeat) and msg.relay:
+                continue  # the echo of our own beat: heard, nothing to deliver
             rank = rank_of(msg)
             if isinstance(msg, m.DeclareDead):
                 self.declared_dead.add(msg.dead_rank)
@@ -344,6 +358,35 @@ class Relay:
                 link.send(msg)
                 self._delivered_down += 1
 
+    async def _beat_upstream(self, upstream: FramedProtocol) -> None:
+        """Heartbeats on the upstream control link, both ways, like the join link's (:mod:`flodl_async.liveness`).
+
+        Each beat names this host's first rank, which is how the controller knows whose link it is.
+        The controller echoes it; a controller silent on this link past ``heartbeat_silence`` is
+        reported to ``on_upstream_lost`` (the session then stops this host's ranks), and the beats stop.
+        """
+        loop = asyncio.get_running_loop()
+        d = self._deadlines
+        live = self._upstream_live = Liveness.start(loop.time(), interval=d.heartbeat_interval, silence=d.heartbeat_silence)
+        first_rank = min(self._host_ranks)
+        wake = loop.time()
+        while not upstream.is_closing:
+            now = loop.time()
+            live = self._upstream_live
+            if now - wake > d.heartbeat_interval:  # this process was frozen: the controller could not be heard
+                live = live.excused(now)
+            if live.expired(now):
+                if self._on_upstream_lost is not None:
+                    self._on_upstream_lost(f"the relay's upstream control link to the controller was silent for {d.heartbeat_silence:g}s")
+                return
+            if live.send_due(now):
+                with contextlib.suppress(ConnectionClosed):
+                    upstream.send(m.Heartbeat(sent_at=now, rank=first_rank, relay=True))
+                live = live.sent(now)
+            self._upstream_live = live
+            wake = live.next_deadline()
+            await asyncio.sleep(max(wake - loop.time(), 0.0))
+
     # ----- the data channel ---------------------------------------------------------------
 
     async def _dial_data(self) -> FramedProtocol:
@@ -365,6 +408,8 @@ class Relay:
 
     async def aclose(self) -> None:
         """Stop listening, close every rank link and the upstream connections."""
+        if self._beats is not None:
+            self._beats.cancel()  # it may be asleep until its next beat: the session's group must not wait for it
         for server in self._servers:
             server.close()
         for link in self._ranks.values():

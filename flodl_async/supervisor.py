@@ -415,11 +415,10 @@ class Supervisor:
                 member = outcome.member
                 reply = m.JoinAccept(ranks=member.ranks, run_id=self.config.run_id, formation_wait_s=window.config.max_join_timeout)
                 actions.append(AcceptJoin(host=member.host, reply=reply))
-                target = window.config.target_ranks
                 actions.append(
                     Announce(
                         text=f'host "{member.host}" joined with ranks {rank_ranges(member.ranks)} ({device_ranges(member.devices)}) — '
-                        f"{window.joined_ranks} rank(s) in, target {target if target is not None else 'none'}"
+                        f"{window.joined_ranks} rank(s) in, target {window.describe_target()}"
                     )
                 )
         elif isinstance(event, JoinUndelivered):

@@ -103,6 +103,78 @@ def test_pure_modules_import_neither_asyncio_nor_socket() -> None:
     assert offenders == []
 
 
+#: What an agent started over ssh must not import on its way to the join: each costs every host
+#: of a fan-out its own cold import on shared cores (ranks, the relay and the store come only once
+#: the world has formed; the controller, ssh, status pages and YAML never on an agent).
+AGENT_START_FORBIDDEN = (
+    "torch",
+    "asyncssh",
+    "yaml",
+    "http",
+    "cryptography.x509",
+    "cryptography.hazmat.primitives.asymmetric",
+    "flodl_async.controller",
+    "flodl_async.launch",
+    "flodl_async.cli",
+    "flodl_async.cluster",
+    "flodl_async.supervisor",
+    "flodl_async.membership",
+    "flodl_async.status",
+    "flodl_async.net.http",
+    "flodl_async.net.mux",
+    "flodl_async.net.service",
+    "flodl_async.net.tcpstore",
+    "flodl_async.net.portstore",
+    "flodl_async.relay",
+    "flodl_async.store",
+    "flodl_async.agent.ranks",
+    "flodl_async.agent.storehost",
+    "flodl_async.agent.daemon",
+)
+
+
+def test_agent_start_over_ssh_imports_only_what_the_join_needs() -> None:
+    """`python -m flodl_async.agent --spec-stdin` as the fan-out starts it, up to dialing the controller.
+
+    The spec names a port that refuses connections, so the agent goes through its whole start —
+    hello, spec, session config, runtime sweep, the dial — and exits 3; what it imported by then
+    is printed at exit.
+    """
+    import json
+    import socket
+
+    with socket.socket() as closed:  # bound, never listening: a connect there is refused at once
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+        spec = {
+            "controller_host": "127.0.0.1",
+            "controller_port": port,
+            "secret": "00" * 16,
+            "host": "hygiene",
+            "devices": "cpu:1",
+            "run_id": "hygiene",
+            "env": {},
+            "workdir": None,
+            "timeout_scale": 1.0,
+            "stop_grace": 1.0,
+        }
+        code = (
+            "import atexit, runpy, sys\n"
+            "atexit.register(lambda: print('MODULES', ' '.join(sorted(sys.modules)), file=sys.stderr))\n"
+            "sys.argv = ['flodl-agent', '--spec-stdin']\n"
+            "runpy.run_module('flodl_async.agent', run_name='__main__', alter_sys=True)\n"
+        )
+        result = subprocess.run(
+            [sys.executable, "-c", code], check=False, input=json.dumps(spec) + "\n", capture_output=True, text=True, timeout=60
+        )
+    assert result.returncode == 3, result.stderr
+    assert "cannot reach the controller" in result.stderr  # it got as far as the dial
+    modules = next(line for line in result.stderr.splitlines() if line.startswith("MODULES ")).split()[1:]
+    assert "flodl_async.net.framed" in modules  # the probe sees the join path's own imports
+    offenders = [mod for mod in modules if any(mod == bad or mod.startswith(bad + ".") for bad in AGENT_START_FORBIDDEN)]
+    assert offenders == []
+
+
 def test_building_a_trainer_and_its_spec_does_not_import_torch() -> None:
     """Trainer(...) at import time is safe in every role: the launcher never builds the model."""
     code = (

@@ -39,10 +39,18 @@ class FakeController:
     up: asyncio.Queue[Message] = field(default_factory=asyncio.Queue)
     links: list[FramedProtocol] = field(default_factory=list)
 
+    relay_beats: int = 0
+    echo_relay_beats: bool = True
+
     async def handle(self, link: FramedProtocol) -> None:
         self.links.append(link)
         while True:
             msg = await link.recv_message()
+            if isinstance(msg, m.Heartbeat) and msg.relay:  # the relay's own liveness, kept apart from what ranks send
+                self.relay_beats += 1
+                if self.echo_relay_beats:
+                    link.send(m.Heartbeat(sent_at=msg.sent_at, rank=msg.rank, relay=True))
+                continue
             await self.up.put(msg)
             if isinstance(msg, m.RankHello):
                 link.send(m.RankWelcome(rank=msg.rank, run_id="run"))

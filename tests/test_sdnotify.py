@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from flodl_async.agent.lifecycle import Phase, SessionEvent
-from flodl_async.agent.systemd import apply_service_options, credential_path, notification_observer, rank_span, status_line, with_watchdog
+from flodl_async.agent.systemd import notification_observer, rank_span, status_line, with_watchdog
 from flodl_async.errors import ConfigError
 from flodl_async.runtime import runtime_root
 from flodl_async.sdnotify import MAX_STATUS_CHARS, Notifier, NotifyTarget, message, socket_address, watchdog_interval
@@ -222,42 +222,65 @@ async def test_with_watchdog_returns_the_result_and_raises_the_error_unwrapped()
         await with_watchdog(fails(), notifier)
 
 
-# ----- credentials -----------------------------------------------------------------------------------
+# ----- a persisting agent under Type=notify ------------------------------------------------------------
 
 
-def test_a_credential_name_resolves_against_credentials_directory(tmp_path: Path) -> None:
-    (tmp_path / "flodl-token").write_text("00" * 16)
-    assert credential_path("flodl-token", {"CREDENTIALS_DIRECTORY": str(tmp_path)}) == tmp_path / "flodl-token"
-    with pytest.raises(ConfigError, match=r"\$CREDENTIALS_DIRECTORY is not set; run under systemd with LoadCredential=flodl-token:PATH"):
-        credential_path("flodl-token", {})
-    with pytest.raises(ConfigError, match="no credential 'other' in"):
-        credential_path("other", {"CREDENTIALS_DIRECTORY": str(tmp_path)})
-    with pytest.raises(ConfigError, match="a plain file name"):
-        credential_path("../flodl-token", {"CREDENTIALS_DIRECTORY": str(tmp_path)})
+@pytest.mark.e2e
+def test_a_persisting_agent_is_ready_while_no_controller_answers(tmp_path: Path, receiver: Receiver) -> None:
+    """The unit's own command line (token from the credentials directory, --persist) with nobody at the controller's port.
+
+    READY=1 must come at start, saying whom it waits for, not once a controller answers: under
+    Type=notify a unit whose controller is down would otherwise hit its start timeout while backing off.
+    """
+    from flodl_async.secretfile import create_token_file
+
+    port = free_port()  # nobody listens there for the whole test
+    service_dirs = Path(tempfile.mkdtemp(prefix="fl-svc-", dir="/tmp"))
+    try:
+        credentials = service_dirs / "credentials"  # what LoadCredential= makes: 0400, the service's own
+        credentials.mkdir(mode=0o700)
+        create_token_file(credentials / "flodl-token")
+        (credentials / "flodl-token").chmod(stat.S_IRUSR)
+        runtime = service_dirs / "run"
+        runtime.mkdir(mode=0o700)
+        env = {**os.environ, "NOTIFY_SOCKET": receiver.env_value, "CREDENTIALS_DIRECTORY": str(credentials), "RUNTIME_DIRECTORY": str(runtime)}
+        exec_start = _unit_settings("flodl-agent.service")["ExecStart"]
+        assert "--token-file %d/flodl-token --persist" in exec_start  # the flags under test are the unit's
+        cmd = [PY, "-m", "flodl_async.agent", "--controller", f"127.0.0.1:{port}", "--host", "svc", "--devices", "cpu:1"]
+        cmd += ["--token-file", str(credentials / "flodl-token"), "--persist", "--reconnect-max", "0.2"]
+        agent = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        try:
+            receiver.wait_for(2, b"dialing again in")  # two refused dials: it is backing off, still up
+            assert agent.poll() is None
+            agent.send_signal(signal.SIGTERM)
+            _, err = agent.communicate(timeout=60)
+        finally:
+            if agent.poll() is None:
+                agent.kill()
+                agent.communicate()
+        assert agent.returncode == int(ExitCode.TERMINATED), err
+        notes = [d.decode() for d in receiver.received() if d != b"WATCHDOG=1\n"]
+        assert notes[0] == f"READY=1\nMAINPID={agent.pid}\nSTATUS=waiting for a controller at 127.0.0.1:{port}\n", notes
+        assert sum(note.startswith("READY=1") for note in notes) == 1  # no controller ever answered: READY came from the start
+        backoff = [note for note in notes if "dialing again in" in note]
+        assert backoff
+        assert all(note.startswith(f"STATUS=waiting for a controller at 127.0.0.1:{port} (dialing again in ") for note in backoff)
+        assert "connection refused" in backoff[0].lower()  # and says why
+        assert "Traceback" not in err
+    finally:
+        shutil.rmtree(service_dirs, ignore_errors=True)
 
 
-def test_token_credential_and_secret_file_are_one_or_the_other(tmp_path: Path) -> None:
-    import argparse
-
-    with pytest.raises(ConfigError, match="give one"):
-        apply_service_options(argparse.Namespace(token_credential="t", secret_file="/x"), {"CREDENTIALS_DIRECTORY": str(tmp_path)})
-
-
-def test_flodl_agent_without_a_credentials_directory_says_so_in_one_line() -> None:
-    env = {k: v for k, v in os.environ.items() if k != "CREDENTIALS_DIRECTORY"}
+def test_the_retired_token_credential_flag_is_refused_as_a_usage_error() -> None:
     done = subprocess.run(
         [PY, "-m", "flodl_async.agent", "--controller", "127.0.0.1:1", "--token-credential", "flodl-token"],
         capture_output=True,
         text=True,
-        env=env,
         timeout=60,
         check=False,
     )
-    assert done.returncode == 2
-    assert done.stderr.strip().splitlines() == [
-        "flodl-agent: --token-credential flodl-token: $CREDENTIALS_DIRECTORY is not set; run under systemd with LoadCredential=flodl-token:PATH,"
-        " or use --secret-file PATH"
-    ]
+    assert done.returncode == int(ExitCode.USAGE)  # the unit's RestartPreventExitStatus: an old unit does not restart-loop
+    assert "unrecognized arguments: --token-credential" in done.stderr
 
 
 # ----- the units ----------------------------------------------------------------------------------------
@@ -296,12 +319,15 @@ def _unit_settings(unit: str) -> dict[str, str]:
 def test_the_agent_unit_agrees_with_the_exit_codes_and_the_stop_grace() -> None:
     unit = _unit_settings("flodl-agent.service")
     assert unit["Type"] == "notify"
-    assert unit["RestartPreventExitStatus"].split() == [str(int(ExitCode.USAGE))]  # a usage error would only fail again
+    # A usage error, or (a persisting agent's one exit 3) a wrong cluster token, would only fail again.
+    assert unit["RestartPreventExitStatus"].split() == [str(int(ExitCode.USAGE)), str(int(ExitCode.FORMATION))]
     assert sorted(unit["SuccessExitStatus"].split()) == sorted([str(int(ExitCode.INTERRUPTED)), str(int(ExitCode.TERMINATED))])
     grace = float(unit["ExecStart"].split("--stop-grace ")[1].split()[0])
     assert float(unit["TimeoutStopSec"]) > grace  # the agent's own TERM → KILL schedule finishes before systemd's KILL
-    assert "--token-credential flodl-token" in unit["ExecStart"]
-    assert unit["LoadCredential"].startswith("flodl-token:")
+    assert "--token-file %d/flodl-token" in unit["ExecStart"]  # %d: $CREDENTIALS_DIRECTORY, the LoadCredential= below
+    assert "--persist" in unit["ExecStart"].split()
+    assert "--secret-file" not in unit["ExecStart"]
+    assert unit["LoadCredential"] == "flodl-token:/etc/flodl/token"
     assert (unit["KillMode"], unit["RuntimeDirectory"], unit["RuntimeDirectoryMode"]) == ("mixed", "flodl", "0700")
 
 
@@ -357,7 +383,7 @@ def test_a_flodl_agent_tells_systemd_ready_status_watchdog_and_stopping(tmp_path
                 "RUNTIME_DIRECTORY": str(runtime),
             }
             cmd = [PY, "-m", "flodl_async.agent", "--controller", f"127.0.0.1:{port}", "--host", "walk-in", "--devices", "cpu:1"]
-            cmd += ["--token-credential", "flodl-token"]
+            cmd += ["--secret-file", str(credentials / "flodl-token")]  # a one-run agent's secret, as a credential
             agent = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
             _, agent_err = agent.communicate(timeout=90)
             done = launcher.finish(timeout=60)

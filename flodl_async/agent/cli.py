@@ -13,8 +13,8 @@ with the exit code of :data:`AGENT_EXIT_MEANINGS`; a traceback means a bug.
 instead of one session: run after run, until a signal.
 
 Under systemd (deploy/flodl-agent.service) it notifies READY/STATUS/STOPPING and
-pings the watchdog from its loop, and ``--token-credential`` reads the secret
-from ``$CREDENTIALS_DIRECTORY`` (:mod:`flodl_async.agent.systemd`).
+pings the watchdog from its loop (:mod:`flodl_async.agent.systemd`); the unit hands
+it the cluster token as a credential, ``--token-file $CREDENTIALS_DIRECTORY/NAME``.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from ..verdict import AGENT_EXIT_MEANINGS, ExitCode, exit_code_for_signal, exit_
 from ..wire.keys import secret_from_hex
 from .session import Ending, HostSession, SessionConfig, SessionOutcome
 from .specline import read_spec, serve_spec_stdin
-from .systemd import add_service_options, apply_service_options, notification_observer, with_watchdog
+from .systemd import notification_observer, with_watchdog
 
 log = logging.getLogger("flodl_async.agent")
 
@@ -103,7 +103,6 @@ def _parser() -> argparse.ArgumentParser:
         default=DEFAULT_STOP_GRACE,
         help="seconds from the first stop signal to KILL when this agent is stopped (default %(default)g)",
     )
-    add_service_options(parser)
     return parser
 
 
@@ -197,7 +196,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="flodl-agent: %(message)s")
     raise_descriptor_limit()
     try:
-        apply_service_options(args)  # --token-credential: the secret file from $CREDENTIALS_DIRECTORY
         config = read_spec() if args.spec_stdin else build_config(args)
     except ConfigError as exc:
         _say(f"flodl-agent: {exc}")
@@ -233,7 +231,7 @@ def _persist(config: SessionConfig, *, reconnect_max: float) -> int:
     policy = BackoffPolicy(initial=min(0.5, reconnect_max), cap=reconnect_max)
     notifier = Notifier.from_environ()  # as for one run: a no-op outside systemd
     # Each run's rank output goes up that run's join link, as for one run.
-    agent = PersistentAgent(config, policy=policy, observer=notification_observer(notifier))
+    agent = PersistentAgent(config, policy=policy, observer=notification_observer(notifier), ready=notifier.ready, status=notifier.status)
     try:
         return int(run(with_watchdog(serve_persistently(agent), notifier)))
     except KeyboardInterrupt:

@@ -14,6 +14,12 @@ a usage problem (exit 2), and a wrong cluster token (exit 3: every retry would
 fail the same way, and hammering a controller with a wrong token fills its
 refusal counters).
 
+Under systemd (``Type=notify``) the daemon says ``READY=1`` as soon as it is up and
+waiting for a controller — before its first dial, not when a controller first
+answers — so a unit whose controller is down for a while never hits its start
+timeout while the daemon backs off; ``STATUS=`` says whom it waits for and when it
+dials again. Each session then reports its own steps as a one-run agent does.
+
 Signals: the first SIGTERM/SIGINT stops the current session as a one-run agent
 stops (its ranks by the signal table), or ends the backoff wait at once; the
 daemon then exits 143 / 130. A second signal kills the ranks at once.
@@ -26,6 +32,7 @@ import contextlib
 import logging
 import random
 import signal
+from collections.abc import Callable
 
 from ..backoff import Backoff, BackoffPolicy
 from ..errors import AgentError, ConfigError, WrongToken
@@ -48,8 +55,13 @@ class PersistentAgent:
         output: RankOutput | None = None,
         rng: random.Random | None = None,
         observer: SessionObserver = ignore,
+        ready: Callable[[str], object] = lambda status: None,
+        status: Callable[[str], object] = lambda status: None,
     ) -> None:
+        """``ready`` / ``status``: the daemon's own notifications (systemd's READY=1 and STATUS=, under a unit)."""
         self.config = config
+        self._ready = ready
+        self._status = status
         self._output = output
         self._observer = observer  # every session's (systemd's notifier under a unit)
         self._backoff = Backoff(policy)
@@ -83,6 +95,8 @@ class PersistentAgent:
 
         cfg = self.config
         loop = asyncio.get_running_loop()
+        # Up, signal handlers in place, about to dial: ready, whether or not a controller answers.
+        self._ready(f"waiting for a controller at {cfg.controller_addr}")
         while not self.stopping():
             session = HostSession(cfg, output=self._output, observer=self._observer)
             self._session = session
@@ -113,6 +127,7 @@ class PersistentAgent:
             at = self._backoff.failed(loop.time(), self._rng.random())
             delay = max(0.0, at - loop.time())
             log.info("agent %s: %s; dialing %s again in %.1fs", cfg.host, reason, cfg.controller_addr, delay)
+            self._status(f"waiting for a controller at {cfg.controller_addr} (dialing again in {delay:.1f}s; last: {reason})")
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(delay):
                     await self._stop.wait()

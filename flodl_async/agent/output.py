@@ -19,6 +19,10 @@ partial line after a short idle time) and hands each to an :class:`OutputSink`:
   and the raw bytes to torchrun's log layout
   ``<log_dir>/<run_id>/attempt_<n>/<rank>/{stdout,stderr}.log``.
 
+The launcher hands it :class:`~flodl_async.console.ConsoleWriter` streams, so a console
+nobody reads never blocks the event loop; the in-process agents' chunks wait for room
+there (:meth:`RankOutput.send`), which is what makes a stuck console fill the ranks' pipes.
+
 Where the console goes may go away while the ranks run: the reader of a pipe
 (``| head``, a supervisor piping the launcher) can die. A stream that fails a
 write is retired, with one warning: the ranks keep running and their later
@@ -35,6 +39,7 @@ from collections.abc import Awaitable, Callable, Collection
 from pathlib import Path
 from typing import BinaryIO, Protocol
 
+from ..console import ConsoleWriter
 from ..errors import ConnectionClosed, WireError
 from ..net.framed import FramedProtocol
 from ..outputlines import CHUNK_LIMIT, LineAssembler, OutputChunker
@@ -46,6 +51,8 @@ log = logging.getLogger("flodl_async.agent")
 LINE_LIMIT = CHUNK_LIMIT
 #: The two streams of a rank, as ``RankOutput.stream`` names them, and their log file names.
 STREAMS = {"out": "stdout.log", "err": "stderr.log"}
+#: A console stream: a plain binary stream (written inline), or a writer thread's (never blocks).
+Console = BinaryIO | ConsoleWriter
 
 
 class OutputSink(Protocol):
@@ -91,8 +98,8 @@ class RankOutput:
     def __init__(
         self,
         *,
-        stdout: BinaryIO,
-        stderr: BinaryIO,
+        stdout: Console,
+        stderr: Console,
         log_dir: Path | None = None,
         run_id: str = "run",
         show_ranks: Collection[int] | None = None,
@@ -104,7 +111,12 @@ class RankOutput:
         self._show = None if show_ranks is None else frozenset(show_ranks)
         self._lines: dict[tuple[int, str], LineAssembler] = {}
         self._files: dict[tuple[int, str], tuple[int, BinaryIO]] = {}  # (rank, stream) → (attempt, file)
-        self._retired: list[BinaryIO] = []  # streams that failed a write (BinaryIO is compared by identity)
+        self._retired: list[Console] = []  # streams that failed a write (compared by identity)
+
+    @property
+    def consoles(self) -> tuple[Console, Console]:
+        """Its stdout and stderr (for the agents' own lines: the same writers, in the same order)."""
+        return self._stdout, self._stderr
 
     def log_path(self, attempt: int, rank: int, stream: str) -> Path | None:
         """Where ``rank``'s ``stream`` of ``attempt`` is logged (torchrun's layout), or None without a log dir."""
@@ -157,7 +169,10 @@ class RankOutput:
             self._write(file, data, f"the log file of rank {rank}")
 
     async def send(self, host: str, attempt: int, rank: int, stream: str, data: bytes) -> None:
-        """:class:`OutputSink` for the launcher's in-process agents: the chunk is written now."""
+        """:class:`OutputSink` for the launcher's in-process agents: the chunk is written once its console has room."""
+        console = self._stderr if stream == "err" else self._stdout
+        if isinstance(console, ConsoleWriter):
+            await console.wait_room()  # a console nobody reads: this rank's pipe fills, its writes block
         self.chunk(host, attempt, rank, stream, data)
 
     def receive(self, host: str, msg: m.RankOutput) -> None:
@@ -170,7 +185,7 @@ class RankOutput:
         err = stream == "err"
         self._write(self._stderr if err else self._stdout, f"[{host}:r{rank}] ".encode() + text, "stderr" if err else "stdout")
 
-    def _write(self, stream: BinaryIO, data: bytes, name: str) -> None:
+    def _write(self, stream: Console | BinaryIO, data: bytes, name: str) -> None:
         if any(stream is gone for gone in self._retired):
             return
         try:
@@ -178,7 +193,8 @@ class RankOutput:
             stream.flush()
         except OSError as exc:  # EPIPE: its reader went away; EIO: the terminal hung up; ENOSPC: a full disk
             self._retired.append(stream)
-            _point_at_devnull(stream)
+            if not isinstance(stream, ConsoleWriter):  # a writer thread's stream never raises here: it retires itself
+                _point_at_devnull(stream)
             log.warning("%s is gone (%s): rank output to it is dropped from now on; the ranks keep running", name, exc.strerror or exc)
 
     def close(self) -> None:

@@ -52,7 +52,7 @@ import socket
 from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from .. import __version__
 from ..backoff import Backoff, BackoffPolicy
@@ -71,9 +71,9 @@ from ..errors import (
     WireError,
 )
 from ..gpus import host_visible_gpus, select
+from ..hostaddrs import host_addresses
 from ..liveness import Liveness
 from ..net.framed import FramedProtocol, open_framed
-from ..relay import Relay
 from ..runtime import RuntimeEntry, create_entry, reap_stale_ranks, sweep_stale
 from ..verdict import StopStep, rank_signal_for, stop_schedule
 from ..wire import messages as m
@@ -82,14 +82,20 @@ from ..wire.keys import SECRET_BYTES, Credential
 from ..wire.schema import Message
 from .lifecycle import Phase, SessionEvent, SessionObserver, ignore
 from .output import LinkOutput, OutputSink
-from .ranks import RankProcesses, RankWorld
-from .storehost import StoreHost
+
+if TYPE_CHECKING:  # imported where the world has formed: an agent's start (the fan-out's per-host path) skips them
+    from ..relay import Relay
+    from .ranks import RankProcesses
 
 log = logging.getLogger("flodl_async.agent")
 
 
 def detect_gpu_count() -> int:
-    """GPUs this process may use, without importing torch: the device nodes, within the caller's CUDA_VISIBLE_DEVICES (:mod:`flodl_async.gpus`)."""
+    """GPUs this process may use, without importing torch: the device nodes, within the caller's CUDA_VISIBLE_DEVICES (:mod:`flodl_async.gpus`).
+
+    Each agent counts its own host's and reports them as its devices at join: that is a remote
+    ``devices: all`` host's capacity, never the controller's count.
+    """
     return len(host_visible_gpus())
 
 
@@ -313,7 +319,7 @@ class HostSession:
     async def _join(self, link: FramedProtocol, devices: tuple[str, ...]) -> m.JoinAccept:
         cfg = self.config
         try:
-            link.send(m.JoinHello(host=cfg.host, devices=devices, pid=os.getpid(), agent_version=__version__))
+            link.send(m.JoinHello(host=cfg.host, devices=devices, pid=os.getpid(), agent_version=__version__, addresses=host_addresses()))
         except ConnectionClosed as exc:
             raise JoinFailed(cfg.host, f"the controller at {cfg.controller_addr} closed the join link before the join request") from exc
         try:
@@ -357,6 +363,10 @@ class _Serving:
     commands: ClassVar[Mapping[type[Message], _Handler]]
 
     def __init__(self, session: HostSession, *, link: FramedProtocol, run_id: str, formed: m.WorldFormed, entry: RuntimeEntry) -> None:
+        # Only a formed world needs ranks, a relay and a store: importing them here keeps them off the join path.
+        from .ranks import RankWorld
+        from .storehost import StoreHost
+
         cfg = session.config
         self._session = session
         self._cfg = cfg
@@ -401,6 +411,9 @@ class _Serving:
     async def run(self) -> SessionOutcome:
         cfg = self._cfg
         log.debug("agent %s: world formed, ranks %s of %d", cfg.host, list(self._formed.ranks), self._formed.world_size)
+        from ..relay import Relay
+        from .ranks import RankProcesses
+
         relay: Relay | None = None
         async with asyncio.TaskGroup() as tg:
             self._tg = tg
@@ -427,6 +440,7 @@ class _Serving:
                     task_group=tg,
                     deadlines=cfg.deadlines,
                     host=cfg.host,
+                    on_upstream_lost=self._relay_lost,
                 )
                 self._relay = relay
                 try:
@@ -525,6 +539,11 @@ class _Serving:
                 log.warning("agent %s: ignoring %s from the controller (not a command of a running session)", self._cfg.host, type(msg).__name__)
                 continue
             handler(self, msg)
+
+    def _relay_lost(self, reason: str) -> None:
+        """The relay's upstream control link went silent: the controller is as lost as on the join link."""
+        if not self.ending:
+            self.begin_ending(self._lost_schedule(), error=ControllerLost(self._cfg.host, f"{reason} (frozen, down or cut off); stopping this host's ranks"))
 
     async def _keep_alive(self) -> None:
         """Beat up the join link; a controller silent past the deadline is lost (it may be frozen: the link stays open)."""

@@ -1,33 +1,30 @@
 """``flodl-agent`` as a systemd service: session events as notifications, the watchdog, credentials.
 
 Under ``Type=notify`` (deploy/flodl-agent.service) the agent says ``READY=1``
-once its join link to the controller is up, keeps ``STATUS=`` current
+once its join link to the controller is up (a persisting agent already at start,
+while it waits for a controller: :mod:`flodl_async.agent.daemon`), keeps ``STATUS=`` current
 ("waiting for a controller at …", "run X: ranks 4–7 running"), says
 ``STOPPING=1`` when its ranks begin to stop, and pings ``WATCHDOG=1`` from the
 event loop (a task of the agent's own TaskGroup). Outside systemd all of it is
 a no-op (:class:`flodl_async.sdnotify.Notifier`).
 
-The session secret may come as a systemd credential (``LoadCredential=``):
-``--token-credential NAME`` reads ``$CREDENTIALS_DIRECTORY/NAME`` with the same
-checks as ``--secret-file`` (systemd makes the file 0400 and the service's own).
+The cluster token comes as a systemd credential: ``LoadCredential=flodl-token:PATH``
+puts it in ``$CREDENTIALS_DIRECTORY`` (0400, the service's own), and the unit passes
+``--token-file %d/flodl-token`` (``%d`` is that directory), read with the same checks
+as any token file. (``--token-credential``, which fed a one-run session secret, is gone:
+a service persists, and a persisting agent holds the token.)
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import os
-from collections.abc import Coroutine, Mapping, Sequence
-from pathlib import Path
+from collections.abc import Coroutine, Sequence
 from typing import TypeVar
 
-from ..errors import ConfigError
 from ..sdnotify import Notifier
 from .lifecycle import Phase, SessionEvent, SessionObserver
 
 T = TypeVar("T")
-
-CREDENTIALS_VARIABLE = "CREDENTIALS_DIRECTORY"
 
 
 def rank_span(ranks: Sequence[int]) -> str:
@@ -94,41 +91,3 @@ async def with_watchdog(work: Coroutine[object, object, T], notifier: Notifier) 
     if error is not None:
         raise error
     return results[0]
-
-
-# ----- credentials ---------------------------------------------------------------------------
-
-
-def credential_path(name: str, env: Mapping[str, str] | None = None) -> Path:
-    """``$CREDENTIALS_DIRECTORY/name``; a missing directory or a name that is not a plain file name raises :class:`ConfigError`."""
-    env = os.environ if env is None else env
-    if not name or "/" in name or name in (".", ".."):
-        raise ConfigError(f"--token-credential {name!r}: a credential name is a plain file name (as in LoadCredential={name or 'NAME'}:PATH)")
-    directory = env.get(CREDENTIALS_VARIABLE, "").strip()
-    if not directory:
-        raise ConfigError(
-            f"--token-credential {name}: ${CREDENTIALS_VARIABLE} is not set; run under systemd with LoadCredential={name}:PATH, or use --secret-file PATH"
-        )
-    path = Path(directory) / name
-    if not path.exists():
-        raise ConfigError(f"--token-credential {name}: no credential {name!r} in {directory}; add LoadCredential={name}:PATH to the unit")
-    return path
-
-
-def add_service_options(parser: argparse.ArgumentParser) -> None:
-    """The options for running under systemd."""
-    group = parser.add_argument_group("running as a systemd service")
-    group.add_argument(
-        "--token-credential",
-        metavar="NAME",
-        help="read the session secret from systemd credential NAME ($CREDENTIALS_DIRECTORY/NAME, from LoadCredential=) instead of --secret-file",
-    )
-
-
-def apply_service_options(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> None:
-    """Resolve ``--token-credential`` into the secret file it names; raises :class:`ConfigError`."""
-    if args.token_credential is None:
-        return
-    if args.secret_file:
-        raise ConfigError("--token-credential and --secret-file both name the session secret: give one")
-    args.secret_file = str(credential_path(args.token_credential, env))

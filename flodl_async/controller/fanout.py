@@ -31,11 +31,12 @@ import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import asyncssh
 
 from .. import __version__
+from ..agent.output import Console
 from ..agent.specline import AgentSpec, devices_text, parse_hello
 from ..cluster import SshSpec
 from ..errors import AgentError, FlodlError, JoinFailed
@@ -61,9 +62,18 @@ class SshLaunchFailed(JoinFailed):
     advice = "fix the worker's ssh settings in the cluster file (or the host) and run again"
 
 
+#: The first stdout line of the remote command, before the agent's own hello: ``PID_PREFIX <pid>``.
+PID_PREFIX = "flodl-agent-pid"
+
+
 def remote_command(python: str, workdir: str | None) -> str:
-    """The remote command line: no secret, no spec, just where and what to run."""
-    run = f"exec {shlex.quote(python)} -m flodl_async.agent --spec-stdin"
+    """The remote command line: no secret, no spec, just where and what to run.
+
+    The shell says its pid first, which ``exec`` hands on to python: a ``python`` that hangs
+    before its hello can then be KILLed over a second channel (sshd delivers no signal
+    requests to a root session, and hangs up nothing without a tty).
+    """
+    run = f"echo {PID_PREFIX} $$ && exec {shlex.quote(python)} -m flodl_async.agent --spec-stdin"
     return run if workdir is None else f"cd {shlex.quote(workdir)} && {run}"
 
 
@@ -120,12 +130,16 @@ class SshTarget:
 class SshLauncher:
     """Agents on other hosts, started over ssh; stdout/stderr lines of each are relayed here."""
 
-    def __init__(self, contact: ControllerContact, *, run_id: str, stdout: BinaryIO, stderr: BinaryIO) -> None:
+    def __init__(self, contact: ControllerContact, *, run_id: str, stdout: Console, stderr: Console) -> None:
         self._contact = contact
         self._run_id = run_id
         self._stdout = stdout
         self._stderr = stderr
         self._processes: list[Any] = []
+        # Parsed once per file for every host of the run, not once per connection: K hosts
+        # sharing one known_hosts and one key cost one parse each, off the per-host path.
+        self._known_hosts: dict[Path, Any] = {}
+        self._client_keys: dict[Path, Any] = {}
 
     async def run_agent(self, worker: PlacedWorker) -> None:
         """Connect, start the agent, hand it its spec, relay its output until it exits."""
@@ -146,7 +160,7 @@ class SshLauncher:
             stderr_tail: list[bytes] = []
             try:
                 with _first_error():
-                    await self._serve(target, process, worker, (controller_host, controller_port), stderr_tail)
+                    await self._serve(target, process, worker, (controller_host, controller_port), stderr_tail, conn=conn)
             except asyncssh.Error as exc:
                 # The connection itself went mid-run (the host died, its sshd was killed): name the host, not asyncssh.
                 raise AgentError(spec.host, f"the ssh connection to {target.where} was lost: {exc.reason or exc}{_tail(stderr_tail)}") from None
@@ -156,12 +170,14 @@ class SshLauncher:
                 status = f"signal {sig[0]}" if sig else f"exit {code}" if code is not None else "its ssh session closing"
                 raise AgentError(spec.host, f"the agent on {target.where} ended with {status}{_tail(stderr_tail)}")
 
-    async def _serve(self, target: SshTarget, process: Any, worker: PlacedWorker, controller: tuple[str, int], stderr_tail: list[bytes]) -> None:
+    async def _serve(
+        self, target: SshTarget, process: Any, worker: PlacedWorker, controller: tuple[str, int], stderr_tail: list[bytes], *, conn: Any
+    ) -> None:
         spec = worker.spec
         controller_host, controller_port = controller
         async with asyncio.TaskGroup() as tg:
             stderr_done = tg.create_task(self._relay_stderr(process, stderr_tail))
-            await self._await_hello(target, process, stderr_tail, stderr_done, spec.python or DEFAULT_PYTHON)
+            await self._await_hello(target, process, stderr_tail, stderr_done, conn=conn, python=spec.python or DEFAULT_PYTHON)
             agent_spec = AgentSpec(
                 controller_host=controller_host,
                 controller_port=controller_port,
@@ -233,7 +249,7 @@ class SshLauncher:
             raise SshLaunchFailed(target.host, f"identity_file {target.identity_file} does not exist")
         options: dict[str, Any] = {
             "port": target.port,
-            "known_hosts": str(target.known_hosts),
+            "known_hosts": self._parsed_known_hosts(target),
             "config": None,
             "agent_path": None,
             "connect_timeout": self._contact.deadlines.ssh_connect,
@@ -242,7 +258,7 @@ class SshLauncher:
         if target.user:
             options["username"] = target.user
         if target.identity_file is not None:
-            options["client_keys"] = [str(target.identity_file)]
+            options["client_keys"] = [self._client_key(target, target.identity_file)]
         if tunnel is not None:
             options["tunnel"] = tunnel
         try:
@@ -263,6 +279,26 @@ class SshLauncher:
             ) from None
         except (OSError, asyncssh.Error) as exc:
             raise SshLaunchFailed(target.host, f"cannot reach {target.where} over ssh: {exc}; check the address, port and that sshd runs there") from None
+
+    def _parsed_known_hosts(self, target: SshTarget) -> Any:
+        known = self._known_hosts.get(target.known_hosts)
+        if known is None:
+            try:
+                known = self._known_hosts[target.known_hosts] = asyncssh.read_known_hosts(str(target.known_hosts))
+            except (OSError, ValueError) as exc:
+                raise SshLaunchFailed(target.host, f"cannot read known_hosts file {target.known_hosts}: {exc}; fix or regenerate it") from None
+        return known
+
+    def _client_key(self, target: SshTarget, path: Path) -> Any:
+        key = self._client_keys.get(path)
+        if key is None:
+            try:
+                key = self._client_keys[path] = asyncssh.read_private_key(str(path))
+            except (OSError, ValueError) as exc:  # asyncssh.KeyImportError is a ValueError: a passphrase, a foreign format
+                raise SshLaunchFailed(
+                    target.host, f"cannot load identity_file {path}: {exc}; it must be an unencrypted OpenSSH/PEM private key readable here"
+                ) from None
+        return key
 
     async def _host_key_problem(self, target: SshTarget, tunnel: Any) -> str:
         """Unknown or changed: the key the host offers (fingerprint) and what known_hosts says."""
@@ -287,13 +323,27 @@ class SshLauncher:
             f"check the fingerprint, then add it (ssh-keyscan -p {target.port} {target.address} >> {target.known_hosts})"
         )
 
-    async def _await_hello(self, target: SshTarget, process: Any, stderr_tail: list[bytes], stderr_done: asyncio.Task[None], python: str) -> None:
-        """The agent's first stdout line must be a hello of this version; else say what is wrong there."""
+    async def _await_hello(
+        self, target: SshTarget, process: Any, stderr_tail: list[bytes], stderr_done: asyncio.Task[None], *, conn: Any, python: str
+    ) -> None:
+        """The agent's first stdout line (after the shell's pid line) must be a hello of this version; else say what is wrong there."""
+        pid: int | None = None
         try:
             async with asyncio.timeout(self._contact.deadlines.ssh_connect):
                 line = await process.stdout.readline()
+                head, _, value = line.decode(errors="replace").strip().partition(" ")
+                if head == PID_PREFIX and value.isdigit():
+                    pid = int(value)
+                    line = await process.stdout.readline()
         except TimeoutError:
-            raise SshLaunchFailed(target.host, f"the agent on {target.where} said nothing within {self._contact.deadlines.ssh_connect:g}s") from None
+            # Whatever runs there as `python` is stuck before its hello: no spec, so no ranks, yet it would
+            # outlive the session. KILL it (by the pid its shell said) before the connection closes.
+            await self._abandon(conn, process, pid)
+            raise SshLaunchFailed(
+                target.host,
+                f"the agent on {target.where} said nothing within {self._contact.deadlines.ssh_connect:g}s; "
+                "check the worker's python: there (it must start `python -m flodl_async.agent`)",
+            ) from None
         except asyncssh.Error as exc:
             # The host died (or its sshd session was killed) before the agent started: a host lost before joining.
             raise SshLaunchFailed(
@@ -303,6 +353,7 @@ class SshLauncher:
         if version == __version__:
             return
         if version is not None:
+            await self._abandon(conn, process, pid)  # another version's agent: it never gets a spec
             raise SshLaunchFailed(
                 target.host, f"{target.where} has flodl_async {version}, this launcher is {__version__}; install the same version on every host"
             )
@@ -325,26 +376,44 @@ class SshLauncher:
             )
         raise SshLaunchFailed(target.host, f"the agent on {target.where} exited with {status} before saying hello{_tail(stderr_tail)}")
 
+    async def _abandon(self, conn: Any, process: Any, pid: int | None) -> None:
+        """KILL a remote process that was never handed a spec (so it has no ranks), and end its stdin."""
+        with contextlib.suppress(Exception):  # a channel already gone has nothing to end
+            process.stdin.write_eof()
+        if pid is None:  # no pid line: a signal request is all there is (sshd honours it for non-root users)
+            with contextlib.suppress(Exception):
+                process.send_signal("KILL")
+            return
+        with contextlib.suppress(Exception):  # the connection itself going is the session's end anyway
+            async with asyncio.timeout(self._contact.deadlines.ssh_connect):
+                await conn.run(f"kill -KILL {pid}", check=False)
+
     async def _relay_stderr(self, process: Any, tail: list[bytes]) -> None:
         async for line in process.stderr:
             tail.append(line.rstrip(b"\n"))
             del tail[:-STDERR_TAIL]
             _write(self._stderr, line)
 
-    async def _relay(self, reader: Any, sink: BinaryIO) -> None:
+    async def _relay(self, reader: Any, sink: Console) -> None:
         async for line in reader:
             _write(sink, line)
 
 
-def _write(sink: BinaryIO, line: bytes) -> None:
+def _write(sink: Console, line: bytes) -> None:
     with contextlib.suppress(OSError, ValueError):  # a closed terminal loses the line, not the run
         sink.write(line if line.endswith(b"\n") else line + b"\n")
         sink.flush()
 
 
-def ssh_launcher(contact: ControllerContact, *, bind_host: str, run_id: str) -> SshLauncher:
-    """The controller's ssh launcher: agents reach the controller at its bind address (or the ssh link's own), output to ours."""
-    return SshLauncher(dataclasses.replace(contact, host=bind_host), run_id=run_id, stdout=sys.stdout.buffer, stderr=sys.stderr.buffer)
+def ssh_launcher(contact: ControllerContact, *, bind_host: str, run_id: str, stdout: Console | None = None, stderr: Console | None = None) -> SshLauncher:
+    """The controller's ssh launcher: agents reach the controller at its bind address (or the ssh link's own).
+
+    The agents' own lines go to ``stdout``/``stderr`` (the launcher's console writers, which never block
+    the loop; default: this process's streams).
+    """
+    return SshLauncher(
+        dataclasses.replace(contact, host=bind_host), run_id=run_id, stdout=stdout or sys.stdout.buffer, stderr=stderr or sys.stderr.buffer
+    )
 
 
 @contextlib.contextmanager

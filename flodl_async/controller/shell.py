@@ -34,7 +34,9 @@ from typing import TYPE_CHECKING
 from .. import __version__
 from ..agent import RankOutput
 from ..errors import ConnectionClosed, FlodlError, WireError
+from ..hostaddrs import routable
 from ..liveness import Liveness
+from ..membership import describe_threshold
 from ..metrics import EpochMetrics
 from ..net.fdlimit import raise_descriptor_limit
 from ..net.framed import FramedProtocol
@@ -77,6 +79,7 @@ from ..wire.channels import Channel
 from ..wire.handshake import PROTOCOL_VERSION, join_resolver, session_resolver
 from ..wire.keys import CredentialKind
 from ..wire.schema import Message
+from .controllinks import ControlLinks
 from .fanout import ssh_launcher
 from .launchers import AgentLauncher, ControllerContact, DialInLauncher, LocalLauncher
 from .training import RoundRunner, RoundRunnerFactory, TrainingOutcome, TrainingShell, default_round_runner
@@ -130,6 +133,8 @@ class Controller:
         self._resolve = session_resolver(plan.secret)
         self._links: dict[str, FramedProtocol] = {}
         self._liveness: dict[str, Liveness] = {}  # per admitted host's join link, until it closes or goes silent
+        # Each host's control links (its relay's upstream), and the liveness of the relays' beats (see _handle_control).
+        self._control_links: ControlLinks[FramedProtocol] = ControlLinks(interval=self._deadlines.heartbeat_interval, silence=self._deadlines.heartbeat_silence)
         self._mux = PortMux(host=plan.bind_host, port=plan.port, sniff_timeout=self._deadlines.sniff, handshake_timeout=self._deadlines.handshake)
         self._board = StatusBoard(counters=self._connection_counters)
         self._started_at = time.time()
@@ -229,7 +234,8 @@ class Controller:
         contact = ControllerContact(host="127.0.0.1", port=self.port, secret=plan.secret, deadlines=self._deadlines)
         self._launchers = {Placement.LOCAL: LocalLauncher(contact, output=self._output), Placement.DIAL_IN: DialInLauncher()}
         if any(w.placement is Placement.SSH for w in plan.workers):  # it writes to the process's own stdout/stderr
-            self._launchers[Placement.SSH] = ssh_launcher(contact, bind_host=plan.bind_host, run_id=plan.run_id)
+            out, err = self._output.consoles
+            self._launchers[Placement.SSH] = ssh_launcher(contact, bind_host=plan.bind_host, run_id=plan.run_id, stdout=out, stderr=err)
         result: RunResult | None = None
         try:
             async with asyncio.TaskGroup() as tg:
@@ -298,6 +304,9 @@ class Controller:
             self._changed.clear()
             deadline = supervisor.next_deadline(time.monotonic())
             beat = min((live.next_deadline() for live in self._liveness.values()), default=None)
+            relay_silence = self._control_links.next_deadline()
+            if relay_silence is not None and (beat is None or relay_silence < beat):
+                beat = relay_silence
             training = self._training.next_deadline() if self._training is not None else None
             wake = min((t for t in (deadline, beat, training) if t is not None), default=None)
             try:
@@ -316,6 +325,10 @@ class Controller:
         """Beat down every join link that is due; a host silent past the deadline is lost, by name."""
         if late > self._deadlines.heartbeat_interval:  # this process was frozen: no host could be heard meanwhile
             self._liveness = {host: live.excused(now) for host, live in self._liveness.items()}
+            self._control_links.excused(now)
+        for host in self._control_links.silent_hosts(now, self._liveness):  # a relay's own link went silent
+            silence = self._deadlines.heartbeat_silence
+            self._dispatch(HostLost(host=host, reason=f"its relay's control link sent nothing for {silence:g}s (the host is frozen, down or cut off)"))
         for host, live in list(self._liveness.items()):
             if live.expired(now):
                 del self._liveness[host]
@@ -335,6 +348,8 @@ class Controller:
     def _dispatch(self, event: Event, *, reply_link: FramedProtocol | None = None) -> None:
         """Hand one event to the supervisor and carry out its actions now, in order."""
         supervisor = self._require_supervisor()
+        if isinstance(event, HostLost):
+            self._drop_control_links(event.host)
         pending: collections.deque[tuple[Event, FramedProtocol | None]] = collections.deque([(event, reply_link)])
         while pending:
             current, link = pending.popleft()
@@ -438,6 +453,9 @@ class Controller:
         if self._links.get(hello.host) is not link:
             await link.drain()  # refused: the reject is flushed, then the service closes the link
             return
+        if self._store is not None:  # a multi-homed host's ranks may dial the store from any of its addresses
+            for address in routable(hello.addresses):
+                self._store.admit_host(address)
         try:
             while True:
                 msg = await link.recv_message()
@@ -462,15 +480,30 @@ class Controller:
                 self._dispatch(StoreReady(round=msg.round, addr=msg.host or link.peer_host, port=msg.port))
 
     async def _handle_control(self, link: FramedProtocol) -> None:
+        """A control link: a host's relay upstream (or a rank of its own, under the torch store backend).
+
+        Liveness: a relay beats up its link (``Heartbeat(relay=True)``, naming one of its host's ranks)
+        and the controller echoes; a relay link silent past ``heartbeat_silence`` loses its host, by
+        name, as a silent join link does (:meth:`_keep_alive`). A link is bound to the host of the rank
+        its first beat or RankHello names, and when that host is lost for any reason (join link silent or
+        closed, its agent failed) the controller aborts the link at once, not at teardown.
+        """
+        host: str | None = None
         training = self._training
         assert training is not None
         try:
             while True:
                 msg = await link.recv_message()
                 if isinstance(msg, m.RankHello):
+                    host = host or self._bind_control_link(link, msg.rank)
                     self._dispatch(RankConnected(rank=msg.rank, pid=msg.pid))
                     training.bind_rank(msg.rank, link)
                     link.send(m.RankWelcome(rank=msg.rank, run_id=self.plan.run_id))
+                elif isinstance(msg, m.Heartbeat) and msg.relay:  # the relay's own beat: its link's liveness, no rank's
+                    host = host or self._bind_control_link(link, msg.rank)
+                    if host is not None and host in self._links:  # a host of this run, still in it: watch this link
+                        self._control_links.heard(link, host, time.monotonic())
+                    link.send(m.Heartbeat(sent_at=msg.sent_at, rank=msg.rank, relay=True))
                 elif isinstance(msg, m.Heartbeat):
                     link.send(m.Heartbeat(sent_at=msg.sent_at, rank=msg.rank))
                     training.seen(msg.rank)
@@ -478,6 +511,23 @@ class Controller:
                     training.receive(msg, link)  # the Trainer's coordinator protocol
         finally:
             training.link_closed(link)
+            self._control_links.closed(link, host)
+
+    def _bind_control_link(self, link: FramedProtocol, rank: int) -> str | None:
+        """The host that runs ``rank`` (from the formed world), with ``link`` recorded as one of its control links."""
+        if self._supervisor is None:
+            return None
+        host = next((mb.host for mb in self._supervisor.view().members if rank in mb.ranks), None)
+        if host is not None:
+            self._control_links.bind(link, host)
+        return host
+
+    def _drop_control_links(self, host: str) -> None:
+        links = self._control_links.drop(host)
+        for link in links:
+            link.abort()
+        if links:
+            log.info('host "%s" lost: closed its %d control link(s) (relay upstream) with it', host, len(links))
 
     # ----- the Trainer (controller/training.py does the work) -------------------------------------
 
@@ -530,9 +580,9 @@ class Controller:
             )
         log.log(
             logging.DEBUG if plan.one_host else logging.INFO,
-            "window open (quorum %d ranks, target %s, window %gs, cap %gs, admission: %s) — status at http://%s:%d/",
-            j.min_rank_start,
-            j.target_ranks if j.target_ranks is not None else "none",
+            "window open (quorum %s ranks, target %s, window %gs, cap %gs, admission: %s) — status at http://%s:%d/",
+            describe_threshold(j.min_rank_start, j.quorum_reported),
+            describe_threshold(j.target_ranks, j.target_reported) if j.target_ranks is not None else "none",
             j.join_timeout,
             j.max_join_timeout,
             "open" if j.open_admission else "cluster token or pre-shared secret" if plan.token is not None else "pre-shared secret",

@@ -7,8 +7,9 @@ host, no second port, no extra process.
 
 torch's store protocol carries no credential, so the peer's address is the credential: a
 connection is served only from the address of a host admitted to the run (the address its
-agent's join link came from; loopback is one of them when the controller's own host runs
-ranks). Any other is closed at once and counted (``store_not_admitted``). An admitted one is
+agent's join link came from, and every routable address its agent reported at join, for a
+multi-homed host's ranks; loopback is one of them only when the controller's own host runs
+ranks, never because a remote agent says so). Any other is closed at once and counted (``store_not_admitted``). An admitted one is
 under admission until its VALIDATE has been parsed, then leaves that pool for the rest of
 the run (``ticket.authenticated()``): ranks hold their store connection for hours.
 

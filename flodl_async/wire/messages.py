@@ -31,6 +31,8 @@ class JoinHello(Message):
     devices: tuple[str, ...]
     pid: int
     agent_version: str = ""
+    #: Every address of the agent's host (:mod:`flodl_async.hostaddrs`): its ranks' store connections may come from any.
+    addresses: tuple[str, ...] = ()
 
 
 @message(kind=0x0102, sealed=True)
@@ -224,6 +226,8 @@ class Heartbeat(Message):
 
     sent_at: float
     rank: int = -1
+    #: A relay's own beat on its upstream control link (``rank``: one of its host's ranks, which binds the link to the host).
+    relay: bool = False
 
 
 @message(kind=0x0402)
