@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from .launchkit import PY, Launcher, new_run_id, run_launch, script, wait_status
+from .launchkit import PY, Launcher, assert_nothing_left, new_run_id, run_launch, script, wait_status
 
 pytestmark = pytest.mark.e2e
 
@@ -143,3 +143,22 @@ def test_flodl_status_folds_a_hosts_rank_and_device_lists(tmp_path: Path) -> Non
     finally:
         release.touch()
         launcher.kill()
+
+
+def _on_one_core() -> None:
+    os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
+
+
+@pytest.mark.parametrize(("nproc", "warned"), [(1, False), (2, True)])
+def test_more_cpu_ranks_than_the_launchers_cores_is_warned_about(nproc: int, warned: bool) -> None:
+    run_id = new_run_id()
+    try:  # the launcher may use one core (its affinity, as `taskset -c 0` sets it)
+        done = subprocess.run(
+            [PY, "-m", "flodl_async.launch", "--run-id", run_id, "--nproc", str(nproc), "--devices", "cpu", "--port", "0", "--", PY, "-c", "pass"],
+            capture_output=True, text=True, timeout=120, preexec_fn=_on_one_core, check=False,
+        )  # fmt: skip
+    finally:
+        assert_nothing_left(run_id)
+    assert done.returncode == 0, done.stderr
+    warning = f"warning: {nproc} CPU ranks on this host, which has 1 core(s) for them: they will compete for the cores"
+    assert (warning in done.stderr) is warned, done.stderr
