@@ -31,11 +31,12 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from . import __version__
+from .argtypos import HintingParser, hyphenate
 from .cluster import DEFAULT_PORT
 from .controllers import LocalRun, local_runs
 from .errors import ConfigError
 from .status.model import SCHEMA, SCHEMA_FAMILY
-from .verdict import STATUS_EXIT_MEANINGS, StatusExit
+from .verdict import STATUS_EXIT_MEANINGS, StatusExit, device_ranges, rank_ranges
 
 if TYPE_CHECKING:
     from _typeshed import WriteableBuffer
@@ -315,8 +316,7 @@ def format_status(doc: dict[str, object], *, silent_after: float = SILENT_AFTER)
         for member in members:
             if not isinstance(member, dict):
                 continue
-            ranks = ",".join(str(r) for r in member.get("ranks", []))
-            devices = ",".join(str(d) for d in member.get("devices", []))
+            ranks, devices = _folded(member.get("ranks")), _folded(member.get("devices"))
             lines.append(f"{member.get('host', '?'):<24} {ranks:<16} {devices:<24} {member.get('state', '?')}")
     rank_rows = doc.get("ranks") or []
     if isinstance(rank_rows, list) and rank_rows:
@@ -333,6 +333,17 @@ def format_status(doc: dict[str, object], *, silent_after: float = SILENT_AFTER)
         for flag in flagged:
             lines.append(f"SILENT   {flag} — hung? (a stack: py-spy dump --pid PID)")
     return "\n".join(lines)
+
+
+def _folded(items: object) -> str:
+    """A host's ranks (``0-99``) or devices (``cpu:0-99``) as short as they can be said; anything else as it came."""
+    if not isinstance(items, list):
+        return ""
+    if items and all(isinstance(i, int) and not isinstance(i, bool) for i in items):
+        return rank_ranges(items)
+    if items and all(isinstance(i, str) for i in items):
+        return device_ranges(items)
+    return ",".join(str(i) for i in items)
 
 
 def _rank_row(rank: Mapping[str, object]) -> str:
@@ -460,7 +471,7 @@ def _exit_epilog() -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``flodl``."""
-    parser = argparse.ArgumentParser(
+    parser = HintingParser(
         prog="flodl",
         description="Operate flodl_async runs.",
         epilog="examples:\n  flodl ps\n  flodl status\n  flodl status --addr 10.0.0.1:1337\n  flodl token new /etc/flodl/token\n",
@@ -473,7 +484,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="list the runs on this machine",
         description="List your flodl runs on this machine (every controller registers in the runtime directory): "
         "run id, status address, pid, age, ranks and phase.",
-        epilog="examples:\n  flodl ps\n\n" + _exit_epilog(),
+        epilog="examples:\n  flodl ps\n  flodl ps --timeout 5             # runs on a busy machine answer slowly\n\n"
+        "exit codes:\n  0    listed (none is no error)\n  2    bad arguments\n",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     ps.add_argument("--timeout", type=float, default=1.0, help="seconds to wait for each run's status (default %(default)s)")
@@ -504,6 +516,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "token",
         help="manage the cluster token of dial-in agents",
         description="The cluster token admits dial-in agents (flodl-agent --token-file) to a controller started with --token-file or controller.token_file.",
+        epilog="examples:\n  flodl token new /etc/flodl/token\n",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     token_sub = token.add_subparsers(dest="token_command", required=True)
     token_new = token_sub.add_parser(
@@ -516,7 +530,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     token_new.add_argument("path", help="where to write the token (must not exist)")
     token_new.set_defaults(handler=_token_new)
-    args = parser.parse_args(argv)
+    for command in (ps, status, token, token_new):  # `flodl status --version` answers too
+        command.add_argument("--version", action="version", version=f"flodl {__version__}")
+    args = parser.parse_args(hyphenate(parser, sys.argv[1:] if argv is None else argv))
     for stream in (sys.stdout, sys.stderr):
         if isinstance(stream, io.TextIOWrapper):  # text the terminal's encoding lacks is escaped, never a traceback
             stream.reconfigure(errors="backslashreplace")

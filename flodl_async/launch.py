@@ -28,6 +28,7 @@ from pathlib import Path
 
 from . import __version__
 from .agent import RankOutput
+from .argtypos import HintingParser, hyphenate
 from .cluster import (
     DEFAULT_PORT,
     ClusterSpec,
@@ -85,7 +86,7 @@ class _Args:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = HintingParser(
         prog="flodl-launch",
         usage="flodl-launch [options] (--nproc N | CLUSTER.yml) -- CMD [ARGS ...]",
         description="Launch a distributed PyTorch job: every rank runs CMD with the torchrun environment.",
@@ -150,7 +151,9 @@ def parse_args(argv: Sequence[str]) -> _Args:
         ours, command = argv[:split], tuple(argv[split + 1 :])
     else:
         ours, command = argv, ()
-    ns, stray = parser.parse_known_args(ours)  # --help and argparse's own errors exit here (code 2)
+    ns, stray = parser.parse_known_args(hyphenate(parser, ours))  # --help and argparse's own errors exit here (code 2)
+    if stray and ns.nproc is not None and ns.cluster is not None and not command:
+        stray = []  # `--nproc 2 python -u train.py`: the command's own options are no typo of ours (the `--` hint below)
     if stray and (ns.cluster is None or stray[0].startswith("-")):
         parser.error(f"unrecognized arguments: {' '.join(stray)}")  # a mistyped option of ours, not a command
     if stray or (not command and ns.cluster is not None and ns.nproc is not None):
@@ -258,8 +261,15 @@ def build_plan(args: _Args) -> LaunchPlan:
     join = spec.controller.join.resolve(capacity, scale=deadlines.scale, reported_hosts=reported)
     secret = _session_secret(args.secret_file)
     token = _cluster_token(args.token_file, spec)
+    run_id = args.run_id or f"flodl-{secrets.token_hex(4)}"
+    if args.log_dir is not None and (args.log_dir / run_id).exists():
+        # torchrun's layout has one directory per run: an earlier run's logs are never appended to.
+        raise ConfigError(
+            f"--log-dir: {args.log_dir / run_id} already holds the logs of an earlier run with run id {run_id!r}; "
+            "give another --run-id, or move that directory away"
+        )
     return LaunchPlan(
-        run_id=args.run_id or f"flodl-{secrets.token_hex(4)}",
+        run_id=run_id,
         secret=secret,
         bind_host=spec.bind_host(local),
         port=args.port if args.port is not None else spec.controller.port,
@@ -333,11 +343,21 @@ def banner(plan: LaunchPlan, port: int) -> str:
     if plan.one_host:
         devices = plan.workers[0].spec.devices
         count = devices.known_count or 0
-        kind = "CPU" if not devices.is_gpu else f"GPU {','.join(str(i) for i in devices.gpu_ids)}"
+        kind = "CPU" if not devices.is_gpu else f"GPU {','.join(_caller_gpu_names(devices.gpu_ids))}"
         ranks = f"{count} rank" if count == 1 else f"{count} ranks"
-        return f"run {plan.run_id}: {ranks} on this host ({kind}) — {command} — status: flodl status, or http://{where}:{port}/"
+        # A run moved off the default port is not the one a bare `flodl status` falls back to.
+        status = "flodl status" if port == DEFAULT_PORT else f"flodl status --addr {where}:{port}"
+        return f"run {plan.run_id}: {ranks} on this host ({kind}) — {command} — status: {status}, or http://{where}:{port}/"
     hosts = len(plan.workers)
     return f"run {plan.run_id}: {command} on {hosts} host(s) — status: flodl status --addr {where}:{port}, or http://{where}:{port}/"
+
+
+def _caller_gpu_names(indices: Sequence[int]) -> tuple[str, ...]:
+    """The GPUs as the caller's ``CUDA_VISIBLE_DEVICES`` names them (``2,3`` under ``CUDA_VISIBLE_DEVICES=2,3``, not ``0,1``)."""
+    try:
+        return select(indices, host_visible_gpus())
+    except ConfigError:  # checked when the plan was built; the indices are still the truth
+        return tuple(str(i) for i in indices)
 
 
 def warn_oversubscribed(plan: LaunchPlan) -> None:

@@ -184,7 +184,7 @@ def test_garbage_on_the_port_does_not_disturb_the_run(tmp_path: Path) -> None:
         (["--nproc", "2"], "missing the command to run"),
         (["--", PY, "x.py"], "give either --nproc N (one host) or a cluster file"),
         (["--nproc", "0", "--", PY, "x.py"], "--nproc must be a number of at least 1, or auto (got '0')"),
-        (["--nproc", "2", PY, "x.py", "--epochs", "3"], "unexpected 'x.py': did you forget `--` before the command?"),
+        (["--nproc", "2", PY, "x.py", "--epochs", "3"], f"unexpected {PY!r}: did you forget `--` before the command?"),  # where it starts
         (["--nproc", "2", "--nprc", "3", "--", PY, "x.py"], "unrecognized arguments: --nprc"),
         (["--nproc", "2", "--devices", "0,0", "--", PY, "x.py"], "GPU ids '0,0' must be distinct and non-negative"),
         (["--nproc", "2", "--devices", "all", "--", PY, "x.py"], "this host has no visible GPU; for CPU ranks use --devices cpu:2"),

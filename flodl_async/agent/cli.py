@@ -29,6 +29,7 @@ import sys
 from collections.abc import Iterator, Sequence
 
 from .. import __version__
+from ..argtypos import HintingParser, hyphenate
 from ..backoff import BackoffPolicy
 from ..deadlines import DEFAULT_STOP_GRACE, Deadlines
 from ..devices import parse_devices
@@ -53,7 +54,7 @@ examples:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = HintingParser(
         prog="flodl-agent",
         description="Join a flodl controller's run and run this host's ranks. The session secret "
         "comes on stdin (32 hex characters) or from --secret-file, or the agent holds the cluster token "
@@ -192,7 +193,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     from ..net.fdlimit import raise_descriptor_limit
     from ..net.loop import run
 
-    args = _parser().parse_args(argv)  # --help and argparse's own errors exit here (code 2)
+    parser = _parser()
+    args = parser.parse_args(hyphenate(parser, sys.argv[1:] if argv is None else argv))  # --help and argparse's own errors exit here (code 2)
     logging.basicConfig(level=logging.INFO, format="flodl-agent: %(message)s")
     raise_descriptor_limit()
     try:
