@@ -57,9 +57,16 @@ async def spawn(
 
 
 def signal_group(pid: int, sig: signal.Signals) -> None:
-    """Send ``sig`` to the process group led by ``pid`` (gone already is fine)."""
+    """Send ``sig`` to the process group led by ``pid`` (gone already is fine).
+
+    A stopping signal is followed by SIGCONT: a stopped (SIGSTOPped, ^Z'd) rank would otherwise hold
+    the signal pending until SIGKILL at the grace deadline, and its handlers (``except
+    KeyboardInterrupt: save()``) would never run. SIGCONT to a running group is a no-op.
+    """
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pid, sig)
+        if sig is not signal.SIGKILL:
+            os.killpg(pid, signal.SIGCONT)
 
 
 async def _wait_all(procs: Sequence[asyncio.subprocess.Process]) -> None:

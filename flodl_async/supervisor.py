@@ -528,7 +528,8 @@ class Supervisor:
         done: list[Action] = [Announce(text=f"rank {report.rank} on {report.host} exited with code 0")]
         if len(succeeded) == phase.world.world_size:
             after = f" after {restarts_text(self._restart_count)}" if self._restart_count else ""
-            reason, code = self._training_done or (f"all {phase.world.world_size} ranks exited 0{after}", ExitCode.OK)
+            everyone = f"all {phase.world.world_size} ranks" if phase.world.world_size > 1 else "the rank"
+            reason, code = self._training_done or (f"{everyone} exited 0{after}", ExitCode.OK)
             done.append(self._end(code, reason))
         return tuple(done)
 

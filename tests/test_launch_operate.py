@@ -736,6 +736,28 @@ def test_the_launchers_signal_reaches_a_stand_alone_agents_ranks_first(sig: sign
     assert "Traceback" not in agent_err
 
 
+def test_ctrl_c_reaches_a_stopped_rank_without_waiting_for_the_kill(tmp_path: Path) -> None:
+    """A ^Z'd or SIGSTOPped rank still runs its ``except KeyboardInterrupt`` handler at once: the stop signal comes with SIGCONT."""
+    port = free_port()
+    run_id = new_run_id()
+    rank = tmp_path / "save_on_signal.py"
+    rank.write_text(SAVE_ON_SIGNAL)
+    # A grace longer than the test's own timeout: only the SIGCONT lets the rank save and the run end in time.
+    launcher = Launcher("--nproc", "1", "--devices", "cpu", "--port", str(port), "--stop-grace", "600", "--", PY, str(rank), run_id=run_id)
+    try:
+        launcher.wait_for_stdout("ready")
+        pid = wait_status(port, lambda d: len(d["ranks"]) == 1 and isinstance(d["ranks"][0].get("pid"), int))["ranks"][0]["pid"]
+        os.kill(pid, signal.SIGSTOP)
+        wait_status(port, lambda d: d["ranks"][0].get("process") == "stopped", timeout=30)
+        launcher.proc.send_signal(signal.SIGINT)
+        done = launcher.finish(timeout=60)
+    finally:
+        launcher.kill()
+        assert_nothing_left(run_id)
+    assert done.returncode == 130, done.stderr
+    assert re.search(r"^\[[^\]]+:r0\] saved on SIGINT$", done.stdout, re.M), done.stdout
+
+
 # ----- hangs you can see ------------------------------------------------------------------------
 
 
