@@ -120,6 +120,20 @@ def test_collective_sync_under_flodl_launch(tmp_path: Path) -> None:
     assert "epoch 4/4: loss" in done.stderr  # the controller's per-epoch line
 
 
+def test_cpu_cadence_under_flodl_launch_with_a_cluster_file(tmp_path: Path) -> None:
+    """``flodl-launch cluster.yml -- python train.py``: the same script as ranks, averaged by the controller's reducer."""
+    run_id = new_run_id()
+    done = run_launch(
+        cluster_file(tmp_path), "--", PY, SCRIPT, "--out", str(tmp_path / "out"), "--policy", "cadence", "--epochs", "3",
+        run_id=run_id, env=ENV, timeout=180,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    saved = states(tmp_path)
+    assert_identical(saved, {"rank-0", "rank-1"})
+    assert_converged(saved["rank-0"]["losses"])
+    assert "training complete: 3 epoch(s) on 2 rank(s)" in done.stderr
+
+
 def test_a_3x_slower_rank_gets_a_proportional_share_under_cadence(tmp_path: Path) -> None:
     """Sleep models a slower device without CPU contention; the timing ratio belongs to benchmarks/cadence.py."""
     done = as_launcher(tmp_path, "--epochs", "4", "--fast-ms", "4", "--slow-ms", "12", "--slow-rank", "1", run_id=new_run_id())
