@@ -106,9 +106,10 @@ class LinkThread:
         """Start the thread and wait for the welcome (or raise why there is none)."""
         self._thread.start()
         self._started.wait()
-        if self._welcome is None:
-            assert self._failure is not None
+        # A failure wins over a welcome: the data link can fail after the coordinator welcomed us.
+        if self._failure is not None:
             raise self._failure
+        assert self._welcome is not None
         return self._welcome
 
     def send(self, msg: Message) -> None:
@@ -169,8 +170,9 @@ class LinkThread:
             self._link = await RankLink.connect(self._env)
             try:
                 self._link.send(self._hello)
-                self._welcome = await self._await_welcome()
+                welcome = await self._await_welcome()
                 self._data = await DataLink.connect(self._link.spec, self.rank, self._schema, self._hello.digest)
+                self._welcome = welcome  # only once both links are up
             except BaseException:
                 await self._link.aclose()
                 raise
