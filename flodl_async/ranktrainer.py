@@ -668,9 +668,13 @@ def _open_session(trainer: Trainer, publish: Callable[[EpochMetrics], None]) -> 
     hello = m.TrainerHello(rank=rank, spec=spec_wire, digest=digest, model=schema.to_wire(), model_bytes=schema.model_bytes, device=str(device))
     link = LinkThread(hello=hello, schema=schema, heartbeat_timeout=trainer.heartbeat_timeout)
     welcome = link.start()
-    if trainer.backend is Backend.COLLECTIVE:
-        _init_process_group(device)
-    schedule = RankSchedule(compute, link, welcome=welcome, trainer=trainer, schema=schema, publish=publish)
+    try:
+        if trainer.backend is Backend.COLLECTIVE:
+            _init_process_group(device)
+        schedule = RankSchedule(compute, link, welcome=welcome, trainer=trainer, schema=schema, publish=publish)
+    except BaseException:
+        link.close(None)  # the links are up: a failed start must not leave them (and their thread) open
+        raise
     return _Session(compute=compute, link=link, schedule=schedule, rank=rank, primary=rank_is_primary(env))
 
 
