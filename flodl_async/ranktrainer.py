@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 from .deadlines import timeout_scale
 from .errors import ConfigError, ConnectionClosed, CoordinatorLost, FlodlError, TrainingFailed, TrainingStopped, WireError
+from .metrics import EpochMetrics
 from .policy import Backend, Policy
 from .verdict import ExitCode, RunResult
 from .wire import messages as m
@@ -47,7 +48,6 @@ from .worker import Compute, WindowStats, Work, Worker, default_device, run_mana
 if TYPE_CHECKING:
     import torch
 
-    from .metrics import EpochMetrics
     from .modelschema import ModelSchema
     from .trainer import TrainedState, Trainer
 
@@ -443,7 +443,7 @@ class RankSchedule:
 
     def _on_epoch(self, msg: Message) -> None:
         assert isinstance(msg, m.EpochAggregated)
-        metrics = epoch_metrics_from_wire(msg.metrics)
+        metrics = EpochMetrics.from_wire(msg.metrics)
         self._epochs_seen = max(self._epochs_seen, metrics.epoch)
         self._cohort_batches += metrics.batches
         self._publish(metrics)
@@ -608,39 +608,6 @@ _INBOUND: dict[type[Message], Callable[[RankSchedule, Message], None]] = {
     m.Shutdown: RankSchedule._on_shutdown,
     m.TrainerReject: RankSchedule._on_reject,
 }
-
-
-def epoch_metrics_from_wire(wire: m.EpochMetricsWire) -> EpochMetrics:
-    """The handle's form of an aggregated epoch."""
-    from .metrics import EpochMetrics, RankEpochStats
-
-    per_rank = tuple(
-        RankEpochStats(
-            rank=r.rank,
-            batches=r.batches,
-            samples=r.samples,
-            avg_loss=r.avg_loss,
-            throughput=r.throughput,
-            batch_share=r.batch_share,
-            compute_ms=r.compute_ms,
-            data_ms=r.data_ms,
-            alive=r.alive,
-        )
-        for r in wire.per_rank
-    )
-    return EpochMetrics(
-        epoch=wire.epoch,
-        avg_loss=wire.avg_loss,
-        epoch_ms=wire.epoch_ms,
-        batches=wire.batches,
-        samples=wire.samples,
-        reduces=wire.reduces,
-        avg_reduce_ms=wire.avg_reduce_ms,
-        anchor=wire.anchor,
-        counts=tuple(wire.counts),
-        per_rank=per_rank,
-        scalars=dict(wire.scalars),
-    )
 
 
 # ----- the rank's session: hello, compute, goodbye -------------------------------------------------
