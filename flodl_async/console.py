@@ -137,7 +137,7 @@ class ConsoleWriter:
                 if self._backlog <= self._limit // 2 or self._failed:
                     self._wake_waiters_locked()
             if error is not None:
-                _point_at_devnull(self._stream)
+                point_at_devnull(self._stream)
                 log.warning("%s is gone (%s): rank output to it is dropped from now on; the ranks keep running", self.name, error.strerror or error)
                 with self._cond:  # nothing more will be written: wait only for close()
                     while not self._closed:
@@ -171,8 +171,13 @@ def _resolve(future: asyncio.Future[None]) -> None:
         future.set_result(None)
 
 
-def _point_at_devnull(stream: BinaryIO) -> None:
-    """A failed stream's descriptor to /dev/null, so the interpreter's exit flush does not fail again."""
+def point_at_devnull(stream: BinaryIO) -> None:
+    """Send a failed stream's descriptor to /dev/null.
+
+    What it still buffers would fail again at the interpreter's exit flush ("Exception
+    ignored ... BrokenPipeError"); the Python docs' note on SIGPIPE does the same.
+    A stream without a descriptor (a test's BytesIO) is left alone.
+    """
     with contextlib.suppress(OSError, ValueError):
         fd = stream.fileno()
         devnull = os.open(os.devnull, os.O_WRONLY)

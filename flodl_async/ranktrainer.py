@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 from .deadlines import timeout_scale
 from .errors import ConfigError, ConnectionClosed, CoordinatorLost, FlodlError, TrainingFailed, TrainingStopped, WireError
+from .metrics import EpochMetrics
 from .policy import Backend, Policy
 from .verdict import ExitCode, RunResult
 from .wire import messages as m
@@ -47,7 +48,6 @@ from .worker import Compute, WindowStats, Work, Worker, default_device, run_mana
 if TYPE_CHECKING:
     import torch
 
-    from .metrics import EpochMetrics
     from .modelschema import ModelSchema
     from .trainer import TrainedState, Trainer
 
@@ -106,9 +106,10 @@ class LinkThread:
         """Start the thread and wait for the welcome (or raise why there is none)."""
         self._thread.start()
         self._started.wait()
-        if self._welcome is None:
-            assert self._failure is not None
+        # A failure wins over a welcome: the data link can fail after the coordinator welcomed us.
+        if self._failure is not None:
             raise self._failure
+        assert self._welcome is not None
         return self._welcome
 
     def send(self, msg: Message) -> None:
@@ -169,8 +170,9 @@ class LinkThread:
             self._link = await RankLink.connect(self._env)
             try:
                 self._link.send(self._hello)
-                self._welcome = await self._await_welcome()
+                welcome = await self._await_welcome()
                 self._data = await DataLink.connect(self._link.spec, self.rank, self._schema, self._hello.digest)
+                self._welcome = welcome  # only once both links are up
             except BaseException:
                 await self._link.aclose()
                 raise
@@ -441,7 +443,7 @@ class RankSchedule:
 
     def _on_epoch(self, msg: Message) -> None:
         assert isinstance(msg, m.EpochAggregated)
-        metrics = epoch_metrics_from_wire(msg.metrics)
+        metrics = EpochMetrics.from_wire(msg.metrics)
         self._epochs_seen = max(self._epochs_seen, metrics.epoch)
         self._cohort_batches += metrics.batches
         self._publish(metrics)
@@ -608,39 +610,6 @@ _INBOUND: dict[type[Message], Callable[[RankSchedule, Message], None]] = {
 }
 
 
-def epoch_metrics_from_wire(wire: m.EpochMetricsWire) -> EpochMetrics:
-    """The handle's form of an aggregated epoch."""
-    from .metrics import EpochMetrics, RankEpochStats
-
-    per_rank = tuple(
-        RankEpochStats(
-            rank=r.rank,
-            batches=r.batches,
-            samples=r.samples,
-            avg_loss=r.avg_loss,
-            throughput=r.throughput,
-            batch_share=r.batch_share,
-            compute_ms=r.compute_ms,
-            data_ms=r.data_ms,
-            alive=r.alive,
-        )
-        for r in wire.per_rank
-    )
-    return EpochMetrics(
-        epoch=wire.epoch,
-        avg_loss=wire.avg_loss,
-        epoch_ms=wire.epoch_ms,
-        batches=wire.batches,
-        samples=wire.samples,
-        reduces=wire.reduces,
-        avg_reduce_ms=wire.avg_reduce_ms,
-        anchor=wire.anchor,
-        counts=tuple(wire.counts),
-        per_rank=per_rank,
-        scalars=dict(wire.scalars),
-    )
-
-
 # ----- the rank's session: hello, compute, goodbye -------------------------------------------------
 
 
@@ -666,9 +635,13 @@ def _open_session(trainer: Trainer, publish: Callable[[EpochMetrics], None]) -> 
     hello = m.TrainerHello(rank=rank, spec=spec_wire, digest=digest, model=schema.to_wire(), model_bytes=schema.model_bytes, device=str(device))
     link = LinkThread(hello=hello, schema=schema, heartbeat_timeout=trainer.heartbeat_timeout)
     welcome = link.start()
-    if trainer.backend is Backend.COLLECTIVE:
-        _init_process_group(device)
-    schedule = RankSchedule(compute, link, welcome=welcome, trainer=trainer, schema=schema, publish=publish)
+    try:
+        if trainer.backend is Backend.COLLECTIVE:
+            _init_process_group(device)
+        schedule = RankSchedule(compute, link, welcome=welcome, trainer=trainer, schema=schema, publish=publish)
+    except BaseException:
+        link.close(None)  # the links are up: a failed start must not leave them (and their thread) open
+        raise
     return _Session(compute=compute, link=link, schedule=schedule, rank=rank, primary=rank_is_primary(env))
 
 

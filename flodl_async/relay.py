@@ -30,9 +30,9 @@ against it in one place (:func:`rank_of`):
   connection (the controller learns of a dead Trainer rank without waiting for
   its heartbeat deadline or its exit report).
 
-The relay also reads two Trainer messages as they pass: the first ``TrainerHello``
-(the model's size and the run digest, which its data socket's ceiling and hello
-check need) and ``DeclareDead`` (a rank its fold barrier must stop waiting for).
+The relay also reads one Trainer message as it passes: ``DeclareDead`` (a rank
+its fold barrier must stop waiting for). The data socket learns the model's size
+and digest from the ranks' own ``DataHello`` (:mod:`flodl_async.relayfold`).
 
 Credentials. The relay holds the session secret (it is part of its agent) and
 speaks upstream with it; ranks never get it. The rank socket takes only rank
@@ -190,10 +190,6 @@ class Relay:
         self._warned: set[type[Message]] = set()
         self._broadcasts_down = 0
         self._ranks_gone = 0
-        #: ``(model_bytes, digest)`` from the first local TrainerHello; None before any.
-        self.trainer_model: tuple[int, str] | None = None
-        #: Ranks the controller declared dead (the fold barrier's exclusions).
-        self.declared_dead: set[int] = set()
 
     async def start(self) -> None:
         """Dial upstream (with the session secret), then listen on the unix socket (owner-only)."""
@@ -300,8 +296,6 @@ class Relay:
                     self._refuse(why)
                     gone = f"the relay closed its link: {why}"
                     return
-                if isinstance(msg, m.TrainerHello) and self.trainer_model is None:
-                    self.trainer_model = (msg.model_bytes, msg.digest)
                 self._up(upstream, msg)
                 await upstream.drain()
         finally:
@@ -334,7 +328,6 @@ class Relay:
                 continue  # the echo of our own beat: heard, nothing to deliver
             rank = rank_of(msg)
             if isinstance(msg, m.DeclareDead):
-                self.declared_dead.add(msg.dead_rank)
                 self.rank_dead(msg.dead_rank, msg.reason)
             if rank == EVERY_LOCAL_RANK:
                 self._broadcasts_down += 1

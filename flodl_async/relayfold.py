@@ -54,6 +54,10 @@ log = logging.getLogger("flodl_async.relay")
 
 #: Tensor frames are refused on a data link until its hello matched (then: the controller's ceiling).
 HELLO_LIMITS = FrameLimits(max_payload=0)
+#: Rounds one rank may have contributed to that this host has not sent up yet. A rank keeps at most one
+#: contribution outstanding (it waits for a round's consensus before the next), so a rank past this is
+#: running away, and every such round would hold one of its payloads here.
+ROUNDS_IN_FLIGHT = 4
 
 
 @dataclass(slots=True)
@@ -239,6 +243,12 @@ class HostFold:
             raise ProtocolError(f"rank {msg.rank} contributed to round {msg.round} after this host's part of it went up")
         state = self._rounds.get(msg.round)
         if state is None:
+            in_flight = sum(msg.rank in r.pending or msg.rank in r.covered for r in self._rounds.values())
+            if in_flight >= ROUNDS_IN_FLIGHT:
+                raise ProtocolError(
+                    f"rank {msg.rank} contributed to round {msg.round} with {in_flight} earlier rounds of it still waiting for this host's "
+                    f"other ranks (at most {ROUNDS_IN_FLIGHT})"
+                )
             state = self._rounds[msg.round] = _HostRound(kind=msg.kind)
         if msg.kind != state.kind:
             raise ProtocolError(f"rank {msg.rank} contributed to round {msg.round} as {msg.kind!r}, the host's other ranks as {state.kind!r}")

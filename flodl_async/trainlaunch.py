@@ -149,7 +149,9 @@ class LauncherDriver:
         handled = _add_signal_handler(loop, signal.SIGTERM, self.request_stop)
         try:
             await controller.bind()
-            task = asyncio.ensure_future(controller.run())
+            # Not in a TaskGroup: a cancelled run() must keep the controller going until it stops in order
+            # (below); this coroutine awaits the task on every path, so it is the task's owner.
+            task = loop.create_task(controller.run(), name=f"trainer-controller-{plan.run_id}")
             try:
                 result = await asyncio.shield(task)
             except asyncio.CancelledError:

@@ -40,6 +40,7 @@ from flodl_async.outer import DiLoCo, OuterAvg, OuterSpec, SlowMo
 from flodl_async.rankenv import RankSpec
 from flodl_async.reducer import Reducer
 from flodl_async.relay import Relay
+from flodl_async.relayfold import ROUNDS_IN_FLIGHT
 from flodl_async.wire import Channel, Credential
 from flodl_async.wire import messages as m
 from flodl_async.wire.frame import FrameLimits
@@ -439,6 +440,19 @@ async def test_a_rank_listed_twice_closes_that_connection(bench: Bench, caplog: 
         assert (await bench.reducer.wait_round(1)).mass == 2.0
     for link in links.values():
         await link.aclose()
+
+
+async def test_a_rank_running_rounds_ahead_of_its_host_is_refused(bench: Bench, caplog: pytest.LogCaptureFixture) -> None:
+    links = await bench.links([0])  # rank 1 (same host) never contributes: every round of rank 0 waits for it at the relay
+    async with asyncio.timeout(30):
+        for number in range(1, ROUNDS_IN_FLIGHT + 1):
+            await links[0].send(number, "model", _tensors(0), steps=1, weight=1.0)
+        await links[0].send(ROUNDS_IN_FLIGHT + 1, "model", _tensors(0), steps=1, weight=1.0)
+        with pytest.raises(ConnectionClosed):
+            await links[0].receive(1)
+    assert f"earlier rounds of it still waiting for this host's other ranks (at most {ROUNDS_IN_FLIGHT})" in caplog.text
+    assert bench.relays["a"].statistics().data.refused_links == 1
+    await links[0].aclose()
 
 
 @pytest.mark.parametrize(

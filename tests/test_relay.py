@@ -286,7 +286,7 @@ async def test_a_rank_cannot_send_rank_gone(bench: Bench) -> None:
     assert bench.relay.statistics().refused_links == 1
 
 
-async def test_trainer_frames_are_rank_checked_and_the_relay_reads_hello_and_deaths(bench: Bench) -> None:
+async def test_trainer_frames_are_rank_checked_and_forwarded_both_ways(bench: Bench) -> None:
     from .trainerwire import CONTROL_UP
 
     r1 = await bench.hello(1)
@@ -295,10 +295,8 @@ async def test_trainer_frames_are_rank_checked_and_the_relay_reads_hello_and_dea
     assert isinstance(trainer_hello, m.TrainerHello)
     r1.send(trainer_hello)
     assert await bench.controller.up.get() == trainer_hello  # read, and forwarded
-    assert bench.relay.trainer_model == (trainer_hello.model_bytes, trainer_hello.digest)
     bench.down(m.DeclareDead(dead_rank=3, reason="heartbeat timeout"))
     assert await r1.recv_message() == m.DeclareDead(dead_rank=3, reason="heartbeat timeout")
-    assert bench.relay.declared_dead == {3}
     r1.send(m.WindowDone(rank=2, round=1, epoch=0, batches=1, samples=1, compute_ms=1.0, data_ms=0.0, loss_sum=0.0))  # for another rank
     await _closed(r1)
     assert bench.relay.statistics().refused_links == 1

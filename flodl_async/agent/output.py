@@ -34,12 +34,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 from collections.abc import Awaitable, Callable, Collection
 from pathlib import Path
 from typing import BinaryIO, Protocol
 
-from ..console import ConsoleWriter
+from ..console import ConsoleWriter, point_at_devnull
 from ..errors import ConnectionClosed, WireError
 from ..net.framed import FramedProtocol
 from ..outputlines import CHUNK_LIMIT, LineAssembler, OutputChunker
@@ -194,7 +193,7 @@ class RankOutput:
         except OSError as exc:  # EPIPE: its reader went away; EIO: the terminal hung up; ENOSPC: a full disk
             self._retired.append(stream)
             if not isinstance(stream, ConsoleWriter):  # a writer thread's stream never raises here: it retires itself
-                _point_at_devnull(stream)
+                point_at_devnull(stream)
             log.warning("%s is gone (%s): rank output to it is dropped from now on; the ranks keep running", name, exc.strerror or exc)
 
     def close(self) -> None:
@@ -203,22 +202,6 @@ class RankOutput:
             with contextlib.suppress(OSError):  # a retired file's buffered tail cannot be written either
                 file.close()
         self._files.clear()
-
-
-def _point_at_devnull(stream: BinaryIO) -> None:
-    """Send a failed stream's descriptor to /dev/null.
-
-    What it still buffers would fail again at the interpreter's exit flush ("Exception
-    ignored ... BrokenPipeError"); the Python docs' note on SIGPIPE does the same.
-    A stream without a descriptor (a test's BytesIO) is left alone.
-    """
-    with contextlib.suppress(OSError, ValueError):
-        fd = stream.fileno()
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        try:
-            os.dup2(devnull, fd)
-        finally:
-            os.close(devnull)
 
 
 async def forward_output(stream: asyncio.StreamReader, *, idle: float, emit: Callable[[bytes], Awaitable[None]]) -> None:

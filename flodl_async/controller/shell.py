@@ -266,13 +266,15 @@ class Controller:
                 finally:
                     if result is None:
                         self._final = RunResult(exit_code=ExitCode.INTERRUPTED, reason="the controller was cancelled")
-                    await self._training.aclose()
-                    await self._teardown(agent_tasks)
-                    # What is still connected after the teardown's grace is stuck (a frozen host's relay link
-                    # says nothing and never closes): closing the port ends those handlers, so the group can close.
-                    await self._mux.aclose()
-                    if self._reducer is not None:
-                        await self._reducer.aclose()  # its round driver is a task of this group
+                    try:
+                        await self._training.aclose()
+                    finally:  # a training shell that fails (or is cancelled) to close must not leave the agents running
+                        await self._teardown(agent_tasks)
+                        # What is still connected after the teardown's grace is stuck (a frozen host's relay link
+                        # says nothing and never closes): closing the port ends those handlers, so the group can close.
+                        await self._mux.aclose()
+                        if self._reducer is not None:
+                            await self._reducer.aclose()  # its round driver is a task of this group
         finally:
             if self._store is not None:
                 self._store.close()

@@ -283,9 +283,15 @@ class TrainingShell:
         tasks = list(self._tasks)
         for task in tasks:
             task.cancel()
-        for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        try:
+            if tasks:
+                # asyncio.wait, not ``suppress(CancelledError)`` around each await: that would also swallow a
+                # cancellation of aclose itself. The task group still sees each task's own outcome.
+                await asyncio.wait(tasks)
+        finally:
+            await self._close_reducer()
+
+    async def _close_reducer(self) -> None:
         reducer = self.reducer
         for uplink in self.uplinks():  # which host's contributions came over the port and which in memory, for the log
             log.info("training data: %s", uplink.summary())
