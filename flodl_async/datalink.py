@@ -77,9 +77,22 @@ class DataLink:
         pool = BufferPool()
         credential = Credential.rank_from_hex(spec.credential_hex, round=spec.round, rank=rank)
         label = f"relay of {spec.host} (data)"
-        link = await open_unix_framed(
-            spec.data_socket, channel=Channel.DATA, credential=credential, peer_label=label, limits=_HELLO_LIMITS, allocate=pool.acquire, plain_payloads=True
-        )
+        try:
+            link = await open_unix_framed(
+                spec.data_socket,
+                channel=Channel.DATA,
+                credential=credential,
+                peer_label=label,
+                limits=_HELLO_LIMITS,
+                allocate=pool.acquire,
+                plain_payloads=True,
+            )
+        except OSError as exc:  # the relay is gone (its agent stopped) or never served data: say which socket, not an errno
+            raise ConnectionClosed(
+                f"rank {rank} cannot reach the data socket {spec.data_socket} of the relay of {spec.host} ({exc.strerror or exc!r}); "
+                "is the host's agent still running?",
+                by_peer=True,
+            ) from exc
         try:
             link.send(m.DataHello(rank=rank, model_bytes=schema.model_bytes, digest=digest))
             try:

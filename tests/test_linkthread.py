@@ -11,6 +11,7 @@ import asyncio
 
 import pytest
 
+from flodl_async.errors import ConnectionClosed
 from flodl_async.modelschema import ModelSchema
 from flodl_async.rankenv import RankSpec
 from flodl_async.ranktrainer import LinkThread
@@ -44,7 +45,7 @@ async def test_a_data_link_that_fails_after_the_welcome_is_raised_by_start(bench
     try:
         async with asyncio.timeout(30), asyncio.TaskGroup() as tg:
             welcomer = tg.create_task(welcome(), name="test-welcomer")
-            with pytest.raises(FileNotFoundError):
+            with pytest.raises(ConnectionClosed, match=r"rank 0 cannot reach the data socket /nonexistent/flodl-data.sock of the relay of h"):
                 await asyncio.to_thread(link.start)
             assert welcomer.done()  # the failure came after the welcome: the case under test
     finally:
