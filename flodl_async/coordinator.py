@@ -55,6 +55,8 @@ from .wire.schema import Message
 # ----- configuration -------------------------------------------------------------------------
 
 
+REPORTS_AHEAD_LIMIT = 64  # windows a rank may report ahead of the coordinator's current round (see _on_window)
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class CoordinatorConfig:
     """What the shell knows when the first hello arrives (deadlines already scaled)."""
@@ -701,6 +703,10 @@ class Coordinator:
             return []  # a dead rank's late frames, or no window open
         if report.round < self._round or rank in self._reports.get(report.round, {}):
             return [Log(text=f"rank {rank} reported window {report.round} again or too late; ignoring", level=Level.WARNING)]
+        if report.round > self._round + REPORTS_AHEAD_LIMIT:
+            # A rank numbers its windows from the reduces it has seen, so it is never more than a round or two
+            # ahead; anything further is a broken peer, and keeping its reports would grow without bound.
+            return [Log(text=f"rank {rank} reported window {report.round}, far ahead of round {self._round}; ignoring", level=Level.WARNING)]
         spec = self._require_spec()
         if not RULES[spec.policy].static_slices and (report.round, rank) not in self._plans:
             return [Log(text=f"rank {rank} reported window {report.round}, which it was never planned; ignoring", level=Level.WARNING)]

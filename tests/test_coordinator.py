@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from flodl_async.coordinator import (
+    REPORTS_AHEAD_LIMIT,
     Coordinator,
     CoordinatorConfig,
     CoordPhase,
@@ -16,6 +17,7 @@ from flodl_async.coordinator import (
     Fail,
     Finish,
     FrameSeen,
+    Log,
     RankExiting,
     RankLost,
     RoundCompleted,
@@ -427,3 +429,17 @@ def test_a_second_stop_request_changes_nothing() -> None:
     assert d.coord.stop_requested
     assert [r.kind for r in first if isinstance(r, StartRound)] == ["final"]
     assert d.coord.handle(StopRequested(reason="SIGTERM"), d.now) == []  # the shell sends the next signal to the supervisor
+
+
+def test_reports_far_ahead_of_the_current_round_are_refused_not_kept() -> None:
+    """A broken SYNC rank cannot grow the coordinator's report table without bound."""
+    d = Driver(spec(Policy.SYNC, elche=ElCheConfig(max_batch_diff=0)))
+    d.join_all()
+    far = d.coord._round + REPORTS_AHEAD_LIMIT + 1
+    for offset in range(100):
+        out = d.feed(WindowReported(report=m.WindowDone(rank=0, round=far + offset, epoch=0, batches=1, samples=4, compute_ms=1.0, data_ms=0.0, loss_sum=0.5)))
+        assert [a.text for a in out if isinstance(a, Log)] == [f"rank 0 reported window {far + offset}, far ahead of round {d.coord._round}; ignoring"]
+    assert not any(r >= far for r in d.coord._reports)
+    while d.pending:  # the run itself is unharmed
+        d.feed(d.pending.popleft())
+    assert isinstance(d.ended, Finish)
