@@ -50,6 +50,10 @@ The order of checks on receipt is the security argument:
    (:class:`~flodl_async.errors.AuthenticationFailed` otherwise);
 6. only then msgpack and the schema (:class:`~flodl_async.errors.MalformedBody`).
 
+Payload chunks are decrypted as soon as each has arrived (so opening overlaps the rest of
+the frame's transfer), but that is bookkeeping, not a check: a chunk that fails its tag is
+reported at step 5, and no plaintext leaves the codec before steps 1-5 all passed.
+
 The sending side applies the same table to itself: ``send`` of a kind its row
 lacks raises ``TypeError`` (our bug, not the peer's) before taking a sequence number.
 
