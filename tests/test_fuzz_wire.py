@@ -18,7 +18,7 @@ from flodl_async.net.service import FramedService
 from flodl_async.wire import CHANNEL_MAGIC, Channel, CredentialKind
 from flodl_async.wire import frame as frame_module
 from flodl_async.wire import messages as m
-from flodl_async.wire.handshake import session_resolver
+from flodl_async.wire.handshake import PROTOCOL_VERSION, session_resolver
 from flodl_async.wire.schema import pack_message, unpack_message
 from tools import fuzz_wire as fw
 
@@ -134,7 +134,7 @@ def test_a_failed_server_handshake_stays_failed(failure: str) -> None:
     fixture = _handshake()
     server = fixture.server()
     first, then = {
-        "malformed hello": ([struct.pack("<BBH", 2, 1, 0)], [fixture.hello, fixture.proof]),  # a v2 preamble announcing an empty hello
+        "malformed hello": ([struct.pack("<BBH", PROTOCOL_VERSION, 1, 0)], [fixture.hello, fixture.proof]),  # a current preamble announcing an empty hello
         "bytes before the server's hello": ([fixture.hello + fixture.proof], [fixture.proof]),  # the client cannot know its proof yet
         "EOF awaiting the proof": ([fixture.hello, b""], [fixture.proof]),
     }[failure]
@@ -152,7 +152,7 @@ def test_a_failed_client_handshake_stays_failed(failure: str) -> None:
     fixture = _handshake()
     client = fixture.client()
     bad = {
-        "malformed": struct.pack("<BBH", 2, 0, 0),
+        "malformed": struct.pack("<BBH", PROTOCOL_VERSION, 0, 0),
         "bad proof": fixture.server_hello[:-1] + bytes([fixture.server_hello[-1] ^ 1]),
         "EOF": b"",
     }[failure]

@@ -111,15 +111,16 @@ def test_a_peer_of_another_protocol_version_is_told_so_in_clear(secret: bytes) -
     step = server.receive_data(old)
     assert isinstance(step.failure, VersionMismatch)
     assert "v1 (a flodl_async that predates the handshake)" in str(step.failure)
-    assert "speaks v2" in str(step.failure)
+    assert f"speaks v{PROTOCOL_VERSION}" in str(step.failure)
     # The refusal travels in clear, so a client of this version reads it as a version mismatch too.
     assert b"predates the handshake" in step.send
 
 
 def test_a_client_reads_a_newer_servers_version_as_a_version_mismatch(secret: bytes) -> None:
     client = _client(secret)
-    with pytest.raises(VersionMismatch, match=r"server speaks wire protocol v3, this build speaks v2"):
-        client.receive_data(struct.pack("<BBH", 3, 0, 4) + bytes(4))
+    newer = PROTOCOL_VERSION + 1
+    with pytest.raises(VersionMismatch, match=rf"server speaks wire protocol v{newer}, this build speaks v{PROTOCOL_VERSION}"):
+        client.receive_data(struct.pack("<BBH", newer, 0, 4) + bytes(4))
 
 
 def test_a_refusal_reaches_the_client_with_its_reason(secret: bytes) -> None:

@@ -28,7 +28,7 @@ from collections.abc import Callable, Sequence
 from .. import __version__
 from ..errors import AuthenticationFailed, BusyError, ConnectionClosed, HandshakeFailed, HandshakeRefused, VersionMismatch, WireError, WrongToken
 from ..wire.channels import CHANNEL_MAGIC, Channel
-from ..wire.frame import Buffer, Frame, FrameConnection, FrameLimits, Side, sealed_length
+from ..wire.frame import Buffer, Frame, FrameConnection, FrameLimits, SealingFrame, Side, sealed_length
 from ..wire.handshake import ClientHandshake, CredentialResolver, Established, PeerHello, ServerHandshake
 from ..wire.keys import Credential
 from ..wire.schema import Message
@@ -335,6 +335,9 @@ class FramedProtocol(asyncio.BaseProtocol):
                 self._writelines(codec.send_parts_borrowed(msg, payload))
                 return
             sealing = self._require_codec().start_parts(msg, payload, buffer=self._sealing_buffer(payload))
+            if sealing.payload_len >= _THREAD_SEAL_BYTES and not codec.plain_payloads:
+                await self._seal_streaming(sealing)
+                return
             try:
                 if sealing.payload_len >= _THREAD_SEAL_BYTES:
                     await asyncio.get_running_loop().run_in_executor(None, sealing.seal)
@@ -346,6 +349,42 @@ class FramedProtocol(asyncio.BaseProtocol):
                 self.abort()
                 raise
             self._write_sealed(sealing.parts(), sealing.buffer)
+
+    async def _seal_streaming(self, sealing: SealingFrame) -> None:
+        """Seal a large payload chunk by chunk in a worker thread, writing each chunk as soon as it is sealed.
+
+        The socket (and the peer, which opens chunks as they arrive) works on chunk i while
+        the thread seals chunk i+1, instead of waiting for the whole payload. The thread hands
+        each finished chunk to the loop in order (``call_soon_threadsafe`` is FIFO, and the
+        job's completion comes after its last chunk); the tag goes last.
+        """
+        loop = asyncio.get_running_loop()
+        view = memoryview(sealing.buffer)
+        stop = False
+
+        def write_chunk(start: int, end: int) -> None:
+            if self._transport is not None and not self._transport.is_closing():
+                self._write_view(view[start:end])
+
+        def work() -> bytes:
+            for index in range(sealing.chunks):
+                if stop:
+                    return b""  # the send was cancelled: nobody writes the rest
+                start, end = sealing.seal_chunk(index)
+                loop.call_soon_threadsafe(write_chunk, start, end)
+            return sealing.finish()
+
+        self._write(sealing.head)
+        try:
+            tag = await loop.run_in_executor(None, work)
+        except BaseException:
+            # Part of the frame is written (or never will be): the stream is broken. The buffer is
+            # dropped, not reused, since the thread may still be writing into it.
+            stop = True
+            self.abort()
+            raise
+        self._write(tag)
+        self._in_flight.append((self._bytes_written, sealing.buffer))
 
     def _sealing_buffer(self, payload: Sequence[Buffer]) -> bytearray:
         payload_len = sum(memoryview(p).nbytes for p in payload)
@@ -370,6 +409,10 @@ class FramedProtocol(asyncio.BaseProtocol):
     def _write(self, data: bytes) -> None:
         self._writable().write(data)
         self._bytes_written += len(data)
+
+    def _write_view(self, data: memoryview) -> None:
+        self._writable().write(data)
+        self._bytes_written += data.nbytes
 
     def _writelines(self, parts: list[Buffer]) -> None:
         self._writable().writelines(parts)

@@ -31,7 +31,7 @@ indexes are distinct and below ``0xFFFFFFFF`` (a payload ceiling far below
 ``2³² · SEAL_CHUNK`` bytes is enforced), and the body uses the one index no chunk
 uses. So every (key, nonce) pair is used once. A property test checks the
 nonces a sender produces are unique. ``cryptography`` refuses more than 2³¹−1
-bytes per call; ``SEAL_CHUNK`` (1 GiB) stays below that.
+bytes per call; ``SEAL_CHUNK`` (4 MiB; a codec accepts at most 1 GiB) stays below that.
 
 The order of checks on receipt is the security argument:
 
@@ -49,6 +49,10 @@ The order of checks on receipt is the security argument:
 5. GCM: a sealed body and every payload chunk must decrypt under their tags
    (:class:`~flodl_async.errors.AuthenticationFailed` otherwise);
 6. only then msgpack and the schema (:class:`~flodl_async.errors.MalformedBody`).
+
+Payload chunks are decrypted as soon as each has arrived (so opening overlaps the rest of
+the frame's transfer), but that is bookkeeping, not a check: a chunk that fails its tag is
+reported at step 5, and no plaintext leaves the codec before steps 1-5 all passed.
 
 The sending side applies the same table to itself: ``send`` of a kind its row
 lacks raises ``TypeError`` (our bug, not the peer's) before taking a sequence number.
@@ -103,8 +107,13 @@ GCM_TAG_LEN = 16
 #: The 12-byte GCM nonce: sequence number, then chunk index (``BODY_INDEX`` for a sealed body).
 NONCE = struct.Struct("<QI")
 BODY_INDEX = 0xFFFFFFFF
-#: Plaintext bytes per GCM chunk of a payload (cryptography takes at most 2**31 - 1 per call).
-SEAL_CHUNK = 1 << 30
+#: The largest chunk a codec accepts (cryptography takes at most 2**31 - 1 bytes per call).
+MAX_SEAL_CHUNK = 1 << 30
+#: Plaintext bytes per GCM chunk of a payload. Small enough that a large payload is a pipeline:
+#: the sender writes chunk i while it seals chunk i+1, and the receiver opens chunk i while
+#: chunk i+1 is still on the wire (benchmarks/averaging.py --uplink tcp); large enough that the
+#: per-chunk costs (a tag, a nonce, a GCM set-up) stay negligible.
+SEAL_CHUNK = 4 << 20
 #: The sender refuses to take a sequence number past this: the nonce's counter never wraps.
 _LAST_SEQ = (1 << 64) - 1
 
@@ -191,7 +200,24 @@ class SealingFrame:
     an I/O shell may run it in a worker thread while its loop keeps writing earlier frames.
     """
 
-    __slots__ = ("_aead", "_chunk", "_key", "_mac_key", "_parts", "_plain", "_seq", "_tag", "buffer", "head", "payload_len")
+    __slots__ = (
+        "_aead",
+        "_chunk",
+        "_key",
+        "_mac",
+        "_mac_key",
+        "_next",
+        "_parts",
+        "_plain",
+        "_seq",
+        "_source_index",
+        "_source_offset",
+        "_sources",
+        "_tag",
+        "buffer",
+        "head",
+        "payload_len",
+    )
 
     def __init__(
         self,
@@ -218,12 +244,22 @@ class SealingFrame:
         self._chunk = chunk
         self._plain = plain
         self._tag: bytes | None = None
+        self._mac: hmac.HMAC | None = None
+        self._sources: list[memoryview] = []
+        self._source_index = 0
+        self._source_offset = 0
+        self._next = 0  # the next chunk seal_chunk() seals
+
+    @property
+    def chunks(self) -> int:
+        """How many GCM chunks :meth:`seal_chunk` seals (0 on a plain-payload link)."""
+        return 0 if self._plain else chunk_count(self.payload_len, self._chunk)
 
     def seal(self) -> None:
         """Encrypt the payload into :attr:`buffer` and tag the frame (touches only this frame: thread-safe)."""
-        out = memoryview(self.buffer)
         if self._plain:
             # A plain-payload link (a private unix socket, see FrameConnection): copy, tag the head only.
+            out = memoryview(self.buffer)
             at = 0
             for part in self._parts:
                 view = memoryview(part).cast("B")
@@ -231,38 +267,62 @@ class SealingFrame:
                 at += view.nbytes
             self._tag = hmac.digest(self._mac_key, self.head, "sha256")
             return
+        for index in range(self._next, self.chunks):
+            self.seal_chunk(index)
+        self.finish()
+
+    def seal_chunk(self, index: int) -> tuple[int, int]:
+        """Seal chunk ``index`` (chunks go in order, 0 first) into :attr:`buffer`; its (start, end) there.
+
+        Once it returns, those bytes are final: an I/O shell may write them while the next
+        chunk is sealed (thread-safe like :meth:`seal`; one thread per frame at a time).
+        """
+        if self._plain or index != self._next or index >= self.chunks:
+            raise RuntimeError(f"seal_chunk({index}): chunks are sealed in order, {self._next} is next of {self.chunks}")
+        if self._mac is None:
+            self._mac = hmac.new(self._mac_key, self.head, hashlib.sha256)
+            self._sources = [memoryview(p).cast("B") for p in self._parts]
+        out = memoryview(self.buffer)
         aad = self.head[:HEADER_LEN]
-        mac = hmac.new(self._mac_key, self.head, hashlib.sha256)
-        sources = [memoryview(p).cast("B") for p in self._parts]
-        source_index, source_offset = 0, 0
-        sealed_at = 0
-        for index in range(chunk_count(self.payload_len, self._chunk)):
-            size = min(self._chunk, self.payload_len - index * self._chunk)
-            nonce = seal_nonce(self._seq, index)
-            while sources[source_index].nbytes == source_offset:
-                source_index, source_offset = source_index + 1, 0
-            source = sources[source_index]
-            if source.nbytes - source_offset >= size:
-                # The common case: the chunk lies inside one buffer (one tensor, or a flat bucket).
-                self._aead.encrypt_into(nonce, source[source_offset : source_offset + size], aad, out[sealed_at : sealed_at + size + GCM_TAG_LEN])
-                source_offset += size
-            else:
-                # Spread over several tensors: stream them through one GCM context, no gather copy.
-                encryptor = Cipher(algorithms.AES(self._key), modes.GCM(nonce)).encryptor()
-                encryptor.authenticate_additional_data(aad)
-                filled = 0
-                while filled < size:
-                    while sources[source_index].nbytes == source_offset:
-                        source_index, source_offset = source_index + 1, 0
-                    take = min(size - filled, sources[source_index].nbytes - source_offset)
-                    encryptor.update_into(sources[source_index][source_offset : source_offset + take], out[sealed_at + filled : sealed_at + filled + take])
-                    filled += take
-                    source_offset += take
-                encryptor.finalize()
-                out[sealed_at + size : sealed_at + size + GCM_TAG_LEN] = encryptor.tag
-            mac.update(out[sealed_at + size : sealed_at + size + GCM_TAG_LEN])
-            sealed_at += size + GCM_TAG_LEN
-        self._tag = mac.digest()
+        sources = self._sources
+        source_index, source_offset = self._source_index, self._source_offset
+        size = min(self._chunk, self.payload_len - index * self._chunk)
+        sealed_at = index * (self._chunk + GCM_TAG_LEN)
+        nonce = seal_nonce(self._seq, index)
+        while sources[source_index].nbytes == source_offset:
+            source_index, source_offset = source_index + 1, 0
+        source = sources[source_index]
+        if source.nbytes - source_offset >= size:
+            # The common case: the chunk lies inside one buffer (one tensor, or a flat bucket).
+            self._aead.encrypt_into(nonce, source[source_offset : source_offset + size], aad, out[sealed_at : sealed_at + size + GCM_TAG_LEN])
+            source_offset += size
+        else:
+            # Spread over several tensors: stream them through one GCM context, no gather copy.
+            encryptor = Cipher(algorithms.AES(self._key), modes.GCM(nonce)).encryptor()
+            encryptor.authenticate_additional_data(aad)
+            filled = 0
+            while filled < size:
+                while sources[source_index].nbytes == source_offset:
+                    source_index, source_offset = source_index + 1, 0
+                take = min(size - filled, sources[source_index].nbytes - source_offset)
+                encryptor.update_into(sources[source_index][source_offset : source_offset + take], out[sealed_at + filled : sealed_at + filled + take])
+                filled += take
+                source_offset += take
+            encryptor.finalize()
+            out[sealed_at + size : sealed_at + size + GCM_TAG_LEN] = encryptor.tag
+        self._mac.update(out[sealed_at + size : sealed_at + size + GCM_TAG_LEN])
+        self._source_index, self._source_offset = source_index, source_offset
+        self._next = index + 1
+        return sealed_at, sealed_at + size + GCM_TAG_LEN
+
+    def finish(self) -> bytes:
+        """The frame's tag, once every chunk is sealed (:meth:`seal` calls it)."""
+        if self._plain or self._next != self.chunks:
+            raise RuntimeError(f"finish(): {self._next} of {self.chunks} chunks are sealed")
+        if self._mac is None:
+            self._mac = hmac.new(self._mac_key, self.head, hashlib.sha256)  # an empty payload
+        self._tag = self._mac.digest()
+        return self._tag
 
     def parts(self) -> list[Buffer]:
         """The buffers to write, in order."""
@@ -306,8 +366,8 @@ class FrameConnection:
         (benchmarks/averaging.py; trainer spec §3.7)."""
         if channel is Channel.STATUS:
             raise ValueError("the status channel speaks HTTP, not frames")
-        if not 0 < seal_chunk <= SEAL_CHUNK:
-            raise ValueError(f"seal_chunk must be in 1..{SEAL_CHUNK}")
+        if not 0 < seal_chunk <= MAX_SEAL_CHUNK:
+            raise ValueError(f"seal_chunk must be in 1..{MAX_SEAL_CHUNK}")
         outgoing = Direction.TO_CONTROLLER if side is Side.PEER else Direction.FROM_CONTROLLER
         incoming = Direction.FROM_CONTROLLER if side is Side.PEER else Direction.TO_CONTROLLER
         self._keys = keys
@@ -349,6 +409,10 @@ class FrameConnection:
         self._sealed_buf = bytearray()
         self._sealed_len = 0
         self._payload_filled = 0
+        # Chunks are opened as they arrive (see _open_arrived): into this frame's plaintext buffer.
+        self._opened = 0
+        self._plain_out: bytearray | None = None
+        self._open_failed: int | None = None  # the first chunk that did not decrypt, reported in step 5
         self._mac = self._recv_mac.copy()
 
     # ----- sending -------------------------------------------------------------------------
@@ -479,6 +543,8 @@ class FrameConnection:
             take = min(len(view), self._sealed_len - self._payload_filled)
             self._sealed_buf[self._payload_filled : self._payload_filled + take] = view[:take]
             self._payload_filled += take
+            if not self._plain:
+                self._open_arrived()
             if take < len(view):
                 self._buf += view[take:]
             return
@@ -503,6 +569,8 @@ class FrameConnection:
         """``nbytes`` were written into the buffer :meth:`get_buffer` returned."""
         if self._direct:
             self._payload_filled += nbytes
+            if not self._plain:
+                self._open_arrived()
             return
         assert self._scratch is not None
         with memoryview(self._scratch) as view:
@@ -563,6 +631,8 @@ class FrameConnection:
                     chunk.release()
                 self._pos += take
                 self._payload_filled += take
+            if not self._plain:
+                self._open_arrived()
             if self._payload_filled < self._sealed_len:
                 return self._starved(mid_frame=True)
             if not self._plain:
@@ -620,20 +690,42 @@ class FrameConnection:
         except InvalidTag:
             raise AuthenticationFailed(f"{self.channel.value} channel: a sealed body did not decrypt under its GCM tag (tampered, or a peer bug)") from None
 
-    def _open_payload(self, header: bytes, seq: int) -> bytearray:
-        plain = self._allocate(self._payload_len)
-        with memoryview(self._sealed_buf) as sealed, memoryview(plain) as out:
-            at = 0
-            for index in range(chunk_count(self._payload_len, self._chunk)):
-                start = index * self._chunk
-                size = min(self._chunk, self._payload_len - start)
-                try:
-                    self._recv_aead.decrypt_into(seal_nonce(seq, index), sealed[at : at + size + GCM_TAG_LEN], header, out[start : start + size])
-                except InvalidTag:
-                    raise AuthenticationFailed(
-                        f"{self.channel.value} channel: payload chunk {index} did not decrypt under its GCM tag (tampered, or a peer bug)"
-                    ) from None
-                at += size + GCM_TAG_LEN
+    def _open_arrived(self) -> None:
+        """Decrypt every payload chunk whose ciphertext and tag have all arrived.
+
+        Opening a chunk while the next one is still on the wire overlaps the two, and the
+        sealed bytes are read again while they are still in cache. A chunk that fails its GCM
+        tag is only remembered: the failure is raised in step 5 of the order of checks, after
+        the frame's HMAC, sequence and kind (a tampered header fails GCM too, and must still
+        be reported by the HMAC check). No plaintext leaves the codec before every check passed.
+        """
+        chunks = chunk_count(self._payload_len, self._chunk)
+        while self._opened < chunks:
+            index = self._opened
+            start = index * self._chunk
+            size = min(self._chunk, self._payload_len - start)
+            at = start + index * GCM_TAG_LEN
+            if self._payload_filled < at + size + GCM_TAG_LEN:
+                return
+            if self._open_failed is None:
+                if self._plain_out is None:
+                    self._plain_out = self._allocate(self._payload_len)
+                with memoryview(self._sealed_buf) as sealed, memoryview(self._plain_out) as out:
+                    nonce = seal_nonce(self._seq, index)
+                    try:
+                        self._recv_aead.decrypt_into(nonce, sealed[at : at + size + GCM_TAG_LEN], self._header, out[start : start + size])
+                    except InvalidTag:
+                        self._open_failed = index
+            self._opened = index + 1
+
+    def _open_payload(self) -> bytearray:
+        self._open_arrived()  # every chunk has arrived by now: this opens any not opened yet
+        if self._open_failed is not None:
+            raise AuthenticationFailed(
+                f"{self.channel.value} channel: payload chunk {self._open_failed} did not decrypt under its GCM tag (tampered, or a peer bug)"
+            )
+        plain, self._plain_out = self._plain_out, None
+        assert plain is not None
         return plain
 
     def _auth_failure(self) -> AuthenticationFailed:
@@ -696,6 +788,9 @@ class FrameConnection:
         elif len(self._sealed_buf) < self._sealed_len:
             self._sealed_buf = bytearray(self._sealed_len)  # grows to the largest frame once, then is reused
         self._payload_filled = 0
+        self._opened = 0
+        self._plain_out = None
+        self._open_failed = None
         self._state = _State.BODY
 
     def _finish_frame(self, tag: bytes) -> Frame:
@@ -712,7 +807,7 @@ class FrameConnection:
             payload = memoryview(self._sealed_buf)  # received in place: the frame owns this buffer now
             self._sealed_buf = bytearray()
         else:
-            payload = memoryview(self._open_payload(self._header, self._seq))
+            payload = memoryview(self._open_payload())
         msg = unpack_message(self._kind, body)
         frame = Frame(seq=self._seq, message=msg, payload=payload)
         self._recv_seq += 1

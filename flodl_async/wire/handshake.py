@@ -95,8 +95,8 @@ from ..errors import AuthenticationFailed, HandshakeFailed, HandshakeRefused, Ve
 from .channels import Channel
 from .keys import KDF_LABEL, OPEN_ADMISSION_KEY, Credential, CredentialKind, LinkKeys
 
-#: The wire protocol this build speaks (handshake and frame format together).
-PROTOCOL_VERSION = 2
+#: The wire protocol this build speaks (handshake and frame format together). v3: 4 MiB payload chunks.
+PROTOCOL_VERSION = 3
 NONCE_BYTES = 32
 PROOF_BYTES = 32
 _KEY_BYTES = 32
