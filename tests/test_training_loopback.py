@@ -24,6 +24,7 @@ from flodl_async.controller.training import TrainerAttachment, attach
 from flodl_async.deadlines import Deadlines
 from flodl_async.membership import JoinConfig
 from flodl_async.metrics import EpochMetrics
+from flodl_async.reducer import ReducerStatistics
 from flodl_async.trainspec import ElCheConfig, TrainerSpec
 from flodl_async.verdict import RunResult
 from flodl_async.wire import new_session_secret
@@ -69,6 +70,9 @@ class LoopbackRounds:
     @property
     def last_consensus(self) -> None:
         return None  # no data plane behind this seam
+
+    def statistics(self) -> ReducerStatistics:
+        return ReducerStatistics(hosts=0, in_process_hosts=0, rounds_completed=len(self._results))  # no uplinks behind this seam
 
     async def aclose(self) -> None:
         self.closed = True

@@ -72,7 +72,7 @@ from ..wire.schema import Message
 if TYPE_CHECKING:
     import torch
 
-    from ..reducer import HostUplinkStatistics
+    from ..reducer import HostUplinkStatistics, ReducerStatistics
     from .shell import Controller
 
 log = logging.getLogger("flodl_async.launch")
@@ -101,6 +101,7 @@ class RoundRunner(Protocol):
     def declare_dead(self, rank: int) -> None: ...
     @property
     def last_consensus(self) -> Mapping[str, torch.Tensor] | None: ...
+    def statistics(self) -> ReducerStatistics: ...
     async def aclose(self) -> None: ...
 
 
@@ -275,8 +276,7 @@ class TrainingShell:
 
     def uplinks(self) -> tuple[HostUplinkStatistics, ...]:
         """What each host's relay sent the reducer so far, and by which path (a test's round seam keeps none)."""
-        statistics = getattr(self.reducer, "statistics", None)  # TD's Reducer has it; RoundRunner does not require it
-        return () if statistics is None else typing.cast("tuple[HostUplinkStatistics, ...]", statistics().uplinks)
+        return () if self.reducer is None else self.reducer.statistics().uplinks
 
     async def aclose(self) -> None:
         """Cancel the round waiters, then close the reducer (its driver task and hosts' data links)."""
