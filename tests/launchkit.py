@@ -51,6 +51,13 @@ def processes_of_run(run_id: str) -> list[int]:
     return found
 
 
+def reap(proc: subprocess.Popen[str] | subprocess.Popen[bytes] | None) -> None:
+    """A test's cleanup: kill ``proc`` if it is still running and collect it (None: it never started)."""
+    if proc is not None and proc.poll() is None:
+        proc.kill()
+        proc.communicate()
+
+
 def assert_nothing_left(run_id: str, *, within: float = 10.0) -> None:
     """Every process of the run is gone (waiting at most ``within`` seconds for asynchronous kills)."""
     deadline = time.monotonic() + within

@@ -14,7 +14,7 @@ import pytest
 
 from flodl_async.runtime import MARKER
 
-from .launchkit import PY, Launcher, assert_nothing_left, free_port, new_run_id, run_launch, script, wait_status
+from .launchkit import PY, Launcher, assert_nothing_left, free_port, new_run_id, reap, run_launch, script, wait_status
 
 pytestmark = pytest.mark.e2e
 
@@ -59,9 +59,7 @@ def test_sigterm_to_flodl_agent_stops_its_ranks_with_sigterm_and_exits_143(tmp_p
         done = launcher.finish(timeout=60)
     finally:
         launcher.kill()
-        if agent is not None and agent.poll() is None:
-            agent.kill()
-            agent.communicate()
+        reap(agent)
         assert_nothing_left(run_id)
     assert agent.returncode == 143, agent_err
     assert "[walk-in:r1] got SIGTERM" in done.stdout
@@ -215,9 +213,7 @@ def test_a_controller_killed_while_flodl_agent_waits_in_the_join_window_is_one_l
         agent_out, agent_err = agent.communicate(timeout=30)
     finally:
         launcher.kill()
-        if agent is not None and agent.poll() is None:
-            agent.kill()
-            agent.communicate()
+        reap(agent)
         assert_nothing_left(run_id)
     assert agent.returncode == 3, agent_err  # could not join: the world did not form
     assert agent_out == ""

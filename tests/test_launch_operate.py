@@ -30,7 +30,7 @@ from flodl_async.wire import messages as m
 from flodl_async.wire.frame import HEADER
 from flodl_async.wire.handshake import PROTOCOL_VERSION
 
-from .launchkit import PY, Launcher, assert_nothing_left, free_port, launch_cmd, new_run_id, run_launch, script, wait_status
+from .launchkit import PY, Launcher, assert_nothing_left, free_port, launch_cmd, new_run_id, reap, run_launch, script, wait_status
 
 pytestmark = pytest.mark.e2e
 
@@ -90,9 +90,7 @@ def test_status_phases_with_a_stand_alone_agent_joining(tmp_path: Path) -> None:
         agent_out, agent_err = agent.communicate(timeout=30)
     finally:
         launcher.kill()
-        if agent is not None and agent.poll() is None:
-            agent.kill()
-            agent.communicate()
+        reap(agent)
         assert_nothing_left(run_id)
     assert done.returncode == 0, done.stderr
     assert 'host "walk-in" joined with ranks 1 ' in done.stderr
@@ -724,9 +722,7 @@ def test_the_launchers_signal_reaches_a_stand_alone_agents_ranks_first(sig: sign
         _out, agent_err = agent.communicate(timeout=30)
     finally:
         launcher.kill()
-        if agent is not None and agent.poll() is None:
-            agent.kill()
-            agent.communicate()
+        reap(agent)
         assert_nothing_left(run_id)
     assert done.returncode == 128 + sig, done.stderr
     assert f"[walk-in:r1] saved on {sig.name}" in done.stdout  # the remote host's rank, over its join link

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from .launchkit import PY, Launcher, assert_nothing_left, free_port, new_run_id, run_launch, script, wait_status
+from .launchkit import PY, Launcher, assert_nothing_left, free_port, new_run_id, reap, run_launch, script, wait_status
 
 pytestmark = pytest.mark.e2e
 
@@ -111,9 +111,7 @@ def test_a_walk_in_agents_output_crosses_the_link_whole_prompt_and_complete(tmp_
         console.join()
     finally:
         launcher.kill()
-        if agent is not None and agent.poll() is None:
-            agent.kill()
-            agent.communicate()
+        reap(agent)
         assert_nothing_left(run_id)
     assert done.returncode == 0, done.stderr
     assert agent.returncode == 0, agent_err

@@ -30,7 +30,7 @@ from flodl_async.runtime import runtime_root
 from flodl_async.sdnotify import MAX_STATUS_CHARS, Notifier, NotifyTarget, message, socket_address, watchdog_interval
 from flodl_async.verdict import ExitCode
 
-from .launchkit import PY, Launcher, assert_nothing_left, free_port, new_run_id, run_launch, script, wait_status
+from .launchkit import PY, Launcher, assert_nothing_left, free_port, new_run_id, reap, run_launch, script, wait_status
 
 DEPLOY = Path(__file__).parent.parent / "deploy"
 
@@ -389,9 +389,7 @@ def test_a_flodl_agent_tells_systemd_ready_status_watchdog_and_stopping(tmp_path
             done = launcher.finish(timeout=60)
         finally:
             launcher.kill()
-            if agent is not None and agent.poll() is None:
-                agent.kill()
-                agent.communicate()
+            reap(agent)
             assert_nothing_left(run_id)
         assert agent is not None
         assert agent.returncode == 0, agent_err
@@ -442,9 +440,7 @@ def test_a_flodl_agent_stopped_before_the_world_forms_says_stopping(tmp_path: Pa
             launcher.finish(timeout=60)
         finally:
             launcher.kill()
-            if agent is not None and agent.poll() is None:
-                agent.kill()
-                agent.communicate()
+            reap(agent)
             assert_nothing_left(run_id)
         assert agent.returncode == 143, agent_err
         notes = [d.decode() for d in receiver.received()]

@@ -17,7 +17,7 @@ import pytest
 
 from flodl_async.runtime import RANKS_DIR, RankMarker, create_entry, group_members, reap_stale_ranks, remove_rank_marker, write_rank_marker
 
-from .launchkit import PY, Launcher, assert_nothing_left, free_port, new_run_id, script, wait_status
+from .launchkit import PY, Launcher, assert_nothing_left, free_port, new_run_id, reap, script, wait_status
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="process groups are read from /proc")
 
@@ -119,9 +119,7 @@ def test_the_next_agent_kills_what_a_sigkilled_agents_rank_forked_and_nothing_el
         assert _alive(decoy_child)
     finally:
         launcher.kill()
-        if agent is not None and agent.poll() is None:
-            agent.kill()
-            agent.communicate()
+        reap(agent)
         if decoy is not None:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(decoy.pid, signal.SIGKILL)
