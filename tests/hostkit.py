@@ -232,12 +232,25 @@ class HostKit:
                 return left
             time.sleep(0.1)
 
+    def power_off(self, ns: str, within: float = 10.0) -> None:
+        """Kill every process in ``ns`` but its sshd listener, sweeping until none is left.
+
+        One pass over a snapshot is not enough: a process may fork between the listing and its
+        kill (a shell starting its next command), and the child would outlive the "dead" host.
+        """
+        deadline = time.monotonic() + within
+        while pids := self.host_pids(ns):
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            if time.monotonic() > deadline:
+                return
+            time.sleep(0.02)
+
     def kill_leftovers(self) -> None:
         """Kill everything on every host except its sshd, so one failing test does not poison the next."""
         for host in self.hosts:
-            for pid in self.host_pids(host.ns):
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
+            self.power_off(host.ns)
 
     def close(self) -> None:
         """Kill every process of every namespace, then delete the namespaces, the bridge and the temp dir."""
