@@ -339,6 +339,8 @@ class Trainer:
         if entry is Entry.AGENT:
             exit_if_worker_role()
         driver = self._driver(entry)
+        if entry is Entry.LAUNCHER:
+            _exit_with_the_verdict_when_uncaught()
         run_id = getattr(driver, "run_id", None) or os.environ.get("FLODL_RUN_ID") or f"inline-{secrets.token_hex(4)}"
         return TrainingRun(driver, entry=entry, run_id=run_id)
 
@@ -374,9 +376,7 @@ class Trainer:
             try:
                 run_loop(self.run())
             except TrainingFailed as exc:
-                print(f"flodl: FAILED — {exc.result.reason}", file=sys.stderr)
-                if exc.result.details:
-                    print(exc.result.details, file=sys.stderr)
+                _print_verdict(exc)
                 clean_exit(int(exc.result.exit_code))
             clean_exit(0)
         if entry is Entry.RANK:
@@ -389,6 +389,36 @@ class Trainer:
 
 #: Set once a rank's session started: a rank's relay link and coordinator are per process.
 _RANK_SESSION = threading.Event()
+
+
+def _print_verdict(exc: TrainingFailed) -> None:
+    print(f"flodl: FAILED — {exc.result.reason}", file=sys.stderr)
+    if exc.result.details:
+        print(exc.result.details, file=sys.stderr)
+
+
+def _exit_with_the_verdict_when_uncaught() -> None:
+    """A launcher script that lets ``TrainingFailed`` escape ends as ``flodl-launch`` would.
+
+    The verdict line and the exit-code table's code (4 for a rank failure, 3 for a world that did
+    not form...) instead of a traceback of launcher internals and exit 1: the failing rank's own
+    traceback is already in the run's output. An application that catches the exception is not
+    affected; any other uncaught exception goes to the hook that was there before.
+    """
+    previous = sys.excepthook
+    if getattr(previous, "flodl_verdict_hook", False):
+        return
+
+    def exit_with_the_verdict(kind: type[BaseException], exc: BaseException, tb: Any) -> None:
+        if not isinstance(exc, TrainingFailed):
+            previous(kind, exc, tb)
+            return
+        _print_verdict(exc)
+        # CPython exits with a SystemExit raised by the excepthook (atexit handlers still run).
+        raise SystemExit(int(exc.result.exit_code))
+
+    exit_with_the_verdict.flodl_verdict_hook = True  # type: ignore[attr-defined]
+    sys.excepthook = exit_with_the_verdict
 
 
 def _check_functions(**functions: object) -> None:

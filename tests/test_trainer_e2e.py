@@ -18,6 +18,8 @@ from typing import Any
 import pytest
 import torch
 
+from flodl_async.verdict import ExitCode
+
 from .launchkit import PY, Launcher, assert_nothing_left, free_port, new_run_id, processes_of_run, run_launch
 
 pytestmark = pytest.mark.e2e
@@ -157,10 +159,17 @@ def test_the_launcher_runs_on_the_callers_loop_next_to_other_tasks(tmp_path: Pat
 
 def test_a_rank_that_raises_fails_the_run_naming_it(tmp_path: Path) -> None:
     done = as_launcher(tmp_path, "--fail-rank", "1", run_id=new_run_id())
-    assert done.returncode != 0
-    assert "TrainingFailed" in done.stderr
-    assert "rank 1" in done.stderr
-    assert "fails on purpose" in done.stderr
+    assert_launcher_verdict(done, ExitCode.RANK_FAILURE, "rank 1")
+    assert "fails on purpose" in done.stderr  # the rank's own traceback, forwarded
+
+
+def assert_launcher_verdict(done: subprocess.CompletedProcess[str], code: ExitCode, named: str) -> None:
+    """The script let ``TrainingFailed`` escape: it ends as flodl-launch would, with no launcher traceback."""
+    assert done.returncode == code, done.stderr
+    verdict = done.stderr.strip().splitlines()[-1]
+    assert verdict.startswith("flodl: FAILED — "), done.stderr
+    assert named in verdict, done.stderr
+    assert "trainlaunch.py" not in done.stderr, done.stderr  # no frame of the launcher's own code
 
 
 def _rank_pid(run_id: str, rank: int) -> int:
@@ -195,9 +204,7 @@ def test_a_killed_or_frozen_rank_ends_the_run_naming_it(tmp_path: Path, how: str
     finally:
         launcher.kill()
         assert_nothing_left(run_id)
-    assert done.returncode != 0
-    assert named in done.stderr
-    assert "TrainingFailed" in done.stderr
+    assert_launcher_verdict(done, ExitCode.RANK_FAILURE, named)
     if how == "stop":
         assert "heartbeat" in done.stderr or "nothing from" in done.stderr or "silent" in done.stderr, done.stderr
 
