@@ -2,13 +2,30 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 
-from flodl_async.agent.activity import RECHECK_S, RankActivityTracker, last_line_of, parse_net_tcp, parse_stat, socket_inodes, store_connections
+from flodl_async.agent.activity import (
+    RECHECK_S,
+    ProcStat,
+    RankActivityTracker,
+    last_line_of,
+    parse_children,
+    parse_net_tcp,
+    parse_stat,
+    process_tree,
+    socket_inodes,
+    store_connections,
+    tree_state,
+    tree_ticks,
+)
 
 STAT = "4242 (python3 (x) y) S 1 4242 4242 0 -1 4194304 100 0 0 0 {utime} {stime} 0 0 20 0 3 0 {start} 1000 100 18446744073709551615"
 TCP = """  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode
@@ -96,3 +113,99 @@ def test_a_store_connection_is_traced_to_the_process_that_holds_it(tmp_path: Pat
                 proc.communicate()
     gone = RankActivityTracker(rank=0, pid=client.pid, store_port=port, now=0.0)
     assert gone.sample(1.0, store_connections).state == "X"
+
+
+# ----- a rank is its process tree: a wrapper script is not mistaken for the work ----------------
+
+
+def test_tree_parts_children_files_states_and_ticks() -> None:
+    assert parse_children("4243 4250 \n") == [4243, 4250]
+    assert parse_children("") == []
+    assert tree_state(["S", "R"]) == "R"  # the busy python under a sleeping shell
+    assert tree_state(["S", "T"]) == "T"  # a stopped python shows as stopped
+    assert tree_state(["S", "D", "R"]) == "D"
+    assert tree_state(["S", "Z"]) == "S"
+    assert tree_state(["S", "?"]) == "S"  # an unknown letter never wins
+    assert tree_state([]) == "X"
+    stats = [parse_stat(STAT.format(utime=7, stime=3, start=9)), ProcStat(state="R", cpu_ticks=5, start_ticks=10, reaped_ticks=2)]
+    assert tree_ticks([s for s in stats if s is not None]) == 10 + 5 + 2
+
+
+def _wrapped(code: str) -> subprocess.Popen[str]:
+    """``sh -c 'python -c CODE; ...'``: a shell that waits for its python (a compound command: no exec)."""
+    return subprocess.Popen(["sh", "-c", f"{sys.executable} -c \"$0\"; echo shell done", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+
+def _stop(proc: subprocess.Popen[str]) -> None:
+    for pid in process_tree(proc.pid)[::-1]:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    proc.communicate()
+
+
+def _wait_for(condition: Callable[[], bool], what: str) -> None:
+    deadline = time.monotonic() + 30
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)
+
+
+def _ticks_of_tree(pid: int) -> int:
+    return tree_ticks([s for p in process_tree(pid) if (s := parse_stat(Path(f"/proc/{p}/stat").read_text())) is not None])
+
+
+BUSY_FOR_0_3_S = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.3: pass"
+
+
+def test_a_shell_that_waits_for_a_busy_python_is_busy() -> None:
+    wrapper = _wrapped("import sys; print('in', flush=True)\nwhile True: pass")
+    try:
+        assert wrapper.stdout is not None
+        assert wrapper.stdout.readline() == "in\n"
+        tree = process_tree(wrapper.pid)
+        assert len(tree) == 2  # the shell, then its python
+        assert tree[0] == wrapper.pid
+        shell_alone = parse_stat(Path(f"/proc/{wrapper.pid}/stat").read_text())
+        assert shell_alone is not None
+        assert shell_alone.state == "S"  # what the old pid-only reading reported: asleep in wait
+        tracker = RankActivityTracker(rank=0, pid=wrapper.pid, store_port=0, now=0.0)
+        first = tracker.sample(0.0, store_connections)
+        assert first.state == "R"
+        start = _ticks_of_tree(wrapper.pid)
+        _wait_for(lambda: _ticks_of_tree(wrapper.pid) > start, "the python never ran")
+        report = tracker.sample(50.0, store_connections)  # its ticks moved: progress (quiet resets), a nonzero CPU %
+        assert report.cpu_percent > 0
+        assert report.quiet_s == 0.0
+    finally:
+        _stop(wrapper)
+
+
+def test_the_ticks_of_a_child_that_ended_stay_with_the_tree() -> None:
+    """A helper process that ends is reaped by its parent: its CPU moves to the parent's reaped ticks, it is not lost."""
+    command = f"{sys.executable} -c \"$0\"; echo child done; read line"
+    wrapper = subprocess.Popen(["sh", "-c", command, BUSY_FOR_0_3_S], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert wrapper.stdout is not None
+        assert wrapper.stdout.readline() == "child done\n"  # the python used 0.3 s of CPU and was reaped
+        assert process_tree(wrapper.pid) == [wrapper.pid]
+        assert _ticks_of_tree(wrapper.pid) >= 0.25 * os.sysconf("SC_CLK_TCK")
+    finally:
+        _stop(wrapper)
+
+
+def test_a_store_connection_is_traced_through_a_wrapper_shell() -> None:
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        port = server.getsockname()[1]
+        wrapper = _wrapped(f"import socket, sys; s = socket.create_connection(('127.0.0.1', {port})); print('in', flush=True); sys.stdin.read()")
+        try:
+            assert wrapper.stdout is not None
+            assert wrapper.stdout.readline() == "in\n"
+            conn, _ = server.accept()
+            with conn:
+                assert not socket_inodes(wrapper.pid) & store_connections(port)  # the shell itself holds no socket
+                tracker = RankActivityTracker(rank=0, pid=wrapper.pid, store_port=port, now=0.0)
+                assert tracker.sample(1.0, store_connections).store_connected
+        finally:
+            _stop(wrapper)

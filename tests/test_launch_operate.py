@@ -808,6 +808,16 @@ def test_hang_timeout_ends_the_run_naming_the_rank(tmp_path: Path) -> None:
     assert "its last output line: rank " in done.stderr
 
 
+def test_a_wrapper_script_whose_python_computes_silently_is_not_hung(tmp_path: Path) -> None:
+    """``flodl-launch -- sh run.sh``: the rank's own process is a shell asleep in ``wait``; its python's CPU is the rank's progress."""
+    run_sh = tmp_path / "run.sh"
+    run_sh.write_text(f'{PY} -c "import time\nt = time.time()\nwhile time.time() - t < 6: pass"\necho computed\n')
+    args = ("--nproc", "1", "--devices", "cpu", "--port", "0", "--stop-grace", "3", "--hang-timeout", "3")
+    done = run_launch(*args, "--", "sh", str(run_sh), run_id=new_run_id(), timeout=120)
+    assert done.returncode == 0, done.stderr  # read as the shell alone, it was "quiet" for 6 s: exit 6
+    assert "computed" in done.stdout
+
+
 @pytest.mark.parametrize(
     ("devices", "mask", "message"),
     [

@@ -11,9 +11,18 @@ agent forwards every chunk, and :class:`RankActivityTracker` keeps the last
 line and when it came. A rank is *quiet* while it prints nothing and its CPU
 ticks do not move; that is what ``--hang-timeout`` measures.
 
-The parsing is pure (text in, values out); :func:`sample` is the one reader
-of ``/proc``. Only the rank's own process is read (not what it forked): a
-wrapper script that starts python shows as the wrapper, sleeping.
+A rank is read as its process tree, not its pid alone: ``flodl-launch -- bash
+run.sh`` makes the rank a shell that sleeps in ``wait`` while the python it
+started does the work. The tree is the pid and its live descendants, found
+through ``/proc/<pid>/task/<tid>/children``; its CPU is each member's own ticks
+plus those of the children it reaped (so a step's helper process that ends
+hands its ticks to its parent instead of taking them away); its sockets are
+all the members' sockets; its state is the most telling of theirs (a stopped
+or blocked python under a sleeping shell shows as stopped or blocked).
+
+Reading a torch rank's tree (40 threads, each with its children file) costs
+about 0.5 ms per report. The parsing is pure (text in, values out);
+:meth:`RankActivityTracker.sample` and :func:`process_tree` are the readers of ``/proc``.
 """
 
 from __future__ import annotations
@@ -30,8 +39,13 @@ from ..wire import messages as m
 LAST_LINE_LIMIT = 200
 #: A rank not yet seen at the store has its sockets matched against the TCP tables at least this often.
 RECHECK_S = 30.0
+#: A rank's tree is read up to this many processes (a fork bomb must not make every report costly).
+TREE_LIMIT = 64
 _TCP_ESTABLISHED = "01"
 _CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+#: Which member's state a tree shows, most telling first: stopped (T, t), blocked in the kernel
+#: (D), running (R), then the idle ones; a zombie (Z) or dead (X) member shows only when nothing else does.
+_STATE_PRIORITY = "TtDRSIWPKZX"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -41,6 +55,7 @@ class ProcStat:
     state: str
     cpu_ticks: int  # utime + stime
     start_ticks: int  # after boot
+    reaped_ticks: int = 0  # cutime + cstime: the children it waited for
 
 
 def parse_stat(text: str) -> ProcStat | None:
@@ -49,9 +64,68 @@ def parse_stat(text: str) -> ProcStat | None:
     if len(fields) < 20:
         return None
     try:
-        return ProcStat(state=fields[0], cpu_ticks=int(fields[11]) + int(fields[12]), start_ticks=int(fields[19]))
+        return ProcStat(
+            state=fields[0],
+            cpu_ticks=int(fields[11]) + int(fields[12]),
+            start_ticks=int(fields[19]),
+            reaped_ticks=int(fields[13]) + int(fields[14]),
+        )
     except ValueError:
         return None
+
+
+def parse_children(text: str) -> list[int]:
+    """A ``/proc/<pid>/task/<tid>/children`` file → the pids in it (space-separated)."""
+    return [int(word) for word in text.split() if word.isdigit()]
+
+
+def tree_state(states: list[str]) -> str:
+    """The state a rank's tree shows: its most telling member's (see :data:`_STATE_PRIORITY`; unknown letters last)."""
+
+    def telling(state: str) -> int:
+        place = _STATE_PRIORITY.find(state)
+        return place if place >= 0 else len(_STATE_PRIORITY)
+
+    return min(states, key=telling, default="X")
+
+
+def tree_ticks(stats: list[ProcStat]) -> int:
+    """CPU ticks of a tree: each live member's own and those of the children it reaped."""
+    return sum(stat.cpu_ticks + stat.reaped_ticks for stat in stats)
+
+
+def _read(path: str) -> str:
+    """A small ``/proc`` file in one read (cheaper than ``Path.read_text``: torch ranks have dozens of threads)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return os.read(fd, 65536).decode(errors="replace")
+    finally:
+        os.close(fd)
+
+
+def process_tree(pid: int, limit: int = TREE_LIMIT) -> list[int]:
+    """``pid`` and its live descendants, ``pid`` first (breadth first, at most ``limit``).
+
+    A child is listed in the children file of the thread that forked it, so every thread's
+    file is read. Without those files (a kernel built without them) the tree is ``pid`` alone.
+    """
+    tree, queue = [pid], [pid]
+    while queue and len(tree) < limit:
+        parent = queue.pop(0)
+        try:
+            tids = os.listdir(f"/proc/{parent}/task")
+        except OSError:
+            continue
+        for tid in tids:
+            try:
+                children = parse_children(_read(f"/proc/{parent}/task/{tid}/children"))
+            except OSError:
+                continue
+            for child in children:
+                if child not in tree and len(tree) < limit:
+                    tree.append(child)
+                    queue.append(child)
+    return tree
 
 
 def parse_net_tcp(text: str, remote_port: int) -> frozenset[int]:
@@ -147,25 +221,30 @@ class RankActivityTracker:
         )
 
     def sample(self, now: float, connections: Callable[[int], frozenset[int]]) -> m.RankActivity:
-        """Read the rank's ``/proc`` entry and, until it is seen at the store, its sockets.
+        """Read the ``/proc`` entries of the rank's process tree and, until it is seen at the store, their sockets.
 
         ``connections(port)`` reads the host's TCP tables (costly: milliseconds on a busy
-        host), so it is asked only when the rank holds sockets it did not hold at the last
+        host), so it is asked only when the tree holds sockets it did not hold at the last
         look, or every :data:`RECHECK_S` (a connect that was still in progress then).
         """
-        try:
-            stat = parse_stat(Path(f"/proc/{self.pid}/stat").read_text())
-        except OSError:
-            stat = None
-        if stat is None:
-            return self.report("X", now)
-        self.cpu(stat.cpu_ticks, now)
+        tree = process_tree(self.pid)
+        stats: list[ProcStat] = []
+        for pid in tree:
+            try:
+                stat = parse_stat(_read(f"/proc/{pid}/stat"))
+            except OSError:
+                stat = None  # it ended between the listing and the read
+            if stat is not None:
+                stats.append(stat)
+            elif pid == self.pid:
+                return self.report("X", now)
+        self.cpu(tree_ticks(stats), now)
         if not self._connected and self.store_port > 0:
-            sockets = socket_inodes(self.pid)
+            sockets = frozenset().union(*(socket_inodes(pid) for pid in tree))
             if sockets and (sockets != self._sockets or now - self._checked_at >= RECHECK_S):
                 self._sockets, self._checked_at = sockets, now
                 self._connected = bool(sockets & connections(self.store_port))
-        return self.report(stat.state, now)
+        return self.report(tree_state([stat.state for stat in stats]), now)
 
     @property
     def connected(self) -> bool:
