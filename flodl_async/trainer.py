@@ -30,6 +30,7 @@ import os
 import secrets
 import sys
 import threading
+import traceback
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
@@ -339,8 +340,8 @@ class Trainer:
         if entry is Entry.AGENT:
             exit_if_worker_role()
         driver = self._driver(entry)
-        if entry is Entry.LAUNCHER:
-            _exit_with_the_verdict_when_uncaught()
+        if entry in (Entry.LAUNCHER, Entry.RANK):
+            _end_uncaught_training_failures_plainly(entry)
         run_id = getattr(driver, "run_id", None) or os.environ.get("FLODL_RUN_ID") or f"inline-{secrets.token_hex(4)}"
         return TrainingRun(driver, entry=entry, run_id=run_id)
 
@@ -393,32 +394,43 @@ _RANK_SESSION = threading.Event()
 
 def _print_verdict(exc: TrainingFailed) -> None:
     print(f"flodl: FAILED — {exc.result.reason}", file=sys.stderr)
-    if exc.result.details:
-        print(exc.result.details, file=sys.stderr)
+    details = exc.result.details_for(None)  # the launcher's console shows every rank: a traceback it showed is not repeated
+    if details:
+        print(details, file=sys.stderr)
 
 
-def _exit_with_the_verdict_when_uncaught() -> None:
-    """A launcher script that lets ``TrainingFailed`` escape ends as ``flodl-launch`` would.
+def _end_uncaught_training_failures_plainly(entry: Entry) -> None:
+    """A script that lets ``TrainingFailed`` escape ends plainly, without a traceback of flodl's internals.
 
-    The verdict line and the exit-code table's code (4 for a rank failure, 3 for a world that did
-    not form...) instead of a traceback of launcher internals and exit 1: the failing rank's own
-    traceback is already in the run's output. An application that catches the exception is not
-    affected; any other uncaught exception goes to the hook that was there before.
+    In the launcher it ends as ``flodl-launch`` would: the verdict line and the exit-code table's
+    code (4 for a rank failure, 3 for a world that did not form...) instead of exit 1; the failing
+    rank's own traceback is already in the run's output. In a rank, the traceback of what the
+    user's code raised (the failure's cause) and one line, instead of that traceback chained to
+    the internals that re-raised it; the rank exits 1, as for any uncaught exception. An
+    application that catches the exception is not affected, and any other uncaught exception goes
+    to the hook that was there before.
     """
     previous = sys.excepthook
-    if getattr(previous, "flodl_verdict_hook", False):
+    if getattr(previous, "flodl_training_hook", False):
         return
 
-    def exit_with_the_verdict(kind: type[BaseException], exc: BaseException, tb: Any) -> None:
+    def end_plainly(kind: type[BaseException], exc: BaseException, tb: Any) -> None:
         if not isinstance(exc, TrainingFailed):
             previous(kind, exc, tb)
             return
-        _print_verdict(exc)
+        if entry is Entry.LAUNCHER:
+            _print_verdict(exc)
+            code = int(exc.result.exit_code)
+        else:
+            if exc.__cause__ is not None:
+                traceback.print_exception(exc.__cause__)
+            print(f"flodl: rank {os.environ.get('RANK', '?')}: {exc}", file=sys.stderr)
+            code = 1
         # CPython exits with a SystemExit raised by the excepthook (atexit handlers still run).
-        raise SystemExit(int(exc.result.exit_code))
+        raise SystemExit(code)
 
-    exit_with_the_verdict.flodl_verdict_hook = True  # type: ignore[attr-defined]
-    sys.excepthook = exit_with_the_verdict
+    end_plainly.flodl_training_hook = True  # type: ignore[attr-defined]
+    sys.excepthook = end_plainly
 
 
 def _check_functions(**functions: object) -> None:

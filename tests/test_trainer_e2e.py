@@ -161,14 +161,17 @@ def test_a_rank_that_raises_fails_the_run_naming_it(tmp_path: Path) -> None:
     done = as_launcher(tmp_path, "--fail-rank", "1", run_id=new_run_id())
     assert_launcher_verdict(done, ExitCode.RANK_FAILURE, "rank 1")
     assert "fails on purpose" in done.stderr  # the rank's own traceback, forwarded
+    # ... as the traceback of what the user's code raised, not chained to flodl's internals that re-raised it.
+    assert "flodl: rank 1: training failed: rank 1 raised RuntimeError('rank 1 fails on purpose')" in done.stderr
+    assert "The above exception was the direct cause" not in done.stderr
 
 
 def assert_launcher_verdict(done: subprocess.CompletedProcess[str], code: ExitCode, named: str) -> None:
     """The script let ``TrainingFailed`` escape: it ends as flodl-launch would, with no launcher traceback."""
     assert done.returncode == code, done.stderr
-    verdict = done.stderr.strip().splitlines()[-1]
-    assert verdict.startswith("flodl: FAILED — "), done.stderr
-    assert named in verdict, done.stderr
+    verdicts = [line for line in done.stderr.splitlines() if line.startswith("flodl: FAILED — ")]
+    assert len(verdicts) == 1, done.stderr
+    assert named in verdicts[0], done.stderr
     assert "trainlaunch.py" not in done.stderr, done.stderr  # no frame of the launcher's own code
 
 
