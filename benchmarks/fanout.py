@@ -5,7 +5,9 @@ network + UTS namespaces, a real sshd each). For each K, the baseline runs the O
 ``ssh host true`` to all K hosts in parallel (connect, key exchange, login, run, exit), and a
 second floor ``ssh host python -c 'import asyncio'`` (the least an asyncio agent starts with); the
 measured time is from starting ``flodl-launch cluster.yml`` (one cpu rank per host) to its
-"world formed" line: every ssh connection, every agent's start-up and hello, every join.
+"world formed" line: every ssh connection, every agent's start-up and hello, every join; the
+launcher's own CPU time at that line is reported beside it (the part of the work all K hosts
+share: on a real cluster each host's part runs on its own machine).
 A second launch per cell runs a gloo script instead of ``python -c pass`` and measures command →
 every rank past its first all_reduce (its marker line seen on the launcher's stdout): that adds
 each rank's ``import torch`` and the rendezvous, all on the same cores (no goal, just reported).
@@ -56,8 +58,18 @@ dist.destroy_process_group()
 """
 
 
-def launch(kit: HostKit, hosts: list[NsHost], work: Path, *, all_reduce: bool) -> float:
-    """Seconds from the command to "world formed" or, with ``all_reduce``, to every rank's marker line."""
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time a live process has used so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def launch(kit: HostKit, hosts: list[NsHost], work: Path, *, all_reduce: bool, launcher_cpu: list[float] | None = None) -> float:
+    """Seconds from the command to "world formed" or, with ``all_reduce``, to every rank's marker line.
+
+    ``launcher_cpu`` gets the launcher's own CPU seconds at "world formed": on a real cluster the
+    hosts' work runs on their own machines, and this is the part that all K hosts share.
+    """
     wrapper = work / "python3"
     wrapper.write_text(f'#!/bin/sh\nexport PYTHONPATH={ROOT}\nexec {sys.executable} "$@"\n')
     wrapper.chmod(0o700)
@@ -92,6 +104,8 @@ def launch(kit: HostKit, hosts: list[NsHost], work: Path, *, all_reduce: bool) -
                 reached = time.perf_counter() - start
         elif not all_reduce and "world formed" in line:
             reached = time.perf_counter() - start
+            if launcher_cpu is not None:
+                launcher_cpu.append(cpu_seconds(proc.pid))
     code = proc.wait(timeout=120)
     assert code == 0 and reached is not None, f"flodl-launch exited {code} (reached: {reached})"
     return reached
@@ -111,7 +125,7 @@ def main() -> int:
     try:
         print(
             f"{'K':>3} {'ssh host true (s)':>18} {'ssh host python+asyncio (s)':>28} {'flodl world formed (s)':>23}"
-            f" {'ratio':>6} {'past 1st all_reduce (s)':>24}"
+            f" {'ratio':>6} {'launcher CPU (s)':>17} {'past 1st all_reduce (s)':>24}"
         )
         formed_at: dict[int, float] = {}
         interpreter_at: dict[int, float] = {}
@@ -120,11 +134,13 @@ def main() -> int:
             base = statistics.median(ssh_run(kit, hosts) for _ in range(args.repeats))
             interpreter = statistics.median(ssh_run(kit, hosts, ASYNCIO_PYTHON) for _ in range(args.repeats))
             with tempfile.TemporaryDirectory() as work:
-                ours = statistics.median(launch(kit, hosts, Path(work), all_reduce=False) for _ in range(args.repeats))
+                launcher_cpu: list[float] = []
+                ours = statistics.median(launch(kit, hosts, Path(work), all_reduce=False, launcher_cpu=launcher_cpu) for _ in range(args.repeats))
                 reduced = statistics.median(launch(kit, hosts, Path(work), all_reduce=True) for _ in range(args.repeats))
             formed_at[k] = ours
             interpreter_at[k] = interpreter
-            print(f"{k:>3} {base:>18.3f} {interpreter:>28.3f} {ours:>23.3f} {ours / base:>6.1f} {reduced:>24.3f}", flush=True)
+            cpu = statistics.median(launcher_cpu)
+            print(f"{k:>3} {base:>18.3f} {interpreter:>28.3f} {ours:>23.3f} {ours / base:>6.1f} {cpu:>17.3f} {reduced:>24.3f}", flush=True)
         if 1 in formed_at and len(formed_at) > 1:
             top = max(formed_at)
             ratio = formed_at[top] / formed_at[1]
