@@ -12,6 +12,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
+
 from flodl_async.agent.activity import (
     RECHECK_S,
     ProcStat,
@@ -131,6 +133,12 @@ def test_tree_parts_children_files_states_and_ticks() -> None:
     assert tree_ticks([s for s in stats if s is not None]) == 10 + 5 + 2
 
 
+#: Without the children files (a kernel built without CONFIG_PROC_CHILDREN) a tree is its root alone.
+needs_children_files = pytest.mark.skipif(
+    not Path(f"/proc/self/task/{os.getpid()}/children").exists(), reason="this kernel has no /proc/<pid>/task/<tid>/children files"
+)
+
+
 def _wrapped(code: str) -> subprocess.Popen[str]:
     """``sh -c 'python -c CODE; ...'``: a shell that waits for its python (a compound command: no exec)."""
     return subprocess.Popen(["sh", "-c", f"{sys.executable} -c \"$0\"; echo shell done", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
@@ -157,6 +165,7 @@ def _ticks_of_tree(pid: int) -> int:
 BUSY_FOR_0_3_S = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.3: pass"
 
 
+@needs_children_files
 def test_a_shell_that_waits_for_a_busy_python_is_busy() -> None:
     wrapper = _wrapped("import sys; print('in', flush=True)\nwhile True: pass")
     try:
@@ -193,6 +202,7 @@ def test_the_ticks_of_a_child_that_ended_stay_with_the_tree() -> None:
         _stop(wrapper)
 
 
+@needs_children_files
 def test_a_store_connection_is_traced_through_a_wrapper_shell() -> None:
     with socket.socket() as server:
         server.bind(("127.0.0.1", 0))

@@ -808,6 +808,7 @@ def test_hang_timeout_ends_the_run_naming_the_rank(tmp_path: Path) -> None:
     assert "its last output line: rank " in done.stderr
 
 
+@pytest.mark.skipif(not Path(f"/proc/self/task/{os.getpid()}/children").exists(), reason="this kernel has no /proc/<pid>/task/<tid>/children files")
 def test_a_wrapper_script_whose_python_computes_silently_is_not_hung(tmp_path: Path) -> None:
     """``flodl-launch -- sh run.sh``: the rank's own process is a shell asleep in ``wait``; its python's CPU is the rank's progress."""
     run_sh = tmp_path / "run.sh"
