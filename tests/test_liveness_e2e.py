@@ -12,6 +12,7 @@ import shutil
 import signal
 import subprocess
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -82,7 +83,11 @@ def test_a_frozen_agent_is_lost_by_name_and_after_sigcont_it_stops_its_ranks(tmp
     try:
         launcher, agent, rank_pid = _walk_in_run(tmp_path, xdg, run_id)
         os.kill(agent.pid, signal.SIGSTOP)  # a frozen host: its link stays open and says nothing
+        frozen_at = time.monotonic()
         _out, err = launcher.proc.communicate(timeout=60 + 4 * SILENCE)
+        took = time.monotonic() - frozen_at
+        # Within the deadline (the silence, a 2 s stop grace, a loaded machine's slack): an open, silent link never times out by itself.
+        assert took < SILENCE + 2 + 20, f"the verdict came {took:.1f}s after the freeze (silence {SILENCE:g}s)"
         assert launcher.proc.returncode == 4, err
         assert f"agent on host 'walk-in' was lost mid-run: no heartbeat for {SILENCE:g}s" in err, err
         assert _pid_alive(rank_pid)  # the frozen host's rank cannot know yet
@@ -108,7 +113,10 @@ def test_a_frozen_launcher_makes_the_agent_stop_its_ranks_by_itself(tmp_path: Pa
     try:
         launcher, agent, rank_pid = _walk_in_run(tmp_path, xdg, run_id)
         os.kill(launcher.proc.pid, signal.SIGSTOP)  # the controller's host freezes
+        frozen_at = time.monotonic()
         agent_out, agent_err = agent.communicate(timeout=60 + 4 * SILENCE)
+        took = time.monotonic() - frozen_at
+        assert took < SILENCE + 2 + 20, f"the agent stopped {took:.1f}s after the freeze (silence {SILENCE:g}s)"
         assert not _pid_alive(rank_pid)  # stopped by its agent while the launcher is still frozen
         os.kill(launcher.proc.pid, signal.SIGCONT)
         _out, err = launcher.proc.communicate(timeout=60)

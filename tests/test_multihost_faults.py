@@ -82,7 +82,12 @@ def test_a_cut_link_names_the_host_and_the_cut_off_host_stops_its_ranks(hostkit:
     launcher, _release, _port = _three_host_run(tmp_path, hostkit, run_id=new_run_id())
     try:
         with _link_down(hostkit, h2):
+            cut_at = time.monotonic()
             done = launcher.finish(timeout=60 + 4 * SILENCE)  # also: every rank of the run is gone, h2's included
+            took = time.monotonic() - cut_at
+            # Within the deadline: the heartbeat silence, the others' stop grace (3 s) and a loaded
+            # machine's slack; a verdict left to TCP (retransmits for 15 min) or the join window would not be.
+            assert took < SILENCE + 3 + 20, f"the verdict came {took:.1f}s after the cut (silence {SILENCE:g}s)"
             # Cut off, h2's agent hears no controller for the silence deadline and stops its ranks by itself.
             deadline = time.monotonic() + 60 + 4 * SILENCE
             while (left := _ours_on(hostkit, h2)) and time.monotonic() < deadline:
