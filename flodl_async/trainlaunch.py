@@ -13,8 +13,8 @@ the model: the model schema comes from the ranks' hellos.
 The launcher is the run's primary process (its ranks are told so through
 ``FLODL_TRAINER_LAUNCHER_PRIMARY``), and its ``run()`` returns the reducer's
 final consensus (D1). A stop (``shutdown()``, cancelling ``trainer.run()``,
-SIGTERM) asks the coordinator for an orderly end — a final round, the state
-returned — before any signal reaches a rank; a second stop forces.
+SIGTERM, Ctrl-C) asks the coordinator for an orderly end — a final round, the
+state returned — before any signal reaches a rank; a second signal forces.
 """
 
 from __future__ import annotations
@@ -133,7 +133,8 @@ class LauncherDriver:
         self.plan = launch_plan(trainer, spec, argv=list(sys.orig_argv), executable=sys.executable, run_id=os.environ.get(RUN_ID_VAR) or None)
         self.run_id = self.plan.run_id
         self._controller: Controller | None = None
-        self._stops = 0
+        self._stop_requested = False
+        self._stop_signals = 0
 
     async def run(self, publish: Callable[[EpochMetrics], None]) -> TrainedState:
         from .agent import RankOutput
@@ -146,7 +147,9 @@ class LauncherDriver:
         attachment = training.attach(controller, reference=self._trainer.spec(), on_epoch=publish)
         self._controller = controller
         loop = asyncio.get_running_loop()
-        handled = _add_signal_handler(loop, signal.SIGTERM, self.request_stop)
+        # Ctrl-C too: left to asyncio.run, SIGINT cancels the main task, and the loop's shutdown
+        # then cancels every task, the controller's own, before any round could end in order.
+        handled = [h for sig in (signal.SIGINT, signal.SIGTERM) if (h := _add_signal_handler(loop, sig, self._on_stop_signal)) is not None]
         try:
             await controller.bind()
             # Not in a TaskGroup: a cancelled run() must keep the controller going until it stops in order
@@ -161,23 +164,32 @@ class LauncherDriver:
                     await asyncio.shield(task)
                 raise
         finally:
-            if handled:
-                loop.remove_signal_handler(signal.SIGTERM)
+            for sig, before in handled:
+                loop.remove_signal_handler(sig)
+                signal.signal(sig, before)  # asyncio.run's own SIGINT handler, say, not the default one
             await controller.aclose()
             output.close()
         return final_state(attachment, result)
 
     def request_stop(self) -> None:
-        """The first stop asks the coordinator for an orderly end; a second forces (the signal table)."""
-        self._stops += 1
+        """Ask the coordinator for an orderly end, once: every later request (a cancellation on the same path) waits for it."""
+        self._stop_in_order("the launcher's TrainingRun.shutdown()", signal.SIGTERM)
+
+    def _stop_in_order(self, why: str, sig: signal.Signals) -> None:
         controller = self._controller
-        if controller is None:
+        if controller is None or self._stop_requested:
             return
-        if self._stops == 1:
-            request_orderly_stop(controller)
+        self._stop_requested = True
+        request_orderly_stop(controller, why, sig)
+
+    def _on_stop_signal(self, sig: signal.Signals) -> None:
+        """SIGINT or SIGTERM: the first asks for the orderly end, a second forces it (the signal table)."""
+        self._stop_signals += 1
+        if self._stop_signals == 1:
+            self._stop_in_order(f"the launcher got {sig.name}", sig)
         else:
-            controller.interrupt(int(signal.SIGTERM))
-            controller.interrupt(int(signal.SIGTERM))
+            log.warning("second %s: forcing the stop", sig.name)
+            self.force_stop()
 
     def force_stop(self) -> None:
         controller = self._controller
@@ -186,24 +198,25 @@ class LauncherDriver:
             controller.interrupt(int(signal.SIGTERM))
 
 
-def _add_signal_handler(loop: asyncio.AbstractEventLoop, sig: signal.Signals, callback: Callable[[], None]) -> bool:
-    """Install ``callback`` for ``sig`` when this loop can (the main thread's loop only)."""
+def _add_signal_handler(loop: asyncio.AbstractEventLoop, sig: signal.Signals, callback: Callable[[signal.Signals], None]) -> tuple[signal.Signals, Any] | None:
+    """Install ``callback(sig)`` for ``sig`` when this loop can (the main thread's loop only); returns the handler it replaced."""
+    before = signal.getsignal(sig)
     try:
-        loop.add_signal_handler(sig, callback)
+        loop.add_signal_handler(sig, callback, sig)
     except (RuntimeError, ValueError, NotImplementedError):
-        return False
-    return True
+        return None
+    return sig, before
 
 
 # ----- the controller's training shell (controller/training.py): what the launcher reads of it ---------
 
 
-def request_orderly_stop(controller: Controller) -> None:
-    """Ask the coordinator for a stop with a final round (no signal reaches a rank for it); before it exists, stop the run."""
+def request_orderly_stop(controller: Controller, why: str = "the launcher's TrainingRun.shutdown()", sig: signal.Signals = signal.SIGTERM) -> None:
+    """Ask the coordinator for a stop with a final round (no signal reaches a rank for it); before it exists, stop the run with ``sig``."""
     from .controller import training
 
-    if not training.request_stop(controller, "the launcher's TrainingRun.shutdown()"):
-        controller.interrupt(int(signal.SIGTERM))
+    if not training.request_stop(controller, why):
+        controller.interrupt(int(sig))
 
 
 def final_state(attachment: TrainerAttachment, result: RunResult) -> TrainedState:

@@ -215,18 +215,25 @@ def test_a_killed_or_frozen_rank_ends_the_run_naming_it(tmp_path: Path, how: str
 # ----- stopping: in order, before any signal reaches a rank ------------------------------------------
 
 
-def test_a_launcher_sigterm_stops_in_order_and_returns_the_state_everywhere(tmp_path: Path) -> None:
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_launcher_signal_stops_in_order_and_returns_the_state_everywhere(tmp_path: Path, sig: signal.Signals) -> None:
+    """The script uses the handle (``async for m in run.metrics()``, then ``await run.join()``) under ``asyncio.run``.
+
+    Ctrl-C included: left to asyncio.run, SIGINT would cancel the main task and the loop's shutdown every task with it.
+    """
     run_id = new_run_id()
     launcher = ScriptLauncher(tmp_path, "--epochs", "200", "--fast-ms", "3", run_id=run_id)
     try:
         launcher.wait_for_stdout("EPOCH 1", timeout=120)
-        launcher.proc.send_signal(signal.SIGTERM)
+        launcher.proc.send_signal(sig)
         done = launcher.finish(timeout=120)
     finally:
         launcher.kill()
         assert_nothing_left(run_id)
-    assert done.returncode == 0, done.stderr
+    assert done.returncode == 0, done.stderr  # run.join() returned the state; the script went on and saved it
     assert "a final round, then shutdown" in done.stderr
+    assert f"the launcher got {sig.name}" in done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
     assert "rank 0 on" in done.stderr
     assert "exited with code 0" in done.stderr  # no signal reached a rank
     saved = states(tmp_path)
