@@ -8,10 +8,12 @@ losses and batch shares to the output directory. Nothing of a run may survive it
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
 import subprocess
+import time
 from pathlib import Path
 from typing import Any
 
@@ -210,6 +212,27 @@ def test_a_killed_or_frozen_rank_ends_the_run_naming_it(tmp_path: Path, how: str
     assert_launcher_verdict(done, ExitCode.RANK_FAILURE, named)
     if how == "stop":
         assert "heartbeat" in done.stderr or "nothing from" in done.stderr or "silent" in done.stderr, done.stderr
+
+
+def test_ranks_of_a_frozen_launcher_notice_its_silence_and_exit(tmp_path: Path) -> None:
+    """Heartbeats the other way: the coordinator (in the launcher) stops answering, and each rank ends by itself."""
+    run_id = new_run_id()
+    launcher = ScriptLauncher(tmp_path, "--epochs", "200", "--fast-ms", "3", run_id=run_id, env={"FLODL_NET_TIMEOUT_SCALE": "0.1"})
+    try:
+        launcher.wait_for_stdout("EPOCH 0", timeout=120)
+        ranks = [_rank_pid(run_id, 0), _rank_pid(run_id, 1)]
+        os.kill(launcher.proc.pid, signal.SIGSTOP)  # the launcher's host freezes: its controller, relay and agent with it
+        deadline = time.monotonic() + 60
+        while alive := [pid for pid in ranks if pid in processes_of_run(run_id)]:
+            assert time.monotonic() < deadline, f"ranks {alive} still run 60 s after their launcher froze"
+            time.sleep(0.1)
+        os.kill(launcher.proc.pid, signal.SIGCONT)
+        launcher.finish(timeout=120)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(launcher.proc.pid, signal.SIGCONT)
+        launcher.kill()
+        assert_nothing_left(run_id)
 
 
 # ----- stopping: in order, before any signal reaches a rank ------------------------------------------
