@@ -523,6 +523,10 @@ class Coordinator:
             Log(text=f"training: {self.config.world_size} rank(s), {spec.policy.name} on {spec.backend.name}, {spec.epochs} x {spec.n_batches} batches"),
             self._start_round(0, "init", now),
         ]
+        if spec.max_failure is not None and not self.config.elastic:
+            # Accepted so that a script written for elastic runs trains unchanged, but said once: it would otherwise look tolerated.
+            warning = "max_failure is set, but this run is not elastic: any lost rank ends it (elastic continuation is not built yet)"
+            actions.insert(1, Log(text=warning, level=Level.WARNING))
         actions.extend(self._open_epoch(0, now))
         return actions
 
