@@ -188,8 +188,7 @@ class LauncherDriver:
         if self._stop_signals == 1:
             self._stop_in_order(f"the launcher got {sig.name}", sig)
         else:
-            log.warning("second %s: forcing the stop", sig.name)
-            self.force_stop()
+            self.force_stop()  # the controller says so ("second SIGTERM: forcing the stop (KILL now)")
 
     def force_stop(self) -> None:
         controller = self._controller

@@ -265,6 +265,31 @@ def test_a_launcher_signal_stops_in_order_and_returns_the_state_everywhere(tmp_p
     assert 2 <= saved["launcher--1"]["epochs_completed"] < 200
 
 
+def test_a_second_signal_during_the_orderly_stop_forces_it(tmp_path: Path) -> None:
+    run_id = new_run_id()
+    # A slow rank makes the final round long enough to be interrupted.
+    launcher = ScriptLauncher(tmp_path, "--epochs", "200", "--fast-ms", "30", "--slow-rank", "1", "--slow-ms", "300", run_id=run_id)
+    try:
+        launcher.wait_for_stdout("EPOCH 0", timeout=120)
+        launcher.proc.send_signal(signal.SIGTERM)
+        assert launcher.proc.stderr is not None
+        early: list[str] = []
+        while not any("stopping training (the launcher got SIGTERM)" in line for line in early):
+            line = launcher.proc.stderr.readline()
+            assert line, f"the launcher ended before its orderly stop began: {early}"
+            early.append(line)
+        launcher.proc.send_signal(signal.SIGTERM)  # the signal table: a second signal kills at once
+        done = launcher.finish(timeout=120)
+    finally:
+        launcher.kill()
+        assert_nothing_left(run_id)
+    stderr = "".join(early) + done.stderr
+    assert done.returncode == 143, stderr
+    assert "second SIGTERM: forcing the stop (KILL now)" in stderr
+    assert "FAILED — interrupted by SIGTERM" in stderr
+    assert not (tmp_path / "out" / "launcher--1.pt").exists()  # a forced stop returns no state
+
+
 def test_flodl_launch_sigint_stops_the_trainer_in_order(tmp_path: Path) -> None:
     run_id = new_run_id()
     cmd = ["--nproc", "2", "--devices", "cpu", "--port", "0", "--", PY, SCRIPT, "--out", str(tmp_path / "out"), "--epochs", "200", "--fast-ms", "3"]
