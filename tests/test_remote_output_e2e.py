@@ -39,6 +39,7 @@ def test_remote_ranks_output_progress_logs_and_ctrl_c_on_every_host(hostkit: Hos
             (gates / f"gate-{k}").touch()
             # Each rank blocks on the next gate: its update reached the console while the line was still open.
             launcher.wait_for_stdout(f"] prog {k}/3 r", count=3)
+        (gates / "gate-4").touch()  # the bar's newline, after its last update was shown
         launcher.wait_for_stdout("] waiting for SIGINT r", count=3)
         launcher.proc.send_signal(signal.SIGINT)
         done = launcher.finish(timeout=60)  # also: every process of the run is gone
@@ -58,6 +59,7 @@ def test_remote_ranks_output_progress_logs_and_ctrl_c_on_every_host(hostkit: Hos
         prefix = f"[{host}:r{rank}] "
         for text in (f"partial r{rank}", *(f"prog {k}/3 r{rank}" for k in (1, 2, 3)), f"saved on SIGINT r{rank}"):
             assert f"\n{prefix}{text}\n" in done.stdout, (text, done.stdout)
+        assert done.stdout.count(f"{prefix}prog 3/3 r{rank}\n") == 1, done.stdout  # the finished bar once, not twice
         assert f"{prefix}err line r{rank}\n" in done.stderr, done.stderr
         # torchrun's layout, for the remote hosts too: the raw bytes, \r and all, without prefixes.
         attempt = logs / run_id / "attempt_0" / str(rank)

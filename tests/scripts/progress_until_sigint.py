@@ -2,8 +2,8 @@
 
 argv: DIR. Every write is flushed at once. In order: ``line one rN on HOST`` (a whole line) and
 ``err line rN`` on stderr; the partial line ``partial rN``; then for k = 1, 2, 3, once DIR/gate-k
-exists, ``\\rprog k/3 rN`` (the third one ends the line); then ``waiting for SIGINT rN`` and a
-sleep that only ``KeyboardInterrupt`` ends, printing ``saved on SIGINT rN``.
+exists, ``\\rprog k/3 rN``; once DIR/gate-4 exists, the newline alone; then ``waiting for SIGINT rN``
+and a sleep that only ``KeyboardInterrupt`` ends, printing ``saved on SIGINT rN``.
 """
 
 import os
@@ -33,7 +33,9 @@ sys.stderr.flush()
 write(f"partial r{rank}")
 for k in (1, 2, 3):
     wait_for(f"gate-{k}")
-    write(f"\rprog {k}/3 r{rank}" + ("\n" if k == 3 else ""))
+    write(f"\rprog {k}/3 r{rank}")
+wait_for("gate-4")
+write("\n")  # the finished bar's newline, on its own (as tqdm's close() writes it)
 write(f"waiting for SIGINT r{rank}\n")
 try:
     while True:
