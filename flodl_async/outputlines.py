@@ -12,8 +12,11 @@ redraws every 50 ms is still shown every ``idle`` seconds. A line longer than
 On the launcher, :class:`LineAssembler` (one per rank and stream) turns chunks
 back into console lines: every complete line once, whole, and after each chunk
 that leaves a line unfinished, an *update* line showing what a terminal would
-show of it so far (its last ``\\r`` segment). Console writes are always whole
-lines, so output of different ranks never tears; files get the raw bytes.
+show of it so far (its last ``\\r`` segment). A redrawn line (one with a
+``\\r``) that ends just as its last update showed it is not shown a second
+time: a finished progress bar reads ``100%|###`` once, not twice. Console
+writes are always whole lines, so output of different ranks never tears; files
+get the raw bytes.
 Nothing here imports asyncio; time is passed in.
 """
 
@@ -98,6 +101,7 @@ class LineAssembler:
         self._limit = limit
         self._partial = bytearray()
         self._shown = False  # the unfinished line, as it stands, was shown as an update
+        self._last_update: bytes | None = None  # the last update shown of the unfinished line
 
     def receive_data(self, data: bytes) -> list[ConsoleLine]:
         """The lines to show after ``data``: complete lines, then an update for an unfinished one."""
@@ -109,7 +113,13 @@ class LineAssembler:
             nl = buf.find(b"\n", start)
             if nl < 0:
                 break
-            lines.append(ConsoleLine(text=_visible(bytes(buf[start:nl])) + b"\n"))
+            line = bytes(buf[start:nl])
+            text = _visible(line) + b"\n"
+            # Only the first line of a chunk can have been shown as an update; a redrawn one that
+            # ends exactly as last shown is on the console already (its newline repeats nothing).
+            if not (start == 0 and b"\r" in line and text == self._last_update):
+                lines.append(ConsoleLine(text=text))
+            self._last_update = None
             start = nl + 1
         del buf[:start]
         if data:
@@ -117,14 +127,18 @@ class LineAssembler:
         if len(buf) >= self._limit:  # an over-long line is shown in pieces, as it travelled
             lines.append(ConsoleLine(text=_visible(bytes(buf)) + b"\n"))
             buf.clear()
+            self._last_update = None
         elif buf and data:
-            lines.append(ConsoleLine(text=_visible(bytes(buf)) + b"\n", update=True))
+            update = ConsoleLine(text=_visible(bytes(buf)) + b"\n", update=True)
+            lines.append(update)
             self._shown = True
+            self._last_update = update.text
         return lines
 
     def end(self) -> list[ConsoleLine]:
         """The stream ended: an unfinished line not shown as it stands is shown as a line of its own."""
         shown, self._shown = self._shown, False
+        self._last_update = None
         if not self._partial:
             return []
         line = ConsoleLine(text=_visible(bytes(self._partial)) + b"\n")

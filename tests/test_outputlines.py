@@ -90,6 +90,51 @@ def test_a_progress_bar_shows_what_the_terminal_would() -> None:
     assert assembler.end() == []
 
 
+def test_a_finished_bar_is_not_repeated_when_its_newline_comes_after_its_last_update() -> None:
+    assembler = LineAssembler()
+    assert assembler.receive_data(b"\r 50%|#####") == [ConsoleLine(text=b" 50%|#####\n", update=True)]
+    assert assembler.receive_data(b"\r100%|##########|") == [ConsoleLine(text=b"100%|##########|\n", update=True)]
+    assert assembler.receive_data(b"\nnext\n") == [ConsoleLine(text=b"next\n")]  # the bar's newline adds nothing
+    # A bar that ends other than its last update showed it is shown as it ends.
+    assert assembler.receive_data(b"\r 10%|#") == [ConsoleLine(text=b" 10%|#\n", update=True)]
+    assert assembler.receive_data(b"\r 20%|##\n") == [ConsoleLine(text=b" 20%|##\n")]
+    # A plain partial line (no \r) finished by a lone newline is still shown whole: a line is not a redraw.
+    assert assembler.receive_data(b"loading") == [ConsoleLine(text=b"loading\n", update=True)]
+    assert assembler.receive_data(b"\n") == [ConsoleLine(text=b"loading\n")]
+    assert assembler.end() == []
+
+
+#: Few symbols, many carriage returns: redrawn lines, their updates, their newlines, cut anywhere.
+_redraws = st.lists(st.sampled_from([b"a", b"b", b"\r", b"\n"]), max_size=120).map(b"".join)
+
+
+@given(_redraws, st.lists(st.integers(min_value=0, max_value=120), max_size=12))
+def test_every_line_ends_on_the_console_as_a_terminal_shows_it_and_a_redraw_never_twice(data: bytes, cuts: list[int]) -> None:
+    bounds = sorted({0, len(data), *(c for c in cuts if c <= len(data))})
+    assembler = LineAssembler(limit=10_000)
+    shown: list[ConsoleLine] = []
+    unfinished = b""
+    for a, b in itertools.pairwise(bounds):
+        out = assembler.receive_data(data[a:b])
+        finishing = (unfinished + data[a:b]).split(b"\n", 1)[0] if b"\n" in data[a:b] else None
+        if finishing is not None and shown and shown[-1].update and out and not out[0].update:
+            # A line shown as an update and then again, the same, as a whole line: only a plain (not redrawn) one.
+            assert not (out[0].text == shown[-1].text and b"\r" in finishing), (finishing, shown[-1], out[0])
+        shown += out
+        unfinished = (unfinished + data[a:b]).rsplit(b"\n", 1)[-1]
+    shown += assembler.end()
+    # Each finished line's final look is on the console, in order: as its whole line, or as the update just before it.
+    texts = iter(line.text for line in shown)
+    for line in data.split(b"\n")[:-1]:
+        want = _visible_text(line) + b"\n"
+        assert any(t == want for t in texts), (line, shown)
+
+
+def _visible_text(line: bytes) -> bytes:
+    segments = [s for s in line.split(b"\r") if s]
+    return segments[-1] if segments else b""
+
+
 def test_an_unfinished_line_already_shown_is_not_shown_again_at_the_end() -> None:
     assembler = LineAssembler()
     assert assembler.receive_data(b"waiting") == [ConsoleLine(text=b"waiting\n", update=True)]

@@ -107,6 +107,11 @@ def test_tunnel_hosts_get_the_env_contract_through_their_relay(hostkit: HostKit,
     # Each agent dialled its controller on the host's own loopback (the tunnel's end), so the
     # interface of its join connection, which it hands its ranks, is lo.
     assert {e["GLOO_SOCKET_IFNAME"] for e in seen.values()} == {"lo"}
+    # The store rides the controller's port as each host reaches it: a tunnelled host on its own
+    # loopback, at its tunnel's port (one per host, each ssh session forwarding its own).
+    assert {e["MASTER_ADDR"] for e in seen.values()} == {"127.0.0.1"}
+    ports = {g: {e["MASTER_PORT"] for e in seen.values() if e["GROUP_RANK"] == g} for g in ("0", "1")}
+    assert all(len(p) == 1 for p in ports.values()), ports
     assert "Traceback" not in done.stderr
     assert hostkit.leftovers() == {}
     assert_nothing_left(run_id)

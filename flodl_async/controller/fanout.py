@@ -390,13 +390,16 @@ class SshLauncher:
 
     async def _relay_stderr(self, process: Any, tail: list[bytes]) -> None:
         async for line in process.stderr:
+            if not line:  # asyncssh's line iterator ends with one b"" at EOF: no blank line per host
+                continue
             tail.append(line.rstrip(b"\n"))
             del tail[:-STDERR_TAIL]
             _write(self._stderr, line)
 
     async def _relay(self, reader: Any, sink: Console) -> None:
         async for line in reader:
-            _write(sink, line)
+            if line:  # as above: the b"" at EOF is not a line
+                _write(sink, line)
 
 
 def _write(sink: Console, line: bytes) -> None:
