@@ -24,7 +24,7 @@ from flodl_async.verdict import ExitCode
 from .hostkit import HostKit, NsHost
 from .launchkit import PY, Launcher, assert_nothing_left, free_port, new_run_id, wait_status
 from .test_fanout_e2e import _python_wrapper
-from .test_trainer_e2e import SCRIPT, assert_identical, states
+from .test_trainer_e2e import SCRIPT, assert_converged, assert_identical, states
 from .test_tunnel_e2e import LOOPBACK_HEX, _dial_from, _listen_addresses
 
 pytestmark = pytest.mark.e2e
@@ -80,21 +80,22 @@ def _two_agents(tmp_path: Path, kit: HostKit) -> str:
     )
 
 
-def _assert_trained(tmp_path: Path, ranks: int) -> None:
+def _assert_trained(tmp_path: Path, ranks: int, epochs: int = 2) -> None:
     saved = states(tmp_path)
     assert_identical(saved, {"launcher--1", *(f"rank-{r}" for r in range(ranks))})
     launcher = saved["launcher--1"]
     assert launcher["primary"]
-    assert (launcher["world_size"], launcher["epochs_completed"], launcher["interrupted"]) == (ranks, 2, False)
+    assert (launcher["world_size"], launcher["epochs_completed"], launcher["interrupted"]) == (ranks, epochs, False)
     assert launcher["losses"][-1] < launcher["losses"][0], launcher["losses"]
 
 
 def test_three_ranks_over_two_agents_train_to_one_state(hostkit: HostKit, tmp_path: Path) -> None:
     """Ranks 0-1 on the controller's host, rank 2 on h1: one state everywhere, and h1's share went up over TCP."""
     run_id = new_run_id()
-    done = _as_launcher(tmp_path, _two_agents(tmp_path, hostkit), "--policy", "sync", "--epochs", "2", run_id=run_id)
+    done = _as_launcher(tmp_path, _two_agents(tmp_path, hostkit), "--policy", "sync", "--epochs", "4", run_id=run_id)
     assert done.returncode == 0, done.stderr
-    _assert_trained(tmp_path, 3)
+    _assert_trained(tmp_path, 3, epochs=4)
+    assert_converged(states(tmp_path)["launcher--1"]["losses"])  # the same bar as the one-host runs
     # The reducer's own account of the paths: h1's rank reached it over its relay's TCP uplink, with tensors.
     uplinks = _uplinks(done.stderr)
     assert set(uplinks) == {socket.gethostname(), "h1"}, done.stderr
