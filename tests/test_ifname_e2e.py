@@ -103,3 +103,16 @@ def test_the_controllers_own_ranks_bind_the_interface_that_reaches_the_other_hos
         assert envs[name]["GLOO_SOCKET_IFNAME"] == "eth0"
         assert envs[name]["MASTER_ADDR"] == hostkit.controller_addr
     assert hostkit.leftovers() == {}
+
+
+def test_the_local_workers_nccl_socket_ifname_reaches_its_ranks(tmp_path: Path) -> None:
+    cluster = tmp_path / "cluster.yml"
+    cluster.write_text(f"controller: {{port: {free_port()}}}\nworkers:\n  - host: localhost\n    devices: cpu:2\n    nccl_socket_ifname: lo\n")
+    out_dir = tmp_path / "envs"
+    out_dir.mkdir()
+    done = run_launch(str(cluster), "--", PY, script("dump_env.py"), str(out_dir), run_id=new_run_id(), env={"GLOO_SOCKET_IFNAME": "eth9"})
+    assert done.returncode == 0, done.stderr
+    envs = [json.loads(p.read_text()) for p in out_dir.glob("env-*.json")]
+    assert len(envs) == 2
+    # The file's setting wins over the launcher's own environment, as it does on a remote host.
+    assert {(e["GLOO_SOCKET_IFNAME"], e["NCCL_SOCKET_IFNAME"]) for e in envs} == {("lo", "lo")}
