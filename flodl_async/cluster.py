@@ -471,6 +471,20 @@ def _validate_topology(doc: _Doc, spec: ClusterSpec, workers_node: yaml.Sequence
                 f"worker {worker.host!r} dials in on its own, so {', '.join(launched_by_us)} (how the launcher would start it) "
                 "cannot apply; drop them, or drop `dial_in: true` to have the launcher start it",
             )
+        # Nothing carries these to an agent that dials in on its own: refused, not silently dropped.
+        agent_side = [
+            key
+            for key, used in (("env", bool(worker.env)), ("workdir", worker.workdir is not None), ("nccl_socket_ifname", worker.nccl_socket_ifname is not None))
+            if used
+        ]
+        if worker.dial_in and agent_side:
+            raise doc.error(
+                workers_node.value[i],
+                f"workers[{i}].{agent_side[0]}",
+                f"worker {worker.host!r} dials in on its own, so the launcher cannot give its agent {', '.join(agent_side)}; "
+                "set them where that agent starts: its environment (Environment= in its unit file, e.g. "
+                "GLOO_SOCKET_IFNAME/NCCL_SOCKET_IFNAME for nccl_socket_ifname) and flodl-agent --workdir, and drop them here",
+            )
         if not worker.tunnel:
             continue
         node = workers_node.value[i]

@@ -216,6 +216,10 @@ class HostKit:
             *command,
         ]
 
+    def inside_argv(self, host: NsHost, *command: str) -> list[str]:
+        """A command line that runs ``command`` on ``host`` as its own login would: its namespace, its hostname."""
+        return ["ip", "netns", "exec", host.ns, "unshare", "--uts", "sh", "-c", 'hostname "$1" && shift && exec "$@"', "sh", host.name, *command]
+
     def host_pids(self, ns: str) -> list[int]:
         """Every process in namespace ``ns`` other than its sshd listener."""
         listener = self._sshd.get(ns)

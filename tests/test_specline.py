@@ -13,14 +13,11 @@ from flodl_async.agent.specline import (
     AgentSpec,
     devices_text,
     hello_line,
-    interface_of_address,
-    interface_towards,
-    local_ipv4_interfaces,
     parse_hello,
-    ranks_env,
 )
 from flodl_async.devices import parse_devices
 from flodl_async.errors import ConfigError
+from flodl_async.ifnames import interface_of_address, interface_towards, local_ipv4_interfaces, ranks_env, with_default_ifname
 from flodl_async.sshopts import option_error, parse_option
 
 SPEC = AgentSpec(
@@ -79,17 +76,19 @@ def test_devices_text_reads_back(text: str) -> None:
     assert parse_devices(devices_text(parse_devices(text))) == parse_devices(text)
 
 
-def test_ranks_env_fills_the_interface_only_when_unset() -> None:
-    assert ranks_env({}, ifname="eth0", configured_ifname=None) == {"GLOO_SOCKET_IFNAME": "eth0", "NCCL_SOCKET_IFNAME": "eth0"}
-    assert ranks_env({"NCCL_SOCKET_IFNAME": "ib0"}, ifname="eth0", configured_ifname=None) == {
-        "NCCL_SOCKET_IFNAME": "ib0",
-        "GLOO_SOCKET_IFNAME": "eth0",
-    }
-    assert ranks_env({"GLOO_SOCKET_IFNAME": "x"}, ifname="eth0", configured_ifname="bond0") == {
+def test_the_configured_interface_sets_both_variables_over_the_spec_env() -> None:
+    assert ranks_env({"GLOO_SOCKET_IFNAME": "x", "A": "b"}, configured_ifname="bond0") == {
         "GLOO_SOCKET_IFNAME": "bond0",
         "NCCL_SOCKET_IFNAME": "bond0",
+        "A": "b",
     }
-    assert ranks_env({"A": "b"}, ifname=None, configured_ifname=None) == {"A": "b"}
+    assert ranks_env({"A": "b"}, configured_ifname=None) == {"A": "b"}
+
+
+def test_the_default_interface_fills_only_what_is_unset() -> None:
+    assert with_default_ifname({}, "eth0") == {"GLOO_SOCKET_IFNAME": "eth0", "NCCL_SOCKET_IFNAME": "eth0"}
+    assert with_default_ifname({"NCCL_SOCKET_IFNAME": "ib0"}, "eth0") == {"NCCL_SOCKET_IFNAME": "ib0", "GLOO_SOCKET_IFNAME": "eth0"}
+    assert with_default_ifname({"A": "b"}, None) == {"A": "b"}
 
 
 def test_interface_of_address() -> None:

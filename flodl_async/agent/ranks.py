@@ -29,6 +29,7 @@ from pathlib import Path
 
 from ..devices import DeviceKind, DeviceSpec
 from ..gpus import host_visible_gpus, select
+from ..ifnames import with_default_ifname
 from ..procs import signal_group, spawn, stop_processes
 from ..rankenv import RankPlacement, RankSpec, rank_environment
 from ..runtime import remove_rank_marker, write_rank_marker
@@ -74,6 +75,8 @@ class RankWorld:
     devices: DeviceSpec
     host_env: Mapping[str, str]
     workdir: str | None
+    #: GLOO/NCCL_SOCKET_IFNAME for the variables nothing else sets (:mod:`flodl_async.ifnames`); None: none.
+    default_ifname: str | None = None
 
 
 class RankProcesses:
@@ -149,6 +152,7 @@ class RankProcesses:
                 host_env=self._world.host_env,
                 cuda_visible_devices=self._gpu_ids(),
             )
+            env = with_default_ifname(env, self._world.default_ifname)  # after every explicit setting: it fills only what is unset
             async with self._spawning:
                 if self._closed:
                     log.debug("agent %s: not starting rank %d, the session is stopping", self._host, rank)

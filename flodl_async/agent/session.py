@@ -72,6 +72,7 @@ from ..errors import (
 )
 from ..gpus import host_visible_gpus, select
 from ..hostaddrs import host_addresses
+from ..ifnames import interface_holding
 from ..liveness import Liveness
 from ..net.framed import FramedProtocol, open_framed
 from ..runtime import RuntimeEntry, create_entry, reap_stale_ranks, sweep_stale
@@ -129,6 +130,10 @@ class SessionConfig:
     connect_timeout: float = 0.0
     #: The pacing of those dials: the capped backoff of ``--persist``.
     connect_backoff: BackoffPolicy = field(default_factory=BackoffPolicy)
+    #: The ranks' GLOO/NCCL_SOCKET_IFNAME where nothing (cluster file, env, this agent's env) sets them:
+    #: None takes the interface of the join connection (an agent on another host: the NIC the other
+    #: hosts reach); the controller's own host, which joins over loopback, passes its choice ("": none).
+    default_ifname: str | None = None
 
     @property
     def controller_addr(self) -> str:
@@ -246,7 +251,8 @@ class HostSession:
             self.observe(Phase.ADMITTED, run_id=accept.run_id, ranks=accept.ranks)
             entry = create_entry(run_id=accept.run_id, host=cfg.host, controller=cfg.controller_addr, root=cfg.runtime_root)
             formed = await self._await_formation(link, accept)
-            serving = _Serving(self, link=link, run_id=accept.run_id, formed=formed, entry=entry)
+            ifname = cfg.default_ifname if cfg.default_ifname is not None else interface_holding(link.local_host)
+            serving = _Serving(self, link=link, run_id=accept.run_id, formed=formed, entry=entry, default_ifname=ifname or None)
             self._serving = serving
             return await serving.run()
         except _StopRequested:
@@ -362,7 +368,9 @@ class _Serving:
     #: Message class → handler; filled in below the class. Commands not in it are logged and ignored.
     commands: ClassVar[Mapping[type[Message], _Handler]]
 
-    def __init__(self, session: HostSession, *, link: FramedProtocol, run_id: str, formed: m.WorldFormed, entry: RuntimeEntry) -> None:
+    def __init__(
+        self, session: HostSession, *, link: FramedProtocol, run_id: str, formed: m.WorldFormed, entry: RuntimeEntry, default_ifname: str | None = None
+    ) -> None:
         # Only a formed world needs ranks, a relay and a store: importing them here keeps them off the join path.
         from .ranks import RankWorld
         from .storehost import StoreHost
@@ -385,6 +393,7 @@ class _Serving:
             devices=cfg.devices,
             host_env=cfg.env,
             workdir=cfg.workdir,
+            default_ifname=default_ifname,
         )
         self._store = StoreHost(
             controller_host=cfg.controller_host,

@@ -10,19 +10,14 @@ Before reading the spec the agent prints :func:`hello_line` on stdout, so the la
 can tell "flodl_async is another version here" from every other failure.
 
 The pure parts — the spec's JSON form both ways, the hello line, the interface that
-carries an address — are functions; :func:`serve_spec_stdin` is the thin shell.
+carries an address (:mod:`flodl_async.ifnames`) — are functions; :func:`serve_spec_stdin` is the thin shell.
 """
 
 from __future__ import annotations
 
-import array
 import asyncio
-import contextlib
-import fcntl
 import json
 import signal
-import socket
-import struct
 import sys
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
@@ -32,13 +27,12 @@ from .. import __version__
 from ..deadlines import Deadlines
 from ..devices import DeviceKind, DeviceSpec, parse_devices
 from ..errors import ConfigError
+from ..ifnames import ranks_env
 from ..wire.keys import secret_from_hex
 from .session import HostSession, SessionConfig, SessionOutcome
 
 #: The first stdout line of an agent started with --spec-stdin: ``HELLO_PREFIX <version>``.
 HELLO_PREFIX = "flodl-agent-hello"
-#: The ranks' socket-interface variables an agent fills in from its join connection when unset.
-IFNAME_VARIABLES = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 
 
 def hello_line(version: str = __version__) -> str:
@@ -138,57 +132,15 @@ def _field(body: dict[str, Any], name: str, kind: type | tuple[type, ...]) -> An
     return value
 
 
-def ranks_env(spec_env: Mapping[str, str], *, ifname: str | None, configured_ifname: str | None) -> dict[str, str]:
-    """The ranks' env: the spec's, plus the socket-interface variables the spec leaves unset.
-
-    The worker's ``nccl_socket_ifname`` wins, then the env's own setting, then the interface of
-    this host's connection to the controller (the one the other hosts are known to reach).
-    """
-    env = dict(spec_env)
-    chosen = configured_ifname or ifname
-    if chosen:
-        for variable in IFNAME_VARIABLES:
-            if configured_ifname or variable not in env:
-                env[variable] = chosen
-    return env
-
-
-def interface_of_address(addr: str, interfaces: Mapping[str, str]) -> str | None:
-    """The interface holding IPv4 ``addr`` in ``interfaces`` (name → address), or None."""
-    return next((name for name, held in interfaces.items() if held == addr), None)
-
-
-def local_ipv4_interfaces() -> dict[str, str]:
-    """Every interface of this network namespace that has an IPv4 address: name → address."""
-    siocgifaddr = 0x8915
-    found: dict[str, str] = {}
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        for _, name in socket.if_nameindex():
-            request = array.array("B", struct.pack("256s", name.encode()[:15]))
-            with contextlib.suppress(OSError):  # no IPv4 address on this interface
-                fcntl.ioctl(s.fileno(), siocgifaddr, request)
-                found[name] = socket.inet_ntoa(request.tobytes()[20:24])
-    return found
-
-
-def interface_towards(host: str, port: int) -> str | None:
-    """The interface this host uses to reach ``host:port`` (a UDP connect sends nothing), or None."""
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.connect((host, port))
-            local = str(s.getsockname()[0])
-    except OSError:
-        return None
-    return interface_of_address(local, local_ipv4_interfaces())
-
-
 def session_config(spec: AgentSpec) -> SessionConfig:
     """The session config of a parsed spec; bad devices or secret raise :class:`ConfigError`."""
     try:
         devices = parse_devices(spec.devices)
     except ConfigError as exc:
         raise ConfigError(f"--spec-stdin: devices: {exc}") from None
-    env = ranks_env(spec.env, ifname=interface_towards(spec.controller_host, spec.controller_port), configured_ifname=spec.nccl_socket_ifname)
+    # The worker's nccl_socket_ifname goes in here; the default (the join connection's interface,
+    # when nothing else sets it) is the session's, as for every agent.
+    env = ranks_env(spec.env, configured_ifname=spec.nccl_socket_ifname)
     scale_env = {"FLODL_NET_TIMEOUT_SCALE": repr(spec.timeout_scale)}
     return SessionConfig(
         controller_host=spec.controller_host,

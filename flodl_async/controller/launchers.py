@@ -10,11 +10,13 @@ the agent was started. In-process here; ssh fan-out is :mod:`.fanout`.
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 from typing import Protocol
 
 from ..agent import HostSession, RankOutput, SessionConfig
 from ..deadlines import Deadlines
+from ..ifnames import controller_host_ifname, ranks_env
 from ..plan import PlacedWorker
 
 
@@ -43,14 +45,19 @@ class AgentLauncher(Protocol):
 class LocalLauncher:
     """Agents inside the controller's own process, joining over loopback (the controller's host)."""
 
-    def __init__(self, contact: ControllerContact, *, output: RankOutput) -> None:
+    def __init__(self, contact: ControllerContact, *, output: RankOutput, ifname_peer: tuple[str, int] | None = None) -> None:
+        """``ifname_peer``: where this host's ranks must be reachable from (:func:`~flodl_async.ifnames.controller_host_peer`)."""
         self._contact = contact
         self._output = output
+        self._ifname_peer = ifname_peer
         self._sessions: list[HostSession] = []
 
     async def run_agent(self, worker: PlacedWorker) -> None:
         """Run the host's agent in this process until its run ends."""
         spec = worker.spec
+        # These agents join over loopback, so the join connection's interface (lo) is no default for
+        # them: their ranks take the interface that reaches the other hosts (a name may need the resolver).
+        ifname = await asyncio.to_thread(controller_host_ifname, self._ifname_peer) if not spec.nccl_socket_ifname else None
         session = HostSession(
             SessionConfig(
                 controller_host="127.0.0.1",
@@ -58,9 +65,10 @@ class LocalLauncher:
                 secret=self._contact.secret,
                 host=spec.host,
                 devices=spec.devices,
-                env=spec.env,
+                env=ranks_env(spec.env, configured_ifname=spec.nccl_socket_ifname),
                 workdir=spec.workdir,
                 deadlines=self._contact.deadlines,
+                default_ifname=ifname or "",
             ),
             output=self._output,
         )

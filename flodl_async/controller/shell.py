@@ -35,6 +35,7 @@ from .. import __version__
 from ..agent import RankOutput
 from ..errors import ConnectionClosed, FlodlError, WireError
 from ..hostaddrs import routable
+from ..ifnames import controller_host_peer, direct_ssh_targets
 from ..liveness import Liveness
 from ..membership import describe_threshold
 from ..metrics import EpochMetrics
@@ -232,7 +233,10 @@ class Controller:
             now=self._opened_at,
         )
         contact = ControllerContact(host="127.0.0.1", port=self.port, secret=plan.secret, deadlines=self._deadlines)
-        self._launchers = {Placement.LOCAL: LocalLauncher(contact, output=self._output), Placement.DIAL_IN: DialInLauncher()}
+        # The controller's host's ranks bind the NIC the other hosts reach (flodl_async.ifnames).
+        peer = controller_host_peer(plan.bind_host, self.port, direct_ssh_targets(plan.workers))
+        local = LocalLauncher(contact, output=self._output, ifname_peer=peer)
+        self._launchers = {Placement.LOCAL: local, Placement.DIAL_IN: DialInLauncher()}
         if any(w.placement is Placement.SSH for w in plan.workers):  # it writes to the process's own stdout/stderr
             out, err = self._output.consoles
             self._launchers[Placement.SSH] = ssh_launcher(contact, bind_host=plan.bind_host, run_id=plan.run_id, stdout=out, stderr=err)

@@ -448,6 +448,12 @@ class FramedProtocol(asyncio.BaseProtocol):
         peer = self._transport.get_extra_info("peername") if self._transport is not None else None
         return str(peer[0]) if isinstance(peer, tuple) else ""
 
+    @property
+    def local_host(self) -> str:
+        """This end's own address without the port ('' for unix sockets or a closed link)."""
+        sock = self._transport.get_extra_info("sockname") if self._transport is not None else None
+        return str(sock[0]) if isinstance(sock, tuple) else ""
+
     async def wait_closed(self) -> None:
         """Wait until the connection is gone (either side closed it)."""
         await asyncio.shield(self._lost)
