@@ -5,6 +5,10 @@ regular file, owned by the user running us, that neither group nor others can
 read or write; the error names the file, what is wrong and the command that
 fixes it. The checks are made on the opened descriptor (``fstat``), so the file
 checked is the file read. A FIFO is opened without blocking and then refused.
+A systemd credential (a file inside ``$CREDENTIALS_DIRECTORY``) is the one
+exception to the owner rule: systemd writes it root-owned and lets the service's
+user read it by an ACL, so there any owner is taken and only write access for
+group or others, or read access for everyone, is refused.
 
 Write: missing parent directories are made mode 0700, then a new file is created with ``O_CREAT | O_EXCL`` and mode 0600, so it is
 private from the moment it exists (no chmod afterwards, hence no window in which
@@ -83,6 +87,9 @@ def _check_private(name: str, st: os.stat_result, *, flag: str, what: str, label
     if not stat.S_ISREG(st.st_mode):
         kind = _KINDS.get(stat.S_IFMT(st.st_mode), "not a regular file")
         raise SecretFileError(name, f"is {kind}, not a regular file", f"point {flag} at a regular file of yours with mode 0600", what=label)
+    if _under_credentials_directory(name):
+        _check_credential(name, st, flag=flag, what=what, label=label)
+        return
     if st.st_uid != os.geteuid():
         raise SecretFileError(
             name,
@@ -96,6 +103,40 @@ def _check_private(name: str, st: os.stat_result, *, flag: str, what: str, label
             name,
             f"has mode {mode:04o}, so group or others can get at {what} (refused, as ssh refuses a loose private key)",
             f"run `chmod 600 {quoted}`",
+            what=label,
+        )
+
+
+def _under_credentials_directory(name: str) -> bool:
+    """``name`` resolves to a file inside ``$CREDENTIALS_DIRECTORY`` (set by systemd for a unit with ``LoadCredential=``)."""
+    directory = os.environ.get("CREDENTIALS_DIRECTORY")
+    if not directory:
+        return False
+    root = os.path.realpath(directory)
+    path = os.path.realpath(name)
+    return path != root and os.path.commonpath((root, path)) == root
+
+
+def _check_credential(name: str, st: os.stat_result, *, flag: str, what: str, label: str) -> None:
+    """A systemd credential: any owner, group bits read-only, nothing for others.
+
+    systemd (``write_credential`` in src/core/exec-credential.c) writes each
+    credential 0400 and root-owned into a directory it made and mounts read-only,
+    then grants the service's user read access with a POSIX ACL entry, and only
+    where the file system has no ACLs chowns the file to that user instead. With
+    an ACL, ``stat`` shows the ACL's mask in the group bits, so the file reads
+    0440 owned by root although no group can read it: the ownership rule and the
+    group-read bit say nothing here, and would refuse every credential of a
+    service that does not run as root. Only root can write that directory (the
+    reader does not choose its owner), so what is still checked is what systemd
+    never makes: a file group or others could write, or that everyone can read.
+    """
+    mode = stat.S_IMODE(st.st_mode)
+    if mode & 0o026:
+        raise SecretFileError(
+            name,
+            f"has mode {mode:04o} in $CREDENTIALS_DIRECTORY, so everyone can read {what} or group or others can change it",
+            f"systemd writes a credential 0400 (0440 with the ACL that lets the service read it): check what put this file there for {flag}",
             what=label,
         )
 

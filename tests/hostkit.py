@@ -26,6 +26,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import pytest
+
 SSHD = "/usr/sbin/sshd"
 TOOLS = ("ip", "unshare", "ssh-keygen", "ssh")
 
@@ -40,6 +42,26 @@ def missing_requirements() -> str | None:
         if shutil.which(tool) is None:
             return f"{tool} is missing (apt-get install iproute2 util-linux openssh-client)"
     return None
+
+
+def under_ci() -> bool:
+    """``CI`` is set to a true value, as CI services set it (``CI=true``) and ``.ci/run`` makes sure of."""
+    return os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no")
+
+
+def require_namespace_hosts() -> None:
+    """Skip the calling test, with the reason, when namespace hosts cannot be made here — but fail it under CI.
+
+    On a developer's machine a missing sshd is a reason to skip. In CI it means the image
+    lacks a tool `.ci/run` should have installed, and a skip there would pass every
+    multi-host test without running one.
+    """
+    why = missing_requirements()
+    if why is None:
+        return
+    if under_ci():
+        pytest.fail(f"CI is set, so the namespace-host tests must run, but {why}", pytrace=False)
+    pytest.skip(why)
 
 
 def _run(*argv: str, check: bool = True) -> subprocess.CompletedProcess[str]:

@@ -449,3 +449,14 @@ def test_a_flodl_agent_stopped_before_the_world_forms_says_stopping(tmp_path: Pa
     finally:
         receiver.close()
         shutil.rmtree(xdg, ignore_errors=True)
+
+
+def test_the_job_unit_admits_agents_by_the_cluster_token_they_load_too() -> None:
+    """The job's launcher and the agents hold the one token file; no hand-copied session secret anywhere."""
+    job, agent = _unit_settings("flodl-launch@.service"), _unit_settings("flodl-agent.service")
+    assert job["LoadCredential"] == agent["LoadCredential"] == "flodl-token:/etc/flodl/token"
+    assert "--token-file %d/flodl-token" in job["ExecStart"]  # overrides the cluster file's controller.token_file
+    assert "--secret-file" not in job["ExecStart"]
+    # Nothing reads a secret at /etc/flodl/secret: no unit or README line may tell anyone to put one there.
+    for text in (*(unit.read_text() for unit in DEPLOY.glob("*.service")), (DEPLOY.parent / "README.md").read_text()):
+        assert "/etc/flodl/secret" not in text

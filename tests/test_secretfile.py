@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from flodl_async.errors import ConfigError, SecretFileError
-from flodl_async.secretfile import MAX_SECRET_FILE_BYTES, create_secret_file, load_or_create_secret, read_secret_file
-from flodl_async.wire.keys import new_session_secret
+from flodl_async.secretfile import MAX_SECRET_FILE_BYTES, create_secret_file, load_or_create_secret, read_secret_file, read_token_file
+from flodl_async.wire.keys import new_cluster_token, new_session_secret
 
 
 def _secret_file(tmp_path: Path, mode: int = 0o600, secret: bytes | None = None) -> tuple[Path, bytes]:
@@ -169,3 +169,64 @@ def test_missing_directories_are_made_private(tmp_path: Path) -> None:
     create_secret_file(tmp_path / "x" / "y" / "secret", new_session_secret())
     assert (tmp_path / "x").stat().st_mode & 0o777 == 0o700
     assert (tmp_path / "x" / "y").stat().st_mode & 0o777 == 0o700
+
+
+# ----- systemd credentials ($CREDENTIALS_DIRECTORY) ------------------------------------------------------
+
+
+def _credential(directory: Path, *, owner: int, mode: int) -> tuple[Path, bytes]:
+    """A token file as systemd's LoadCredential= leaves it: 0400, root-owned, and 0440 once an ACL lets the service user read it."""
+    directory.mkdir(exist_ok=True)
+    token = new_cluster_token()
+    path = directory / "flodl-token"
+    path.write_text(token.hex() + "\n")
+    os.chown(path, owner, owner)
+    path.chmod(mode)
+    return path, token
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving a file to another user needs root")
+@pytest.mark.parametrize("owner", [0, 65534], ids=["root-owned", "owned-by-another-uid"])
+def test_a_credential_systemd_wrote_is_read_whatever_its_owner(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, owner: int) -> None:
+    """We run as root: uid 65534 stands in for systemd's root when the service runs as its own user; 0440 is 0400 plus the ACL's mask."""
+    creds = tmp_path / "credentials"
+    monkeypatch.setenv("CREDENTIALS_DIRECTORY", str(creds))
+    path, token = _credential(creds, owner=owner, mode=0o440)
+    assert read_token_file(path) == token
+    assert read_token_file(creds / ".." / "credentials" / "flodl-token") == token  # the path is resolved first
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving a file to another user needs root")
+def test_the_owner_rule_is_relaxed_only_inside_credentials_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    creds = tmp_path / "credentials"
+    path, _ = _credential(creds, owner=65534, mode=0o440)
+    # No $CREDENTIALS_DIRECTORY: the same file is someone else's.
+    monkeypatch.delenv("CREDENTIALS_DIRECTORY", raising=False)
+    with pytest.raises(SecretFileError, match=r"is owned by uid 65534, not by you"):
+        read_token_file(path)
+    # Set, but naming another directory: the same.
+    monkeypatch.setenv("CREDENTIALS_DIRECTORY", str(tmp_path / "elsewhere"))
+    with pytest.raises(SecretFileError, match=r"is owned by uid 65534, not by you"):
+        read_token_file(path)
+    # A twin of it beside the credentials directory, and a link from inside it to that twin: judged as an ordinary file.
+    monkeypatch.setenv("CREDENTIALS_DIRECTORY", str(creds))
+    twin, _ = _credential(tmp_path / "outside", owner=65534, mode=0o440)
+    link = creds / "link"
+    link.symlink_to(twin)
+    for name in (twin, link, creds / ".." / "outside" / "flodl-token"):
+        with pytest.raises(SecretFileError, match=r"is owned by uid 65534, not by you"):
+            read_token_file(name)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving a file to another user needs root")
+@pytest.mark.parametrize("mode", [0o444, 0o404, 0o460, 0o442, 0o666], ids=lambda mode: f"{mode:04o}")
+def test_a_credential_others_can_read_or_anyone_else_can_change_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mode: int) -> None:
+    creds = tmp_path / "credentials"
+    monkeypatch.setenv("CREDENTIALS_DIRECTORY", str(creds))
+    path, _ = _credential(creds, owner=0, mode=mode)
+    with pytest.raises(SecretFileError) as caught:
+        read_token_file(path)
+    message = str(caught.value)
+    assert message.startswith(f"token file {path}: has mode {mode:04o} in $CREDENTIALS_DIRECTORY")
+    assert "systemd writes a credential 0400" in message
+    assert "\n" not in message

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import signal
 import stat
@@ -163,28 +164,43 @@ def _all_cmdlines() -> bytes:
     return b"\n".join(out)
 
 
-def _state(port: int) -> str:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/state.json", timeout=5) as response:
-        return str(response.read().decode())
+def _get(port: int, path: str) -> bytes:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as response:
+        return bytes(response.read())
+
+
+def _spellings(secret: bytes) -> tuple[bytes, ...]:
+    return (secret, secret.hex().encode(), secret.hex().upper().encode())
 
 
 @pytest.mark.e2e
 def test_a_listed_dial_in_agent_joins_with_the_token_gets_the_secret_sealed_and_runs_its_rank(tmp_path: Path, xdg: Path) -> None:
-    """A listed dial-in worker holds only the token; its rank all-reduces with the launcher's (its relay used the sealed secret)."""
+    """A listed dial-in worker holds only the token; its rank all-reduces with the launcher's (its relay used the sealed secret).
+
+    Neither the token nor the session secret is in any process's argv, the status pages, the
+    launcher's or the agent's output, or any file of ``--log-dir``, while every rank prints its
+    whole environment into those outputs and files.
+    """
     assert _flodl("token", "new", str(tmp_path / "token")).returncode == 0
-    token_hex = read_token_file(tmp_path / "token").hex()
+    token = read_token_file(tmp_path / "token")
     port, run_id = free_port(), new_run_id()
     env = {"XDG_RUNTIME_DIR": str(xdg)}
+    logs, release = tmp_path / "logs", tmp_path / "release"
     launcher = Launcher(
-        str(_dial_in_cluster(tmp_path, port)), "--secret-file", str(tmp_path / "secret"), "--", PY, script("allreduce.py"), run_id=run_id, env=env
+        str(_dial_in_cluster(tmp_path, port)),
+        *("--secret-file", str(tmp_path / "secret"), "--log-dir", str(logs)),
+        *("--", PY, script("env_wait_allreduce.py"), str(release)),
+        run_id=run_id,
+        env=env,
     )
     agent = None
     try:
         wait_status(port, lambda doc: doc["joined_ranks"] == 1)
-        secret_hex = read_secret_file(tmp_path / "secret").hex()
+        secret = read_secret_file(tmp_path / "secret")
         agent = _agent(port, tmp_path / "token", env)
-        wait_status(port, lambda doc: doc["joined_ranks"] == 2)
-        seen = _all_cmdlines() + _state(port).encode()
+        launcher.wait_for_stdout("ready pid", count=2, timeout=120)  # both ranks up, the world whole: every page has its most
+        seen = {"argv": _all_cmdlines(), "/state.json": _get(port, "/state.json"), "/": _get(port, "/")}
+        release.write_text("")
         agent_out, agent_err = agent.communicate(timeout=120)
         done = launcher.finish(timeout=120)
     finally:
@@ -198,26 +214,74 @@ def test_a_listed_dial_in_agent_joins_with_the_token_gets_the_secret_sealed_and_
     assert "[walk-in:r1] rank 1 of 2 sum 3" in done.stdout
     assert "[walk-in:r1]" not in agent_out
     assert "rank 0 of 2 sum 3" in done.stdout
-    for secret in (token_hex, secret_hex):
-        for text in (seen.decode(errors="replace"), agent_out, agent_err, done.stdout, done.stderr):
-            assert secret not in text
+    assert "[walk-in:r1] env RANK=1" in done.stdout  # the environments were printed: absence below means something
+    assert b"<html" in seen["/"].lower()
+    files = sorted(p for p in logs.rglob("*") if p.is_file())
+    assert len(files) >= 4, files  # stdout and stderr of both ranks, the walk-in's included
+    assert any(b"env RANK=1" in p.read_bytes() for p in files), files
+    seen.update({"launcher stdout": done.stdout.encode(), "launcher stderr": done.stderr.encode()})
+    seen.update({"agent stdout": agent_out.encode(), "agent stderr": agent_err.encode()})
+    seen.update({f"log file {p.relative_to(logs)}": p.read_bytes() for p in files})
+    for name, value in (("token", token), ("session secret", secret)):
+        for where, raw in seen.items():
+            for needle in _spellings(value):
+                assert needle not in raw, f"the {name} is in the {where}"
     assert_nothing_left(run_id)
 
 
 @pytest.mark.e2e
-def test_a_wrong_token_is_refused_on_both_sides_counted_and_exits_3(tmp_path: Path, xdg: Path) -> None:
+def test_token_file_on_the_command_line_overrides_the_cluster_files(tmp_path: Path, xdg: Path) -> None:
+    """``flodl-launch --token-file F`` wins over ``controller.token_file``: F's holder is admitted, the file's is refused."""
+    assert _flodl("token", "new", str(tmp_path / "token")).returncode == 0  # the cluster file's controller.token_file
+    assert _flodl("token", "new", str(tmp_path / "cli-token")).returncode == 0
+    port, run_id = free_port(), new_run_id()
+    env = {"XDG_RUNTIME_DIR": str(xdg)}
+    cluster = _cluster(tmp_path, port)
+    launcher = Launcher(str(cluster), "--token-file", str(tmp_path / "cli-token"), "--", PY, script("allreduce.py"), run_id=run_id, env=env)
+    try:
+        wait_status(port, lambda doc: doc["joined_ranks"] == 1)
+        refused = _agent(port, tmp_path / "token", env)
+        _out, refused_err = refused.communicate(timeout=60)
+        admitted = _agent(port, tmp_path / "cli-token", env)
+        _out, admitted_err = admitted.communicate(timeout=120)
+        done = launcher.finish(timeout=120)
+    finally:
+        launcher.kill()
+    assert refused.returncode == 3, refused_err
+    assert WRONG_TOKEN_LINE in refused_err
+    assert admitted.returncode == 0, admitted_err
+    assert done.returncode == 0, done.stderr
+    assert "[walk-in:r1] rank 1 of 2 sum 3" in done.stdout
+    assert "1 wrong_token" in done.stderr
+    assert_nothing_left(run_id)
+
+
+@pytest.mark.e2e
+def test_a_wrong_token_is_refused_on_both_sides_counted_and_exits_3_even_with_persist(tmp_path: Path, xdg: Path) -> None:
     assert _flodl("token", "new", str(tmp_path / "token")).returncode == 0
     assert _flodl("token", "new", str(tmp_path / "wrong")).returncode == 0
     port, run_id = free_port(), new_run_id()
     env = {"XDG_RUNTIME_DIR": str(xdg)}
     launcher = Launcher(str(_cluster(tmp_path, port, join_timeout=600)), "--", PY, script("allreduce.py"), run_id=run_id, env=env)
+    out, err = tmp_path / "persist.out", tmp_path / "persist.err"
+    persistent = None
     try:
         wait_status(port, lambda doc: doc["joined_ranks"] == 1)
         agent = _agent(port, tmp_path / "wrong", env)
         _out, agent_err = agent.communicate(timeout=60)
         doc = wait_status(port, lambda doc: _auth_failed(doc) >= 1)
         assert doc["joined_ranks"] == 1  # nobody was admitted
+        # --persist retries what may pass next time, never a wrong token: it exits 3 on the first refusal
+        # (flodl-agent.service's RestartPreventExitStatus=2 3 then keeps it down). Retrying, it would
+        # hit the 60 s below, with a backoff of at most --reconnect-max 1 s.
+        persistent = _persistent_agent(port, tmp_path / "wrong", env, out, err)
+        persistent.wait(timeout=60)
+        doc = wait_status(port, lambda doc: _auth_failed(doc) >= 2)
+        assert doc["joined_ranks"] == 1
     finally:
+        if persistent is not None and persistent.poll() is None:
+            persistent.kill()
+            persistent.wait()
         launcher.proc.terminate()
         done = launcher.finish(timeout=60)
     assert agent.returncode == 3, agent_err
@@ -225,7 +289,13 @@ def test_a_wrong_token_is_refused_on_both_sides_counted_and_exits_3(tmp_path: Pa
     assert len(lines) == 1
     assert WRONG_TOKEN_LINE in lines[0]
     assert "Traceback" not in agent_err
-    assert "1 wrong_token" in done.stderr  # the controller's side of it: its refusal summary
+    assert persistent.returncode == 3, err.read_text()
+    assert WRONG_TOKEN_LINE in err.read_text()
+    assert "again in" not in err.read_text()  # no retry was even scheduled
+    assert "Traceback" not in err.read_text()
+    assert _auth_failed(doc) == 2  # one refusal each: the persistent agent dialled once
+    # The controller's side of it: its refusal summaries (one line per interval at most) count both.
+    assert sum(int(n) for n in re.findall(r"(\d+) wrong_token", done.stderr)) == 2, done.stderr
     assert_nothing_left(run_id)
 
 

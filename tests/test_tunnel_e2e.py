@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from .hostkit import HostKit, NsHost, missing_requirements
+from .hostkit import HostKit, NsHost, require_namespace_hosts
 from .launchkit import PY, Launcher, assert_nothing_left, free_port, new_run_id, run_launch, script
 from .test_fanout_e2e import _python_wrapper
 
@@ -147,9 +147,7 @@ def test_a_tunnel_host_and_a_direct_host_share_a_wildcard_bound_controller(hostk
 
 
 def test_an_sshd_that_refuses_forwarding_is_named_with_what_to_do(tmp_path: Path) -> None:
-    why = missing_requirements()
-    if why is not None:
-        pytest.skip(why)
+    require_namespace_hosts()  # its own kit, not the fixture's: skips or fails as the fixture does
     kit = HostKit.create(1, sshd_options=("AllowTcpForwarding no",))
     try:
         cluster = _tunnel_cluster(tmp_path, kit, [(kit.hosts[0], "cpu:1")], port=free_port())
