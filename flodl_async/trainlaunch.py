@@ -205,8 +205,9 @@ class LauncherDriver:
 def _announce(plan: LaunchPlan, port: int) -> Registration | None:
     """``flodl-launch``'s banner (where the status answers), and the entry that lets ``flodl ps`` / a bare ``flodl status`` find this run."""
     from .controllers import register
-    from .launch import _status_host, banner
+    from .launch import _status_host, banner, warn_oversubscribed
 
+    warn_oversubscribed(plan)  # this host's CPU ranks; every other host's are checked at its join
     log.info("%s", banner(plan, port))
     try:
         return register(run_id=plan.run_id, address=_status_host(plan.bind_host), port=port)
