@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 from .cluster import ClusterSpec, DeviceSpec, WorkerSpec, load_cluster
 from .deadlines import Deadlines
-from .errors import ConfigError, TrainingFailed
+from .errors import ConfigError, RuntimeDirError, TrainingFailed
 from .plan import LaunchPlan, PlacedWorker
 from .policy import Backend
 from .rankenv import RUN_ID_VAR
@@ -45,6 +45,7 @@ from .wire.keys import new_session_secret
 if TYPE_CHECKING:
     from .controller import Controller
     from .controller.training import TrainerAttachment
+    from .controllers import Registration
     from .metrics import EpochMetrics
     from .trainer import TrainedState, Trainer
 
@@ -150,8 +151,10 @@ class LauncherDriver:
         # Ctrl-C too: left to asyncio.run, SIGINT cancels the main task, and the loop's shutdown
         # then cancels every task, the controller's own, before any round could end in order.
         handled = [h for sig in (signal.SIGINT, signal.SIGTERM) if (h := _add_signal_handler(loop, sig, self._on_stop_signal)) is not None]
+        registration: Registration | None = None
         try:
             await controller.bind()
+            registration = _announce(plan, controller.port)
             # Not in a TaskGroup: a cancelled run() must keep the controller going until it stops in order
             # (below); this coroutine awaits the task on every path, so it is the task's owner.
             task = loop.create_task(controller.run(), name=f"trainer-controller-{plan.run_id}")
@@ -164,6 +167,8 @@ class LauncherDriver:
                     await asyncio.shield(task)
                 raise
         finally:
+            if registration is not None:
+                registration.remove()
             for sig, before in handled:
                 loop.remove_signal_handler(sig)
                 signal.signal(sig, before)  # asyncio.run's own SIGINT handler, say, not the default one
@@ -195,6 +200,20 @@ class LauncherDriver:
         if controller is not None:
             controller.interrupt(int(signal.SIGTERM))
             controller.interrupt(int(signal.SIGTERM))
+
+
+def _announce(plan: LaunchPlan, port: int) -> Registration | None:
+    """``flodl-launch``'s banner (where the status answers), and the entry that lets ``flodl ps`` / a bare ``flodl status`` find this run."""
+    from .controllers import register
+    from .launch import _status_host, banner, warn_oversubscribed
+
+    warn_oversubscribed(plan)  # this host's CPU ranks; every other host's are checked at its join
+    log.info("%s", banner(plan, port))
+    try:
+        return register(run_id=plan.run_id, address=_status_host(plan.bind_host), port=port)
+    except RuntimeDirError as exc:
+        log.warning("not registered for `flodl ps` / `flodl status`: %s", exc)
+        return None
 
 
 def _add_signal_handler(loop: asyncio.AbstractEventLoop, sig: signal.Signals, callback: Callable[[signal.Signals], None]) -> tuple[signal.Signals, Any] | None:

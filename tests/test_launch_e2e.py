@@ -6,13 +6,14 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import time
 from pathlib import Path
 
 import pytest
 
-from .launchkit import PY, Launcher, assert_nothing_left, launch_cmd, new_run_id, processes_of_run, run_launch, script
+from .launchkit import PY, Launcher, assert_nothing_left, free_port, launch_cmd, new_run_id, processes_of_run, run_launch, script
 
 pytestmark = pytest.mark.e2e
 
@@ -346,6 +347,18 @@ def test_gpu_ranks_are_placed_within_the_callers_cuda_visible_devices(tmp_path: 
     done = run_launch(*args, "--port", "0", "--", PY, script("dump_env.py"), str(out), run_id=new_run_id(), env=env)
     assert done.returncode == 0, done.stderr
     assert _rank_gpus(out, len(expected)) == expected
+
+
+def test_a_cluster_files_gpu_ids_index_into_the_callers_cuda_visible_devices(tmp_path: Path) -> None:
+    """``devices: [0, 2]`` in a cluster file is the visible set's 0th and 2nd GPU, as ``--devices 0,2`` is."""
+    env = {**_four_gpu_host(tmp_path), "CUDA_VISIBLE_DEVICES": "1,2,3"}
+    cluster = tmp_path / "cluster.yml"
+    cluster.write_text(f"controller:\n  host: 127.0.0.1\n  port: {free_port()}\nworkers:\n  - host: {socket.gethostname()}\n    devices: [0, 2]\n")
+    out = tmp_path / "out"
+    out.mkdir()
+    done = run_launch(str(cluster), "--", PY, script("dump_env.py"), str(out), run_id=new_run_id(), env=env)
+    assert done.returncode == 0, done.stderr
+    assert _rank_gpus(out, 2) == {0: "1", 1: "3"}
 
 
 def test_a_gpu_id_outside_the_mask_is_refused_before_anything_starts(tmp_path: Path) -> None:

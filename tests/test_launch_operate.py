@@ -191,9 +191,11 @@ def test_garbage_on_the_port_does_not_disturb_the_run(tmp_path: Path) -> None:
         (["missing.yml", "--", PY, "x.py"], "missing.yml: cluster file not found"),
     ],
 )
-def test_bad_arguments_fail_fast_with_a_usage_code(args: list[str], message: str) -> None:
+def test_bad_arguments_fail_fast_with_a_usage_code(tmp_path: Path, args: list[str], message: str) -> None:
+    no_gpus = tmp_path / "dev"  # a host with no GPU, whatever this machine has (`--devices all` must be refused)
+    no_gpus.mkdir()
     run_id = new_run_id()
-    done = run_launch(*args, run_id=run_id, timeout=60)
+    done = run_launch(*args, run_id=run_id, timeout=60, env={"FLODL_INTERNAL_DEV_DIR": str(no_gpus), "CUDA_VISIBLE_DEVICES": ""})
     assert done.returncode == 2
     assert message in done.stderr
     assert "Traceback" not in done.stderr

@@ -60,11 +60,14 @@ def test_the_fake_device_dir_is_counted_like_dev(tmp_path: Path) -> None:
 
 
 def test_a_remote_all_is_the_gpus_its_agent_reports_at_join(hostkit: HostKit, tmp_path: Path) -> None:
-    assert physical_gpu_count({}) == 0, "this test expects a controller machine without GPUs"
+    # The controller's machine shows no GPU, whatever this machine has: h1's two can only be what h1's agent counted.
+    no_gpus = tmp_path / "dev-controller"
+    no_gpus.mkdir()
     out = tmp_path / "envs"
     out.mkdir()
     cluster = _cluster(tmp_path, hostkit, [("h1", "all", _host_with_gpus(tmp_path, "h1", 2)), ("h2", "cpu:1", _host_with_gpus(tmp_path, "h2", 0))])
-    done = run_launch(str(cluster), "--", PY, script("dump_env.py"), str(out), run_id=new_run_id(), timeout=180)
+    here = {DEV_DIR_VARIABLE: str(no_gpus), "CUDA_VISIBLE_DEVICES": ""}
+    done = run_launch(str(cluster), "--", PY, script("dump_env.py"), str(out), run_id=new_run_id(), timeout=180, env=here)
     assert done.returncode == 0, done.stderr
     # The window cannot know h1's capacity before h1's agent joins: it says so, and waits for it.
     assert "window open (quorum 1 + what h1 report ranks, target 1 + what h1 report," in done.stderr

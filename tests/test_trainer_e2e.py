@@ -343,3 +343,46 @@ def test_an_exception_in_a_cooperative_loop_is_a_death_record_naming_the_rank(tm
     assert "rank 1" in done.stderr
     assert "it raised" in done.stderr  # the rank's Exiting(error=...), not a heartbeat deadline
     assert "fails on purpose in its own loop" in done.stderr
+
+
+# ----- finding the run: `flodl ps` and a bare `flodl status` see a Trainer launcher as they see flodl-launch -----
+
+
+def _flodl(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([PY, "-m", "flodl_async.cli", *args], capture_output=True, text=True, timeout=30, env={**os.environ, **env}, check=False)
+
+
+def test_a_trainer_launcher_registers_for_flodl_ps_and_status_and_unregisters_at_its_end(tmp_path: Path) -> None:
+    import shutil
+    import tempfile
+
+    runtime = Path(tempfile.mkdtemp(prefix="fl-xdg-", dir="/tmp"))  # this test's own: other runs are not listed
+    own = {"XDG_RUNTIME_DIR": str(runtime)}
+    release = tmp_path / "release"
+    run_id = new_run_id()
+    hold = ("--epochs", "1", "--hold-file", str(release), "--hold-host", socket.gethostname())
+    launcher = ScriptLauncher(tmp_path, *hold, run_id=run_id, env=own)
+    try:
+        launcher.wait_for_stdout("HOLDING rank", timeout=120)
+        ps = _flodl("ps", env=own)
+        assert ps.returncode == 0, ps.stderr
+        rows = {line.split()[0]: line.split() for line in ps.stdout.splitlines()[1:]}
+        assert set(rows) == {run_id}, ps.stdout
+        assert rows[run_id][2] == str(launcher.proc.pid)
+        address = rows[run_id][1]
+        alone = _flodl("status", env=own)  # no --addr: the one local run
+        assert alone.returncode == 0, alone.stderr
+        assert f"run      {run_id}" in alone.stdout
+        release.touch()
+        done = launcher.finish(timeout=120)
+    finally:
+        release.touch()
+        launcher.kill()
+        assert_nothing_left(run_id)
+    try:
+        assert done.returncode == 0, done.stderr
+        assert f"status: flodl status --addr {address}, or http://{address}/" in done.stderr  # flodl-launch's banner
+        assert os.listdir(runtime / "flodl" / "controllers") == []  # removed by its owner (no reader has swept yet)
+        assert "no flodl run on this machine" in _flodl("ps", env=own).stdout
+    finally:
+        shutil.rmtree(runtime, ignore_errors=True)

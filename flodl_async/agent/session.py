@@ -56,6 +56,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from .. import __version__
 from ..backoff import Backoff, BackoffPolicy
+from ..cores import usable_cores
 from ..deadlines import Deadlines
 from ..devices import DeviceKind, DeviceSpec
 from ..errors import (
@@ -325,7 +326,8 @@ class HostSession:
     async def _join(self, link: FramedProtocol, devices: tuple[str, ...]) -> m.JoinAccept:
         cfg = self.config
         try:
-            link.send(m.JoinHello(host=cfg.host, devices=devices, pid=os.getpid(), agent_version=__version__, addresses=host_addresses()))
+            hello = m.JoinHello(host=cfg.host, devices=devices, pid=os.getpid(), agent_version=__version__, addresses=host_addresses(), cores=usable_cores())
+            link.send(hello)
         except ConnectionClosed as exc:
             raise JoinFailed(cfg.host, f"the controller at {cfg.controller_addr} closed the join link before the join request") from exc
         try:

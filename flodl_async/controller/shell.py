@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING
 
 from .. import __version__
 from ..agent import RankOutput
+from ..cores import oversubscription
 from ..errors import ConnectionClosed, FlodlError, WireError
 from ..hostaddrs import routable
 from ..ifnames import controller_host_peer, direct_ssh_targets
@@ -459,6 +460,10 @@ class Controller:
         if self._links.get(hello.host) is not link:
             await link.drain()  # refused: the reject is flushed, then the service closes the link
             return
+        # An agent of this process is flodl-launch's own host, checked before anything started (launch.warn_oversubscribed).
+        crowded = None if hello.pid == os.getpid() else oversubscription(hello.host, hello.devices, hello.cores)
+        if crowded is not None:
+            log.warning("%s", crowded)
         if self._store is not None:  # a multi-homed host's ranks may dial the store from any of its addresses
             for address in routable(hello.addresses):
                 self._store.admit_host(address)

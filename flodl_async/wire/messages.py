@@ -33,6 +33,8 @@ class JoinHello(Message):
     agent_version: str = ""
     #: Every address of the agent's host (:mod:`flodl_async.hostaddrs`): its ranks' store connections may come from any.
     addresses: tuple[str, ...] = ()
+    #: The cores the agent may run its ranks on (:func:`flodl_async.cores.usable_cores`); 0 from an agent that does not say.
+    cores: int = 0
 
 
 @message(kind=0x0102, sealed=True)
