@@ -43,6 +43,7 @@ class Driver:
     spec: TrainerSpec
     world: int = 2
     ms_per_batch: tuple[float, ...] = ()
+    reduce_ms: float = 2.0  # each round's duration as the reducer (or each rank's ReduceDone) reports it: ElChe's sync_ms
     now: float = 100.0
     coord: Coordinator = field(init=False)
     actions: list[Action] = field(default_factory=list)
@@ -108,10 +109,10 @@ class Driver:
         elif isinstance(action, StartRound):
             self.rounds.append(action)
             if action.reducer:
-                self.pending.append(RoundCompleted(round=action.round, kind=action.kind, mass=1.0, duration_ms=2.0))
+                self.pending.append(RoundCompleted(round=action.round, kind=action.kind, mass=1.0, duration_ms=self.reduce_ms))
             else:
                 for rank in sorted(action.expected):
-                    self.pending.append(CollectiveDone(message=m.ReduceDone(rank=rank, round=action.round, mass=2.0, ms=2.0)))
+                    self.pending.append(CollectiveDone(message=m.ReduceDone(rank=rank, round=action.round, mass=2.0, ms=self.reduce_ms)))
             if self.spec.policy is Policy.SYNC and action.kind == "model":
                 for rank in list(self._sync):
                     epoch, at, end, _round = self._sync[rank]

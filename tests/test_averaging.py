@@ -18,9 +18,11 @@ import signal
 import subprocess
 import sys
 import tempfile
-from collections.abc import AsyncIterator, Mapping
+import threading
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -72,10 +74,10 @@ def _state() -> dict[str, torch.Tensor]:
 SCHEMA = ModelSchema.from_state_dict(_state(), ["w32", "w64", "wbf16", "wf16"])
 
 
-def _tensors(rank: int, *, scale: float = 1.0) -> dict[str, torch.Tensor]:
+def _tensors(rank: int, *, scale: float = 1.0, schema: ModelSchema = SCHEMA) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(rank)
     out: dict[str, torch.Tensor] = {}
-    for meta in SCHEMA.tensors:
+    for meta in schema.tensors:
         dtype = getattr(torch, meta.dtype)
         if meta.dtype == "int64":
             out[meta.name] = torch.randint(-50, 50, meta.shape, generator=g, dtype=torch.int64)
@@ -90,14 +92,17 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 or not dtype.is_floating_point else torch.float32
 
 
-def reference(contributions: Mapping[int, tuple[dict[str, torch.Tensor] | None, float]]) -> tuple[float, dict[str, torch.Tensor] | None]:
+def reference(
+    contributions: Mapping[int, tuple[dict[str, torch.Tensor] | None, float]], schema: ModelSchema = SCHEMA
+) -> tuple[float, dict[str, torch.Tensor] | None]:
     """The documented arithmetic, replayed: (mass, consensus) from each rank's (tensors, weight)."""
-    mass, out, _divided = reference_parts(contributions)
+    mass, out, _divided = reference_parts(contributions, schema)
     return mass, out
 
 
 def reference_parts(
     contributions: Mapping[int, tuple[dict[str, torch.Tensor] | None, float]],
+    schema: ModelSchema = SCHEMA,
 ) -> tuple[float, dict[str, torch.Tensor] | None, dict[str, torch.Tensor]]:
     """(mass, consensus, the divided accumulators before rounding and casting back)."""
     frames: list[tuple[str, dict[str, torch.Tensor], float | None]] = []  # (kind, tensors, weight-or-None for prescaled)
@@ -115,7 +120,7 @@ def reference_parts(
             frames.append(("raw", tensors, contributions[full[0]][1]))
         elif len(full) > 1:
             folded = {}
-            for meta in SCHEMA.tensors:
+            for meta in schema.tensors:
                 acc = torch.zeros(meta.shape, dtype=_acc_dtype(getattr(torch, meta.dtype)))
                 for r in full:
                     t, w = contributions[r]
@@ -126,7 +131,7 @@ def reference_parts(
     if mass == 0:
         return 0.0, None, {}
     out, divided = {}, {}
-    for meta in SCHEMA.tensors:
+    for meta in schema.tensors:
         dtype = getattr(torch, meta.dtype)
         acc = torch.zeros(meta.shape, dtype=_acc_dtype(dtype))
         for _kind, tensors, w in frames:
@@ -142,7 +147,9 @@ def reference_parts(
     return mass, out, divided
 
 
-def outer_reference(spec: OuterSpec, rounds: list[tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]]) -> list[dict[str, torch.Tensor]]:
+def outer_reference(
+    spec: OuterSpec, rounds: list[tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]], schema: ModelSchema = SCHEMA
+) -> list[dict[str, torch.Tensor]]:
     """§3.6 by hand on each round's (consensus, divided accumulators): the step runs on the divided
     float32 (float64) values, before the cast back; params only, buffers pass through; the
     previous global is what ranks adopt (after the cast)."""
@@ -154,7 +161,7 @@ def outer_reference(spec: OuterSpec, rounds: list[tuple[dict[str, torch.Tensor],
         if isinstance(spec, OuterAvg):
             out.append(new)
             continue
-        for name in SCHEMA.param_names:
+        for name in schema.param_names:
             cw = divided[name]
             if prev is None:
                 new[name] = cw.to(c[name].dtype)
@@ -165,7 +172,7 @@ def outer_reference(spec: OuterSpec, rounds: list[tuple[dict[str, torch.Tensor],
             velocity[name] = v
             step = v if isinstance(spec, SlowMo) else spec.momentum * v + g
             new[name] = (p - spec.lr * step).to(c[name].dtype)
-        prev = {name: new[name].to(_acc_dtype(new[name].dtype)) for name in SCHEMA.param_names}
+        prev = {name: new[name].to(_acc_dtype(new[name].dtype)) for name in schema.param_names}
         out.append(new)
     return out
 
@@ -188,6 +195,7 @@ class Bench:
     port: int
     scratch: Path
     local: bool
+    schema: ModelSchema = SCHEMA
 
     def spec(self, rank: int) -> RankSpec:
         host = next(h for h, ranks in HOSTS.items() if rank in ranks)
@@ -196,7 +204,7 @@ class Bench:
 
     async def links(self, ranks: list[int]) -> dict[int, DataLink]:
         async with asyncio.timeout(20):
-            made = await asyncio.gather(*(DataLink.connect(self.spec(r), r, SCHEMA, DIGEST) for r in ranks))
+            made = await asyncio.gather(*(DataLink.connect(self.spec(r), r, self.schema, DIGEST) for r in ranks))
         return dict(zip(ranks, made, strict=True))
 
     async def host_link(self, hello: m.HostDataHello | None = None) -> FramedProtocol:
@@ -219,12 +227,14 @@ async def _control(link: FramedProtocol) -> None:
 
 
 @contextlib.asynccontextmanager
-async def _bench(secret: bytes, outer: OuterSpec | None = None, gamma: float = 1.0, *, local: bool = False) -> AsyncIterator[Bench]:
+async def _bench(
+    secret: bytes, outer: OuterSpec | None = None, gamma: float = 1.0, *, local: bool = False, schema: ModelSchema = SCHEMA
+) -> AsyncIterator[Bench]:
     """``local``: the relays find the reducer in this process and hand frames over in memory (the launcher's own
     host); otherwise they dial its port like a remote host's relay (TCP, sealed payloads)."""
     scratch = Path(tempfile.mkdtemp(prefix="fl-avg-", dir="/tmp"))
     mux = PortMux(host="127.0.0.1", port=0)
-    reducer = Reducer(SCHEMA, outer or OuterAvg(), gamma, digest=DIGEST)
+    reducer = Reducer(schema, outer or OuterAvg(), gamma, digest=DIGEST)
     try:
         async with asyncio.timeout(90), asyncio.TaskGroup() as tg:
             control = FramedService(channel=Channel.CONTROL, resolve=session_resolver(secret), run_id=RUN, handler=_control, task_group=tg)
@@ -249,7 +259,7 @@ async def _bench(secret: bytes, outer: OuterSpec | None = None, gamma: float = 1
                 relay.open_round(0)
                 relays[host] = relay
             try:
-                yield Bench(reducer=reducer, relays=relays, secret=secret, port=mux.port, scratch=scratch, local=local)
+                yield Bench(reducer=reducer, relays=relays, secret=secret, port=mux.port, scratch=scratch, local=local, schema=schema)
             finally:
                 for relay in relays.values():
                     await relay.aclose()
@@ -554,6 +564,64 @@ async def test_outer_steps_through_the_reducer_equal_the_reference(secret: bytes
                 assert not torch.equal(g["w32"], plain[number][0]["w32"])  # the outer optimizer did move the params
         for link in links.values():
             await link.aclose()
+
+
+#: A few MiB over the dtypes that take the fold's math paths (float32 4 MiB, bf16 1 MiB cast, int64 rounded, bool).
+BIG_SCHEMA = ModelSchema.from_state_dict(
+    {
+        "w32": torch.zeros(1 << 20),
+        "wbf16": torch.zeros(1 << 19, dtype=torch.bfloat16),
+        "count": torch.zeros(1 << 16, dtype=torch.int64),
+        "flag": torch.zeros(1 << 12, dtype=torch.bool),
+    },
+    ["w32", "wbf16"],
+)
+
+
+@pytest.mark.parametrize("local", [False, True], ids=["tcp", "in-process"])
+async def test_the_fold_and_average_math_runs_off_the_event_loop_thread(secret: bytes, monkeypatch: pytest.MonkeyPatch, local: bool) -> None:
+    """D6 / §3.3-3.5: the relay's fold, the reducer's sums, divide, round, cast and outer step run in executor threads.
+
+    The real functions run (the result equals the reference); the wrappers only note the thread they ran on.
+    """
+    from flodl_async import foldmath
+    from flodl_async.outer import OuterStepper
+
+    ran_on: dict[str, list[threading.Thread]] = {}
+
+    def recorded(name: str, real: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            ran_on.setdefault(name, []).append(threading.current_thread())
+            return real(*args, **kwargs)
+
+        return wrapper
+
+    for name in ("add_term", "torch_mul", "finish"):
+        monkeypatch.setattr(foldmath, name, recorded(name, getattr(foldmath, name)))
+    monkeypatch.setattr(OuterStepper, "step", recorded("outer step", OuterStepper.step))
+    loop_thread = threading.current_thread()  # the event loop's: this coroutine runs on it
+    outer = SlowMo(lr=0.5, momentum=0.9)
+    async with _bench(secret, outer=outer, local=local, schema=BIG_SCHEMA) as bench:
+        links = await bench.links([0, 1, 2])
+        plain: list[tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]] = []
+        got: list[dict[str, torch.Tensor]] = []
+        for number in (1, 2):  # the second round is SlowMo's first real step
+            contributions = {r: (_tensors(7 * number + r, schema=BIG_SCHEMA), float(1 + r)) for r in range(3)}
+            _mass, results = await _round(bench, links, number, contributions)
+            _m, want, divided = reference_parts(contributions, BIG_SCHEMA)
+            assert want is not None
+            plain.append((want, divided))
+            tensors = results[2].tensors
+            assert tensors is not None
+            got.append({k: v.clone() for k, v in tensors.items()})
+            del results
+        for link in links.values():
+            await link.aclose()
+    for g, w in zip(got, outer_reference(outer, plain, BIG_SCHEMA), strict=True):
+        _assert_equal(g, w)  # the real math ran
+    assert {"add_term", "finish", "outer step"} <= ran_on.keys(), ran_on.keys()  # relay fold + reducer sums, divide/round/cast, outer step
+    on_loop = {name for name, threads in ran_on.items() if loop_thread in threads}
+    assert not on_loop, f"tensor math on the event loop's thread: {on_loop}"
 
 
 class _Said(logging.Handler):

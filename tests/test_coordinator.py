@@ -164,6 +164,29 @@ def test_collective_rounds_run_in_the_ranks_and_upload_at_the_end() -> None:
     assert isinstance(d.ended, Finish)
 
 
+@pytest.mark.parametrize("backend", [Backend.CPU, Backend.COLLECTIVE])
+def test_the_anchor_grows_when_the_reduce_overhead_exceeds_the_target(backend: Backend) -> None:
+    """Auto-tune (spec §2.6) through the coordinator: the reducer's round duration (CPU) or the ranks' slowest
+    ``ReduceDone.ms`` (COLLECTIVE) is ElChe's sync_ms; overhead = sync / (anchor·slow + sync) against the 5 % target."""
+    s = spec(Policy.CADENCE, backend=backend, epochs=3, dataset_len=1600, elche=ElCheConfig(anchor=2, max_anchor=16))  # 400 batches per epoch
+
+    def anchors(reduce_ms: float) -> tuple[list[int], list[int]]:
+        d = Driver(s, ms_per_batch=(10.0, 10.0), reduce_ms=reduce_ms)
+        d.run()
+        assert isinstance(d.ended, Finish)
+        assert_each_batch_once_per_epoch(d, 3, 400)
+        quotas = [p.quota for p in plans(d.actions) if p.rank == 0]
+        return [e.anchor for e in d.epochs], quotas
+
+    cheap, cheap_quotas = anchors(0.1)  # 0.1 / (2·10 + 0.1) = 0.5 %: under the target
+    assert cheap == [2, 2, 2]
+    assert set(cheap_quotas) == {2}
+    costly, costly_quotas = anchors(20.0)  # 20 / (2·10 + 20) = 50 %: far over it
+    assert costly[0] > 2, costly  # grown within the first epoch (x2 at most per round, the growth cap)
+    assert costly[-1] == 16, costly  # ... until max_anchor, where 20 / (16·10 + 20) = 11 % stays over the target
+    assert max(costly_quotas) == 16
+
+
 def test_diloco_resets_the_inner_optimizer_on_model_rounds() -> None:
     d = Driver(spec(outer=DiLoCo()))
     d.run()

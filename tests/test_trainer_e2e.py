@@ -386,3 +386,45 @@ def test_a_trainer_launcher_registers_for_flodl_ps_and_status_and_unregisters_at
         assert "no flodl run on this machine" in _flodl("ps", env=own).stdout
     finally:
         shutil.rmtree(runtime, ignore_errors=True)
+
+
+# ----- what the review found untested: mixed dtypes, one session per rank ------------------------------
+
+
+@pytest.mark.parametrize("backend", ["cpu", "collective"])
+def test_tied_weights_integer_bool_and_bf16_buffers_average_as_the_spec_says(tmp_path: Path, backend: str) -> None:
+    """Spec §3.3 / §2.10: integer and bool buffers average in float64 and round half to even, floats keep their dtype,
+    tied keys stay tied. Strict lockstep (one step per rank per reduce) makes every value exact and known here."""
+    epochs = 2
+    done = as_launcher(tmp_path, "--mixed", "--policy", "sync", "--lockstep", "--backend", backend, "--epochs", str(epochs), run_id=new_run_id())
+    assert done.returncode == 0, done.stderr
+    saved = states(tmp_path)
+    assert_identical(saved, ALL)
+    state = saved["launcher--1"]["state"]
+    steps = epochs * (512 // 32) // 2  # forwards per rank: each epoch's 16 batches split over 2 ranks
+    dtypes = {"bn.num_batches_tracked": torch.int64, "marker": torch.int64, "flag": torch.bool, "ema": torch.bfloat16}
+    assert {key: t.dtype for key, t in state.items() if t.dtype != torch.float32} == dtypes
+    assert "a.weight" in state
+    assert "b.weight" in state
+    assert torch.equal(state["a.weight"], state["b.weight"])  # an untied copy would have trained apart
+    # Equal counts on every rank: the average is the count (a sum would double it, a float cast would not be int64).
+    assert int(state["bn.num_batches_tracked"]) == steps
+    assert torch.equal(state["ema"], torch.full((3,), 0.125 * steps, dtype=torch.bfloat16))
+    # Per-rank values: marker [5r, 7r] averages to [2.5, 3.5] -> half to even [2, 4]; flag [True, r == 0] -> [True, 0.5 -> False].
+    assert state["marker"].tolist() == [2, 4]
+    assert state["flag"].tolist() == [True, False]
+
+
+def test_a_second_trainer_run_in_a_rank_is_a_clear_error(tmp_path: Path) -> None:
+    run_id = new_run_id()
+    done = run_launch(
+        "--nproc", "2", "--devices", "cpu", "--port", "0", "--", PY, SCRIPT, "--out", str(tmp_path / "out"), "--twice", "--epochs", "1",
+        run_id=run_id, env=ENV, timeout=180,
+    )  # fmt: skip
+    assert_nothing_left(run_id)
+    assert done.returncode != 0, done.stderr
+    assert done.stdout.count("TRAINER-DONE") == 2, done.stdout  # the first session trained to its end in both ranks
+    output = done.stdout + done.stderr
+    assert "a cluster training session was already run in this process" in output, output
+    assert "Run one Trainer per process" in output, output
+    assert "exited with code 1" in done.stderr, done.stderr  # the rank's own exit, in the launcher's verdict

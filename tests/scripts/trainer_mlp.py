@@ -3,6 +3,7 @@
     python trainer_mlp.py --out DIR [--policy sync|cadence|async] [--backend cpu|collective]
                           [--outer avg|slowmo|diloco] [--epochs N] [--cluster FILE]
                           [--slow-rank R --slow-ms MS] [--fail-rank R] [--cooperative] [--hold-file F --hold-host H]
+                          [--mixed] [--lockstep] [--twice]
 
 Each process writes its TrainedState to DIR/<entry>-<RANK>.pt (the launcher and the inline process
 as -1) with its epoch losses and its batch shares, and prints one `TRAINER-DONE` line.
@@ -39,6 +40,36 @@ def model(device: torch.device) -> nn.Module:
     return nn.Sequential(nn.Linear(FEATURES, 16), nn.ReLU(), nn.Linear(16, 1)).to(device)
 
 
+class Mixed(nn.Module):
+    """``--mixed``: what the spec's averaging rules are about — a tied weight, an int64 buffer (BatchNorm's
+    ``num_batches_tracked``), a bf16 buffer, bool and int64 buffers that differ by rank (their consensus rounds half to even).
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(FEATURES, FEATURES)
+        self.b = nn.Linear(FEATURES, FEATURES)
+        self.b.weight = self.a.weight  # tied: one tensor, two state_dict keys
+        self.bn = nn.BatchNorm1d(FEATURES)
+        self.head = nn.Linear(FEATURES, 1)
+        self.register_buffer("ema", torch.zeros(3, dtype=torch.bfloat16))
+        self.register_buffer("flag", torch.zeros(2, dtype=torch.bool))
+        self.register_buffer("marker", torch.zeros(2, dtype=torch.int64))
+        self.rank = max(int(os.environ.get("RANK", "0")), 0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            self.ema.add_(0.125)  # the same on every rank: exact in bf16, so the consensus must be exact too
+            self.flag.copy_(torch.tensor([True, self.rank == 0]))
+            self.marker.copy_(torch.tensor([5 * self.rank, 7 * self.rank]))
+        return self.head(torch.relu(self.bn(self.b(torch.relu(self.a(x))))))
+
+
+def mixed(device: torch.device) -> nn.Module:
+    torch.manual_seed(1)
+    return Mixed().to(device)
+
+
 def optimizer(m: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.SGD(m.parameters(), lr=0.05)
 
@@ -73,6 +104,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--ticker", action="store_true", help="run another asyncio task next to the training")
     p.add_argument("--anchor", type=int, default=None)
     p.add_argument("--no-adapt", action="store_true")
+    p.add_argument("--mixed", action="store_true", help="train the Mixed model (tied weight, int64/bf16/bool buffers)")
+    p.add_argument("--lockstep", action="store_true", help="SYNC with max_batch_diff=0: one step per rank per reduce")
+    p.add_argument("--twice", action="store_true", help="a rank runs trainer.run() a second time after the first")
     p.add_argument("--hold-file", help="with --hold-host: that host's local rank 0 prints HOLDING before its first step and waits for this file")
     p.add_argument("--hold-host", help="the hostname whose local rank 0 holds (a test inspects the running world meanwhile)")
     return p.parse_args(argv)
@@ -96,9 +130,9 @@ def build(args: argparse.Namespace) -> fa.Trainer:
             time.sleep(sleep_s)  # models a slower device without CPU contention
         return mse(m, batch)
 
-    elche = fa.ElCheConfig(anchor=args.anchor, adapt=not args.no_adapt)
+    elche = fa.ElCheConfig(anchor=args.anchor, adapt=not args.no_adapt, max_batch_diff=0 if args.lockstep else None)
     return fa.Trainer(
-        model=model,
+        model=mixed if args.mixed else model,
         optimizer=adam if args.outer == "diloco" else optimizer,
         train_step=train_step,
         dataset=dataset(),
@@ -167,6 +201,8 @@ async def managed(args: argparse.Namespace) -> None:
             print(f"EPOCH {m.epoch} loss {m.avg_loss:.5f} shares {[round(s, 3) for s in shares[-1]]}", flush=True)
     state = await run.join()
     save(args, trainer, state, losses, shares)
+    if args.twice and trainer.entry is fa.Entry.RANK:
+        await trainer.run()  # one session per process in a rank: this must be refused clearly
 
 
 def cooperative(args: argparse.Namespace) -> None:
