@@ -1,11 +1,14 @@
-"""Shared fixtures: a session secret, and one connection's keys from a real handshake.
+"""Shared fixtures: a session secret, one connection's keys from a real handshake, a private runtime directory, the namespace hosts.
 
 Codec pairs and byte feeding live in :mod:`tests.wirekit`.
 """
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -23,6 +26,14 @@ def secret() -> bytes:
 @pytest.fixture
 def keys(secret: bytes) -> LinkPair:
     return handshake_keys(secret)
+
+
+@pytest.fixture
+def xdg() -> Iterator[Path]:
+    """A private, short XDG_RUNTIME_DIR for the processes under test (pytest's tmp_path may be too deep for socket paths)."""
+    path = Path(tempfile.mkdtemp(prefix="fl-xdg-", dir="/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

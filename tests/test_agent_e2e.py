@@ -3,11 +3,8 @@
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import subprocess
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -17,14 +14,6 @@ from flodl_async.runtime import MARKER
 from .launchkit import PY, Launcher, assert_nothing_left, free_port, new_run_id, reap, run_launch, script, wait_status
 
 pytestmark = pytest.mark.e2e
-
-
-@pytest.fixture
-def xdg() -> Iterator[Path]:
-    """A private, short XDG_RUNTIME_DIR for the processes under test (pytest's tmp_path may be too deep for socket paths)."""
-    path = Path(tempfile.mkdtemp(prefix="fl-xdg-", dir="/tmp"))
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
 
 
 def _run_dir(xdg: Path, run_id: str) -> Path:

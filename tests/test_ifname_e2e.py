@@ -9,10 +9,7 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -22,13 +19,6 @@ from .launchkit import PY, Launcher, free_port, new_run_id, reap, run_launch, sc
 from .test_fanout_e2e import REPO, _python_wrapper
 
 pytestmark = pytest.mark.e2e
-
-
-@pytest.fixture
-def xdg() -> Iterator[Path]:
-    path = Path(tempfile.mkdtemp(prefix="fl-xdg-", dir="/tmp"))
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
 
 
 def _ssh_worker(kit: HostKit, host: NsHost, devices: str, python: Path) -> list[str]:

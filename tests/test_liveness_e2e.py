@@ -8,12 +8,9 @@ takes seconds; nothing below asserts a duration, only outcomes.
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import subprocess
-import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -27,13 +24,6 @@ pytestmark = pytest.mark.e2e
 #: Silence deadline 5 s (interval 1 s) at the machine's own scale 1; a loaded machine's scale multiplies it.
 SCALE = 0.5 * float(os.environ.get("FLODL_NET_TIMEOUT_SCALE", "1") or "1")
 SILENCE = Deadlines.resolve(env={"FLODL_NET_TIMEOUT_SCALE": str(SCALE)}).heartbeat_silence
-
-
-@pytest.fixture
-def xdg() -> Iterator[Path]:
-    path = Path(tempfile.mkdtemp(prefix="fl-xdg-", dir="/tmp"))
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
 
 
 def _pid_alive(pid: int) -> bool:

@@ -8,11 +8,9 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import subprocess
-import tempfile
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -24,13 +22,6 @@ pytestmark = pytest.mark.e2e
 SCALE = float(os.environ.get("FLODL_NET_TIMEOUT_SCALE", "1") or 1)
 WAIT = 120 * SCALE
 LINE = re.compile(r"^\[(?P<host>[^\]:]+):r(?P<rank>\d+)\] (?P<text>.*)\n$")
-
-
-@pytest.fixture
-def xdg() -> Iterator[Path]:
-    path = Path(tempfile.mkdtemp(prefix="fl-xdg-", dir="/tmp"))
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
 
 
 class Console:

@@ -4,13 +4,10 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -20,13 +17,6 @@ from flodl_async.runtime import RANKS_DIR, RankMarker, create_entry, group_membe
 from .launchkit import PY, Launcher, assert_nothing_left, free_port, new_run_id, reap, script, wait_status
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="process groups are read from /proc")
-
-
-@pytest.fixture
-def xdg() -> Iterator[Path]:
-    path = Path(tempfile.mkdtemp(prefix="fl-xdg-", dir="/tmp"))
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
 
 
 def _alive(pid: int) -> bool:

@@ -9,14 +9,11 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-import shutil
 import signal
 import stat
 import subprocess
-import tempfile
 import time
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -120,13 +117,6 @@ def test_a_token_is_refused_when_token_admission_is_off_and_on_every_other_chann
 
 
 # ----- dial-in agents end to end -----------------------------------------------------------------
-
-
-@pytest.fixture
-def xdg() -> Iterator[Path]:
-    path = Path(tempfile.mkdtemp(prefix="fl-xdg-", dir="/tmp"))
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
 
 
 def _cluster(tmp_path: Path, port: int, *, join_timeout: float = 120) -> Path:
