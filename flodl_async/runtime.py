@@ -97,14 +97,26 @@ def _check_private(path: Path) -> None:
 
 
 def _mkdir_private(path: Path) -> None:
-    """Create ``path`` mode 0700 unless it exists, then check it (never loosen, never follow a link)."""
-    try:
-        os.mkdir(path, 0o700)
-    except FileExistsError:
-        pass
-    except OSError as exc:
-        raise RuntimeDirError(str(path), f"cannot create it: {exc.strerror or exc}") from exc
-    _check_private(path)
+    """Create ``path`` mode 0700 unless it exists, then check it (never loosen, never follow a link).
+
+    A run's directory is shared by the sessions of all the run's hosts on this machine, and
+    each session's sweep removes it once empty: it can vanish between our ``mkdir`` (which
+    found it) and our look at it. Then it is made again.
+    """
+    for _attempt in range(5):
+        try:
+            os.mkdir(path, 0o700)
+        except FileExistsError:
+            pass
+        except OSError as exc:
+            raise RuntimeDirError(str(path), f"cannot create it: {exc.strerror or exc}") from exc
+        try:
+            _check_private(path)
+            return
+        except RuntimeDirError as exc:
+            if not isinstance(exc.__cause__, FileNotFoundError):
+                raise
+    raise RuntimeDirError(str(path), "could not be created (it kept disappearing underneath us)")
 
 
 def private_subdir(root: Path, name: str) -> Path:
@@ -317,7 +329,11 @@ def sweep_stale(root: Path | None = None) -> tuple[Path, ...]:
     for run_dir in sorted(runs.iterdir()):
         if run_dir.is_symlink() or not run_dir.is_dir():
             continue
-        for entry in sorted(run_dir.iterdir()):
+        try:
+            entries = sorted(run_dir.iterdir())
+        except FileNotFoundError:
+            continue  # another session of the run removed it, empty, since we listed the runs
+        for entry in entries:
             if entry.is_symlink() or not entry.is_dir():
                 continue
             if _stale(entry, now):

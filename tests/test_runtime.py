@@ -194,3 +194,47 @@ def test_a_dead_controllers_entry_is_swept_and_a_stranger_on_its_pid_does_not_co
     assert [r.run_id for r in controllers.local_runs(root)] == ["live"]
     assert sorted(p.name for p in directory.iterdir()) == [alive.path.name]
     alive.remove()
+
+
+def test_a_run_directory_swept_between_our_mkdir_and_our_look_is_made_again(root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """All hosts of a run on one machine share its directory, and each one's sweep removes it once empty.
+
+    The window the race needs (after our mkdir found the directory, before our lstat) is opened
+    here on purpose: the first mkdir of the run directory sees it exist, and it is gone when looked at.
+    """
+    ensure_root(root)
+    (root / "runs").mkdir(mode=0o700)
+    run_dir = entry_path(root, "r1", "h1").parent
+    real_mkdir = os.mkdir
+    raced: list[str] = []
+
+    def mkdir_then_swept(path: str | os.PathLike[str], mode: int = 0o777) -> None:
+        if Path(path) == run_dir and not raced:
+            real_mkdir(path, mode)
+            raced.append(str(path))
+            os.rmdir(path)  # another host's sweep: the run directory was empty
+            raise FileExistsError(path)
+        real_mkdir(path, mode)
+
+    monkeypatch.setattr(runtime.os, "mkdir", mkdir_then_swept)
+    entry = create_entry(run_id="r1", host="h1", controller="c:1", root=root)
+    assert raced == [str(run_dir)]
+    assert entry.path.is_dir()
+
+
+def test_hosts_of_one_run_on_one_machine_create_and_sweep_concurrently(short_tmp: Path) -> None:
+    """Eight sessions of one run (namespace hosts share a file system), each creating, sweeping and removing, many times."""
+    root = short_tmp / "rt"
+    worker = (
+        "import sys\n"
+        "from pathlib import Path\n"
+        "from flodl_async.runtime import create_entry, sweep_stale\n"
+        "root, host = Path(sys.argv[1]), sys.argv[2]\n"
+        "for i in range(60):\n"
+        "    sweep_stale(root)\n"
+        "    create_entry(run_id=f'run-{i}', host=host, controller='c:1', root=root).remove()\n"
+    )
+    procs = [subprocess.Popen([sys.executable, "-c", worker, str(root), f"h{n}"], stderr=subprocess.PIPE, text=True) for n in range(8)]
+    errors = [p.communicate(timeout=120)[1] for p in procs]
+    assert [p.returncode for p in procs] == [0] * 8, "\n".join(errors)
+    assert list((root / "runs").iterdir()) == []  # every run directory went with its last entry
