@@ -17,6 +17,7 @@ Each cell is the median of ``--repeats`` runs. Run: ``sudo python benchmarks/fan
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import statistics
@@ -94,7 +95,9 @@ def launch(kit: HostKit, hosts: list[NsHost], work: Path, *, all_reduce: bool, l
     assert stream is not None
     reached: float | None = None
     seen = 0
+    last_lines: collections.deque[str] = collections.deque(maxlen=12)  # what a failed launch said last
     for line in stream:
+        last_lines.append(line)
         if reached is not None:
             continue  # read on to the end: a launcher whose output nobody reads would stall
         if all_reduce and ALL_REDUCE_MARKER in line:
@@ -102,12 +105,12 @@ def launch(kit: HostKit, hosts: list[NsHost], work: Path, *, all_reduce: bool, l
             seen += 1
             if seen == len(hosts):
                 reached = time.perf_counter() - start
-        elif not all_reduce and "world formed" in line:
+        elif not all_reduce and "world formed — " in line:  # not "... went away before the world formed"
             reached = time.perf_counter() - start
             if launcher_cpu is not None:
                 launcher_cpu.append(cpu_seconds(proc.pid))
     code = proc.wait(timeout=120)
-    assert code == 0 and reached is not None, f"flodl-launch exited {code} (reached: {reached})"
+    assert code == 0 and reached is not None, f"flodl-launch exited {code} (reached: {reached}); it said last:\n{''.join(last_lines)}"
     return reached
 
 
