@@ -171,7 +171,8 @@ class LauncherDriver:
                 registration.remove()
             for sig, before in handled:
                 loop.remove_signal_handler(sig)
-                signal.signal(sig, before)  # asyncio.run's own SIGINT handler, say, not the default one
+                if before is not None:  # None: a handler not set from Python, which cannot be put back
+                    signal.signal(sig, before)  # asyncio.run's own SIGINT handler, say, not the default one
             await controller.aclose()
             output.close()
         return final_state(attachment, result)
@@ -217,7 +218,14 @@ def _announce(plan: LaunchPlan, port: int) -> Registration | None:
 
 
 def _add_signal_handler(loop: asyncio.AbstractEventLoop, sig: signal.Signals, callback: Callable[[signal.Signals], None]) -> tuple[signal.Signals, Any] | None:
-    """Install ``callback(sig)`` for ``sig`` when this loop can (the main thread's loop only); returns the handler it replaced."""
+    """Install ``callback(sig)`` for ``sig`` when this loop can (the main thread's loop only); returns the handler it replaced.
+
+    An application that gave the loop its own handler for ``sig`` keeps it: the loop holds one
+    handler per signal, and ours would replace it for good (removing ours cannot give it back).
+    Such an application stops the run itself (``run.shutdown()``, or cancelling ``trainer.run()``).
+    """
+    if sig in getattr(loop, "_signal_handlers", {}):  # asyncio's own loops keep them there
+        return None
     before = signal.getsignal(sig)
     try:
         loop.add_signal_handler(sig, callback, sig)

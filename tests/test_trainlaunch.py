@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import signal
 import socket
 from pathlib import Path
 from typing import Any
@@ -14,7 +16,7 @@ from flodl_async.devices import parse_devices
 from flodl_async.errors import ConfigError
 from flodl_async.plan import Placement
 from flodl_async.ranktrainer import LAUNCHER_PRIMARY_VAR
-from flodl_async.trainlaunch import cluster_of, launch_plan
+from flodl_async.trainlaunch import _add_signal_handler, cluster_of, launch_plan
 
 
 def trainer(**kw: Any) -> fa.Trainer:
@@ -87,3 +89,32 @@ def test_exit_if_worker_role_passes_through_outside_an_agent_and_runs_the_agent_
     agent = _gate({"FLODL_INTERNAL_AGENT_SPEC": '["--help"]'})  # the agent ran (its --help) and the script never went on
     assert "flodl-agent" in agent.stdout
     assert "passed through" not in agent.stdout
+
+
+def test_the_launcher_takes_a_stop_signal_only_where_the_application_has_not() -> None:
+    """The loop holds one handler per signal: an application's own SIGTERM handler must outlive the run."""
+    loop = asyncio.new_event_loop()
+    try:
+        got: list[object] = []
+        both = asyncio.Event()
+
+        def record(what: object) -> None:
+            got.append(what)
+            if len(got) == 2:
+                both.set()
+
+        loop.add_signal_handler(signal.SIGTERM, record, "the application's graceful stop")
+        assert _add_signal_handler(loop, signal.SIGTERM, record) is None  # left to the application
+        taken = _add_signal_handler(loop, signal.SIGINT, record)
+        assert taken is not None
+        assert taken[0] is signal.SIGINT
+        signal.raise_signal(signal.SIGTERM)
+        signal.raise_signal(signal.SIGINT)
+        loop.run_until_complete(asyncio.wait_for(both.wait(), timeout=10))  # delivered through the loop's self-pipe
+        assert sorted(map(str, got)) == sorted(["the application's graceful stop", str(signal.SIGINT)])
+        loop.remove_signal_handler(signal.SIGINT)
+        signal.signal(signal.SIGINT, taken[1])
+        assert signal.getsignal(signal.SIGINT) is taken[1]
+    finally:
+        loop.remove_signal_handler(signal.SIGTERM)
+        loop.close()
