@@ -86,6 +86,18 @@ def interface_towards(host: str, port: int) -> str | None:
     return interface_holding(local)
 
 
+def stand_alone_default_ifname(controller_host: str) -> str | None:
+    """A ``flodl-agent --controller HOST`` (dial-in, walk-in, ``--persist``): the default its session applies.
+
+    None: the interface of its join connection, as for every other agent. But an agent that
+    dials the controller over loopback runs on the controller's own machine, where that
+    interface is ``lo`` and its ranks could not be reached from the run's other hosts: it sets
+    nothing ("") and leaves gloo and NCCL their own choice, as the controller's host does with
+    nothing better to go on.
+    """
+    return "" if _is_wildcard_or_loopback(controller_host) else None
+
+
 def _is_wildcard_or_loopback(host: str) -> bool:
     try:
         address = ipaddress.ip_address(host)

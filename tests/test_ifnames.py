@@ -7,7 +7,15 @@ import pytest
 from flodl_async.cluster import SshSpec, WorkerSpec, parse_cluster
 from flodl_async.devices import parse_devices
 from flodl_async.errors import ConfigError
-from flodl_async.ifnames import controller_host_ifname, controller_host_peer, direct_ssh_targets, interface_holding, ranks_env, with_default_ifname
+from flodl_async.ifnames import (
+    controller_host_ifname,
+    controller_host_peer,
+    direct_ssh_targets,
+    interface_holding,
+    ranks_env,
+    stand_alone_default_ifname,
+    with_default_ifname,
+)
 from flodl_async.plan import PlacedWorker, Placement
 
 
@@ -67,3 +75,11 @@ def test_a_dial_in_worker_refuses_what_nothing_would_deliver_and_says_where_it_g
 def test_a_dial_in_worker_without_those_keys_parses() -> None:
     spec = parse_cluster("workers:\n  - host: localhost\n    devices: cpu:1\n    env: {A: b}\n  - host: node-b\n    devices: cpu:1\n    dial_in: true\n")
     assert [w.dial_in for w in spec.workers] == [False, True]
+
+
+def test_a_stand_alone_agent_dialling_over_loopback_sets_no_interface() -> None:
+    """On the controller's own machine the join interface is lo: its ranks could not be reached from other hosts."""
+    for loopback in ("127.0.0.1", "127.0.1.1", "::1", "localhost"):
+        assert stand_alone_default_ifname(loopback) == "", loopback  # "": nothing set, gloo's own choice
+    for remote in ("10.0.0.5", "node-a", "fe80::1"):
+        assert stand_alone_default_ifname(remote) is None, remote  # None: the join connection's interface

@@ -34,6 +34,7 @@ from ..backoff import BackoffPolicy
 from ..deadlines import DEFAULT_STOP_GRACE, Deadlines
 from ..devices import parse_devices
 from ..errors import AgentError, ConfigError, ConnectionClosed, ControllerLost, FlodlError, JoinFailed, WireError
+from ..ifnames import stand_alone_default_ifname
 from ..sdnotify import Notifier
 from ..secretfile import read_secret_file, read_token_file
 from ..verdict import AGENT_EXIT_MEANINGS, ExitCode, exit_code_for_signal, exit_help
@@ -152,6 +153,7 @@ def build_config(args: argparse.Namespace) -> SessionConfig:
         # --persist paces its own dials between runs; one run waits for its controller here.
         connect_timeout=0.0 if args.persist else args.connect_timeout,
         connect_backoff=BackoffPolicy(initial=min(0.5, args.reconnect_max), cap=args.reconnect_max),
+        default_ifname=stand_alone_default_ifname(host),
     )
 
 
