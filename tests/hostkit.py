@@ -28,6 +28,8 @@ from pathlib import Path
 
 import pytest
 
+from flodl_async.runtime import ProcessIdentity
+
 SSHD = "/usr/sbin/sshd"
 TOOLS = ("ip", "unshare", "ssh-keygen", "ssh")
 
@@ -62,6 +64,41 @@ def require_namespace_hosts() -> None:
     if under_ci():
         pytest.fail(f"CI is set, so the namespace-host tests must run, but {why}", pytrace=False)
     pytest.skip(why)
+
+
+#: A kit's temp dir is ``<tmp>/flodl-hosts-<tag>-…``; its namespaces are ``fl<tag>h<N>``, its bridge ``flbr<tag>``.
+_KIT_PREFIX = "flodl-hosts-"
+#: The file in a kit's dir naming the process that made it (pid and start time).
+_OWNER = "owner"
+
+
+def sweep_abandoned_kits() -> list[str]:
+    """Take down the kits of test sessions that died without closing them (a SIGKILLed or SIGTERMed pytest).
+
+    Their namespaces, bridge and temp dir outlive them; a kit whose owner still runs (another
+    session beside this one) is left alone. Returns the tags taken down.
+    """
+    swept = []
+    namespaces: list[str] | None = None
+    for root in Path(tempfile.gettempdir()).glob(f"{_KIT_PREFIX}*-*"):
+        tag = root.name[len(_KIT_PREFIX) :].split("-", 1)[0]
+        try:
+            pid, start = (root / _OWNER).read_text().split()
+        except (OSError, ValueError):
+            continue  # being made right now, or not a kit of ours
+        if ProcessIdentity(pid=int(pid), start_time=None if start == "None" else int(start)).is_alive():
+            continue
+        if namespaces is None:  # listed once, and only when some kit is abandoned
+            namespaces = [line.split()[0] for line in _run("ip", "netns", "list", check=False).stdout.splitlines() if line.strip()]
+        for ns in (n for n in namespaces if n.startswith(f"fl{tag}h")):
+            for p in _run("ip", "netns", "pids", ns, check=False).stdout.split():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(int(p), signal.SIGKILL)
+            _run("ip", "netns", "del", ns, check=False)
+        _run("ip", "link", "del", f"flbr{tag}", check=False)
+        shutil.rmtree(root, ignore_errors=True)
+        swept.append(tag)
+    return swept
 
 
 def _run(*argv: str, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -100,9 +137,12 @@ class HostKit:
     @classmethod
     def create(cls, count: int, *, sshd_options: Sequence[str] = ()) -> HostKit:
         """``count`` hosts; ``sshd_options``: extra sshd_config lines for each (e.g. ``AllowTcpForwarding no``)."""
+        sweep_abandoned_kits()
         tag = secrets.token_hex(3)
-        root = Path(tempfile.mkdtemp(prefix=f"flodl-hosts-{tag}-"))
+        root = Path(tempfile.mkdtemp(prefix=f"{_KIT_PREFIX}{tag}-"))
         os.chmod(root, 0o700)
+        owner = ProcessIdentity.current()
+        (root / _OWNER).write_text(f"{owner.pid} {owner.start_time}\n")
         kit = cls(
             tag=tag,
             prefix=f"10.77.{secrets.randbelow(254) + 1}",

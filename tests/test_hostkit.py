@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import secrets
 import subprocess
+import tempfile
 from pathlib import Path
 
 import pytest
 
-from .hostkit import HostKit
+from flodl_async.runtime import ProcessIdentity, process_start_time
+
+from .hostkit import HostKit, sweep_abandoned_kits
 
 pytestmark = pytest.mark.e2e
 
@@ -35,3 +39,23 @@ def test_an_unknown_host_key_is_refused_by_the_client(hostkit: HostKit, tmp_path
     out = subprocess.run(hostkit.ssh_argv(hostkit.hosts[0], "true", known_hosts=empty), capture_output=True, text=True, timeout=60, check=False)
     assert out.returncode == 255
     assert "Host key verification failed" in out.stderr
+
+
+def test_a_kit_whose_session_died_is_taken_down_by_the_next_and_a_live_ones_is_not(hostkit: HostKit) -> None:
+    """A SIGKILLed pytest never runs its fixture's teardown: the next kit made sweeps what it left."""
+    gone = subprocess.Popen(["sleep", "60"])
+    dead = ProcessIdentity(pid=gone.pid, start_time=process_start_time(gone.pid))
+    gone.kill()
+    gone.wait()
+    tag = secrets.token_hex(3)
+    root = Path(tempfile.mkdtemp(prefix=f"flodl-hosts-{tag}-"))
+    (root / "owner").write_text(f"{dead.pid} {dead.start_time}\n")
+    subprocess.run(["ip", "netns", "add", f"fl{tag}h1"], check=True)
+    subprocess.run(["ip", "link", "add", f"flbr{tag}", "type", "bridge"], check=True)
+    swept = sweep_abandoned_kits()
+    assert tag in swept
+    assert f"fl{tag}h1" not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
+    assert subprocess.run(["ip", "link", "show", f"flbr{tag}"], capture_output=True, check=False).returncode != 0
+    assert not root.exists()
+    assert hostkit.tag not in swept  # this session's own kit: its owner runs
+    assert hostkit.root.exists()
