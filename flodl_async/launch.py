@@ -339,7 +339,7 @@ def _session_secret(path: str | None) -> bytes:
 def banner(plan: LaunchPlan, port: int) -> str:
     """The one line a run starts with: what runs where, and where its status is."""
     command = " ".join(plan.command)
-    where = _status_host(plan.bind_host)
+    where = status_host(plan.bind_host)
     if plan.one_host:
         devices = plan.workers[0].spec.devices
         count = devices.known_count or 0
@@ -368,7 +368,7 @@ def warn_oversubscribed(plan: LaunchPlan) -> None:
         log.warning("warning: %d CPU ranks on this host, which has %d core(s) for them: they will compete for the cores (fewer ranks run faster)", ranks, cores)
 
 
-def _status_host(bind_host: str) -> str:
+def status_host(bind_host: str) -> str:
     """Where this machine reaches the controller's status."""
     return "127.0.0.1" if bind_host in ("0.0.0.0", "127.0.0.1", "::", "") else bind_host
 
@@ -402,7 +402,7 @@ async def _run(plan: LaunchPlan, *, show_ranks: frozenset[int] | None = None, po
         controller = await _bind(plan, output, port_fallback=port_fallback)
         log.info("%s", banner(plan, controller.port))
         try:  # so that `flodl status` (no address) and `flodl ps` find this run
-            registration = register(run_id=plan.run_id, address=_status_host(plan.bind_host), port=controller.port)
+            registration = register(run_id=plan.run_id, address=status_host(plan.bind_host), port=controller.port)
         except RuntimeDirError as exc:
             log.warning("not registered for `flodl ps` / `flodl status`: %s", exc)
         loop = asyncio.get_running_loop()

@@ -206,12 +206,12 @@ class LauncherDriver:
 def _announce(plan: LaunchPlan, port: int) -> Registration | None:
     """``flodl-launch``'s banner (where the status answers), and the entry that lets ``flodl ps`` / a bare ``flodl status`` find this run."""
     from .controllers import register
-    from .launch import _status_host, banner, warn_oversubscribed
+    from .launch import banner, status_host, warn_oversubscribed
 
     warn_oversubscribed(plan)  # this host's CPU ranks; every other host's are checked at its join
     log.info("%s", banner(plan, port))
     try:
-        return register(run_id=plan.run_id, address=_status_host(plan.bind_host), port=port)
+        return register(run_id=plan.run_id, address=status_host(plan.bind_host), port=port)
     except RuntimeDirError as exc:
         log.warning("not registered for `flodl ps` / `flodl status`: %s", exc)
         return None
@@ -237,7 +237,7 @@ def _add_signal_handler(loop: asyncio.AbstractEventLoop, sig: signal.Signals, ca
 # ----- the controller's training shell (controller/training.py): what the launcher reads of it ---------
 
 
-def request_orderly_stop(controller: Controller, why: str = "the launcher's TrainingRun.shutdown()", sig: signal.Signals = signal.SIGTERM) -> None:
+def request_orderly_stop(controller: Controller, why: str, sig: signal.Signals) -> None:
     """Ask the coordinator for a stop with a final round (no signal reaches a rank for it); before it exists, stop the run with ``sig``."""
     from .controller import training
 
