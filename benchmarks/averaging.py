@@ -2,11 +2,11 @@
 
 Run: ``python benchmarks/averaging.py [--sizes 1,16,64] [--rounds 20,10,5] [--warmup 3] [--json out.json]``
 
-Two rank processes hold both a gloo process group and a :class:`~flodl_async.datalink.DataLink`.
+Two rank processes hold both a gloo process group and a :class:`~flodl_async.relay.datalink.DataLink`.
 A third process is the launcher's side of one host, as a ``flodl-launch`` with its in-process
 agent runs it: a real :class:`~flodl_async.net.mux.PortMux` with the
-:class:`~flodl_async.reducer.Reducer` on its data channel and a real
-:class:`~flodl_async.relay.Relay` whose data socket the ranks dial (one event loop, uvloop
+:class:`~flodl_async.controller.reducer.Reducer` on its data channel and a real
+:class:`~flodl_async.relay.control.Relay` whose data socket the ranks dial (one event loop, uvloop
 where installed). Per round and size, the same float32 tensor, variants interleaved (their
 order alternates every round), each after a gloo barrier:
 
@@ -80,14 +80,14 @@ def _host(conns: list[multiprocessing.connection.Connection], sizes: list[str], 
 async def _host_main(conns: list[multiprocessing.connection.Connection], sizes: list[str], rounds: list[int], warmup: int, uplink: str) -> None:
     import tempfile
 
+    from flodl_async.controller.reducer import Reducer
     from flodl_async.deadlines import Deadlines
-    from flodl_async.modelschema import ModelSchema
     from flodl_async.net.framed import FramedProtocol
     from flodl_async.net.mux import PortMux
     from flodl_async.net.service import FramedService
-    from flodl_async.outer import OuterAvg
-    from flodl_async.reducer import Reducer
-    from flodl_async.relay import Relay
+    from flodl_async.relay.control import Relay
+    from flodl_async.training.modelschema import ModelSchema
+    from flodl_async.training.outer import OuterAvg
     from flodl_async.wire import Channel, Credential, new_session_secret
     from flodl_async.wire.handshake import session_resolver
 
@@ -153,9 +153,9 @@ async def _rank_main(rank: int, conn: multiprocessing.connection.Connection, war
     import torch
     import torch.distributed as dist
 
-    from flodl_async.datalink import DataLink
-    from flodl_async.modelschema import ModelSchema
-    from flodl_async.rankenv import RankSpec
+    from flodl_async.config.rankenv import RankSpec
+    from flodl_async.relay.datalink import DataLink
+    from flodl_async.training.modelschema import ModelSchema
 
     dist.init_process_group("gloo", rank=rank, world_size=2)
     results: dict[str, dict[str, list[float]]] = {}

@@ -85,7 +85,7 @@ def launch(kit: HostKit, hosts: list[NsHost], work: Path, *, all_reduce: bool, l
     command = [sys.executable, str(script)] if all_reduce else [sys.executable, "-c", "pass"]
     start = time.perf_counter()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "flodl_async.launch", str(cluster), "--", *command],
+        [sys.executable, "-m", "flodl_async.cli.launch", str(cluster), "--", *command],
         stdout=subprocess.PIPE if all_reduce else subprocess.DEVNULL,
         stderr=subprocess.DEVNULL if all_reduce else subprocess.PIPE,
         text=True,

@@ -81,7 +81,7 @@ def run_flodl(script: Path, out_dir: Path, nproc: int) -> float:
         [
             sys.executable,
             "-m",
-            "flodl_async.launch",
+            "flodl_async.cli.launch",
             "--nproc",
             str(nproc),
             "--devices",

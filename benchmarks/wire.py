@@ -44,7 +44,7 @@ from flodl_async.deadlines import Deadlines
 from flodl_async.net.framed import FramedProtocol, open_framed, open_unix_framed
 from flodl_async.net.mux import PortMux
 from flodl_async.net.service import FramedService
-from flodl_async.relay import Relay
+from flodl_async.relay.control import Relay
 from flodl_async.wire import Channel, Credential, FrameConnection, Side
 from flodl_async.wire import messages as m
 from flodl_async.wire.frame import NEED_DATA, Frame, FrameLimits, PayloadPool

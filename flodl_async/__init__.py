@@ -9,30 +9,30 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
+from ._version import __version__
 
 #: Public name -> the module that defines it (loaded on first attribute access, PEP 562).
 _LAZY = {
-    "Trainer": "trainer",
-    "TrainedState": "trainer",
-    "TrainingRun": "trainer",
-    "exit_if_worker_role": "trainer",
-    "clean_exit": "trainer",
-    "current_role": "trainer",
-    "Entry": "trainer_roles",
-    "Worker": "worker",
-    "record_scalar": "worker",
-    "Policy": "policy",
-    "Backend": "policy",
-    "ElCheConfig": "trainspec",
-    "TrendGuard": "trainspec",
-    "Checkpointing": "trainspec",
-    "MaxFailure": "trainspec",
-    "OuterAvg": "outer",
-    "SlowMo": "outer",
-    "DiLoCo": "outer",
-    "EpochMetrics": "metrics",
-    "RankEpochStats": "metrics",
+    "Trainer": "trainer.api",
+    "TrainedState": "trainer.api",
+    "TrainingRun": "trainer.api",
+    "exit_if_worker_role": "trainer.api",
+    "clean_exit": "trainer.api",
+    "current_role": "trainer.api",
+    "Entry": "trainer.entry",
+    "Worker": "trainer.worker",
+    "record_scalar": "trainer.worker",
+    "Policy": "training.policy",
+    "Backend": "training.policy",
+    "ElCheConfig": "training.spec",
+    "TrendGuard": "training.spec",
+    "Checkpointing": "training.spec",
+    "MaxFailure": "training.spec",
+    "OuterAvg": "training.outer",
+    "SlowMo": "training.outer",
+    "DiLoCo": "training.outer",
+    "EpochMetrics": "training.metrics",
+    "RankEpochStats": "training.metrics",
     "TrainingFailed": "errors",
     "TrainingStopped": "errors",
     "run": "net.loop",
@@ -67,14 +67,14 @@ __all__ = [  # noqa: RUF022 (grouped as _LAZY is)
 
 if TYPE_CHECKING:
     from .errors import TrainingFailed, TrainingStopped
-    from .metrics import EpochMetrics, RankEpochStats
     from .net.loop import run
-    from .outer import DiLoCo, OuterAvg, SlowMo
-    from .policy import Backend, Policy
-    from .trainer import TrainedState, Trainer, TrainingRun, clean_exit, current_role, exit_if_worker_role
-    from .trainer_roles import Entry
-    from .trainspec import Checkpointing, ElCheConfig, MaxFailure, TrendGuard
-    from .worker import Worker, record_scalar
+    from .trainer.api import TrainedState, Trainer, TrainingRun, clean_exit, current_role, exit_if_worker_role
+    from .trainer.entry import Entry
+    from .trainer.worker import Worker, record_scalar
+    from .training.metrics import EpochMetrics, RankEpochStats
+    from .training.outer import DiLoCo, OuterAvg, SlowMo
+    from .training.policy import Backend, Policy
+    from .training.spec import Checkpointing, ElCheConfig, MaxFailure, TrendGuard
 
 
 def __getattr__(name: str) -> Any:

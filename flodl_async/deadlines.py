@@ -59,7 +59,7 @@ class Deadlines:
     stop_ack_margin: float = 10.0
     #: Added to the stop grace while teardown waits for agents to leave.
     teardown_margin: float = 5.0
-    #: Seconds between heartbeats on an agent's join link, both ways (flodl_async.liveness).
+    #: Seconds between heartbeats on an agent's join link, both ways (flodl_async.control.liveness).
     heartbeat_interval: float = 2.0
     #: A join link whose peer sent nothing (no heartbeat, no message) for this long is lost: a frozen host, a pulled cable.
     heartbeat_silence: float = 10.0

@@ -219,7 +219,7 @@ class RuntimeDirError(ConfigError):
 
 
 class SecretFileError(ConfigError):
-    """A ``--secret-file`` that cannot be used safely (:mod:`flodl_async.secretfile`): ``problem`` says why, ``fix`` what to do."""
+    """A ``--secret-file`` that cannot be used safely (:mod:`flodl_async.host.secretfile`): ``problem`` says why, ``fix`` what to do."""
 
     def __init__(self, path: str, problem: str, fix: str, *, what: str = "secret file") -> None:
         self.path = path

@@ -62,11 +62,11 @@ def gpu_less_host(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
 
     Without it a default ``--devices auto`` run (``--nproc 2``) would pick a GPU machine's GPUs, or be
     refused on a one-GPU machine: a test's result would depend on the machine it ran on. GPUs are
-    counted from ``FLODL_INTERNAL_DEV_DIR`` (:mod:`flodl_async.gpus`), here an empty directory, and
+    counted from ``FLODL_INTERNAL_DEV_DIR`` (:mod:`flodl_async.host.gpus`), here an empty directory, and
     the caller's ``CUDA_VISIBLE_DEVICES`` is dropped; a test that wants GPUs fakes them itself
     (its own ``FLODL_INTERNAL_DEV_DIR`` with ``nvidiaN`` files, and its own mask).
     """
-    from flodl_async.gpus import DEV_DIR_VARIABLE, MASK_VARIABLE
+    from flodl_async.host.gpus import DEV_DIR_VARIABLE, MASK_VARIABLE
 
     empty = tmp_path_factory.mktemp("no-gpu-dev")
     with pytest.MonkeyPatch.context() as patch:

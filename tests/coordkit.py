@@ -6,7 +6,7 @@ import collections
 import dataclasses
 from dataclasses import dataclass, field
 
-from flodl_async.coordinator import (
+from flodl_async.training.coordinator import (
     Action,
     CollectiveDone,
     Coordinator,
@@ -21,10 +21,10 @@ from flodl_async.coordinator import (
     TrainerJoined,
     WindowReported,
 )
-from flodl_async.metrics import EpochMetrics
-from flodl_async.modelschema import ModelSchema
-from flodl_async.policy import Policy
-from flodl_async.trainspec import TrainerSpec, digest
+from flodl_async.training.metrics import EpochMetrics
+from flodl_async.training.modelschema import ModelSchema
+from flodl_async.training.policy import Policy
+from flodl_async.training.spec import TrainerSpec, digest
 from flodl_async.wire import messages as m
 
 from .trainerwire import schema_wire

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-from flodl_async.runtime import ProcessIdentity
+from flodl_async.host.runtime import ProcessIdentity
 
 SSHD = "/usr/sbin/sshd"
 TOOLS = ("ip", "unshare", "ssh-keygen", "ssh")

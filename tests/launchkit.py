@@ -94,7 +94,7 @@ class Finished:
 
 
 def launch_cmd(*args: str, run_id: str) -> list[str]:
-    return [PY, "-m", "flodl_async.launch", "--run-id", run_id, *args]
+    return [PY, "-m", "flodl_async.cli.launch", "--run-id", run_id, *args]
 
 
 def run_launch(*args: str, run_id: str, timeout: float = 120, env: dict[str, str] | None = None) -> Finished:

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 
-from flodl_async import __version__
+from flodl_async._version import __version__
 from flodl_async.wire import CHANNEL_MAGIC, MAGIC_LEN, Channel, ClientHandshake, Credential, FrameConnection, LinkKeys, Routed, ServerHandshake, Side, sniff
 from flodl_async.wire.handshake import NONCE_BYTES, PROOF_BYTES, PROTOCOL_VERSION, session_resolver
 from flodl_async.wire.schema import Message

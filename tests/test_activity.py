@@ -141,7 +141,7 @@ needs_children_files = pytest.mark.skipif(
 
 def _wrapped(code: str) -> subprocess.Popen[str]:
     """``sh -c 'python -c CODE; ...'``: a shell that waits for its python (a compound command: no exec)."""
-    return subprocess.Popen(["sh", "-c", f"{sys.executable} -c \"$0\"; echo shell done", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    return subprocess.Popen(["sh", "-c", f'{sys.executable} -c "$0"; echo shell done', code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 
 
 def _stop(proc: subprocess.Popen[str]) -> None:
@@ -191,7 +191,7 @@ def test_a_shell_that_waits_for_a_busy_python_is_busy() -> None:
 
 def test_the_ticks_of_a_child_that_ended_stay_with_the_tree() -> None:
     """A helper process that ends is reaped by its parent: its CPU moves to the parent's reaped ticks, it is not lost."""
-    command = f"{sys.executable} -c \"$0\"; echo child done; read line"
+    command = f'{sys.executable} -c "$0"; echo child done; read line'
     wrapper = subprocess.Popen(["sh", "-c", command, BUSY_FOR_0_3_S], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         assert wrapper.stdout is not None

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from flodl_async.runtime import MARKER
+from flodl_async.host.runtime import MARKER
 
 from .launchkit import PY, Launcher, assert_nothing_left, free_port, new_run_id, reap, run_launch, script, wait_status
 

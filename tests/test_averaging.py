@@ -1,7 +1,7 @@
 """CPU averaging over real sockets: rank DataLinks → relays (host fold) → the reducer → back.
 
 The averaging the system does is compared with a reference the test computes from the same
-contributions, replaying the documented arithmetic (flodl_async.foldmath): host fold
+contributions, replaying the documented arithmetic (flodl_async.training.foldmath): host fold
 ``accH = 0; accH.add_(t, alpha=w)`` per rank in ascending order (a lone rank goes up raw),
 then ``acc = 0; acc.add_(accH)`` / ``acc.add_(t, alpha=w)`` per host by lowest rank,
 ``acc.div_(Σw)``, round half-to-even for integers, cast back; then the outer step.
@@ -28,21 +28,21 @@ import pytest
 import torch
 
 from flodl_async.agent import RankOutput
-from flodl_async.cluster import DeviceSpec, WorkerSpec
+from flodl_async.config.cluster import DeviceSpec, WorkerSpec
+from flodl_async.config.rankenv import RankSpec
+from flodl_async.control.membership import JoinConfig
 from flodl_async.controller import Controller, LaunchPlan, PlacedWorker, Placement
-from flodl_async.datalink import ConsensusResult, DataLink
+from flodl_async.controller.reducer import Reducer
 from flodl_async.deadlines import Deadlines
 from flodl_async.errors import ConnectionClosed, WireError
-from flodl_async.membership import JoinConfig
-from flodl_async.modelschema import ModelSchema
 from flodl_async.net.framed import FramedProtocol, open_framed
 from flodl_async.net.mux import PortMux
 from flodl_async.net.service import FramedService
-from flodl_async.outer import DiLoCo, OuterAvg, OuterSpec, SlowMo
-from flodl_async.rankenv import RankSpec
-from flodl_async.reducer import Reducer
-from flodl_async.relay import Relay
-from flodl_async.relayfold import ROUNDS_IN_FLIGHT
+from flodl_async.relay.control import Relay
+from flodl_async.relay.datalink import ConsensusResult, DataLink
+from flodl_async.relay.fold import ROUNDS_IN_FLIGHT
+from flodl_async.training.modelschema import ModelSchema
+from flodl_async.training.outer import DiLoCo, OuterAvg, OuterSpec, SlowMo
 from flodl_async.wire import Channel, Credential
 from flodl_async.wire import messages as m
 from flodl_async.wire.frame import FrameLimits
@@ -584,8 +584,8 @@ async def test_the_fold_and_average_math_runs_off_the_event_loop_thread(secret: 
 
     The real functions run (the result equals the reference); the wrappers only note the thread they ran on.
     """
-    from flodl_async import foldmath
-    from flodl_async.outer import OuterStepper
+    from flodl_async.training import foldmath
+    from flodl_async.training.outer import OuterStepper
 
     ran_on: dict[str, list[threading.Thread]] = {}
 
@@ -650,7 +650,7 @@ async def test_the_controller_serves_the_data_channel_only_once_a_reducer_is_ins
     )
     controller = Controller(plan, output=RankOutput(stdout=io.BytesIO(), stderr=io.BytesIO()))  # type: ignore[arg-type]
     said = _Said("window open")
-    launch_log = logging.getLogger("flodl_async.launch")
+    launch_log = logging.getLogger("flodl_async.cli.launch")
     level = launch_log.level
     launch_log.setLevel(logging.INFO)
     launch_log.addHandler(said)

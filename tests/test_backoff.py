@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from flodl_async.backoff import Backoff, BackoffPolicy
+from flodl_async.control.backoff import Backoff, BackoffPolicy
 
 
 def test_the_ceiling_doubles_from_initial_up_to_the_cap() -> None:

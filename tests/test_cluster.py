@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from flodl_async.cluster import DeviceKind, DeviceSpec, JoinKnobs, load_cluster, parse_cluster
+from flodl_async.config.cluster import DeviceKind, DeviceSpec, JoinKnobs, load_cluster, parse_cluster
 from flodl_async.errors import ConfigError
 
 LOCAL = frozenset({"localhost", "ctl-host"})

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from flodl_async.console import ConsoleWriter
+from flodl_async.host.console import ConsoleWriter
 
 from .launchkit import PY, assert_nothing_left, free_port, launch_cmd, new_run_id, script, wait_status
 
@@ -114,4 +114,3 @@ def test_a_launcher_whose_stdout_is_not_read_serves_status_and_loses_no_output(t
     assert len(numbered) == lines  # not one line lost or torn
     assert [int(line.split()[1]) for line in numbered] == list(range(lines))  # in order
     assert any(line.endswith("flood done") for line in text)
-

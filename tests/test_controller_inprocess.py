@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from flodl_async.agent import RankOutput
-from flodl_async.cluster import DeviceSpec, WorkerSpec
+from flodl_async.config.cluster import DeviceSpec, WorkerSpec
+from flodl_async.control.membership import JoinConfig
 from flodl_async.controller import Controller, ExitCode, LaunchPlan, PlacedWorker, Placement
-from flodl_async.membership import JoinConfig
 from flodl_async.net.framed import open_framed
 from flodl_async.status import Phase
 from flodl_async.wire import Channel, Credential, new_session_secret

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from flodl_async.controller.controllinks import ControlLinks
-from flodl_async.liveness import Liveness
+from flodl_async.control.links import ControlLinks
+from flodl_async.control.liveness import Liveness
 
 
 def _links() -> ControlLinks:

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from flodl_async.coordinator import (
+from flodl_async.training.coordinator import (
     REPORTS_AHEAD_LIMIT,
     Coordinator,
     CoordinatorConfig,
@@ -27,9 +27,9 @@ from flodl_async.coordinator import (
     TrainerJoined,
     WindowReported,
 )
-from flodl_async.outer import DiLoCo
-from flodl_async.policy import Backend, GateRank, Policy, should_reduce
-from flodl_async.trainspec import ElCheConfig, TrainerSpec
+from flodl_async.training.outer import DiLoCo
+from flodl_async.training.policy import Backend, GateRank, Policy, should_reduce
+from flodl_async.training.spec import ElCheConfig, TrainerSpec
 from flodl_async.verdict import ExitCode
 from flodl_async.wire import messages as m
 
@@ -242,8 +242,8 @@ def test_a_different_model_is_named_too() -> None:
     c.handle(TrainerJoined(hello=hello(0, spec())), 1.0)
     other = hello(1, spec())
     model = dataclasses.replace(other.model, shapes=((4, 3), (4,), ()))
-    from flodl_async.modelschema import ModelSchema
-    from flodl_async.trainspec import digest
+    from flodl_async.training.modelschema import ModelSchema
+    from flodl_async.training.spec import digest
 
     forged = dataclasses.replace(other, model=model, digest=digest(spec(), ModelSchema.from_wire(model)))
     [fail] = [a for a in c.handle(TrainerJoined(hello=forged), 2.0) if isinstance(a, Fail)]
@@ -447,9 +447,7 @@ def test_async_runs_at_most_one_window_ahead_of_the_gate() -> None:
     [ahead] = report(0, 1)  # rank 0 finished window 1: its window 2 at once
     assert ahead.round == 2
     assert report(0, 2) == []  # window 3 would be two ahead of the gate (still at window 1, waiting on rank 1)
-    out = d.coord.handle(
-        WindowReported(report=m.WindowDone(rank=1, round=1, epoch=0, batches=2, samples=8, compute_ms=2.0, data_ms=0.0, loss_sum=1.0)), d.now
-    )
+    out = d.coord.handle(WindowReported(report=m.WindowDone(rank=1, round=1, epoch=0, batches=2, samples=8, compute_ms=2.0, data_ms=0.0, loss_sum=1.0)), d.now)
     assert [a.round for a in out if isinstance(a, StartRound)] == [1]  # the gate fires for window 1
     # Rank 1's next window; rank 0, done with window 2 already, may now run one ahead: window 3.
     assert [(p.rank, p.round) for p in plans(out)] == [(1, 2), (0, 3)]

@@ -7,7 +7,7 @@ import os
 import msgpack
 import pytest
 
-from flodl_async.cores import oversubscription, usable_cores
+from flodl_async.host.cores import oversubscription, usable_cores
 from flodl_async.wire import messages as m
 from flodl_async.wire.schema import pack_message, to_body, unpack_message
 

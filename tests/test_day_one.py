@@ -24,18 +24,18 @@ def _run(module: str, *args: str, env: dict[str, str] | None = None) -> subproce
 
 @pytest.mark.parametrize("command", [["ps"], ["status"], ["token"], ["token", "new"]], ids=" ".join)
 def test_every_flodl_sub_command_answers_version_and_shows_examples(command: list[str]) -> None:
-    from flodl_async import __version__
+    from flodl_async._version import __version__
 
-    version = _run("flodl_async.cli", *command, "--version")
+    version = _run("flodl_async.cli.flodl", *command, "--version")
     assert version.returncode == 0, version.stderr
     assert version.stdout.strip() == f"flodl {__version__}"
-    helped = _run("flodl_async.cli", *command, "--help")
+    helped = _run("flodl_async.cli.flodl", *command, "--help")
     assert helped.returncode == 0, helped.stderr
     assert "examples:\n  flodl " + command[0] in helped.stdout
 
 
 def test_flodl_ps_help_states_its_own_exit_codes() -> None:
-    helped = _run("flodl_async.cli", "ps", "--help").stdout
+    helped = _run("flodl_async.cli.flodl", "ps", "--help").stdout
     assert "0    listed (none is no error)" in helped
     assert "a flodl controller answered" not in helped  # that is `flodl status`'s table
 
@@ -43,10 +43,10 @@ def test_flodl_ps_help_states_its_own_exit_codes() -> None:
 @pytest.mark.parametrize(
     ("module", "args", "hint"),
     [
-        ("flodl_async.launch", ["--nprc", "2", "--", PY, "-c", "pass"], "--nprc: did you mean --nproc?"),
-        ("flodl_async.launch", ["--nproc", "1", "--log-dri", "x", "--", PY, "-c", "pass"], "--log-dri: did you mean --log-dir?"),
+        ("flodl_async.cli.launch", ["--nprc", "2", "--", PY, "-c", "pass"], "--nprc: did you mean --nproc?"),
+        ("flodl_async.cli.launch", ["--nproc", "1", "--log-dri", "x", "--", PY, "-c", "pass"], "--log-dri: did you mean --log-dir?"),
         ("flodl_async.agent", ["--controler", "127.0.0.1:1"], "--controler: did you mean --controller?"),
-        ("flodl_async.cli", ["status", "--adr", "127.0.0.1:1"], "--adr: did you mean --addr?"),
+        ("flodl_async.cli.flodl", ["status", "--adr", "127.0.0.1:1"], "--adr: did you mean --addr?"),
     ],
 )
 def test_a_mistyped_option_is_a_usage_error_naming_the_real_one(module: str, args: list[str], hint: str) -> None:
@@ -67,13 +67,13 @@ def test_torchrun_underscore_spellings_of_our_options_work(tmp_path: Path) -> No
     assert "rank 0 max 1" in done.stdout
     assert "rank 1" not in done.stdout  # the filter took
     assert (tmp_path / run_id / "attempt_0" / "1" / "stdout.log").read_text() == "rank 1 max 1\n"
-    status = _run("flodl_async.cli", "status", "--silent_after", "5", "--addr", "127.0.0.1:1", "--timeout", "0.5")
+    status = _run("flodl_async.cli.flodl", "status", "--silent_after", "5", "--addr", "127.0.0.1:1", "--timeout", "0.5")
     assert status.returncode == 1, status.stderr  # parsed (nothing answers there), not a usage error
 
 
 @pytest.mark.parametrize("command", [["python", "-u", "train.py"], [PY, "-m", "torch.distributed.run"]], ids=["python -u", "python -m"])
 def test_forgetting_the_double_dash_before_a_command_with_options_is_said(command: list[str]) -> None:
-    done = _run("flodl_async.launch", "--nproc", "2", *command)
+    done = _run("flodl_async.cli.launch", "--nproc", "2", *command)
     assert done.returncode == 2
     assert f"unexpected {command[0]!r}: did you forget `--` before the command?" in done.stderr
     assert "unrecognized arguments" not in done.stderr
@@ -133,7 +133,7 @@ def test_flodl_status_folds_a_hosts_rank_and_device_lists(tmp_path: Path) -> Non
         found = re.search(r"--addr (127\.0\.0\.1:(\d+))", banner)
         assert found is not None, banner
         wait_status(int(found.group(2)), lambda d: d.get("phase") == "training")
-        shown = _run("flodl_async.cli", "status", "--addr", found.group(1))
+        shown = _run("flodl_async.cli.flodl", "status", "--addr", found.group(1))
         assert shown.returncode == 0, shown.stderr
         host_rows = [line.split() for line in shown.stdout.splitlines() if line.endswith(" joined")]
         assert len(host_rows) == 1, shown.stdout
@@ -154,7 +154,7 @@ def test_more_cpu_ranks_than_the_launchers_cores_is_warned_about(nproc: int, war
     run_id = new_run_id()
     try:  # the launcher may use one core (its affinity, as `taskset -c 0` sets it)
         done = subprocess.run(
-            [PY, "-m", "flodl_async.launch", "--run-id", run_id, "--nproc", str(nproc), "--devices", "cpu", "--port", "0", "--", PY, "-c", "pass"],
+            [PY, "-m", "flodl_async.cli.launch", "--run-id", run_id, "--nproc", str(nproc), "--devices", "cpu", "--port", "0", "--", PY, "-c", "pass"],
             capture_output=True, text=True, timeout=120, preexec_fn=_on_one_core, check=False,
         )  # fmt: skip
     finally:

@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from flodl_async import gpus
-from flodl_async.cluster import DeviceSpec as ClusterDeviceSpec
-from flodl_async.cluster import parse_cluster
-from flodl_async.devices import DeviceKind, DeviceSpec, parse_devices, parse_gpu_ids
+from flodl_async.config.cluster import DeviceSpec as ClusterDeviceSpec
+from flodl_async.config.cluster import parse_cluster
+from flodl_async.config.devices import DeviceKind, DeviceSpec, parse_devices, parse_gpu_ids
 from flodl_async.errors import ConfigError
+from flodl_async.host import gpus
 
 
 @pytest.mark.parametrize(
@@ -87,20 +87,20 @@ def test_cluster_scalars_go_through_the_same_parser(devices: str, spec: DeviceSp
     ],
 )
 def test_flodl_launch_nproc_devices_go_through_the_one_parser(text: str, gpus: int, expected: DeviceSpec) -> None:
-    from flodl_async.launch import embedded_devices
+    from flodl_async.cli.launch import embedded_devices
 
     assert embedded_devices(2, text, gpus) == expected
 
 
 @pytest.mark.parametrize(("text", "message"), [("cpu:3", "gives 3 rank(s) but --nproc is 2"), ("gpu", "--devices: expected `all`"), ("0", "gives 1 rank(s)")])
 def test_flodl_launch_nproc_devices_mismatch_is_a_clear_error(text: str, message: str) -> None:
-    from flodl_async.launch import embedded_devices
+    from flodl_async.cli.launch import embedded_devices
 
     with pytest.raises(ConfigError, match=re.escape(message)):
         embedded_devices(2, text, 4)
 
 
-# ----- the caller's CUDA_VISIBLE_DEVICES (flodl_async.gpus) -------------------------------------
+# ----- the caller's CUDA_VISIBLE_DEVICES (flodl_async.host.gpus) -------------------------------------
 
 
 def _fake_dev(tmp_path: Path, count: int) -> dict[str, str]:

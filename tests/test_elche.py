@@ -8,10 +8,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from flodl_async.elche import ElChe, ElChePhase, NudgeDown, Stable, SuppressGrowth, TrendGuard, WorldSizeMismatch
-from flodl_async.policy import Policy
-from flodl_async.trainspec import ElCheConfig, ElCheSettings, resolve_elche
-from flodl_async.trainspec import TrendGuard as GuardConfig
+from flodl_async.training.elche import ElChe, ElChePhase, NudgeDown, Stable, SuppressGrowth, TrendGuard, WorldSizeMismatch
+from flodl_async.training.policy import Policy
+from flodl_async.training.spec import ElCheConfig, ElCheSettings, resolve_elche
+from flodl_async.training.spec import TrendGuard as GuardConfig
 
 
 def cfg(policy: Policy = Policy.CADENCE, **overrides: object) -> ElCheSettings:

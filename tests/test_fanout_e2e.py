@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from flodl_async import __version__
+from flodl_async._version import __version__
 from flodl_async.wire import new_session_secret
 
 from .hostkit import HostKit, NsHost

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from flodl_async.runtime import ProcessIdentity, process_start_time
+from flodl_async.host.runtime import ProcessIdentity, process_start_time
 
 from .hostkit import HostKit, sweep_abandoned_kits
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from flodl_async.cluster import is_local_host, local_host_names
-from flodl_async.hostnames import LOOPBACK_NAMES, HostAliases, is_loopback_address, normalise
+from flodl_async.config.cluster import is_local_host, local_host_names
+from flodl_async.host.hostnames import LOOPBACK_NAMES, HostAliases, is_loopback_address, normalise
 
 VM = HostAliases.of_machine("vm", "vm.example.com")
 

@@ -35,7 +35,7 @@ def _envs(out_dir: Path) -> dict[str, dict[str, str]]:
 def test_a_dial_in_agent_gives_its_ranks_the_interface_of_its_join_connection(hostkit: HostKit, tmp_path: Path, xdg: Path) -> None:
     h1, h2 = hostkit.hosts[:2]
     token = tmp_path / "token"
-    assert subprocess.run([PY, "-m", "flodl_async.cli", "token", "new", str(token)], capture_output=True, timeout=60, check=False).returncode == 0
+    assert subprocess.run([PY, "-m", "flodl_async.cli.flodl", "token", "new", str(token)], capture_output=True, timeout=60, check=False).returncode == 0
     port = free_port()
     cluster = tmp_path / "cluster.yml"
     lines = [f"controller: {{host: 0.0.0.0, port: {port}, token_file: {token}, join: {{join_timeout: 60}}}}", "workers:"]

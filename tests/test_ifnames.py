@@ -1,13 +1,14 @@
-"""The ranks' socket-interface choice (flodl_async.ifnames) and the dial-in keys nothing could deliver."""
+"""The ranks' socket-interface choice (flodl_async.host.ifnames) and the dial-in keys nothing could deliver."""
 
 from __future__ import annotations
 
 import pytest
 
-from flodl_async.cluster import SshSpec, WorkerSpec, parse_cluster
-from flodl_async.devices import parse_devices
+from flodl_async.config.cluster import SshSpec, WorkerSpec, parse_cluster
+from flodl_async.config.devices import parse_devices
+from flodl_async.config.plan import PlacedWorker, Placement
 from flodl_async.errors import ConfigError
-from flodl_async.ifnames import (
+from flodl_async.host.ifnames import (
     controller_host_ifname,
     controller_host_peer,
     direct_ssh_targets,
@@ -16,7 +17,6 @@ from flodl_async.ifnames import (
     stand_alone_default_ifname,
     with_default_ifname,
 )
-from flodl_async.plan import PlacedWorker, Placement
 
 
 def _worker(host: str, placement: Placement, *, ssh: SshSpec | None = None, tunnel: bool = False) -> PlacedWorker:

@@ -11,30 +11,30 @@ MODULES = [
     "flodl_async.wire",
     "flodl_async.wire.tensor",
     "flodl_async.net.mux",
-    "flodl_async.cli",
-    "flodl_async.cluster",
+    "flodl_async.cli.flodl",
+    "flodl_async.config.cluster",
     "flodl_async.agent",
-    "flodl_async.devices",
-    "flodl_async.runtime",
+    "flodl_async.config.devices",
+    "flodl_async.host.runtime",
     # the Trainer's coordinator and its shell
     "flodl_async.controller.training",
-    "flodl_async.coordinator",
+    "flodl_async.training.coordinator",
     # the Trainer's data plane: torch only inside the functions that do tensor math (executor threads)
-    "flodl_async.relay",
-    "flodl_async.relayfold",
-    "flodl_async.reducer",
-    "flodl_async.datalink",
-    "flodl_async.foldmath",
-    "flodl_async.modelschema",
-    "flodl_async.outer",
+    "flodl_async.relay.control",
+    "flodl_async.relay.fold",
+    "flodl_async.controller.reducer",
+    "flodl_async.relay.datalink",
+    "flodl_async.training.foldmath",
+    "flodl_async.training.modelschema",
+    "flodl_async.training.outer",
     "flodl_async.net.bufpool",
     "flodl_async.controller",
     # the Trainer API: building a Trainer (and the launcher role) needs no torch until a model is built
-    "flodl_async.trainer",
-    "flodl_async.trainer_roles",
-    "flodl_async.trainlaunch",
-    "flodl_async.ranktrainer",
-    "flodl_async.worker",
+    "flodl_async.trainer.api",
+    "flodl_async.trainer.entry",
+    "flodl_async.trainer.launcher",
+    "flodl_async.trainer.rank",
+    "flodl_async.trainer.worker",
 ]
 
 
@@ -47,7 +47,7 @@ def test_importing_the_control_plane_does_not_import_torch() -> None:
 def test_cli_help_does_not_import_torch() -> None:
     code = (
         "import sys, runpy\nsys.argv=['flodl','--help']\n"
-        "try:\n runpy.run_module('flodl_async.cli', run_name='__main__')\nexcept SystemExit:\n pass\n"
+        "try:\n runpy.run_module('flodl_async.cli.flodl', run_name='__main__')\nexcept SystemExit:\n pass\n"
         "print('torch' in sys.modules)"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
@@ -56,39 +56,39 @@ def test_cli_help_does_not_import_torch() -> None:
 
 def test_status_query_does_not_import_asyncio() -> None:
     """`flodl status` is one blocking request: the status package (its schema marker) must not pull in asyncio."""
-    code = "import sys\nimport flodl_async.cli, flodl_async.status\nprint('asyncio' in sys.modules)"
+    code = "import sys\nimport flodl_async.cli.flodl, flodl_async.status\nprint('asyncio' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
     assert result.stdout.strip() == "False"
 
 
 #: The sans-IO core (design §8): decisions and codecs that take bytes and `now`, never a socket or a loop.
 PURE_MODULES = [
-    "flodl_async.supervisor",
-    "flodl_async.membership",
-    "flodl_async.hostnames",
+    "flodl_async.control.supervisor",
+    "flodl_async.control.membership",
+    "flodl_async.host.hostnames",
     "flodl_async.verdict",
     "flodl_async.deadlines",
-    "flodl_async.plan",
-    "flodl_async.cluster",
-    "flodl_async.rankenv",
-    "flodl_async.roles",
-    "flodl_async.storeproto",
-    "flodl_async.outputlines",
+    "flodl_async.config.plan",
+    "flodl_async.config.cluster",
+    "flodl_async.config.rankenv",
+    "flodl_async.config.roles",
+    "flodl_async.wire.storeproto",
+    "flodl_async.agent.outputlines",
     "flodl_async.status.model",
     "flodl_async.wire",
     "flodl_async.wire.frame",
     "flodl_async.wire.tensor",
     "flodl_async.net.admission",
-    "flodl_async.partition",
-    "flodl_async.elche",
-    "flodl_async.policy",
-    "flodl_async.metrics",
-    "flodl_async.trainspec",
-    "flodl_async.coordinator",
-    "flodl_async.modelschema",
-    "flodl_async.outer",
-    "flodl_async.foldmath",
-    "flodl_async.trainer_roles",
+    "flodl_async.training.partition",
+    "flodl_async.training.elche",
+    "flodl_async.training.policy",
+    "flodl_async.training.metrics",
+    "flodl_async.training.spec",
+    "flodl_async.training.coordinator",
+    "flodl_async.training.modelschema",
+    "flodl_async.training.outer",
+    "flodl_async.training.foldmath",
+    "flodl_async.trainer.entry",
 ]
 
 
@@ -114,19 +114,19 @@ AGENT_START_FORBIDDEN = (
     "cryptography.x509",
     "cryptography.hazmat.primitives.asymmetric",
     "flodl_async.controller",
-    "flodl_async.launch",
-    "flodl_async.cli",
-    "flodl_async.cluster",
-    "flodl_async.supervisor",
-    "flodl_async.membership",
+    "flodl_async.cli.launch",
+    "flodl_async.cli.flodl",
+    "flodl_async.config.cluster",
+    "flodl_async.control.supervisor",
+    "flodl_async.control.membership",
     "flodl_async.status",
     "flodl_async.net.http",
     "flodl_async.net.mux",
     "flodl_async.net.service",
     "flodl_async.net.tcpstore",
     "flodl_async.net.portstore",
-    "flodl_async.relay",
-    "flodl_async.store",
+    "flodl_async.relay.control",
+    "flodl_async.net.torchstore",
     "flodl_async.agent.ranks",
     "flodl_async.agent.storehost",
     "flodl_async.agent.daemon",
@@ -164,9 +164,7 @@ def test_agent_start_over_ssh_imports_only_what_the_join_needs() -> None:
             "sys.argv = ['flodl-agent', '--spec-stdin']\n"
             "runpy.run_module('flodl_async.agent', run_name='__main__', alter_sys=True)\n"
         )
-        result = subprocess.run(
-            [sys.executable, "-c", code], check=False, input=json.dumps(spec) + "\n", capture_output=True, text=True, timeout=60
-        )
+        result = subprocess.run([sys.executable, "-c", code], check=False, input=json.dumps(spec) + "\n", capture_output=True, text=True, timeout=60)
     assert result.returncode == 3, result.stderr
     assert "cannot reach the controller" in result.stderr  # it got as far as the dial
     modules = next(line for line in result.stderr.splitlines() if line.startswith("MODULES ")).split()[1:]

@@ -131,11 +131,13 @@ def test_an_nproc_run_starts_with_one_banner_line_and_details_under_verbose() ->
     assert done.returncode == 0, done.stderr
     ours = [line for line in done.stderr.splitlines() if line.startswith("flodl-launch:") and "warning:" not in line]
     assert len(ours) == 2, ours  # the banner and the verdict (a 1-core CI box adds the oversubscription warning)
-    banner = rf"flodl-launch: run {run_id}: 2 ranks on this host \(CPU\) — .*allreduce.py — status: flodl status --addr 127.0.0.1:(\d+), or http://127.0.0.1:\1/"
+    banner = (
+        rf"flodl-launch: run {run_id}: 2 ranks on this host \(CPU\) — .*allreduce.py — status: flodl status --addr 127.0.0.1:(\d+), or http://127.0.0.1:\1/"
+    )
     assert re.fullmatch(banner, ours[0])  # --port 0 is not the default port: the banner gives the --addr
     verbose = run_launch("-v", "--nproc", "2", "--devices", "cpu", "--port", "0", "--", PY, script("allreduce.py"), run_id=new_run_id())
     assert "window open (quorum 2 ranks" in verbose.stderr
-    assert 'joined with ranks 0-1 (cpu:0-1)' in verbose.stderr
+    assert "joined with ranks 0-1 (cpu:0-1)" in verbose.stderr
 
 
 def test_a_sigkill_we_did_not_send_points_at_the_oom_killer() -> None:

@@ -20,10 +20,10 @@ from typing import Any
 import pytest
 
 from flodl_async.agent import RankOutput
-from flodl_async.cluster import DeviceSpec, WorkerSpec
+from flodl_async.config.cluster import DeviceSpec, WorkerSpec
+from flodl_async.control.membership import JoinConfig
 from flodl_async.controller import Controller, ExitCode, LaunchPlan, PlacedWorker, Placement
 from flodl_async.errors import AuthenticationFailed
-from flodl_async.membership import JoinConfig
 from flodl_async.status import Phase, Subscription
 from flodl_async.wire import CHANNEL_MAGIC, Channel, ClientHandshake, Credential, new_session_secret
 from flodl_async.wire import messages as m
@@ -81,7 +81,7 @@ def test_status_phases_with_a_stand_alone_agent_joining(tmp_path: Path) -> None:
         assert training["world_size"] == 2
         assert {mb["host"]: mb["ranks"] for mb in training["members"]} == {"localhost": [0], "walk-in": [1]}
         assert [r["rank"] for r in training["ranks"]] == [0, 1]
-        table = subprocess.run([PY, "-m", "flodl_async.cli", "status", "--addr", f"127.0.0.1:{port}"], capture_output=True, text=True, check=True)
+        table = subprocess.run([PY, "-m", "flodl_async.cli.flodl", "status", "--addr", f"127.0.0.1:{port}"], capture_output=True, text=True, check=True)
         assert "phase    training" in table.stdout
         assert "walk-in" in table.stdout
         launcher.wait_for_stdout("ready pid", count=1)
@@ -309,15 +309,15 @@ def test_terminal_phase_is_published_before_cleanup(tmp_path: Path) -> None:
 
 
 def test_flodl_launch_help_lists_examples_and_exit_codes() -> None:
-    done = subprocess.run([sys.executable, "-m", "flodl_async.launch", "--help"], capture_output=True, text=True, check=True)
+    done = subprocess.run([sys.executable, "-m", "flodl_async.cli.launch", "--help"], capture_output=True, text=True, check=True)
     assert "flodl-launch --nproc 2 -- python examples/train.py" in done.stdout
     assert "130  interrupted" in done.stdout
     assert "--nproc-per-node" in done.stdout
 
 
-@pytest.mark.parametrize("module", ["flodl_async.launch", "flodl_async.agent", "flodl_async.cli"])
+@pytest.mark.parametrize("module", ["flodl_async.cli.launch", "flodl_async.agent", "flodl_async.cli.flodl"])
 def test_every_command_has_a_version_and_examples(module: str) -> None:
-    from flodl_async import __version__
+    from flodl_async._version import __version__
 
     version = subprocess.run([sys.executable, "-m", module, "--version"], capture_output=True, text=True, check=True)
     assert version.stdout.strip().endswith(__version__)
@@ -559,7 +559,7 @@ def own_runtime() -> Any:
 
 
 def _flodl(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([PY, "-m", "flodl_async.cli", *args], capture_output=True, text=True, timeout=30, env={**os.environ, **env}, check=False)
+    return subprocess.run([PY, "-m", "flodl_async.cli.flodl", *args], capture_output=True, text=True, timeout=30, env={**os.environ, **env}, check=False)
 
 
 def test_flodl_ps_and_status_find_the_local_runs(tmp_path: Path, own_runtime: dict[str, str]) -> None:
@@ -608,7 +608,7 @@ def test_flodl_ps_and_status_find_the_local_runs(tmp_path: Path, own_runtime: di
 
 
 def test_a_taken_default_port_gives_way_for_nproc_runs_but_an_explicit_port_is_strict(tmp_path: Path, own_runtime: dict[str, str]) -> None:
-    from flodl_async.cluster import DEFAULT_PORT
+    from flodl_async.config.cluster import DEFAULT_PORT
 
     with socket.socket() as holder:
         holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -785,7 +785,7 @@ def test_a_hang_is_visible_per_rank_in_status(tmp_path: Path) -> None:
         assert rows[1]["store_connected"] is False  # never reached init_process_group
         assert rows[1]["process"] == "sleeping"
         assert rows[1]["cpu_percent"] == 0
-        status_cmd = [PY, "-m", "flodl_async.cli", "status", "--addr", f"127.0.0.1:{port}", "--silent-after", "2"]
+        status_cmd = [PY, "-m", "flodl_async.cli.flodl", "status", "--addr", f"127.0.0.1:{port}", "--silent-after", "2"]
         table = subprocess.run(status_cmd, capture_output=True, text=True, check=True)
         assert re.search(r"SILENT   rank 1 on \S+: silent and idle for \d+s \(sleeping\)", table.stdout), table.stdout
         assert "rank 1 loading" in table.stdout

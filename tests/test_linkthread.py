@@ -1,4 +1,4 @@
-"""The rank's link thread (:class:`flodl_async.ranktrainer.LinkThread`) against a real relay and a stand-in controller.
+"""The rank's link thread (:class:`flodl_async.trainer.rank.LinkThread`) against a real relay and a stand-in controller.
 
 The controller side is the relay tests' control channel; the relay is real. The case here: the
 coordinator welcomes the rank, then its data link cannot be opened. ``start()`` must raise that
@@ -11,12 +11,12 @@ import asyncio
 
 import pytest
 
+from flodl_async.config.rankenv import RankSpec
+from flodl_async.config.roles import LOCAL_RANK_VAR, RANK_VAR
 from flodl_async.errors import ConnectionClosed
-from flodl_async.modelschema import ModelSchema
-from flodl_async.rankenv import RankSpec
-from flodl_async.ranktrainer import LinkThread
-from flodl_async.roles import LOCAL_RANK_VAR, RANK_VAR
-from flodl_async.trainspec import TrainerSpec
+from flodl_async.trainer.rank import LinkThread
+from flodl_async.training.modelschema import ModelSchema
+from flodl_async.training.spec import TrainerSpec
 from flodl_async.wire import Credential
 from flodl_async.wire import messages as m
 

@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from flodl_async.control.liveness import Liveness
 from flodl_async.deadlines import Deadlines
-from flodl_async.liveness import Liveness
 
 
 def test_a_fresh_link_beats_at_once_and_expires_after_the_silence() -> None:

@@ -7,9 +7,9 @@ import sys
 
 import pytest
 
-from flodl_async import __version__
-from flodl_async.hostnames import HostAliases
-from flodl_async.membership import MAX_RANKS_PER_JOIN, MAX_REJECTED_JOINS, Admitted, Failed, Formed, JoinConfig, JoinWindow, Rejected, WindowState
+from flodl_async._version import __version__
+from flodl_async.control.membership import MAX_RANKS_PER_JOIN, MAX_REJECTED_JOINS, Admitted, Failed, Formed, JoinConfig, JoinWindow, Rejected, WindowState
+from flodl_async.host.hostnames import HostAliases
 
 OPENED_AT = 100.0
 PROTOCOL = 1
@@ -204,7 +204,7 @@ def test_an_untrusted_version_string_is_quoted_not_pasted() -> None:
 
 
 def test_membership_imports_neither_asyncio_nor_socket() -> None:
-    code = "import sys, flodl_async.membership; print('mutmut' in sys.modules, sorted({'asyncio', 'socket'} & set(sys.modules)))"
+    code = "import sys, flodl_async.control.membership; print('mutmut' in sys.modules, sorted({'asyncio', 'socket'} & set(sys.modules)))"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
     if result.stdout.startswith("True"):
         pytest.skip("under mutmut the mutated module imports mutmut's trampoline, which brings socket along")

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from flodl_async import __version__
-from flodl_async.cluster import JoinKnobs
-from flodl_async.membership import Failed, Formed, JoinWindow
+from flodl_async._version import __version__
+from flodl_async.config.cluster import JoinKnobs
+from flodl_async.control.membership import Failed, Formed, JoinWindow
 
 
 def _join(window: JoinWindow, host: str, count: int, now: float) -> None:

@@ -14,9 +14,9 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from flodl_async import __version__
-from flodl_async.hostnames import HostAliases
-from flodl_async.membership import Admitted, Failed, Formed, JoinConfig, JoinWindow, Rejected, WindowState
+from flodl_async._version import __version__
+from flodl_async.control.membership import Admitted, Failed, Formed, JoinConfig, JoinWindow, Rejected, WindowState
+from flodl_async.host.hostnames import HostAliases
 
 OPENED_AT = 1000.0
 PROTOCOL = 1

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from flodl_async.metrics import EpochLedger, EpochMetrics
+from flodl_async.training.metrics import EpochLedger, EpochMetrics
 from flodl_async.wire import messages as m
 
 

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from flodl_async.errors import ConfigError
-from flodl_async.modelschema import ModelSchema, TensorMeta
+from flodl_async.training.modelschema import ModelSchema, TensorMeta
 from flodl_async.wire import messages as m
 from flodl_async.wire.schema import pack_message, unpack_message
 

@@ -1,7 +1,7 @@
 """A multi-homed host's ranks reach the store on the controller's port from another of its addresses (namespace hosts).
 
 The store admits a connection by its source address. An agent reports every address of its
-host at join (:mod:`flodl_async.hostaddrs`), so a rank dialing from a second address of an
+host at join (:mod:`flodl_async.host.hostaddrs`), so a rank dialing from a second address of an
 admitted host is served; an address of no host in the run is still refused.
 """
 
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from flodl_async.hostaddrs import parse_fib_trie, parse_if_inet6, routable
+from flodl_async.host.hostaddrs import parse_fib_trie, parse_if_inet6, routable
 
 from .hostkit import HostKit, NsHost
 from .launchkit import PY, free_port, new_run_id, run_launch, script

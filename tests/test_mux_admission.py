@@ -83,9 +83,7 @@ class PlainEcho(asyncio.Protocol):
 
 def _snapshot() -> StatusSnapshot:
     now = time.time()
-    return StatusSnapshot(
-        run_id="flood", phase=Phase.TRAINING, started_at=now, updated_at=now, world_size=1, joined_ranks=1, min_rank_start=1, target_ranks=1
-    )
+    return StatusSnapshot(run_id="flood", phase=Phase.TRAINING, started_at=now, updated_at=now, world_size=1, joined_ranks=1, min_rank_start=1, target_ranks=1)
 
 
 @pytest.fixture

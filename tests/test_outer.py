@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from flodl_async.errors import ConfigError
-from flodl_async.outer import DiLoCo, OuterAvg, OuterStepper, SlowMo, from_wire
+from flodl_async.training.outer import DiLoCo, OuterAvg, OuterStepper, SlowMo, from_wire
 from flodl_async.wire import messages as m
 from flodl_async.wire.schema import pack_message, unpack_message
 
@@ -98,5 +98,5 @@ def test_bad_specs_are_config_errors(make: object, match: str) -> None:
 
 
 def test_specs_import_without_torch() -> None:
-    code = "import sys, flodl_async.outer as o; o.DiLoCo().to_wire(); assert 'torch' not in sys.modules, 'torch imported'"
+    code = "import sys, flodl_async.training.outer as o; o.DiLoCo().to_wire(); assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True)

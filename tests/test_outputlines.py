@@ -7,7 +7,7 @@ import itertools
 from hypothesis import given
 from hypothesis import strategies as st
 
-from flodl_async.outputlines import ConsoleLine, LineAssembler, OutputChunker
+from flodl_async.agent.outputlines import ConsoleLine, LineAssembler, OutputChunker
 
 # Bytes rich in newlines and carriage returns, cut into pieces, each arriving after a time step.
 _text = st.binary(max_size=400).map(lambda b: bytes(c if c % 5 else 10 for c in b))

@@ -1,7 +1,7 @@
 """A host given more CPU ranks than its cores is warned about on the launcher's console, whichever host it is.
 
 The controller's own host is checked by ``flodl-launch`` before anything starts; every other host is
-checked at its join, from the core count its agent reports (:mod:`flodl_async.cores`). Here a walk-in
+checked at its join, from the core count its agent reports (:mod:`flodl_async.host.cores`). Here a walk-in
 agent on this machine brings one CPU rank more than this machine's cores.
 """
 

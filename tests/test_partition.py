@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from flodl_async.partition import (
+from flodl_async.training.partition import (
     ChunkPool,
     batch_samples,
     batches_per_epoch,

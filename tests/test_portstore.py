@@ -17,9 +17,9 @@ import pytest
 
 from flodl_async.net.mux import PortMux
 from flodl_async.net.portstore import PortStore, normalise_host
-from flodl_async.storeproto import Query
 from flodl_async.wire import Channel
 from flodl_async.wire.channels import STORE_PREFIX
+from flodl_async.wire.storeproto import Query
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="needs Linux: clients bind 127.0.0.2 as source")
 

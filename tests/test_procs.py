@@ -8,7 +8,7 @@ import signal
 import sys
 from pathlib import Path
 
-from flodl_async.procs import spawn, stop_processes
+from flodl_async.host.procs import spawn, stop_processes
 from flodl_async.verdict import stop_schedule
 
 from .launchkit import script

@@ -19,11 +19,11 @@ import torch
 
 import flodl_async as fa
 from flodl_async.errors import TrainingStopped
-from flodl_async.modelschema import ModelSchema
-from flodl_async.ranktrainer import RankSchedule
+from flodl_async.trainer.rank import RankSchedule
+from flodl_async.trainer.worker import Compute, run_managed
+from flodl_async.training.modelschema import ModelSchema
 from flodl_async.wire import messages as m
 from flodl_async.wire.schema import Message
-from flodl_async.worker import Compute, run_managed
 
 from .scripts import trainer_mlp as mlp
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from flodl_async.rankenv import TORCHRUN_CONTRACT, RankPlacement, RankSpec, rank_environment
-from flodl_async.roles import Role, detect_role
+from flodl_async.config.rankenv import TORCHRUN_CONTRACT, RankPlacement, RankSpec, rank_environment
+from flodl_async.config.roles import Role, detect_role
 
 PLACEMENT = RankPlacement(
     rank=5, local_rank=1, world_size=8, local_world_size=4, group_rank=1, group_world_size=2,

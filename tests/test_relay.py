@@ -16,7 +16,7 @@ from flodl_async.errors import AuthenticationFailed, ConnectionClosed, Handshake
 from flodl_async.net.framed import FramedProtocol, open_framed, open_unix_framed
 from flodl_async.net.mux import PortMux
 from flodl_async.net.service import FramedService
-from flodl_async.relay import RANK_ADDRESS, Relay, rank_of
+from flodl_async.relay.control import RANK_ADDRESS, Relay, rank_of
 from flodl_async.wire import Channel, Credential
 from flodl_async.wire import messages as m
 from flodl_async.wire.handshake import session_resolver

@@ -14,7 +14,7 @@ import pytest
 from flodl_async.deadlines import Deadlines
 from flodl_async.net.mux import PortMux
 from flodl_async.net.service import FramedService
-from flodl_async.relay import Relay
+from flodl_async.relay.control import Relay
 from flodl_async.wire import Channel
 from flodl_async.wire.handshake import session_resolver
 

@@ -1,7 +1,7 @@
 """A remote host's `devices: all` is what its own agent counts, not the controller's GPUs (namespace hosts).
 
 Each host's GPUs are faked the way the agent counts them: ``nvidiaN`` nodes in the directory
-``FLODL_INTERNAL_DEV_DIR`` names (instead of /dev, :mod:`flodl_async.gpus`), set by that host's
+``FLODL_INTERNAL_DEV_DIR`` names (instead of /dev, :mod:`flodl_async.host.gpus`), set by that host's
 ``python:`` wrapper only. This
 machine (the controller) has no /dev/nvidia* at all, so a count taken here would be 0.
 """
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from flodl_async.gpus import DEV_DIR_VARIABLE, physical_gpu_count
+from flodl_async.host.gpus import DEV_DIR_VARIABLE, physical_gpu_count
 
 from .hostkit import HostKit
 from .launchkit import PY, new_run_id, run_launch, script

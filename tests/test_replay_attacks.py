@@ -32,12 +32,12 @@ from typing import Any
 
 import pytest
 
-from flodl_async import __version__
+from flodl_async._version import __version__
+from flodl_async.config.rankenv import RankSpec
+from flodl_async.config.roles import RANK_VAR
 from flodl_async.deadlines import Deadlines
 from flodl_async.errors import AuthenticationFailed, ConnectionClosed, HandshakeFailed, HandshakeRefused, WireError
 from flodl_async.net.framed import FramedProtocol, open_framed, open_unix_framed
-from flodl_async.rankenv import RankSpec
-from flodl_async.roles import RANK_VAR
 from flodl_async.wire import Channel, Credential, CredentialKind
 from flodl_async.wire import messages as m
 from flodl_async.wire.keys import SECRET_BYTES, secret_from_hex

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from flodl_async import runtime
 from flodl_async.errors import ConfigError, RuntimeDirError
-from flodl_async.runtime import ProcessIdentity, create_entry, ensure_root, entry_path, process_start_time, runtime_root, sweep_stale
+from flodl_async.host import runtime
+from flodl_async.host.runtime import ProcessIdentity, create_entry, ensure_root, entry_path, process_start_time, runtime_root, sweep_stale
 
 
 @pytest.fixture
@@ -167,7 +167,7 @@ def test_long_paths_fall_back_to_short_names_or_fail_clearly(short_tmp: Path) ->
 
 
 def test_a_controller_registers_and_removes_itself(root: Path) -> None:
-    from flodl_async import controllers
+    from flodl_async.host import runs as controllers
 
     registration = controllers.register(run_id="run-a", address="127.0.0.1", port=4242, root=root)
     assert (root / "controllers").stat().st_mode & 0o777 == 0o700
@@ -179,7 +179,7 @@ def test_a_controller_registers_and_removes_itself(root: Path) -> None:
 
 
 def test_a_dead_controllers_entry_is_swept_and_a_stranger_on_its_pid_does_not_count(root: Path) -> None:
-    from flodl_async import controllers
+    from flodl_async.host import runs as controllers
 
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
@@ -228,7 +228,7 @@ def test_hosts_of_one_run_on_one_machine_create_and_sweep_concurrently(short_tmp
     worker = (
         "import sys\n"
         "from pathlib import Path\n"
-        "from flodl_async.runtime import create_entry, sweep_stale\n"
+        "from flodl_async.host.runtime import create_entry, sweep_stale\n"
         "root, host = Path(sys.argv[1]), sys.argv[2]\n"
         "for i in range(60):\n"
         "    sweep_stale(root)\n"

@@ -26,8 +26,8 @@ import pytest
 from flodl_async.agent.lifecycle import Phase, SessionEvent
 from flodl_async.agent.systemd import notification_observer, rank_span, status_line, with_watchdog
 from flodl_async.errors import ConfigError
-from flodl_async.runtime import runtime_root
-from flodl_async.sdnotify import MAX_STATUS_CHARS, Notifier, NotifyTarget, message, socket_address, watchdog_interval
+from flodl_async.host.runtime import runtime_root
+from flodl_async.host.sdnotify import MAX_STATUS_CHARS, Notifier, NotifyTarget, message, socket_address, watchdog_interval
 from flodl_async.verdict import ExitCode
 
 from .launchkit import PY, Launcher, assert_nothing_left, free_port, new_run_id, reap, run_launch, script, wait_status
@@ -232,7 +232,7 @@ def test_a_persisting_agent_is_ready_while_no_controller_answers(tmp_path: Path,
     READY=1 must come at start, saying whom it waits for, not once a controller answers: under
     Type=notify a unit whose controller is down would otherwise hit its start timeout while backing off.
     """
-    from flodl_async.secretfile import create_token_file
+    from flodl_async.host.secretfile import create_token_file
 
     port = free_port()  # nobody listens there for the whole test
     service_dirs = Path(tempfile.mkdtemp(prefix="fl-svc-", dir="/tmp"))

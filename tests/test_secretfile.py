@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from flodl_async.errors import ConfigError, SecretFileError
-from flodl_async.secretfile import MAX_SECRET_FILE_BYTES, create_secret_file, load_or_create_secret, read_secret_file, read_token_file
+from flodl_async.host.secretfile import MAX_SECRET_FILE_BYTES, create_secret_file, load_or_create_secret, read_secret_file, read_token_file
 from flodl_async.wire.keys import new_cluster_token, new_session_secret
 
 

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from flodl_async.agent import Ending, HostSession, RankOutput, SessionConfig, SessionOutcome
+from flodl_async.config.devices import DeviceSpec
 from flodl_async.deadlines import Deadlines
-from flodl_async.devices import DeviceSpec
 from flodl_async.errors import ControllerLost
 from flodl_async.net.framed import FramedProtocol
 from flodl_async.net.mux import PortMux

@@ -8,17 +8,12 @@ import sys
 
 import pytest
 
-from flodl_async import __version__
-from flodl_async.agent.specline import (
-    AgentSpec,
-    devices_text,
-    hello_line,
-    parse_hello,
-)
-from flodl_async.devices import parse_devices
+from flodl_async._version import __version__
+from flodl_async.agent.specline import AgentSpec, devices_text, hello_line, parse_hello
+from flodl_async.config.devices import parse_devices
+from flodl_async.config.sshopts import option_error, parse_option
 from flodl_async.errors import ConfigError
-from flodl_async.ifnames import interface_of_address, interface_towards, local_ipv4_interfaces, ranks_env, with_default_ifname
-from flodl_async.sshopts import option_error, parse_option
+from flodl_async.host.ifnames import interface_of_address, interface_towards, local_ipv4_interfaces, ranks_env, with_default_ifname
 
 SPEC = AgentSpec(
     controller_host="10.0.0.1",

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from flodl_async.runtime import RANKS_DIR, RankMarker, create_entry, group_members, reap_stale_ranks, remove_rank_marker, write_rank_marker
+from flodl_async.host.runtime import RANKS_DIR, RankMarker, create_entry, group_members, reap_stale_ranks, remove_rank_marker, write_rank_marker
 
 from .launchkit import PY, Launcher, assert_nothing_left, free_port, new_run_id, reap, script, wait_status
 

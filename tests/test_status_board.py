@@ -11,17 +11,7 @@ from pathlib import Path
 import pytest
 
 from flodl_async.errors import BusyError, SubscriptionClosed
-from flodl_async.status import (
-    SCHEMA,
-    MemberState,
-    MemberStatus,
-    Phase,
-    RankState,
-    RankStatus,
-    StatusBoard,
-    StatusSnapshot,
-    dashboard_html,
-)
+from flodl_async.status import SCHEMA, MemberState, MemberStatus, Phase, RankState, RankStatus, StatusBoard, StatusSnapshot, dashboard_html
 from flodl_async.status.model import Counters
 
 # The document's keys before the schema marker was added: clients read these, so they stay.

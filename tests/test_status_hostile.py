@@ -85,7 +85,7 @@ def _json(doc: object) -> bytes:
 async def _flodl_status(port: int, *args: str) -> tuple[int, str, str, float]:
     started = time.monotonic()
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "flodl_async.cli", "status", "--addr", f"127.0.0.1:{port}", *args,
+        sys.executable, "-m", "flodl_async.cli.flodl", "status", "--addr", f"127.0.0.1:{port}", *args,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
     )  # fmt: skip
     try:
@@ -269,7 +269,7 @@ async def test_a_genuine_status_prints_under_an_ascii_locale() -> None:
     doc = _genuine(run_id="run-\u00e9\u4e2d")
     async with _server(_answer(_http(_json(doc)))) as port:
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "flodl_async.cli", "status", "--addr", f"127.0.0.1:{port}",
+            sys.executable, "-m", "flodl_async.cli.flodl", "status", "--addr", f"127.0.0.1:{port}",
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env={**os.environ, "PYTHONIOENCODING": "ascii"},
         )  # fmt: skip
         out, err = await proc.communicate()

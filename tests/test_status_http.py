@@ -172,7 +172,7 @@ async def test_curl(served: tuple[PortMux, StatusBoard]) -> None:
 
 async def _flodl_status(*args: str) -> tuple[int, str, str]:
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "flodl_async.cli", "status", *args, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
+        sys.executable, "-m", "flodl_async.cli.flodl", "status", *args, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
     )
     out, err = await proc.communicate()
     assert proc.returncode is not None
@@ -217,7 +217,7 @@ async def test_flodl_status_on_a_starting_controller(served: tuple[PortMux, Stat
 
 
 async def test_flodl_status_help_lists_the_exit_codes() -> None:
-    proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "flodl_async.cli", "status", "--help", stdout=asyncio.subprocess.PIPE)
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "flodl_async.cli.flodl", "status", "--help", stdout=asyncio.subprocess.PIPE)
     out, _ = await proc.communicate()
     assert proc.returncode == 0
     assert "exit codes:" in out.decode()

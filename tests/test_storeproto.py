@@ -11,7 +11,7 @@ from datetime import timedelta
 import pytest
 
 from flodl_async import errors
-from flodl_async.storeproto import CHECK_NOT_READY, CHECK_READY, STOP_WAITING, VALIDATION_MAGIC, Query, StoreConnection, StoreProtocolError, StoreState
+from flodl_async.wire.storeproto import CHECK_NOT_READY, CHECK_READY, STOP_WAITING, VALIDATION_MAGIC, Query, StoreConnection, StoreProtocolError, StoreState
 
 
 def _s(text: bytes) -> bytes:

@@ -6,11 +6,9 @@ import signal
 
 import pytest
 
-from flodl_async import __version__
-from flodl_async.hostnames import HostAliases
-from flodl_async.membership import JoinConfig
-from flodl_async.status.model import RankState, RankStatus
-from flodl_async.supervisor import (
+from flodl_async._version import __version__
+from flodl_async.control.membership import JoinConfig
+from flodl_async.control.supervisor import (
     OOM_HINT,
     AcceptJoin,
     Action,
@@ -42,6 +40,8 @@ from flodl_async.supervisor import (
     describe_exit,
     failure_details,
 )
+from flodl_async.host.hostnames import HostAliases
+from flodl_async.status.model import RankState, RankStatus
 from flodl_async.verdict import ExitCode
 from flodl_async.wire import messages as m
 
@@ -561,14 +561,14 @@ def test_a_host_gone_silent_mid_run_ends_the_run_naming_it_and_aborts_the_rest()
 
 def test_the_traceback_is_told_once() -> None:
     """@record writes the error file and Python prints the same traceback to stderr: the tail does not repeat it."""
-    traceback = "Traceback (most recent call last):\n  File \"t.py\", line 3, in main\n    raise ValueError(\"x\")\nValueError: x"
+    traceback = 'Traceback (most recent call last):\n  File "t.py", line 3, in main\n    raise ValueError("x")\nValueError: x'
     tail = ("a warning before it", *traceback.splitlines())
     report = m.RankExited(round=0, rank=2, local_rank=0, host="a", exit_code=1, error_file=traceback, stderr_tail=tail)
     full = failure_details(report)
     assert full.count("ValueError: x") == 1
     assert "last 1 stderr line(s) of rank 2:\n  a warning before it" in full
     shown = failure_details(report, shown_live=True)
-    assert "File \"t.py\"" not in shown  # the console showed it already, live
+    assert 'File "t.py"' not in shown  # the console showed it already, live
     assert "traceback: above, in rank 2's stderr" in shown
     assert shown.count("ValueError: x") == 1
 
@@ -576,7 +576,7 @@ def test_the_traceback_is_told_once() -> None:
 def test_a_sigkill_flodl_did_not_send_points_at_the_oom_killer() -> None:
     report = m.RankExited(round=0, rank=0, local_rank=0, host="a", signal=signal.SIGKILL)
     assert describe_exit(report).endswith(
-        "was killed by SIGKILL (not sent by flodl; the kernel's OOM killer is the usual cause: look for \"Out of memory\" in `dmesg` or `journalctl -k`)"
+        'was killed by SIGKILL (not sent by flodl; the kernel\'s OOM killer is the usual cause: look for "Out of memory" in `dmesg` or `journalctl -k`)'
     )
     assert "OOM" not in describe_exit(m.RankExited(round=0, rank=0, local_rank=0, host="a", signal=signal.SIGSEGV))
 

@@ -16,9 +16,9 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from flodl_async import __version__
-from flodl_async.membership import JoinConfig
-from flodl_async.supervisor import (
+from flodl_async._version import __version__
+from flodl_async.control.membership import JoinConfig
+from flodl_async.control.supervisor import (
     AcceptJoin,
     Action,
     Announce,

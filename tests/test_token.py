@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from flodl_async.cluster import parse_cluster
+from flodl_async.config.cluster import parse_cluster
 from flodl_async.errors import ConfigError, HandshakeRefused, WrongToken
-from flodl_async.secretfile import read_secret_file, read_token_file
+from flodl_async.host.secretfile import read_secret_file, read_token_file
 from flodl_async.wire.channels import Channel
 from flodl_async.wire.handshake import ClientHandshake, ServerHandshake, join_resolver, session_resolver
 from flodl_async.wire.keys import TOKEN_BYTES, Credential, CredentialKind, new_cluster_token, new_session_secret
@@ -34,7 +34,7 @@ WRONG_TOKEN_LINE = "the controller's proof did not verify: another cluster token
 
 
 def _flodl(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([PY, "-m", "flodl_async.cli", *args], capture_output=True, text=True, timeout=60, check=False)
+    return subprocess.run([PY, "-m", "flodl_async.cli.flodl", *args], capture_output=True, text=True, timeout=60, check=False)
 
 
 def test_token_new_writes_a_private_fresh_token_and_prints_no_secret(tmp_path: Path) -> None:

@@ -321,7 +321,6 @@ def test_the_cooperative_worker_under_flodl_launch(tmp_path: Path) -> None:
     assert_converged(saved["rank-0"]["losses"])
 
 
-
 def test_the_cooperative_worker_as_the_launcher_runs_the_launch_and_exits(tmp_path: Path) -> None:
     """The launcher has no cooperative loop to hand back (spec §1.6): trainer.worker() launches, reports, exits."""
     done = as_launcher(tmp_path, "--cooperative", "--epochs", "3", run_id=new_run_id())
@@ -349,7 +348,7 @@ def test_an_exception_in_a_cooperative_loop_is_a_death_record_naming_the_rank(tm
 
 
 def _flodl(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([PY, "-m", "flodl_async.cli", *args], capture_output=True, text=True, timeout=30, env={**os.environ, **env}, check=False)
+    return subprocess.run([PY, "-m", "flodl_async.cli.flodl", *args], capture_output=True, text=True, timeout=30, env={**os.environ, **env}, check=False)
 
 
 def test_a_trainer_launcher_registers_for_flodl_ps_and_status_and_unregisters_at_its_end(tmp_path: Path) -> None:

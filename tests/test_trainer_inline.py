@@ -13,8 +13,8 @@ from torch import nn
 
 import flodl_async as fa
 from flodl_async.errors import ConfigError, TrainingFailed
-from flodl_async.trainer import _LIVE_RUNS
-from flodl_async.worker import fetch_batch
+from flodl_async.trainer.api import _LIVE_RUNS
+from flodl_async.trainer.worker import fetch_batch
 
 from .scripts import trainer_mlp as mlp
 
@@ -252,7 +252,7 @@ def test_record_scalar_is_averaged_per_epoch() -> None:
 
 
 def test_a_second_session_in_a_rank_process_is_refused_with_the_advice() -> None:
-    from flodl_async import trainer as trainer_module
+    from flodl_async.trainer import api as trainer_module
 
     t = trainer()
     try:

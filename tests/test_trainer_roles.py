@@ -6,9 +6,9 @@ import itertools
 
 import pytest
 
+from flodl_async.config.roles import AGENT_VAR, CONTROLLER_VAR, LOCAL_RANK_VAR, RANK_VAR
 from flodl_async.errors import ConfigError, RoleError
-from flodl_async.roles import AGENT_VAR, CONTROLLER_VAR, LOCAL_RANK_VAR, RANK_VAR
-from flodl_async.trainer_roles import Entry, count_visible_gpus, decide_entry, resolve_rank_command
+from flodl_async.trainer.entry import Entry, count_visible_gpus, decide_entry, resolve_rank_command
 
 ROLE_ENVS = {
     "single": {},

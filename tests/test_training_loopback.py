@@ -18,14 +18,14 @@ from pathlib import Path
 import pytest
 
 from flodl_async.agent import RankOutput
-from flodl_async.cluster import DeviceSpec, WorkerSpec
+from flodl_async.config.cluster import DeviceSpec, WorkerSpec
+from flodl_async.control.membership import JoinConfig
 from flodl_async.controller import Controller, ExitCode, LaunchPlan, PlacedWorker, Placement
+from flodl_async.controller.reducer import ReducerStatistics
 from flodl_async.controller.training import TrainerAttachment, attach
 from flodl_async.deadlines import Deadlines
-from flodl_async.membership import JoinConfig
-from flodl_async.metrics import EpochMetrics
-from flodl_async.reducer import ReducerStatistics
-from flodl_async.trainspec import ElCheConfig, TrainerSpec
+from flodl_async.training.metrics import EpochMetrics
+from flodl_async.training.spec import ElCheConfig, TrainerSpec
 from flodl_async.verdict import RunResult
 from flodl_async.wire import new_session_secret
 

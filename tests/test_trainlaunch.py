@@ -11,12 +11,12 @@ from typing import Any
 import pytest
 
 import flodl_async as fa
-from flodl_async.cluster import ClusterSpec, ControllerSpec, DeviceSpec, WorkerSpec
-from flodl_async.devices import parse_devices
+from flodl_async.config.cluster import ClusterSpec, ControllerSpec, DeviceSpec, WorkerSpec
+from flodl_async.config.devices import parse_devices
+from flodl_async.config.plan import Placement
 from flodl_async.errors import ConfigError
-from flodl_async.plan import Placement
-from flodl_async.ranktrainer import LAUNCHER_PRIMARY_VAR
-from flodl_async.trainlaunch import _add_signal_handler, cluster_of, launch_plan
+from flodl_async.trainer.launcher import _add_signal_handler, cluster_of, launch_plan
+from flodl_async.trainer.rank import LAUNCHER_PRIMARY_VAR
 
 
 def trainer(**kw: Any) -> fa.Trainer:

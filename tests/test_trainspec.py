@@ -7,10 +7,10 @@ import dataclasses
 import pytest
 
 from flodl_async.errors import ConfigError
-from flodl_async.modelschema import ModelSchema
-from flodl_async.outer import DiLoCo, SlowMo
-from flodl_async.policy import Backend, Policy, failure_limit, hold_after, unrecoverable_reason
-from flodl_async.trainspec import Checkpointing, ElCheConfig, MaxFailure, TrainerSpec, TrendGuard, digest, digest_of, resolve_elche, spec_diff
+from flodl_async.training.modelschema import ModelSchema
+from flodl_async.training.outer import DiLoCo, SlowMo
+from flodl_async.training.policy import Backend, Policy, failure_limit, hold_after, unrecoverable_reason
+from flodl_async.training.spec import Checkpointing, ElCheConfig, MaxFailure, TrainerSpec, TrendGuard, digest, digest_of, resolve_elche, spec_diff
 
 from .trainerwire import schema_wire
 

@@ -609,7 +609,7 @@ class LinkPair:
 
 
 def relay_resolver(secret: bytes, *, ranks: frozenset[int], round_: int) -> CredentialResolver:
-    """A relay's resolver (as :meth:`flodl_async.relay.Relay._rank_key`): its ranks' credentials, in its round."""
+    """A relay's resolver (as :meth:`flodl_async.relay.control.Relay._rank_key`): its ranks' credentials, in its round."""
 
     def resolve(peer: PeerHello) -> bytes:
         if peer.kind is not CredentialKind.RANK or peer.rank not in ranks or peer.round != round_:

@@ -28,15 +28,15 @@ import socket
 import sys
 from collections.abc import Iterator, Sequence
 
-from .. import __version__
-from ..argtypos import HintingParser, hyphenate
-from ..backoff import BackoffPolicy
+from .._version import __version__
+from ..config.argtypos import HintingParser, hyphenate
+from ..config.devices import parse_devices
+from ..control.backoff import BackoffPolicy
 from ..deadlines import DEFAULT_STOP_GRACE, Deadlines
-from ..devices import parse_devices
 from ..errors import AgentError, ConfigError, ConnectionClosed, ControllerLost, FlodlError, JoinFailed, WireError
-from ..ifnames import stand_alone_default_ifname
-from ..sdnotify import Notifier
-from ..secretfile import read_secret_file, read_token_file
+from ..host.ifnames import stand_alone_default_ifname
+from ..host.sdnotify import Notifier
+from ..host.secretfile import read_secret_file, read_token_file
 from ..verdict import AGENT_EXIT_MEANINGS, ExitCode, exit_code_for_signal, exit_help
 from ..wire.keys import secret_from_hex
 from .session import Ending, HostSession, SessionConfig, SessionOutcome
@@ -118,7 +118,7 @@ def _read_secret(secret_file: str | None) -> bytes:
 
 def build_config(args: argparse.Namespace) -> SessionConfig:
     """The parsed command line as a session config; mistakes raise :class:`ConfigError`."""
-    from ..cli import parse_addr
+    from ..cli.flodl import parse_addr
 
     if args.controller is None:
         raise ConfigError("--controller HOST:PORT is required (or --spec-stdin, when flodl-launch starts this agent)")

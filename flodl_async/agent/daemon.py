@@ -6,7 +6,7 @@ that run — its ranks, its runtime entry, its sockets — is gone when it has
 returned, because the session's own ``finally`` removes it. Then the daemon
 dials again for the next run. While no controller answers (none is up yet, the
 last run's controller is closing, a window refused us), it waits out a capped
-exponential backoff with jitter (:mod:`flodl_async.backoff`) and retries; a run
+exponential backoff with jitter (:mod:`flodl_async.control.backoff`) and retries; a run
 it joined resets the schedule.
 
 What is not worth retrying ends the daemon with the one-run agent's exit code:
@@ -34,7 +34,7 @@ import random
 import signal
 from collections.abc import Callable
 
-from ..backoff import Backoff, BackoffPolicy
+from ..control.backoff import Backoff, BackoffPolicy
 from ..errors import AgentError, ConfigError, WrongToken
 from ..verdict import ExitCode, exit_code_for_signal
 from .lifecycle import SessionObserver, ignore

@@ -2,7 +2,7 @@
 
 Theory of operation. Each rank's stdout and stderr are read by
 :func:`forward_output`, which cuts them into chunks
-(:class:`~flodl_async.outputlines.OutputChunker`: whole lines at once, a
+(:class:`~flodl_async.agent.outputlines.OutputChunker`: whole lines at once, a
 partial line after a short idle time) and hands each to an :class:`OutputSink`:
 
 - :class:`LinkOutput`, in a stand-alone ``flodl-agent``: every chunk goes up
@@ -14,12 +14,12 @@ partial line after a short idle time) and hands each to an :class:`OutputSink`:
   arrive from every host's link, and its own in-process agents hand it theirs
   directly (the same bytes, without the loopback hop and two AES-GCM passes).
   It assembles lines per rank and stream
-  (:class:`~flodl_async.outputlines.LineAssembler`), writes whole prefixed lines
+  (:class:`~flodl_async.agent.outputlines.LineAssembler`), writes whole prefixed lines
   to its stdout/stderr (one write each, so ranks never tear each other's lines),
   and the raw bytes to torchrun's log layout
   ``<log_dir>/<run_id>/attempt_<n>/<rank>/{stdout,stderr}.log``.
 
-The launcher hands it :class:`~flodl_async.console.ConsoleWriter` streams, so a console
+The launcher hands it :class:`~flodl_async.host.console.ConsoleWriter` streams, so a console
 nobody reads never blocks the event loop; the in-process agents' chunks wait for room
 there (:meth:`RankOutput.send`), which is what makes a stuck console fill the ranks' pipes.
 
@@ -38,11 +38,11 @@ from collections.abc import Awaitable, Callable, Collection
 from pathlib import Path
 from typing import BinaryIO, Protocol
 
-from ..console import ConsoleWriter, point_at_devnull
 from ..errors import ConnectionClosed, WireError
+from ..host.console import ConsoleWriter, point_at_devnull
 from ..net.framed import FramedProtocol
-from ..outputlines import CHUNK_LIMIT, LineAssembler, OutputChunker
 from ..wire import messages as m
+from .outputlines import CHUNK_LIMIT, LineAssembler, OutputChunker
 
 log = logging.getLogger("flodl_async.agent")
 

@@ -1,7 +1,7 @@
 """This host's rank processes: spawned with the torchrun environment, watched, reported, stopped.
 
 Theory of operation. :meth:`RankProcesses.start` spawns one process per local
-rank of a round (own process group, parent-death signal: :mod:`flodl_async.procs`),
+rank of a round (own process group, parent-death signal: :mod:`flodl_async.host.procs`),
 forwards its output, and watches it: every exit goes up as ``RankExited`` with
 its code or signal, its ``@record`` error file and its last stderr lines.
 
@@ -27,12 +27,12 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..devices import DeviceKind, DeviceSpec
-from ..gpus import host_visible_gpus, select
-from ..ifnames import with_default_ifname
-from ..procs import signal_group, spawn, stop_processes
-from ..rankenv import RankPlacement, RankSpec, rank_environment
-from ..runtime import remove_rank_marker, write_rank_marker
+from ..config.devices import DeviceKind, DeviceSpec
+from ..config.rankenv import RankPlacement, RankSpec, rank_environment
+from ..host.gpus import host_visible_gpus, select
+from ..host.ifnames import with_default_ifname
+from ..host.procs import signal_group, spawn, stop_processes
+from ..host.runtime import remove_rank_marker, write_rank_marker
 from ..verdict import StopStep
 from ..wire import messages as m
 from ..wire.keys import Credential
@@ -75,7 +75,7 @@ class RankWorld:
     devices: DeviceSpec
     host_env: Mapping[str, str]
     workdir: str | None
-    #: GLOO/NCCL_SOCKET_IFNAME for the variables nothing else sets (:mod:`flodl_async.ifnames`); None: none.
+    #: GLOO/NCCL_SOCKET_IFNAME for the variables nothing else sets (:mod:`flodl_async.host.ifnames`); None: none.
     default_ifname: str | None = None
 
 
@@ -111,7 +111,7 @@ class RankProcesses:
         self._spawning = asyncio.Lock()
 
     def _gpu_ids(self) -> tuple[str, ...] | None:
-        """The ranks' CUDA_VISIBLE_DEVICES: the host's devices as indices into the caller's own mask (:mod:`flodl_async.gpus`)."""
+        """The ranks' CUDA_VISIBLE_DEVICES: the host's devices as indices into the caller's own mask (:mod:`flodl_async.host.gpus`)."""
         devices = self._world.devices
         if not devices.is_gpu:
             return None

@@ -2,7 +2,7 @@
 
 Theory of operation. :meth:`HostSession.run` dials the controller's join
 channel and asks to join with its host name and devices. Once admitted it
-takes its entry in the runtime directory (:mod:`flodl_async.runtime`), waits
+takes its entry in the runtime directory (:mod:`flodl_async.host.runtime`), waits
 for ``WorldFormed`` (its global ranks and the command), starts the relay, and
 then follows the controller's commands on the join link, which stays open for
 the whole run. Commands are dispatched through one table (message class →
@@ -25,7 +25,7 @@ wins), and :meth:`HostSession.force_stop` means KILL now. The first ending
 decides the outcome.
 
 Liveness: from admission on, any frame from the controller counts as a sign of
-life, and the agent beats up the link (:mod:`flodl_async.liveness`): while the
+life, and the agent beats up the link (:mod:`flodl_async.control.liveness`): while the
 world forms it echoes the controller's heartbeats; once serving, a ticker sends
 its own and ends the session with :class:`ControllerLost` (TERM, KILL at the
 stop grace) when the controller was silent past ``heartbeat_silence`` — a frozen
@@ -54,11 +54,11 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from .. import __version__
-from ..backoff import Backoff, BackoffPolicy
-from ..cores import usable_cores
+from .._version import __version__
+from ..config.devices import DeviceKind, DeviceSpec
+from ..control.backoff import Backoff, BackoffPolicy
+from ..control.liveness import Liveness
 from ..deadlines import Deadlines
-from ..devices import DeviceKind, DeviceSpec
 from ..errors import (
     AgentError,
     ConfigError,
@@ -71,12 +71,12 @@ from ..errors import (
     JoinRejected,
     WireError,
 )
-from ..gpus import host_visible_gpus, select
-from ..hostaddrs import host_addresses
-from ..ifnames import interface_holding
-from ..liveness import Liveness
+from ..host.cores import usable_cores
+from ..host.gpus import host_visible_gpus, select
+from ..host.hostaddrs import host_addresses
+from ..host.ifnames import interface_holding
+from ..host.runtime import RuntimeEntry, create_entry, reap_stale_ranks, sweep_stale
 from ..net.framed import FramedProtocol, open_framed
-from ..runtime import RuntimeEntry, create_entry, reap_stale_ranks, sweep_stale
 from ..verdict import StopStep, rank_signal_for, stop_schedule
 from ..wire import messages as m
 from ..wire.channels import Channel
@@ -86,14 +86,14 @@ from .lifecycle import Phase, SessionEvent, SessionObserver, ignore
 from .output import LinkOutput, OutputSink
 
 if TYPE_CHECKING:  # imported where the world has formed: an agent's start (the fan-out's per-host path) skips them
-    from ..relay import Relay
+    from ..relay.control import Relay
     from .ranks import RankProcesses
 
 log = logging.getLogger("flodl_async.agent")
 
 
 def detect_gpu_count() -> int:
-    """GPUs this process may use, without importing torch: the device nodes, within the caller's CUDA_VISIBLE_DEVICES (:mod:`flodl_async.gpus`).
+    """GPUs this process may use, without importing torch: the device nodes, within the caller's CUDA_VISIBLE_DEVICES (:mod:`flodl_async.host.gpus`).
 
     Each agent counts its own host's and reports them as its devices at join: that is a remote
     ``devices: all`` host's capacity, never the controller's count.
@@ -121,7 +121,7 @@ class SessionConfig:
     advertise_addr: str | None = None
     #: Every deadline, resolved once (``FLODL_NET_TIMEOUT_SCALE`` applied); ``stop_grace`` is used for Finish, signals and a lost controller.
     deadlines: Deadlines = field(default_factory=Deadlines.resolve)
-    #: The runtime directory (default: :func:`flodl_async.runtime.runtime_root`).
+    #: The runtime directory (default: :func:`flodl_async.host.runtime.runtime_root`).
     runtime_root: Path | None = None
     #: A dial-in agent's cluster token: it joins with the token instead of the session secret.
     token: bytes | None = field(default=None, repr=False)
@@ -422,7 +422,7 @@ class _Serving:
     async def run(self) -> SessionOutcome:
         cfg = self._cfg
         log.debug("agent %s: world formed, ranks %s of %d", cfg.host, list(self._formed.ranks), self._formed.world_size)
-        from ..relay import Relay
+        from ..relay.control import Relay
         from .ranks import RankProcesses
 
         relay: Relay | None = None

@@ -10,7 +10,7 @@ Before reading the spec the agent prints :func:`hello_line` on stdout, so the la
 can tell "flodl_async is another version here" from every other failure.
 
 The pure parts — the spec's JSON form both ways, the hello line, the interface that
-carries an address (:mod:`flodl_async.ifnames`) — are functions; :func:`serve_spec_stdin` is the thin shell.
+carries an address (:mod:`flodl_async.host.ifnames`) — are functions; :func:`serve_spec_stdin` is the thin shell.
 """
 
 from __future__ import annotations
@@ -23,11 +23,11 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .. import __version__
+from .._version import __version__
+from ..config.devices import DeviceKind, DeviceSpec, parse_devices
 from ..deadlines import Deadlines
-from ..devices import DeviceKind, DeviceSpec, parse_devices
 from ..errors import ConfigError
-from ..ifnames import ranks_env
+from ..host.ifnames import ranks_env
 from ..wire.keys import secret_from_hex
 from .session import HostSession, SessionConfig, SessionOutcome
 

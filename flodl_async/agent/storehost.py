@@ -14,7 +14,7 @@ import socket
 from ..deadlines import Deadlines
 from ..net.framed import FramedProtocol, open_framed
 from ..net.tcpstore import StoreServer
-from ..store import BACKEND_VARIABLE, TorchStoreProcess
+from ..net.torchstore import BACKEND_VARIABLE, TorchStoreProcess
 from ..wire import messages as m
 from ..wire.channels import Channel
 from ..wire.keys import Credential
@@ -39,7 +39,7 @@ class StoreHost:
     async def open_round(self, round_: int) -> None:
         """Serve a fresh TCPStore for this round from our own loop and report its address.
 
-        The store speaks torch's protocol from Python (:mod:`flodl_async.storeproto`), so the
+        The store speaks torch's protocol from Python (:mod:`flodl_async.wire.storeproto`), so the
         store host imports no torch and starts no process: the ranks' own ``import torch`` is
         the only one on the critical path. Torch makes a new store for every restart round
         (no key prefix per attempt), hence a new socket and state per round.

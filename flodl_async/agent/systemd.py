@@ -6,7 +6,7 @@ while it waits for a controller: :mod:`flodl_async.agent.daemon`), keeps ``STATU
 ("waiting for a controller at …", "run X: ranks 4–7 running"), says
 ``STOPPING=1`` when its ranks begin to stop, and pings ``WATCHDOG=1`` from the
 event loop (a task of the agent's own TaskGroup). Outside systemd all of it is
-a no-op (:class:`flodl_async.sdnotify.Notifier`).
+a no-op (:class:`flodl_async.host.sdnotify.Notifier`).
 
 The cluster token comes as a systemd credential: ``LoadCredential=flodl-token:PATH``
 puts it in ``$CREDENTIALS_DIRECTORY`` (0400, the service's own), and the unit passes
@@ -21,7 +21,7 @@ import asyncio
 from collections.abc import Coroutine, Sequence
 from typing import TypeVar
 
-from ..sdnotify import Notifier
+from ..host.sdnotify import Notifier
 from .lifecycle import Phase, SessionEvent, SessionObserver
 
 T = TypeVar("T")

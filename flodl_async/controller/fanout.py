@@ -9,7 +9,7 @@ worker's ``workdir``, wait for the agent's hello line (its version), then write 
 one JSON line on stdin. The secret is never on the remote command line. The ssh session
 stays open for the whole run: it is the agent's lifeline (EOF on its stdin stops it).
 
-A ``tunnel: true`` worker (cluster file ``trainer: cpu`` only, see :mod:`flodl_async.cluster`)
+A ``tunnel: true`` worker (cluster file ``trainer: cpu`` only, see :mod:`flodl_async.config.cluster`)
 reaches the controller through a remote forward on that same ssh session: sshd on the host
 listens on its 127.0.0.1:<ephemeral>, each connection there is carried back over ssh to the
 controller's port, and the agent's spec names 127.0.0.1:<that port> as its controller. When
@@ -35,13 +35,13 @@ from typing import Any
 
 import asyncssh
 
-from .. import __version__
+from .._version import __version__
 from ..agent.output import Console
 from ..agent.specline import AgentSpec, devices_text, parse_hello
-from ..cluster import SshSpec
+from ..config.cluster import SshSpec
+from ..config.plan import PlacedWorker
+from ..config.sshopts import parse_option
 from ..errors import AgentError, FlodlError, JoinFailed
-from ..plan import PlacedWorker
-from ..sshopts import parse_option
 from .launchers import ControllerContact
 
 log = logging.getLogger("flodl_async.controller.fanout")
@@ -170,9 +170,7 @@ class SshLauncher:
                 status = f"signal {sig[0]}" if sig else f"exit {code}" if code is not None else "its ssh session closing"
                 raise AgentError(spec.host, f"the agent on {target.where} ended with {status}{_tail(stderr_tail)}")
 
-    async def _serve(
-        self, target: SshTarget, process: Any, worker: PlacedWorker, controller: tuple[str, int], stderr_tail: list[bytes], *, conn: Any
-    ) -> None:
+    async def _serve(self, target: SshTarget, process: Any, worker: PlacedWorker, controller: tuple[str, int], stderr_tail: list[bytes], *, conn: Any) -> None:
         spec = worker.spec
         controller_host, controller_port = controller
         async with asyncio.TaskGroup() as tg:
@@ -323,9 +321,7 @@ class SshLauncher:
             f"check the fingerprint, then add it (ssh-keyscan -p {target.port} {target.address} >> {target.known_hosts})"
         )
 
-    async def _await_hello(
-        self, target: SshTarget, process: Any, stderr_tail: list[bytes], stderr_done: asyncio.Task[None], *, conn: Any, python: str
-    ) -> None:
+    async def _await_hello(self, target: SshTarget, process: Any, stderr_tail: list[bytes], stderr_done: asyncio.Task[None], *, conn: Any, python: str) -> None:
         """The agent's first stdout line (after the shell's pid line) must be a hello of this version; else say what is wrong there."""
         pid: int | None = None
         try:
@@ -414,9 +410,7 @@ def ssh_launcher(contact: ControllerContact, *, bind_host: str, run_id: str, std
     The agents' own lines go to ``stdout``/``stderr`` (the launcher's console writers, which never block
     the loop; default: this process's streams).
     """
-    return SshLauncher(
-        dataclasses.replace(contact, host=bind_host), run_id=run_id, stdout=stdout or sys.stdout.buffer, stderr=stderr or sys.stderr.buffer
-    )
+    return SshLauncher(dataclasses.replace(contact, host=bind_host), run_id=run_id, stdout=stdout or sys.stdout.buffer, stderr=stderr or sys.stderr.buffer)
 
 
 @contextlib.contextmanager

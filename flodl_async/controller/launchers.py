@@ -1,6 +1,6 @@
 """The agent-launcher seam: how an agent comes to exist on a host.
 
-The controller asks the launcher of each worker's :class:`~flodl_async.plan.Placement`
+The controller asks the launcher of each worker's :class:`~flodl_async.config.plan.Placement`
 to run that worker's agent for the whole run; the agent then joins over the
 real join protocol like any other. A launcher's failure to bring its agent up
 (or the agent's own failure) is raised as a :class:`~flodl_async.errors.FlodlError`
@@ -15,9 +15,9 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from ..agent import HostSession, RankOutput, SessionConfig
+from ..config.plan import PlacedWorker
 from ..deadlines import Deadlines
-from ..ifnames import controller_host_ifname, ranks_env
-from ..plan import PlacedWorker
+from ..host.ifnames import controller_host_ifname, ranks_env
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -46,7 +46,7 @@ class LocalLauncher:
     """Agents inside the controller's own process, joining over loopback (the controller's host)."""
 
     def __init__(self, contact: ControllerContact, *, output: RankOutput, ifname_peer: tuple[str, int] | None = None) -> None:
-        """``ifname_peer``: where this host's ranks must be reachable from (:func:`~flodl_async.ifnames.controller_host_peer`)."""
+        """``ifname_peer``: where this host's ranks must be reachable from (:func:`~flodl_async.host.ifnames.controller_host_peer`)."""
         self._contact = contact
         self._output = output
         self._ifname_peer = ifname_peer

@@ -2,7 +2,7 @@
 
 Theory of operation. ``bind()`` opens the one port and serves status
 (``waiting``) before anything else. ``run()`` builds the pure
-:class:`~flodl_async.supervisor.Supervisor`, registers the channel handlers,
+:class:`~flodl_async.control.supervisor.Supervisor`, registers the channel handlers,
 asks each worker's agent launcher to bring its agent up, and then only pumps:
 every handler turns what arrives on the port into a supervisor event, handed
 over by :meth:`Controller._dispatch`, which carries out the returned actions at
@@ -31,25 +31,13 @@ import typing
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from .. import __version__
+from .._version import __version__
 from ..agent import RankOutput
-from ..cores import oversubscription
-from ..errors import ConnectionClosed, FlodlError, WireError
-from ..hostaddrs import routable
-from ..ifnames import controller_host_peer, direct_ssh_targets
-from ..liveness import Liveness
-from ..membership import describe_threshold
-from ..metrics import EpochMetrics
-from ..net.fdlimit import raise_descriptor_limit
-from ..net.framed import FramedProtocol
-from ..net.http import StatusHttpProtocol
-from ..net.mux import PortMux
-from ..net.portstore import PortStore
-from ..net.service import FramedService
-from ..plan import LaunchPlan, PlacedWorker, Placement
-from ..status import Counters, MemberStatus, Phase, RankStatus, StatusBoard, StatusSnapshot
-from ..store import BACKEND_VARIABLE
-from ..supervisor import (
+from ..config.plan import LaunchPlan, PlacedWorker, Placement
+from ..control.links import ControlLinks
+from ..control.liveness import Liveness
+from ..control.membership import describe_threshold
+from ..control.supervisor import (
     AcceptJoin,
     Action,
     Announce,
@@ -74,22 +62,34 @@ from ..supervisor import (
     Tick,
     TrainingEnded,
 )
-from ..trainspec import TrainerSpec
+from ..errors import ConnectionClosed, FlodlError, WireError
+from ..host.cores import oversubscription
+from ..host.hostaddrs import routable
+from ..host.ifnames import controller_host_peer, direct_ssh_targets
+from ..net.fdlimit import raise_descriptor_limit
+from ..net.framed import FramedProtocol
+from ..net.http import StatusHttpProtocol
+from ..net.mux import PortMux
+from ..net.portstore import PortStore
+from ..net.service import FramedService
+from ..net.torchstore import BACKEND_VARIABLE
+from ..status import Counters, MemberStatus, Phase, RankStatus, StatusBoard, StatusSnapshot
+from ..training.metrics import EpochMetrics
+from ..training.spec import TrainerSpec
 from ..verdict import ExitCode, RunResult, exit_code_for_signal
 from ..wire import messages as m
 from ..wire.channels import Channel
 from ..wire.handshake import PROTOCOL_VERSION, join_resolver, session_resolver
 from ..wire.keys import CredentialKind
 from ..wire.schema import Message
-from .controllinks import ControlLinks
 from .fanout import ssh_launcher
 from .launchers import AgentLauncher, ControllerContact, DialInLauncher, LocalLauncher
 from .training import RoundRunner, RoundRunnerFactory, TrainingOutcome, TrainingShell, default_round_runner
 
 if TYPE_CHECKING:
-    from ..reducer import Reducer
+    from .reducer import Reducer
 
-log = logging.getLogger("flodl_async.launch")
+log = logging.getLogger("flodl_async.cli.launch")
 
 _LOG_LEVELS = {Level.DEBUG: logging.DEBUG, Level.INFO: logging.INFO, Level.WARNING: logging.WARNING}
 
@@ -234,7 +234,7 @@ class Controller:
             now=self._opened_at,
         )
         contact = ControllerContact(host="127.0.0.1", port=self.port, secret=plan.secret, deadlines=self._deadlines)
-        # The controller's host's ranks bind the NIC the other hosts reach (flodl_async.ifnames).
+        # The controller's host's ranks bind the NIC the other hosts reach (flodl_async.host.ifnames).
         peer = controller_host_peer(plan.bind_host, self.port, direct_ssh_targets(plan.workers))
         local = LocalLauncher(contact, output=self._output, ifname_peer=peer)
         self._launchers = {Placement.LOCAL: local, Placement.DIAL_IN: DialInLauncher()}

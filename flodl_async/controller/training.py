@@ -1,6 +1,6 @@
 """The controller's Trainer shell: rank control messages into the coordinator, its actions out to relays and the reducer.
 
-Theory of operation. Nothing here decides anything: :class:`~flodl_async.coordinator.Coordinator`
+Theory of operation. Nothing here decides anything: :class:`~flodl_async.training.coordinator.Coordinator`
 does. The controller's control-channel handler hands every relay link's frames to
 :meth:`TrainingShell.receive` (plus :meth:`bind_rank` on each ``RankHello`` and
 :meth:`seen` on each heartbeat). The first ``TrainerHello`` creates the coordinator for
@@ -19,7 +19,7 @@ back and are carried out at once, in order:
   the coordinator's cause (and rank) rather than the exits that follow it.
 
 Deadlines (hello timeout, heartbeat staleness, reduce stall) are the coordinator's
-:meth:`~flodl_async.coordinator.Coordinator.next_deadline`: the controller's pump sleeps
+:meth:`~flodl_async.training.coordinator.Coordinator.next_deadline`: the controller's pump sleeps
 until the earliest of its own and this one and calls :meth:`tick`. Tensor math never runs
 here (the reducer runs it in executor threads); torch is not imported by this module.
 """
@@ -36,7 +36,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
-from ..coordinator import (
+from ..errors import ConnectionClosed, FlodlError
+from ..net.framed import FramedProtocol
+from ..training.coordinator import (
     Action,
     CollectiveDone,
     Coordinator,
@@ -61,21 +63,19 @@ from ..coordinator import (
     TrainerJoined,
     WindowReported,
 )
-from ..errors import ConnectionClosed, FlodlError
-from ..metrics import EpochMetrics
-from ..modelschema import ModelSchema
-from ..net.framed import FramedProtocol
-from ..trainspec import TrainerSpec
+from ..training.metrics import EpochMetrics
+from ..training.modelschema import ModelSchema
+from ..training.spec import TrainerSpec
 from ..wire import messages as m
 from ..wire.schema import Message
 
 if TYPE_CHECKING:
     import torch
 
-    from ..reducer import HostUplinkStatistics, ReducerStatistics
+    from .reducer import HostUplinkStatistics, ReducerStatistics
     from .shell import Controller
 
-log = logging.getLogger("flodl_async.launch")
+log = logging.getLogger("flodl_async.cli.launch")
 
 _LEVELS = {Level.INFO: logging.INFO, Level.WARNING: logging.WARNING}
 
@@ -94,7 +94,7 @@ class RoundResultLike(Protocol):
 
 
 class RoundRunner(Protocol):
-    """The controller-side reducer as this shell uses it (TD's ``flodl_async.reducer.Reducer``)."""
+    """The controller-side reducer as this shell uses it (TD's ``flodl_async.controller.reducer.Reducer``)."""
 
     def open_round(self, round: int, kind: str, expected_ranks: frozenset[int], from_controller: bool = False) -> None: ...
     async def wait_round(self, round: int) -> RoundResultLike: ...
@@ -113,7 +113,7 @@ DataServer = Callable[[RoundRunner], None]
 
 def default_round_runner(spec: TrainerSpec, schema: ModelSchema, digest: str) -> RoundRunner:
     """TD's reducer (imported here, lazily: a run without Trainer ranks never loads it)."""
-    from ..reducer import Reducer
+    from .reducer import Reducer
 
     return typing.cast(RoundRunner, Reducer(schema, spec.outer, spec.settings.gamma, digest=digest))
 

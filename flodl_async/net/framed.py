@@ -25,7 +25,7 @@ import socket
 import typing
 from collections.abc import Callable, Sequence
 
-from .. import __version__
+from .._version import __version__
 from ..errors import AuthenticationFailed, BusyError, ConnectionClosed, HandshakeFailed, HandshakeRefused, VersionMismatch, WireError, WrongToken
 from ..wire.channels import CHANNEL_MAGIC, Channel
 from ..wire.frame import Buffer, Frame, FrameConnection, FrameLimits, SealingFrame, Side, sealed_length

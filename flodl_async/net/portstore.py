@@ -2,7 +2,7 @@
 
 Theory of operation. The mux routes a connection that opens with torch's ``VALIDATE``
 (:data:`~flodl_async.wire.channels.STORE_PREFIX`) here, those bytes unconsumed, and the
-sans-IO :mod:`flodl_async.storeproto` serves it from the controller's own loop: no store
+sans-IO :mod:`flodl_async.wire.storeproto` serves it from the controller's own loop: no store
 host, no second port, no extra process.
 
 torch's store protocol carries no credential, so the peer's address is the credential: a
@@ -24,10 +24,10 @@ import ipaddress
 import logging
 import typing
 
-from ..storeproto import StoreConnection, StoreProtocolError, StoreState
+from ..wire.storeproto import StoreConnection, StoreProtocolError, StoreState
 from .admission import AdmissionTicket
 
-log = logging.getLogger("flodl_async.store")
+log = logging.getLogger("flodl_async.net.torchstore")
 
 
 def normalise_host(host: str) -> str:

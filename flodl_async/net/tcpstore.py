@@ -1,4 +1,4 @@
-"""The asyncio shell around :mod:`flodl_async.storeproto`: a TCPStore server in the agent's loop."""
+"""The asyncio shell around :mod:`flodl_async.wire.storeproto`: a TCPStore server in the agent's loop."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import logging
 import socket
 import typing
 
-from ..storeproto import StoreConnection, StoreProtocolError, StoreState
+from ..wire.storeproto import StoreConnection, StoreProtocolError, StoreState
 
-log = logging.getLogger("flodl_async.store")
+log = logging.getLogger("flodl_async.net.torchstore")
 
 
 class StoreServer:

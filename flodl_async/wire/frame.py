@@ -84,16 +84,7 @@ from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-from ..errors import (
-    AuthenticationFailed,
-    FrameTooLarge,
-    IllegalKind,
-    ReservedFlags,
-    SequenceError,
-    TruncatedFrame,
-    VersionMismatch,
-    WireError,
-)
+from ..errors import AuthenticationFailed, FrameTooLarge, IllegalKind, ReservedFlags, SequenceError, TruncatedFrame, VersionMismatch, WireError
 from .channels import Channel
 from .handshake import PROTOCOL_VERSION
 from .keys import Direction, LinkKeys

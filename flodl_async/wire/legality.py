@@ -88,12 +88,8 @@ LEGAL_KINDS: Mapping[tuple[Channel, Direction], frozenset[type[Message]]] = Mapp
         (Channel.JOIN, DOWN): frozenset({JoinAccept, JoinReject, WorldFormed, OpenRound, StartRanks, StopRanks, Abort, Finish, Heartbeat}),
         (Channel.RENDEZVOUS, UP): frozenset({RendezvousHello, StoreAddress}),
         (Channel.RENDEZVOUS, DOWN): frozenset(),
-        (Channel.CONTROL, UP): frozenset(
-            {RankHello, Heartbeat, TrainerHello, WindowDone, ReduceDone, RankGone, Exiting, Intent, RankStateSaved}
-        ),
-        (Channel.CONTROL, DOWN): frozenset(
-            {RankWelcome, Heartbeat, TrainerWelcome, TrainerReject, Plan, Reduce, EpochAggregated, DeclareDead, Shutdown}
-        ),
+        (Channel.CONTROL, UP): frozenset({RankHello, Heartbeat, TrainerHello, WindowDone, ReduceDone, RankGone, Exiting, Intent, RankStateSaved}),
+        (Channel.CONTROL, DOWN): frozenset({RankWelcome, Heartbeat, TrainerWelcome, TrainerReject, Plan, Reduce, EpochAggregated, DeclareDead, Shutdown}),
         (Channel.DATA, UP): frozenset({TensorBundle, DataHello, HostDataHello, Contribution, HostContribution}),
         (Channel.DATA, DOWN): frozenset({TensorBundle, DataWelcome, Consensus}),
     }

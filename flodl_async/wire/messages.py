@@ -31,9 +31,9 @@ class JoinHello(Message):
     devices: tuple[str, ...]
     pid: int
     agent_version: str = ""
-    #: Every address of the agent's host (:mod:`flodl_async.hostaddrs`): its ranks' store connections may come from any.
+    #: Every address of the agent's host (:mod:`flodl_async.host.hostaddrs`): its ranks' store connections may come from any.
     addresses: tuple[str, ...] = ()
-    #: The cores the agent may run its ranks on (:func:`flodl_async.cores.usable_cores`); 0 from an agent that does not say.
+    #: The cores the agent may run its ranks on (:func:`flodl_async.host.cores.usable_cores`); 0 from an agent that does not say.
     cores: int = 0
 
 
@@ -360,7 +360,7 @@ class Consensus(Message):
 @message(kind=0x0309)
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ModelSchemaWire(Message):
-    """A model's tensor layout (nested in ``TrainerHello``; :class:`flodl_async.modelschema.ModelSchema`).
+    """A model's tensor layout (nested in ``TrainerHello``; :class:`flodl_async.training.modelschema.ModelSchema`).
 
     ``dtypes``/``shapes`` are in wire order: parameters, then persistent buffers.
     """
@@ -375,7 +375,7 @@ class ModelSchemaWire(Message):
 @message(kind=0x030A)
 @dataclass(frozen=True, slots=True, kw_only=True)
 class OuterSpecWire(Message):
-    """An outer optimizer spec (:mod:`flodl_async.outer`): ``kind`` is ``avg``, ``slowmo`` or ``diloco``."""
+    """An outer optimizer spec (:mod:`flodl_async.training.outer`): ``kind`` is ``avg``, ``slowmo`` or ``diloco``."""
 
     kind: str
     lr: float = 0.0
@@ -392,7 +392,7 @@ class OuterSpecWire(Message):
 @message(kind=0x0412)
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ElCheConfigWire(Message):
-    """:class:`flodl_async.trainspec.ElCheConfig` with every default resolved for its policy."""
+    """:class:`flodl_async.training.spec.ElCheConfig` with every default resolved for its policy."""
 
     anchor: int
     min_anchor: int
@@ -441,7 +441,7 @@ class TrainerSpecWire(Message):
 @message(kind=0x0415)
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RankEpochStatsWire(Message):
-    """One rank's share of an aggregated epoch (:class:`flodl_async.metrics.RankEpochStats`)."""
+    """One rank's share of an aggregated epoch (:class:`flodl_async.training.metrics.RankEpochStats`)."""
 
     rank: int
     batches: int
@@ -457,7 +457,7 @@ class RankEpochStatsWire(Message):
 @message(kind=0x0416)
 @dataclass(frozen=True, slots=True, kw_only=True)
 class EpochMetricsWire(Message):
-    """One aggregated epoch (:class:`flodl_async.metrics.EpochMetrics`)."""
+    """One aggregated epoch (:class:`flodl_async.training.metrics.EpochMetrics`)."""
 
     epoch: int
     avg_loss: float

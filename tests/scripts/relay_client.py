@@ -3,7 +3,7 @@
 import asyncio
 import os
 
-from flodl_async.rank import RankLink
+from flodl_async.relay.ranklink import RankLink
 
 
 async def main() -> None:

@@ -13,7 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-from flodl_async.rank import RankLink
+from flodl_async.relay.ranklink import RankLink
 
 out = Path(sys.argv[1])
 

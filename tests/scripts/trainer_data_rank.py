@@ -11,12 +11,12 @@ import sys
 
 import torch
 
-from flodl_async.datalink import DataLink
-from flodl_async.modelschema import ModelSchema
+from flodl_async.config.rankenv import RankSpec
+from flodl_async.config.roles import RANK_VAR
 from flodl_async.net.framed import open_unix_framed
-from flodl_async.rankenv import RankSpec
-from flodl_async.roles import RANK_VAR
-from flodl_async.trainspec import ElCheConfig, TrainerSpec, digest
+from flodl_async.relay.datalink import DataLink
+from flodl_async.training.modelschema import ModelSchema
+from flodl_async.training.spec import ElCheConfig, TrainerSpec, digest
 from flodl_async.wire import messages as m
 from flodl_async.wire.channels import Channel
 from flodl_async.wire.keys import Credential

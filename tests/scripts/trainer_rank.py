@@ -13,12 +13,12 @@ import os
 import signal
 import sys
 
-from flodl_async.modelschema import ModelSchema
+from flodl_async.config.rankenv import RankSpec
+from flodl_async.config.roles import RANK_VAR
 from flodl_async.net.framed import open_unix_framed
-from flodl_async.policy import Backend
-from flodl_async.rankenv import RankSpec
-from flodl_async.roles import RANK_VAR
-from flodl_async.trainspec import ElCheConfig, TrainerSpec, digest
+from flodl_async.training.modelschema import ModelSchema
+from flodl_async.training.policy import Backend
+from flodl_async.training.spec import ElCheConfig, TrainerSpec, digest
 from flodl_async.wire import messages as m
 from flodl_async.wire.channels import Channel
 from flodl_async.wire.keys import Credential

@@ -1,0 +1,715 @@
+"""The run's supervisor: a pure state machine from the open window to the verdict.
+
+Theory of operation. The controller's shell feeds :meth:`Supervisor.handle`
+every event that matters to the run (a host asks to join, a host is lost, the
+store is ready, a rank exited, a host stopped its ranks, a signal, a deadline
+passed) together with ``now`` (monotonic seconds), and carries out the actions
+it returns, in order (answer a join, tell a host, announce a line, end the
+run). It calls again with :class:`Tick` at :meth:`Supervisor.next_deadline`.
+Nothing here performs I/O or reads a clock, so every decision of a run is
+tested with fake time.
+
+Phases, one type each (no field that starts as ``None``)::
+
+    Forming ──formed──▶ Rendezvous(round) ──store ready──▶ Running(round)
+       │                    │   ▲                              │  │
+       │                    │   └──── all stopped ── Restarting ◀┘  │ (rank failed, restarts left)
+       ▼                    ▼                          │            ▼
+     Ended ◀─────────── any failure, interrupt, deadline ─┴───── every rank exited 0
+
+Rules. Before formation the first failure ends the run (exit 3). After it,
+the first non-zero rank exit of the current round ends the round: with
+restarts left every host stops that round's ranks and a new rendezvous round
+starts (``TORCHELASTIC_RESTART_COUNT`` + 1); otherwise the verdict names the
+rank, its host, its code or signal, its traceback and its last stderr lines
+(exit 4). A member host lost at any point ends the run (exit 4 after
+formation). The first signal ends the run with 130/143 and tells every host to
+stop its ranks following the signal table; a signal after the verdict forces
+(KILL now). A verdict, once given, is final.
+"""
+
+from __future__ import annotations
+
+import enum
+import signal
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+
+from .._version import __version__
+from ..host.hostnames import HostAliases
+from ..status.model import PROCESS_STATES, RankState, RankStatus
+from ..verdict import ExitCode, RunResult, device_ranges, exit_code_for_signal, rank_ranges, rank_signal_for, restarts_text
+from ..wire import messages as m
+from ..wire.schema import Message
+from .membership import Admitted, Failed, Formed, JoinConfig, JoinedMember, JoinWindow
+
+# ----- configuration ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SupervisorConfig:
+    """What the supervisor decides with, resolved by the launcher (deadlines already scaled)."""
+
+    run_id: str
+    join: JoinConfig
+    command: tuple[str, ...]
+    cluster_env: Mapping[str, str] = field(default_factory=dict)
+    max_restarts: int = 0
+    stop_grace: float = 10.0
+    store_ready_timeout: float = 120.0
+    stop_ack_margin: float = 10.0
+    #: The store rides the controller's port (the default backend): each round empties it
+    #: (:class:`ResetStore`) and starts the ranks at once, each host dialling the controller
+    #: the way its agent does. False: a store host serves it and reports :class:`StoreReady`.
+    controller_store: bool = False
+    #: Hosts whose agent runs inside the controller's process: one of them hosts the store.
+    local_hosts: frozenset[str] = frozenset()
+    #: The spellings of the controller's machine (localhost, loopback, hostname, FQDN): one host at join.
+    host_aliases: HostAliases | None = None
+    protocol_version: int = 1
+    #: This controller's flodl_async version: an agent of another version is refused at join.
+    version: str = __version__
+    #: ``--hang-timeout``: a rank with neither output nor CPU progress this long ends the run (exit 6); None: off.
+    hang_timeout: float | None = None
+
+
+# ----- events ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class JoinRequested:
+    """An agent's hello arrived on a join connection."""
+
+    host: str
+    devices: tuple[str, ...]
+    protocol_version: int
+    agent_version: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class JoinUndelivered:
+    """The accept for ``host`` could not be sent (its connection died at once)."""
+
+    host: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class HostLost:
+    """A host's agent is gone: its link closed or broke, or its launcher failed."""
+
+    host: str
+    reason: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StoreReady:
+    """The store host reported its store for ``round``."""
+
+    round: int
+    addr: str
+    port: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RankExited:
+    """A host reported a rank's exit."""
+
+    report: m.RankExited
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RanksStopped:
+    """A host stopped every rank of ``round``."""
+
+    host: str
+    round: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RankConnected:
+    """A flodl-aware rank said hello through its relay (status only)."""
+
+    rank: int
+    pid: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RanksReported:
+    """A host's periodic report of its running ranks (pid, process state, CPU, output, store connection)."""
+
+    host: str
+    report: m.RankStats
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TrainingEnded:
+    """The Trainer's coordinator concluded: in order (the ranks now exit 0) or failed (its cause is the run's).
+
+    A coordinator that fails (spec mismatch, hello timeout, a rank lost, a stall) is the root
+    cause of the exits that follow it, so the verdict is its ``reason``, given at once. An
+    orderly end waits for the ranks' exits; ``code`` is the verdict's code then (OK, or the
+    signal's code when a launcher signal asked for the orderly stop).
+    """
+
+    ok: bool
+    reason: str
+    code: ExitCode = ExitCode.OK
+    details: str = ""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Interrupted:
+    """The launcher received ``signal`` (SIGINT or SIGTERM)."""
+
+    signal: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Tick:
+    """:meth:`Supervisor.next_deadline` has passed."""
+
+
+Event = JoinRequested | JoinUndelivered | HostLost | StoreReady | RankExited | RanksStopped | RankConnected | RanksReported | TrainingEnded | Interrupted | Tick
+
+
+# ----- actions -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AcceptJoin:
+    """Answer the pending join of ``host``: admitted with ``ranks``."""
+
+    host: str
+    reply: m.JoinAccept
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RejectJoin:
+    """Answer the pending join of ``host``: refused (then close that connection)."""
+
+    host: str
+    reason: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Tell:
+    """Send ``message`` down the join link of ``host``."""
+
+    host: str
+    message: Message
+
+
+class Level(enum.Enum):
+    """How loud an announcement is."""
+
+    DEBUG = "debug"
+    INFO = "info"
+    WARNING = "warning"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Announce:
+    """One line for the operator (one per lifecycle event)."""
+
+    text: str
+    level: Level = Level.INFO
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ForceStop:
+    """A second signal: kill every rank now, on every host."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EndRun:
+    """The verdict: tear down, telling every host ``farewell`` (``Finish`` or an ``Abort``)."""
+
+    result: RunResult
+    farewell: m.Finish | m.Abort
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ResetStore:
+    """Empty the controller's store and close its connections: ``round`` starts from nothing.
+
+    torch adds no per-attempt key prefix under the agent-store contract, so a restarted
+    world reading the last round's keys would rendezvous with ghosts.
+    """
+
+    round: int
+
+
+Action = AcceptJoin | RejectJoin | Tell | Announce | ForceStop | EndRun | ResetStore
+
+
+# ----- phases ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Forming:
+    """The join window is open."""
+
+    window: JoinWindow
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Rendezvous:
+    """The store host was asked for a store for ``round``; nothing runs yet."""
+
+    world: Formed
+    round: int
+    deadline: float
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Running:
+    """The ranks of ``round`` run; ``succeeded`` have exited 0."""
+
+    world: Formed
+    round: int
+    succeeded: frozenset[int] = frozenset()
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Restarting:
+    """Every host was told to stop ``round``; ``waiting`` have not confirmed yet."""
+
+    world: Formed
+    round: int
+    waiting: frozenset[str]
+    deadline: float
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Ended:
+    """The verdict is given; it never changes."""
+
+    result: RunResult
+    world: Formed | None
+
+
+Phase = Forming | Rendezvous | Running | Restarting | Ended
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SupervisorView:
+    """A frozen snapshot for the status endpoint."""
+
+    phase: str
+    members: tuple[JoinedMember, ...]
+    joined_ranks: int
+    world_size: int
+    restart_count: int
+    ranks: tuple[RankStatus, ...]
+    result: RunResult | None
+    rejected_joins: int
+
+
+# ----- the machine ----------------------------------------------------------------------------
+
+
+class Supervisor:
+    """One run's decisions; pure, ``now`` passed in."""
+
+    def __init__(self, config: SupervisorConfig, *, now: float) -> None:
+        self.config = config
+        window = JoinWindow(
+            config.join, opened_at=now, protocol_version=config.protocol_version, controller_version=config.version, host_aliases=config.host_aliases
+        )
+        self._phase: Phase = Forming(window=window)
+        self._window = window
+        self._restart_count = 0
+        self._ranks: dict[int, RankStatus] = {}
+        self._training_done: tuple[str, ExitCode] | None = None  # the coordinator's orderly end, for the verdict
+
+    # ----- queries ----------------------------------------------------------------------------
+
+    @property
+    def phase(self) -> Phase:
+        """The current phase."""
+        return self._phase
+
+    @property
+    def result(self) -> RunResult | None:
+        """The verdict, once given."""
+        return self._phase.result if isinstance(self._phase, Ended) else None
+
+    @property
+    def restart_count(self) -> int:
+        """Completed whole-world restarts."""
+        return self._restart_count
+
+    def next_deadline(self, now: float) -> float | None:
+        """When to call again with :class:`Tick` if nothing else happens (None: no deadline)."""
+        phase = self._phase
+        if isinstance(phase, Forming):
+            return phase.window.next_deadline(now)
+        if isinstance(phase, Rendezvous | Restarting):
+            return phase.deadline
+        return None
+
+    def view(self) -> SupervisorView:
+        """What the status endpoint shows."""
+        phase = self._phase
+        formed = None if isinstance(phase, Forming) else phase.world
+        return SupervisorView(
+            phase=_phase_name(phase),
+            members=self._window.members,
+            joined_ranks=self._window.joined_ranks,
+            world_size=formed.world_size if formed is not None else 0,
+            restart_count=self._restart_count,
+            ranks=tuple(self._ranks[r] for r in sorted(self._ranks)),
+            result=self.result,
+            rejected_joins=self._window.rejected_joins,
+        )
+
+    # ----- the one entry point ------------------------------------------------------------------
+
+    def handle(self, event: Event, now: float) -> tuple[Action, ...]:
+        """Take one event; return what the shell must do, in order."""
+        if isinstance(event, Interrupted):
+            return self._interrupted(event, now)
+        if isinstance(event, RankConnected):
+            self._rank_connected(event)
+            return ()
+        if isinstance(event, RanksReported):
+            return self._ranks_reported(event)
+        phase = self._phase
+        if isinstance(phase, Ended):
+            return self._after_verdict(event)
+        if isinstance(event, TrainingEnded):
+            return self._training_ended(event)
+        if isinstance(phase, Forming):
+            return self._forming(phase, event, now)
+        if isinstance(event, JoinRequested):
+            return (RejectJoin(host=event.host, reason=f"the join window is {self._window.state.value}; this run takes no more hosts"),)
+        if isinstance(event, RankExited):
+            self._record_exit(event.report)
+        if isinstance(event, JoinUndelivered):
+            # The world formed on that very join, too late to retract it: the host never learnt it
+            # is in the world and its link reports nothing more, so it is lost.
+            event = HostLost(host=event.host, reason="its join accept could not be delivered")
+        if isinstance(event, HostLost):
+            return self._host_lost(phase, event)
+        if isinstance(phase, Rendezvous):
+            return self._rendezvous(phase, event, now)
+        if isinstance(phase, Running):
+            return self._running(phase, event, now)
+        return self._restarting(phase, event, now)
+
+    # ----- forming -------------------------------------------------------------------------------
+
+    def _forming(self, phase: Forming, event: Event, now: float) -> tuple[Action, ...]:
+        window = phase.window
+        actions: list[Action] = []
+        if isinstance(event, JoinRequested):
+            outcome = window.request_join(
+                host=event.host, devices=event.devices, now=now, agent_version=event.agent_version, protocol_version=event.protocol_version
+            )
+            if not isinstance(outcome, Admitted):
+                actions.append(Announce(text=f'join refused: host "{event.host}": {outcome.reason}', level=Level.WARNING))
+                actions.append(RejectJoin(host=event.host, reason=outcome.reason))
+            else:
+                member = outcome.member
+                reply = m.JoinAccept(ranks=member.ranks, run_id=self.config.run_id, formation_wait_s=window.config.max_join_timeout)
+                actions.append(AcceptJoin(host=member.host, reply=reply))
+                actions.append(
+                    Announce(
+                        text=f'host "{member.host}" joined with ranks {rank_ranges(member.ranks)} ({device_ranges(member.devices)}) — '
+                        f"{window.joined_ranks} rank(s) in, target {window.describe_target()}"
+                    )
+                )
+        elif isinstance(event, JoinUndelivered):
+            window.retract(event.host)
+        elif isinstance(event, HostLost) and window.member_lost(event.host, now=now) is None:
+            # Not a member yet: a planned agent that failed before it could join.
+            window.abort(f"agent on host {event.host!r} failed before joining: {event.reason}")
+        verdict = window.poll(now)
+        if isinstance(verdict, Failed):
+            actions.append(self._end(ExitCode.FORMATION, f"the world did not form: {verdict.reason}"))
+        elif isinstance(verdict, Formed):
+            actions.extend(self._formed(verdict, now))
+        return tuple(actions)
+
+    def _formed(self, world: Formed, now: float) -> list[Action]:
+        actions: list[Action] = [
+            Announce(text=f"world formed — {world.world_size} ranks across {len(world.members)} host(s) after {world.elapsed:.1f}s ({world.reason})")
+        ]
+        store_host = self._store_host(world)
+        for index, member in enumerate(world.members):
+            actions.append(
+                Tell(
+                    host=member.host,
+                    message=m.WorldFormed(
+                        world_size=world.world_size,
+                        ranks=member.ranks,
+                        group_rank=index,
+                        group_world_size=len(world.members),
+                        store_host=not self.config.controller_store and member.host == store_host,
+                        command=self.config.command,
+                        env=dict(self.config.cluster_env),  # the host's own env is applied by its agent
+                        max_restarts=self.config.max_restarts,
+                    ),
+                )
+            )
+        actions.extend(self._open_round(world, 0, now))
+        return actions
+
+    def _store_host(self, world: Formed) -> str:
+        """The controller's own host when it runs ranks, else the host of global rank 0."""
+        for member in world.members:
+            if member.host in self.config.local_hosts:
+                return member.host
+        return world.members[0].host
+
+    def _open_round(self, world: Formed, round_: int, now: float) -> list[Action]:
+        if self.config.controller_store:
+            # The store is the controller's own: ready once emptied, no exchange to wait for.
+            # An empty address tells each agent to hand its ranks its own controller address.
+            return [ResetStore(round=round_), *self._start_ranks(world, round_, addr="", port=0)]
+        self._phase = Rendezvous(world=world, round=round_, deadline=now + self.config.store_ready_timeout)
+        return [Tell(host=self._store_host(world), message=m.OpenRound(round=round_))]
+
+    def _start_ranks(self, world: Formed, round_: int, *, addr: str, port: int) -> list[Action]:
+        actions: list[Action] = []
+        for member in world.members:
+            actions.append(Tell(host=member.host, message=m.StartRanks(round=round_, restart_count=self._restart_count, master_addr=addr, master_port=port)))
+            for local_rank, rank in enumerate(member.ranks):
+                self._ranks[rank] = RankStatus(rank=rank, host=member.host, local_rank=local_rank, state=RankState.RUNNING)
+        self._phase = Running(world=world, round=round_)
+        where = f"{addr}:{port}" if addr else "the controller port"
+        actions.append(Announce(text=f"ranks started: round {round_}, restart {self._restart_count}, store at {where}"))
+        return actions
+
+    # ----- after formation -------------------------------------------------------------------
+
+    def _rendezvous(self, phase: Rendezvous, event: Event, now: float) -> tuple[Action, ...]:
+        if isinstance(event, StoreReady) and event.round == phase.round:
+            return tuple(self._start_ranks(phase.world, phase.round, addr=event.addr, port=event.port))
+        if isinstance(event, Tick) and now >= phase.deadline:
+            late = f"the store host {self._store_host(phase.world)!r} did not report its store within {self.config.store_ready_timeout:g}s"
+            return (self._end(ExitCode.FORMATION, late),)
+        return ()
+
+    def _running(self, phase: Running, event: Event, now: float) -> tuple[Action, ...]:
+        if not isinstance(event, RankExited) or event.report.round != phase.round:
+            return ()
+        report = event.report
+        if _failed(report):
+            if self._restart_count >= self.config.max_restarts:
+                restarts = f" after {restarts_text(self._restart_count)}" if self.config.max_restarts else ""
+                return (
+                    Announce(text=describe_exit(report)),
+                    self._end(
+                        ExitCode.RANK_FAILURE,
+                        describe_exit(report) + restarts,
+                        details=failure_details(report),
+                        rank=report.rank,
+                        details_if_shown=failure_details(report, shown_live=True),
+                    ),
+                )
+            hosts = frozenset(member.host for member in phase.world.members)
+            self._phase = Restarting(world=phase.world, round=phase.round, waiting=hosts, deadline=now + self.config.stop_grace + self.config.stop_ack_margin)
+            actions: list[Action] = [
+                Announce(
+                    text=f"{describe_exit(report)}; restarting the world (restart {self._restart_count + 1} of {self.config.max_restarts})",
+                    level=Level.WARNING,
+                )
+            ]
+            actions.extend(
+                Tell(host=member.host, message=m.StopRanks(round=phase.round, reason="restarting the world", grace_s=self.config.stop_grace))
+                for member in phase.world.members
+            )
+            return tuple(actions)
+        succeeded = phase.succeeded | {report.rank}
+        self._phase = replace(phase, succeeded=succeeded)
+        done: list[Action] = [Announce(text=f"rank {report.rank} on {report.host} exited with code 0")]
+        if len(succeeded) == phase.world.world_size:
+            after = f" after {restarts_text(self._restart_count)}" if self._restart_count else ""
+            everyone = f"all {phase.world.world_size} ranks" if phase.world.world_size > 1 else "the rank"
+            reason, code = self._training_done or (f"{everyone} exited 0{after}", ExitCode.OK)
+            done.append(self._end(code, reason))
+        return tuple(done)
+
+    def _training_ended(self, event: TrainingEnded) -> tuple[Action, ...]:
+        if event.ok:
+            # The ranks now leave; their clean exits give the verdict (130/143 after an orderly stop on a signal).
+            self._training_done = (event.reason, event.code)
+            return (Announce(text=event.reason),)
+        return (Announce(text=event.reason, level=Level.WARNING), self._end(event.code, event.reason, details=event.details))
+
+    def _restarting(self, phase: Restarting, event: Event, now: float) -> tuple[Action, ...]:
+        if isinstance(event, RanksStopped) and event.round == phase.round:
+            waiting = phase.waiting - {event.host}
+            if waiting:
+                self._phase = replace(phase, waiting=waiting)
+                return ()
+            self._restart_count += 1
+            return tuple(self._open_round(phase.world, phase.round + 1, now))
+        if isinstance(event, Tick) and now >= phase.deadline:
+            return (self._end(ExitCode.RANK_FAILURE, f"host(s) {sorted(phase.waiting)} did not stop their ranks for the restart"),)
+        return ()
+
+    def _host_lost(self, phase: Rendezvous | Running | Restarting, event: HostLost) -> tuple[Action, ...]:
+        if not any(member.host == event.host for member in phase.world.members):
+            return (Announce(text=f"agent on host {event.host!r} (not in the world) went away: {event.reason}", level=Level.DEBUG),)
+        during = {Rendezvous: "during rendezvous", Running: "mid-run", Restarting: "while restarting"}[type(phase)]
+        return (self._end(ExitCode.RANK_FAILURE, f"agent on host {event.host!r} was lost {during}: {event.reason}"),)
+
+    # ----- signals and the end -------------------------------------------------------------------
+
+    def _interrupted(self, event: Interrupted, now: float) -> tuple[Action, ...]:
+        name = _signal_name(event.signal)
+        if isinstance(self._phase, Ended):
+            # The first signal (or any verdict) already ended the run: this one forces the stop.
+            return (Announce(text=f"second {name}: forcing the stop (KILL now)", level=Level.WARNING), ForceStop())
+        phase = self._phase
+        where = {Forming: " while the join window was open", Rendezvous: " during rendezvous", Restarting: " while restarting"}.get(type(phase), "")
+        first = rank_signal_for(event.signal)
+        grace = self.config.stop_grace
+        again = "Ctrl-C" if event.signal == signal.SIGINT else name  # what the user at the terminal does
+        return (
+            Announce(text=f"stopping: ranks got {first.name}; KILL in {grace:g} s ({again} again to force)", level=Level.WARNING),
+            self._end(exit_code_for_signal(event.signal), f"interrupted by {name}{where}", first_signal=first),
+        )
+
+    def _after_verdict(self, event: Event) -> tuple[Action, ...]:
+        if isinstance(event, JoinRequested):
+            return (RejectJoin(host=event.host, reason="this run has ended"),)
+        if isinstance(event, RankExited):
+            self._record_exit(event.report)
+        return ()
+
+    def _end(
+        self,
+        code: ExitCode,
+        reason: str,
+        *,
+        details: str = "",
+        first_signal: signal.Signals = signal.SIGTERM,
+        rank: int | None = None,
+        details_if_shown: str = "",
+    ) -> EndRun:
+        world = None if isinstance(self._phase, Forming) else self._phase.world  # the world the verdict ends, if it formed
+        result = RunResult(exit_code=code, reason=reason, details=details, rank=rank, details_if_shown=details_if_shown)
+        self._phase = Ended(result=result, world=world)
+        abort = m.Abort(reason=reason, grace_s=self.config.stop_grace, first_signal=int(first_signal))
+        farewell: m.Finish | m.Abort = m.Finish() if code is ExitCode.OK else abort
+        return EndRun(result=result, farewell=farewell)
+
+    # ----- the rank table (status) ------------------------------------------------------------
+
+    def _record_exit(self, report: m.RankExited) -> None:
+        known = self._ranks.get(report.rank)
+        self._ranks[report.rank] = RankStatus(
+            rank=report.rank,
+            host=report.host,
+            local_rank=report.local_rank,
+            state=RankState.FAILED if _failed(report) else RankState.EXITED,
+            pid=known.pid if known is not None else None,
+            exit_code=report.exit_code,
+            signal=report.signal,
+        )
+
+    def _ranks_reported(self, event: RanksReported) -> tuple[Action, ...]:
+        """Fold a host's activity report into the rank table; under ``hang_timeout``, a rank quiet that long ends the run."""
+        phase = self._phase
+        if not isinstance(phase, Running) or event.report.round != phase.round:
+            return ()  # a report of another round, or after the verdict: the table already says how those ended
+        hung: m.RankActivity | None = None
+        for activity in event.report.ranks:
+            known = self._ranks.get(activity.rank)
+            if known is None or known.host != event.host or known.state not in (RankState.RUNNING, RankState.CONNECTED):
+                continue
+            self._ranks[activity.rank] = replace(
+                known,
+                pid=activity.pid,
+                uptime_s=activity.uptime_s,
+                process=PROCESS_STATES.get(activity.state, activity.state),
+                cpu_percent=activity.cpu_percent,
+                last_line=activity.last_line,
+                output_age_s=activity.output_age_s if activity.output_age_s >= 0 else None,
+                quiet_s=activity.quiet_s,
+                store_connected=activity.store_connected,
+            )
+            limit = self.config.hang_timeout
+            if limit is not None and activity.quiet_s >= limit and (hung is None or activity.quiet_s > hung.quiet_s):
+                hung = activity
+        if hung is None:
+            return ()
+        known = self._ranks[hung.rank]
+        process = PROCESS_STATES.get(hung.state, hung.state)
+        reason = (
+            f"rank {hung.rank} (local rank {known.local_rank}) on host {event.host!r} hung: no output and no CPU progress "
+            f"for {hung.quiet_s:g} s (--hang-timeout {self.config.hang_timeout:g}); its process {hung.pid} is {process}"
+        )
+        store = "it is connected to the rendezvous store" if hung.store_connected else "it never connected to the rendezvous store"
+        last = f"its last output line: {hung.last_line}" if hung.last_line else "it printed nothing"
+        return (Announce(text=reason, level=Level.WARNING), self._end(ExitCode.STALLED, reason, details=f"{store}; {last}"))
+
+    def _rank_connected(self, event: RankConnected) -> None:
+        known = self._ranks.get(event.rank)
+        if known is not None and known.state is RankState.RUNNING:
+            self._ranks[event.rank] = replace(known, state=RankState.CONNECTED, pid=event.pid)
+
+
+# ----- descriptions ----------------------------------------------------------------------------
+
+
+def _failed(report: m.RankExited) -> bool:
+    return report.exit_code != 0 or report.signal is not None
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
+
+
+def _phase_name(phase: Phase) -> str:
+    if isinstance(phase, Forming):
+        return "waiting"
+    if isinstance(phase, Rendezvous):
+        return "forming"
+    if isinstance(phase, Running | Restarting):
+        return "training"
+    return "done" if phase.result.exit_code is ExitCode.OK else "failed"
+
+
+#: Said of a SIGKILL that reached a running rank: flodl sends KILL only when it stops a run, and then the run has already ended.
+OOM_HINT = 'not sent by flodl; the kernel\'s OOM killer is the usual cause: look for "Out of memory" in `dmesg` or `journalctl -k`'
+
+
+def describe_exit(report: m.RankExited) -> str:
+    """``rank 1 (local rank 1) on host 'vm' exited with code 3`` (or ``was killed by SIGKILL``, with the OOM hint)."""
+    how = f"was killed by {_signal_name(report.signal)}" if report.signal is not None else f"exited with code {report.exit_code}"
+    if report.signal == signal.SIGKILL:
+        how += f" ({OOM_HINT})"
+    return f"rank {report.rank} (local rank {report.local_rank}) on host {report.host!r} {how}"
+
+
+def failure_details(report: m.RankExited, *, shown_live: bool = False) -> str:
+    """The traceback from the rank's error file and its last stderr lines, for the verdict — each line once.
+
+    ``@record`` writes the traceback to the error file and Python prints it to stderr too,
+    so the stderr tail lines the traceback already holds are not repeated. ``shown_live``:
+    the console showed the rank's stderr as it came, traceback included; the verdict then
+    points at it and repeats only its last line (the exception).
+    """
+    details: list[str] = []
+    tail = list(report.stderr_tail)
+    if report.error_file:
+        traceback = report.error_file.rstrip().splitlines()
+        if shown_live:
+            details.append(f"traceback: above, in rank {report.rank}'s stderr (also in its error file); it ended with:")
+            details.extend(f"  {line}" for line in traceback[-1:])
+        else:
+            details.append("traceback (from the rank's error file):")
+            details.extend(f"  {line}" for line in traceback)
+        told = {line.strip() for line in traceback}
+        tail = [line for line in tail if line.strip() not in told]
+    if tail:
+        details.append(f"last {len(tail)} stderr line(s) of rank {report.rank}:")
+        details.extend(f"  {line}" for line in tail)
+    return "\n".join(details)

@@ -1,0 +1,671 @@
+"""The Trainer: ``state = await trainer.run()``, the same script as launcher, as every rank, or inline (spec §1).
+
+Theory of operation. ``Trainer(...)`` is pure: it validates its arguments and
+touches no CUDA, socket or model, so building it at import time is safe in
+every role. What ``run()`` does is decided from the environment alone
+(:func:`flodl_async.trainer.entry.decide_entry`):
+
+- INLINE: train in this process (compute thread), no coordinator;
+- RANK: the link thread joins the coordinator through the host's relay, the compute thread
+  trains what it is planned and contributes to the reduces (:mod:`flodl_async.trainer.rank`);
+- LAUNCHER: the controller runs on the caller's event loop and re-executes this
+  program as the ranks (:mod:`flodl_async.trainer.launcher`);
+- AGENT: the agent runs until its session ends, then the process exits.
+
+``start()`` returns a :class:`TrainingRun` handle at once. The run is a task held
+by the module-level ``_LIVE_RUNS`` set, not by the handle: asyncio keeps only
+weak references to tasks, and dropping the handle must not cancel training.
+``join()`` is shielded; ``shutdown()`` is the one explicit cancel; cancelling
+``trainer.run()`` (Ctrl-C under ``asyncio.run``) is an orderly shutdown.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+import math
+import os
+import secrets
+import sys
+import threading
+import traceback
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+from ..config.roles import AGENT_VAR, Role, detect_role
+from ..errors import ConfigError, TrainingFailed
+from ..training.outer import DiLoCo, OuterAvg, SlowMo
+from ..training.policy import Backend, Policy
+from ..training.spec import Checkpointing, ElCheConfig, MaxFailure
+from ..verdict import ExitCode, RunResult
+from .entry import Entry, count_visible_gpus, decide_entry
+from .worker import ComputeConfig
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+    from ..config.cluster import ClusterSpec
+    from ..training.metrics import EpochMetrics
+    from ..training.modelschema import ModelSchema
+    from ..training.outer import OuterSpec
+    from ..training.spec import TrainerSpec
+    from ..wire.messages import TrainerSpecWire
+    from .worker import Worker
+
+log = logging.getLogger("flodl_async.trainer.api")
+
+_OUTER_TYPES = (OuterAvg, SlowMo, DiLoCo)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TrainedState:
+    """What a run trained: the final consensus, the same in every role (D1)."""
+
+    #: Consensus params and persistent buffers on CPU, with ``model.state_dict()`` keys (tied keys included).
+    state_dict: Mapping[str, torch.Tensor] = field(repr=False)
+    #: Which keys are parameters.
+    param_names: tuple[str, ...]
+    epochs_completed: int
+    #: Cohort batches completed divided by the world size.
+    global_step: int
+    world_size: int
+    #: Ranks lost on the way (non-empty: a degraded success).
+    lost_ranks: tuple[int, ...] = ()
+    #: Ended by ``shutdown()`` or a signal, not by finishing the epochs.
+    interrupted: bool = False
+    #: Exactly one process per run has True: the inline process, the launcher when the script is the launcher, else rank 0.
+    primary: bool = False
+    #: The bundle stem written at the end, if any.
+    checkpoint: str | None = None
+
+    def load_into(self, model: nn.Module) -> None:
+        """``model.load_state_dict(strict=True)``, copied to the model's device."""
+        model.load_state_dict(dict(self.state_dict), strict=True)
+
+
+class _Driver(Protocol):
+    """One role's way of running a training (inline, rank, launcher)."""
+
+    primary: bool
+
+    async def run(self, publish: Callable[[EpochMetrics], None]) -> TrainedState:
+        """Train; ``publish`` may be called from any thread."""
+        ...
+
+    def request_stop(self) -> None:
+        """Ask for an orderly stop (a final round where there is a cohort); returns at once."""
+        ...
+
+    def force_stop(self) -> None:
+        """The grace is over: stop now."""
+        ...
+
+
+#: Runs in flight in this process: the owner of their tasks (a dropped handle must not let a run be collected).
+_LIVE_RUNS: set[TrainingRun] = set()
+
+
+class TrainingRun:
+    """A handle on a run started by :meth:`Trainer.start`; dropping it does not cancel the run.
+
+    ``metrics()``, ``poll_metrics()`` and ``next_metrics()`` share one queue: each
+    :class:`~flodl_async.training.metrics.EpochMetrics` is delivered once.
+    """
+
+    def __init__(self, driver: _Driver, *, entry: Entry, run_id: str) -> None:
+        self.entry = entry
+        self.primary = driver.primary
+        self.run_id = run_id
+        self._driver = driver
+        self._loop = asyncio.get_running_loop()
+        self._queue: collections.deque[EpochMetrics] = collections.deque()
+        self._arrived = asyncio.Event()
+        self._stopping = False
+        self._task = self._loop.create_task(self._main(), name=f"trainer-run-{run_id}")
+        _LIVE_RUNS.add(self)
+        self._task.add_done_callback(self._ended)
+
+    async def _main(self) -> TrainedState:
+        try:
+            return await self._driver.run(self._publish)
+        except asyncio.CancelledError:
+            # Only the loop closing cancels this task (nothing else holds it): stop in order, then go.
+            if not self._stopping:
+                log.warning(
+                    "the event loop is closing with run %s still training; stopping it (keep a reference and await run.join(), or call run.shutdown())",
+                    self.run_id,
+                )
+            self._driver.request_stop()
+            raise
+
+    def _ended(self, _task: asyncio.Task[TrainedState]) -> None:
+        _LIVE_RUNS.discard(self)
+        self._arrived.set()
+
+    def _publish(self, metrics: EpochMetrics) -> None:
+        """Thread-safe: queue one epoch's metrics for the handle (in order, ahead of the run's end, which is scheduled after)."""
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody can read them any more
+            self._loop.call_soon_threadsafe(self._push, metrics)
+
+    def _push(self, metrics: EpochMetrics) -> None:
+        self._queue.append(metrics)
+        self._arrived.set()
+
+    def poll_metrics(self) -> list[EpochMetrics]:
+        """Every queued epoch, without waiting."""
+        drained = list(self._queue)
+        self._queue.clear()
+        return drained
+
+    async def next_metrics(self) -> EpochMetrics | None:
+        """The next epoch's metrics; None once the run is over and the queue is empty."""
+        while not self._queue:
+            if self._task.done():
+                return None
+            self._arrived.clear()
+            await self._arrived.wait()
+        return self._queue.popleft()
+
+    async def metrics(self) -> AsyncIterator[EpochMetrics]:
+        """Each aggregated epoch as it comes; ends when the run ends."""
+        while (metrics := await self.next_metrics()) is not None:
+            yield metrics
+
+    def done(self) -> bool:
+        """True once the run has ended (either way)."""
+        return self._task.done()
+
+    async def join(self) -> TrainedState:
+        """Wait for the end. Shielded: cancelling this await does not cancel the run.
+
+        A failed run raises :class:`~flodl_async.errors.TrainingFailed`; a degraded success returns with ``lost_ranks`` set.
+        """
+        return await asyncio.shield(self._task)
+
+    async def shutdown(self, *, save: bool = True, grace: float = 30.0) -> TrainedState:
+        """The explicit cancel: an orderly stop (final round, state returned), forced after ``grace`` seconds."""
+        del save  # checkpoint bundles are a later issue; the stop is the same without one
+        self._stopping = True
+        self._driver.request_stop()
+        try:
+            async with asyncio.timeout(grace):
+                return await asyncio.shield(self._task)
+        except TimeoutError:
+            self._driver.force_stop()
+            return await asyncio.shield(self._task)
+
+
+def _positive_int(name: str, value: object, *, what: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ConfigError(f"Trainer({name}=...) must be a whole number of at least 1 ({what}); got {value!r}")
+    return value
+
+
+class Trainer:
+    """Distributed data-parallel training that copes with ranks of different speeds (spec §1.2).
+
+    Every process (launcher and ranks) builds the same Trainer from the same
+    arguments; each rank builds its own dataset and model. Construction is pure
+    and validates: each error names the field and what to do.
+    """
+
+    def __init__(
+        self,
+        *,
+        model: Callable[[torch.device], nn.Module],
+        optimizer: Callable[[nn.Module], torch.optim.Optimizer],
+        train_step: Callable[[nn.Module, Any], torch.Tensor],
+        dataset: Any,
+        batch_size: int,
+        epochs: int,
+        collate: Callable[[list[Any]], Any] | None = None,
+        policy: Policy = Policy.CADENCE,
+        backend: Backend = Backend.CPU,
+        elche: ElCheConfig | None = None,
+        outer: OuterSpec | None = None,
+        checkpoint: Checkpointing | None = None,
+        max_failure: MaxFailure | int | float | None = None,
+        cluster: ClusterSpec | str | os.PathLike[str] | None = None,
+        rank_command: Sequence[str] | None = None,
+        auto_promote: bool = True,
+        seed: int = 0,
+        drop_last: bool = True,
+        lr_schedule: Callable[[float], float] | None = None,
+        max_grad_norm: float | None = None,
+        heartbeat_timeout: float = 30.0,
+        name: str = "",
+    ) -> None:
+        _check_functions(model=model, optimizer=optimizer, train_step=train_step, collate=collate, lr_schedule=lr_schedule)
+        self.dataset_len = _check_data(dataset, batch_size=batch_size, epochs=epochs, drop_last=drop_last)
+        self.batch_size, self.epochs = batch_size, epochs
+        elche = ElCheConfig() if elche is None else elche
+        outer = OuterAvg() if outer is None else outer
+        checkpoint = Checkpointing() if checkpoint is None else checkpoint
+        _check_policy(policy=policy, backend=backend, elche=elche, outer=outer, checkpoint=checkpoint)
+        self.max_failure = _max_failure(max_failure)
+        _check_rest(cluster=cluster, rank_command=rank_command, seed=seed, max_grad_norm=max_grad_norm, heartbeat_timeout=heartbeat_timeout, name=name)
+        self.model = model
+        self.optimizer = optimizer
+        self.train_step = train_step
+        self.dataset = dataset
+        self.collate = collate
+        self.policy = policy
+        self.backend = backend
+        self.elche = elche
+        self.outer: OuterSpec = outer
+        self.checkpoint = checkpoint
+        self.cluster = cluster
+        self.rank_command = tuple(rank_command) if rank_command is not None else None
+        self.auto_promote = bool(auto_promote)
+        self.seed = seed
+        self.drop_last = bool(drop_last)
+        self.lr_schedule = lr_schedule
+        self.max_grad_norm = float(max_grad_norm) if max_grad_norm is not None else None
+        self.heartbeat_timeout = float(heartbeat_timeout)
+        self.name = name
+
+    # ----- what this process is ----------------------------------------------------------------
+
+    @property
+    def entry(self) -> Entry:
+        """What ``run()`` would do in this process, without doing it."""
+        env = os.environ
+        return decide_entry(env, cluster_given=self.cluster is not None, auto_promote=self.auto_promote, visible_gpus=count_visible_gpus(env))
+
+    def spec(self) -> TrainerSpec:
+        """The serializable, digestable config the coordinator and reducer run from (spec §2.3)."""
+        from ..training.spec import TrainerSpec
+
+        return TrainerSpec(
+            policy=self.policy,
+            backend=self.backend,
+            epochs=self.epochs,
+            batch_size=self.batch_size,
+            dataset_len=self.dataset_len,
+            drop_last=self.drop_last,
+            seed=self.seed,
+            elche=self.elche,
+            outer=self.outer,
+            checkpoint=self.checkpoint,
+            max_failure=self.max_failure,
+            heartbeat_timeout=self.heartbeat_timeout,
+            lr_schedule=self.lr_schedule is not None,
+            max_grad_norm=self.max_grad_norm,
+            name=self.name,
+        )
+
+    def spec_wire_and_digest(self, schema: ModelSchema) -> tuple[TrainerSpecWire, str]:
+        """What a rank's ``TrainerHello`` carries: the spec on the wire and the run digest of (spec, model schema)."""
+        from ..training.spec import digest
+
+        spec = self.spec()
+        return spec.to_wire(), digest(spec, schema)
+
+    def compute_config(self) -> ComputeConfig:
+        """The arguments that make a step, for the compute side."""
+        return ComputeConfig(
+            model=self.model,
+            optimizer=self.optimizer,
+            train_step=self.train_step,
+            dataset=self.dataset,
+            collate=self.collate,
+            batch_size=self.batch_size,
+            drop_last=self.drop_last,
+            seed=self.seed,
+            lr_schedule=self.lr_schedule,
+            max_grad_norm=self.max_grad_norm,
+        )
+
+    # ----- entry points ------------------------------------------------------------------------
+
+    async def run(self) -> TrainedState:
+        """``start()`` + ``join()``; cancelling this coroutine is an orderly shutdown (bounded by 30 s), then it re-raises."""
+        handle = self.start()
+        try:
+            return await handle.join()
+        except asyncio.CancelledError:
+            with contextlib.suppress(Exception):
+                await handle.shutdown(save=True, grace=30.0)
+            raise
+
+    def start(self) -> TrainingRun:
+        """Start the run on the running loop and return its handle at once."""
+        entry = self.entry
+        if entry is Entry.AGENT:
+            exit_if_worker_role()
+        driver = self._driver(entry)
+        if entry in (Entry.LAUNCHER, Entry.RANK):
+            _end_uncaught_training_failures_plainly(entry)
+        run_id = getattr(driver, "run_id", None) or os.environ.get("FLODL_RUN_ID") or f"inline-{secrets.token_hex(4)}"
+        return TrainingRun(driver, entry=entry, run_id=run_id)
+
+    def _driver(self, entry: Entry) -> _Driver:
+        if entry is Entry.INLINE:
+            return _InlineDriver(self)
+        if entry is Entry.RANK:
+            self._one_session()
+            from .rank import RankDriver
+
+            return RankDriver(self)
+        from .launcher import LauncherDriver
+
+        return LauncherDriver(self)
+
+    def _one_session(self) -> None:
+        if _RANK_SESSION.is_set():
+            raise ConfigError(
+                "a cluster training session was already run in this process — the rank's relay link and the coordinator are per-session. "
+                "Run one Trainer per process: loop at the process level (invoke the script once per model)."
+            )
+        _RANK_SESSION.set()
+
+    def worker(self) -> Worker:
+        """The cooperative tier (spec §1.6): ``with trainer.worker() as w:`` — a synchronous API, the user owns the loop."""
+        entry = self.entry
+        if entry is Entry.AGENT:
+            exit_if_worker_role()
+        if entry is Entry.LAUNCHER:
+            # The launcher has no cooperative loop to hand back: it runs the launch, reports and exits.
+            from ..net.loop import run as run_loop
+
+            try:
+                run_loop(self.run())
+            except TrainingFailed as exc:
+                _print_verdict(exc)
+                clean_exit(int(exc.result.exit_code))
+            clean_exit(0)
+        if entry is Entry.RANK:
+            self._one_session()
+            from .rank import rank_worker
+
+            return rank_worker(self)
+        return _inline_worker(self)
+
+
+#: Set once a rank's session started: a rank's relay link and coordinator are per process.
+_RANK_SESSION = threading.Event()
+
+
+def _print_verdict(exc: TrainingFailed) -> None:
+    print(f"flodl: FAILED — {exc.result.reason}", file=sys.stderr)
+    details = exc.result.details_for(None)  # the launcher's console shows every rank: a traceback it showed is not repeated
+    if details:
+        print(details, file=sys.stderr)
+
+
+def _end_uncaught_training_failures_plainly(entry: Entry) -> None:
+    """A script that lets ``TrainingFailed`` escape ends plainly, without a traceback of flodl's internals.
+
+    In the launcher it ends as ``flodl-launch`` would: the verdict line and the exit-code table's
+    code (4 for a rank failure, 3 for a world that did not form...) instead of exit 1; the failing
+    rank's own traceback is already in the run's output. In a rank, the traceback of what the
+    user's code raised (the failure's cause) and one line, instead of that traceback chained to
+    the internals that re-raised it; the rank exits 1, as for any uncaught exception. An
+    application that catches the exception is not affected, and any other uncaught exception goes
+    to the hook that was there before.
+    """
+    previous = sys.excepthook
+    if getattr(previous, "flodl_training_hook", False):
+        return
+
+    def end_plainly(kind: type[BaseException], exc: BaseException, tb: Any) -> None:
+        if not isinstance(exc, TrainingFailed):
+            previous(kind, exc, tb)
+            return
+        if entry is Entry.LAUNCHER:
+            _print_verdict(exc)
+            code = int(exc.result.exit_code)
+        else:
+            if exc.__cause__ is not None:
+                traceback.print_exception(exc.__cause__)
+            print(f"flodl: rank {os.environ.get('RANK', '?')}: {exc}", file=sys.stderr)
+            code = 1
+        # CPython exits with a SystemExit raised by the excepthook (atexit handlers still run).
+        raise SystemExit(code)
+
+    end_plainly.flodl_training_hook = True  # type: ignore[attr-defined]
+    sys.excepthook = end_plainly
+
+
+def _check_functions(**functions: object) -> None:
+    what = {
+        "model": "that builds the model on the device it is given: model(device) -> nn.Module",
+        "optimizer": "that builds the optimizer for the model: optimizer(model) -> torch.optim.Optimizer",
+        "train_step": "that returns the loss: train_step(model, batch) -> tensor",
+        "collate": "that turns a list of samples into a batch",
+        "lr_schedule": "of epoch progress (a float) returning the LR multiplier",
+    }
+    for name, value in functions.items():
+        if value is None and name in ("collate", "lr_schedule"):
+            continue
+        if not callable(value):
+            raise ConfigError(f"Trainer({name}=...) must be a function {what[name]}; got {type(value).__name__}")
+
+
+def _check_data(dataset: Any, *, batch_size: object, epochs: object, drop_last: bool) -> int:
+    if not (hasattr(dataset, "__len__") and (hasattr(dataset, "__getitem__") or hasattr(dataset, "__getitems__"))):
+        raise ConfigError(
+            f"Trainer(dataset=...) must be a map-style dataset (with __len__ and __getitem__), got {type(dataset).__name__}; "
+            "wrap an iterable in a list or a torch.utils.data.TensorDataset"
+        )
+    dataset_len = len(dataset)
+    if dataset_len < 1:
+        raise ConfigError("Trainer(dataset=...) is empty; give it at least one sample")
+    size = _positive_int("batch_size", batch_size, what="samples per rank per step")
+    _positive_int("epochs", epochs, what="passes over the dataset")
+    if drop_last and dataset_len // size < 1:
+        raise ConfigError(
+            f"Trainer(batch_size={size}) is larger than the dataset ({dataset_len} samples), so with drop_last=True an epoch has no batch; "
+            "lower batch_size or pass drop_last=False"
+        )
+    return int(dataset_len)
+
+
+def _check_policy(*, policy: object, backend: object, elche: object, outer: object, checkpoint: object) -> None:
+    if not isinstance(policy, Policy):
+        raise ConfigError(f"Trainer(policy=...) must be fa.Policy.SYNC, CADENCE or ASYNC; got {policy!r}")
+    if not isinstance(backend, Backend):
+        raise ConfigError(f"Trainer(backend=...) must be fa.Backend.CPU or COLLECTIVE; got {backend!r}")
+    if (policy, backend) == (Policy.ASYNC, Backend.COLLECTIVE):
+        raise ConfigError(
+            "Trainer: (ASYNC, COLLECTIVE) is not a supported combination — bounded-lookahead async averaging needs the CPU backend "
+            "(use CADENCE with COLLECTIVE, or ASYNC with CPU)"
+        )
+    if not isinstance(elche, ElCheConfig):
+        raise ConfigError(f"Trainer(elche=...) must be an fa.ElCheConfig(...); got {type(elche).__name__}")
+    if elche.partition_ratios is not None and policy is not Policy.SYNC:
+        raise ConfigError(
+            f"Trainer(elche=ElCheConfig(partition_ratios=...)) is honored on SYNC only, and the policy is {policy.name}: "
+            "CADENCE/ASYNC size partitions from measured throughput; drop partition_ratios or use policy=fa.Policy.SYNC"
+        )
+    for knob in ("easgd_alpha", "max_overshoot"):
+        if getattr(elche, knob) is not None and policy is not Policy.ASYNC:
+            raise ConfigError(
+                f"Trainer(elche=ElCheConfig({knob}=...)) applies to ASYNC only, and the policy is {policy.name}; drop {knob} or use policy=fa.Policy.ASYNC"
+            )
+    if not isinstance(outer, _OUTER_TYPES):
+        raise ConfigError(f"Trainer(outer=...) must be fa.OuterAvg(), fa.SlowMo(...) or fa.DiLoCo(...); got {type(outer).__name__}")
+    if not isinstance(checkpoint, Checkpointing):
+        raise ConfigError(f"Trainer(checkpoint=...) must be an fa.Checkpointing(...); got {type(checkpoint).__name__}")
+
+
+def _finite_positive(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+
+
+def _check_rest(*, cluster: object, rank_command: object, seed: object, max_grad_norm: object, heartbeat_timeout: object, name: object) -> None:
+    from ..config.cluster import ClusterSpec
+
+    if cluster is not None and not isinstance(cluster, str | os.PathLike | ClusterSpec):
+        raise ConfigError(f"Trainer(cluster=...) must be a cluster file path or a ClusterSpec; got {type(cluster).__name__}")
+    if rank_command is not None and (
+        isinstance(rank_command, str) or not isinstance(rank_command, Sequence) or not rank_command or not all(isinstance(p, str) and p for p in rank_command)
+    ):
+        raise ConfigError(f"Trainer(rank_command=...) must be a list of strings, e.g. [sys.executable, '-m', 'myapp.rank_entry']; got {rank_command!r}")
+    if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
+        raise ConfigError(f"Trainer(seed=...) must be a whole number of 0 or more; got {seed!r}")
+    if max_grad_norm is not None and not _finite_positive(max_grad_norm):
+        raise ConfigError(f"Trainer(max_grad_norm=...) must be a positive number (or None for no clipping); got {max_grad_norm!r}")
+    if not _finite_positive(heartbeat_timeout):
+        raise ConfigError(f"Trainer(heartbeat_timeout=...) must be a positive number of seconds; got {heartbeat_timeout!r}")
+    if not isinstance(name, str):
+        raise ConfigError(f"Trainer(name=...) must be a string; got {type(name).__name__}")
+
+
+def _max_failure(value: MaxFailure | int | float | None) -> MaxFailure | None:
+    if value is None or isinstance(value, MaxFailure):
+        return value
+    if isinstance(value, bool):
+        raise ConfigError(f"Trainer(max_failure=...) takes a count, a fraction or fa.MaxFailure(...); got {value!r}")
+    if isinstance(value, int):
+        if value < 1:
+            raise ConfigError(f"Trainer(max_failure={value}) must be at least 1 rank (or None to tolerate any partial loss)")
+        return MaxFailure(absolute=value)
+    if isinstance(value, float):
+        if not 0.0 < value <= 1.0:
+            raise ConfigError(f"Trainer(max_failure={value}) as a fraction must be in (0, 1] of the world size")
+        return MaxFailure(percent=value)
+    raise ConfigError(f"Trainer(max_failure=...) takes a count, a fraction or fa.MaxFailure(...); got {type(value).__name__}")
+
+
+# ----- INLINE ------------------------------------------------------------------------------------
+
+
+def _trained(fields: Mapping[str, Any], *, primary: bool) -> TrainedState:
+    return TrainedState(
+        state_dict=fields["state_dict"],
+        param_names=tuple(fields["param_names"]),
+        epochs_completed=int(fields["epochs_completed"]),
+        global_step=int(fields["global_step"]),
+        world_size=int(fields["world_size"]),
+        lost_ranks=tuple(fields.get("lost_ranks", ())),
+        interrupted=bool(fields.get("interrupted", False)),
+        primary=primary,
+    )
+
+
+class _InlineDriver:
+    """One process, one device: the compute thread trains every epoch (spec §1.5 INLINE)."""
+
+    primary = True
+
+    def __init__(self, trainer: Trainer) -> None:
+        self._trainer = trainer
+        self._stop = threading.Event()
+
+    async def run(self, publish: Callable[[EpochMetrics], None]) -> TrainedState:
+        from .worker import Compute, InlineSchedule, default_device, run_managed
+
+        trainer = self._trainer
+        config = trainer.compute_config()
+
+        def train() -> Mapping[str, Any]:
+            compute = Compute(config, default_device())
+            schedule = InlineSchedule(compute, epochs=trainer.epochs, publish=publish, stop=self._stop)
+            return run_managed(compute, schedule)
+
+        try:
+            fields = await _on_thread(train, name="flodl-compute", on_cancel=self._stop.set)
+        except ConfigError:
+            raise
+        except Exception as exc:
+            raise TrainingFailed(RunResult(exit_code=ExitCode.RANK_FAILURE, reason=f"this process raised {exc!r}")) from exc
+        return _trained(fields, primary=True)
+
+    def request_stop(self) -> None:
+        self._stop.set()
+
+    def force_stop(self) -> None:
+        self._stop.set()  # inline stops after the current batch; there is nothing to kill
+
+
+async def _on_thread(fn: Callable[[], Any], *, name: str, on_cancel: Callable[[], None]) -> Any:
+    """Run ``fn`` on a new thread of its own (a whole training would hold a default-executor slot for its lifetime).
+
+    Cancelled (the loop is closing), it calls ``on_cancel`` (a stop request) and waits for the thread to end.
+    """
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[Any] = loop.create_future()
+
+    def settle(ok: bool, value: Any) -> None:
+        if done.done():
+            return
+        if ok:
+            done.set_result(value)
+        else:
+            done.set_exception(value)
+
+    def body() -> None:
+        try:
+            outcome: tuple[bool, Any] = (True, fn())
+        except BaseException as exc:  # handed to the awaiting task, which re-raises it
+            outcome = (False, exc)
+        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: nobody awaits the outcome
+            loop.call_soon_threadsafe(settle, *outcome)
+
+    thread = threading.Thread(target=body, name=name, daemon=True)
+    thread.start()
+    try:
+        return await asyncio.shield(done)
+    except asyncio.CancelledError:
+        on_cancel()
+        with contextlib.suppress(BaseException):
+            await asyncio.shield(done)
+        raise
+    finally:
+        # The thread still drops its frames (torch tensors, the model) after handing over the outcome; a
+        # daemon thread caught in torch's C++ at interpreter exit aborts the process ("terminate called").
+        await loop.run_in_executor(None, thread.join)
+
+
+def _inline_worker(trainer: Trainer) -> Worker:
+    from .worker import Compute, InlineSchedule, Worker, default_device
+
+    compute = Compute(trainer.compute_config(), default_device())
+    inbox: collections.deque[EpochMetrics] = collections.deque()
+    schedule = InlineSchedule(compute, epochs=trainer.epochs, publish=inbox.append, stop=threading.Event())
+    return Worker(compute, schedule, primary=True, inbox=inbox, finish=lambda fields: _trained(fields, primary=True), close=lambda: None)
+
+
+# ----- roles that never train here ---------------------------------------------------------------
+
+
+def current_role() -> Role:
+    """This process's role, from the environment (for scripts that gate themselves before ``run()``)."""
+    return detect_role(os.environ)
+
+
+def clean_exit(code: int) -> None:
+    """Flush stdout/stderr and ``os._exit(code)``: skip interpreter teardown (torch's costs 0.3-0.5 s)."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
+
+
+def exit_if_worker_role() -> None:
+    """In an agent process, run the agent to its end and exit; anywhere else, return at once.
+
+    Call it first in a script that gates before ``run()``. Launcher and rank pass through — and rank
+    processes run the gate too, so a gate must not assume it sees the whole world.
+    ``FLODL_INTERNAL_AGENT_SPEC`` holds the ``flodl-agent`` arguments as a JSON list.
+    """
+    env = os.environ
+    if detect_role(env) is not Role.AGENT:
+        return
+    import json
+
+    from ..agent.cli import main as agent_main
+
+    try:
+        args = json.loads(env[AGENT_VAR])
+    except ValueError:
+        args = None
+    if not isinstance(args, list) or not all(isinstance(a, str) for a in args):
+        print(f"flodl: {AGENT_VAR} must hold the flodl-agent arguments as a JSON list of strings; got {env[AGENT_VAR]!r}", file=sys.stderr)
+        clean_exit(int(ExitCode.USAGE))
+    clean_exit(agent_main(args))

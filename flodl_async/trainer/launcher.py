@@ -1,0 +1,268 @@
+"""The Trainer's launcher role: the controller on the caller's event loop, this program re-executed as the ranks (D6).
+
+Theory of operation. A script whose Trainer has ``cluster=`` (or that sees 2+
+GPUs, or runs with ``FLODL_INTERNAL_CLUSTER_SPEC``) becomes the launcher: it
+builds a :class:`~flodl_async.config.plan.LaunchPlan` exactly as ``flodl-launch``
+would (same cluster file rules, same secret, same join window), with the ranks'
+command being this program again (``sys.orig_argv``, or ``rank_command``), and
+runs the :class:`~flodl_async.controller.Controller` as a task of the running
+loop, next to whatever else the application does. The ranks build the same
+Trainer and join the coordinator in the RANK role. The launcher never builds
+the model: the model schema comes from the ranks' hellos.
+
+The launcher is the run's primary process (its ranks are told so through
+``FLODL_TRAINER_LAUNCHER_PRIMARY``), and its ``run()`` returns the reducer's
+final consensus (D1). A stop (``shutdown()``, cancelling ``trainer.run()``,
+SIGTERM, Ctrl-C) asks the coordinator for an orderly end — a final round, the
+state returned — before any signal reaches a rank; a second signal forces.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import secrets
+import signal
+import socket
+import sys
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from ..config.cluster import ClusterSpec, DeviceSpec, WorkerSpec, load_cluster
+from ..config.plan import LaunchPlan, PlacedWorker
+from ..config.rankenv import RUN_ID_VAR
+from ..config.roles import CONTROLLER_VAR
+from ..deadlines import Deadlines
+from ..errors import ConfigError, RuntimeDirError, TrainingFailed
+from ..training.policy import Backend
+from ..verdict import ExitCode, RunResult
+from ..wire.keys import new_session_secret
+from .entry import count_visible_gpus, resolve_rank_command
+from .rank import LAUNCHER_PRIMARY_VAR
+
+if TYPE_CHECKING:
+    from ..controller import Controller
+    from ..controller.training import TrainerAttachment
+    from ..host.runs import Registration
+    from ..training.metrics import EpochMetrics
+    from .api import TrainedState, Trainer
+
+log = logging.getLogger("flodl_async.cli.launch")
+
+
+def cluster_of(trainer: Trainer, env: dict[str, str] | os._Environ[str]) -> ClusterSpec:
+    """The cluster this launcher runs: ``cluster=``, else ``FLODL_INTERNAL_CLUSTER_SPEC``, else one host over its visible GPUs."""
+    from ..cli.launch import this_machine
+
+    local = this_machine().names
+    given = trainer.cluster
+    if isinstance(given, ClusterSpec):
+        return given
+    if given is not None:
+        return load_cluster(os.fspath(given), local_names=local)
+    path = env.get(CONTROLLER_VAR)
+    if path:
+        return load_cluster(path, local_names=local)
+    gpus = count_visible_gpus(env)
+    if gpus < 2:
+        raise ConfigError(f"auto-promote multi-GPU failed: {gpus} visible GPU(s); pass Trainer(cluster=...) or Trainer(auto_promote=False)")
+    return ClusterSpec(
+        controller=_one_host_controller(),
+        workers=(WorkerSpec(host=socket.gethostname(), devices=DeviceSpec.gpus(tuple(range(gpus)))),),
+        source="auto-promote",
+    )
+
+
+def _one_host_controller() -> Any:
+    from ..config.cluster import ControllerSpec, JoinKnobs
+
+    return ControllerSpec(host="127.0.0.1", port=0, join=JoinKnobs(join_timeout=60.0))
+
+
+def launch_plan(trainer: Trainer, spec: ClusterSpec, *, argv: list[str], executable: str, run_id: str | None = None) -> LaunchPlan:
+    """The launch plan of a Trainer launcher: ``flodl-launch``'s, with this program as the ranks' command."""
+    from ..cli.launch import _cluster_token, placement_of, this_machine
+
+    if trainer.backend is not Backend.CPU and any(w.tunnel for w in spec.workers):
+        raise ConfigError(
+            f"{spec.source}: workers with `tunnel: true` need Trainer(backend=fa.Backend.CPU) — a tunnel carries no rank-to-rank "
+            "collective traffic; drop the tunnel or use the CPU backend"
+        )
+    command = resolve_rank_command(argv, executable, given=trainer.rank_command)
+    deadlines = Deadlines.resolve()
+    aliases = this_machine()
+    capacity = sum(w.devices.known_count or 0 for w in spec.workers)
+    return LaunchPlan(
+        run_id=run_id or f"flodl-{secrets.token_hex(4)}",
+        secret=new_session_secret(),
+        bind_host=spec.bind_host(aliases.names),
+        port=spec.controller.port,
+        join=spec.controller.join.resolve(capacity, scale=deadlines.scale),
+        workers=tuple(PlacedWorker(spec=w, placement=placement_of(w, aliases.names)) for w in spec.workers),
+        command=command,
+        cluster_env={**spec.env, LAUNCHER_PRIMARY_VAR: "1"},
+        deadlines=deadlines,
+        host_aliases=aliases,
+        token=_cluster_token(None, spec),
+        one_host=spec.source == "auto-promote",
+    )
+
+
+def _configure_logging() -> None:
+    """A script that set up no logging still sees the launcher's lines (as ``flodl-launch`` prints them)."""
+    root = logging.getLogger("flodl_async")
+    if root.handlers or logging.getLogger().handlers:
+        return
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("flodl: %(message)s"))
+    root.addHandler(handler)
+    root.setLevel(logging.INFO)
+    root.propagate = False
+
+
+class LauncherDriver:
+    """Runs the controller for a Trainer on the caller's loop and returns the final consensus."""
+
+    primary = True
+
+    def __init__(self, trainer: Trainer) -> None:
+        self._trainer = trainer
+        spec = cluster_of(trainer, os.environ)
+        # FLODL_RUN_ID names the run when an outer tool (or a test) wants to find its processes.
+        self.plan = launch_plan(trainer, spec, argv=list(sys.orig_argv), executable=sys.executable, run_id=os.environ.get(RUN_ID_VAR) or None)
+        self.run_id = self.plan.run_id
+        self._controller: Controller | None = None
+        self._stop_requested = False
+        self._stop_signals = 0
+
+    async def run(self, publish: Callable[[EpochMetrics], None]) -> TrainedState:
+        from ..agent import RankOutput
+        from ..controller import Controller, training
+
+        _configure_logging()
+        plan = self.plan
+        output = RankOutput(stdout=sys.stdout.buffer, stderr=sys.stderr.buffer, run_id=plan.run_id)
+        controller = Controller(plan, output=output)
+        attachment = training.attach(controller, reference=self._trainer.spec(), on_epoch=publish)
+        self._controller = controller
+        loop = asyncio.get_running_loop()
+        # Ctrl-C too: left to asyncio.run, SIGINT cancels the main task, and the loop's shutdown
+        # then cancels every task, the controller's own, before any round could end in order.
+        handled = [h for sig in (signal.SIGINT, signal.SIGTERM) if (h := _add_signal_handler(loop, sig, self._on_stop_signal)) is not None]
+        registration: Registration | None = None
+        try:
+            await controller.bind()
+            registration = _announce(plan, controller.port)
+            # Not in a TaskGroup: a cancelled run() must keep the controller going until it stops in order
+            # (below); this coroutine awaits the task on every path, so it is the task's owner.
+            task = loop.create_task(controller.run(), name=f"trainer-controller-{plan.run_id}")
+            try:
+                result = await asyncio.shield(task)
+            except asyncio.CancelledError:
+                # The loop is closing (or our task was cancelled): stop in order, wait for the verdict, then go.
+                self.request_stop()
+                with contextlib.suppress(Exception):
+                    await asyncio.shield(task)
+                raise
+        finally:
+            if registration is not None:
+                registration.remove()
+            for sig, before in handled:
+                loop.remove_signal_handler(sig)
+                if before is not None:  # None: a handler not set from Python, which cannot be put back
+                    signal.signal(sig, before)  # asyncio.run's own SIGINT handler, say, not the default one
+            await controller.aclose()
+            output.close()
+        return final_state(attachment, result)
+
+    def request_stop(self) -> None:
+        """Ask the coordinator for an orderly end, once: every later request (a cancellation on the same path) waits for it."""
+        self._stop_in_order("the launcher's TrainingRun.shutdown()", signal.SIGTERM)
+
+    def _stop_in_order(self, why: str, sig: signal.Signals) -> None:
+        controller = self._controller
+        if controller is None or self._stop_requested:
+            return
+        self._stop_requested = True
+        request_orderly_stop(controller, why, sig)
+
+    def _on_stop_signal(self, sig: signal.Signals) -> None:
+        """SIGINT or SIGTERM: the first asks for the orderly end, a second forces it (the signal table)."""
+        self._stop_signals += 1
+        if self._stop_signals == 1:
+            self._stop_in_order(f"the launcher got {sig.name}", sig)
+        else:
+            self.force_stop()  # the controller says so ("second SIGTERM: forcing the stop (KILL now)")
+
+    def force_stop(self) -> None:
+        controller = self._controller
+        if controller is not None:
+            controller.interrupt(int(signal.SIGTERM))
+            controller.interrupt(int(signal.SIGTERM))
+
+
+def _announce(plan: LaunchPlan, port: int) -> Registration | None:
+    """``flodl-launch``'s banner (where the status answers), and the entry that lets ``flodl ps`` / a bare ``flodl status`` find this run."""
+    from ..cli.launch import banner, status_host, warn_oversubscribed
+    from ..host.runs import register
+
+    warn_oversubscribed(plan)  # this host's CPU ranks; every other host's are checked at its join
+    log.info("%s", banner(plan, port))
+    try:
+        return register(run_id=plan.run_id, address=status_host(plan.bind_host), port=port)
+    except RuntimeDirError as exc:
+        log.warning("not registered for `flodl ps` / `flodl status`: %s", exc)
+        return None
+
+
+def _add_signal_handler(loop: asyncio.AbstractEventLoop, sig: signal.Signals, callback: Callable[[signal.Signals], None]) -> tuple[signal.Signals, Any] | None:
+    """Install ``callback(sig)`` for ``sig`` when this loop can (the main thread's loop only); returns the handler it replaced.
+
+    An application that gave the loop its own handler for ``sig`` keeps it: the loop holds one
+    handler per signal, and ours would replace it for good (removing ours cannot give it back).
+    Such an application stops the run itself (``run.shutdown()``, or cancelling ``trainer.run()``).
+    """
+    if sig in getattr(loop, "_signal_handlers", {}):  # asyncio's own loops keep them there
+        return None
+    before = signal.getsignal(sig)
+    try:
+        loop.add_signal_handler(sig, callback, sig)
+    except (RuntimeError, ValueError, NotImplementedError):
+        return None
+    return sig, before
+
+
+# ----- the controller's training shell (controller/training.py): what the launcher reads of it ---------
+
+
+def request_orderly_stop(controller: Controller, why: str, sig: signal.Signals) -> None:
+    """Ask the coordinator for a stop with a final round (no signal reaches a rank for it); before it exists, stop the run with ``sig``."""
+    from ..controller import training
+
+    if not training.request_stop(controller, why):
+        controller.interrupt(int(sig))
+
+
+def final_state(attachment: TrainerAttachment, result: RunResult) -> TrainedState:
+    """The launcher's ``TrainedState``: the final consensus the controller kept, or ``TrainingFailed`` with the verdict."""
+    from .api import TrainedState
+
+    outcome = attachment.outcome()
+    stopped = result.exit_code in (ExitCode.INTERRUPTED, ExitCode.TERMINATED) and outcome is not None and outcome.ok
+    if result.exit_code is not ExitCode.OK and not stopped:
+        raise TrainingFailed(result)
+    if outcome is None or outcome.state_dict is None:
+        reason = f"{result.reason}, but the launcher holds no final consensus"
+        raise TrainingFailed(RunResult(exit_code=ExitCode.INTERNAL, reason=reason, details=result.details))
+    return TrainedState(
+        state_dict=outcome.state_dict,
+        param_names=outcome.param_names,
+        epochs_completed=outcome.epochs_completed,
+        global_step=outcome.global_step,
+        world_size=outcome.world_size,
+        lost_ranks=outcome.lost_ranks,
+        interrupted=outcome.interrupted,
+        primary=True,
+    )

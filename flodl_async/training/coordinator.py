@@ -1,0 +1,912 @@
+"""The Trainer's coordinator: a pure state machine on the control channel (trainer-spec §2).
+
+Theory of operation. h11-shaped: the controller's training shell feeds
+:meth:`Coordinator.handle` every event that matters (a rank's ``TrainerHello``, a window
+report, any frame seen from a rank, a rank lost, a round completed, a stop request, a
+deadline passed) with ``now`` (monotonic seconds) and carries out the returned actions in
+order; it calls again with :class:`Tick` at :meth:`Coordinator.next_deadline`. Nothing
+here reads a clock, touches a socket or imports torch.
+
+Phases::
+
+    JOINING ──all hellos──▶ INIT ──round 0 done──▶ TRAINING ──last epoch closed──▶ FINAL ──▶ DONE
+       │                     │                      │   └──stop──▶ STOPPING ──in-flight done──┘
+       └── mismatch, hello timeout, a rank lost, a stall ─────────────────────────────▶ FAILED
+
+* JOINING: the first ``TrainerHello`` fixes the reference spec and digest; every other
+  must match (``TrainerReject`` and a verdict naming the rank and the first differing
+  field otherwise), and every rank of the world must say hello within ``hello_timeout``
+  of the first. Each valid hello is welcomed at once.
+* INIT: ``Reduce(0, init)`` (the root's state becomes everyone's) and the kickoff plans of
+  epoch 0 go out together.
+* TRAINING, one window at a time: plans → ``WindowDone`` reports → the count-based gate
+  (:func:`~flodl_async.training.policy.should_reduce`) → ElChe's report → ``Reduce(k)`` with the
+  plans of window ``k+1`` (ASYNC: a rank's next plan as soon as its report arrives, while
+  its epoch's pool lasts). The reduce of the window that drained an epoch's pool closes
+  the epoch: its metrics are published when that round completes. Windows never span
+  epochs.
+* FINAL: ``Reduce(final)`` — from the controller's held consensus when nobody stepped
+  since the last reduce (SYNC/CADENCE natural end), else contributed by every alive rank;
+  COLLECTIVE then uploads the primary rank's state (``upload``). Then ``Shutdown``.
+* A rank lost (relay ``RankGone``, a death record, a non-zero exit, heartbeat staleness)
+  runs the death chain: forfeit its in-flight batches, ``DeclareDead`` (the reducer stops
+  waiting on it), then :func:`~flodl_async.training.policy.unrecoverable_reason` — in this issue
+  every loss is unrecoverable (``elastic=False``) and ends the run with a verdict naming
+  the rank; elastic continuation flips that flag.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+from ..errors import ConfigError
+from ..verdict import ExitCode
+from ..wire import messages as m
+from ..wire.schema import Message
+from . import partition as part
+from .elche import ElChe
+from .metrics import EpochLedger, EpochMetrics
+from .modelschema import ModelSchema
+from .policy import RULES, Backend, GateRank, Policy, failure_limit, hold_after, should_reduce, unrecoverable_reason
+from .spec import TrainerSpec, digest_of, spec_diff
+
+# ----- configuration -------------------------------------------------------------------------
+
+
+REPORTS_AHEAD_LIMIT = 64  # windows a rank may report ahead of the coordinator's current round (see _on_window)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CoordinatorConfig:
+    """What the shell knows when the first hello arrives (deadlines already scaled)."""
+
+    run_id: str
+    world_size: int
+    #: Which host runs each rank (for the verdicts' wording).
+    hosts: Mapping[int, str] = field(default_factory=dict)
+    hello_timeout: float = 120.0
+    reduce_stall: float = 120.0
+    #: Multiplies the spec's ``heartbeat_timeout`` (``FLODL_NET_TIMEOUT_SCALE``).
+    timeout_scale: float = 1.0
+    #: Continue after a rank loss within ``max_failure`` (the elastic issue); off here.
+    elastic: bool = False
+    primary_rank: int = 0
+    #: The launcher's own spec when the user's script is the launcher: every rank must match it.
+    reference: TrainerSpec | None = None
+
+
+class CoordPhase(enum.Enum):
+    """Where the run is."""
+
+    JOINING = "joining"
+    INIT = "init"
+    TRAINING = "training"
+    STOPPING = "stopping"
+    FINAL = "final"
+    DONE = "done"
+    FAILED = "failed"
+
+
+_OVER = (CoordPhase.DONE, CoordPhase.FAILED)
+
+# ----- events --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TrainerJoined:
+    """A rank's ``TrainerHello`` arrived."""
+
+    hello: m.TrainerHello
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class WindowReported:
+    """A rank's ``WindowDone`` arrived."""
+
+    report: m.WindowDone
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class FrameSeen:
+    """Some frame (a heartbeat included) arrived from ``rank``: a sign of life."""
+
+    rank: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RankLost:
+    """``rank`` is gone: its relay link closed, it exited non-zero, or its agent lost it."""
+
+    rank: int
+    reason: str
+    details: str = ""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RankExiting:
+    """A rank's ``Exiting``: a clean exit, or a death record with its traceback."""
+
+    message: m.Exiting
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RoundCompleted:
+    """The reducer finished ``round`` (``duration_ms``: Reduce sent → last consensus frame written)."""
+
+    round: int
+    kind: str
+    mass: float
+    duration_ms: float
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CollectiveDone:
+    """A rank's ``ReduceDone`` (COLLECTIVE backend)."""
+
+    message: m.ReduceDone
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StopRequested:
+    """An orderly stop: a final round, then ``Shutdown`` (``TrainingRun.shutdown``, a signal)."""
+
+    reason: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Tick:
+    """:meth:`Coordinator.next_deadline` passed."""
+
+
+Event = TrainerJoined | WindowReported | FrameSeen | RankLost | RankExiting | RoundCompleted | CollectiveDone | StopRequested | Tick
+
+# ----- actions -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Send:
+    """Send a down-message: to its ``rank``'s relay link, or (``rank == -1``) to every relay."""
+
+    message: Message
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StartRound:
+    """Open round ``round`` and broadcast its ``Reduce``.
+
+    ``reducer``: the controller's reducer runs it (open it with ``expected`` before the
+    broadcast, report :class:`RoundCompleted`); otherwise the ranks all_reduce among
+    themselves and answer ``ReduceDone`` (COLLECTIVE).
+    """
+
+    round: int
+    kind: str
+    expected: frozenset[int]
+    from_controller: bool
+    reducer: bool
+    message: m.Reduce
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DeclareDead:
+    """``rank`` is dead: release it from the reducer's rounds and broadcast ``DeclareDead``."""
+
+    rank: int
+    reason: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PublishEpoch:
+    """An epoch closed: the log line, the status page, the launcher's handle, ``EpochAggregated``."""
+
+    metrics: EpochMetrics
+
+
+class Level(enum.Enum):
+    """How loud a line is."""
+
+    INFO = "info"
+    WARNING = "warning"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Log:
+    """One line for the operator."""
+
+    text: str
+    level: Level = Level.INFO
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Finish:
+    """Training ended in order (``Shutdown`` already in the actions before this): the run's success reason."""
+
+    reason: str
+    save_reason: str
+    interrupted: bool = False
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Fail:
+    """The coordinator cannot go on: the run's root cause (``rank`` is who, or -1)."""
+
+    code: ExitCode
+    reason: str
+    rank: int = -1
+    details: str = ""
+    save_reason: str = ""
+
+
+Action = Send | StartRound | DeclareDead | PublishEpoch | Log | Finish | Fail
+
+# ----- the machine ---------------------------------------------------------------------------
+
+#: Save reasons that are the operator's limit rather than a plain failure.
+_EXIT_FOR_SAVE_REASON = {"max_failure_exceeded": ExitCode.MAX_FAILURE}
+
+
+@dataclass(slots=True, kw_only=True)
+class _InFlight:
+    round: int
+    kind: str
+    started_at: float
+    collective: bool
+    waiting: set[int]
+    closes_epoch: int | None = None
+    mass: float = 0.0
+    ms: float = 0.0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RankView:
+    """One rank on the status page."""
+
+    rank: int
+    host: str
+    state: str
+    batches: int
+    heartbeat_age: float
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CoordinatorView:
+    """A frozen snapshot for the status endpoint's ``training`` block."""
+
+    phase: str
+    epoch: int
+    epochs: int
+    policy: str
+    backend: str
+    anchor: int
+    counts: tuple[int, ...]
+    last_reduce_ms: float
+    ranks: tuple[RankView, ...]
+
+
+class Coordinator:
+    """One training run's decisions; pure, ``now`` passed in."""
+
+    def __init__(self, config: CoordinatorConfig, *, now: float) -> None:
+        if config.world_size < 1:
+            raise ValueError(f"a training world needs at least one rank, got {config.world_size}")
+        self.config = config
+        self.phase = CoordPhase.JOINING
+        self._created_at = now
+        self._reference: m.TrainerHello | None = None
+        self._spec: TrainerSpec | None = None
+        self._first_hello_at: float | None = None
+        self._joined: dict[int, m.TrainerHello] = {}
+        self._alive: set[int] = set()
+        self._dead: set[int] = set()
+        self._exiting: set[int] = set()
+        self._last_seen: dict[int, float] = {}
+        self._elche: ElChe | None = None
+        self._round = 1  # the window being gathered; round 0 is INIT
+        self._reports: dict[int, dict[int, m.WindowDone]] = {}
+        self._plans: dict[tuple[int, int], m.Plan] = {}
+        self._planned_round: dict[int, int] = {}
+        self._sync_left: dict[int, int] = {}
+        self._in_flight: _InFlight | None = None
+        self._epoch = 0
+        self._pool = part.ChunkPool(0)
+        self._epoch_last_round = 0
+        self._ledgers: dict[int, EpochLedger] = {}
+        self._round_epoch: dict[int, int] = {}
+        self._completed_epochs = 0
+        self._last_sync_ms = 0.0
+        self._batches: dict[int, int] = {}
+        self._stop_reason: str | None = None
+        self._handlers: Mapping[type, Callable[[object, float], list[Action]]] = {
+            TrainerJoined: self._on_joined,  # type: ignore[dict-item]
+            WindowReported: self._on_window,  # type: ignore[dict-item]
+            FrameSeen: self._on_frame,  # type: ignore[dict-item]
+            RankLost: self._on_lost,  # type: ignore[dict-item]
+            RankExiting: self._on_exiting,  # type: ignore[dict-item]
+            RoundCompleted: self._on_round_completed,  # type: ignore[dict-item]
+            CollectiveDone: self._on_collective_done,  # type: ignore[dict-item]
+            StopRequested: self._on_stop,  # type: ignore[dict-item]
+            Tick: self._on_tick,  # type: ignore[dict-item]
+        }
+
+    # ----- queries ----------------------------------------------------------------------------
+
+    @property
+    def spec(self) -> TrainerSpec | None:
+        """The reference spec (after the first valid hello)."""
+        return self._spec
+
+    @property
+    def reference(self) -> m.TrainerHello | None:
+        """The hello that fixed the run's spec, schema and digest."""
+        return self._reference
+
+    @property
+    def alive(self) -> frozenset[int]:
+        """Ranks that joined and are not lost."""
+        return frozenset(self._alive)
+
+    @property
+    def completed_epochs(self) -> int:
+        """Epochs closed so far."""
+        return self._completed_epochs
+
+    @property
+    def stop_requested(self) -> bool:
+        """An orderly stop was asked for (a second request changes nothing)."""
+        return self._stop_reason is not None
+
+    @property
+    def dead(self) -> frozenset[int]:
+        """Ranks lost so far."""
+        return frozenset(self._dead)
+
+    @property
+    def global_step(self) -> int:
+        """Cohort batches trained, divided by the world size (trainer-spec §2.4)."""
+        return sum(self._batches.values()) // self.config.world_size
+
+    def _heartbeat_timeout(self) -> float | None:
+        return None if self._spec is None else self._spec.heartbeat_timeout * self.config.timeout_scale
+
+    def next_deadline(self, now: float) -> float | None:
+        """When to call again with :class:`Tick` if nothing else happens (None: no deadline)."""
+        del now  # deadlines are absolute; kept for the h11 shape
+        if self.phase in _OVER:
+            return None
+        candidates: list[float] = []
+        if self.phase is CoordPhase.JOINING and self._first_hello_at is not None:
+            candidates.append(self._first_hello_at + self.config.hello_timeout)
+        timeout = self._heartbeat_timeout()
+        if timeout is not None:
+            candidates.extend(self._last_seen[r] + timeout for r in self._alive if r not in self._exiting)
+        if self._in_flight is not None:
+            candidates.append(self._in_flight.started_at + self.config.reduce_stall)
+        return min(candidates, default=None)
+
+    def view(self, now: float) -> CoordinatorView:
+        """What the status page shows of training."""
+        spec = self._spec
+        elche = self._elche
+        ranks = []
+        for rank in range(self.config.world_size):
+            state = "dead" if rank in self._dead else "exiting" if rank in self._exiting else "training" if rank in self._alive else "joining"
+            seen = self._last_seen.get(rank)
+            ranks.append(
+                RankView(
+                    rank=rank,
+                    host=self.config.hosts.get(rank, ""),
+                    state=state,
+                    batches=self._batches.get(rank, 0),
+                    heartbeat_age=0.0 if seen is None else max(0.0, now - seen),
+                )
+            )
+        return CoordinatorView(
+            phase=self.phase.value,
+            epoch=self._completed_epochs,
+            epochs=0 if spec is None else spec.epochs,
+            policy="" if spec is None else spec.policy.value,
+            backend="" if spec is None else spec.backend.value,
+            anchor=0 if elche is None else elche.anchor,
+            counts=() if elche is None else elche.counts,
+            last_reduce_ms=self._last_sync_ms,
+            ranks=tuple(ranks),
+        )
+
+    # ----- the one entry point ------------------------------------------------------------------
+
+    def handle(self, event: Event, now: float) -> list[Action]:
+        """Take one event; return what the shell must do, in order."""
+        rank = _rank_of(event)
+        if rank is not None and rank in self._joined:
+            self._last_seen[rank] = max(self._last_seen.get(rank, now), now)
+        if self.phase in _OVER and not isinstance(event, TrainerJoined):
+            return []
+        return self._handlers[type(event)](event, now)
+
+    # ----- joining ------------------------------------------------------------------------------
+
+    def _host(self, rank: int) -> str:
+        host = self.config.hosts.get(rank)
+        return f"host {host}" if host else "its host"
+
+    def _on_joined(self, event: TrainerJoined, now: float) -> list[Action]:
+        hello = event.hello
+        rank = hello.rank
+        if self.phase is not CoordPhase.JOINING:
+            if rank in self._joined:
+                return [Log(text=f"rank {rank} said TrainerHello twice; ignoring the second", level=Level.WARNING)]
+            return [Send(message=m.TrainerReject(rank=rank, reason="this run's Trainer already started without it"))]
+        if not 0 <= rank < self.config.world_size:
+            return [Send(message=m.TrainerReject(rank=rank, reason=f"rank {rank} is not in this world of {self.config.world_size}"))]
+        if rank in self._joined:
+            return [Log(text=f"rank {rank} said TrainerHello twice; ignoring the second", level=Level.WARNING)]
+        problem = self._check_hello(hello)
+        if problem is not None:
+            return self._fail_before_init(rank, problem)
+        if self._reference is None:
+            self._reference = hello
+            self._first_hello_at = now
+        self._joined[rank] = hello
+        self._alive.add(rank)
+        self._last_seen[rank] = now
+        actions: list[Action] = [
+            Send(message=m.TrainerWelcome(rank=rank, world_size=self.config.world_size, run_id=self.config.run_id, primary_rank=self.config.primary_rank))
+        ]
+        if len(self._joined) == self.config.world_size:
+            actions.extend(self._start(now))
+        return actions
+
+    def _check_hello(self, hello: m.TrainerHello) -> str | None:
+        """Why this hello cannot join (None: it can); the first valid one becomes the reference."""
+        try:
+            claimed = digest_of(hello.spec, hello.model)
+        except ConfigError as exc:
+            return f"rank {hello.rank} ({self._host(hello.rank)}) sent a Trainer spec this controller cannot read: {exc}"
+        if claimed != hello.digest:
+            return (
+                f"rank {hello.rank} ({self._host(hello.rank)}) sent a digest that does not match its own Trainer spec; "
+                "are the rank and the controller running the same flodl_async version?"
+            )
+        launcher = self.config.reference
+        if launcher is not None:
+            diff = spec_diff(launcher.to_wire(), hello.spec)
+            if diff is not None:
+                return (
+                    f"rank {hello.rank} ({self._host(hello.rank)}) built a different Trainer than the launcher: {diff}. "
+                    "Every rank must build the Trainer from the same arguments — are the ranks running different code or command lines?"
+                )
+        ref = self._reference
+        if ref is None:
+            try:
+                self._spec = TrainerSpec.from_wire(hello.spec)
+            except ConfigError as exc:
+                return f"rank {hello.rank} ({self._host(hello.rank)}) sent an invalid Trainer spec: {exc}"
+            return None
+        if hello.digest == ref.digest:
+            return None
+        diff = spec_diff(ref.spec, hello.spec)
+        what = "Trainer"
+        if diff is None:
+            what = "model"
+            diff = ModelSchema.from_wire(ref.model).first_difference(ModelSchema.from_wire(hello.model)) or "the digests differ"
+        return (
+            f"rank {hello.rank} ({self._host(hello.rank)}) built a different {what} than rank {ref.rank}: {diff}. "
+            "Every rank must build the Trainer from the same arguments — are the ranks running different code or command lines?"
+        )
+
+    def _fail_before_init(self, rank: int, reason: str) -> list[Action]:
+        self.phase = CoordPhase.FAILED
+        return [
+            Send(message=m.TrainerReject(rank=rank, reason=reason)),
+            Log(text=reason, level=Level.WARNING),
+            Send(message=m.Shutdown(reason=reason, save_reason="")),
+            Fail(code=ExitCode.FORMATION, reason=reason, rank=rank),
+        ]
+
+    def _require_spec(self) -> TrainerSpec:
+        if self._spec is None:
+            raise RuntimeError("no reference spec yet")
+        return self._spec
+
+    def _start(self, now: float) -> list[Action]:
+        spec = self._require_spec()
+        self.phase = CoordPhase.INIT
+        self._elche = ElChe(
+            self.config.world_size,
+            spec.settings,
+            batches_per_epoch=spec.n_batches,
+            growth=spec.policy is not Policy.SYNC,
+            dispatch=RULES[spec.policy].elche_dispatch,
+        )
+        actions: list[Action] = [
+            Log(text=f"training: {self.config.world_size} rank(s), {spec.policy.name} on {spec.backend.name}, {spec.epochs} x {spec.n_batches} batches"),
+            self._start_round(0, "init", now),
+        ]
+        if spec.max_failure is not None and not self.config.elastic:
+            # Accepted so that a script written for elastic runs trains unchanged, but said once: it would otherwise look tolerated.
+            warning = "max_failure is set, but this run is not elastic: any lost rank ends it (elastic continuation is not built yet)"
+            actions.insert(1, Log(text=warning, level=Level.WARNING))
+        actions.extend(self._open_epoch(0, now))
+        return actions
+
+    # ----- rounds -------------------------------------------------------------------------------
+
+    def _start_round(self, round_: int, kind: str, now: float, *, from_controller: bool = False, closes_epoch: int | None = None) -> StartRound:
+        spec = self._require_spec()
+        # ``upload`` (COLLECTIVE's end) brings the primary's state to the controller. Like ``init``, every
+        # alive rank takes part — the primary with its tensors, the others with empty contributions — since
+        # each host's relay folds a barrier over all of its live ranks.
+        collective = spec.backend is Backend.COLLECTIVE and kind != "upload"
+        expected = frozenset(self._alive)
+        self._in_flight = _InFlight(round=round_, kind=kind, started_at=now, collective=collective, waiting=set(expected), closes_epoch=closes_epoch)
+        reset = kind == "model" and spec.outer.resets_inner
+        return StartRound(
+            round=round_,
+            kind=kind,
+            expected=expected,
+            from_controller=from_controller,
+            reducer=not collective,
+            message=m.Reduce(round=round_, kind=kind, from_controller=from_controller, reset_inner=reset),
+        )
+
+    def _on_round_completed(self, event: RoundCompleted, now: float) -> list[Action]:
+        flying = self._in_flight
+        if flying is None or flying.round != event.round or flying.collective:
+            return [Log(text=f"round {event.round} ({event.kind}) completed, but it is not the round in flight; ignoring", level=Level.WARNING)]
+        return self._round_done(flying, event.mass, event.duration_ms, now)
+
+    def _on_collective_done(self, event: CollectiveDone, now: float) -> list[Action]:
+        msg = event.message
+        flying = self._in_flight
+        if flying is None or not flying.collective or flying.round != msg.round or msg.rank not in flying.waiting:
+            return []
+        flying.waiting.discard(msg.rank)
+        flying.mass = msg.mass
+        flying.ms = max(flying.ms, msg.ms)
+        if flying.waiting:
+            return []
+        return self._round_done(flying, flying.mass, flying.ms, now)
+
+    def _round_done(self, flying: _InFlight, mass: float, duration_ms: float, now: float) -> list[Action]:
+        del mass  # the consensus' mass matters to the ranks (0: keep local state), not to the schedule
+        self._in_flight = None
+        self._last_sync_ms = duration_ms
+        actions: list[Action] = []
+        if flying.kind == "init":
+            if self.phase is CoordPhase.INIT:
+                self.phase = CoordPhase.TRAINING
+            if self._stop_reason is not None:
+                return self._final(now, natural=False)
+            return self._maybe_reduce(now)
+        if flying.kind == "model":
+            self._pool.complete_round(flying.round)
+            ledger = self._ledgers.get(self._round_epoch.pop(flying.round, self._epoch))
+            if ledger is not None:
+                ledger.add_reduce(duration_ms)
+            if flying.closes_epoch is not None:
+                actions.extend(self._close_epoch(flying.closes_epoch, now))
+            spec = self._require_spec()
+            if self._completed_epochs >= spec.epochs:
+                actions.extend(self._final(now, natural=True))
+            elif self._stop_reason is not None:
+                actions.extend(self._final(now, natural=False))
+            else:
+                actions.extend(self._maybe_reduce(now))
+            return actions
+        spec = self._require_spec()
+        if flying.kind == "final" and spec.backend is Backend.COLLECTIVE:
+            return [self._start_round(self._next_round(), "upload", now)]
+        return self._finish()
+
+    def _next_round(self) -> int:
+        round_ = self._round
+        self._round += 1
+        return round_
+
+    def _close_epoch(self, epoch: int, now: float) -> list[Action]:
+        ledger = self._ledgers.pop(epoch, None)
+        if ledger is None:
+            return []
+        elche = self._elche
+        assert elche is not None
+        metrics = ledger.close(now=now, anchor=elche.anchor, counts=elche.counts, alive=frozenset(self._alive))
+        self._completed_epochs += 1
+        return [PublishEpoch(metrics=metrics)]
+
+    def _final(self, now: float, *, natural: bool) -> list[Action]:
+        spec = self._require_spec()
+        self.phase = CoordPhase.FINAL
+        # Natural end under SYNC/CADENCE: every rank is held at its last reduce, so the consensus
+        # the controller holds is final as it is. ASYNC locals deliberately differ: they contribute.
+        from_controller = natural and spec.policy is not Policy.ASYNC
+        if spec.backend is Backend.COLLECTIVE and from_controller:
+            return [self._start_round(self._next_round(), "upload", now)]
+        return [self._start_round(self._next_round(), "final", now, from_controller=from_controller)]
+
+    def _finish(self) -> list[Action]:
+        spec = self._require_spec()
+        self.phase = CoordPhase.DONE
+        if self._stop_reason is not None:
+            reason = f"training stopped ({self._stop_reason}) after {self._completed_epochs} of {spec.epochs} epoch(s)"
+            save_reason, interrupted = "graceful_shutdown", True
+        else:
+            reason = f"training complete: {spec.epochs} epoch(s) on {len(self._alive)} rank(s)"
+            save_reason, interrupted = "completed", False
+        return [Send(message=m.Shutdown(reason=reason, save_reason=save_reason)), Finish(reason=reason, save_reason=save_reason, interrupted=interrupted)]
+
+    # ----- epochs and plans ------------------------------------------------------------------
+
+    def _open_epoch(self, epoch: int, now: float) -> list[Action]:
+        """Plans of the first window of ``epoch`` (round ``self._round``)."""
+        spec = self._require_spec()
+        self._epoch = epoch
+        self._ledgers[epoch] = EpochLedger(epoch, ranks=sorted(self._alive), started_at=now)
+        n = spec.n_batches
+        if RULES[spec.policy].static_slices:
+            alive = sorted(self._alive)
+            ratios = spec.elche.partition_ratios if spec.elche.partition_ratios is not None and len(spec.elche.partition_ratios) == len(alive) else None
+            self._pool = part.ChunkPool(0)
+            plans: list[Action] = []
+            for rank, (first, size) in zip(alive, part.sync_slices(n, len(alive), ratios), strict=True):
+                self._sync_left[rank] = size
+                s = spec.settings
+                plan = m.Plan(
+                    rank=rank,
+                    round=self._round,
+                    epoch=epoch,
+                    ranges=((first, size),) if size else (),
+                    quota=1 if size else 0,
+                    hold_after=hold_after(spec.policy, quota=1, max_batch_diff=s.max_batch_diff, max_overshoot=s.max_overshoot),
+                    progress=float(epoch),
+                )
+                self._plans[(self._round, rank)] = plan
+                plans.append(Send(message=plan))
+            return plans
+        self._pool = part.ChunkPool(n)
+        return self._window_plans(self._round, sorted(self._alive))
+
+    def _window_plans(self, round_: int, ranks: list[int]) -> list[Action]:
+        """CADENCE/ASYNC: each of ``ranks`` takes its next window of the current pool (tail by largest remainder)."""
+        elche = self._elche
+        assert elche is not None
+        alloc = part.tail_allocation(self._pool.remaining, [elche.counts[r] for r in ranks])
+        return [self._plan(rank, round_, k) for rank, k in zip(ranks, alloc, strict=True)]
+
+    def _plan(self, rank: int, round_: int, k: int) -> Send:
+        spec = self._require_spec()
+        covered = part.range_size(self._pool.covered_ranges())
+        ranges = self._pool.take(rank, round_, k)
+        quota = part.range_size(ranges)
+        if quota:
+            self._epoch_last_round = max(self._epoch_last_round, round_)
+        s = spec.settings
+        plan = m.Plan(
+            rank=rank,
+            round=round_,
+            epoch=self._epoch,
+            ranges=ranges,
+            quota=quota,
+            hold_after=hold_after(spec.policy, quota=quota, max_batch_diff=s.max_batch_diff, max_overshoot=s.max_overshoot),
+            progress=self._epoch + covered / max(1, spec.n_batches),
+        )
+        self._plans[(round_, rank)] = plan
+        self._planned_round[rank] = round_
+        return Send(message=plan)
+
+    # ----- windows and the gate ----------------------------------------------------------------
+
+    def _on_frame(self, event: FrameSeen, now: float) -> list[Action]:
+        del event, now  # handle() already refreshed the rank's last-seen time
+        return []
+
+    def _on_window(self, event: WindowReported, now: float) -> list[Action]:
+        report = event.report
+        rank = report.rank
+        if rank not in self._alive or self.phase not in (CoordPhase.INIT, CoordPhase.TRAINING, CoordPhase.STOPPING):
+            return []  # a dead rank's late frames, or no window open
+        if report.round < self._round or rank in self._reports.get(report.round, {}):
+            return [Log(text=f"rank {rank} reported window {report.round} again or too late; ignoring", level=Level.WARNING)]
+        if report.round > self._round + REPORTS_AHEAD_LIMIT:
+            # A rank numbers its windows from the reduces it has seen, so it is never more than a round or two
+            # ahead; anything further is a broken peer, and keeping its reports would grow without bound.
+            return [Log(text=f"rank {rank} reported window {report.round}, far ahead of round {self._round}; ignoring", level=Level.WARNING)]
+        spec = self._require_spec()
+        if not RULES[spec.policy].static_slices and (report.round, rank) not in self._plans:
+            return [Log(text=f"rank {rank} reported window {report.round}, which it was never planned; ignoring", level=Level.WARNING)]
+        self._reports.setdefault(report.round, {})[rank] = report
+        self._batches[rank] = self._batches.get(rank, 0) + report.batches
+        ledger = self._ledgers.get(report.epoch)
+        if ledger is not None:
+            ledger.add_window(report)
+        if rank in self._sync_left:
+            self._sync_left[rank] = max(0, self._sync_left[rank] - report.batches)
+        actions: list[Action] = []
+        if (
+            RULES[spec.policy].early_dispatch
+            and self.phase is CoordPhase.TRAINING
+            and report.round == self._round
+            and self._planned_round.get(rank) == report.round
+            and self._pool.remaining > 0
+        ):
+            elche = self._elche
+            assert elche is not None
+            actions.append(self._plan(rank, report.round + 1, min(elche.counts[rank], self._pool.remaining)))
+        actions.extend(self._maybe_reduce(now))
+        return actions
+
+    def _gate_view(self, round_: int) -> dict[int, GateRank]:
+        spec = self._require_spec()
+        reports = self._reports.get(round_, {})
+        static = RULES[spec.policy].static_slices
+        out = {}
+        for rank in self._alive:
+            report = reports.get(rank)
+            if static:
+                need, quiesced = 1, self._sync_left.get(rank, 0) <= 0
+            else:
+                plan = self._plans.get((round_, rank))
+                need = plan.quota if plan is not None else 1
+                quiesced = plan is not None and plan.quota == 0
+            out[rank] = GateRank(reported=report is not None, steps=0 if report is None else report.batches, need=need, quiesced=quiesced)
+        return out
+
+    def _maybe_reduce(self, now: float) -> list[Action]:
+        if self.phase is not CoordPhase.TRAINING or self._in_flight is not None:
+            return []
+        k = self._round
+        if not should_reduce(in_flight=False, ranks=self._gate_view(k)):
+            return []
+        return self._fire(k, now)
+
+    def _closes_epoch(self, k: int) -> bool:
+        spec = self._require_spec()
+        if RULES[spec.policy].static_slices:
+            return all(self._sync_left.get(r, 0) <= 0 for r in self._alive)
+        return self._pool.drained and self._epoch_last_round <= k
+
+    def _fire(self, k: int, now: float) -> list[Action]:
+        spec = self._require_spec()
+        elche = self._elche
+        assert elche is not None
+        reports = self._reports.pop(k, {})
+        delivered = RULES[spec.policy].delivered_timing
+        ms = [0.0] * self.config.world_size
+        batches = [0] * self.config.world_size
+        for rank, report in reports.items():
+            ms[rank] = report.compute_ms + (report.data_ms if delivered else 0.0)
+            batches[rank] = report.batches
+        divergences = [r.divergence for r in reports.values() if r.divergence >= 0]
+        elche.report(ms, batches, sync_ms=self._last_sync_ms, divergence=max(divergences) if divergences else None)
+        closes = self._closes_epoch(k)
+        epoch = self._epoch
+        self._round_epoch[k] = epoch
+        for key in [key for key in self._plans if key[0] <= k]:
+            del self._plans[key]
+        actions: list[Action] = [self._start_round(k, "model", now, closes_epoch=epoch if closes else None)]
+        self._round = k + 1
+        if self._stop_reason is not None:
+            return actions
+        if closes:
+            if epoch + 1 < spec.epochs:
+                actions.extend(self._open_epoch(epoch + 1, now))
+            return actions
+        if not RULES[spec.policy].static_slices:
+            waiting = [r for r in sorted(self._alive) if self._planned_round.get(r, 0) <= k]
+            if self._pool.remaining > 0:
+                actions.extend(self._window_plans(k + 1, waiting))
+            else:
+                actions.extend(self._plan(r, k + 1, 0) for r in waiting)  # the epoch's tail is in other ranks' windows
+            if RULES[spec.policy].early_dispatch:
+                # ASYNC ranks that already finished window k+1 were held back (two ahead of the gate): now one ahead.
+                reported = self._reports.get(k + 1, {})
+                for rank in sorted(self._alive):
+                    if rank in reported and self._planned_round.get(rank) == k + 1 and self._pool.remaining > 0:
+                        elche_counts = self._elche.counts if self._elche is not None else ()
+                        actions.append(self._plan(rank, k + 2, min(elche_counts[rank], self._pool.remaining)))
+        return actions
+
+    # ----- stop, loss, deadlines -------------------------------------------------------------
+
+    def _on_stop(self, event: StopRequested, now: float) -> list[Action]:
+        if self._stop_reason is not None or self.phase is CoordPhase.FINAL:
+            return []
+        self._stop_reason = event.reason
+        if self.phase is CoordPhase.JOINING:
+            self.phase = CoordPhase.DONE
+            reason = f"training stopped ({event.reason}) before it started"
+            return [
+                Send(message=m.Shutdown(reason=reason, save_reason="graceful_shutdown")),
+                Finish(reason=reason, save_reason="graceful_shutdown", interrupted=True),
+            ]
+        actions: list[Action] = [Log(text=f"stopping training ({event.reason}): a final round, then shutdown")]
+        if self.phase is CoordPhase.TRAINING:
+            self.phase = CoordPhase.STOPPING
+            if self._in_flight is None:
+                actions.extend(self._final(now, natural=False))
+        return actions
+
+    def _on_exiting(self, event: RankExiting, now: float) -> list[Action]:
+        msg = event.message
+        if msg.error:
+            return self._on_lost(RankLost(rank=msg.rank, reason=f"it raised ({msg.reason})", details=msg.error), now)
+        self._exiting.add(msg.rank)
+        if self.phase in (CoordPhase.JOINING, CoordPhase.INIT, CoordPhase.TRAINING, CoordPhase.STOPPING, CoordPhase.FINAL):
+            return self._on_lost(RankLost(rank=msg.rank, reason=f"it left before training ended ({msg.reason})"), now)
+        return []
+
+    def _on_lost(self, event: RankLost, now: float) -> list[Action]:
+        rank = event.rank
+        del now
+        if rank in self._dead or rank not in self._joined:
+            return []  # not a Trainer rank yet (the supervisor names its exit), or already counted
+        self._dead.add(rank)
+        self._alive.discard(rank)
+        spec = self._require_spec()
+        where = f"rank {rank} on {self._host(rank)}"
+        actions: list[Action] = [Log(text=f"{where} lost: {event.reason}", level=Level.WARNING)]
+        self._pool.forfeit(rank)
+        if self._elche is not None:
+            self._elche.forget(rank)
+        if self._in_flight is not None:
+            self._in_flight.waiting.discard(rank)
+        actions.append(DeclareDead(rank=rank, reason=event.reason))
+        mf = spec.max_failure
+        limit = failure_limit(world_size=self.config.world_size, absolute=mf.absolute if mf else None, percent=mf.percent if mf else None)
+        why = unrecoverable_reason(backend=spec.backend, world_size=self.config.world_size, dead=len(self._dead), limit=limit, elastic=self.config.elastic)
+        if why is None:
+            return actions
+        reason = f"{where} was lost mid-training: {event.reason}"
+        if self.phase is CoordPhase.JOINING:
+            reason = f"{where} was lost before training started: {event.reason}"
+        self.phase = CoordPhase.FAILED
+        actions.append(Send(message=m.Shutdown(reason=reason, save_reason=why)))
+        actions.append(Fail(code=_EXIT_FOR_SAVE_REASON.get(why, ExitCode.RANK_FAILURE), reason=reason, rank=rank, details=event.details, save_reason=why))
+        return actions
+
+    def _on_tick(self, event: Tick, now: float) -> list[Action]:
+        del event
+        if self.phase is CoordPhase.JOINING and self._first_hello_at is not None and now >= self._first_hello_at + self.config.hello_timeout:
+            missing = [r for r in range(self.config.world_size) if r not in self._joined]
+            first = self._reference.rank if self._reference is not None else 0
+            late = missing[0]
+            reason = (
+                f"rank {late} on {self._host(late)} did not start its Trainer within {self.config.hello_timeout:g} s of rank {first} — "
+                "is it running the same script, and does it reach trainer.run()?"
+            )
+            self.phase = CoordPhase.FAILED
+            return [
+                Log(text=reason, level=Level.WARNING),
+                Send(message=m.Shutdown(reason=reason, save_reason="")),
+                Fail(code=ExitCode.FORMATION, reason=reason, rank=late),
+            ]
+        timeout = self._heartbeat_timeout()
+        if timeout is not None:
+            for rank in sorted(self._alive):
+                if rank not in self._exiting and now >= self._last_seen[rank] + timeout:
+                    return self._on_lost(
+                        RankLost(rank=rank, reason=f"no frame for {timeout:g} s (heartbeat timeout: the rank is frozen, stopped or cut off)"), now
+                    )
+        flying = self._in_flight
+        if flying is not None and now >= flying.started_at + self.config.reduce_stall:
+            reason = f"round {flying.round} ({flying.kind}) stalled: no consensus within {self.config.reduce_stall:g} s"
+            self.phase = CoordPhase.FAILED
+            return [
+                Log(text=reason, level=Level.WARNING),
+                Send(message=m.Shutdown(reason=reason, save_reason="reduce_stall")),
+                Fail(code=ExitCode.STALLED, reason=reason, save_reason="reduce_stall"),
+            ]
+        return []
+
+
+def _rank_of(event: Event) -> int | None:
+    if isinstance(event, TrainerJoined):
+        return None  # its own handler records it
+    if isinstance(event, WindowReported):
+        return event.report.rank
+    if isinstance(event, FrameSeen):
+        return event.rank
+    if isinstance(event, RankExiting | CollectiveDone):
+        return event.message.rank
+    return None
