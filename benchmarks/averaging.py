@@ -1,8 +1,10 @@
 """Averaging benchmark: one CPU averaging round through relay and reducer against a gloo all_reduce.
 
-Run: ``python benchmarks/averaging.py [--sizes 1,16,64] [--rounds 20,10,5] [--warmup 3] [--json out.json]``
+Run: ``python benchmarks/averaging.py [--sizes 1,16,64] [--rounds 20,10,5] [--warmup 3] [--json
+out.json]``
 
-Two rank processes hold both a gloo process group and a :class:`~flodl_async.relay.datalink.DataLink`.
+Two rank processes hold both a gloo process group and a
+:class:`~flodl_async.relay.datalink.DataLink`.
 A third process is the launcher's side of one host, as a ``flodl-launch`` with its in-process
 agent runs it: a real :class:`~flodl_async.net.mux.PortMux` with the
 :class:`~flodl_async.controller.reducer.Reducer` on its data channel and a real
@@ -41,7 +43,8 @@ MiB = 1 << 20
 
 
 def _model(size: str, seed: int) -> dict[str, Any]:
-    """``"16"``: one float32 tensor of 16 MiB; ``"resnet"``: a ResNet-20-like list (65 tensors, 1.1 MB)."""
+    """``"16"``: one float32 tensor of 16 MiB; ``"resnet"``: a ResNet-20-like list (65 tensors, 1.1
+    MB)."""
     import torch
 
     g = torch.Generator().manual_seed(seed)
@@ -51,7 +54,14 @@ def _model(size: str, seed: int) -> dict[str, Any]:
     for c_in, c_out in ((16, 16), (16, 32), (32, 64)):
         for block in range(3):
             first_in = c_in if block == 0 else c_out
-            shapes += [(c_out, first_in, 3, 3), (c_out,), (c_out,), (c_out, c_out, 3, 3), (c_out,), (c_out,)]
+            shapes += [
+                (c_out, first_in, 3, 3),
+                (c_out,),
+                (c_out,),
+                (c_out, c_out, 3, 3),
+                (c_out,),
+                (c_out,),
+            ]
             if block == 0 and c_in != c_out:
                 shapes += [(c_out, c_in, 1, 1), (c_out,), (c_out,)]
     shapes += [(16,), (16,), (10, 64), (10,)]
@@ -68,16 +78,29 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-# ----- the host: mux + reducer + relay -------------------------------------------------------------
+# ----- the host: mux + reducer + relay
+# -------------------------------------------------------------
 
 
-def _host(conns: list[multiprocessing.connection.Connection], sizes: list[str], rounds: list[int], warmup: int, uplink: str) -> None:
+def _host(
+    conns: list[multiprocessing.connection.Connection],
+    sizes: list[str],
+    rounds: list[int],
+    warmup: int,
+    uplink: str,
+) -> None:
     from flodl_async.net.loop import run
 
     run(_host_main(conns, sizes, rounds, warmup, uplink))
 
 
-async def _host_main(conns: list[multiprocessing.connection.Connection], sizes: list[str], rounds: list[int], warmup: int, uplink: str) -> None:
+async def _host_main(
+    conns: list[multiprocessing.connection.Connection],
+    sizes: list[str],
+    rounds: list[int],
+    warmup: int,
+    uplink: str,
+) -> None:
     import tempfile
 
     from flodl_async.controller.reducer import Reducer
@@ -104,9 +127,20 @@ async def _host_main(conns: list[multiprocessing.connection.Connection], sizes: 
         mux = PortMux(host="127.0.0.1", port=0)
         reducer = Reducer(schema, OuterAvg(), 1.0, digest="bench")
         async with asyncio.TaskGroup() as tg:
-            control = FramedService(channel=Channel.CONTROL, resolve=session_resolver(secret), run_id=run_id, handler=drain, task_group=tg)
+            control = FramedService(
+                channel=Channel.CONTROL,
+                resolve=session_resolver(secret),
+                run_id=run_id,
+                handler=drain,
+                task_group=tg,
+            )
             mux.register(Channel.CONTROL, control.protocol_factory)
-            service = reducer.attach(task_group=tg, resolve=session_resolver(secret), run_id=run_id, serve_local=uplink == "in-process")
+            service = reducer.attach(
+                task_group=tg,
+                resolve=session_resolver(secret),
+                run_id=run_id,
+                serve_local=uplink == "in-process",
+            )
             mux.register(Channel.DATA, service.protocol_factory)
             await mux.start()
             relay = Relay(
@@ -125,13 +159,20 @@ async def _host_main(conns: list[multiprocessing.connection.Connection], sizes: 
             relay.open_round(0)
             for rank, conn in enumerate(conns):
                 key = Credential.for_rank(secret, run_id=run_id, round=0, rank=rank).key
-                cfg = {"size": size, "data_socket": relay.data_socket_path, "credential": key.hex(), "run_id": run_id, "total": warmup + n_rounds}
+                cfg = {
+                    "size": size,
+                    "data_socket": relay.data_socket_path,
+                    "credential": key.hex(),
+                    "run_id": run_id,
+                    "total": warmup + n_rounds,
+                }
                 conn.send(cfg)
             for k in range(1, warmup + n_rounds + 1):
                 reducer.open_round(k, "model", frozenset({0, 1}))
                 await reducer.wait_round(k)
             for conn in conns:
-                await asyncio.get_running_loop().run_in_executor(None, conn.recv)  # the rank closed its link
+                # the rank closed its link
+                await asyncio.get_running_loop().run_in_executor(None, conn.recv)
             await relay.aclose()
             await reducer.aclose()
             await mux.aclose()
@@ -139,17 +180,36 @@ async def _host_main(conns: list[multiprocessing.connection.Connection], sizes: 
         conn.send(None)
 
 
-# ----- a rank ------------------------------------------------------------------------------------------
+# ----- a rank
+# ------------------------------------------------------------------------------------------
 
 
-def _rank(rank: int, conn: multiprocessing.connection.Connection, master_port: int, warmup: int, out: multiprocessing.connection.Connection | None) -> None:
-    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master_port), "RANK": str(rank), "WORLD_SIZE": "2"})
+def _rank(
+    rank: int,
+    conn: multiprocessing.connection.Connection,
+    master_port: int,
+    warmup: int,
+    out: multiprocessing.connection.Connection | None,
+) -> None:
+    os.environ.update(
+        {
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(master_port),
+            "RANK": str(rank),
+            "WORLD_SIZE": "2",
+        }
+    )
     from flodl_async.net.loop import run
 
     run(_rank_main(rank, conn, warmup, out))
 
 
-async def _rank_main(rank: int, conn: multiprocessing.connection.Connection, warmup: int, out: multiprocessing.connection.Connection | None) -> None:
+async def _rank_main(
+    rank: int,
+    conn: multiprocessing.connection.Connection,
+    warmup: int,
+    out: multiprocessing.connection.Connection | None,
+) -> None:
     import torch
     import torch.distributed as dist
 
@@ -167,7 +227,14 @@ async def _rank_main(rank: int, conn: multiprocessing.connection.Connection, war
         size = cfg["size"]
         params = _model(size, rank)
         schema = ModelSchema.from_state_dict(params, list(params))
-        spec = RankSpec(run_id=cfg["run_id"], host="bench", relay_socket="", data_socket=cfg["data_socket"], round=0, credential_hex=cfg["credential"])
+        spec = RankSpec(
+            run_id=cfg["run_id"],
+            host="bench",
+            relay_socket="",
+            data_socket=cfg["data_socket"],
+            round=0,
+            credential_hex=cfg["credential"],
+        )
         link = await DataLink.connect(spec, rank, schema, "bench")
         times: dict[str, list[float]] = {"flodl": [], "gloo": []}
         for k in range(1, cfg["total"] + 1):
@@ -190,7 +257,11 @@ async def _rank_main(rank: int, conn: multiprocessing.connection.Connection, war
                     flat = torch._utils._flatten_dense_tensors(list(params.values()))
                     dist.all_reduce(flat)
                     flat.div_(2)
-                    for t, back in zip(params.values(), torch._utils._unflatten_dense_tensors(flat, list(params.values())), strict=True):
+                    for t, back in zip(
+                        params.values(),
+                        torch._utils._unflatten_dense_tensors(flat, list(params.values())),
+                        strict=True,
+                    ):
                         t.copy_(back)
                 elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
                 dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
@@ -204,7 +275,8 @@ async def _rank_main(rank: int, conn: multiprocessing.connection.Connection, war
         out.send(results)
 
 
-# ----- the table ---------------------------------------------------------------------------------------
+# ----- the table
+# ---------------------------------------------------------------------------------------
 
 
 def _fmt(values: list[float]) -> str:
@@ -213,7 +285,11 @@ def _fmt(values: list[float]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sizes", default="1,16,64,resnet", help="MiB of one float32 tensor, or resnet (65 tensors, 1.1 MB); comma separated")
+    parser.add_argument(
+        "--sizes",
+        default="1,16,64,resnet",
+        help="MiB of one float32 tensor, or resnet (65 tensors, 1.1 MB); comma separated",
+    )
     parser.add_argument("--rounds", default="20,10,5,20", help="timed rounds per size")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
@@ -221,7 +297,8 @@ def main() -> None:
         "--uplink",
         choices=["in-process", "tcp"],
         default="in-process",
-        help="in-process: the relay hands host frames to the reducer in memory (the launcher's own host); "
+        help="in-process: the relay hands host frames to the reducer in memory (the launcher's own "
+        "host); "
         "tcp: it dials the controller port like a worker host's relay (sealed TCP leg)",
     )
     args = parser.parse_args()
@@ -236,10 +313,19 @@ def main() -> None:
     port = _free_port()
     host_conns = [p[0] for p in pipes]
 
-    ranks = [ctx.Process(target=_rank, args=(r, pipes[r][1], port, args.warmup, result_tx if r == 0 else None), name=f"rank{r}") for r in range(2)]
+    ranks = [
+        ctx.Process(
+            target=_rank,
+            args=(r, pipes[r][1], port, args.warmup, result_tx if r == 0 else None),
+            name=f"rank{r}",
+        )
+        for r in range(2)
+    ]
     for p in ranks:
         p.start()
-    host = ctx.Process(target=_host, args=(host_conns, sizes, rounds, args.warmup, args.uplink), name="host")
+    host = ctx.Process(
+        target=_host, args=(host_conns, sizes, rounds, args.warmup, args.uplink), name="host"
+    )
     host.start()
     results: dict[str, dict[str, list[float]]] = result_rx.recv()
     host.join(60)
@@ -248,18 +334,34 @@ def main() -> None:
 
     rows: list[dict[str, Any]] = []
     print(
-        f"CPU averaging round (2 ranks → relay fold → reducer → back, uplink {args.uplink}) vs gloo all_reduce+div, "
+        f"CPU averaging round (2 ranks → relay fold → reducer → back, uplink {args.uplink}) vs "
+        "gloo all_reduce+div, "
         f"float32, max over ranks, {args.warmup} warm-ups"
     )
-    print(f"{'size':>8} | {'rounds':>6} | {'flodl ms':>24} | {'gloo ms':>24} | ratio (median of per-round)")
+    print(
+        f"{'size':>8} | {'rounds':>6} | {'flodl ms':>24} | {'gloo ms':>24} | ratio (median of "
+        "per-round)"
+    )
     for size in sizes:
         t = results[size]
         ratios = [a / b for a, b in zip(t["flodl"], t["gloo"], strict=True)]
         ratio = statistics.median(ratios)
-        print(f"{_label(size):>8} | {len(t['flodl']):>6} | {_fmt(t['flodl']):>24} | {_fmt(t['gloo']):>24} | {ratio:.2f}× ({min(ratios):.2f}–{max(ratios):.2f})")
-        rows.append({"size": _label(size), "flodl_ms": t["flodl"], "gloo_ms": t["gloo"], "ratio_median": ratio})
+        print(
+            f"{_label(size):>8} | {len(t['flodl']):>6} | {_fmt(t['flodl']):>24} | "
+            f"{_fmt(t['gloo']):>24} | {ratio:.2f}× ({min(ratios):.2f}–{max(ratios):.2f})"
+        )
+        rows.append(
+            {
+                "size": _label(size),
+                "flodl_ms": t["flodl"],
+                "gloo_ms": t["gloo"],
+                "ratio_median": ratio,
+            }
+        )
     if args.json is not None:
-        args.json.write_text(json.dumps({"benchmark": "averaging", "uplink": args.uplink, "rows": rows}, indent=2))
+        args.json.write_text(
+            json.dumps({"benchmark": "averaging", "uplink": args.uplink, "rows": rows}, indent=2)
+        )
 
 
 if __name__ == "__main__":

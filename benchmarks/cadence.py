@@ -64,7 +64,13 @@ async def _trial(args: argparse.Namespace) -> None:
     trainer = _trainer(args.trial, args.backend, args.epochs, args.cluster)
     run = trainer.start()  # type: ignore[attr-defined]
     epochs = [
-        {"epoch_ms": m.epoch_ms, "share0": m.per_rank[0].batch_share, "reduces": m.reduces, "reduce_ms": m.avg_reduce_ms, "loss": m.avg_loss}
+        {
+            "epoch_ms": m.epoch_ms,
+            "share0": m.per_rank[0].batch_share,
+            "reduces": m.reduces,
+            "reduce_ms": m.avg_reduce_ms,
+            "loss": m.avg_loss,
+        }
         async for m in run.metrics()
     ]
     await run.join()
@@ -80,9 +86,30 @@ def _free_port() -> int:
 
 def _run(policy: str, backend: str, epochs: int, workdir: Path) -> list[dict[str, float]]:
     cluster = workdir / f"cluster-{policy}.yml"
-    cluster.write_text(f"controller:\n  host: 127.0.0.1\n  port: {_free_port()}\nworkers:\n  - host: {socket.gethostname()}\n    devices: cpu:2\n")
-    cmd = [sys.executable, __file__, "--trial", policy, "--backend", backend, "--epochs", str(epochs), "--cluster", str(cluster)]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"}, check=False)
+    cluster.write_text(
+        f"controller:\n  host: 127.0.0.1\n  port: {_free_port()}\nworkers:\n  - host: "
+        f"{socket.gethostname()}\n    devices: cpu:2\n"
+    )
+    cmd = [
+        sys.executable,
+        __file__,
+        "--trial",
+        policy,
+        "--backend",
+        backend,
+        "--epochs",
+        str(epochs),
+        "--cluster",
+        str(cluster),
+    ]
+    done = subprocess.run(
+        cmd,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        check=False,
+    )
     for line in done.stdout.splitlines():
         if line.startswith("RESULT "):
             return list(json.loads(line.removeprefix("RESULT ")))
@@ -90,7 +117,9 @@ def _run(policy: str, backend: str, epochs: int, workdir: Path) -> list[dict[str
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--epochs", type=int, default=6)
     parser.add_argument("--backend", default="cpu", choices=["cpu", "collective"])
@@ -105,24 +134,39 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="flodl-bench-cadence-") as tmp:
         for _ in range(args.rounds):
             medians = {}
-            for policy in ("sync", "cadence"):  # interleaved: both variants see the machine in the same state
+            # interleaved: both variants see the machine in the same state
+            for policy in ("sync", "cadence"):
                 epochs = _run(policy, args.backend, args.epochs, Path(tmp))[2:]
                 results[policy].extend(epochs)
                 medians[policy] = statistics.median(e["epoch_ms"] for e in epochs)
             ratios.append(medians["sync"] / medians["cadence"])
     ideal_ms = BATCHES / (1 / FAST_MS + 1 / SLOW_MS)
-    setup = f"2 ranks, {args.backend}, {BATCHES} batches/epoch, rank 0 {FAST_MS:g} ms/batch, rank 1 {SLOW_MS:g} ms/batch"
+    setup = (
+        f"2 ranks, {args.backend}, {BATCHES} batches/epoch, rank 0 {FAST_MS:g} ms/batch, rank "
+        f"1 {SLOW_MS:g} ms/batch"
+    )
     print(f"{setup}; epochs 2..{args.epochs - 1}, {args.rounds} round(s)")
-    print(f"{'policy':<9} {'epoch ms median (min-max)':<28} {'rank 0 share':>12} {'reduces/epoch':>14} {'reduce ms':>10}")
+    print(
+        f"{'policy':<9} {'epoch ms median (min-max)':<28} {'rank 0 share':>12} "
+        f"{'reduces/epoch':>14} {'reduce ms':>10}"
+    )
     for policy, epochs in results.items():
         times = [e["epoch_ms"] for e in epochs]
         print(
-            f"{policy:<9} {statistics.median(times):>8.0f} ({min(times):.0f}-{max(times):.0f}){'':<12} "
-            f"{statistics.median(e['share0'] for e in epochs):>12.2f} {statistics.median(e['reduces'] for e in epochs):>14.0f} "
+            f"{policy:<9} {statistics.median(times):>8.0f} "
+            f"({min(times):.0f}-{max(times):.0f}){'':<12} "
+            f"{statistics.median(e['share0'] for e in epochs):>12.2f} "
+            f"{statistics.median(e['reduces'] for e in epochs):>14.0f} "
             f"{statistics.mean(e['reduce_ms'] for e in epochs):>10.1f}"
         )
-    print(f"CADENCE speedup over SYNC: {statistics.median(ratios):.2f}x (median of per-round ratios; goal >= 1.5x)")
-    print(f"ideal CADENCE epoch (harmonic bound, compute only): {ideal_ms:.0f} ms; SYNC's slow half: {BATCHES / 2 * SLOW_MS:.0f} ms")
+    print(
+        f"CADENCE speedup over SYNC: {statistics.median(ratios):.2f}x (median of per-round ratios; "
+        "goal >= 1.5x)"
+    )
+    print(
+        f"ideal CADENCE epoch (harmonic bound, compute only): {ideal_ms:.0f} ms; SYNC's slow half: "
+        f"{BATCHES / 2 * SLOW_MS:.0f} ms"
+    )
 
 
 if __name__ == "__main__":

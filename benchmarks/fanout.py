@@ -1,4 +1,5 @@
-"""ssh fan-out: command → world formed for K namespace hosts, against ``ssh host true`` to the same K hosts.
+"""ssh fan-out: command → world formed for K namespace hosts, against ``ssh host true`` to the same
+K hosts.
 
 Needs root and openssh-server (it builds the namespace hosts of tests/hostkit.py: one bridge, K
 network + UTS namespaces, a real sshd each). For each K, the baseline runs the OpenSSH client's
@@ -65,8 +66,16 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def launch(kit: HostKit, hosts: list[NsHost], work: Path, *, all_reduce: bool, launcher_cpu: list[float] | None = None) -> float:
-    """Seconds from the command to "world formed" or, with ``all_reduce``, to every rank's marker line.
+def launch(
+    kit: HostKit,
+    hosts: list[NsHost],
+    work: Path,
+    *,
+    all_reduce: bool,
+    launcher_cpu: list[float] | None = None,
+) -> float:
+    """Seconds from the command to "world formed" or, with ``all_reduce``, to every rank's marker
+    line.
 
     ``launcher_cpu`` gets the launcher's own CPU seconds at "world formed": on a real cluster the
     hosts' work runs on their own machines, and this is the part that all K hosts share.
@@ -78,8 +87,18 @@ def launch(kit: HostKit, hosts: list[NsHost], work: Path, *, all_reduce: bool, l
     script.write_text(ALL_REDUCE_SCRIPT)
     lines = [f"controller: {{host: 0.0.0.0, port: {free_port()}}}", "workers:"]
     for h in hosts:
-        ssh = {"target": h.addr, "user": "root", "identity_file": str(kit.user_key), "known_hosts": str(kit.known_hosts)}
-        lines += [f"  - host: {h.name}", "    devices: cpu:1", f"    python: {wrapper}", f"    ssh: {json.dumps(ssh)}"]
+        ssh = {
+            "target": h.addr,
+            "user": "root",
+            "identity_file": str(kit.user_key),
+            "known_hosts": str(kit.known_hosts),
+        }
+        lines += [
+            f"  - host: {h.name}",
+            "    devices: cpu:1",
+            f"    python: {wrapper}",
+            f"    ssh: {json.dumps(ssh)}",
+        ]
     cluster = work / "cluster.yml"
     cluster.write_text("\n".join(lines) + "\n")
     command = [sys.executable, str(script)] if all_reduce else [sys.executable, "-c", "pass"]
@@ -95,28 +114,35 @@ def launch(kit: HostKit, hosts: list[NsHost], work: Path, *, all_reduce: bool, l
     assert stream is not None
     reached: float | None = None
     seen = 0
-    last_lines: collections.deque[str] = collections.deque(maxlen=12)  # what a failed launch said last
+    # what a failed launch said last
+    last_lines: collections.deque[str] = collections.deque(maxlen=12)
     for line in stream:
         last_lines.append(line)
         if reached is not None:
             continue  # read on to the end: a launcher whose output nobody reads would stall
         if all_reduce and ALL_REDUCE_MARKER in line:
-            assert line.split()[-1] == str(len(hosts)), line  # the all_reduce really summed every rank
+            # the all_reduce really summed every rank
+            assert line.split()[-1] == str(len(hosts)), line
             seen += 1
             if seen == len(hosts):
                 reached = time.perf_counter() - start
-        elif not all_reduce and "world formed — " in line:  # not "... went away before the world formed"
+        # not "... went away before the world formed"
+        elif not all_reduce and "world formed — " in line:
             reached = time.perf_counter() - start
             if launcher_cpu is not None:
                 launcher_cpu.append(cpu_seconds(proc.pid))
     code = proc.wait(timeout=120)
-    assert code == 0 and reached is not None, f"flodl-launch exited {code} (reached: {reached}); it said last:\n{''.join(last_lines)}"
+    assert code == 0 and reached is not None, (
+        f"flodl-launch exited {code} (reached: {reached}); it said last:\n{''.join(last_lines)}"
+    )
     return reached
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--hosts", default="1,2,4,8", help="comma-separated K values (default %(default)s)")
+    parser.add_argument(
+        "--hosts", default="1,2,4,8", help="comma-separated K values (default %(default)s)"
+    )
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     why = missing_requirements()
@@ -127,7 +153,8 @@ def main() -> int:
     kit = HostKit.create(max(ks))
     try:
         print(
-            f"{'K':>3} {'ssh host true (s)':>18} {'ssh host python+asyncio (s)':>28} {'flodl world formed (s)':>23}"
+            f"{'K':>3} {'ssh host true (s)':>18} {'ssh host python+asyncio (s)':>28} "
+            f"{'flodl world formed (s)':>23}"
             f" {'ratio':>6} {'launcher CPU (s)':>17} {'past 1st all_reduce (s)':>24}"
         )
         formed_at: dict[int, float] = {}
@@ -135,27 +162,43 @@ def main() -> int:
         for k in ks:
             hosts = kit.hosts[:k]
             base = statistics.median(ssh_run(kit, hosts) for _ in range(args.repeats))
-            interpreter = statistics.median(ssh_run(kit, hosts, ASYNCIO_PYTHON) for _ in range(args.repeats))
+            interpreter = statistics.median(
+                ssh_run(kit, hosts, ASYNCIO_PYTHON) for _ in range(args.repeats)
+            )
             with tempfile.TemporaryDirectory() as work:
                 launcher_cpu: list[float] = []
-                ours = statistics.median(launch(kit, hosts, Path(work), all_reduce=False, launcher_cpu=launcher_cpu) for _ in range(args.repeats))
-                reduced = statistics.median(launch(kit, hosts, Path(work), all_reduce=True) for _ in range(args.repeats))
+                ours = statistics.median(
+                    launch(kit, hosts, Path(work), all_reduce=False, launcher_cpu=launcher_cpu)
+                    for _ in range(args.repeats)
+                )
+                reduced = statistics.median(
+                    launch(kit, hosts, Path(work), all_reduce=True) for _ in range(args.repeats)
+                )
             formed_at[k] = ours
             interpreter_at[k] = interpreter
             cpu = statistics.median(launcher_cpu)
-            print(f"{k:>3} {base:>18.3f} {interpreter:>28.3f} {ours:>23.3f} {ours / base:>6.1f} {cpu:>17.3f} {reduced:>24.3f}", flush=True)
+            print(
+                f"{k:>3} {base:>18.3f} {interpreter:>28.3f} {ours:>23.3f} {ours / base:>6.1f} "
+                f"{cpu:>17.3f} {reduced:>24.3f}",
+                flush=True,
+            )
         if 1 in formed_at and len(formed_at) > 1:
             top = max(formed_at)
             ratio = formed_at[top] / formed_at[1]
-            print(f"world formed on {top} hosts / on 1 host: {ratio:.2f}x (goal <= 1.5x: {'met' if ratio <= 1.5 else 'NOT met'})")
+            print(
+                f"world formed on {top} hosts / on 1 host: {ratio:.2f}x (goal <= 1.5x: "
+                f"{'met' if ratio <= 1.5 else 'NOT met'})"
+            )
             # Every host here shares this machine's cores: what K hosts add is mostly K interpreters
             # starting at once. The goal allows half of the one-host time; compare that with what
             # starting a bare asyncio interpreter on each host over ssh adds on its own.
             added = formed_at[top] - formed_at[1]
             floor_added = interpreter_at[top] - interpreter_at[1]
             print(
-                f"{top} hosts add {added:.3f} s to world formed (the goal allows {0.5 * formed_at[1]:.3f} s);"
-                f" `ssh host python -c 'import asyncio'` alone adds {floor_added:.3f} s on {os.cpu_count()} core(s)"
+                f"{top} hosts add {added:.3f} s to world formed (the goal allows "
+                f"{0.5 * formed_at[1]:.3f} s);"
+                f" `ssh host python -c 'import asyncio'` alone adds {floor_added:.3f} s on "
+                f"{os.cpu_count()} core(s)"
             )
     finally:
         kit.close()

@@ -103,7 +103,15 @@ def run_flodl(script: Path, out_dir: Path, nproc: int) -> float:
 def run_torchrun(script: Path, out_dir: Path, nproc: int) -> float:
     started = time.time()
     subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", str(script), str(out_dir)],
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={nproc}",
+            str(script),
+            str(out_dir),
+        ],
         check=True,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
@@ -111,11 +119,17 @@ def run_torchrun(script: Path, out_dir: Path, nproc: int) -> float:
     return _first_allreduce(out_dir, nproc, started)
 
 
-LAUNCHERS: dict[str, Callable[[Path, Path, int], float]] = {"floor": run_floor, "flodl-launch": run_flodl, "torchrun": run_torchrun}
+LAUNCHERS: dict[str, Callable[[Path, Path, int], float]] = {
+    "floor": run_floor,
+    "flodl-launch": run_flodl,
+    "torchrun": run_torchrun,
+}
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--nproc", type=int, nargs="+", default=[2, 4])
     args = parser.parse_args()
@@ -129,11 +143,20 @@ def main() -> None:
                     out_dir = Path(tmp) / f"{name}-{nproc}-{round_}"
                     out_dir.mkdir()
                     times[name].append(launcher(script, out_dir, nproc))
-            print(f"\nN = {nproc}: seconds from command start to every rank past its first all_reduce ({args.rounds} rounds, alternated)")
-            print(f"{'launcher':<14} {'median s':>9} {'min s':>7} {'max s':>7} {'ratio to floor (median of per-round)':>38}")
+            print(
+                f"\nN = {nproc}: seconds from command start to every rank past its first "
+                f"all_reduce ({args.rounds} rounds, alternated)"
+            )
+            print(
+                f"{'launcher':<14} {'median s':>9} {'min s':>7} {'max s':>7} "
+                f"{'ratio to floor (median of per-round)':>38}"
+            )
             for name, values in times.items():
                 ratios = [v / f for v, f in zip(values, times["floor"], strict=True)]
-                print(f"{name:<14} {statistics.median(values):>9.2f} {min(values):>7.2f} {max(values):>7.2f} {statistics.median(ratios):>38.2f}")
+                print(
+                    f"{name:<14} {statistics.median(values):>9.2f} {min(values):>7.2f} "
+                    f"{max(values):>7.2f} {statistics.median(ratios):>38.2f}"
+                )
     print("\ntarget: flodl-launch <= 1.15 x floor")
 
 

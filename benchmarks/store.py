@@ -1,4 +1,5 @@
-"""Store benchmark: torch's own TCPStore clients against our store on the controller port and against torch's server.
+"""Store benchmark: torch's own TCPStore clients against our store on the controller port and
+against torch's server.
 
 Run: ``python benchmarks/store.py [--clients 8] [--ops 2000] [--rounds 3]``
 
@@ -16,7 +17,8 @@ and times the same work against both servers:
 Per client and operation, ``--ops`` sequential requests (one round trip each): ``set`` of a
 64-byte value on its own keys, ``get`` of them, ``add`` on one counter shared by every client
 (contended), and ``wait`` on a key that exists. The clients start together (a barrier) and the
-time of an operation is from the first client starting to the last one done; the table prints aggregate
+time of an operation is from the first client starting to the last one done; the table prints
+aggregate
 requests per second and our throughput as a ratio of torch's.
 """
 
@@ -38,7 +40,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 OPS = ("set", "get", "add", "wait")
 
 
-def _serve_ours(ready: multiprocessing.connection.Connection, stop: multiprocessing.synchronize.Event) -> None:
+def _serve_ours(
+    ready: multiprocessing.connection.Connection, stop: multiprocessing.synchronize.Event
+) -> None:
     from flodl_async.net.loop import run
     from flodl_async.net.mux import PortMux
     from flodl_async.net.portstore import PortStore
@@ -60,7 +64,9 @@ def _serve_ours(ready: multiprocessing.connection.Connection, stop: multiprocess
     run(main())
 
 
-def _serve_torch(ready: multiprocessing.connection.Connection, stop: multiprocessing.synchronize.Event) -> None:
+def _serve_torch(
+    ready: multiprocessing.connection.Connection, stop: multiprocessing.synchronize.Event
+) -> None:
     from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
     store = TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
@@ -69,7 +75,13 @@ def _serve_torch(ready: multiprocessing.connection.Connection, stop: multiproces
     del store
 
 
-def _client(port: int, index: int, ops: int, barrier: multiprocessing.synchronize.Barrier, out: multiprocessing.connection.Connection) -> None:
+def _client(
+    port: int,
+    index: int,
+    ops: int,
+    barrier: multiprocessing.synchronize.Barrier,
+    out: multiprocessing.connection.Connection,
+) -> None:
     from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
     store = TCPStore("127.0.0.1", port, None, False, timeout=datetime.timedelta(seconds=300))
@@ -108,7 +120,10 @@ def _trial(server: str, clients: int, ops: int) -> dict[str, float]:
     port = ready_r.recv()
     barrier = ctx.Barrier(clients + 1)
     pipes = [ctx.Pipe(duplex=False) for _ in range(clients)]
-    procs = [ctx.Process(target=_client, args=(port, i, ops, barrier, w), daemon=True) for i, (_, w) in enumerate(pipes)]
+    procs = [
+        ctx.Process(target=_client, args=(port, i, ops, barrier, w), daemon=True)
+        for i, (_, w) in enumerate(pipes)
+    ]
     try:
         for proc in procs:
             proc.start()
@@ -125,11 +140,16 @@ def _trial(server: str, clients: int, ops: int) -> dict[str, float]:
                 proc.kill()
                 proc.join()
     # perf_counter is CLOCK_MONOTONIC on Linux: one clock for every process on the machine.
-    return {op: clients * ops / (max(s[op][1] for s in spans) - min(s[op][0] for s in spans)) for op in OPS}
+    return {
+        op: clients * ops / (max(s[op][1] for s in spans) - min(s[op][0] for s in spans))
+        for op in OPS
+    }
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--clients", type=int, default=8, help="client processes per trial")
     parser.add_argument("--ops", type=int, default=2000, help="requests per client per operation")
     parser.add_argument("--rounds", type=int, default=3)
@@ -138,7 +158,10 @@ def main() -> None:
     for _ in range(args.rounds):
         for server in ("ours", "torch"):  # interleaved: load from other work hits both alike
             results[server].append(_trial(server, args.clients, args.ops))
-    print(f"TCPStore requests/s, {args.clients} torch client processes x {args.ops} requests per op, median of {args.rounds} round(s)")
+    print(
+        f"TCPStore requests/s, {args.clients} torch client processes x {args.ops} requests per op, "
+        f"median of {args.rounds} round(s)"
+    )
     print(f"{'op':<6} {'ours (controller port)':>24} {'torch TCPStore server':>22} {'ratio':>7}")
     for op in OPS:
         ours = statistics.median(r[op] for r in results["ours"])

@@ -1,4 +1,5 @@
-"""TCP-leg benchmark: a sealed tensor frame to another process and back, as a worker host's relay and the controller exchange them.
+"""TCP-leg benchmark: a sealed tensor frame to another process and back, as a worker host's relay
+and the controller exchange them.
 
 Run: ``python benchmarks/tcpleg.py [--sizes 16,64] [--rounds 20] [--warmup 3]``
 
@@ -64,7 +65,13 @@ async def _server_main(conn: multiprocessing.connection.Connection, max_payload:
     async with asyncio.TaskGroup() as tg:
         limits = FrameLimits(max_payload=max_payload)
         service = FramedService(
-            channel=Channel.DATA, resolve=session_resolver(SECRET), run_id=RUN_ID, handler=echo, task_group=tg, limits=limits, allocate=pool.acquire
+            channel=Channel.DATA,
+            resolve=session_resolver(SECRET),
+            run_id=RUN_ID,
+            handler=echo,
+            task_group=tg,
+            limits=limits,
+            allocate=pool.acquire,
         )
         mux.register(Channel.DATA, service.protocol_factory)
         await mux.start()
@@ -73,7 +80,9 @@ async def _server_main(conn: multiprocessing.connection.Connection, max_payload:
         await mux.aclose()
 
 
-async def _client(port: int, sizes: list[int], rounds: int, warmup: int, max_payload: int) -> dict[int, list[float]]:
+async def _client(
+    port: int, sizes: list[int], rounds: int, warmup: int, max_payload: int
+) -> dict[int, list[float]]:
     from flodl_async.net.framed import open_framed
     from flodl_async.wire import Channel, Credential
     from flodl_async.wire import messages as m
@@ -82,7 +91,14 @@ async def _client(port: int, sizes: list[int], rounds: int, warmup: int, max_pay
     pool = PayloadPool()
     limits = FrameLimits(max_payload=max_payload)
     async with asyncio.timeout(10):
-        link = await open_framed("127.0.0.1", port, channel=Channel.DATA, credential=Credential.session(SECRET), limits=limits, allocate=pool.acquire)
+        link = await open_framed(
+            "127.0.0.1",
+            port,
+            channel=Channel.DATA,
+            credential=Credential.session(SECRET),
+            limits=limits,
+            allocate=pool.acquire,
+        )
     results: dict[int, list[float]] = {}
     try:
         for size in sizes:
@@ -126,11 +142,16 @@ def main() -> None:
         if server.is_alive():
             server.kill()
             server.join()
-    print("sealed tensor frame, client → server process → back over loopback TCP (ms per round trip)")
+    print(
+        "sealed tensor frame, client → server process → back over loopback TCP (ms per round trip)"
+    )
     print(f"{'size':>8} | {'rounds':>6} | {'median':>8} | {'p25':>8} | {'min':>8}")
     for size in sizes:
         t = sorted(results[size])
-        print(f"{size:>4} MiB | {len(t):>6} | {statistics.median(t):8.1f} | {t[len(t) // 4]:8.1f} | {t[0]:8.1f}")
+        print(
+            f"{size:>4} MiB | {len(t):>6} | {statistics.median(t):8.1f} | {t[len(t) // 4]:8.1f} | "
+            f"{t[0]:8.1f}"
+        )
 
 
 if __name__ == "__main__":

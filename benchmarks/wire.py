@@ -1,4 +1,5 @@
-"""Wire and mux benchmark: handshaken, authenticated, encrypted throughput against its physical baselines.
+"""Wire and mux benchmark: handshaken, authenticated, encrypted throughput against its physical
+baselines.
 
 Run: ``python benchmarks/wire.py [--rounds 3] [--total-mib 1024]``
 
@@ -69,11 +70,16 @@ def _loop_factory(kind: str) -> Callable[[], asyncio.AbstractEventLoop]:
 
 
 def _bundle(nbytes: int) -> m.TensorBundle:
-    return m.TensorBundle(round=0, weight=1.0, tensors=(m.TensorSpec(name="x", dtype="uint8", shape=(nbytes,), offset=0, nbytes=nbytes),))
+    return m.TensorBundle(
+        round=0,
+        weight=1.0,
+        tensors=(m.TensorSpec(name="x", dtype="uint8", shape=(nbytes,), offset=0, nbytes=nbytes),),
+    )
 
 
 def _marker(channel: Channel, count: float) -> m.Heartbeat | m.TensorBundle:
-    """The end-of-trial marker and its answer (carrying ``count``): a kind the channel carries both ways."""
+    """The end-of-trial marker and its answer (carrying ``count``): a kind the channel carries both
+    ways."""
     if channel is Channel.DATA:
         return m.TensorBundle(round=-1, weight=count, tensors=())
     return m.Heartbeat(sent_at=count)
@@ -133,7 +139,13 @@ def _serve(kind: str, port_out: multiprocessing.connection.Connection, raw_expec
         async with asyncio.TaskGroup() as tg:
             for channel in (Channel.DATA, Channel.CONTROL):
                 service = FramedService(
-                    channel=channel, resolve=session_resolver(SECRET), run_id=RUN_ID, handler=_count_frames, task_group=tg, limits=LIMITS, allocate=POOL.acquire
+                    channel=channel,
+                    resolve=session_resolver(SECRET),
+                    run_id=RUN_ID,
+                    handler=_count_frames,
+                    task_group=tg,
+                    limits=LIMITS,
+                    allocate=POOL.acquire,
                 )
                 mux.register(channel, service.protocol_factory)
             await mux.start()
@@ -164,7 +176,14 @@ async def _send_bulk(link: FramedProtocol, total: int) -> float:
 
 
 async def _bulk_framed(port: int, total: int) -> float:
-    link = await open_framed("127.0.0.1", port, channel=Channel.DATA, credential=Credential.session(SECRET), limits=LIMITS, allocate=POOL.acquire)
+    link = await open_framed(
+        "127.0.0.1",
+        port,
+        channel=Channel.DATA,
+        credential=Credential.session(SECRET),
+        limits=LIMITS,
+        allocate=POOL.acquire,
+    )
     return await _send_bulk(link, total)
 
 
@@ -201,12 +220,16 @@ async def _pump_raw(transport: asyncio.BaseTransport, proto: _RawSource, total: 
 
 
 async def _bulk_raw(port: int, total: int) -> float:
-    transport, proto = await asyncio.get_running_loop().create_connection(_RawSource, "127.0.0.1", port)
+    transport, proto = await asyncio.get_running_loop().create_connection(
+        _RawSource, "127.0.0.1", port
+    )
     return await _pump_raw(transport, proto, total)
 
 
 async def _small_frames(port: int, count: int) -> float:
-    link = await open_framed("127.0.0.1", port, channel=Channel.CONTROL, credential=Credential.session(SECRET))
+    link = await open_framed(
+        "127.0.0.1", port, channel=Channel.CONTROL, credential=Credential.session(SECRET)
+    )
     assert link.codec is not None
     msg = m.RankHello(rank=3, local_rank=1, world_size=4, pid=1234)
     start = time.perf_counter()
@@ -236,7 +259,9 @@ async def _connect_costs(port: int, raw_port: int, count: int = 200) -> tuple[fl
         bare.append(time.perf_counter() - start)
         transport.close()
         start = time.perf_counter()
-        link = await open_framed("127.0.0.1", port, channel=Channel.CONTROL, credential=Credential.session(SECRET))
+        link = await open_framed(
+            "127.0.0.1", port, channel=Channel.CONTROL, credential=Credential.session(SECRET)
+        )
         handshaken.append(time.perf_counter() - start)
         link.abort()
     return statistics.median(bare) * 1e3, statistics.median(handshaken) * 1e3
@@ -245,7 +270,9 @@ async def _connect_costs(port: int, raw_port: int, count: int = 200) -> tuple[fl
 # ----- (b) one relay hop: three processes ---------------------------------------------------------
 
 
-def _relay_process(socket_dir: str, controller_port: int, ready: multiprocessing.connection.Connection) -> None:
+def _relay_process(
+    socket_dir: str, controller_port: int, ready: multiprocessing.connection.Connection
+) -> None:
     """A real Relay, as an agent runs it: rank sockets in, its own upstream connections out."""
 
     async def main() -> None:
@@ -299,7 +326,9 @@ class _Forward(asyncio.Protocol):
         self.peer.resume_reading()
 
 
-def _bare_forwarder(path: str, target_port: int, ready: multiprocessing.connection.Connection) -> None:
+def _bare_forwarder(
+    path: str, target_port: int, ready: multiprocessing.connection.Connection
+) -> None:
     """unix socket in, TCP out, bytes copied as they come: the least a relay hop can do."""
 
     async def main() -> None:
@@ -312,7 +341,9 @@ def _bare_forwarder(path: str, target_port: int, ready: multiprocessing.connecti
 
             async def dial() -> None:
                 outbound = _Forward()
-                out_transport, _ = await loop.create_connection(lambda: outbound, "127.0.0.1", target_port)
+                out_transport, _ = await loop.create_connection(
+                    lambda: outbound, "127.0.0.1", target_port
+                )
                 assert inbound.transport is not None
                 outbound.peer, inbound.peer = inbound.transport, out_transport  # type: ignore[assignment]
                 for chunk in inbound.pending:
@@ -334,7 +365,14 @@ def _bare_forwarder(path: str, target_port: int, ready: multiprocessing.connecti
 
 async def _relay_hop_framed(data_socket: str, total: int) -> float:
     credential = Credential.for_rank(SECRET, run_id=RUN_ID, round=0, rank=0)
-    link = await open_unix_framed(data_socket, channel=Channel.DATA, credential=credential, peer_label="relay", limits=LIMITS, allocate=POOL.acquire)
+    link = await open_unix_framed(
+        data_socket,
+        channel=Channel.DATA,
+        credential=credential,
+        peer_label="relay",
+        limits=LIMITS,
+        allocate=POOL.acquire,
+    )
     return await _send_bulk(link, total)
 
 
@@ -349,7 +387,11 @@ def _relay_hops(mux_port: int, raw_port: int, total: int, rounds: int) -> tuple[
     relay_parent, relay_child = ctx.Pipe()
     fwd_parent, fwd_child = ctx.Pipe()
     relay = ctx.Process(target=_relay_process, args=(scratch, mux_port, relay_child), daemon=True)
-    forwarder = ctx.Process(target=_bare_forwarder, args=(os.path.join(scratch, "bare.sock"), raw_port, fwd_child), daemon=True)
+    forwarder = ctx.Process(
+        target=_bare_forwarder,
+        args=(os.path.join(scratch, "bare.sock"), raw_port, fwd_child),
+        daemon=True,
+    )
     relay.start()
     forwarder.start()
     relay_parent.recv()
@@ -414,7 +456,8 @@ def _blocking_sink(port_out: multiprocessing.connection.Connection, total: int) 
 
 
 def _blocking_aead_pair(total: int) -> float:
-    """The simplest design with AES-GCM on both ends: blocking sockets, no framing, no event loop."""
+    """The simplest design with AES-GCM on both ends: blocking sockets, no framing, no event
+    loop."""
     ctx = multiprocessing.get_context("fork")
     parent, child = ctx.Pipe()
     sink = ctx.Process(target=_blocking_sink, args=(child, total), daemon=True)
@@ -435,7 +478,8 @@ def _blocking_aead_pair(total: int) -> float:
 
 
 def _codec_costs(repeat: int = 20000) -> dict[str, float]:
-    # A control frame where the kind table allows it (an agent's heartbeat on the join channel), and a
+    # A control frame where the kind table allows it (an agent's heartbeat on the join channel), and
+    # a
     # sealed one (RankExited: its body is encrypted as well as authenticated).
     keys = handshake_keys(SECRET, Channel.JOIN)
     agent = FrameConnection(channel=Channel.JOIN, side=Side.PEER, keys=keys.peer)
@@ -443,7 +487,12 @@ def _codec_costs(repeat: int = 20000) -> dict[str, float]:
     costs: dict[str, float] = {}
     for name, msg in (
         ("control", m.Heartbeat(sent_at=1.0, rank=3)),
-        ("sealed control", m.RankExited(round=1, rank=3, local_rank=1, host="node-a", exit_code=1, stderr_tail=("line",))),
+        (
+            "sealed control",
+            m.RankExited(
+                round=1, rank=3, local_rank=1, host="node-a", exit_code=1, stderr_tail=("line",)
+            ),
+        ),
     ):
         start = time.perf_counter()
         frames = [agent.send(msg) for _ in range(repeat)]
@@ -454,9 +503,17 @@ def _codec_costs(repeat: int = 20000) -> dict[str, float]:
             assert isinstance(controller.next_frame(), Frame)
         costs[f"{name} decode us"] = (time.perf_counter() - start) / repeat * 1e6
     data_keys = handshake_keys(SECRET, Channel.DATA)
-    sender = FrameConnection(channel=Channel.DATA, side=Side.PEER, keys=data_keys.peer, limits=LIMITS)
+    sender = FrameConnection(
+        channel=Channel.DATA, side=Side.PEER, keys=data_keys.peer, limits=LIMITS
+    )
     pool = PayloadPool()
-    receiver = FrameConnection(channel=Channel.DATA, side=Side.CONTROLLER, keys=data_keys.controller, limits=LIMITS, allocate=pool.acquire)
+    receiver = FrameConnection(
+        channel=Channel.DATA,
+        side=Side.CONTROLLER,
+        keys=data_keys.controller,
+        limits=LIMITS,
+        allocate=pool.acquire,
+    )
     big = memoryview(os.urandom(16 * MiB))
     bundle = _bundle(16 * MiB)
     buffer = bytearray(16 * MiB + 16)
@@ -471,7 +528,8 @@ def _codec_costs(repeat: int = 20000) -> dict[str, float]:
         stream = memoryview(b"".join(wire))
         start = time.perf_counter()
         offset, frame = 0, None
-        while offset < len(stream):  # the data channel's read path: the socket writes into get_buffer()
+        # the data channel's read path: the socket writes into get_buffer()
+        while offset < len(stream):
             target = receiver.get_buffer(-1)
             n = min(len(target), len(stream) - offset)
             target[:n] = stream[offset : offset + n]
@@ -489,7 +547,9 @@ def _codec_costs(repeat: int = 20000) -> dict[str, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--total-mib", type=int, default=1024, help="bytes per bulk trial")
     parser.add_argument("--frames", type=int, default=200_000, help="control frames per trial")
@@ -506,7 +566,12 @@ def main() -> None:
         mux_port, raw_port = parent.recv()
         rows = results.setdefault(kind, {"raw MB/s": [], "framed MB/s": [], "frames/s": []})
 
-        async def trial(mux_port: int = mux_port, raw_port: int = raw_port, rows: dict[str, list[float]] = rows, kind: str = kind) -> None:
+        async def trial(
+            mux_port: int = mux_port,
+            raw_port: int = raw_port,
+            rows: dict[str, list[float]] = rows,
+            kind: str = kind,
+        ) -> None:
             for _ in range(args.rounds):
                 rows["raw MB/s"].append(await _bulk_raw(raw_port, total))
                 rows["framed MB/s"].append(await _bulk_framed(mux_port, total))
@@ -519,31 +584,60 @@ def main() -> None:
             hops = _relay_hops(mux_port, raw_port, total, args.rounds)
         parent.send("stop")
         server.join(10)
-    enc, dec = (statistics.median(x) for x in zip(*(_aead_speed(total // 2) for _ in range(args.rounds)), strict=True))
+    enc, dec = (
+        statistics.median(x)
+        for x in zip(*(_aead_speed(total // 2) for _ in range(args.rounds)), strict=True)
+    )
     blocking = statistics.median(_blocking_aead_pair(total) for _ in range(args.rounds))
-    print(f"\n(a) bulk: {args.total_mib} MiB per trial in {CHUNK // MiB} MiB frames, {args.rounds} rounds, medians")
-    heads = ("raw socket MB/s", 16), ("handshaken+AES-GCM MB/s", 24), ("framed / raw", 13), ("framed / blocking AES pair", 27), ("control frames/s", 17)
+    print(
+        f"\n(a) bulk: {args.total_mib} MiB per trial in {CHUNK // MiB} MiB frames, {args.rounds} "
+        "rounds, medians"
+    )
+    heads = (
+        ("raw socket MB/s", 16),
+        ("handshaken+AES-GCM MB/s", 24),
+        ("framed / raw", 13),
+        ("framed / blocking AES pair", 27),
+        ("control frames/s", 17),
+    )
     print(f"{'loop':<8} " + " ".join(f"{name:>{width}}" for name, width in heads))
     for kind, rows in results.items():
         raw = statistics.median(rows["raw MB/s"])
         framed = statistics.median(rows["framed MB/s"])
-        print(f"{kind:<8} {raw:>16.0f} {framed:>24.0f} {framed / raw:>13.2f} {framed / blocking:>27.2f} {statistics.median(rows['frames/s']):>17.0f}")
+        print(
+            f"{kind:<8} {raw:>16.0f} {framed:>24.0f} {framed / raw:>13.2f} "
+            f"{framed / blocking:>27.2f} {statistics.median(rows['frames/s']):>17.0f}"
+        )
     print(
-        f"\nphysical bounds, same run: AES-256-GCM on one core {enc:.0f} MB/s encrypt, {dec:.0f} MB/s decrypt; "
+        f"\nphysical bounds, same run: AES-256-GCM on one core {enc:.0f} MB/s encrypt, {dec:.0f} "
+        "MB/s decrypt; "
         f"blocking sockets with AES-GCM on both ends (no framing, no loop): {blocking:.0f} MB/s"
     )
     assert hops is not None
     framed_hop, bare_hop = hops
-    print(f"\n(b) one relay hop (rank -> relay -> controller, uvloop, {args.total_mib} MiB per trial):")
-    print(f"    bare uvloop forwarder {bare_hop:.0f} MB/s; flodl relay (two handshaken, sealed legs) {framed_hop:.0f} MB/s", end="")
+    print(
+        f"\n(b) one relay hop (rank -> relay -> controller, uvloop, {args.total_mib} MiB per "
+        "trial):"
+    )
+    print(
+        f"    bare uvloop forwarder {bare_hop:.0f} MB/s; flodl relay (two handshaken, sealed legs) "
+        f"{framed_hop:.0f} MB/s",
+        end="",
+    )
     print(f"; ratio {framed_hop / bare_hop:.2f}")
     print("\n(d) dial to a usable link, median of 200:")
     for kind, (bare_ms, hs_ms) in connect.items():
-        print(f"    {kind:<8} bare TCP connect {bare_ms:.3f} ms; connect + handshake {hs_ms:.3f} ms (+{hs_ms - bare_ms:.3f} ms)")
+        print(
+            f"    {kind:<8} bare TCP connect {bare_ms:.3f} ms; connect + handshake {hs_ms:.3f} ms "
+            f"(+{hs_ms - bare_ms:.3f} ms)"
+        )
     print("\n(e) codec cost, in-process")
     for name, value in _codec_costs().items():
         print(f"    {name:<24} {value:8.2f}")
-    print("\ntargets: (a) framed >= 0.80 x raw; (b) relay >= 0.80 x bare forwarder; (c) control frames >= 100000/s; (d) one round trip")
+    print(
+        "\ntargets: (a) framed >= 0.80 x raw; (b) relay >= 0.80 x bare forwarder; (c) control "
+        "frames >= 100000/s; (d) one round trip"
+    )
 
 
 if __name__ == "__main__":

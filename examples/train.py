@@ -69,7 +69,9 @@ def main() -> None:
             loss = loss_fn(ddp(x), y)
             loss.backward()
             optimizer.step()
-            total += torch.stack([loss.detach() * len(x), torch.tensor(float(len(x)), device=device)])
+            total += torch.stack(
+                [loss.detach() * len(x), torch.tensor(float(len(x)), device=device)]
+            )
         dist.all_reduce(total)
         mean = (total[0] / total[1]).item()
         losses.append(mean)

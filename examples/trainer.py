@@ -1,8 +1,10 @@
-"""The Trainer, complete: one script that trains inline, as a launcher with its ranks, or as a rank of flodl-launch.
+"""The Trainer, complete: one script that trains inline, as a launcher with its ranks, or as a rank
+of flodl-launch.
 
-    python examples/trainer.py                                  # one process (inline)
-    python examples/trainer.py --ranks 2                        # this process launches 2 CPU ranks and coordinates them
-    flodl-launch --nproc 2 --devices cpu -- python examples/trainer.py   # flodl-launch coordinates, the script is a rank
+    python examples/trainer.py             # one process (inline)
+    python examples/trainer.py --ranks 2   # this process launches 2 CPU ranks and coordinates them
+    flodl-launch --nproc 2 --devices cpu -- python examples/trainer.py
+                                           # flodl-launch coordinates, the script is a rank
 
 It fits a two-layer MLP to a fixed random linear target. Every process builds the same Trainer;
 `run.primary` is True in exactly one process per run, which prints.
@@ -54,7 +56,10 @@ def local_cluster(ranks: int) -> str:
     """A one-host cluster file with `ranks` CPU ranks on a free port (what `cluster=` takes)."""
     path = os.path.join(tempfile.mkdtemp(prefix="flodl-example-"), "cluster.yml")
     with open(path, "w") as f:
-        f.write(f"controller:\n  host: 127.0.0.1\n  port: {free_port()}\nworkers:\n  - host: {socket.gethostname()}\n    devices: cpu:{ranks}\n")
+        f.write(
+            f"controller:\n  host: 127.0.0.1\n  port: {free_port()}\nworkers:\n  - host: "
+            f"{socket.gethostname()}\n    devices: cpu:{ranks}\n"
+        )
     return path
 
 
@@ -77,19 +82,36 @@ async def main(trainer: fa.Trainer) -> None:
     async for m in run.metrics():
         if run.primary:
             shares = "/".join(f"{r.batch_share:.2f}" for r in m.per_rank)
-            print(f"epoch {m.epoch}: loss {m.avg_loss:.4f} in {m.epoch_ms:.0f} ms, shares {shares}", flush=True)
+            print(
+                f"epoch {m.epoch}: loss {m.avg_loss:.4f} in {m.epoch_ms:.0f} ms, shares {shares}",
+                flush=True,
+            )
     state = await run.join()
     if state.primary:
-        print(f"done: {state.epochs_completed} epochs on {state.world_size} rank(s), {len(state.state_dict)} tensors", flush=True)
+        print(
+            f"done: {state.epochs_completed} epochs on {state.world_size} rank(s), "
+            f"{len(state.state_dict)} tensors",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
-    parser.add_argument("--ranks", type=int, default=1, help="2 or more: launch that many CPU ranks from this process")
-    parser.add_argument("--cluster", help="a cluster file (the ranks re-run this script with the same arguments)")
+    parser.add_argument(
+        "--ranks",
+        type=int,
+        default=1,
+        help="2 or more: launch that many CPU ranks from this process",
+    )
+    parser.add_argument(
+        "--cluster", help="a cluster file (the ranks re-run this script with the same arguments)"
+    )
     args = parser.parse_args()
     # The ranks re-execute this command line; they must build the same Trainer, so the cluster file
     # is made once (by the launcher) and handed to the ranks through the same --cluster argument.
     if args.ranks > 1 and args.cluster is None:
-        os.execv(sys.executable, [sys.executable, *sys.orig_argv[1:], "--cluster", local_cluster(args.ranks)])
+        os.execv(
+            sys.executable,
+            [sys.executable, *sys.orig_argv[1:], "--cluster", local_cluster(args.ranks)],
+        )
     asyncio.run(main(build(args.ranks, args.cluster)))

@@ -1,4 +1,5 @@
-"""flodl_async: an asyncio-native launcher and orchestration daemon for distributed PyTorch training.
+"""flodl_async: an asyncio-native launcher and orchestration daemon for distributed PyTorch
+training.
 
 The Trainer API (``fa.Trainer``, ``fa.Policy``, ...) is imported on first use: the control plane
 (``flodl-launch``, ``flodl-agent``) never pays for it, and nothing here imports torch.
@@ -68,7 +69,14 @@ __all__ = [  # noqa: RUF022 (grouped as _LAZY is)
 if TYPE_CHECKING:
     from .errors import TrainingFailed, TrainingStopped
     from .net.loop import run
-    from .trainer.api import TrainedState, Trainer, TrainingRun, clean_exit, current_role, exit_if_worker_role
+    from .trainer.api import (
+        TrainedState,
+        Trainer,
+        TrainingRun,
+        clean_exit,
+        current_role,
+        exit_if_worker_role,
+    )
     from .trainer.entry import Entry
     from .trainer.worker import Worker, record_scalar
     from .training.metrics import EpochMetrics, RankEpochStats

@@ -32,7 +32,10 @@ def timeout_scale(env: Mapping[str, str] | None = None) -> float:
     except ValueError:
         scale = math.nan
     if not math.isfinite(scale) or scale < 0.1:
-        raise ConfigError(f"{SCALE_VARIABLE}={raw!r} must be a finite number of at least 0.1 (it multiplies every network deadline)")
+        raise ConfigError(
+            f"{SCALE_VARIABLE}={raw!r} must be a finite number of at least 0.1 (it multiplies "
+            "every network deadline)"
+        )
     return scale
 
 
@@ -61,7 +64,8 @@ class Deadlines:
     teardown_margin: float = 5.0
     #: Seconds between heartbeats on an agent's join link, both ways (flodl_async.control.liveness).
     heartbeat_interval: float = 2.0
-    #: A join link whose peer sent nothing (no heartbeat, no message) for this long is lost: a frozen host, a pulled cable.
+    #: A join link whose peer sent nothing (no heartbeat, no message) for this long is lost: a
+    #: frozen host, a pulled cable.
     heartbeat_silence: float = 10.0
     #: A link's graceful close before it is aborted.
     link_close: float = 1.0
@@ -69,21 +73,32 @@ class Deadlines:
     output_drain: float = 2.0
     #: A partial line (a progress bar before its newline) is forwarded once it waited this long.
     output_idle: float = 0.1
-    #: The torch-backend store child gets this after its stdin closes before KILL (it holds no state worth saving).
+    #: The torch-backend store child gets this after its stdin closes before KILL (it holds no state
+    #: worth saving).
     store_stop: float = 2.0
-    #: An ssh connection to a worker (TCP, host key, login), and then its agent's hello line, each within this.
+    #: An ssh connection to a worker (TCP, host key, login), and then its agent's hello line, each
+    #: within this.
     ssh_connect: float = 15.0
-    #: Every rank of the formed world must say TrainerHello within this of the first (trainer-spec §2.3).
+    #: Every rank of the formed world must say TrainerHello within this of the first (trainer-spec
+    #: §2.3).
     trainer_hello: float = 120.0
-    #: A reduce round in flight longer than this is a stall (trainer-spec §2.7; the ranks' data-link read deadline too).
+    #: A reduce round in flight longer than this is a stall (trainer-spec §2.7; the ranks' data-link
+    #: read deadline too).
     reduce_stall: float = 120.0
     #: Seconds from the first stop signal to KILL (operator's seconds, not scaled).
     stop_grace: float = DEFAULT_STOP_GRACE
 
     @classmethod
-    def resolve(cls, *, stop_grace: float = DEFAULT_STOP_GRACE, env: Mapping[str, str] | None = None) -> Deadlines:
-        """The defaults scaled by ``FLODL_NET_TIMEOUT_SCALE`` from ``env`` (default: ``os.environ``)."""
+    def resolve(
+        cls, *, stop_grace: float = DEFAULT_STOP_GRACE, env: Mapping[str, str] | None = None
+    ) -> Deadlines:
+        """The defaults scaled by ``FLODL_NET_TIMEOUT_SCALE`` from ``env`` (default:
+        ``os.environ``)."""
         scale = timeout_scale(env)
         base = cls()
-        scaled = {f.name: getattr(base, f.name) * scale for f in dataclasses.fields(cls) if f.name not in ("scale", "stop_grace")}
+        scaled = {
+            f.name: getattr(base, f.name) * scale
+            for f in dataclasses.fields(cls)
+            if f.name not in ("scale", "stop_grace")
+        }
         return cls(scale=scale, stop_grace=stop_grace, **scaled)

@@ -7,17 +7,17 @@ translated at the boundary with ``raise ... from exc``.
 ::
 
     FlodlError
-    ├── WireError                 bytes on a connection broke its protocol (frames, or torch's TCPStore)
+    ├── WireError                 bytes broke their protocol (frames, or torch's TCPStore)
     │   ├── FrameTooLarge
     │   ├── AuthenticationFailed
     │   ├── SequenceError         replayed, dropped or reordered frame
     │   ├── MalformedBody
     │   ├── UnknownKind
     │   ├── IllegalKind           a known kind not legal on this channel in this direction
-    │   ├── VersionMismatch       the peer speaks another wire protocol (reported before any key is used)
-    │   ├── HandshakeFailed       the per-connection handshake did not complete (malformed, closed, cut short)
+    │   ├── VersionMismatch       the peer speaks another wire protocol (told before any key)
+    │   ├── HandshakeFailed       the handshake did not complete (malformed, closed, cut)
     │   │   └── HandshakeRefused  the other side said no: a credential it does not take, another run
-    │   ├── ReservedFlags         header flags this build does not know (a newer peer, or corruption)
+    │   ├── ReservedFlags         header flags this build does not know (newer peer, corruption)
     │   ├── TruncatedFrame        the peer closed in the middle of a frame
     │   └── StoreProtocolError    a TCPStore client sent what the store cannot accept
     ├── ConnectionClosed          a link ended (we closed it, or the peer broke it)
@@ -91,11 +91,13 @@ class VersionMismatch(WireError):
 
 
 class HandshakeFailed(WireError):
-    """A connection's handshake did not complete: malformed, cut short, or closed by the other side."""
+    """A connection's handshake did not complete: malformed, cut short, or closed by the other
+    side."""
 
 
 class HandshakeRefused(HandshakeFailed):
-    """The other side refused the handshake: a credential this endpoint does not take, or another run."""
+    """The other side refused the handshake: a credential this endpoint does not take, or another
+    run."""
 
 
 class ReservedFlags(WireError):
@@ -157,7 +159,9 @@ class SubscriptionClosed(FlodlError):
     """A status subscription was closed (unsubscribed); nothing more will arrive on it."""
 
     def __init__(self) -> None:
-        super().__init__("this status subscription is closed; subscribe again to the board for new snapshots")
+        super().__init__(
+            "this status subscription is closed; subscribe again to the board for new snapshots"
+        )
 
 
 # ----- one host's session (the agent) and its state on disk ----------------------------------
@@ -180,7 +184,10 @@ class AgentError(FlodlError):
 class JoinFailed(AgentError):
     """The host never got into the run: the link failed before admission or formation."""
 
-    advice = "check that the controller is running, its address, and that both sides hold the same session secret"
+    advice = (
+        "check that the controller is running, its address, and that both sides hold the same "
+        "session secret"
+    )
 
 
 class ControllerUnreachable(JoinFailed):
@@ -198,13 +205,19 @@ class JoinRejected(JoinFailed):
 class FormationAborted(JoinFailed):
     """The host was admitted but the world never formed (the window failed or timed out)."""
 
-    advice = "the run did not start; check the launcher (its verdict, or why it died) and start a new run"
+    advice = (
+        "the run did not start; check the launcher (its verdict, or why it died) and start a "
+        "new run"
+    )
 
 
 class ControllerLost(AgentError):
     """The join link broke mid-run: the controller stopped, crashed or became unreachable."""
 
-    advice = "this host's ranks were stopped; check the launcher (its verdict, or why it died), then start a new run"
+    advice = (
+        "this host's ranks were stopped; check the launcher (its verdict, or why it died), "
+        "then start a new run"
+    )
 
 
 class RuntimeDirError(ConfigError):
@@ -214,12 +227,14 @@ class RuntimeDirError(ConfigError):
         self.path = path
         self.problem = problem
         super().__init__(
-            f"runtime directory {path}: {problem} — fix or remove it, or point XDG_RUNTIME_DIR at a short private directory (mode 0700, owned by you)"
+            f"runtime directory {path}: {problem} — fix or remove it, or point XDG_RUNTIME_DIR at "
+            "a short private directory (mode 0700, owned by you)"
         )
 
 
 class SecretFileError(ConfigError):
-    """A ``--secret-file`` that cannot be used safely (:mod:`flodl_async.host.secretfile`): ``problem`` says why, ``fix`` what to do."""
+    """A ``--secret-file`` that cannot be used safely (:mod:`flodl_async.host.secretfile`):
+    ``problem`` says why, ``fix`` what to do."""
 
     def __init__(self, path: str, problem: str, fix: str, *, what: str = "secret file") -> None:
         self.path = path
@@ -232,7 +247,8 @@ class SecretFileError(ConfigError):
 
 
 class TrainingFailed(FlodlError):
-    """A Trainer run ended without a trained state: ``result`` is its verdict (exit code, reason, details)."""
+    """A Trainer run ended without a trained state: ``result`` is its verdict (exit code, reason,
+    details)."""
 
     def __init__(self, result: RunResult) -> None:
         self.result = result
@@ -240,8 +256,10 @@ class TrainingFailed(FlodlError):
 
 
 class TrainingStopped(FlodlError):
-    """The coordinator ended the run on a failure (``Shutdown`` with a failure, ``TrainerReject``): this rank stops."""
+    """The coordinator ended the run on a failure (``Shutdown`` with a failure, ``TrainerReject``):
+    this rank stops."""
 
 
 class CoordinatorLost(FlodlError):
-    """This rank lost its coordinator: the relay link closed, or nothing arrived within the heartbeat deadline."""
+    """This rank lost its coordinator: the relay link closed, or nothing arrived within the
+    heartbeat deadline."""

@@ -41,8 +41,10 @@ EXIT_MEANINGS: dict[ExitCode, str] = {
     ExitCode.OK: "every rank exited 0 (a documented degraded success included)",
     ExitCode.INTERNAL: "internal error (a bug: please report it)",
     ExitCode.USAGE: "bad arguments or cluster file, or the port is taken; nothing was started",
-    ExitCode.FORMATION: "the world did not form (join window failed, join refused, store did not come up)",
-    ExitCode.RANK_FAILURE: "a rank failed (after any allowed restarts), or an agent or the controller was lost",
+    ExitCode.FORMATION: "the world did not form (join window failed, join refused, store did not "
+    "come up)",
+    ExitCode.RANK_FAILURE: "a rank failed (after any allowed restarts), or an agent or the "
+    "controller was lost",
     ExitCode.MAX_FAILURE: "more ranks failed than max_failure allows (elastic runs)",
     ExitCode.STALLED: "training stalled: no progress within the hang deadline",
     ExitCode.INTERRUPTED: "interrupted by SIGINT (Ctrl-C); a second signal kills at once",
@@ -50,16 +52,21 @@ EXIT_MEANINGS: dict[ExitCode, str] = {
 }
 
 
-#: What flodl-agent's exit codes mean (its --help and the README's agent table are rendered from it).
+#: What flodl-agent's exit codes mean (its --help and the README's agent table are rendered from
+#: it).
 AGENT_EXIT_MEANINGS: dict[ExitCode, str] = {
     ExitCode.OK: "the run finished (the controller said Finish)",
     ExitCode.INTERNAL: "internal error (a bug: please report it)",
     ExitCode.USAGE: "bad arguments, secret or runtime directory; nothing was started",
-    ExitCode.FORMATION: "could not join: no controller answered within --connect-timeout, join refused "
+    ExitCode.FORMATION: "could not join: no controller answered within --connect-timeout, join "
+    "refused "
     "(a wrong cluster token too, even with --persist), or the world did not form",
-    ExitCode.RANK_FAILURE: "the run failed: the controller aborted it (a rank failed, the launcher was stopped) or the controller was lost",
-    ExitCode.INTERRUPTED: "stopped by SIGINT (the ranks got SIGINT first); a second signal kills them at once",
-    ExitCode.TERMINATED: "stopped by SIGTERM (the ranks got SIGTERM first); a second signal kills them at once",
+    ExitCode.RANK_FAILURE: "the run failed: the controller aborted it (a rank failed, the launcher "
+    "was stopped) or the controller was lost",
+    ExitCode.INTERRUPTED: "stopped by SIGINT (the ranks got SIGINT first); a second signal kills "
+    "them at once",
+    ExitCode.TERMINATED: "stopped by SIGTERM (the ranks got SIGTERM first); a second signal kills "
+    "them at once",
 }
 
 
@@ -72,12 +79,17 @@ class RunResult:
     details: str = ""
     #: The failed rank the verdict names, if one; its live output may already hold the traceback.
     rank: int | None = None
-    #: ``details`` for a console that already showed that rank's stderr live: the traceback is not repeated.
+    #: ``details`` for a console that already showed that rank's stderr live: the traceback is not
+    #: repeated.
     details_if_shown: str = ""
 
     def details_for(self, shown: frozenset[int] | None) -> str:
         """The details to print when the console shows the ranks in ``shown`` (None: every rank)."""
-        if self.rank is not None and (shown is None or self.rank in shown) and self.details_if_shown:
+        if (
+            self.rank is not None
+            and (shown is None or self.rank in shown)
+            and self.details_if_shown
+        ):
             return self.details_if_shown
         return self.details
 
@@ -92,7 +104,8 @@ class StatusExit(enum.IntEnum):
 
 STATUS_EXIT_MEANINGS: dict[StatusExit, str] = {
     StatusExit.OK: "a flodl controller answered",
-    StatusExit.UNREACHABLE: "nothing answers at that address, or what answers is not a flodl status",
+    StatusExit.UNREACHABLE: "nothing answers at that address, or what answers is not a flodl "
+    "status",
     StatusExit.USAGE: "bad arguments",
 }
 
@@ -100,11 +113,16 @@ STATUS_EXIT_MEANINGS: dict[StatusExit, str] = {
 def exit_help(meanings: dict[ExitCode, str] | None = None) -> str:
     """The ``exit codes:`` block of an epilog."""
     rows = EXIT_MEANINGS if meanings is None else meanings
-    return "exit codes:\n" + "\n".join(f"  {int(code):<4} {text}" for code, text in rows.items()) + "\n"
+    return (
+        "exit codes:\n"
+        + "\n".join(f"  {int(code):<4} {text}" for code, text in rows.items())
+        + "\n"
+    )
 
 
 def exit_table_markdown(meanings: dict[ExitCode, str] | None = None) -> str:
-    """The README's exit-code table, rendered from :data:`EXIT_MEANINGS` (or flodl-agent's, :data:`AGENT_EXIT_MEANINGS`)."""
+    """The README's exit-code table, rendered from :data:`EXIT_MEANINGS` (or flodl-agent's,
+    :data:`AGENT_EXIT_MEANINGS`)."""
     rows = EXIT_MEANINGS if meanings is None else meanings
     lines = ["| code | meaning |", "| --- | --- |"]
     lines.extend(f"| {int(code)} | {text} |" for code, text in rows.items())
@@ -112,7 +130,8 @@ def exit_table_markdown(meanings: dict[ExitCode, str] | None = None) -> str:
 
 
 def rank_ranges(ranks: Iterable[int]) -> str:
-    """``0-99`` or ``0-3,7``: a rank list as short as it can be said (sorted, duplicates dropped)."""
+    """``0-99`` or ``0-3,7``: a rank list as short as it can be said (sorted, duplicates
+    dropped)."""
     ordered = sorted(set(ranks))
     parts: list[str] = []
     start = prev = None
@@ -129,7 +148,8 @@ def rank_ranges(ranks: Iterable[int]) -> str:
 
 
 def device_ranges(labels: Iterable[str]) -> str:
-    """``cpu:0-99`` or ``cuda:0-3,7``: device labels of one kind folded like :func:`rank_ranges` (others as they are)."""
+    """``cpu:0-99`` or ``cuda:0-3,7``: device labels of one kind folded like :func:`rank_ranges`
+    (others as they are)."""
     kinds: dict[str, list[int]] = {}
     others: list[str] = []
     for label in labels:

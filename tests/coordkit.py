@@ -33,7 +33,14 @@ from .trainerwire import schema_wire
 def hello(rank: int, spec: TrainerSpec) -> m.TrainerHello:
     """A rank's TrainerHello for ``spec`` (with its true digest)."""
     wire = schema_wire()
-    return m.TrainerHello(rank=rank, spec=spec.to_wire(), digest=digest(spec, ModelSchema.from_wire(wire)), model=wire, model_bytes=36, device="cpu")
+    return m.TrainerHello(
+        rank=rank,
+        spec=spec.to_wire(),
+        digest=digest(spec, ModelSchema.from_wire(wire)),
+        model=wire,
+        model_bytes=36,
+        device="cpu",
+    )
 
 
 @dataclass
@@ -47,17 +54,26 @@ class Driver:
     now: float = 100.0
     coord: Coordinator = field(init=False)
     actions: list[Action] = field(default_factory=list)
-    trained: dict[tuple[int, int], list[int]] = field(default_factory=lambda: collections.defaultdict(list))  # (epoch, rank) -> batches
+    trained: dict[tuple[int, int], list[int]] = field(
+        default_factory=lambda: collections.defaultdict(list)
+    )  # (epoch, rank) -> batches
     epochs: list[EpochMetrics] = field(default_factory=list)
     rounds: list[StartRound] = field(default_factory=list)
     ended: Finish | Fail | None = None
     pending: collections.deque[Event] = field(default_factory=collections.deque)
-    _sync: dict[int, tuple[int, int, int, int]] = field(default_factory=dict)  # rank -> (epoch, next batch, end, round)
+    _sync: dict[int, tuple[int, int, int, int]] = field(
+        default_factory=dict
+    )  # rank -> (epoch, next batch, end, round)
 
     def __post_init__(self) -> None:
         if not self.ms_per_batch:
             self.ms_per_batch = (1.0,) * self.world
-        self.coord = Coordinator(CoordinatorConfig(run_id="r", world_size=self.world, hosts={r: f"h{r % 2}" for r in range(self.world)}), now=self.now)
+        self.coord = Coordinator(
+            CoordinatorConfig(
+                run_id="r", world_size=self.world, hosts={r: f"h{r % 2}" for r in range(self.world)}
+            ),
+            now=self.now,
+        )
 
     def feed(self, event: Event) -> list[Action]:
         out = self.coord.handle(event, self.now)
@@ -109,10 +125,20 @@ class Driver:
         elif isinstance(action, StartRound):
             self.rounds.append(action)
             if action.reducer:
-                self.pending.append(RoundCompleted(round=action.round, kind=action.kind, mass=1.0, duration_ms=self.reduce_ms))
+                self.pending.append(
+                    RoundCompleted(
+                        round=action.round, kind=action.kind, mass=1.0, duration_ms=self.reduce_ms
+                    )
+                )
             else:
                 for rank in sorted(action.expected):
-                    self.pending.append(CollectiveDone(message=m.ReduceDone(rank=rank, round=action.round, mass=2.0, ms=self.reduce_ms)))
+                    self.pending.append(
+                        CollectiveDone(
+                            message=m.ReduceDone(
+                                rank=rank, round=action.round, mass=2.0, ms=self.reduce_ms
+                            )
+                        )
+                    )
             if self.spec.policy is Policy.SYNC and action.kind == "model":
                 for rank in list(self._sync):
                     epoch, at, end, _round = self._sync[rank]

@@ -86,10 +86,16 @@ def sweep_abandoned_kits() -> list[str]:
             pid, start = (root / _OWNER).read_text().split()
         except (OSError, ValueError):
             continue  # being made right now, or not a kit of ours
-        if ProcessIdentity(pid=int(pid), start_time=None if start == "None" else int(start)).is_alive():
+        if ProcessIdentity(
+            pid=int(pid), start_time=None if start == "None" else int(start)
+        ).is_alive():
             continue
         if namespaces is None:  # listed once, and only when some kit is abandoned
-            namespaces = [line.split()[0] for line in _run("ip", "netns", "list", check=False).stdout.splitlines() if line.strip()]
+            namespaces = [
+                line.split()[0]
+                for line in _run("ip", "netns", "list", check=False).stdout.splitlines()
+                if line.strip()
+            ]
         for ns in (n for n in namespaces if n.startswith(f"fl{tag}h")):
             for p in _run("ip", "netns", "pids", ns, check=False).stdout.split():
                 with contextlib.suppress(ProcessLookupError):
@@ -152,7 +158,18 @@ class HostKit:
             known_hosts=root / "known_hosts",
         )
         try:
-            _run("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "flodl-test-user", "-f", str(kit.user_key))
+            _run(
+                "ssh-keygen",
+                "-q",
+                "-t",
+                "ed25519",
+                "-N",
+                "",
+                "-C",
+                "flodl-test-user",
+                "-f",
+                str(kit.user_key),
+            )
             (root / "authorized_keys").write_text(Path(f"{kit.user_key}.pub").read_text())
             kit.known_hosts.write_text("")
             _run("ip", "link", "add", kit.bridge, "type", "bridge")
@@ -190,7 +207,9 @@ class HostKit:
         _run(*inside, "ip", "link", "set", veth_in, "name", "eth0")
         _run(*inside, "ip", "addr", "add", f"{addr}/24", "dev", "eth0")
         _run(*inside, "ip", "link", "set", "eth0", "up")
-        _run("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", name, "-f", str(hdir / "host_key"))
+        _run(
+            "ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", name, "-f", str(hdir / "host_key")
+        )
         pub = " ".join((hdir / "host_key.pub").read_text().split()[:2])
         host = NsHost(name=name, ns=ns, addr=addr, host_key_pub=pub)
         self.hosts[-1] = host
@@ -249,11 +268,16 @@ class HostKit:
                 log = self.root / host.name / "sshd.log"
                 tail = log.read_text()[-2000:] if log.exists() else ""
                 raise RuntimeError(f"sshd of {host.name} exited with {proc.returncode}: {tail}")
-            with contextlib.suppress(OSError), socket.create_connection((host.addr, host.port), timeout=1.0) as s:
+            with (
+                contextlib.suppress(OSError),
+                socket.create_connection((host.addr, host.port), timeout=1.0) as s,
+            ):
                 if s.recv(4) == b"SSH-":
                     return
             if time.monotonic() > deadline:
-                raise RuntimeError(f"sshd of {host.name} at {host.addr}:{host.port} did not answer within {within}s")
+                raise RuntimeError(
+                    f"sshd of {host.name} at {host.addr}:{host.port} did not answer within {within}s"
+                )
             time.sleep(0.05)
 
     def ssh_argv(self, host: NsHost, *command: str, known_hosts: Path | None = None) -> list[str]:
@@ -280,7 +304,20 @@ class HostKit:
 
     def inside_argv(self, host: NsHost, *command: str) -> list[str]:
         """A command line that runs ``command`` on ``host`` as its own login would: its namespace, its hostname."""
-        return ["ip", "netns", "exec", host.ns, "unshare", "--uts", "sh", "-c", 'hostname "$1" && shift && exec "$@"', "sh", host.name, *command]
+        return [
+            "ip",
+            "netns",
+            "exec",
+            host.ns,
+            "unshare",
+            "--uts",
+            "sh",
+            "-c",
+            'hostname "$1" && shift && exec "$@"',
+            "sh",
+            host.name,
+            *command,
+        ]
 
     def host_pids(self, ns: str) -> list[int]:
         """Every process in namespace ``ns`` other than its sshd listener."""
@@ -321,7 +358,9 @@ class HostKit:
     def close(self) -> None:
         """Kill every process of every namespace, then delete the namespaces, the bridge and the temp dir."""
         for host in self.hosts:
-            pids = [int(p) for p in _run("ip", "netns", "pids", host.ns, check=False).stdout.split()]
+            pids = [
+                int(p) for p in _run("ip", "netns", "pids", host.ns, check=False).stdout.split()
+            ]
             for pid in pids:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
@@ -330,8 +369,13 @@ class HostKit:
                 proc.wait(timeout=10)
         for host in self.hosts:
             deadline = time.monotonic() + 10
-            while _run("ip", "netns", "pids", host.ns, check=False).stdout.split() and time.monotonic() < deadline:
+            while (
+                _run("ip", "netns", "pids", host.ns, check=False).stdout.split()
+                and time.monotonic() < deadline
+            ):
                 time.sleep(0.05)
-            _run("ip", "netns", "del", host.ns, check=False)  # takes its veth (and the peer) with it
+            _run(
+                "ip", "netns", "del", host.ns, check=False
+            )  # takes its veth (and the peer) with it
         _run("ip", "link", "del", self.bridge, check=False)
         shutil.rmtree(self.root, ignore_errors=True)

@@ -72,13 +72,17 @@ def assert_nothing_left(run_id: str, *, within: float = 10.0) -> None:
         raise AssertionError(f"processes of run {run_id} survived: {left}")
 
 
-def wait_status(port: int, predicate: Callable[[dict[str, object]], bool], timeout: float = 60) -> dict[str, object]:
+def wait_status(
+    port: int, predicate: Callable[[dict[str, object]], bool], timeout: float = 60
+) -> dict[str, object]:
     """Poll the controller's real /state.json until ``predicate(doc)`` holds (the run's own state is the event)."""
     deadline = time.monotonic() + timeout
     last: dict[str, object] | None = None
     while time.monotonic() < deadline:
         with contextlib.suppress(OSError, ValueError):
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/state.json", timeout=2) as response:
+            with urllib.request.urlopen(
+                f"http://127.0.0.1:{port}/state.json", timeout=2
+            ) as response:
                 last = json.loads(response.read())
             if last is not None and predicate(last):
                 return last
@@ -97,10 +101,19 @@ def launch_cmd(*args: str, run_id: str) -> list[str]:
     return [PY, "-m", "flodl_async.cli.launch", "--run-id", run_id, *args]
 
 
-def run_launch(*args: str, run_id: str, timeout: float = 120, env: dict[str, str] | None = None) -> Finished:
+def run_launch(
+    *args: str, run_id: str, timeout: float = 120, env: dict[str, str] | None = None
+) -> Finished:
     """Run flodl-launch to completion; always checks that nothing of the run survives."""
     try:
-        done = subprocess.run(launch_cmd(*args, run_id=run_id), capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})}, check=False)
+        done = subprocess.run(
+            launch_cmd(*args, run_id=run_id),
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env={**os.environ, **(env or {})},
+            check=False,
+        )
     finally:
         assert_nothing_left(run_id)
     return Finished(done.returncode, done.stdout, done.stderr)
@@ -112,7 +125,12 @@ class Launcher:
     def __init__(self, *args: str, run_id: str, env: dict[str, str] | None = None) -> None:
         self.run_id = run_id
         self.proc = subprocess.Popen(
-            launch_cmd(*args, run_id=run_id), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1, env={**os.environ, **(env or {})}
+            launch_cmd(*args, run_id=run_id),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            bufsize=1,
+            env={**os.environ, **(env or {})},
         )
         self.stdout_lines: list[str] = []
 
@@ -123,7 +141,9 @@ class Launcher:
         seen = sum(predicate in line for line in self.stdout_lines)
         while seen < count:
             if time.monotonic() > deadline:
-                raise AssertionError(f"timed out waiting for {count}x {predicate!r}; got {self.stdout_lines}")
+                raise AssertionError(
+                    f"timed out waiting for {count}x {predicate!r}; got {self.stdout_lines}"
+                )
             line = self.proc.stdout.readline()
             if not line:
                 raise AssertionError(

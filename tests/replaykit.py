@@ -27,7 +27,19 @@ from pathlib import Path
 from types import TracebackType
 
 from flodl_async._version import __version__
-from flodl_async.wire import CHANNEL_MAGIC, MAGIC_LEN, Channel, ClientHandshake, Credential, FrameConnection, LinkKeys, Routed, ServerHandshake, Side, sniff
+from flodl_async.wire import (
+    CHANNEL_MAGIC,
+    MAGIC_LEN,
+    Channel,
+    ClientHandshake,
+    Credential,
+    FrameConnection,
+    LinkKeys,
+    Routed,
+    ServerHandshake,
+    Side,
+    sniff,
+)
 from flodl_async.wire.handshake import NONCE_BYTES, PROOF_BYTES, PROTOCOL_VERSION, session_resolver
 from flodl_async.wire.schema import Message
 
@@ -91,7 +103,12 @@ class RecordingProxy:
             raise self._error
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
         self.close()
 
     def close(self) -> None:
@@ -105,12 +122,22 @@ class RecordingProxy:
     def recordings(self) -> list[Recorded]:
         """Every connection so far, in the order they were accepted (a snapshot)."""
         with self._changed:
-            return [Recorded(index=r.index, client=bytes(r.client), server=bytes(r.server), closed=r.open_directions == 0) for r in self._recordings]
+            return [
+                Recorded(
+                    index=r.index,
+                    client=bytes(r.client),
+                    server=bytes(r.server),
+                    closed=r.open_directions == 0,
+                )
+                for r in self._recordings
+            ]
 
     def wait_all_closed(self, timeout: float = 30) -> list[Recorded]:
         """Wait until both directions of every recorded connection ended; returns the recordings."""
         with self._changed:
-            if not self._changed.wait_for(lambda: all(r.open_directions == 0 for r in self._recordings), timeout):
+            if not self._changed.wait_for(
+                lambda: all(r.open_directions == 0 for r in self._recordings), timeout
+            ):
                 raise AssertionError(f"proxied connections still open after {timeout:g}s")
         return self.recordings()
 
@@ -145,25 +172,41 @@ class RecordingProxy:
                     task.cancel()
         await server.wait_closed()
 
-    async def _pipe(self, client_reader: asyncio.StreamReader, client_writer: asyncio.StreamWriter) -> None:
+    async def _pipe(
+        self, client_reader: asyncio.StreamReader, client_writer: asyncio.StreamWriter
+    ) -> None:
         with self._changed:
             recording = _Recording(index=len(self._recordings))
             self._recordings.append(recording)
         try:
-            server_reader, server_writer = await asyncio.open_connection("127.0.0.1", self._upstream)
+            server_reader, server_writer = await asyncio.open_connection(
+                "127.0.0.1", self._upstream
+            )
         except OSError:
             client_writer.transport.abort()
             self._ended(recording, 2)
             return
         try:
             async with asyncio.TaskGroup() as tg:
-                tg.create_task(self._copy(client_reader, server_writer, recording, recording.client), name=f"proxy-up-{recording.index}")
-                tg.create_task(self._copy(server_reader, client_writer, recording, recording.server), name=f"proxy-down-{recording.index}")
+                tg.create_task(
+                    self._copy(client_reader, server_writer, recording, recording.client),
+                    name=f"proxy-up-{recording.index}",
+                )
+                tg.create_task(
+                    self._copy(server_reader, client_writer, recording, recording.server),
+                    name=f"proxy-down-{recording.index}",
+                )
         finally:
             client_writer.close()  # flushes what was written: after a reset the transports are closed already
             server_writer.close()
 
-    async def _copy(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, recording: _Recording, into: bytearray) -> None:
+    async def _copy(
+        self,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        recording: _Recording,
+        into: bytearray,
+    ) -> None:
         try:
             while chunk := await reader.read(65536):
                 with self._changed:
@@ -216,8 +259,12 @@ class ServerHello:
 def parse_server_hello(raw: bytes) -> ServerHello:
     """Parse exactly one ServerHello; anything else is an assertion error."""
     version, status, rest = PREAMBLE.unpack_from(raw)
-    assert version == PROTOCOL_VERSION, f"not a wire v{PROTOCOL_VERSION} server hello: {raw[:16].hex()}"
-    assert len(raw) == PREAMBLE.size + rest, f"{len(raw)} bytes are not one server hello of {PREAMBLE.size + rest}"
+    assert version == PROTOCOL_VERSION, (
+        f"not a wire v{PROTOCOL_VERSION} server hello: {raw[:16].hex()}"
+    )
+    assert len(raw) == PREAMBLE.size + rest, (
+        f"{len(raw)} bytes are not one server hello of {PREAMBLE.size + rest}"
+    )
     body = raw[PREAMBLE.size :]
     if status == _REFUSE:
         return ServerHello(raw=raw, accepted=False, reason=body.decode())
@@ -228,7 +275,9 @@ def parse_server_hello(raw: bytes) -> ServerHello:
     server_version = body[pos + 1 : pos + 1 + body[pos]].decode()
     pos += 1 + body[pos]
     assert pos + PROOF_BYTES == len(body), "trailing bytes in the server hello"
-    return ServerHello(raw=raw, accepted=True, nonce=body[:NONCE_BYTES], run_id=run_id, version=server_version)
+    return ServerHello(
+        raw=raw, accepted=True, nonce=body[:NONCE_BYTES], run_id=run_id, version=server_version
+    )
 
 
 # ----- sockets ---------------------------------------------------------------------------------
@@ -259,7 +308,9 @@ def read_until_closed(sock: socket.socket, *, within: float = 10.0) -> bytes:
         except ConnectionResetError:
             return bytes(data)
         except TimeoutError:
-            raise AssertionError(f"the server kept the connection open for {within:g}s after sending {len(data)} bytes") from None
+            raise AssertionError(
+                f"the server kept the connection open for {within:g}s after sending {len(data)} bytes"
+            ) from None
         if not chunk:
             return bytes(data)
         data += chunk
@@ -276,7 +327,9 @@ def read_server_hello(sock: socket.socket, *, within: float = 10.0) -> tuple[byt
         except ConnectionResetError:
             chunk = b""
         except TimeoutError:
-            raise AssertionError(f"no whole server hello within {within:g}s (got {len(data)} bytes)") from None
+            raise AssertionError(
+                f"no whole server hello within {within:g}s (got {len(data)} bytes)"
+            ) from None
         if not chunk:
             return b"", bytes(data)
         data += chunk
@@ -338,7 +391,12 @@ class Decoded:
 
 
 def _peer_keys(server_keys: LinkKeys) -> LinkKeys:
-    return LinkKeys(send_mac=server_keys.recv_mac, recv_mac=server_keys.send_mac, send_aead=server_keys.recv_aead, recv_aead=server_keys.send_aead)
+    return LinkKeys(
+        send_mac=server_keys.recv_mac,
+        recv_mac=server_keys.send_mac,
+        send_aead=server_keys.recv_aead,
+        recv_aead=server_keys.send_aead,
+    )
 
 
 def decode_recording(recording: Recorded, *, secret: bytes, run_id: str) -> Decoded:
@@ -356,15 +414,25 @@ def decode_recording(recording: Recorded, *, secret: bytes, run_id: str) -> Deco
     assert server_hello_len is not None
     seen = parse_server_hello(recording.server[:server_hello_len])
     assert seen.accepted
-    rebuilt = ServerHandshake(channel=channel, resolve=session_resolver(secret), run_id=run_id, version=seen.version, nonce=seen.nonce)
-    assert rebuilt.receive_data(client[:hello_end]).send == seen.raw, "the recorded server hello is not the one the secret gives"
+    rebuilt = ServerHandshake(
+        channel=channel,
+        resolve=session_resolver(secret),
+        run_id=run_id,
+        version=seen.version,
+        nonce=seen.nonce,
+    )
+    assert rebuilt.receive_data(client[:hello_end]).send == seen.raw, (
+        "the recorded server hello is not the one the secret gives"
+    )
     done = rebuilt.receive_data(client[hello_end:]).established
     assert done is not None
     up_codec = FrameConnection(channel=channel, side=Side.CONTROLLER, keys=done.keys)
     up_codec.receive_data(done.leftover)
     down_codec = FrameConnection(channel=channel, side=Side.PEER, keys=_peer_keys(done.keys))
     down_codec.receive_data(recording.server[server_hello_len:])
-    return Decoded(up=[f.message for f in up_codec.frames()], down=[f.message for f in down_codec.frames()])
+    return Decoded(
+        up=[f.message for f in up_codec.frames()], down=[f.message for f in down_codec.frames()]
+    )
 
 
 # ----- a client that never checks the server's proof -------------------------------------------
@@ -379,7 +447,15 @@ class Insisted:
     closed: bool
 
 
-def insist(sock: socket.socket, *, magic: bytes, channel: Channel, credential: Credential, frames: Sequence[Message], within: float = 10.0) -> Insisted:
+def insist(
+    sock: socket.socket,
+    *,
+    magic: bytes,
+    channel: Channel,
+    credential: Credential,
+    frames: Sequence[Message],
+    within: float = 10.0,
+) -> Insisted:
     """Handshake with ``credential``, then send its proof and ``frames`` whether or not the server's proof verified.
 
     The client proof is computed as an honest holder of ``credential.key`` would: a server
@@ -397,12 +473,20 @@ def insist(sock: socket.socket, *, magic: bytes, channel: Channel, credential: C
         return Insisted(hello=None, frames=[], closed=True)  # read_server_hello saw the close
     server_hello = parse_server_hello(raw)
     if not server_hello.accepted:
-        return Insisted(hello=server_hello, frames=[], closed=read_until_closed(sock, within=within) == b"")
+        return Insisted(
+            hello=server_hello, frames=[], closed=read_until_closed(sock, within=within) == b""
+        )
     mirror = ServerHandshake(
-        channel=channel, resolve=lambda _peer: credential.key, run_id=server_hello.run_id, version=server_hello.version, nonce=server_hello.nonce
+        channel=channel,
+        resolve=lambda _peer: credential.key,
+        run_id=server_hello.run_id,
+        version=server_hello.version,
+        nonce=server_hello.nonce,
     )
     forged = mirror.receive_data(hello).send
-    assert forged[:-PROOF_BYTES] == raw[:-PROOF_BYTES], "the mirror's hello differs from the server's in clear"
+    assert forged[:-PROOF_BYTES] == raw[:-PROOF_BYTES], (
+        "the mirror's hello differs from the server's in clear"
+    )
     step = client.receive_data(forged)
     assert step.established is not None
     codec = FrameConnection(channel=channel, side=Side.PEER, keys=step.established.keys)
@@ -421,15 +505,25 @@ def insist(sock: socket.socket, *, magic: bytes, channel: Channel, credential: C
         except ConnectionResetError:
             data = b""
         except TimeoutError:
-            raise AssertionError(f"the server neither answered nor closed within {within:g}s") from None
+            raise AssertionError(
+                f"the server neither answered nor closed within {within:g}s"
+            ) from None
         if not data:
             return Insisted(hello=server_hello, frames=[], closed=True)
 
 
-def insist_on_port(port: int, channel: Channel, credential: Credential, frames: Sequence[Message]) -> Insisted:
+def insist_on_port(
+    port: int, channel: Channel, credential: Credential, frames: Sequence[Message]
+) -> Insisted:
     """:func:`insist` on a new connection to the controller port (with the channel's magic)."""
     with connect(port) as sock:
-        return insist(sock, magic=CHANNEL_MAGIC[channel], channel=channel, credential=credential, frames=frames)
+        return insist(
+            sock,
+            magic=CHANNEL_MAGIC[channel],
+            channel=channel,
+            credential=credential,
+            frames=frames,
+        )
 
 
 def insist_on_unix(path: str, credential: Credential, frames: Sequence[Message]) -> Insisted:
@@ -437,7 +531,9 @@ def insist_on_unix(path: str, credential: Credential, frames: Sequence[Message])
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
         sock.settimeout(10)
         sock.connect(path)
-        return insist(sock, magic=b"", channel=Channel.CONTROL, credential=credential, frames=frames)
+        return insist(
+            sock, magic=b"", channel=Channel.CONTROL, credential=credential, frames=frames
+        )
 
 
 # ----- processes with their output in files ----------------------------------------------------
@@ -446,12 +542,16 @@ def insist_on_unix(path: str, credential: Credential, frames: Sequence[Message])
 class Background:
     """A process whose stdout and stderr go to files: a chatty process never blocks on a full pipe."""
 
-    def __init__(self, cmd: Sequence[str], *, out_dir: Path, name: str, env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, cmd: Sequence[str], *, out_dir: Path, name: str, env: dict[str, str] | None = None
+    ) -> None:
         self.name = name
         self.stdout_path = out_dir / f"{name}.stdout"
         self.stderr_path = out_dir / f"{name}.stderr"
         with self.stdout_path.open("wb") as out, self.stderr_path.open("wb") as err:
-            self.proc = subprocess.Popen(list(cmd), stdout=out, stderr=err, env={**os.environ, **(env or {})})
+            self.proc = subprocess.Popen(
+                list(cmd), stdout=out, stderr=err, env={**os.environ, **(env or {})}
+            )
 
     def stderr(self) -> str:
         """What it wrote to stderr so far."""
@@ -463,8 +563,12 @@ class Background:
             self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
             self.kill()
-            raise AssertionError(f"{self.name} did not exit within {timeout:g}s; stderr: {self.stderr()}") from None
-        return Finished(self.proc.returncode, self.stdout_path.read_text(errors="replace"), self.stderr())
+            raise AssertionError(
+                f"{self.name} did not exit within {timeout:g}s; stderr: {self.stderr()}"
+            ) from None
+        return Finished(
+            self.proc.returncode, self.stdout_path.read_text(errors="replace"), self.stderr()
+        )
 
     def kill(self) -> None:
         """SIGKILL it if it still runs, and reap it."""

@@ -63,11 +63,21 @@ def test_quiet_is_time_without_output_or_cpu_progress() -> None:
     tracker.output(b"step 1\n", 110.0)
     tracker.cpu(1000, 112.0)  # no ticks moved
     report = tracker.report("S", 115.0)
-    assert (report.quiet_s, report.output_age_s, report.last_line, report.uptime_s) == (5.0, 5.0, "step 1", 15.0)
-    tracker.cpu(1000 + os.sysconf("SC_CLK_TCK") * 3, 118.0)  # three CPU seconds in six: progress, 50 %
+    assert (report.quiet_s, report.output_age_s, report.last_line, report.uptime_s) == (
+        5.0,
+        5.0,
+        "step 1",
+        15.0,
+    )
+    tracker.cpu(
+        1000 + os.sysconf("SC_CLK_TCK") * 3, 118.0
+    )  # three CPU seconds in six: progress, 50 %
     report = tracker.report("R", 120.0)
     assert (report.quiet_s, report.cpu_percent) == (2.0, 50.0)
-    assert RankActivityTracker(rank=0, pid=1, store_port=0, now=0.0).report("S", 1.0).output_age_s == -1.0
+    assert (
+        RankActivityTracker(rank=0, pid=1, store_port=0, now=0.0).report("S", 1.0).output_age_s
+        == -1.0
+    )
 
 
 def test_a_store_connection_is_traced_to_the_process_that_holds_it(tmp_path: Path) -> None:
@@ -80,7 +90,9 @@ def test_a_store_connection_is_traced_to_the_process_that_holds_it(tmp_path: Pat
             [sys.executable, "-c", f"import socket, sys; s = socket.create_connection(('127.0.0.1', {port})); print('in', flush=True); sys.stdin.read()"],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
         )  # fmt: skip
-        bystander = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+        bystander = subprocess.Popen(
+            [sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE
+        )
         try:
             assert client.stdout is not None
             assert client.stdout.readline() == "in\n"
@@ -102,9 +114,15 @@ def test_a_store_connection_is_traced_to_the_process_that_holds_it(tmp_path: Pat
                 # A connect still in progress at the first look (the tables do not list it yet): looked at again after RECHECK_S.
                 late: list[float] = []
                 pending = RankActivityTracker(rank=2, pid=client.pid, store_port=port, now=0.0)
-                assert not pending.sample(1.0, lambda p: (late.append(1.0), frozenset())[1]).store_connected
-                assert not pending.sample(2.0, lambda p: (late.append(2.0), store_connections(p))[1]).store_connected  # same sockets: not asked
-                assert pending.sample(1.0 + RECHECK_S, lambda p: (late.append(3.0), store_connections(p))[1]).store_connected
+                assert not pending.sample(
+                    1.0, lambda p: (late.append(1.0), frozenset())[1]
+                ).store_connected
+                assert not pending.sample(
+                    2.0, lambda p: (late.append(2.0), store_connections(p))[1]
+                ).store_connected  # same sockets: not asked
+                assert pending.sample(
+                    1.0 + RECHECK_S, lambda p: (late.append(3.0), store_connections(p))[1]
+                ).store_connected
                 assert late == [1.0, 3.0]
                 idle = RankActivityTracker(rank=1, pid=bystander.pid, store_port=port, now=0.0)
                 assert not idle.sample(1.0, tables).store_connected
@@ -129,19 +147,28 @@ def test_tree_parts_children_files_states_and_ticks() -> None:
     assert tree_state(["S", "Z"]) == "S"
     assert tree_state(["S", "?"]) == "S"  # an unknown letter never wins
     assert tree_state([]) == "X"
-    stats = [parse_stat(STAT.format(utime=7, stime=3, start=9)), ProcStat(state="R", cpu_ticks=5, start_ticks=10, reaped_ticks=2)]
+    stats = [
+        parse_stat(STAT.format(utime=7, stime=3, start=9)),
+        ProcStat(state="R", cpu_ticks=5, start_ticks=10, reaped_ticks=2),
+    ]
     assert tree_ticks([s for s in stats if s is not None]) == 10 + 5 + 2
 
 
 #: Without the children files (a kernel built without CONFIG_PROC_CHILDREN) a tree is its root alone.
 needs_children_files = pytest.mark.skipif(
-    not Path(f"/proc/self/task/{os.getpid()}/children").exists(), reason="this kernel has no /proc/<pid>/task/<tid>/children files"
+    not Path(f"/proc/self/task/{os.getpid()}/children").exists(),
+    reason="this kernel has no /proc/<pid>/task/<tid>/children files",
 )
 
 
 def _wrapped(code: str) -> subprocess.Popen[str]:
     """``sh -c 'python -c CODE; ...'``: a shell that waits for its python (a compound command: no exec)."""
-    return subprocess.Popen(["sh", "-c", f'{sys.executable} -c "$0"; echo shell done', code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        ["sh", "-c", f'{sys.executable} -c "$0"; echo shell done', code],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
 
 
 def _stop(proc: subprocess.Popen[str]) -> None:
@@ -159,7 +186,13 @@ def _wait_for(condition: Callable[[], bool], what: str) -> None:
 
 
 def _ticks_of_tree(pid: int) -> int:
-    return tree_ticks([s for p in process_tree(pid) if (s := parse_stat(Path(f"/proc/{p}/stat").read_text())) is not None])
+    return tree_ticks(
+        [
+            s
+            for p in process_tree(pid)
+            if (s := parse_stat(Path(f"/proc/{p}/stat").read_text())) is not None
+        ]
+    )
 
 
 BUSY_FOR_0_3_S = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.3: pass"
@@ -182,7 +215,9 @@ def test_a_shell_that_waits_for_a_busy_python_is_busy() -> None:
         assert first.state == "R"
         start = _ticks_of_tree(wrapper.pid)
         _wait_for(lambda: _ticks_of_tree(wrapper.pid) > start, "the python never ran")
-        report = tracker.sample(1.0, store_connections)  # its ticks moved: progress (quiet resets), a nonzero CPU % (1 tick in 1 s: 1 %)
+        report = tracker.sample(
+            1.0, store_connections
+        )  # its ticks moved: progress (quiet resets), a nonzero CPU % (1 tick in 1 s: 1 %)
         assert report.cpu_percent > 0
         assert report.quiet_s == 0.0
     finally:
@@ -192,10 +227,17 @@ def test_a_shell_that_waits_for_a_busy_python_is_busy() -> None:
 def test_the_ticks_of_a_child_that_ended_stay_with_the_tree() -> None:
     """A helper process that ends is reaped by its parent: its CPU moves to the parent's reaped ticks, it is not lost."""
     command = f'{sys.executable} -c "$0"; echo child done; read line'
-    wrapper = subprocess.Popen(["sh", "-c", command, BUSY_FOR_0_3_S], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    wrapper = subprocess.Popen(
+        ["sh", "-c", command, BUSY_FOR_0_3_S],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert wrapper.stdout is not None
-        assert wrapper.stdout.readline() == "child done\n"  # the python used 0.3 s of CPU and was reaped
+        assert (
+            wrapper.stdout.readline() == "child done\n"
+        )  # the python used 0.3 s of CPU and was reaped
         assert process_tree(wrapper.pid) == [wrapper.pid]
         assert _ticks_of_tree(wrapper.pid) >= 0.25 * os.sysconf("SC_CLK_TCK")
     finally:
@@ -208,13 +250,17 @@ def test_a_store_connection_is_traced_through_a_wrapper_shell() -> None:
         server.bind(("127.0.0.1", 0))
         server.listen()
         port = server.getsockname()[1]
-        wrapper = _wrapped(f"import socket, sys; s = socket.create_connection(('127.0.0.1', {port})); print('in', flush=True); sys.stdin.read()")
+        wrapper = _wrapped(
+            f"import socket, sys; s = socket.create_connection(('127.0.0.1', {port})); print('in', flush=True); sys.stdin.read()"
+        )
         try:
             assert wrapper.stdout is not None
             assert wrapper.stdout.readline() == "in\n"
             conn, _ = server.accept()
             with conn:
-                assert not socket_inodes(wrapper.pid) & store_connections(port)  # the shell itself holds no socket
+                assert not socket_inodes(wrapper.pid) & store_connections(
+                    port
+                )  # the shell itself holds no socket
                 tracker = RankActivityTracker(rank=0, pid=wrapper.pid, store_port=port, now=0.0)
                 assert tracker.sample(1.0, store_connections).store_connected
         finally:

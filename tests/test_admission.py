@@ -25,7 +25,9 @@ from flodl_async.net.admission import (
     peer_key,
 )
 
-SMALL = AdmissionLimits(max_unauthenticated=6, max_unauthenticated_per_peer=3, max_status=4, max_status_per_peer=2)
+SMALL = AdmissionLimits(
+    max_unauthenticated=6, max_unauthenticated_per_peer=3, max_status=4, max_status_per_peer=2
+)
 
 
 def _core(limits: AdmissionLimits = SMALL) -> Admission:
@@ -39,7 +41,9 @@ def test_the_per_peer_cap_evicts_that_peers_oldest() -> None:
     core = _core()
     assert [core.admit(i, "a", 0.0) for i in range(3)] == [None, None, None]
     core.admit(10, "b", 0.0)
-    assert core.admit(3, "a", 1.0) == Eviction(conn=0, peer="a", pool=Pool.UNAUTHENTICATED, cap=Cap.PER_PEER, limit=3)
+    assert core.admit(3, "a", 1.0) == Eviction(
+        conn=0, peer="a", pool=Pool.UNAUTHENTICATED, cap=Cap.PER_PEER, limit=3
+    )
     assert core.count(Pool.UNAUTHENTICATED, "a") == 3
     assert core.stage(10) is Stage.SNIFFING  # the other peer is untouched
     assert core.stage(0) is None
@@ -51,7 +55,10 @@ def test_the_total_cap_evicts_the_oldest_overall() -> None:
         assert core.admit(i, peer, 0.0) is None
     eviction = core.admit(6, "g", 0.0)
     assert eviction == Eviction(conn=0, peer="a", pool=Pool.UNAUTHENTICATED, cap=Cap.TOTAL, limit=6)
-    assert eviction.describe() == "evicting the oldest unauthenticated connections: more than 6 in total"
+    assert (
+        eviction.describe()
+        == "evicting the oldest unauthenticated connections: more than 6 in total"
+    )
     assert core.count(Pool.UNAUTHENTICATED) == 6
 
 
@@ -73,7 +80,9 @@ def test_handshaking_connections_count_and_age_from_accept() -> None:
     core.admit(1, "a", 0.0)
     core.handshake(0, 1.0)  # routed later than 1 was accepted, still the oldest
     core.admit(2, "a", 1.0)
-    assert core.admit(3, "a", 1.0) == Eviction(conn=0, peer="a", pool=Pool.UNAUTHENTICATED, cap=Cap.PER_PEER, limit=3)
+    assert core.admit(3, "a", 1.0) == Eviction(
+        conn=0, peer="a", pool=Pool.UNAUTHENTICATED, cap=Cap.PER_PEER, limit=3
+    )
 
 
 def test_status_has_its_own_budget() -> None:
@@ -103,8 +112,14 @@ def test_a_status_cap_of_zero_refuses_and_keeps_the_connection_where_it_was() ->
     ("kwargs", "match"),
     [
         ({"max_unauthenticated_per_peer": 0}, "the port must be able to admit its own agents"),
-        ({"max_unauthenticated": 10, "max_unauthenticated_per_peer": 11}, r"per peer \(11\) <= unauthenticated in total \(10\)"),
-        ({"max_status": 4, "max_status_per_peer": 5}, r"status per peer \(5\) <= status in total \(4\)"),
+        (
+            {"max_unauthenticated": 10, "max_unauthenticated_per_peer": 11},
+            r"per peer \(11\) <= unauthenticated in total \(10\)",
+        ),
+        (
+            {"max_status": 4, "max_status_per_peer": 5},
+            r"status per peer \(5\) <= status in total \(4\)",
+        ),
     ],
 )
 def test_limits_are_checked(kwargs: dict[str, int], match: str) -> None:
@@ -168,7 +183,10 @@ OPS = st.lists(
 )
 LIMITS = st.builds(
     lambda total, per_peer, status, status_per_peer: AdmissionLimits(
-        max_unauthenticated=total, max_unauthenticated_per_peer=min(per_peer, total), max_status=status, max_status_per_peer=min(status_per_peer, status)
+        max_unauthenticated=total,
+        max_unauthenticated_per_peer=min(per_peer, total),
+        max_status=status,
+        max_status_per_peer=min(status_per_peer, status),
     ),
     st.integers(1, 8),
     st.integers(1, 8),
@@ -179,7 +197,9 @@ LIMITS = st.builds(
 
 @settings(max_examples=300, deadline=None)
 @given(limits=LIMITS, ops=OPS)
-def test_caps_hold_newcomers_get_in_and_the_authenticated_are_never_evicted(limits: AdmissionLimits, ops: list[tuple[str, object]]) -> None:
+def test_caps_hold_newcomers_get_in_and_the_authenticated_are_never_evicted(
+    limits: AdmissionLimits, ops: list[tuple[str, object]]
+) -> None:
     core = Admission(limits, sniff_timeout=5.0, handshake_timeout=2.0)
     model: dict[int, tuple[str, Stage]] = {}  # what should be tracked
     authenticated: set[int] = set()
@@ -195,7 +215,10 @@ def test_caps_hold_newcomers_get_in_and_the_authenticated_are_never_evicted(limi
                 evictions += 1
             model[conn] = (str(arg), Stage.SNIFFING)
             assert core.stage(conn) is Stage.SNIFFING  # the newcomer always gets in
-        elif op in ("handshake", "status") and model.get(int(str(arg)), ("", None))[1] is Stage.SNIFFING:
+        elif (
+            op in ("handshake", "status")
+            and model.get(int(str(arg)), ("", None))[1] is Stage.SNIFFING
+        ):
             conn = int(str(arg))
             if op == "handshake":
                 core.handshake(conn, now)
@@ -225,7 +248,9 @@ def test_caps_hold_newcomers_get_in_and_the_authenticated_are_never_evicted(limi
             assert core.count(pool) <= limits.cap(pool, Cap.TOTAL)
             for peer in "abcd":
                 assert core.count(pool, peer) <= limits.cap(pool, Cap.PER_PEER)
-        assert {c: core.stage(c) for c in core.conns()} == {c: stage for c, (_, stage) in model.items()}
+        assert {c: core.stage(c) for c in core.conns()} == {
+            c: stage for c, (_, stage) in model.items()
+        }
         assert not authenticated & set(core.conns())
     assert sum(core.statistics().evicted.values()) >= evictions
 
@@ -255,7 +280,10 @@ def test_peer_keys(host: str, key: str) -> None:
 
 def _ticket() -> tuple[AdmissionTicket, list[tuple[str, ...]]]:
     calls: list[tuple[str, ...]] = []
-    ticket = AdmissionTicket(on_authenticated=lambda: calls.append(("authenticated",)), on_rejected=lambda r, d: calls.append(("rejected", r, d)))
+    ticket = AdmissionTicket(
+        on_authenticated=lambda: calls.append(("authenticated",)),
+        on_rejected=lambda r, d: calls.append(("rejected", r, d)),
+    )
     return ticket, calls
 
 
@@ -302,7 +330,10 @@ def test_the_first_refusal_is_reported_at_once_then_summed_per_interval() -> Non
     assert summary.next_due() == 110.0
     line = summary.due(110.5)
     assert line is not None
-    assert line.text == "port mux: refused 66123 connections in the last 10 s: 65000 handshake_timeout, 1123 unknown_magic; continuing to accept"
+    assert (
+        line.text
+        == "port mux: refused 66123 connections in the last 10 s: 65000 handshake_timeout, 1123 unknown_magic; continuing to accept"
+    )
     assert summary.due(110.5) is None
     assert summary.next_due() is None
     assert summary.totals() == {"unknown_magic": 1124, "handshake_timeout": 65000}
@@ -310,7 +341,11 @@ def test_the_first_refusal_is_reported_at_once_then_summed_per_interval() -> Non
 
 def test_notes_make_a_warning_and_are_counted() -> None:
     summary = RejectionSummary(interval=10.0)
-    summary.record("evicted", 0.0, note="evicting the oldest unauthenticated connections: more than 64 from 10.0.0.5")
+    summary.record(
+        "evicted",
+        0.0,
+        note="evicting the oldest unauthenticated connections: more than 64 from 10.0.0.5",
+    )
     line = summary.due(0.0)
     assert line is not None
     assert line.warning
@@ -322,7 +357,10 @@ def test_notes_make_a_warning_and_are_counted() -> None:
     line = summary.due(11.0)
     assert line is not None
     assert line.warning
-    assert line.text == "port mux: accept() failed: out of file descriptors (5×) in the last 10 s; continuing to accept"
+    assert (
+        line.text
+        == "port mux: accept() failed: out of file descriptors (5×) in the last 10 s; continuing to accept"
+    )
 
 
 def test_notes_are_bounded_per_line() -> None:
@@ -332,15 +370,24 @@ def test_notes_are_bounded_per_line() -> None:
     line = summary.flush(0.0)
     assert line is not None
     assert line.text.count("more than 64 from") == 3
-    assert "85 more for other reasons" in line.text  # 100 refusals, 5 each shown for three addresses
+    assert (
+        "85 more for other reasons" in line.text
+    )  # 100 refusals, 5 each shown for three addresses
 
 
 @settings(max_examples=200, deadline=None)
 @given(
     interval=st.floats(0.1, 30.0),
-    events=st.lists(st.tuples(st.floats(0.0, 5.0), st.sampled_from(["unknown_magic", "evicted", "handshake_timeout"])), max_size=200),
+    events=st.lists(
+        st.tuples(
+            st.floats(0.0, 5.0), st.sampled_from(["unknown_magic", "evicted", "handshake_timeout"])
+        ),
+        max_size=200,
+    ),
 )
-def test_at_most_one_line_per_interval_and_every_refusal_reported(interval: float, events: list[tuple[float, str]]) -> None:
+def test_at_most_one_line_per_interval_and_every_refusal_reported(
+    interval: float, events: list[tuple[float, str]]
+) -> None:
     summary = RejectionSummary(interval=interval)
     now, emitted, reported = 0.0, [], 0
     for step, reason in events:

@@ -24,7 +24,13 @@ from flodl_async.errors import (
 )
 from flodl_async.verdict import ExitCode
 
-CONFIG = SessionConfig(controller_host="10.0.0.1", controller_port=1337, secret=bytes(16), host="node-b", devices=DeviceSpec.cpu(1))
+CONFIG = SessionConfig(
+    controller_host="10.0.0.1",
+    controller_port=1337,
+    secret=bytes(16),
+    host="node-b",
+    devices=DeviceSpec.cpu(1),
+)
 LOST = ConnectionClosed("join channel to 10.0.0.1:1337", by_peer=True)
 
 
@@ -33,7 +39,9 @@ def _group(*excs: Exception) -> ExceptionGroup[Exception]:
 
 
 def test_a_session_error_is_itself() -> None:
-    exc = FormationAborted("node-b", "the controller closed the join link while waiting for the world to form")
+    exc = FormationAborted(
+        "node-b", "the controller closed the join link while waiting for the world to form"
+    )
     assert session_failure(exc, CONFIG) is exc
     assert exit_code_for_error(exc) is ExitCode.FORMATION
 
@@ -72,7 +80,9 @@ def test_a_config_error_is_a_usage_error() -> None:
     [
         RuntimeError("a bug"),
         _group(RuntimeError("a bug")),
-        _group(ControllerLost("node-b", "lost"), RuntimeError("a bug alongside")),  # a bug is never hidden behind a user error
+        _group(
+            ControllerLost("node-b", "lost"), RuntimeError("a bug alongside")
+        ),  # a bug is never hidden behind a user error
         _group(BrokenPipeError(32, "Broken pipe")),
     ],
 )
@@ -81,13 +91,17 @@ def test_anything_else_is_a_bug(exc: Exception) -> None:
 
 
 def test_the_line_names_host_controller_and_cause_once() -> None:
-    without = FormationAborted("node-b", "the controller closed the join link while waiting for the world to form")
+    without = FormationAborted(
+        "node-b", "the controller closed the join link while waiting for the world to form"
+    )
     line = failure_line(without, CONFIG.controller_addr)
     assert line == (
         "flodl-agent: agent node-b: the controller closed the join link while waiting for the world to form (controller 10.0.0.1:1337)"
         f" — {FormationAborted.advice}"
     )
-    already = ControllerUnreachable("node-b", "cannot reach the controller at 10.0.0.1:1337: Connection refused")
+    already = ControllerUnreachable(
+        "node-b", "cannot reach the controller at 10.0.0.1:1337: Connection refused"
+    )
     assert failure_line(already, CONFIG.controller_addr).count("10.0.0.1:1337") == 1
     assert "\n" not in failure_line(AgentError("node-b", "x"), CONFIG.controller_addr)
 
@@ -102,7 +116,9 @@ def test_rank_output_retires_a_pipe_whose_reader_is_gone(caplog: pytest.LogCaptu
         output.chunk("node-b", 0, 1, "out", b"got SIGTERM\n")  # would raise BrokenPipeError
         output.chunk("node-b", 0, 1, "out", b"and more\n")
         output.chunk("node-b", 0, 1, "err", b"still here\n")
-    assert [r.getMessage() for r in caplog.records] == ["stdout is gone (Broken pipe): rank output to it is dropped from now on; the ranks keep running"]
+    assert [r.getMessage() for r in caplog.records] == [
+        "stdout is gone (Broken pipe): rank output to it is dropped from now on; the ranks keep running"
+    ]
     assert stderr.getvalue() == b"[node-b:r1] still here\n"
     stdout.close()  # its descriptor now points at /dev/null: the buffered line no longer fails at close
 

@@ -74,7 +74,9 @@ def _state() -> dict[str, torch.Tensor]:
 SCHEMA = ModelSchema.from_state_dict(_state(), ["w32", "w64", "wbf16", "wf16"])
 
 
-def _tensors(rank: int, *, scale: float = 1.0, schema: ModelSchema = SCHEMA) -> dict[str, torch.Tensor]:
+def _tensors(
+    rank: int, *, scale: float = 1.0, schema: ModelSchema = SCHEMA
+) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(rank)
     out: dict[str, torch.Tensor] = {}
     for meta in schema.tensors:
@@ -84,7 +86,9 @@ def _tensors(rank: int, *, scale: float = 1.0, schema: ModelSchema = SCHEMA) -> 
         elif meta.dtype == "bool":
             out[meta.name] = torch.randint(0, 2, meta.shape, generator=g).to(torch.bool)
         else:
-            out[meta.name] = (torch.randn(meta.shape, generator=g, dtype=torch.float64) * scale).to(dtype)
+            out[meta.name] = (torch.randn(meta.shape, generator=g, dtype=torch.float64) * scale).to(
+                dtype
+            )
     return out
 
 
@@ -93,7 +97,8 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def reference(
-    contributions: Mapping[int, tuple[dict[str, torch.Tensor] | None, float]], schema: ModelSchema = SCHEMA
+    contributions: Mapping[int, tuple[dict[str, torch.Tensor] | None, float]],
+    schema: ModelSchema = SCHEMA,
 ) -> tuple[float, dict[str, torch.Tensor] | None]:
     """The documented arithmetic, replayed: (mass, consensus) from each rank's (tensors, weight)."""
     mass, out, _divided = reference_parts(contributions, schema)
@@ -105,7 +110,9 @@ def reference_parts(
     schema: ModelSchema = SCHEMA,
 ) -> tuple[float, dict[str, torch.Tensor] | None, dict[str, torch.Tensor]]:
     """(mass, consensus, the divided accumulators before rounding and casting back)."""
-    frames: list[tuple[str, dict[str, torch.Tensor], float | None]] = []  # (kind, tensors, weight-or-None for prescaled)
+    frames: list[
+        tuple[str, dict[str, torch.Tensor], float | None]
+    ] = []  # (kind, tensors, weight-or-None for prescaled)
     mass = 0.0
     for ranks in sorted(HOSTS.values(), key=min):
         host = sorted(r for r in ranks if r in contributions)
@@ -148,7 +155,9 @@ def reference_parts(
 
 
 def outer_reference(
-    spec: OuterSpec, rounds: list[tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]], schema: ModelSchema = SCHEMA
+    spec: OuterSpec,
+    rounds: list[tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]],
+    schema: ModelSchema = SCHEMA,
 ) -> list[dict[str, torch.Tensor]]:
     """§3.6 by hand on each round's (consensus, divided accumulators): the step runs on the divided
     float32 (float64) values, before the cast back; params only, buffers pass through; the
@@ -200,18 +209,31 @@ class Bench:
     def spec(self, rank: int) -> RankSpec:
         host = next(h for h, ranks in HOSTS.items() if rank in ranks)
         key = Credential.for_rank(self.secret, run_id=RUN, round=0, rank=rank).key
-        return RankSpec(run_id=RUN, host=host, relay_socket="", data_socket=self.relays[host].data_socket_path, round=0, credential_hex=key.hex())
+        return RankSpec(
+            run_id=RUN,
+            host=host,
+            relay_socket="",
+            data_socket=self.relays[host].data_socket_path,
+            round=0,
+            credential_hex=key.hex(),
+        )
 
     async def links(self, ranks: list[int]) -> dict[int, DataLink]:
         async with asyncio.timeout(20):
-            made = await asyncio.gather(*(DataLink.connect(self.spec(r), r, self.schema, DIGEST) for r in ranks))
+            made = await asyncio.gather(
+                *(DataLink.connect(self.spec(r), r, self.schema, DIGEST) for r in ranks)
+            )
         return dict(zip(ranks, made, strict=True))
 
     async def host_link(self, hello: m.HostDataHello | None = None) -> FramedProtocol:
         """A hand-made relay: the session credential on the data channel (big send limits), optionally introduced."""
         async with asyncio.timeout(10):
             link = await open_framed(
-                "127.0.0.1", self.port, channel=Channel.DATA, credential=Credential.session(self.secret), limits=FrameLimits(max_payload=1 << 26)
+                "127.0.0.1",
+                self.port,
+                channel=Channel.DATA,
+                credential=Credential.session(self.secret),
+                limits=FrameLimits(max_payload=1 << 26),
             )
         if hello is not None:
             link.send(hello)
@@ -228,7 +250,12 @@ async def _control(link: FramedProtocol) -> None:
 
 @contextlib.asynccontextmanager
 async def _bench(
-    secret: bytes, outer: OuterSpec | None = None, gamma: float = 1.0, *, local: bool = False, schema: ModelSchema = SCHEMA
+    secret: bytes,
+    outer: OuterSpec | None = None,
+    gamma: float = 1.0,
+    *,
+    local: bool = False,
+    schema: ModelSchema = SCHEMA,
 ) -> AsyncIterator[Bench]:
     """``local``: the relays find the reducer in this process and hand frames over in memory (the launcher's own
     host); otherwise they dial its port like a remote host's relay (TCP, sealed payloads)."""
@@ -237,9 +264,20 @@ async def _bench(
     reducer = Reducer(schema, outer or OuterAvg(), gamma, digest=DIGEST)
     try:
         async with asyncio.timeout(90), asyncio.TaskGroup() as tg:
-            control = FramedService(channel=Channel.CONTROL, resolve=session_resolver(secret), run_id=RUN, handler=_control, task_group=tg)
+            control = FramedService(
+                channel=Channel.CONTROL,
+                resolve=session_resolver(secret),
+                run_id=RUN,
+                handler=_control,
+                task_group=tg,
+            )
             mux.register(Channel.CONTROL, control.protocol_factory)
-            mux.register(Channel.DATA, reducer.attach(task_group=tg, resolve=session_resolver(secret), run_id=RUN, serve_local=local).protocol_factory)
+            mux.register(
+                Channel.DATA,
+                reducer.attach(
+                    task_group=tg, resolve=session_resolver(secret), run_id=RUN, serve_local=local
+                ).protocol_factory,
+            )
             await mux.start()
             relays = {}
             for host, ranks in HOSTS.items():
@@ -259,7 +297,15 @@ async def _bench(
                 relay.open_round(0)
                 relays[host] = relay
             try:
-                yield Bench(reducer=reducer, relays=relays, secret=secret, port=mux.port, scratch=scratch, local=local, schema=schema)
+                yield Bench(
+                    reducer=reducer,
+                    relays=relays,
+                    secret=secret,
+                    port=mux.port,
+                    scratch=scratch,
+                    local=local,
+                    schema=schema,
+                )
             finally:
                 for relay in relays.values():
                     await relay.aclose()
@@ -276,12 +322,19 @@ async def bench(secret: bytes, request: pytest.FixtureRequest) -> AsyncIterator[
 
 
 async def _round(
-    bench: Bench, links: dict[int, DataLink], number: int, contributions: Mapping[int, tuple[dict[str, torch.Tensor] | None, float]], kind: str = "model"
+    bench: Bench,
+    links: dict[int, DataLink],
+    number: int,
+    contributions: Mapping[int, tuple[dict[str, torch.Tensor] | None, float]],
+    kind: str = "model",
 ) -> tuple[float, dict[int, ConsensusResult]]:
     bench.reducer.open_round(number, kind, frozenset(contributions))
     async with asyncio.timeout(30):
         results = await asyncio.gather(
-            *(links[r].contribute(number, kind, t, steps=int(w), weight=w) for r, (t, w) in contributions.items()),
+            *(
+                links[r].contribute(number, kind, t, steps=int(w), weight=w)
+                for r, (t, w) in contributions.items()
+            ),
         )
         done = await bench.reducer.wait_round(number)
     assert done.round == number
@@ -317,13 +370,23 @@ async def test_a_round_equals_the_reference_for_every_dtype(bench: Bench) -> Non
     _assert_equal(copied, last)
     assert copied["w32"].data_ptr() != last["w32"].data_ptr()  # each call is its own copy
     stats = {host: relay.statistics().data for host, relay in bench.relays.items()}
-    assert (stats["a"].folded, stats["a"].forwarded_raw) == (1, 0)  # two ranks: folded into one host frame
+    assert (stats["a"].folded, stats["a"].forwarded_raw) == (
+        1,
+        0,
+    )  # two ranks: folded into one host frame
     assert (stats["b"].folded, stats["b"].forwarded_raw) == (0, 1)  # one rank: its bytes, untouched
     assert stats["a"].delivered_down == 2
     reducer = bench.reducer.statistics()
-    assert (reducer.hosts, reducer.in_process_hosts, reducer.rounds_completed) == (2, 2 if bench.local else 0, 1)
+    assert (reducer.hosts, reducer.in_process_hosts, reducer.rounds_completed) == (
+        2,
+        2 if bench.local else 0,
+        1,
+    )
     # Each host's uplink: which path it took, one frame each; b's one rank went up raw, a's fold as its accumulator.
-    assert [(u.host, u.ranks, u.in_process, u.frames) for u in reducer.uplinks] == [("a", (0, 1), bench.local, 1), ("b", (2,), bench.local, 1)]
+    assert [(u.host, u.ranks, u.in_process, u.frames) for u in reducer.uplinks] == [
+        ("a", (0, 1), bench.local, 1),
+        ("b", (2,), bench.local, 1),
+    ]
     assert reducer.uplinks[1].payload_bytes == bench.reducer.schema.model_bytes
     assert reducer.uplinks[0].payload_bytes > 0
     for link in links.values():
@@ -333,7 +396,9 @@ async def test_a_round_equals_the_reference_for_every_dtype(bench: Bench) -> Non
 async def test_several_rounds_reuse_pooled_buffers_and_stay_exact(bench: Bench) -> None:
     links = await bench.links([0, 1, 2])
     for number in range(1, 5):
-        contributions = {r: (_tensors(10 * number + r, scale=number), float(r + number)) for r in range(3)}
+        contributions = {
+            r: (_tensors(10 * number + r, scale=number), float(r + number)) for r in range(3)
+        }
         _mass, results = await _round(bench, links, number, contributions)
         _m, want = reference(contributions)
         assert want is not None
@@ -346,7 +411,9 @@ async def test_several_rounds_reuse_pooled_buffers_and_stay_exact(bench: Bench) 
         await link.aclose()
 
 
-async def test_integer_buffers_round_half_to_even_and_bools_take_the_weighted_majority(bench: Bench) -> None:
+async def test_integer_buffers_round_half_to_even_and_bools_take_the_weighted_majority(
+    bench: Bench,
+) -> None:
     links = await bench.links([0, 1, 2])
     base = [_tensors(r) for r in range(3)]
     base[0]["count"] = torch.tensor([1, 2, 3, -3])
@@ -357,7 +424,12 @@ async def test_integer_buffers_round_half_to_even_and_bools_take_the_weighted_ma
     _mass, results = await _round(bench, links, 1, contributions)
     got = results[2].tensors
     assert got is not None
-    assert got["count"].tolist() == [2, 2, 4, -4]  # 1.5 → 2, 2.5 → 2, 3.5 → 4, -3.5 → -4: half to even
+    assert got["count"].tolist() == [
+        2,
+        2,
+        4,
+        -4,
+    ]  # 1.5 → 2, 2.5 → 2, 3.5 → 4, -3.5 → -4: half to even
     assert got["flag"].tolist() == [False, True, False]  # a tie (0.5) rounds to even: False
     for link in links.values():
         await link.aclose()
@@ -366,11 +438,15 @@ async def test_integer_buffers_round_half_to_even_and_bools_take_the_weighted_ma
 async def test_an_init_round_is_the_roots_state_exactly(bench: Bench) -> None:
     links = await bench.links([0, 1, 2])
     root = _tensors(7)
-    _mass, results = await _round(bench, links, 0, {0: (root, 1.0), 1: (None, 0.0), 2: (None, 0.0)}, kind="init")
+    _mass, results = await _round(
+        bench, links, 0, {0: (root, 1.0), 1: (None, 0.0), 2: (None, 0.0)}, kind="init"
+    )
     for result in results.values():
         assert result.tensors is not None
         _assert_equal(result.tensors, root)
-    assert bench.relays["a"].statistics().data.forwarded_raw == 1  # only the root had tensors: no fold, no torch math
+    assert (
+        bench.relays["a"].statistics().data.forwarded_raw == 1
+    )  # only the root had tensors: no fold, no torch math
     for link in links.values():
         await link.aclose()
 
@@ -380,7 +456,9 @@ async def test_mass_zero_sends_no_payload_and_keeps_the_last_consensus(bench: Be
     contributions = {0: (_tensors(0), 1.0), 1: (_tensors(1), 1.0), 2: (_tensors(2), 1.0)}
     await _round(bench, links, 1, contributions)
     before = bench.reducer.last_consensus
-    mass, results = await _round(bench, links, 2, {0: (_tensors(3), 0.0), 1: (None, 0.0), 2: (None, 0.0)})
+    mass, results = await _round(
+        bench, links, 2, {0: (_tensors(3), 0.0), 1: (None, 0.0), 2: (None, 0.0)}
+    )
     assert mass == 0.0
     assert all(r.mass == 0.0 and r.tensors is None for r in results.values())
     after = bench.reducer.last_consensus
@@ -417,7 +495,10 @@ async def test_a_rank_that_never_contributes_is_released_by_declare_dead(bench: 
     links = await bench.links([0, 1])
     bench.reducer.open_round(1, "model", frozenset({0, 1, 2}))
     async with asyncio.timeout(30):
-        await asyncio.gather(links[0].send(1, "model", _tensors(0), steps=1, weight=1.0), links[1].send(1, "model", _tensors(1), steps=1, weight=1.0))
+        await asyncio.gather(
+            links[0].send(1, "model", _tensors(0), steps=1, weight=1.0),
+            links[1].send(1, "model", _tensors(1), steps=1, weight=1.0),
+        )
         waiting = asyncio.ensure_future(bench.reducer.wait_round(1))
         await asyncio.sleep(0)
         assert not waiting.done()
@@ -434,13 +515,30 @@ async def test_a_rank_that_never_contributes_is_released_by_declare_dead(bench: 
         await link.aclose()
 
 
-async def test_a_rank_listed_twice_closes_that_connection(bench: Bench, caplog: pytest.LogCaptureFixture) -> None:
+async def test_a_rank_listed_twice_closes_that_connection(
+    bench: Bench, caplog: pytest.LogCaptureFixture
+) -> None:
     links = await bench.links([0, 1])
     bench.reducer.open_round(1, "model", frozenset({0, 1, 2}))
     async with asyncio.timeout(30):
-        await asyncio.gather(links[0].send(1, "model", _tensors(0), steps=1, weight=1.0), links[1].send(1, "model", _tensors(1), steps=1, weight=1.0))
-        rogue = await bench.host_link(m.HostDataHello(host="rogue", ranks=(2,), model_bytes=SCHEMA.model_bytes, digest=DIGEST))
-        rogue.send(m.HostContribution(round=1, kind="model", host="rogue", ranks=(2, 2), weight=0.0, prescaled=False, steps=(0, 0)))
+        await asyncio.gather(
+            links[0].send(1, "model", _tensors(0), steps=1, weight=1.0),
+            links[1].send(1, "model", _tensors(1), steps=1, weight=1.0),
+        )
+        rogue = await bench.host_link(
+            m.HostDataHello(host="rogue", ranks=(2,), model_bytes=SCHEMA.model_bytes, digest=DIGEST)
+        )
+        rogue.send(
+            m.HostContribution(
+                round=1,
+                kind="model",
+                host="rogue",
+                ranks=(2, 2),
+                weight=0.0,
+                prescaled=False,
+                steps=(0, 0),
+            )
+        )
         with pytest.raises(ConnectionClosed):
             await _read_until_closed(rogue)
     assert "lists rank 2, which is already covered in this round" in caplog.text
@@ -452,15 +550,22 @@ async def test_a_rank_listed_twice_closes_that_connection(bench: Bench, caplog: 
         await link.aclose()
 
 
-async def test_a_rank_running_rounds_ahead_of_its_host_is_refused(bench: Bench, caplog: pytest.LogCaptureFixture) -> None:
-    links = await bench.links([0])  # rank 1 (same host) never contributes: every round of rank 0 waits for it at the relay
+async def test_a_rank_running_rounds_ahead_of_its_host_is_refused(
+    bench: Bench, caplog: pytest.LogCaptureFixture
+) -> None:
+    links = await bench.links(
+        [0]
+    )  # rank 1 (same host) never contributes: every round of rank 0 waits for it at the relay
     async with asyncio.timeout(30):
         for number in range(1, ROUNDS_IN_FLIGHT + 1):
             await links[0].send(number, "model", _tensors(0), steps=1, weight=1.0)
         await links[0].send(ROUNDS_IN_FLIGHT + 1, "model", _tensors(0), steps=1, weight=1.0)
         with pytest.raises(ConnectionClosed):
             await links[0].receive(1)
-    assert f"earlier rounds of it still waiting for this host's other ranks (at most {ROUNDS_IN_FLIGHT})" in caplog.text
+    assert (
+        f"earlier rounds of it still waiting for this host's other ranks (at most {ROUNDS_IN_FLIGHT})"
+        in caplog.text
+    )
     assert bench.relays["a"].statistics().data.refused_links == 1
     await links[0].aclose()
 
@@ -468,11 +573,21 @@ async def test_a_rank_running_rounds_ahead_of_its_host_is_refused(bench: Bench, 
 @pytest.mark.parametrize(
     ("hello", "said"),
     [
-        (m.HostDataHello(host="x", ranks=(5,), model_bytes=SCHEMA.model_bytes + 1, digest=DIGEST), "model, this run's is"),
-        (m.HostDataHello(host="x", ranks=(5,), model_bytes=SCHEMA.model_bytes, digest="e" * 64), "Trainer digest"),
+        (
+            m.HostDataHello(
+                host="x", ranks=(5,), model_bytes=SCHEMA.model_bytes + 1, digest=DIGEST
+            ),
+            "model, this run's is",
+        ),
+        (
+            m.HostDataHello(host="x", ranks=(5,), model_bytes=SCHEMA.model_bytes, digest="e" * 64),
+            "Trainer digest",
+        ),
     ],
 )
-async def test_a_hello_that_does_not_match_the_model_is_refused(bench: Bench, caplog: pytest.LogCaptureFixture, hello: m.HostDataHello, said: str) -> None:
+async def test_a_hello_that_does_not_match_the_model_is_refused(
+    bench: Bench, caplog: pytest.LogCaptureFixture, hello: m.HostDataHello, said: str
+) -> None:
     link = await bench.host_link()
     link.send(hello)
     with pytest.raises(ConnectionClosed):
@@ -484,25 +599,53 @@ async def test_a_hello_that_does_not_match_the_model_is_refused(bench: Bench, ca
 async def test_no_tensor_frame_is_taken_before_the_hello(bench: Bench) -> None:
     link = await bench.host_link()
     spec = m.TensorSpec(name="w32", dtype="float32", shape=(3, 4), offset=0, nbytes=48)
-    await link.send_tensors(m.HostContribution(round=1, kind="model", host="x", ranks=(0,), weight=1.0, prescaled=False, tensors=(spec,)), [b"\0" * 48])
+    await link.send_tensors(
+        m.HostContribution(
+            round=1,
+            kind="model",
+            host="x",
+            ranks=(0,),
+            weight=1.0,
+            prescaled=False,
+            tensors=(spec,),
+        ),
+        [b"\0" * 48],
+    )
     with pytest.raises(ConnectionClosed):
         async with asyncio.timeout(10):
             await link.recv()
 
 
-async def test_tensor_names_are_validated_against_the_schema(bench: Bench, caplog: pytest.LogCaptureFixture) -> None:
+async def test_tensor_names_are_validated_against_the_schema(
+    bench: Bench, caplog: pytest.LogCaptureFixture
+) -> None:
     bench.reducer.open_round(1, "model", frozenset({5}))
-    link = await bench.host_link(m.HostDataHello(host="x", ranks=(5,), model_bytes=SCHEMA.model_bytes, digest=DIGEST))
+    link = await bench.host_link(
+        m.HostDataHello(host="x", ranks=(5,), model_bytes=SCHEMA.model_bytes, digest=DIGEST)
+    )
     t = _tensors(0)
     t["w64x"] = t.pop("w64")
     specs, parts, offset = [], [], 0
     for meta in SCHEMA.tensors:
         name = "w64x" if meta.name == "w64" else meta.name
         view = tensor_bytes(t[name])
-        specs.append(m.TensorSpec(name=name, dtype=meta.dtype, shape=meta.shape, offset=offset, nbytes=view.nbytes))
+        specs.append(
+            m.TensorSpec(
+                name=name, dtype=meta.dtype, shape=meta.shape, offset=offset, nbytes=view.nbytes
+            )
+        )
         parts.append(view)
         offset += view.nbytes
-    msg = m.HostContribution(round=1, kind="model", host="x", ranks=(5,), weight=1.0, prescaled=False, tensors=tuple(specs), steps=(1,))
+    msg = m.HostContribution(
+        round=1,
+        kind="model",
+        host="x",
+        ranks=(5,),
+        weight=1.0,
+        prescaled=False,
+        tensors=tuple(specs),
+        steps=(1,),
+    )
     await link.send_tensors(msg, parts)
     with pytest.raises(ConnectionClosed):
         async with asyncio.timeout(10):
@@ -510,11 +653,15 @@ async def test_tensor_names_are_validated_against_the_schema(bench: Bench, caplo
     assert "tensor 1 is 'w64x'" in caplog.text
 
 
-async def test_weights_disagreeing_with_steps_to_the_gamma_are_refused(bench: Bench, caplog: pytest.LogCaptureFixture) -> None:
+async def test_weights_disagreeing_with_steps_to_the_gamma_are_refused(
+    bench: Bench, caplog: pytest.LogCaptureFixture
+) -> None:
     links = await bench.links([2])
     bench.reducer.open_round(1, "model", frozenset({0, 1, 2}))
     await links[2].send(1, "model", _tensors(2), steps=4, weight=2.0)  # gamma 1 says 4.0
-    with pytest.raises(ConnectionClosed):  # the reducer closed host b's connection; its relay closes the rank's link
+    with pytest.raises(
+        ConnectionClosed
+    ):  # the reducer closed host b's connection; its relay closes the rank's link
         async with asyncio.timeout(10):
             await links[2].receive(1)
     assert "gamma 1 give 4.0" in caplog.text
@@ -539,14 +686,20 @@ async def test_a_from_controller_round_sends_the_held_consensus(bench: Bench) ->
 
 
 @pytest.mark.parametrize("local", [False, True], ids=["tcp", "in-process"])
-@pytest.mark.parametrize("outer", [SlowMo(lr=0.5, momentum=0.9), DiLoCo(lr=0.7, momentum=0.9)], ids=["slowmo", "diloco"])
-async def test_outer_steps_through_the_reducer_equal_the_reference(secret: bytes, outer: OuterSpec, local: bool) -> None:
+@pytest.mark.parametrize(
+    "outer", [SlowMo(lr=0.5, momentum=0.9), DiLoCo(lr=0.7, momentum=0.9)], ids=["slowmo", "diloco"]
+)
+async def test_outer_steps_through_the_reducer_equal_the_reference(
+    secret: bytes, outer: OuterSpec, local: bool
+) -> None:
     async with _bench(secret, outer=outer, local=local) as bench:
         links = await bench.links([0, 1, 2])
         plain: list[tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]] = []
         got: list[dict[str, torch.Tensor]] = []
         for number in range(1, 5):
-            contributions = {r: (_tensors(100 * number + r, scale=1.0 / number), float(1 + r)) for r in range(3)}
+            contributions = {
+                r: (_tensors(100 * number + r, scale=1.0 / number), float(1 + r)) for r in range(3)
+            }
             _mass, results = await _round(bench, links, number, contributions)
             _m, want, divided = reference_parts(contributions)
             assert want is not None
@@ -561,7 +714,9 @@ async def test_outer_steps_through_the_reducer_equal_the_reference(secret: bytes
         for number, (g, w) in enumerate(zip(got, outer_reference(outer, plain), strict=True)):
             _assert_equal(g, w)
             if number >= 1:
-                assert not torch.equal(g["w32"], plain[number][0]["w32"])  # the outer optimizer did move the params
+                assert not torch.equal(
+                    g["w32"], plain[number][0]["w32"]
+                )  # the outer optimizer did move the params
         for link in links.values():
             await link.aclose()
 
@@ -579,7 +734,9 @@ BIG_SCHEMA = ModelSchema.from_state_dict(
 
 
 @pytest.mark.parametrize("local", [False, True], ids=["tcp", "in-process"])
-async def test_the_fold_and_average_math_runs_off_the_event_loop_thread(secret: bytes, monkeypatch: pytest.MonkeyPatch, local: bool) -> None:
+async def test_the_fold_and_average_math_runs_off_the_event_loop_thread(
+    secret: bytes, monkeypatch: pytest.MonkeyPatch, local: bool
+) -> None:
     """D6 / §3.3-3.5: the relay's fold, the reducer's sums, divide, round, cast and outer step run in executor threads.
 
     The real functions run (the result equals the reference); the wrappers only note the thread they ran on.
@@ -606,7 +763,9 @@ async def test_the_fold_and_average_math_runs_off_the_event_loop_thread(secret: 
         plain: list[tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]] = []
         got: list[dict[str, torch.Tensor]] = []
         for number in (1, 2):  # the second round is SlowMo's first real step
-            contributions = {r: (_tensors(7 * number + r, schema=BIG_SCHEMA), float(1 + r)) for r in range(3)}
+            contributions = {
+                r: (_tensors(7 * number + r, schema=BIG_SCHEMA), float(1 + r)) for r in range(3)
+            }
             _mass, results = await _round(bench, links, number, contributions)
             _m, want, divided = reference_parts(contributions, BIG_SCHEMA)
             assert want is not None
@@ -619,7 +778,9 @@ async def test_the_fold_and_average_math_runs_off_the_event_loop_thread(secret: 
             await link.aclose()
     for g, w in zip(got, outer_reference(outer, plain, BIG_SCHEMA), strict=True):
         _assert_equal(g, w)  # the real math ran
-    assert {"add_term", "finish", "outer step"} <= ran_on.keys(), ran_on.keys()  # relay fold + reducer sums, divide/round/cast, outer step
+    assert {"add_term", "finish", "outer step"} <= ran_on.keys(), (
+        ran_on.keys()
+    )  # relay fold + reducer sums, divide/round/cast, outer step
     on_loop = {name for name, threads in ran_on.items() if loop_thread in threads}
     assert not on_loop, f"tensor math on the event loop's thread: {on_loop}"
 
@@ -637,14 +798,21 @@ class _Said(logging.Handler):
             self.event.set()
 
 
-async def test_the_controller_serves_the_data_channel_only_once_a_reducer_is_installed(secret: bytes) -> None:
+async def test_the_controller_serves_the_data_channel_only_once_a_reducer_is_installed(
+    secret: bytes,
+) -> None:
     plan = LaunchPlan(
         run_id=RUN,
         secret=secret,
         bind_host="127.0.0.1",
         port=0,
         join=JoinConfig(min_rank_start=1, join_timeout=60, target_ranks=1, max_join_timeout=60),
-        workers=(PlacedWorker(spec=WorkerSpec(host="elsewhere", devices=DeviceSpec.cpu(1)), placement=Placement.DIAL_IN),),
+        workers=(
+            PlacedWorker(
+                spec=WorkerSpec(host="elsewhere", devices=DeviceSpec.cpu(1)),
+                placement=Placement.DIAL_IN,
+            ),
+        ),
         command=("true",),
         deadlines=Deadlines(stop_grace=1.0, teardown_margin=1.0),
     )
@@ -659,16 +827,34 @@ async def test_the_controller_serves_the_data_channel_only_once_a_reducer_is_ins
         async with asyncio.timeout(30), asyncio.TaskGroup() as tg:
             run = tg.create_task(controller.run(), name="controller")
             await said.event.wait()
-            with pytest.raises((ConnectionClosed, WireError)):  # no data service yet: closed before any handshake
-                await open_framed("127.0.0.1", controller.port, channel=Channel.DATA, credential=Credential.session(secret))
+            with pytest.raises(
+                (ConnectionClosed, WireError)
+            ):  # no data service yet: closed before any handshake
+                await open_framed(
+                    "127.0.0.1",
+                    controller.port,
+                    channel=Channel.DATA,
+                    credential=Credential.session(secret),
+                )
             reducer = Reducer(SCHEMA, OuterAvg(), 1.0, digest=DIGEST)
             controller.install_reducer(reducer)
-            link = await open_framed("127.0.0.1", controller.port, channel=Channel.DATA, credential=Credential.session(secret))
-            link.send(m.HostDataHello(host="elsewhere", ranks=(0,), model_bytes=SCHEMA.model_bytes, digest=DIGEST))
+            link = await open_framed(
+                "127.0.0.1",
+                controller.port,
+                channel=Channel.DATA,
+                credential=Credential.session(secret),
+            )
+            link.send(
+                m.HostDataHello(
+                    host="elsewhere", ranks=(0,), model_bytes=SCHEMA.model_bytes, digest=DIGEST
+                )
+            )
             welcome = await link.recv_message()
             assert welcome == m.DataWelcome(max_payload=max(64 << 20, 2 * SCHEMA.model_bytes))
             await link.aclose()
-            controller.interrupt(signal.SIGTERM)  # an orderly end: the controller stops its reducer in its teardown
+            controller.interrupt(
+                signal.SIGTERM
+            )  # an orderly end: the controller stops its reducer in its teardown
             result = await run
         assert result.exit_code != 0
         assert reducer.statistics().hosts == 0
@@ -681,9 +867,13 @@ async def test_the_controller_serves_the_data_channel_only_once_a_reducer_is_ins
 def test_a_lone_rank_is_forwarded_as_bytes_without_importing_torch() -> None:
     """The relay process of a one-rank host never loads torch: its rank's frame goes up as it came."""
     script = Path(__file__).parent / "scripts" / "relay_lone_rank.py"
-    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60, check=False)
+    result = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=60, check=False
+    )
     assert result.returncode == 0, result.stderr
-    said = dict(item.split("=", 1) for line in result.stdout.split() for item in [line] if "=" in item)
+    said = dict(
+        item.split("=", 1) for line in result.stdout.split() for item in [line] if "=" in item
+    )
     assert said == {
         "up_prescaled": "False",
         "up_ranks": "[0]",

@@ -11,7 +11,17 @@ from flodl_async.control.backoff import Backoff, BackoffPolicy
 
 def test_the_ceiling_doubles_from_initial_up_to_the_cap() -> None:
     policy = BackoffPolicy(initial=0.5, factor=2.0, cap=30.0, jitter=0.5)
-    assert [policy.ceiling(n) for n in range(9)] == [0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 30.0, 30.0, 30.0]
+    assert [policy.ceiling(n) for n in range(9)] == [
+        0.5,
+        1.0,
+        2.0,
+        4.0,
+        8.0,
+        16.0,
+        30.0,
+        30.0,
+        30.0,
+    ]
     assert policy.ceiling(100_000) == 30.0  # no overflow however long the controller stays away
 
 

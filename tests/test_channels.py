@@ -13,7 +13,9 @@ def test_binary_magic_is_consumed(channel: Channel) -> None:
     assert sniff(CHANNEL_MAGIC[channel] + b"rest") == Routed(channel=channel, leftover=b"rest")
 
 
-@pytest.mark.parametrize("line", [b"GET /state.json HTTP/1.1\r\n", b"HEAD / HTTP/1.1\r\n", b"POST /x HTTP/1.1\r\n"])
+@pytest.mark.parametrize(
+    "line", [b"GET /state.json HTTP/1.1\r\n", b"HEAD / HTTP/1.1\r\n", b"POST /x HTTP/1.1\r\n"]
+)
 def test_http_routes_to_status_without_consuming(line: bytes) -> None:
     assert sniff(line) == Routed(channel=Channel.STATUS, leftover=line)
 
@@ -23,7 +25,10 @@ def test_partial_prefix_needs_more(prefix: bytes) -> None:
     assert isinstance(sniff(prefix), NeedMore)
 
 
-@pytest.mark.parametrize("data", [b"\x01", b"\x00\x01", b"\x00\xce\xf7\x85\x3d", b"xyz", b"\xf1\x0dZZ", b"PUT /", b"GETX"])
+@pytest.mark.parametrize(
+    "data",
+    [b"\x01", b"\x00\x01", b"\x00\xce\xf7\x85\x3d", b"xyz", b"\xf1\x0dZZ", b"PUT /", b"GETX"],
+)
 def test_unknown_bytes_are_unrouted_as_soon_as_they_fit_nothing(data: bytes) -> None:
     result = sniff(data)
     assert isinstance(result, Unrouted)

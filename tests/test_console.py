@@ -17,7 +17,15 @@ import pytest
 
 from flodl_async.host.console import ConsoleWriter
 
-from .launchkit import PY, assert_nothing_left, free_port, launch_cmd, new_run_id, script, wait_status
+from .launchkit import (
+    PY,
+    assert_nothing_left,
+    free_port,
+    launch_cmd,
+    new_run_id,
+    script,
+    wait_status,
+)
 
 #: fcntl's F_GETPIPE_SZ (Linux): a pipe's capacity in bytes.
 F_GETPIPE_SZ = 1032
@@ -30,7 +38,9 @@ async def test_writes_never_block_and_wait_room_holds_until_the_reader_catches_u
     sink = os.fdopen(write_fd, "wb")
     writer = ConsoleWriter(sink, name="pipe", limit=256 * 1024)
     try:
-        payload = b"".join(b"%08d\n" % i for i in range(200_000))  # 1.8 MB: far more than the pipe (64 KiB) and the limit
+        payload = b"".join(
+            b"%08d\n" % i for i in range(200_000)
+        )  # 1.8 MB: far more than the pipe (64 KiB) and the limit
         for start in range(0, len(payload), 4096):
             writer.write(payload[start : start + 4096])  # returns at once though nobody reads
         assert writer.backlog > 256 * 1024
@@ -38,7 +48,9 @@ async def test_writes_never_block_and_wait_room_holds_until_the_reader_catches_u
         await asyncio.sleep(0)
         assert not room.done()  # over the limit with the reader away: the producer waits
         got = bytearray()
-        drained = asyncio.get_running_loop().run_in_executor(None, lambda: got.extend(reader.read(len(payload))))
+        drained = asyncio.get_running_loop().run_in_executor(
+            None, lambda: got.extend(reader.read(len(payload)))
+        )
         await room  # the reader catching up makes room
         await drained
         assert bytes(got) == payload  # every byte, in order
@@ -66,22 +78,43 @@ def _wait_until_full(fd: int, timeout: float = 60) -> None:
     deadline = time.monotonic() + timeout
     while True:
         queued = struct.unpack("i", fcntl.ioctl(fd, termios.FIONREAD, b"\0\0\0\0"))[0]
-        if queued >= capacity - PAGE:  # a page short at most: writes of whole lines do not pack the last page
+        if (
+            queued >= capacity - PAGE
+        ):  # a page short at most: writes of whole lines do not pack the last page
             return
-        assert time.monotonic() < deadline, f"the launcher's stdout pipe never filled ({queued} of {capacity} bytes)"
+        assert time.monotonic() < deadline, (
+            f"the launcher's stdout pipe never filled ({queued} of {capacity} bytes)"
+        )
         time.sleep(0.02)
 
 
 @pytest.mark.e2e
-def test_a_launcher_whose_stdout_is_not_read_serves_status_and_loses_no_output(tmp_path: Path) -> None:
+def test_a_launcher_whose_stdout_is_not_read_serves_status_and_loses_no_output(
+    tmp_path: Path,
+) -> None:
     lines = 200_000  # 20 MB from the rank: far past the pipe, the console's limit and the rank's own pipe
     done = tmp_path / "done"
     port = free_port()
     run_id = new_run_id()
     xdg = Path(tempfile.mkdtemp(prefix="fl-xdg-", dir="/tmp"))
     err = (tmp_path / "stderr").open("w")
-    cmd = launch_cmd("--nproc", "1", "--devices", "cpu", "--port", str(port), "--", PY, script("flood_stdout.py"), str(lines), str(done), run_id=run_id)
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, env={**os.environ, "XDG_RUNTIME_DIR": str(xdg)})
+    cmd = launch_cmd(
+        "--nproc",
+        "1",
+        "--devices",
+        "cpu",
+        "--port",
+        str(port),
+        "--",
+        PY,
+        script("flood_stdout.py"),
+        str(lines),
+        str(done),
+        run_id=run_id,
+    )
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=err, env={**os.environ, "XDG_RUNTIME_DIR": str(xdg)}
+    )
     assert proc.stdout is not None
     try:
         # Nobody reads the launcher's stdout: once its pipe is full, a blocking write there would hang the loop.
@@ -90,10 +123,14 @@ def test_a_launcher_whose_stdout_is_not_read_serves_status_and_loses_no_output(t
         for _ in range(20):
             doc = wait_status(port, lambda doc: doc["phase"] == "training")
         assert doc["updated_at"] >= first["updated_at"]
-        assert not done.exists()  # the rank is held by back-pressure (its pipe is full), not finished
+        assert (
+            not done.exists()
+        )  # the rank is held by back-pressure (its pipe is full), not finished
         assert proc.poll() is None
         out = bytearray()
-        reader = threading.Thread(target=lambda: out.extend(proc.stdout.read() if proc.stdout else b""))
+        reader = threading.Thread(
+            target=lambda: out.extend(proc.stdout.read() if proc.stdout else b"")
+        )
         reader.start()
         code = proc.wait(timeout=120)
         reader.join(timeout=60)
@@ -110,7 +147,11 @@ def test_a_launcher_whose_stdout_is_not_read_serves_status_and_loses_no_output(t
     assert code == 0, (tmp_path / "stderr").read_text()
     assert done.exists()
     text = out.decode().splitlines()
-    numbered = [line for line in text if line.startswith(f"[{os.uname().nodename}:r0] ") and line.endswith("x" * 89)]
+    numbered = [
+        line
+        for line in text
+        if line.startswith(f"[{os.uname().nodename}:r0] ") and line.endswith("x" * 89)
+    ]
     assert len(numbered) == lines  # not one line lost or torn
     assert [int(line.split()[1]) for line in numbered] == list(range(lines))  # in order
     assert any(line.endswith("flood done") for line in text)

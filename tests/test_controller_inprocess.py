@@ -52,15 +52,27 @@ def plan_for(tmp_path: Path, *, ranks: int, target: int, command: tuple[str, ...
         secret=new_session_secret(),
         bind_host="127.0.0.1",
         port=0,
-        join=JoinConfig(min_rank_start=target, join_timeout=30, target_ranks=target, max_join_timeout=60),
-        workers=(PlacedWorker(spec=WorkerSpec(host="localhost", devices=DeviceSpec.cpu(ranks)), placement=Placement.LOCAL),),
+        join=JoinConfig(
+            min_rank_start=target, join_timeout=30, target_ranks=target, max_join_timeout=60
+        ),
+        workers=(
+            PlacedWorker(
+                spec=WorkerSpec(host="localhost", devices=DeviceSpec.cpu(ranks)),
+                placement=Placement.LOCAL,
+            ),
+        ),
         command=command,
     )
 
 
 def test_cancelling_a_running_controller_tears_everything_down(tmp_path: Path) -> None:
     """An embedding application cancels the run (Ctrl-C through asyncio.run does the same): ranks die, the port closes."""
-    plan = plan_for(tmp_path, ranks=2, target=2, command=(PY, script("wait_for_file.py"), str(tmp_path / "never")))
+    plan = plan_for(
+        tmp_path,
+        ranks=2,
+        target=2,
+        command=(PY, script("wait_for_file.py"), str(tmp_path / "never")),
+    )
 
     async def main() -> Controller:
         sink = LineSink()
@@ -81,7 +93,9 @@ def test_cancelling_a_running_controller_tears_everything_down(tmp_path: Path) -
     assert snapshot is not None
     assert snapshot.phase is Phase.FAILED
     assert snapshot.verdict == "the controller was cancelled"
-    assert_nothing_left(plan.run_id, within=1.0)  # the ranks were stopped by the teardown, not left to the parent-death signal
+    assert_nothing_left(
+        plan.run_id, within=1.0
+    )  # the ranks were stopped by the teardown, not left to the parent-death signal
 
 
 def test_an_agent_of_another_version_is_refused_at_join_naming_both(tmp_path: Path) -> None:
@@ -93,9 +107,16 @@ def test_an_agent_of_another_version_is_refused_at_join_naming_both(tmp_path: Pa
         await controller.bind()
         async with asyncio.TaskGroup() as tg:
             task = tg.create_task(controller.run(), name="controller")
-            link = await open_framed("127.0.0.1", controller.port, channel=Channel.JOIN, credential=Credential.session(plan.secret))
+            link = await open_framed(
+                "127.0.0.1",
+                controller.port,
+                channel=Channel.JOIN,
+                credential=Credential.session(plan.secret),
+            )
             try:
-                link.send(m.JoinHello(host="gpu7", devices=("cpu:0",), pid=1, agent_version="0.0.1-other"))
+                link.send(
+                    m.JoinHello(host="gpu7", devices=("cpu:0",), pid=1, agent_version="0.0.1-other")
+                )
                 async with asyncio.timeout(30):
                     reply = await link.recv_message()
             finally:
@@ -116,7 +137,12 @@ def test_an_agent_of_another_version_is_refused_at_join_naming_both(tmp_path: Pa
 
 def test_cancelling_the_controller_still_aborts_a_remote_agent(tmp_path: Path) -> None:
     """A stand-alone flodl-agent (another process, as on another host) is told Abort, not left to notice a dead link."""
-    base = plan_for(tmp_path, ranks=1, target=2, command=(PY, script("wait_for_file.py"), str(tmp_path / "never")))
+    base = plan_for(
+        tmp_path,
+        ranks=1,
+        target=2,
+        command=(PY, script("wait_for_file.py"), str(tmp_path / "never")),
+    )
 
     async def main() -> tuple[int, str]:
         sink = LineSink()
@@ -135,7 +161,9 @@ def test_cancelling_the_controller_still_aborts_a_remote_agent(tmp_path: Path) -
         try:
             async with asyncio.timeout(60):
                 await sink.wait_for(b"ready pid", count=2)
-                assert b"[remote:r1] ready pid" in sink.data  # the remote's rank line came up its join link
+                assert (
+                    b"[remote:r1] ready pid" in sink.data
+                )  # the remote's rank line came up its join link
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await task
@@ -172,7 +200,9 @@ def test_state_json_counts_refused_connections_by_reason(tmp_path: Path) -> None
             writer.close()
             board = controller.status_board
             assert board.snapshot is not None
-            board.publish(board.snapshot)  # stamps the counters of now (requests see them at most 0.5 s late)
+            board.publish(
+                board.snapshot
+            )  # stamps the counters of now (requests see them at most 0.5 s late)
             reader, writer = await asyncio.open_connection("127.0.0.1", controller.port)
             writer.write(b"GET /state.json HTTP/1.1\r\nHost: test\r\n\r\n")
             async with asyncio.timeout(10):

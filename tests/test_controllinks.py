@@ -24,7 +24,9 @@ def test_a_relay_silent_past_the_deadline_loses_its_host_once() -> None:
     links = _links()
     links.bind("a1", "a")
     links.heard("a1", "a", now=0.0)
-    joined = {"a": Liveness.start(0.0, interval=1.0, silence=5.0).heard(5.5)}  # its join link is fine
+    joined = {
+        "a": Liveness.start(0.0, interval=1.0, silence=5.0).heard(5.5)
+    }  # its join link is fine
     assert links.silent_hosts(4.9, joined) == []
     assert links.next_deadline() == 5.0
     assert links.silent_hosts(5.5, joined) == ["a"]
@@ -36,7 +38,9 @@ def test_a_host_silent_on_both_links_is_left_to_its_join_link() -> None:
     links = _links()
     links.bind("a1", "a")
     links.heard("a1", "a", now=0.0)
-    joined = {"a": Liveness.start(0.0, interval=1.0, silence=5.0).heard(0.5)}  # frozen too, heard a little later
+    joined = {
+        "a": Liveness.start(0.0, interval=1.0, silence=5.0).heard(0.5)
+    }  # frozen too, heard a little later
     assert links.silent_hosts(5.2, joined) == []  # the join link names it, at 5.5
     assert links.next_deadline() == 5.5  # and this link waits no longer than that: no busy wake-up
     assert links.drop("a") == {"a1"}  # the join link's loss drops it

@@ -64,9 +64,15 @@ def test_the_gate_table() -> None:
     assert should_reduce(in_flight=False, ranks={0: done, 1: done})
     assert not should_reduce(in_flight=True, ranks={0: done, 1: done})  # one round at a time
     assert not should_reduce(in_flight=False, ranks={0: done, 1: silent})
-    assert not should_reduce(in_flight=False, ranks={0: done, 1: short})  # count-based: the quota, not the clock
-    assert should_reduce(in_flight=False, ranks={0: done, 1: idle_tail})  # a quiesced tail rank is exempt
-    assert not should_reduce(in_flight=False, ranks={0: idle_tail, 1: idle_tail})  # nobody moved: no degenerate reduce
+    assert not should_reduce(
+        in_flight=False, ranks={0: done, 1: short}
+    )  # count-based: the quota, not the clock
+    assert should_reduce(
+        in_flight=False, ranks={0: done, 1: idle_tail}
+    )  # a quiesced tail rank is exempt
+    assert not should_reduce(
+        in_flight=False, ranks={0: idle_tail, 1: idle_tail}
+    )  # nobody moved: no degenerate reduce
     assert not should_reduce(in_flight=False, ranks={})  # no alive rank
 
 
@@ -77,7 +83,12 @@ def test_cadence_happy_path() -> None:
     d = Driver(spec())
     d.run()
     first = d.rounds[0]
-    assert (first.round, first.kind, first.expected, first.reducer) == (0, "init", frozenset({0, 1}), True)
+    assert (first.round, first.kind, first.expected, first.reducer) == (
+        0,
+        "init",
+        frozenset({0, 1}),
+        True,
+    )
     welcomes = sent(d.actions, m.TrainerWelcome)
     assert [w.rank for w in welcomes] == [0, 1]
     assert all(w.world_size == 2 and w.run_id == "r" for w in welcomes)  # type: ignore[attr-defined]
@@ -85,7 +96,10 @@ def test_cadence_happy_path() -> None:
     assert [e.epoch for e in d.epochs] == [0, 1]
     assert d.epochs[0].batches == 16
     final = d.rounds[-1]
-    assert (final.kind, final.from_controller) == ("final", True)  # natural end: the held consensus stands
+    assert (final.kind, final.from_controller) == (
+        "final",
+        True,
+    )  # natural end: the held consensus stands
     assert isinstance(d.ended, Finish)
     assert d.ended.reason == "training complete: 2 epoch(s) on 2 rank(s)"
     [shutdown] = sent(d.actions, m.Shutdown)
@@ -129,7 +143,13 @@ def test_sync_lockstep_splits_the_epoch_and_reduces_every_step() -> None:
 
 
 def test_sync_partition_ratios_and_a_quiesced_rank() -> None:
-    d = Driver(spec(Policy.SYNC, epochs=1, elche=ElCheConfig(max_batch_diff=0, partition_ratios=(0.75, 0.25))))
+    d = Driver(
+        spec(
+            Policy.SYNC,
+            epochs=1,
+            elche=ElCheConfig(max_batch_diff=0, partition_ratios=(0.75, 0.25)),
+        )
+    )
     d.run()
     assert [p.ranges for p in plans(d.actions)] == [((0, 12),), ((12, 4),)]
     assert_each_batch_once_per_epoch(d, 1, 16)
@@ -150,7 +170,10 @@ def test_async_dispatches_the_next_plan_on_the_report() -> None:
     d.run()
     assert_each_batch_once_per_epoch(d, 2, 16)
     final = d.rounds[-1]
-    assert (final.kind, final.from_controller) == ("final", False)  # ASYNC locals differ: they contribute
+    assert (final.kind, final.from_controller) == (
+        "final",
+        False,
+    )  # ASYNC locals differ: they contribute
     assert isinstance(d.ended, Finish)
 
 
@@ -168,7 +191,13 @@ def test_collective_rounds_run_in_the_ranks_and_upload_at_the_end() -> None:
 def test_the_anchor_grows_when_the_reduce_overhead_exceeds_the_target(backend: Backend) -> None:
     """Auto-tune (spec §2.6) through the coordinator: the reducer's round duration (CPU) or the ranks' slowest
     ``ReduceDone.ms`` (COLLECTIVE) is ElChe's sync_ms; overhead = sync / (anchor·slow + sync) against the 5 % target."""
-    s = spec(Policy.CADENCE, backend=backend, epochs=3, dataset_len=1600, elche=ElCheConfig(anchor=2, max_anchor=16))  # 400 batches per epoch
+    s = spec(
+        Policy.CADENCE,
+        backend=backend,
+        epochs=3,
+        dataset_len=1600,
+        elche=ElCheConfig(anchor=2, max_anchor=16),
+    )  # 400 batches per epoch
 
     def anchors(reduce_ms: float) -> tuple[list[int], list[int]]:
         d = Driver(s, ms_per_batch=(10.0, 10.0), reduce_ms=reduce_ms)
@@ -182,8 +211,12 @@ def test_the_anchor_grows_when_the_reduce_overhead_exceeds_the_target(backend: B
     assert cheap == [2, 2, 2]
     assert set(cheap_quotas) == {2}
     costly, costly_quotas = anchors(20.0)  # 20 / (2·10 + 20) = 50 %: far over it
-    assert costly[0] > 2, costly  # grown within the first epoch (x2 at most per round, the growth cap)
-    assert costly[-1] == 16, costly  # ... until max_anchor, where 20 / (16·10 + 20) = 11 % stays over the target
+    assert costly[0] > 2, (
+        costly
+    )  # grown within the first epoch (x2 at most per round, the growth cap)
+    assert costly[-1] == 16, (
+        costly
+    )  # ... until max_anchor, where 20 / (16·10 + 20) = 11 % stays over the target
     assert max(costly_quotas) == 16
 
 
@@ -220,7 +253,12 @@ def test_every_policy_covers_each_batch_exactly_once_per_epoch(
 
 
 def coordinator(world: int = 3) -> Coordinator:
-    return Coordinator(CoordinatorConfig(run_id="r", world_size=world, hosts={0: "a", 1: "a", 2: "b"}, hello_timeout=120.0), now=0.0)
+    return Coordinator(
+        CoordinatorConfig(
+            run_id="r", world_size=world, hosts={0: "a", 1: "a", 2: "b"}, hello_timeout=120.0
+        ),
+        now=0.0,
+    )
 
 
 def test_a_different_trainer_is_rejected_naming_rank_host_and_field() -> None:
@@ -245,9 +283,13 @@ def test_a_different_model_is_named_too() -> None:
     from flodl_async.training.modelschema import ModelSchema
     from flodl_async.training.spec import digest
 
-    forged = dataclasses.replace(other, model=model, digest=digest(spec(), ModelSchema.from_wire(model)))
+    forged = dataclasses.replace(
+        other, model=model, digest=digest(spec(), ModelSchema.from_wire(model))
+    )
     [fail] = [a for a in c.handle(TrainerJoined(hello=forged), 2.0) if isinstance(a, Fail)]
-    assert fail.reason.startswith("rank 1 (host a) built a different model than rank 0: parameter '0.weight'")
+    assert fail.reason.startswith(
+        "rank 1 (host a) built a different model than rank 0: parameter '0.weight'"
+    )
 
 
 def test_a_digest_that_does_not_match_its_spec_is_refused() -> None:
@@ -276,7 +318,9 @@ def test_a_late_hello_is_rejected() -> None:
     d = Driver(spec())
     d.join_all()
     out = d.coord.handle(TrainerJoined(hello=hello(5, spec())), d.now)
-    assert sent(out, m.TrainerReject) == [m.TrainerReject(rank=5, reason="this run's Trainer already started without it")]
+    assert sent(out, m.TrainerReject) == [
+        m.TrainerReject(rank=5, reason="this run's Trainer already started without it")
+    ]
 
 
 # ----- liveness and death ---------------------------------------------------------------------
@@ -294,22 +338,34 @@ def test_heartbeat_staleness_declares_the_rank_dead_by_name() -> None:
     d.coord.handle(FrameSeen(rank=0), t0 + 20.0)
     deadline = d.coord.next_deadline(t0 + 20.0)
     assert deadline is not None
-    assert deadline <= t0 + 30.0  # rank 1's last frame + the timeout, or the stall deadline of round 0
-    d.coord.handle(RoundCompleted(round=0, kind="init", mass=1.0, duration_ms=1.0), t0 + 20.0)  # no reduce in flight now
+    assert (
+        deadline <= t0 + 30.0
+    )  # rank 1's last frame + the timeout, or the stall deadline of round 0
+    d.coord.handle(
+        RoundCompleted(round=0, kind="init", mass=1.0, duration_ms=1.0), t0 + 20.0
+    )  # no reduce in flight now
     assert d.coord.handle(Tick(), t0 + 29.9) == []
     out = d.coord.handle(Tick(), t0 + 30.0)
     assert [a for a in out if isinstance(a, DeclareDead)] == [
-        DeclareDead(rank=1, reason="no frame for 30 s (heartbeat timeout: the rank is frozen, stopped or cut off)")
+        DeclareDead(
+            rank=1,
+            reason="no frame for 30 s (heartbeat timeout: the rank is frozen, stopped or cut off)",
+        )
     ]
     [fail] = [a for a in out if isinstance(a, Fail)]
-    assert fail.reason == "rank 1 on host h1 was lost mid-training: no frame for 30 s (heartbeat timeout: the rank is frozen, stopped or cut off)"
+    assert (
+        fail.reason
+        == "rank 1 on host h1 was lost mid-training: no frame for 30 s (heartbeat timeout: the rank is frozen, stopped or cut off)"
+    )
     assert (fail.code, fail.rank, fail.save_reason) == (ExitCode.RANK_FAILURE, 1, "rank_lost")
     [dead] = sent(out, m.Shutdown)
     assert dead.save_reason == "rank_lost"  # type: ignore[attr-defined]
 
 
 def test_the_heartbeat_timeout_scales() -> None:
-    c = Coordinator(CoordinatorConfig(run_id="r", world_size=1, timeout_scale=0.1, reduce_stall=1000.0), now=0.0)
+    c = Coordinator(
+        CoordinatorConfig(run_id="r", world_size=1, timeout_scale=0.1, reduce_stall=1000.0), now=0.0
+    )
     c.handle(TrainerJoined(hello=hello(0, spec(heartbeat_timeout=30.0))), 5.0)
     c.handle(RoundCompleted(round=0, kind="init", mass=1.0, duration_ms=1.0), 5.0)
     assert c.next_deadline(5.0) == pytest.approx(8.0)
@@ -317,7 +373,12 @@ def test_the_heartbeat_timeout_scales() -> None:
 
 def test_a_death_record_carries_the_traceback_into_the_verdict() -> None:
     d = started()
-    out = d.coord.handle(RankExiting(message=m.Exiting(rank=0, reason="error", error="Traceback ...\nValueError: boom")), d.now)
+    out = d.coord.handle(
+        RankExiting(
+            message=m.Exiting(rank=0, reason="error", error="Traceback ...\nValueError: boom")
+        ),
+        d.now,
+    )
     [fail] = [a for a in out if isinstance(a, Fail)]
     assert fail.reason == "rank 0 on host h0 was lost mid-training: it raised (error)"
     assert "ValueError: boom" in fail.details
@@ -326,7 +387,9 @@ def test_a_death_record_carries_the_traceback_into_the_verdict() -> None:
 def test_a_lost_rank_is_declared_dead_once() -> None:
     d = started()
     first = d.coord.handle(RankLost(rank=1, reason="its relay link closed"), d.now)
-    assert [a for a in first if isinstance(a, DeclareDead)] == [DeclareDead(rank=1, reason="its relay link closed")]
+    assert [a for a in first if isinstance(a, DeclareDead)] == [
+        DeclareDead(rank=1, reason="its relay link closed")
+    ]
     assert d.coord.handle(RankLost(rank=1, reason="exited with code 1"), d.now) == []
 
 
@@ -345,7 +408,9 @@ def test_a_clean_exit_after_the_end_is_exempt() -> None:
 def test_max_failure_names_its_exit_code() -> None:
     d = Driver(spec(max_failure=1), world=3)
     d.join_all()
-    [fail] = [a for a in d.coord.handle(RankLost(rank=2, reason="killed"), d.now) if isinstance(a, Fail)]
+    [fail] = [
+        a for a in d.coord.handle(RankLost(rank=2, reason="killed"), d.now) if isinstance(a, Fail)
+    ]
     assert (fail.code, fail.save_reason) == (ExitCode.MAX_FAILURE, "max_failure_exceeded")
 
 
@@ -353,7 +418,9 @@ def test_max_failure_on_a_run_that_is_not_elastic_is_said_once_at_the_start() ->
     d = Driver(spec(max_failure=1), world=3)
     d.join_all()
     warnings = [a.text for a in d.actions if isinstance(a, Log) and "max_failure" in a.text]
-    assert warnings == ["max_failure is set, but this run is not elastic: any lost rank ends it (elastic continuation is not built yet)"]
+    assert warnings == [
+        "max_failure is set, but this run is not elastic: any lost rank ends it (elastic continuation is not built yet)"
+    ]
     quiet = Driver(spec(), world=3)
     quiet.join_all()
     assert not [a for a in quiet.actions if isinstance(a, Log) and "max_failure" in a.text]
@@ -368,7 +435,9 @@ def test_elastic_runs_continue_after_a_loss_and_forfeit_its_batches() -> None:
     assert [a for a in lost if isinstance(a, Fail)] == []
     for key in [k for k in d.trained if k[1] == 2]:
         del d.trained[key]  # its window never completed: those batches go back to the pool
-    d.pending = type(d.pending)(e for e in d.pending if not (isinstance(e, WindowReported) and e.report.rank == 2))
+    d.pending = type(d.pending)(
+        e for e in d.pending if not (isinstance(e, WindowReported) and e.report.rank == 2)
+    )
     d.run()
     assert isinstance(d.ended, Finish)
     seen = sorted(b for r in (0, 1) for b in d.trained.get((0, r), []))
@@ -377,10 +446,16 @@ def test_elastic_runs_continue_after_a_loss_and_forfeit_its_batches() -> None:
 
 def test_a_stalled_round_fails_with_the_stall_code() -> None:
     c = Coordinator(CoordinatorConfig(run_id="r", world_size=1, reduce_stall=120.0), now=0.0)
-    c.handle(TrainerJoined(hello=hello(0, spec(heartbeat_timeout=1000.0))), 1.0)  # round 0 in flight from t=1
+    c.handle(
+        TrainerJoined(hello=hello(0, spec(heartbeat_timeout=1000.0))), 1.0
+    )  # round 0 in flight from t=1
     out = c.handle(Tick(), 121.0)
     [fail] = [a for a in out if isinstance(a, Fail)]
-    assert (fail.code, fail.save_reason, fail.reason) == (ExitCode.STALLED, "reduce_stall", "round 0 (init) stalled: no consensus within 120 s")
+    assert (fail.code, fail.save_reason, fail.reason) == (
+        ExitCode.STALLED,
+        "reduce_stall",
+        "round 0 (init) stalled: no consensus within 120 s",
+    )
 
 
 # ----- stopping -------------------------------------------------------------------------------
@@ -411,17 +486,30 @@ def test_round_completions_for_other_rounds_are_ignored() -> None:
 
 
 def test_in_the_launcher_role_every_rank_must_match_the_launchers_spec() -> None:
-    c = Coordinator(CoordinatorConfig(run_id="r", world_size=2, hosts={0: "a"}, reference=spec(epochs=5)), now=0.0)
-    [fail] = [a for a in c.handle(TrainerJoined(hello=hello(0, spec(epochs=10))), 1.0) if isinstance(a, Fail)]
+    c = Coordinator(
+        CoordinatorConfig(run_id="r", world_size=2, hosts={0: "a"}, reference=spec(epochs=5)),
+        now=0.0,
+    )
+    [fail] = [
+        a
+        for a in c.handle(TrainerJoined(hello=hello(0, spec(epochs=10))), 1.0)
+        if isinstance(a, Fail)
+    ]
     assert fail.reason == (
         "rank 0 (host a) built a different Trainer than the launcher: epochs 10 != 5. Every rank must build the Trainer from the same arguments "
         "— are the ranks running different code or command lines?"
     )
     ok = Coordinator(CoordinatorConfig(run_id="r", world_size=2, reference=spec(epochs=5)), now=0.0)
-    assert [a for a in ok.handle(TrainerJoined(hello=hello(0, spec(epochs=5))), 1.0) if isinstance(a, Fail)] == []
+    assert [
+        a
+        for a in ok.handle(TrainerJoined(hello=hello(0, spec(epochs=5))), 1.0)
+        if isinstance(a, Fail)
+    ] == []
 
 
-def test_the_epochs_tail_is_split_by_largest_remainder_and_an_empty_rank_gets_a_quota_0_plan() -> None:
+def test_the_epochs_tail_is_split_by_largest_remainder_and_an_empty_rank_gets_a_quota_0_plan() -> (
+    None
+):
     s = TrainerSpec(epochs=1, batch_size=1, dataset_len=5, elche=ElCheConfig(anchor=2, adapt=False))
     d = Driver(s)
     d.run()
@@ -441,13 +529,38 @@ def test_async_runs_at_most_one_window_ahead_of_the_gate() -> None:
     d.coord.handle(RoundCompleted(round=0, kind="init", mass=1.0, duration_ms=1.0), d.now)
 
     def report(rank: int, round_: int) -> list[m.Plan]:
-        done = m.WindowDone(rank=rank, round=round_, epoch=0, batches=2, samples=8, compute_ms=2.0, data_ms=0.0, loss_sum=1.0)
+        done = m.WindowDone(
+            rank=rank,
+            round=round_,
+            epoch=0,
+            batches=2,
+            samples=8,
+            compute_ms=2.0,
+            data_ms=0.0,
+            loss_sum=1.0,
+        )
         return plans(d.coord.handle(WindowReported(report=done), d.now))
 
     [ahead] = report(0, 1)  # rank 0 finished window 1: its window 2 at once
     assert ahead.round == 2
-    assert report(0, 2) == []  # window 3 would be two ahead of the gate (still at window 1, waiting on rank 1)
-    out = d.coord.handle(WindowReported(report=m.WindowDone(rank=1, round=1, epoch=0, batches=2, samples=8, compute_ms=2.0, data_ms=0.0, loss_sum=1.0)), d.now)
+    assert (
+        report(0, 2) == []
+    )  # window 3 would be two ahead of the gate (still at window 1, waiting on rank 1)
+    out = d.coord.handle(
+        WindowReported(
+            report=m.WindowDone(
+                rank=1,
+                round=1,
+                epoch=0,
+                batches=2,
+                samples=8,
+                compute_ms=2.0,
+                data_ms=0.0,
+                loss_sum=1.0,
+            )
+        ),
+        d.now,
+    )
     assert [a.round for a in out if isinstance(a, StartRound)] == [1]  # the gate fires for window 1
     # Rank 1's next window; rank 0, done with window 2 already, may now run one ahead: window 3.
     assert [(p.rank, p.round) for p in plans(out)] == [(1, 2), (0, 3)]
@@ -459,7 +572,9 @@ def test_a_second_stop_request_changes_nothing() -> None:
     first = d.coord.handle(StopRequested(reason="SIGTERM"), d.now)
     assert d.coord.stop_requested
     assert [r.kind for r in first if isinstance(r, StartRound)] == ["final"]
-    assert d.coord.handle(StopRequested(reason="SIGTERM"), d.now) == []  # the shell sends the next signal to the supervisor
+    assert (
+        d.coord.handle(StopRequested(reason="SIGTERM"), d.now) == []
+    )  # the shell sends the next signal to the supervisor
 
 
 def test_reports_far_ahead_of_the_current_round_are_refused_not_kept() -> None:
@@ -468,8 +583,23 @@ def test_reports_far_ahead_of_the_current_round_are_refused_not_kept() -> None:
     d.join_all()
     far = d.coord._round + REPORTS_AHEAD_LIMIT + 1
     for offset in range(100):
-        out = d.feed(WindowReported(report=m.WindowDone(rank=0, round=far + offset, epoch=0, batches=1, samples=4, compute_ms=1.0, data_ms=0.0, loss_sum=0.5)))
-        assert [a.text for a in out if isinstance(a, Log)] == [f"rank 0 reported window {far + offset}, far ahead of round {d.coord._round}; ignoring"]
+        out = d.feed(
+            WindowReported(
+                report=m.WindowDone(
+                    rank=0,
+                    round=far + offset,
+                    epoch=0,
+                    batches=1,
+                    samples=4,
+                    compute_ms=1.0,
+                    data_ms=0.0,
+                    loss_sum=0.5,
+                )
+            )
+        )
+        assert [a.text for a in out if isinstance(a, Log)] == [
+            f"rank 0 reported window {far + offset}, far ahead of round {d.coord._round}; ignoring"
+        ]
     assert not any(r >= far for r in d.coord._reports)
     while d.pending:  # the run itself is unharmed
         d.feed(d.pending.popleft())

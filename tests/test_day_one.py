@@ -13,13 +13,30 @@ from pathlib import Path
 
 import pytest
 
-from .launchkit import PY, Launcher, assert_nothing_left, new_run_id, run_launch, script, wait_status
+from .launchkit import (
+    PY,
+    Launcher,
+    assert_nothing_left,
+    new_run_id,
+    run_launch,
+    script,
+    wait_status,
+)
 
 pytestmark = pytest.mark.e2e
 
 
-def _run(module: str, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([PY, "-m", module, *args], capture_output=True, text=True, timeout=60, env={**os.environ, **(env or {})}, check=False)
+def _run(
+    module: str, *args: str, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [PY, "-m", module, *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, **(env or {})},
+        check=False,
+    )
 
 
 @pytest.mark.parametrize("command", [["ps"], ["status"], ["token"], ["token", "new"]], ids=" ".join)
@@ -43,13 +60,31 @@ def test_flodl_ps_help_states_its_own_exit_codes() -> None:
 @pytest.mark.parametrize(
     ("module", "args", "hint"),
     [
-        ("flodl_async.cli.launch", ["--nprc", "2", "--", PY, "-c", "pass"], "--nprc: did you mean --nproc?"),
-        ("flodl_async.cli.launch", ["--nproc", "1", "--log-dri", "x", "--", PY, "-c", "pass"], "--log-dri: did you mean --log-dir?"),
-        ("flodl_async.agent", ["--controler", "127.0.0.1:1"], "--controler: did you mean --controller?"),
-        ("flodl_async.cli.flodl", ["status", "--adr", "127.0.0.1:1"], "--adr: did you mean --addr?"),
+        (
+            "flodl_async.cli.launch",
+            ["--nprc", "2", "--", PY, "-c", "pass"],
+            "--nprc: did you mean --nproc?",
+        ),
+        (
+            "flodl_async.cli.launch",
+            ["--nproc", "1", "--log-dri", "x", "--", PY, "-c", "pass"],
+            "--log-dri: did you mean --log-dir?",
+        ),
+        (
+            "flodl_async.agent",
+            ["--controler", "127.0.0.1:1"],
+            "--controler: did you mean --controller?",
+        ),
+        (
+            "flodl_async.cli.flodl",
+            ["status", "--adr", "127.0.0.1:1"],
+            "--adr: did you mean --addr?",
+        ),
     ],
 )
-def test_a_mistyped_option_is_a_usage_error_naming_the_real_one(module: str, args: list[str], hint: str) -> None:
+def test_a_mistyped_option_is_a_usage_error_naming_the_real_one(
+    module: str, args: list[str], hint: str
+) -> None:
     done = _run(module, *args)
     assert done.returncode == 2
     assert hint in done.stderr
@@ -67,12 +102,29 @@ def test_torchrun_underscore_spellings_of_our_options_work(tmp_path: Path) -> No
     assert "rank 0 max 1" in done.stdout
     assert "rank 1" not in done.stdout  # the filter took
     assert (tmp_path / run_id / "attempt_0" / "1" / "stdout.log").read_text() == "rank 1 max 1\n"
-    status = _run("flodl_async.cli.flodl", "status", "--silent_after", "5", "--addr", "127.0.0.1:1", "--timeout", "0.5")
-    assert status.returncode == 1, status.stderr  # parsed (nothing answers there), not a usage error
+    status = _run(
+        "flodl_async.cli.flodl",
+        "status",
+        "--silent_after",
+        "5",
+        "--addr",
+        "127.0.0.1:1",
+        "--timeout",
+        "0.5",
+    )
+    assert status.returncode == 1, (
+        status.stderr
+    )  # parsed (nothing answers there), not a usage error
 
 
-@pytest.mark.parametrize("command", [["python", "-u", "train.py"], [PY, "-m", "torch.distributed.run"]], ids=["python -u", "python -m"])
-def test_forgetting_the_double_dash_before_a_command_with_options_is_said(command: list[str]) -> None:
+@pytest.mark.parametrize(
+    "command",
+    [["python", "-u", "train.py"], [PY, "-m", "torch.distributed.run"]],
+    ids=["python -u", "python -m"],
+)
+def test_forgetting_the_double_dash_before_a_command_with_options_is_said(
+    command: list[str],
+) -> None:
     done = _run("flodl_async.cli.launch", "--nproc", "2", *command)
     assert done.returncode == 2
     assert f"unexpected {command[0]!r}: did you forget `--` before the command?" in done.stderr
@@ -89,16 +141,32 @@ def _four_gpus(tmp_path: Path) -> dict[str, str]:
 
 @pytest.mark.parametrize(
     ("mask", "flags", "shown"),
-    [("2,3", ["--nproc", "auto"], "GPU 2,3"), ("1,2,3", ["--nproc", "2", "--devices", "0,2"], "GPU 1,3"), (None, ["--nproc", "2"], "GPU 0,1")],
+    [
+        ("2,3", ["--nproc", "auto"], "GPU 2,3"),
+        ("1,2,3", ["--nproc", "2", "--devices", "0,2"], "GPU 1,3"),
+        (None, ["--nproc", "2"], "GPU 0,1"),
+    ],
 )
-def test_the_banner_names_the_gpus_in_the_callers_terms(tmp_path: Path, mask: str | None, flags: list[str], shown: str) -> None:
+def test_the_banner_names_the_gpus_in_the_callers_terms(
+    tmp_path: Path, mask: str | None, flags: list[str], shown: str
+) -> None:
     env = _four_gpus(tmp_path)
     if mask is not None:
         env["CUDA_VISIBLE_DEVICES"] = mask
     elif "CUDA_VISIBLE_DEVICES" in os.environ:
         pytest.skip("the caller's environment sets CUDA_VISIBLE_DEVICES")
     run_id = new_run_id()
-    done = run_launch(*flags, "--port", "0", "--", PY, "-c", "import os; print('mask', os.environ['CUDA_VISIBLE_DEVICES'])", run_id=run_id, env=env)
+    done = run_launch(
+        *flags,
+        "--port",
+        "0",
+        "--",
+        PY,
+        "-c",
+        "import os; print('mask', os.environ['CUDA_VISIBLE_DEVICES'])",
+        run_id=run_id,
+        env=env,
+    )
     assert done.returncode == 0, done.stderr
     assert f"mask {shown.removeprefix('GPU ')}" in done.stdout  # what the ranks got ...
     assert f"2 ranks on this host ({shown})" in done.stderr  # ... is what the banner says
@@ -106,28 +174,83 @@ def test_the_banner_names_the_gpus_in_the_callers_terms(tmp_path: Path, mask: st
 
 def test_a_reused_run_id_never_appends_to_an_earlier_runs_logs(tmp_path: Path) -> None:
     run_id = new_run_id()
-    printing = ("--", PY, "-c", "import os; print('attempt', os.environ['TORCHELASTIC_RUN_ID'], os.getpid())")
-    first = run_launch("--nproc", "1", "--devices", "cpu", "--port", "0", "--log-dir", str(tmp_path), *printing, run_id=run_id)
+    printing = (
+        "--",
+        PY,
+        "-c",
+        "import os; print('attempt', os.environ['TORCHELASTIC_RUN_ID'], os.getpid())",
+    )
+    first = run_launch(
+        "--nproc",
+        "1",
+        "--devices",
+        "cpu",
+        "--port",
+        "0",
+        "--log-dir",
+        str(tmp_path),
+        *printing,
+        run_id=run_id,
+    )
     assert first.returncode == 0, first.stderr
     log = tmp_path / run_id / "attempt_0" / "0" / "stdout.log"
     before = log.read_text()
-    again = run_launch("--nproc", "1", "--devices", "cpu", "--port", "0", "--log-dir", str(tmp_path), *printing, run_id=run_id)
+    again = run_launch(
+        "--nproc",
+        "1",
+        "--devices",
+        "cpu",
+        "--port",
+        "0",
+        "--log-dir",
+        str(tmp_path),
+        *printing,
+        run_id=run_id,
+    )
     assert again.returncode == 2
-    assert f"--log-dir: {tmp_path / run_id} already holds the logs of an earlier run with run id {run_id!r}" in again.stderr
+    assert (
+        f"--log-dir: {tmp_path / run_id} already holds the logs of an earlier run with run id {run_id!r}"
+        in again.stderr
+    )
     assert "another --run-id" in again.stderr
     assert log.read_text() == before  # nothing was started, nothing appended
-    fresh = run_launch("--nproc", "1", "--devices", "cpu", "--port", "0", "--log-dir", str(tmp_path), *printing, run_id=new_run_id())
+    fresh = run_launch(
+        "--nproc",
+        "1",
+        "--devices",
+        "cpu",
+        "--port",
+        "0",
+        "--log-dir",
+        str(tmp_path),
+        *printing,
+        run_id=new_run_id(),
+    )
     assert fresh.returncode == 0, fresh.stderr
 
 
 def test_flodl_status_folds_a_hosts_rank_and_device_lists(tmp_path: Path) -> None:
     release = tmp_path / "release"
-    launcher = Launcher("--nproc", "4", "--devices", "cpu", "--port", "0", "--", PY, script("wait_for_file.py"), str(release), run_id=new_run_id())
+    launcher = Launcher(
+        "--nproc",
+        "4",
+        "--devices",
+        "cpu",
+        "--port",
+        "0",
+        "--",
+        PY,
+        script("wait_for_file.py"),
+        str(release),
+        run_id=new_run_id(),
+    )
     try:
         launcher.wait_for_stdout("ready pid", count=4)
         assert launcher.proc.stderr is not None
         banner = launcher.proc.stderr.readline()
-        while "status: flodl status --addr" not in banner:  # the oversubscription warning may come first
+        while (
+            "status: flodl status --addr" not in banner
+        ):  # the oversubscription warning may come first
             banner = launcher.proc.stderr.readline()
             assert banner, "the launcher ended before its banner"
         found = re.search(r"--addr (127\.0\.0\.1:(\d+))", banner)

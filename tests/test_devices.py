@@ -68,10 +68,17 @@ def test_cluster_reexports_the_same_types() -> None:
 
 @pytest.mark.parametrize(
     ("devices", "spec"),
-    [("all", DeviceSpec(kind=DeviceKind.ALL_GPUS)), ("cpu:2", DeviceSpec.cpu(2)), ("'0,1'", DeviceSpec.gpus((0, 1))), ("3", DeviceSpec.gpus((3,)))],
+    [
+        ("all", DeviceSpec(kind=DeviceKind.ALL_GPUS)),
+        ("cpu:2", DeviceSpec.cpu(2)),
+        ("'0,1'", DeviceSpec.gpus((0, 1))),
+        ("3", DeviceSpec.gpus((3,))),
+    ],
 )
 def test_cluster_scalars_go_through_the_same_parser(devices: str, spec: DeviceSpec) -> None:
-    cluster = parse_cluster(f"workers:\n  - host: a\n    devices: {devices}\n", local_names=frozenset({"a"}))
+    cluster = parse_cluster(
+        f"workers:\n  - host: a\n    devices: {devices}\n", local_names=frozenset({"a"})
+    )
     assert cluster.workers[0].devices == spec
 
 
@@ -86,13 +93,22 @@ def test_cluster_scalars_go_through_the_same_parser(devices: str, spec: DeviceSp
         ("1,3", 4, DeviceSpec.gpus((1, 3))),
     ],
 )
-def test_flodl_launch_nproc_devices_go_through_the_one_parser(text: str, gpus: int, expected: DeviceSpec) -> None:
+def test_flodl_launch_nproc_devices_go_through_the_one_parser(
+    text: str, gpus: int, expected: DeviceSpec
+) -> None:
     from flodl_async.cli.launch import embedded_devices
 
     assert embedded_devices(2, text, gpus) == expected
 
 
-@pytest.mark.parametrize(("text", "message"), [("cpu:3", "gives 3 rank(s) but --nproc is 2"), ("gpu", "--devices: expected `all`"), ("0", "gives 1 rank(s)")])
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("cpu:3", "gives 3 rank(s) but --nproc is 2"),
+        ("gpu", "--devices: expected `all`"),
+        ("0", "gives 1 rank(s)"),
+    ],
+)
 def test_flodl_launch_nproc_devices_mismatch_is_a_clear_error(text: str, message: str) -> None:
     from flodl_async.cli.launch import embedded_devices
 
@@ -138,7 +154,10 @@ def test_the_mask_is_read_as_cuda_reads_it(mask: str | None, visible: tuple[str,
 def test_device_ids_index_into_the_visible_set() -> None:
     assert gpus.select((0, 1), ("2", "3")) == ("2", "3")
     assert gpus.select((1,), ("4", "5", "6")) == ("5",)
-    with pytest.raises(ConfigError, match=r"GPU 2 is not visible here: this host shows 2 GPU\(s\) \(visible: 2,3\); device ids count from 0"):
+    with pytest.raises(
+        ConfigError,
+        match=r"GPU 2 is not visible here: this host shows 2 GPU\(s\) \(visible: 2,3\); device ids count from 0",
+    ):
         gpus.select((0, 2), ("2", "3"))
 
 

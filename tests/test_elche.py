@@ -8,7 +8,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from flodl_async.training.elche import ElChe, ElChePhase, NudgeDown, Stable, SuppressGrowth, TrendGuard, WorldSizeMismatch
+from flodl_async.training.elche import (
+    ElChe,
+    ElChePhase,
+    NudgeDown,
+    Stable,
+    SuppressGrowth,
+    TrendGuard,
+    WorldSizeMismatch,
+)
 from flodl_async.training.policy import Policy
 from flodl_async.training.spec import ElCheConfig, ElCheSettings, resolve_elche
 from flodl_async.training.spec import TrendGuard as GuardConfig
@@ -18,7 +26,9 @@ def cfg(policy: Policy = Policy.CADENCE, **overrides: object) -> ElCheSettings:
     return resolve_elche(ElCheConfig(**overrides), policy)  # type: ignore[arg-type]
 
 
-def elche(world: int = 2, *, epoch: int = 10_000, growth: bool = True, **overrides: object) -> ElChe:
+def elche(
+    world: int = 2, *, epoch: int = 10_000, growth: bool = True, **overrides: object
+) -> ElChe:
     overrides.setdefault("guard", None)
     return ElChe(world, cfg(**overrides), batches_per_epoch=epoch, growth=growth)
 
@@ -55,7 +65,9 @@ def test_the_dead_zone_ignores_small_changes() -> None:
     assert e.counts == (20, 10)
     e2 = elche()
     e2.report([100.0, 200.0], [10, 10], sync_ms=0.0)
-    e2.report([200.0, 200.0], [10, 10], sync_ms=0.0)  # smoothed 150 vs 200: target 13, far outside the zone
+    e2.report(
+        [200.0, 200.0], [10, 10], sync_ms=0.0
+    )  # smoothed 150 vs 200: target 13, far outside the zone
     assert e2.counts == (13, 10)
 
 
@@ -93,7 +105,9 @@ def test_growth_in_stable_uses_the_plain_target_and_respects_max_anchor() -> Non
     e = elche(anchor=10, max_anchor=14, overhead_target=0.05)
     for _ in range(4):
         e.report([200.0, 200.0], [10, 10], sync_ms=0.0)
-    e.report([200.0, 200.0], [10, 10], sync_ms=15.0)  # 5th calibration: STABLE, overhead 0.0698 > 0.05
+    e.report(
+        [200.0, 200.0], [10, 10], sync_ms=15.0
+    )  # 5th calibration: STABLE, overhead 0.0698 > 0.05
     assert e.phase is ElChePhase.STABLE
     assert e.anchor == 14  # ceil(10 * 1.395) = 14, within max_anchor
 
@@ -125,7 +139,9 @@ def test_anchor_reelection_needs_dominance() -> None:
     e = elche(3)
     e.report([100.0, 200.0, 190.0], [10, 10, 10], sync_ms=0.0)
     assert e.anchor_rank == 1
-    for _ in range(6):  # rank 2 becomes 8 % slower than rank 1: within the margin, the incumbent stays
+    for _ in range(
+        6
+    ):  # rank 2 becomes 8 % slower than rank 1: within the margin, the incumbent stays
         e.report([100.0, 200.0, 216.0], [10, 10, 10], sync_ms=0.0)
     assert e.anchor_rank == 1
     for _ in range(6):  # now 25 % slower: it takes the anchor
@@ -152,7 +168,12 @@ def test_guard_verdicts() -> None:
 
 
 def test_nudge_shrinks_the_anchor_with_ceil_and_clamp_and_latches_growth() -> None:
-    e = ElChe(2, cfg(anchor=9, guard=GuardConfig(threshold=0.05, nudge_factor=0.5)), batches_per_epoch=10_000, growth=True)
+    e = ElChe(
+        2,
+        cfg(anchor=9, guard=GuardConfig(threshold=0.05, nudge_factor=0.5)),
+        batches_per_epoch=10_000,
+        growth=True,
+    )
     for d in (0.01, 0.02, 0.06):
         e.report([100.0, 100.0], [10, 10], sync_ms=0.0, divergence=d)
     assert e.anchor == 5  # ceil(9 * 0.5), below min_anchor: the guard's shrink ignores it
@@ -160,17 +181,29 @@ def test_nudge_shrinks_the_anchor_with_ceil_and_clamp_and_latches_growth() -> No
     for _ in range(5):
         e.report([100.0, 100.0], [10, 10], sync_ms=0.0, divergence=0.0)
     assert e.growth_enabled  # re-armed after 5 Stable
-    hard = ElChe(2, cfg(anchor=100, guard=GuardConfig(threshold=0.05, nudge_factor=0.01)), batches_per_epoch=10_000, growth=True)
+    hard = ElChe(
+        2,
+        cfg(anchor=100, guard=GuardConfig(threshold=0.05, nudge_factor=0.01)),
+        batches_per_epoch=10_000,
+        growth=True,
+    )
     for d in (0.1, 0.2, 0.3):
         hard.report([100.0, 100.0], [10, 10], sync_ms=0.0, divergence=d)
     assert hard.anchor == 10  # the factor is clamped to 0.1
 
 
 def test_a_growth_proposal_waits_for_the_guards_stable() -> None:
-    e = ElChe(2, cfg(anchor=10, guard=GuardConfig(threshold=0.5, nudge_factor=0.5)), batches_per_epoch=10_000, growth=True)
+    e = ElChe(
+        2,
+        cfg(anchor=10, guard=GuardConfig(threshold=0.5, nudge_factor=0.5)),
+        batches_per_epoch=10_000,
+        growth=True,
+    )
     e.report([200.0, 200.0], [10, 10], sync_ms=0.0, divergence=0.01)
     e.report([200.0, 200.0], [10, 10], sync_ms=0.0, divergence=0.02)
-    e.report([200.0, 200.0], [10, 10], sync_ms=100.0, divergence=0.03)  # proposes 20, but the trend suppresses it
+    e.report(
+        [200.0, 200.0], [10, 10], sync_ms=100.0, divergence=0.03
+    )  # proposes 20, but the trend suppresses it
     assert e.anchor == 10
     assert not e.growth_enabled
 
@@ -182,7 +215,10 @@ def test_restore_round_trips_and_refuses_another_world_size() -> None:
     again = elche()
     again.restore(state)
     assert again.snapshot() == state
-    with pytest.raises(WorldSizeMismatch, match="ElChe state was saved with world size 2 but this run has 3; resume must use the same world size"):
+    with pytest.raises(
+        WorldSizeMismatch,
+        match="ElChe state was saved with world size 2 but this run has 3; resume must use the same world size",
+    ):
         elche(3).restore(state)
     assert dataclasses.replace(state, anchor=3) != state
 
@@ -191,9 +227,14 @@ def test_restore_round_trips_and_refuses_another_world_size() -> None:
 @given(
     world=st.integers(1, 6),
     epoch=st.integers(1, 400),
-    reports=st.lists(st.lists(st.tuples(st.floats(0.0, 5000.0), st.integers(0, 50)), min_size=6, max_size=6), max_size=12),
+    reports=st.lists(
+        st.lists(st.tuples(st.floats(0.0, 5000.0), st.integers(0, 50)), min_size=6, max_size=6),
+        max_size=12,
+    ),
 )
-def test_counts_stay_positive_and_within_one_epoch(world: int, epoch: int, reports: list[list[tuple[float, int]]]) -> None:
+def test_counts_stay_positive_and_within_one_epoch(
+    world: int, epoch: int, reports: list[list[tuple[float, int]]]
+) -> None:
     e = elche(world, epoch=epoch)
     for rows in reports:
         e.report([ms for ms, _ in rows[:world]], [n for _, n in rows[:world]], sync_ms=rows[0][0])

@@ -18,7 +18,16 @@ from flodl_async._version import __version__
 from flodl_async.wire import new_session_secret
 
 from .hostkit import HostKit, NsHost
-from .launchkit import PY, Finished, Launcher, assert_nothing_left, free_port, new_run_id, run_launch, script
+from .launchkit import (
+    PY,
+    Finished,
+    Launcher,
+    assert_nothing_left,
+    free_port,
+    new_run_id,
+    run_launch,
+    script,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -43,7 +52,10 @@ def _cluster(
     identity: Path | None = None,
     options: Sequence[str] = (),
 ) -> Path:
-    lines = [f"controller: {{host: 0.0.0.0, port: {free_port()}, join: {{join_timeout: 60}}}}", "workers:"]
+    lines = [
+        f"controller: {{host: 0.0.0.0, port: {free_port()}, join: {{join_timeout: 60}}}}",
+        "workers:",
+    ]
     for host, devices in hosts:
         ssh = {
             "target": host.addr,
@@ -52,7 +64,12 @@ def _cluster(
             "known_hosts": str(known_hosts or kit.known_hosts),
             **({"options": list(options)} if options else {}),
         }
-        lines += [f"  - host: {host.name}", f"    devices: {devices}", f"    python: {python}", f"    ssh: {json.dumps(ssh)}"]
+        lines += [
+            f"  - host: {host.name}",
+            f"    devices: {devices}",
+            f"    python: {python}",
+            f"    ssh: {json.dumps(ssh)}",
+        ]
     cluster = tmp_path / "cluster.yml"
     cluster.write_text("\n".join(lines) + "\n")
     return cluster
@@ -62,15 +79,24 @@ def _launch(cluster: Path, *command: str, timeout: float = 180) -> Finished:
     return run_launch(str(cluster), "--", *command, run_id=new_run_id(), timeout=timeout)
 
 
-def test_three_hosts_run_a_gloo_all_reduce_with_the_env_contract(hostkit: HostKit, tmp_path: Path) -> None:
+def test_three_hosts_run_a_gloo_all_reduce_with_the_env_contract(
+    hostkit: HostKit, tmp_path: Path
+) -> None:
     h1, h2, h3 = hostkit.hosts[:3]
-    cluster = _cluster(tmp_path, hostkit, [(h1, "cpu:2"), (h2, "cpu:1"), (h3, "cpu:1")], python=str(_python_wrapper(tmp_path)))
+    cluster = _cluster(
+        tmp_path,
+        hostkit,
+        [(h1, "cpu:2"), (h2, "cpu:1"), (h3, "cpu:1")],
+        python=str(_python_wrapper(tmp_path)),
+    )
     out_dir = tmp_path / "envs"
     out_dir.mkdir()
     done = _launch(cluster, PY, script("allreduce_env.py"), str(out_dir))
     assert done.returncode == 0, done.stderr
     assert done.stdout.count(" of 4 sum 10") == 4, done.stdout
-    seen = {int(p.stem.split("-")[1]): json.loads(p.read_text()) for p in out_dir.glob("env-*.json")}
+    seen = {
+        int(p.stem.split("-")[1]): json.loads(p.read_text()) for p in out_dir.glob("env-*.json")
+    }
     assert sorted(seen) == [0, 1, 2, 3]  # RANK contiguous
     by_host: dict[str, list[dict[str, str]]] = {}
     for rank in sorted(seen):
@@ -79,7 +105,9 @@ def test_three_hosts_run_a_gloo_all_reduce_with_the_env_contract(hostkit: HostKi
     for envs in by_host.values():
         assert {e["LOCAL_WORLD_SIZE"] for e in envs} == {str(len(envs))}
         assert len({e["GROUP_RANK"] for e in envs}) == 1
-        assert {e["GLOO_SOCKET_IFNAME"] for e in envs} == {"eth0"}  # the interface of the join connection
+        assert {e["GLOO_SOCKET_IFNAME"] for e in envs} == {
+            "eth0"
+        }  # the interface of the join connection
         assert sorted(int(e["LOCAL_RANK"]) for e in envs) == list(range(len(envs)))
     assert sorted({e["GROUP_RANK"] for envs in by_host.values() for e in envs}) == ["0", "1", "2"]
     envs = [e for es in by_host.values() for e in es]
@@ -89,11 +117,15 @@ def test_three_hosts_run_a_gloo_all_reduce_with_the_env_contract(hostkit: HostKi
     assert len({e["MASTER_PORT"] for e in envs}) == 1
 
 
-def test_an_unknown_host_key_names_the_host_the_fingerprint_and_the_file(hostkit: HostKit, tmp_path: Path) -> None:
+def test_an_unknown_host_key_names_the_host_the_fingerprint_and_the_file(
+    hostkit: HostKit, tmp_path: Path
+) -> None:
     h1 = hostkit.hosts[0]
     empty = tmp_path / "known_hosts"
     empty.write_text("")
-    cluster = _cluster(tmp_path, hostkit, [(h1, "cpu:1")], python=str(_python_wrapper(tmp_path)), known_hosts=empty)
+    cluster = _cluster(
+        tmp_path, hostkit, [(h1, "cpu:1")], python=str(_python_wrapper(tmp_path)), known_hosts=empty
+    )
     done = _launch(cluster, PY, script("allreduce.py"))
     assert done.returncode == 3, done.stderr
     assert f"the host key of {h1.addr}:22 is unknown: it offers SHA256:" in done.stderr
@@ -106,7 +138,9 @@ def test_a_changed_host_key_is_refused_naming_both(hostkit: HostKit, tmp_path: P
     h1, h2 = hostkit.hosts[:2]
     wrong = tmp_path / "known_hosts"
     wrong.write_text(f"{h1.addr} {h2.host_key_pub}\n")  # h2's key listed for h1
-    cluster = _cluster(tmp_path, hostkit, [(h1, "cpu:1")], python=str(_python_wrapper(tmp_path)), known_hosts=wrong)
+    cluster = _cluster(
+        tmp_path, hostkit, [(h1, "cpu:1")], python=str(_python_wrapper(tmp_path)), known_hosts=wrong
+    )
     done = _launch(cluster, PY, script("allreduce.py"))
     assert done.returncode == 3, done.stderr
     assert f"the host key of {h1.addr}:22 CHANGED: it offers SHA256:" in done.stderr
@@ -116,8 +150,12 @@ def test_a_changed_host_key_is_refused_naming_both(hostkit: HostKit, tmp_path: P
 def test_a_wrong_user_key_names_the_key(hostkit: HostKit, tmp_path: Path) -> None:
     h1 = hostkit.hosts[0]
     stranger = tmp_path / "id_stranger"
-    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(stranger)], check=True, timeout=60)
-    cluster = _cluster(tmp_path, hostkit, [(h1, "cpu:1")], python=str(_python_wrapper(tmp_path)), identity=stranger)
+    subprocess.run(
+        ["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(stranger)], check=True, timeout=60
+    )
+    cluster = _cluster(
+        tmp_path, hostkit, [(h1, "cpu:1")], python=str(_python_wrapper(tmp_path)), identity=stranger
+    )
     done = _launch(cluster, PY, script("allreduce.py"))
     assert done.returncode == 3, done.stderr
     assert f"ssh authentication to {h1.addr}:22 as root failed with {stranger}" in done.stderr
@@ -135,7 +173,9 @@ def test_a_missing_python_is_named(hostkit: HostKit, tmp_path: Path) -> None:
 def test_flodl_async_missing_on_the_host_is_named(hostkit: HostKit, tmp_path: Path) -> None:
     h1 = hostkit.hosts[0]
     bare = tmp_path / "bare-python"
-    bare.write_text(f'#!/bin/sh\nexec {sys.executable} -I -S "$@"\n')  # no site-packages, no PYTHONPATH: flodl_async is absent
+    bare.write_text(
+        f'#!/bin/sh\nexec {sys.executable} -I -S "$@"\n'
+    )  # no site-packages, no PYTHONPATH: flodl_async is absent
     bare.chmod(stat.S_IRWXU)
     cluster = _cluster(tmp_path, hostkit, [(h1, "cpu:1")], python=str(bare))
     done = _launch(cluster, PY, script("allreduce.py"))
@@ -147,11 +187,19 @@ def test_proxy_jump_reaches_a_host_through_another(hostkit: HostKit, tmp_path: P
     h1, h2 = hostkit.hosts[:2]
     log = hostkit.root / h2.name / "sshd.log"
     before = log.read_text()
-    cluster = _cluster(tmp_path, hostkit, [(h2, "cpu:1")], python=str(_python_wrapper(tmp_path)), options=[f"ProxyJump=root@{h1.addr}"])
+    cluster = _cluster(
+        tmp_path,
+        hostkit,
+        [(h2, "cpu:1")],
+        python=str(_python_wrapper(tmp_path)),
+        options=[f"ProxyJump=root@{h1.addr}"],
+    )
     done = _launch(cluster, PY, script("allreduce.py"))
     assert done.returncode == 0, done.stderr
     assert "rank 0 of 1 sum 1" in done.stdout
-    assert f"Connection from {h1.addr} port" in log.read_text()[len(before) :]  # h2 was reached from h1, not from us
+    assert (
+        f"Connection from {h1.addr} port" in log.read_text()[len(before) :]
+    )  # h2 was reached from h1, not from us
 
 
 def _agent_pid(kit: HostKit, host: NsHost) -> int:
@@ -165,9 +213,24 @@ def _agent_pid(kit: HostKit, host: NsHost) -> int:
 
 def _running(tmp_path: Path, kit: HostKit, *extra: str) -> tuple[Launcher, Path]:
     h1, h2, h3 = kit.hosts[:3]
-    cluster = _cluster(tmp_path, kit, [(h1, "cpu:2"), (h2, "cpu:1"), (h3, "cpu:1")], python=str(_python_wrapper(tmp_path)))
+    cluster = _cluster(
+        tmp_path,
+        kit,
+        [(h1, "cpu:2"), (h2, "cpu:1"), (h3, "cpu:1")],
+        python=str(_python_wrapper(tmp_path)),
+    )
     release = tmp_path / "release"
-    launcher = Launcher(str(cluster), "--stop-grace", "3", *extra, "--", PY, script("wait_for_file.py"), str(release), run_id=new_run_id())
+    launcher = Launcher(
+        str(cluster),
+        "--stop-grace",
+        "3",
+        *extra,
+        "--",
+        PY,
+        script("wait_for_file.py"),
+        str(release),
+        run_id=new_run_id(),
+    )
     try:
         launcher.wait_for_stdout("ready pid", count=4, timeout=120)
     except BaseException:
@@ -190,7 +253,9 @@ def test_the_secret_is_in_no_remote_argv(hostkit: HostKit, tmp_path: Path) -> No
                 with contextlib.suppress(OSError):
                     argv = Path(f"/proc/{pid}/cmdline").read_bytes()
                     scanned += 1
-                    assert secret.encode() not in argv.lower(), f"the secret is in the argv of pid {pid} on {host.name}"
+                    assert secret.encode() not in argv.lower(), (
+                        f"the secret is in the argv of pid {pid} on {host.name}"
+                    )
         assert scanned >= 3 + 4  # at least each agent and each rank were looked at
         release.write_text("")
         done = launcher.finish(timeout=120)
@@ -199,7 +264,9 @@ def test_the_secret_is_in_no_remote_argv(hostkit: HostKit, tmp_path: Path) -> No
     assert done.returncode == 0, done.stderr
 
 
-def test_kill_9_of_one_agent_fails_the_run_naming_its_host(hostkit: HostKit, tmp_path: Path) -> None:
+def test_kill_9_of_one_agent_fails_the_run_naming_its_host(
+    hostkit: HostKit, tmp_path: Path
+) -> None:
     launcher, _ = _running(tmp_path, hostkit)
     try:
         os.kill(_agent_pid(hostkit, hostkit.hosts[1]), signal.SIGKILL)
@@ -210,7 +277,9 @@ def test_kill_9_of_one_agent_fails_the_run_naming_its_host(hostkit: HostKit, tmp
     assert "h2" in done.stderr.splitlines()[-1], done.stderr
 
 
-def test_the_launcher_killed_leaves_every_host_clean_within_the_stop_grace(hostkit: HostKit, tmp_path: Path) -> None:
+def test_the_launcher_killed_leaves_every_host_clean_within_the_stop_grace(
+    hostkit: HostKit, tmp_path: Path
+) -> None:
     launcher, _ = _running(tmp_path, hostkit)
     launcher.proc.kill()
     launcher.kill()
@@ -223,15 +292,22 @@ def test_the_launcher_killed_leaves_every_host_clean_within_the_stop_grace(hostk
 def test_another_flodl_async_version_names_both(hostkit: HostKit, tmp_path: Path) -> None:
     h1 = hostkit.hosts[0]
     other = tmp_path / "other-python"
-    other.write_text("#!/bin/sh\necho flodl-agent-hello 0.0.1\ncat >/dev/null\n")  # an agent of another version
+    other.write_text(
+        "#!/bin/sh\necho flodl-agent-hello 0.0.1\ncat >/dev/null\n"
+    )  # an agent of another version
     other.chmod(stat.S_IRWXU)
     cluster = _cluster(tmp_path, hostkit, [(h1, "cpu:1")], python=str(other))
     done = _launch(cluster, PY, script("allreduce.py"))
     assert done.returncode == 3, done.stderr
-    assert f"{h1.addr}:22 has flodl_async 0.0.1, this launcher is {__version__}; install the same version on every host" in done.stderr
+    assert (
+        f"{h1.addr}:22 has flodl_async 0.0.1, this launcher is {__version__}; install the same version on every host"
+        in done.stderr
+    )
 
 
-def test_ranks_on_ssh_hosts_report_their_activity_and_only_local_clients_read_their_lines(hostkit: HostKit, tmp_path: Path) -> None:
+def test_ranks_on_ssh_hosts_report_their_activity_and_only_local_clients_read_their_lines(
+    hostkit: HostKit, tmp_path: Path
+) -> None:
     """Hangs you can see on every host: each ssh-started agent reports its ranks; a status client on another host gets the ages, not the lines."""
     import re
 
@@ -243,15 +319,27 @@ def test_ranks_on_ssh_hosts_report_their_activity_and_only_local_clients_read_th
 
         def all_reported(doc: dict[str, object]) -> bool:
             ranks = doc["ranks"]
-            return isinstance(ranks, list) and len(ranks) == 4 and all(isinstance(r.get("pid"), int) and r.get("process") for r in ranks)
+            return (
+                isinstance(ranks, list)
+                and len(ranks) == 4
+                and all(isinstance(r.get("pid"), int) and r.get("process") for r in ranks)
+            )
 
         local = wait_status(port, all_reported, timeout=60)
         ranks = local["ranks"]
         assert isinstance(ranks, list)
         assert {r["host"] for r in ranks} == {"h1", "h2", "h3"}
-        assert all(r["last_line"].startswith("ready pid ") for r in ranks)  # the controller's own host sees the lines
+        assert all(
+            r["last_line"].startswith("ready pid ") for r in ranks
+        )  # the controller's own host sees the lines
         fetch = f"import json, urllib.request; print(urllib.request.urlopen('http://{hostkit.controller_addr}:{port}/state.json', timeout=10).read().decode())"
-        remote = subprocess.run(["ip", "netns", "exec", hostkit.hosts[0].ns, PY, "-c", fetch], capture_output=True, text=True, timeout=60, check=True)
+        remote = subprocess.run(
+            ["ip", "netns", "exec", hostkit.hosts[0].ns, PY, "-c", fetch],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        )
         remote_ranks = json.loads(remote.stdout)["ranks"]
         assert [r["last_line"] for r in remote_ranks] == ["", "", "", ""]
         assert all(r["output_age_s"] is not None for r in remote_ranks)

@@ -24,11 +24,15 @@ def test_the_soft_limit_is_raised_to_the_hard_limit() -> None:
         "after = raise_descriptor_limit()\n"
         "print(resource.getrlimit(resource.RLIMIT_NOFILE)[0] == hard, after.soft == hard, after.hard == hard)\n"
     )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
+    )
     assert result.stdout.split() == ["True", "True", "True"]
 
 
-def test_a_refusal_leaves_the_limit_and_the_run_alone(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+def test_a_refusal_leaves_the_limit_and_the_run_alone(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     def refuse(_which: int, _limits: tuple[int, int]) -> None:
         raise ValueError("not allowed")
 
@@ -36,7 +40,10 @@ def test_a_refusal_leaves_the_limit_and_the_run_alone(monkeypatch: pytest.Monkey
     monkeypatch.setattr(resource, "setrlimit", refuse)
     caplog.set_level(logging.DEBUG, logger="flodl_async.net")
     assert raise_descriptor_limit() == DescriptorLimit(soft=256, hard=4096)
-    assert "could not raise the soft limit above 256 (soft limit 256, hard limit 4096): not allowed" in caplog.text
+    assert (
+        "could not raise the soft limit above 256 (soft limit 256, hard limit 4096): not allowed"
+        in caplog.text
+    )
     assert all(r.levelno == logging.DEBUG for r in caplog.records)
 
 

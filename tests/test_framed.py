@@ -7,7 +7,14 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from flodl_async.errors import AuthenticationFailed, BusyError, ConnectionClosed, FlodlError, TruncatedFrame, VersionMismatch
+from flodl_async.errors import (
+    AuthenticationFailed,
+    BusyError,
+    ConnectionClosed,
+    FlodlError,
+    TruncatedFrame,
+    VersionMismatch,
+)
 from flodl_async.net.framed import FramedProtocol, server_protocol
 from flodl_async.wire import ClientHandshake, Credential, FrameConnection, Side
 from flodl_async.wire import messages as m
@@ -17,7 +24,11 @@ from flodl_async.wire.handshake import session_resolver
 
 
 @pytest.fixture
-async def link_and_raw_peer(secret: bytes) -> AsyncIterator[tuple[FramedProtocol, asyncio.StreamReader, asyncio.StreamWriter, FrameConnection]]:
+async def link_and_raw_peer(
+    secret: bytes,
+) -> AsyncIterator[
+    tuple[FramedProtocol, asyncio.StreamReader, asyncio.StreamWriter, FrameConnection]
+]:
     """A controller-side framed link on a loopback socket; the raw socket at its other end, handshake
     done by hand; and that end's frame codec (to forge, cut and tamper with frames)."""
     accepted: asyncio.Future[FramedProtocol] = asyncio.get_running_loop().create_future()
@@ -33,7 +44,9 @@ async def link_and_raw_peer(secret: bytes) -> AsyncIterator[tuple[FramedProtocol
     link = await accepted
     try:
         async with asyncio.timeout(5):
-            handshake = ClientHandshake(channel=Channel.CONTROL, credential=Credential.session(secret), version="test")
+            handshake = ClientHandshake(
+                channel=Channel.CONTROL, credential=Credential.session(secret), version="test"
+            )
             writer.write(handshake.hello())
             step = handshake.receive_data(await reader.read(4096))
             assert step.established is not None
@@ -171,17 +184,36 @@ def test_sealing_buffers_are_reused_only_once_the_transport_wrote_them(secret: b
         limits = FrameLimits(max_payload=2 * size)
         try:
             async with asyncio.timeout(60), asyncio.TaskGroup() as tg:
-                service = FramedService(channel=Channel.DATA, resolve=session_resolver(secret), run_id="r", handler=slow_reader, task_group=tg, limits=limits)
+                service = FramedService(
+                    channel=Channel.DATA,
+                    resolve=session_resolver(secret),
+                    run_id="r",
+                    handler=slow_reader,
+                    task_group=tg,
+                    limits=limits,
+                )
                 mux.register(Channel.DATA, service.protocol_factory)
                 await mux.start()
-                link = await open_framed("127.0.0.1", mux.port, channel=Channel.DATA, credential=Credential.session(secret), limits=limits)
+                link = await open_framed(
+                    "127.0.0.1",
+                    mux.port,
+                    channel=Channel.DATA,
+                    credential=Credential.session(secret),
+                    limits=limits,
+                )
                 try:
-                    _small_kernel_buffers(link)  # so frames wait in the transport, not in the kernel
+                    _small_kernel_buffers(
+                        link
+                    )  # so frames wait in the transport, not in the kernel
                     for i, payload in enumerate(payloads):
-                        spec = m.TensorSpec(name="x", dtype="uint8", shape=(size,), offset=0, nbytes=size)
+                        spec = m.TensorSpec(
+                            name="x", dtype="uint8", shape=(size,), offset=0, nbytes=size
+                        )
                         if i == 20:
                             sent_some.set()
-                        await link.send_tensors(m.TensorBundle(round=i, weight=1.0, tensors=(spec,)), [payload])
+                        await link.send_tensors(
+                            m.TensorBundle(round=i, weight=1.0, tensors=(spec,)), [payload]
+                        )
                     sent_some.set()
                     await done.wait()
                     allocations = link.sealing_allocations
@@ -194,5 +226,7 @@ def test_sealing_buffers_are_reused_only_once_the_transport_wrote_them(secret: b
 
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
         received, allocations = runner.run(main())
-    assert received == payloads  # every frame decrypted under its tag: no buffer was reused while queued
+    assert (
+        received == payloads
+    )  # every frame decrypted under its tag: no buffer was reused while queued
     assert allocations < count  # and buffers were reused once written

@@ -49,10 +49,24 @@ def test_every_target_holds_the_property(name: str) -> None:
 
 def test_the_targets_cover_every_channel_side_and_handshake_state() -> None:
     framed = [c.value for c in fw.FRAMED_CHANNELS]
-    routes = {f"{group}/{channel}/{side}" for group in ("wire", "keyed") for channel in framed for side in ("peer", "controller")}
-    assert set(TARGETS) == {"sniff", "server-hello", "server-proof", "client-hello", "tensors", *routes}
+    routes = {
+        f"{group}/{channel}/{side}"
+        for group in ("wire", "keyed")
+        for channel in framed
+        for side in ("peer", "controller")
+    }
+    assert set(TARGETS) == {
+        "sniff",
+        "server-hello",
+        "server-proof",
+        "client-hello",
+        "tensors",
+        *routes,
+    }
     fixtures = TARGETS["server-hello"].fixtures  # type: ignore[attr-defined]
-    assert {(f.channel, f.credential.kind) for f in fixtures} == {(c, k) for c in fw.FRAMED_CHANNELS for k in (CredentialKind.SESSION, CredentialKind.RANK)}
+    assert {(f.channel, f.credential.kind) for f in fixtures} == {
+        (c, k) for c in fw.FRAMED_CHANNELS for k in (CredentialKind.SESSION, CredentialKind.RANK)
+    }
 
 
 def test_mutated_streams_reach_every_check_of_the_codec() -> None:
@@ -75,7 +89,9 @@ def test_mutated_streams_reach_every_check_of_the_codec() -> None:
 
 def test_a_run_is_deterministic_per_seed() -> None:
     def summary(report: fw.Report) -> object:
-        return [(s.inputs, dict(s.errors), s.frames, s.established) for s in report.stats], {k: f.index for k, f in report.found.items()}
+        return [(s.inputs, dict(s.errors), s.frames, s.established) for s in report.stats], {
+            k: f.index for k, f in report.found.items()
+        }
 
     for name in ("server-hello", "keyed/data/peer"):
         first, again, other_seed = _run(name, 60, seed=99), _run(name, 60, seed=99), _run(name, 60)
@@ -86,14 +102,18 @@ def test_a_run_is_deterministic_per_seed() -> None:
 # ----- the oracle catches planted bugs ------------------------------------------------------------
 
 
-def test_a_non_wire_error_is_a_violation_with_a_reproducer_that_replays(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_non_wire_error_is_a_violation_with_a_reproducer_that_replays(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     def broken(kind: int, body: object) -> m.Heartbeat:
         raise KeyError("planted")
 
     monkeypatch.setattr(frame_module, "unpack_message", broken)
     report = _run("keyed/control/controller", 40)
     found = report.found[("keyed/control/controller", "non-WireError KeyError")]
-    assert f"--seed {SEED} --replay keyed/control/controller:{found.index}" in "\n".join(fw.format_found(report))
+    assert f"--seed {SEED} --replay keyed/control/controller:{found.index}" in "\n".join(
+        fw.format_found(report)
+    )
     assert fw.replay(list(TARGETS.values()), SEED, f"keyed/control/controller:{found.index}") == 1
     assert "VIOLATION non-WireError KeyError" in capsys.readouterr().out
 
@@ -102,7 +122,11 @@ def test_an_accepted_forgery_is_a_violation(monkeypatch: pytest.MonkeyPatch) -> 
     """A codec that stopped checking tags delivers mutated frames: the outsider oracle sees frames nobody sent."""
     monkeypatch.setattr(frame_module.hmac, "compare_digest", lambda a, b: True)
     report = _run("wire/control/controller", 100)
-    assert {check for _, check in report.found} & {"forged frame", "forged payload", "ill-typed message"}
+    assert {check for _, check in report.found} & {
+        "forged frame",
+        "forged payload",
+        "ill-typed message",
+    }
 
 
 def test_a_codec_that_forgets_its_failure_is_a_violation(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -126,16 +150,26 @@ async def test_a_live_mux_keeps_serving_through_fuzzed_connections() -> None:
 
 
 def _handshake(channel: Channel = Channel.JOIN) -> fw.HandshakeFixture:
-    return fw.handshake_fixture(fw.input_rng(SEED, "bug"), bytes(16), channel, CredentialKind.SESSION)
+    return fw.handshake_fixture(
+        fw.input_rng(SEED, "bug"), bytes(16), channel, CredentialKind.SESSION
+    )
 
 
-@pytest.mark.parametrize("failure", ["malformed hello", "bytes before the server's hello", "EOF awaiting the proof"])
+@pytest.mark.parametrize(
+    "failure", ["malformed hello", "bytes before the server's hello", "EOF awaiting the proof"]
+)
 def test_a_failed_server_handshake_stays_failed(failure: str) -> None:
     fixture = _handshake()
     server = fixture.server()
     first, then = {
-        "malformed hello": ([struct.pack("<BBH", PROTOCOL_VERSION, 1, 0)], [fixture.hello, fixture.proof]),  # a current preamble announcing an empty hello
-        "bytes before the server's hello": ([fixture.hello + fixture.proof], [fixture.proof]),  # the client cannot know its proof yet
+        "malformed hello": (
+            [struct.pack("<BBH", PROTOCOL_VERSION, 1, 0)],
+            [fixture.hello, fixture.proof],
+        ),  # a current preamble announcing an empty hello
+        "bytes before the server's hello": (
+            [fixture.hello + fixture.proof],
+            [fixture.proof],
+        ),  # the client cannot know its proof yet
         "EOF awaiting the proof": ([fixture.hello, b""], [fixture.proof]),
     }[failure]
     for data in first[:-1]:
@@ -163,18 +197,34 @@ def test_a_failed_client_handshake_stays_failed(failure: str) -> None:
 
 
 def test_a_map_key_of_another_type_is_a_malformed_body() -> None:
-    formed = m.WorldFormed(world_size=1, ranks=(0,), group_rank=0, group_world_size=1, store_host=True, command=("python",), env={"PATH": "/bin"})
+    formed = m.WorldFormed(
+        world_size=1,
+        ranks=(0,),
+        group_rank=0,
+        group_world_size=1,
+        store_host=True,
+        command=("python",),
+        env={"PATH": "/bin"},
+    )
     body = msgpack.unpackb(pack_message(formed), use_list=True)
     body[7] = {b"PATH": "/bin"}  # the env field, its key as bin instead of str
     with pytest.raises(MalformedBody):
         unpack_message(m.WorldFormed.KIND, msgpack.packb(body, use_bin_type=True))
 
 
-@pytest.mark.parametrize("shape", [(2**63, 0), (0, 2**32, 2**32), (2**40, 2**40, 0)], ids=["dimension", "strides", "storage"])
+@pytest.mark.parametrize(
+    "shape",
+    [(2**63, 0), (0, 2**32, 2**32), (2**40, 2**40, 0)],
+    ids=["dimension", "strides", "storage"],
+)
 def test_unpack_tensors_refuses_shapes_torch_cannot_make(shape: tuple[int, ...]) -> None:
     from flodl_async.wire.tensor import unpack_tensors
 
-    bundle = m.TensorBundle(round=0, weight=1.0, tensors=(m.TensorSpec(name="t", dtype="uint8", shape=shape, offset=0, nbytes=0),))
+    bundle = m.TensorBundle(
+        round=0,
+        weight=1.0,
+        tensors=(m.TensorSpec(name="t", dtype="uint8", shape=shape, offset=0, nbytes=0),),
+    )
     with pytest.raises(MalformedBody):
         unpack_tensors(bundle, None)
 
@@ -184,7 +234,13 @@ async def test_a_peer_that_stalls_mid_handshake_is_closed(monkeypatch: pytest.Mo
     fixture = _handshake()
     mux = PortMux(host="127.0.0.1", port=0)
     async with asyncio.TaskGroup() as tg:
-        service = FramedService(channel=Channel.JOIN, resolve=session_resolver(bytes(16)), run_id=fw.RUN_ID, handler=fw.echo_handler, task_group=tg)
+        service = FramedService(
+            channel=Channel.JOIN,
+            resolve=session_resolver(bytes(16)),
+            run_id=fw.RUN_ID,
+            handler=fw.echo_handler,
+            task_group=tg,
+        )
         mux.register(Channel.JOIN, service.protocol_factory)
         await mux.start()
         try:

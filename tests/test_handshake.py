@@ -8,18 +8,46 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from flodl_async.errors import AuthenticationFailed, HandshakeFailed, HandshakeRefused, VersionMismatch, WireError
-from flodl_async.wire import Channel, ClientHandshake, Credential, CredentialKind, FrameConnection, PeerHello, ServerHandshake, Side, new_session_secret
+from flodl_async.errors import (
+    AuthenticationFailed,
+    HandshakeFailed,
+    HandshakeRefused,
+    VersionMismatch,
+    WireError,
+)
+from flodl_async.wire import (
+    Channel,
+    ClientHandshake,
+    Credential,
+    CredentialKind,
+    FrameConnection,
+    PeerHello,
+    ServerHandshake,
+    Side,
+    new_session_secret,
+)
 from flodl_async.wire import messages as m
-from flodl_async.wire.handshake import NONCE_BYTES, PROTOCOL_VERSION, Established, Step, session_resolver
+from flodl_async.wire.handshake import (
+    NONCE_BYTES,
+    PROTOCOL_VERSION,
+    Established,
+    Step,
+    session_resolver,
+)
 
 
 def _client(secret: bytes, channel: Channel = Channel.JOIN, **kw: object) -> ClientHandshake:
-    return ClientHandshake(channel=channel, credential=Credential.session(secret), version="1.2.3", **kw)  # type: ignore[arg-type]
+    return ClientHandshake(
+        channel=channel, credential=Credential.session(secret), version="1.2.3", **kw
+    )  # type: ignore[arg-type]
 
 
-def _server(secret: bytes, channel: Channel = Channel.JOIN, *, run_id: str = "run-a") -> ServerHandshake:
-    return ServerHandshake(channel=channel, resolve=session_resolver(secret), run_id=run_id, version="1.2.3")
+def _server(
+    secret: bytes, channel: Channel = Channel.JOIN, *, run_id: str = "run-a"
+) -> ServerHandshake:
+    return ServerHandshake(
+        channel=channel, resolve=session_resolver(secret), run_id=run_id, version="1.2.3"
+    )
 
 
 def _established(step: Step) -> Established:
@@ -27,7 +55,9 @@ def _established(step: Step) -> Established:
     return step.established
 
 
-def _connect(client: ClientHandshake, server: ServerHandshake) -> tuple[Established, Established, bytes]:
+def _connect(
+    client: ClientHandshake, server: ServerHandshake
+) -> tuple[Established, Established, bytes]:
     """Run both sides to the end; returns both outcomes and every byte the client sent."""
     hello = client.hello()
     server_hello = server.receive_data(hello)
@@ -42,15 +72,29 @@ def test_both_sides_derive_the_same_keys_and_learn_the_run(secret: bytes) -> Non
     assert client_side.keys.send_mac == server_side.keys.recv_mac
     assert client_side.keys.send_aead == server_side.keys.recv_aead
     assert client_side.keys.recv_aead == server_side.keys.send_aead
-    assert len({client_side.keys.send_mac, client_side.keys.recv_mac, client_side.keys.send_aead, client_side.keys.recv_aead}) == 4
+    assert (
+        len(
+            {
+                client_side.keys.send_mac,
+                client_side.keys.recv_mac,
+                client_side.keys.send_aead,
+                client_side.keys.recv_aead,
+            }
+        )
+        == 4
+    )
     assert client_side.run_id == server_side.run_id == "run-a"
-    assert server_side.peer == PeerHello(kind=CredentialKind.SESSION, round=0, rank=-1, version="1.2.3")
+    assert server_side.peer == PeerHello(
+        kind=CredentialKind.SESSION, round=0, rank=-1, version="1.2.3"
+    )
 
 
 def test_recorded_client_bytes_fail_on_a_new_connection(secret: bytes) -> None:
     """Attack 1 and 2 at the handshake: a later connection's server nonce makes a recorded proof worthless."""
     _, _, recorded = _connect(_client(secret), _server(secret))
-    later = _server(secret)  # a new connection of the same run, or of a later run with the same secret
+    later = _server(
+        secret
+    )  # a new connection of the same run, or of a later run with the same secret
     hello_len = len(_client(secret).hello())
     step = later.receive_data(recorded[:hello_len])
     assert step.send  # it answers the (clear) hello with its own fresh nonce
@@ -91,7 +135,9 @@ def test_keys_are_bound_to_the_channel(secret: bytes) -> None:
         client.receive_data(server.receive_data(client.hello()).send)
 
 
-@pytest.mark.parametrize("offset", [5, 36, 40, 44, 46])  # nonce, round, rank, version length, version
+@pytest.mark.parametrize(
+    "offset", [5, 36, 40, 44, 46]
+)  # nonce, round, rank, version length, version
 def test_editing_the_clear_hello_breaks_both_proofs(secret: bytes, offset: int) -> None:
     """A man in the middle who changes any byte of the client's hello (scope, version) is caught."""
     client, server = _client(secret), _server(secret)
@@ -107,7 +153,9 @@ def test_editing_the_clear_hello_breaks_both_proofs(secret: bytes, offset: int) 
 
 def test_a_peer_of_another_protocol_version_is_told_so_in_clear(secret: bytes) -> None:
     server = _server(secret)
-    old = struct.pack("<BBH", 1, 0, 0x0101) + bytes(20)  # a v1 peer: its first frame header, no handshake
+    old = struct.pack("<BBH", 1, 0, 0x0101) + bytes(
+        20
+    )  # a v1 peer: its first frame header, no handshake
     step = server.receive_data(old)
     assert isinstance(step.failure, VersionMismatch)
     assert "v1 (a flodl_async that predates the handshake)" in str(step.failure)
@@ -119,15 +167,25 @@ def test_a_peer_of_another_protocol_version_is_told_so_in_clear(secret: bytes) -
 def test_a_client_reads_a_newer_servers_version_as_a_version_mismatch(secret: bytes) -> None:
     client = _client(secret)
     newer = PROTOCOL_VERSION + 1
-    with pytest.raises(VersionMismatch, match=rf"server speaks wire protocol v{newer}, this build speaks v{PROTOCOL_VERSION}"):
+    with pytest.raises(
+        VersionMismatch,
+        match=rf"server speaks wire protocol v{newer}, this build speaks v{PROTOCOL_VERSION}",
+    ):
         client.receive_data(struct.pack("<BBH", newer, 0, 4) + bytes(4))
 
 
 def test_a_refusal_reaches_the_client_with_its_reason(secret: bytes) -> None:
-    client = ClientHandshake(channel=Channel.CONTROL, credential=Credential.for_rank(secret, run_id="r", round=0, rank=1), version="1.2.3")
+    client = ClientHandshake(
+        channel=Channel.CONTROL,
+        credential=Credential.for_rank(secret, run_id="r", round=0, rank=1),
+        version="1.2.3",
+    )
     step = _server(secret, Channel.CONTROL).receive_data(client.hello())
     assert isinstance(step.failure, HandshakeRefused)
-    with pytest.raises(HandshakeRefused, match="rank credential is not accepted here: the controller port takes the session secret only"):
+    with pytest.raises(
+        HandshakeRefused,
+        match="rank credential is not accepted here: the controller port takes the session secret only",
+    ):
         client.receive_data(step.send)
 
 
@@ -158,7 +216,10 @@ def test_bytes_before_the_servers_hello_are_refused(secret: bytes) -> None:
 
 def test_a_close_mid_handshake_says_what_it_may_mean(secret: bytes) -> None:
     client = _client(secret)
-    with pytest.raises(HandshakeFailed, match=r"closed the connection during the handshake .* refused or evicted it"):
+    with pytest.raises(
+        HandshakeFailed,
+        match=r"closed the connection during the handshake .* refused or evicted it",
+    ):
         client.receive_data(b"")
 
 
@@ -167,8 +228,12 @@ def test_the_first_frames_after_the_proof_are_handed_over(secret: bytes) -> None
     server_hello = server.receive_data(client.hello())
     proof = client.receive_data(server_hello.send)
     peer = FrameConnection(channel=Channel.CONTROL, side=Side.PEER, keys=_established(proof).keys)
-    done = server.receive_data(proof.send + peer.send(m.Heartbeat(sent_at=1.0)))  # proof and frame in one read
-    controller = FrameConnection(channel=Channel.CONTROL, side=Side.CONTROLLER, keys=_established(done).keys)
+    done = server.receive_data(
+        proof.send + peer.send(m.Heartbeat(sent_at=1.0))
+    )  # proof and frame in one read
+    controller = FrameConnection(
+        channel=Channel.CONTROL, side=Side.CONTROLLER, keys=_established(done).keys
+    )
     controller.receive_data(_established(done).leftover)
     assert [f.message for f in controller.frames()] == [m.Heartbeat(sent_at=1.0)]
 

@@ -33,7 +33,10 @@ def test_every_spelling_of_the_machine_is_its_short_hostname(spelling: str) -> N
     assert VM.canonical_name(spelling) == "vm"
 
 
-@pytest.mark.parametrize("other", ["alpha", "vm-2", "vm.other.example", "10.0.0.5", "::2", "0.0.0.0", "", "local", "localhost-2"])
+@pytest.mark.parametrize(
+    "other",
+    ["alpha", "vm-2", "vm.other.example", "10.0.0.5", "::2", "0.0.0.0", "", "local", "localhost-2"],
+)
 def test_other_names_are_left_alone(other: str) -> None:
     assert not VM.names_this_machine(other)
     assert VM.canonical_name(other) == other

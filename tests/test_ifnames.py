@@ -19,8 +19,13 @@ from flodl_async.host.ifnames import (
 )
 
 
-def _worker(host: str, placement: Placement, *, ssh: SshSpec | None = None, tunnel: bool = False) -> PlacedWorker:
-    return PlacedWorker(spec=WorkerSpec(host=host, devices=parse_devices("cpu:1"), ssh=ssh, tunnel=tunnel), placement=placement)
+def _worker(
+    host: str, placement: Placement, *, ssh: SshSpec | None = None, tunnel: bool = False
+) -> PlacedWorker:
+    return PlacedWorker(
+        spec=WorkerSpec(host=host, devices=parse_devices("cpu:1"), ssh=ssh, tunnel=tunnel),
+        placement=placement,
+    )
 
 
 def test_the_controllers_host_looks_at_its_bind_address_then_the_first_direct_ssh_worker() -> None:
@@ -32,11 +37,19 @@ def test_the_controllers_host_looks_at_its_bind_address_then_the_first_direct_ss
         _worker("c", Placement.SSH),
     ]
     targets = direct_ssh_targets(workers)
-    assert targets == [("10.0.0.2", 2222), ("c", 22)]  # no local, dial-in or tunnelled worker: their addresses say nothing
-    assert controller_host_peer("10.0.0.1", 1337, targets) == ("10.0.0.1", 1337)  # the address the remote agents dial
+    assert targets == [
+        ("10.0.0.2", 2222),
+        ("c", 22),
+    ]  # no local, dial-in or tunnelled worker: their addresses say nothing
+    assert controller_host_peer("10.0.0.1", 1337, targets) == (
+        "10.0.0.1",
+        1337,
+    )  # the address the remote agents dial
     assert controller_host_peer("0.0.0.0", 1337, targets) == ("10.0.0.2", 2222)
     assert controller_host_peer("127.0.0.1", 1337, []) is None  # one host: gloo's own choice stays
-    assert controller_host_peer("0.0.0.0", 1337, []) is None  # only dial-in workers: unknown until they join
+    assert (
+        controller_host_peer("0.0.0.0", 1337, []) is None
+    )  # only dial-in workers: unknown until they join
 
 
 def test_the_kernel_names_the_interface_of_an_address() -> None:
@@ -49,8 +62,14 @@ def test_the_kernel_names_the_interface_of_an_address() -> None:
 
 def test_an_explicit_setting_wins_over_the_default() -> None:
     configured = ranks_env({"GLOO_SOCKET_IFNAME": "eth9"}, configured_ifname="bond0")
-    assert with_default_ifname(configured, "eth0") == {"GLOO_SOCKET_IFNAME": "bond0", "NCCL_SOCKET_IFNAME": "bond0"}
-    assert with_default_ifname({"GLOO_SOCKET_IFNAME": "eth9"}, "eth0") == {"GLOO_SOCKET_IFNAME": "eth9", "NCCL_SOCKET_IFNAME": "eth0"}
+    assert with_default_ifname(configured, "eth0") == {
+        "GLOO_SOCKET_IFNAME": "bond0",
+        "NCCL_SOCKET_IFNAME": "bond0",
+    }
+    assert with_default_ifname({"GLOO_SOCKET_IFNAME": "eth9"}, "eth0") == {
+        "GLOO_SOCKET_IFNAME": "eth9",
+        "NCCL_SOCKET_IFNAME": "eth0",
+    }
 
 
 @pytest.mark.parametrize(
@@ -61,8 +80,13 @@ def test_an_explicit_setting_wins_over_the_default() -> None:
         ("    nccl_socket_ifname: eth0\n", "nccl_socket_ifname"),
     ],
 )
-def test_a_dial_in_worker_refuses_what_nothing_would_deliver_and_says_where_it_goes(extra: str, key: str) -> None:
-    text = "workers:\n  - host: localhost\n    devices: cpu:1\n  - host: node-b\n    devices: cpu:1\n    dial_in: true\n" + extra
+def test_a_dial_in_worker_refuses_what_nothing_would_deliver_and_says_where_it_goes(
+    extra: str, key: str
+) -> None:
+    text = (
+        "workers:\n  - host: localhost\n    devices: cpu:1\n  - host: node-b\n    devices: cpu:1\n    dial_in: true\n"
+        + extra
+    )
     with pytest.raises(ConfigError) as caught:
         parse_cluster(text)
     message = str(caught.value)
@@ -73,13 +97,19 @@ def test_a_dial_in_worker_refuses_what_nothing_would_deliver_and_says_where_it_g
 
 
 def test_a_dial_in_worker_without_those_keys_parses() -> None:
-    spec = parse_cluster("workers:\n  - host: localhost\n    devices: cpu:1\n    env: {A: b}\n  - host: node-b\n    devices: cpu:1\n    dial_in: true\n")
+    spec = parse_cluster(
+        "workers:\n  - host: localhost\n    devices: cpu:1\n    env: {A: b}\n  - host: node-b\n    devices: cpu:1\n    dial_in: true\n"
+    )
     assert [w.dial_in for w in spec.workers] == [False, True]
 
 
 def test_a_stand_alone_agent_dialling_over_loopback_sets_no_interface() -> None:
     """On the controller's own machine the join interface is lo: its ranks could not be reached from other hosts."""
     for loopback in ("127.0.0.1", "127.0.1.1", "::1", "localhost"):
-        assert stand_alone_default_ifname(loopback) == "", loopback  # "": nothing set, gloo's own choice
+        assert stand_alone_default_ifname(loopback) == "", (
+            loopback
+        )  # "": nothing set, gloo's own choice
     for remote in ("10.0.0.5", "node-a", "fe80::1"):
-        assert stand_alone_default_ifname(remote) is None, remote  # None: the join connection's interface
+        assert stand_alone_default_ifname(remote) is None, (
+            remote
+        )  # None: the join connection's interface

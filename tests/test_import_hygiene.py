@@ -39,8 +39,12 @@ MODULES = [
 
 
 def test_importing_the_control_plane_does_not_import_torch() -> None:
-    code = "import sys\n" + "".join(f"import {m}\n" for m in MODULES) + "print('torch' in sys.modules)"
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
+    code = (
+        "import sys\n" + "".join(f"import {m}\n" for m in MODULES) + "print('torch' in sys.modules)"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
+    )
     assert result.stdout.strip() == "False"
 
 
@@ -50,14 +54,18 @@ def test_cli_help_does_not_import_torch() -> None:
         "try:\n runpy.run_module('flodl_async.cli.flodl', run_name='__main__')\nexcept SystemExit:\n pass\n"
         "print('torch' in sys.modules)"
     )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
+    )
     assert result.stdout.strip().endswith("False")
 
 
 def test_status_query_does_not_import_asyncio() -> None:
     """`flodl status` is one blocking request: the status package (its schema marker) must not pull in asyncio."""
     code = "import sys\nimport flodl_async.cli.flodl, flodl_async.status\nprint('asyncio' in sys.modules)"
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
+    )
     assert result.stdout.strip() == "False"
 
 
@@ -94,11 +102,18 @@ PURE_MODULES = [
 
 def test_pure_modules_import_neither_asyncio_nor_socket() -> None:
     code = "import importlib, sys\n" + "".join(
-        f"importlib.import_module({mod!r}); print({mod!r}, 'asyncio' in sys.modules, 'socket' in sys.modules)\n" for mod in PURE_MODULES
+        f"importlib.import_module({mod!r}); print({mod!r}, 'asyncio' in sys.modules, 'socket' in sys.modules)\n"
+        for mod in PURE_MODULES
     )
     # One interpreter per module would cost seconds; modules are imported in order, so the first offender is the one named.
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
-    offenders = [line for line in result.stdout.splitlines() if line.endswith(("True False", "False True", "True True"))]
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
+    )
+    offenders = [
+        line
+        for line in result.stdout.splitlines()
+        if line.endswith(("True False", "False True", "True True"))
+    ]
     assert result.stdout.count("\n") == len(PURE_MODULES)
     assert offenders == []
 
@@ -164,12 +179,25 @@ def test_agent_start_over_ssh_imports_only_what_the_join_needs() -> None:
             "sys.argv = ['flodl-agent', '--spec-stdin']\n"
             "runpy.run_module('flodl_async.agent', run_name='__main__', alter_sys=True)\n"
         )
-        result = subprocess.run([sys.executable, "-c", code], check=False, input=json.dumps(spec) + "\n", capture_output=True, text=True, timeout=60)
+        result = subprocess.run(
+            [sys.executable, "-c", code],
+            check=False,
+            input=json.dumps(spec) + "\n",
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
     assert result.returncode == 3, result.stderr
     assert "cannot reach the controller" in result.stderr  # it got as far as the dial
-    modules = next(line for line in result.stderr.splitlines() if line.startswith("MODULES ")).split()[1:]
+    modules = next(
+        line for line in result.stderr.splitlines() if line.startswith("MODULES ")
+    ).split()[1:]
     assert "flodl_async.net.framed" in modules  # the probe sees the join path's own imports
-    offenders = [mod for mod in modules if any(mod == bad or mod.startswith(bad + ".") for bad in AGENT_START_FORBIDDEN)]
+    offenders = [
+        mod
+        for mod in modules
+        if any(mod == bad or mod.startswith(bad + ".") for bad in AGENT_START_FORBIDDEN)
+    ]
     assert offenders == []
 
 
@@ -181,6 +209,15 @@ def test_building_a_trainer_and_its_spec_does_not_import_torch() -> None:
         "policy=fa.Policy.SYNC, outer=fa.SlowMo())\n"
         "t.spec().to_wire()\nprint(t.entry.value, 'torch' in sys.modules)"
     )
-    env = {k: v for k, v in os.environ.items() if not k.startswith("FLODL_INTERNAL_")} | {"CUDA_VISIBLE_DEVICES": ""}
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60, env=env)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FLODL_INTERNAL_")} | {
+        "CUDA_VISIBLE_DEVICES": ""
+    }
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+        env=env,
+    )
     assert result.stdout.strip() == "inline False"

@@ -13,7 +13,17 @@ from pathlib import Path
 
 import pytest
 
-from .launchkit import PY, Launcher, assert_nothing_left, free_port, launch_cmd, new_run_id, processes_of_run, run_launch, script
+from .launchkit import (
+    PY,
+    Launcher,
+    assert_nothing_left,
+    free_port,
+    launch_cmd,
+    new_run_id,
+    processes_of_run,
+    run_launch,
+    script,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -27,12 +37,27 @@ CONTRACT = (
 @pytest.mark.parametrize("nproc", [1, 2, 4])
 def test_all_reduce_gives_the_right_sum_on_every_rank(nproc: int) -> None:
     run_id = new_run_id()
-    done = run_launch("--nproc", str(nproc), "--devices", "cpu", "--port", "0", "--", PY, script("allreduce.py"), run_id=run_id)
+    done = run_launch(
+        "--nproc",
+        str(nproc),
+        "--devices",
+        "cpu",
+        "--port",
+        "0",
+        "--",
+        PY,
+        script("allreduce.py"),
+        run_id=run_id,
+    )
     assert done.returncode == 0, done.stderr
     expected = nproc * (nproc + 1) / 2
     for rank in range(nproc):
-        assert re.search(rf"^\[[^\]]+:r{rank}\] rank {rank} of {nproc} sum {expected:g}$", done.stdout, re.M), done.stdout
-    assert (f"done — all {nproc} ranks exited 0" if nproc > 1 else "done — the rank exited 0") in done.stderr
+        assert re.search(
+            rf"^\[[^\]]+:r{rank}\] rank {rank} of {nproc} sum {expected:g}$", done.stdout, re.M
+        ), done.stdout
+    assert (
+        f"done — all {nproc} ranks exited 0" if nproc > 1 else "done — the rank exited 0"
+    ) in done.stderr
 
 
 def test_example_training_loss_falls(tmp_path: Path) -> None:
@@ -56,7 +81,21 @@ def test_example_training_loss_falls(tmp_path: Path) -> None:
 
 def test_every_rank_gets_the_torchrun_contract(tmp_path: Path) -> None:
     run_id = new_run_id()
-    done = run_launch("--nproc", "3", "--devices", "cpu", "--port", "0", "--max-restarts", "2", "--", PY, script("dump_env.py"), str(tmp_path), run_id=run_id)
+    done = run_launch(
+        "--nproc",
+        "3",
+        "--devices",
+        "cpu",
+        "--port",
+        "0",
+        "--max-restarts",
+        "2",
+        "--",
+        PY,
+        script("dump_env.py"),
+        str(tmp_path),
+        run_id=run_id,
+    )
     assert done.returncode == 0, done.stderr
     envs = [json.loads((tmp_path / f"env-{r}.json").read_text()) for r in range(3)]
     for env in envs:
@@ -82,7 +121,20 @@ def test_every_rank_gets_the_torchrun_contract(tmp_path: Path) -> None:
 def test_rank_failure_names_the_rank_and_its_last_stderr_lines() -> None:
     run_id = new_run_id()
     started = time.monotonic()
-    done = run_launch("--nproc", "3", "--devices", "cpu", "--port", "0", "--stop-grace", "3", "--", PY, script("fail.py"), run_id=run_id)
+    done = run_launch(
+        "--nproc",
+        "3",
+        "--devices",
+        "cpu",
+        "--port",
+        "0",
+        "--stop-grace",
+        "3",
+        "--",
+        PY,
+        script("fail.py"),
+        run_id=run_id,
+    )
     elapsed = time.monotonic() - started
     assert done.returncode == 4, done.stderr
     assert "FAILED — rank 1 (local rank 1) on host" in done.stderr
@@ -96,46 +148,124 @@ def test_rank_failure_names_the_rank_and_its_last_stderr_lines() -> None:
 def test_record_traceback_appears_in_the_verdict() -> None:
     """Hidden from the console (--local-ranks-filter 1), rank 0's traceback is in the verdict, once."""
     run_id = new_run_id()
-    args = ("--nproc", "2", "--devices", "cpu", "--port", "0", "--stop-grace", "3", "--local-ranks-filter", "1")
+    args = (
+        "--nproc",
+        "2",
+        "--devices",
+        "cpu",
+        "--port",
+        "0",
+        "--stop-grace",
+        "3",
+        "--local-ranks-filter",
+        "1",
+    )
     done = run_launch(*args, "--", PY, script("raise_record.py"), run_id=run_id)
     assert done.returncode == 4, done.stderr
     assert "rank 0 (local rank 0)" in done.stderr
     assert "traceback (from the rank's error file):" in done.stderr
-    assert done.stderr.count('raise ValueError("deliberate failure for the verdict test")') == 1, done.stderr
+    assert done.stderr.count('raise ValueError("deliberate failure for the verdict test")') == 1, (
+        done.stderr
+    )
 
 
 def test_record_traceback_shown_live_is_not_repeated_by_the_verdict() -> None:
     """Today's three copies (live, error file, stderr tail) are one: the live one, which the verdict points at."""
     run_id = new_run_id()
-    done = run_launch("--nproc", "2", "--devices", "cpu", "--port", "0", "--stop-grace", "3", "--", PY, script("raise_record.py"), run_id=run_id)
+    done = run_launch(
+        "--nproc",
+        "2",
+        "--devices",
+        "cpu",
+        "--port",
+        "0",
+        "--stop-grace",
+        "3",
+        "--",
+        PY,
+        script("raise_record.py"),
+        run_id=run_id,
+    )
     assert done.returncode == 4, done.stderr
-    assert done.stderr.count('raise ValueError("deliberate failure for the verdict test")') == 1, done.stderr
-    assert re.search(r"^\[[^\]]+:r0\] .*raise ValueError", done.stderr, re.M), done.stderr  # the one copy: rank 0's own, live
+    assert done.stderr.count('raise ValueError("deliberate failure for the verdict test")') == 1, (
+        done.stderr
+    )
+    assert re.search(r"^\[[^\]]+:r0\] .*raise ValueError", done.stderr, re.M), (
+        done.stderr
+    )  # the one copy: rank 0's own, live
     assert "traceback: above, in rank 0's stderr" in done.stderr
-    assert "  ValueError: deliberate failure for the verdict test" in done.stderr.split("FAILED —", 1)[1]
+    assert (
+        "  ValueError: deliberate failure for the verdict test"
+        in done.stderr.split("FAILED —", 1)[1]
+    )
 
 
 def test_quiet_keeps_the_verdict_line_and_the_rank_output() -> None:
     run_id = new_run_id()
-    done = run_launch("-q", "--nproc", "2", "--devices", "cpu", "--port", "0", "--", PY, script("allreduce.py"), run_id=run_id)
+    done = run_launch(
+        "-q",
+        "--nproc",
+        "2",
+        "--devices",
+        "cpu",
+        "--port",
+        "0",
+        "--",
+        PY,
+        script("allreduce.py"),
+        run_id=run_id,
+    )
     assert done.returncode == 0, done.stderr
     assert "rank 1 of 2 sum 3" in done.stdout
-    ours = [line for line in done.stderr.splitlines() if line.startswith("flodl-launch:") and "warning:" not in line]  # a 1-core CI box warns
+    ours = [
+        line
+        for line in done.stderr.splitlines()
+        if line.startswith("flodl-launch:") and "warning:" not in line
+    ]  # a 1-core CI box warns
     assert len(ours) == 1, ours
     assert ours[0].startswith("flodl-launch: done — all 2 ranks exited 0")
 
 
 def test_an_nproc_run_starts_with_one_banner_line_and_details_under_verbose() -> None:
     run_id = new_run_id()
-    done = run_launch("--nproc", "2", "--devices", "cpu", "--port", "0", "--", PY, script("allreduce.py"), run_id=run_id)
-    assert done.returncode == 0, done.stderr
-    ours = [line for line in done.stderr.splitlines() if line.startswith("flodl-launch:") and "warning:" not in line]
-    assert len(ours) == 2, ours  # the banner and the verdict (a 1-core CI box adds the oversubscription warning)
-    banner = (
-        rf"flodl-launch: run {run_id}: 2 ranks on this host \(CPU\) — .*allreduce.py — status: flodl status --addr 127.0.0.1:(\d+), or http://127.0.0.1:\1/"
+    done = run_launch(
+        "--nproc",
+        "2",
+        "--devices",
+        "cpu",
+        "--port",
+        "0",
+        "--",
+        PY,
+        script("allreduce.py"),
+        run_id=run_id,
     )
-    assert re.fullmatch(banner, ours[0])  # --port 0 is not the default port: the banner gives the --addr
-    verbose = run_launch("-v", "--nproc", "2", "--devices", "cpu", "--port", "0", "--", PY, script("allreduce.py"), run_id=new_run_id())
+    assert done.returncode == 0, done.stderr
+    ours = [
+        line
+        for line in done.stderr.splitlines()
+        if line.startswith("flodl-launch:") and "warning:" not in line
+    ]
+    assert len(ours) == 2, (
+        ours
+    )  # the banner and the verdict (a 1-core CI box adds the oversubscription warning)
+    banner = rf"flodl-launch: run {run_id}: 2 ranks on this host \(CPU\) — .*allreduce.py — status: flodl status --addr 127.0.0.1:(\d+), or http://127.0.0.1:\1/"
+    assert re.fullmatch(
+        banner, ours[0]
+    )  # --port 0 is not the default port: the banner gives the --addr
+    verbose = run_launch(
+        "-v",
+        "--nproc",
+        "2",
+        "--devices",
+        "cpu",
+        "--port",
+        "0",
+        "--",
+        PY,
+        script("allreduce.py"),
+        run_id=new_run_id(),
+    )
     assert "window open (quorum 2 ranks" in verbose.stderr
     assert "joined with ranks 0-1 (cpu:0-1)" in verbose.stderr
 
@@ -145,21 +275,64 @@ def test_a_sigkill_we_did_not_send_points_at_the_oom_killer() -> None:
     kill_self = "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"
     done = run_launch("--nproc", "1", "--port", "0", "--", PY, "-c", kill_self, run_id=run_id)
     assert done.returncode == 4, done.stderr
-    assert "was killed by SIGKILL (not sent by flodl; the kernel's OOM killer is the usual cause" in done.stderr
+    assert (
+        "was killed by SIGKILL (not sent by flodl; the kernel's OOM killer is the usual cause"
+        in done.stderr
+    )
 
 
 def test_more_cpu_ranks_than_cores_is_warned_about() -> None:
     cores = len(os.sched_getaffinity(0))
-    done = run_launch("--nproc", str(cores + 1), "--devices", "cpu", "--port", "0", "--", PY, "-c", "pass", run_id=new_run_id())
+    done = run_launch(
+        "--nproc",
+        str(cores + 1),
+        "--devices",
+        "cpu",
+        "--port",
+        "0",
+        "--",
+        PY,
+        "-c",
+        "pass",
+        run_id=new_run_id(),
+    )
     assert done.returncode == 0, done.stderr
-    assert f"warning: {cores + 1} CPU ranks on this host, which has {cores} core(s) for them" in done.stderr
-    fits = run_launch("--nproc", "1", "--devices", "cpu", "--port", "0", "--", PY, "-c", "pass", run_id=new_run_id())
+    assert (
+        f"warning: {cores + 1} CPU ranks on this host, which has {cores} core(s) for them"
+        in done.stderr
+    )
+    fits = run_launch(
+        "--nproc",
+        "1",
+        "--devices",
+        "cpu",
+        "--port",
+        "0",
+        "--",
+        PY,
+        "-c",
+        "pass",
+        run_id=new_run_id(),
+    )
     assert "CPU ranks on this host" not in fits.stderr
 
 
 def test_max_restarts_recovers_from_one_failure() -> None:
     run_id = new_run_id()
-    done = run_launch("--nproc", "2", "--devices", "cpu", "--port", "0", "--max-restarts", "1", "--", PY, script("flaky.py"), run_id=run_id)
+    done = run_launch(
+        "--nproc",
+        "2",
+        "--devices",
+        "cpu",
+        "--port",
+        "0",
+        "--max-restarts",
+        "1",
+        "--",
+        PY,
+        script("flaky.py"),
+        run_id=run_id,
+    )
     assert done.returncode == 0, done.stderr
     assert "restarting the world (restart 1 of 1)" in done.stderr
     assert "done — all 2 ranks exited 0 after 1 restart (" in done.stderr
@@ -169,7 +342,20 @@ def test_max_restarts_recovers_from_one_failure() -> None:
 
 def test_without_restarts_the_same_failure_fails_the_run() -> None:
     run_id = new_run_id()
-    done = run_launch("--nproc", "2", "--devices", "cpu", "--port", "0", "--stop-grace", "2", "--", PY, script("flaky.py"), run_id=run_id)
+    done = run_launch(
+        "--nproc",
+        "2",
+        "--devices",
+        "cpu",
+        "--port",
+        "0",
+        "--stop-grace",
+        "2",
+        "--",
+        PY,
+        script("flaky.py"),
+        run_id=run_id,
+    )
     assert done.returncode == 4
     assert "failing on purpose in attempt 0" in done.stderr
 
@@ -178,7 +364,19 @@ def test_without_restarts_the_same_failure_fails_the_run() -> None:
 def test_signal_stops_the_run_gracefully(sig: signal.Signals, tmp_path: Path) -> None:
     run_id = new_run_id()
     launcher = Launcher(
-        "--nproc", "2", "--devices", "cpu", "--port", "0", "--stop-grace", "5", "--", PY, script("wait_for_file.py"), str(tmp_path / "never"), run_id=run_id
+        "--nproc",
+        "2",
+        "--devices",
+        "cpu",
+        "--port",
+        "0",
+        "--stop-grace",
+        "5",
+        "--",
+        PY,
+        script("wait_for_file.py"),
+        str(tmp_path / "never"),
+        run_id=run_id,
     )
     try:
         launcher.wait_for_stdout("ready pid", count=2)
@@ -208,7 +406,20 @@ def test_ranks_get_the_launchers_signal_first(sig: signal.Signals, tmp_path: Pat
         "except KeyboardInterrupt:\n"
         "    print('saved on SIGINT', flush=True)\n"
     )
-    launcher = Launcher("--nproc", "2", "--devices", "cpu", "--port", "0", "--stop-grace", "20", "--", PY, str(rank), run_id=run_id)
+    launcher = Launcher(
+        "--nproc",
+        "2",
+        "--devices",
+        "cpu",
+        "--port",
+        "0",
+        "--stop-grace",
+        "20",
+        "--",
+        PY,
+        str(rank),
+        run_id=run_id,
+    )
     try:
         launcher.wait_for_stdout("ready", count=2)
         launcher.proc.send_signal(sig)
@@ -232,12 +443,27 @@ def test_second_signal_forces(tmp_path: Path) -> None:
         "while True:\n"
         "    time.sleep(600)\n"
     )
-    launcher = Launcher("--nproc", "2", "--devices", "cpu", "--port", "0", "--stop-grace", "60", "--", PY, str(trap), run_id=run_id)
+    launcher = Launcher(
+        "--nproc",
+        "2",
+        "--devices",
+        "cpu",
+        "--port",
+        "0",
+        "--stop-grace",
+        "60",
+        "--",
+        PY,
+        str(trap),
+        run_id=run_id,
+    )
     try:
         launcher.wait_for_stdout("ready", count=2)
         started = time.monotonic()
         launcher.proc.send_signal(signal.SIGINT)
-        launcher.wait_for_stdout("ignoring SIGINT", count=2)  # the graceful stop began; the ranks ignore it
+        launcher.wait_for_stdout(
+            "ignoring SIGINT", count=2
+        )  # the graceful stop began; the ranks ignore it
         launcher.proc.send_signal(signal.SIGINT)
         done = launcher.finish(timeout=30)
     finally:
@@ -249,7 +475,19 @@ def test_second_signal_forces(tmp_path: Path) -> None:
 
 def test_sigkill_of_the_launcher_leaves_no_rank(tmp_path: Path) -> None:
     run_id = new_run_id()
-    launcher = Launcher("--nproc", "2", "--devices", "cpu", "--port", "0", "--", PY, script("wait_for_file.py"), str(tmp_path / "never"), run_id=run_id)
+    launcher = Launcher(
+        "--nproc",
+        "2",
+        "--devices",
+        "cpu",
+        "--port",
+        "0",
+        "--",
+        PY,
+        script("wait_for_file.py"),
+        str(tmp_path / "never"),
+        run_id=run_id,
+    )
     try:
         launcher.wait_for_stdout("ready pid", count=2)
         assert processes_of_run(run_id)
@@ -262,18 +500,36 @@ def test_sigkill_of_the_launcher_leaves_no_rank(tmp_path: Path) -> None:
 
 def test_relay_carries_the_rank_handshake_and_heartbeats() -> None:
     run_id = new_run_id()
-    done = run_launch("--nproc", "2", "--devices", "cpu", "--port", "0", "--", PY, script("relay_client.py"), run_id=run_id)
+    done = run_launch(
+        "--nproc",
+        "2",
+        "--devices",
+        "cpu",
+        "--port",
+        "0",
+        "--",
+        PY,
+        script("relay_client.py"),
+        run_id=run_id,
+    )
     assert done.returncode == 0, done.stderr
     for rank in (0, 1):
-        assert re.search(rf"r{rank}\] rank {rank} welcomed by run {run_id}; heartbeat rtts ms \[[\d., ]+\]", done.stdout), done.stdout
+        assert re.search(
+            rf"r{rank}\] rank {rank} welcomed by run {run_id}; heartbeat rtts ms \[[\d., ]+\]",
+            done.stdout,
+        ), done.stdout
         assert f"r{rank}] rank {rank} relay socket mode 0o600" in done.stdout
 
 
 def test_lines_are_never_torn_or_interleaved(tmp_path: Path) -> None:
     chatty = tmp_path / "chatty.py"
-    chatty.write_text("import os, sys\nr = os.environ['RANK']\nfor i in range(2000):\n    sys.stdout.write(f'rank {r} line {i} ' + 'x' * 200 + ' end\\n')\n")
+    chatty.write_text(
+        "import os, sys\nr = os.environ['RANK']\nfor i in range(2000):\n    sys.stdout.write(f'rank {r} line {i} ' + 'x' * 200 + ' end\\n')\n"
+    )
     run_id = new_run_id()
-    done = run_launch("--nproc", "3", "--devices", "cpu", "--port", "0", "--", PY, str(chatty), run_id=run_id)
+    done = run_launch(
+        "--nproc", "3", "--devices", "cpu", "--port", "0", "--", PY, str(chatty), run_id=run_id
+    )
     assert done.returncode == 0
     lines = [line for line in done.stdout.splitlines() if " line " in line]
     assert len(lines) == 6000
@@ -307,8 +563,22 @@ def test_torch_store_backend_with_a_restart() -> None:
 
 def test_a_rank_failing_with_huge_stderr_lines_is_a_rank_failure_not_an_agent_crash() -> None:
     """20 stderr lines of 60 KB used to make a RankExited above the join channel's 1 MiB frame ceiling (an ExceptionGroup)."""
-    noisy = "import sys\nfor _ in range(25):\n    sys.stderr.write('E' * 60000 + '\\n')\nsys.exit(3)\n"
-    done = run_launch("--nproc", "1", "--devices", "cpu", "--port", "0", "--", PY, "-c", noisy, run_id=new_run_id())
+    noisy = (
+        "import sys\nfor _ in range(25):\n    sys.stderr.write('E' * 60000 + '\\n')\nsys.exit(3)\n"
+    )
+    done = run_launch(
+        "--nproc",
+        "1",
+        "--devices",
+        "cpu",
+        "--port",
+        "0",
+        "--",
+        PY,
+        "-c",
+        noisy,
+        run_id=new_run_id(),
+    )
     assert done.returncode == 4, done.stderr[-2000:]
     assert "Traceback" not in done.stderr
     assert "exited with code 3" in done.stderr
@@ -328,49 +598,92 @@ def _four_gpu_host(tmp_path: Path) -> dict[str, str]:
 def _rank_gpus(out: Path, nproc: int) -> dict[int, str]:
     """Each rank's GPU as torch would pick it: cuda:LOCAL_RANK within the rank's own CUDA_VISIBLE_DEVICES."""
     envs = [json.loads((out / f"env-{r}.json").read_text()) for r in range(nproc)]
-    return {int(e["RANK"]): e["CUDA_VISIBLE_DEVICES"].split(",")[int(e["LOCAL_RANK"])] for e in envs}
+    return {
+        int(e["RANK"]): e["CUDA_VISIBLE_DEVICES"].split(",")[int(e["LOCAL_RANK"])] for e in envs
+    }
 
 
 @pytest.mark.parametrize(
     ("mask", "args", "expected"),
     [
-        ("2,3", ["--nproc", "auto"], {0: "2", 1: "3"}),  # auto: the visible GPUs, placed within the caller's mask
+        (
+            "2,3",
+            ["--nproc", "auto"],
+            {0: "2", 1: "3"},
+        ),  # auto: the visible GPUs, placed within the caller's mask
         ("2,3", ["--nproc", "2", "--devices", "all"], {0: "2", 1: "3"}),
-        ("1,2,3", ["--nproc", "2", "--devices", "0,2"], {0: "1", 1: "3"}),  # ids index into the visible set, as cuda:N does
+        (
+            "1,2,3",
+            ["--nproc", "2", "--devices", "0,2"],
+            {0: "1", 1: "3"},
+        ),  # ids index into the visible set, as cuda:N does
         (None, ["--nproc", "2", "--devices", "1,3"], {0: "1", 1: "3"}),
     ],
 )
-def test_gpu_ranks_are_placed_within_the_callers_cuda_visible_devices(tmp_path: Path, mask: str | None, args: list[str], expected: dict[int, str]) -> None:
+def test_gpu_ranks_are_placed_within_the_callers_cuda_visible_devices(
+    tmp_path: Path, mask: str | None, args: list[str], expected: dict[int, str]
+) -> None:
     env = _four_gpu_host(tmp_path)
     if mask is not None:
         env["CUDA_VISIBLE_DEVICES"] = mask
     out = tmp_path / "out"
     out.mkdir()
-    done = run_launch(*args, "--port", "0", "--", PY, script("dump_env.py"), str(out), run_id=new_run_id(), env=env)
+    done = run_launch(
+        *args,
+        "--port",
+        "0",
+        "--",
+        PY,
+        script("dump_env.py"),
+        str(out),
+        run_id=new_run_id(),
+        env=env,
+    )
     assert done.returncode == 0, done.stderr
     assert _rank_gpus(out, len(expected)) == expected
 
 
-def test_a_cluster_files_gpu_ids_index_into_the_callers_cuda_visible_devices(tmp_path: Path) -> None:
+def test_a_cluster_files_gpu_ids_index_into_the_callers_cuda_visible_devices(
+    tmp_path: Path,
+) -> None:
     """``devices: [0, 2]`` in a cluster file is the visible set's 0th and 2nd GPU, as ``--devices 0,2`` is."""
     env = {**_four_gpu_host(tmp_path), "CUDA_VISIBLE_DEVICES": "1,2,3"}
     cluster = tmp_path / "cluster.yml"
-    cluster.write_text(f"controller:\n  host: 127.0.0.1\n  port: {free_port()}\nworkers:\n  - host: {socket.gethostname()}\n    devices: [0, 2]\n")
+    cluster.write_text(
+        f"controller:\n  host: 127.0.0.1\n  port: {free_port()}\nworkers:\n  - host: {socket.gethostname()}\n    devices: [0, 2]\n"
+    )
     out = tmp_path / "out"
     out.mkdir()
-    done = run_launch(str(cluster), "--", PY, script("dump_env.py"), str(out), run_id=new_run_id(), env=env)
+    done = run_launch(
+        str(cluster), "--", PY, script("dump_env.py"), str(out), run_id=new_run_id(), env=env
+    )
     assert done.returncode == 0, done.stderr
     assert _rank_gpus(out, 2) == {0: "1", 1: "3"}
 
 
 def test_a_gpu_id_outside_the_mask_is_refused_before_anything_starts(tmp_path: Path) -> None:
     env = {**_four_gpu_host(tmp_path), "CUDA_VISIBLE_DEVICES": "2,3"}
-    done = run_launch("--nproc", "2", "--devices", "0,2", "--port", "0", "--", PY, script("dump_env.py"), str(tmp_path), run_id=new_run_id(), env=env)
+    done = run_launch(
+        "--nproc",
+        "2",
+        "--devices",
+        "0,2",
+        "--port",
+        "0",
+        "--",
+        PY,
+        script("dump_env.py"),
+        str(tmp_path),
+        run_id=new_run_id(),
+        env=env,
+    )
     assert done.returncode == 2
     assert "GPU 2 is not visible here: this host shows 2 GPU(s) (visible: 2,3)" in done.stderr
 
 
-def test_one_rank_keeps_every_core_and_nproc_auto_without_gpus_uses_the_cores(tmp_path: Path) -> None:
+def test_one_rank_keeps_every_core_and_nproc_auto_without_gpus_uses_the_cores(
+    tmp_path: Path,
+) -> None:
     """OMP_NUM_THREADS=1 only when a host runs several ranks (torchrun's rule); auto on a GPU-less host is one rank per core."""
     env = {"FLODL_INTERNAL_DEV_DIR": str(tmp_path / "no-dev")}  # a host with no GPU at all
     env_without_omp = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
@@ -386,7 +699,18 @@ def test_one_rank_keeps_every_core_and_nproc_auto_without_gpus_uses_the_cores(tm
     cores = len(os.sched_getaffinity(0))
     auto = tmp_path / "auto"
     auto.mkdir()
-    done = run_launch("--nproc", "auto", "--port", "0", "--", PY, script("dump_env.py"), str(auto), run_id=new_run_id(), env=env)
+    done = run_launch(
+        "--nproc",
+        "auto",
+        "--port",
+        "0",
+        "--",
+        PY,
+        script("dump_env.py"),
+        str(auto),
+        run_id=new_run_id(),
+        env=env,
+    )
     assert done.returncode == 0, done.stderr
     envs = [json.loads((auto / f"env-{r}.json").read_text()) for r in range(cores)]
     assert {e["WORLD_SIZE"] for e in envs} == {str(cores)}
@@ -409,24 +733,82 @@ def test_nothing_of_a_run_outlives_it_on_disk(tmp_path: Path) -> None:
     """Success, failure, and a SIGKILLed launcher (whose leftovers the next start sweeps): the temp dir ends as it began."""
     tmp = tmp_path / "tmp"
     tmp.mkdir()
-    env = {"TMPDIR": str(tmp), "XDG_RUNTIME_DIR": ""}  # the runtime directory falls back to <tempdir>/flodl-<uid>
-    ok = run_launch("--nproc", "2", "--devices", "cpu", "--port", "0", "--", PY, "-c", "pass", run_id=new_run_id(), env=env)
+    env = {
+        "TMPDIR": str(tmp),
+        "XDG_RUNTIME_DIR": "",
+    }  # the runtime directory falls back to <tempdir>/flodl-<uid>
+    ok = run_launch(
+        "--nproc",
+        "2",
+        "--devices",
+        "cpu",
+        "--port",
+        "0",
+        "--",
+        PY,
+        "-c",
+        "pass",
+        run_id=new_run_id(),
+        env=env,
+    )
     assert ok.returncode == 0, ok.stderr
     assert _left_on_disk(tmp) == []
-    failed = run_launch("--nproc", "2", "--devices", "cpu", "--port", "0", "--stop-grace", "2", "--", PY, script("fail.py"), run_id=new_run_id(), env=env)
+    failed = run_launch(
+        "--nproc",
+        "2",
+        "--devices",
+        "cpu",
+        "--port",
+        "0",
+        "--stop-grace",
+        "2",
+        "--",
+        PY,
+        script("fail.py"),
+        run_id=new_run_id(),
+        env=env,
+    )
     assert failed.returncode == 4, failed.stderr
     assert _left_on_disk(tmp) == []
     run_id = new_run_id()
-    killed = Launcher("--nproc", "2", "--devices", "cpu", "--port", "0", "--", PY, script("wait_for_file.py"), str(tmp_path / "never"), run_id=run_id, env=env)
+    killed = Launcher(
+        "--nproc",
+        "2",
+        "--devices",
+        "cpu",
+        "--port",
+        "0",
+        "--",
+        PY,
+        script("wait_for_file.py"),
+        str(tmp_path / "never"),
+        run_id=run_id,
+        env=env,
+    )
     try:
         killed.wait_for_stdout("ready pid", count=2)
         assert _left_on_disk(tmp)  # a live run has its entries
         killed.proc.kill()
         killed.proc.wait(10)
         assert_nothing_left(run_id)
-        assert _left_on_disk(tmp)  # SIGKILL left no chance to clean up: the sweep below is what removes them
+        assert _left_on_disk(
+            tmp
+        )  # SIGKILL left no chance to clean up: the sweep below is what removes them
     finally:
         killed.kill()
-    after = run_launch("--nproc", "1", "--devices", "cpu", "--port", "0", "--", PY, "-c", "pass", run_id=new_run_id(), env=env)
+    after = run_launch(
+        "--nproc",
+        "1",
+        "--devices",
+        "cpu",
+        "--port",
+        "0",
+        "--",
+        PY,
+        "-c",
+        "pass",
+        run_id=new_run_id(),
+        env=env,
+    )
     assert after.returncode == 0, after.stderr
     assert _left_on_disk(tmp) == []  # the SIGKILLed run's entries were swept by the next start

@@ -29,11 +29,27 @@ async def test_a_data_link_that_fails_after_the_welcome_is_raised_by_start(bench
     rank = 0
     credential = Credential.for_rank(bench.secret, run_id=RUN, round=0, rank=rank)
     spec = RankSpec(
-        run_id=RUN, host="h", relay_socket=bench.relay.socket_path, data_socket="/nonexistent/flodl-data.sock", round=0, credential_hex=credential.key.hex()
+        run_id=RUN,
+        host="h",
+        relay_socket=bench.relay.socket_path,
+        data_socket="/nonexistent/flodl-data.sock",
+        round=0,
+        credential_hex=credential.key.hex(),
     )
-    env = {RANK_VAR: spec.to_json(), LOCAL_RANK_VAR: "0", "RANK": str(rank), "LOCAL_RANK": "0", "WORLD_SIZE": "1"}
+    env = {
+        RANK_VAR: spec.to_json(),
+        LOCAL_RANK_VAR: "0",
+        "RANK": str(rank),
+        "LOCAL_RANK": "0",
+        "WORLD_SIZE": "1",
+    }
     trainer_hello = hello(rank, TrainerSpec(epochs=1, batch_size=4, dataset_len=32))
-    link = LinkThread(hello=trainer_hello, schema=ModelSchema.from_wire(schema_wire()), heartbeat_timeout=10.0, env=env)
+    link = LinkThread(
+        hello=trainer_hello,
+        schema=ModelSchema.from_wire(schema_wire()),
+        heartbeat_timeout=10.0,
+        env=env,
+    )
 
     async def welcome() -> None:
         while True:
@@ -45,7 +61,10 @@ async def test_a_data_link_that_fails_after_the_welcome_is_raised_by_start(bench
     try:
         async with asyncio.timeout(30), asyncio.TaskGroup() as tg:
             welcomer = tg.create_task(welcome(), name="test-welcomer")
-            with pytest.raises(ConnectionClosed, match=r"rank 0 cannot reach the data socket /nonexistent/flodl-data.sock of the relay of h"):
+            with pytest.raises(
+                ConnectionClosed,
+                match=r"rank 0 cannot reach the data socket /nonexistent/flodl-data.sock of the relay of h",
+            ):
                 await asyncio.to_thread(link.start)
             assert welcomer.done()  # the failure came after the welcome: the case under test
     finally:

@@ -41,7 +41,9 @@ def test_the_documented_defaults_scale_with_the_knob() -> None:
 
 
 @given(st.lists(st.floats(min_value=0.0, max_value=1.9), min_size=1, max_size=50))
-def test_a_peer_that_beats_every_interval_never_expires_and_we_always_beat_in_time(gaps: list[float]) -> None:
+def test_a_peer_that_beats_every_interval_never_expires_and_we_always_beat_in_time(
+    gaps: list[float],
+) -> None:
     """Both ends beating at the interval: the peer is never lost, and our beat is never later than its due time."""
     now = 0.0
     live = Liveness.start(now, interval=2.0, silence=10.0).sent(now)

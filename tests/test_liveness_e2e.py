@@ -17,7 +17,16 @@ import pytest
 
 from flodl_async.deadlines import Deadlines
 
-from .launchkit import PY, Launcher, assert_nothing_left, free_port, new_run_id, run_launch, script, wait_status
+from .launchkit import (
+    PY,
+    Launcher,
+    assert_nothing_left,
+    free_port,
+    new_run_id,
+    run_launch,
+    script,
+    wait_status,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -34,7 +43,9 @@ def _pid_alive(pid: int) -> bool:
     return state != "Z"
 
 
-def _walk_in_run(tmp_path: Path, xdg: Path, run_id: str) -> tuple[Launcher, subprocess.Popen[str], int]:
+def _walk_in_run(
+    tmp_path: Path, xdg: Path, run_id: str
+) -> tuple[Launcher, subprocess.Popen[str], int]:
     """A launcher (one local rank) and a stand-alone agent ``walk-in`` (one rank) completing its world; both ranks run until stopped."""
     port = free_port()
     secret_file = tmp_path / "secret"
@@ -44,18 +55,43 @@ def _walk_in_run(tmp_path: Path, xdg: Path, run_id: str) -> tuple[Launcher, subp
     )
     env = {"XDG_RUNTIME_DIR": str(xdg), "FLODL_NET_TIMEOUT_SCALE": str(SCALE)}
     rank = (PY, script("record_signals.py"), str(tmp_path / "record"))
-    launcher = Launcher(str(cluster), "--secret-file", str(secret_file), "--stop-grace", "2", "--", *rank, run_id=run_id, env=env)
+    launcher = Launcher(
+        str(cluster),
+        "--secret-file",
+        str(secret_file),
+        "--stop-grace",
+        "2",
+        "--",
+        *rank,
+        run_id=run_id,
+        env=env,
+    )
     wait_status(port, lambda doc: doc["joined_ranks"] == 1)
     secret = ("--secret-file", str(secret_file))
     agent = subprocess.Popen(
-        [PY, "-m", "flodl_async.agent", "--controller", f"127.0.0.1:{port}", "--host", "walk-in", "--devices", "cpu:1", "--stop-grace", "2", *secret],
+        [
+            PY,
+            "-m",
+            "flodl_async.agent",
+            "--controller",
+            f"127.0.0.1:{port}",
+            "--host",
+            "walk-in",
+            "--devices",
+            "cpu:1",
+            "--stop-grace",
+            "2",
+            *secret,
+        ],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
         env={**os.environ, **env},
     )
     launcher.wait_for_stdout("ready pid", count=2)  # the walk-in's line crossed its join link
-    ready = next(line for line in launcher.stdout_lines if line.startswith("[walk-in:r1] ready pid"))
+    ready = next(
+        line for line in launcher.stdout_lines if line.startswith("[walk-in:r1] ready pid")
+    )
     return launcher, agent, int(ready.rsplit(" ", 1)[1])
 
 
@@ -67,7 +103,9 @@ def _reap(launcher: Launcher | None, agent: subprocess.Popen[str] | None) -> Non
             proc.communicate()
 
 
-def test_a_frozen_agent_is_lost_by_name_and_after_sigcont_it_stops_its_ranks(tmp_path: Path, xdg: Path) -> None:
+def test_a_frozen_agent_is_lost_by_name_and_after_sigcont_it_stops_its_ranks(
+    tmp_path: Path, xdg: Path
+) -> None:
     run_id = new_run_id()
     launcher = agent = None
     try:
@@ -77,9 +115,13 @@ def test_a_frozen_agent_is_lost_by_name_and_after_sigcont_it_stops_its_ranks(tmp
         _out, err = launcher.proc.communicate(timeout=60 + 4 * SILENCE)
         took = time.monotonic() - frozen_at
         # Within the deadline (the silence, a 2 s stop grace, a loaded machine's slack): an open, silent link never times out by itself.
-        assert took < SILENCE + 2 + 20, f"the verdict came {took:.1f}s after the freeze (silence {SILENCE:g}s)"
+        assert took < SILENCE + 2 + 20, (
+            f"the verdict came {took:.1f}s after the freeze (silence {SILENCE:g}s)"
+        )
         assert launcher.proc.returncode == 4, err
-        assert f"agent on host 'walk-in' was lost mid-run: no heartbeat for {SILENCE:g}s" in err, err
+        assert f"agent on host 'walk-in' was lost mid-run: no heartbeat for {SILENCE:g}s" in err, (
+            err
+        )
         assert _pid_alive(rank_pid)  # the frozen host's rank cannot know yet
         os.kill(agent.pid, signal.SIGCONT)
         agent_out, agent_err = agent.communicate(timeout=60)
@@ -93,11 +135,17 @@ def test_a_frozen_agent_is_lost_by_name_and_after_sigcont_it_stops_its_ranks(tmp
     assert len(lines) == 1, agent_err
     assert "agent walk-in" in lines[0], lines[0]
     assert "stopping this host's ranks" in lines[0], lines[0]
-    assert "1 SIGTERM" in (tmp_path / "record").read_text().splitlines()  # its last line went up a link nobody read
-    assert "[walk-in:" not in agent_out  # rank output goes to the launcher, never the agent's stdout
+    assert (
+        "1 SIGTERM" in (tmp_path / "record").read_text().splitlines()
+    )  # its last line went up a link nobody read
+    assert (
+        "[walk-in:" not in agent_out
+    )  # rank output goes to the launcher, never the agent's stdout
 
 
-def test_a_frozen_launcher_makes_the_agent_stop_its_ranks_by_itself(tmp_path: Path, xdg: Path) -> None:
+def test_a_frozen_launcher_makes_the_agent_stop_its_ranks_by_itself(
+    tmp_path: Path, xdg: Path
+) -> None:
     run_id = new_run_id()
     launcher = agent = None
     try:
@@ -106,30 +154,53 @@ def test_a_frozen_launcher_makes_the_agent_stop_its_ranks_by_itself(tmp_path: Pa
         frozen_at = time.monotonic()
         agent_out, agent_err = agent.communicate(timeout=60 + 4 * SILENCE)
         took = time.monotonic() - frozen_at
-        assert took < SILENCE + 2 + 20, f"the agent stopped {took:.1f}s after the freeze (silence {SILENCE:g}s)"
+        assert took < SILENCE + 2 + 20, (
+            f"the agent stopped {took:.1f}s after the freeze (silence {SILENCE:g}s)"
+        )
         assert not _pid_alive(rank_pid)  # stopped by its agent while the launcher is still frozen
         os.kill(launcher.proc.pid, signal.SIGCONT)
         _out, err = launcher.proc.communicate(timeout=60)
     finally:
         _reap(launcher, agent)
         assert_nothing_left(run_id)
-    assert agent.returncode == 4, agent_err  # the exit table: the run failed (its controller was lost)
+    assert agent.returncode == 4, (
+        agent_err
+    )  # the exit table: the run failed (its controller was lost)
     assert "Traceback" not in agent_err
     lines = agent_err.strip().splitlines()
     assert len(lines) == 1, agent_err
     assert f"sent nothing for {SILENCE:g}s" in lines[0], lines[0]
     assert "agent walk-in" in lines[0], lines[0]
-    assert "1 SIGTERM" in (tmp_path / "record").read_text().splitlines()  # its last line went up a link nobody read
-    assert "[walk-in:" not in agent_out  # rank output goes to the launcher, never the agent's stdout
+    assert (
+        "1 SIGTERM" in (tmp_path / "record").read_text().splitlines()
+    )  # its last line went up a link nobody read
+    assert (
+        "[walk-in:" not in agent_out
+    )  # rank output goes to the launcher, never the agent's stdout
     assert launcher.proc.returncode == 4, err
     # Resumed, the launcher reads what the agent left in its socket (the rank's exit, then the close): the verdict names the host.
     assert "on host 'walk-in'" in err, err
-    assert "on host 'localhost'" not in err, err  # its own agent was frozen with it, not silent: excused
+    assert "on host 'localhost'" not in err, (
+        err
+    )  # its own agent was frozen with it, not silent: excused
 
 
 def test_a_run_longer_than_the_silence_deadline_is_unaffected_by_heartbeats(xdg: Path) -> None:
     """Two in-process ranks sleep past several silence deadlines: the run succeeds and no heartbeat is mentioned."""
     env = {"XDG_RUNTIME_DIR": str(xdg), "FLODL_NET_TIMEOUT_SCALE": str(SCALE / 2)}
-    done = run_launch("--nproc", "2", "--devices", "cpu", "--port", "0", "--", PY, "-c", f"import time; time.sleep({SILENCE:g})", run_id=new_run_id(), env=env)
+    done = run_launch(
+        "--nproc",
+        "2",
+        "--devices",
+        "cpu",
+        "--port",
+        "0",
+        "--",
+        PY,
+        "-c",
+        f"import time; time.sleep({SILENCE:g})",
+        run_id=new_run_id(),
+        env=env,
+    )
     assert done.returncode == 0, done.stderr
     assert "heartbeat" not in done.stderr

@@ -8,7 +8,17 @@ import sys
 import pytest
 
 from flodl_async._version import __version__
-from flodl_async.control.membership import MAX_RANKS_PER_JOIN, MAX_REJECTED_JOINS, Admitted, Failed, Formed, JoinConfig, JoinWindow, Rejected, WindowState
+from flodl_async.control.membership import (
+    MAX_RANKS_PER_JOIN,
+    MAX_REJECTED_JOINS,
+    Admitted,
+    Failed,
+    Formed,
+    JoinConfig,
+    JoinWindow,
+    Rejected,
+    WindowState,
+)
 from flodl_async.host.hostnames import HostAliases
 
 OPENED_AT = 100.0
@@ -25,16 +35,34 @@ def window(
 ) -> JoinWindow:
     """Opened at t=100: the join window ends at 110, the hard cap at 130."""
     config = JoinConfig(
-        min_rank_start=min_rank_start, join_timeout=join_timeout, target_ranks=target, max_join_timeout=cap, max_rejected_joins=max_rejected_joins
+        min_rank_start=min_rank_start,
+        join_timeout=join_timeout,
+        target_ranks=target,
+        max_join_timeout=cap,
+        max_rejected_joins=max_rejected_joins,
     )
-    return JoinWindow(config, opened_at=OPENED_AT, protocol_version=PROTOCOL, host_aliases=host_aliases)
+    return JoinWindow(
+        config, opened_at=OPENED_AT, protocol_version=PROTOCOL, host_aliases=host_aliases
+    )
 
 
 def join(
-    w: JoinWindow, host: str, devices: tuple[str, ...] = ("cpu:0",), now: float = 101, *, agent_version: str = __version__, protocol_version: int = PROTOCOL
+    w: JoinWindow,
+    host: str,
+    devices: tuple[str, ...] = ("cpu:0",),
+    now: float = 101,
+    *,
+    agent_version: str = __version__,
+    protocol_version: int = PROTOCOL,
 ) -> Admitted | Rejected:
     """A join from an agent of this very flodl_async unless told otherwise."""
-    return w.request_join(host=host, devices=devices, now=now, agent_version=agent_version, protocol_version=protocol_version)
+    return w.request_join(
+        host=host,
+        devices=devices,
+        now=now,
+        agent_version=agent_version,
+        protocol_version=protocol_version,
+    )
 
 
 def test_ranks_are_contiguous_in_admission_order() -> None:
@@ -84,7 +112,10 @@ def test_no_quorum_by_the_cap_fails_naming_counts_and_timeouts() -> None:
     assert w.poll(129) is None
     verdict = w.poll(130)
     assert isinstance(verdict, Failed)
-    assert verdict.reason == "quorum not met: 1/3 ranks joined (a) within the join window of 10s and the max_join_timeout hard cap of 30s"
+    assert (
+        verdict.reason
+        == "quorum not met: 1/3 ranks joined (a) within the join window of 10s and the max_join_timeout hard cap of 30s"
+    )
     assert w.state is WindowState.FAILED
 
 
@@ -158,15 +189,24 @@ def test_config_validation() -> None:
 
 
 def test_the_constructor_defaults_to_this_packages_version() -> None:
-    w = JoinWindow(JoinConfig(min_rank_start=1, join_timeout=1, target_ranks=None, max_join_timeout=1), opened_at=0)
+    w = JoinWindow(
+        JoinConfig(min_rank_start=1, join_timeout=1, target_ranks=None, max_join_timeout=1),
+        opened_at=0,
+    )
     assert isinstance(join(w, "a", agent_version=__version__), Admitted)
     assert isinstance(join(w, "b", agent_version=__version__ + ".post1"), Rejected)
 
 
 def test_another_flodl_version_is_refused_naming_both_versions_and_the_host() -> None:
-    w = JoinWindow(JoinConfig(min_rank_start=1, join_timeout=1, target_ranks=None, max_join_timeout=1), opened_at=0, controller_version="0.2.0")
+    w = JoinWindow(
+        JoinConfig(min_rank_start=1, join_timeout=1, target_ranks=None, max_join_timeout=1),
+        opened_at=0,
+        controller_version="0.2.0",
+    )
     result = join(w, "gpu7", agent_version="0.1.9")
-    assert result == Rejected(reason="host 'gpu7' runs flodl_async '0.1.9', this controller 0.2.0; install the same flodl_async version on every host")
+    assert result == Rejected(
+        reason="host 'gpu7' runs flodl_async '0.1.9', this controller 0.2.0; install the same flodl_async version on every host"
+    )
     assert w.members == ()
     assert w.rejected_joins == 1
 
@@ -188,7 +228,11 @@ def test_the_same_flodl_version_with_another_protocol_is_still_refused() -> None
 
 
 def test_an_agent_too_old_to_report_its_version_is_refused() -> None:
-    w = JoinWindow(JoinConfig(min_rank_start=1, join_timeout=1, target_ranks=None, max_join_timeout=1), opened_at=0, controller_version="0.2.0")
+    w = JoinWindow(
+        JoinConfig(min_rank_start=1, join_timeout=1, target_ranks=None, max_join_timeout=1),
+        opened_at=0,
+        controller_version="0.2.0",
+    )
     result = join(w, "old", agent_version="")
     assert result == Rejected(
         reason="host 'old' did not report its flodl_async version (an agent too old to send it), this controller runs 0.2.0; "
@@ -205,9 +249,13 @@ def test_an_untrusted_version_string_is_quoted_not_pasted() -> None:
 
 def test_membership_imports_neither_asyncio_nor_socket() -> None:
     code = "import sys, flodl_async.control.membership; print('mutmut' in sys.modules, sorted({'asyncio', 'socket'} & set(sys.modules)))"
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
+    )
     if result.stdout.startswith("True"):
-        pytest.skip("under mutmut the mutated module imports mutmut's trampoline, which brings socket along")
+        pytest.skip(
+            "under mutmut the mutated module imports mutmut's trampoline, which brings socket along"
+        )
     assert result.stdout.strip() == "False []"
 
 
@@ -249,7 +297,9 @@ def test_the_rejection_cap_fails_on_exactly_the_capth_rejection() -> None:
     join(w, "")
     assert w.state is WindowState.OPEN
     join(w, "")
-    assert w.poll(101) == Failed(reason="3 joins were rejected — the join port is being hammered by something that is not a flodl agent of this run")
+    assert w.poll(101) == Failed(
+        reason="3 joins were rejected — the join port is being hammered by something that is not a flodl agent of this run"
+    )
 
 
 def test_rejections_after_formation_leave_the_verdict_alone() -> None:
@@ -257,7 +307,9 @@ def test_rejections_after_formation_leave_the_verdict_alone() -> None:
     join(w, "a")
     formed = w.poll(101)
     assert isinstance(formed, Formed)
-    assert join(w, "b") == Rejected(reason="the join window is formed; this run takes no more hosts")
+    assert join(w, "b") == Rejected(
+        reason="the join window is formed; this run takes no more hosts"
+    )
     assert w.state is WindowState.FORMED
     assert w.poll(102) is formed
 
@@ -310,7 +362,9 @@ def test_member_lost_names_the_host_and_the_time_into_the_window() -> None:
     w = window()
     join(w, "a")
     verdict = w.member_lost("a", now=103.4)
-    assert verdict == Failed(reason="agent on host 'a' went away before the world formed (3.4s into the window)")
+    assert verdict == Failed(
+        reason="agent on host 'a' went away before the world formed (3.4s into the window)"
+    )
     assert w.state is WindowState.FAILED
 
 
@@ -353,7 +407,9 @@ def test_formed_verdict_carries_members_size_and_elapsed() -> None:
     join(w, "a", now=101)
     join(w, "b", ("cpu:0", "cpu:1"), now=104)
     verdict = w.poll(110)
-    assert verdict == Formed(members=w.members, world_size=3, reason="join window closed with quorum", elapsed=10)
+    assert verdict == Formed(
+        members=w.members, world_size=3, reason="join window closed with quorum", elapsed=10
+    )
     assert w.poll(111) is verdict
 
 
@@ -440,9 +496,25 @@ VM = HostAliases.of_machine("vm", "vm.example.com")
 
 @pytest.mark.parametrize("first", ["localhost", "vm", "127.0.0.1"])
 @pytest.mark.parametrize(
-    "second", ["localhost", "LocalHost", "vm", "VM", "vm.", "vm.example.com", "VM.Example.COM.", "127.0.0.1", "127.0.0.2", "::1", "[::1]", "::ffff:127.0.0.1"]
+    "second",
+    [
+        "localhost",
+        "LocalHost",
+        "vm",
+        "VM",
+        "vm.",
+        "vm.example.com",
+        "VM.Example.COM.",
+        "127.0.0.1",
+        "127.0.0.2",
+        "::1",
+        "[::1]",
+        "::ffff:127.0.0.1",
+    ],
 )
-def test_a_second_spelling_of_the_controllers_machine_is_a_duplicate_naming_both(first: str, second: str) -> None:
+def test_a_second_spelling_of_the_controllers_machine_is_a_duplicate_naming_both(
+    first: str, second: str
+) -> None:
     w = window(host_aliases=VM)
     assert isinstance(join(w, first), Admitted)
     result = join(w, second, now=102)
@@ -462,7 +534,9 @@ def test_explicit_names_on_the_controllers_machine_are_distinct_hosts() -> None:
     w = window(host_aliases=VM)
     for i, host in enumerate(["vm", "alpha", "beta", "vm-2", "vm.other.example", "10.0.0.5"]):
         assert isinstance(join(w, host, now=101 + i), Admitted), host
-    assert isinstance(join(w, "Alpha", now=110), Admitted)  # case only matters for this machine's own spellings
+    assert isinstance(
+        join(w, "Alpha", now=110), Admitted
+    )  # case only matters for this machine's own spellings
 
 
 def test_a_later_alias_is_compared_with_every_admitted_host_not_only_the_last() -> None:

@@ -8,13 +8,23 @@ from flodl_async.control.membership import Failed, Formed, JoinWindow
 
 
 def _join(window: JoinWindow, host: str, count: int, now: float) -> None:
-    window.request_join(host=host, devices=tuple(f"cuda:{i}" for i in range(count)), now=now, agent_version=__version__, protocol_version=1)
+    window.request_join(
+        host=host,
+        devices=tuple(f"cuda:{i}" for i in range(count)),
+        now=now,
+        agent_version=__version__,
+        protocol_version=1,
+    )
 
 
 def test_a_defaulted_target_waits_for_the_reporting_host_and_adds_what_it_brings() -> None:
     config = JoinKnobs(join_timeout=10).resolve(1, reported_hosts=frozenset({"gpu-a"}))
     window = JoinWindow(config, opened_at=0.0)
-    assert (window.quorum, window.target, window.describe_target()) == (None, None, "1 + what gpu-a report")
+    assert (window.quorum, window.target, window.describe_target()) == (
+        None,
+        None,
+        "1 + what gpu-a report",
+    )
     _join(window, "cpu-b", 1, now=1.0)
     assert window.poll(2.0) is None  # the known capacity is in, but gpu-a's is still unknown
     _join(window, "gpu-a", 4, now=3.0)
@@ -23,8 +33,12 @@ def test_a_defaulted_target_waits_for_the_reporting_host_and_adds_what_it_brings
     assert (verdict.world_size, verdict.reason) == (5, "target ranks reached")
 
 
-def test_a_reporting_host_that_never_comes_fails_the_window_at_the_cap_saying_what_was_needed() -> None:
-    config = JoinKnobs(join_timeout=10, max_join_timeout=20).resolve(1, reported_hosts=frozenset({"gpu-a"}))
+def test_a_reporting_host_that_never_comes_fails_the_window_at_the_cap_saying_what_was_needed() -> (
+    None
+):
+    config = JoinKnobs(join_timeout=10, max_join_timeout=20).resolve(
+        1, reported_hosts=frozenset({"gpu-a"})
+    )
     window = JoinWindow(config, opened_at=0.0)
     _join(window, "cpu-b", 1, now=1.0)
     assert window.poll(15.0) is None
@@ -34,9 +48,18 @@ def test_a_reporting_host_that_never_comes_fails_the_window_at_the_cap_saying_wh
 
 
 def test_explicit_knobs_are_kept_and_a_reported_target_never_forms_below_the_quorum() -> None:
-    explicit = JoinKnobs(min_rank_start=2, target_ranks=3).resolve(0, reported_hosts=frozenset({"gpu-a"}))
-    assert (explicit.min_rank_start, explicit.target_ranks, explicit.quorum_reported, explicit.target_reported) == (2, 3, frozenset(), frozenset())
-    quorum_only = JoinKnobs(min_rank_start=4, join_timeout=10).resolve(0, reported_hosts=frozenset({"gpu-a"}))
+    explicit = JoinKnobs(min_rank_start=2, target_ranks=3).resolve(
+        0, reported_hosts=frozenset({"gpu-a"})
+    )
+    assert (
+        explicit.min_rank_start,
+        explicit.target_ranks,
+        explicit.quorum_reported,
+        explicit.target_reported,
+    ) == (2, 3, frozenset(), frozenset())
+    quorum_only = JoinKnobs(min_rank_start=4, join_timeout=10).resolve(
+        0, reported_hosts=frozenset({"gpu-a"})
+    )
     window = JoinWindow(quorum_only, opened_at=0.0)
     _join(window, "gpu-a", 2, now=1.0)
     assert window.target == 4  # gpu-a brought 2, but the explicit quorum is 4

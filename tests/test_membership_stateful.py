@@ -15,7 +15,15 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from flodl_async._version import __version__
-from flodl_async.control.membership import Admitted, Failed, Formed, JoinConfig, JoinWindow, Rejected, WindowState
+from flodl_async.control.membership import (
+    Admitted,
+    Failed,
+    Formed,
+    JoinConfig,
+    JoinWindow,
+    Rejected,
+    WindowState,
+)
 from flodl_async.host.hostnames import HostAliases
 
 OPENED_AT = 1000.0
@@ -58,7 +66,15 @@ class JoinWindowMachine(RuleBasedStateMachine):
         max_rejected_joins=st.integers(1, 6),
         aliases=st.booleans(),
     )
-    def open_window(self, min_rank_start: int, extra_target: int | None, join_timeout: float, cap_slack: float, max_rejected_joins: int, aliases: bool) -> None:
+    def open_window(
+        self,
+        min_rank_start: int,
+        extra_target: int | None,
+        join_timeout: float,
+        cap_slack: float,
+        max_rejected_joins: int,
+        aliases: bool,
+    ) -> None:
         self.config = JoinConfig(
             min_rank_start=min_rank_start,
             target_ranks=None if extra_target is None else min_rank_start + extra_target,
@@ -67,7 +83,12 @@ class JoinWindowMachine(RuleBasedStateMachine):
             max_rejected_joins=max_rejected_joins,
         )
         self.aliases = aliases
-        self.window = JoinWindow(self.config, opened_at=OPENED_AT, protocol_version=PROTOCOL, host_aliases=MACHINE if aliases else None)
+        self.window = JoinWindow(
+            self.config,
+            opened_at=OPENED_AT,
+            protocol_version=PROTOCOL,
+            host_aliases=MACHINE if aliases else None,
+        )
 
     # ----- helpers ------------------------------------------------------------------------------
 
@@ -87,9 +108,22 @@ class JoinWindowMachine(RuleBasedStateMachine):
         """The model's rule: the same name, or (with aliases) two spellings of the controller's machine."""
         return a == b or (self.aliases and a in MACHINE_SPELLINGS and b in MACHINE_SPELLINGS)
 
-    def _join(self, host: str, devices: tuple[str, ...], *, agent_version: str = __version__, protocol_version: int = PROTOCOL) -> Admitted | Rejected:
+    def _join(
+        self,
+        host: str,
+        devices: tuple[str, ...],
+        *,
+        agent_version: str = __version__,
+        protocol_version: int = PROTOCOL,
+    ) -> Admitted | Rejected:
         was_open = self.window.state is WindowState.OPEN
-        result = self.window.request_join(host=host, devices=devices, now=self.now, agent_version=agent_version, protocol_version=protocol_version)
+        result = self.window.request_join(
+            host=host,
+            devices=devices,
+            now=self.now,
+            agent_version=agent_version,
+            protocol_version=protocol_version,
+        )
         if isinstance(result, Rejected):
             self.rejections += 1
             if was_open and self.rejections >= self.config.max_rejected_joins:
@@ -138,7 +172,9 @@ class JoinWindowMachine(RuleBasedStateMachine):
         result = self._join(host, ("cuda:0",))
         assert isinstance(result, Rejected)
 
-    @precondition(lambda self: self.aliases and any(a.host in MACHINE_SPELLINGS for a in self.admitted))
+    @precondition(
+        lambda self: self.aliases and any(a.host in MACHINE_SPELLINGS for a in self.admitted)
+    )
     @rule(data=st.data())
     def join_as_another_spelling_of_the_admitted_machine(self, data: st.DataObject) -> None:
         admitted = next(a.host for a in self.admitted if a.host in MACHINE_SPELLINGS)
@@ -147,9 +183,14 @@ class JoinWindowMachine(RuleBasedStateMachine):
         result = self._join(host, ("cuda:0",))
         assert isinstance(result, Rejected)
         if was_open:
-            assert result.reason.startswith(f"host {host!r} is the machine that already joined this run as {admitted!r}")
+            assert result.reason.startswith(
+                f"host {host!r} is the machine that already joined this run as {admitted!r}"
+            )
 
-    @rule(host=st.sampled_from(HOSTS), devices=st.sampled_from([(), ("cuda:0", "cuda:0"), ("cuda:1", "cuda:0", "cuda:1")]))
+    @rule(
+        host=st.sampled_from(HOSTS),
+        devices=st.sampled_from([(), ("cuda:0", "cuda:0"), ("cuda:1", "cuda:0", "cuda:1")]),
+    )
     def join_bad_devices(self, host: str, devices: tuple[str, ...]) -> None:
         assert isinstance(self._join(host, devices), Rejected)
 
@@ -212,7 +253,11 @@ class JoinWindowMachine(RuleBasedStateMachine):
 
     @rule(host=st.sampled_from(HOSTS))
     def retract(self, host: str) -> None:
-        if self.window.state is WindowState.OPEN and self.admitted and self.admitted[-1].host == host:
+        if (
+            self.window.state is WindowState.OPEN
+            and self.admitted
+            and self.admitted[-1].host == host
+        ):
             self.admitted.pop()
         self.window.retract(host)
 
@@ -239,11 +284,17 @@ class JoinWindowMachine(RuleBasedStateMachine):
             # The reason tells which rule formed it: the quorum was in when the window closed
             # (a join at its very end counts as inside), or it came later, before the cap.
             in_window = self._quorum_reached_at() <= self.window_end
-            assert verdict.reason == ("join window closed with quorum" if in_window else "quorum met before the max_join_timeout cap")
+            assert verdict.reason == (
+                "join window closed with quorum"
+                if in_window
+                else "quorum met before the max_join_timeout cap"
+            )
         elif isinstance(verdict, Failed):
             assert elapsed >= self.config.max_join_timeout
             assert self.joined < self.config.min_rank_start
-            assert verdict.reason.startswith(f"quorum not met: {self.joined}/{self.config.min_rank_start} ranks joined")
+            assert verdict.reason.startswith(
+                f"quorum not met: {self.joined}/{self.config.min_rank_start} ranks joined"
+            )
         else:
             # Staying open is right only while neither a quorum after the window nor the cap applies.
             assert elapsed < self.config.join_timeout or self.joined < self.config.min_rank_start
@@ -263,7 +314,9 @@ class JoinWindowMachine(RuleBasedStateMachine):
     @invariant()
     def ranks_are_contiguous_in_admission_order(self) -> None:
         members = self.window.members
-        assert [(m.host, len(m.ranks), m.joined_at) for m in members] == [(a.host, a.ranks, a.at) for a in self.admitted]
+        assert [(m.host, len(m.ranks), m.joined_at) for m in members] == [
+            (a.host, a.ranks, a.at) for a in self.admitted
+        ]
         flat = [rank for m in members for rank in m.ranks]
         assert flat == list(range(len(flat)))  # from 0, no holes, no overlaps, in admission order
         assert all(len(m.ranks) == len(m.devices) for m in members)
@@ -287,8 +340,16 @@ class JoinWindowMachine(RuleBasedStateMachine):
         assert self.window.state is expected
         assert self.window.poll(self.now) is self.verdict
         # Further joins are refused, and a refusal no longer moves the verdict.
-        refused = self.window.request_join(host="late", devices=("cuda:0",), now=self.now, agent_version=__version__, protocol_version=PROTOCOL)
-        assert refused == Rejected(reason=f"the join window is {expected.value}; this run takes no more hosts")
+        refused = self.window.request_join(
+            host="late",
+            devices=("cuda:0",),
+            now=self.now,
+            agent_version=__version__,
+            protocol_version=PROTOCOL,
+        )
+        assert refused == Rejected(
+            reason=f"the join window is {expected.value}; this run takes no more hosts"
+        )
         self.rejections += 1
         assert self.window.state is expected
 

@@ -8,7 +8,15 @@ from flodl_async.training.metrics import EpochLedger, EpochMetrics
 from flodl_async.wire import messages as m
 
 
-def window(rank: int, batches: int, loss_sum: float, *, compute_ms: float = 100.0, data_ms: float = 0.0, **scalars: tuple[float, int]) -> m.WindowDone:
+def window(
+    rank: int,
+    batches: int,
+    loss_sum: float,
+    *,
+    compute_ms: float = 100.0,
+    data_ms: float = 0.0,
+    **scalars: tuple[float, int],
+) -> m.WindowDone:
     return m.WindowDone(
         rank=rank,
         round=1,
@@ -38,15 +46,30 @@ def test_an_epoch_aggregates_loss_shares_throughput_and_scalars() -> None:
     assert out.epoch_ms == pytest.approx(2500.0)
     assert (out.reduces, out.avg_reduce_ms) == (2, 20.0)
     r0, r1, r2 = out.per_rank
-    assert (r0.batches, r0.batch_share, r0.avg_loss) == (10, pytest.approx(10 / 12), pytest.approx(0.4))
+    assert (r0.batches, r0.batch_share, r0.avg_loss) == (
+        10,
+        pytest.approx(10 / 12),
+        pytest.approx(0.4),
+    )
     assert r0.throughput == pytest.approx(10 / 1.0)  # 10 batches over 1 s of compute + data
     assert r1.batch_share == pytest.approx(2 / 12)
-    assert (r2.batches, r2.batch_share, r2.alive) == (0, 0.0, False)  # a rank with nothing still appears
+    assert (r2.batches, r2.batch_share, r2.alive) == (
+        0,
+        0.0,
+        False,
+    )  # a rank with nothing still appears
     assert out.scalars == {"acc": pytest.approx(6.0 / 8)}
     assert EpochMetrics.from_wire(out.to_wire()) == out
     assert "epoch 4/5: loss 0.5833" in out.summary(5, 3)
 
 
 def test_an_empty_epoch_has_zeros_not_errors() -> None:
-    out = EpochLedger(0, ranks=(0,), started_at=0.0).close(now=0.0, anchor=1, counts=(1,), alive=frozenset({0}))
-    assert (out.avg_loss, out.batches, out.avg_reduce_ms, out.per_rank[0].throughput) == (0.0, 0, 0.0, 0.0)
+    out = EpochLedger(0, ranks=(0,), started_at=0.0).close(
+        now=0.0, anchor=1, counts=(1,), alive=frozenset({0})
+    )
+    assert (out.avg_loss, out.batches, out.avg_reduce_ms, out.per_rank[0].throughput) == (
+        0.0,
+        0,
+        0.0,
+        0.0,
+    )

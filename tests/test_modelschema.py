@@ -29,10 +29,17 @@ def test_params_buffers_and_aliases_of_a_tied_module() -> None:
     schema = ModelSchema.from_module(model)
     assert schema.param_names == ("embed.weight", "norm.weight", "norm.bias")
     # persistent buffers in state_dict order; the non-persistent one never travels
-    assert schema.buffer_names == ("steps", "norm.running_mean", "norm.running_var", "norm.num_batches_tracked")  # own buffers first
+    assert schema.buffer_names == (
+        "steps",
+        "norm.running_mean",
+        "norm.running_var",
+        "norm.num_batches_tracked",
+    )  # own buffers first
     assert dict(schema.aliases) == {"head.weight": "embed.weight"}
     assert schema.names == schema.param_names + schema.buffer_names
-    assert schema.meta("norm.num_batches_tracked") == TensorMeta(name="norm.num_batches_tracked", dtype="int64", shape=())
+    assert schema.meta("norm.num_batches_tracked") == TensorMeta(
+        name="norm.num_batches_tracked", dtype="int64", shape=()
+    )
     sd = model.state_dict()
     assert schema.model_bytes == sum(sd[n].numel() * sd[n].element_size() for n in schema.names)
     full = schema.with_aliases({n: sd[n] for n in schema.names})
@@ -79,12 +86,48 @@ def test_wire_round_trip_and_digest_input() -> None:
 @pytest.mark.parametrize(
     ("wire", "match"),
     [
-        (m.ModelSchemaWire(param_names=("a",), buffer_names=(), dtypes=(), shapes=((1,),)), "1 names, 0 dtypes"),
-        (m.ModelSchemaWire(param_names=("a", "a"), buffer_names=(), dtypes=("float32",) * 2, shapes=((1,),) * 2), "twice"),
-        (m.ModelSchemaWire(param_names=("a",), buffer_names=(), dtypes=("complex64",), shapes=((1,),)), "cannot carry"),
-        (m.ModelSchemaWire(param_names=("a",), buffer_names=(), dtypes=("float32",), shapes=((-1,),)), "negative"),
-        (m.ModelSchemaWire(param_names=("a",), buffer_names=(), dtypes=("float32",), shapes=((1,),), aliases={"b": "c"}), "not a listed tensor"),
-        (m.ModelSchemaWire(param_names=("a",), buffer_names=(), dtypes=("float32",), shapes=((1,),), aliases={"a": "a"}), "also a listed tensor"),
+        (
+            m.ModelSchemaWire(param_names=("a",), buffer_names=(), dtypes=(), shapes=((1,),)),
+            "1 names, 0 dtypes",
+        ),
+        (
+            m.ModelSchemaWire(
+                param_names=("a", "a"), buffer_names=(), dtypes=("float32",) * 2, shapes=((1,),) * 2
+            ),
+            "twice",
+        ),
+        (
+            m.ModelSchemaWire(
+                param_names=("a",), buffer_names=(), dtypes=("complex64",), shapes=((1,),)
+            ),
+            "cannot carry",
+        ),
+        (
+            m.ModelSchemaWire(
+                param_names=("a",), buffer_names=(), dtypes=("float32",), shapes=((-1,),)
+            ),
+            "negative",
+        ),
+        (
+            m.ModelSchemaWire(
+                param_names=("a",),
+                buffer_names=(),
+                dtypes=("float32",),
+                shapes=((1,),),
+                aliases={"b": "c"},
+            ),
+            "not a listed tensor",
+        ),
+        (
+            m.ModelSchemaWire(
+                param_names=("a",),
+                buffer_names=(),
+                dtypes=("float32",),
+                shapes=((1,),),
+                aliases={"a": "a"},
+            ),
+            "also a listed tensor",
+        ),
     ],
 )
 def test_malformed_wire_schema_is_a_config_error(wire: m.ModelSchemaWire, match: str) -> None:

@@ -48,7 +48,9 @@ def _link_down(kit: HostKit, host: NsHost) -> Iterator[None]:
     try:
         yield
     finally:
-        subprocess.run(["ip", "link", "set", veth, "up"], check=True, capture_output=True, timeout=60)
+        subprocess.run(
+            ["ip", "link", "set", veth, "up"], check=True, capture_output=True, timeout=60
+        )
 
 
 def _ours_on(kit: HostKit, host: NsHost) -> list[str]:
@@ -62,13 +64,31 @@ def _ours_on(kit: HostKit, host: NsHost) -> list[str]:
     return found
 
 
-def _three_host_run(tmp_path: Path, kit: HostKit, *extra: str, run_id: str) -> tuple[Launcher, Path, int]:
+def _three_host_run(
+    tmp_path: Path, kit: HostKit, *extra: str, run_id: str
+) -> tuple[Launcher, Path, int]:
     """A run of 4 ranks on h1 (2), h2, h3 that wait for a release file; returns once all 4 are ready."""
     h1, h2, h3 = kit.hosts[:3]
-    cluster = _cluster(tmp_path, kit, [(h1, "cpu:2"), (h2, "cpu:1"), (h3, "cpu:1")], python=str(_python_wrapper(tmp_path)))
+    cluster = _cluster(
+        tmp_path,
+        kit,
+        [(h1, "cpu:2"), (h2, "cpu:1"), (h3, "cpu:1")],
+        python=str(_python_wrapper(tmp_path)),
+    )
     port = int(cluster.read_text().split("port: ", 1)[1].split(",", 1)[0])
     release = tmp_path / "release"
-    launcher = Launcher(str(cluster), "--stop-grace", "3", *extra, "--", PY, script("wait_for_file.py"), str(release), run_id=run_id, env=ENV)
+    launcher = Launcher(
+        str(cluster),
+        "--stop-grace",
+        "3",
+        *extra,
+        "--",
+        PY,
+        script("wait_for_file.py"),
+        str(release),
+        run_id=run_id,
+        env=ENV,
+    )
     try:
         launcher.wait_for_stdout("ready pid", count=4, timeout=120)
     except BaseException:
@@ -77,17 +97,23 @@ def _three_host_run(tmp_path: Path, kit: HostKit, *extra: str, run_id: str) -> t
     return launcher, release, port
 
 
-def test_a_cut_link_names_the_host_and_the_cut_off_host_stops_its_ranks(hostkit: HostKit, tmp_path: Path) -> None:
+def test_a_cut_link_names_the_host_and_the_cut_off_host_stops_its_ranks(
+    hostkit: HostKit, tmp_path: Path
+) -> None:
     h2 = hostkit.hosts[1]
     launcher, _release, _port = _three_host_run(tmp_path, hostkit, run_id=new_run_id())
     try:
         with _link_down(hostkit, h2):
             cut_at = time.monotonic()
-            done = launcher.finish(timeout=60 + 4 * SILENCE)  # also: every rank of the run is gone, h2's included
+            done = launcher.finish(
+                timeout=60 + 4 * SILENCE
+            )  # also: every rank of the run is gone, h2's included
             took = time.monotonic() - cut_at
             # Within the deadline: the heartbeat silence, the others' stop grace (3 s) and a loaded
             # machine's slack; a verdict left to TCP (retransmits for 15 min) or the join window would not be.
-            assert took < SILENCE + 3 + 20, f"the verdict came {took:.1f}s after the cut (silence {SILENCE:g}s)"
+            assert took < SILENCE + 3 + 20, (
+                f"the verdict came {took:.1f}s after the cut (silence {SILENCE:g}s)"
+            )
             # Cut off, h2's agent hears no controller for the silence deadline and stops its ranks by itself.
             deadline = time.monotonic() + 60 + 4 * SILENCE
             while (left := _ours_on(hostkit, h2)) and time.monotonic() < deadline:
@@ -98,7 +124,9 @@ def test_a_cut_link_names_the_host_and_the_cut_off_host_stops_its_ranks(hostkit:
     assert done.returncode == 4, done.stderr
     verdict = done.stderr.strip().splitlines()[-1]
     assert "h2" in verdict, done.stderr
-    assert f"agent on host 'h2' was lost mid-run: no heartbeat for {SILENCE:g}s" in done.stderr, done.stderr
+    assert f"agent on host 'h2' was lost mid-run: no heartbeat for {SILENCE:g}s" in done.stderr, (
+        done.stderr
+    )
     assert "on host 'h1'" not in done.stderr, done.stderr  # the hosts still heard are not accused
     assert "on host 'h3'" not in done.stderr, done.stderr
     assert "Traceback" not in done.stderr
@@ -110,15 +138,21 @@ def _get(port: int, path: str) -> bytes:
         return bytes(response.read())
 
 
-def test_the_secret_is_in_no_log_line_and_not_on_the_status_page(hostkit: HostKit, tmp_path: Path) -> None:
+def test_the_secret_is_in_no_log_line_and_not_on_the_status_page(
+    hostkit: HostKit, tmp_path: Path
+) -> None:
     secret = new_session_secret()
     secret_file = tmp_path / "secret"
     fd = os.open(secret_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "w") as f:
         f.write(secret.hex() + "\n")
-    launcher, release, port = _three_host_run(tmp_path, hostkit, "--secret-file", str(secret_file), run_id=new_run_id())
+    launcher, release, port = _three_host_run(
+        tmp_path, hostkit, "--secret-file", str(secret_file), run_id=new_run_id()
+    )
     try:
-        wait_status(port, lambda d: d["joined_ranks"] == 4)  # the pages are read while the whole world is up
+        wait_status(
+            port, lambda d: d["joined_ranks"] == 4
+        )  # the pages are read while the whole world is up
         pages = {"/state.json": _get(port, "/state.json"), "/": _get(port, "/")}
         release.write_text("")
         done = launcher.finish(timeout=120)
@@ -129,7 +163,11 @@ def test_the_secret_is_in_no_log_line_and_not_on_the_status_page(hostkit: HostKi
     assert done.stdout.count("ready pid") == 4, done.stdout
     assert done.stdout.count("released") == 4, done.stdout
     needles = {secret.hex(), secret.hex().upper()}
-    texts = {"launcher stdout": done.stdout, "launcher stderr": done.stderr, **{f"status {p}": b.decode(errors="replace") for p, b in pages.items()}}
+    texts = {
+        "launcher stdout": done.stdout,
+        "launcher stderr": done.stderr,
+        **{f"status {p}": b.decode(errors="replace") for p, b in pages.items()},
+    }
     for where, text in texts.items():
         for needle in needles:
             assert needle not in text, f"the secret is in the {where}"
@@ -137,48 +175,80 @@ def test_the_secret_is_in_no_log_line_and_not_on_the_status_page(hostkit: HostKi
         assert secret not in raw, f"the secret's raw bytes are in the status page {where}"
 
 
-def test_a_host_that_dies_before_joining_fails_the_window_at_once_naming_it(hostkit: HostKit, tmp_path: Path) -> None:
+def test_a_host_that_dies_before_joining_fails_the_window_at_once_naming_it(
+    hostkit: HostKit, tmp_path: Path
+) -> None:
     h1, h2, h3 = hostkit.hosts[:3]
     slow = tmp_path / "slow-python"
-    slow.write_text(f'#!/bin/sh\nsleep 600\nexec {_python_wrapper(tmp_path)} "$@"\n')  # h3 hangs before its agent starts
+    slow.write_text(
+        f'#!/bin/sh\nsleep 600\nexec {_python_wrapper(tmp_path)} "$@"\n'
+    )  # h3 hangs before its agent starts
     slow.chmod(0o700)
-    cluster = _cluster(tmp_path, hostkit, [(h1, "cpu:1"), (h2, "cpu:1")], python=str(_python_wrapper(tmp_path)))
+    cluster = _cluster(
+        tmp_path, hostkit, [(h1, "cpu:1"), (h2, "cpu:1")], python=str(_python_wrapper(tmp_path))
+    )
     text = cluster.read_text()
     h3_line = f"  - host: {h3.name}\n    devices: cpu:1\n    python: {slow}\n"
     ssh_h2 = text.split("    ssh: ")[-1]
     cluster.write_text(text + h3_line + "    ssh: " + ssh_h2.replace(h2.addr, h3.addr))
     run_id = new_run_id()
-    launcher = Launcher(str(cluster), "--stop-grace", "3", "--", PY, script("wait_for_file.py"), str(tmp_path / "never"), run_id=run_id, env=ENV)
+    launcher = Launcher(
+        str(cluster),
+        "--stop-grace",
+        "3",
+        "--",
+        PY,
+        script("wait_for_file.py"),
+        str(tmp_path / "never"),
+        run_id=run_id,
+        env=ENV,
+    )
     try:
         deadline = time.monotonic() + 120
         while not any("sleep 600" in c for c in _ours_on(hostkit, h3)):
             assert time.monotonic() < deadline, "h3's python never started"
             assert launcher.proc.poll() is None, launcher.proc.communicate()
             time.sleep(0.05)
-        hostkit.power_off(h3.ns)  # the host dies: everything of it but the sshd listener, which keeps the bridge port up
+        hostkit.power_off(
+            h3.ns
+        )  # the host dies: everything of it but the sshd listener, which keeps the bridge port up
         done = launcher.finish(timeout=120)
     finally:
         launcher.kill()
     assert done.returncode == 3, done.stderr
     verdict = done.stderr.strip().splitlines()[-1]
     # At once: the verdict's cause is the lost connection, not the join window running out.
-    assert "the world did not form: agent on host 'h3' failed before joining" in verdict, done.stderr
-    assert f"the ssh connection to {h3.addr}:22 was lost before the agent said hello" in verdict, done.stderr
+    assert "the world did not form: agent on host 'h3' failed before joining" in verdict, (
+        done.stderr
+    )
+    assert f"the ssh connection to {h3.addr}:22 was lost before the agent said hello" in verdict, (
+        done.stderr
+    )
     assert "Traceback" not in done.stderr, done.stderr[-6000:]
     assert processes_of_run(run_id) == []
 
 
-def test_a_killed_ssh_session_mid_run_names_the_host_and_its_agent_stops_its_ranks(hostkit: HostKit, tmp_path: Path) -> None:
+def test_a_killed_ssh_session_mid_run_names_the_host_and_its_agent_stops_its_ranks(
+    hostkit: HostKit, tmp_path: Path
+) -> None:
     h2 = hostkit.hosts[1]
     launcher, _release, _port = _three_host_run(tmp_path, hostkit, run_id=new_run_id())
     try:
         # host_pids leaves out the listener; what remains named "sshd..." are its per-connection children.
-        sessions = [p for p in hostkit.host_pids(h2.ns) if Path(f"/proc/{p}/cmdline").read_bytes().startswith(b"sshd")]
+        sessions = [
+            p
+            for p in hostkit.host_pids(h2.ns)
+            if Path(f"/proc/{p}/cmdline").read_bytes().startswith(b"sshd")
+        ]
         assert sessions, f"no sshd session on {h2.name}"
-        for pid in sessions:  # sshd's side of the agent's lifeline dies; the agent sees EOF on its stdin
+        for (
+            pid
+        ) in sessions:  # sshd's side of the agent's lifeline dies; the agent sees EOF on its stdin
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-        done = launcher.finish(timeout=60 + 4 * SILENCE)  # also: every rank of the run is gone, h2's included
+        done = launcher.finish(
+            timeout=60 + 4 * SILENCE
+        )  # also: every rank of the run is gone, h2's included
     finally:
         launcher.kill()
     assert done.returncode == 4, done.stderr

@@ -38,7 +38,11 @@ _PROBES: dict[Channel, Callable[[float], Message]] = {
 }
 _ANSWERS: dict[Channel, Callable[[str], Message]] = {
     Channel.JOIN: lambda text: m.JoinReject(reason=text),
-    Channel.DATA: lambda text: m.TensorBundle(round=0, weight=0.0, tensors=(m.TensorSpec(name=text, dtype="uint8", shape=(0,), offset=0, nbytes=0),)),
+    Channel.DATA: lambda text: m.TensorBundle(
+        round=0,
+        weight=0.0,
+        tensors=(m.TensorSpec(name=text, dtype="uint8", shape=(0,), offset=0, nbytes=0),),
+    ),
     Channel.CONTROL: lambda text: m.RankWelcome(rank=0, run_id=text),
 }
 _TEXT_OF: dict[type[Message], Callable[[typing.Any], str]] = {
@@ -72,10 +76,21 @@ async def _echo_channel_name(link: FramedProtocol) -> None:
 @pytest.fixture
 async def mux(secret: bytes) -> AsyncIterator[PortMux]:
     # Every client here is 127.0.0.1 and these tests are about routing: the per-address cap must not bite.
-    mux = PortMux(host="127.0.0.1", port=0, sniff_timeout=3.0, limits=AdmissionLimits(max_unauthenticated=1024, max_unauthenticated_per_peer=1024))
+    mux = PortMux(
+        host="127.0.0.1",
+        port=0,
+        sniff_timeout=3.0,
+        limits=AdmissionLimits(max_unauthenticated=1024, max_unauthenticated_per_peer=1024),
+    )
     async with asyncio.TaskGroup() as tg:
         for channel in FRAMED_CHANNELS:
-            service = FramedService(channel=channel, resolve=session_resolver(secret), run_id="test-run", handler=_echo_channel_name, task_group=tg)
+            service = FramedService(
+                channel=channel,
+                resolve=session_resolver(secret),
+                run_id="test-run",
+                handler=_echo_channel_name,
+                task_group=tg,
+            )
             mux.register(channel, service.protocol_factory)
         await mux.start()
         try:
@@ -85,7 +100,9 @@ async def mux(secret: bytes) -> AsyncIterator[PortMux]:
 
 
 async def _ask(port: int, secret: bytes, channel: Channel, tag: float) -> str:
-    link = await open_framed("127.0.0.1", port, channel=channel, credential=Credential.session(secret))
+    link = await open_framed(
+        "127.0.0.1", port, channel=channel, credential=Credential.session(secret)
+    )
     try:
         link.send(_PROBES[channel](tag))
         if channel is Channel.RENDEZVOUS:
@@ -101,7 +118,9 @@ async def _ask(port: int, secret: bytes, channel: Channel, tag: float) -> str:
 async def test_hundreds_of_concurrent_connections_are_routed(mux: PortMux, secret: bytes) -> None:
     jobs = [(FRAMED_CHANNELS[i % 4], float(i)) for i in range(400)]
     async with asyncio.timeout(30):
-        answers = await asyncio.gather(*(_ask(mux.port, secret, channel, tag) for channel, tag in jobs))
+        answers = await asyncio.gather(
+            *(_ask(mux.port, secret, channel, tag) for channel, tag in jobs)
+        )
     assert answers == [f"{channel.value}:{tag}" for channel, tag in jobs]
     stats = mux.statistics()
     assert stats.accepted == 400
@@ -126,7 +145,9 @@ async def test_bad_peers_do_not_delay_good_ones(mux: PortMux, secret: bytes) -> 
     garbage = [await _raw(mux.port) for _ in range(20)]
     for _, writer in garbage:
         writer.write(b"\x00garbage that names no channel")
-    answers = await asyncio.gather(*(_ask(mux.port, secret, FRAMED_CHANNELS[i % 4], float(i)) for i in range(40)))
+    answers = await asyncio.gather(
+        *(_ask(mux.port, secret, FRAMED_CHANNELS[i % 4], float(i)) for i in range(40))
+    )
     assert len(answers) == 40
     # The good peers finished while the silent ones still hold their slots: nobody waited for the deadline.
     stats = mux.statistics()
@@ -160,13 +181,20 @@ async def test_channel_without_handler_closes_at_once(secret: bytes) -> None:
 
 
 async def test_a_full_cap_evicts_the_oldest_unsniffed_connection_for_the_newcomer() -> None:
-    mux = PortMux(host="127.0.0.1", port=0, limits=AdmissionLimits(max_unauthenticated=10, max_unauthenticated_per_peer=5), sniff_timeout=30)
+    mux = PortMux(
+        host="127.0.0.1",
+        port=0,
+        limits=AdmissionLimits(max_unauthenticated=10, max_unauthenticated_per_peer=5),
+        sniff_timeout=30,
+    )
     await mux.start()
     try:
         held = [await _raw(mux.port) for _ in range(5)]
         newcomer = await _raw(mux.port)
         oldest_reader, _ = held[0]
-        with contextlib.suppress(ConnectionResetError):  # evicted: aborted, so the peer may see a reset
+        with contextlib.suppress(
+            ConnectionResetError
+        ):  # evicted: aborted, so the peer may see a reset
             assert await asyncio.wait_for(oldest_reader.read(), 2) == b""
         stats = mux.statistics()
         assert stats.dropped == {"evicted": 1}
@@ -178,7 +206,9 @@ async def test_a_full_cap_evicts_the_oldest_unsniffed_connection_for_the_newcome
 
 
 async def test_status_switched_off_refuses_requests_as_over_capacity() -> None:
-    mux = PortMux(host="127.0.0.1", port=0, limits=AdmissionLimits(max_status=0, max_status_per_peer=0))
+    mux = PortMux(
+        host="127.0.0.1", port=0, limits=AdmissionLimits(max_status=0, max_status_per_peer=0)
+    )
     mux.register(Channel.STATUS, lambda: StatusHttpProtocol(StatusBoard()))
     await mux.start()
     try:
@@ -194,8 +224,18 @@ async def test_status_switched_off_refuses_requests_as_over_capacity() -> None:
 
 async def test_wrong_secret_frame_closes_only_that_connection(mux: PortMux, secret: bytes) -> None:
     # The controller's handshake proof does not verify under another secret: the dial fails, no frame is sent.
-    with pytest.raises(AuthenticationFailed, match=r"handshake proof did not verify .*--secret-file"):
-        await asyncio.wait_for(open_framed("127.0.0.1", mux.port, channel=Channel.CONTROL, credential=Credential.session(b"\x01" * 16)), 5)
+    with pytest.raises(
+        AuthenticationFailed, match=r"handshake proof did not verify .*--secret-file"
+    ):
+        await asyncio.wait_for(
+            open_framed(
+                "127.0.0.1",
+                mux.port,
+                channel=Channel.CONTROL,
+                credential=Credential.session(b"\x01" * 16),
+            ),
+            5,
+        )
     assert await _ask(mux.port, secret, Channel.CONTROL, 2.0) == "control:2.0"
 
 
@@ -208,11 +248,19 @@ async def test_live_listener_gives_a_clear_error(mux: PortMux) -> None:
 async def test_time_wait_never_blocks_a_rebind(secret: bytes) -> None:
     first = PortMux(host="127.0.0.1", port=0)
     async with asyncio.TaskGroup() as tg:
-        service = FramedService(channel=Channel.CONTROL, resolve=session_resolver(secret), run_id="test-run", handler=_echo_channel_name, task_group=tg)
+        service = FramedService(
+            channel=Channel.CONTROL,
+            resolve=session_resolver(secret),
+            run_id="test-run",
+            handler=_echo_channel_name,
+            task_group=tg,
+        )
         first.register(Channel.CONTROL, service.protocol_factory)
         await first.start()
         port = first.port
-        link = await open_framed("127.0.0.1", port, channel=Channel.CONTROL, credential=Credential.session(secret))
+        link = await open_framed(
+            "127.0.0.1", port, channel=Channel.CONTROL, credential=Credential.session(secret)
+        )
         link.send(m.Heartbeat(sent_at=1.0))
         await link.recv()
         await first.aclose()  # the server side closes first: its socket goes to TIME_WAIT
@@ -253,13 +301,21 @@ def test_routing_and_bad_peers_on_uvloop(secret: bytes) -> None:
         mux = PortMux(host="127.0.0.1", port=0, sniff_timeout=30)
         async with asyncio.TaskGroup() as tg:
             for channel in FRAMED_CHANNELS:
-                service = FramedService(channel=channel, resolve=session_resolver(secret), run_id="test-run", handler=_echo_channel_name, task_group=tg)
+                service = FramedService(
+                    channel=channel,
+                    resolve=session_resolver(secret),
+                    run_id="test-run",
+                    handler=_echo_channel_name,
+                    task_group=tg,
+                )
                 mux.register(channel, service.protocol_factory)
             await mux.start()
             silent = [await _raw(mux.port) for _ in range(10)]
             reader, writer = await _raw(mux.port)
             writer.write(b"garbage!")
-            answers = await asyncio.gather(*(_ask(mux.port, secret, FRAMED_CHANNELS[i % 4], float(i)) for i in range(200)))
+            answers = await asyncio.gather(
+                *(_ask(mux.port, secret, FRAMED_CHANNELS[i % 4], float(i)) for i in range(200))
+            )
             assert answers == [f"{FRAMED_CHANNELS[i % 4].value}:{float(i)}" for i in range(200)]
             assert await asyncio.wait_for(reader.read(), 2) == b""
             assert mux.statistics().dropped == {"unknown_magic": 1}
@@ -276,7 +332,10 @@ def test_sniff_deadline_scales_with_the_one_knob(monkeypatch: pytest.MonkeyPatch
     assert PortMux(host="127.0.0.1", port=0).sniff_timeout == 15.0
     assert PortMux(host="127.0.0.1", port=0).handshake_timeout == 15.0
     monkeypatch.setenv("FLODL_NET_TIMEOUT_SCALE", "0.01")
-    with pytest.raises(ConfigError, match=r"FLODL_NET_TIMEOUT_SCALE='0\.01' must be a finite number of at least 0\.1"):
+    with pytest.raises(
+        ConfigError,
+        match=r"FLODL_NET_TIMEOUT_SCALE='0\.01' must be a finite number of at least 0\.1",
+    ):
         PortMux(host="127.0.0.1", port=0)
 
 
@@ -296,13 +355,23 @@ async def test_tensor_frames_cross_the_data_channel_and_tampering_is_caught(secr
 
     mux = PortMux(host="127.0.0.1", port=0)
     async with asyncio.TaskGroup() as tg:
-        service = FramedService(channel=Channel.DATA, resolve=session_resolver(secret), run_id="test-run", handler=collect, task_group=tg)
+        service = FramedService(
+            channel=Channel.DATA,
+            resolve=session_resolver(secret),
+            run_id="test-run",
+            handler=collect,
+            task_group=tg,
+        )
         mux.register(Channel.DATA, service.protocol_factory)
         await mux.start()
         payloads = [bytes([i]) * (3 * 1024 * 1024 + i) for i in range(4)]
-        link = await open_framed("127.0.0.1", mux.port, channel=Channel.DATA, credential=Credential.session(secret))
+        link = await open_framed(
+            "127.0.0.1", mux.port, channel=Channel.DATA, credential=Credential.session(secret)
+        )
         for i, payload in enumerate(payloads):
-            spec = m.TensorSpec(name="x", dtype="uint8", shape=(len(payload),), offset=0, nbytes=len(payload))
+            spec = m.TensorSpec(
+                name="x", dtype="uint8", shape=(len(payload),), offset=0, nbytes=len(payload)
+            )
             await link.send_tensors(m.TensorBundle(round=i, weight=1.0, tensors=(spec,)), [payload])
         await link.drain()
         async with asyncio.timeout(30):
@@ -312,9 +381,18 @@ async def test_tensor_frames_cross_the_data_channel_and_tampering_is_caught(secr
 
         # A flipped payload bit closes the connection; nothing of that frame is delivered.
         raw_reader, raw_writer = await asyncio.open_connection("127.0.0.1", mux.port)
-        sender = await raw_handshake(raw_reader, raw_writer, secret, Channel.DATA, limits=FrameLimits(max_payload=1 << 26))
+        sender = await raw_handshake(
+            raw_reader, raw_writer, secret, Channel.DATA, limits=FrameLimits(max_payload=1 << 26)
+        )
         spec = m.TensorSpec(name="x", dtype="uint8", shape=(2 << 20,), offset=0, nbytes=2 << 20)
-        wire = bytearray(b"".join(bytes(p) for p in sender.send_parts(m.TensorBundle(round=9, weight=1.0, tensors=(spec,)), [b"\x07" * (2 << 20)])))
+        wire = bytearray(
+            b"".join(
+                bytes(p)
+                for p in sender.send_parts(
+                    m.TensorBundle(round=9, weight=1.0, tensors=(spec,)), [b"\x07" * (2 << 20)]
+                )
+            )
+        )
         wire[len(wire) // 2] ^= 1
         raw_writer.write(bytes(wire))
         assert await asyncio.wait_for(raw_reader.read(), 10) == b""

@@ -33,7 +33,10 @@ from flodl_async.wire.handshake import session_resolver
 
 from .launchkit import script
 
-pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="needs Linux: the flood binds 127.0.0.2 as source, and fds are counted in /proc")
+pytestmark = pytest.mark.skipif(
+    sys.platform != "linux",
+    reason="needs Linux: the flood binds 127.0.0.2 as source, and fds are counted in /proc",
+)
 
 FLOOD = "127.0.0.2"
 #: Every network deadline at a fifth (sniff and handshake 1 s): the flood's leftovers expire within the test.
@@ -83,7 +86,16 @@ class PlainEcho(asyncio.Protocol):
 
 def _snapshot() -> StatusSnapshot:
     now = time.time()
-    return StatusSnapshot(run_id="flood", phase=Phase.TRAINING, started_at=now, updated_at=now, world_size=1, joined_ranks=1, min_rank_start=1, target_ranks=1)
+    return StatusSnapshot(
+        run_id="flood",
+        phase=Phase.TRAINING,
+        started_at=now,
+        updated_at=now,
+        world_size=1,
+        joined_ranks=1,
+        min_rank_start=1,
+        target_ranks=1,
+    )
 
 
 @pytest.fixture
@@ -167,11 +179,17 @@ async def test_idle_flood_from_one_address_leaves_status_answering(port_mux: Por
         sock.close()
 
 
-async def test_an_idle_flood_from_many_addresses_is_held_to_the_total_cap(monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_an_idle_flood_from_many_addresses_is_held_to_the_total_cap(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     monkeypatch.setenv("FLODL_NET_TIMEOUT_SCALE", SCALE)
     board = StatusBoard()
     board.publish(_snapshot())
-    mux = PortMux(host="127.0.0.1", port=0, limits=AdmissionLimits(max_unauthenticated=100, max_unauthenticated_per_peer=64))
+    mux = PortMux(
+        host="127.0.0.1",
+        port=0,
+        limits=AdmissionLimits(max_unauthenticated=100, max_unauthenticated_per_peer=64),
+    )
     mux.register(Channel.STATUS, lambda: StatusHttpProtocol(board))
     await mux.start()
     try:
@@ -189,8 +207,13 @@ async def test_an_idle_flood_from_many_addresses_is_held_to_the_total_cap(monkey
 
 async def test_status_has_its_own_small_budget_per_address(port_mux: PortMux) -> None:
     # Requests that never finish (slowloris) hold status slots, never more than the per-address budget.
-    slow = [await _connect(port_mux.port, source=FLOOD, first=b"GET /state.json HTTP/1.1\r\n") for _ in range(20)]
-    assert await _get_status(port_mux.port, source=FLOOD) == 200  # the newcomer from the same address still gets in
+    slow = [
+        await _connect(port_mux.port, source=FLOOD, first=b"GET /state.json HTTP/1.1\r\n")
+        for _ in range(20)
+    ]
+    assert (
+        await _get_status(port_mux.port, source=FLOOD) == 200
+    )  # the newcomer from the same address still gets in
     stats = port_mux.statistics()
     assert stats.dropped == {"evicted": 5}  # 21 requests, 16 slots
     assert stats.status_now <= 16
@@ -202,7 +225,9 @@ async def test_status_has_its_own_small_budget_per_address(port_mux: PortMux) ->
 # ----- item 4: connections that send only the control magic -----------------------------------------
 
 
-async def test_magic_only_flood_is_ended_while_an_authenticated_peer_stays(port_mux: PortMux) -> None:
+async def test_magic_only_flood_is_ended_while_an_authenticated_peer_stays(
+    port_mux: PortMux,
+) -> None:
     magic = CHANNEL_MAGIC[Channel.CONTROL]
     LineEcho.bound_before_connection_made.clear()
     early = await _connect(port_mux.port, source=FLOOD, first=magic)
@@ -221,7 +246,9 @@ async def test_magic_only_flood_is_ended_while_an_authenticated_peer_stays(port_
         if i % 100 == 99:
             statuses.append(await _get_status(port_mux.port))
             await asyncio.sleep(0)  # let evicted transports finish closing before counting
-            server_side_peak = max(server_side_peak, _open_fds() - baseline - len(flood) - (late is not None))
+            server_side_peak = max(
+                server_side_peak, _open_fds() - baseline - len(flood) - (late is not None)
+            )
     assert statuses == [200] * 10
     # The server holds at most the per-address cap of the flood, not one descriptor per connection.
     assert server_side_peak <= 64 + 8
@@ -239,9 +266,16 @@ async def test_magic_only_flood_is_ended_while_an_authenticated_peer_stays(port_
         sock.close()
 
 
-async def test_rejections_reported_by_the_protocol_are_counted_and_summarised(port_mux: PortMux, caplog: pytest.LogCaptureFixture) -> None:
+async def test_rejections_reported_by_the_protocol_are_counted_and_summarised(
+    port_mux: PortMux, caplog: pytest.LogCaptureFixture
+) -> None:
     caplog.set_level(logging.DEBUG, logger="flodl_async.mux")
-    bad = [await _connect(port_mux.port, source=FLOOD, first=CHANNEL_MAGIC[Channel.CONTROL] + b"bad key\n") for _ in range(300)]
+    bad = [
+        await _connect(
+            port_mux.port, source=FLOOD, first=CHANNEL_MAGIC[Channel.CONTROL] + b"bad key\n"
+        )
+        for _ in range(300)
+    ]
     async with asyncio.timeout(60):
         assert all(await asyncio.gather(*(_closed_by_server(sock) for sock in bad)))
     assert port_mux.statistics().dropped == {"auth_failed": 300}
@@ -250,16 +284,30 @@ async def test_rejections_reported_by_the_protocol_are_counted_and_summarised(po
     summaries = [r for r in caplog.records if r.levelno >= logging.INFO]
     assert 1 <= len(summaries) <= 2
     assert "300" in summaries[-1].getMessage() or "299 auth_failed" in summaries[-1].getMessage()
-    assert sum("the peer's proof did not verify" in r.getMessage() for r in caplog.records if r.levelno == logging.DEBUG) == 300
+    assert (
+        sum(
+            "the peer's proof did not verify" in r.getMessage()
+            for r in caplog.records
+            if r.levelno == logging.DEBUG
+        )
+        == 300
+    )
     for sock in bad:
         sock.close()
 
 
-async def test_a_peer_that_leaves_mid_handshake_is_counted_as_an_early_close(port_mux: PortMux) -> None:
-    leaving = [await _connect(port_mux.port, source=FLOOD, first=CHANNEL_MAGIC[Channel.CONTROL]) for _ in range(10)]
+async def test_a_peer_that_leaves_mid_handshake_is_counted_as_an_early_close(
+    port_mux: PortMux,
+) -> None:
+    leaving = [
+        await _connect(port_mux.port, source=FLOOD, first=CHANNEL_MAGIC[Channel.CONTROL])
+        for _ in range(10)
+    ]
     for sock in leaving:
         sock.shutdown(socket.SHUT_WR)
-    assert all([await _closed_by_server(sock) for sock in leaving])  # the server closed after its connection_lost ran
+    assert all(
+        [await _closed_by_server(sock) for sock in leaving]
+    )  # the server closed after its connection_lost ran
     stats = port_mux.statistics()
     assert stats.dropped == {"early_close": 10}
     assert (stats.handshaking_now, stats.open_now) == (0, 0)
@@ -311,7 +359,9 @@ def test_the_flood_is_held_off_on_uvloop_too(monkeypatch: pytest.MonkeyPatch) ->
         runner.run(main())
 
 
-async def test_idle_connections_on_the_real_control_channel_meet_the_handshake_deadline(monkeypatch: pytest.MonkeyPatch, secret: bytes) -> None:
+async def test_idle_connections_on_the_real_control_channel_meet_the_handshake_deadline(
+    monkeypatch: pytest.MonkeyPatch, secret: bytes
+) -> None:
     """Item 4 with the controller's own protocol: magic-only connections are closed at the handshake deadline."""
     monkeypatch.setenv("FLODL_NET_TIMEOUT_SCALE", SCALE)
 
@@ -322,15 +372,26 @@ async def test_idle_connections_on_the_real_control_channel_meet_the_handshake_d
     timed_out: TimeoutError | None = None
     idle: list[socket.socket] = []
     async with asyncio.TaskGroup() as tg:
-        service = FramedService(channel=Channel.CONTROL, resolve=session_resolver(secret), run_id="r", handler=wait_for_a_frame, task_group=tg)
+        service = FramedService(
+            channel=Channel.CONTROL,
+            resolve=session_resolver(secret),
+            run_id="r",
+            handler=wait_for_a_frame,
+            task_group=tg,
+        )
         mux.register(Channel.CONTROL, service.protocol_factory)
         await mux.start()
         try:
-            idle = [await _connect(mux.port, source=FLOOD, first=CHANNEL_MAGIC[Channel.CONTROL]) for _ in range(20)]
+            idle = [
+                await _connect(mux.port, source=FLOOD, first=CHANNEL_MAGIC[Channel.CONTROL])
+                for _ in range(20)
+            ]
             async with asyncio.timeout(5):  # the deadline is 1 s
                 assert all(await asyncio.gather(*(_closed_by_server(sock) for sock in idle)))
             assert mux.statistics().dropped == {"handshake_timeout": 20}
-        except TimeoutError as exc:  # raised out of the task group, it would arrive wrapped in a group
+        except (
+            TimeoutError
+        ) as exc:  # raised out of the task group, it would arrive wrapped in a group
             timed_out = exc
         finally:
             for sock in idle:
@@ -343,14 +404,23 @@ async def test_idle_connections_on_the_real_control_channel_meet_the_handshake_d
 # ----- item 6: log flooding -------------------------------------------------------------------------
 
 
-async def test_a_flood_of_refusals_logs_a_few_summary_lines(port_mux: PortMux, caplog: pytest.LogCaptureFixture) -> None:
+async def test_a_flood_of_refusals_logs_a_few_summary_lines(
+    port_mux: PortMux, caplog: pytest.LogCaptureFixture
+) -> None:
     caplog.set_level(logging.INFO, logger="flodl_async.mux")
     idle = [await _connect(port_mux.port, source=FLOOD) for _ in range(500)]
-    garbage = [await _connect(port_mux.port, source=FLOOD, first=b"\x00 names no channel") for _ in range(500)]
+    garbage = [
+        await _connect(port_mux.port, source=FLOOD, first=b"\x00 names no channel")
+        for _ in range(500)
+    ]
     async with asyncio.timeout(60):
         assert all(await asyncio.gather(*(_closed_by_server(sock) for sock in idle + garbage)))
     await port_mux.aclose()  # reports what the summary still holds
-    lines = [r.getMessage() for r in caplog.records if r.name == "flodl_async.mux" and r.levelno >= logging.INFO]
+    lines = [
+        r.getMessage()
+        for r in caplog.records
+        if r.name == "flodl_async.mux" and r.levelno >= logging.INFO
+    ]
     assert 1 <= len(lines) <= 3, lines
     assert port_mux.statistics().dropped["unknown_magic"] == 500
     for sock in idle + garbage:
@@ -360,11 +430,18 @@ async def test_a_flood_of_refusals_logs_a_few_summary_lines(port_mux: PortMux, c
 # ----- out of descriptors ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("loop", "says"), [("asyncio", "out of file descriptors (EMFILE"), ("uvloop", "near the descriptor limit")])
+@pytest.mark.parametrize(
+    ("loop", "says"),
+    [("asyncio", "out of file descriptors (EMFILE"), ("uvloop", "near the descriptor limit")],
+)
 def test_running_out_of_descriptors_is_named_in_a_few_lines(loop: str, says: str) -> None:
     """asyncio reports accept() failing, up to a thousand times a second; uvloop hides it: either way, a few clear lines."""
     child = subprocess.Popen(
-        [sys.executable, script("mux_at_fd_limit.py"), loop, "128"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        [sys.executable, script("mux_at_fd_limit.py"), loop, "128"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     assert child.stdout is not None
     assert child.stdin is not None

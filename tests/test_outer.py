@@ -65,7 +65,9 @@ def test_output_dtypes_and_bf16_prev_global_is_what_ranks_adopt() -> None:
     out = stepper.step({"w": torch.full((3,), 0.3)}, {"w": torch.bfloat16})
     assert out["w"].dtype == torch.bfloat16
     # reference: p = 1 (bf16-exact), g = 0.7, v = 0.7, new = 1 - 0.7 = 0.3 in f32, cast to bf16
-    assert torch.equal(out["w"], (torch.ones(3) - (torch.ones(3) - torch.full((3,), 0.3))).to(torch.bfloat16))
+    assert torch.equal(
+        out["w"], (torch.ones(3) - (torch.ones(3) - torch.full((3,), 0.3))).to(torch.bfloat16)
+    )
 
 
 def test_resets_inner_and_defaults() -> None:

@@ -15,7 +15,17 @@ from pathlib import Path
 
 import pytest
 
-from .launchkit import PY, Launcher, assert_nothing_left, free_port, new_run_id, reap, run_launch, script, wait_status
+from .launchkit import (
+    PY,
+    Launcher,
+    assert_nothing_left,
+    free_port,
+    new_run_id,
+    reap,
+    run_launch,
+    script,
+    wait_status,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -51,8 +61,12 @@ class Console:
 
     def wait_for(self, what: Callable[[Console], bool], *, timeout: float = WAIT) -> None:
         with self._cond:
-            if not self._cond.wait_for(lambda: what(self) or not self._thread.is_alive(), timeout=timeout) or not what(self):
-                raise AssertionError(f"console never showed it; lines so far: {self.lines[-20:]}, flood lines {self.flood_lines}")
+            if not self._cond.wait_for(
+                lambda: what(self) or not self._thread.is_alive(), timeout=timeout
+            ) or not what(self):
+                raise AssertionError(
+                    f"console never showed it; lines so far: {self.lines[-20:]}, flood lines {self.flood_lines}"
+                )
 
     def has(self, line: str) -> bool:
         return line in self.lines
@@ -67,7 +81,9 @@ def _rank_state(doc: dict[str, object], rank: int) -> str | None:
     return next((str(r["state"]) for r in ranks if r["rank"] == rank), None)
 
 
-def test_a_walk_in_agents_output_crosses_the_link_whole_prompt_and_complete(tmp_path: Path, xdg: Path) -> None:
+def test_a_walk_in_agents_output_crosses_the_link_whole_prompt_and_complete(
+    tmp_path: Path, xdg: Path
+) -> None:
     port, run_id = free_port(), new_run_id()
     secret_file, logs, signals = tmp_path / "secret", tmp_path / "logs", tmp_path / "signals"
     signals.mkdir()
@@ -117,8 +133,12 @@ def test_a_walk_in_agents_output_crosses_the_link_whole_prompt_and_complete(tmp_
     assert b_lines == ["[walk-in:r2] " + "b" * 3000 + "\n"] * 2000
     assert "[localhost:r0] local ready\n" in console.lines
     attempt = logs / run_id / "attempt_0"
-    assert (attempt / "1" / "stdout.log").stat().st_size == total + len(f"flooded {total} bytes\n")  # the file too
-    assert (attempt / "2" / "stdout.log").read_bytes() == b"partial-2-done\n" + (b"b" * 3000 + b"\n") * 2000
+    assert (attempt / "1" / "stdout.log").stat().st_size == total + len(
+        f"flooded {total} bytes\n"
+    )  # the file too
+    assert (attempt / "2" / "stdout.log").read_bytes() == b"partial-2-done\n" + (
+        b"b" * 3000 + b"\n"
+    ) * 2000
     assert (attempt / "0" / "stdout.log").read_bytes() == b"local ready\n"
     assert (attempt / "1" / "stderr.log").read_bytes() == b""
 
@@ -134,13 +154,30 @@ def test_local_ranks_filter_shows_only_those_ranks_and_the_files_keep_all(tmp_pa
     shown = sorted(line for line in done.stdout.splitlines() if "hello from" in line)
     assert [line.split("] ")[1] for line in shown] == ["hello from 0", "hello from 2"]
     for rank in range(3):
-        assert (tmp_path / run_id / "attempt_0" / str(rank) / "stdout.log").read_text() == f"hello from {rank}\n"
+        assert (
+            tmp_path / run_id / "attempt_0" / str(rank) / "stdout.log"
+        ).read_text() == f"hello from {rank}\n"
 
 
 def test_a_bad_local_ranks_filter_is_one_clear_line(tmp_path: Path) -> None:
-    done = run_launch("--nproc", "1", "--devices", "cpu", "--local-ranks-filter", "0,x", "--", PY, "-c", "pass", run_id=new_run_id())
+    done = run_launch(
+        "--nproc",
+        "1",
+        "--devices",
+        "cpu",
+        "--local-ranks-filter",
+        "0,x",
+        "--",
+        PY,
+        "-c",
+        "pass",
+        run_id=new_run_id(),
+    )
     assert done.returncode == 2
-    assert done.stderr.strip() == "flodl-launch: error: --local-ranks-filter takes rank numbers separated by commas, like 0,1 (got '0,x')"
+    assert (
+        done.stderr.strip()
+        == "flodl-launch: error: --local-ranks-filter takes rank numbers separated by commas, like 0,1 (got '0,x')"
+    )
 
 
 def test_the_log_dir_keeps_every_attempt_apart(tmp_path: Path) -> None:
@@ -153,5 +190,7 @@ def test_the_log_dir_keeps_every_attempt_apart(tmp_path: Path) -> None:
     assert sorted(p.name for p in run.iterdir()) == ["attempt_0", "attempt_1"]
     assert "failing on purpose in attempt 0" in (run / "attempt_0" / "1" / "stderr.log").read_text()
     for rank in range(2):
-        assert (run / "attempt_1" / str(rank) / "stdout.log").read_text() == f"attempt 1 rank {rank} sum 2\n"
+        assert (
+            run / "attempt_1" / str(rank) / "stdout.log"
+        ).read_text() == f"attempt 1 rank {rank} sum 2\n"
         assert "failing" not in (run / "attempt_1" / str(rank) / "stderr.log").read_text()

@@ -15,7 +15,9 @@ _no_cr = _text.map(lambda b: b.replace(b"\r", b""))
 _pieces = st.lists(st.tuples(_text, st.floats(min_value=0.0, max_value=0.3)), max_size=20)
 
 
-def _chunks(pieces: list[tuple[bytes, float]], *, idle: float = 0.1, limit: int = 64) -> list[bytes]:
+def _chunks(
+    pieces: list[tuple[bytes, float]], *, idle: float = 0.1, limit: int = 64
+) -> list[bytes]:
     chunker = OutputChunker(idle=idle, limit=limit)
     now, out = 0.0, []
     for data, step in pieces:
@@ -30,7 +32,9 @@ def _chunks(pieces: list[tuple[bytes, float]], *, idle: float = 0.1, limit: int 
 
 
 @given(_pieces)
-def test_the_chunker_loses_no_byte_and_keeps_every_chunk_within_the_limit(pieces: list[tuple[bytes, float]]) -> None:
+def test_the_chunker_loses_no_byte_and_keeps_every_chunk_within_the_limit(
+    pieces: list[tuple[bytes, float]],
+) -> None:
     chunks = _chunks(pieces, limit=64)
     assert b"".join(chunks) == b"".join(d for d, _ in pieces)
     assert all(len(c) <= 64 for c in chunks)
@@ -62,7 +66,9 @@ def _assemble(chunks: list[bytes]) -> list[ConsoleLine]:
 
 
 @given(_no_cr, st.lists(st.integers(min_value=0, max_value=400), max_size=10))
-def test_the_assembler_shows_every_line_once_whole_however_it_was_cut(data: bytes, cuts: list[int]) -> None:
+def test_the_assembler_shows_every_line_once_whole_however_it_was_cut(
+    data: bytes, cuts: list[int]
+) -> None:
     bounds = sorted({0, len(data), *(c for c in cuts if c <= len(data))})
     chunks = [data[a:b] for a, b in itertools.pairwise(bounds)]
     lines = _assemble(chunks)
@@ -85,16 +91,26 @@ def test_the_assembler_shows_every_line_once_whole_however_it_was_cut(data: byte
 def test_a_progress_bar_shows_what_the_terminal_would() -> None:
     assembler = LineAssembler()
     assert assembler.receive_data(b"\r 10%|#") == [ConsoleLine(text=b" 10%|#\n", update=True)]
-    assert assembler.receive_data(b"\r 50%|#####\r") == [ConsoleLine(text=b" 50%|#####\n", update=True)]
-    assert assembler.receive_data(b"\r100%|##########|\n") == [ConsoleLine(text=b"100%|##########|\n")]
+    assert assembler.receive_data(b"\r 50%|#####\r") == [
+        ConsoleLine(text=b" 50%|#####\n", update=True)
+    ]
+    assert assembler.receive_data(b"\r100%|##########|\n") == [
+        ConsoleLine(text=b"100%|##########|\n")
+    ]
     assert assembler.end() == []
 
 
 def test_a_finished_bar_is_not_repeated_when_its_newline_comes_after_its_last_update() -> None:
     assembler = LineAssembler()
-    assert assembler.receive_data(b"\r 50%|#####") == [ConsoleLine(text=b" 50%|#####\n", update=True)]
-    assert assembler.receive_data(b"\r100%|##########|") == [ConsoleLine(text=b"100%|##########|\n", update=True)]
-    assert assembler.receive_data(b"\nnext\n") == [ConsoleLine(text=b"next\n")]  # the bar's newline adds nothing
+    assert assembler.receive_data(b"\r 50%|#####") == [
+        ConsoleLine(text=b" 50%|#####\n", update=True)
+    ]
+    assert assembler.receive_data(b"\r100%|##########|") == [
+        ConsoleLine(text=b"100%|##########|\n", update=True)
+    ]
+    assert assembler.receive_data(b"\nnext\n") == [
+        ConsoleLine(text=b"next\n")
+    ]  # the bar's newline adds nothing
     # A bar that ends other than its last update showed it is shown as it ends.
     assert assembler.receive_data(b"\r 10%|#") == [ConsoleLine(text=b" 10%|#\n", update=True)]
     assert assembler.receive_data(b"\r 20%|##\n") == [ConsoleLine(text=b" 20%|##\n")]
@@ -109,7 +125,9 @@ _redraws = st.lists(st.sampled_from([b"a", b"b", b"\r", b"\n"]), max_size=120).m
 
 
 @given(_redraws, st.lists(st.integers(min_value=0, max_value=120), max_size=12))
-def test_every_line_ends_on_the_console_as_a_terminal_shows_it_and_a_redraw_never_twice(data: bytes, cuts: list[int]) -> None:
+def test_every_line_ends_on_the_console_as_a_terminal_shows_it_and_a_redraw_never_twice(
+    data: bytes, cuts: list[int]
+) -> None:
     bounds = sorted({0, len(data), *(c for c in cuts if c <= len(data))})
     assembler = LineAssembler(limit=10_000)
     shown: list[ConsoleLine] = []
@@ -119,7 +137,11 @@ def test_every_line_ends_on_the_console_as_a_terminal_shows_it_and_a_redraw_neve
         finishing = (unfinished + data[a:b]).split(b"\n", 1)[0] if b"\n" in data[a:b] else None
         if finishing is not None and shown and shown[-1].update and out and not out[0].update:
             # A line shown as an update and then again, the same, as a whole line: only a plain (not redrawn) one.
-            assert not (out[0].text == shown[-1].text and b"\r" in finishing), (finishing, shown[-1], out[0])
+            assert not (out[0].text == shown[-1].text and b"\r" in finishing), (
+                finishing,
+                shown[-1],
+                out[0],
+            )
         shown += out
         unfinished = (unfinished + data[a:b]).rsplit(b"\n", 1)[-1]
     shown += assembler.end()
@@ -143,9 +165,16 @@ def test_an_unfinished_line_already_shown_is_not_shown_again_at_the_end() -> Non
 
 
 @given(_pieces)
-def test_chunker_then_assembler_gives_back_the_ranks_lines(pieces: list[tuple[bytes, float]]) -> None:
+def test_chunker_then_assembler_gives_back_the_ranks_lines(
+    pieces: list[tuple[bytes, float]],
+) -> None:
     data = b"".join(d for d, _ in pieces).replace(b"\r", b"")
     clean = [(d.replace(b"\r", b""), t) for d, t in pieces]
     assembler = LineAssembler(limit=10_000)
-    whole = [line.text for c in _chunks(clean, limit=10_000) for line in assembler.receive_data(c) if not line.update]
+    whole = [
+        line.text
+        for c in _chunks(clean, limit=10_000)
+        for line in assembler.receive_data(c)
+        if not line.update
+    ]
     assert whole == [line + b"\n" for line in data.split(b"\n")[:-1]]

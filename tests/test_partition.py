@@ -71,8 +71,12 @@ def test_largest_remainder_examples() -> None:
 
 
 @SETTINGS
-@given(total=st.integers(0, 10_000), weights=st.lists(st.floats(0.01, 100), min_size=1, max_size=12))
-def test_largest_remainder_sums_and_stays_within_one_of_the_quota(total: int, weights: list[float]) -> None:
+@given(
+    total=st.integers(0, 10_000), weights=st.lists(st.floats(0.01, 100), min_size=1, max_size=12)
+)
+def test_largest_remainder_sums_and_stays_within_one_of_the_quota(
+    total: int, weights: list[float]
+) -> None:
     parts = largest_remainder(total, weights)
     assert sum(parts) == total
     mass = sum(weights)
@@ -83,7 +87,9 @@ def test_largest_remainder_sums_and_stays_within_one_of_the_quota(total: int, we
 
 @SETTINGS
 @given(n_batches=st.integers(0, 500), world=st.integers(1, 9), data=st.data())
-def test_sync_slices_cover_each_batch_exactly_once(n_batches: int, world: int, data: st.DataObject) -> None:
+def test_sync_slices_cover_each_batch_exactly_once(
+    n_batches: int, world: int, data: st.DataObject
+) -> None:
     ratios = data.draw(st.none() | st.lists(st.floats(0.05, 1), min_size=world, max_size=world))
     slices = sync_slices(n_batches, world, ratios)
     assert len(slices) == world
@@ -142,7 +148,9 @@ operations = st.lists(
 
 @SETTINGS
 @given(total=st.integers(0, 80), ops=operations)
-def test_pool_partitions_every_batch_under_any_sequence(total: int, ops: list[tuple[str, int, int]]) -> None:
+def test_pool_partitions_every_batch_under_any_sequence(
+    total: int, ops: list[tuple[str, int, int]]
+) -> None:
     pool = ChunkPool(total)
     round_ = 0
     for op, rank, k in ops:
@@ -157,7 +165,9 @@ def test_pool_partitions_every_batch_under_any_sequence(total: int, ops: list[tu
         covered = [b for f, n in pool.covered_ranges() for b in range(f, f + n)]
         free_or_flying = [b for f, n in pool.uncovered_ranges() for b in range(f, f + n)]
         assert sorted(covered + free_or_flying) == list(range(total))  # disjoint and complete
-        flying = [b for ranges in pool.in_flight().values() for f, n in ranges for b in range(f, f + n)]
+        flying = [
+            b for ranges in pool.in_flight().values() for f, n in ranges for b in range(f, f + n)
+        ]
         assert len(flying) == len(set(flying))
         assert range_size(pool.uncovered_ranges()) == pool.remaining + len(flying)
     # A resume from what a checkpoint would record hands out exactly the uncovered batches.
@@ -174,7 +184,9 @@ def test_from_coverage_refuses_ranges_outside_the_epoch() -> None:
 
 @SETTINGS
 @given(n_batches=st.integers(1, 300), counts=st.lists(st.integers(1, 40), min_size=1, max_size=6))
-def test_windows_of_an_epoch_cover_each_batch_exactly_once(n_batches: int, counts: list[int]) -> None:
+def test_windows_of_an_epoch_cover_each_batch_exactly_once(
+    n_batches: int, counts: list[int]
+) -> None:
     """CADENCE's dispatch: windows of ``counts`` (tail by largest remainder) until the pool drains."""
     pool = ChunkPool(n_batches)
     seen: list[int] = []

@@ -20,16 +20,28 @@ from flodl_async.wire.tensor import pack_tensors, unpack_tensors
 from .wirekit import LinkPair, feed_buffered
 
 
-def _pair(keys: LinkPair, *, peer_plain: bool = True, controller_plain: bool = True) -> tuple[FrameConnection, FrameConnection]:
-    peer = FrameConnection(channel=Channel.DATA, side=Side.PEER, keys=keys.peer, plain_payloads=peer_plain)
-    controller = FrameConnection(channel=Channel.DATA, side=Side.CONTROLLER, keys=keys.controller, plain_payloads=controller_plain)
+def _pair(
+    keys: LinkPair, *, peer_plain: bool = True, controller_plain: bool = True
+) -> tuple[FrameConnection, FrameConnection]:
+    peer = FrameConnection(
+        channel=Channel.DATA, side=Side.PEER, keys=keys.peer, plain_payloads=peer_plain
+    )
+    controller = FrameConnection(
+        channel=Channel.DATA,
+        side=Side.CONTROLLER,
+        keys=keys.controller,
+        plain_payloads=controller_plain,
+    )
     return peer, controller
 
 
 @pytest.mark.parametrize("chunk", [1, 4096, 1 << 20])
 def test_plain_payloads_round_trip_in_place_with_exact_buffers(keys: LinkPair, chunk: int) -> None:
     peer, controller = _pair(keys)
-    tensors = {"a": torch.arange(50_000, dtype=torch.float32), "b": torch.ones(3, dtype=torch.int64)}
+    tensors = {
+        "a": torch.arange(50_000, dtype=torch.float32),
+        "b": torch.ones(3, dtype=torch.int64),
+    }
     bundle, parts = pack_tensors(tensors, round=1)
     wire = b"".join(bytes(p) for p in peer.send_parts(bundle, parts))
     payload_len = sum(p.nbytes for p in parts)
@@ -37,7 +49,9 @@ def test_plain_payloads_round_trip_in_place_with_exact_buffers(keys: LinkPair, c
     sealed_wire = b"".join(bytes(p) for p in sealed_peer.send_parts(bundle, parts))
     assert len(sealed_wire) - len(wire) == 16  # the payload travels as it is: no GCM tag
     assert bytes(parts[0]) in wire  # the tensor's own bytes are on the wire
-    frames = feed_buffered(controller, wire + peer.send(m.TensorBundle(round=2, weight=0.0, tensors=())), chunk=chunk)
+    frames = feed_buffered(
+        controller, wire + peer.send(m.TensorBundle(round=2, weight=0.0, tensors=())), chunk=chunk
+    )
     assert len(frames) == 2
     assert frames[0].payload is not None
     assert frames[0].payload.nbytes == payload_len
@@ -60,7 +74,9 @@ def test_both_ends_must_agree_on_plain_payloads(keys: LinkPair) -> None:
     """A mismatch (a bug: both ends are ours) reads the next bytes as the missing GCM tags and fails, never decodes garbage."""
     peer, controller = _pair(keys, peer_plain=True, controller_plain=False)
     bundle, parts = pack_tensors({"a": torch.ones(1000)}, round=1)
-    wire = b"".join(bytes(p) for p in peer.send_parts(bundle, parts)) + peer.send(m.TensorBundle(round=2, weight=0.0, tensors=()))
+    wire = b"".join(bytes(p) for p in peer.send_parts(bundle, parts)) + peer.send(
+        m.TensorBundle(round=2, weight=0.0, tensors=())
+    )
     with pytest.raises(WireError):
         feed_buffered(controller, wire)
 
@@ -73,11 +89,23 @@ async def test_plain_payloads_are_refused_on_a_tcp_link(secret: bytes) -> None:
 
     try:
         async with asyncio.timeout(20), asyncio.TaskGroup() as tg:
-            service = FramedService(channel=Channel.DATA, resolve=session_resolver(secret), run_id="r", handler=idle, task_group=tg, plain_payloads=True)  # type: ignore[arg-type]
+            service = FramedService(
+                channel=Channel.DATA,
+                resolve=session_resolver(secret),
+                run_id="r",
+                handler=idle,
+                task_group=tg,
+                plain_payloads=True,
+            )  # type: ignore[arg-type]
             mux.register(Channel.DATA, service.protocol_factory)
             await mux.start()
             with pytest.raises((ConnectionClosed, WireError, OSError)):
-                await open_framed("127.0.0.1", mux.port, channel=Channel.DATA, credential=Credential.session(secret))
+                await open_framed(
+                    "127.0.0.1",
+                    mux.port,
+                    channel=Channel.DATA,
+                    credential=Credential.session(secret),
+                )
             await mux.aclose()
     finally:
         await mux.aclose()

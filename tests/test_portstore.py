@@ -21,7 +21,9 @@ from flodl_async.wire import Channel
 from flodl_async.wire.channels import STORE_PREFIX
 from flodl_async.wire.storeproto import Query
 
-pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="needs Linux: clients bind 127.0.0.2 as source")
+pytestmark = pytest.mark.skipif(
+    sys.platform != "linux", reason="needs Linux: clients bind 127.0.0.2 as source"
+)
 
 ADMITTED, OTHER = "127.0.0.1", "127.0.0.2"
 
@@ -63,7 +65,9 @@ def torch_client(port: int) -> object:
 
 
 @pytest.mark.parametrize(("admitted", "source"), [(ADMITTED, OTHER), (OTHER, ADMITTED)])
-async def test_a_store_connection_from_an_address_not_admitted_is_closed_and_counted(admitted: str, source: str) -> None:
+async def test_a_store_connection_from_an_address_not_admitted_is_closed_and_counted(
+    admitted: str, source: str
+) -> None:
     async with store_on_port(admitted) as (mux, store):
         reader, writer = await raw_client(mux.port, source)
         writer.write(STORE_PREFIX + bytes([Query.SET]) + _vector(b"k") + _vector(b"v"))
@@ -76,7 +80,9 @@ async def test_a_store_connection_from_an_address_not_admitted_is_closed_and_cou
         assert store.connections == 0
 
 
-async def test_torch_clients_share_the_store_through_the_port_and_leave_the_admission_pool() -> None:
+async def test_torch_clients_share_the_store_through_the_port_and_leave_the_admission_pool() -> (
+    None
+):
     async with store_on_port(ADMITTED) as (mux, store):
         a = await asyncio.to_thread(torch_client, mux.port)
         b = await asyncio.to_thread(torch_client, mux.port)
@@ -87,7 +93,10 @@ async def test_torch_clients_share_the_store_through_the_port_and_leave_the_admi
         await asyncio.to_thread(a.wait, ["key", "n"])  # type: ignore[attr-defined]
         stats = mux.statistics()
         assert stats.routed == {"store": 2}
-        assert (stats.unsniffed_now, stats.handshaking_now) == (0, 0)  # validated: off the unauthenticated caps
+        assert (stats.unsniffed_now, stats.handshaking_now) == (
+            0,
+            0,
+        )  # validated: off the unauthenticated caps
         assert stats.dropped == {}
         assert store.connections == 2
         del a, b

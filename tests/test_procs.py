@@ -16,7 +16,13 @@ from .launchkit import script
 
 async def _stubborn(record: Path, count: int = 2) -> list[asyncio.subprocess.Process]:
     """Processes that record and ignore INT and TERM, each ready once its handlers are in place."""
-    procs = [await spawn([sys.executable, script("record_signals.py"), str(record), "ignore"], env={**os.environ, "RANK": str(i)}) for i in range(count)]
+    procs = [
+        await spawn(
+            [sys.executable, script("record_signals.py"), str(record), "ignore"],
+            env={**os.environ, "RANK": str(i)},
+        )
+        for i in range(count)
+    ]
     for proc in procs:
         assert proc.stdout is not None
         assert (await proc.stdout.readline()).startswith(b"ready pid")
@@ -50,7 +56,10 @@ async def test_force_kills_now_despite_a_long_grace(tmp_path: Path) -> None:
     loop = asyncio.get_running_loop()
     started = loop.time()
     async with asyncio.TaskGroup() as tg:
-        stopping = tg.create_task(stop_processes(procs, schedule=stop_schedule(signal.SIGTERM, 60.0), force=force), name="stop")
+        stopping = tg.create_task(
+            stop_processes(procs, schedule=stop_schedule(signal.SIGTERM, 60.0), force=force),
+            name="stop",
+        )
         await asyncio.sleep(0)  # let the stop begin (TERM sent) before forcing it
         force.set()
     assert stopping.done()
@@ -68,7 +77,10 @@ async def test_grace_zero_is_kill_at_once(tmp_path: Path) -> None:
 
 async def test_processes_that_leave_on_the_first_signal_end_the_stop_early(tmp_path: Path) -> None:
     record = tmp_path / "signals"
-    proc = await spawn([sys.executable, script("record_signals.py"), str(record), "exit"], env={**os.environ, "RANK": "0"})
+    proc = await spawn(
+        [sys.executable, script("record_signals.py"), str(record), "exit"],
+        env={**os.environ, "RANK": "0"},
+    )
     assert proc.stdout is not None
     await proc.stdout.readline()
     loop = asyncio.get_running_loop()

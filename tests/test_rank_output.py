@@ -14,7 +14,12 @@ from flodl_async.agent import RankOutput
 def test_chunks_of_two_ranks_cut_mid_line_come_out_as_whole_lines() -> None:
     stdout = io.BytesIO()
     output = RankOutput(stdout=stdout, stderr=io.BytesIO())
-    for rank, piece in [(0, b"alpha one\nalp"), (1, b"beta "), (0, b"ha two\n"), (1, b"one\nbeta two\n")]:
+    for rank, piece in [
+        (0, b"alpha one\nalp"),
+        (1, b"beta "),
+        (0, b"ha two\n"),
+        (1, b"one\nbeta two\n"),
+    ]:
         output.chunk("h", 0, rank, "out", piece)
     assert stdout.getvalue().splitlines() == [
         b"[h:r0] alpha one",
@@ -28,7 +33,9 @@ def test_chunks_of_two_ranks_cut_mid_line_come_out_as_whole_lines() -> None:
 
 def test_the_filter_hides_ranks_from_the_console_but_not_from_the_files(tmp_path: Path) -> None:
     stdout, stderr = io.BytesIO(), io.BytesIO()
-    output = RankOutput(stdout=stdout, stderr=stderr, log_dir=tmp_path, run_id="job", show_ranks={1})
+    output = RankOutput(
+        stdout=stdout, stderr=stderr, log_dir=tmp_path, run_id="job", show_ranks={1}
+    )
     for rank in (0, 1):
         output.rank_started("h", 0, rank)
         output.chunk("h", 0, rank, "out", f"hello {rank}\n".encode())
@@ -37,8 +44,12 @@ def test_the_filter_hides_ranks_from_the_console_but_not_from_the_files(tmp_path
     assert stdout.getvalue() == b"[h:r1] hello 1\n"
     assert stderr.getvalue() == b"[h:r1] oops 1\n"
     for rank in (0, 1):
-        assert (tmp_path / "job" / "attempt_0" / str(rank) / "stdout.log").read_bytes() == f"hello {rank}\n".encode()
-        assert (tmp_path / "job" / "attempt_0" / str(rank) / "stderr.log").read_bytes() == f"oops {rank}\n".encode()
+        assert (
+            tmp_path / "job" / "attempt_0" / str(rank) / "stdout.log"
+        ).read_bytes() == f"hello {rank}\n".encode()
+        assert (
+            tmp_path / "job" / "attempt_0" / str(rank) / "stderr.log"
+        ).read_bytes() == f"oops {rank}\n".encode()
 
 
 def test_each_attempt_has_its_own_files_and_a_silent_rank_has_empty_ones(tmp_path: Path) -> None:
@@ -58,4 +69,6 @@ def test_an_unknown_stream_is_dropped_with_a_warning(caplog: pytest.LogCaptureFi
     with caplog.at_level(logging.WARNING, logger="flodl_async.agent"):
         RankOutput(stdout=stdout, stderr=stdout).chunk("h", 0, 0, "tty", b"x\n")
     assert stdout.getvalue() == b""
-    assert [r.getMessage() for r in caplog.records] == ["rank output from h for rank 0 names an unknown stream 'tty'; dropped"]
+    assert [r.getMessage() for r in caplog.records] == [
+        "rank output from h for rank 0 names an unknown stream 'tty'; dropped"
+    ]

@@ -53,11 +53,23 @@ class ScriptedLink:
         self.up.append(msg)
         self.coordinator(self, msg)
 
-    def contribute(self, round_: int, kind: str, tensors: dict[str, torch.Tensor] | None, steps: int, weight: float) -> concurrent.futures.Future[Result]:
+    def contribute(
+        self,
+        round_: int,
+        kind: str,
+        tensors: dict[str, torch.Tensor] | None,
+        steps: int,
+        weight: float,
+    ) -> concurrent.futures.Future[Result]:
         self.contributions.append((round_, kind, steps, weight, tensors is not None))
         future: concurrent.futures.Future[Result] = concurrent.futures.Future()
         # The consensus: the contribution itself, halved (so applying it is visible), mass = weight.
-        result = Result(round_, kind, weight, None if tensors is None else {k: v.clone() * 0.5 for k, v in tensors.items()})
+        result = Result(
+            round_,
+            kind,
+            weight,
+            None if tensors is None else {k: v.clone() * 0.5 for k, v in tensors.items()},
+        )
         if self.defer and kind == "model":
             self.pending.append((future, result))
         else:
@@ -83,18 +95,37 @@ class ScriptedLink:
 N_BATCHES = 16  # 512 samples / 32
 
 
-def plan(round_: int, first: int, n: int, *, hold_after: int, quota: int | None = None, epoch: int = 0) -> m.Plan:
+def plan(
+    round_: int, first: int, n: int, *, hold_after: int, quota: int | None = None, epoch: int = 0
+) -> m.Plan:
     quota = n if quota is None else quota
-    return m.Plan(rank=0, round=round_, epoch=epoch, ranges=((first, n),), quota=quota, hold_after=hold_after, progress=first / N_BATCHES)
+    return m.Plan(
+        rank=0,
+        round=round_,
+        epoch=epoch,
+        ranges=((first, n),),
+        quota=quota,
+        hold_after=hold_after,
+        progress=first / N_BATCHES,
+    )
 
 
 def trained_batches(compute: Compute) -> list[tuple[int, int]]:
     return compute.trained  # type: ignore[attr-defined,no-any-return]
 
 
-def run_rank(policy: fa.Policy, link: ScriptedLink, **trainer_kw: Any) -> tuple[Compute, RankSchedule, dict[str, Any]]:
+def run_rank(
+    policy: fa.Policy, link: ScriptedLink, **trainer_kw: Any
+) -> tuple[Compute, RankSchedule, dict[str, Any]]:
     trainer = fa.Trainer(
-        model=mlp.model, optimizer=mlp.optimizer, train_step=mlp.mse, dataset=mlp.dataset(), batch_size=32, epochs=1, policy=policy, **trainer_kw
+        model=mlp.model,
+        optimizer=mlp.optimizer,
+        train_step=mlp.mse,
+        dataset=mlp.dataset(),
+        batch_size=32,
+        epochs=1,
+        policy=policy,
+        **trainer_kw,
     )
     compute = Compute(trainer.compute_config(), torch.device("cpu"))
     seen: list[tuple[int, int]] = []
@@ -108,7 +139,9 @@ def run_rank(policy: fa.Policy, link: ScriptedLink, **trainer_kw: Any) -> tuple[
     compute.trained = seen  # type: ignore[attr-defined]
     schema = ModelSchema.from_module(compute.model)
     welcome = m.TrainerWelcome(rank=0, world_size=1, run_id="t")
-    schedule = RankSchedule(compute, link, welcome=welcome, trainer=trainer, schema=schema, publish=lambda _m: None)  # type: ignore[arg-type]
+    schedule = RankSchedule(
+        compute, link, welcome=welcome, trainer=trainer, schema=schema, publish=lambda _m: None
+    )  # type: ignore[arg-type]
     out: dict[str, Any] = {}
 
     def body() -> None:
@@ -136,9 +169,15 @@ def cadence_coordinator(windows_of: list[int]) -> Callable[[ScriptedLink, Any], 
         if isinstance(msg, m.WindowDone):
             k = msg.round
             if k < len(windows_of):
-                link.push(m.Reduce(round=k, kind="model"), plan(k + 1, starts[k], windows_of[k], hold_after=windows_of[k]))
+                link.push(
+                    m.Reduce(round=k, kind="model"),
+                    plan(k + 1, starts[k], windows_of[k], hold_after=windows_of[k]),
+                )
             else:
-                link.push(m.Reduce(round=k, kind="model"), m.Reduce(round=k + 1, kind="final", from_controller=True))
+                link.push(
+                    m.Reduce(round=k, kind="model"),
+                    m.Reduce(round=k + 1, kind="final", from_controller=True),
+                )
         elif msg == ("contributed", len(windows_of) + 1, "final"):
             link.push(m.Shutdown(reason="training complete", save_reason="completed"))
 
@@ -152,9 +191,16 @@ def test_cadence_trains_each_window_then_holds_and_contributes_its_steps() -> No
     compute, _schedule, out = run_rank(fa.Policy.CADENCE, link)
     # init: rank 0 is the root, weight 1; then each window's steps ** gamma (1.0)
     assert link.contributions[0] == (0, "init", 0, 1.0, True)
-    assert [c[:4] for c in link.contributions[1:]] == [(1, "model", 4, 4.0), (2, "model", 4, 4.0), (3, "model", 8, 8.0), (4, "received", 0, 0.0)]
+    assert [c[:4] for c in link.contributions[1:]] == [
+        (1, "model", 4, 4.0),
+        (2, "model", 4, 4.0),
+        (3, "model", 8, 8.0),
+        (4, "received", 0, 0.0),
+    ]
     assert windows(link) == [(1, 4), (2, 4), (3, 8)]
-    assert sorted(b for _e, b in trained_batches(compute)) == list(range(16))  # every planned batch once
+    assert sorted(b for _e, b in trained_batches(compute)) == list(
+        range(16)
+    )  # every planned batch once
     assert out["state_dict"].keys() == compute.model.state_dict().keys()
     assert isinstance(link.closed, list)
 
@@ -166,7 +212,9 @@ def test_sync_reports_after_one_step_keeps_training_until_the_reduce_and_covers_
         if isinstance(msg, m.WindowDone):
             reported[0] += msg.batches
             link.push(m.Reduce(round=msg.round, kind="model"))
-            if reported[0] == N_BATCHES:  # the slice is covered: the natural end, from the controller's consensus
+            if (
+                reported[0] == N_BATCHES
+            ):  # the slice is covered: the natural end, from the controller's consensus
                 link.push(m.Reduce(round=msg.round + 1, kind="final", from_controller=True))
         elif isinstance(msg, tuple) and msg[2] == "final":
             link.push(m.Shutdown(reason="training complete", save_reason="completed"))
@@ -174,7 +222,9 @@ def test_sync_reports_after_one_step_keeps_training_until_the_reduce_and_covers_
     link = ScriptedLink(respond)
     link.push(m.Reduce(round=0, kind="init"), plan(1, 0, 16, quota=1, hold_after=-1))
     compute, _s, _out = run_rank(fa.Policy.SYNC, link)
-    assert windows(link) == [(k, 1) for k in range(1, 17)]  # the reduce is there by the next step: lockstep here
+    assert windows(link) == [
+        (k, 1) for k in range(1, 17)
+    ]  # the reduce is there by the next step: lockstep here
     model_rounds = [c for c in link.contributions if c[1] == "model"]
     assert [(c[0], c[2]) for c in model_rounds] == [(k, 1) for k in range(1, 17)]
     assert sorted(b for _e, b in trained_batches(compute)) == list(range(16))
@@ -195,7 +245,10 @@ def test_async_submits_without_blocking_and_blends_the_consensus() -> None:
     def respond(link: ScriptedLink, msg: Any) -> None:
         if isinstance(msg, m.WindowDone):
             k = msg.round
-            for future, result in link.pending:  # the previous round's consensus comes back a window late
+            for (
+                future,
+                result,
+            ) in link.pending:  # the previous round's consensus comes back a window late
                 future.set_result(result)
             link.pending.clear()
             if k < 4:

@@ -46,7 +46,9 @@ class FakeController:
         self.links.append(link)
         while True:
             msg = await link.recv_message()
-            if isinstance(msg, m.Heartbeat) and msg.relay:  # the relay's own liveness, kept apart from what ranks send
+            if (
+                isinstance(msg, m.Heartbeat) and msg.relay
+            ):  # the relay's own liveness, kept apart from what ranks send
                 self.relay_beats += 1
                 if self.echo_relay_beats:
                     link.send(m.Heartbeat(sent_at=msg.sent_at, rank=msg.rank, relay=True))
@@ -67,11 +69,20 @@ class Bench:
     secret: bytes
     port: int
 
-    async def rank_link(self, rank: int = 0, *, round: int = 0, credential: Credential | None = None) -> FramedProtocol:
+    async def rank_link(
+        self, rank: int = 0, *, round: int = 0, credential: Credential | None = None
+    ) -> FramedProtocol:
         """Dial the relay's socket as a rank does: with its own credential for its round."""
-        credential = credential or Credential.for_rank(self.secret, run_id=RUN, round=round, rank=rank)
+        credential = credential or Credential.for_rank(
+            self.secret, run_id=RUN, round=round, rank=rank
+        )
         async with asyncio.timeout(5):
-            return await open_unix_framed(self.relay.socket_path, channel=Channel.CONTROL, credential=credential, peer_label="relay")
+            return await open_unix_framed(
+                self.relay.socket_path,
+                channel=Channel.CONTROL,
+                credential=credential,
+                peer_label="relay",
+            )
 
     async def hello(self, rank: int) -> FramedProtocol:
         link = await self.rank_link(rank)
@@ -91,7 +102,13 @@ async def bench(secret: bytes) -> AsyncIterator[Bench]:
     mux = PortMux(host="127.0.0.1", port=0)
     try:
         async with asyncio.timeout(30), asyncio.TaskGroup() as tg:
-            service = FramedService(channel=Channel.CONTROL, resolve=session_resolver(secret), run_id=RUN, handler=controller.handle, task_group=tg)
+            service = FramedService(
+                channel=Channel.CONTROL,
+                resolve=session_resolver(secret),
+                run_id=RUN,
+                handler=controller.handle,
+                task_group=tg,
+            )
             mux.register(Channel.CONTROL, service.protocol_factory)
             await mux.start()
             relay = Relay(
@@ -135,7 +152,10 @@ async def test_controller_messages_reach_only_the_rank_they_address(bench: Bench
 
 def test_every_control_kind_is_rank_addressed() -> None:
     """The wire's table and the relay's agree: a control-channel kind without an address would have nowhere to go."""
-    control = LEGAL_KINDS[(Channel.CONTROL, Direction.TO_CONTROLLER)] | LEGAL_KINDS[(Channel.CONTROL, Direction.FROM_CONTROLLER)]
+    control = (
+        LEGAL_KINDS[(Channel.CONTROL, Direction.TO_CONTROLLER)]
+        | LEGAL_KINDS[(Channel.CONTROL, Direction.FROM_CONTROLLER)]
+    )
     assert control <= set(RANK_ADDRESS)
     assert rank_of(m.Finish(reason="not a control message")) is None
 
@@ -144,7 +164,9 @@ async def test_a_message_for_a_rank_that_is_not_here_is_dropped_and_counted(benc
     r0 = await bench.hello(0)
     bench.down(m.Heartbeat(sent_at=7.0, rank=5))  # addressed, but rank 5 is not here
     bench.down(m.Heartbeat(sent_at=8.0, rank=0))
-    assert await r0.recv_message() == m.Heartbeat(sent_at=8.0, rank=0)  # in order: the one before it was handled
+    assert await r0.recv_message() == m.Heartbeat(
+        sent_at=8.0, rank=0
+    )  # in order: the one before it was handled
     stats = bench.relay.statistics()
     assert stats.dropped_unaddressed == 0
     assert stats.dropped_rank_gone == 1
@@ -158,8 +180,13 @@ async def test_a_link_claiming_another_rank_is_closed(bench: Bench) -> None:
     r0.send(m.Heartbeat(sent_at=2.0, rank=3))  # rank 0's link speaking for rank 3
     await _closed(r0)
     assert await bench.controller.up.get() == m.Heartbeat(sent_at=1.0, rank=0)
-    gone = await bench.controller.up.get()  # the forged one never went up; the closed link is reported
-    assert gone == m.RankGone(rank=0, reason="the relay closed its link: the link of rank 0 sent Heartbeat claiming rank 3")
+    gone = (
+        await bench.controller.up.get()
+    )  # the forged one never went up; the closed link is reported
+    assert gone == m.RankGone(
+        rank=0,
+        reason="the relay closed its link: the link of rank 0 sent Heartbeat claiming rank 3",
+    )
     stats = bench.relay.statistics()
     assert stats.refused_links == 1
     assert stats.ranks_connected == 0
@@ -175,7 +202,9 @@ async def test_a_link_must_open_with_rank_hello(bench: Bench) -> None:
 
 async def test_a_bound_rank_cannot_be_claimed_by_a_second_link(bench: Bench) -> None:
     r0 = await bench.hello(0)
-    impostor = await bench.rank_link(0)  # even with rank 0's own credential (a second process holding it)
+    impostor = await bench.rank_link(
+        0
+    )  # even with rank 0's own credential (a second process holding it)
     impostor.send(m.RankHello(rank=0, local_rank=0, world_size=4, pid=999))
     await _closed(impostor)
     bench.down(m.Heartbeat(sent_at=3.0, rank=0))
@@ -219,7 +248,12 @@ async def test_a_rank_of_another_host_is_refused(bench: Bench) -> None:
 async def test_the_relay_socket_takes_no_session_credential(bench: Bench) -> None:
     with pytest.raises(HandshakeRefused, match="rank credentials only"):
         async with asyncio.timeout(5):
-            await open_unix_framed(bench.relay.socket_path, channel=Channel.CONTROL, credential=Credential.session(bench.secret), peer_label="relay")
+            await open_unix_framed(
+                bench.relay.socket_path,
+                channel=Channel.CONTROL,
+                credential=Credential.session(bench.secret),
+                peer_label="relay",
+            )
 
 
 async def test_the_controller_port_takes_no_rank_credential(bench: Bench) -> None:
@@ -228,16 +262,26 @@ async def test_the_controller_port_takes_no_rank_credential(bench: Bench) -> Non
     credential = Credential.for_rank(bench.secret, run_id=RUN, round=0, rank=0)
     with pytest.raises(HandshakeRefused, match="controller port takes the session secret only"):
         async with asyncio.timeout(5):
-            await open_framed("127.0.0.1", bench.port, channel=Channel.CONTROL, credential=credential)
+            await open_framed(
+                "127.0.0.1", bench.port, channel=Channel.CONTROL, credential=credential
+            )
 
 
 async def test_a_rank_key_presented_as_the_session_secret_fails_the_proof(bench: Bench) -> None:
     """The rank's key bytes, claimed as a session credential: the controller's proof does not verify."""
     key = Credential.for_rank(bench.secret, run_id=RUN, round=0, rank=0).key
-    for candidate in (key[:16], key[16:]):  # every 16-byte secret a rank could cut from its 32-byte key
+    for candidate in (
+        key[:16],
+        key[16:],
+    ):  # every 16-byte secret a rank could cut from its 32-byte key
         with pytest.raises(AuthenticationFailed):
             async with asyncio.timeout(5):
-                await open_framed("127.0.0.1", bench.port, channel=Channel.CONTROL, credential=Credential.session(candidate))
+                await open_framed(
+                    "127.0.0.1",
+                    bench.port,
+                    channel=Channel.CONTROL,
+                    credential=Credential.session(candidate),
+                )
 
 
 # ----- the data channel (the host fold itself: tests/test_averaging.py) ---------------------------------
@@ -247,7 +291,12 @@ async def test_the_data_socket_takes_the_same_rank_scoped_credentials(bench: Ben
     credential = Credential.for_rank(bench.secret, run_id=RUN, round=0, rank=7)
     with pytest.raises(HandshakeRefused, match="rank 7 does not run on this host"):
         async with asyncio.timeout(5):
-            await open_unix_framed(bench.relay.data_socket_path, channel=Channel.DATA, credential=credential, peer_label="relay data")
+            await open_unix_framed(
+                bench.relay.data_socket_path,
+                channel=Channel.DATA,
+                credential=credential,
+                peer_label="relay data",
+            )
 
 
 # ----- the Trainer's control rules (trainer-spec §2.2, rules 1-4) ---------------------------------
@@ -255,10 +304,18 @@ async def test_the_data_socket_takes_the_same_rank_scoped_credentials(bench: Ben
 
 async def test_a_broadcast_reaches_every_local_rank_once(bench: Bench) -> None:
     r0, r1 = await bench.hello(0), await bench.hello(1)
-    bench.down(m.Shutdown(reason="training complete", save_reason="completed"))  # rank -1: every local rank
-    bench.down(m.Plan(rank=1, round=1, epoch=0, ranges=((0, 2),), quota=2, hold_after=2, progress=0.0))
-    assert await r0.recv_message() == m.Shutdown(reason="training complete", save_reason="completed")
-    assert await r1.recv_message() == m.Shutdown(reason="training complete", save_reason="completed")
+    bench.down(
+        m.Shutdown(reason="training complete", save_reason="completed")
+    )  # rank -1: every local rank
+    bench.down(
+        m.Plan(rank=1, round=1, epoch=0, ranges=((0, 2),), quota=2, hold_after=2, progress=0.0)
+    )
+    assert await r0.recv_message() == m.Shutdown(
+        reason="training complete", save_reason="completed"
+    )
+    assert await r1.recv_message() == m.Shutdown(
+        reason="training complete", save_reason="completed"
+    )
     assert isinstance(await r1.recv_message(), m.Plan)  # addressed: rank 1 only
     stats = bench.relay.statistics()
     assert stats.broadcasts_down == 1
@@ -282,7 +339,10 @@ async def test_a_rank_cannot_send_rank_gone(bench: Bench) -> None:
     r0.send(m.RankGone(rank=0, reason="forged"))
     await _closed(r0)
     gone = await bench.controller.up.get()
-    assert gone == m.RankGone(rank=0, reason="the relay closed its link: the link of rank 0 sent RankGone, which only a relay sends")
+    assert gone == m.RankGone(
+        rank=0,
+        reason="the relay closed its link: the link of rank 0 sent RankGone, which only a relay sends",
+    )
     assert bench.relay.statistics().refused_links == 1
 
 
@@ -297,6 +357,17 @@ async def test_trainer_frames_are_rank_checked_and_forwarded_both_ways(bench: Be
     assert await bench.controller.up.get() == trainer_hello  # read, and forwarded
     bench.down(m.DeclareDead(dead_rank=3, reason="heartbeat timeout"))
     assert await r1.recv_message() == m.DeclareDead(dead_rank=3, reason="heartbeat timeout")
-    r1.send(m.WindowDone(rank=2, round=1, epoch=0, batches=1, samples=1, compute_ms=1.0, data_ms=0.0, loss_sum=0.0))  # for another rank
+    r1.send(
+        m.WindowDone(
+            rank=2,
+            round=1,
+            epoch=0,
+            batches=1,
+            samples=1,
+            compute_ms=1.0,
+            data_ms=0.0,
+            loss_sum=0.0,
+        )
+    )  # for another rank
     await _closed(r1)
     assert bench.relay.statistics().refused_links == 1

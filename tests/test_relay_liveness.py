@@ -38,7 +38,13 @@ async def _rig(secret: bytes, *, echo: bool) -> AsyncIterator[Rig]:
     lost: asyncio.Future[str] = asyncio.get_running_loop().create_future()
     try:
         async with asyncio.timeout(30), asyncio.TaskGroup() as tg:
-            service = FramedService(channel=Channel.CONTROL, resolve=session_resolver(secret), run_id=RUN, handler=controller.handle, task_group=tg)
+            service = FramedService(
+                channel=Channel.CONTROL,
+                resolve=session_resolver(secret),
+                run_id=RUN,
+                handler=controller.handle,
+                task_group=tg,
+            )
             mux.register(Channel.CONTROL, service.protocol_factory)
             await mux.start()
             relay = Relay(

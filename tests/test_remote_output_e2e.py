@@ -24,17 +24,34 @@ from .test_fanout_e2e import _cluster, _python_wrapper
 pytestmark = pytest.mark.e2e
 
 
-def test_remote_ranks_output_progress_logs_and_ctrl_c_on_every_host(hostkit: HostKit, tmp_path: Path) -> None:
+def test_remote_ranks_output_progress_logs_and_ctrl_c_on_every_host(
+    hostkit: HostKit, tmp_path: Path
+) -> None:
     h1, h2 = hostkit.hosts[:2]
-    cluster = _cluster(tmp_path, hostkit, [(h1, "cpu:2"), (h2, "cpu:1")], python=str(_python_wrapper(tmp_path)))
+    cluster = _cluster(
+        tmp_path, hostkit, [(h1, "cpu:2"), (h2, "cpu:1")], python=str(_python_wrapper(tmp_path))
+    )
     gates = tmp_path / "gates"
     gates.mkdir()
     logs = tmp_path / "logs"
     run_id = new_run_id()
-    launcher = Launcher(str(cluster), "--stop-grace", "20", "--log-dir", str(logs), "--", PY, script("progress_until_sigint.py"), str(gates), run_id=run_id)
+    launcher = Launcher(
+        str(cluster),
+        "--stop-grace",
+        "20",
+        "--log-dir",
+        str(logs),
+        "--",
+        PY,
+        script("progress_until_sigint.py"),
+        str(gates),
+        run_id=run_id,
+    )
     try:
         launcher.wait_for_stdout("] line one r", count=3, timeout=120)
-        launcher.wait_for_stdout("] partial r", count=3)  # a partial line, shown before the rank ends it
+        launcher.wait_for_stdout(
+            "] partial r", count=3
+        )  # a partial line, shown before the rank ends it
         for k in (1, 2, 3):
             (gates / f"gate-{k}").touch()
             # Each rank blocks on the next gate: its update reached the console while the line was still open.
@@ -52,14 +69,26 @@ def test_remote_ranks_output_progress_logs_and_ctrl_c_on_every_host(hostkit: Hos
     for name, text in (("stdout", done.stdout), ("stderr", done.stderr)):
         assert "" not in text.split("\n")[:-1], f"a blank line on the launcher's {name}: {text!r}"
     # Which host got which rank: each rank names its own host; the launcher's prefix must agree.
-    host_of = {int(r): h for h, r, h_again in re.findall(r"^\[(\w+):r(\d+)\] line one r\2 on (\w+)$", done.stdout, re.M) if h == h_again}
+    host_of = {
+        int(r): h
+        for h, r, h_again in re.findall(
+            r"^\[(\w+):r(\d+)\] line one r\2 on (\w+)$", done.stdout, re.M
+        )
+        if h == h_again
+    }
     assert sorted(host_of) == [0, 1, 2], done.stdout
     assert sorted(host_of.values()) == ["h1", "h1", "h2"], done.stdout
     for rank, host in host_of.items():
         prefix = f"[{host}:r{rank}] "
-        for text in (f"partial r{rank}", *(f"prog {k}/3 r{rank}" for k in (1, 2, 3)), f"saved on SIGINT r{rank}"):
+        for text in (
+            f"partial r{rank}",
+            *(f"prog {k}/3 r{rank}" for k in (1, 2, 3)),
+            f"saved on SIGINT r{rank}",
+        ):
             assert f"\n{prefix}{text}\n" in done.stdout, (text, done.stdout)
-        assert done.stdout.count(f"{prefix}prog 3/3 r{rank}\n") == 1, done.stdout  # the finished bar once, not twice
+        assert done.stdout.count(f"{prefix}prog 3/3 r{rank}\n") == 1, (
+            done.stdout
+        )  # the finished bar once, not twice
         assert f"{prefix}err line r{rank}\n" in done.stderr, done.stderr
         # torchrun's layout, for the remote hosts too: the raw bytes, \r and all, without prefixes.
         attempt = logs / run_id / "attempt_0" / str(rank)

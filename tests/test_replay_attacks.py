@@ -36,14 +36,29 @@ from flodl_async._version import __version__
 from flodl_async.config.rankenv import RankSpec
 from flodl_async.config.roles import RANK_VAR
 from flodl_async.deadlines import Deadlines
-from flodl_async.errors import AuthenticationFailed, ConnectionClosed, HandshakeFailed, HandshakeRefused, WireError
+from flodl_async.errors import (
+    AuthenticationFailed,
+    ConnectionClosed,
+    HandshakeFailed,
+    HandshakeRefused,
+    WireError,
+)
 from flodl_async.net.framed import FramedProtocol, open_framed, open_unix_framed
 from flodl_async.wire import Channel, Credential, CredentialKind
 from flodl_async.wire import messages as m
 from flodl_async.wire.keys import SECRET_BYTES, secret_from_hex
 from flodl_async.wire.schema import Message
 
-from .launchkit import PY, Finished, assert_nothing_left, free_port, launch_cmd, new_run_id, script, wait_status
+from .launchkit import (
+    PY,
+    Finished,
+    assert_nothing_left,
+    free_port,
+    launch_cmd,
+    new_run_id,
+    script,
+    wait_status,
+)
 from .replaykit import (
     Answer,
     Background,
@@ -88,7 +103,9 @@ class Run:
     Leaving the ``with`` block kills what still runs and checks nothing of the run survives.
     """
 
-    def __init__(self, base: Path, *, name: str, secret_file: Path, port: int, walk_in_ranks: int, xdg: Path) -> None:
+    def __init__(
+        self, base: Path, *, name: str, secret_file: Path, port: int, walk_in_ranks: int, xdg: Path
+    ) -> None:
         self.dir = base / name
         self.ranks_dir = self.dir / "ranks"
         self.ranks_dir.mkdir(parents=True)
@@ -105,20 +122,36 @@ class Run:
             "workers:\n  - host: localhost\n    devices: cpu:1\n"
         )
         command = launch_cmd(
-            str(cluster), "--secret-file", str(secret_file), "--stop-grace", "3", "--", PY, script("relay_hold.py"), str(self.ranks_dir), run_id=self.run_id
+            str(cluster),
+            "--secret-file",
+            str(secret_file),
+            "--stop-grace",
+            "3",
+            "--",
+            PY,
+            script("relay_hold.py"),
+            str(self.ranks_dir),
+            run_id=self.run_id,
         )
         self.launcher = Background(command, out_dir=self.dir, name="launcher", env=self.env)
         self.agent: Background | None = None
 
     def __enter__(self) -> Run:
         try:
-            wait_status(self.port, lambda d: d["run_id"] == self.run_id and d["joined_ranks"] == 1)  # the window is open, the local host is in
+            wait_status(
+                self.port, lambda d: d["run_id"] == self.run_id and d["joined_ranks"] == 1
+            )  # the window is open, the local host is in
         except BaseException:
             self.close()
             raise
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
         self.close()
 
     @property
@@ -133,7 +166,9 @@ class Run:
             out_dir=self.dir, name="agent", env=self.env,
         )  # fmt: skip
 
-    def status(self, predicate: Callable[[Status], bool] = lambda _d: True, *, timeout: float = 30) -> Status:
+    def status(
+        self, predicate: Callable[[Status], bool] = lambda _d: True, *, timeout: float = 30
+    ) -> Status:
         """The first /state.json document for which ``predicate`` holds (its ``connections`` may lag by 0.5 s)."""
         return wait_status(self.port, predicate, timeout=timeout)
 
@@ -144,7 +179,8 @@ class Run:
             lambda d: (
                 d["phase"] == "training"
                 and all(marker.exists() for marker in markers)
-                and {r["rank"]: r["pid"] for r in d["ranks"]} == {rank: int(marker.read_text()) for rank, marker in enumerate(markers)}
+                and {r["rank"]: r["pid"] for r in d["ranks"]}
+                == {rank: int(marker.read_text()) for rank, marker in enumerate(markers)}
                 and all(r["state"] == "connected" for r in d["ranks"])
             )
         )
@@ -187,7 +223,9 @@ class Replayed:
         return f"{self.how} replay of recorded {channel} connection #{self.recording.index}"
 
 
-def _replay_all(port: int, recordings: list[Recorded], *, after_each: Callable[[Replayed], None]) -> list[Replayed]:
+def _replay_all(
+    port: int, recordings: list[Recorded], *, after_each: Callable[[Replayed], None]
+) -> list[Replayed]:
     """Every recorded connection, in the original order, once all at once and once paced; ``after_each`` checks the run."""
     done = []
     for recording in recordings:
@@ -201,14 +239,18 @@ def _replay_all(port: int, recordings: list[Recorded], *, after_each: Callable[[
 def _assert_refused_without_a_frame(replayed: list[Replayed]) -> None:
     """At most the server's (fresh) hello came back, then the close; the paced ones were answered by an accept hello."""
     for r in replayed:
-        assert r.answer.at_most_a_hello, f"{r}: {len(r.answer.after)} bytes came back after the server hello"
+        assert r.answer.at_most_a_hello, (
+            f"{r}: {len(r.answer.after)} bytes came back after the server hello"
+        )
         if r.how == "paced":
             assert r.answer.hello, f"{r}: the clear hello was not answered"
             fresh = parse_server_hello(r.answer.hello)
             recorded_len = message_length(r.recording.server)
             assert recorded_len is not None
             assert fresh.accepted
-            assert fresh.nonce != parse_server_hello(r.recording.server[:recorded_len]).nonce  # a new nonce: new keys
+            assert (
+                fresh.nonce != parse_server_hello(r.recording.server[:recorded_len]).nonce
+            )  # a new nonce: new keys
 
 
 def _refused(doc: Status, *reasons: str) -> int:
@@ -224,12 +266,19 @@ HANDSHAKE_FAILURES = ("auth_failed", "bad_handshake")
 # ----- attack 1 ----------------------------------------------------------------------------------
 
 
-def test_attack1_a_recorded_join_does_not_replay_into_a_later_run(tmp_path: Path, xdg: Path) -> None:
+def test_attack1_a_recorded_join_does_not_replay_into_a_later_run(
+    tmp_path: Path, xdg: Path
+) -> None:
     secret_file = tmp_path / "secret"
     port = free_port()
 
     # Run 1 completes normally while the proxy records the walk-in agent's connections.
-    with Run(tmp_path, name="run1", secret_file=secret_file, port=port, walk_in_ranks=1, xdg=xdg) as run1, RecordingProxy(port) as proxy:
+    with (
+        Run(
+            tmp_path, name="run1", secret_file=secret_file, port=port, walk_in_ranks=1, xdg=xdg
+        ) as run1,
+        RecordingProxy(port) as proxy,
+    ):
         run1.start_agent(proxy.port)
         run1.wait_connected()
         run1.release(0, 0)
@@ -247,16 +296,22 @@ def test_attack1_a_recorded_join_does_not_replay_into_a_later_run(tmp_path: Path
     assert isinstance(recorded_hello, m.JoinHello)
     assert recorded_hello.host == WALK_IN
     recorded_exit = [msg for msg in join.up if isinstance(msg, m.RankExited)]
-    assert [(e.round, e.rank, e.exit_code) for e in recorded_exit] == [(0, 1, 0)]  # the replay carries "rank 1 exited 0"
+    assert [(e.round, e.rank, e.exit_code) for e in recorded_exit] == [
+        (0, 1, 0)
+    ]  # the replay carries "rank 1 exited 0"
     assert isinstance(join.down[0], m.JoinAccept)  # which got the host admitted, that time
     control = decode_recording(by_channel[Channel.CONTROL], secret=secret, run_id=run1.run_id)
-    from_ranks = [msg for msg in control.up if not (isinstance(msg, m.Heartbeat) and msg.relay)]  # the relay's own beats apart
+    from_ranks = [
+        msg for msg in control.up if not (isinstance(msg, m.Heartbeat) and msg.relay)
+    ]  # the relay's own beats apart
     assert isinstance(from_ranks[0], m.RankHello)
     assert sum(isinstance(msg, m.Heartbeat) for msg in from_ranks) == 3
 
     # Run 2: same secret file, same port, a new run. Every recording is replayed before its
     # agent is there (the phantom join), then after StartRanks (the RankExited).
-    with Run(tmp_path, name="run2", secret_file=secret_file, port=port, walk_in_ranks=1, xdg=xdg) as run2:
+    with Run(
+        tmp_path, name="run2", secret_file=secret_file, port=port, walk_in_ranks=1, xdg=xdg
+    ) as run2:
         assert run2.secret == secret
 
         def no_phantom(r: Replayed) -> None:
@@ -290,7 +345,9 @@ def test_attack1_a_recorded_join_does_not_replay_into_a_later_run(tmp_path: Path
     assert "rank 1 (local rank 0) on host 'walk-in' exited with code 3" in second.stderr
     assert second.stderr.count(f'host "{WALK_IN}" joined with ranks 1 ') == 1
     assert "join refused" not in second.stderr
-    assert second_agent.returncode == 4, second_agent.stderr  # it was in the run, and the run failed
+    assert second_agent.returncode == 4, (
+        second_agent.stderr
+    )  # it was in the run, and the run failed
     # Each replay was counted as a failed handshake (the paced ones as a bad proof), and summarised, not logged one by one.
     assert _refused(counted, *HANDSHAKE_FAILURES) == len(replays)
     assert _refused(counted, "auth_failed") >= sum(r.how == "paced" for r in replays)
@@ -317,7 +374,12 @@ def live(tmp_path_factory: pytest.TempPathFactory, xdg: Path) -> Iterator[Live]:
     """A run whose walk-in agent (ranks 1 and 2) is recorded through the proxy; it must still end 0 after the attacks."""
     base = tmp_path_factory.mktemp("live")
     port = free_port()
-    with Run(base, name="live", secret_file=base / "secret", port=port, walk_in_ranks=2, xdg=xdg) as run, RecordingProxy(port) as proxy:
+    with (
+        Run(
+            base, name="live", secret_file=base / "secret", port=port, walk_in_ranks=2, xdg=xdg
+        ) as run,
+        RecordingProxy(port) as proxy,
+    ):
         run.start_agent(proxy.port)
         connected = run.wait_connected()
         yield Live(run=run, proxy=proxy, secret=run.secret, connected=connected)
@@ -337,20 +399,28 @@ def test_attack2_recorded_control_frames_do_not_replay_on_a_new_connection(live:
     assert not upstream.closed
     decoded = decode_recording(upstream, secret=live.secret, run_id=run.run_id)
     hellos = {msg.rank: msg.pid for msg in decoded.up if isinstance(msg, m.RankHello)}
-    assert hellos == {rank: pid for rank, (host, _state, pid) in _ranks(live.connected).items() if host == WALK_IN}
-    assert sum(isinstance(msg, m.Heartbeat) and not msg.relay for msg in decoded.up) == 6  # the ranks' (the relay beats too, apart)
+    assert hellos == {
+        rank: pid for rank, (host, _state, pid) in _ranks(live.connected).items() if host == WALK_IN
+    }
+    assert (
+        sum(isinstance(msg, m.Heartbeat) and not msg.relay for msg in decoded.up) == 6
+    )  # the ranks' (the relay beats too, apart)
     assert sorted(msg.rank for msg in decoded.down if isinstance(msg, m.RankWelcome)) == [1, 2]
     refused_before = _refused(run.status(), *HANDSHAKE_FAILURES)
 
     def unchanged(r: Replayed) -> None:
         doc = run.status()
-        assert _ranks(doc) == _ranks(live.connected), f"after the {r}"  # the pids RankHello set, and the states
+        assert _ranks(doc) == _ranks(live.connected), (
+            f"after the {r}"
+        )  # the pids RankHello set, and the states
         assert doc["phase"] == "training"
         assert _members(doc) == _members(live.connected)
 
     replayed = _replay_all(run.port, [upstream, live.recording(Channel.JOIN)], after_each=unchanged)
     _assert_refused_without_a_frame(replayed)
-    counted = run.status(lambda d: _refused(d, *HANDSHAKE_FAILURES) >= refused_before + len(replayed))
+    counted = run.status(
+        lambda d: _refused(d, *HANDSHAKE_FAILURES) >= refused_before + len(replayed)
+    )
     assert _refused(counted, *HANDSHAKE_FAILURES) == refused_before + len(replayed)
 
 
@@ -358,7 +428,11 @@ def test_attack2_recorded_control_frames_do_not_replay_on_a_new_connection(live:
 
 #: A frame each controller channel would act on, sent by the insistent client behind its proof.
 _ACTIONABLE: dict[Channel, list[Message]] = {
-    Channel.JOIN: [m.JoinHello(host="from-a-rank", devices=("cpu:0",), pid=os.getpid(), agent_version=__version__)],
+    Channel.JOIN: [
+        m.JoinHello(
+            host="from-a-rank", devices=("cpu:0",), pid=os.getpid(), agent_version=__version__
+        )
+    ],
     Channel.RENDEZVOUS: [m.StoreAddress(round=0, host="127.0.0.1", port=9)],
     Channel.CONTROL: [m.RankHello(rank=1, local_rank=0, world_size=3, pid=os.getpid())],
     Channel.DATA: [],  # no service this run: the mux closes it before any handshake
@@ -369,7 +443,9 @@ _FRAMED = (Channel.JOIN, Channel.CONTROL)
 _UNSERVED = (Channel.RENDEZVOUS, Channel.DATA)
 
 
-async def _open_each(dial: Callable[..., Awaitable[FramedProtocol]], credentials: list[Credential]) -> list[BaseException | None]:
+async def _open_each(
+    dial: Callable[..., Awaitable[FramedProtocol]], credentials: list[Credential]
+) -> list[BaseException | None]:
     """``dial(credential=...)`` (a real ``open_framed``/``open_unix_framed``) with each credential; what each raised (None: let in)."""
     outcomes: list[BaseException | None] = []
     for credential in credentials:
@@ -388,7 +464,9 @@ def _environ(pid: int) -> bytes:
     return Path(f"/proc/{pid}/environ").read_bytes()
 
 
-def test_attack3_ranks_hold_a_credential_that_opens_nothing_but_their_own_relay_link(live: Live) -> None:
+def test_attack3_ranks_hold_a_credential_that_opens_nothing_but_their_own_relay_link(
+    live: Live,
+) -> None:
     run, secret = live.run, live.secret
     before = run.status()
     ranks = _ranks(before)
@@ -404,24 +482,46 @@ def test_attack3_ranks_hold_a_credential_that_opens_nothing_but_their_own_relay_
         assert secret not in raw
         env = dict(item.split(b"=", 1) for item in raw.split(b"\0") if b"=" in item)
         specs[rank] = RankSpec.from_json(env[RANK_VAR.encode()].decode())
-        assert specs[rank].credential_hex == Credential.for_rank(secret, run_id=run.run_id, round=0, rank=rank).key.hex()
+        assert (
+            specs[rank].credential_hex
+            == Credential.for_rank(secret, run_id=run.run_id, round=0, rank=rank).key.hex()
+        )
     spec = specs[1]
     credential = Credential.rank_from_hex(spec.credential_hex, round=spec.round, rank=1)
     assert credential.key != secret
-    as_session = [Credential(kind=CredentialKind.SESSION, key=credential.key[i : i + SECRET_BYTES]) for i in range(len(credential.key) - SECRET_BYTES + 1)]
-    as_session.append(Credential(kind=CredentialKind.SESSION, key=credential.key))  # all of it, as a (longer) secret
+    as_session = [
+        Credential(kind=CredentialKind.SESSION, key=credential.key[i : i + SECRET_BYTES])
+        for i in range(len(credential.key) - SECRET_BYTES + 1)
+    ]
+    as_session.append(
+        Credential(kind=CredentialKind.SESSION, key=credential.key)
+    )  # all of it, as a (longer) secret
 
     # Every channel of the controller port, with the credential as itself and every slice of it as the secret.
-    dropped_no_handler = before["connections"]["dropped"].get("no_handler", 0)  # none yet: nothing else dials those channels
-    refused_before = {reason: _refused(before, reason) for reason in ("refused_credential", *HANDSHAKE_FAILURES)}
+    dropped_no_handler = before["connections"]["dropped"].get(
+        "no_handler", 0
+    )  # none yet: nothing else dials those channels
+    refused_before = {
+        reason: _refused(before, reason) for reason in ("refused_credential", *HANDSHAKE_FAILURES)
+    }
     for channel in (*_FRAMED, *_UNSERVED):
-        outcomes = asyncio.run(_open_each(functools.partial(open_framed, "127.0.0.1", run.port, channel=channel), [credential, *as_session]))
+        outcomes = asyncio.run(
+            _open_each(
+                functools.partial(open_framed, "127.0.0.1", run.port, channel=channel),
+                [credential, *as_session],
+            )
+        )
         if channel in _UNSERVED:  # routed nowhere: closed before a hello could be answered
-            assert all(isinstance(exc, HandshakeFailed | ConnectionClosed | OSError) for exc in outcomes), outcomes
+            assert all(
+                isinstance(exc, HandshakeFailed | ConnectionClosed | OSError) for exc in outcomes
+            ), outcomes
             continue
         refused, *failed = outcomes
         assert isinstance(refused, HandshakeRefused), refused
-        assert "a rank credential is not accepted here: the controller port takes the session secret only" in str(refused)
+        assert (
+            "a rank credential is not accepted here: the controller port takes the session secret only"
+            in str(refused)
+        )
         for exc in failed:
             assert isinstance(exc, AuthenticationFailed), exc
             assert "the server's handshake proof did not verify" in str(exc)
@@ -438,21 +538,36 @@ def test_attack3_ranks_hold_a_credential_that_opens_nothing_but_their_own_relay_
             assert insisted.hello is None
             assert insisted.closed
     # The insistent client is a faithful one: with the real secret, its heartbeat is echoed.
-    control = insist_on_port(run.port, Channel.CONTROL, Credential.session(secret), [m.Heartbeat(sent_at=4.25, rank=-1)])
+    control = insist_on_port(
+        run.port, Channel.CONTROL, Credential.session(secret), [m.Heartbeat(sent_at=4.25, rank=-1)]
+    )
     assert control.frames == [m.Heartbeat(sent_at=4.25, rank=-1)]
 
     # The relay's socket: the credential works as itself (rank 1, round 0) and as nothing else.
     path = spec.relay_socket
-    dial = functools.partial(open_unix_framed, path, channel=Channel.CONTROL, peer_label="relay under attack")
+    dial = functools.partial(
+        open_unix_framed, path, channel=Channel.CONTROL, peer_label="relay under attack"
+    )
 
     def scoped(*, rank: int, round_: int) -> Credential:
         return Credential(kind=CredentialKind.RANK, key=credential.key, round=round_, rank=rank)
 
     own, other_rank, other_host, next_round, *sessions = asyncio.run(
-        _open_each(dial, [credential, scoped(rank=2, round_=0), scoped(rank=0, round_=0), scoped(rank=1, round_=1), *as_session])
+        _open_each(
+            dial,
+            [
+                credential,
+                scoped(rank=2, round_=0),
+                scoped(rank=0, round_=0),
+                scoped(rank=1, round_=1),
+                *as_session,
+            ],
+        )
     )
     assert own is None  # a genuine credential: the refusals below are about its scope
-    assert isinstance(other_rank, AuthenticationFailed), other_rank  # the relay derived rank 2's key, which we lack
+    assert isinstance(other_rank, AuthenticationFailed), (
+        other_rank
+    )  # the relay derived rank 2's key, which we lack
     assert isinstance(other_host, HandshakeRefused), other_host
     assert "rank 0 does not run on this host (its ranks: [1, 2])" in str(other_host)
     assert isinstance(next_round, HandshakeRefused), next_round
@@ -460,7 +575,11 @@ def test_attack3_ranks_hold_a_credential_that_opens_nothing_but_their_own_relay_
     for exc in sessions:
         assert isinstance(exc, HandshakeRefused), exc
         assert "a relay takes rank credentials only, not a session credential" in str(exc)
-    insisted = insist_on_unix(path, scoped(rank=2, round_=0), [m.RankHello(rank=2, local_rank=1, world_size=3, pid=os.getpid())])
+    insisted = insist_on_unix(
+        path,
+        scoped(rank=2, round_=0),
+        [m.RankHello(rank=2, local_rank=1, world_size=3, pid=os.getpid())],
+    )
     assert insisted.hello is not None
     assert insisted.hello.accepted
     assert insisted.frames == []
@@ -473,15 +592,23 @@ def test_attack3_ranks_hold_a_credential_that_opens_nothing_but_their_own_relay_
     assert _members(after) == _members(before)
     # open_framed with each credential, then insisting with each slice, on each channel this run does not serve
     data_attempts = len(_UNSERVED) * ((1 + len(as_session)) + len(as_session))
-    counted = run.status(lambda d: d["connections"]["dropped"].get("no_handler", 0) - dropped_no_handler >= data_attempts)
+    counted = run.status(
+        lambda d: (
+            d["connections"]["dropped"].get("no_handler", 0) - dropped_no_handler >= data_attempts
+        )
+    )
     assert counted["connections"]["dropped"]["no_handler"] - dropped_no_handler == data_attempts
     slices = len(_FRAMED) * len(as_session)
     expected = {
-        "refused_credential": len(_FRAMED),  # the credential as itself, refused by name on each channel
+        "refused_credential": len(
+            _FRAMED
+        ),  # the credential as itself, refused by name on each channel
         "auth_failed": slices,  # each insistent client's made-up proof, caught by the server
         "bad_handshake": slices,  # each open_framed that stopped at the server's proof and closed
     }
-    counted = run.status(lambda d: all(_refused(d, r) - refused_before[r] >= n for r, n in expected.items()))
+    counted = run.status(
+        lambda d: all(_refused(d, r) - refused_before[r] >= n for r, n in expected.items())
+    )
     assert {r: _refused(counted, r) - refused_before[r] for r in expected} == expected
     assert run.agent is not None
     assert BAD_PROOF in run.agent.stderr()  # the relay's own refusal of the insistent rank-2 claim
@@ -492,14 +619,18 @@ def test_attack3_ranks_hold_a_credential_that_opens_nothing_but_their_own_relay_
 
 def _counted_rejections(doc: Status) -> int:
     groups = doc["connections"].values()
-    return sum(group.get(reason, 0) for group in groups for reason in ("auth_failed", "bad_handshake"))
+    return sum(
+        group.get(reason, 0) for group in groups for reason in ("auth_failed", "bad_handshake")
+    )
 
 
 def test_failed_handshakes_are_counted_by_reason_in_the_status(live: Live) -> None:
     answer = replay_paced(live.run.port, live.recording(Channel.CONTROL).client)
     assert answer.hello
     assert answer.at_most_a_hello
-    live.run.status(lambda d: _counted_rejections(d) >= 1, timeout=1.5)  # served counters are at most 0.5 s old
+    live.run.status(
+        lambda d: _counted_rejections(d) >= 1, timeout=1.5
+    )  # served counters are at most 0.5 s old
 
 
 def test_a_replayed_hello_without_its_proof_is_closed_at_the_handshake_deadline(live: Live) -> None:

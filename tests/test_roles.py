@@ -6,7 +6,15 @@ import itertools
 
 import pytest
 
-from flodl_async.config.roles import AGENT_VAR, CONTROLLER_VAR, LOCAL_RANK_VAR, RANK_VAR, ROLE_VARS, Role, detect_role
+from flodl_async.config.roles import (
+    AGENT_VAR,
+    CONTROLLER_VAR,
+    LOCAL_RANK_VAR,
+    RANK_VAR,
+    ROLE_VARS,
+    Role,
+    detect_role,
+)
 from flodl_async.errors import RoleError
 
 

@@ -15,7 +15,15 @@ import pytest
 
 from flodl_async.errors import ConfigError, RuntimeDirError
 from flodl_async.host import runtime
-from flodl_async.host.runtime import ProcessIdentity, create_entry, ensure_root, entry_path, process_start_time, runtime_root, sweep_stale
+from flodl_async.host.runtime import (
+    ProcessIdentity,
+    create_entry,
+    ensure_root,
+    entry_path,
+    process_start_time,
+    runtime_root,
+    sweep_stale,
+)
 
 
 @pytest.fixture
@@ -119,7 +127,9 @@ def test_sweep_removes_entries_of_dead_owners_only(root: Path) -> None:
     me = ProcessIdentity.current()
     assert me.start_time is not None
     live = _plant(root, "run-live", "a", me)
-    reused = _plant(root, "run-dead", "a", ProcessIdentity(pid=me.pid, start_time=me.start_time - 1))
+    reused = _plant(
+        root, "run-dead", "a", ProcessIdentity(pid=me.pid, start_time=me.start_time - 1)
+    )
     gone = _plant(root, "run-dead", "b", ProcessIdentity(pid=2**22 + 17, start_time=1))
     unmarked_fresh = root / "runs" / "run-live" / ".new-1-abcd"
     unmarked_fresh.mkdir(mode=0o700)
@@ -172,23 +182,42 @@ def test_a_controller_registers_and_removes_itself(root: Path) -> None:
     registration = controllers.register(run_id="run-a", address="127.0.0.1", port=4242, root=root)
     assert (root / "controllers").stat().st_mode & 0o777 == 0o700
     (run,) = controllers.local_runs(root)
-    assert (run.run_id, run.address, run.port, run.owner.pid) == ("run-a", "127.0.0.1", 4242, os.getpid())
+    assert (run.run_id, run.address, run.port, run.owner.pid) == (
+        "run-a",
+        "127.0.0.1",
+        4242,
+        os.getpid(),
+    )
     registration.remove()
     registration.remove()  # idempotent
     assert controllers.local_runs(root) == ()
 
 
-def test_a_dead_controllers_entry_is_swept_and_a_stranger_on_its_pid_does_not_count(root: Path) -> None:
+def test_a_dead_controllers_entry_is_swept_and_a_stranger_on_its_pid_does_not_count(
+    root: Path,
+) -> None:
     from flodl_async.host import runs as controllers
 
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     alive = controllers.register(run_id="live", address="127.0.0.1", port=1, root=root)
     directory = root / "controllers"
-    gone = controllers.LocalRun(owner=ProcessIdentity(pid=dead.pid, start_time=1), run_id="gone", address="127.0.0.1", port=2, started_at=0.0)
+    gone = controllers.LocalRun(
+        owner=ProcessIdentity(pid=dead.pid, start_time=1),
+        run_id="gone",
+        address="127.0.0.1",
+        port=2,
+        started_at=0.0,
+    )
     (directory / "gone.json").write_text(gone.to_json())
     # Our own pid with another start time: a reused pid, so not the owner.
-    reused = controllers.LocalRun(owner=ProcessIdentity(pid=os.getpid(), start_time=-5), run_id="reused", address="127.0.0.1", port=3, started_at=0.0)
+    reused = controllers.LocalRun(
+        owner=ProcessIdentity(pid=os.getpid(), start_time=-5),
+        run_id="reused",
+        address="127.0.0.1",
+        port=3,
+        started_at=0.0,
+    )
     (directory / "reused.json").write_text(reused.to_json())
     (directory / "torn.json").write_text("{not json")
     assert [r.run_id for r in controllers.local_runs(root)] == ["live"]
@@ -196,7 +225,9 @@ def test_a_dead_controllers_entry_is_swept_and_a_stranger_on_its_pid_does_not_co
     alive.remove()
 
 
-def test_a_run_directory_swept_between_our_mkdir_and_our_look_is_made_again(root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_run_directory_swept_between_our_mkdir_and_our_look_is_made_again(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """All hosts of a run on one machine share its directory, and each one's sweep removes it once empty.
 
     The window the race needs (after our mkdir found the directory, before our lstat) is opened
@@ -234,7 +265,12 @@ def test_hosts_of_one_run_on_one_machine_create_and_sweep_concurrently(short_tmp
         "    sweep_stale(root)\n"
         "    create_entry(run_id=f'run-{i}', host=host, controller='c:1', root=root).remove()\n"
     )
-    procs = [subprocess.Popen([sys.executable, "-c", worker, str(root), f"h{n}"], stderr=subprocess.PIPE, text=True) for n in range(8)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", worker, str(root), f"h{n}"], stderr=subprocess.PIPE, text=True
+        )
+        for n in range(8)
+    ]
     errors = [p.communicate(timeout=120)[1] for p in procs]
     assert [p.returncode for p in procs] == [0] * 8, "\n".join(errors)
     assert list((root / "runs").iterdir()) == []  # every run directory went with its last entry

@@ -27,10 +27,27 @@ from flodl_async.agent.lifecycle import Phase, SessionEvent
 from flodl_async.agent.systemd import notification_observer, rank_span, status_line, with_watchdog
 from flodl_async.errors import ConfigError
 from flodl_async.host.runtime import runtime_root
-from flodl_async.host.sdnotify import MAX_STATUS_CHARS, Notifier, NotifyTarget, message, socket_address, watchdog_interval
+from flodl_async.host.sdnotify import (
+    MAX_STATUS_CHARS,
+    Notifier,
+    NotifyTarget,
+    message,
+    socket_address,
+    watchdog_interval,
+)
 from flodl_async.verdict import ExitCode
 
-from .launchkit import PY, Launcher, assert_nothing_left, free_port, new_run_id, reap, run_launch, script, wait_status
+from .launchkit import (
+    PY,
+    Launcher,
+    assert_nothing_left,
+    free_port,
+    new_run_id,
+    reap,
+    run_launch,
+    script,
+    wait_status,
+)
 
 DEPLOY = Path(__file__).parent.parent / "deploy"
 
@@ -52,9 +69,18 @@ def test_a_status_is_one_line_and_bounded() -> None:
 
 @pytest.mark.parametrize(
     ("value", "address"),
-    [("/run/systemd/notify", "/run/systemd/notify"), ("@sd-notify", b"\0sd-notify"), ("", None), ("@", None), ("relative/path", None), ("vsock:2:1", None)],
+    [
+        ("/run/systemd/notify", "/run/systemd/notify"),
+        ("@sd-notify", b"\0sd-notify"),
+        ("", None),
+        ("@", None),
+        ("relative/path", None),
+        ("vsock:2:1", None),
+    ],
 )
-def test_the_notify_socket_is_a_path_or_an_abstract_name(value: str, address: str | bytes | None) -> None:
+def test_the_notify_socket_is_a_path_or_an_abstract_name(
+    value: str, address: str | bytes | None
+) -> None:
     assert socket_address(value) == address
 
 
@@ -69,7 +95,9 @@ def test_the_notify_socket_is_a_path_or_an_abstract_name(value: str, address: st
         ({}, None),
     ],
 )
-def test_the_watchdog_interval_is_half_of_watchdog_usec_for_its_own_pid(env: dict[str, str], interval: float | None) -> None:
+def test_the_watchdog_interval_is_half_of_watchdog_usec_for_its_own_pid(
+    env: dict[str, str], interval: float | None
+) -> None:
     assert watchdog_interval(env, pid=7) == interval
 
 
@@ -79,12 +107,19 @@ def test_not_under_systemd_everything_is_a_no_op() -> None:
     notifier = Notifier(target)
     assert not notifier.enabled
     assert not notifier.ready("up")
-    asyncio.run(asyncio.wait_for(notifier.watchdog(), 60))  # returns at once: no watchdog without a socket
+    asyncio.run(
+        asyncio.wait_for(notifier.watchdog(), 60)
+    )  # returns at once: no watchdog without a socket
     notifier.close()
 
 
 def test_the_protocol_variables_are_taken_out_of_the_environment() -> None:
-    environ = {"NOTIFY_SOCKET": "@x", "WATCHDOG_USEC": "2000000", "WATCHDOG_PID": str(os.getpid()), "PATH": "/bin"}
+    environ = {
+        "NOTIFY_SOCKET": "@x",
+        "WATCHDOG_USEC": "2000000",
+        "WATCHDOG_PID": str(os.getpid()),
+        "PATH": "/bin",
+    }
     notifier = Notifier.from_environ(environ)
     try:
         assert notifier.target == NotifyTarget(address=b"\0x", watchdog_interval=1.0)
@@ -95,19 +130,37 @@ def test_the_protocol_variables_are_taken_out_of_the_environment() -> None:
 
 def test_status_lines_say_what_the_agent_is_doing() -> None:
     base = {"host": "node-b", "controller": "10.0.0.1:1337", "run_id": "r1"}
-    assert status_line(SessionEvent(phase=Phase.DIALING, **base)) == "waiting for a controller at 10.0.0.1:1337"
-    assert status_line(SessionEvent(phase=Phase.RUNNING, ranks=(7, 4, 5, 6), round=0, **base)) == "run r1: ranks 4–7 running (round 0)"
-    assert status_line(SessionEvent(phase=Phase.ADMITTED, ranks=(3,), **base)) == "run r1: admitted with rank 3, waiting for the world to form"
-    assert status_line(SessionEvent(phase=Phase.STOPPING, host="node-b", controller="c:1", reason="SIGTERM before the world formed")) == (
-        "stopping: SIGTERM before the world formed"
+    assert (
+        status_line(SessionEvent(phase=Phase.DIALING, **base))
+        == "waiting for a controller at 10.0.0.1:1337"
     )
+    assert (
+        status_line(SessionEvent(phase=Phase.RUNNING, ranks=(7, 4, 5, 6), round=0, **base))
+        == "run r1: ranks 4–7 running (round 0)"
+    )
+    assert (
+        status_line(SessionEvent(phase=Phase.ADMITTED, ranks=(3,), **base))
+        == "run r1: admitted with rank 3, waiting for the world to form"
+    )
+    assert status_line(
+        SessionEvent(
+            phase=Phase.STOPPING,
+            host="node-b",
+            controller="c:1",
+            reason="SIGTERM before the world formed",
+        )
+    ) == ("stopping: SIGTERM before the world formed")
     assert rank_span((0, 2, 5)) == "ranks 0, 2, 5"
 
 
 def test_the_runtime_directory_of_a_service_is_systemds() -> None:
-    assert runtime_root({"RUNTIME_DIRECTORY": "/run/flodl", "XDG_RUNTIME_DIR": "/run/user/1"}) == Path("/run/flodl")
+    assert runtime_root(
+        {"RUNTIME_DIRECTORY": "/run/flodl", "XDG_RUNTIME_DIR": "/run/user/1"}
+    ) == Path("/run/flodl")
     assert runtime_root({"RUNTIME_DIRECTORY": "/run/flodl:/run/other"}) == Path("/run/flodl")
-    assert runtime_root({"RUNTIME_DIRECTORY": "relative", "XDG_RUNTIME_DIR": "/run/user/1"}) == Path("/run/user/1/flodl")
+    assert runtime_root(
+        {"RUNTIME_DIRECTORY": "relative", "XDG_RUNTIME_DIR": "/run/user/1"}
+    ) == Path("/run/user/1/flodl")
 
 
 # ----- a real datagram socket ----------------------------------------------------------------------
@@ -173,11 +226,22 @@ def receiver(request: pytest.FixtureRequest) -> Iterator[Receiver]:
 
 
 def test_notifications_reach_the_socket(receiver: Receiver) -> None:
-    notifier = Notifier(NotifyTarget.from_env({"NOTIFY_SOCKET": receiver.env_value}, pid=os.getpid()))
+    notifier = Notifier(
+        NotifyTarget.from_env({"NOTIFY_SOCKET": receiver.env_value}, pid=os.getpid())
+    )
     try:
         observe = notification_observer(notifier)
         for phase in (Phase.DIALING, Phase.CONNECTED, Phase.STOPPING):
-            observe(SessionEvent(phase=phase, host="h", controller="127.0.0.1:1", run_id="r", ranks=(0, 1), reason="finished"))
+            observe(
+                SessionEvent(
+                    phase=phase,
+                    host="h",
+                    controller="127.0.0.1:1",
+                    run_id="r",
+                    ranks=(0, 1),
+                    reason="finished",
+                )
+            )
         got = receiver.wait_for(3, b"STATUS=")
     finally:
         notifier.close()
@@ -188,15 +252,21 @@ def test_notifications_reach_the_socket(receiver: Receiver) -> None:
     ]
 
 
-async def test_watchdog_pings_keep_coming_while_the_loop_is_healthy_and_stop_when_it_is_stuck(receiver: Receiver) -> None:
+async def test_watchdog_pings_keep_coming_while_the_loop_is_healthy_and_stop_when_it_is_stuck(
+    receiver: Receiver,
+) -> None:
     env = {"NOTIFY_SOCKET": receiver.env_value, "WATCHDOG_USEC": "100000"}  # a ping every 0.05 s
     notifier = Notifier(NotifyTarget.from_env(env, pid=os.getpid()))
 
     async def body() -> int:
-        await asyncio.to_thread(receiver.wait_for, 5, b"WATCHDOG=1")  # the loop is free meanwhile: pings flow
+        await asyncio.to_thread(
+            receiver.wait_for, 5, b"WATCHDOG=1"
+        )  # the loop is free meanwhile: pings flow
         before = len(receiver.received())
         time.sleep(1.0)  # noqa: ASYNC251  # the loop is stuck on purpose: the ticker cannot run
-        stuck = len(receiver.received()) - before  # at most a ping already in flight before the sleep
+        stuck = (
+            len(receiver.received()) - before
+        )  # at most a ping already in flight before the sleep
         await asyncio.to_thread(receiver.wait_for, before + 3, b"WATCHDOG=1")  # and they resume
         return stuck
 
@@ -226,7 +296,9 @@ async def test_with_watchdog_returns_the_result_and_raises_the_error_unwrapped()
 
 
 @pytest.mark.e2e
-def test_a_persisting_agent_is_ready_while_no_controller_answers(tmp_path: Path, receiver: Receiver) -> None:
+def test_a_persisting_agent_is_ready_while_no_controller_answers(
+    tmp_path: Path, receiver: Receiver
+) -> None:
     """The unit's own command line (token from the credentials directory, --persist) with nobody at the controller's port.
 
     READY=1 must come at start, saying whom it waits for, not once a controller answers: under
@@ -237,20 +309,49 @@ def test_a_persisting_agent_is_ready_while_no_controller_answers(tmp_path: Path,
     port = free_port()  # nobody listens there for the whole test
     service_dirs = Path(tempfile.mkdtemp(prefix="fl-svc-", dir="/tmp"))
     try:
-        credentials = service_dirs / "credentials"  # what LoadCredential= makes: 0400, the service's own
+        credentials = (
+            service_dirs / "credentials"
+        )  # what LoadCredential= makes: 0400, the service's own
         credentials.mkdir(mode=0o700)
         create_token_file(credentials / "flodl-token")
         (credentials / "flodl-token").chmod(stat.S_IRUSR)
         runtime = service_dirs / "run"
         runtime.mkdir(mode=0o700)
-        env = {**os.environ, "NOTIFY_SOCKET": receiver.env_value, "CREDENTIALS_DIRECTORY": str(credentials), "RUNTIME_DIRECTORY": str(runtime)}
+        env = {
+            **os.environ,
+            "NOTIFY_SOCKET": receiver.env_value,
+            "CREDENTIALS_DIRECTORY": str(credentials),
+            "RUNTIME_DIRECTORY": str(runtime),
+        }
         exec_start = _unit_settings("flodl-agent.service")["ExecStart"]
-        assert "--token-file %d/flodl-token --persist" in exec_start  # the flags under test are the unit's
-        cmd = [PY, "-m", "flodl_async.agent", "--controller", f"127.0.0.1:{port}", "--host", "svc", "--devices", "cpu:1"]
-        cmd += ["--token-file", str(credentials / "flodl-token"), "--persist", "--reconnect-max", "0.2"]
-        agent = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        assert (
+            "--token-file %d/flodl-token --persist" in exec_start
+        )  # the flags under test are the unit's
+        cmd = [
+            PY,
+            "-m",
+            "flodl_async.agent",
+            "--controller",
+            f"127.0.0.1:{port}",
+            "--host",
+            "svc",
+            "--devices",
+            "cpu:1",
+        ]
+        cmd += [
+            "--token-file",
+            str(credentials / "flodl-token"),
+            "--persist",
+            "--reconnect-max",
+            "0.2",
+        ]
+        agent = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+        )
         try:
-            receiver.wait_for(2, b"dialing again in")  # two refused dials: it is backing off, still up
+            receiver.wait_for(
+                2, b"dialing again in"
+            )  # two refused dials: it is backing off, still up
             assert agent.poll() is None
             agent.send_signal(signal.SIGTERM)
             _, err = agent.communicate(timeout=60)
@@ -260,11 +361,21 @@ def test_a_persisting_agent_is_ready_while_no_controller_answers(tmp_path: Path,
                 agent.communicate()
         assert agent.returncode == int(ExitCode.TERMINATED), err
         notes = [d.decode() for d in receiver.received() if d != b"WATCHDOG=1\n"]
-        assert notes[0] == f"READY=1\nMAINPID={agent.pid}\nSTATUS=waiting for a controller at 127.0.0.1:{port}\n", notes
-        assert sum(note.startswith("READY=1") for note in notes) == 1  # no controller ever answered: READY came from the start
+        assert (
+            notes[0]
+            == f"READY=1\nMAINPID={agent.pid}\nSTATUS=waiting for a controller at 127.0.0.1:{port}\n"
+        ), notes
+        assert (
+            sum(note.startswith("READY=1") for note in notes) == 1
+        )  # no controller ever answered: READY came from the start
         backoff = [note for note in notes if "dialing again in" in note]
         assert backoff
-        assert all(note.startswith(f"STATUS=waiting for a controller at 127.0.0.1:{port} (dialing again in ") for note in backoff)
+        assert all(
+            note.startswith(
+                f"STATUS=waiting for a controller at 127.0.0.1:{port} (dialing again in "
+            )
+            for note in backoff
+        )
         assert "connection refused" in backoff[0].lower()  # and says why
         assert "Traceback" not in err
     finally:
@@ -273,20 +384,33 @@ def test_a_persisting_agent_is_ready_while_no_controller_answers(tmp_path: Path,
 
 def test_the_retired_token_credential_flag_is_refused_as_a_usage_error() -> None:
     done = subprocess.run(
-        [PY, "-m", "flodl_async.agent", "--controller", "127.0.0.1:1", "--token-credential", "flodl-token"],
+        [
+            PY,
+            "-m",
+            "flodl_async.agent",
+            "--controller",
+            "127.0.0.1:1",
+            "--token-credential",
+            "flodl-token",
+        ],
         capture_output=True,
         text=True,
         timeout=60,
         check=False,
     )
-    assert done.returncode == int(ExitCode.USAGE)  # the unit's RestartPreventExitStatus: an old unit does not restart-loop
+    assert done.returncode == int(
+        ExitCode.USAGE
+    )  # the unit's RestartPreventExitStatus: an old unit does not restart-loop
     assert "unrecognized arguments: --token-credential" in done.stderr
 
 
 # ----- the units ----------------------------------------------------------------------------------------
 
 
-@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze is not installed (apt-get install systemd)")
+@pytest.mark.skipif(
+    shutil.which("systemd-analyze") is None,
+    reason="systemd-analyze is not installed (apt-get install systemd)",
+)
 def test_the_units_verify_clean(tmp_path: Path) -> None:
     # systemd-analyze checks that ExecStart's binary exists: the units' /opt/flodl/venv/bin is pointed at shims here.
     shims = tmp_path / "bin"
@@ -302,7 +426,13 @@ def test_the_units_verify_clean(tmp_path: Path) -> None:
         (tmp_path / name).write_text(text.replace("/opt/flodl/venv/bin/", f"{shims}/"))
         units.append(str(tmp_path / name))
     assert len(units) == 2
-    done = subprocess.run(["systemd-analyze", "verify", *units], capture_output=True, text=True, timeout=120, check=False)
+    done = subprocess.run(
+        ["systemd-analyze", "verify", *units],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert done.returncode == 0, done.stderr
     assert done.stderr == "", done.stderr
 
@@ -320,15 +450,28 @@ def test_the_agent_unit_agrees_with_the_exit_codes_and_the_stop_grace() -> None:
     unit = _unit_settings("flodl-agent.service")
     assert unit["Type"] == "notify"
     # A usage error, or (a persisting agent's one exit 3) a wrong cluster token, would only fail again.
-    assert unit["RestartPreventExitStatus"].split() == [str(int(ExitCode.USAGE)), str(int(ExitCode.FORMATION))]
-    assert sorted(unit["SuccessExitStatus"].split()) == sorted([str(int(ExitCode.INTERRUPTED)), str(int(ExitCode.TERMINATED))])
+    assert unit["RestartPreventExitStatus"].split() == [
+        str(int(ExitCode.USAGE)),
+        str(int(ExitCode.FORMATION)),
+    ]
+    assert sorted(unit["SuccessExitStatus"].split()) == sorted(
+        [str(int(ExitCode.INTERRUPTED)), str(int(ExitCode.TERMINATED))]
+    )
     grace = float(unit["ExecStart"].split("--stop-grace ")[1].split()[0])
-    assert float(unit["TimeoutStopSec"]) > grace  # the agent's own TERM → KILL schedule finishes before systemd's KILL
-    assert "--token-file %d/flodl-token" in unit["ExecStart"]  # %d: $CREDENTIALS_DIRECTORY, the LoadCredential= below
+    assert (
+        float(unit["TimeoutStopSec"]) > grace
+    )  # the agent's own TERM → KILL schedule finishes before systemd's KILL
+    assert (
+        "--token-file %d/flodl-token" in unit["ExecStart"]
+    )  # %d: $CREDENTIALS_DIRECTORY, the LoadCredential= below
     assert "--persist" in unit["ExecStart"].split()
     assert "--secret-file" not in unit["ExecStart"]
     assert unit["LoadCredential"] == "flodl-token:/etc/flodl/token"
-    assert (unit["KillMode"], unit["RuntimeDirectory"], unit["RuntimeDirectoryMode"]) == ("mixed", "flodl", "0700")
+    assert (unit["KillMode"], unit["RuntimeDirectory"], unit["RuntimeDirectoryMode"]) == (
+        "mixed",
+        "flodl",
+        "0700",
+    )
 
 
 @pytest.mark.e2e
@@ -336,7 +479,20 @@ def test_flodl_launch_prints_plain_lines_for_the_journal(tmp_path: Path) -> None
     run_id = new_run_id()
     xdg = Path(tempfile.mkdtemp(prefix="fl-xdg-", dir="/tmp"))
     try:
-        done = run_launch("--nproc", "1", "--devices", "cpu", "--port", "0", "--", PY, "-c", "print('hello')", run_id=run_id, env={"XDG_RUNTIME_DIR": str(xdg)})
+        done = run_launch(
+            "--nproc",
+            "1",
+            "--devices",
+            "cpu",
+            "--port",
+            "0",
+            "--",
+            PY,
+            "-c",
+            "print('hello')",
+            run_id=run_id,
+            env={"XDG_RUNTIME_DIR": str(xdg)},
+        )
     finally:
         shutil.rmtree(xdg, ignore_errors=True)
     assert done.returncode == 0, done.stderr
@@ -350,7 +506,9 @@ def test_flodl_launch_prints_plain_lines_for_the_journal(tmp_path: Path) -> None
 
 
 @pytest.mark.e2e
-def test_a_flodl_agent_tells_systemd_ready_status_watchdog_and_stopping(tmp_path: Path, receiver: Receiver) -> None:
+def test_a_flodl_agent_tells_systemd_ready_status_watchdog_and_stopping(
+    tmp_path: Path, receiver: Receiver
+) -> None:
     port = free_port()
     run_id = new_run_id()
     secret_file = tmp_path / "secret"
@@ -364,7 +522,14 @@ def test_a_flodl_agent_tells_systemd_ready_status_watchdog_and_stopping(tmp_path
     service_dirs = Path(tempfile.mkdtemp(prefix="fl-svc-", dir="/tmp"))
     try:
         rank_cmd = ["--", PY, script("dump_env.py"), str(dumps)]
-        launcher = Launcher(str(cluster), "--secret-file", str(secret_file), *rank_cmd, run_id=run_id, env={"XDG_RUNTIME_DIR": str(xdg)})
+        launcher = Launcher(
+            str(cluster),
+            "--secret-file",
+            str(secret_file),
+            *rank_cmd,
+            run_id=run_id,
+            env={"XDG_RUNTIME_DIR": str(xdg)},
+        )
         agent = None
         try:
             wait_status(port, lambda doc: doc["joined_ranks"] == 1)
@@ -382,9 +547,24 @@ def test_a_flodl_agent_tells_systemd_ready_status_watchdog_and_stopping(tmp_path
                 "CREDENTIALS_DIRECTORY": str(credentials),
                 "RUNTIME_DIRECTORY": str(runtime),
             }
-            cmd = [PY, "-m", "flodl_async.agent", "--controller", f"127.0.0.1:{port}", "--host", "walk-in", "--devices", "cpu:1"]
-            cmd += ["--secret-file", str(credentials / "flodl-token")]  # a one-run agent's secret, as a credential
-            agent = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+            cmd = [
+                PY,
+                "-m",
+                "flodl_async.agent",
+                "--controller",
+                f"127.0.0.1:{port}",
+                "--host",
+                "walk-in",
+                "--devices",
+                "cpu:1",
+            ]
+            cmd += [
+                "--secret-file",
+                str(credentials / "flodl-token"),
+            ]  # a one-run agent's secret, as a credential
+            agent = subprocess.Popen(
+                cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+            )
             _, agent_err = agent.communicate(timeout=90)
             done = launcher.finish(timeout=60)
         finally:
@@ -403,10 +583,16 @@ def test_a_flodl_agent_tells_systemd_ready_status_watchdog_and_stopping(tmp_path
             f"STATUS=run {run_id}: rank 1 running (round 0)\n",
             f"STOPPING=1\nSTATUS=run {run_id}: stopping rank 1 (run complete)\n",
         ], agent_err
-        assert receiver.received().count(b"WATCHDOG=1\n") >= 1  # the first ping goes out as the agent starts
+        assert (
+            receiver.received().count(b"WATCHDOG=1\n") >= 1
+        )  # the first ping goes out as the agent starts
         rank_env = json.loads((dumps / "env-1.json").read_text())
-        assert not {"NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID"} & set(rank_env)  # a rank cannot speak for the service
-        assert Path(rank_env["TORCHELASTIC_ERROR_FILE"]).is_relative_to(runtime)  # the entry lived in $RUNTIME_DIRECTORY
+        assert not {"NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID"} & set(
+            rank_env
+        )  # a rank cannot speak for the service
+        assert Path(rank_env["TORCHELASTIC_ERROR_FILE"]).is_relative_to(
+            runtime
+        )  # the entry lived in $RUNTIME_DIRECTORY
         assert list((runtime / "runs").iterdir()) == []  # and is gone
     finally:
         shutil.rmtree(xdg, ignore_errors=True)
@@ -425,16 +611,44 @@ def test_a_flodl_agent_stopped_before_the_world_forms_says_stopping(tmp_path: Pa
     xdg = Path(tempfile.mkdtemp(prefix="fl-xdg-", dir="/tmp"))
     receiver = Receiver(abstract=True)
     try:
-        args = (str(cluster), "--secret-file", str(secret_file), "--stop-grace", "3", "--", PY, "-c", "pass")
+        args = (
+            str(cluster),
+            "--secret-file",
+            str(secret_file),
+            "--stop-grace",
+            "3",
+            "--",
+            PY,
+            "-c",
+            "pass",
+        )
         launcher = Launcher(*args, run_id=run_id, env={"XDG_RUNTIME_DIR": str(xdg)})
         agent = None
         try:
             wait_status(port, lambda doc: doc["joined_ranks"] == 1)
             env = {**os.environ, "NOTIFY_SOCKET": receiver.env_value, "XDG_RUNTIME_DIR": str(xdg)}
-            cmd = [PY, "-m", "flodl_async.agent", "--controller", f"127.0.0.1:{port}", "--host", "walk-in", "--devices", "cpu:1"]
-            agent = subprocess.Popen([*cmd, "--secret-file", str(secret_file)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+            cmd = [
+                PY,
+                "-m",
+                "flodl_async.agent",
+                "--controller",
+                f"127.0.0.1:{port}",
+                "--host",
+                "walk-in",
+                "--devices",
+                "cpu:1",
+            ]
+            agent = subprocess.Popen(
+                [*cmd, "--secret-file", str(secret_file)],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                env=env,
+            )
             receiver.wait_for(1, b"admitted with rank 1")
-            agent.send_signal(signal.SIGTERM)  # what systemctl stop sends (KillMode=mixed: to the agent alone)
+            agent.send_signal(
+                signal.SIGTERM
+            )  # what systemctl stop sends (KillMode=mixed: to the agent alone)
             _, agent_err = agent.communicate(timeout=60)
             launcher.proc.send_signal(signal.SIGTERM)
             launcher.finish(timeout=60)
@@ -445,7 +659,10 @@ def test_a_flodl_agent_stopped_before_the_world_forms_says_stopping(tmp_path: Pa
         assert agent.returncode == 143, agent_err
         notes = [d.decode() for d in receiver.received()]
         assert notes[-1] == "STOPPING=1\nSTATUS=stopping: SIGTERM before the world formed\n", notes
-        assert [n.split("\n")[0] for n in notes[:2]] == [f"STATUS=waiting for a controller at 127.0.0.1:{port}", "READY=1"]
+        assert [n.split("\n")[0] for n in notes[:2]] == [
+            f"STATUS=waiting for a controller at 127.0.0.1:{port}",
+            "READY=1",
+        ]
     finally:
         receiver.close()
         shutil.rmtree(xdg, ignore_errors=True)
@@ -455,8 +672,13 @@ def test_the_job_unit_admits_agents_by_the_cluster_token_they_load_too() -> None
     """The job's launcher and the agents hold the one token file; no hand-copied session secret anywhere."""
     job, agent = _unit_settings("flodl-launch@.service"), _unit_settings("flodl-agent.service")
     assert job["LoadCredential"] == agent["LoadCredential"] == "flodl-token:/etc/flodl/token"
-    assert "--token-file %d/flodl-token" in job["ExecStart"]  # overrides the cluster file's controller.token_file
+    assert (
+        "--token-file %d/flodl-token" in job["ExecStart"]
+    )  # overrides the cluster file's controller.token_file
     assert "--secret-file" not in job["ExecStart"]
     # Nothing reads a secret at /etc/flodl/secret: no unit or README line may tell anyone to put one there.
-    for text in (*(unit.read_text() for unit in DEPLOY.glob("*.service")), (DEPLOY.parent / "README.md").read_text()):
+    for text in (
+        *(unit.read_text() for unit in DEPLOY.glob("*.service")),
+        (DEPLOY.parent / "README.md").read_text(),
+    ):
         assert "/etc/flodl/secret" not in text

@@ -51,10 +51,23 @@ def test_multi_chunk_payloads_go_both_ways_intact_over_tcp(secret: bytes) -> Non
         try:
             async with asyncio.timeout(60):
                 async with asyncio.TaskGroup() as tg:
-                    service = FramedService(channel=Channel.DATA, resolve=session_resolver(secret), run_id="r", handler=echo, task_group=tg, limits=limits)
+                    service = FramedService(
+                        channel=Channel.DATA,
+                        resolve=session_resolver(secret),
+                        run_id="r",
+                        handler=echo,
+                        task_group=tg,
+                        limits=limits,
+                    )
                     mux.register(Channel.DATA, service.protocol_factory)
                     await mux.start()
-                    link = await open_framed("127.0.0.1", mux.port, channel=Channel.DATA, credential=Credential.session(secret), limits=limits)
+                    link = await open_framed(
+                        "127.0.0.1",
+                        mux.port,
+                        channel=Channel.DATA,
+                        credential=Credential.session(secret),
+                        limits=limits,
+                    )
                     try:
                         for i, parts in enumerate(frames):
                             await link.send_tensors(_bundle(i), parts)
@@ -82,7 +95,11 @@ def _one_frame(secret: bytes) -> tuple[bytes, bytes, object]:
     return wire, payload, receiver
 
 
-@pytest.mark.parametrize("read", [64 * 1024, SEAL_CHUNK + 5, None], ids=["small reads", "reads across chunks", "one read"])
+@pytest.mark.parametrize(
+    "read",
+    [64 * 1024, SEAL_CHUNK + 5, None],
+    ids=["small reads", "reads across chunks", "one read"],
+)
 def test_chunks_opened_as_they_arrive_deliver_the_payload(secret: bytes, read: int | None) -> None:
     wire, payload, receiver = _one_frame(secret)
     (frame,) = feed_buffered(receiver, wire, chunk=read)  # type: ignore[arg-type]
@@ -102,7 +119,9 @@ def test_a_tampered_chunk_fails_its_gcm_tag_once_the_frame_verified(secret: byte
 def test_a_tampered_header_is_still_reported_by_the_frame_tag_first(secret: bytes) -> None:
     """Every chunk fails GCM too (the header is their associated data), but the HMAC check comes first."""
     wire, _payload, receiver = _one_frame(secret)
-    seq_byte = 4  # the sequence number: same lengths, so the whole frame is read before any check fails
+    seq_byte = (
+        4  # the sequence number: same lengths, so the whole frame is read before any check fails
+    )
     spoiled = wire[:seq_byte] + bytes([wire[seq_byte] ^ 1]) + wire[seq_byte + 1 :]
     with pytest.raises(AuthenticationFailed, match="frame tag did not verify"):
         feed_buffered(receiver, spoiled, chunk=64 * 1024)  # type: ignore[arg-type]

@@ -10,11 +10,19 @@ from pathlib import Path
 import pytest
 
 from flodl_async.errors import ConfigError, SecretFileError
-from flodl_async.host.secretfile import MAX_SECRET_FILE_BYTES, create_secret_file, load_or_create_secret, read_secret_file, read_token_file
+from flodl_async.host.secretfile import (
+    MAX_SECRET_FILE_BYTES,
+    create_secret_file,
+    load_or_create_secret,
+    read_secret_file,
+    read_token_file,
+)
 from flodl_async.wire.keys import new_cluster_token, new_session_secret
 
 
-def _secret_file(tmp_path: Path, mode: int = 0o600, secret: bytes | None = None) -> tuple[Path, bytes]:
+def _secret_file(
+    tmp_path: Path, mode: int = 0o600, secret: bytes | None = None
+) -> tuple[Path, bytes]:
     secret = secret or new_session_secret()
     path = tmp_path / "secret"
     path.write_text(secret.hex() + "\n")
@@ -38,13 +46,21 @@ def test_a_private_file_is_read(tmp_path: Path, mode: int) -> None:
     assert read_secret_file(str(path)) == secret
 
 
-@pytest.mark.parametrize("mode", [0o644, 0o640, 0o604, 0o620, 0o602, 0o610, 0o601, 0o666, 0o777], ids=lambda mode: f"{mode:04o}")
-def test_a_file_group_or_others_can_get_at_is_refused_with_the_fix(tmp_path: Path, mode: int) -> None:
+@pytest.mark.parametrize(
+    "mode",
+    [0o644, 0o640, 0o604, 0o620, 0o602, 0o610, 0o601, 0o666, 0o777],
+    ids=lambda mode: f"{mode:04o}",
+)
+def test_a_file_group_or_others_can_get_at_is_refused_with_the_fix(
+    tmp_path: Path, mode: int
+) -> None:
     path, _ = _secret_file(tmp_path, mode)
     with pytest.raises(SecretFileError) as caught:
         read_secret_file(path)
     message = str(caught.value)
-    assert message.startswith(f"secret file {path}: has mode {mode:04o}, so group or others can get at the session secret")
+    assert message.startswith(
+        f"secret file {path}: has mode {mode:04o}, so group or others can get at the session secret"
+    )
     assert message.endswith(f"run `chmod 600 {path}`")
     assert "\n" not in message
     assert isinstance(caught.value, ConfigError)  # a usage error for both commands
@@ -97,7 +113,9 @@ def test_a_symlink_is_judged_by_the_file_it_names(tmp_path: Path) -> None:
 
 
 def test_a_missing_file_says_so(tmp_path: Path) -> None:
-    with pytest.raises(SecretFileError, match=r"secret file .*/nope: cannot open it: No such file or directory"):
+    with pytest.raises(
+        SecretFileError, match=r"secret file .*/nope: cannot open it: No such file or directory"
+    ):
         read_secret_file(tmp_path / "nope")
 
 
@@ -105,7 +123,9 @@ def test_what_is_not_a_secret_names_the_file(tmp_path: Path) -> None:
     path = tmp_path / "secret"
     path.write_text("not hex\n")
     path.chmod(0o600)
-    with pytest.raises(SecretFileError, match=rf"secret file {path}: session secret must be 32 hex characters"):
+    with pytest.raises(
+        SecretFileError, match=rf"secret file {path}: session secret must be 32 hex characters"
+    ):
         read_secret_file(path)
 
 
@@ -117,7 +137,9 @@ def test_a_huge_file_is_not_read_whole(tmp_path: Path) -> None:
         read_secret_file(path)
 
 
-def test_a_new_file_is_0600_from_its_creation_whatever_the_umask(tmp_path: Path, umask_0: None, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_new_file_is_0600_from_its_creation_whatever_the_umask(
+    tmp_path: Path, umask_0: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
     def no_chmod(*_args: object, **_kwargs: object) -> None:
         raise AssertionError("chmod after creation: the file was readable until then")
 
@@ -187,17 +209,23 @@ def _credential(directory: Path, *, owner: int, mode: int) -> tuple[Path, bytes]
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="giving a file to another user needs root")
 @pytest.mark.parametrize("owner", [0, 65534], ids=["root-owned", "owned-by-another-uid"])
-def test_a_credential_systemd_wrote_is_read_whatever_its_owner(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, owner: int) -> None:
+def test_a_credential_systemd_wrote_is_read_whatever_its_owner(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, owner: int
+) -> None:
     """We run as root: uid 65534 stands in for systemd's root when the service runs as its own user; 0440 is 0400 plus the ACL's mask."""
     creds = tmp_path / "credentials"
     monkeypatch.setenv("CREDENTIALS_DIRECTORY", str(creds))
     path, token = _credential(creds, owner=owner, mode=0o440)
     assert read_token_file(path) == token
-    assert read_token_file(creds / ".." / "credentials" / "flodl-token") == token  # the path is resolved first
+    assert (
+        read_token_file(creds / ".." / "credentials" / "flodl-token") == token
+    )  # the path is resolved first
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="giving a file to another user needs root")
-def test_the_owner_rule_is_relaxed_only_inside_credentials_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_owner_rule_is_relaxed_only_inside_credentials_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     creds = tmp_path / "credentials"
     path, _ = _credential(creds, owner=65534, mode=0o440)
     # No $CREDENTIALS_DIRECTORY: the same file is someone else's.
@@ -219,8 +247,12 @@ def test_the_owner_rule_is_relaxed_only_inside_credentials_directory(tmp_path: P
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="giving a file to another user needs root")
-@pytest.mark.parametrize("mode", [0o444, 0o404, 0o460, 0o442, 0o666], ids=lambda mode: f"{mode:04o}")
-def test_a_credential_others_can_read_or_anyone_else_can_change_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mode: int) -> None:
+@pytest.mark.parametrize(
+    "mode", [0o444, 0o404, 0o460, 0o442, 0o666], ids=lambda mode: f"{mode:04o}"
+)
+def test_a_credential_others_can_read_or_anyone_else_can_change_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mode: int
+) -> None:
     creds = tmp_path / "credentials"
     monkeypatch.setenv("CREDENTIALS_DIRECTORY", str(creds))
     path, _ = _credential(creds, owner=0, mode=mode)

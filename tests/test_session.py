@@ -53,14 +53,26 @@ class FakeController:
     secret: bytes
     run_id: str
     command: tuple[str, ...]
-    join_link: asyncio.Future[FramedProtocol] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+    join_link: asyncio.Future[FramedProtocol] = field(
+        default_factory=lambda: asyncio.get_running_loop().create_future()
+    )
     up: asyncio.Queue[Message] = field(default_factory=asyncio.Queue)
 
     async def handle_join(self, link: FramedProtocol) -> None:
         hello = await link.recv_message()
         assert isinstance(hello, m.JoinHello)
         link.send(m.JoinAccept(ranks=(0, 1), run_id=self.run_id, formation_wait_s=30.0))
-        link.send(m.WorldFormed(world_size=2, ranks=(0, 1), group_rank=0, group_world_size=1, store_host=False, command=self.command, env={"FLODL_TEST": "1"}))
+        link.send(
+            m.WorldFormed(
+                world_size=2,
+                ranks=(0, 1),
+                group_rank=0,
+                group_world_size=1,
+                store_host=False,
+                command=self.command,
+                env={"FLODL_TEST": "1"},
+            )
+        )
         link.send(m.StartRanks(round=0, restart_count=0, master_addr="127.0.0.1", master_port=1))
         self.join_link.set_result(link)
         while True:
@@ -96,13 +108,26 @@ async def bench() -> AsyncIterator[Bench]:
     secret = new_session_secret()
     run_id = new_run_id()
     record = scratch / "signals"
-    controller = FakeController(secret=secret, run_id=run_id, command=(PY, script("record_signals.py"), str(record), "ignore"))
+    controller = FakeController(
+        secret=secret,
+        run_id=run_id,
+        command=(PY, script("record_signals.py"), str(record), "ignore"),
+    )
     mux = PortMux(host="127.0.0.1", port=0)
     sink = LineSink()
     try:
         async with asyncio.TaskGroup() as tg:
-            for channel, handler in ((Channel.JOIN, controller.handle_join), (Channel.CONTROL, controller.handle_control)):
-                service = FramedService(channel=channel, resolve=session_resolver(secret), run_id=run_id, handler=handler, task_group=tg)
+            for channel, handler in (
+                (Channel.JOIN, controller.handle_join),
+                (Channel.CONTROL, controller.handle_control),
+            ):
+                service = FramedService(
+                    channel=channel,
+                    resolve=session_resolver(secret),
+                    run_id=run_id,
+                    handler=handler,
+                    task_group=tg,
+                )
                 mux.register(channel, service.protocol_factory)
             await mux.start()
             config = SessionConfig(
@@ -116,11 +141,19 @@ async def bench() -> AsyncIterator[Bench]:
             )
             session = HostSession(config, output=RankOutput(stdout=sink, stderr=sink))
             try:
-                yield Bench(controller=controller, session=session, output=sink, runtime_root=scratch / "runtime", record=record)
+                yield Bench(
+                    controller=controller,
+                    session=session,
+                    output=sink,
+                    runtime_root=scratch / "runtime",
+                    record=record,
+                )
             finally:
                 await mux.aclose()
     finally:
-        for pid in processes_of_run(run_id):  # never leak a stubborn rank, even when the test failed
+        for pid in processes_of_run(
+            run_id
+        ):  # never leak a stubborn rank, even when the test failed
             os.kill(pid, signal.SIGKILL)
         shutil.rmtree(scratch, ignore_errors=True)
 
@@ -183,7 +216,12 @@ async def test_a_lost_join_link_stops_the_ranks_and_raises(bench: Bench) -> None
             task.cancel()
     assert caught.value.host == "bench"
     assert "lost the join link" in caught.value.reason
-    assert sorted(bench.record.read_text().split()) == ["0", "1", "SIGTERM", "SIGTERM"]  # TERM first, by the table
+    assert sorted(bench.record.read_text().split()) == [
+        "0",
+        "1",
+        "SIGTERM",
+        "SIGTERM",
+    ]  # TERM first, by the table
     assert not processes_of_run(bench.controller.run_id)
     assert not bench.entries()
 

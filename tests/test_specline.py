@@ -13,7 +13,13 @@ from flodl_async.agent.specline import AgentSpec, devices_text, hello_line, pars
 from flodl_async.config.devices import parse_devices
 from flodl_async.config.sshopts import option_error, parse_option
 from flodl_async.errors import ConfigError
-from flodl_async.host.ifnames import interface_of_address, interface_towards, local_ipv4_interfaces, ranks_env, with_default_ifname
+from flodl_async.host.ifnames import (
+    interface_of_address,
+    interface_towards,
+    local_ipv4_interfaces,
+    ranks_env,
+    with_default_ifname,
+)
 
 SPEC = AgentSpec(
     controller_host="10.0.0.1",
@@ -40,7 +46,10 @@ def test_the_spec_line_round_trips_and_is_one_line() -> None:
     ("edit", "message"),
     [
         (lambda b: b.pop("secret"), "the spec lacks field 'secret'"),
-        (lambda b: b.update(controller_port="1337"), "spec field 'controller_port' has the wrong type (str)"),
+        (
+            lambda b: b.update(controller_port="1337"),
+            "spec field 'controller_port' has the wrong type (str)",
+        ),
         (lambda b: b.update(controller_port=0), "must be a TCP port (got 0)"),
         (lambda b: b.update(env={"A": 1}), "'env' must map strings to strings"),
         (lambda b: b.update(workdir=3), "'workdir' must be a string or null"),
@@ -81,8 +90,14 @@ def test_the_configured_interface_sets_both_variables_over_the_spec_env() -> Non
 
 
 def test_the_default_interface_fills_only_what_is_unset() -> None:
-    assert with_default_ifname({}, "eth0") == {"GLOO_SOCKET_IFNAME": "eth0", "NCCL_SOCKET_IFNAME": "eth0"}
-    assert with_default_ifname({"NCCL_SOCKET_IFNAME": "ib0"}, "eth0") == {"NCCL_SOCKET_IFNAME": "ib0", "GLOO_SOCKET_IFNAME": "eth0"}
+    assert with_default_ifname({}, "eth0") == {
+        "GLOO_SOCKET_IFNAME": "eth0",
+        "NCCL_SOCKET_IFNAME": "eth0",
+    }
+    assert with_default_ifname({"NCCL_SOCKET_IFNAME": "ib0"}, "eth0") == {
+        "NCCL_SOCKET_IFNAME": "ib0",
+        "GLOO_SOCKET_IFNAME": "eth0",
+    }
     assert with_default_ifname({"A": "b"}, None) == {"A": "b"}
 
 
@@ -101,8 +116,14 @@ def test_ssh_options() -> None:
     assert parse_option("ProxyJump=me@bastion:2222") == ("ProxyJump", "me@bastion:2222")
     assert parse_option("ProxyJump bastion") == ("ProxyJump", "bastion")
     assert option_error("ProxyJump=bastion") is None
-    assert option_error("StrictHostKeyChecking=no") == "ssh option 'StrictHostKeyChecking' is not supported (supported: ProxyJump); remove it"
-    assert option_error("ProxyJump=") == "ssh option ProxyJump needs a value, like ProxyJump=user@bastion:22"
+    assert (
+        option_error("StrictHostKeyChecking=no")
+        == "ssh option 'StrictHostKeyChecking' is not supported (supported: ProxyJump); remove it"
+    )
+    assert (
+        option_error("ProxyJump=")
+        == "ssh option ProxyJump needs a value, like ProxyJump=user@bastion:22"
+    )
 
 
 @pytest.mark.parametrize(
@@ -112,8 +133,16 @@ def test_ssh_options() -> None:
         (b"not json\n", "the first stdin line is not JSON"),
     ],
 )
-def test_the_agent_says_hello_then_refuses_a_bad_spec_in_one_line(stdin: bytes, message: str) -> None:
-    done = subprocess.run([sys.executable, "-m", "flodl_async.agent", "--spec-stdin"], input=stdin, capture_output=True, timeout=60, check=False)
+def test_the_agent_says_hello_then_refuses_a_bad_spec_in_one_line(
+    stdin: bytes, message: str
+) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "flodl_async.agent", "--spec-stdin"],
+        input=stdin,
+        capture_output=True,
+        timeout=60,
+        check=False,
+    )
     assert done.returncode == 2
     assert done.stdout.decode().splitlines() == [hello_line()]
     err = done.stderr.decode()

@@ -11,7 +11,17 @@ from pathlib import Path
 import pytest
 
 from flodl_async.errors import BusyError, SubscriptionClosed
-from flodl_async.status import SCHEMA, MemberState, MemberStatus, Phase, RankState, RankStatus, StatusBoard, StatusSnapshot, dashboard_html
+from flodl_async.status import (
+    SCHEMA,
+    MemberState,
+    MemberStatus,
+    Phase,
+    RankState,
+    RankStatus,
+    StatusBoard,
+    StatusSnapshot,
+    dashboard_html,
+)
 from flodl_async.status.model import Counters
 
 # The document's keys before the schema marker was added: clients read these, so they stay.
@@ -21,8 +31,12 @@ OLD_KEYS = {
 }  # fmt: skip
 
 
-def _snapshot(phase: Phase = Phase.TRAINING, *, run_id: str = "run-1", ranks: tuple[RankStatus, ...] = ()) -> StatusSnapshot:
-    return StatusSnapshot(run_id=run_id, phase=phase, started_at=100.0, updated_at=101.0, world_size=2, ranks=ranks)
+def _snapshot(
+    phase: Phase = Phase.TRAINING, *, run_id: str = "run-1", ranks: tuple[RankStatus, ...] = ()
+) -> StatusSnapshot:
+    return StatusSnapshot(
+        run_id=run_id, phase=phase, started_at=100.0, updated_at=101.0, world_size=2, ranks=ranks
+    )
 
 
 class FakeClock:
@@ -51,7 +65,9 @@ class FakeCounters:
 
 
 def test_states_serialise_to_the_old_strings() -> None:
-    ranks = tuple(RankStatus(rank=i, host="a", local_rank=i, state=state) for i, state in enumerate(RankState))
+    ranks = tuple(
+        RankStatus(rank=i, host="a", local_rank=i, state=state) for i, state in enumerate(RankState)
+    )
     snapshot = StatusSnapshot(
         run_id="r",
         phase=Phase.FAILED,
@@ -63,7 +79,9 @@ def test_states_serialise_to_the_old_strings() -> None:
     doc = json.loads(snapshot.to_json())
     assert doc["phase"] == "failed"
     assert [r["state"] for r in doc["ranks"]] == ["running", "connected", "exited", "failed"]
-    assert doc["members"] == [{"host": "a", "ranks": [0, 1], "devices": ["cpu:0"], "joined_at": 1.5, "state": "joined"}]
+    assert doc["members"] == [
+        {"host": "a", "ranks": [0, 1], "devices": ["cpu:0"], "joined_at": 1.5, "state": "joined"}
+    ]
     assert doc["ranks"][0] == {
         "rank": 0, "host": "a", "local_rank": 0, "state": "running", "pid": None, "exit_code": None, "signal": None,
         # the activity an agent reports, null until its first report
@@ -159,7 +177,13 @@ def test_a_full_subscription_drops_the_oldest_and_counts_it() -> None:
     got = [sub.get_nowait(), sub.get_nowait(), sub.get_nowait()]
     assert [s.run_id if s else None for s in got] == ["run-3", "run-4", None]
     stats = sub.statistics()
-    assert (stats.delivered, stats.dropped, stats.queued, stats.maxsize, stats.closed) == (2, 3, 0, 2, False)
+    assert (stats.delivered, stats.dropped, stats.queued, stats.maxsize, stats.closed) == (
+        2,
+        3,
+        0,
+        2,
+        False,
+    )
 
 
 def test_a_subscription_sees_only_what_is_published_after_it() -> None:

@@ -11,12 +11,21 @@ import pytest
 
 from flodl_async.net.http import StatusHttpProtocol
 from flodl_async.net.mux import PortMux
-from flodl_async.status import MemberStatus, Phase, RankState, RankStatus, StatusBoard, StatusSnapshot
+from flodl_async.status import (
+    MemberStatus,
+    Phase,
+    RankState,
+    RankStatus,
+    StatusBoard,
+    StatusSnapshot,
+)
 from flodl_async.wire import Channel
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
-pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed (CI installs Debian's chromium)")
+pytestmark = pytest.mark.skipif(
+    CHROMIUM is None, reason="chromium is not installed (CI installs Debian's chromium)"
+)
 
 
 async def _render(url: str, profile: Path, screenshot: Path | None = None) -> str:
@@ -30,7 +39,9 @@ async def _render(url: str, profile: Path, screenshot: Path | None = None) -> st
         args += [f"--screenshot={screenshot}", "--window-size=900,500"]
     else:
         args.append("--dump-dom")
-    proc = await asyncio.create_subprocess_exec(*args, url, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL)
+    proc = await asyncio.create_subprocess_exec(
+        *args, url, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL
+    )
     try:
         async with asyncio.timeout(60):
             out, _ = await proc.communicate()
@@ -52,10 +63,16 @@ async def test_status_page_shows_phase_members_and_verdict(tmp_path: Path) -> No
             updated_at=now,
             world_size=2,
             joined_ranks=2,
-            members=(MemberStatus(host="node-a", ranks=(0, 1), devices=("cpu:0", "cpu:1"), joined_at=now),),
+            members=(
+                MemberStatus(
+                    host="node-a", ranks=(0, 1), devices=("cpu:0", "cpu:1"), joined_at=now
+                ),
+            ),
             ranks=(
                 RankStatus(rank=0, host="node-a", local_rank=0, state=RankState.RUNNING, pid=4242),
-                RankStatus(rank=1, host="node-a", local_rank=1, state=RankState.FAILED, exit_code=3),
+                RankStatus(
+                    rank=1, host="node-a", local_rank=1, state=RankState.FAILED, exit_code=3
+                ),
             ),
             verdict="rank 1 exited with code 3",
         )
@@ -65,7 +82,11 @@ async def test_status_page_shows_phase_members_and_verdict(tmp_path: Path) -> No
     await mux.start()
     try:
         dom = await _render(f"http://127.0.0.1:{mux.port}/", tmp_path / "profile")
-        await _render(f"http://127.0.0.1:{mux.port}/", tmp_path / "profile2", screenshot=tmp_path / "status.png")
+        await _render(
+            f"http://127.0.0.1:{mux.port}/",
+            tmp_path / "profile2",
+            screenshot=tmp_path / "status.png",
+        )
     finally:
         await mux.aclose()
     assert '<b id="phase">failed</b>' in dom

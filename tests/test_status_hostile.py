@@ -42,7 +42,9 @@ FORBIDDEN = {"Cc", "Cf", "Cs", "Zl", "Zp"}
 
 
 def _assert_clean(text: str) -> None:
-    bad = sorted({f"U+{ord(ch):04X}" for ch in text if ch != "\n" and unicodedata.category(ch) in FORBIDDEN})
+    bad = sorted(
+        {f"U+{ord(ch):04X}" for ch in text if ch != "\n" and unicodedata.category(ch) in FORBIDDEN}
+    )
     assert bad == [], f"these reached the terminal: {bad}"
 
 
@@ -73,8 +75,20 @@ def _answer(raw: bytes) -> Handler:
     return handler
 
 
-def _http(body: bytes, status_line: bytes = b"HTTP/1.1 200 OK", headers: bytes = b"Content-Type: application/json\r\n") -> bytes:
-    return status_line + b"\r\n" + headers + b"Content-Length: " + str(len(body)).encode() + b"\r\nConnection: close\r\n\r\n" + body
+def _http(
+    body: bytes,
+    status_line: bytes = b"HTTP/1.1 200 OK",
+    headers: bytes = b"Content-Type: application/json\r\n",
+) -> bytes:
+    return (
+        status_line
+        + b"\r\n"
+        + headers
+        + b"Content-Length: "
+        + str(len(body)).encode()
+        + b"\r\nConnection: close\r\n\r\n"
+        + body
+    )
 
 
 def _json(doc: object) -> bytes:
@@ -96,7 +110,12 @@ async def _flodl_status(port: int, *args: str) -> tuple[int, str, str, float]:
             proc.kill()
             await proc.wait()
     assert proc.returncode is not None
-    return proc.returncode, out.decode(errors="strict"), err.decode(errors="strict"), time.monotonic() - started
+    return (
+        proc.returncode,
+        out.decode(errors="strict"),
+        err.decode(errors="strict"),
+        time.monotonic() - started,
+    )
 
 
 def _genuine(**fields: object) -> dict[str, object]:
@@ -111,8 +130,26 @@ def _genuine(**fields: object) -> dict[str, object]:
         "min_rank_start": 1,
         "target_ranks": 1,
         "restart_count": 0,
-        "members": [{"host": "node-a", "ranks": [0], "devices": ["cpu:0"], "joined_at": 1.0, "state": "joined"}],
-        "ranks": [{"rank": 0, "host": "node-a", "local_rank": 0, "state": "running", "pid": 42, "exit_code": None, "signal": None}],
+        "members": [
+            {
+                "host": "node-a",
+                "ranks": [0],
+                "devices": ["cpu:0"],
+                "joined_at": 1.0,
+                "state": "joined",
+            }
+        ],
+        "ranks": [
+            {
+                "rank": 0,
+                "host": "node-a",
+                "local_rank": 0,
+                "state": "running",
+                "pid": 42,
+                "exit_code": None,
+                "signal": None,
+            }
+        ],
         "verdict": "",
         "exit_code": None,
         "connections": {"routed": {"join": 1}, "dropped": {}},
@@ -127,7 +164,9 @@ def _genuine(**fields: object) -> dict[str, object]:
 async def _endless(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
     """A 200 whose body never ends (no length, no close)."""
     await reader.readuntil(b"\r\n\r\n")
-    writer.write(b'HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n\r\n{"schema": "flodl-status/1", "run_id": "')
+    writer.write(
+        b'HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n\r\n{"schema": "flodl-status/1", "run_id": "'
+    )
     while True:
         writer.write(b"A" * 65536)
         await writer.drain()
@@ -153,42 +192,115 @@ async def _hang_up(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -
 
 NESTED = 100_000
 NOT_STATUS: dict[str, tuple[Handler, str]] = {
-    "json without the marker": (_answer(_http(_json({"phase": "training", "run_id": f"x{HOSTILE}"}))), "lacks the 'flodl-status/1' schema marker"),
-    "another schema": (_answer(_http(_json({"schema": f"other/1{HOSTILE}"}))), "lacks the 'flodl-status/1' schema marker"),
-    "a marker that is not a string": (_answer(_http(_json({"schema": ["flodl-status/1"]}))), "lacks the 'flodl-status/1' schema marker"),
+    "json without the marker": (
+        _answer(_http(_json({"phase": "training", "run_id": f"x{HOSTILE}"}))),
+        "lacks the 'flodl-status/1' schema marker",
+    ),
+    "another schema": (
+        _answer(_http(_json({"schema": f"other/1{HOSTILE}"}))),
+        "lacks the 'flodl-status/1' schema marker",
+    ),
+    "a marker that is not a string": (
+        _answer(_http(_json({"schema": ["flodl-status/1"]}))),
+        "lacks the 'flodl-status/1' schema marker",
+    ),
     "html": (_answer(_http(b"<html><title>\x1b]0;pwned\x07</title></html>")), "not with JSON"),
     "binary": (_answer(_http(bytes(range(256)) * 4)), "not with JSON"),
-    "invalid utf-8": (_answer(_http(b'{"schema": "flodl-status/1", "run_id": "\xff\xfe"}')), "not with JSON"),
+    "invalid utf-8": (
+        _answer(_http(b'{"schema": "flodl-status/1", "run_id": "\xff\xfe"}')),
+        "not with JSON",
+    ),
     "a json array": (_answer(_http(b"[1, 2]")), "not an object"),
     "deep nesting": (_answer(_http(b"[" * NESTED + b"]" * NESTED)), "nested too deeply"),
     "deep nesting behind the marker": (
-        _answer(_http(b'{"schema": "flodl-status/1", "x": ' + b"[" * NESTED + b"]" * NESTED + b"}")),
+        _answer(
+            _http(b'{"schema": "flodl-status/1", "x": ' + b"[" * NESTED + b"]" * NESTED + b"}")
+        ),
         "nested too deeply",
     ),
-    "huge body": (_answer(_http(b'{"schema": "flodl-status/1", "run_id": "' + b"A" * (17 * 1024 * 1024) + b'"}')), "more than 16777216 bytes"),
+    "huge body": (
+        _answer(
+            _http(b'{"schema": "flodl-status/1", "run_id": "' + b"A" * (17 * 1024 * 1024) + b'"}')
+        ),
+        "more than 16777216 bytes",
+    ),
     "endless body": (_endless, "more than 16777216 bytes"),
     "redirect": (
-        _answer(_http(_json(_genuine()), b"HTTP/1.1 302 Found", f"Location: https://evil.example/{HOSTILE}\r\n".encode("utf-8", "surrogatepass"))),
+        _answer(
+            _http(
+                _json(_genuine()),
+                b"HTTP/1.1 302 Found",
+                f"Location: https://evil.example/{HOSTILE}\r\n".encode("utf-8", "surrogatepass"),
+            )
+        ),
         "answered HTTP 302, a redirect to https://evil.example/",
     ),
-    "permanent redirect without a body": (_answer(b"HTTP/1.1 301 Moved Permanently\r\nLocation: /elsewhere\r\nContent-Length: 0\r\n\r\n"), "answered HTTP 301"),
-    "members is a string": (_answer(_http(_json(_genuine(members="node-a")))), "not a flodl status: members"),
+    "permanent redirect without a body": (
+        _answer(
+            b"HTTP/1.1 301 Moved Permanently\r\nLocation: /elsewhere\r\nContent-Length: 0\r\n\r\n"
+        ),
+        "answered HTTP 301",
+    ),
+    "members is a string": (
+        _answer(_http(_json(_genuine(members="node-a")))),
+        "not a flodl status: members",
+    ),
     "a host that is an object": (
-        _answer(_http(_json(_genuine(members=[{"host": {"a": 1}, "ranks": [0], "devices": [], "state": "joined"}])))),
+        _answer(
+            _http(
+                _json(
+                    _genuine(
+                        members=[{"host": {"a": 1}, "ranks": [0], "devices": [], "state": "joined"}]
+                    )
+                )
+            )
+        ),
         "not a flodl status: members[0].host",
     ),
     "ranks that are a number": (
-        _answer(_http(_json(_genuine(members=[{"host": "a", "ranks": 5, "devices": [], "state": "joined"}])))),
+        _answer(
+            _http(
+                _json(
+                    _genuine(members=[{"host": "a", "ranks": 5, "devices": [], "state": "joined"}])
+                )
+            )
+        ),
         "not a flodl status: members[0].ranks",
     ),
-    "a rank row that is a list": (_answer(_http(_json(_genuine(ranks=[[0, "a"]])))), "not a flodl status: ranks[0]"),
-    "a count that is text": (_answer(_http(_json(_genuine(world_size="2")))), "not a flodl status: world_size"),
-    "a count that is a boolean": (_answer(_http(_json(_genuine(joined_ranks=True)))), "not a flodl status: joined_ranks"),
-    "a 503 whose error is not text": (_answer(_http(_json({"schema": SCHEMA, "error": {"x": 1}}), b"HTTP/1.1 503 Service Unavailable")), "error"),
-    "a bad status line": (_answer(f"HTTP/1.1 2{HOSTILE}00 OK\r\n\r\n".encode("utf-8", "surrogatepass")), "no flodl controller answers"),
-    "too many headers": (_answer(b"HTTP/1.1 200 OK\r\n" + b"X-A: b\r\n" * 500 + b"\r\n{}"), "no flodl controller answers"),
-    "a header line too long": (_answer(b"HTTP/1.1 200 OK\r\nX-A: " + b"b" * 100_000 + b"\r\n\r\n"), "no flodl controller answers"),
-    "a body shorter than its length": (_answer(b"HTTP/1.1 200 OK\r\nContent-Length: 1000\r\n\r\n{}"), "cut short (2 bytes, 998 missing)"),
+    "a rank row that is a list": (
+        _answer(_http(_json(_genuine(ranks=[[0, "a"]])))),
+        "not a flodl status: ranks[0]",
+    ),
+    "a count that is text": (
+        _answer(_http(_json(_genuine(world_size="2")))),
+        "not a flodl status: world_size",
+    ),
+    "a count that is a boolean": (
+        _answer(_http(_json(_genuine(joined_ranks=True)))),
+        "not a flodl status: joined_ranks",
+    ),
+    "a 503 whose error is not text": (
+        _answer(
+            _http(_json({"schema": SCHEMA, "error": {"x": 1}}), b"HTTP/1.1 503 Service Unavailable")
+        ),
+        "error",
+    ),
+    "a bad status line": (
+        _answer(f"HTTP/1.1 2{HOSTILE}00 OK\r\n\r\n".encode("utf-8", "surrogatepass")),
+        "no flodl controller answers",
+    ),
+    "too many headers": (
+        _answer(b"HTTP/1.1 200 OK\r\n" + b"X-A: b\r\n" * 500 + b"\r\n{}"),
+        "no flodl controller answers",
+    ),
+    "a header line too long": (
+        _answer(b"HTTP/1.1 200 OK\r\nX-A: " + b"b" * 100_000 + b"\r\n\r\n"),
+        "no flodl controller answers",
+    ),
+    "a body shorter than its length": (
+        _answer(b"HTTP/1.1 200 OK\r\nContent-Length: 1000\r\n\r\n{}"),
+        "cut short (2 bytes, 998 missing)",
+    ),
     "hangs up without answering": (_hang_up, "no flodl controller answers"),
     "drips a byte at a time": (_drip, "did not answer within 1s"),
     "silent": (_silent, "did not answer within 1s"),
@@ -200,7 +312,9 @@ NOT_STATUS: dict[str, tuple[Handler, str]] = {
 async def test_what_is_not_a_flodl_status_is_one_line_and_exit_1(case: str, as_json: bool) -> None:
     handler, message = NOT_STATUS[case]
     async with _server(handler) as port:
-        code, out, err, took = await _flodl_status(port, "--timeout", "1", *(["--json"] if as_json else []))
+        code, out, err, took = await _flodl_status(
+            port, "--timeout", "1", *(["--json"] if as_json else [])
+        )
     assert code == 1, (out, err)
     assert out == ""
     assert "Traceback" not in err
@@ -221,9 +335,26 @@ def _hostile_everywhere() -> dict[str, object]:
         phase=f"training{HOSTILE}",
         verdict=f"rank 1 failed{HOSTILE}",
         members=[
-            {"host": f"node{HOSTILE}", "ranks": [0], "devices": [f"cpu{HOSTILE}"], "joined_at": 1.0, "state": f"joined{HOSTILE}", f"extra{HOSTILE}": [HOSTILE]}
+            {
+                "host": f"node{HOSTILE}",
+                "ranks": [0],
+                "devices": [f"cpu{HOSTILE}"],
+                "joined_at": 1.0,
+                "state": f"joined{HOSTILE}",
+                f"extra{HOSTILE}": [HOSTILE],
+            }
         ],
-        ranks=[{"rank": 0, "host": f"node{HOSTILE}", "local_rank": 0, "state": f"running{HOSTILE}", "pid": 42, "exit_code": None, "signal": None}],
+        ranks=[
+            {
+                "rank": 0,
+                "host": f"node{HOSTILE}",
+                "local_rank": 0,
+                "state": f"running{HOSTILE}",
+                "pid": 42,
+                "exit_code": None,
+                "signal": None,
+            }
+        ],
         connections={f"routed{HOSTILE}": {f"join{HOSTILE}": 1}, "dropped": {}},
     )
     doc[f"key{HOSTILE}"] = {f"nested{HOSTILE}": [f"deep{HOSTILE}", {f"deeper{HOSTILE}": HOSTILE}]}
@@ -250,10 +381,14 @@ async def test_a_genuine_status_with_hostile_strings_is_printed_clean_as_json() 
     doc = json.loads(out)
     cleaned = CLEANED
     assert doc["run_id"] == f"run{cleaned}"
-    assert doc[f"key{cleaned}"] == {f"nested{cleaned}": [f"deep{cleaned}", {f"deeper{cleaned}": cleaned}]}
+    assert doc[f"key{cleaned}"] == {
+        f"nested{cleaned}": [f"deep{cleaned}", {f"deeper{cleaned}": cleaned}]
+    }
     assert doc["members"][0][f"extra{cleaned}"] == [cleaned]
     assert doc["connections"][f"routed{cleaned}"] == {f"join{cleaned}": 1}
-    _assert_clean(json.dumps(doc, ensure_ascii=False))  # clean as text, not only escaped as \u sequences
+    _assert_clean(
+        json.dumps(doc, ensure_ascii=False)
+    )  # clean as text, not only escaped as \u sequences
 
 
 async def test_a_starting_controller_with_a_hostile_error_is_printed_clean() -> None:

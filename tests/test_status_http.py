@@ -15,7 +15,14 @@ import pytest
 
 from flodl_async.net.http import StatusHttpProtocol
 from flodl_async.net.mux import PortMux
-from flodl_async.status import SCHEMA, MemberStatus, Phase, StatusBoard, StatusSnapshot, dashboard_html
+from flodl_async.status import (
+    SCHEMA,
+    MemberStatus,
+    Phase,
+    StatusBoard,
+    StatusSnapshot,
+    dashboard_html,
+)
 from flodl_async.status.model import Counters
 from flodl_async.wire import Channel
 
@@ -32,7 +39,9 @@ async def served() -> AsyncIterator[tuple[PortMux, StatusBoard]]:
         await mux.aclose()
 
 
-def _get(port: int, method: str, path: str, headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], bytes]:
+def _get(
+    port: int, method: str, path: str, headers: dict[str, str] | None = None
+) -> tuple[int, dict[str, str], bytes]:
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
     try:
         conn.request(method, path, headers=headers or {})
@@ -53,7 +62,9 @@ def _snapshot() -> StatusSnapshot:
         joined_ranks=2,
         min_rank_start=2,
         target_ranks=2,
-        members=(MemberStatus(host="node-a", ranks=(0, 1), devices=("cpu:0", "cpu:1"), joined_at=now),),
+        members=(
+            MemberStatus(host="node-a", ranks=(0, 1), devices=("cpu:0", "cpu:1"), joined_at=now),
+        ),
     )
 
 
@@ -110,7 +121,9 @@ async def test_requests_serve_the_cached_encoding() -> None:
     try:
         board.publish(_snapshot())
         dropped["unknown_magic"] = 1
-        bodies = [(await asyncio.to_thread(_get, mux.port, "GET", "/state.json"))[2] for _ in range(2)]
+        bodies = [
+            (await asyncio.to_thread(_get, mux.port, "GET", "/state.json"))[2] for _ in range(2)
+        ]
         assert bodies[0] == bodies[1] == board.encoded
         assert board.statistics().encodes == 1
         assert json.loads(bodies[0])["connections"]["dropped"] == {"unknown_magic": 0}
@@ -147,7 +160,9 @@ async def test_post_is_not_allowed(served: tuple[PortMux, StatusBoard]) -> None:
 
 async def test_oversized_request_head_is_refused(served: tuple[PortMux, StatusBoard]) -> None:
     mux, _ = served
-    status, _, body = await asyncio.to_thread(_get, mux.port, "GET", "/state.json", {"X-Big": "a" * 20_000})
+    status, _, body = await asyncio.to_thread(
+        _get, mux.port, "GET", "/state.json", {"X-Big": "a" * 20_000}
+    )
     assert status == 431
     assert "request head above" in json.loads(body)["error"]
 
@@ -164,7 +179,13 @@ async def test_slow_request_is_cut_at_the_time_limit(served: tuple[PortMux, Stat
 async def test_curl(served: tuple[PortMux, StatusBoard]) -> None:
     mux, board = served
     board.publish(_snapshot())
-    proc = await asyncio.create_subprocess_exec("curl", "-sS", "--fail", f"http://127.0.0.1:{mux.port}/state.json", stdout=asyncio.subprocess.PIPE)
+    proc = await asyncio.create_subprocess_exec(
+        "curl",
+        "-sS",
+        "--fail",
+        f"http://127.0.0.1:{mux.port}/state.json",
+        stdout=asyncio.subprocess.PIPE,
+    )
     out, _ = await proc.communicate()
     assert proc.returncode == 0
     assert json.loads(out)["run_id"] == "run-7"
@@ -172,7 +193,13 @@ async def test_curl(served: tuple[PortMux, StatusBoard]) -> None:
 
 async def _flodl_status(*args: str) -> tuple[int, str, str]:
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "flodl_async.cli.flodl", "status", *args, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
+        sys.executable,
+        "-m",
+        "flodl_async.cli.flodl",
+        "status",
+        *args,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
     )
     out, err = await proc.communicate()
     assert proc.returncode is not None
@@ -217,11 +244,21 @@ async def test_flodl_status_on_a_starting_controller(served: tuple[PortMux, Stat
 
 
 async def test_flodl_status_help_lists_the_exit_codes() -> None:
-    proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "flodl_async.cli.flodl", "status", "--help", stdout=asyncio.subprocess.PIPE)
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "flodl_async.cli.flodl",
+        "status",
+        "--help",
+        stdout=asyncio.subprocess.PIPE,
+    )
     out, _ = await proc.communicate()
     assert proc.returncode == 0
     assert "exit codes:" in out.decode()
-    assert "1    nothing answers at that address, or what answers is not a flodl status" in out.decode()
+    assert (
+        "1    nothing answers at that address, or what answers is not a flodl status"
+        in out.decode()
+    )
 
 
 # ----- flodl status against a server that is not ours ------------------------------------------------
@@ -253,7 +290,13 @@ async def _canned_server(response: bytes) -> AsyncIterator[int]:
 
 
 def _http(body: bytes, status_line: bytes = b"HTTP/1.1 200 OK") -> bytes:
-    return status_line + b"\r\nContent-Type: application/json\r\nContent-Length: " + str(len(body)).encode() + b"\r\nConnection: close\r\n\r\n" + body
+    return (
+        status_line
+        + b"\r\nContent-Type: application/json\r\nContent-Length: "
+        + str(len(body)).encode()
+        + b"\r\nConnection: close\r\n\r\n"
+        + body
+    )
 
 
 def _assert_no_controls(text: str) -> None:
@@ -262,7 +305,9 @@ def _assert_no_controls(text: str) -> None:
 
 
 async def test_flodl_status_refuses_json_without_the_schema_marker() -> None:
-    async with _canned_server(_http(json.dumps({"phase": "training", "run_id": "x"}).encode())) as port:
+    async with _canned_server(
+        _http(json.dumps({"phase": "training", "run_id": "x"}).encode())
+    ) as port:
         code, out, err = await _flodl_status("--addr", f"127.0.0.1:{port}")
     assert code == 1
     assert out == ""
@@ -270,8 +315,12 @@ async def test_flodl_status_refuses_json_without_the_schema_marker() -> None:
     assert "Traceback" not in err
 
 
-@pytest.mark.parametrize(("body", "message"), [(b"<html>hi</html>", "not with JSON"), (b"[1, 2]", "not an object")])
-async def test_flodl_status_refuses_what_is_not_a_status_document(body: bytes, message: str) -> None:
+@pytest.mark.parametrize(
+    ("body", "message"), [(b"<html>hi</html>", "not with JSON"), (b"[1, 2]", "not an object")]
+)
+async def test_flodl_status_refuses_what_is_not_a_status_document(
+    body: bytes, message: str
+) -> None:
     async with _canned_server(_http(body)) as port:
         code, out, err = await _flodl_status("--addr", f"127.0.0.1:{port}")
     assert code == 1
@@ -288,13 +337,24 @@ async def test_flodl_status_strips_control_characters_from_what_it_prints(as_jso
         "verdict": f"rank 1 failed{HOSTILE}",
         "joined_ranks": 1,
         "world_size": 1,
-        "members": [{"host": f"node{HOSTILE}", "ranks": [0], "devices": [f"cpu{HOSTILE}"], "state": f"joined{HOSTILE}"}],
-        "ranks": [{"rank": 0, "host": f"node{HOSTILE}", "pid": 1, "state": f"running{HOSTILE}"}],  # a pid is a number (text there is not a status)
+        "members": [
+            {
+                "host": f"node{HOSTILE}",
+                "ranks": [0],
+                "devices": [f"cpu{HOSTILE}"],
+                "state": f"joined{HOSTILE}",
+            }
+        ],
+        "ranks": [
+            {"rank": 0, "host": f"node{HOSTILE}", "pid": 1, "state": f"running{HOSTILE}"}
+        ],  # a pid is a number (text there is not a status)
         f"key{HOSTILE}": "value",
     }
     # ensure_ascii=False: the control characters travel raw in the body, not as \u escapes
     async with _canned_server(_http(json.dumps(doc, ensure_ascii=False).encode())) as port:
-        code, out, err = await _flodl_status("--addr", f"127.0.0.1:{port}", *(["--json"] if as_json else []))
+        code, out, err = await _flodl_status(
+            "--addr", f"127.0.0.1:{port}", *(["--json"] if as_json else [])
+        )
     assert code == 0, err
     _assert_no_controls(out)
     _assert_no_controls(err)
@@ -352,7 +412,16 @@ async def test_rank_output_lines_are_served_to_loopback_clients_only() -> None:
     mux.register(Channel.STATUS, lambda: StatusHttpProtocol(board, request_timeout=2.0))
     await mux.start()
     try:
-        rank = RankStatus(rank=0, host="node-a", local_rank=0, state=RankState.RUNNING, pid=7, last_line="token=hunter2", output_age_s=4.0, quiet_s=4.0)
+        rank = RankStatus(
+            rank=0,
+            host="node-a",
+            local_rank=0,
+            state=RankState.RUNNING,
+            pid=7,
+            last_line="token=hunter2",
+            output_age_s=4.0,
+            quiet_s=4.0,
+        )
         board.publish(dataclasses.replace(_snapshot(), ranks=(rank,)))
 
         def get(host: str) -> dict[str, object]:

@@ -11,7 +11,12 @@ import pytest
 
 from .launchkit import PY, Launcher, free_port, new_run_id, run_launch, script
 
-pytestmark = [pytest.mark.e2e, pytest.mark.skipif(sys.platform != "linux", reason="needs Linux: listening sockets are read from /proc")]
+pytestmark = [
+    pytest.mark.e2e,
+    pytest.mark.skipif(
+        sys.platform != "linux", reason="needs Linux: listening sockets are read from /proc"
+    ),
+]
 
 
 def listening_ports(pid: int) -> set[int]:
@@ -33,13 +38,25 @@ def listening_ports(pid: int) -> set[int]:
     return ports
 
 
-def test_during_a_run_the_controller_listens_on_its_one_port_and_ranks_rendezvous_through_it(tmp_path: Path) -> None:
+def test_during_a_run_the_controller_listens_on_its_one_port_and_ranks_rendezvous_through_it(
+    tmp_path: Path,
+) -> None:
     run_id, port = new_run_id(), free_port()
     release = tmp_path / "release"
-    args = ("-v", "--nproc", "2", "--devices", "cpu", "--port", str(port))  # -v: the round's line says where the store is
+    args = (
+        "-v",
+        "--nproc",
+        "2",
+        "--devices",
+        "cpu",
+        "--port",
+        str(port),
+    )  # -v: the round's line says where the store is
     launcher = Launcher(*args, "--", PY, script("store_round.py"), str(release), run_id=run_id)
     try:
-        launcher.wait_for_stdout(" sum 2", count=2)  # both ranks met through the store and all-reduced
+        launcher.wait_for_stdout(
+            " sum 2", count=2
+        )  # both ranks met through the store and all-reduced
         assert listening_ports(launcher.proc.pid) == {port}
         release.touch()
         done = launcher.finish(timeout=60)
@@ -47,7 +64,9 @@ def test_during_a_run_the_controller_listens_on_its_one_port_and_ranks_rendezvou
         launcher.kill()
     assert done.returncode == 0, done.stderr
     for rank in (0, 1):
-        assert f"attempt 0 rank {rank} store 127.0.0.1:{port} leftover False" in done.stdout, done.stdout
+        assert f"attempt 0 rank {rank} store 127.0.0.1:{port} leftover False" in done.stdout, (
+            done.stdout
+        )
     assert "store at the controller port" in done.stderr
 
 
@@ -61,5 +80,9 @@ def test_a_restart_starts_from_an_empty_store() -> None:
     assert done.returncode == 0, done.stderr
     assert "restarting the world (restart 1 of 1)" in done.stderr
     for rank in (0, 1):
-        assert re.search(rf"r{rank}\] attempt 1 rank {rank} store 127\.0\.0\.1:\d+ leftover False$", done.stdout, re.M), done.stdout
+        assert re.search(
+            rf"r{rank}\] attempt 1 rank {rank} store 127\.0\.0\.1:\d+ leftover False$",
+            done.stdout,
+            re.M,
+        ), done.stdout
         assert re.search(rf"r{rank}\] attempt 1 rank {rank} sum 2$", done.stdout, re.M), done.stdout

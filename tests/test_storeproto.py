@@ -11,7 +11,16 @@ from datetime import timedelta
 import pytest
 
 from flodl_async import errors
-from flodl_async.wire.storeproto import CHECK_NOT_READY, CHECK_READY, STOP_WAITING, VALIDATION_MAGIC, Query, StoreConnection, StoreProtocolError, StoreState
+from flodl_async.wire.storeproto import (
+    CHECK_NOT_READY,
+    CHECK_READY,
+    STOP_WAITING,
+    VALIDATION_MAGIC,
+    Query,
+    StoreConnection,
+    StoreProtocolError,
+    StoreState,
+)
 
 
 def _s(text: bytes) -> bytes:
@@ -40,13 +49,17 @@ def test_set_get_add_check_in_any_split(bytewise: bool) -> None:
     )  # fmt: skip
     chunks = [stream[i : i + 1] for i in range(len(stream))] if bytewise else [stream]
     out = b"".join(payload for chunk in chunks for _, payload in conn.receive_data(chunk))
-    assert out == b"\x01\x02\x03\x04" + _s(b"v") + struct.pack("<q", 5) + struct.pack("<q", 3) + CHECK_READY + CHECK_NOT_READY + struct.pack("<q", 2)
+    assert out == b"\x01\x02\x03\x04" + _s(b"v") + struct.pack("<q", 5) + struct.pack(
+        "<q", 3
+    ) + CHECK_READY + CHECK_NOT_READY + struct.pack("<q", 2)
 
 
 def test_wait_is_answered_when_the_last_key_is_set_by_another_client() -> None:
     state = StoreState()
     waiter, setter = _validated(state), _validated(state)
-    assert waiter.receive_data(bytes([Query.WAIT]) + struct.pack("<Q", 2) + _s(b"a") + _s(b"b")) == []
+    assert (
+        waiter.receive_data(bytes([Query.WAIT]) + struct.pack("<Q", 2) + _s(b"a") + _s(b"b")) == []
+    )
     assert setter.receive_data(bytes([Query.SET]) + _s(b"a") + _s(b"1")) == []
     assert setter.receive_data(bytes([Query.SET]) + _s(b"b") + _s(b"2")) == [(waiter, STOP_WAITING)]
 
@@ -64,9 +77,25 @@ def test_a_client_that_leaves_stops_waiting() -> None:
     [
         (bytes([Query.SET]) + _s(b"k") + _s(b"v"), "first request was not a valid VALIDATE"),
         (bytes([Query.VALIDATE]) + b"\x00\x00\x00\x00", "first request was not a valid VALIDATE"),
-        (bytes([Query.VALIDATE]) + struct.pack("<I", VALIDATION_MAGIC) + b"\xff", "unknown store query type 255"),
-        (bytes([Query.VALIDATE]) + struct.pack("<I", VALIDATION_MAGIC) + bytes([Query.GET]) + struct.pack("<Q", 1 << 40), "key of"),
-        (bytes([Query.VALIDATE]) + struct.pack("<I", VALIDATION_MAGIC) + bytes([Query.SET]) + _s(b"k") + struct.pack("<Q", 1 << 40), "value of"),
+        (
+            bytes([Query.VALIDATE]) + struct.pack("<I", VALIDATION_MAGIC) + b"\xff",
+            "unknown store query type 255",
+        ),
+        (
+            bytes([Query.VALIDATE])
+            + struct.pack("<I", VALIDATION_MAGIC)
+            + bytes([Query.GET])
+            + struct.pack("<Q", 1 << 40),
+            "key of",
+        ),
+        (
+            bytes([Query.VALIDATE])
+            + struct.pack("<I", VALIDATION_MAGIC)
+            + bytes([Query.SET])
+            + _s(b"k")
+            + struct.pack("<Q", 1 << 40),
+            "value of",
+        ),
     ],
 )
 def test_bad_clients_are_refused(data: bytes, match: str) -> None:
@@ -102,7 +131,11 @@ def test_torch_tcpstore_client_against_our_server() -> None:
     port = listener.getsockname()[1]
     # Another process: torch's client blocks while holding the GIL in some calls.
     server = subprocess.Popen(
-        [sys.executable, "-c", SERVER, str(listener.fileno())], pass_fds=[listener.fileno()], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        [sys.executable, "-c", SERVER, str(listener.fileno())],
+        pass_fds=[listener.fileno()],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
     )
     listener.close()
     try:

@@ -51,7 +51,9 @@ CMD = ("python", "train.py")
 def config(**overrides: object) -> SupervisorConfig:
     base: dict[str, object] = {
         "run_id": "run-1",
-        "join": JoinConfig(min_rank_start=2, join_timeout=10.0, target_ranks=4, max_join_timeout=30.0),
+        "join": JoinConfig(
+            min_rank_start=2, join_timeout=10.0, target_ranks=4, max_join_timeout=30.0
+        ),
         "command": CMD,
         "cluster_env": {"A": "1"},
         "max_restarts": 0,
@@ -65,11 +67,22 @@ def config(**overrides: object) -> SupervisorConfig:
 
 
 def join(host: str, n: int = 2) -> JoinRequested:
-    return JoinRequested(host=host, devices=tuple(f"cpu:{i}" for i in range(n)), protocol_version=1, agent_version=__version__)
+    return JoinRequested(
+        host=host,
+        devices=tuple(f"cpu:{i}" for i in range(n)),
+        protocol_version=1,
+        agent_version=__version__,
+    )
 
 
-def exited(rank: int, host: str, code: int | None = 0, round_: int = 0, sig: int | None = None) -> RankExited:
-    return RankExited(report=m.RankExited(round=round_, rank=rank, local_rank=rank % 2, host=host, exit_code=code, signal=sig))
+def exited(
+    rank: int, host: str, code: int | None = 0, round_: int = 0, sig: int | None = None
+) -> RankExited:
+    return RankExited(
+        report=m.RankExited(
+            round=round_, rank=rank, local_rank=rank % 2, host=host, exit_code=code, signal=sig
+        )
+    )
 
 
 def of(actions: tuple[Action, ...], kind: type) -> list:
@@ -104,8 +117,12 @@ def test_a_join_is_accepted_with_contiguous_ranks_and_announced() -> None:
     sup = Supervisor(config(), now=0.0)
     first = sup.handle(join("a"), 1.0)
     accept = of(first, AcceptJoin)
-    assert [(a.host, a.reply.ranks, a.reply.run_id, a.reply.formation_wait_s) for a in accept] == [("a", (0, 1), "run-1", 30.0)]
-    assert 'host "a" joined with ranks 0-1 (cpu:0-1) — 2 rank(s) in, target 4' in [a.text for a in of(first, Announce)]
+    assert [(a.host, a.reply.ranks, a.reply.run_id, a.reply.formation_wait_s) for a in accept] == [
+        ("a", (0, 1), "run-1", 30.0)
+    ]
+    assert 'host "a" joined with ranks 0-1 (cpu:0-1) — 2 rank(s) in, target 4' in [
+        a.text for a in of(first, Announce)
+    ]
     assert isinstance(sup.phase, Forming)
     second = sup.handle(join("b"), 2.0)
     assert of(second, AcceptJoin)[0].reply.ranks == (2, 3)
@@ -119,7 +136,14 @@ def test_target_reached_forms_the_world_and_opens_round_zero_on_the_local_host()
     assert kinds.index(AcceptJoin) < kinds.index(Tell)
     worlds = told(actions, m.WorldFormed)
     assert worlds["a"] == m.WorldFormed(
-        world_size=4, ranks=(0, 1), group_rank=0, group_world_size=2, store_host=False, command=CMD, env={"A": "1"}, max_restarts=0
+        world_size=4,
+        ranks=(0, 1),
+        group_rank=0,
+        group_world_size=2,
+        store_host=False,
+        command=CMD,
+        env={"A": "1"},
+        max_restarts=0,
     )
     assert worlds["b"].store_host  # the controller's own host holds the store
     assert told(actions, m.OpenRound) == {"b": m.OpenRound(round=0)}
@@ -128,18 +152,28 @@ def test_target_reached_forms_the_world_and_opens_round_zero_on_the_local_host()
     assert any("world formed — 4 ranks across 2 host(s)" in a.text for a in of(actions, Announce))
 
 
-def test_with_the_store_on_the_controller_port_formation_empties_it_and_starts_ranks_at_once() -> None:
+def test_with_the_store_on_the_controller_port_formation_empties_it_and_starts_ranks_at_once() -> (
+    None
+):
     sup = Supervisor(config(controller_store=True), now=0.0)
     actions = formed(sup)
-    assert not any(w.store_host for w in told(actions, m.WorldFormed).values())  # no store host, no election
+    assert not any(
+        w.store_host for w in told(actions, m.WorldFormed).values()
+    )  # no store host, no election
     assert told(actions, m.OpenRound) == {}
     resets = [i for i, a in enumerate(actions) if isinstance(a, ResetStore)]
-    starts = [i for i, a in enumerate(actions) if isinstance(a, Tell) and isinstance(a.message, m.StartRanks)]
+    starts = [
+        i
+        for i, a in enumerate(actions)
+        if isinstance(a, Tell) and isinstance(a.message, m.StartRanks)
+    ]
     assert [actions[i] for i in resets] == [ResetStore(round=0)]
     assert len(starts) == 2
     assert resets[0] < min(starts)  # emptied before any rank can dial it
     # An empty address: each agent hands its ranks its own way to the controller.
-    assert set(told(actions, m.StartRanks).values()) == {m.StartRanks(round=0, restart_count=0, master_addr="", master_port=0)}
+    assert set(told(actions, m.StartRanks).values()) == {
+        m.StartRanks(round=0, restart_count=0, master_addr="", master_port=0)
+    }
     assert isinstance(sup.phase, Running)
     assert sup.next_deadline(1.0) is None  # no store-ready deadline to wait on
 
@@ -151,9 +185,15 @@ def test_with_the_store_on_the_controller_port_a_restart_empties_it_for_the_next
     sup.handle(RanksStopped(host="a", round=0), 4.0)
     reopened = sup.handle(RanksStopped(host="b", round=0), 4.0)
     assert of(reopened, ResetStore) == [ResetStore(round=1)]
-    assert reopened.index(ResetStore(round=1)) < min(i for i, a in enumerate(reopened) if isinstance(a, Tell))
-    assert told(reopened, m.StartRanks)["b"] == m.StartRanks(round=1, restart_count=1, master_addr="", master_port=0)
-    assert sup.handle(StoreReady(round=1, addr="h", port=5), 5.0) == ()  # the exchange is the torch backend's only
+    assert reopened.index(ResetStore(round=1)) < min(
+        i for i, a in enumerate(reopened) if isinstance(a, Tell)
+    )
+    assert told(reopened, m.StartRanks)["b"] == m.StartRanks(
+        round=1, restart_count=1, master_addr="", master_port=0
+    )
+    assert (
+        sup.handle(StoreReady(round=1, addr="h", port=5), 5.0) == ()
+    )  # the exchange is the torch backend's only
 
 
 def test_without_a_local_host_rank_zeros_host_holds_the_store() -> None:
@@ -176,18 +216,28 @@ def test_refused_join_is_answered_and_announced() -> None:
 
 
 def test_the_controllers_machine_under_a_second_spelling_is_refused_as_a_duplicate() -> None:
-    sup = Supervisor(config(local_hosts=frozenset({"localhost"}), host_aliases=HostAliases.of_machine("vm")), now=0.0)
+    sup = Supervisor(
+        config(local_hosts=frozenset({"localhost"}), host_aliases=HostAliases.of_machine("vm")),
+        now=0.0,
+    )
     sup.handle(join("localhost"), 1.0)
     rejects = of(sup.handle(join("vm"), 1.5), RejectJoin)
     assert [r.host for r in rejects] == ["vm"]
-    assert "host 'vm' is the machine that already joined this run as 'localhost'" in rejects[0].reason
+    assert (
+        "host 'vm' is the machine that already joined this run as 'localhost'" in rejects[0].reason
+    )
     assert [mb.host for mb in sup.view().members] == ["localhost"]
-    assert of(sup.handle(join("alpha"), 2.0), AcceptJoin)  # an explicit name of its own is another host
+    assert of(
+        sup.handle(join("alpha"), 2.0), AcceptJoin
+    )  # an explicit name of its own is another host
 
 
 def test_an_agent_of_another_version_is_refused_naming_both_versions_and_the_host() -> None:
     sup = Supervisor(config(), now=0.0)
-    actions = sup.handle(JoinRequested(host="gpu7", devices=("cpu:0",), protocol_version=1, agent_version="0.0.1"), 1.0)
+    actions = sup.handle(
+        JoinRequested(host="gpu7", devices=("cpu:0",), protocol_version=1, agent_version="0.0.1"),
+        1.0,
+    )
     reason = of(actions, RejectJoin)[0].reason
     assert "'gpu7'" in reason
     assert "'0.0.1'" in reason
@@ -198,19 +248,48 @@ def test_an_agent_of_another_version_is_refused_naming_both_versions_and_the_hos
 def test_the_join_window_checks_the_configured_protocol_and_version() -> None:
     sup = Supervisor(config(protocol_version=2, version="9.9"), now=0.0)
     # This controller's own version, but the configured protocol: refused naming both.
-    protocol = of(sup.handle(JoinRequested(host="a", devices=("cpu:0",), protocol_version=1, agent_version="9.9"), 1.0), RejectJoin)
+    protocol = of(
+        sup.handle(
+            JoinRequested(host="a", devices=("cpu:0",), protocol_version=1, agent_version="9.9"),
+            1.0,
+        ),
+        RejectJoin,
+    )
     assert "protocol v1" in protocol[0].reason
     assert "v2 (flodl_async 9.9)" in protocol[0].reason
     # The installed version is not this controller's configured one.
-    version = of(sup.handle(JoinRequested(host="b", devices=("cpu:0",), protocol_version=2, agent_version=__version__), 1.0), RejectJoin)
+    version = of(
+        sup.handle(
+            JoinRequested(
+                host="b", devices=("cpu:0",), protocol_version=2, agent_version=__version__
+            ),
+            1.0,
+        ),
+        RejectJoin,
+    )
     assert f"runs flodl_async {__version__!r}, this controller 9.9" in version[0].reason
-    assert of(sup.handle(JoinRequested(host="c", devices=("cpu:0",), protocol_version=2, agent_version="9.9"), 1.0), AcceptJoin)
+    assert of(
+        sup.handle(
+            JoinRequested(host="c", devices=("cpu:0",), protocol_version=2, agent_version="9.9"),
+            1.0,
+        ),
+        AcceptJoin,
+    )
 
 
 def test_a_join_without_a_target_says_so_and_the_view_lists_the_members() -> None:
-    sup = Supervisor(config(join=JoinConfig(min_rank_start=2, join_timeout=10.0, target_ranks=None, max_join_timeout=30.0)), now=0.0)
+    sup = Supervisor(
+        config(
+            join=JoinConfig(
+                min_rank_start=2, join_timeout=10.0, target_ranks=None, max_join_timeout=30.0
+            )
+        ),
+        now=0.0,
+    )
     actions = sup.handle(join("a", 3), 1.0)
-    assert 'host "a" joined with ranks 0-2 (cpu:0-2) — 3 rank(s) in, target none' in [a.text for a in of(actions, Announce)]
+    assert 'host "a" joined with ranks 0-2 (cpu:0-2) — 3 rank(s) in, target none' in [
+        a.text for a in of(actions, Announce)
+    ]
     view = sup.view()
     assert [(mb.host, mb.ranks) for mb in view.members] == [("a", (0, 1, 2))]
     assert (view.phase, view.joined_ranks, view.world_size, view.result) == ("waiting", 3, 0, None)
@@ -265,9 +344,15 @@ def test_store_ready_starts_every_host_and_marks_ranks_running() -> None:
     sup = Supervisor(config(), now=0.0)
     actions = running(sup)
     starts = told(actions, m.StartRanks)
-    assert starts == {h: m.StartRanks(round=0, restart_count=0, master_addr="10.0.0.2", master_port=4000) for h in ("a", "b")}
+    assert starts == {
+        h: m.StartRanks(round=0, restart_count=0, master_addr="10.0.0.2", master_port=4000)
+        for h in ("a", "b")
+    }
     assert isinstance(sup.phase, Running)
-    assert of(actions, Announce)[-1].text == "ranks started: round 0, restart 0, store at 10.0.0.2:4000"
+    assert (
+        of(actions, Announce)[-1].text
+        == "ranks started: round 0, restart 0, store at 10.0.0.2:4000"
+    )
     assert [(r.rank, r.host, r.local_rank, r.state) for r in sup.view().ranks] == [
         (0, "a", 0, RankState.RUNNING),
         (1, "a", 1, RankState.RUNNING),
@@ -300,7 +385,9 @@ def test_every_rank_exiting_zero_is_success_with_finish() -> None:
     for rank, host in ((0, "a"), (1, "a"), (2, "b")):
         actions = sup.handle(exited(rank, host), 3.0)
         assert of(actions, EndRun) == []
-        assert [a.text for a in of(actions, Announce)] == [f"rank {rank} on {host} exited with code 0"]
+        assert [a.text for a in of(actions, Announce)] == [
+            f"rank {rank} on {host} exited with code 0"
+        ]
     end = the_end(sup.handle(exited(3, "b"), 3.0))
     assert end.result.exit_code is ExitCode.OK
     assert end.result.reason == "all 4 ranks exited 0"
@@ -319,7 +406,15 @@ def test_a_rank_exiting_zero_twice_is_counted_once() -> None:
 def test_a_failing_rank_without_restarts_ends_the_run_with_details() -> None:
     sup = Supervisor(config(), now=0.0)
     running(sup)
-    report = m.RankExited(round=0, rank=1, local_rank=1, host="a", exit_code=3, error_file="Traceback\n  boom\n", stderr_tail=("e1", "e2"))
+    report = m.RankExited(
+        round=0,
+        rank=1,
+        local_rank=1,
+        host="a",
+        exit_code=3,
+        error_file="Traceback\n  boom\n",
+        stderr_tail=("e1", "e2"),
+    )
     actions = sup.handle(RankExited(report=report), 3.0)
     end = the_end(actions)
     assert end.result.exit_code is ExitCode.RANK_FAILURE
@@ -328,7 +423,9 @@ def test_a_failing_rank_without_restarts_ends_the_run_with_details() -> None:
     assert end.result.details == failure_details(report)
     assert "traceback (from the rank's error file):\n  Traceback\n    boom" in end.result.details
     assert "last 2 stderr line(s) of rank 1:\n  e1\n  e2" in end.result.details
-    assert end.farewell == m.Abort(reason=end.result.reason, grace_s=5.0, first_signal=signal.SIGTERM)
+    assert end.farewell == m.Abort(
+        reason=end.result.reason, grace_s=5.0, first_signal=signal.SIGTERM
+    )
     assert sup.view().phase == "failed"
 
 
@@ -336,7 +433,9 @@ def test_a_rank_killed_by_a_signal_is_a_failure_named_by_signal() -> None:
     sup = Supervisor(config(), now=0.0)
     running(sup)
     end = the_end(sup.handle(exited(2, "b", code=None, sig=signal.SIGKILL), 3.0))
-    assert end.result.reason == f"rank 2 (local rank 0) on host 'b' was killed by SIGKILL ({OOM_HINT})"
+    assert (
+        end.result.reason == f"rank 2 (local rank 0) on host 'b' was killed by SIGKILL ({OOM_HINT})"
+    )
 
 
 def test_exits_of_another_round_do_not_decide() -> None:
@@ -354,19 +453,28 @@ def test_a_failure_with_restarts_left_stops_every_host_then_opens_the_next_round
     running(sup)
     actions = sup.handle(exited(1, "a", code=3), 3.0)
     assert of(actions, EndRun) == []
-    assert told(actions, m.StopRanks) == {h: m.StopRanks(round=0, reason="restarting the world", grace_s=5.0) for h in ("a", "b")}
+    assert told(actions, m.StopRanks) == {
+        h: m.StopRanks(round=0, reason="restarting the world", grace_s=5.0) for h in ("a", "b")
+    }
     restarting = of(actions, Announce)[0]
-    assert restarting.text == "rank 1 (local rank 1) on host 'a' exited with code 3; restarting the world (restart 1 of 2)"
+    assert (
+        restarting.text
+        == "rank 1 (local rank 1) on host 'a' exited with code 3; restarting the world (restart 1 of 2)"
+    )
     assert restarting.level is Level.WARNING
     assert isinstance(sup.phase, Restarting)
     assert sup.next_deadline(3.0) == 3.0 + 5.0 + 3.0
     assert sup.handle(RanksStopped(host="a", round=0), 4.0) == ()
-    assert sup.handle(RanksStopped(host="a", round=9), 4.0) == ()  # another round's answer counts for nothing
+    assert (
+        sup.handle(RanksStopped(host="a", round=9), 4.0) == ()
+    )  # another round's answer counts for nothing
     reopened = sup.handle(RanksStopped(host="b", round=0), 4.0)
     assert told(reopened, m.OpenRound) == {"b": m.OpenRound(round=1)}
     assert sup.restart_count == 1
     started = sup.handle(StoreReady(round=1, addr="h", port=5), 5.0)
-    assert told(started, m.StartRanks)["a"] == m.StartRanks(round=1, restart_count=1, master_addr="h", master_port=5)
+    assert told(started, m.StartRanks)["a"] == m.StartRanks(
+        round=1, restart_count=1, master_addr="h", master_port=5
+    )
 
 
 def test_a_second_restart_counts_two() -> None:
@@ -392,7 +500,9 @@ def test_restarts_exhausted_names_how_many() -> None:
     sup.handle(RanksStopped(host="b", round=0), 4.0)
     sup.handle(StoreReady(round=1, addr="h", port=5), 5.0)
     end = the_end(sup.handle(exited(0, "a", code=4, round_=1), 6.0))
-    assert end.result.reason == "rank 0 (local rank 0) on host 'a' exited with code 4 after 1 restart"
+    assert (
+        end.result.reason == "rank 0 (local rank 0) on host 'a' exited with code 4 after 1 restart"
+    )
 
 
 def test_hosts_that_do_not_stop_their_ranks_in_time_fail_the_run() -> None:
@@ -411,7 +521,11 @@ def test_hosts_that_do_not_stop_their_ranks_in_time_fail_the_run() -> None:
 
 @pytest.mark.parametrize(
     ("stage", "words"),
-    [("rendezvous", "during rendezvous"), ("running", "mid-run"), ("restarting", "while restarting")],
+    [
+        ("rendezvous", "during rendezvous"),
+        ("running", "mid-run"),
+        ("restarting", "while restarting"),
+    ],
 )
 def test_a_member_lost_after_formation_ends_the_run_naming_it(stage: str, words: str) -> None:
     sup = Supervisor(config(max_restarts=1), now=0.0)
@@ -429,11 +543,17 @@ def test_a_host_outside_the_world_going_away_changes_nothing() -> None:
     sup = Supervisor(config(), now=0.0)
     running(sup)
     actions = sup.handle(HostLost(host="walk-in", reason="gone"), 3.0)
-    assert actions == (Announce(text="agent on host 'walk-in' (not in the world) went away: gone", level=Level.DEBUG),)
+    assert actions == (
+        Announce(
+            text="agent on host 'walk-in' (not in the world) went away: gone", level=Level.DEBUG
+        ),
+    )
     assert isinstance(sup.phase, Running)
 
 
-@pytest.mark.parametrize(("sig", "code"), [(signal.SIGINT, ExitCode.INTERRUPTED), (signal.SIGTERM, ExitCode.TERMINATED)])
+@pytest.mark.parametrize(
+    ("sig", "code"), [(signal.SIGINT, ExitCode.INTERRUPTED), (signal.SIGTERM, ExitCode.TERMINATED)]
+)
 def test_first_signal_stops_with_the_signal_table(sig: signal.Signals, code: ExitCode) -> None:
     sup = Supervisor(config(), now=0.0)
     running(sup)
@@ -444,7 +564,12 @@ def test_first_signal_stops_with_the_signal_table(sig: signal.Signals, code: Exi
     assert end.result.details == ""
     assert end.farewell == m.Abort(reason=end.result.reason, grace_s=5.0, first_signal=int(sig))
     again = "Ctrl-C" if sig is signal.SIGINT else "SIGTERM"
-    assert of(actions, Announce) == [Announce(text=f"stopping: ranks got {sig.name}; KILL in 5 s ({again} again to force)", level=Level.WARNING)]
+    assert of(actions, Announce) == [
+        Announce(
+            text=f"stopping: ranks got {sig.name}; KILL in 5 s ({again} again to force)",
+            level=Level.WARNING,
+        )
+    ]
     assert of(actions, ForceStop) == []
 
 
@@ -454,7 +579,9 @@ def test_a_signal_while_the_window_is_open_says_so() -> None:
     assert end.result.reason == "interrupted by SIGINT while the join window was open"
 
 
-@pytest.mark.parametrize(("stage", "words"), [("rendezvous", "during rendezvous"), ("restarting", "while restarting")])
+@pytest.mark.parametrize(
+    ("stage", "words"), [("rendezvous", "during rendezvous"), ("restarting", "while restarting")]
+)
 def test_a_signal_names_the_phase_it_stopped(stage: str, words: str) -> None:
     sup = Supervisor(config(max_restarts=1), now=0.0)
     if stage == "rendezvous":
@@ -471,7 +598,10 @@ def test_second_signal_forces_and_the_verdict_stays() -> None:
     running(sup)
     first = the_end(sup.handle(Interrupted(signal=signal.SIGINT), 3.0))
     second = sup.handle(Interrupted(signal=signal.SIGINT), 3.5)
-    assert second == (Announce(text="second SIGINT: forcing the stop (KILL now)", level=Level.WARNING), ForceStop())
+    assert second == (
+        Announce(text="second SIGINT: forcing the stop (KILL now)", level=Level.WARNING),
+        ForceStop(),
+    )
     assert sup.result == first.result
 
 
@@ -488,7 +618,14 @@ def test_a_verdict_is_final() -> None:
     sup = Supervisor(config(), now=0.0)
     running(sup)
     end = the_end(sup.handle(exited(1, "a", code=3), 3.0))
-    for event in (exited(0, "a"), exited(2, "b"), exited(3, "b"), HostLost(host="a", reason="x"), StoreReady(round=0, addr="h", port=1), Tick()):
+    for event in (
+        exited(0, "a"),
+        exited(2, "b"),
+        exited(3, "b"),
+        HostLost(host="a", reason="x"),
+        StoreReady(round=0, addr="h", port=1),
+        Tick(),
+    ):
         assert of(sup.handle(event, 4.0), EndRun) == []
     assert isinstance(sup.phase, Ended)
     assert sup.result == end.result
@@ -522,15 +659,29 @@ def test_the_rank_table_shows_how_a_rank_ended() -> None:
     formed(sup)
     # A report for a rank that never ran here (a stale round) is shown, without a pid.
     sup.handle(exited(1, "a", code=0, round_=9), 1.5)
-    assert sup.view().ranks[0] == RankStatus(rank=1, host="a", local_rank=1, state=RankState.EXITED, exit_code=0)
+    assert sup.view().ranks[0] == RankStatus(
+        rank=1, host="a", local_rank=1, state=RankState.EXITED, exit_code=0
+    )
     sup.handle(StoreReady(round=0, addr="h", port=1), 2.0)
     sup.handle(exited(3, "b", code=None, sig=signal.SIGKILL), 3.0)
-    assert sup.view().ranks[3] == RankStatus(rank=3, host="b", local_rank=1, state=RankState.FAILED, signal=signal.SIGKILL)
+    assert sup.view().ranks[3] == RankStatus(
+        rank=3, host="b", local_rank=1, state=RankState.FAILED, signal=signal.SIGKILL
+    )
 
 
 def test_trailing_blank_lines_of_the_error_file_are_dropped() -> None:
-    report = m.RankExited(round=0, rank=0, local_rank=0, host="a", exit_code=1, error_file="  File x\nValueError\n\n\n")
-    assert failure_details(report) == "traceback (from the rank's error file):\n    File x\n  ValueError"
+    report = m.RankExited(
+        round=0,
+        rank=0,
+        local_rank=0,
+        host="a",
+        exit_code=1,
+        error_file="  File x\nValueError\n\n\n",
+    )
+    assert (
+        failure_details(report)
+        == "traceback (from the rank's error file):\n    File x\n  ValueError"
+    )
 
 
 def test_describe_exit_of_an_unknown_signal_number() -> None:
@@ -545,25 +696,40 @@ def test_an_undelivered_accept_of_the_join_that_formed_the_world_ends_the_run() 
     formed(sup)
     end = the_end(sup.handle(JoinUndelivered(host="b"), 1.0))
     assert end.result.exit_code is ExitCode.RANK_FAILURE
-    assert end.result.reason == "agent on host 'b' was lost during rendezvous: its join accept could not be delivered"
+    assert (
+        end.result.reason
+        == "agent on host 'b' was lost during rendezvous: its join accept could not be delivered"
+    )
 
 
 def test_a_host_gone_silent_mid_run_ends_the_run_naming_it_and_aborts_the_rest() -> None:
     """The controller's liveness check reports a silent join link as HostLost: the verdict names the host (exit 4)."""
     sup = Supervisor(config(), now=0.0)
     running(sup)
-    end = the_end(sup.handle(HostLost(host="b", reason="no heartbeat for 10s (the host is frozen, down or cut off)"), 20.0))
+    end = the_end(
+        sup.handle(
+            HostLost(host="b", reason="no heartbeat for 10s (the host is frozen, down or cut off)"),
+            20.0,
+        )
+    )
     assert end.result.exit_code is ExitCode.RANK_FAILURE
-    assert end.result.reason == "agent on host 'b' was lost mid-run: no heartbeat for 10s (the host is frozen, down or cut off)"
+    assert (
+        end.result.reason
+        == "agent on host 'b' was lost mid-run: no heartbeat for 10s (the host is frozen, down or cut off)"
+    )
     assert isinstance(end.farewell, m.Abort)
-    assert sup.handle(HostLost(host="b", reason="link reset"), 21.0) == ()  # the reader's own report after the cut-off changes nothing
+    assert (
+        sup.handle(HostLost(host="b", reason="link reset"), 21.0) == ()
+    )  # the reader's own report after the cut-off changes nothing
 
 
 def test_the_traceback_is_told_once() -> None:
     """@record writes the error file and Python prints the same traceback to stderr: the tail does not repeat it."""
     traceback = 'Traceback (most recent call last):\n  File "t.py", line 3, in main\n    raise ValueError("x")\nValueError: x'
     tail = ("a warning before it", *traceback.splitlines())
-    report = m.RankExited(round=0, rank=2, local_rank=0, host="a", exit_code=1, error_file=traceback, stderr_tail=tail)
+    report = m.RankExited(
+        round=0, rank=2, local_rank=0, host="a", exit_code=1, error_file=traceback, stderr_tail=tail
+    )
     full = failure_details(report)
     assert full.count("ValueError: x") == 1
     assert "last 1 stderr line(s) of rank 2:\n  a warning before it" in full
@@ -578,7 +744,9 @@ def test_a_sigkill_flodl_did_not_send_points_at_the_oom_killer() -> None:
     assert describe_exit(report).endswith(
         'was killed by SIGKILL (not sent by flodl; the kernel\'s OOM killer is the usual cause: look for "Out of memory" in `dmesg` or `journalctl -k`)'
     )
-    assert "OOM" not in describe_exit(m.RankExited(round=0, rank=0, local_rank=0, host="a", signal=signal.SIGSEGV))
+    assert "OOM" not in describe_exit(
+        m.RankExited(round=0, rank=0, local_rank=0, host="a", signal=signal.SIGSEGV)
+    )
 
 
 def test_success_after_restarts_says_how_many() -> None:
@@ -589,38 +757,101 @@ def test_success_after_restarts_says_how_many() -> None:
         sup.handle(RanksStopped(host="a", round=round_), 4.0)
         sup.handle(RanksStopped(host="b", round=round_), 4.0)
         sup.handle(StoreReady(round=round_ + 1, addr="h", port=5), 5.0)
-    ends = [a for r in range(4) for a in sup.handle(exited(r, "a" if r < 2 else "b", code=0, round_=2), 6.0) if isinstance(a, EndRun)]
+    ends = [
+        a
+        for r in range(4)
+        for a in sup.handle(exited(r, "a" if r < 2 else "b", code=0, round_=2), 6.0)
+        if isinstance(a, EndRun)
+    ]
     assert [e.result.reason for e in ends] == ["all 4 ranks exited 0 after 2 restarts"]
 
 
 # ----- rank activity: hangs you can see ----------------------------------------------------------
 
 
-def _activity(rank: int, *, quiet: float, state: str = "S", line: str = "step 3", connected: bool = False) -> m.RankActivity:
+def _activity(
+    rank: int, *, quiet: float, state: str = "S", line: str = "step 3", connected: bool = False
+) -> m.RankActivity:
     return m.RankActivity(
-        rank=rank, pid=100 + rank, uptime_s=50.0, state=state, cpu_percent=0.0, last_line=line, output_age_s=quiet, quiet_s=quiet, store_connected=connected
+        rank=rank,
+        pid=100 + rank,
+        uptime_s=50.0,
+        state=state,
+        cpu_percent=0.0,
+        last_line=line,
+        output_age_s=quiet,
+        quiet_s=quiet,
+        store_connected=connected,
     )
 
 
 def test_activity_reports_fill_the_rank_table() -> None:
     sup = Supervisor(config(), now=0.0)
     running(sup)
-    assert sup.handle(RanksReported(host="b", report=m.RankStats(round=0, ranks=(_activity(2, quiet=4.0, state="D", connected=True),))), 3.0) == ()
+    assert (
+        sup.handle(
+            RanksReported(
+                host="b",
+                report=m.RankStats(
+                    round=0, ranks=(_activity(2, quiet=4.0, state="D", connected=True),)
+                ),
+            ),
+            3.0,
+        )
+        == ()
+    )
     row = sup.view().ranks[2]
-    assert (row.pid, row.process, row.last_line, row.quiet_s, row.store_connected, row.uptime_s) == (102, "uninterruptible", "step 3", 4.0, True, 50.0)
+    assert (
+        row.pid,
+        row.process,
+        row.last_line,
+        row.quiet_s,
+        row.store_connected,
+        row.uptime_s,
+    ) == (102, "uninterruptible", "step 3", 4.0, True, 50.0)
     # Another host cannot speak for b's ranks, and a report of another round changes nothing.
-    sup.handle(RanksReported(host="a", report=m.RankStats(round=0, ranks=(_activity(2, quiet=9.0, state="T"),))), 4.0)
-    sup.handle(RanksReported(host="b", report=m.RankStats(round=7, ranks=(_activity(2, quiet=9.0, state="T"),))), 4.0)
+    sup.handle(
+        RanksReported(
+            host="a", report=m.RankStats(round=0, ranks=(_activity(2, quiet=9.0, state="T"),))
+        ),
+        4.0,
+    )
+    sup.handle(
+        RanksReported(
+            host="b", report=m.RankStats(round=7, ranks=(_activity(2, quiet=9.0, state="T"),))
+        ),
+        4.0,
+    )
     assert sup.view().ranks[2].process == "uninterruptible"
     # Without --hang-timeout even a long quiet is only shown.
-    assert sup.handle(RanksReported(host="b", report=m.RankStats(round=0, ranks=(_activity(3, quiet=1e6),))), 5.0) == ()
+    assert (
+        sup.handle(
+            RanksReported(host="b", report=m.RankStats(round=0, ranks=(_activity(3, quiet=1e6),))),
+            5.0,
+        )
+        == ()
+    )
 
 
 def test_hang_timeout_ends_the_run_naming_the_quietest_rank() -> None:
     sup = Supervisor(config(hang_timeout=30.0), now=0.0)
     running(sup)
-    assert sup.handle(RanksReported(host="a", report=m.RankStats(round=0, ranks=(_activity(0, quiet=29.0),))), 3.0) == ()
-    actions = sup.handle(RanksReported(host="b", report=m.RankStats(round=0, ranks=(_activity(2, quiet=31.0), _activity(3, quiet=45.0, line="")))), 4.0)
+    assert (
+        sup.handle(
+            RanksReported(host="a", report=m.RankStats(round=0, ranks=(_activity(0, quiet=29.0),))),
+            3.0,
+        )
+        == ()
+    )
+    actions = sup.handle(
+        RanksReported(
+            host="b",
+            report=m.RankStats(
+                round=0, ranks=(_activity(2, quiet=31.0), _activity(3, quiet=45.0, line=""))
+            ),
+        ),
+        4.0,
+    )
     end = the_end(actions)
     assert end.result.exit_code is ExitCode.STALLED
     assert end.result.reason == (
@@ -637,7 +868,9 @@ def test_a_failed_coordinator_is_the_verdict_at_once() -> None:
     sup = Supervisor(config(), now=0.0)
     running(sup)
     reason = "rank 1 on host a was lost mid-training: no frame for 30 s (heartbeat timeout: the rank is frozen, stopped or cut off)"
-    end = the_end(sup.handle(TrainingEnded(ok=False, reason=reason, code=ExitCode.RANK_FAILURE), 3.0))
+    end = the_end(
+        sup.handle(TrainingEnded(ok=False, reason=reason, code=ExitCode.RANK_FAILURE), 3.0)
+    )
     assert (end.result.exit_code, end.result.reason) == (ExitCode.RANK_FAILURE, reason)
     assert isinstance(end.farewell, m.Abort)
     # The exits that follow it are consequences: the verdict stays the coordinator's.
@@ -649,17 +882,35 @@ def test_a_failed_coordinator_is_the_verdict_at_once() -> None:
 def test_an_orderly_training_end_names_the_verdict_once_the_ranks_exit() -> None:
     sup = Supervisor(config(), now=0.0)
     running(sup)
-    assert of(sup.handle(TrainingEnded(ok=True, reason="training complete: 2 epoch(s) on 4 rank(s)"), 3.0), EndRun) == []
+    assert (
+        of(
+            sup.handle(
+                TrainingEnded(ok=True, reason="training complete: 2 epoch(s) on 4 rank(s)"), 3.0
+            ),
+            EndRun,
+        )
+        == []
+    )
     for rank, host in ((0, "a"), (1, "a"), (2, "b")):
         sup.handle(exited(rank, host), 3.0)
     end = the_end(sup.handle(exited(3, "b"), 3.0))
-    assert (end.result.exit_code, end.result.reason) == (ExitCode.OK, "training complete: 2 epoch(s) on 4 rank(s)")
+    assert (end.result.exit_code, end.result.reason) == (
+        ExitCode.OK,
+        "training complete: 2 epoch(s) on 4 rank(s)",
+    )
 
 
 def test_an_orderly_stop_on_a_signal_keeps_the_signals_code() -> None:
     sup = Supervisor(config(), now=0.0)
     running(sup)
-    sup.handle(TrainingEnded(ok=True, reason="training stopped (SIGTERM) after 1 of 2 epoch(s)", code=ExitCode.TERMINATED), 3.0)
+    sup.handle(
+        TrainingEnded(
+            ok=True,
+            reason="training stopped (SIGTERM) after 1 of 2 epoch(s)",
+            code=ExitCode.TERMINATED,
+        ),
+        3.0,
+    )
     for rank, host in ((0, "a"), (1, "a"), (2, "b")):
         sup.handle(exited(rank, host), 3.0)
     end = the_end(sup.handle(exited(3, "b"), 3.0))

@@ -144,7 +144,9 @@ class SupervisorMachine(RuleBasedStateMachine):
 
     def _may_jump_to_the_deadline(self) -> bool:
         # Past the formation, a deadline reached is a failure (store or stop confirmations late).
-        return (isinstance(self.sup.phase, Forming) and self._may_move_the_clock()) or self._may_end_it()
+        return (
+            isinstance(self.sup.phase, Forming) and self._may_move_the_clock()
+        ) or self._may_end_it()
 
     def _ranks_ran(self) -> bool:
         return self.started_round is not None
@@ -167,7 +169,9 @@ class SupervisorMachine(RuleBasedStateMachine):
         self._check_actions(before, event, actions)
         return actions
 
-    def _check_transition(self, before: Phase, after: Phase, event: Event, restarts_before: int) -> None:
+    def _check_transition(
+        self, before: Phase, after: Phase, event: Event, restarts_before: int
+    ) -> None:
         if isinstance(before, Ended):
             assert after is before
             return
@@ -181,7 +185,11 @@ class SupervisorMachine(RuleBasedStateMachine):
         elif isinstance(before, Forming) and isinstance(after, Ended):
             # Whatever ends the run while the window is open (the cap, a flood of refusals) is a formation failure.
             assert after.result.exit_code is ExitCode.FORMATION
-        if isinstance(before, Forming) and isinstance(event, Tick) and self.now >= OPENED_AT + self.config.join.max_join_timeout:
+        if (
+            isinstance(before, Forming)
+            and isinstance(event, Tick)
+            and self.now >= OPENED_AT + self.config.join.max_join_timeout
+        ):
             # At the cap the window has decided, one way or the other.
             assert not isinstance(after, Forming)
             if sum(self.accepted.values()) < self.config.join.min_rank_start:
@@ -241,9 +249,14 @@ class SupervisorMachine(RuleBasedStateMachine):
                 elif isinstance(message, m.OpenRound):
                     opened.append((action.host, message.round))
                 elif isinstance(message, m.StartRanks) and self.config.controller_store:
-                    assert resets == [message.round], "the store is emptied for the round before its ranks start"
+                    assert resets == [message.round], (
+                        "the store is emptied for the round before its ranks start"
+                    )
                     assert message.restart_count == self.sup.restart_count
-                    assert (message.master_addr, message.master_port) == ("", 0)  # each agent's own controller address
+                    assert (message.master_addr, message.master_port) == (
+                        "",
+                        0,
+                    )  # each agent's own controller address
                 elif isinstance(message, m.StartRanks):
                     assert isinstance(before, Rendezvous)
                     assert isinstance(event, StoreReady)
@@ -278,7 +291,11 @@ class SupervisorMachine(RuleBasedStateMachine):
         assert [host for host, _ in worlds] == list(self.accepted)
         assert [len(w.ranks) for _, w in worlds] == list(self.accepted.values())
         for _, w in worlds:
-            assert (w.world_size, w.group_world_size, w.max_restarts) == (size, len(worlds), self.config.max_restarts)
+            assert (w.world_size, w.group_world_size, w.max_restarts) == (
+                size,
+                len(worlds),
+                self.config.max_restarts,
+            )
         store_hosts = [host for host, w in worlds if w.store_host]
         self.world = {host: w.ranks for host, w in worlds}
         if self.config.controller_store:
@@ -303,18 +320,31 @@ class SupervisorMachine(RuleBasedStateMachine):
 
     # ----- joins ---------------------------------------------------------------------------------
 
-    @rule(host=st.sampled_from(HOSTS), n_devices=st.integers(1, 3), version=st.sampled_from([__version__, __version__, __version__, "0.0.1", ""]))
+    @rule(
+        host=st.sampled_from(HOSTS),
+        n_devices=st.integers(1, 3),
+        version=st.sampled_from([__version__, __version__, __version__, "0.0.1", ""]),
+    )
     def join(self, host: str, n_devices: int, version: str) -> None:
         forming = isinstance(self.sup.phase, Forming)
         fresh = host not in self.accepted
-        actions = self._feed(JoinRequested(host=host, devices=tuple(f"cuda:{i}" for i in range(n_devices)), protocol_version=1, agent_version=version))
+        actions = self._feed(
+            JoinRequested(
+                host=host,
+                devices=tuple(f"cuda:{i}" for i in range(n_devices)),
+                protocol_version=1,
+                agent_version=version,
+            )
+        )
         accepted = [a for a in actions if isinstance(a, AcceptJoin)]
         rejected = [a for a in actions if isinstance(a, RejectJoin)]
         assert len(accepted) + len(rejected) == 1, "every join is answered once"
         assert bool(accepted) == (forming and fresh and version == __version__)
         if accepted:
             ranks = accepted[0].reply.ranks
-            assert ranks == tuple(range(sum(self.accepted.values()) - n_devices, sum(self.accepted.values())))
+            assert ranks == tuple(
+                range(sum(self.accepted.values()) - n_devices, sum(self.accepted.values()))
+            )
 
     @precondition(lambda self: self.last_accepted is not None)
     @rule()
@@ -328,7 +358,9 @@ class SupervisorMachine(RuleBasedStateMachine):
             del self.accepted[host]
         actions = self._feed(JoinUndelivered(host=host))
         if forming:
-            assert sum(self.accepted.values()) == self.sup.view().joined_ranks or not isinstance(self.sup.phase, Forming)
+            assert sum(self.accepted.values()) == self.sup.view().joined_ranks or not isinstance(
+                self.sup.phase, Forming
+            )
         elif isinstance(phase, Rendezvous):
             # The world formed on that join: too late to retract, the host is lost and the run ends.
             ends = [a for a in actions if isinstance(a, EndRun)]
@@ -339,7 +371,12 @@ class SupervisorMachine(RuleBasedStateMachine):
 
     @precondition(_may_end_it)
     # A link that closed, or one the controller's liveness check found silent past its deadline.
-    @rule(host=st.sampled_from((*HOSTS, STRANGER)), reason=st.sampled_from(["link closed", "no heartbeat for 10s (the host is frozen, down or cut off)"]))
+    @rule(
+        host=st.sampled_from((*HOSTS, STRANGER)),
+        reason=st.sampled_from(
+            ["link closed", "no heartbeat for 10s (the host is frozen, down or cut off)"]
+        ),
+    )
     def host_lost(self, host: str, reason: str) -> None:
         phase = self.sup.phase
         actions = self._feed(HostLost(host=host, reason=reason))
@@ -354,10 +391,16 @@ class SupervisorMachine(RuleBasedStateMachine):
     @precondition(lambda self: bool(self.world))
     @rule(right_round=st.sampled_from([True, True, False]))
     def store_ready(self, right_round: bool) -> None:
-        self._feed(StoreReady(round=self.round if right_round else self.round + 7, addr="10.0.0.1", port=29400))
+        self._feed(
+            StoreReady(
+                round=self.round if right_round else self.round + 7, addr="10.0.0.1", port=29400
+            )
+        )
 
     @precondition(_ranks_ran)
-    @rule(data=st.data(), outcome=st.sampled_from(["ok", "ok", "code", "signal"]), stale=st.booleans())
+    @rule(
+        data=st.data(), outcome=st.sampled_from(["ok", "ok", "code", "signal"]), stale=st.booleans()
+    )
     def rank_exits(self, data: st.DataObject, outcome: str, stale: bool) -> None:
         rank = data.draw(st.sampled_from(sorted(r for ranks in self.world.values() for r in ranks)))
         self._exit(rank, outcome, stale=stale)
@@ -372,8 +415,17 @@ class SupervisorMachine(RuleBasedStateMachine):
     def _exit(self, rank: int, outcome: str, *, stale: bool) -> None:
         host = next(h for h, ranks in self.world.items() if rank in ranks)
         round_ = self.round - 1 if stale else self.round
-        code, sig = {"ok": (0, None), "code": (3, None), "signal": (None, int(signal.SIGKILL))}[outcome]
-        report = m.RankExited(round=round_, rank=rank, local_rank=self.world[host].index(rank), host=host, exit_code=code, signal=sig)
+        code, sig = {"ok": (0, None), "code": (3, None), "signal": (None, int(signal.SIGKILL))}[
+            outcome
+        ]
+        report = m.RankExited(
+            round=round_,
+            rank=rank,
+            local_rank=self.world[host].index(rank),
+            host=host,
+            exit_code=code,
+            signal=sig,
+        )
         phase = self.sup.phase
         current = isinstance(phase, Running) and not stale
         restarts_left = self.sup.restart_count < self.config.max_restarts
@@ -388,7 +440,9 @@ class SupervisorMachine(RuleBasedStateMachine):
             assert restarted == restarts_left
             if ends:
                 assert ends[0].result.exit_code is ExitCode.RANK_FAILURE
-                assert ends[0].result.reason.startswith(f"rank {rank} (local rank {report.local_rank}) on host {host!r}")
+                assert ends[0].result.reason.startswith(
+                    f"rank {rank} (local rank {report.local_rank}) on host {host!r}"
+                )
         elif not isinstance(phase, Ended):
             # Otherwise only the last rank of the round to exit 0 decides (stale and early exits never do).
             decides = current and len(self.succeeded) == sum(len(r) for r in self.world.values())
@@ -444,12 +498,18 @@ class SupervisorMachine(RuleBasedStateMachine):
         # passes without quorum) the window names its cap; the invariant checks it is later.
         after = self.sup.phase
         if isinstance(after, Forming):
-            assert deadline == OPENED_AT + self.config.join.join_timeout < OPENED_AT + self.config.join.max_join_timeout
+            assert (
+                deadline
+                == OPENED_AT + self.config.join.join_timeout
+                < OPENED_AT + self.config.join.max_join_timeout
+            )
         else:
             assert after is not before
         if isinstance(after, Ended) and isinstance(before, Rendezvous | Restarting):
             # A store that never came up is a formation failure; hosts that did not stop, a rank failure.
-            assert after.result.exit_code is (ExitCode.FORMATION if isinstance(before, Rendezvous) else ExitCode.RANK_FAILURE)
+            assert after.result.exit_code is (
+                ExitCode.FORMATION if isinstance(before, Rendezvous) else ExitCode.RANK_FAILURE
+            )
 
     # ----- the run's natural course ---------------------------------------------------------------
 
@@ -460,14 +520,20 @@ class SupervisorMachine(RuleBasedStateMachine):
         if isinstance(phase, Forming):
             fresh = [h for h in HOSTS if h not in self.accepted]
             if fresh:
-                self.join(data.draw(st.sampled_from(fresh)), data.draw(st.integers(1, 3)), __version__)
+                self.join(
+                    data.draw(st.sampled_from(fresh)), data.draw(st.integers(1, 3)), __version__
+                )
             elif self._may_move_the_clock():
                 self.tick_at_the_deadline()
         elif isinstance(phase, Rendezvous):
             self.store_ready(right_round=True)
         elif isinstance(phase, Running):
             left = sorted({r for ranks in self.world.values() for r in ranks} - self.succeeded)
-            self._exit(data.draw(st.sampled_from(left)), data.draw(st.sampled_from(["ok", "ok", "ok", "code", "signal"])), stale=False)
+            self._exit(
+                data.draw(st.sampled_from(left)),
+                data.draw(st.sampled_from(["ok", "ok", "ok", "code", "signal"])),
+                stale=False,
+            )
         elif isinstance(phase, Restarting):
             self.every_host_stops()
 
@@ -508,7 +574,12 @@ class SupervisorMachine(RuleBasedStateMachine):
     @invariant()
     def the_view_follows_the_phase(self) -> None:
         view = self.sup.view()
-        names = {Forming: "waiting", Rendezvous: "forming", Running: "training", Restarting: "training"}
+        names = {
+            Forming: "waiting",
+            Rendezvous: "forming",
+            Running: "training",
+            Restarting: "training",
+        }
         phase = self.sup.phase
         if isinstance(phase, Ended):
             assert view.phase == ("done" if phase.result.exit_code is ExitCode.OK else "failed")

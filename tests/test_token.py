@@ -22,19 +22,38 @@ from flodl_async.config.cluster import parse_cluster
 from flodl_async.errors import ConfigError, HandshakeRefused, WrongToken
 from flodl_async.host.secretfile import read_secret_file, read_token_file
 from flodl_async.wire.channels import Channel
-from flodl_async.wire.handshake import ClientHandshake, ServerHandshake, join_resolver, session_resolver
-from flodl_async.wire.keys import TOKEN_BYTES, Credential, CredentialKind, new_cluster_token, new_session_secret
+from flodl_async.wire.handshake import (
+    ClientHandshake,
+    ServerHandshake,
+    join_resolver,
+    session_resolver,
+)
+from flodl_async.wire.keys import (
+    TOKEN_BYTES,
+    Credential,
+    CredentialKind,
+    new_cluster_token,
+    new_session_secret,
+)
 
 from .launchkit import PY, Launcher, assert_nothing_left, free_port, new_run_id, script, wait_status
 
-WRONG_TOKEN_LINE = "the controller's proof did not verify: another cluster token (check --token-file)"
+WRONG_TOKEN_LINE = (
+    "the controller's proof did not verify: another cluster token (check --token-file)"
+)
 
 
 # ----- flodl token new -------------------------------------------------------------------------
 
 
 def _flodl(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([PY, "-m", "flodl_async.cli.flodl", *args], capture_output=True, text=True, timeout=60, check=False)
+    return subprocess.run(
+        [PY, "-m", "flodl_async.cli.flodl", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
 
 
 def test_token_new_writes_a_private_fresh_token_and_prints_no_secret(tmp_path: Path) -> None:
@@ -70,16 +89,28 @@ def test_a_session_secret_file_is_not_a_token_file(tmp_path: Path) -> None:
     os.write(fd, new_session_secret().hex().encode() + b"\n")
     os.close(fd)
     read_secret_file(path)
-    with pytest.raises(Exception, match=r"^token file .*: cluster token must be 64 hex characters .*`flodl token new PATH`"):
+    with pytest.raises(
+        Exception,
+        match=r"^token file .*: cluster token must be 64 hex characters .*`flodl token new PATH`",
+    ):
         read_token_file(path)
 
 
 # ----- the TOKEN handshake (sans-IO) -------------------------------------------------------------
 
 
-def _handshake(client_token: bytes, server_token: bytes | None) -> tuple[ClientHandshake, ServerHandshake, bytes]:
-    client = ClientHandshake(channel=Channel.JOIN, credential=Credential.token(client_token), version="t")
-    server = ServerHandshake(channel=Channel.JOIN, resolve=join_resolver(new_session_secret(), server_token), run_id="r", version="t")
+def _handshake(
+    client_token: bytes, server_token: bytes | None
+) -> tuple[ClientHandshake, ServerHandshake, bytes]:
+    client = ClientHandshake(
+        channel=Channel.JOIN, credential=Credential.token(client_token), version="t"
+    )
+    server = ServerHandshake(
+        channel=Channel.JOIN,
+        resolve=join_resolver(new_session_secret(), server_token),
+        run_id="r",
+        version="t",
+    )
     return client, server, server.receive_data(client.hello()).send
 
 
@@ -110,8 +141,15 @@ def test_a_token_is_refused_when_token_admission_is_off_and_on_every_other_chann
     _client, _server, refusal = _handshake(new_cluster_token(), None)
     assert b"token admission" in refusal
     assert b"--token-file" in refusal
-    hello = ClientHandshake(channel=Channel.CONTROL, credential=Credential.token(new_cluster_token()), version="t").hello()
-    other = ServerHandshake(channel=Channel.CONTROL, resolve=session_resolver(new_session_secret()), run_id="r", version="t")
+    hello = ClientHandshake(
+        channel=Channel.CONTROL, credential=Credential.token(new_cluster_token()), version="t"
+    ).hello()
+    other = ServerHandshake(
+        channel=Channel.CONTROL,
+        resolve=session_resolver(new_session_secret()),
+        run_id="r",
+        version="t",
+    )
     step = other.receive_data(hello)
     assert isinstance(step.failure, HandshakeRefused)
 
@@ -141,8 +179,22 @@ def _dial_in_cluster(tmp_path: Path, port: int) -> Path:
 
 
 def _agent(port: int, token_file: Path, env: dict[str, str]) -> subprocess.Popen[str]:
-    cmd = [PY, "-m", "flodl_async.agent", "--controller", f"127.0.0.1:{port}", "--host", "walk-in", "--devices", "cpu:1", "--token-file", str(token_file)]
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, **env})
+    cmd = [
+        PY,
+        "-m",
+        "flodl_async.agent",
+        "--controller",
+        f"127.0.0.1:{port}",
+        "--host",
+        "walk-in",
+        "--devices",
+        "cpu:1",
+        "--token-file",
+        str(token_file),
+    ]
+    return subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, **env}
+    )
 
 
 def _all_cmdlines() -> bytes:
@@ -164,7 +216,9 @@ def _spellings(secret: bytes) -> tuple[bytes, ...]:
 
 
 @pytest.mark.e2e
-def test_a_listed_dial_in_agent_joins_with_the_token_gets_the_secret_sealed_and_runs_its_rank(tmp_path: Path, xdg: Path) -> None:
+def test_a_listed_dial_in_agent_joins_with_the_token_gets_the_secret_sealed_and_runs_its_rank(
+    tmp_path: Path, xdg: Path
+) -> None:
     """A listed dial-in worker holds only the token; its rank all-reduces with the launcher's (its relay used the sealed secret).
 
     Neither the token nor the session secret is in any process's argv, the status pages, the
@@ -188,8 +242,14 @@ def test_a_listed_dial_in_agent_joins_with_the_token_gets_the_secret_sealed_and_
         wait_status(port, lambda doc: doc["joined_ranks"] == 1)
         secret = read_secret_file(tmp_path / "secret")
         agent = _agent(port, tmp_path / "token", env)
-        launcher.wait_for_stdout("ready pid", count=2, timeout=120)  # both ranks up, the world whole: every page has its most
-        seen = {"argv": _all_cmdlines(), "/state.json": _get(port, "/state.json"), "/": _get(port, "/")}
+        launcher.wait_for_stdout(
+            "ready pid", count=2, timeout=120
+        )  # both ranks up, the world whole: every page has its most
+        seen = {
+            "argv": _all_cmdlines(),
+            "/state.json": _get(port, "/state.json"),
+            "/": _get(port, "/"),
+        }
         release.write_text("")
         agent_out, agent_err = agent.communicate(timeout=120)
         done = launcher.finish(timeout=120)
@@ -204,7 +264,9 @@ def test_a_listed_dial_in_agent_joins_with_the_token_gets_the_secret_sealed_and_
     assert "[walk-in:r1] rank 1 of 2 sum 3" in done.stdout
     assert "[walk-in:r1]" not in agent_out
     assert "rank 0 of 2 sum 3" in done.stdout
-    assert "[walk-in:r1] env RANK=1" in done.stdout  # the environments were printed: absence below means something
+    assert (
+        "[walk-in:r1] env RANK=1" in done.stdout
+    )  # the environments were printed: absence below means something
     assert b"<html" in seen["/"].lower()
     files = sorted(p for p in logs.rglob("*") if p.is_file())
     assert len(files) >= 4, files  # stdout and stderr of both ranks, the walk-in's included
@@ -220,14 +282,27 @@ def test_a_listed_dial_in_agent_joins_with_the_token_gets_the_secret_sealed_and_
 
 
 @pytest.mark.e2e
-def test_token_file_on_the_command_line_overrides_the_cluster_files(tmp_path: Path, xdg: Path) -> None:
+def test_token_file_on_the_command_line_overrides_the_cluster_files(
+    tmp_path: Path, xdg: Path
+) -> None:
     """``flodl-launch --token-file F`` wins over ``controller.token_file``: F's holder is admitted, the file's is refused."""
-    assert _flodl("token", "new", str(tmp_path / "token")).returncode == 0  # the cluster file's controller.token_file
+    assert (
+        _flodl("token", "new", str(tmp_path / "token")).returncode == 0
+    )  # the cluster file's controller.token_file
     assert _flodl("token", "new", str(tmp_path / "cli-token")).returncode == 0
     port, run_id = free_port(), new_run_id()
     env = {"XDG_RUNTIME_DIR": str(xdg)}
     cluster = _cluster(tmp_path, port)
-    launcher = Launcher(str(cluster), "--token-file", str(tmp_path / "cli-token"), "--", PY, script("allreduce.py"), run_id=run_id, env=env)
+    launcher = Launcher(
+        str(cluster),
+        "--token-file",
+        str(tmp_path / "cli-token"),
+        "--",
+        PY,
+        script("allreduce.py"),
+        run_id=run_id,
+        env=env,
+    )
     try:
         wait_status(port, lambda doc: doc["joined_ranks"] == 1)
         refused = _agent(port, tmp_path / "token", env)
@@ -247,12 +322,21 @@ def test_token_file_on_the_command_line_overrides_the_cluster_files(tmp_path: Pa
 
 
 @pytest.mark.e2e
-def test_a_wrong_token_is_refused_on_both_sides_counted_and_exits_3_even_with_persist(tmp_path: Path, xdg: Path) -> None:
+def test_a_wrong_token_is_refused_on_both_sides_counted_and_exits_3_even_with_persist(
+    tmp_path: Path, xdg: Path
+) -> None:
     assert _flodl("token", "new", str(tmp_path / "token")).returncode == 0
     assert _flodl("token", "new", str(tmp_path / "wrong")).returncode == 0
     port, run_id = free_port(), new_run_id()
     env = {"XDG_RUNTIME_DIR": str(xdg)}
-    launcher = Launcher(str(_cluster(tmp_path, port, join_timeout=600)), "--", PY, script("allreduce.py"), run_id=run_id, env=env)
+    launcher = Launcher(
+        str(_cluster(tmp_path, port, join_timeout=600)),
+        "--",
+        PY,
+        script("allreduce.py"),
+        run_id=run_id,
+        env=env,
+    )
     out, err = tmp_path / "persist.out", tmp_path / "persist.err"
     persistent = None
     try:
@@ -300,13 +384,27 @@ def _auth_failed(doc: dict[str, object]) -> int:
 # ----- flodl-agent --persist ----------------------------------------------------------------------
 
 
-def _persistent_agent(port: int, token_file: Path, env: dict[str, str], out: Path, err: Path) -> subprocess.Popen[str]:
+def _persistent_agent(
+    port: int, token_file: Path, env: dict[str, str], out: Path, err: Path
+) -> subprocess.Popen[str]:
     cmd = [
-        *(PY, "-m", "flodl_async.agent", "--controller", f"127.0.0.1:{port}", "--host", "walk-in", "--devices", "cpu:1"),
+        *(
+            PY,
+            "-m",
+            "flodl_async.agent",
+            "--controller",
+            f"127.0.0.1:{port}",
+            "--host",
+            "walk-in",
+            "--devices",
+            "cpu:1",
+        ),
         *("--token-file", str(token_file), "--persist", "--reconnect-max", "1"),
     ]
     with out.open("w") as stdout, err.open("w") as stderr:
-        return subprocess.Popen(cmd, stdout=stdout, stderr=stderr, text=True, env={**os.environ, **env})
+        return subprocess.Popen(
+            cmd, stdout=stdout, stderr=stderr, text=True, env={**os.environ, **env}
+        )
 
 
 def _wait_for_text(path: Path, text: str, *, count: int = 1, timeout: float = 60) -> None:
@@ -319,23 +417,38 @@ def _wait_for_text(path: Path, text: str, *, count: int = 1, timeout: float = 60
 
 
 @pytest.mark.e2e
-def test_a_persistent_agent_serves_two_runs_in_a_row_and_leaves_nothing_between(tmp_path: Path, xdg: Path) -> None:
+def test_a_persistent_agent_serves_two_runs_in_a_row_and_leaves_nothing_between(
+    tmp_path: Path, xdg: Path
+) -> None:
     assert _flodl("token", "new", str(tmp_path / "token")).returncode == 0
     port = free_port()
     env = {"XDG_RUNTIME_DIR": str(xdg)}
     out, err = tmp_path / "agent.out", tmp_path / "agent.err"
-    agent = _persistent_agent(port, tmp_path / "token", env, out, err)  # up before any controller: it backs off
+    agent = _persistent_agent(
+        port, tmp_path / "token", env, out, err
+    )  # up before any controller: it backs off
     try:
         _wait_for_text(err, "again in")
         for n, run_id in enumerate((new_run_id(), new_run_id()), start=1):
-            done = Launcher(str(_cluster(tmp_path, port)), "--", PY, script("allreduce.py"), run_id=run_id, env=env).finish(timeout=120)
+            done = Launcher(
+                str(_cluster(tmp_path, port)),
+                "--",
+                PY,
+                script("allreduce.py"),
+                run_id=run_id,
+                env=env,
+            ).finish(timeout=120)
             assert done.returncode == 0, done.stderr
             assert "rank 0 of 2 sum 3" in done.stdout
-            assert "[walk-in:r1] rank 1 of 2 sum 3" in done.stdout  # over the agent's link, to this run's launcher
+            assert (
+                "[walk-in:r1] rank 1 of 2 sum 3" in done.stdout
+            )  # over the agent's link, to this run's launcher
             _wait_for_text(err, "the run finished", count=n)
             assert agent.poll() is None, err.read_text()  # still up between the runs
             assert_nothing_left(run_id)  # its ranks are gone...
-            assert not (xdg / "flodl" / "runs" / run_id / "walk-in").exists()  # ...and so is its runtime entry
+            assert not (
+                xdg / "flodl" / "runs" / run_id / "walk-in"
+            ).exists()  # ...and so is its runtime entry
         agent.send_signal(signal.SIGTERM)
         assert agent.wait(timeout=60) == 143, err.read_text()
     finally:
@@ -367,30 +480,54 @@ def test_sigterm_while_a_persistent_agent_backs_off_exits_143_at_once(tmp_path: 
 
 
 def test_persist_needs_a_token_file() -> None:
-    done = subprocess.run([PY, "-m", "flodl_async.agent", "--controller", "127.0.0.1:1", "--persist"], capture_output=True, text=True, timeout=60, check=False)
+    done = subprocess.run(
+        [PY, "-m", "flodl_async.agent", "--controller", "127.0.0.1:1", "--persist"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert done.returncode == 2
     assert "--persist needs --token-file" in done.stderr
     assert "Traceback" not in done.stderr
 
 
 def test_dial_in_workers_parse_and_refuse_what_only_a_launcher_uses() -> None:
-    spec = parse_cluster("workers:\n  - host: localhost\n    devices: cpu:1\n  - host: node-b\n    devices: cpu:2\n    dial_in: true\n")
+    spec = parse_cluster(
+        "workers:\n  - host: localhost\n    devices: cpu:1\n  - host: node-b\n    devices: cpu:2\n    dial_in: true\n"
+    )
     assert [w.dial_in for w in spec.workers] == [False, True]
     with pytest.raises(ConfigError, match=r"workers\[0\]\.dial_in.*dials in on its own, so ssh"):
-        parse_cluster("workers:\n  - host: node-b\n    devices: cpu:2\n    dial_in: true\n    ssh: {user: me}\n")
+        parse_cluster(
+            "workers:\n  - host: node-b\n    devices: cpu:2\n    dial_in: true\n    ssh: {user: me}\n"
+        )
 
 
 # ----- open admission -----------------------------------------------------------------------------
 
 
 def test_no_credential_is_taken_only_under_open_admission() -> None:
-    hello = ClientHandshake(channel=Channel.JOIN, credential=Credential.open_admission(), version="t").hello()
-    closed = ServerHandshake(channel=Channel.JOIN, resolve=join_resolver(new_session_secret(), None), run_id="r", version="t")
+    hello = ClientHandshake(
+        channel=Channel.JOIN, credential=Credential.open_admission(), version="t"
+    ).hello()
+    closed = ServerHandshake(
+        channel=Channel.JOIN,
+        resolve=join_resolver(new_session_secret(), None),
+        run_id="r",
+        version="t",
+    )
     refused = closed.receive_data(hello)
     assert isinstance(refused.failure, HandshakeRefused)
     assert b"does not run open admission" in refused.send
-    client = ClientHandshake(channel=Channel.JOIN, credential=Credential.open_admission(), version="t")
-    server = ServerHandshake(channel=Channel.JOIN, resolve=join_resolver(new_session_secret(), None, open_admission=True), run_id="r", version="t")
+    client = ClientHandshake(
+        channel=Channel.JOIN, credential=Credential.open_admission(), version="t"
+    )
+    server = ServerHandshake(
+        channel=Channel.JOIN,
+        resolve=join_resolver(new_session_secret(), None, open_admission=True),
+        run_id="r",
+        version="t",
+    )
     step = client.receive_data(server.receive_data(client.hello()).send)
     done = server.receive_data(step.send)
     assert done.established is not None
@@ -398,7 +535,9 @@ def test_no_credential_is_taken_only_under_open_admission() -> None:
 
 
 @pytest.mark.e2e
-def test_open_admission_admits_an_agent_without_a_credential_and_warns_loudly(tmp_path: Path, xdg: Path) -> None:
+def test_open_admission_admits_an_agent_without_a_credential_and_warns_loudly(
+    tmp_path: Path, xdg: Path
+) -> None:
     port, run_id = free_port(), new_run_id()
     env = {"XDG_RUNTIME_DIR": str(xdg)}
     cluster = tmp_path / "cluster.yml"
@@ -409,8 +548,21 @@ def test_open_admission_admits_an_agent_without_a_credential_and_warns_loudly(tm
     launcher = Launcher(str(cluster), "--", PY, script("allreduce.py"), run_id=run_id, env=env)
     try:
         wait_status(port, lambda doc: doc["joined_ranks"] == 1)
-        cmd = [PY, "-m", "flodl_async.agent", "--controller", f"127.0.0.1:{port}", "--host", "walk-in", "--devices", "cpu:1", "--open-admission"]
-        agent = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env={**os.environ, **env}, check=False)
+        cmd = [
+            PY,
+            "-m",
+            "flodl_async.agent",
+            "--controller",
+            f"127.0.0.1:{port}",
+            "--host",
+            "walk-in",
+            "--devices",
+            "cpu:1",
+            "--open-admission",
+        ]
+        agent = subprocess.run(
+            cmd, capture_output=True, text=True, timeout=120, env={**os.environ, **env}, check=False
+        )
         done = launcher.finish(timeout=120)
     finally:
         launcher.kill()

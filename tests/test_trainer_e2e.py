@@ -22,7 +22,15 @@ import torch
 
 from flodl_async.verdict import ExitCode
 
-from .launchkit import PY, Launcher, assert_nothing_left, free_port, new_run_id, processes_of_run, run_launch
+from .launchkit import (
+    PY,
+    Launcher,
+    assert_nothing_left,
+    free_port,
+    new_run_id,
+    processes_of_run,
+    run_launch,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -32,18 +40,35 @@ ENV = {"OMP_NUM_THREADS": "1"}
 
 def cluster_file(tmp_path: Path, ranks: int = 2) -> str:
     path = tmp_path / "cluster.yml"
-    path.write_text(f"controller:\n  host: 127.0.0.1\n  port: {free_port()}\nworkers:\n  - host: {socket.gethostname()}\n    devices: cpu:{ranks}\n")
+    path.write_text(
+        f"controller:\n  host: 127.0.0.1\n  port: {free_port()}\nworkers:\n  - host: {socket.gethostname()}\n    devices: cpu:{ranks}\n"
+    )
     return str(path)
 
 
 def as_launcher(
-    tmp_path: Path, *args: str, run_id: str, timeout: float = 180, env: dict[str, str] | None = None, ranks: int = 2
+    tmp_path: Path,
+    *args: str,
+    run_id: str,
+    timeout: float = 180,
+    env: dict[str, str] | None = None,
+    ranks: int = 2,
 ) -> subprocess.CompletedProcess[str]:
     """Run the script with cluster= (the launcher role) to its end; nothing of the run may survive."""
-    cmd = [PY, SCRIPT, "--out", str(tmp_path / "out"), "--cluster", cluster_file(tmp_path, ranks), *args]
+    cmd = [
+        PY,
+        SCRIPT,
+        "--out",
+        str(tmp_path / "out"),
+        "--cluster",
+        cluster_file(tmp_path, ranks),
+        *args,
+    ]
     try:
         full_env = {**os.environ, **ENV, "FLODL_RUN_ID": run_id, **(env or {})}
-        return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env, check=False)
+        return subprocess.run(
+            cmd, capture_output=True, text=True, timeout=timeout, env=full_env, check=False
+        )
     finally:
         assert_nothing_left(run_id)
 
@@ -70,14 +95,20 @@ ALL = {"launcher--1", "rank-0", "rank-1"}
 
 
 @pytest.mark.parametrize("policy", ["sync", "cadence", "async"])
-def test_cpu_policies_converge_and_every_process_ends_with_the_same_state(tmp_path: Path, policy: str) -> None:
+def test_cpu_policies_converge_and_every_process_ends_with_the_same_state(
+    tmp_path: Path, policy: str
+) -> None:
     done = as_launcher(tmp_path, "--policy", policy, "--epochs", "4", run_id=new_run_id())
     assert done.returncode == 0, done.stderr
     saved = states(tmp_path)
     assert_identical(saved, ALL)
     launcher = saved["launcher--1"]
     assert launcher["primary"]
-    assert (launcher["world_size"], launcher["epochs_completed"], launcher["interrupted"]) == (2, 4, False)
+    assert (launcher["world_size"], launcher["epochs_completed"], launcher["interrupted"]) == (
+        2,
+        4,
+        False,
+    )
     assert_converged(launcher["losses"])
     assert saved["rank-0"]["losses"] == launcher["losses"]  # ranks hear the same aggregated epochs
 
@@ -93,7 +124,9 @@ def test_three_ranks_fold_on_one_host_and_agree(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("outer", ["slowmo", "diloco"])
 def test_outer_optimizers_converge(tmp_path: Path, outer: str) -> None:
-    done = as_launcher(tmp_path, "--outer", outer, "--anchor", "2", "--epochs", "4", run_id=new_run_id())
+    done = as_launcher(
+        tmp_path, "--outer", outer, "--anchor", "2", "--epochs", "4", run_id=new_run_id()
+    )
     assert done.returncode == 0, done.stderr
     saved = states(tmp_path)
     assert_identical(saved, ALL)
@@ -140,11 +173,24 @@ def test_cpu_cadence_under_flodl_launch_with_a_cluster_file(tmp_path: Path) -> N
 
 def test_a_3x_slower_rank_gets_a_proportional_share_under_cadence(tmp_path: Path) -> None:
     """Sleep models a slower device without CPU contention; the timing ratio belongs to benchmarks/cadence.py."""
-    done = as_launcher(tmp_path, "--epochs", "4", "--fast-ms", "4", "--slow-ms", "12", "--slow-rank", "1", run_id=new_run_id())
+    done = as_launcher(
+        tmp_path,
+        "--epochs",
+        "4",
+        "--fast-ms",
+        "4",
+        "--slow-ms",
+        "12",
+        "--slow-rank",
+        "1",
+        run_id=new_run_id(),
+    )
     assert done.returncode == 0, done.stderr
     shares = states(tmp_path)["launcher--1"]["shares"]
     later = [epoch[0] for epoch in shares[1:]]  # epoch 0 calibrates
-    assert all(0.6 <= share <= 0.85 for share in later), shares  # ideal 0.75: rank 0 does 3x the batches of rank 1
+    assert all(0.6 <= share <= 0.85 for share in later), (
+        shares
+    )  # ideal 0.75: rank 0 does 3x the batches of rank 1
 
 
 def test_the_launcher_runs_on_the_callers_loop_next_to_other_tasks(tmp_path: Path) -> None:
@@ -164,11 +210,16 @@ def test_a_rank_that_raises_fails_the_run_naming_it(tmp_path: Path) -> None:
     assert_launcher_verdict(done, ExitCode.RANK_FAILURE, "rank 1")
     assert "fails on purpose" in done.stderr  # the rank's own traceback, forwarded
     # ... as the traceback of what the user's code raised, not chained to flodl's internals that re-raised it.
-    assert "flodl: rank 1: training failed: rank 1 raised RuntimeError('rank 1 fails on purpose')" in done.stderr
+    assert (
+        "flodl: rank 1: training failed: rank 1 raised RuntimeError('rank 1 fails on purpose')"
+        in done.stderr
+    )
     assert "The above exception was the direct cause" not in done.stderr
 
 
-def assert_launcher_verdict(done: subprocess.CompletedProcess[str], code: ExitCode, named: str) -> None:
+def assert_launcher_verdict(
+    done: subprocess.CompletedProcess[str], code: ExitCode, named: str
+) -> None:
     """The script let ``TrainingFailed`` escape: it ends as flodl-launch would, with no launcher traceback."""
     assert done.returncode == code, done.stderr
     verdicts = [line for line in done.stderr.splitlines() if line.startswith("flodl: FAILED — ")]
@@ -188,16 +239,30 @@ def _rank_pid(run_id: str, rank: int) -> int:
 class ScriptLauncher(Launcher):
     """The Trainer script as a background launcher (launchkit's reader, another command)."""
 
-    def __init__(self, tmp_path: Path, *args: str, run_id: str, env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, tmp_path: Path, *args: str, run_id: str, env: dict[str, str] | None = None
+    ) -> None:
         self.run_id = run_id
-        cmd = [PY, SCRIPT, "--out", str(tmp_path / "out"), "--cluster", cluster_file(tmp_path), *args]
+        cmd = [
+            PY,
+            SCRIPT,
+            "--out",
+            str(tmp_path / "out"),
+            "--cluster",
+            cluster_file(tmp_path),
+            *args,
+        ]
         full_env = {**os.environ, **ENV, "FLODL_RUN_ID": run_id, **(env or {})}
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1, env=full_env)
+        self.proc = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1, env=full_env
+        )
         self.stdout_lines = []
 
 
 @pytest.mark.parametrize(("how", "named"), [("kill", "rank 1"), ("stop", "rank 1")])
-def test_a_killed_or_frozen_rank_ends_the_run_naming_it(tmp_path: Path, how: str, named: str) -> None:
+def test_a_killed_or_frozen_rank_ends_the_run_naming_it(
+    tmp_path: Path, how: str, named: str
+) -> None:
     run_id = new_run_id()
     # A frozen rank is noticed by its silence: 30 s x 0.1 = 3 s without a frame.
     env = {"FLODL_NET_TIMEOUT_SCALE": "0.1"} if how == "stop" else None
@@ -211,20 +276,34 @@ def test_a_killed_or_frozen_rank_ends_the_run_naming_it(tmp_path: Path, how: str
         assert_nothing_left(run_id)
     assert_launcher_verdict(done, ExitCode.RANK_FAILURE, named)
     if how == "stop":
-        assert "heartbeat" in done.stderr or "nothing from" in done.stderr or "silent" in done.stderr, done.stderr
+        assert (
+            "heartbeat" in done.stderr or "nothing from" in done.stderr or "silent" in done.stderr
+        ), done.stderr
 
 
 def test_ranks_of_a_frozen_launcher_notice_its_silence_and_exit(tmp_path: Path) -> None:
     """Heartbeats the other way: the coordinator (in the launcher) stops answering, and each rank ends by itself."""
     run_id = new_run_id()
-    launcher = ScriptLauncher(tmp_path, "--epochs", "200", "--fast-ms", "3", run_id=run_id, env={"FLODL_NET_TIMEOUT_SCALE": "0.1"})
+    launcher = ScriptLauncher(
+        tmp_path,
+        "--epochs",
+        "200",
+        "--fast-ms",
+        "3",
+        run_id=run_id,
+        env={"FLODL_NET_TIMEOUT_SCALE": "0.1"},
+    )
     try:
         launcher.wait_for_stdout("EPOCH 0", timeout=120)
         ranks = [_rank_pid(run_id, 0), _rank_pid(run_id, 1)]
-        os.kill(launcher.proc.pid, signal.SIGSTOP)  # the launcher's host freezes: its controller, relay and agent with it
+        os.kill(
+            launcher.proc.pid, signal.SIGSTOP
+        )  # the launcher's host freezes: its controller, relay and agent with it
         deadline = time.monotonic() + 60
         while alive := [pid for pid in ranks if pid in processes_of_run(run_id)]:
-            assert time.monotonic() < deadline, f"ranks {alive} still run 60 s after their launcher froze"
+            assert time.monotonic() < deadline, (
+                f"ranks {alive} still run 60 s after their launcher froze"
+            )
             time.sleep(0.1)
         os.kill(launcher.proc.pid, signal.SIGCONT)
         launcher.finish(timeout=120)
@@ -239,7 +318,9 @@ def test_ranks_of_a_frozen_launcher_notice_its_silence_and_exit(tmp_path: Path) 
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-def test_a_launcher_signal_stops_in_order_and_returns_the_state_everywhere(tmp_path: Path, sig: signal.Signals) -> None:
+def test_a_launcher_signal_stops_in_order_and_returns_the_state_everywhere(
+    tmp_path: Path, sig: signal.Signals
+) -> None:
     """The script uses the handle (``async for m in run.metrics()``, then ``await run.join()``) under ``asyncio.run``.
 
     Ctrl-C included: left to asyncio.run, SIGINT would cancel the main task and the loop's shutdown every task with it.
@@ -253,7 +334,9 @@ def test_a_launcher_signal_stops_in_order_and_returns_the_state_everywhere(tmp_p
     finally:
         launcher.kill()
         assert_nothing_left(run_id)
-    assert done.returncode == 0, done.stderr  # run.join() returned the state; the script went on and saved it
+    assert done.returncode == 0, (
+        done.stderr
+    )  # run.join() returned the state; the script went on and saved it
     assert "a final round, then shutdown" in done.stderr
     assert f"the launcher got {sig.name}" in done.stderr
     assert "Traceback" not in done.stderr, done.stderr
@@ -268,7 +351,18 @@ def test_a_launcher_signal_stops_in_order_and_returns_the_state_everywhere(tmp_p
 def test_a_second_signal_during_the_orderly_stop_forces_it(tmp_path: Path) -> None:
     run_id = new_run_id()
     # A slow rank makes the final round long enough to be interrupted.
-    launcher = ScriptLauncher(tmp_path, "--epochs", "200", "--fast-ms", "30", "--slow-rank", "1", "--slow-ms", "300", run_id=run_id)
+    launcher = ScriptLauncher(
+        tmp_path,
+        "--epochs",
+        "200",
+        "--fast-ms",
+        "30",
+        "--slow-rank",
+        "1",
+        "--slow-ms",
+        "300",
+        run_id=run_id,
+    )
     try:
         launcher.wait_for_stdout("EPOCH 0", timeout=120)
         launcher.proc.send_signal(signal.SIGTERM)
@@ -292,7 +386,23 @@ def test_a_second_signal_during_the_orderly_stop_forces_it(tmp_path: Path) -> No
 
 def test_flodl_launch_sigint_stops_the_trainer_in_order(tmp_path: Path) -> None:
     run_id = new_run_id()
-    cmd = ["--nproc", "2", "--devices", "cpu", "--port", "0", "--", PY, SCRIPT, "--out", str(tmp_path / "out"), "--epochs", "200", "--fast-ms", "3"]
+    cmd = [
+        "--nproc",
+        "2",
+        "--devices",
+        "cpu",
+        "--port",
+        "0",
+        "--",
+        PY,
+        SCRIPT,
+        "--out",
+        str(tmp_path / "out"),
+        "--epochs",
+        "200",
+        "--fast-ms",
+        "3",
+    ]
     launcher = Launcher(*cmd, run_id=run_id, env=ENV)
     try:
         launcher.wait_for_stdout("EPOCH 1", timeout=120)
@@ -326,13 +436,18 @@ def test_the_cooperative_worker_as_the_launcher_runs_the_launch_and_exits(tmp_pa
     done = as_launcher(tmp_path, "--cooperative", "--epochs", "3", run_id=new_run_id())
     assert done.returncode == 0, done.stderr
     saved = states(tmp_path)
-    assert set(saved) == {"rank-0", "rank-1"}  # the launcher exited inside worker(): it saves nothing
+    assert set(saved) == {
+        "rank-0",
+        "rank-1",
+    }  # the launcher exited inside worker(): it saves nothing
     for key, tensor in saved["rank-0"]["state"].items():
         assert torch.equal(saved["rank-1"]["state"][key], tensor)
     assert not saved["rank-0"]["primary"]  # the launcher was the primary
 
 
-def test_an_exception_in_a_cooperative_loop_is_a_death_record_naming_the_rank(tmp_path: Path) -> None:
+def test_an_exception_in_a_cooperative_loop_is_a_death_record_naming_the_rank(
+    tmp_path: Path,
+) -> None:
     run_id = new_run_id()
     done = run_launch(
         "--nproc", "2", "--devices", "cpu", "--port", "0", "--", PY, SCRIPT, "--out", str(tmp_path / "out"), "--cooperative", "--fail-rank", "1",
@@ -348,14 +463,25 @@ def test_an_exception_in_a_cooperative_loop_is_a_death_record_naming_the_rank(tm
 
 
 def _flodl(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([PY, "-m", "flodl_async.cli.flodl", *args], capture_output=True, text=True, timeout=30, env={**os.environ, **env}, check=False)
+    return subprocess.run(
+        [PY, "-m", "flodl_async.cli.flodl", *args],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env={**os.environ, **env},
+        check=False,
+    )
 
 
-def test_a_trainer_launcher_registers_for_flodl_ps_and_status_and_unregisters_at_its_end(tmp_path: Path) -> None:
+def test_a_trainer_launcher_registers_for_flodl_ps_and_status_and_unregisters_at_its_end(
+    tmp_path: Path,
+) -> None:
     import shutil
     import tempfile
 
-    runtime = Path(tempfile.mkdtemp(prefix="fl-xdg-", dir="/tmp"))  # this test's own: other runs are not listed
+    runtime = Path(
+        tempfile.mkdtemp(prefix="fl-xdg-", dir="/tmp")
+    )  # this test's own: other runs are not listed
     own = {"XDG_RUNTIME_DIR": str(runtime)}
     release = tmp_path / "release"
     run_id = new_run_id()
@@ -380,8 +506,12 @@ def test_a_trainer_launcher_registers_for_flodl_ps_and_status_and_unregisters_at
         assert_nothing_left(run_id)
     try:
         assert done.returncode == 0, done.stderr
-        assert f"status: flodl status --addr {address}, or http://{address}/" in done.stderr  # flodl-launch's banner
-        assert os.listdir(runtime / "flodl" / "controllers") == []  # removed by its owner (no reader has swept yet)
+        assert (
+            f"status: flodl status --addr {address}, or http://{address}/" in done.stderr
+        )  # flodl-launch's banner
+        assert (
+            os.listdir(runtime / "flodl" / "controllers") == []
+        )  # removed by its owner (no reader has swept yet)
         assert "no flodl run on this machine" in _flodl("ps", env=own).stdout
     finally:
         shutil.rmtree(runtime, ignore_errors=True)
@@ -391,21 +521,43 @@ def test_a_trainer_launcher_registers_for_flodl_ps_and_status_and_unregisters_at
 
 
 @pytest.mark.parametrize("backend", ["cpu", "collective"])
-def test_tied_weights_integer_bool_and_bf16_buffers_average_as_the_spec_says(tmp_path: Path, backend: str) -> None:
+def test_tied_weights_integer_bool_and_bf16_buffers_average_as_the_spec_says(
+    tmp_path: Path, backend: str
+) -> None:
     """Spec §3.3 / §2.10: integer and bool buffers average in float64 and round half to even, floats keep their dtype,
     tied keys stay tied. Strict lockstep (one step per rank per reduce) makes every value exact and known here."""
     epochs = 2
-    done = as_launcher(tmp_path, "--mixed", "--policy", "sync", "--lockstep", "--backend", backend, "--epochs", str(epochs), run_id=new_run_id())
+    done = as_launcher(
+        tmp_path,
+        "--mixed",
+        "--policy",
+        "sync",
+        "--lockstep",
+        "--backend",
+        backend,
+        "--epochs",
+        str(epochs),
+        run_id=new_run_id(),
+    )
     assert done.returncode == 0, done.stderr
     saved = states(tmp_path)
     assert_identical(saved, ALL)
     state = saved["launcher--1"]["state"]
-    steps = epochs * (512 // 32) // 2  # forwards per rank: each epoch's 16 batches split over 2 ranks
-    dtypes = {"bn.num_batches_tracked": torch.int64, "marker": torch.int64, "flag": torch.bool, "ema": torch.bfloat16}
+    steps = (
+        epochs * (512 // 32) // 2
+    )  # forwards per rank: each epoch's 16 batches split over 2 ranks
+    dtypes = {
+        "bn.num_batches_tracked": torch.int64,
+        "marker": torch.int64,
+        "flag": torch.bool,
+        "ema": torch.bfloat16,
+    }
     assert {key: t.dtype for key, t in state.items() if t.dtype != torch.float32} == dtypes
     assert "a.weight" in state
     assert "b.weight" in state
-    assert torch.equal(state["a.weight"], state["b.weight"])  # an untied copy would have trained apart
+    assert torch.equal(
+        state["a.weight"], state["b.weight"]
+    )  # an untied copy would have trained apart
     # Equal counts on every rank: the average is the count (a sum would double it, a float cast would not be int64).
     assert int(state["bn.num_batches_tracked"]) == steps
     assert torch.equal(state["ema"], torch.full((3,), 0.125 * steps, dtype=torch.bfloat16))
@@ -422,8 +574,12 @@ def test_a_second_trainer_run_in_a_rank_is_a_clear_error(tmp_path: Path) -> None
     )  # fmt: skip
     assert_nothing_left(run_id)
     assert done.returncode != 0, done.stderr
-    assert done.stdout.count("TRAINER-DONE") == 2, done.stdout  # the first session trained to its end in both ranks
+    assert done.stdout.count("TRAINER-DONE") == 2, (
+        done.stdout
+    )  # the first session trained to its end in both ranks
     output = done.stdout + done.stderr
     assert "a cluster training session was already run in this process" in output, output
     assert "Run one Trainer per process" in output, output
-    assert "exited with code 1" in done.stderr, done.stderr  # the rank's own exit, in the launcher's verdict
+    assert "exited with code 1" in done.stderr, (
+        done.stderr
+    )  # the rank's own exit, in the launcher's verdict

@@ -30,9 +30,21 @@ from .test_tunnel_e2e import LOOPBACK_HEX, _dial_from, _listen_addresses
 pytestmark = pytest.mark.e2e
 
 
-def _worker(kit: HostKit, host: NsHost, devices: str, python: Path, *, tunnel: bool = False) -> list[str]:
-    ssh = {"target": host.addr, "user": "root", "identity_file": str(kit.user_key), "known_hosts": str(kit.known_hosts)}
-    lines = [f"  - host: {host.name}", f"    devices: {devices}", f"    python: {python}", f"    ssh: {json.dumps(ssh)}"]
+def _worker(
+    kit: HostKit, host: NsHost, devices: str, python: Path, *, tunnel: bool = False
+) -> list[str]:
+    ssh = {
+        "target": host.addr,
+        "user": "root",
+        "identity_file": str(kit.user_key),
+        "known_hosts": str(kit.known_hosts),
+    }
+    lines = [
+        f"  - host: {host.name}",
+        f"    devices: {devices}",
+        f"    python: {python}",
+        f"    ssh: {json.dumps(ssh)}",
+    ]
     return [*lines, "    tunnel: true"] if tunnel else lines
 
 
@@ -43,11 +55,15 @@ def _cluster(tmp_path: Path, header: Sequence[str], workers: Sequence[str]) -> s
     return str(path)
 
 
-def _as_launcher(tmp_path: Path, cluster: str, *args: str, run_id: str, timeout: float = 110) -> subprocess.CompletedProcess[str]:
+def _as_launcher(
+    tmp_path: Path, cluster: str, *args: str, run_id: str, timeout: float = 110
+) -> subprocess.CompletedProcess[str]:
     cmd = [PY, SCRIPT, "--out", str(tmp_path / "out"), "--cluster", cluster, *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "FLODL_RUN_ID": run_id}
     try:
-        return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, check=False)
+        return subprocess.run(
+            cmd, capture_output=True, text=True, timeout=timeout, env=env, check=False
+        )
     finally:
         assert_nothing_left(run_id)
 
@@ -59,7 +75,9 @@ class ScriptLauncher(Launcher):
         self.run_id = run_id
         cmd = [PY, SCRIPT, "--out", str(tmp_path / "out"), "--cluster", cluster, *args]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "FLODL_RUN_ID": run_id}
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1, env=env)
+        self.proc = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1, env=env
+        )
         self.stdout_lines = []
 
     def held_rank(self) -> tuple[int, int]:
@@ -76,7 +94,11 @@ def _two_agents(tmp_path: Path, kit: HostKit) -> str:
     return _cluster(
         tmp_path,
         [f"controller: {{host: 0.0.0.0, port: {free_port()}, join: {{join_timeout: 60}}}}"],
-        [f"  - host: {socket.gethostname()}", "    devices: cpu:2", *_worker(kit, kit.hosts[0], "cpu:1", _python_wrapper(tmp_path))],
+        [
+            f"  - host: {socket.gethostname()}",
+            "    devices: cpu:2",
+            *_worker(kit, kit.hosts[0], "cpu:1", _python_wrapper(tmp_path)),
+        ],
     )
 
 
@@ -85,14 +107,20 @@ def _assert_trained(tmp_path: Path, ranks: int, epochs: int = 2) -> None:
     assert_identical(saved, {"launcher--1", *(f"rank-{r}" for r in range(ranks))})
     launcher = saved["launcher--1"]
     assert launcher["primary"]
-    assert (launcher["world_size"], launcher["epochs_completed"], launcher["interrupted"]) == (ranks, epochs, False)
+    assert (launcher["world_size"], launcher["epochs_completed"], launcher["interrupted"]) == (
+        ranks,
+        epochs,
+        False,
+    )
     assert launcher["losses"][-1] < launcher["losses"][0], launcher["losses"]
 
 
 def test_three_ranks_over_two_agents_train_to_one_state(hostkit: HostKit, tmp_path: Path) -> None:
     """Ranks 0-1 on the controller's host, rank 2 on h1: one state everywhere, and h1's share went up over TCP."""
     run_id = new_run_id()
-    done = _as_launcher(tmp_path, _two_agents(tmp_path, hostkit), "--policy", "sync", "--epochs", "4", run_id=run_id)
+    done = _as_launcher(
+        tmp_path, _two_agents(tmp_path, hostkit), "--policy", "sync", "--epochs", "4", run_id=run_id
+    )
     assert done.returncode == 0, done.stderr
     _assert_trained(tmp_path, 3, epochs=4)
     assert_converged(states(tmp_path)["launcher--1"]["losses"])  # the same bar as the one-host runs
@@ -101,11 +129,15 @@ def test_three_ranks_over_two_agents_train_to_one_state(hostkit: HostKit, tmp_pa
     assert set(uplinks) == {socket.gethostname(), "h1"}, done.stderr
     assert uplinks["h1"][:2] == ("2", "over the port"), uplinks
     assert uplinks[socket.gethostname()][:2] == ("0,1", "in this process"), uplinks
-    assert all(frames > 0 and payload > 0 for _ranks, _path, frames, payload in uplinks.values()), uplinks
+    assert all(frames > 0 and payload > 0 for _ranks, _path, frames, payload in uplinks.values()), (
+        uplinks
+    )
     assert hostkit.leftovers() == {}
 
 
-UPLINK = re.compile(r"training data: host (\S+) \(ranks ([\d,]+)\) sent (\d+) contribution\(s\), (\d+) tensor bytes, (over the port|in this process)")
+UPLINK = re.compile(
+    r"training data: host (\S+) \(ranks ([\d,]+)\) sent (\d+) contribution\(s\), (\d+) tensor bytes, (over the port|in this process)"
+)
 
 
 def _uplinks(stderr: str) -> dict[str, tuple[str, str, int, int]]:
@@ -113,7 +145,9 @@ def _uplinks(stderr: str) -> dict[str, tuple[str, str, int, int]]:
     return {m[1]: (m[2], m[5], int(m[3]), int(m[4])) for m in UPLINK.finditer(stderr)}
 
 
-def test_a_tunnel_only_cluster_trains_end_to_end_through_a_loopback_only_controller(hostkit: HostKit, tmp_path: Path) -> None:
+def test_a_tunnel_only_cluster_trains_end_to_end_through_a_loopback_only_controller(
+    hostkit: HostKit, tmp_path: Path
+) -> None:
     """`trainer: cpu`, every worker `tunnel: true`: the ranks reach the controller only through their relay and its ssh tunnel."""
     h1, h2 = hostkit.hosts[:2]
     port = free_port()
@@ -121,18 +155,42 @@ def test_a_tunnel_only_cluster_trains_end_to_end_through_a_loopback_only_control
     cluster = _cluster(
         tmp_path,
         ["trainer: cpu", f"controller: {{port: {port}, join: {{join_timeout: 60}}}}"],
-        [*_worker(hostkit, h1, "cpu:2", python, tunnel=True), *_worker(hostkit, h2, "cpu:1", python, tunnel=True)],
+        [
+            *_worker(hostkit, h1, "cpu:2", python, tunnel=True),
+            *_worker(hostkit, h2, "cpu:1", python, tunnel=True),
+        ],
     )
     hold = tmp_path / "hold"
-    launcher = ScriptLauncher(tmp_path, cluster, "--policy", "cadence", "--epochs", "2", "--hold-file", str(hold), "--hold-host", h2.name, run_id=new_run_id())
+    launcher = ScriptLauncher(
+        tmp_path,
+        cluster,
+        "--policy",
+        "cadence",
+        "--epochs",
+        "2",
+        "--hold-file",
+        str(hold),
+        "--hold-host",
+        h2.name,
+        run_id=new_run_id(),
+    )
     try:
         launcher.held_rank()  # the world trains (h2's rank waits in its first step)
         assert _listen_addresses(port) == {LOOPBACK_HEX}  # the controller's one port: loopback only
-        assert _dial_from(h2, hostkit.controller_addr, port) == "ConnectionRefusedError"  # no way in but the tunnel
+        assert (
+            _dial_from(h2, hostkit.controller_addr, port) == "ConnectionRefusedError"
+        )  # no way in but the tunnel
         # A rank steps only after the init round's consensus, so both hosts' init frames are in the status page already.
-        doc = wait_status(port, lambda d: isinstance(d.get("training"), dict) and len(d["training"]["uplinks"]) == 2, timeout=30)
+        doc = wait_status(
+            port,
+            lambda d: isinstance(d.get("training"), dict) and len(d["training"]["uplinks"]) == 2,
+            timeout=30,
+        )
         assert isinstance(doc["training"], dict)
-        assert {(u["host"], u["in_process"]) for u in doc["training"]["uplinks"]} == {("h1", False), ("h2", False)}
+        assert {(u["host"], u["in_process"]) for u in doc["training"]["uplinks"]} == {
+            ("h1", False),
+            ("h2", False),
+        }
         assert all(u["frames"] >= 1 for u in doc["training"]["uplinks"])
         hold.touch()
         done = launcher.finish(timeout=90)
@@ -144,13 +202,21 @@ def test_a_tunnel_only_cluster_trains_end_to_end_through_a_loopback_only_control
     uplinks = _uplinks(done.stderr)
     # Both hosts' relays dialled the port (the tunnel's far end is the controller's loopback); none is in its process.
     # Ranks follow the order the hosts joined in, so only their counts per host are known beforehand.
-    assert {host: (len(ranks.split(",")), path) for host, (ranks, path, _f, _b) in uplinks.items()} == {"h1": (2, "over the port"), "h2": (1, "over the port")}
-    assert sorted(int(r) for ranks, _p, _f, _b in uplinks.values() for r in ranks.split(",")) == [0, 1, 2]
+    assert {
+        host: (len(ranks.split(",")), path) for host, (ranks, path, _f, _b) in uplinks.items()
+    } == {"h1": (2, "over the port"), "h2": (1, "over the port")}
+    assert sorted(int(r) for ranks, _p, _f, _b in uplinks.values() for r in ranks.split(",")) == [
+        0,
+        1,
+        2,
+    ]
     assert "Traceback" not in done.stderr
     assert hostkit.leftovers() == {}
 
 
-def test_a_rank_killed_on_the_remote_host_names_host_and_rank_and_leaves_nothing(hostkit: HostKit, tmp_path: Path) -> None:
+def test_a_rank_killed_on_the_remote_host_names_host_and_rank_and_leaves_nothing(
+    hostkit: HostKit, tmp_path: Path
+) -> None:
     hold = tmp_path / "hold"
     args = ("--epochs", "2", "--hold-file", str(hold), "--hold-host", "h1")
     launcher = ScriptLauncher(tmp_path, _two_agents(tmp_path, hostkit), *args, run_id=new_run_id())
@@ -164,7 +230,13 @@ def test_a_rank_killed_on_the_remote_host_names_host_and_rank_and_leaves_nothing
         launcher.kill()
     # The launcher's run() raised the verdict and the script let it escape: it ends as flodl-launch would.
     assert done.returncode == ExitCode.RANK_FAILURE, done.stderr
-    assert f"\nflodl: FAILED — rank {rank} on host h1 was lost mid-training" in done.stderr, done.stderr
-    assert "trainlaunch.py" not in done.stderr, done.stderr  # no traceback of the launcher's own code
-    assert not (tmp_path / "out" / "launcher--1.pt").exists()  # the launcher's run() returned no state
+    assert f"\nflodl: FAILED — rank {rank} on host h1 was lost mid-training" in done.stderr, (
+        done.stderr
+    )
+    assert "trainlaunch.py" not in done.stderr, (
+        done.stderr
+    )  # no traceback of the launcher's own code
+    assert not (
+        tmp_path / "out" / "launcher--1.pt"
+    ).exists()  # the launcher's run() returned no state
     assert hostkit.leftovers() == {}

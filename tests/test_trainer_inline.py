@@ -20,14 +20,26 @@ from .scripts import trainer_mlp as mlp
 
 
 def trainer(**kw: Any) -> fa.Trainer:
-    args: dict[str, Any] = {"model": mlp.model, "optimizer": mlp.optimizer, "train_step": mlp.mse, "dataset": mlp.dataset(), "batch_size": 32, "epochs": 3}
+    args: dict[str, Any] = {
+        "model": mlp.model,
+        "optimizer": mlp.optimizer,
+        "train_step": mlp.mse,
+        "dataset": mlp.dataset(),
+        "batch_size": 32,
+        "epochs": 3,
+    }
     args.update(kw)
     return fa.Trainer(**args)
 
 
 @pytest.fixture(autouse=True)
 def _inline_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in ("FLODL_INTERNAL_CLUSTER_SPEC", "FLODL_INTERNAL_AGENT_SPEC", "FLODL_INTERNAL_RANK_SPEC", "FLODL_INTERNAL_LOCAL_RANK"):
+    for name in (
+        "FLODL_INTERNAL_CLUSTER_SPEC",
+        "FLODL_INTERNAL_AGENT_SPEC",
+        "FLODL_INTERNAL_RANK_SPEC",
+        "FLODL_INTERNAL_LOCAL_RANK",
+    ):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
 
@@ -48,9 +60,15 @@ def _inline_env(monkeypatch: pytest.MonkeyPatch) -> None:
         ({"epochs": 1.5}, ["epochs=", "whole number"]),
         ({"policy": "sync"}, ["policy=", "fa.Policy"]),
         ({"backend": "cpu"}, ["backend=", "fa.Backend"]),
-        ({"policy": fa.Policy.ASYNC, "backend": fa.Backend.COLLECTIVE}, ["(ASYNC, COLLECTIVE)", "use CADENCE with COLLECTIVE"]),
+        (
+            {"policy": fa.Policy.ASYNC, "backend": fa.Backend.COLLECTIVE},
+            ["(ASYNC, COLLECTIVE)", "use CADENCE with COLLECTIVE"],
+        ),
         ({"elche": fa.ElCheConfig(partition_ratios=(0.5, 0.5))}, ["partition_ratios", "SYNC only"]),
-        ({"policy": fa.Policy.SYNC, "elche": fa.ElCheConfig(easgd_alpha=0.5)}, ["easgd_alpha", "ASYNC only"]),
+        (
+            {"policy": fa.Policy.SYNC, "elche": fa.ElCheConfig(easgd_alpha=0.5)},
+            ["easgd_alpha", "ASYNC only"],
+        ),
         ({"elche": fa.ElCheConfig(max_overshoot=2)}, ["max_overshoot", "ASYNC only"]),
         ({"outer": "slowmo"}, ["outer=", "fa.SlowMo"]),
         ({"max_failure": 0}, ["max_failure=0", "at least 1"]),
@@ -123,9 +141,17 @@ def test_inline_converges_and_reports_every_epoch_once() -> None:
 
     state, seen = asyncio.run(main())
     assert [m.epoch for m in seen] == [0, 1, 2, 3]
-    assert all(m.batches == 16 and m.samples == 512 and m.per_rank[0].batch_share == 1.0 for m in seen)
+    assert all(
+        m.batches == 16 and m.samples == 512 and m.per_rank[0].batch_share == 1.0 for m in seen
+    )
     assert seen[-1].avg_loss < 0.05 * seen[0].avg_loss
-    assert (state.primary, state.world_size, state.epochs_completed, state.global_step, state.interrupted) == (True, 1, 4, 64, False)
+    assert (
+        state.primary,
+        state.world_size,
+        state.epochs_completed,
+        state.global_step,
+        state.interrupted,
+    ) == (True, 1, 4, 64, False)
     fresh = mlp.model(torch.device("cpu"))
     state.load_into(fresh)
     x, y = mlp.dataset().tensors
@@ -221,7 +247,9 @@ def test_cancelling_trainer_run_is_an_orderly_stop_inside_a_busy_program() -> No
         async with asyncio.TaskGroup() as tg:
             tg.create_task(other_work(), name="other")
             training = tg.create_task(t.run(), name="training")
-            await asyncio.sleep(0)  # one turn: run() has started its handle (start() returns at once)
+            await asyncio.sleep(
+                0
+            )  # one turn: run() has started its handle (start() returns at once)
             (live,) = _LIVE_RUNS
             await live.next_metrics()
             training.cancel()
@@ -267,10 +295,14 @@ def test_a_second_session_in_a_rank_process_is_refused_with_the_advice() -> None
 
 def test_lr_schedule_and_max_grad_norm_shape_the_steps() -> None:
     initial = mlp.model(torch.device("cpu")).state_dict()
-    frozen = asyncio.run(trainer(epochs=1, lr_schedule=lambda progress: 0.0).run())  # LR x 0 all along: nothing moves
+    frozen = asyncio.run(
+        trainer(epochs=1, lr_schedule=lambda progress: 0.0).run()
+    )  # LR x 0 all along: nothing moves
     for name, tensor in initial.items():
         assert torch.equal(frozen.state_dict[name], tensor), name
-    clipped = asyncio.run(trainer(epochs=1, max_grad_norm=1e-12).run())  # every step clipped to (almost) nothing
+    clipped = asyncio.run(
+        trainer(epochs=1, max_grad_norm=1e-12).run()
+    )  # every step clipped to (almost) nothing
     free = asyncio.run(trainer(epochs=1).run())
     for name, tensor in initial.items():
         assert torch.allclose(clipped.state_dict[name], tensor, atol=1e-9), name

@@ -28,10 +28,15 @@ def _expected(role: str, cluster: bool, gpus: int, promote: bool) -> Entry:
     return Entry.INLINE
 
 
-@pytest.mark.parametrize(("role", "cluster", "gpus", "promote"), list(itertools.product(ROLE_ENVS, (False, True), (0, 1, 2, 8), (False, True))))
+@pytest.mark.parametrize(
+    ("role", "cluster", "gpus", "promote"),
+    list(itertools.product(ROLE_ENVS, (False, True), (0, 1, 2, 8), (False, True))),
+)
 def test_the_whole_table(role: str, cluster: bool, gpus: int, promote: bool) -> None:
     env = {"PATH": "/bin", **ROLE_ENVS[role]}
-    assert decide_entry(env, cluster_given=cluster, auto_promote=promote, visible_gpus=gpus) is _expected(role, cluster, gpus, promote)
+    assert decide_entry(
+        env, cluster_given=cluster, auto_promote=promote, visible_gpus=gpus
+    ) is _expected(role, cluster, gpus, promote)
 
 
 def test_a_rank_never_re_promotes_even_with_gpus_and_a_cluster() -> None:
@@ -41,14 +46,28 @@ def test_a_rank_never_re_promotes_even_with_gpus_and_a_cluster() -> None:
 
 def test_an_inconsistent_environment_names_every_variable() -> None:
     with pytest.raises(RoleError) as info:
-        decide_entry({CONTROLLER_VAR: "x", RANK_VAR: "y"}, cluster_given=False, auto_promote=True, visible_gpus=0)
+        decide_entry(
+            {CONTROLLER_VAR: "x", RANK_VAR: "y"},
+            cluster_given=False,
+            auto_promote=True,
+            visible_gpus=0,
+        )
     for name in (CONTROLLER_VAR, AGENT_VAR, RANK_VAR, LOCAL_RANK_VAR):
         assert name in str(info.value)
 
 
 @pytest.mark.parametrize(
     ("value", "count"),
-    [("", 0), ("-1", 0), ("0", 1), ("0,2", 2), ("0, 1, 3", 3), ("1,-1,2", 1), ("GPU-abc,GPU-def", 2), ("0,,1", 1)],
+    [
+        ("", 0),
+        ("-1", 0),
+        ("0", 1),
+        ("0,2", 2),
+        ("0, 1, 3", 3),
+        ("1,-1,2", 1),
+        ("GPU-abc,GPU-def", 2),
+        ("0,,1", 1),
+    ],
 )
 def test_cuda_visible_devices_wins_over_device_nodes(value: str, count: int) -> None:
     assert count_visible_gpus({"CUDA_VISIBLE_DEVICES": value}, device_nodes=lambda: 8) == count
@@ -73,8 +92,17 @@ def test_the_rank_command_re_runs_the_program(argv: list[str], command: tuple[st
     assert resolve_rank_command(argv, "/py") == command
 
 
-@pytest.mark.parametrize(("argv", "what"), [(["python", "-c", "x"], "python -c"), (["python"], "interactive"), (["python", "-"], "standard input")])
-def test_a_program_that_cannot_be_re_executed_is_refused_with_what_to_do(argv: list[str], what: str) -> None:
+@pytest.mark.parametrize(
+    ("argv", "what"),
+    [
+        (["python", "-c", "x"], "python -c"),
+        (["python"], "interactive"),
+        (["python", "-"], "standard input"),
+    ],
+)
+def test_a_program_that_cannot_be_re_executed_is_refused_with_what_to_do(
+    argv: list[str], what: str
+) -> None:
     with pytest.raises(ConfigError) as info:
         resolve_rank_command(argv, "/py")
     text = str(info.value)
@@ -84,6 +112,10 @@ def test_a_program_that_cannot_be_re_executed_is_refused_with_what_to_do(argv: l
 
 
 def test_a_given_rank_command_wins_and_is_checked() -> None:
-    assert resolve_rank_command(["python", "-c", "x"], "/py", given=["/py", "-m", "app.rank"]) == ("/py", "-m", "app.rank")
+    assert resolve_rank_command(["python", "-c", "x"], "/py", given=["/py", "-m", "app.rank"]) == (
+        "/py",
+        "-m",
+        "app.rank",
+    )
     with pytest.raises(ConfigError, match="rank_command"):
         resolve_rank_command(["python", "t.py"], "/py", given=[])

@@ -25,7 +25,9 @@ async def test_cancelling_aclose_while_it_awaits_a_round_waiter_propagates() -> 
             raise
 
     async with asyncio.timeout(10), asyncio.TaskGroup() as tg:
-        shell = TrainingShell(run_id="r", world=lambda: (1, {}), task_group=tg, on_outcome=lambda _outcome: None)
+        shell = TrainingShell(
+            run_id="r", world=lambda: (1, {}), task_group=tg, on_outcome=lambda _outcome: None
+        )
         waiter = tg.create_task(slow_to_stop(), name="test-round-waiter")
         shell._tasks.add(waiter)
         rounds = LoopbackRounds()

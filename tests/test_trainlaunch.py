@@ -34,9 +34,17 @@ def trainer(**kw: Any) -> fa.Trainer:
 
 def test_a_cluster_file_becomes_a_local_plan_that_re_runs_this_program(tmp_path: Path) -> None:
     path = tmp_path / "c.yml"
-    path.write_text(f"controller:\n  host: 127.0.0.1\n  port: 4242\nworkers:\n  - host: {socket.gethostname()}\n    devices: cpu:3\n")
+    path.write_text(
+        f"controller:\n  host: 127.0.0.1\n  port: 4242\nworkers:\n  - host: {socket.gethostname()}\n    devices: cpu:3\n"
+    )
     t = trainer(cluster=str(path))
-    plan = launch_plan(t, cluster_of(t, {}), argv=["python", "train.py", "--lr", "1"], executable="/py", run_id="r1")
+    plan = launch_plan(
+        t,
+        cluster_of(t, {}),
+        argv=["python", "train.py", "--lr", "1"],
+        executable="/py",
+        run_id="r1",
+    )
     assert plan.command == ("/py", "train.py", "--lr", "1")
     assert plan.port == 4242
     assert plan.run_id == "r1"
@@ -46,8 +54,16 @@ def test_a_cluster_file_becomes_a_local_plan_that_re_runs_this_program(tmp_path:
 
 
 def test_rank_command_wins_and_a_program_from_dash_c_is_refused() -> None:
-    spec = ClusterSpec(controller=ControllerSpec(port=1), workers=(WorkerSpec(host=socket.gethostname(), devices=parse_devices("cpu:2")),))
-    given = launch_plan(trainer(rank_command=["/py", "-m", "app.rank"]), spec, argv=["python", "-c", "x"], executable="/py")
+    spec = ClusterSpec(
+        controller=ControllerSpec(port=1),
+        workers=(WorkerSpec(host=socket.gethostname(), devices=parse_devices("cpu:2")),),
+    )
+    given = launch_plan(
+        trainer(rank_command=["/py", "-m", "app.rank"]),
+        spec,
+        argv=["python", "-c", "x"],
+        executable="/py",
+    )
     assert given.command == ("/py", "-m", "app.rank")
     with pytest.raises(ConfigError, match="rank_command"):
         launch_plan(trainer(), spec, argv=["python", "-c", "x"], executable="/py")
@@ -56,16 +72,22 @@ def test_rank_command_wins_and_a_program_from_dash_c_is_refused() -> None:
 def test_auto_promote_spans_the_visible_gpus_and_says_so_when_it_cannot(tmp_path: Path) -> None:
     for i in range(4):
         (tmp_path / f"nvidia{i}").touch()  # a host with four GPUs, of which the mask shows two
-    spec = cluster_of(trainer(), {"CUDA_VISIBLE_DEVICES": "2,3", "FLODL_INTERNAL_DEV_DIR": str(tmp_path)})
+    spec = cluster_of(
+        trainer(), {"CUDA_VISIBLE_DEVICES": "2,3", "FLODL_INTERNAL_DEV_DIR": str(tmp_path)}
+    )
     (worker,) = spec.workers
     assert worker.devices == DeviceSpec.gpus((0, 1))
     with pytest.raises(ConfigError, match="auto-promote multi-GPU failed"):
-        cluster_of(trainer(), {"CUDA_VISIBLE_DEVICES": "0", "FLODL_INTERNAL_DEV_DIR": str(tmp_path)})
+        cluster_of(
+            trainer(), {"CUDA_VISIBLE_DEVICES": "0", "FLODL_INTERNAL_DEV_DIR": str(tmp_path)}
+        )
 
 
 def test_tunnel_workers_need_the_cpu_backend() -> None:
     worker = WorkerSpec(host="far", devices=parse_devices("cpu:1"), tunnel=True)
-    spec = ClusterSpec(controller=ControllerSpec(port=1), workers=(worker,), trainer="cpu", source="c.yml")
+    spec = ClusterSpec(
+        controller=ControllerSpec(port=1), workers=(worker,), trainer="cpu", source="c.yml"
+    )
     t = trainer(backend=fa.Backend.COLLECTIVE, policy=fa.Policy.SYNC)
     with pytest.raises(ConfigError, match="tunnel: true"):
         launch_plan(t, spec, argv=["python", "t.py"], executable="/py")
@@ -78,7 +100,14 @@ def _gate(env: dict[str, str]) -> Any:
 
     code = "import flodl_async as fa\nfa.exit_if_worker_role()\nprint('passed through')"
     base = {k: v for k, v in os.environ.items() if not k.startswith("FLODL_INTERNAL_")}
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env={**base, **env}, check=False)
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**base, **env},
+        check=False,
+    )
 
 
 def test_exit_if_worker_role_passes_through_outside_an_agent_and_runs_the_agent_inside() -> None:
@@ -86,7 +115,9 @@ def test_exit_if_worker_role_passes_through_outside_an_agent_and_runs_the_agent_
     bad = _gate({"FLODL_INTERNAL_AGENT_SPEC": "not json"})
     assert bad.returncode == 2
     assert "JSON list" in bad.stderr
-    agent = _gate({"FLODL_INTERNAL_AGENT_SPEC": '["--help"]'})  # the agent ran (its --help) and the script never went on
+    agent = _gate(
+        {"FLODL_INTERNAL_AGENT_SPEC": '["--help"]'}
+    )  # the agent ran (its --help) and the script never went on
     assert "flodl-agent" in agent.stdout
     assert "passed through" not in agent.stdout
 
@@ -110,8 +141,12 @@ def test_the_launcher_takes_a_stop_signal_only_where_the_application_has_not() -
         assert taken[0] is signal.SIGINT
         signal.raise_signal(signal.SIGTERM)
         signal.raise_signal(signal.SIGINT)
-        loop.run_until_complete(asyncio.wait_for(both.wait(), timeout=10))  # delivered through the loop's self-pipe
-        assert sorted(map(str, got)) == sorted(["the application's graceful stop", str(signal.SIGINT)])
+        loop.run_until_complete(
+            asyncio.wait_for(both.wait(), timeout=10)
+        )  # delivered through the loop's self-pipe
+        assert sorted(map(str, got)) == sorted(
+            ["the application's graceful stop", str(signal.SIGINT)]
+        )
         loop.remove_signal_handler(signal.SIGINT)
         signal.signal(signal.SIGINT, taken[1])
         assert signal.getsignal(signal.SIGINT) is taken[1]

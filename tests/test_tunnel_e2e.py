@@ -27,11 +27,27 @@ TCP_LISTEN = "0A"
 LOOPBACK_HEX = "0100007F"
 
 
-def _tunnel_cluster(tmp_path: Path, kit: HostKit, hosts: Sequence[tuple[NsHost, str]], *, port: int, direct: Sequence[NsHost] = ()) -> Path:
+def _tunnel_cluster(
+    tmp_path: Path,
+    kit: HostKit,
+    hosts: Sequence[tuple[NsHost, str]],
+    *,
+    port: int,
+    direct: Sequence[NsHost] = (),
+) -> Path:
     """Every host tunnels, but those in ``direct``."""
-    lines = ["trainer: cpu", f"controller: {{port: {port}, join: {{join_timeout: 60}}}}", "workers:"]
+    lines = [
+        "trainer: cpu",
+        f"controller: {{port: {port}, join: {{join_timeout: 60}}}}",
+        "workers:",
+    ]
     for host, devices in hosts:
-        ssh = {"target": host.addr, "user": "root", "identity_file": str(kit.user_key), "known_hosts": str(kit.known_hosts)}
+        ssh = {
+            "target": host.addr,
+            "user": "root",
+            "identity_file": str(kit.user_key),
+            "known_hosts": str(kit.known_hosts),
+        }
         lines += [
             f"  - host: {host.name}",
             f"    devices: {devices}",
@@ -66,16 +82,26 @@ def _dial_from(host: NsHost, address: str, port: int) -> str:
         "except OSError as exc:\n"
         "    print(type(exc).__name__)\n"
     )
-    done = subprocess.run(["ip", "netns", "exec", host.ns, sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, check=True)
+    done = subprocess.run(
+        ["ip", "netns", "exec", host.ns, sys.executable, "-c", probe],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
     return done.stdout.strip()
 
 
-def test_tunnel_hosts_join_a_loopback_only_controller_and_run(hostkit: HostKit, tmp_path: Path) -> None:
+def test_tunnel_hosts_join_a_loopback_only_controller_and_run(
+    hostkit: HostKit, tmp_path: Path
+) -> None:
     h1, h2 = hostkit.hosts[:2]
     port = free_port()
     cluster = _tunnel_cluster(tmp_path, hostkit, [(h1, "cpu:2"), (h2, "cpu:1")], port=port)
     release = tmp_path / "release"
-    launcher = Launcher(str(cluster), "--", PY, script("wait_for_file.py"), str(release), run_id=new_run_id())
+    launcher = Launcher(
+        str(cluster), "--", PY, script("wait_for_file.py"), str(release), run_id=new_run_id()
+    )
     try:
         launcher.wait_for_stdout("ready pid", count=3, timeout=120)
         # The controller's one port listens on loopback only ...
@@ -92,15 +118,21 @@ def test_tunnel_hosts_join_a_loopback_only_controller_and_run(hostkit: HostKit, 
     assert_nothing_left(launcher.run_id)
 
 
-def test_tunnel_hosts_get_the_env_contract_through_their_relay(hostkit: HostKit, tmp_path: Path) -> None:
+def test_tunnel_hosts_get_the_env_contract_through_their_relay(
+    hostkit: HostKit, tmp_path: Path
+) -> None:
     h1, h2 = hostkit.hosts[:2]
     cluster = _tunnel_cluster(tmp_path, hostkit, [(h1, "cpu:1"), (h2, "cpu:2")], port=free_port())
     out_dir = tmp_path / "envs"
     out_dir.mkdir()
     run_id = new_run_id()
-    done = run_launch(str(cluster), "--", PY, script("dump_env.py"), str(out_dir), run_id=run_id, timeout=180)
+    done = run_launch(
+        str(cluster), "--", PY, script("dump_env.py"), str(out_dir), run_id=run_id, timeout=180
+    )
     assert done.returncode == 0, done.stderr
-    seen = {int(p.stem.split("-")[1]): json.loads(p.read_text()) for p in out_dir.glob("env-*.json")}
+    seen = {
+        int(p.stem.split("-")[1]): json.loads(p.read_text()) for p in out_dir.glob("env-*.json")
+    }
     assert sorted(seen) == [0, 1, 2]
     assert {e["WORLD_SIZE"] for e in seen.values()} == {"3"}
     assert {e["GROUP_RANK"] for e in seen.values()} == {"0", "1"}  # both hosts joined
@@ -110,14 +142,18 @@ def test_tunnel_hosts_get_the_env_contract_through_their_relay(hostkit: HostKit,
     # The store rides the controller's port as each host reaches it: a tunnelled host on its own
     # loopback, at its tunnel's port (one per host, each ssh session forwarding its own).
     assert {e["MASTER_ADDR"] for e in seen.values()} == {"127.0.0.1"}
-    ports = {g: {e["MASTER_PORT"] for e in seen.values() if e["GROUP_RANK"] == g} for g in ("0", "1")}
+    ports = {
+        g: {e["MASTER_PORT"] for e in seen.values() if e["GROUP_RANK"] == g} for g in ("0", "1")
+    }
     assert all(len(p) == 1 for p in ports.values()), ports
     assert "Traceback" not in done.stderr
     assert hostkit.leftovers() == {}
     assert_nothing_left(run_id)
 
 
-def test_ranks_say_hello_and_heartbeat_to_the_controller_through_relay_and_tunnel(hostkit: HostKit, tmp_path: Path) -> None:
+def test_ranks_say_hello_and_heartbeat_to_the_controller_through_relay_and_tunnel(
+    hostkit: HostKit, tmp_path: Path
+) -> None:
     h1, h2 = hostkit.hosts[:2]
     cluster = _tunnel_cluster(tmp_path, hostkit, [(h1, "cpu:2"), (h2, "cpu:1")], port=free_port())
     run_id = new_run_id()
@@ -129,16 +165,24 @@ def test_ranks_say_hello_and_heartbeat_to_the_controller_through_relay_and_tunne
     assert_nothing_left(run_id)
 
 
-def test_a_tunnel_host_and_a_direct_host_share_a_wildcard_bound_controller(hostkit: HostKit, tmp_path: Path) -> None:
+def test_a_tunnel_host_and_a_direct_host_share_a_wildcard_bound_controller(
+    hostkit: HostKit, tmp_path: Path
+) -> None:
     h1, h2 = hostkit.hosts[:2]
     port = free_port()
-    cluster = _tunnel_cluster(tmp_path, hostkit, [(h1, "cpu:1"), (h2, "cpu:1")], port=port, direct=[h2])
+    cluster = _tunnel_cluster(
+        tmp_path, hostkit, [(h1, "cpu:1"), (h2, "cpu:1")], port=port, direct=[h2]
+    )
     out_dir = tmp_path / "envs"
     out_dir.mkdir()
     run_id = new_run_id()
-    done = run_launch(str(cluster), "--", PY, script("dump_env.py"), str(out_dir), run_id=run_id, timeout=180)
+    done = run_launch(
+        str(cluster), "--", PY, script("dump_env.py"), str(out_dir), run_id=run_id, timeout=180
+    )
     assert done.returncode == 0, done.stderr
-    by_group = {e["GROUP_RANK"]: e for e in (json.loads(p.read_text()) for p in out_dir.glob("env-*.json"))}
+    by_group = {
+        e["GROUP_RANK"]: e for e in (json.loads(p.read_text()) for p in out_dir.glob("env-*.json"))
+    }
     assert sorted(by_group) == ["0", "1"]
     # h1 came in on its loopback (the tunnel's end), h2 on its bridge interface.
     assert sorted(e["GLOO_SOCKET_IFNAME"] for e in by_group.values()) == ["eth0", "lo"]
@@ -152,9 +196,14 @@ def test_an_sshd_that_refuses_forwarding_is_named_with_what_to_do(tmp_path: Path
     try:
         cluster = _tunnel_cluster(tmp_path, kit, [(kit.hosts[0], "cpu:1")], port=free_port())
         run_id = new_run_id()
-        done = run_launch(str(cluster), "--", PY, script("dump_env.py"), str(tmp_path), run_id=run_id, timeout=180)
+        done = run_launch(
+            str(cluster), "--", PY, script("dump_env.py"), str(tmp_path), run_id=run_id, timeout=180
+        )
         assert done.returncode == 3, done.stderr
-        assert f"sshd on {kit.hosts[0].addr}:22 refused the tunnel's remote port forward" in done.stderr
+        assert (
+            f"sshd on {kit.hosts[0].addr}:22 refused the tunnel's remote port forward"
+            in done.stderr
+        )
         assert "AllowTcpForwarding" in done.stderr
         assert "Traceback" not in done.stderr
         assert kit.leftovers() == {}

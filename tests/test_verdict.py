@@ -76,7 +76,10 @@ def test_stop_schedule_sigint_then_term_halfway_then_kill_at_the_grace() -> None
 
 
 def test_stop_schedule_starting_with_term_has_no_second_term() -> None:
-    assert stop_schedule(signal.SIGTERM, 4.0) == (StopStep(after=0.0, signal=signal.SIGTERM), StopStep(after=4.0, signal=signal.SIGKILL))
+    assert stop_schedule(signal.SIGTERM, 4.0) == (
+        StopStep(after=0.0, signal=signal.SIGTERM),
+        StopStep(after=4.0, signal=signal.SIGKILL),
+    )
 
 
 @pytest.mark.parametrize("grace", [0.0, -1.0])
@@ -86,7 +89,14 @@ def test_no_grace_is_kill_now(grace: float) -> None:
 
 @pytest.mark.parametrize(
     ("ranks", "text"),
-    [((), ""), ((0,), "0"), (range(100), "0-99"), ((7, 0, 1, 2, 3), "0-3,7"), ((1, 3, 5), "1,3,5"), ((4, 4, 5), "4-5")],
+    [
+        ((), ""),
+        ((0,), "0"),
+        (range(100), "0-99"),
+        ((7, 0, 1, 2, 3), "0-3,7"),
+        ((1, 3, 5), "1,3,5"),
+        ((4, 4, 5), "4-5"),
+    ],
 )
 def test_rank_lists_are_compressed(ranks: tuple[int, ...], text: str) -> None:
     assert rank_ranges(ranks) == text
@@ -102,8 +112,18 @@ def test_restarts_are_counted_in_words() -> None:
 
 
 def test_a_console_that_showed_the_rank_gets_the_short_details() -> None:
-    result = RunResult(exit_code=ExitCode.RANK_FAILURE, reason="r", details="long", rank=3, details_if_shown="short")
+    result = RunResult(
+        exit_code=ExitCode.RANK_FAILURE,
+        reason="r",
+        details="long",
+        rank=3,
+        details_if_shown="short",
+    )
     assert result.details_for(None) == "short"
     assert result.details_for(frozenset({3})) == "short"
-    assert result.details_for(frozenset({0})) == "long"  # --local-ranks-filter hid rank 3: the whole traceback
-    assert RunResult(exit_code=ExitCode.USAGE, reason="r", details="only").details_for(None) == "only"
+    assert (
+        result.details_for(frozenset({0})) == "long"
+    )  # --local-ranks-filter hid rank 3: the whole traceback
+    assert (
+        RunResult(exit_code=ExitCode.USAGE, reason="r", details="only").details_for(None) == "only"
+    )

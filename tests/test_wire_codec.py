@@ -18,7 +18,15 @@ from flodl_async.errors import (
     VersionMismatch,
     WireError,
 )
-from flodl_async.wire import CLOSED, NEED_DATA, Channel, Direction, FrameConnection, Side, new_session_secret
+from flodl_async.wire import (
+    CLOSED,
+    NEED_DATA,
+    Channel,
+    Direction,
+    FrameConnection,
+    Side,
+    new_session_secret,
+)
 from flodl_async.wire import messages as m
 from flodl_async.wire.frame import HEADER, HEADER_LEN, TAG_LEN, Frame, FrameLimits
 from flodl_async.wire.handshake import PROTOCOL_VERSION
@@ -26,7 +34,15 @@ from flodl_async.wire.legality import LEGAL_KINDS
 from flodl_async.wire.schema import Message, pack_message
 
 from .trainerwire import CONTROL_DOWN, CONTROL_UP
-from .wirekit import WHOLE_AND_BYTEWISE, LinkPair, codec_pair, feed, handshake_keys, sealed, sender_and_receiver
+from .wirekit import (
+    WHOLE_AND_BYTEWISE,
+    LinkPair,
+    codec_pair,
+    feed,
+    handshake_keys,
+    sealed,
+    sender_and_receiver,
+)
 
 UP, DOWN = Direction.TO_CONTROLLER, Direction.FROM_CONTROLLER
 
@@ -34,19 +50,40 @@ UP, DOWN = Direction.TO_CONTROLLER, Direction.FROM_CONTROLLER
 SAMPLES: dict[tuple[Channel, Direction], list[Message]] = {
     (Channel.JOIN, UP): [
         m.JoinHello(host="node-a", devices=("cpu:0", "cpu:1"), pid=42, agent_version="0.1"),
-        m.RankExited(round=0, rank=3, local_rank=1, host="b", exit_code=None, signal=9, stderr_tail=("boom",)),
+        m.RankExited(
+            round=0, rank=3, local_rank=1, host="b", exit_code=None, signal=9, stderr_tail=("boom",)
+        ),
         m.RankOutput(attempt=1, rank=3, stream="out", data=b" 10%|#\r 20%|##"),
         m.RanksStopped(round=2),
         m.RankStats(
             round=1,
-            ranks=(m.RankActivity(rank=3, pid=99, uptime_s=12.0, state="S", cpu_percent=0.5, last_line="epoch 1", output_age_s=3.5, quiet_s=3.5),),
+            ranks=(
+                m.RankActivity(
+                    rank=3,
+                    pid=99,
+                    uptime_s=12.0,
+                    state="S",
+                    cpu_percent=0.5,
+                    last_line="epoch 1",
+                    output_age_s=3.5,
+                    quiet_s=3.5,
+                ),
+            ),
         ),
         m.Heartbeat(sent_at=12.5, rank=1),
     ],
     (Channel.JOIN, DOWN): [
         m.JoinAccept(ranks=(0, 1), run_id="r", formation_wait_s=30.0),
         m.JoinReject(reason="duplicate host"),
-        m.WorldFormed(world_size=4, ranks=(2, 3), group_rank=1, group_world_size=2, store_host=False, command=("python", "t.py"), env={"A": "1"}),
+        m.WorldFormed(
+            world_size=4,
+            ranks=(2, 3),
+            group_rank=1,
+            group_world_size=2,
+            store_host=False,
+            command=("python", "t.py"),
+            env={"A": "1"},
+        ),
         m.OpenRound(round=1),
         m.StartRanks(round=0, restart_count=0, master_addr="10.0.0.1", master_port=29500),
         m.StopRanks(round=0, reason="restart", grace_s=1.0),
@@ -54,9 +91,20 @@ SAMPLES: dict[tuple[Channel, Direction], list[Message]] = {
         m.Finish(),
         m.Heartbeat(sent_at=12.5),
     ],
-    (Channel.RENDEZVOUS, UP): [m.RendezvousHello(host="node-a"), m.StoreAddress(round=1, host="10.0.0.1", port=40000)],
-    (Channel.CONTROL, UP): [m.RankHello(rank=1, local_rank=1, world_size=2, pid=7), m.Heartbeat(sent_at=1.0, rank=1), *CONTROL_UP],
-    (Channel.CONTROL, DOWN): [m.RankWelcome(rank=1, run_id="r"), m.Heartbeat(sent_at=1.0, rank=1), *CONTROL_DOWN],
+    (Channel.RENDEZVOUS, UP): [
+        m.RendezvousHello(host="node-a"),
+        m.StoreAddress(round=1, host="10.0.0.1", port=40000),
+    ],
+    (Channel.CONTROL, UP): [
+        m.RankHello(rank=1, local_rank=1, world_size=2, pid=7),
+        m.Heartbeat(sent_at=1.0, rank=1),
+        *CONTROL_UP,
+    ],
+    (Channel.CONTROL, DOWN): [
+        m.RankWelcome(rank=1, run_id="r"),
+        m.Heartbeat(sent_at=1.0, rank=1),
+        *CONTROL_DOWN,
+    ],
 }
 
 
@@ -67,9 +115,13 @@ def test_the_samples_cover_the_kind_table() -> None:
             assert covered.get(route, set()) == kinds, route
 
 
-@pytest.mark.parametrize("route", list(SAMPLES), ids=lambda route: f"{route[0].value}-{route[1].value}")
+@pytest.mark.parametrize(
+    "route", list(SAMPLES), ids=lambda route: f"{route[0].value}-{route[1].value}"
+)
 @WHOLE_AND_BYTEWISE
-def test_every_sample_round_trips_in_one_stream(keys: LinkPair, route: tuple[Channel, Direction], chunk: int | None) -> None:
+def test_every_sample_round_trips_in_one_stream(
+    keys: LinkPair, route: tuple[Channel, Direction], chunk: int | None
+) -> None:
     sender, receiver = sender_and_receiver(keys, *route)
     samples = SAMPLES[route]
     stream = b"".join(sender.send(msg) for msg in samples)
@@ -238,7 +290,9 @@ def test_reserved_flags_have_their_own_error(keys: LinkPair, chunk: int | None) 
 @pytest.mark.parametrize("cut", [1, HEADER_LEN, HEADER_LEN + 3, -TAG_LEN, -1])
 def test_eof_mid_frame_is_truncated(keys: LinkPair, cut: int) -> None:
     peer, controller = codec_pair(keys, channel=Channel.JOIN)
-    data = peer.send(m.RankExited(round=0, rank=1, local_rank=1, host="node-a"))  # a body longer than 3 bytes
+    data = peer.send(
+        m.RankExited(round=0, rank=1, local_rank=1, host="node-a")
+    )  # a body longer than 3 bytes
     controller.receive_data(data[:cut])
     assert controller.next_frame() is NEED_DATA
     controller.receive_data(b"")
@@ -324,7 +378,10 @@ def test_a_tensor_bundle_does_not_decode_on_the_join_channel(keys: LinkPair) -> 
     bundle = m.TensorBundle(round=0, weight=1.0, tensors=())
     _, controller = codec_pair(keys, channel=Channel.JOIN)
     controller.receive_data(sealed(keys, bundle.KIND, pack_message(bundle)))
-    with pytest.raises(IllegalKind, match=r"join channel: the peer sent TensorBundle \(0x0302\), which is not legal"):
+    with pytest.raises(
+        IllegalKind,
+        match=r"join channel: the peer sent TensorBundle \(0x0302\), which is not legal",
+    ):
         controller.frames()
     assert issubclass(IllegalKind, WireError)
 
@@ -350,16 +407,22 @@ def test_the_tag_is_checked_before_the_kind(keys: LinkPair) -> None:
 
 def test_the_kind_is_checked_before_the_body(keys: LinkPair) -> None:
     _, controller = codec_pair(keys, channel=Channel.CONTROL)
-    controller.receive_data(sealed(keys, m.Abort.KIND, b"\xc1"))  # not msgpack: the kind is refused first
+    controller.receive_data(
+        sealed(keys, m.Abort.KIND, b"\xc1")
+    )  # not msgpack: the kind is refused first
     with pytest.raises(IllegalKind):
         controller.next_frame()
 
 
-def test_sending_an_illegal_kind_is_a_type_error_and_takes_no_sequence_number(keys: LinkPair) -> None:
+def test_sending_an_illegal_kind_is_a_type_error_and_takes_no_sequence_number(
+    keys: LinkPair,
+) -> None:
     peer, controller = codec_pair(keys, channel=Channel.JOIN)
     with pytest.raises(TypeError, match="Abort may not be sent by the peer on the join channel"):
         peer.send(m.Abort(reason="x"))
-    with pytest.raises(TypeError, match="TensorBundle may not be sent by the peer on the join channel"):
+    with pytest.raises(
+        TypeError, match="TensorBundle may not be sent by the peer on the join channel"
+    ):
         peer.send_parts(m.TensorBundle(round=0, weight=1.0, tensors=()), [])
     [frame] = feed(controller, peer.send(m.RanksStopped(round=1)))
     assert frame.seq == 0

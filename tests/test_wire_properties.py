@@ -10,7 +10,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from flodl_async.errors import FrameTooLarge, IllegalKind, WireError
-from flodl_async.wire import Channel, Direction, FrameConnection, Side, new_session_secret, registered_kinds
+from flodl_async.wire import (
+    Channel,
+    Direction,
+    FrameConnection,
+    Side,
+    new_session_secret,
+    registered_kinds,
+)
 from flodl_async.wire import frame as frame_module
 from flodl_async.wire import messages as m
 from flodl_async.wire.frame import HEADER, FrameLimits
@@ -55,7 +62,9 @@ def _message_strategy(cls: type[Message]) -> st.SearchStrategy[Message]:
     return st.builds(cls, **fields)
 
 
-any_message = st.sampled_from(sorted(registered_kinds().items())).flatmap(lambda item: _message_strategy(item[1]))
+any_message = st.sampled_from(sorted(registered_kinds().items())).flatmap(
+    lambda item: _message_strategy(item[1])
+)
 
 Route = tuple[Channel, Direction]
 #: Every (channel, direction) of the kind table, and those that carry at least one kind.
@@ -64,13 +73,17 @@ SPOKEN_ROUTES = [route for route in ROUTES if LEGAL_KINDS[route]]
 
 
 def _legal_message(route: Route) -> st.SearchStrategy[Message]:
-    return st.sampled_from(sorted(LEGAL_KINDS[route], key=lambda cls: cls.KIND)).flatmap(_message_strategy)
+    return st.sampled_from(sorted(LEGAL_KINDS[route], key=lambda cls: cls.KIND)).flatmap(
+        _message_strategy
+    )
 
 
 def _routed(min_size: int = 1, max_size: int = 5) -> st.SearchStrategy[tuple[Route, list[Message]]]:
     """A route and messages legal on it (what a correct sender may put on one connection)."""
     return st.sampled_from(SPOKEN_ROUTES).flatmap(
-        lambda route: st.tuples(st.just(route), st.lists(_legal_message(route), min_size=min_size, max_size=max_size))
+        lambda route: st.tuples(
+            st.just(route), st.lists(_legal_message(route), min_size=min_size, max_size=max_size)
+        )
     )
 
 
@@ -80,7 +93,9 @@ def _route_id(route: Route) -> str:
 
 @SETTINGS
 @given(routed=_routed(), cuts=st.lists(st.integers(min_value=0, max_value=10_000), max_size=6))
-def test_every_message_type_round_trips_under_any_split(routed: tuple[Route, list[Message]], cuts: list[int]) -> None:
+def test_every_message_type_round_trips_under_any_split(
+    routed: tuple[Route, list[Message]], cuts: list[int]
+) -> None:
     route, msgs = routed
     sender, receiver = sender_and_receiver(KEYS, *route)
     stream = b"".join(sender.send(msg) for msg in msgs)
@@ -89,10 +104,14 @@ def test_every_message_type_round_trips_under_any_split(routed: tuple[Route, lis
 
 
 @pytest.mark.parametrize("route", ROUTES, ids=_route_id)
-@pytest.mark.parametrize("cls", [cls for _kind, cls in sorted(registered_kinds().items())], ids=lambda cls: cls.__name__)
+@pytest.mark.parametrize(
+    "cls", [cls for _kind, cls in sorted(registered_kinds().items())], ids=lambda cls: cls.__name__
+)
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
-def test_the_kind_table_is_enforced_on_every_channel_and_side(route: Route, cls: type[Message], data: st.DataObject) -> None:
+def test_the_kind_table_is_enforced_on_every_channel_and_side(
+    route: Route, cls: type[Message], data: st.DataObject
+) -> None:
     """In the table: it round-trips. Not in it: the sender refuses it, and a forged frame is refused after its tag.
 
     Every (route, kind) pair is a case of its own, so none is left to chance; Hypothesis varies the contents.
@@ -156,11 +175,15 @@ def test_flipping_any_bit_is_rejected(routed: tuple[Route, list[Message]], bit: 
 
 @SETTINGS
 @given(routed=_routed(min_size=2, max_size=4), data=st.data())
-def test_replayed_or_reordered_frames_are_rejected(routed: tuple[Route, list[Message]], data: st.DataObject) -> None:
+def test_replayed_or_reordered_frames_are_rejected(
+    routed: tuple[Route, list[Message]], data: st.DataObject
+) -> None:
     route, msgs = routed
     sender, receiver = sender_and_receiver(KEYS, *route)
     frames = [sender.send(msg) for msg in msgs]
-    order = data.draw(st.permutations(range(len(frames))).filter(lambda p: list(p) != sorted(p)) | st.just([0, 0]))
+    order = data.draw(
+        st.permutations(range(len(frames))).filter(lambda p: list(p) != sorted(p)) | st.just([0, 0])
+    )
     try:
         for index in order:
             receiver.receive_data(frames[index])
@@ -172,15 +195,24 @@ def test_replayed_or_reordered_frames_are_rejected(routed: tuple[Route, list[Mes
 
 @SETTINGS
 @given(channels=st.permutations(list(Channel)[:4]), data=st.data())
-def test_cross_channel_and_reflected_frames_are_rejected(channels: list[Channel], data: st.DataObject) -> None:
+def test_cross_channel_and_reflected_frames_are_rejected(
+    channels: list[Channel], data: st.DataObject
+) -> None:
     msg = data.draw(_legal_message((channels[0], Direction.TO_CONTROLLER)))
     # One secret: the keys of each channel's connection come from that connection's own handshake.
     here, there = handshake_keys(SECRET, channels[0]), handshake_keys(SECRET, channels[1])
-    sender = FrameConnection(channel=channels[0], side=Side.PEER, keys=here.peer, limits=FrameLimits(max_body=1 << 20, max_payload=0))
+    sender = FrameConnection(
+        channel=channels[0],
+        side=Side.PEER,
+        keys=here.peer,
+        limits=FrameLimits(max_body=1 << 20, max_payload=0),
+    )
     wire = sender.send(msg)
     for receiver in (
         FrameConnection(channel=channels[1], side=Side.CONTROLLER, keys=there.controller),
-        FrameConnection(channel=channels[0], side=Side.PEER, keys=here.peer),  # reflected back at a peer
+        FrameConnection(
+            channel=channels[0], side=Side.PEER, keys=here.peer
+        ),  # reflected back at a peer
     ):
         receiver.receive_data(wire)
         try:
@@ -191,9 +223,17 @@ def test_cross_channel_and_reflected_frames_are_rejected(channels: list[Channel]
 
 
 @SETTINGS
-@given(body_len=st.integers(min_value=1025, max_value=2**32 - 1), payload_len=st.integers(min_value=0, max_value=2**64 - 1))
+@given(
+    body_len=st.integers(min_value=1025, max_value=2**32 - 1),
+    payload_len=st.integers(min_value=0, max_value=2**64 - 1),
+)
 def test_oversized_length_rejected_before_the_body(body_len: int, payload_len: int) -> None:
-    controller = FrameConnection(channel=Channel.DATA, side=Side.CONTROLLER, keys=KEYS.controller, limits=FrameLimits(max_body=1024, max_payload=4096))
+    controller = FrameConnection(
+        channel=Channel.DATA,
+        side=Side.CONTROLLER,
+        keys=KEYS.controller,
+        limits=FrameLimits(max_body=1024, max_payload=4096),
+    )
     controller.receive_data(HEADER.pack(PROTOCOL_VERSION, 0, 0x0401, 0, body_len, payload_len))
     try:
         controller.next_frame()
@@ -216,7 +256,9 @@ def _recording_nonces() -> tuple[list[bytes], typing.Callable[[int, int], bytes]
 
 @SETTINGS
 @given(
-    frames=st.lists(st.lists(st.binary(max_size=300), max_size=4), min_size=1, max_size=8),  # each frame's payload parts (tensors)
+    frames=st.lists(
+        st.lists(st.binary(max_size=300), max_size=4), min_size=1, max_size=8
+    ),  # each frame's payload parts (tensors)
     chunk=st.integers(min_value=1, max_value=200),
 )
 def test_a_gcm_nonce_never_repeats_under_one_key(frames: list[list[bytes]], chunk: int) -> None:
@@ -224,11 +266,23 @@ def test_a_gcm_nonce_never_repeats_under_one_key(frames: list[list[bytes]], chun
     made, recording = _recording_nonces()
     keys = handshake_keys(SECRET, Channel.DATA)
     limits = FrameLimits(max_payload=1 << 16)
-    sender = FrameConnection(channel=Channel.DATA, side=Side.PEER, keys=keys.peer, limits=limits, seal_chunk=chunk)
-    receiver = FrameConnection(channel=Channel.DATA, side=Side.CONTROLLER, keys=keys.controller, limits=limits, seal_chunk=chunk)
+    sender = FrameConnection(
+        channel=Channel.DATA, side=Side.PEER, keys=keys.peer, limits=limits, seal_chunk=chunk
+    )
+    receiver = FrameConnection(
+        channel=Channel.DATA,
+        side=Side.CONTROLLER,
+        keys=keys.controller,
+        limits=limits,
+        seal_chunk=chunk,
+    )
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(frame_module, "seal_nonce", recording)
-        stream = b"".join(bytes(piece) for parts in frames for piece in sender.send_parts(m.TensorBundle(round=0, weight=1.0, tensors=()), parts))
+        stream = b"".join(
+            bytes(piece)
+            for parts in frames
+            for piece in sender.send_parts(m.TensorBundle(round=0, weight=1.0, tensors=()), parts)
+        )
         sent = list(made)
         received = feed(receiver, stream)
     assert [bytes(f.payload or b"") for f in received] == [b"".join(parts) for parts in frames]
@@ -237,7 +291,9 @@ def test_a_gcm_nonce_never_repeats_under_one_key(frames: list[list[bytes]], chun
 
 
 @SETTINGS
-@given(msgs=st.lists(_legal_message((Channel.JOIN, Direction.FROM_CONTROLLER)), min_size=1, max_size=8))
+@given(
+    msgs=st.lists(_legal_message((Channel.JOIN, Direction.FROM_CONTROLLER)), min_size=1, max_size=8)
+)
 def test_sealed_body_nonces_never_repeat_either(msgs: list[Message]) -> None:
     made, recording = _recording_nonces()
     sender, receiver = sender_and_receiver(KEYS, Channel.JOIN, Direction.FROM_CONTROLLER)
@@ -251,7 +307,9 @@ def test_sealed_body_nonces_never_repeat_either(msgs: list[Message]) -> None:
 
 @SETTINGS
 @given(routed=_routed(), chunk=st.integers(min_value=1, max_value=64))
-def test_sealed_bodies_round_trip_and_hide_their_contents(routed: tuple[Route, list[Message]], chunk: int) -> None:
+def test_sealed_bodies_round_trip_and_hide_their_contents(
+    routed: tuple[Route, list[Message]], chunk: int
+) -> None:
     route, msgs = routed
     sender, receiver = sender_and_receiver(KEYS, *route)
     for msg in msgs:

@@ -52,7 +52,9 @@ def test_tensor_bundles_travel_both_ways_on_the_data_channel_only(keys: LinkPair
     peer, controller = codec_pair(keys, channel=Channel.DATA)
     average = torch.ones(4)  # held until its bytes are written: payload views do not keep it alive
     bundle, parts = pack_tensors({"avg": average}, round=1)
-    [down] = feed(peer, b"".join(bytes(p) for p in controller.send_parts(bundle, parts)))  # a reduced result comes back
+    [down] = feed(
+        peer, b"".join(bytes(p) for p in controller.send_parts(bundle, parts))
+    )  # a reduced result comes back
     assert isinstance(down.message, m.TensorBundle)
     assert torch.equal(unpack_tensors(down.message, down.payload)["avg"], average)
     with pytest.raises(TypeError, match="Heartbeat may not be sent"):
@@ -69,9 +71,15 @@ def test_tensor_over_the_ceiling_refused(keys: LinkPair) -> None:
 @pytest.mark.parametrize(
     ("spec", "match"),
     [
-        (m.TensorSpec(name="x", dtype="complex64", shape=(1,), offset=0, nbytes=8), "unknown dtype"),
+        (
+            m.TensorSpec(name="x", dtype="complex64", shape=(1,), offset=0, nbytes=8),
+            "unknown dtype",
+        ),
         (m.TensorSpec(name="x", dtype="float32", shape=(3,), offset=0, nbytes=8), "is not 8 bytes"),
-        (m.TensorSpec(name="x", dtype="float32", shape=(4,), offset=8, nbytes=16), "outside the payload"),
+        (
+            m.TensorSpec(name="x", dtype="float32", shape=(4,), offset=8, nbytes=16),
+            "outside the payload",
+        ),
         (m.TensorSpec(name="x", dtype="float32", shape=(-1,), offset=0, nbytes=4), "negative"),
     ],
 )
@@ -89,14 +97,23 @@ def test_model_derived_ceiling() -> None:
 def test_buffered_receive_path_writes_payloads_in_place(keys: LinkPair, chunk: int) -> None:
     """The BufferedProtocol shape: get_buffer/buffer_updated, including straight-into-payload writes."""
     peer, controller = codec_pair(keys, channel=Channel.DATA)
-    tensors = {"a": torch.arange(50_000, dtype=torch.float32), "b": torch.ones(3, dtype=torch.int64)}
+    tensors = {
+        "a": torch.arange(50_000, dtype=torch.float32),
+        "b": torch.ones(3, dtype=torch.int64),
+    }
     wire = b""
     for i in range(3):
         bundle, parts = pack_tensors(tensors, round=i)
         wire += b"".join(bytes(p) for p in peer.send_parts(bundle, parts))
-    wire += peer.send(m.TensorBundle(round=3, weight=0.0, tensors=()))  # a payload-less frame after payload ones
+    wire += peer.send(
+        m.TensorBundle(round=3, weight=0.0, tensors=())
+    )  # a payload-less frame after payload ones
     frames = feed_buffered(controller, wire, chunk=chunk)
-    assert [(f.message.round, f.payload is None) for f in frames if isinstance(f.message, m.TensorBundle)] == [(0, False), (1, False), (2, False), (3, True)]
+    assert [
+        (f.message.round, f.payload is None)
+        for f in frames
+        if isinstance(f.message, m.TensorBundle)
+    ] == [(0, False), (1, False), (2, False), (3, True)]
     for frame in frames[:3]:
         assert isinstance(frame.message, m.TensorBundle)
         out = unpack_tensors(frame.message, frame.payload)

@@ -70,7 +70,17 @@ def schema_wire() -> m.ModelSchemaWire:
 def epoch_metrics_wire() -> m.EpochMetricsWire:
     """One aggregated epoch of two ranks."""
     per_rank = tuple(
-        m.RankEpochStatsWire(rank=r, batches=4, samples=32, avg_loss=0.5, throughput=100.0, batch_share=0.5, compute_ms=30.0, data_ms=10.0, alive=True)
+        m.RankEpochStatsWire(
+            rank=r,
+            batches=4,
+            samples=32,
+            avg_loss=0.5,
+            throughput=100.0,
+            batch_share=0.5,
+            compute_ms=30.0,
+            data_ms=10.0,
+            alive=True,
+        )
         for r in (0, 1)
     )
     return m.EpochMetricsWire(
@@ -89,7 +99,14 @@ def epoch_metrics_wire() -> m.EpochMetricsWire:
 
 
 CONTROL_UP: list[m.Message] = [
-    m.TrainerHello(rank=1, spec=spec_wire(), digest="ab" * 32, model=schema_wire(), model_bytes=36, device="cpu"),
+    m.TrainerHello(
+        rank=1,
+        spec=spec_wire(),
+        digest="ab" * 32,
+        model=schema_wire(),
+        model_bytes=36,
+        device="cpu",
+    ),
     m.WindowDone(
         rank=1,
         round=3,

@@ -16,7 +16,17 @@ from dataclasses import dataclass
 
 import pytest
 
-from flodl_async.wire import CHANNEL_MAGIC, Channel, ClientHandshake, Credential, Direction, FrameConnection, LinkKeys, ServerHandshake, Side
+from flodl_async.wire import (
+    CHANNEL_MAGIC,
+    Channel,
+    ClientHandshake,
+    Credential,
+    Direction,
+    FrameConnection,
+    LinkKeys,
+    ServerHandshake,
+    Side,
+)
 from flodl_async.wire.frame import HEADER, Frame, FrameLimits, Pending
 from flodl_async.wire.handshake import PROTOCOL_VERSION, session_resolver
 
@@ -33,13 +43,19 @@ class LinkPair:
 
     def mac_key(self, direction: Direction) -> bytes:
         """The HMAC key of frames travelling ``direction``."""
-        return self.peer.send_mac if direction is Direction.TO_CONTROLLER else self.controller.send_mac
+        return (
+            self.peer.send_mac if direction is Direction.TO_CONTROLLER else self.controller.send_mac
+        )
 
 
-def handshake_keys(secret: bytes, channel: Channel = Channel.CONTROL, *, run_id: str = "test-run") -> LinkPair:
+def handshake_keys(
+    secret: bytes, channel: Channel = Channel.CONTROL, *, run_id: str = "test-run"
+) -> LinkPair:
     """Run a real handshake in memory (client and server, session secret) and return both key sets."""
     client = ClientHandshake(channel=channel, credential=Credential.session(secret), version="test")
-    server = ServerHandshake(channel=channel, resolve=session_resolver(secret), run_id=run_id, version="test")
+    server = ServerHandshake(
+        channel=channel, resolve=session_resolver(secret), run_id=run_id, version="test"
+    )
     server_hello = server.receive_data(client.hello())
     proof = client.receive_data(server_hello.send)
     done = server.receive_data(proof.send)
@@ -48,14 +64,20 @@ def handshake_keys(secret: bytes, channel: Channel = Channel.CONTROL, *, run_id:
     return LinkPair(peer=proof.established.keys, controller=done.established.keys)
 
 
-def codec_pair(keys: LinkPair, channel: Channel = Channel.CONTROL, limits: FrameLimits | None = None) -> tuple[FrameConnection, FrameConnection]:
+def codec_pair(
+    keys: LinkPair, channel: Channel = Channel.CONTROL, limits: FrameLimits | None = None
+) -> tuple[FrameConnection, FrameConnection]:
     """(peer side, controller side) codecs of one connection."""
     peer = FrameConnection(channel=channel, side=Side.PEER, keys=keys.peer, limits=limits)
-    controller = FrameConnection(channel=channel, side=Side.CONTROLLER, keys=keys.controller, limits=limits)
+    controller = FrameConnection(
+        channel=channel, side=Side.CONTROLLER, keys=keys.controller, limits=limits
+    )
     return peer, controller
 
 
-def sender_and_receiver(keys: LinkPair, channel: Channel, direction: Direction, limits: FrameLimits | None = None) -> tuple[FrameConnection, FrameConnection]:
+def sender_and_receiver(
+    keys: LinkPair, channel: Channel, direction: Direction, limits: FrameLimits | None = None
+) -> tuple[FrameConnection, FrameConnection]:
     """(sending, receiving) codecs of one connection for frames travelling ``direction``."""
     peer, controller = codec_pair(keys, channel, limits)
     return (peer, controller) if direction is Direction.TO_CONTROLLER else (controller, peer)
@@ -67,7 +89,9 @@ def _pieces(data: bytes, chunk: int | None) -> Iterable[bytes]:
     return (data[i : i + chunk] for i in range(0, len(data), chunk))
 
 
-def feed(conn: FrameConnection, data: bytes, *, chunk: int | None = None, eof: bool = False) -> list[Frame]:
+def feed(
+    conn: FrameConnection, data: bytes, *, chunk: int | None = None, eof: bool = False
+) -> list[Frame]:
     """Feed ``data`` whole (``chunk=None``) or ``chunk`` bytes at a time, collecting ``frames()``.
 
     ``eof`` feeds the end of the stream afterwards (which may raise ``TruncatedFrame``).
@@ -137,7 +161,12 @@ def sealed(
 
 
 async def raw_handshake(
-    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, secret: bytes, channel: Channel, *, limits: FrameLimits | None = None
+    reader: asyncio.StreamReader,
+    writer: asyncio.StreamWriter,
+    secret: bytes,
+    channel: Channel,
+    *,
+    limits: FrameLimits | None = None,
 ) -> FrameConnection:
     """Do a client's handshake by hand on a raw stream (magic first), and return the codec it keys.
 
@@ -149,4 +178,6 @@ async def raw_handshake(
         step = client.receive_data(await reader.read(4096))
         if step.established is not None:
             writer.write(step.send)
-            return FrameConnection(channel=channel, side=Side.PEER, keys=step.established.keys, limits=limits)
+            return FrameConnection(
+                channel=channel, side=Side.PEER, keys=step.established.keys, limits=limits
+            )

@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Fuzz the wire: the mux sniffer, every handshake state, and frames on every channel and side (issue 7).
+"""Fuzz the wire: the mux sniffer, every handshake state, and frames on every channel and side
+(issue 7).
 
 The property under fuzz (design §3): decoding any byte string either yields frames or raises exactly
 one :class:`~flodl_async.errors.WireError` subclass — never another exception, never a hang; nothing
@@ -10,11 +11,14 @@ Theory of operation. A *target* is one decoder in one state; it turns a per-inpu
 :class:`Case` (the bytes, and how to feed them) and runs it against a fresh decoder, checking the
 property as it goes. The targets:
 
-* ``sniff`` — :func:`~flodl_async.wire.channels.sniff` on every prefix of the input, against its spec;
-* ``server-hello`` / ``server-proof`` — a :class:`~flodl_async.wire.ServerHandshake` fresh, and after a
+* ``sniff`` — :func:`~flodl_async.wire.channels.sniff` on every prefix of the input, against its
+  spec;
+* ``server-hello`` / ``server-proof`` — a :class:`~flodl_async.wire.ServerHandshake` fresh, and
+  after a
   valid ClientHello (awaiting the proof), on every channel, with session and rank credentials;
 * ``client-hello`` — a :class:`~flodl_async.wire.ClientHandshake` awaiting the ServerHello;
-* ``wire/<channel>/<side>`` — a :class:`~flodl_async.wire.FrameConnection` after a real handshake, fed
+* ``wire/<channel>/<side>`` — a :class:`~flodl_async.wire.FrameConnection` after a real handshake,
+  fed
   what an outsider can send: mutations of streams a real sender made (not re-tagged) and random
   bytes. Oracle: every delivered frame is the one sent at its position (message and payload), and
   every frame that arrived intact before the damage is delivered;
@@ -107,7 +111,14 @@ from flodl_async.wire import (
 )
 from flodl_async.wire import messages as m
 from flodl_async.wire.channels import HTTP_PREFIXES, STORE_PREFIX
-from flodl_async.wire.frame import BODY_INDEX, GCM_TAG_LEN, HEADER, SEAL_CHUNK, chunk_count, seal_nonce
+from flodl_async.wire.frame import (
+    BODY_INDEX,
+    GCM_TAG_LEN,
+    HEADER,
+    SEAL_CHUNK,
+    chunk_count,
+    seal_nonce,
+)
 from flodl_async.wire.handshake import session_resolver
 from flodl_async.wire.keys import rank_credential_key
 from flodl_async.wire.schema import pack_message, sealed_kinds, unpack_message
@@ -116,7 +127,8 @@ from flodl_async.wire.tensor import DTYPE_ITEMSIZE
 FRAMED_CHANNELS = (Channel.JOIN, Channel.RENDEZVOUS, Channel.DATA, Channel.CONTROL)
 RUN_ID = "fuzz-run"
 VERSION = "fuzz"
-#: Payload ceiling of the fuzzed data-channel codecs. The default (64 MiB) is checked the same way but
+#: Payload ceiling of the fuzzed data-channel codecs. The default (64 MiB) is checked the same way
+#: but
 #: would make every mutated payload length near it allocate tens of MiB, and the run crawl.
 TENSOR_CEILING = 1 << 20
 #: Plaintext bytes per GCM chunk, per stream: small ones give multi-chunk payloads from a few bytes.
@@ -127,19 +139,34 @@ HANG_SECONDS = 10.0
 INTERESTING_BYTES = (0x00, 0x01, 0x02, 0x7F, 0x80, 0xFE, 0xFF)
 INTERESTING_INTS = (
     *(0, 1, 2, 3, 4, 7, 8, 15, 16, 23, 24, 31, 32, 33, 63, 64, 127, 128, 255, 256),
-    *(1023, 1024, 4095, 4096, 65535, 65536, 1 << 20, (1 << 20) + 1, 1 << 24, (1 << 31) - 1, 1 << 31),
+    *(
+        1023,
+        1024,
+        4095,
+        4096,
+        65535,
+        65536,
+        1 << 20,
+        (1 << 20) + 1,
+        1 << 24,
+        (1 << 31) - 1,
+        1 << 31,
+    ),
     *((1 << 32) - 1, 1 << 32, (1 << 63) - 1, 1 << 63, (1 << 64) - 1),
 )
 _TEXT_ALPHABET = "abcXYZ019 _-./:=é☃🙂\x00\n\t"
 
 
 def input_rng(seed: int, *parts: object) -> random.Random:
-    """The PRNG of one input (or of a target's set-up): a pure function of the seed and the names."""
-    # Not for secrets: a seeded, reproducible stream is the point; nothing made here guards anything.
+    """The PRNG of one input (or of a target's set-up): a pure function of the seed and the
+    names."""
+    # Not for secrets: a seeded, reproducible stream is the point; nothing made here guards
+    # anything.
     return random.Random("/".join(map(str, (seed, *parts))))  # noqa: S311
 
 
-# ----- what a run finds ----------------------------------------------------------------------------
+# ----- what a run finds
+# ----------------------------------------------------------------------------
 
 
 class Violation(Exception):
@@ -164,7 +191,8 @@ class Reader(enum.Enum):
 class Sent:
     """What a sender put in one frame, for the oracle."""
 
-    #: The message the receiver must decode from it; None when the frame must not be delivered as sent.
+    #: The message the receiver must decode from it; None when the frame must not be delivered as
+    #: sent.
     message: Message | None
     payload: bytes = b""
     #: Offset just past this frame in the stream.
@@ -182,11 +210,13 @@ class Case:
     reader: Reader = Reader.FRAMES
     #: Feed EOF after this many bytes; the rest is never fed. None: no EOF.
     eof_at: int | None = None
-    #: Frame targets: the seal chunk both ends use, a tight body ceiling (None: the channel's), what was sent.
+    #: Frame targets: the seal chunk both ends use, a tight body ceiling (None: the channel's), what
+    #: was sent.
     chunk: int = SEAL_CHUNK
     max_body: int | None = None
     sent: tuple[Sent, ...] = ()
-    #: Frame targets: how many leading frames arrive intact and within the ceilings (they must be delivered).
+    #: Frame targets: how many leading frames arrive intact and within the ceilings (they must be
+    #: delivered).
     intact: int = 0
     #: Client handshake target: the run id the client expects the server to name.
     expect_run_id: str | None = None
@@ -202,7 +232,10 @@ class Case:
         """The plan in one line, for a reproducer."""
         cuts = f"{len(self.cuts)} cuts {list(self.cuts[:12])}{'…' if len(self.cuts) > 12 else ''}"
         eof = "no EOF" if self.eof_at is None else f"EOF after {self.eof_at} bytes"
-        return f"fixture {self.fixture}, {len(self.data)} bytes ({self.origin}), {cuts}, {self.reader.value}, {eof}, seal chunk {self.chunk}"
+        return (
+            f"fixture {self.fixture}, {len(self.data)} bytes ({self.origin}), {cuts}, "
+            f"{self.reader.value}, {eof}, seal chunk {self.chunk}"
+        )
 
 
 @dataclass(slots=True)
@@ -215,12 +248,14 @@ class Outcome:
     label: str = ""
 
 
-# ----- the mutation engine -------------------------------------------------------------------------
+# ----- the mutation engine
+# -------------------------------------------------------------------------
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Sample:
-    """A valid input to mutate, with hints: where its units (messages, frames) start, where its integer fields lie."""
+    """A valid input to mutate, with hints: where its units (messages, frames) start, where its
+    integer fields lie."""
 
     data: bytes
     units: tuple[int, ...] = ()
@@ -238,9 +273,12 @@ def _operator(fn: Operator) -> Operator:
 
 
 class Mutator:
-    """Stacked byte- and structure-level mutations of a :class:`Sample`, driven by one input's PRNG."""
+    """Stacked byte- and structure-level mutations of a :class:`Sample`, driven by one input's
+    PRNG."""
 
-    def __init__(self, rng: random.Random, *, donors: Sequence[bytes] = (), tokens: Sequence[bytes] = ()) -> None:
+    def __init__(
+        self, rng: random.Random, *, donors: Sequence[bytes] = (), tokens: Sequence[bytes] = ()
+    ) -> None:
         self.rng = rng
         self._donors = donors
         self._tokens = tokens
@@ -259,7 +297,8 @@ class Mutator:
         return self.rng.randrange(len(data) + (1 if end else 0)) if data or end else 0
 
     def _unit(self, data: bytearray, sample: Sample) -> tuple[int, int] | None:
-        """A unit's [start, end) in ``data`` (the sample's boundaries, clamped: they are hints after other edits)."""
+        """A unit's [start, end) in ``data`` (the sample's boundaries, clamped: they are hints after
+        other edits)."""
         bounds = sorted({0, *sample.units, len(sample.data)})
         if len(bounds) < 2:
             return None
@@ -275,7 +314,11 @@ class Mutator:
     @_operator
     def set_byte(self, data: bytearray, sample: Sample) -> None:
         if data:
-            data[self._at(data)] = self.rng.choice(INTERESTING_BYTES) if self.rng.random() < 0.6 else self.rng.randrange(256)
+            data[self._at(data)] = (
+                self.rng.choice(INTERESTING_BYTES)
+                if self.rng.random() < 0.6
+                else self.rng.randrange(256)
+            )
 
     @_operator
     def put_int(self, data: bytearray, sample: Sample) -> None:
@@ -283,8 +326,12 @@ class Mutator:
             offset, width = self.rng.choice(sample.fields)
         else:
             offset, width = self._at(data), self.rng.choice((1, 2, 4, 8))
-        value = (self.rng.choice(INTERESTING_INTS) + self.rng.choice((0, 0, 0, -1, 1))) % (1 << (8 * width))
-        data[offset : offset + width] = value.to_bytes(width, "little" if self.rng.random() < 0.8 else "big")
+        value = (self.rng.choice(INTERESTING_INTS) + self.rng.choice((0, 0, 0, -1, 1))) % (
+            1 << (8 * width)
+        )
+        data[offset : offset + width] = value.to_bytes(
+            width, "little" if self.rng.random() < 0.8 else "big"
+        )
 
     @_operator
     def insert_bytes(self, data: bytearray, sample: Sample) -> None:
@@ -353,14 +400,21 @@ class Mutator:
 
 
 def random_cuts(rng: random.Random, length: int, units: Sequence[int] = ()) -> tuple[int, ...]:
-    """Where to cut ``length`` bytes into reads: nowhere, everywhere, around unit boundaries, or at random."""
+    """Where to cut ``length`` bytes into reads: nowhere, everywhere, around unit boundaries, or at
+    random."""
     roll = rng.random()
     if length < 2 or roll < 0.25:
         return ()
     if roll < 0.35:
-        return tuple(range(1, length)) if length <= 512 else tuple(sorted(rng.sample(range(1, length), 256)))
+        return (
+            tuple(range(1, length))
+            if length <= 512
+            else tuple(sorted(rng.sample(range(1, length), 256)))
+        )
     if roll < 0.65 and units:
-        return tuple(sorted({u + rng.choice((-1, 0, 0, 0, 1)) for u in units} & set(range(1, length))))
+        return tuple(
+            sorted({u + rng.choice((-1, 0, 0, 0, 1)) for u in units} & set(range(1, length)))
+        )
     return tuple(sorted(rng.sample(range(1, length), min(length - 1, rng.randint(1, 8)))))
 
 
@@ -396,7 +450,8 @@ def common_prefix(a: bytes, b: bytes) -> int:
     return lo
 
 
-# ----- messages: random, mutated, and checked against their schema ----------------------------------
+# ----- messages: random, mutated, and checked against their schema
+# ----------------------------------
 
 _HINTS: dict[type[Message], dict[str, typing.Any]] = {}
 
@@ -418,12 +473,16 @@ def random_int(rng: random.Random) -> int:
     if rng.random() < 0.5:
         return rng.randint(-3, 300)
     value = rng.choice(INTERESTING_INTS)
-    return value if value < 1 << 63 and rng.random() < 0.5 else (-value if value <= 1 << 63 else value)
+    return (
+        value if value < 1 << 63 and rng.random() < 0.5 else (-value if value <= 1 << 63 else value)
+    )
 
 
 def random_float(rng: random.Random) -> float:
     """A finite or infinite float (never NaN: the oracle compares messages with ==)."""
-    return rng.choice((0.0, -0.0, 1.5, -2.25, 1e-310, 1e308, math.inf, -math.inf, rng.uniform(-1e6, 1e6)))
+    return rng.choice(
+        (0.0, -0.0, 1.5, -2.25, 1e-310, 1e308, math.inf, -math.inf, rng.uniform(-1e6, 1e6))
+    )
 
 
 def random_value(rng: random.Random, hint: typing.Any) -> object:
@@ -435,7 +494,11 @@ def random_value(rng: random.Random, hint: typing.Any) -> object:
         return {random_text(rng, 6): random_value(rng, args[1]) for _ in range(rng.randint(0, 3))}
     if origin in (types.UnionType, typing.Union):
         options = [a for a in args if a is not type(None)]
-        return None if len(options) < len(args) and rng.random() < 0.4 else random_value(rng, rng.choice(options))
+        return (
+            None
+            if len(options) < len(args) and rng.random() < 0.4
+            else random_value(rng, rng.choice(options))
+        )
     if isinstance(hint, type) and issubclass(hint, Message):
         return random_message(rng, hint)
     if hint is bool:
@@ -458,36 +521,53 @@ def random_message(rng: random.Random, cls: type[Message]) -> Message:
 
 
 def random_bundle(rng: random.Random) -> tuple[m.TensorBundle, bytes]:
-    """A consistent tensor bundle (specs laid end to end) and its payload, as pack_tensors makes them."""
+    """A consistent tensor bundle (specs laid end to end) and its payload, as pack_tensors makes
+    them."""
     specs, offset = [], 0
     for i in range(rng.randint(0, 4)):
         dtype = rng.choice(sorted(DTYPE_ITEMSIZE))
         shape = tuple(rng.randint(0, 5) for _ in range(rng.randint(0, 3)))
         nbytes = math.prod(shape) * DTYPE_ITEMSIZE[dtype]
-        specs.append(m.TensorSpec(name=f"t{i}.{random_text(rng, 4)}", dtype=dtype, shape=shape, offset=offset, nbytes=nbytes))
+        specs.append(
+            m.TensorSpec(
+                name=f"t{i}.{random_text(rng, 4)}",
+                dtype=dtype,
+                shape=shape,
+                offset=offset,
+                nbytes=nbytes,
+            )
+        )
         offset += nbytes
     if rng.random() < 0.2:
         offset += rng.randint(1, 3000)  # a bigger payload: many GCM chunks with a small seal chunk
-    return m.TensorBundle(round=random_int(rng), weight=random_float(rng), tensors=tuple(specs)), rng.randbytes(offset)
+    return m.TensorBundle(
+        round=random_int(rng), weight=random_float(rng), tensors=tuple(specs)
+    ), rng.randbytes(offset)
 
 
 def conforms(value: object, hint: typing.Any) -> bool:
-    """Whether ``value`` has exactly the schema type ``hint`` (what a decoded message must satisfy)."""
+    """Whether ``value`` has exactly the schema type ``hint`` (what a decoded message must
+    satisfy)."""
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if origin is tuple:
         return type(value) is tuple and all(conforms(v, args[0]) for v in value)
     if origin is dict:
-        return type(value) is dict and all(type(k) is str and conforms(v, args[1]) for k, v in value.items())
+        return type(value) is dict and all(
+            type(k) is str and conforms(v, args[1]) for k, v in value.items()
+        )
     if origin in (types.UnionType, typing.Union):
         return any(value is None if a is type(None) else conforms(value, a) for a in args)
     if isinstance(hint, type) and issubclass(hint, Message):
         hints = _hints(hint)
-        return type(value) is hint and all(conforms(getattr(value, f.name), hints[f.name]) for f in dataclasses.fields(hint))  # type: ignore[arg-type]
+        return type(value) is hint and all(
+            conforms(getattr(value, f.name), hints[f.name]) for f in dataclasses.fields(hint)
+        )  # type: ignore[arg-type]
     return type(value) is hint
 
 
 def random_plain(rng: random.Random, depth: int = 0) -> object:
-    """Any msgpack value, biased to what trips schema decoding (wrong types, bytes and int map keys)."""
+    """Any msgpack value, biased to what trips schema decoding (wrong types, bytes and int map
+    keys)."""
     roll = rng.randrange(10 if depth < 3 else 8)
     if roll == 0:
         return None
@@ -541,7 +621,8 @@ def _slots(tree: object, out: list[Slot], budget: int = 64) -> None:
 
 
 def confuse(rng: random.Random, value: object) -> object:
-    """A value of a neighbouring msgpack type: str and bin, int and float, bool and int, array and map."""
+    """A value of a neighbouring msgpack type: str and bin, int and float, bool and int, array and
+    map."""
     if isinstance(value, str):
         return value.encode()
     if isinstance(value, bytes):
@@ -553,14 +634,23 @@ def confuse(rng: random.Random, value: object) -> object:
     if isinstance(value, float):
         return int(value) if math.isfinite(value) else str(value)
     if isinstance(value, list):
-        return dict(enumerate(value)) if rng.random() < 0.5 else {str(i): v for i, v in enumerate(value)}
+        return (
+            dict(enumerate(value))
+            if rng.random() < 0.5
+            else {str(i): v for i, v in enumerate(value)}
+        )
     if isinstance(value, dict):
-        return [*value.values()] if rng.random() < 0.5 else {(k.encode() if isinstance(k, str) else k): v for k, v in value.items()}
+        return (
+            [*value.values()]
+            if rng.random() < 0.5
+            else {(k.encode() if isinstance(k, str) else k): v for k, v in value.items()}
+        )
     return rng.choice((0, "", b"", [], {}))
 
 
 def mutate_body(rng: random.Random, body: bytes) -> bytes:
-    """A value-level mutant of a msgpack body: a field retyped or replaced, fields dropped or added, the version changed, nested."""
+    """A value-level mutant of a msgpack body: a field retyped or replaced, fields dropped or added,
+    the version changed, nested."""
     tree: object = msgpack.unpackb(body, raw=False, use_list=True, strict_map_key=False)
     slots: list[Slot] = []
     _slots(tree, slots)
@@ -589,11 +679,13 @@ def mutate_body(rng: random.Random, body: bytes) -> bytes:
         tree = {random_text(rng, 3): tree} if rng.random() < 0.5 else random_plain(rng)
     try:
         return msgpack.packb(tree, use_bin_type=True)  # type: ignore[no-any-return]
-    except (ValueError, OverflowError, TypeError):  # nested past the packer's limit: keep the original
+    # nested past the packer's limit: keep the original
+    except (ValueError, OverflowError, TypeError):
         return body
 
 
-# ----- fixtures: real handshakes with fixed nonces, and forged frames -------------------------------
+# ----- fixtures: real handshakes with fixed nonces, and forged frames
+# -------------------------------
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -609,11 +701,14 @@ class LinkPair:
 
 
 def relay_resolver(secret: bytes, *, ranks: frozenset[int], round_: int) -> CredentialResolver:
-    """A relay's resolver (as :meth:`flodl_async.relay.control.Relay._rank_key`): its ranks' credentials, in its round."""
+    """A relay's resolver (as :meth:`flodl_async.relay.control.Relay._rank_key`): its ranks'
+    credentials, in its round."""
 
     def resolve(peer: PeerHello) -> bytes:
         if peer.kind is not CredentialKind.RANK or peer.rank not in ranks or peer.round != round_:
-            raise HandshakeRefused(f"rank credential for round {peer.round}, rank {peer.rank} not taken here")
+            raise HandshakeRefused(
+                f"rank credential for round {peer.round}, rank {peer.rank} not taken here"
+            )
         return rank_credential_key(secret, run_id=RUN_ID, round=peer.round, rank=peer.rank)
 
     return resolve
@@ -621,7 +716,8 @@ def relay_resolver(secret: bytes, *, ranks: frozenset[int], round_: int) -> Cred
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class HandshakeFixture:
-    """One complete, valid handshake with fixed nonces: every message of it, and what each side must learn."""
+    """One complete, valid handshake with fixed nonces: every message of it, and what each side must
+    learn."""
 
     channel: Channel
     credential: Credential
@@ -641,20 +737,35 @@ class HandshakeFixture:
 
     def server(self) -> ServerHandshake:
         """A fresh server that answers this fixture's hello with this fixture's ServerHello."""
-        return ServerHandshake(channel=self.channel, resolve=self.resolve, run_id=RUN_ID, version=VERSION, nonce=self.server_nonce)
+        return ServerHandshake(
+            channel=self.channel,
+            resolve=self.resolve,
+            run_id=RUN_ID,
+            version=VERSION,
+            nonce=self.server_nonce,
+        )
 
     def client(self, *, expect_run_id: str | None = None) -> ClientHandshake:
         """A fresh client whose hello is this fixture's hello."""
         return ClientHandshake(
-            channel=self.channel, credential=self.credential, version=self.client_version, expect_run_id=expect_run_id, nonce=self.client_nonce
+            channel=self.channel,
+            credential=self.credential,
+            version=self.client_version,
+            expect_run_id=expect_run_id,
+            nonce=self.client_nonce,
         )
 
     def describe(self) -> str:
         """Channel and credential, for a reproducer."""
-        return f"{self.channel.value} channel, {self.credential.kind.name.lower()} credential (round {self.credential.round}, rank {self.credential.rank})"
+        return (
+            f"{self.channel.value} channel, {self.credential.kind.name.lower()} credential "
+            f"(round {self.credential.round}, rank {self.credential.rank})"
+        )
 
 
-def handshake_fixture(rng: random.Random, secret: bytes, channel: Channel, kind: CredentialKind) -> HandshakeFixture:
+def handshake_fixture(
+    rng: random.Random, secret: bytes, channel: Channel, kind: CredentialKind
+) -> HandshakeFixture:
     """Run a real handshake in memory with nonces from ``rng``."""
     if kind is CredentialKind.SESSION:
         credential, resolve = Credential.session(secret), session_resolver(secret)
@@ -666,8 +777,12 @@ def handshake_fixture(rng: random.Random, secret: bytes, channel: Channel, kind:
     while len(version.encode()) > 64:
         version = version[:-1]
     client_nonce, server_nonce = rng.randbytes(32), rng.randbytes(32)
-    client = ClientHandshake(channel=channel, credential=credential, version=version, nonce=client_nonce)
-    server = ServerHandshake(channel=channel, resolve=resolve, run_id=RUN_ID, version=VERSION, nonce=server_nonce)
+    client = ClientHandshake(
+        channel=channel, credential=credential, version=version, nonce=client_nonce
+    )
+    server = ServerHandshake(
+        channel=channel, resolve=resolve, run_id=RUN_ID, version=VERSION, nonce=server_nonce
+    )
     hello = client.hello()
     answer = server.receive_data(hello)
     proof = client.receive_data(answer.send)
@@ -682,7 +797,12 @@ def handshake_fixture(rng: random.Random, secret: bytes, channel: Channel, kind:
             first_frames += b"".join(map(bytes, codec.send_parts(bundle, [payload])))
         else:
             first_frames += codec.send(random_message(rng, cls))
-    refuser = ServerHandshake(channel=channel, resolve=relay_resolver(secret, ranks=frozenset(), round_=-1), run_id=RUN_ID, version=VERSION)
+    refuser = ServerHandshake(
+        channel=channel,
+        resolve=relay_resolver(secret, ranks=frozenset(), round_=-1),
+        run_id=RUN_ID,
+        version=VERSION,
+    )
     refusal = refuser.receive_data(hello).send
     return HandshakeFixture(
         channel=channel,
@@ -709,13 +829,18 @@ def link_pair(rng: random.Random, secret: bytes, channel: Channel) -> LinkPair:
 
 def frame_fields(start: int) -> tuple[tuple[int, int], ...]:
     """(offset, width) of the header fields of a frame starting at ``start``."""
-    return tuple((start + offset, width) for offset, width in ((0, 1), (1, 1), (2, 2), (4, 8), (12, 4), (16, 8)))
+    return tuple(
+        (start + offset, width)
+        for offset, width in ((0, 1), (1, 1), (2, 2), (4, 8), (12, 4), (16, 8))
+    )
 
 
 class Forger:
-    """Builds frames from their parts with one direction's real keys: anything a keyed peer can put on the wire.
+    """Builds frames from their parts with one direction's real keys: anything a keyed peer can put
+    on the wire.
 
-    It follows the format of :mod:`flodl_async.wire.frame` independently (it is the oracle's sender), and
+    It follows the format of :mod:`flodl_async.wire.frame` independently (it is the oracle's
+    sender), and
     can break any step the receiver checks after the tag: the kind, the sequence number, the seal of
     the body, one payload chunk's ciphertext (the HMAC covers only the chunks' GCM tags).
     """
@@ -737,20 +862,35 @@ class Forger:
         flags: int = 0,
         spoil_chunk: int | None = None,
     ) -> bytes:
-        """One frame with a valid tag; ``spoil_chunk`` flips a ciphertext bit of that payload chunk."""
-        header = HEADER.pack(version, flags, kind, seq, len(body) + (GCM_TAG_LEN if seal_body else 0), len(payload))
-        wire_body = self._aead.encrypt(seal_nonce(seq, BODY_INDEX), body, header) if seal_body else body
+        """One frame with a valid tag; ``spoil_chunk`` flips a ciphertext bit of that payload
+        chunk."""
+        header = HEADER.pack(
+            version, flags, kind, seq, len(body) + (GCM_TAG_LEN if seal_body else 0), len(payload)
+        )
+        wire_body = (
+            self._aead.encrypt(seal_nonce(seq, BODY_INDEX), body, header) if seal_body else body
+        )
         sealed, tags = bytearray(), bytearray()
         for index in range(chunk_count(len(payload), chunk)):
-            piece = bytearray(self._aead.encrypt(seal_nonce(seq, index), payload[index * chunk : (index + 1) * chunk], header))
+            piece = bytearray(
+                self._aead.encrypt(
+                    seal_nonce(seq, index), payload[index * chunk : (index + 1) * chunk], header
+                )
+            )
             if index == spoil_chunk:
                 piece[0] ^= 0x01
             sealed += piece
             tags += piece[-GCM_TAG_LEN:]
-        return header + wire_body + sealed + hmac.digest(self._mac, header + wire_body + tags, "sha256")
+        return (
+            header
+            + wire_body
+            + sealed
+            + hmac.digest(self._mac, header + wire_body + tags, "sha256")
+        )
 
 
-# ----- drivers: feed a decoder under a plan, and hold it to "a failed connection stays failed" ------
+# ----- drivers: feed a decoder under a plan, and hold it to "a failed connection stays failed"
+# ------
 
 
 @dataclass(slots=True)
@@ -763,7 +903,8 @@ class Fed:
 
 
 def _pull(conn: FrameConnection, reader: Reader, turn: int, out: list[Frame]) -> None:
-    """Collect what the codec yields now, appending as it goes (so frames before a raise are kept)."""
+    """Collect what the codec yields now, appending as it goes (so frames before a raise are
+    kept)."""
     if reader is Reader.NEXT_FRAME or (reader is Reader.MIXED and turn % 2):
         while True:
             item = conn.next_frame()
@@ -775,13 +916,17 @@ def _pull(conn: FrameConnection, reader: Reader, turn: int, out: list[Frame]) ->
 
 
 def _push_buffered(conn: FrameConnection, piece: bytes, turn: int, out: list[Frame]) -> None:
-    """One socket read of ``piece`` the BufferedProtocol way: as many get_buffer/buffer_updated rounds as it takes."""
+    """One socket read of ``piece`` the BufferedProtocol way: as many get_buffer/buffer_updated
+    rounds as it takes."""
     view = memoryview(piece)
     while view:
         target = conn.get_buffer(-1)
         if not len(target):
             # asyncio and uvloop close the transport with a fatal error on an empty buffer.
-            raise Violation("empty get_buffer", "get_buffer() returned an empty buffer while bytes were still to come")
+            raise Violation(
+                "empty get_buffer",
+                "get_buffer() returned an empty buffer while bytes were still to come",
+            )
         n = min(len(target), len(view))
         target[:n] = view[:n]
         target.release()
@@ -791,15 +936,21 @@ def _push_buffered(conn: FrameConnection, piece: bytes, turn: int, out: list[Fra
 
 
 def stays_failed(conn: FrameConnection, first: WireError, *, more: bytes) -> None:
-    """After ``first``, every later call raises again, with the same class (also after more bytes)."""
+    """After ``first``, every later call raises again, with the same class (also after more
+    bytes)."""
     if conn.failure is not first:
-        raise Violation("failure attribute", f"after {first!r}, FrameConnection.failure is {conn.failure!r}")
+        raise Violation(
+            "failure attribute", f"after {first!r}, FrameConnection.failure is {conn.failure!r}"
+        )
 
     def more_then_frames() -> list[Frame]:
         conn.receive_data(more)
         return conn.frames()
 
-    calls: list[tuple[str, Callable[[], object]]] = [("frames()", conn.frames), ("next_frame()", conn.next_frame)]
+    calls: list[tuple[str, Callable[[], object]]] = [
+        ("frames()", conn.frames),
+        ("next_frame()", conn.next_frame),
+    ]
     if more:
         calls.append(("receive_data(more) + frames()", more_then_frames))
     calls.append(("next_frame()", conn.next_frame))
@@ -808,13 +959,17 @@ def stays_failed(conn: FrameConnection, first: WireError, *, more: bytes) -> Non
             got = call()
         except WireError as exc:
             if type(exc) is not type(first):
-                raise Violation("stays failed", f"after {type(first).__name__}, {name} raised {type(exc).__name__}") from exc
+                raise Violation(
+                    "stays failed",
+                    f"after {type(first).__name__}, {name} raised {type(exc).__name__}",
+                ) from exc
         else:
             raise Violation("stays failed", f"after {first!r}, {name} returned {got!r}")
 
 
 def feed_frames(conn: FrameConnection, case: Case) -> Fed:
-    """Feed ``case`` to ``conn`` under its plan; returns what was delivered and the error that ended it."""
+    """Feed ``case`` to ``conn`` under its plan; returns what was delivered and the error that ended
+    it."""
     fed = Fed()
     data, offset = case.fed, 0
     for turn, piece in enumerate(pieces(data, case.cuts)):
@@ -828,9 +983,11 @@ def feed_frames(conn: FrameConnection, case: Case) -> Fed:
         except WireError as exc:
             fed.error = exc
         else:
-            fed.error = conn.failure  # frames() delivered good frames and holds the error for the next call
+            # frames() delivered good frames and holds the error for the next call
+            fed.error = conn.failure
         if fed.error is not None:
-            stays_failed(conn, fed.error, more=data[offset:] + b"\x00")  # the rest of the input still arrives
+            # the rest of the input still arrives
+            stays_failed(conn, fed.error, more=data[offset:] + b"\x00")
             return fed
     if case.eof_at is None:
         return fed
@@ -840,7 +997,10 @@ def feed_frames(conn: FrameConnection, case: Case) -> Fed:
         if conn.failure is None:
             end = conn.next_frame()
             if end is not CLOSED:
-                raise Violation("hang at EOF", f"after EOF, next_frame() returned {end!r} instead of CLOSED or an error")
+                raise Violation(
+                    "hang at EOF",
+                    f"after EOF, next_frame() returned {end!r} instead of CLOSED or an error",
+                )
             fed.closed = True
     except WireError as exc:
         fed.error = exc
@@ -860,8 +1020,15 @@ class HandshakeRun:
     consumed: int = 0
 
 
-def handshake_stays_failed(hs: ServerHandshake | ClientHandshake, first: WireError, later: Sequence[bytes], *, refused: bool) -> None:
-    """After ``first``, no later call produces anything: not the rest of the input, not even a valid continuation.
+def handshake_stays_failed(
+    hs: ServerHandshake | ClientHandshake,
+    first: WireError,
+    later: Sequence[bytes],
+    *,
+    refused: bool,
+) -> None:
+    """After ``first``, no later call produces anything: not the rest of the input, not even a valid
+    continuation.
 
     After a refusal (``Step.failure``, server only) the handshake is finished and says so with
     ``RuntimeError``; after a raised error it must raise a :class:`WireError` again.
@@ -875,14 +1042,25 @@ def handshake_stays_failed(hs: ServerHandshake | ClientHandshake, first: WireErr
             if refused:
                 continue
             raise
-        what = "established" if step.established else f"answered {len(step.send)} bytes" if step.send else "returned a step"
+        what = (
+            "established"
+            if step.established
+            else f"answered {len(step.send)} bytes"
+            if step.send
+            else "returned a step"
+        )
         raise Violation(
-            "revived after failure", f"after {type(first).__name__} ({first}), receive_data({len(piece)} bytes: {piece[:8].hex()}…) {what} instead of raising"
+            "revived after failure",
+            f"after {type(first).__name__} ({first}), receive_data({len(piece)} bytes: "
+            f"{piece[:8].hex()}…) {what} instead of raising",
         )
 
 
-def drive_handshake(hs: ServerHandshake | ClientHandshake, case: Case, *, continuation: Sequence[bytes]) -> HandshakeRun:
-    """Feed ``case`` to a handshake under its plan, then hold a failure to :func:`handshake_stays_failed`."""
+def drive_handshake(
+    hs: ServerHandshake | ClientHandshake, case: Case, *, continuation: Sequence[bytes]
+) -> HandshakeRun:
+    """Feed ``case`` to a handshake under its plan, then hold a failure to
+    :func:`handshake_stays_failed`."""
     run = HandshakeRun()
     chunks = list(pieces(case.fed, case.cuts)) + ([b""] if case.eof_at is not None else [])
     for i, piece in enumerate(chunks):
@@ -890,14 +1068,20 @@ def drive_handshake(hs: ServerHandshake | ClientHandshake, case: Case, *, contin
             step = hs.receive_data(piece)
         except WireError as exc:
             run.error = exc
-            handshake_stays_failed(hs, exc, [*chunks[i + 1 :], *continuation, b"\x00"], refused=False)
+            handshake_stays_failed(
+                hs, exc, [*chunks[i + 1 :], *continuation, b"\x00"], refused=False
+            )
             return run
         run.consumed += len(piece)
         if step.failure is not None:
             if isinstance(hs, ClientHandshake):
-                raise Violation("client refusal", "a client handshake returned a failure instead of raising it")
+                raise Violation(
+                    "client refusal", "a client handshake returned a failure instead of raising it"
+                )
             run.error = step.failure
-            handshake_stays_failed(hs, step.failure, [*chunks[i + 1 :], *continuation], refused=True)
+            handshake_stays_failed(
+                hs, step.failure, [*chunks[i + 1 :], *continuation], refused=True
+            )
             return run
         if step.established is not None:
             run.established = step.established
@@ -905,20 +1089,35 @@ def drive_handshake(hs: ServerHandshake | ClientHandshake, case: Case, *, contin
     return run
 
 
-def check_established(run: HandshakeRun, case: Case, *, needed: bytes, expected: Established) -> None:
-    """An established handshake consumed exactly the valid bytes, hands on the rest, and learned the truth."""
+def check_established(
+    run: HandshakeRun, case: Case, *, needed: bytes, expected: Established
+) -> None:
+    """An established handshake consumed exactly the valid bytes, hands on the rest, and learned the
+    truth."""
     assert run.established is not None
     fed = case.fed[: run.consumed]
     if not fed.startswith(needed):
-        raise Violation("forged handshake", f"established on {fed[: len(needed)].hex()}, which is not the valid {needed.hex()}")
+        raise Violation(
+            "forged handshake",
+            f"established on {fed[: len(needed)].hex()}, which is not the valid {needed.hex()}",
+        )
     got = run.established
     if got.leftover != fed[len(needed) :]:
-        raise Violation("leftover", f"established with leftover {got.leftover.hex()}, but {fed[len(needed) :].hex()} followed the handshake")
+        raise Violation(
+            "leftover",
+            f"established with leftover {got.leftover.hex()}, but {fed[len(needed) :].hex()} "
+            "followed the handshake",
+        )
     if (got.keys, got.run_id, got.peer) != (expected.keys, expected.run_id, expected.peer):
-        raise Violation("forged handshake", f"established as {got.peer} of {got.run_id!r} with other keys than the valid transcript's")
+        raise Violation(
+            "forged handshake",
+            f"established as {got.peer} of {got.run_id!r} with other keys than the valid "
+            "transcript's",
+        )
 
 
-# ----- targets -------------------------------------------------------------------------------------
+# ----- targets
+# -------------------------------------------------------------------------------------
 
 
 class Target(abc.ABC):
@@ -943,7 +1142,11 @@ class Target(abc.ABC):
 
 def _magic_samples() -> list[Sample]:
     heads = [*CHANNEL_MAGIC.values(), *HTTP_PREFIXES, STORE_PREFIX]
-    return [Sample(data=head + tail, units=(0, len(head))) for head in heads for tail in (b"", b"\x02\x01", b" / HTTP/1.1\r\n")]
+    return [
+        Sample(data=head + tail, units=(0, len(head)))
+        for head in heads
+        for tail in (b"", b"\x02\x01", b" / HTTP/1.1\r\n")
+    ]
 
 
 class SniffTarget(Target):
@@ -960,7 +1163,9 @@ class SniffTarget(Target):
         if rng.random() < 0.2:
             data, origin = rng.randbytes(rng.randint(0, 8)), "random"
         else:
-            data, ops = Mutator(rng, donors=[s.data for s in self._samples]).mutate(rng.choice(self._samples), max_ops=2)
+            data, ops = Mutator(rng, donors=[s.data for s in self._samples]).mutate(
+                rng.choice(self._samples), max_ops=2
+            )
             origin = "mutated: " + ", ".join(ops)
         return Case(data=data, origin=origin)
 
@@ -972,13 +1177,17 @@ class SniffTarget(Target):
                 return ("routed", Channel.STORE, prefix)
             return ("need more" if STORE_PREFIX.startswith(prefix) else "unrouted", None, b"")
         if len(prefix) < MAGIC_LEN:
-            fits = not prefix or any(c.startswith(prefix) for c in (*CHANNEL_MAGIC.values(), *HTTP_PREFIXES))
+            fits = not prefix or any(
+                c.startswith(prefix) for c in (*CHANNEL_MAGIC.values(), *HTTP_PREFIXES)
+            )
             return ("need more" if fits else "unrouted", None, b"")
         head = prefix[:MAGIC_LEN]
         for channel, magic in CHANNEL_MAGIC.items():
             if head == magic:
                 return ("routed", channel, prefix[MAGIC_LEN:])
-        return ("routed", Channel.STATUS, prefix) if head in HTTP_PREFIXES else ("unrouted", None, b"")
+        return (
+            ("routed", Channel.STATUS, prefix) if head in HTTP_PREFIXES else ("unrouted", None, b"")
+        )
 
     def execute(self, case: Case) -> Outcome:
         label = ""
@@ -993,7 +1202,11 @@ class SniffTarget(Target):
             else:
                 raise Violation("sniff result", f"sniff({case.data[:k].hex()}) returned {result!r}")
             if got != self.spec(case.data[:k]):
-                raise Violation("sniff spec", f"sniff({case.data[:k].hex()}) returned {result!r}, the spec says {self.spec(case.data[:k])}")
+                raise Violation(
+                    "sniff spec",
+                    f"sniff({case.data[:k].hex()}) returned {result!r}, the spec says "
+                    f"{self.spec(case.data[:k])}",
+                )
             label = got[0] if got[1] is None else f"routed: {got[1].value}"
         return Outcome(label=label)
 
@@ -1007,8 +1220,16 @@ class _HandshakeTarget(Target):
     def __init__(self, seed: int) -> None:
         rng = input_rng(seed, self.name, "setup")
         secret = rng.randbytes(16)
-        self.fixtures = [handshake_fixture(rng, secret, channel, kind) for channel in FRAMED_CHANNELS for kind in (CredentialKind.SESSION, CredentialKind.RANK)]
-        self._donors = [d for f in self.fixtures for d in (f.hello, f.server_hello, f.proof + f.first_frames, f.refusal)]
+        self.fixtures = [
+            handshake_fixture(rng, secret, channel, kind)
+            for channel in FRAMED_CHANNELS
+            for kind in (CredentialKind.SESSION, CredentialKind.RANK)
+        ]
+        self._donors = [
+            d
+            for f in self.fixtures
+            for d in (f.hello, f.server_hello, f.proof + f.first_frames, f.refusal)
+        ]
 
     @abc.abstractmethod
     def sample(self, fixture: HandshakeFixture) -> Sample:
@@ -1025,41 +1246,58 @@ class _HandshakeTarget(Target):
         else:
             data, ops = Mutator(rng, donors=self._donors).mutate(sample)
             origin = "mutated: " + ", ".join(ops)
-        return Case(data=data, origin=origin, fixture=index, cuts=random_cuts(rng, len(data), sample.units), eof_at=random_eof(rng, len(data)))
+        return Case(
+            data=data,
+            origin=origin,
+            fixture=index,
+            cuts=random_cuts(rng, len(data), sample.units),
+            eof_at=random_eof(rng, len(data)),
+        )
 
     def describe(self, case: Case) -> str:
         return f"{self.fixtures[case.fixture].describe()}; {case.describe()}"
 
 
 def _hello_fields(start: int = 0) -> tuple[tuple[int, int], ...]:
-    """The preamble of a handshake message (version, kind or status, length) and the version-length byte."""
+    """The preamble of a handshake message (version, kind or status, length) and the version-length
+    byte."""
     return ((start, 1), (start + 1, 1), (start + 2, 2), (start + 44, 1))
 
 
 class ServerHelloTarget(_HandshakeTarget):
-    """A fresh server handshake fed a client's hello, proof and first frames (or what became of them)."""
+    """A fresh server handshake fed a client's hello, proof and first frames (or what became of
+    them)."""
 
     name = "server-hello"
 
     def sample(self, fixture: HandshakeFixture) -> Sample:
         h = len(fixture.hello)
-        return Sample(data=fixture.hello + fixture.proof + fixture.first_frames, units=(0, h, h + 32), fields=_hello_fields())
+        return Sample(
+            data=fixture.hello + fixture.proof + fixture.first_frames,
+            units=(0, h, h + 32),
+            fields=_hello_fields(),
+        )
 
     def execute(self, case: Case) -> Outcome:
         fixture = self.fixtures[case.fixture]
         run = drive_handshake(fixture.server(), case, continuation=(fixture.hello, fixture.proof))
         if run.established is not None:
-            check_established(run, case, needed=fixture.hello + fixture.proof, expected=fixture.server_side)
+            check_established(
+                run, case, needed=fixture.hello + fixture.proof, expected=fixture.server_side
+            )
         return Outcome(error=run.error, established=run.established is not None)
 
 
 class ServerProofTarget(_HandshakeTarget):
-    """A server handshake that answered a valid hello, fed the proof and first frames (or what became of them)."""
+    """A server handshake that answered a valid hello, fed the proof and first frames (or what
+    became of them)."""
 
     name = "server-proof"
 
     def sample(self, fixture: HandshakeFixture) -> Sample:
-        return Sample(data=fixture.proof + fixture.first_frames, units=(0, 32), fields=frame_fields(32))
+        return Sample(
+            data=fixture.proof + fixture.first_frames, units=(0, 32), fields=frame_fields(32)
+        )
 
     def execute(self, case: Case) -> Outcome:
         fixture = self.fixtures[case.fixture]
@@ -1073,29 +1311,58 @@ class ServerProofTarget(_HandshakeTarget):
 
 
 class ClientHelloTarget(_HandshakeTarget):
-    """A client handshake that sent its hello, fed the server's hello or refusal (or what became of them)."""
+    """A client handshake that sent its hello, fed the server's hello or refusal (or what became of
+    them)."""
 
     name = "client-hello"
 
     def sample(self, fixture: HandshakeFixture) -> Sample:
-        return Sample(data=fixture.server_hello, units=(0, len(fixture.server_hello) - 32), fields=(*_hello_fields(), (36, 1)))
+        return Sample(
+            data=fixture.server_hello,
+            units=(0, len(fixture.server_hello) - 32),
+            fields=(*_hello_fields(), (36, 1)),
+        )
 
     def generate(self, rng: random.Random) -> Case:
         case = super().generate(rng)
         if rng.random() < 0.15:  # a refusal, or the server's hello followed by early bytes
             fixture = self.fixtures[case.fixture]
-            data = fixture.refusal if rng.random() < 0.5 else fixture.server_hello + fixture.first_frames
-            data = Mutator(rng, donors=self._donors).mutate(Sample(data=data, fields=_hello_fields()))[0] if rng.random() < 0.7 else data
-            case = dataclasses.replace(case, data=data, origin="refusal or early bytes", cuts=random_cuts(rng, len(data)), eof_at=random_eof(rng, len(data)))
+            data = (
+                fixture.refusal
+                if rng.random() < 0.5
+                else fixture.server_hello + fixture.first_frames
+            )
+            data = (
+                Mutator(rng, donors=self._donors).mutate(Sample(data=data, fields=_hello_fields()))[
+                    0
+                ]
+                if rng.random() < 0.7
+                else data
+            )
+            case = dataclasses.replace(
+                case,
+                data=data,
+                origin="refusal or early bytes",
+                cuts=random_cuts(rng, len(data)),
+                eof_at=random_eof(rng, len(data)),
+            )
         # Some clients check the run id the server names: a mismatch fails after the proof verified.
         return dataclasses.replace(case, expect_run_id=rng.choice((None, RUN_ID, "another-run")))
 
     def execute(self, case: Case) -> Outcome:
         fixture = self.fixtures[case.fixture]
-        run = drive_handshake(fixture.client(expect_run_id=case.expect_run_id), case, continuation=(fixture.server_hello,))
+        run = drive_handshake(
+            fixture.client(expect_run_id=case.expect_run_id),
+            case,
+            continuation=(fixture.server_hello,),
+        )
         if run.established is not None:
             if case.expect_run_id not in (None, RUN_ID):
-                raise Violation("run id", f"established with a server of {run.established.run_id!r} though {case.expect_run_id!r} was expected")
+                raise Violation(
+                    "run id",
+                    f"established with a server of {run.established.run_id!r} though "
+                    f"{case.expect_run_id!r} was expected",
+                )
             check_established(run, case, needed=fixture.server_hello, expected=fixture.client_side)
         return Outcome(error=run.error, established=run.established is not None)
 
@@ -1140,77 +1407,130 @@ class _FrameTarget(Target):
         max_body = FrameLimits().max_body if case.max_body is None else case.max_body
         limits = FrameLimits(max_body=max_body, max_payload=self.max_payload)
         keys = self.keys.peer if self.side is Side.PEER else self.keys.controller
-        return FrameConnection(channel=self.channel, side=self.side, keys=keys, limits=limits, seal_chunk=case.chunk)
+        return FrameConnection(
+            channel=self.channel, side=self.side, keys=keys, limits=limits, seal_chunk=case.chunk
+        )
 
     def message_for(self, rng: random.Random, cls: type[Message]) -> tuple[Message, bytes]:
-        """A random message of ``cls`` and its payload (a consistent bundle and its bytes on the data channel)."""
+        """A random message of ``cls`` and its payload (a consistent bundle and its bytes on the
+        data channel)."""
         return random_bundle(rng) if cls is m.TensorBundle else (random_message(rng, cls), b"")
 
     @staticmethod
     def within(case: Case, frame: bytes) -> bool:
-        """Whether a valid frame passes the case's body ceiling (its header is the first 24 bytes)."""
+        """Whether a valid frame passes the case's body ceiling (its header is the first 24
+        bytes)."""
         return case.max_body is None or HEADER.unpack_from(frame)[4] <= case.max_body
 
     def check_delivered(self, fed: Fed, case: Case) -> None:
-        """Each delivered frame sits at its position, is legal here and well-typed, and equals what was sent when that is known."""
+        """Each delivered frame sits at its position, is legal here and well-typed, and equals what
+        was sent when that is known."""
         for i, frame in enumerate(fed.frames):
             if frame.seq != i or i >= len(case.sent):
-                raise Violation("forged frame", f"frame {i} delivered with seq {frame.seq}; {len(case.sent)} frames were sent")
+                raise Violation(
+                    "forged frame",
+                    f"frame {i} delivered with seq {frame.seq}; {len(case.sent)} frames were sent",
+                )
             sent = case.sent[i]
             if type(frame.message) not in LEGAL_KINDS[(self.channel, self.incoming)]:
-                raise Violation("illegal kind delivered", f"frame {i}: {type(frame.message).__name__} is not legal on this route")
+                raise Violation(
+                    "illegal kind delivered",
+                    f"frame {i}: {type(frame.message).__name__} is not legal on this route",
+                )
             if not conforms(frame.message, type(frame.message)):
-                raise Violation("ill-typed message", f"frame {i}: {frame.message!r} does not match its schema")
+                raise Violation(
+                    "ill-typed message", f"frame {i}: {frame.message!r} does not match its schema"
+                )
             if sent.message is not None and frame.message != sent.message:
-                raise Violation("forged frame", f"frame {i}: delivered {frame.message!r}, sent {sent.message!r}")
+                raise Violation(
+                    "forged frame", f"frame {i}: delivered {frame.message!r}, sent {sent.message!r}"
+                )
             payload = b"" if frame.payload is None else bytes(frame.payload)
             if payload != sent.payload or (frame.payload is None) != (not sent.payload):
-                raise Violation("forged payload", f"frame {i}: payload of {len(payload)} bytes differs from the {len(sent.payload)} sent")
+                raise Violation(
+                    "forged payload",
+                    f"frame {i}: payload of {len(payload)} bytes differs from the "
+                    f"{len(sent.payload)} sent",
+                )
         if len(fed.frames) < case.intact:
-            raise Violation("lost frame", f"{case.intact} frames arrived intact, {len(fed.frames)} were delivered (error: {fed.error!r})")
+            raise Violation(
+                "lost frame",
+                f"{case.intact} frames arrived intact, {len(fed.frames)} were delivered (error: "
+                f"{fed.error!r})",
+            )
 
     def execute(self, case: Case) -> Outcome:
         fed = feed_frames(self.receiver(case), case)
         self.check_delivered(fed, case)
         return Outcome(error=fed.error, frames=len(fed.frames))
 
-    def plan(self, rng: random.Random, data: bytes, units: Sequence[int], **fields: typing.Any) -> Case:
+    def plan(
+        self, rng: random.Random, data: bytes, units: Sequence[int], **fields: typing.Any
+    ) -> Case:
         """A case feeding ``data`` under a random plan."""
-        return Case(data=data, cuts=random_cuts(rng, len(data), units), reader=rng.choice(list(Reader)), eof_at=random_eof(rng, len(data)), **fields)
+        return Case(
+            data=data,
+            cuts=random_cuts(rng, len(data), units),
+            reader=rng.choice(list(Reader)),
+            eof_at=random_eof(rng, len(data)),
+            **fields,
+        )
 
 
 class WireFramesTarget(_FrameTarget):
-    """What an outsider can send: mutations of streams a real sender made, not re-tagged, and random bytes."""
+    """What an outsider can send: mutations of streams a real sender made, not re-tagged, and random
+    bytes."""
 
     group = "wire"
 
     def __init__(self, seed: int, channel: Channel, side: Side) -> None:
         super().__init__(seed, channel, side)
         self.corpus = [self._stream(self.setup_rng, self.keys) for _ in range(48)]
-        # Splices come from other connections of the same run (same secret, their own handshakes): frames an
-        # outsider could have recorded. Streams of this very key set cannot exist twice in real life.
+        # Splices come from other connections of the same run (same secret, their own handshakes):
+        # frames an
+        # outsider could have recorded. Streams of this very key set cannot exist twice in real
+        # life.
         elsewhere = link_pair(self.setup_rng, self.secret, channel)
         self._donors = [self._stream(self.setup_rng, elsewhere).data for _ in range(8)]
 
     def _stream(self, rng: random.Random, keys: LinkPair) -> Stream:
         chunk = rng.choice(self.chunks)
         other = Side.CONTROLLER if self.side is Side.PEER else Side.PEER
-        sender = FrameConnection(channel=self.channel, side=other, keys=keys.sender(self.incoming), seal_chunk=chunk)
+        sender = FrameConnection(
+            channel=self.channel, side=other, keys=keys.sender(self.incoming), seal_chunk=chunk
+        )
         forger = Forger(keys.sender(self.incoming))
         data, sent, starts = b"", [], []
         for seq in range(rng.randint(1, 5)):
             starts.append(len(data))
             if self.legal:
                 msg, payload = self.message_for(rng, rng.choice(self.legal))
-                data += b"".join(map(bytes, sender.send_parts(msg, [payload]))) if self.channel is Channel.DATA else sender.send(msg)
+                data += (
+                    b"".join(map(bytes, sender.send_parts(msg, [payload])))
+                    if self.channel is Channel.DATA
+                    else sender.send(msg)
+                )
                 sent.append(Sent(message=msg, payload=payload, end=len(data)))
-            else:  # nothing is legal this way (rendezvous, down): what a confused keyed peer would send, never to be delivered
-                cls = rng.choice(sorted(LEGAL_KINDS[(self.channel, Direction.TO_CONTROLLER)], key=lambda c: c.KIND))
+            # nothing is legal this way (rendezvous, down): what a confused keyed peer would send,
+            # never to be delivered
+            else:
+                cls = rng.choice(
+                    sorted(
+                        LEGAL_KINDS[(self.channel, Direction.TO_CONTROLLER)], key=lambda c: c.KIND
+                    )
+                )
                 msg = random_message(rng, cls)
-                data += forger.frame(kind=cls.KIND, seq=seq, body=pack_message(msg), seal_body=cls.SEALED)
+                data += forger.frame(
+                    kind=cls.KIND, seq=seq, body=pack_message(msg), seal_body=cls.SEALED
+                )
                 sent.append(Sent(message=None, end=len(data)))
         fields = tuple(f for start in starts for f in frame_fields(start))
-        return Stream(data=data, sent=tuple(sent), chunk=chunk, sample=Sample(data=data, units=tuple(starts), fields=fields))
+        return Stream(
+            data=data,
+            sent=tuple(sent),
+            chunk=chunk,
+            sample=Sample(data=data, units=tuple(starts), fields=fields),
+        )
 
     def generate(self, rng: random.Random) -> Case:
         index = rng.randrange(len(self.corpus))
@@ -1221,27 +1541,45 @@ class WireFramesTarget(_FrameTarget):
         elif roll < 0.16:
             data, origin = stream.data, "valid"
         elif roll < 0.22:
-            data, origin = stream.data[: rng.randrange(len(stream.data))] + rng.randbytes(rng.randint(1, 64)), "valid prefix, random tail"
+            data, origin = (
+                stream.data[: rng.randrange(len(stream.data))] + rng.randbytes(rng.randint(1, 64)),
+                "valid prefix, random tail",
+            )
         else:
             data, ops = Mutator(rng, donors=self._donors).mutate(stream.sample)
             origin = "mutated: " + ", ".join(ops)
         max_body = rng.randint(0, 256) if rng.random() < 0.08 else None
-        case = self.plan(rng, data, stream.sample.units, origin=origin, fixture=index, chunk=stream.chunk, max_body=max_body, sent=stream.sent)
+        case = self.plan(
+            rng,
+            data,
+            stream.sample.units,
+            origin=origin,
+            fixture=index,
+            chunk=stream.chunk,
+            max_body=max_body,
+            sent=stream.sent,
+        )
         return dataclasses.replace(case, intact=self._intact(stream, case))
 
     def _intact(self, stream: Stream, case: Case) -> int:
-        """Leading frames the fed bytes share whole with the valid stream, deliverable and within the ceiling."""
+        """Leading frames the fed bytes share whole with the valid stream, deliverable and within
+        the ceiling."""
         prefix = common_prefix(case.fed, stream.data)
         count, start = 0, 0
         for sent in stream.sent:
-            if sent.end > prefix or sent.message is None or not self.within(case, stream.data[start : sent.end]):
+            if (
+                sent.end > prefix
+                or sent.message is None
+                or not self.within(case, stream.data[start : sent.end])
+            ):
                 break
             count, start = count + 1, sent.end
         return count
 
 
 class KeyedFramesTarget(_FrameTarget):
-    """What a keyed but broken peer can send: frames forged with the real keys around mutated parts."""
+    """What a keyed but broken peer can send: frames forged with the real keys around mutated
+    parts."""
 
     group = "keyed"
 
@@ -1260,15 +1598,40 @@ class KeyedFramesTarget(_FrameTarget):
             starts.append(len(data))
             data += frame
             notes.append(note)
-            # Frames are pristine up to the first one forged wrong; the rest only need to decode well-typed.
-            exact = exact and message is not None and (max_body is None or HEADER.unpack_from(frame)[4] <= max_body)
+            # Frames are pristine up to the first one forged wrong; the rest only need to decode
+            # well-typed.
+            exact = (
+                exact
+                and message is not None
+                and (max_body is None or HEADER.unpack_from(frame)[4] <= max_body)
+            )
             sent.append(Sent(message=message, payload=payload, end=len(data)))
             if not exact and rng.random() < 0.5:
                 break
-        case = self.plan(rng, data, starts, origin="forged: " + "; ".join(notes), chunk=chunk, max_body=max_body, sent=tuple(sent))
-        intact = next((i for i, s in enumerate(sent) if s.message is None or s.end > len(case.fed)), len(sent))
+        case = self.plan(
+            rng,
+            data,
+            starts,
+            origin="forged: " + "; ".join(notes),
+            chunk=chunk,
+            max_body=max_body,
+            sent=tuple(sent),
+        )
+        intact = next(
+            (i for i, s in enumerate(sent) if s.message is None or s.end > len(case.fed)), len(sent)
+        )
         if max_body is not None:
-            intact = min(intact, next((i for i, start in enumerate(starts) if HEADER.unpack_from(data, start)[4] > max_body), len(sent)))
+            intact = min(
+                intact,
+                next(
+                    (
+                        i
+                        for i, start in enumerate(starts)
+                        if HEADER.unpack_from(data, start)[4] > max_body
+                    ),
+                    len(sent),
+                ),
+            )
         return dataclasses.replace(case, intact=intact)
 
     def _kind(self, rng: random.Random) -> tuple[int, type[Message] | None]:
@@ -1283,8 +1646,11 @@ class KeyedFramesTarget(_FrameTarget):
         assert cls is not None
         return cls.KIND, cls
 
-    def _forge(self, rng: random.Random, seq: int, chunk: int) -> tuple[bytes, Message | None, bytes, str]:
-        """One forged frame, the message it must decode to (None: unknown), its payload, and what was done to it."""
+    def _forge(
+        self, rng: random.Random, seq: int, chunk: int
+    ) -> tuple[bytes, Message | None, bytes, str]:
+        """One forged frame, the message it must decode to (None: unknown), its payload, and what
+        was done to it."""
         kind, cls = self._kind(rng)
         msg, payload = self.message_for(rng, cls) if cls is not None else (None, b"")
         body = pack_message(msg) if msg is not None else rng.randbytes(rng.randint(0, 24))
@@ -1314,7 +1680,15 @@ class KeyedFramesTarget(_FrameTarget):
             else:
                 flags = wrong
         frame = self.forger.frame(
-            kind=kind, seq=seq_field, body=body, seal_body=seal, payload=payload, chunk=chunk, version=version, flags=flags, spoil_chunk=spoil
+            kind=kind,
+            seq=seq_field,
+            body=body,
+            seal_body=seal,
+            payload=payload,
+            chunk=chunk,
+            version=version,
+            flags=flags,
+            spoil_chunk=spoil,
         )
         if cls is None or cls not in LEGAL_KINDS[(self.channel, self.incoming)]:
             msg = None
@@ -1322,7 +1696,8 @@ class KeyedFramesTarget(_FrameTarget):
 
 
 class TensorsTarget(Target):
-    """unpack_tensors on every bundle a keyed peer can send: decoded from a (mutated) body, with a payload of some length."""
+    """unpack_tensors on every bundle a keyed peer can send: decoded from a (mutated) body, with a
+    payload of some length."""
 
     name = "tensors"
     group = "tensors"
@@ -1339,21 +1714,42 @@ class TensorsTarget(Target):
         if rng.random() < 0.25:
             body, origin = mutate_body(rng, body), "value-mutated bundle"
         total = sum(s.nbytes for s in specs if 0 <= s.nbytes < 4096)
-        payload_len = rng.choice((0, total, total, total + rng.randint(1, 64), rng.randint(0, 4096)))
+        payload_len = rng.choice(
+            (0, total, total, total + rng.randint(1, 64), rng.randint(0, 4096))
+        )
         return Case(data=body, origin=origin, payload_len=payload_len)
 
     @staticmethod
     def _spec(rng: random.Random, i: int) -> m.TensorSpec:
-        dtype = rng.choice(sorted(DTYPE_ITEMSIZE)) if rng.random() < 0.85 else rng.choice(("float", "Tensor", "__class__", "", "complex64", random_text(rng)))
+        dtype = (
+            rng.choice(sorted(DTYPE_ITEMSIZE))
+            if rng.random() < 0.85
+            else rng.choice(("float", "Tensor", "__class__", "", "complex64", random_text(rng)))
+        )
         dims = rng.choice((0, 1, 2, 3, 4, rng.randint(5, 80)))
-        shape = [rng.choice((0, 1, 2, 3, 7, rng.choice(INTERESTING_INTS), -1)) if rng.random() < 0.3 else rng.randint(0, 4) for _ in range(dims)]
+        shape = [
+            rng.choice((0, 1, 2, 3, 7, rng.choice(INTERESTING_INTS), -1))
+            if rng.random() < 0.3
+            else rng.randint(0, 4)
+            for _ in range(dims)
+        ]
         if shape and rng.random() < 0.3:
             shape[rng.randrange(len(shape))] = 0  # an empty tensor: any other dimension still fits
         itemsize = DTYPE_ITEMSIZE.get(dtype, 1)
-        nbytes = math.prod(shape) * itemsize if rng.random() < 0.75 else rng.choice((0, 1, 4, 8, 1 << 63, -1))
+        nbytes = (
+            math.prod(shape) * itemsize
+            if rng.random() < 0.75
+            else rng.choice((0, 1, 4, 8, 1 << 63, -1))
+        )
         nbytes = max(-(1 << 63), min(nbytes, (1 << 64) - 1))
         offset = rng.choice((0, 0, 1, 3, rng.randint(0, 64), rng.choice(INTERESTING_INTS), -1))
-        return m.TensorSpec(name=f"t{i}", dtype=dtype, shape=tuple(max(-(1 << 63), min(d, (1 << 64) - 1)) for d in shape), offset=offset, nbytes=nbytes)
+        return m.TensorSpec(
+            name=f"t{i}",
+            dtype=dtype,
+            shape=tuple(max(-(1 << 63), min(d, (1 << 64) - 1)) for d in shape),
+            offset=offset,
+            nbytes=nbytes,
+        )
 
     def execute(self, case: Case) -> Outcome:
         from flodl_async.wire.tensor import unpack_tensors
@@ -1361,27 +1757,42 @@ class TensorsTarget(Target):
         try:
             bundle = unpack_message(m.TensorBundle.KIND, case.data)
             assert isinstance(bundle, m.TensorBundle)
-            tensors = unpack_tensors(bundle, memoryview(bytearray(case.payload_len)) if case.payload_len else None)
+            tensors = unpack_tensors(
+                bundle, memoryview(bytearray(case.payload_len)) if case.payload_len else None
+            )
         except MalformedBody as exc:
             return Outcome(error=exc)
         except WireError as exc:
-            raise Violation("tensor error class", f"unpack_tensors raised {type(exc).__name__}, not MalformedBody: {exc}") from exc
+            raise Violation(
+                "tensor error class",
+                f"unpack_tensors raised {type(exc).__name__}, not MalformedBody: {exc}",
+            ) from exc
         if len(tensors) != len(bundle.tensors):
             return Outcome(frames=len(tensors), label="decoded (names repeat)")
         for spec in bundle.tensors:
             tensor = tensors[spec.name]
-            if tuple(tensor.shape) != spec.shape or tensor.numel() * tensor.element_size() != spec.nbytes:
-                raise Violation("tensor shape", f"{spec} decoded as a {tuple(tensor.shape)} tensor of {tensor.dtype}")
+            if (
+                tuple(tensor.shape) != spec.shape
+                or tensor.numel() * tensor.element_size() != spec.nbytes
+            ):
+                raise Violation(
+                    "tensor shape",
+                    f"{spec} decoded as a {tuple(tensor.shape)} tensor of {tensor.dtype}",
+                )
         return Outcome(frames=len(tensors), label="decoded")
 
     def describe(self, case: Case) -> str:
-        return f"a TensorBundle body of {len(case.data)} bytes ({case.origin}) over a payload of {case.payload_len} bytes"
+        return (
+            f"a TensorBundle body of {len(case.data)} bytes ({case.origin}) over a payload of "
+            f"{case.payload_len} bytes"
+        )
 
 
 def all_targets(seed: int, pattern: str = "*") -> list[Target]:
     """The targets whose names match the glob ``pattern``, in table order (only those are built)."""
     makers: list[tuple[str, Callable[[], Target]]] = [
-        (cls.name, functools.partial(cls, seed)) for cls in (SniffTarget, ServerHelloTarget, ServerProofTarget, ClientHelloTarget)
+        (cls.name, functools.partial(cls, seed))
+        for cls in (SniffTarget, ServerHelloTarget, ServerProofTarget, ClientHelloTarget)
     ]
     for group in (WireFramesTarget, KeyedFramesTarget):
         makers += [
@@ -1393,11 +1804,13 @@ def all_targets(seed: int, pattern: str = "*") -> list[Target]:
     return [make() for name, make in makers if fnmatch.fnmatchcase(name, pattern)]
 
 
-# ----- the runner ----------------------------------------------------------------------------------
+# ----- the runner
+# ----------------------------------------------------------------------------------
 
 
 class _Hang(BaseException):
-    """Raised by the watchdog's alarm inside an input that ran too long (a BaseException: no `except Exception` swallows it)."""
+    """Raised by the watchdog's alarm inside an input that ran too long (a BaseException: no `except
+    Exception` swallows it)."""
 
 
 @dataclass(slots=True)
@@ -1441,12 +1854,15 @@ class Report:
         if key in self.found:
             self.found[key].count += 1
         else:
-            self.found[key] = Found(target.name, violation.check, violation.detail, index, case, target.describe(case))
+            self.found[key] = Found(
+                target.name, violation.check, violation.detail, index, case, target.describe(case)
+            )
 
 
 @contextlib.contextmanager
 def watchdog(seconds: float | None) -> Iterator[Callable[[bool], None]]:
-    """``arm(True)`` before an input, ``arm(False)`` after: an input that runs past ``seconds`` raises :class:`_Hang`."""
+    """``arm(True)`` before an input, ``arm(False)`` after: an input that runs past ``seconds``
+    raises :class:`_Hang`."""
     if seconds is None or not hasattr(signal, "setitimer"):
         yield lambda _on: None
         return
@@ -1463,7 +1879,8 @@ def watchdog(seconds: float | None) -> Iterator[Callable[[bool], None]]:
 
 
 def run_one(target: Target, seed: int, index: int) -> tuple[Case, Outcome | Violation]:
-    """Generate and run one input; anything but a clean outcome or a WireError inside it is a :class:`Violation`."""
+    """Generate and run one input; anything but a clean outcome or a WireError inside it is a
+    :class:`Violation`."""
     case = target.generate(input_rng(seed, target.name, index))
     try:
         return case, target.execute(case)
@@ -1472,12 +1889,23 @@ def run_one(target: Target, seed: int, index: int) -> tuple[Case, Outcome | Viol
     except _Hang:
         return case, Violation("hang", f"the input ran past the watchdog's {HANG_SECONDS:g} s")
     except Exception as exc:  # the property's first clause: anything else is a bug
-        where = "".join(traceback.format_tb(exc.__traceback__, limit=-3)).rstrip().replace("\n", "\n    ")
-        first_line = next(iter(str(exc).splitlines()), "")  # torch appends its whole C++ stack to the message
+        where = (
+            "".join(traceback.format_tb(exc.__traceback__, limit=-3))
+            .rstrip()
+            .replace("\n", "\n    ")
+        )
+        # torch appends its whole C++ stack to the message
+        first_line = next(iter(str(exc).splitlines()), "")
         return case, Violation(f"non-WireError {type(exc).__name__}", f"{first_line}\n    {where}")
 
 
-def fuzz(targets: Sequence[Target], *, seed: int, budget: dict[str, int], hang_seconds: float | None = HANG_SECONDS) -> Report:
+def fuzz(
+    targets: Sequence[Target],
+    *,
+    seed: int,
+    budget: dict[str, int],
+    hang_seconds: float | None = HANG_SECONDS,
+) -> Report:
     """Run ``budget[name]`` inputs on each target."""
     report = Report(seed=seed)
     with watchdog(hang_seconds) as arm:
@@ -1506,28 +1934,44 @@ def fuzz(targets: Sequence[Target], *, seed: int, budget: dict[str, int], hang_s
 
 
 def split_budget(targets: Sequence[Target], inputs: int) -> dict[str, int]:
-    """``inputs`` shared by the targets' weights, to the input (largest remainders first); every target gets at least one."""
+    """``inputs`` shared by the targets' weights, to the input (largest remainders first); every
+    target gets at least one."""
     total = sum(t.weight for t in targets)
     shares = [inputs * t.weight / total for t in targets]
     counts = [int(share) for share in shares]
-    for i in sorted(range(len(targets)), key=lambda i: counts[i] - shares[i])[: inputs - sum(counts)]:
+    for i in sorted(range(len(targets)), key=lambda i: counts[i] - shares[i])[
+        : inputs - sum(counts)
+    ]:
         counts[i] += 1
     return {t.name: max(1, count) for t, count in zip(targets, counts, strict=True)}
 
 
-# ----- the report ----------------------------------------------------------------------------------
+# ----- the report
+# ----------------------------------------------------------------------------------
 
 
 def _row(cells: Sequence[object], widths: Sequence[int]) -> str:
-    return "  ".join(str(c).ljust(w) if i == 0 else str(c).rjust(w) for i, (c, w) in enumerate(zip(cells, widths, strict=True)))
+    return "  ".join(
+        str(c).ljust(w) if i == 0 else str(c).rjust(w)
+        for i, (c, w) in enumerate(zip(cells, widths, strict=True))
+    )
 
 
 def format_report(report: Report) -> str:
-    """The tables: inputs per target, then errors by WireError subclass per group, then what broke."""
+    """The tables: inputs per target, then errors by WireError subclass per group, then what
+    broke."""
     lines = [f"fuzz_wire: seed {report.seed}, {sum(s.inputs for s in report.stats)} inputs", ""]
     head = ("target", "inputs", "clean", "wire errors", "frames", "handshakes", "inputs/s")
     rows: list[tuple[object, ...]] = [
-        (s.name, s.inputs, s.inputs - sum(s.errors.values()), sum(s.errors.values()), s.frames, s.established, f"{s.inputs / max(s.seconds, 1e-9):,.0f}")
+        (
+            s.name,
+            s.inputs,
+            s.inputs - sum(s.errors.values()),
+            sum(s.errors.values()),
+            s.frames,
+            s.established,
+            f"{s.inputs / max(s.seconds, 1e-9):,.0f}",
+        )
         for s in report.stats
     ]
     seconds = sum(s.seconds for s in report.stats)
@@ -1535,19 +1979,34 @@ def format_report(report: Report) -> str:
     rows.append(("total", *totals, f"{totals[0] / max(seconds, 1e-9):,.0f}"))
     widths = [max(len(str(r[i])) for r in (head, *rows)) for i in range(len(head))]
     lines += [_row(head, widths), _row(["-" * w for w in widths], widths)]
-    lines += [_row(r, widths) for r in rows[:-1]] + [_row(["-" * w for w in widths], widths), _row(rows[-1], widths), ""]
+    lines += [_row(r, widths) for r in rows[:-1]] + [
+        _row(["-" * w for w in widths], widths),
+        _row(rows[-1], widths),
+        "",
+    ]
     groups = list(dict.fromkeys(s.group for s in report.stats))
     by_group: dict[str, collections.Counter[str]] = {g: collections.Counter() for g in groups}
     for s in report.stats:
         by_group[s.group].update(s.errors)
     names = sorted({name for c in by_group.values() for name in c})
     head2 = ("WireError subclass", *groups, "total")
-    rows2 = [(name, *(by_group[g][name] for g in groups), sum(by_group[g][name] for g in groups)) for name in names]
+    rows2 = [
+        (name, *(by_group[g][name] for g in groups), sum(by_group[g][name] for g in groups))
+        for name in names
+    ]
     widths2 = [max(len(str(r[i])) for r in (head2, *rows2)) for i in range(len(head2))]
-    lines += [_row(head2, widths2), _row(["-" * w for w in widths2], widths2), *(_row(r, widths2) for r in rows2), ""]
+    lines += [
+        _row(head2, widths2),
+        _row(["-" * w for w in widths2], widths2),
+        *(_row(r, widths2) for r in rows2),
+        "",
+    ]
     for s in report.stats:
         if s.labels:
-            lines.append(f"{s.name} outcomes: " + ", ".join(f"{label} {n}" for label, n in sorted(s.labels.items())))
+            lines.append(
+                f"{s.name} outcomes: "
+                + ", ".join(f"{label} {n}" for label, n in sorted(s.labels.items()))
+            )
     lines.append("")
     lines += format_found(report)
     return "\n".join(lines)
@@ -1565,8 +2024,10 @@ def format_found(report: Report) -> list[str]:
             f"[{found.target}] {found.check} — {found.count} input(s); first: index {found.index}",
             f"  {found.detail}",
             f"  input: {found.description}",
-            f"  hex: {hexed[:4096]}{'… (truncated: replay for all of it)' if len(hexed) > 4096 else ''}",
-            f"  replay: python tools/fuzz_wire.py --seed {report.seed} --replay {found.target}:{found.index}",
+            f"  hex: {hexed[:4096]}"
+            f"{'… (truncated: replay for all of it)' if len(hexed) > 4096 else ''}",
+            f"  replay: python tools/fuzz_wire.py --seed {report.seed} --replay "
+            f"{found.target}:{found.index}",
         ]
     return lines
 
@@ -1576,7 +2037,10 @@ def replay(targets: Sequence[Target], seed: int, spec: str) -> int:
     name, _, index_text = spec.rpartition(":")
     target = next((t for t in targets if t.name == name), None)
     if target is None or not index_text.isdigit():
-        print(f"--replay wants TARGET:INDEX, TARGET one of {', '.join(t.name for t in targets)}", file=sys.stderr)
+        print(
+            f"--replay wants TARGET:INDEX, TARGET one of {', '.join(t.name for t in targets)}",
+            file=sys.stderr,
+        )
         return 2
     case, result = run_one(target, seed, int(index_text))
     print(f"{target.name} input {index_text} (seed {seed}): {target.describe(case)}")
@@ -1584,19 +2048,25 @@ def replay(targets: Sequence[Target], seed: int, spec: str) -> int:
     if isinstance(result, Violation):
         print(f"VIOLATION {result.check}: {result.detail}")
         return 1
-    print(f"ok: error={result.error!r}, frames={result.frames}, established={result.established} {result.label}")
+    print(
+        f"ok: error={result.error!r}, frames={result.frames}, established={result.established} "
+        f"{result.label}"
+    )
     return 0
 
 
-# ----- live: a real PortMux and FramedService on loopback ------------------------------------------
+# ----- live: a real PortMux and FramedService on loopback
+# ------------------------------------------
 
-#: Channels whose service answers: join and control echo heartbeats, data echoes bundles (rendezvous sends nothing down).
+#: Channels whose service answers: join and control echo heartbeats, data echoes bundles (rendezvous
+#: sends nothing down).
 _ECHOED = (Channel.JOIN, Channel.CONTROL, Channel.DATA)
 
 
 @dataclass(slots=True)
 class LiveReport:
-    """What the live run saw: fuzzed connections by kind, how they ended, the good clients' answers, what broke."""
+    """What the live run saw: fuzzed connections by kind, how they ended, the good clients' answers,
+    what broke."""
 
     seed: int
     connections: collections.Counter[str] = field(default_factory=collections.Counter)
@@ -1606,7 +2076,8 @@ class LiveReport:
     server_links: int = 0
     mux: dict[str, object] = field(default_factory=dict)
     violations: list[str] = field(default_factory=list)
-    #: Seconds the fuzzed connections took, and the whole run (which also waits out the stalled peers).
+    #: Seconds the fuzzed connections took, and the whole run (which also waits out the stalled
+    #: peers).
     flood_seconds: float = 0.0
     seconds: float = 0.0
 
@@ -1614,19 +2085,24 @@ class LiveReport:
         """The live table."""
         rate = sum(self.connections.values()) / max(self.flood_seconds, 1e-9)
         lines = [
-            f"live: seed {self.seed}, {sum(self.connections.values())} fuzzed connections in {self.flood_seconds:.1f} s ({rate:,.0f}/s; "
+            f"live: seed {self.seed}, {sum(self.connections.values())} fuzzed connections in "
+            f"{self.flood_seconds:.1f} s ({rate:,.0f}/s; "
             f"{self.seconds:.1f} s in all), {self.server_links} framed links accepted",
             "  by kind: " + ", ".join(f"{k} {n}" for k, n in sorted(self.connections.items())),
             "  endings: " + ", ".join(f"{k} {n}" for k, n in sorted(self.endings.items())),
-            f"  well-behaved clients answered throughout: {self.probes} framed round trips, {self.status_gets} status GETs",
+            f"  well-behaved clients answered throughout: {self.probes} framed round trips, "
+            f"{self.status_gets} status GETs",
             f"  mux: {self.mux}",
         ]
-        lines += [f"  LIVE VIOLATION: {v}" for v in self.violations] or ["  property held: no violation"]
+        lines += [f"  LIVE VIOLATION: {v}" for v in self.violations] or [
+            "  property held: no violation"
+        ]
         return "\n".join(lines)
 
 
 async def echo_handler(link: FramedProtocol) -> None:
-    """The services' handler: echo heartbeats (join, control) and tensor bundles with their payload (data)."""
+    """The services' handler: echo heartbeats (join, control) and tensor bundles with their payload
+    (data)."""
     while True:
         frame = await link.recv()
         if link.channel is Channel.DATA:
@@ -1655,14 +2131,21 @@ async def read_to_end(reader: asyncio.StreamReader, seconds: float) -> tuple[str
 
 
 class _LiveClients:
-    """The clients of the live run: fuzzed ones, well-behaved ones, and peers that stall mid-handshake."""
+    """The clients of the live run: fuzzed ones, well-behaved ones, and peers that stall
+    mid-handshake."""
 
     def __init__(self, seed: int, port: int, secret: bytes, report: LiveReport) -> None:
         self.seed, self.port, self.secret, self.report = seed, port, secret, report
-        self.hello_fixture = handshake_fixture(input_rng(seed, "live", "fixture"), secret, Channel.JOIN, CredentialKind.SESSION)
+        self.hello_fixture = handshake_fixture(
+            input_rng(seed, "live", "fixture"), secret, Channel.JOIN, CredentialKind.SESSION
+        )
 
-    async def _handshake(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, channel: Channel) -> Established:
-        client = ClientHandshake(channel=channel, credential=Credential.session(self.secret), version=VERSION)
+    async def _handshake(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, channel: Channel
+    ) -> Established:
+        client = ClientHandshake(
+            channel=channel, credential=Credential.session(self.secret), version=VERSION
+        )
         writer.write(CHANNEL_MAGIC[channel] + client.hello())
         async with asyncio.timeout(5):
             while True:
@@ -1673,19 +2156,34 @@ class _LiveClients:
 
     def _fuzzed_bytes(self, rng: random.Random, kind: str, channel: Channel) -> bytes:
         fixture = self.hello_fixture
-        mutator = Mutator(rng, donors=[fixture.hello, fixture.server_hello, *CHANNEL_MAGIC.values()])
+        mutator = Mutator(
+            rng, donors=[fixture.hello, fixture.server_hello, *CHANNEL_MAGIC.values()]
+        )
         if kind == "random":
             return rng.randbytes(rng.randint(0, 300))
         if kind == "mutated magic":
-            return mutator.mutate(Sample(data=CHANNEL_MAGIC[channel] + fixture.hello, units=(0, 4)), max_ops=2)[0]
+            return mutator.mutate(
+                Sample(data=CHANNEL_MAGIC[channel] + fixture.hello, units=(0, 4)), max_ops=2
+            )[0]
         if kind == "mutated hello":
-            sample = Sample(data=fixture.hello + fixture.proof + fixture.first_frames, units=(0, len(fixture.hello)), fields=_hello_fields())
+            sample = Sample(
+                data=fixture.hello + fixture.proof + fixture.first_frames,
+                units=(0, len(fixture.hello)),
+                fields=_hello_fields(),
+            )
             return CHANNEL_MAGIC[channel] + mutator.mutate(sample)[0]
         request = b"GET /state.json HTTP/1.1\r\nHost: fuzz\r\nAccept: */*\r\n\r\n"
         return mutator.mutate(Sample(data=request, units=(0, 4, 26)))[0]
 
-    async def _authenticated(self, rng: random.Random, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, channel: Channel) -> None:
-        """A real handshake, then a mutated stream of legal frames (or a valid one) under this connection's keys."""
+    async def _authenticated(
+        self,
+        rng: random.Random,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        channel: Channel,
+    ) -> None:
+        """A real handshake, then a mutated stream of legal frames (or a valid one) under this
+        connection's keys."""
         keys = (await self._handshake(reader, writer, channel)).keys
         codec = FrameConnection(channel=channel, side=Side.PEER, keys=keys)
         legal = sorted(LEGAL_KINDS[(channel, Direction.TO_CONTROLLER)], key=lambda cls: cls.KIND)
@@ -1699,14 +2197,28 @@ class _LiveClients:
             else:
                 stream += codec.send(random_message(rng, cls))
         if rng.random() < 0.8:
-            sample = Sample(data=stream, units=tuple(starts), fields=tuple(f for s in starts for f in frame_fields(s)))
+            sample = Sample(
+                data=stream,
+                units=tuple(starts),
+                fields=tuple(f for s in starts for f in frame_fields(s)),
+            )
             stream = Mutator(rng).mutate(sample)[0]
         writer.write(stream)
 
     async def fuzzed(self, index: int) -> None:
-        """One fuzzed connection: write its bytes, end it one way or another, and see the server end its side."""
+        """One fuzzed connection: write its bytes, end it one way or another, and see the server end
+        its side."""
         rng = input_rng(self.seed, "live", index)
-        kind = rng.choice(("random", "mutated magic", "mutated hello", "authenticated, fuzzed frames", "authenticated, fuzzed frames", "http"))
+        kind = rng.choice(
+            (
+                "random",
+                "mutated magic",
+                "mutated hello",
+                "authenticated, fuzzed frames",
+                "authenticated, fuzzed frames",
+                "http",
+            )
+        )
         channel = rng.choice(FRAMED_CHANNELS)
         self.report.connections[kind] += 1
         reader, writer = await asyncio.open_connection("127.0.0.1", self.port)
@@ -1724,7 +2236,10 @@ class _LiveClients:
                 how, _ = await read_to_end(reader, 5.0)
                 self.report.endings[f"server {how}"] += 1
                 if how == "open":
-                    self.report.violations.append(f"connection {index} ({kind}, {channel.value}): the server kept it open 5 s after the peer's EOF")
+                    self.report.violations.append(
+                        f"connection {index} ({kind}, {channel.value}): the server kept it open 5 "
+                        "s after the peer's EOF"
+                    )
             elif ending == "abort":
                 writer.transport.abort()
                 self.report.endings["client reset"] += 1
@@ -1738,7 +2253,8 @@ class _LiveClients:
                 await writer.wait_closed()
 
     async def well_behaved(self, done: asyncio.Event) -> None:
-        """Until ``done``: a framed round trip on each answering channel, and a status GET; each must succeed in time."""
+        """Until ``done``: a framed round trip on each answering channel, and a status GET; each
+        must succeed in time."""
         rng = input_rng(self.seed, "live", "probe")
         while not done.is_set():
             channel = rng.choice(_ECHOED)
@@ -1747,13 +2263,17 @@ class _LiveClients:
                     await self._round_trip(channel, rng)
                     await self._status_get()
             except (TimeoutError, OSError, WireError) as exc:
-                self.report.violations.append(f"a well-behaved {channel.value} client or status GET failed mid-run: {exc!r}")
+                self.report.violations.append(
+                    f"a well-behaved {channel.value} client or status GET failed mid-run: {exc!r}"
+                )
                 return
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(done.wait(), 0.02)
 
     async def _round_trip(self, channel: Channel, rng: random.Random) -> None:
-        link = await open_framed("127.0.0.1", self.port, channel=channel, credential=Credential.session(self.secret))
+        link = await open_framed(
+            "127.0.0.1", self.port, channel=channel, credential=Credential.session(self.secret)
+        )
         try:
             msg: Message
             if channel is Channel.DATA:
@@ -1763,8 +2283,13 @@ class _LiveClients:
                 msg, payload = m.Heartbeat(sent_at=rng.random()), b""
                 link.send(msg)
             frame = await link.recv()
-            if frame.message != msg or (bytes(frame.payload) if frame.payload is not None else b"") != payload:
-                self.report.violations.append(f"a well-behaved {channel.value} client got {frame.message!r} back for {msg!r}")
+            if (
+                frame.message != msg
+                or (bytes(frame.payload) if frame.payload is not None else b"") != payload
+            ):
+                self.report.violations.append(
+                    f"a well-behaved {channel.value} client got {frame.message!r} back for {msg!r}"
+                )
             self.report.probes += 1
         finally:
             await link.aclose()
@@ -1781,7 +2306,8 @@ class _LiveClients:
             writer.close()
 
     async def stalled(self, channel: Channel, wait: float) -> None:
-        """A peer that sends the magic and half a hello, then nothing: the server must not hold it past the handshake deadline."""
+        """A peer that sends the magic and half a hello, then nothing: the server must not hold it
+        past the handshake deadline."""
         reader, writer = await asyncio.open_connection("127.0.0.1", self.port)
         try:
             writer.write(CHANNEL_MAGIC[channel] + self.hello_fixture.hello[:5])
@@ -1789,14 +2315,17 @@ class _LiveClients:
             self.report.endings[f"stalled peer: server {how}"] += 1
             if how == "open":
                 self.report.violations.append(
-                    f"a {channel.value} peer that stalled mid-handshake was still open {wait:g} s later (the handshake deadline is "
+                    f"a {channel.value} peer that stalled mid-handshake was still open {wait:g} s "
+                    "later (the handshake deadline is "
                     f"{wait - 2:g} s): no server-side handshake deadline"
                 )
         finally:
             writer.close()
 
 
-def _tracked(factory: Callable[[], asyncio.BaseProtocol], links: list[FramedProtocol]) -> Callable[[], asyncio.BaseProtocol]:
+def _tracked(
+    factory: Callable[[], asyncio.BaseProtocol], links: list[FramedProtocol]
+) -> Callable[[], asyncio.BaseProtocol]:
     """The service's factory, remembering each server-side link it makes."""
 
     def make() -> asyncio.BaseProtocol:
@@ -1819,10 +2348,14 @@ class _ErrorLog(logging.Handler):
         self.records.append(record)
 
 
-async def live(seed: int, connections: int, *, concurrency: int = 32, stall: bool = True) -> LiveReport:
-    """A real PortMux with every framed service and the status channel, against ``connections`` fuzzed connections.
+async def live(
+    seed: int, connections: int, *, concurrency: int = 32, stall: bool = True
+) -> LiveReport:
+    """A real PortMux with every framed service and the status channel, against ``connections``
+    fuzzed connections.
 
-    Throughout, well-behaved clients must get their answers; afterwards, every server-side link must be
+    Throughout, well-behaved clients must get their answers; afterwards, every server-side link must
+    be
     closed, no task left behind, and neither the loop nor a handler may have reported an error.
     """
     report = LiveReport(seed=seed)
@@ -1834,39 +2367,76 @@ async def live(seed: int, connections: int, *, concurrency: int = 32, stall: boo
     errors = _ErrorLog()
     logging.getLogger("flodl_async").addHandler(errors)
     links: list[FramedProtocol] = []
-    mux = PortMux(host="127.0.0.1", port=0, sniff_timeout=2.0, limits=AdmissionLimits(max_unauthenticated=4096, max_unauthenticated_per_peer=4096))
+    mux = PortMux(
+        host="127.0.0.1",
+        port=0,
+        sniff_timeout=2.0,
+        limits=AdmissionLimits(max_unauthenticated=4096, max_unauthenticated_per_peer=4096),
+    )
     try:
         async with asyncio.timeout(120 + connections * 0.05), asyncio.TaskGroup() as services:
             for channel in FRAMED_CHANNELS:
-                service = FramedService(channel=channel, resolve=session_resolver(secret), run_id=RUN_ID, handler=echo_handler, task_group=services)
+                service = FramedService(
+                    channel=channel,
+                    resolve=session_resolver(secret),
+                    run_id=RUN_ID,
+                    handler=echo_handler,
+                    task_group=services,
+                )
                 mux.register(channel, _tracked(service.protocol_factory, links))
-            mux.register(Channel.STATUS, lambda: StatusHttpProtocol(StatusBoard(), request_timeout=2.0))
+            mux.register(
+                Channel.STATUS, lambda: StatusHttpProtocol(StatusBoard(), request_timeout=2.0)
+            )
             await mux.start()
             try:
                 stall_wait = Deadlines.resolve().handshake + 2 if stall else None
-                await _drive_clients(_LiveClients(seed, mux.port, secret, report), connections, concurrency, stall_wait)
+                await _drive_clients(
+                    _LiveClients(seed, mux.port, secret, report),
+                    connections,
+                    concurrency,
+                    stall_wait,
+                )
                 await _all_closed(links, report)
                 stats = mux.statistics()
-                report.mux = {"accepted": stats.accepted, "routed": stats.routed, "dropped": stats.dropped, "unsniffed_now": stats.unsniffed_now}
+                report.mux = {
+                    "accepted": stats.accepted,
+                    "routed": stats.routed,
+                    "dropped": stats.dropped,
+                    "unsniffed_now": stats.unsniffed_now,
+                }
                 if stats.unsniffed_now:
-                    report.violations.append(f"{stats.unsniffed_now} connections still unsniffed after every client closed")
+                    report.violations.append(
+                        f"{stats.unsniffed_now} connections still unsniffed after every client "
+                        "closed"
+                    )
             finally:
                 await mux.aclose()
     except TimeoutError:
         report.violations.append("the live run hung (its overall deadline passed)")
     finally:
         logging.getLogger("flodl_async").removeHandler(errors)
-    left = [t.get_name() for t in asyncio.all_tasks() if t is not asyncio.current_task() and not t.done()]
+    left = [
+        t.get_name()
+        for t in asyncio.all_tasks()
+        if t is not asyncio.current_task() and not t.done()
+    ]
     if left:
         report.violations.append(f"tasks left behind: {left[:10]}")
-    report.violations += [f"the event loop reported: {c.get('message')} {c.get('exception')!r}" for c in loop_errors]
-    report.violations += [f"flodl_async logged an error: {r.getMessage()} {r.exc_info[1] if r.exc_info else ''!r}" for r in errors.records]
+    report.violations += [
+        f"the event loop reported: {c.get('message')} {c.get('exception')!r}" for c in loop_errors
+    ]
+    report.violations += [
+        f"flodl_async logged an error: {r.getMessage()} {r.exc_info[1] if r.exc_info else ''!r}"
+        for r in errors.records
+    ]
     report.server_links = len(links)
     report.seconds = time.perf_counter() - started
     return report
 
 
-async def _drive_clients(clients: _LiveClients, connections: int, concurrency: int, stall_wait: float | None) -> None:
+async def _drive_clients(
+    clients: _LiveClients, connections: int, concurrency: int, stall_wait: float | None
+) -> None:
     done = asyncio.Event()
     slots = asyncio.Semaphore(concurrency)
 
@@ -1878,7 +2448,9 @@ async def _drive_clients(clients: _LiveClients, connections: int, concurrency: i
         tg.create_task(clients.well_behaved(done), name="live-well-behaved")
         if stall_wait is not None:
             for channel in FRAMED_CHANNELS:
-                tg.create_task(clients.stalled(channel, stall_wait), name=f"live-stalled-{channel.value}")
+                tg.create_task(
+                    clients.stalled(channel, stall_wait), name=f"live-stalled-{channel.value}"
+                )
         started = time.perf_counter()
         async with asyncio.TaskGroup() as flood:
             for index in range(connections):
@@ -1889,31 +2461,62 @@ async def _drive_clients(clients: _LiveClients, connections: int, concurrency: i
 
 async def _all_closed(links: Sequence[FramedProtocol], report: LiveReport) -> None:
     """Every server-side link ends once its peer is gone (within a few seconds)."""
-    results = await asyncio.gather(*(asyncio.wait_for(link.wait_closed(), 5) for link in links), return_exceptions=True)
+    results = await asyncio.gather(
+        *(asyncio.wait_for(link.wait_closed(), 5) for link in links), return_exceptions=True
+    )
     still_open = sum(isinstance(r, TimeoutError) for r in results)
     if still_open:
-        report.violations.append(f"{still_open} of {len(links)} server-side links still open 5 s after every client closed")
+        report.violations.append(
+            f"{still_open} of {len(links)} server-side links still open 5 s after every client "
+            "closed"
+        )
 
 
-# ----- the command line ----------------------------------------------------------------------------
+# ----- the command line
+# ----------------------------------------------------------------------------
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the fuzz targets (and the live run), print the tables; exit 1 on any violation."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--inputs", type=int, default=100_000, help="sans-IO inputs in all, shared by the targets' weights (default 100000)")
-    parser.add_argument("--seed", type=int, default=0, help="the run's seed: same seed, same inputs (default 0)")
-    parser.add_argument("--targets", default="*", help="a glob over target names, e.g. 'wire/*' or 'server-*' (default: all)")
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--inputs",
+        type=int,
+        default=100_000,
+        help="sans-IO inputs in all, shared by the targets' weights (default 100000)",
+    )
+    parser.add_argument(
+        "--seed", type=int, default=0, help="the run's seed: same seed, same inputs (default 0)"
+    )
+    parser.add_argument(
+        "--targets",
+        default="*",
+        help="a glob over target names, e.g. 'wire/*' or 'server-*' (default: all)",
+    )
     parser.add_argument("--replay", metavar="TARGET:INDEX", help="run one input alone and print it")
-    parser.add_argument("--live", action="store_true", help="also fuzz a real PortMux + FramedService on loopback (uvloop)")
-    parser.add_argument("--connections", type=int, default=3000, help="fuzzed connections of the live run (default 3000)")
+    parser.add_argument(
+        "--live",
+        action="store_true",
+        help="also fuzz a real PortMux + FramedService on loopback (uvloop)",
+    )
+    parser.add_argument(
+        "--connections",
+        type=int,
+        default=3000,
+        help="fuzzed connections of the live run (default 3000)",
+    )
     args = parser.parse_args(argv)
     import faulthandler
 
     faulthandler.enable()  # a crash in C (cryptography, msgpack) still prints where it happened
-    logging.basicConfig(level=logging.CRITICAL)  # the services log every rejected peer; the tables say it all
+    # the services log every rejected peer; the tables say it all
+    logging.basicConfig(level=logging.CRITICAL)
     if args.replay:
-        return replay(all_targets(args.seed, args.replay.rpartition(":")[0] or "-"), args.seed, args.replay)
+        return replay(
+            all_targets(args.seed, args.replay.rpartition(":")[0] or "-"), args.seed, args.replay
+        )
     targets = all_targets(args.seed, args.targets)
     failed = False
     if targets and args.inputs > 0:

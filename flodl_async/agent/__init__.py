@@ -13,6 +13,21 @@ long-lived dial-in agent that comes next.
 """
 
 from .output import RankOutput
-from .session import Ending, HostSession, SessionConfig, SessionOutcome, detect_gpu_count, device_labels
+from .session import (
+    Ending,
+    HostSession,
+    SessionConfig,
+    SessionOutcome,
+    detect_gpu_count,
+    device_labels,
+)
 
-__all__ = ["Ending", "HostSession", "RankOutput", "SessionConfig", "SessionOutcome", "detect_gpu_count", "device_labels"]
+__all__ = [
+    "Ending",
+    "HostSession",
+    "RankOutput",
+    "SessionConfig",
+    "SessionOutcome",
+    "detect_gpu_count",
+    "device_labels",
+]

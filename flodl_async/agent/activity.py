@@ -1,10 +1,12 @@
-"""What makes a hang visible: each rank's process as ``/proc`` shows it, its output, and whether it reached the store.
+"""What makes a hang visible: each rank's process as ``/proc`` shows it, its output, and whether it
+reached the store.
 
 Theory of operation. The agent spawned every rank, so it knows each pid. Every
 report interval (the heartbeat interval: a couple of seconds) it reads, per
 rank, one ``/proc/<pid>/stat`` (the state letter, CPU ticks, start time) and,
 until the rank is seen connected, its ``/proc/<pid>/fd`` links — and the host's
-``/proc/net/tcp{,6}`` only when those hold a socket not seen before: a socket of the rank whose established TCP connection
+``/proc/net/tcp{,6}`` only when those hold a socket not seen before: a socket of the rank whose
+established TCP connection
 goes to the store's port means the rank reached the rendezvous store (the
 store is ours, and its port is the controller's). Output comes for free: the
 agent forwards every chunk, and :class:`RankActivityTracker` keeps the last
@@ -37,14 +39,16 @@ from ..wire import messages as m
 
 #: The last line is cut to this many characters (a report stays small whatever a rank prints).
 LAST_LINE_LIMIT = 200
-#: A rank not yet seen at the store has its sockets matched against the TCP tables at least this often.
+#: A rank not yet seen at the store has its sockets matched against the TCP tables at least this
+#: often.
 RECHECK_S = 30.0
 #: A rank's tree is read up to this many processes (a fork bomb must not make every report costly).
 TREE_LIMIT = 64
 _TCP_ESTABLISHED = "01"
 _CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 #: Which member's state a tree shows, most telling first: stopped (T, t), blocked in the kernel
-#: (D), running (R), then the idle ones; a zombie (Z) or dead (X) member shows only when nothing else does.
+#: (D), running (R), then the idle ones; a zombie (Z) or dead (X) member shows only when nothing
+#: else does.
 _STATE_PRIORITY = "TtDRSIWPKZX"
 
 
@@ -80,7 +84,8 @@ def parse_children(text: str) -> list[int]:
 
 
 def tree_state(states: list[str]) -> str:
-    """The state a rank's tree shows: its most telling member's (see :data:`_STATE_PRIORITY`; unknown letters last)."""
+    """The state a rank's tree shows: its most telling member's (see :data:`_STATE_PRIORITY`;
+    unknown letters last)."""
 
     def telling(state: str) -> int:
         place = _STATE_PRIORITY.find(state)
@@ -95,7 +100,8 @@ def tree_ticks(stats: list[ProcStat]) -> int:
 
 
 def _read(path: str) -> str:
-    """A small ``/proc`` file in one read (cheaper than ``Path.read_text``: torch ranks have dozens of threads)."""
+    """A small ``/proc`` file in one read (cheaper than ``Path.read_text``: torch ranks have dozens
+    of threads)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         return os.read(fd, 65536).decode(errors="replace")
@@ -129,7 +135,8 @@ def process_tree(pid: int, limit: int = TREE_LIMIT) -> list[int]:
 
 
 def parse_net_tcp(text: str, remote_port: int) -> frozenset[int]:
-    """Socket inodes of established connections to ``remote_port`` in a ``/proc/net/tcp`` or ``tcp6`` table."""
+    """Socket inodes of established connections to ``remote_port`` in a ``/proc/net/tcp`` or
+    ``tcp6`` table."""
     inodes: set[int] = set()
     for line in text.splitlines()[1:]:
         cols = line.split()
@@ -164,7 +171,8 @@ def store_connections(remote_port: int) -> frozenset[int]:
 
 
 def last_line_of(data: bytes) -> str:
-    """The last non-blank line (or ``\\r`` update) of an output chunk, cut to :data:`LAST_LINE_LIMIT`; '' when it has none."""
+    """The last non-blank line (or ``\\r`` update) of an output chunk, cut to
+    :data:`LAST_LINE_LIMIT`; '' when it has none."""
     for piece in reversed(data.replace(b"\r", b"\n").split(b"\n")):
         text = piece.decode(errors="replace").strip()
         if text:
@@ -173,7 +181,8 @@ def last_line_of(data: bytes) -> str:
 
 
 class RankActivityTracker:
-    """One rank's activity between reports: its output as it passes, its CPU as sampled (``now`` is monotonic)."""
+    """One rank's activity between reports: its output as it passes, its CPU as sampled (``now`` is
+    monotonic)."""
 
     def __init__(self, *, rank: int, pid: int, store_port: int, now: float) -> None:
         self.rank = rank
@@ -221,7 +230,8 @@ class RankActivityTracker:
         )
 
     def sample(self, now: float, connections: Callable[[int], frozenset[int]]) -> m.RankActivity:
-        """Read the ``/proc`` entries of the rank's process tree and, until it is seen at the store, their sockets.
+        """Read the ``/proc`` entries of the rank's process tree and, until it is seen at the store,
+        their sockets.
 
         ``connections(port)`` reads the host's TCP tables (costly: milliseconds on a busy
         host), so it is asked only when the tree holds sockets it did not hold at the last

@@ -33,7 +33,15 @@ from ..config.argtypos import HintingParser, hyphenate
 from ..config.devices import parse_devices
 from ..control.backoff import BackoffPolicy
 from ..deadlines import DEFAULT_STOP_GRACE, Deadlines
-from ..errors import AgentError, ConfigError, ConnectionClosed, ControllerLost, FlodlError, JoinFailed, WireError
+from ..errors import (
+    AgentError,
+    ConfigError,
+    ConnectionClosed,
+    ControllerLost,
+    FlodlError,
+    JoinFailed,
+    WireError,
+)
 from ..host.ifnames import stand_alone_default_ifname
 from ..host.sdnotify import Notifier
 from ..host.secretfile import read_secret_file, read_token_file
@@ -47,7 +55,8 @@ log = logging.getLogger("flodl_async.agent")
 
 EXAMPLES = """\
 examples:
-  flodl-agent --controller 10.0.0.1:1337 --devices all --secret-file ~/.flodl/secret --connect-timeout 120
+  flodl-agent --controller 10.0.0.1:1337 --devices all --secret-file ~/.flodl/secret
+  flodl-agent --controller 10.0.0.1:1337 --devices all --connect-timeout 120 < secret
   flodl-agent --controller 10.0.0.1:1337 --devices cpu:4 --secret-file /run/flodl/secret
   flodl-agent --controller 10.0.0.1:1337 --devices 0,1 --token-file /etc/flodl/token --persist
   ssh node-b flodl-agent --controller 10.0.0.1:1337 --devices 0,1 < secret
@@ -58,7 +67,8 @@ def _parser() -> argparse.ArgumentParser:
     parser = HintingParser(
         prog="flodl-agent",
         description="Join a flodl controller's run and run this host's ranks. The session secret "
-        "comes on stdin (32 hex characters) or from --secret-file, or the agent holds the cluster token "
+        "comes on stdin (32 hex characters) or from --secret-file, or the agent holds the cluster "
+        "token "
         "(--token-file) and the controller sends it the secret sealed; never on the command line.",
         epilog=EXAMPLES + "\n" + exit_help(AGENT_EXIT_MEANINGS),
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -68,42 +78,59 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--spec-stdin",
         action="store_true",
-        help="started by flodl-launch over ssh: read the whole spec as one JSON line on stdin; EOF on stdin stops the agent",
+        help="started by flodl-launch over ssh: read the whole spec as one JSON line on stdin; EOF "
+        "on stdin stops the agent",
     )
-    parser.add_argument("--devices", default="all", help="`all` GPUs, ids like 0,1, or cpu:N (default %(default)s)")
-    parser.add_argument("--host", default=socket.gethostname(), help="this host's name in the run (default: hostname)")
-    parser.add_argument("--secret-file", help="file holding the session secret in hex (yours, mode 0600): one run")
+    parser.add_argument(
+        "--devices", default="all", help="`all` GPUs, ids like 0,1, or cpu:N (default %(default)s)"
+    )
+    parser.add_argument(
+        "--host",
+        default=socket.gethostname(),
+        help="this host's name in the run (default: hostname)",
+    )
+    parser.add_argument(
+        "--secret-file", help="file holding the session secret in hex (yours, mode 0600): one run"
+    )
     parser.add_argument(
         "--token-file",
-        help="file holding the cluster token (`flodl token new`; yours, mode 0600): join as a dial-in agent, given each run's secret sealed",
+        help="file holding the cluster token (`flodl token new`; yours, mode 0600): join as a "
+        "dial-in agent, given each run's secret sealed",
     )
     parser.add_argument("--workdir", help="working directory of the ranks")
     parser.add_argument(
         "--open-admission",
         action="store_true",
-        help="hold no credential: join a controller that runs join.open_admission (trusted networks only)",
+        help="hold no credential: join a controller that runs join.open_admission (trusted "
+        "networks only)",
     )
     parser.add_argument(
         "--persist",
         action="store_true",
-        help="with --token-file: stay up across runs, dialing again (capped exponential backoff with jitter) after each run "
+        help="with --token-file: stay up across runs, dialing again (capped exponential backoff "
+        "with jitter) after each run "
         "and while no controller answers; SIGTERM stops it (exit 143)",
     )
     parser.add_argument(
         "--connect-timeout",
         type=float,
         default=60.0,
-        help="started before the controller: keep dialing (the capped backoff of --persist) this many seconds "
+        help="started before the controller: keep dialing (the capped backoff of --persist) this "
+        "many seconds "
         "while nothing listens at --controller; 0 tries once (default %(default)g)",
     )
     parser.add_argument(
-        "--reconnect-max", type=float, default=30.0, help="with --persist: the longest wait between two dials, in seconds (default %(default)g)"
+        "--reconnect-max",
+        type=float,
+        default=30.0,
+        help="with --persist: the longest wait between two dials, in seconds (default %(default)g)",
     )
     parser.add_argument(
         "--stop-grace",
         type=float,
         default=DEFAULT_STOP_GRACE,
-        help="seconds from the first stop signal to KILL when this agent is stopped (default %(default)g)",
+        help="seconds from the first stop signal to KILL when this agent is stopped (default "
+        "%(default)g)",
     )
     return parser
 
@@ -112,7 +139,9 @@ def _read_secret(secret_file: str | None) -> bytes:
     if secret_file:
         return read_secret_file(secret_file)  # refused unless private, as ssh refuses a loose key
     if sys.stdin.isatty():
-        raise ConfigError("no session secret: pipe it on stdin (never on the command line) or pass --secret-file")
+        raise ConfigError(
+            "no session secret: pipe it on stdin (never on the command line) or pass --secret-file"
+        )
     return secret_from_hex(sys.stdin.readline())
 
 
@@ -121,7 +150,10 @@ def build_config(args: argparse.Namespace) -> SessionConfig:
     from ..cli.flodl import parse_addr
 
     if args.controller is None:
-        raise ConfigError("--controller HOST:PORT is required (or --spec-stdin, when flodl-launch starts this agent)")
+        raise ConfigError(
+            "--controller HOST:PORT is required (or --spec-stdin, when flodl-launch starts this "
+            "agent)"
+        )
     if args.stop_grace < 0:
         raise ConfigError(f"--stop-grace must be 0 or more seconds (got {args.stop_grace:g})")
     host, port = parse_addr(args.controller)
@@ -130,15 +162,28 @@ def build_config(args: argparse.Namespace) -> SessionConfig:
     except ConfigError as exc:
         raise ConfigError(f"--devices: {exc}") from None
     if args.open_admission and (args.token_file or args.secret_file):
-        raise ConfigError("--open-admission means no credential: drop --token-file / --secret-file, or drop --open-admission")
+        raise ConfigError(
+            "--open-admission means no credential: drop --token-file / --secret-file, or drop "
+            "--open-admission"
+        )
     if args.persist and not (args.token_file or args.open_admission):
-        raise ConfigError("--persist needs --token-file: a session secret is good for one run only, the cluster token for every run")
+        raise ConfigError(
+            "--persist needs --token-file: a session secret is good for one run only, the cluster "
+            "token for every run"
+        )
     if not args.reconnect_max > 0:
-        raise ConfigError(f"--reconnect-max must be more than 0 seconds (got {args.reconnect_max:g})")
+        raise ConfigError(
+            f"--reconnect-max must be more than 0 seconds (got {args.reconnect_max:g})"
+        )
     if not args.connect_timeout >= 0:
-        raise ConfigError(f"--connect-timeout must be 0 or more seconds (got {args.connect_timeout:g})")
+        raise ConfigError(
+            f"--connect-timeout must be 0 or more seconds (got {args.connect_timeout:g})"
+        )
     if args.token_file and args.secret_file:
-        raise ConfigError("--token-file and --secret-file exclude each other: a dial-in agent learns the secret from the controller")
+        raise ConfigError(
+            "--token-file and --secret-file exclude each other: a dial-in agent learns the secret "
+            "from the controller"
+        )
     token = read_token_file(args.token_file) if args.token_file else None
     return SessionConfig(
         controller_host=host,
@@ -166,7 +211,11 @@ async def serve(session: HostSession) -> SessionOutcome:
         received.append(sig)
         if len(received) == 1:
             grace = session.config.deadlines.stop_grace
-            log.info("%s: stopping this host's ranks (KILL in %gs; a second signal kills them now)", sig.name, grace)
+            log.info(
+                "%s: stopping this host's ranks (KILL in %gs; a second signal kills them now)",
+                sig.name,
+                grace,
+            )
             session.request_stop(sig)
         else:
             log.warning("second signal (%s): killing this host's ranks now", sig.name)
@@ -191,12 +240,14 @@ def exit_code_for(outcome: SessionOutcome) -> ExitCode:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of ``flodl-agent``: join a controller and run this host's ranks; returns the exit code."""
+    """Entry point of ``flodl-agent``: join a controller and run this host's ranks; returns the exit
+    code."""
     from ..net.fdlimit import raise_descriptor_limit
     from ..net.loop import run
 
     parser = _parser()
-    args = parser.parse_args(hyphenate(parser, sys.argv[1:] if argv is None else argv))  # --help and argparse's own errors exit here (code 2)
+    # --help and argparse's own errors exit here (code 2)
+    args = parser.parse_args(hyphenate(parser, sys.argv[1:] if argv is None else argv))
     logging.basicConfig(level=logging.INFO, format="flodl-agent: %(message)s")
     raise_descriptor_limit()
     try:
@@ -206,7 +257,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(ExitCode.USAGE)
     if args.persist:
         return _persist(config, reconnect_max=args.reconnect_max)
-    notifier = Notifier.from_environ()  # a no-op outside systemd; the ranks do not inherit $NOTIFY_SOCKET
+    # a no-op outside systemd; the ranks do not inherit $NOTIFY_SOCKET
+    notifier = Notifier.from_environ()
     # The ranks' output goes up the join link to the launcher, not to this process's stdout.
     session = HostSession(config, observer=notification_observer(notifier))
     try:
@@ -235,7 +287,13 @@ def _persist(config: SessionConfig, *, reconnect_max: float) -> int:
     policy = BackoffPolicy(initial=min(0.5, reconnect_max), cap=reconnect_max)
     notifier = Notifier.from_environ()  # as for one run: a no-op outside systemd
     # Each run's rank output goes up that run's join link, as for one run.
-    agent = PersistentAgent(config, policy=policy, observer=notification_observer(notifier), ready=notifier.ready, status=notifier.status)
+    agent = PersistentAgent(
+        config,
+        policy=policy,
+        observer=notification_observer(notifier),
+        ready=notifier.ready,
+        status=notifier.status,
+    )
     try:
         return int(run(with_watchdog(serve_persistently(agent), notifier)))
     except KeyboardInterrupt:
@@ -272,16 +330,22 @@ def session_failure(exc: BaseException, config: SessionConfig) -> AgentError | C
     if isinstance(exc, AgentError | ConfigError):
         return exc
     if isinstance(exc, ConnectionClosed | WireError):
-        return JoinFailed(config.host, f"lost the controller at {config.controller_addr} before joining: {exc}")
+        return JoinFailed(
+            config.host, f"lost the controller at {config.controller_addr} before joining: {exc}"
+        )
     if not isinstance(exc, BaseExceptionGroup):
         return None
     leaves = list(_leaves(exc))
-    if not all(isinstance(leaf, AgentError | ConfigError | ConnectionClosed | WireError) for leaf in leaves):
+    if not all(
+        isinstance(leaf, AgentError | ConfigError | ConnectionClosed | WireError) for leaf in leaves
+    ):
         return None
     for leaf in leaves:
         if isinstance(leaf, AgentError | ConfigError):
             return leaf
-    return ControllerLost(config.host, f"lost the controller at {config.controller_addr} mid-run: {leaves[0]}")
+    return ControllerLost(
+        config.host, f"lost the controller at {config.controller_addr} mid-run: {leaves[0]}"
+    )
 
 
 def _leaves(group: BaseExceptionGroup[BaseException]) -> Iterator[BaseException]:
@@ -293,7 +357,8 @@ def _leaves(group: BaseExceptionGroup[BaseException]) -> Iterator[BaseException]
 
 
 def failure_line(exc: AgentError | ConfigError, controller: str) -> str:
-    """One line for the operator: this host, the controller's address, the cause, what to do next."""
+    """One line for the operator: this host, the controller's address, the cause, what to do
+    next."""
     if not isinstance(exc, AgentError):
         return f"flodl-agent: {exc}"
     # The session's reasons name the controller when they know its address; the rest get it here.
@@ -302,6 +367,7 @@ def failure_line(exc: AgentError | ConfigError, controller: str) -> str:
 
 
 def _say(line: str) -> None:
-    """To stderr; a stderr that is gone too (its reader died with the controller) has no one to tell."""
+    """To stderr; a stderr that is gone too (its reader died with the controller) has no one to
+    tell."""
     with contextlib.suppress(OSError):
         print(line, file=sys.stderr, flush=True)

@@ -58,7 +58,8 @@ class PersistentAgent:
         ready: Callable[[str], object] = lambda status: None,
         status: Callable[[str], object] = lambda status: None,
     ) -> None:
-        """``ready`` / ``status``: the daemon's own notifications (systemd's READY=1 and STATUS=, under a unit)."""
+        """``ready`` / ``status``: the daemon's own notifications (systemd's READY=1 and STATUS=,
+        under a unit)."""
         self.config = config
         self._ready = ready
         self._status = status
@@ -109,10 +110,16 @@ class PersistentAgent:
                 if self.stopping():
                     break
                 if isinstance(failure, ConfigError):
-                    log.error("%s", failure_line(failure, cfg.controller_addr).removeprefix("flodl-agent: "))
+                    log.error(
+                        "%s",
+                        failure_line(failure, cfg.controller_addr).removeprefix("flodl-agent: "),
+                    )
                     return ExitCode.USAGE
                 if isinstance(failure.__cause__, WrongToken):
-                    log.error("%s", failure_line(failure, cfg.controller_addr).removeprefix("flodl-agent: "))
+                    log.error(
+                        "%s",
+                        failure_line(failure, cfg.controller_addr).removeprefix("flodl-agent: "),
+                    )
                     return ExitCode.FORMATION
                 assert isinstance(failure, AgentError)
                 reason = failure.reason
@@ -126,13 +133,27 @@ class PersistentAgent:
                 self._session = None
             at = self._backoff.failed(loop.time(), self._rng.random())
             delay = max(0.0, at - loop.time())
-            log.info("agent %s: %s; dialing %s again in %.1fs", cfg.host, reason, cfg.controller_addr, delay)
-            self._status(f"waiting for a controller at {cfg.controller_addr} (dialing again in {delay:.1f}s; last: {reason})")
+            log.info(
+                "agent %s: %s; dialing %s again in %.1fs",
+                cfg.host,
+                reason,
+                cfg.controller_addr,
+                delay,
+            )
+            self._status(
+                f"waiting for a controller at {cfg.controller_addr} (dialing again in "
+                f"{delay:.1f}s; last: {reason})"
+            )
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(delay):
                     await self._stop.wait()
         sig = self._signal or signal.SIGTERM
-        log.info("agent %s: %s: stopped after serving %d run(s)", cfg.host, signal.Signals(sig).name, self.runs_served)
+        log.info(
+            "agent %s: %s: stopped after serving %d run(s)",
+            cfg.host,
+            signal.Signals(sig).name,
+            self.runs_served,
+        )
         return exit_code_for_signal(sig)
 
 

@@ -1,4 +1,5 @@
-"""What a host session tells an observer about its progress (for ``systemctl status``, and anyone else watching).
+"""What a host session tells an observer about its progress (for ``systemctl status``, and anyone
+else watching).
 
 A :class:`HostSession <flodl_async.agent.session.HostSession>` calls its observer
 with one :class:`SessionEvent` at each step of its life; the observer must not
@@ -15,7 +16,8 @@ from dataclasses import dataclass
 
 
 class Phase(enum.Enum):
-    """The steps of a session, in the order they happen (STOPPING may come at any point after CONNECTED)."""
+    """The steps of a session, in the order they happen (STOPPING may come at any point after
+    CONNECTED)."""
 
     DIALING = "dialing"  # about to connect to the controller
     CONNECTED = "connected"  # the join link is up (handshake done), the join request goes out
@@ -26,7 +28,8 @@ class Phase(enum.Enum):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SessionEvent:
-    """One step of one session: which, against which controller, and what is known of the run by then."""
+    """One step of one session: which, against which controller, and what is known of the run by
+    then."""
 
     phase: Phase
     host: str

@@ -1,4 +1,5 @@
-"""Rank output: chunks from the ranks' pipes, ``[host:rN]`` lines on the launcher's console, per-rank log files.
+"""Rank output: chunks from the ranks' pipes, ``[host:rN]`` lines on the launcher's console,
+per-rank log files.
 
 Theory of operation. Each rank's stdout and stderr are read by
 :func:`forward_output`, which cuts them into chunks
@@ -58,11 +59,13 @@ class OutputSink(Protocol):
     """Where a host's rank output goes (the launcher's :class:`RankOutput`, or the join link)."""
 
     def rank_started(self, host: str, attempt: int, rank: int) -> None:
-        """A rank of ``attempt`` started (its log files exist from now on, even if it never prints)."""
+        """A rank of ``attempt`` started (its log files exist from now on, even if it never
+        prints)."""
         ...
 
     async def send(self, host: str, attempt: int, rank: int, stream: str, data: bytes) -> None:
-        """One chunk of a rank's ``stream`` ('out' or 'err'); returns when the next one may follow."""
+        """One chunk of a rank's ``stream`` ('out' or 'err'); returns when the next one may
+        follow."""
         ...
 
 
@@ -75,11 +78,13 @@ class LinkOutput:
     def rank_started(self, host: str, attempt: int, rank: int) -> None:
         # An empty chunk per stream tells the launcher the rank started (its files are created).
         for stream in STREAMS:
-            with contextlib.suppress(ConnectionClosed, WireError):  # a lost or broken link is the command reader's to report
+            # a lost or broken link is the command reader's to report
+            with contextlib.suppress(ConnectionClosed, WireError):
                 self._link.send(m.RankOutput(attempt=attempt, rank=rank, stream=stream, data=b""))
 
     async def send(self, host: str, attempt: int, rank: int, stream: str, data: bytes) -> None:
-        # drain() first: output waits for the link, control messages (sent without waiting) never do.
+        # drain() first: output waits for the link, control messages (sent without waiting) never
+        # do.
         # On a lost or broken link the chunk is dropped (the command reader reports the loss and the
         # ranks are stopped); reading on keeps the ranks from blocking on a pipe nobody empties.
         with contextlib.suppress(ConnectionClosed, WireError):
@@ -88,7 +93,8 @@ class LinkOutput:
 
 
 class RankOutput:
-    """The launcher's rank output: ``[host:rN]`` lines on its console, raw bytes in per-rank log files.
+    """The launcher's rank output: ``[host:rN]`` lines on its console, raw bytes in per-rank log
+    files.
 
     One instance serves every host of a run. ``show_ranks`` (``--local-ranks-filter``)
     limits which ranks reach the console; the files get every rank.
@@ -109,16 +115,19 @@ class RankOutput:
         self._run_id = run_id
         self._show = None if show_ranks is None else frozenset(show_ranks)
         self._lines: dict[tuple[int, str], LineAssembler] = {}
-        self._files: dict[tuple[int, str], tuple[int, BinaryIO]] = {}  # (rank, stream) → (attempt, file)
+        # (rank, stream) → (attempt, file)
+        self._files: dict[tuple[int, str], tuple[int, BinaryIO]] = {}
         self._retired: list[Console] = []  # streams that failed a write (compared by identity)
 
     @property
     def consoles(self) -> tuple[Console, Console]:
-        """Its stdout and stderr (for the agents' own lines: the same writers, in the same order)."""
+        """Its stdout and stderr (for the agents' own lines: the same writers, in the same
+        order)."""
         return self._stdout, self._stderr
 
     def log_path(self, attempt: int, rank: int, stream: str) -> Path | None:
-        """Where ``rank``'s ``stream`` of ``attempt`` is logged (torchrun's layout), or None without a log dir."""
+        """Where ``rank``'s ``stream`` of ``attempt`` is logged (torchrun's layout), or None without
+        a log dir."""
         if self._log_dir is None:
             return None
         return self._log_dir / self._run_id / f"attempt_{attempt}" / str(rank) / STREAMS[stream]
@@ -151,9 +160,15 @@ class RankOutput:
         return file
 
     def chunk(self, host: str, attempt: int, rank: int, stream: str, data: bytes) -> None:
-        """One chunk of ``rank``'s ``stream`` ('out' or 'err'); an empty one marks the stream's start."""
+        """One chunk of ``rank``'s ``stream`` ('out' or 'err'); an empty one marks the stream's
+        start."""
         if stream not in STREAMS:
-            log.warning("rank output from %s for rank %d names an unknown stream %r; dropped", host, rank, stream)
+            log.warning(
+                "rank output from %s for rank %d names an unknown stream %r; dropped",
+                host,
+                rank,
+                stream,
+            )
             return
         if not data:
             self._stream_started(host, attempt, rank, stream)
@@ -168,10 +183,12 @@ class RankOutput:
             self._write(file, data, f"the log file of rank {rank}")
 
     async def send(self, host: str, attempt: int, rank: int, stream: str, data: bytes) -> None:
-        """:class:`OutputSink` for the launcher's in-process agents: the chunk is written once its console has room."""
+        """:class:`OutputSink` for the launcher's in-process agents: the chunk is written once its
+        console has room."""
         console = self._stderr if stream == "err" else self._stdout
         if isinstance(console, ConsoleWriter):
-            await console.wait_room()  # a console nobody reads: this rank's pipe fills, its writes block
+            # a console nobody reads: this rank's pipe fills, its writes block
+            await console.wait_room()
         self.chunk(host, attempt, rank, stream, data)
 
     def receive(self, host: str, msg: m.RankOutput) -> None:
@@ -182,7 +199,11 @@ class RankOutput:
         if self._show is not None and rank not in self._show:
             return
         err = stream == "err"
-        self._write(self._stderr if err else self._stdout, f"[{host}:r{rank}] ".encode() + text, "stderr" if err else "stdout")
+        self._write(
+            self._stderr if err else self._stdout,
+            f"[{host}:r{rank}] ".encode() + text,
+            "stderr" if err else "stdout",
+        )
 
     def _write(self, stream: Console | BinaryIO, data: bytes, name: str) -> None:
         if any(stream is gone for gone in self._retired):
@@ -190,22 +211,32 @@ class RankOutput:
         try:
             stream.write(data)
             stream.flush()
-        except OSError as exc:  # EPIPE: its reader went away; EIO: the terminal hung up; ENOSPC: a full disk
+        # EPIPE: its reader went away; EIO: the terminal hung up; ENOSPC: a full disk
+        except OSError as exc:
             self._retired.append(stream)
-            if not isinstance(stream, ConsoleWriter):  # a writer thread's stream never raises here: it retires itself
+            # a writer thread's stream never raises here: it retires itself
+            if not isinstance(stream, ConsoleWriter):
                 point_at_devnull(stream)
-            log.warning("%s is gone (%s): rank output to it is dropped from now on; the ranks keep running", name, exc.strerror or exc)
+            log.warning(
+                "%s is gone (%s): rank output to it is dropped from now on; the ranks keep running",
+                name,
+                exc.strerror or exc,
+            )
 
     def close(self) -> None:
         """Close the per-rank log files."""
         for _attempt, file in self._files.values():
-            with contextlib.suppress(OSError):  # a retired file's buffered tail cannot be written either
+            # a retired file's buffered tail cannot be written either
+            with contextlib.suppress(OSError):
                 file.close()
         self._files.clear()
 
 
-async def forward_output(stream: asyncio.StreamReader, *, idle: float, emit: Callable[[bytes], Awaitable[None]]) -> None:
-    """Hand ``stream``'s bytes to ``emit`` in chunks until EOF (whole lines at once, a partial line after ``idle``).
+async def forward_output(
+    stream: asyncio.StreamReader, *, idle: float, emit: Callable[[bytes], Awaitable[None]]
+) -> None:
+    """Hand ``stream``'s bytes to ``emit`` in chunks until EOF (whole lines at once, a partial line
+    after ``idle``).
 
     ``emit`` is awaited before the pipe is read again: a slow sink makes the rank's
     writes block rather than this buffer grow.
@@ -217,7 +248,8 @@ async def forward_output(stream: asyncio.StreamReader, *, idle: float, emit: Cal
             await emit(chunk)
         try:
             async with asyncio.timeout_at(chunker.next_deadline()):
-                data = await stream.read(CHUNK_LIMIT)  # cancelling a read loses nothing: the bytes stay buffered
+                # cancelling a read loses nothing: the bytes stay buffered
+                data = await stream.read(CHUNK_LIMIT)
         except TimeoutError:
             continue
         if not data:

@@ -29,7 +29,8 @@ CHUNK_LIMIT = 64 * 1024
 
 
 class OutputChunker:
-    """Agent side: bytes from one rank's pipe → chunks to send (``receive_data``, ``next_chunk``, ``next_deadline``)."""
+    """Agent side: bytes from one rank's pipe → chunks to send (``receive_data``, ``next_chunk``,
+    ``next_deadline``)."""
 
     def __init__(self, *, idle: float, limit: int = CHUNK_LIMIT) -> None:
         if limit < 1:
@@ -51,7 +52,8 @@ class OutputChunker:
         return len(self._buffer)
 
     def next_chunk(self, now: float) -> bytes | None:
-        """The next chunk due at ``now``, or None: whole lines first, then a partial line that waited ``idle``."""
+        """The next chunk due at ``now``, or None: whole lines first, then a partial line that
+        waited ``idle``."""
         buf = self._buffer
         if not buf:
             return None
@@ -88,7 +90,8 @@ class OutputChunker:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ConsoleLine:
-    """One line for the console, without prefix, ending in ``\\n``; ``update`` when its rank has not finished it yet."""
+    """One line for the console, without prefix, ending in ``\\n``; ``update`` when its rank has not
+    finished it yet."""
 
     text: bytes
     update: bool = False
@@ -104,7 +107,8 @@ class LineAssembler:
         self._last_update: bytes | None = None  # the last update shown of the unfinished line
 
     def receive_data(self, data: bytes) -> list[ConsoleLine]:
-        """The lines to show after ``data``: complete lines, then an update for an unfinished one."""
+        """The lines to show after ``data``: complete lines, then an update for an unfinished
+        one."""
         lines: list[ConsoleLine] = []
         self._partial += data
         start = 0
@@ -136,7 +140,8 @@ class LineAssembler:
         return lines
 
     def end(self) -> list[ConsoleLine]:
-        """The stream ended: an unfinished line not shown as it stands is shown as a line of its own."""
+        """The stream ended: an unfinished line not shown as it stands is shown as a line of its
+        own."""
         shown, self._shown = self._shown, False
         self._last_update = None
         if not self._partial:
@@ -147,7 +152,8 @@ class LineAssembler:
 
 
 def _visible(line: bytes) -> bytes:
-    """What a terminal shows of ``line``: its last non-empty ``\\r`` segment (tqdm redraws with ``\\r``)."""
+    """What a terminal shows of ``line``: its last non-empty ``\\r`` segment (tqdm redraws with
+    ``\\r``)."""
     if b"\r" not in line:
         return line
     for segment in reversed(line.split(b"\r")):

@@ -42,7 +42,8 @@ from .output import LINE_LIMIT, OutputSink, forward_output
 log = logging.getLogger("flodl_async.agent")
 
 STDERR_TAIL_LINES = 20
-#: Each tail line is cut to this many bytes, so a RankExited stays far below the join channel's frame ceiling.
+#: Each tail line is cut to this many bytes, so a RankExited stays far below the join channel's
+#: frame ceiling.
 STDERR_TAIL_LINE_BYTES = 2 * 1024
 ERROR_FILE_LIMIT = 32 * 1024
 
@@ -70,12 +71,14 @@ class RankWorld:
     host: str
     relay_socket: str
     data_socket: str
-    #: (round, rank) → that rank's credential for that round (derived by the session; never the secret).
+    #: (round, rank) → that rank's credential for that round (derived by the session; never the
+    #: secret).
     credential: Callable[[int, int], Credential]
     devices: DeviceSpec
     host_env: Mapping[str, str]
     workdir: str | None
-    #: GLOO/NCCL_SOCKET_IFNAME for the variables nothing else sets (:mod:`flodl_async.host.ifnames`); None: none.
+    #: GLOO/NCCL_SOCKET_IFNAME for the variables nothing else sets
+    #: (:mod:`flodl_async.host.ifnames`); None: none.
     default_ifname: str | None = None
 
 
@@ -111,15 +114,21 @@ class RankProcesses:
         self._spawning = asyncio.Lock()
 
     def _gpu_ids(self) -> tuple[str, ...] | None:
-        """The ranks' CUDA_VISIBLE_DEVICES: the host's devices as indices into the caller's own mask (:mod:`flodl_async.host.gpus`)."""
+        """The ranks' CUDA_VISIBLE_DEVICES: the host's devices as indices into the caller's own mask
+        (:mod:`flodl_async.host.gpus`)."""
         devices = self._world.devices
         if not devices.is_gpu:
             return None
-        indices = devices.gpu_ids if devices.kind is DeviceKind.GPU_LIST else tuple(range(len(self._world.formed.ranks)))
+        indices = (
+            devices.gpu_ids
+            if devices.kind is DeviceKind.GPU_LIST
+            else tuple(range(len(self._world.formed.ranks)))
+        )
         return select(indices, host_visible_gpus())
 
     async def start(self, start: m.StartRanks) -> None:
-        """Spawn this host's ranks of ``start.round`` (a rank that cannot start is reported as exit 127)."""
+        """Spawn this host's ranks of ``start.round`` (a rank that cannot start is reported as exit
+        127)."""
         formed = self._world.formed
         for local_rank, rank in enumerate(formed.ranks):
             placement = RankPlacement(
@@ -152,13 +161,18 @@ class RankProcesses:
                 host_env=self._world.host_env,
                 cuda_visible_devices=self._gpu_ids(),
             )
-            env = with_default_ifname(env, self._world.default_ifname)  # after every explicit setting: it fills only what is unset
+            # after every explicit setting: it fills only what is unset
+            env = with_default_ifname(env, self._world.default_ifname)
             async with self._spawning:
                 if self._closed:
-                    log.debug("agent %s: not starting rank %d, the session is stopping", self._host, rank)
+                    log.debug(
+                        "agent %s: not starting rank %d, the session is stopping", self._host, rank
+                    )
                     return
                 try:
-                    proc = await spawn(formed.command, env=env, cwd=self._world.workdir, line_limit=LINE_LIMIT)
+                    proc = await spawn(
+                        formed.command, env=env, cwd=self._world.workdir, line_limit=LINE_LIMIT
+                    )
                 except OSError as exc:
                     self._report(
                         m.RankExited(
@@ -167,15 +181,31 @@ class RankProcesses:
                             local_rank=local_rank,
                             host=self._host,
                             exit_code=127,
-                            stderr_tail=(f"cannot start {formed.command[0]!r}: {exc.strerror or exc}",),
+                            stderr_tail=(
+                                f"cannot start {formed.command[0]!r}: {exc.strerror or exc}",
+                            ),
                         )
                     )
                     continue
-                try:  # so that a next session can clean up what this rank forks, should this agent be SIGKILLed
+                # so that a next session can clean up what this rank forks, should this agent be
+                # SIGKILLed
+                try:
                     write_rank_marker(self._scratch, pid=proc.pid, rank=rank)
                 except OSError as exc:
-                    log.warning("agent %s: cannot record rank %d (pid %d) in %s: %s", self._host, rank, proc.pid, self._scratch, exc)
-                activity = RankActivityTracker(rank=rank, pid=proc.pid, store_port=start.master_port, now=asyncio.get_running_loop().time())
+                    log.warning(
+                        "agent %s: cannot record rank %d (pid %d) in %s: %s",
+                        self._host,
+                        rank,
+                        proc.pid,
+                        self._scratch,
+                        exc,
+                    )
+                activity = RankActivityTracker(
+                    rank=rank,
+                    pid=proc.pid,
+                    store_port=start.master_port,
+                    now=asyncio.get_running_loop().time(),
+                )
                 entry = _Rank(
                     rank=rank,
                     local_rank=local_rank,
@@ -207,8 +237,12 @@ class RankProcesses:
 
         idle = self._output_idle
         entry.readers = [
-            self._tg.create_task(forward_output(proc.stdout, idle=idle, emit=out), name=f"r{entry.rank}-stdout"),
-            self._tg.create_task(forward_output(proc.stderr, idle=idle, emit=err), name=f"r{entry.rank}-stderr"),
+            self._tg.create_task(
+                forward_output(proc.stdout, idle=idle, emit=out), name=f"r{entry.rank}-stdout"
+            ),
+            self._tg.create_task(
+                forward_output(proc.stderr, idle=idle, emit=err), name=f"r{entry.rank}-stderr"
+            ),
         ]
         entry.readers[1].add_done_callback(lambda _task: tail.end())
         for reader in entry.readers:  # tracked past the rank's own entry, for cancel_readers()
@@ -218,7 +252,8 @@ class RankProcesses:
         self._tg.create_task(self._watch(entry), name=f"r{entry.rank}-watch")
 
     async def _drain(self, entries: Sequence[_Rank]) -> None:
-        """Let the readers take the last lines of exited ranks (bounded: a grandchild may hold the pipe)."""
+        """Let the readers take the last lines of exited ranks (bounded: a grandchild may hold the
+        pipe)."""
         readers = [r for e in entries for r in e.readers]
         if readers:
             with contextlib.suppress(TimeoutError):
@@ -245,28 +280,34 @@ class RankProcesses:
         )
 
     def activity(self, now: float) -> tuple[int, tuple[m.RankActivity, ...]]:
-        """The round and activity of every running rank (a few ``/proc`` reads each; the TCP tables only when a rank not yet at the store opened a socket)."""
+        """The round and activity of every running rank (a few ``/proc`` reads each; the TCP tables
+        only when a rank not yet at the store opened a socket)."""
         running = [e for e in self._ranks.values() if not e.stopping and e.proc.returncode is None]
         if not running:
             return -1, ()
-        tables: dict[int, frozenset[int]] = {}  # read at most once per port per report, and only when a rank asks
+        # read at most once per port per report, and only when a rank asks
+        tables: dict[int, frozenset[int]] = {}
 
         def connections(port: int) -> frozenset[int]:
             if port not in tables:
                 tables[port] = store_connections(port)
             return tables[port]
 
-        reports = tuple(e.activity.sample(now, connections) for e in sorted(running, key=lambda e: e.rank))
+        reports = tuple(
+            e.activity.sample(now, connections) for e in sorted(running, key=lambda e: e.rank)
+        )
         return max(e.round for e in running), reports
 
     def cancel_readers(self) -> None:
-        """Give up the output every reader still holds (the session is over; its link may never drain)."""
+        """Give up the output every reader still holds (the session is over; its link may never
+        drain)."""
         for task in self._readers:
             task.cancel()
         self._readers.clear()
 
     async def stop(self, schedule: Sequence[StopStep], *, round_: int | None = None) -> None:
-        """Stop the ranks of ``round_`` (every rank, and no more starts, when None) following ``schedule``.
+        """Stop the ranks of ``round_`` (every rank, and no more starts, when None) following
+        ``schedule``.
 
         Returns when they are all gone and their output is drained.
         """
@@ -278,13 +319,22 @@ class RankProcesses:
         already = [e for e in targets if e.stopping]
         for entry in fresh:
             entry.stopping = True
-        # Ranks that are stopping already only take this stop's KILL deadline (the shorter one wins).
+        # Ranks that are stopping already only take this stop's KILL deadline (the shorter one
+        # wins).
         kill_only = (StopStep(after=schedule[-1].after, signal=signal.SIGKILL),) if schedule else ()
         async with asyncio.TaskGroup() as tg:
             if fresh:
-                tg.create_task(stop_processes([e.proc for e in fresh], schedule=schedule, force=self._force), name="stop-ranks")
+                tg.create_task(
+                    stop_processes([e.proc for e in fresh], schedule=schedule, force=self._force),
+                    name="stop-ranks",
+                )
             if already:
-                tg.create_task(stop_processes([e.proc for e in already], schedule=kill_only, force=self._force), name="stop-ranks-sooner")
+                tg.create_task(
+                    stop_processes(
+                        [e.proc for e in already], schedule=kill_only, force=self._force
+                    ),
+                    name="stop-ranks-sooner",
+                )
         await self._drain(targets)
         for entry in targets:
             if self._ranks.get(entry.rank) is entry:
@@ -296,7 +346,8 @@ def _tail() -> collections.deque[str]:
 
 
 class _TailLines:
-    """Cuts stderr chunks into the tail's lines (a partial line is held, bounded, until its newline or the end)."""
+    """Cuts stderr chunks into the tail's lines (a partial line is held, bounded, until its newline
+    or the end)."""
 
     def __init__(self, tail: collections.deque[str]) -> None:
         self._tail = tail
@@ -307,7 +358,8 @@ class _TailLines:
         *lines, rest = self._partial.split(b"\n")
         for line in lines:
             self._tail.append(_tail_line(bytes(line)))
-        self._partial = bytearray(rest[: STDERR_TAIL_LINE_BYTES + 1])  # enough to say "more bytes" follow
+        # enough to say "more bytes" follow
+        self._partial = bytearray(rest[: STDERR_TAIL_LINE_BYTES + 1])
 
     def end(self) -> None:
         if self._partial.strip():
@@ -316,11 +368,15 @@ class _TailLines:
 
 
 def _tail_line(data: bytes) -> str:
-    """One stderr line for the tail, cut to :data:`STDERR_TAIL_LINE_BYTES` (the whole line went to the output)."""
+    """One stderr line for the tail, cut to :data:`STDERR_TAIL_LINE_BYTES` (the whole line went to
+    the output)."""
     line = data.rstrip(b"\n")
     if len(line) <= STDERR_TAIL_LINE_BYTES:
         return line.decode(errors="replace")
-    return line[:STDERR_TAIL_LINE_BYTES].decode(errors="ignore") + f" … ({len(line) - STDERR_TAIL_LINE_BYTES} more bytes)"
+    return (
+        line[:STDERR_TAIL_LINE_BYTES].decode(errors="ignore")
+        + f" … ({len(line) - STDERR_TAIL_LINE_BYTES} more bytes)"
+    )
 
 
 def read_error_file(path: Path) -> str:

@@ -85,7 +85,8 @@ from ..wire.schema import Message
 from .lifecycle import Phase, SessionEvent, SessionObserver, ignore
 from .output import LinkOutput, OutputSink
 
-if TYPE_CHECKING:  # imported where the world has formed: an agent's start (the fan-out's per-host path) skips them
+# imported where the world has formed: an agent's start (the fan-out's per-host path) skips them
+if TYPE_CHECKING:
     from ..relay.control import Relay
     from .ranks import RankProcesses
 
@@ -93,7 +94,8 @@ log = logging.getLogger("flodl_async.agent")
 
 
 def detect_gpu_count() -> int:
-    """GPUs this process may use, without importing torch: the device nodes, within the caller's CUDA_VISIBLE_DEVICES (:mod:`flodl_async.host.gpus`).
+    """GPUs this process may use, without importing torch: the device nodes, within the caller's
+    CUDA_VISIBLE_DEVICES (:mod:`flodl_async.host.gpus`).
 
     Each agent counts its own host's and reports them as its devices at join: that is a remote
     ``devices: all`` host's capacity, never the controller's count.
@@ -112,28 +114,34 @@ class SessionConfig:
 
     controller_host: str
     controller_port: int
-    #: The session secret; empty when ``token`` is set (the controller then sends the secret, sealed, on admission).
+    #: The session secret; empty when ``token`` is set (the controller then sends the secret,
+    #: sealed, on admission).
     secret: bytes = field(repr=False)
     host: str
     devices: DeviceSpec
     env: Mapping[str, str] = field(default_factory=dict)
     workdir: str | None = None
     advertise_addr: str | None = None
-    #: Every deadline, resolved once (``FLODL_NET_TIMEOUT_SCALE`` applied); ``stop_grace`` is used for Finish, signals and a lost controller.
+    #: Every deadline, resolved once (``FLODL_NET_TIMEOUT_SCALE`` applied); ``stop_grace`` is used
+    #: for Finish, signals and a lost controller.
     deadlines: Deadlines = field(default_factory=Deadlines.resolve)
     #: The runtime directory (default: :func:`flodl_async.host.runtime.runtime_root`).
     runtime_root: Path | None = None
     #: A dial-in agent's cluster token: it joins with the token instead of the session secret.
     token: bytes | None = field(default=None, repr=False)
-    #: Join with no credential at all (a controller running ``join.open_admission``); the secret comes as with a token.
+    #: Join with no credential at all (a controller running ``join.open_admission``); the secret
+    #: comes as with a token.
     open_admission: bool = False
-    #: While nothing listens at the controller address, keep dialing this long (0: one try). ``flodl-agent --connect-timeout``.
+    #: While nothing listens at the controller address, keep dialing this long (0: one try).
+    #: ``flodl-agent --connect-timeout``.
     connect_timeout: float = 0.0
     #: The pacing of those dials: the capped backoff of ``--persist``.
     connect_backoff: BackoffPolicy = field(default_factory=BackoffPolicy)
-    #: The ranks' GLOO/NCCL_SOCKET_IFNAME where nothing (cluster file, env, this agent's env) sets them:
+    #: The ranks' GLOO/NCCL_SOCKET_IFNAME where nothing (cluster file, env, this agent's env) sets
+    #: them:
     #: None takes the interface of the join connection (an agent on another host: the NIC the other
-    #: hosts reach); the controller's own host, which joins over loopback, passes its choice ("": none).
+    #: hosts reach); the controller's own host, which joins over loopback, passes its choice ("":
+    #: none).
     default_ifname: str | None = None
 
     @property
@@ -146,7 +154,8 @@ class Ending(enum.Enum):
     """How a session ended without an error."""
 
     FINISHED = "finished"  # Finish: the run succeeded
-    ABORTED = "aborted"  # Abort: the controller ended the run (a failure elsewhere, or the launcher was stopped)
+    # Abort: the controller ended the run (a failure elsewhere, or the launcher was stopped)
+    ABORTED = "aborted"
     STOPPED = "stopped"  # this process was told to stop (a signal)
 
 
@@ -168,25 +177,36 @@ def _join_credential(cfg: SessionConfig) -> Credential:
 
 
 def _with_session_secret(cfg: SessionConfig, accept: m.JoinAccept) -> SessionConfig:
-    """A token agent's config once admitted: the run's session secret, as its sealed JoinAccept carried it."""
+    """A token agent's config once admitted: the run's session secret, as its sealed JoinAccept
+    carried it."""
     if len(accept.session_secret) != SECRET_BYTES:
         raise JoinFailed(
             cfg.host,
-            f"the controller at {cfg.controller_addr} admitted this agent without a valid session secret "
+            f"the controller at {cfg.controller_addr} admitted this agent without a valid session "
+            "secret "
             f"({len(accept.session_secret)} bytes); run the same flodl_async version on every host",
         )
     return dataclasses.replace(cfg, secret=accept.session_secret)
 
 
 class _StopRequested(Exception):
-    """Internal: a stop was requested before the session was serving (the join link was closed for it)."""
+    """Internal: a stop was requested before the session was serving (the join link was closed for
+    it)."""
 
 
 class HostSession:
-    """One host's session in one run (the controller's own hosts run it in-process; ``flodl-agent`` stand-alone)."""
+    """One host's session in one run (the controller's own hosts run it in-process; ``flodl-agent``
+    stand-alone)."""
 
-    def __init__(self, config: SessionConfig, *, output: OutputSink | None = None, observer: SessionObserver = ignore) -> None:
-        """``output``: where the ranks' output goes; None (a stand-alone agent) sends it up the join link."""
+    def __init__(
+        self,
+        config: SessionConfig,
+        *,
+        output: OutputSink | None = None,
+        observer: SessionObserver = ignore,
+    ) -> None:
+        """``output``: where the ranks' output goes; None (a stand-alone agent) sends it up the join
+        link."""
         self.config = config
         self._output = output
         self._observer = observer
@@ -199,7 +219,8 @@ class HostSession:
     # ----- control from outside (signal handlers, the controller) ----------------------------
 
     def request_stop(self, sig: int) -> None:
-        """First SIGTERM/SIGINT: stop the ranks by the signal table (``sig`` first), close the link, leave.
+        """First SIGTERM/SIGINT: stop the ranks by the signal table (``sig`` first), close the link,
+        leave.
 
         :meth:`run` then returns ``Ending.STOPPED`` with ``sig``. Idempotent; a second
         signal is :meth:`force_stop`.
@@ -211,8 +232,14 @@ class HostSession:
         if self._serving is not None:
             self._serving.stop_for_signal(sig)
         elif self._link is not None:
-            log.info("agent %s: %s before the world formed; leaving the window", self.config.host, signal.Signals(sig).name)
-            self.observe(Phase.STOPPING, reason=f"{signal.Signals(sig).name} before the world formed")
+            log.info(
+                "agent %s: %s before the world formed; leaving the window",
+                self.config.host,
+                signal.Signals(sig).name,
+            )
+            self.observe(
+                Phase.STOPPING, reason=f"{signal.Signals(sig).name} before the world formed"
+            )
             self._link.abort()  # the controller sees the host leave; our pending receive ends
 
     def force_stop(self) -> None:
@@ -222,24 +249,32 @@ class HostSession:
     # ----- the session ---------------------------------------------------------------------
 
     async def run(self) -> SessionOutcome:
-        """Join, serve the run, and return how it ended; raises :class:`AgentError` (or :class:`ConfigError`) on failure."""
+        """Join, serve the run, and return how it ended; raises :class:`AgentError` (or
+        :class:`ConfigError`) on failure."""
         cfg = self.config
         devices = device_labels(cfg.devices)
         if not devices:
             raise ConfigError(
-                f"host {cfg.host!r} has no devices to offer (devices: {cfg.devices.kind.value}, 0 GPUs visible); "
+                f"host {cfg.host!r} has no devices to offer (devices: {cfg.devices.kind.value}, 0 "
+                "GPUs visible); "
                 "for CPU ranks use --devices cpu:N (devices: cpu:N in a cluster file)"
             )
         if cfg.devices.kind is DeviceKind.GPU_LIST:
-            select(cfg.devices.gpu_ids, host_visible_gpus())  # an id past the visible set is refused before joining
-        for cleaned in reap_stale_ranks(cfg.runtime_root):  # what ranks of SIGKILLed sessions forked, before the sweep forgets them
+            # an id past the visible set is refused before joining
+            select(cfg.devices.gpu_ids, host_visible_gpus())
+        # what ranks of SIGKILLed sessions forked, before the sweep forgets them
+        for cleaned in reap_stale_ranks(cfg.runtime_root):
             log.warning("agent %s: %s", cfg.host, cleaned.describe())
         sweep_stale(cfg.runtime_root)  # leftovers of sessions that were SIGKILLed
         self.observe(Phase.DIALING)
         link = await self._dial_until_answered()
         if link is None:
             sig = self._stop_signal or signal.SIGTERM
-            return SessionOutcome(ending=Ending.STOPPED, reason=f"stopped by {signal.Signals(sig).name} while waiting for the controller", signal=sig)
+            return SessionOutcome(
+                ending=Ending.STOPPED,
+                reason=f"stopped by {signal.Signals(sig).name} while waiting for the controller",
+                signal=sig,
+            )
         self._link = link
         self.observe(Phase.CONNECTED)
         entry: RuntimeEntry | None = None
@@ -250,22 +285,43 @@ class HostSession:
             if cfg.token is not None or cfg.open_admission:
                 self.config = cfg = _with_session_secret(cfg, accept)
             self.observe(Phase.ADMITTED, run_id=accept.run_id, ranks=accept.ranks)
-            entry = create_entry(run_id=accept.run_id, host=cfg.host, controller=cfg.controller_addr, root=cfg.runtime_root)
+            entry = create_entry(
+                run_id=accept.run_id,
+                host=cfg.host,
+                controller=cfg.controller_addr,
+                root=cfg.runtime_root,
+            )
             formed = await self._await_formation(link, accept)
-            ifname = cfg.default_ifname if cfg.default_ifname is not None else interface_holding(link.local_host)
-            serving = _Serving(self, link=link, run_id=accept.run_id, formed=formed, entry=entry, default_ifname=ifname or None)
+            ifname = (
+                cfg.default_ifname
+                if cfg.default_ifname is not None
+                else interface_holding(link.local_host)
+            )
+            serving = _Serving(
+                self,
+                link=link,
+                run_id=accept.run_id,
+                formed=formed,
+                entry=entry,
+                default_ifname=ifname or None,
+            )
             self._serving = serving
             return await serving.run()
         except _StopRequested:
             sig = self._stop_signal or signal.SIGTERM
-            return SessionOutcome(ending=Ending.STOPPED, reason=f"stopped by {signal.Signals(sig).name} before the world formed", signal=sig)
+            return SessionOutcome(
+                ending=Ending.STOPPED,
+                reason=f"stopped by {signal.Signals(sig).name} before the world formed",
+                signal=sig,
+            )
         finally:
             await link.aclose(grace=cfg.deadlines.link_close)
             if entry is not None:
                 entry.remove()
 
     async def _dial_until_answered(self) -> FramedProtocol | None:
-        """Dial the join channel; while nothing listens there, retry (the capped backoff of ``--persist``) up to ``connect_timeout``.
+        """Dial the join channel; while nothing listens there, retry (the capped backoff of
+        ``--persist``) up to ``connect_timeout``.
 
         An agent started before its controller waits instead of failing on the first
         refused connection, and says so once. None: a signal stopped the wait.
@@ -279,11 +335,23 @@ class HostSession:
                 return await self._dial_once()
             except ControllerUnreachable as exc:
                 cause = exc.__cause__
-                if not isinstance(cause, OSError) or isinstance(cause, socket.gaierror | TimeoutError) or loop.time() >= give_up:
-                    raise  # a name that does not resolve, or a handshake that hung, will not mend by waiting
+                if (
+                    not isinstance(cause, OSError)
+                    or isinstance(cause, socket.gaierror | TimeoutError)
+                    or loop.time() >= give_up
+                ):
+                    # a name that does not resolve, or a handshake that hung, will not mend by
+                    # waiting
+                    raise
                 if backoff.failures == 0:
                     why = cause.strerror or cause
-                    log.warning("agent %s: no controller at %s yet (%s); retrying for up to %gs", cfg.host, cfg.controller_addr, why, cfg.connect_timeout)
+                    log.warning(
+                        "agent %s: no controller at %s yet (%s); retrying for up to %gs",
+                        cfg.host,
+                        cfg.controller_addr,
+                        why,
+                        cfg.connect_timeout,
+                    )
                 at = min(backoff.failed(loop.time(), random.random()), give_up)  # noqa: S311 -- jitter, not a secret
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(max(at - loop.time(), 0.0)):
@@ -296,50 +364,106 @@ class HostSession:
         try:
             async with asyncio.timeout(cfg.deadlines.handshake):
                 credential = _join_credential(cfg)
-                return await open_framed(cfg.controller_host, cfg.controller_port, channel=Channel.JOIN, credential=credential)
+                return await open_framed(
+                    cfg.controller_host,
+                    cfg.controller_port,
+                    channel=Channel.JOIN,
+                    credential=credential,
+                )
         except TimeoutError as exc:
             raise ControllerUnreachable(
                 cfg.host,
-                f"the controller at {cfg.controller_addr} accepted the connection but did not finish the handshake within {cfg.deadlines.handshake:g}s",
+                f"the controller at {cfg.controller_addr} accepted the connection but did not "
+                f"finish the handshake within {cfg.deadlines.handshake:g}s",
             ) from exc
         except OSError as exc:
-            waited = f" (waited {cfg.connect_timeout:g}s, --connect-timeout)" if cfg.connect_timeout > 0 else ""
-            raise ControllerUnreachable(cfg.host, f"cannot reach the controller at {cfg.controller_addr}: {exc.strerror or exc}{waited}") from exc
+            waited = (
+                f" (waited {cfg.connect_timeout:g}s, --connect-timeout)"
+                if cfg.connect_timeout > 0
+                else ""
+            )
+            raise ControllerUnreachable(
+                cfg.host,
+                f"cannot reach the controller at {cfg.controller_addr}: "
+                f"{exc.strerror or exc}{waited}",
+            ) from exc
         except WireError as exc:
-            raise JoinFailed(cfg.host, f"cannot join the controller at {cfg.controller_addr}: {exc}") from exc
+            raise JoinFailed(
+                cfg.host, f"cannot join the controller at {cfg.controller_addr}: {exc}"
+            ) from exc
 
-    def observe(self, phase: Phase, *, run_id: str | None = None, ranks: tuple[int, ...] = (), round_: int | None = None, reason: str = "") -> None:
-        """Tell the observer this session reached ``phase``, with what is known of the run by then."""
+    def observe(
+        self,
+        phase: Phase,
+        *,
+        run_id: str | None = None,
+        ranks: tuple[int, ...] = (),
+        round_: int | None = None,
+        reason: str = "",
+    ) -> None:
+        """Tell the observer this session reached ``phase``, with what is known of the run by
+        then."""
         cfg = self.config
-        self._observer(SessionEvent(phase=phase, host=cfg.host, controller=cfg.controller_addr, run_id=run_id, ranks=ranks, round=round_, reason=reason))
+        self._observer(
+            SessionEvent(
+                phase=phase,
+                host=cfg.host,
+                controller=cfg.controller_addr,
+                run_id=run_id,
+                ranks=ranks,
+                round=round_,
+                reason=reason,
+            )
+        )
 
-    async def _recv(self, link: FramedProtocol, doing: str, lost: Callable[[str, str], AgentError]) -> Message:
+    async def _recv(
+        self, link: FramedProtocol, doing: str, lost: Callable[[str, str], AgentError]
+    ) -> Message:
         try:
             return await link.recv_message()
         except ConnectionClosed as exc:
             if self._stop_signal is not None:
                 raise _StopRequested from exc
-            raise lost(self.config.host, f"the controller closed the join link while {doing}") from exc
+            raise lost(
+                self.config.host, f"the controller closed the join link while {doing}"
+            ) from exc
         except WireError as exc:
-            raise lost(self.config.host, f"bad frame from the controller while {doing}: {exc}") from exc
+            raise lost(
+                self.config.host, f"bad frame from the controller while {doing}: {exc}"
+            ) from exc
 
     async def _join(self, link: FramedProtocol, devices: tuple[str, ...]) -> m.JoinAccept:
         cfg = self.config
         try:
-            hello = m.JoinHello(host=cfg.host, devices=devices, pid=os.getpid(), agent_version=__version__, addresses=host_addresses(), cores=usable_cores())
+            hello = m.JoinHello(
+                host=cfg.host,
+                devices=devices,
+                pid=os.getpid(),
+                agent_version=__version__,
+                addresses=host_addresses(),
+                cores=usable_cores(),
+            )
             link.send(hello)
         except ConnectionClosed as exc:
-            raise JoinFailed(cfg.host, f"the controller at {cfg.controller_addr} closed the join link before the join request") from exc
+            raise JoinFailed(
+                cfg.host,
+                f"the controller at {cfg.controller_addr} closed the join link before the join "
+                "request",
+            ) from exc
         try:
             async with asyncio.timeout(cfg.deadlines.join_reply):
                 reply = await self._recv(link, "waiting for the join reply", JoinFailed)
         except TimeoutError:
-            raise JoinFailed(cfg.host, f"no answer to the join request within {cfg.deadlines.join_reply:g}s") from None
+            raise JoinFailed(
+                cfg.host, f"no answer to the join request within {cfg.deadlines.join_reply:g}s"
+            ) from None
         if isinstance(reply, m.JoinReject):
             raise JoinRejected(cfg.host, f"join rejected by the controller: {reply.reason}")
         if not isinstance(reply, m.JoinAccept):
             raise JoinFailed(cfg.host, f"unexpected {type(reply).__name__} instead of a join reply")
-        log.debug("agent %s: admitted to run %s with ranks %s", cfg.host, reply.run_id, list(reply.ranks))
+        log.debug(
+            "agent %s: admitted to run %s with ranks %s", cfg.host, reply.run_id, list(reply.ranks)
+        )
         return reply
 
     async def _await_formation(self, link: FramedProtocol, accept: m.JoinAccept) -> m.WorldFormed:
@@ -351,13 +475,19 @@ class HostSession:
                 while isinstance(formed, m.Heartbeat):  # the controller checks we are alive: echo
                     with contextlib.suppress(ConnectionClosed):
                         link.send(m.Heartbeat(sent_at=formed.sent_at))
-                    formed = await self._recv(link, "waiting for the world to form", FormationAborted)
+                    formed = await self._recv(
+                        link, "waiting for the world to form", FormationAborted
+                    )
         except TimeoutError:
             raise FormationAborted(cfg.host, f"the world did not form within {wait:g}s") from None
         if isinstance(formed, m.Abort):
-            raise FormationAborted(cfg.host, f"the controller aborted before formation: {formed.reason}")
+            raise FormationAborted(
+                cfg.host, f"the controller aborted before formation: {formed.reason}"
+            )
         if not isinstance(formed, m.WorldFormed):
-            raise FormationAborted(cfg.host, f"unexpected {type(formed).__name__} instead of WorldFormed")
+            raise FormationAborted(
+                cfg.host, f"unexpected {type(formed).__name__} instead of WorldFormed"
+            )
         return formed
 
 
@@ -367,13 +497,22 @@ _Handler = Callable[["_Serving", Any], None]
 class _Serving:
     """The serving phase of a session: the command table, the round work, the ending."""
 
-    #: Message class → handler; filled in below the class. Commands not in it are logged and ignored.
+    #: Message class → handler; filled in below the class. Commands not in it are logged and
+    #: ignored.
     commands: ClassVar[Mapping[type[Message], _Handler]]
 
     def __init__(
-        self, session: HostSession, *, link: FramedProtocol, run_id: str, formed: m.WorldFormed, entry: RuntimeEntry, default_ifname: str | None = None
+        self,
+        session: HostSession,
+        *,
+        link: FramedProtocol,
+        run_id: str,
+        formed: m.WorldFormed,
+        entry: RuntimeEntry,
+        default_ifname: str | None = None,
     ) -> None:
-        # Only a formed world needs ranks, a relay and a store: importing them here keeps them off the join path.
+        # Only a formed world needs ranks, a relay and a store: importing them here keeps them off
+        # the join path.
         from .ranks import RankWorld
         from .storehost import StoreHost
 
@@ -391,7 +530,9 @@ class _Serving:
             relay_socket=entry.socket_path,
             data_socket=entry.data_socket_path,
             # Ranks get a credential for their own rank and round, derived here: never the secret.
-            credential=lambda round_, rank: Credential.for_rank(cfg.secret, run_id=run_id, round=round_, rank=rank),
+            credential=lambda round_, rank: Credential.for_rank(
+                cfg.secret, run_id=run_id, round=round_, rank=rank
+            ),
             devices=cfg.devices,
             host_env=cfg.env,
             workdir=cfg.workdir,
@@ -415,13 +556,22 @@ class _Serving:
         self._outcome: SessionOutcome | None = None
         self._error: AgentError | None = None
         d = cfg.deadlines
-        self._liveness = Liveness.start(asyncio.get_running_loop().time(), interval=d.heartbeat_interval, silence=d.heartbeat_silence)
+        self._liveness = Liveness.start(
+            asyncio.get_running_loop().time(),
+            interval=d.heartbeat_interval,
+            silence=d.heartbeat_silence,
+        )
 
     # ----- lifecycle -------------------------------------------------------------------------
 
     async def run(self) -> SessionOutcome:
         cfg = self._cfg
-        log.debug("agent %s: world formed, ranks %s of %d", cfg.host, list(self._formed.ranks), self._formed.world_size)
+        log.debug(
+            "agent %s: world formed, ranks %s of %d",
+            cfg.host,
+            list(self._formed.ranks),
+            self._formed.world_size,
+        )
         from ..relay.control import Relay
         from .ranks import RankProcesses
 
@@ -431,7 +581,9 @@ class _Serving:
             self._ranks = RankProcesses(
                 host=cfg.host,
                 world=self._world,
-                output=LinkOutput(self._link) if self._session._output is None else self._session._output,
+                output=LinkOutput(self._link)
+                if self._session._output is None
+                else self._session._output,
                 scratch=self._entry.path,
                 report=self._send,
                 task_group=tg,
@@ -457,13 +609,17 @@ class _Serving:
                 try:
                     await relay.start()
                 except (OSError, FlodlError) as exc:
-                    lost = ControllerLost(cfg.host, f"cannot open the relay's upstream link to {cfg.controller_addr}: {exc}")
+                    lost = ControllerLost(
+                        cfg.host,
+                        f"cannot open the relay's upstream link to {cfg.controller_addr}: {exc}",
+                    )
                     self.begin_ending(self._lost_schedule(), error=lost)
                 else:
                     self._spawn(self._read_commands(), name=f"{cfg.host}-commands")
                     self._spawn(self._keep_alive(), name=f"{cfg.host}-heartbeat")
                     self._spawn(self._report_activity(), name=f"{cfg.host}-activity")
-                if self._session._stop_signal is not None and self._outcome is None:  # a signal came while the world formed
+                # a signal came while the world formed
+                if self._session._stop_signal is not None and self._outcome is None:
                     self.stop_for_signal(self._session._stop_signal)
                 await self._ended
             finally:
@@ -478,8 +634,10 @@ class _Serving:
         for task in list(self._tasks):
             task.cancel()
         if self._ranks is not None:
-            await self._ranks.stop(stop_schedule(signal.SIGKILL, 0.0))  # normally none left: the ending stopped them
-            self._ranks.cancel_readers()  # output still waiting on a link nobody reads (a frozen launcher) is given up
+            # normally none left: the ending stopped them
+            await self._ranks.stop(stop_schedule(signal.SIGKILL, 0.0))
+            # output still waiting on a link nobody reads (a frozen launcher) is given up
+            self._ranks.cancel_readers()
         await self._store.aclose()
         if relay is not None:
             await relay.aclose()
@@ -502,7 +660,13 @@ class _Serving:
 
     # ----- endings ---------------------------------------------------------------------------
 
-    def begin_ending(self, schedule: Sequence[StopStep], *, outcome: SessionOutcome | None = None, error: AgentError | None = None) -> None:
+    def begin_ending(
+        self,
+        schedule: Sequence[StopStep],
+        *,
+        outcome: SessionOutcome | None = None,
+        error: AgentError | None = None,
+    ) -> None:
         """Stop every rank by ``schedule``, then end; the first ending decides the outcome.
 
         A later ending while one is under way runs alongside it, so its KILL deadline
@@ -510,16 +674,26 @@ class _Serving:
         """
         if self._outcome is None and self._error is None:
             self._outcome, self._error = outcome, error
-            why = error.reason if error is not None else outcome.reason if outcome is not None else "?"
+            why = (
+                error.reason
+                if error is not None
+                else outcome.reason
+                if outcome is not None
+                else "?"
+            )
             log.debug("agent %s: ending (%s)", self._cfg.host, why)
-            self._session.observe(Phase.STOPPING, run_id=self._run_id, ranks=self._formed.ranks, reason=why)
+            self._session.observe(
+                Phase.STOPPING, run_id=self._run_id, ranks=self._formed.ranks, reason=why
+            )
         self._spawn(self._end(schedule), name="stop-all")
 
     def stop_for_signal(self, sig: int) -> None:
         """A signal to this process: stop the ranks by the signal table, ``sig`` first."""
         self.begin_ending(
             stop_schedule(rank_signal_for(sig), self._cfg.deadlines.stop_grace),
-            outcome=SessionOutcome(ending=Ending.STOPPED, reason=f"stopped by {signal.Signals(sig).name}", signal=sig),
+            outcome=SessionOutcome(
+                ending=Ending.STOPPED, reason=f"stopped by {signal.Signals(sig).name}", signal=sig
+            ),
         )
 
     async def _end(self, schedule: Sequence[StopStep]) -> None:
@@ -541,34 +715,58 @@ class _Serving:
                 msg = await self._link.recv_message()
             except (ConnectionClosed, WireError) as exc:
                 if not self.ending:
-                    reason = f"lost the join link to the controller ({exc}); stopping this host's ranks"
-                    self.begin_ending(self._lost_schedule(), error=ControllerLost(self._cfg.host, reason))
+                    reason = (
+                        f"lost the join link to the controller ({exc}); stopping this host's ranks"
+                    )
+                    self.begin_ending(
+                        self._lost_schedule(), error=ControllerLost(self._cfg.host, reason)
+                    )
                 return
-            self._liveness = self._liveness.heard(asyncio.get_running_loop().time())  # any frame is a sign of life
+            # any frame is a sign of life
+            self._liveness = self._liveness.heard(asyncio.get_running_loop().time())
             handler = self.commands.get(type(msg))
             if handler is None:
-                log.warning("agent %s: ignoring %s from the controller (not a command of a running session)", self._cfg.host, type(msg).__name__)
+                log.warning(
+                    "agent %s: ignoring %s from the controller (not a command of a running "
+                    "session)",
+                    self._cfg.host,
+                    type(msg).__name__,
+                )
                 continue
             handler(self, msg)
 
     def _relay_lost(self, reason: str) -> None:
-        """The relay's upstream control link went silent: the controller is as lost as on the join link."""
+        """The relay's upstream control link went silent: the controller is as lost as on the join
+        link."""
         if not self.ending:
-            self.begin_ending(self._lost_schedule(), error=ControllerLost(self._cfg.host, f"{reason} (frozen, down or cut off); stopping this host's ranks"))
+            self.begin_ending(
+                self._lost_schedule(),
+                error=ControllerLost(
+                    self._cfg.host,
+                    f"{reason} (frozen, down or cut off); stopping this host's ranks",
+                ),
+            )
 
     async def _keep_alive(self) -> None:
-        """Beat up the join link; a controller silent past the deadline is lost (it may be frozen: the link stays open)."""
+        """Beat up the join link; a controller silent past the deadline is lost (it may be frozen:
+        the link stays open)."""
         loop = asyncio.get_running_loop()
         wake = loop.time()
         while not self.ending:
             now = loop.time()
-            if now - wake > self._cfg.deadlines.heartbeat_interval:  # this process was frozen: the controller could not be heard
+            # this process was frozen: the controller could not be heard
+            if now - wake > self._cfg.deadlines.heartbeat_interval:
                 self._liveness = self._liveness.excused(now)
             live = self._liveness
             if live.expired(now):
                 silence = self._cfg.deadlines.heartbeat_silence
-                reason = f"the controller at {self._cfg.controller_addr} sent nothing for {silence:g}s (frozen, down or cut off); stopping this host's ranks"
-                self.begin_ending(self._lost_schedule(), error=ControllerLost(self._cfg.host, reason))
+                reason = (
+                    f"the controller at {self._cfg.controller_addr} sent nothing for "
+                    f"{silence:g}s (frozen, down or cut off); stopping this host's ranks"
+                )
+                self.begin_ending(
+                    self._lost_schedule(), error=ControllerLost(self._cfg.host, reason)
+                )
                 return
             if live.send_due(now):
                 self._send(m.Heartbeat(sent_at=now))
@@ -577,7 +775,8 @@ class _Serving:
             await asyncio.sleep(max(wake - loop.time(), 0.0))
 
     async def _report_activity(self) -> None:
-        """Every heartbeat interval, each running rank's pid, process state, CPU, last output and store connection, up the link (:mod:`.activity`)."""
+        """Every heartbeat interval, each running rank's pid, process state, CPU, last output and
+        store connection, up the link (:mod:`.activity`)."""
         assert self._ranks is not None
         loop = asyncio.get_running_loop()
         while not self.ending:
@@ -598,7 +797,9 @@ class _Serving:
             try:
                 await work
             except (OSError, FlodlError) as exc:
-                self.begin_ending(self._lost_schedule(), error=AgentError(self._cfg.host, f"{name} failed: {exc}"))
+                self.begin_ending(
+                    self._lost_schedule(), error=AgentError(self._cfg.host, f"{name} failed: {exc}")
+                )
 
     def _on_open_round(self, msg: m.OpenRound) -> None:
         self._round_command(self._store.open_round(msg.round), name=f"open-round-{msg.round}")
@@ -609,12 +810,17 @@ class _Serving:
     async def _start_round(self, msg: m.StartRanks) -> None:
         assert self._ranks is not None
         if self._relay is not None:
-            self._relay.open_round(msg.round)  # from now on the relay takes this round's credentials only
+            # from now on the relay takes this round's credentials only
+            self._relay.open_round(msg.round)
         if not msg.master_addr:
             # The store rides the controller's port: the ranks reach it the way this agent does.
-            msg = replace(msg, master_addr=self._cfg.controller_host, master_port=self._cfg.controller_port)
+            msg = replace(
+                msg, master_addr=self._cfg.controller_host, master_port=self._cfg.controller_port
+            )
         await self._ranks.start(msg)
-        self._session.observe(Phase.RUNNING, run_id=self._run_id, ranks=self._formed.ranks, round_=msg.round)
+        self._session.observe(
+            Phase.RUNNING, run_id=self._run_id, ranks=self._formed.ranks, round_=msg.round
+        )
 
     def _on_stop_ranks(self, msg: m.StopRanks) -> None:
         self._round_command(self._stop_round(msg), name=f"stop-ranks-{msg.round}")
@@ -626,13 +832,20 @@ class _Serving:
 
     def _on_abort(self, msg: m.Abort) -> None:
         log.debug("agent %s: abort: %s", self._cfg.host, msg.reason)
-        self.begin_ending(stop_schedule(msg.first_signal, msg.grace_s), outcome=SessionOutcome(ending=Ending.ABORTED, reason=msg.reason))
+        self.begin_ending(
+            stop_schedule(msg.first_signal, msg.grace_s),
+            outcome=SessionOutcome(ending=Ending.ABORTED, reason=msg.reason),
+        )
 
     def _on_heartbeat(self, msg: m.Heartbeat) -> None:
-        """The controller's beat: reading it already counted as a sign of life; nothing else to do."""
+        """The controller's beat: reading it already counted as a sign of life; nothing else to
+        do."""
 
     def _on_finish(self, msg: m.Finish) -> None:
-        self.begin_ending(stop_schedule(signal.SIGTERM, self._cfg.deadlines.stop_grace), outcome=SessionOutcome(ending=Ending.FINISHED, reason=msg.reason))
+        self.begin_ending(
+            stop_schedule(signal.SIGTERM, self._cfg.deadlines.stop_grace),
+            outcome=SessionOutcome(ending=Ending.FINISHED, reason=msg.reason),
+        )
 
 
 _Serving.commands = {

@@ -10,7 +10,8 @@ Before reading the spec the agent prints :func:`hello_line` on stdout, so the la
 can tell "flodl_async is another version here" from every other failure.
 
 The pure parts — the spec's JSON form both ways, the hello line, the interface that
-carries an address (:mod:`flodl_async.host.ifnames`) — are functions; :func:`serve_spec_stdin` is the thin shell.
+carries an address (:mod:`flodl_async.host.ifnames`) — are functions; :func:`serve_spec_stdin` is
+the thin shell.
 """
 
 from __future__ import annotations
@@ -94,7 +95,10 @@ class AgentSpec:
         try:
             body = json.loads(line)
         except (ValueError, UnicodeDecodeError):
-            raise ConfigError("--spec-stdin: the first stdin line is not JSON (it must be the launcher's agent spec)") from None
+            raise ConfigError(
+                "--spec-stdin: the first stdin line is not JSON (it must be the launcher's agent "
+                "spec)"
+            ) from None
         if not isinstance(body, dict):
             raise ConfigError("--spec-stdin: the spec must be a JSON object")
         env = _field(body, "env", dict)
@@ -107,7 +111,9 @@ class AgentSpec:
                 raise ConfigError(f"--spec-stdin: spec field {name!r} must be a string or null")
         port = _field(body, "controller_port", int)
         if not 0 < port < 65536:
-            raise ConfigError(f"--spec-stdin: spec field 'controller_port' must be a TCP port (got {port})")
+            raise ConfigError(
+                f"--spec-stdin: spec field 'controller_port' must be a TCP port (got {port})"
+            )
         return cls(
             controller_host=_field(body, "controller_host", str),
             controller_port=port,
@@ -125,10 +131,15 @@ class AgentSpec:
 
 def _field(body: dict[str, Any], name: str, kind: type | tuple[type, ...]) -> Any:
     if name not in body:
-        raise ConfigError(f"--spec-stdin: the spec lacks field {name!r} (launcher and agent are different versions?)")
+        raise ConfigError(
+            f"--spec-stdin: the spec lacks field {name!r} (launcher and agent are different "
+            "versions?)"
+        )
     value = body[name]
     if not isinstance(value, kind) or isinstance(value, bool):
-        raise ConfigError(f"--spec-stdin: spec field {name!r} has the wrong type ({type(value).__name__})")
+        raise ConfigError(
+            f"--spec-stdin: spec field {name!r} has the wrong type ({type(value).__name__})"
+        )
     return value
 
 
@@ -159,7 +170,9 @@ def read_spec() -> SessionConfig:
     print(hello_line(), flush=True)
     line = sys.stdin.buffer.readline()
     if not line:
-        raise ConfigError("--spec-stdin: stdin closed before the spec line came (the launcher went away)")
+        raise ConfigError(
+            "--spec-stdin: stdin closed before the spec line came (the launcher went away)"
+        )
     return session_config(AgentSpec.from_line(line))
 
 
@@ -173,7 +186,9 @@ async def watch_lifeline(session: HostSession) -> None:
     session.request_stop(signal.SIGTERM)
 
 
-async def serve_spec_stdin(session: HostSession, serve: Callable[[HostSession], Awaitable[SessionOutcome]]) -> SessionOutcome:
+async def serve_spec_stdin(
+    session: HostSession, serve: Callable[[HostSession], Awaitable[SessionOutcome]]
+) -> SessionOutcome:
     """Run ``serve(session)`` with the stdin lifeline watched beside it."""
     async with asyncio.TaskGroup() as tg:
         watcher = tg.create_task(watch_lifeline(session), name="lifeline")

@@ -26,7 +26,14 @@ class StoreHost:
     """Serves one round's store at a time and reports it on the rendezvous channel."""
 
     def __init__(
-        self, *, controller_host: str, controller_port: int, credential: Credential, run_id: str, advertise_addr: str | None, deadlines: Deadlines
+        self,
+        *,
+        controller_host: str,
+        controller_port: int,
+        credential: Credential,
+        run_id: str,
+        advertise_addr: str | None,
+        deadlines: Deadlines,
     ) -> None:
         self._deadlines = deadlines
         self._controller = (controller_host, controller_port)
@@ -52,7 +59,9 @@ class StoreHost:
             listener.listen(1024)
             port = listener.getsockname()[1]
             if os.environ.get(BACKEND_VARIABLE, "python") == "torch":
-                self._store = await TorchStoreProcess.start(listener, run_id=self._run_id, stop_grace=self._deadlines.store_stop)
+                self._store = await TorchStoreProcess.start(
+                    listener, run_id=self._run_id, stop_grace=self._deadlines.store_stop
+                )
             else:
                 self._store = StoreServer()
                 await self._store.start(listener)
@@ -61,8 +70,15 @@ class StoreHost:
             raise
         if self._rendezvous is None:
             async with asyncio.timeout(self._deadlines.handshake):
-                self._rendezvous = await open_framed(*self._controller, channel=Channel.RENDEZVOUS, credential=self._credential, expect_run_id=self._run_id)
-        self._rendezvous.send(m.StoreAddress(round=round_, host=self._advertise_addr or "", port=port))
+                self._rendezvous = await open_framed(
+                    *self._controller,
+                    channel=Channel.RENDEZVOUS,
+                    credential=self._credential,
+                    expect_run_id=self._run_id,
+                )
+        self._rendezvous.send(
+            m.StoreAddress(round=round_, host=self._advertise_addr or "", port=port)
+        )
         await self._rendezvous.drain()
         log.debug("store for round %d on port %d", round_, port)
 

@@ -58,7 +58,8 @@ def status_line(event: SessionEvent) -> str:
 
 
 def notification_observer(notifier: Notifier) -> SessionObserver:
-    """The session observer that keeps systemd told: READY=1 once connected, STATUS= at every step, STOPPING=1."""
+    """The session observer that keeps systemd told: READY=1 once connected, STATUS= at every step,
+    STOPPING=1."""
 
     def observe(event: SessionEvent) -> None:
         status = status_line(event)
@@ -73,7 +74,8 @@ def notification_observer(notifier: Notifier) -> SessionObserver:
 
 
 async def with_watchdog(work: Coroutine[object, object, T], notifier: Notifier) -> T:
-    """Await ``work`` with the watchdog ticker beside it in one TaskGroup; ``work``'s own error comes out unwrapped.
+    """Await ``work`` with the watchdog ticker beside it in one TaskGroup; ``work``'s own error
+    comes out unwrapped.
 
     The error is caught inside the group and re-raised after it so that callers see what
     the session raised, not an ExceptionGroup around it (the ticker itself never fails).

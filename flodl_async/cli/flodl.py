@@ -43,7 +43,8 @@ if TYPE_CHECKING:
 
 #: A status document is kilobytes; a body this large is not one (and is not buffered past it).
 MAX_STATUS_BODY = 16 * 1024 * 1024
-#: A status document nests four deep (document, members, a member, its ranks); this leaves room to grow.
+#: A status document nests four deep (document, members, a member, its ranks); this leaves room to
+#: grow.
 MAX_STATUS_DEPTH = 32
 #: How much of a redirect's target the refusal quotes.
 _QUOTE_LIMIT = 200
@@ -113,7 +114,13 @@ def _kind(value: object) -> str:
         return "true/false"
     if value is None:
         return "null"
-    kinds: Mapping[type, str] = {str: "text", int: "a number", float: "a number", list: "a list", dict: "an object"}
+    kinds: Mapping[type, str] = {
+        str: "text",
+        int: "a number",
+        float: "a number",
+        list: "a list",
+        dict: "an object",
+    }
     return kinds.get(type(value), type(value).__name__)
 
 
@@ -130,7 +137,9 @@ def _optional_count(value: object, path: str) -> str | None:
 
 
 def _optional_number(value: object, path: str) -> str | None:
-    ok = value is None or (isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value))
+    ok = value is None or (
+        isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    )
     return None if ok else f"{path}: expected a number, got {_kind(value)}"
 
 
@@ -139,7 +148,11 @@ def _optional_text(value: object, path: str) -> str | None:
 
 
 def _optional_flag(value: object, path: str) -> str | None:
-    return None if value is None or isinstance(value, bool) else f"{path}: expected true/false, got {_kind(value)}"
+    return (
+        None
+        if value is None or isinstance(value, bool)
+        else f"{path}: expected true/false, got {_kind(value)}"
+    )
 
 
 def _list_of(item: _Check) -> _Check:
@@ -156,7 +169,8 @@ def _list_of(item: _Check) -> _Check:
 
 
 def _object_with(fields: Mapping[str, _Check]) -> _Check:
-    """An object whose listed fields, where present, pass their checks (other fields are a newer minor version's)."""
+    """An object whose listed fields, where present, pass their checks (other fields are a newer
+    minor version's)."""
 
     def check(value: object, path: str) -> str | None:
         if not isinstance(value, dict):
@@ -171,15 +185,28 @@ def _object_with(fields: Mapping[str, _Check]) -> _Check:
     return check
 
 
-#: The shape of ``/state.json`` as :mod:`flodl_async.status.model` writes it, for the fields printed here.
+#: The shape of ``/state.json`` as :mod:`flodl_async.status.model` writes it, for the fields printed
+#: here.
 DOCUMENT_SHAPE = _object_with(
     {
         "run_id": _text,
         "phase": _text,
         "verdict": _text,
         "error": _text,
-        **dict.fromkeys(("world_size", "joined_ranks", "min_rank_start", "target_ranks", "restart_count"), _count),
-        "members": _list_of(_object_with({"host": _text, "ranks": _list_of(_count), "devices": _list_of(_text), "state": _text})),
+        **dict.fromkeys(
+            ("world_size", "joined_ranks", "min_rank_start", "target_ranks", "restart_count"),
+            _count,
+        ),
+        "members": _list_of(
+            _object_with(
+                {
+                    "host": _text,
+                    "ranks": _list_of(_count),
+                    "devices": _list_of(_text),
+                    "state": _text,
+                }
+            )
+        ),
         "ranks": _list_of(
             _object_with(
                 {
@@ -190,7 +217,9 @@ DOCUMENT_SHAPE = _object_with(
                     "process": _optional_text,
                     "last_line": _text,
                     "store_connected": _optional_flag,
-                    **dict.fromkeys(("uptime_s", "cpu_percent", "output_age_s", "quiet_s"), _optional_number),
+                    **dict.fromkeys(
+                        ("uptime_s", "cpu_percent", "output_age_s", "quiet_s"), _optional_number
+                    ),
                 }
             )
         ),
@@ -202,7 +231,8 @@ DOCUMENT_SHAPE = _object_with(
 
 
 class _DeadlineSocket(socket.socket):
-    """A connected socket whose every read shares one deadline (``http.client`` reads through ``recv_into``)."""
+    """A connected socket whose every read shares one deadline (``http.client`` reads through
+    ``recv_into``)."""
 
     _deadline: float
 
@@ -222,7 +252,8 @@ class _DeadlineSocket(socket.socket):
 
 
 class _DeadlineConnection(http.client.HTTPConnection):
-    """An HTTP connection that must connect, send and receive the whole answer within ``timeout``."""
+    """An HTTP connection that must connect, send and receive the whole answer within
+    ``timeout``."""
 
     def __init__(self, host: str, port: int, *, timeout: float) -> None:
         super().__init__(host, port, timeout=timeout)
@@ -243,9 +274,15 @@ def _read_body(response: http.client.HTTPResponse, where: str) -> bytes:
         chunks.append(chunk)
         size += len(chunk)
     if size > MAX_STATUS_BODY:
-        raise NotFlodlStatus(f"{where} answered with more than {MAX_STATUS_BODY} bytes, which is not a flodl status (is another service on that port?)")
+        raise NotFlodlStatus(
+            f"{where} answered with more than {MAX_STATUS_BODY} bytes, which is not a flodl status "
+            "(is another service on that port?)"
+        )
     if response.length:  # Content-Length promised more than came before the close
-        raise NotFlodlStatus(f"{where} answered with a body cut short ({size} bytes, {response.length} missing), so not a flodl status")
+        raise NotFlodlStatus(
+            f"{where} answered with a body cut short ({size} bytes, {response.length} missing), so "
+            "not a flodl status"
+        )
     return b"".join(chunks)
 
 
@@ -266,36 +303,55 @@ def fetch_status(host: str, port: int, *, timeout: float = 3.0) -> tuple[int, di
         if 300 <= response.status < 400:
             target = strip_controls(response.getheader("Location") or "")[:_QUOTE_LIMIT]
             to = f", a redirect to {target}" if target else ", a redirect"
-            raise NotFlodlStatus(f"{where} answered HTTP {response.status}{to}; a flodl controller never redirects, so this is not one (not followed)")
+            raise NotFlodlStatus(
+                f"{where} answered HTTP {response.status}{to}; a flodl controller never redirects, "
+                "so this is not one (not followed)"
+            )
         body = _read_body(response, where)
     finally:
         conn.close()
     try:
         doc = json.loads(body)
     except RecursionError:
-        raise NotFlodlStatus(f"{where} answered with JSON nested too deeply to be a flodl status (is another service on that port?)") from None
+        raise NotFlodlStatus(
+            f"{where} answered with JSON nested too deeply to be a flodl status (is another "
+            "service on that port?)"
+        ) from None
     except ValueError as exc:
-        raise NotFlodlStatus(f"{where} answered, but not with JSON, so not a flodl status (is another service on that port?)") from exc
+        raise NotFlodlStatus(
+            f"{where} answered, but not with JSON, so not a flodl status (is another service on "
+            "that port?)"
+        ) from exc
     if not isinstance(doc, dict):
-        raise NotFlodlStatus(f"{where} answered with JSON that is not an object, so not a flodl status (is another service on that port?)")
+        raise NotFlodlStatus(
+            f"{where} answered with JSON that is not an object, so not a flodl status (is another "
+            "service on that port?)"
+        )
     schema = doc.get("schema")
     if not isinstance(schema, str) or not schema.startswith(SCHEMA_FAMILY):
         raise NotFlodlStatus(
-            f"{where} answered with JSON that lacks the {SCHEMA!r} schema marker, so not a flodl status "
+            f"{where} answered with JSON that lacks the {SCHEMA!r} schema marker, so not a flodl "
+            "status "
             "(another service on that port, or a controller older than this flodl?)"
         )
     try:
         cleaned = clean(doc)
     except NotFlodlStatus:
-        raise NotFlodlStatus(f"{where} answered with JSON nested too deeply to be a flodl status (is another service on that port?)") from None
+        raise NotFlodlStatus(
+            f"{where} answered with JSON nested too deeply to be a flodl status (is another "
+            "service on that port?)"
+        ) from None
     problem = DOCUMENT_SHAPE(cleaned, "")
     if problem is not None:
-        raise NotFlodlStatus(f"{where} answered with the {SCHEMA!r} marker but is not a flodl status: {problem}")
+        raise NotFlodlStatus(
+            f"{where} answered with the {SCHEMA!r} marker but is not a flodl status: {problem}"
+        )
     assert isinstance(cleaned, dict)
     return response.status, cleaned
 
 
-#: ``flodl status`` flags a running rank with neither output nor CPU progress for this long (``--silent-after``).
+#: ``flodl status`` flags a running rank with neither output nor CPU progress for this long
+#: (``--silent-after``).
 SILENT_AFTER = 60.0
 
 
@@ -305,7 +361,8 @@ def format_status(doc: dict[str, object], *, silent_after: float = SILENT_AFTER)
         f"run      {doc.get('run_id', '?')}",
         f"phase    {doc.get('phase', '?')}",
         f"ranks    {doc.get('joined_ranks', 0)} joined, world size {doc.get('world_size', 0)} "
-        f"(quorum {doc.get('min_rank_start', 0)}, target {doc.get('target_ranks', 0)}), restarts {doc.get('restart_count', 0)}",
+        f"(quorum {doc.get('min_rank_start', 0)}, target {doc.get('target_ranks', 0)}), restarts "
+        f"{doc.get('restart_count', 0)}",
     ]
     if doc.get("verdict"):
         lines.append(f"verdict  {doc['verdict']}")
@@ -317,26 +374,40 @@ def format_status(doc: dict[str, object], *, silent_after: float = SILENT_AFTER)
             if not isinstance(member, dict):
                 continue
             ranks, devices = _folded(member.get("ranks")), _folded(member.get("devices"))
-            lines.append(f"{member.get('host', '?'):<24} {ranks:<16} {devices:<24} {member.get('state', '?')}")
+            lines.append(
+                f"{member.get('host', '?'):<24} {ranks:<16} {devices:<24} "
+                f"{member.get('state', '?')}"
+            )
     rank_rows = doc.get("ranks") or []
     if isinstance(rank_rows, list) and rank_rows:
         lines.append("")
-        lines.append(f"{'RANK':<6} {'HOST':<20} {'PID':<8} {'STATE':<10} {'PROCESS':<16} {'CPU':>6} {'UP':>7} {'STORE':<6} {'OUTPUT':>7}  LAST LINE")
+        lines.append(
+            f"{'RANK':<6} {'HOST':<20} {'PID':<8} {'STATE':<10} {'PROCESS':<16} {'CPU':>6} "
+            f"{'UP':>7} {'STORE':<6} {'OUTPUT':>7}  LAST LINE"
+        )
         flagged: list[str] = []
         for rank in rank_rows:
             if not isinstance(rank, dict):
                 continue
             lines.append(_rank_row(rank))
             quiet = rank.get("quiet_s")
-            if isinstance(quiet, int | float) and quiet >= silent_after and rank.get("state") in ("running", "connected"):
-                flagged.append(f"rank {rank.get('rank', '?')} on {rank.get('host', '?')}: silent and idle for {_age(quiet)} ({rank.get('process') or '?'})")
+            if (
+                isinstance(quiet, int | float)
+                and quiet >= silent_after
+                and rank.get("state") in ("running", "connected")
+            ):
+                flagged.append(
+                    f"rank {rank.get('rank', '?')} on {rank.get('host', '?')}: silent and idle for "
+                    f"{_age(quiet)} ({rank.get('process') or '?'})"
+                )
         for flag in flagged:
             lines.append(f"SILENT   {flag} — hung? (a stack: py-spy dump --pid PID)")
     return "\n".join(lines)
 
 
 def _folded(items: object) -> str:
-    """A host's ranks (``0-99``) or devices (``cpu:0-99``) as short as they can be said; anything else as it came."""
+    """A host's ranks (``0-99``) or devices (``cpu:0-99``) as short as they can be said; anything
+    else as it came."""
     if not isinstance(items, list):
         return ""
     if items and all(isinstance(i, int) and not isinstance(i, bool) for i in items):
@@ -351,7 +422,11 @@ def _rank_row(rank: Mapping[str, object]) -> str:
 
     def number(key: str, fmt: str) -> str:
         value = rank.get(key)
-        return format(value, fmt) if isinstance(value, int | float) and not isinstance(value, bool) else "-"
+        return (
+            format(value, fmt)
+            if isinstance(value, int | float) and not isinstance(value, bool)
+            else "-"
+        )
 
     age = rank.get("output_age_s")
     output = _age(age) if isinstance(age, int | float) and not isinstance(age, bool) else "-"
@@ -359,10 +434,13 @@ def _rank_row(rank: Mapping[str, object]) -> str:
     uptime = _age(up) if isinstance(up, int | float) and not isinstance(up, bool) else "-"
     connected = rank.get("store_connected")
     store = "-" if not isinstance(connected, bool) else "yes" if connected else "no"
-    cpu = number("cpu_percent", ".0f") + ("%" if isinstance(rank.get("cpu_percent"), int | float) else "")
+    cpu = number("cpu_percent", ".0f") + (
+        "%" if isinstance(rank.get("cpu_percent"), int | float) else ""
+    )
     last = str(rank.get("last_line") or "")
     return (
-        f"{rank.get('rank', '?')!s:<6} {rank.get('host', '?')!s:<20} {rank.get('pid') or '-'!s:<8} {rank.get('state', '?')!s:<10} "
+        f"{rank.get('rank', '?')!s:<6} {rank.get('host', '?')!s:<20} {rank.get('pid') or '-'!s:<8} "
+        f"{rank.get('state', '?')!s:<10} "
         f"{rank.get('process') or '-'!s:<16} {cpu:>6} {uptime:>7} {store:<6} {output:>7}  {last}"
     ).rstrip()
 
@@ -370,7 +448,10 @@ def _rank_row(rank: Mapping[str, object]) -> str:
 def _say(text: str, *, error: bool = False) -> None:
     # The last line of defence: whatever reaches the terminal has nothing unprintable,
     # even text that quotes a server (an http.client error repeats a bad status line).
-    print("\n".join(strip_controls(line) for line in text.split("\n")), file=sys.stderr if error else sys.stdout)
+    print(
+        "\n".join(strip_controls(line) for line in text.split("\n")),
+        file=sys.stderr if error else sys.stdout,
+    )
 
 
 def _age(seconds: float) -> str:
@@ -396,13 +477,19 @@ def _runs_table(runs: Sequence[LocalRun], *, timeout: float) -> str:
             ranks = str(doc.get("world_size") or doc.get("joined_ranks") or 0)
             phase = str(doc.get("phase", "?"))
         address = f"{run.address}:{run.port}"
-        rows.append(f"{strip_controls(run.run_id):<24} {address:<22} {run.owner.pid:<8} {_age(now - run.started_at):<7} {ranks:<8} {phase}")
+        rows.append(
+            f"{strip_controls(run.run_id):<24} {address:<22} {run.owner.pid:<8} "
+            f"{_age(now - run.started_at):<7} {ranks:<8} {phase}"
+        )
     return "\n".join(rows)
 
 
 def _ps(args: argparse.Namespace) -> StatusExit:
     if not (args.timeout > 0 and math.isfinite(args.timeout)):
-        _say(f"flodl ps: --timeout must be a positive number of seconds (got {args.timeout:g})", error=True)
+        _say(
+            f"flodl ps: --timeout must be a positive number of seconds (got {args.timeout:g})",
+            error=True,
+        )
         return StatusExit.USAGE
     runs = local_runs()
     if not runs:
@@ -417,7 +504,10 @@ def _status(args: argparse.Namespace) -> StatusExit:
         runs = local_runs()
         if len(runs) > 1:
             _say(_runs_table(runs, timeout=args.timeout))
-            _say(f"flodl status: {len(runs)} runs on this machine; pick one with --addr HOST:PORT", error=True)
+            _say(
+                f"flodl status: {len(runs)} runs on this machine; pick one with --addr HOST:PORT",
+                error=True,
+            )
             return StatusExit.USAGE
         args.addr = f"{runs[0].address}:{runs[0].port}" if runs else f"127.0.0.1:{DEFAULT_PORT}"
     try:
@@ -426,17 +516,28 @@ def _status(args: argparse.Namespace) -> StatusExit:
         _say(f"flodl status: {exc}", error=True)
         return StatusExit.USAGE
     if not (args.timeout > 0 and math.isfinite(args.timeout)):
-        _say(f"flodl status: --timeout must be a positive number of seconds (got {args.timeout:g})", error=True)
+        _say(
+            f"flodl status: --timeout must be a positive number of seconds (got {args.timeout:g})",
+            error=True,
+        )
         return StatusExit.USAGE
     try:
         status, doc = fetch_status(host, port, timeout=args.timeout)
     except TimeoutError:
-        _say(f"flodl status: {host}:{port} did not answer within {args.timeout:g}s; is a run active on that port? (--timeout for a slow link)", error=True)
+        _say(
+            f"flodl status: {host}:{port} did not answer within {args.timeout:g}s; is a run active "
+            "on that port? (--timeout for a slow link)",
+            error=True,
+        )
         return StatusExit.UNREACHABLE
     except (OSError, http.client.HTTPException) as exc:
         # The error may quote the server (a bad status line, its newline included): one clean line.
         reason = strip_controls(str(exc)).strip()
-        _say(f"flodl status: no flodl controller answers at {host}:{port} ({reason}); is a run active on that port?", error=True)
+        _say(
+            f"flodl status: no flodl controller answers at {host}:{port} ({reason}); is a run "
+            "active on that port?",
+            error=True,
+        )
         return StatusExit.UNREACHABLE
     except NotFlodlStatus as exc:
         _say(f"flodl status: {exc}", error=True)
@@ -446,7 +547,11 @@ def _status(args: argparse.Namespace) -> StatusExit:
     elif status == 503:
         _say(f"controller at {host}:{port} is starting: {doc.get('error', 'no status yet')}")
     elif status != 200:
-        _say(f"flodl status: the controller at {host}:{port} answered HTTP {status}: {doc.get('error', 'no state')}", error=True)
+        _say(
+            f"flodl status: the controller at {host}:{port} answered HTTP {status}: "
+            f"{doc.get('error', 'no state')}",
+            error=True,
+        )
         return StatusExit.UNREACHABLE
     else:
         _say(format_status(doc, silent_after=args.silent_after))
@@ -461,12 +566,19 @@ def _token_new(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         _say(f"flodl token new: {exc}", error=True)
         return 2
-    _say(f"wrote a new cluster token to {args.path} (mode 0600); give it to the controller (--token-file) and to each dial-in agent")
+    _say(
+        f"wrote a new cluster token to {args.path} (mode 0600); give it to the controller "
+        "(--token-file) and to each dial-in agent"
+    )
     return 0
 
 
 def _exit_epilog() -> str:
-    return "exit codes:\n" + "\n".join(f"  {int(code):<4} {text}" for code, text in STATUS_EXIT_MEANINGS.items()) + "\n"
+    return (
+        "exit codes:\n"
+        + "\n".join(f"  {int(code):<4} {text}" for code, text in STATUS_EXIT_MEANINGS.items())
+        + "\n"
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -474,7 +586,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = HintingParser(
         prog="flodl",
         description="Operate flodl_async runs.",
-        epilog="examples:\n  flodl ps\n  flodl status\n  flodl status --addr 10.0.0.1:1337\n  flodl token new /etc/flodl/token\n",
+        epilog="examples:\n  flodl ps\n  flodl status\n  flodl status --addr 10.0.0.1:1337\n  "
+        "flodl token new /etc/flodl/token\n",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"flodl {__version__}")
@@ -482,25 +595,34 @@ def main(argv: Sequence[str] | None = None) -> int:
     ps = sub.add_parser(
         "ps",
         help="list the runs on this machine",
-        description="List your flodl runs on this machine (every controller registers in the runtime directory): "
+        description="List your flodl runs on this machine (every controller registers in the "
+        "runtime directory): "
         "run id, status address, pid, age, ranks and phase.",
-        epilog="examples:\n  flodl ps\n  flodl ps --timeout 5             # runs on a busy machine answer slowly\n\n"
+        epilog="examples:\n  flodl ps\n  flodl ps --timeout 5             # runs on a busy machine "
+        "answer slowly\n\n"
         "exit codes:\n  0    listed (none is no error)\n  2    bad arguments\n",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    ps.add_argument("--timeout", type=float, default=1.0, help="seconds to wait for each run's status (default %(default)s)")
+    ps.add_argument(
+        "--timeout",
+        type=float,
+        default=1.0,
+        help="seconds to wait for each run's status (default %(default)s)",
+    )
     ps.set_defaults(handler=_ps)
     status = sub.add_parser(
         "status",
         help="show a run's status",
         description="Query a controller's status endpoint and print it.",
-        epilog="examples:\n  flodl status                      # the run on this machine (flodl ps lists them)\n"
+        epilog="examples:\n  flodl status                      # the run on this machine (flodl ps "
+        "lists them)\n"
         "  flodl status --addr 10.0.0.1:1337 --json\n\n" + _exit_epilog(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     status.add_argument(
         "--addr",
-        help=f"controller HOST:PORT (default: the one run on this machine, as `flodl ps` lists it; else 127.0.0.1:{DEFAULT_PORT})",
+        help="controller HOST:PORT (default: the one run on this machine, as `flodl ps` lists it; "
+        f"else 127.0.0.1:{DEFAULT_PORT})",
     )
     status.add_argument("--json", action="store_true", help="print the raw JSON document")
     status.add_argument(
@@ -510,12 +632,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         metavar="S",
         help="flag a rank with neither output nor CPU progress for S seconds (default %(default)g)",
     )
-    status.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for an answer (default %(default)s)")
+    status.add_argument(
+        "--timeout",
+        type=float,
+        default=3.0,
+        help="seconds to wait for an answer (default %(default)s)",
+    )
     status.set_defaults(handler=_status)
     token = sub.add_parser(
         "token",
         help="manage the cluster token of dial-in agents",
-        description="The cluster token admits dial-in agents (flodl-agent --token-file) to a controller started with --token-file or controller.token_file.",
+        description="The cluster token admits dial-in agents (flodl-agent --token-file) to a "
+        "controller started with --token-file or controller.token_file.",
         epilog="examples:\n  flodl token new /etc/flodl/token\n",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -523,8 +651,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     token_new = token_sub.add_parser(
         "new",
         help="write a fresh cluster token to a new file",
-        description="Write a fresh 256-bit cluster token (hex) to PATH, created with mode 0600; an existing PATH is never "
-        "overwritten. Nothing secret is printed: copy the file to each host (e.g. scp, then keep it 0600).",
+        description="Write a fresh 256-bit cluster token (hex) to PATH, created with mode 0600; an "
+        "existing PATH is never "
+        "overwritten. Nothing secret is printed: copy the file to each host (e.g. scp, then keep "
+        "it 0600).",
         epilog="examples:\n  flodl token new /etc/flodl/token\n",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -534,7 +664,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         command.add_argument("--version", action="version", version=f"flodl {__version__}")
     args = parser.parse_args(hyphenate(parser, sys.argv[1:] if argv is None else argv))
     for stream in (sys.stdout, sys.stderr):
-        if isinstance(stream, io.TextIOWrapper):  # text the terminal's encoding lacks is escaped, never a traceback
+        # text the terminal's encoding lacks is escaped, never a traceback
+        if isinstance(stream, io.TextIOWrapper):
             stream.reconfigure(errors="backslashreplace")
     return int(args.handler(args))
 

@@ -29,7 +29,17 @@ from pathlib import Path
 from .._version import __version__
 from ..agent import RankOutput
 from ..config.argtypos import HintingParser, hyphenate
-from ..config.cluster import DEFAULT_PORT, ClusterSpec, ControllerSpec, DeviceKind, DeviceSpec, JoinKnobs, WorkerSpec, is_local_host, load_cluster
+from ..config.cluster import (
+    DEFAULT_PORT,
+    ClusterSpec,
+    ControllerSpec,
+    DeviceKind,
+    DeviceSpec,
+    JoinKnobs,
+    WorkerSpec,
+    is_local_host,
+    load_cluster,
+)
 from ..config.devices import parse_devices
 from ..config.plan import LaunchPlan, PlacedWorker, Placement
 from ..controller import Controller
@@ -48,7 +58,7 @@ log = logging.getLogger("flodl_async.cli.launch")
 EPILOG = """\
 examples:
   flodl-launch --nproc 2 -- python examples/train.py
-  CUDA_VISIBLE_DEVICES=2,3 flodl-launch --nproc auto -- python train.py     # one rank on each of GPUs 2 and 3
+  CUDA_VISIBLE_DEVICES=2,3 flodl-launch --nproc auto -- python train.py  # a rank on GPU 2 and on 3
   flodl-launch --nproc 2 --devices 0,2 --local-ranks-filter 0 -- python train.py
   flodl-launch --nproc 4 --devices cpu --max-restarts 2 --log-dir logs -- python train.py --epochs 3
   flodl-launch cluster.yml -- python train.py
@@ -79,55 +89,85 @@ def _parser() -> argparse.ArgumentParser:
     parser = HintingParser(
         prog="flodl-launch",
         usage="flodl-launch [options] (--nproc N | CLUSTER.yml) -- CMD [ARGS ...]",
-        description="Launch a distributed PyTorch job: every rank runs CMD with the torchrun environment.",
+        description="Launch a distributed PyTorch job: every rank runs CMD with the torchrun "
+        "environment.",
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("cluster", nargs="?", help="cluster file (omit it and give --nproc for one host)")
+    parser.add_argument(
+        "cluster", nargs="?", help="cluster file (omit it and give --nproc for one host)"
+    )
     parser.add_argument(
         "--nproc",
         "--nproc-per-node",
         "--nproc_per_node",
         dest="nproc",
-        help="ranks on this host (the embedded one-host cluster): a number, or auto (the visible GPUs, else the cores)",
+        help="ranks on this host (the embedded one-host cluster): a number, or auto (the visible "
+        "GPUs, else the cores)",
     )
-    parser.add_argument("--standalone", action="store_true", help="accepted for torchrun habits: --nproc runs are always stand-alone")
+    parser.add_argument(
+        "--standalone",
+        action="store_true",
+        help="accepted for torchrun habits: --nproc runs are always stand-alone",
+    )
     parser.add_argument("--version", action="version", version=f"flodl-launch {__version__}")
-    parser.add_argument("--devices", default="auto", help="with --nproc: cpu, all (GPUs), GPU ids like 0,1, or auto (GPUs if present; default)")
-    parser.add_argument("--port", type=int, help=f"the controller port (default {DEFAULT_PORT}, or the cluster file's; 0 picks a free one)")
-    parser.add_argument("--max-restarts", type=int, default=0, help="restart the whole world up to K times after a rank failure (default 0)")
+    parser.add_argument(
+        "--devices",
+        default="auto",
+        help="with --nproc: cpu, all (GPUs), GPU ids like 0,1, or auto (GPUs if present; default)",
+    )
+    parser.add_argument(
+        "--port",
+        type=int,
+        help=f"the controller port (default {DEFAULT_PORT}, or the cluster file's; 0 picks a free "
+        "one)",
+    )
+    parser.add_argument(
+        "--max-restarts",
+        type=int,
+        default=0,
+        help="restart the whole world up to K times after a rank failure (default 0)",
+    )
     parser.add_argument(
         "--log-dir",
         type=Path,
-        help="also write every rank's output, from every host, to DIR/RUN_ID/attempt_N/RANK/{stdout,stderr}.log (torchrun's layout)",
+        help="also write every rank's output, from every host, to "
+        "DIR/RUN_ID/attempt_N/RANK/{stdout,stderr}.log (torchrun's layout)",
     )
     parser.add_argument(
         "--local-ranks-filter",
         metavar="RANKS",
-        help="show only these ranks' output on the console, e.g. 0,1 (log files still get every rank)",
+        help="show only these ranks' output on the console, e.g. 0,1 (log files still get every "
+        "rank)",
     )
     parser.add_argument("--run-id", help="run id (TORCHELASTIC_RUN_ID; default: random)")
     parser.add_argument(
         "--stop-grace",
         type=float,
         default=DEFAULT_STOP_GRACE,
-        help=f"seconds from the first stop signal to KILL when stopping ranks (default {DEFAULT_STOP_GRACE:g})",
+        help="seconds from the first stop signal to KILL when stopping ranks (default "
+        f"{DEFAULT_STOP_GRACE:g})",
     )
     parser.add_argument(
         "--secret-file",
-        help="read the session secret from this file (it must be yours, mode 0600), or write a new one there (0600) for flodl-agent",
+        help="read the session secret from this file (it must be yours, mode 0600), or write a new "
+        "one there (0600) for flodl-agent",
     )
     parser.add_argument(
         "--token-file",
-        help="admit dial-in agents holding this cluster token (`flodl token new PATH`; yours, mode 0600); overrides controller.token_file",
+        help="admit dial-in agents holding this cluster token (`flodl token new PATH`; yours, mode "
+        "0600); overrides controller.token_file",
     )
     parser.add_argument(
         "--hang-timeout",
         type=float,
         metavar="S",
-        help="end the run (exit 6, naming the rank) when a rank prints nothing and uses no CPU for S seconds (default: off)",
+        help="end the run (exit 6, naming the rank) when a rank prints nothing and uses no CPU for "
+        "S seconds (default: off)",
     )
-    parser.add_argument("-q", "--quiet", action="store_true", help="only rank output and the verdict")
+    parser.add_argument(
+        "-q", "--quiet", action="store_true", help="only rank output and the verdict"
+    )
     parser.add_argument("-v", "--verbose", action="store_true", help="debug output")
     return parser
 
@@ -141,18 +181,31 @@ def parse_args(argv: Sequence[str]) -> _Args:
         ours, command = argv[:split], tuple(argv[split + 1 :])
     else:
         ours, command = argv, ()
-    ns, stray = parser.parse_known_args(hyphenate(parser, ours))  # --help and argparse's own errors exit here (code 2)
+    # --help and argparse's own errors exit here (code 2)
+    ns, stray = parser.parse_known_args(hyphenate(parser, ours))
     if stray and ns.nproc is not None and ns.cluster is not None and not command:
-        stray = []  # `--nproc 2 python -u train.py`: the command's own options are no typo of ours (the `--` hint below)
+        # `--nproc 2 python -u train.py`: the command's own options are no typo of ours (the `--`
+        # hint below)
+        stray = []
     if stray and (ns.cluster is None or stray[0].startswith("-")):
-        parser.error(f"unrecognized arguments: {' '.join(stray)}")  # a mistyped option of ours, not a command
+        # a mistyped option of ours, not a command
+        parser.error(f"unrecognized arguments: {' '.join(stray)}")
     if stray or (not command and ns.cluster is not None and ns.nproc is not None):
-        # `flodl-launch --nproc 2 python train.py --epochs 3`: the command was taken for our arguments.
-        raise ConfigError(f"unexpected {(stray or [ns.cluster])[0]!r}: did you forget `--` before the command? e.g. flodl-launch --nproc 2 -- python train.py")
+        # `flodl-launch --nproc 2 python train.py --epochs 3`: the command was taken for our
+        # arguments.
+        raise ConfigError(
+            f"unexpected {(stray or [ns.cluster])[0]!r}: did you forget `--` before the command? "
+            "e.g. flodl-launch --nproc 2 -- python train.py"
+        )
     if not command:
-        raise ConfigError("missing the command to run: put it after `--`, e.g. flodl-launch --nproc 2 -- python train.py")
+        raise ConfigError(
+            "missing the command to run: put it after `--`, e.g. flodl-launch --nproc 2 -- python "
+            "train.py"
+        )
     if (ns.cluster is None) == (ns.nproc is None):
-        raise ConfigError("give either --nproc N (one host) or a cluster file, not both and not neither")
+        raise ConfigError(
+            "give either --nproc N (one host) or a cluster file, not both and not neither"
+        )
     nproc = _nproc(ns.nproc)
     if ns.port is not None and not 0 <= ns.port <= 65535:
         raise ConfigError(f"--port must be 0..65535 (got {ns.port})")
@@ -187,7 +240,8 @@ def parse_args(argv: Sequence[str]) -> _Args:
 
 
 def _nproc(raw: str | None) -> int | str | None:
-    """``--nproc``: a rank count of at least 1, or ``auto`` (resolved by :func:`resolve_nproc` once the GPUs are counted)."""
+    """``--nproc``: a rank count of at least 1, or ``auto`` (resolved by :func:`resolve_nproc` once
+    the GPUs are counted)."""
     if raw is None or raw.strip() == "auto":
         return None if raw is None else "auto"
     if not raw.strip().isdigit() or int(raw) < 1:
@@ -202,8 +256,11 @@ def resolve_nproc(nproc: int | str, gpu_count: int) -> int:
     return gpu_count if gpu_count > 0 else len(os.sched_getaffinity(0))
 
 
-def embedded_devices(nproc: int, devices: str, gpu_count: int, visible: Sequence[str] | None = None) -> DeviceSpec:
-    """``--nproc`` with ``--devices`` → the one host's devices (the devices mini-language, plus ``auto``)."""
+def embedded_devices(
+    nproc: int, devices: str, gpu_count: int, visible: Sequence[str] | None = None
+) -> DeviceSpec:
+    """``--nproc`` with ``--devices`` → the one host's devices (the devices mini-language, plus
+    ``auto``)."""
     choice = devices.strip()
     if choice == "auto":
         choice = "all" if gpu_count > 0 else "cpu"
@@ -213,23 +270,35 @@ def embedded_devices(nproc: int, devices: str, gpu_count: int, visible: Sequence
         raise ConfigError(f"--devices: {exc} (or auto)") from None
     if spec.kind is DeviceKind.ALL_GPUS:
         if gpu_count == 0:
-            raise ConfigError(f"--devices all: this host has no visible GPU; for CPU ranks use --devices cpu:{nproc} (or --devices cpu)")
+            raise ConfigError(
+                "--devices all: this host has no visible GPU; for CPU ranks use --devices "
+                f"cpu:{nproc} (or --devices cpu)"
+            )
         if gpu_count < nproc:
-            raise ConfigError(f"--nproc {nproc} with --devices all needs {nproc} GPUs, this host shows {gpu_count}; use --devices cpu:{nproc}")
+            raise ConfigError(
+                f"--nproc {nproc} with --devices all needs {nproc} GPUs, this host shows "
+                f"{gpu_count}; use --devices cpu:{nproc}"
+            )
         return DeviceSpec.gpus(tuple(range(nproc)))
     if spec.kind is DeviceKind.GPU_LIST:
         try:
-            select(spec.gpu_ids, tuple(visible) if visible is not None else tuple(str(i) for i in range(gpu_count)))
+            select(
+                spec.gpu_ids,
+                tuple(visible) if visible is not None else tuple(str(i) for i in range(gpu_count)),
+            )
         except ConfigError as exc:
             raise ConfigError(f"--devices: {exc}") from None
     count = spec.known_count
     if count != nproc:
-        raise ConfigError(f"--devices gives {count} rank(s) but --nproc is {nproc}; one rank per device")
+        raise ConfigError(
+            f"--devices gives {count} rank(s) but --nproc is {nproc}; one rank per device"
+        )
     return spec
 
 
 def build_plan(args: _Args) -> LaunchPlan:
-    """Resolve the arguments (and cluster file) into a launch plan, or raise :class:`ConfigError`."""
+    """Resolve the arguments (and cluster file) into a launch plan, or raise
+    :class:`ConfigError`."""
     deadlines = Deadlines.resolve(stop_grace=args.stop_grace)
     visible = host_visible_gpus()
     gpu_count = len(visible)
@@ -237,15 +306,30 @@ def build_plan(args: _Args) -> LaunchPlan:
     spec: ClusterSpec
     if args.nproc is not None:
         nproc = resolve_nproc(args.nproc, gpu_count)
-        worker = WorkerSpec(host=socket.gethostname(), devices=embedded_devices(nproc, args.devices, gpu_count, visible))
+        worker = WorkerSpec(
+            host=socket.gethostname(),
+            devices=embedded_devices(nproc, args.devices, gpu_count, visible),
+        )
         spec = ClusterSpec(controller=_embedded_controller(), workers=(worker,), source="--nproc")
     else:
         assert args.cluster is not None
         spec = load_cluster(args.cluster, local_names=aliases.names)
     local = aliases.names
-    # `devices: all` counts this machine's GPUs only on this machine; another host's agent reports its own at join.
-    reported = frozenset(w.host for w in spec.workers if w.devices.known_count is None and placement_of(w, local) is not Placement.LOCAL)
-    capacity = sum(w.devices.known_count if w.devices.known_count is not None else 0 if w.host in reported else gpu_count for w in spec.workers)
+    # `devices: all` counts this machine's GPUs only on this machine; another host's agent reports
+    # its own at join.
+    reported = frozenset(
+        w.host
+        for w in spec.workers
+        if w.devices.known_count is None and placement_of(w, local) is not Placement.LOCAL
+    )
+    capacity = sum(
+        w.devices.known_count
+        if w.devices.known_count is not None
+        else 0
+        if w.host in reported
+        else gpu_count
+        for w in spec.workers
+    )
     join = spec.controller.join.resolve(capacity, scale=deadlines.scale, reported_hosts=reported)
     secret = _session_secret(args.secret_file)
     token = _cluster_token(args.token_file, spec)
@@ -253,7 +337,8 @@ def build_plan(args: _Args) -> LaunchPlan:
     if args.log_dir is not None and (args.log_dir / run_id).exists():
         # torchrun's layout has one directory per run: an earlier run's logs are never appended to.
         raise ConfigError(
-            f"--log-dir: {args.log_dir / run_id} already holds the logs of an earlier run with run id {run_id!r}; "
+            f"--log-dir: {args.log_dir / run_id} already holds the logs of an earlier run with run "
+            f"id {run_id!r}; "
             "give another --run-id, or move that directory away"
         )
     return LaunchPlan(
@@ -276,7 +361,8 @@ def build_plan(args: _Args) -> LaunchPlan:
 
 
 def _cluster_token(flag: str | None, spec: ClusterSpec) -> bytes | None:
-    """The token of ``--token-file``, else of ``controller.token_file`` (relative to the cluster file), else None."""
+    """The token of ``--token-file``, else of ``controller.token_file`` (relative to the cluster
+    file), else None."""
     if flag is not None:
         return read_token_file(flag)
     if spec.controller.token_file is None:
@@ -288,14 +374,16 @@ def _cluster_token(flag: str | None, spec: ClusterSpec) -> bytes | None:
 
 
 def placement_of(worker: WorkerSpec, local_names: frozenset[str]) -> Placement:
-    """A dial-in worker joins on its own; the controller's own host runs in-process; every other host is started over ssh."""
+    """A dial-in worker joins on its own; the controller's own host runs in-process; every other
+    host is started over ssh."""
     if worker.dial_in:
         return Placement.DIAL_IN
     return Placement.LOCAL if is_local_host(worker.host, local_names) else Placement.SSH
 
 
 def this_machine() -> HostAliases:
-    """This machine's spellings: its hostname, and its FQDN as the resolver has it (``/etc/hosts`` first, as a rule)."""
+    """This machine's spellings: its hostname, and its FQDN as the resolver has it (``/etc/hosts``
+    first, as a rule)."""
     return HostAliases.of_machine(socket.gethostname(), socket.getfqdn())
 
 
@@ -307,7 +395,10 @@ def _ranks_filter(raw: str | None) -> frozenset[int] | None:
     for item in raw.split(","):
         number = item.strip()
         if not number.isdigit():
-            raise ConfigError(f"--local-ranks-filter takes rank numbers separated by commas, like 0,1 (got {raw!r})")
+            raise ConfigError(
+                "--local-ranks-filter takes rank numbers separated by commas, like 0,1 (got "
+                f"{raw!r})"
+            )
         ranks.add(int(number))
     return frozenset(ranks)
 
@@ -318,7 +409,8 @@ def _embedded_controller() -> ControllerSpec:
 
 
 def _session_secret(path: str | None) -> bytes:
-    """A fresh secret; with ``--secret-file``, the one in that file (refused unless private), or a fresh one written there (0600)."""
+    """A fresh secret; with ``--secret-file``, the one in that file (refused unless private), or a
+    fresh one written there (0600)."""
     if path is None:
         return new_session_secret()
     return load_or_create_secret(path, new_session_secret())
@@ -331,17 +423,26 @@ def banner(plan: LaunchPlan, port: int) -> str:
     if plan.one_host:
         devices = plan.workers[0].spec.devices
         count = devices.known_count or 0
-        kind = "CPU" if not devices.is_gpu else f"GPU {','.join(_caller_gpu_names(devices.gpu_ids))}"
+        kind = (
+            "CPU" if not devices.is_gpu else f"GPU {','.join(_caller_gpu_names(devices.gpu_ids))}"
+        )
         ranks = f"{count} rank" if count == 1 else f"{count} ranks"
         # A run moved off the default port is not the one a bare `flodl status` falls back to.
         status = "flodl status" if port == DEFAULT_PORT else f"flodl status --addr {where}:{port}"
-        return f"run {plan.run_id}: {ranks} on this host ({kind}) — {command} — status: {status}, or http://{where}:{port}/"
+        return (
+            f"run {plan.run_id}: {ranks} on this host ({kind}) — {command} — status: {status}, "
+            f"or http://{where}:{port}/"
+        )
     hosts = len(plan.workers)
-    return f"run {plan.run_id}: {command} on {hosts} host(s) — status: flodl status --addr {where}:{port}, or http://{where}:{port}/"
+    return (
+        f"run {plan.run_id}: {command} on {hosts} host(s) — status: flodl status --addr "
+        f"{where}:{port}, or http://{where}:{port}/"
+    )
 
 
 def _caller_gpu_names(indices: Sequence[int]) -> tuple[str, ...]:
-    """The GPUs as the caller's ``CUDA_VISIBLE_DEVICES`` names them (``2,3`` under ``CUDA_VISIBLE_DEVICES=2,3``, not ``0,1``)."""
+    """The GPUs as the caller's ``CUDA_VISIBLE_DEVICES`` names them (``2,3`` under
+    ``CUDA_VISIBLE_DEVICES=2,3``, not ``0,1``)."""
     try:
         return select(indices, host_visible_gpus())
     except ConfigError:  # checked when the plan was built; the indices are still the truth
@@ -349,11 +450,21 @@ def _caller_gpu_names(indices: Sequence[int]) -> tuple[str, ...]:
 
 
 def warn_oversubscribed(plan: LaunchPlan) -> None:
-    """More CPU ranks on this machine than cores it lets us use: every rank will run slower than it could."""
+    """More CPU ranks on this machine than cores it lets us use: every rank will run slower than it
+    could."""
     cores = len(os.sched_getaffinity(0))
-    ranks = sum(w.spec.devices.cpu_ranks for w in plan.workers if w.placement is Placement.LOCAL and not w.spec.devices.is_gpu)
+    ranks = sum(
+        w.spec.devices.cpu_ranks
+        for w in plan.workers
+        if w.placement is Placement.LOCAL and not w.spec.devices.is_gpu
+    )
     if ranks > cores:
-        log.warning("warning: %d CPU ranks on this host, which has %d core(s) for them: they will compete for the cores (fewer ranks run faster)", ranks, cores)
+        log.warning(
+            "warning: %d CPU ranks on this host, which has %d core(s) for them: they will compete "
+            "for the cores (fewer ranks run faster)",
+            ranks,
+            cores,
+        )
 
 
 def status_host(bind_host: str) -> str:
@@ -362,7 +473,8 @@ def status_host(bind_host: str) -> str:
 
 
 async def _bind(plan: LaunchPlan, output: RankOutput, *, port_fallback: bool) -> Controller:
-    """The controller, bound; with ``port_fallback`` (``--nproc`` with no ``--port``) a taken port gives way to a free one, as torchrun --standalone does."""
+    """The controller, bound; with ``port_fallback`` (``--nproc`` with no ``--port``) a taken port
+    gives way to a free one, as torchrun --standalone does."""
     controller = Controller(plan, output=output)
     try:
         await controller.bind()
@@ -373,24 +485,45 @@ async def _bind(plan: LaunchPlan, output: RankOutput, *, port_fallback: bool) ->
             raise  # a port the user or the cluster file named is kept strictly
     controller = Controller(dataclasses.replace(plan, port=0), output=output)
     await controller.bind()
-    log.warning("port %d is taken (another run? see `flodl ps`); using free port %d instead", plan.port, controller.port)
+    log.warning(
+        "port %d is taken (another run? see `flodl ps`); using free port %d instead",
+        plan.port,
+        controller.port,
+    )
     return controller
 
 
-async def _run(plan: LaunchPlan, *, show_ranks: frozenset[int] | None = None, port_fallback: bool = False) -> RunResult:
-    # Rank output goes through writer threads: a console nobody reads must not stall the loop (heartbeats, status).
-    consoles = (ConsoleWriter(sys.stdout.buffer, name="stdout"), ConsoleWriter(sys.stderr.buffer, name="stderr"))
-    # Our own log lines go through the same stderr writer: in order with the ranks' stderr, and never blocking either.
-    handlers = [h for h in logging.getLogger("flodl_async").handlers if isinstance(h, logging.StreamHandler)]
+async def _run(
+    plan: LaunchPlan, *, show_ranks: frozenset[int] | None = None, port_fallback: bool = False
+) -> RunResult:
+    # Rank output goes through writer threads: a console nobody reads must not stall the loop
+    # (heartbeats, status).
+    consoles = (
+        ConsoleWriter(sys.stdout.buffer, name="stdout"),
+        ConsoleWriter(sys.stderr.buffer, name="stderr"),
+    )
+    # Our own log lines go through the same stderr writer: in order with the ranks' stderr, and
+    # never blocking either.
+    handlers = [
+        h for h in logging.getLogger("flodl_async").handlers if isinstance(h, logging.StreamHandler)
+    ]
     previous = [h.setStream(consoles[1].text()) for h in handlers]
-    output = RankOutput(stdout=consoles[0], stderr=consoles[1], log_dir=plan.log_dir, run_id=plan.run_id, show_ranks=show_ranks)
+    output = RankOutput(
+        stdout=consoles[0],
+        stderr=consoles[1],
+        log_dir=plan.log_dir,
+        run_id=plan.run_id,
+        show_ranks=show_ranks,
+    )
     controller: Controller | None = None
     registration: Registration | None = None
     try:
         controller = await _bind(plan, output, port_fallback=port_fallback)
         log.info("%s", banner(plan, controller.port))
         try:  # so that `flodl status` (no address) and `flodl ps` find this run
-            registration = register(run_id=plan.run_id, address=status_host(plan.bind_host), port=controller.port)
+            registration = register(
+                run_id=plan.run_id, address=status_host(plan.bind_host), port=controller.port
+            )
         except RuntimeDirError as exc:
             log.warning("not registered for `flodl ps` / `flodl status`: %s", exc)
         loop = asyncio.get_running_loop()
@@ -407,7 +540,8 @@ async def _run(plan: LaunchPlan, *, show_ranks: frozenset[int] | None = None, po
         if controller is not None:
             await controller.aclose()
         output.close()
-        for console in consoles:  # every byte still queued is written out (off the loop) before the exit code
+        # every byte still queued is written out (off the loop) before the exit code
+        for console in consoles:
             await asyncio.to_thread(console.close)
         for handler, stream in zip(handlers, previous, strict=True):
             if stream is not None:
@@ -428,13 +562,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     handler.setFormatter(logging.Formatter("flodl-launch: %(message)s"))
     root = logging.getLogger("flodl_async")
     root.handlers[:] = [handler]
-    root.setLevel(logging.DEBUG if args.verbose else logging.WARNING if args.quiet else logging.INFO)
+    root.setLevel(
+        logging.DEBUG if args.verbose else logging.WARNING if args.quiet else logging.INFO
+    )
     root.propagate = False
     started = time.monotonic()
     try:
         plan = build_plan(args)
         warn_oversubscribed(plan)
-        result = run(_run(plan, show_ranks=args.ranks_filter, port_fallback=args.nproc is not None and args.port is None))
+        result = run(
+            _run(
+                plan,
+                show_ranks=args.ranks_filter,
+                port_fallback=args.nproc is not None and args.port is None,
+            )
+        )
     except (ConfigError, PortInUseError) as exc:
         print(f"flodl-launch: error: {exc}", file=sys.stderr)
         return int(ExitCode.USAGE)
@@ -447,7 +589,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"flodl-launch: done — {result.reason} ({elapsed:.1f}s)", file=sys.stderr)
     else:
         print(f"flodl-launch: FAILED — {result.reason} ({elapsed:.1f}s)", file=sys.stderr)
-        details = result.details_for(args.ranks_filter)  # a traceback the console already showed is not repeated
+        # a traceback the console already showed is not repeated
+        details = result.details_for(args.ranks_filter)
         if details:
             print(details, file=sys.stderr)
     return int(result.exit_code)

@@ -1,4 +1,5 @@
-"""Command-line habits shared by ``flodl-launch``, ``flodl-agent`` and ``flodl``: a mistyped option gets the closest real one.
+"""Command-line habits shared by ``flodl-launch``, ``flodl-agent`` and ``flodl``: a mistyped option
+gets the closest real one.
 
 torchrun users type ``--max_restarts`` and ``--log_dir`` (torchrun takes both
 spellings of every option); :func:`hyphenate` accepts the underscore spelling of
@@ -28,7 +29,8 @@ def _option_strings(parser: argparse.ArgumentParser) -> Iterator[str]:
 
 
 def closest_option(parser: argparse.ArgumentParser, given: str) -> str | None:
-    """The option of ``parser`` that ``given`` (``--nprc``, ``--log_dir=x``) most likely meant, or None."""
+    """The option of ``parser`` that ``given`` (``--nprc``, ``--log_dir=x``) most likely meant, or
+    None."""
     name = given.split("=", 1)[0]
     if not name.startswith("--"):
         return None
@@ -41,7 +43,8 @@ def closest_option(parser: argparse.ArgumentParser, given: str) -> str | None:
 
 
 def hyphenate(parser: argparse.ArgumentParser, argv: Sequence[str]) -> list[str]:
-    """torchrun's underscore spellings (``--max_restarts 1``, ``--log_dir=x``) of options ``parser`` has, in their hyphenated form."""
+    """torchrun's underscore spellings (``--max_restarts 1``, ``--log_dir=x``) of options ``parser``
+    has, in their hyphenated form."""
     known = set(_option_strings(parser))
     out: list[str] = []
     for arg in argv:
@@ -53,11 +56,16 @@ def hyphenate(parser: argparse.ArgumentParser, argv: Sequence[str]) -> list[str]
 
 
 class HintingParser(argparse.ArgumentParser):
-    """argparse, with ``did you mean --X?`` after an unrecognized option (sub-parsers made from it hint too)."""
+    """argparse, with ``did you mean --X?`` after an unrecognized option (sub-parsers made from it
+    hint too)."""
 
     def error(self, message: str) -> NoReturn:
         if message.startswith(_UNRECOGNIZED):
             strays = message[len(_UNRECOGNIZED) :].split()
-            hints = [f"{stray}: did you mean {hint}?" for stray in strays if (hint := closest_option(self, stray)) is not None]
+            hints = [
+                f"{stray}: did you mean {hint}?"
+                for stray in strays
+                if (hint := closest_option(self, stray)) is not None
+            ]
             message = "; ".join([message, *hints])
         super().error(message)

@@ -8,17 +8,17 @@ Shape (all keys optional unless marked)::
       join: {min_rank_start, join_timeout, target_ranks, max_join_timeout, open_admission}
       token_file: PATH        # cluster token (`flodl token new`): admits dial-in agents
     env: {NAME: value}        # for every rank
-    trainer: cpu              # the run is a flodl Trainer CPU-backend job (needed by `tunnel: true`)
+    trainer: cpu              # a flodl Trainer CPU-backend job (needed by `tunnel: true`)
     workers:                  # required, non-empty
       - host: node-a          # required; logical id and default ssh target
         devices: all | [0, 1] | 0,1 | cpu:4   # required (flodl_async.config.devices)
         ssh: {target, port, user, identity_file, known_hosts, options: [..]}
-        tunnel: false         # reach the controller through an ssh remote forward (needs `trainer: cpu`)
+        tunnel: false         # reach the controller by an ssh remote forward (`trainer: cpu`)
         env: {NAME: value}    # this host's ranks; overrides the cluster env
         python: /usr/bin/python3
         workdir: /srv/train
         nccl_socket_ifname: eth0
-        dial_in: false        # true: the host joins on its own (flodl-agent --token-file F --persist)
+        dial_in: false        # true: it joins itself (flodl-agent --token-file F --persist)
 
 A top-level ``cluster:`` wrapper (flodl's layout) is accepted too. Every
 error names the file, line and key, says what was expected, and suggests the
@@ -44,7 +44,8 @@ from .devices import DeviceKind, DeviceSpec, parse_devices, parse_gpu_ids
 from .rankenv import TORCHRUN_CONTRACT
 from .sshopts import option_error as ssh_option_error
 
-# The device types live in flodl_async.config.devices; re-exported so `from flodl_async.config.cluster import DeviceSpec` keeps working.
+# The device types live in flodl_async.config.devices; re-exported so `from
+# flodl_async.config.cluster import DeviceSpec` keeps working.
 __all__ = [
     "DEFAULT_JOIN_TIMEOUT",
     "DEFAULT_MAX_JOIN_TIMEOUT",
@@ -70,10 +71,19 @@ DEFAULT_JOIN_TIMEOUT = 300.0
 DEFAULT_MAX_JOIN_TIMEOUT = 600.0
 
 _ENV_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-#: Set by the launcher for every rank (device placement and the torchrun contract); a cluster file may not override them.
+#: Set by the launcher for every rank (device placement and the torchrun contract); a cluster file
+#: may not override them.
 RESERVED_ENV = frozenset(
-    {"CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "GPU_DEVICE_ORDINAL", *TORCHRUN_CONTRACT}
-) - {"TORCH_NCCL_ASYNC_ERROR_HANDLING"}  # a tuning knob users may set; the launcher only defaults it
+    {
+        "CUDA_VISIBLE_DEVICES",
+        "CUDA_DEVICE_ORDER",
+        "HIP_VISIBLE_DEVICES",
+        "ROCR_VISIBLE_DEVICES",
+        "GPU_DEVICE_ORDINAL",
+        *TORCHRUN_CONTRACT,
+    }
+    # a tuning knob users may set; the launcher only defaults it
+) - {"TORCH_NCCL_ASYNC_ERROR_HANDLING"}
 RESERVED_ENV_PREFIXES = ("FLODL_", "TORCHELASTIC_")
 
 
@@ -99,20 +109,36 @@ class JoinKnobs:
     max_join_timeout: float | None = None
     open_admission: bool = False
 
-    def resolve(self, capacity: int, *, scale: float = 1.0, reported_hosts: frozenset[str] = frozenset()) -> JoinConfig:
-        """Seed defaults: quorum and target default to the configured capacity; the cap covers the window.
+    def resolve(
+        self, capacity: int, *, scale: float = 1.0, reported_hosts: frozenset[str] = frozenset()
+    ) -> JoinConfig:
+        """Seed defaults: quorum and target default to the configured capacity; the cap covers the
+        window.
 
         ``reported_hosts`` are planned hosts whose capacity only their agent knows (a remote
-        ``devices: all``): not in ``capacity``, a defaulted quorum or target adds what each reports at join.
+        ``devices: all``): not in ``capacity``, a defaulted quorum or target adds what each reports
+        at join.
         """
         join_timeout = self.join_timeout if self.join_timeout is not None else DEFAULT_JOIN_TIMEOUT
-        max_join = self.max_join_timeout if self.max_join_timeout is not None else max(DEFAULT_MAX_JOIN_TIMEOUT, join_timeout)
-        floor = 0 if reported_hosts else 1  # with a host still to report, capacity may be that host's alone
+        max_join = (
+            self.max_join_timeout
+            if self.max_join_timeout is not None
+            else max(DEFAULT_MAX_JOIN_TIMEOUT, join_timeout)
+        )
+        # with a host still to report, capacity may be that host's alone
+        floor = 0 if reported_hosts else 1
         min_start = self.min_rank_start if self.min_rank_start is not None else max(capacity, floor)
         quorum_reported = reported_hosts if self.min_rank_start is None else frozenset()
         target_reported = reported_hosts if self.target_ranks is None else frozenset()
-        # A reported target is never below the quorum either: the window takes the larger (JoinWindow.target).
-        target = self.target_ranks if self.target_ranks is not None else capacity if target_reported else max(capacity, min_start)
+        # A reported target is never below the quorum either: the window takes the larger
+        # (JoinWindow.target).
+        target = (
+            self.target_ranks
+            if self.target_ranks is not None
+            else capacity
+            if target_reported
+            else max(capacity, min_start)
+        )
         return JoinConfig(
             min_rank_start=min_start,
             join_timeout=join_timeout * scale,
@@ -131,7 +157,8 @@ class ControllerSpec:
     host: str = "127.0.0.1"
     port: int = DEFAULT_PORT
     join: JoinKnobs = field(default_factory=JoinKnobs)
-    #: The cluster token file that admits dial-in agents (as written in the file; relative to the cluster file's directory).
+    #: The cluster token file that admits dial-in agents (as written in the file; relative to the
+    #: cluster file's directory).
     token_file: str | None = None
 
 
@@ -147,7 +174,8 @@ class WorkerSpec:
     python: str | None = None
     workdir: str | None = None
     nccl_socket_ifname: str | None = None
-    #: The host joins on its own (a ``flodl-agent --token-file … --persist`` service): the launcher starts nothing there.
+    #: The host joins on its own (a ``flodl-agent --token-file … --persist`` service): the launcher
+    #: starts nothing there.
     dial_in: bool = False
 
 
@@ -183,12 +211,15 @@ class ClusterSpec:
 
 
 def local_host_names() -> frozenset[str]:
-    """Names that mean this machine (no DNS lookups; the launcher adds the FQDN): :class:`HostAliases`."""
-    return HostAliases.of_machine(os.uname().nodename).names  # gethostname() without importing socket into this pure module
+    """Names that mean this machine (no DNS lookups; the launcher adds the FQDN):
+    :class:`HostAliases`."""
+    # gethostname() without importing socket into this pure module
+    return HostAliases.of_machine(os.uname().nodename).names
 
 
 def is_local_host(host: str, local_names: frozenset[str]) -> bool:
-    """True when ``host`` names this machine: one of ``local_names`` (any case) or a loopback address."""
+    """True when ``host`` names this machine: one of ``local_names`` (any case) or a loopback
+    address."""
     return names_this_machine(host, local_names)
 
 
@@ -214,7 +245,9 @@ def _scalar(node: yaml.Node) -> object:
     return _LOADER_FOR_SCALARS.construct_object(node, deep=True)
 
 
-def _mapping(doc: _Doc, node: yaml.Node, path: str, allowed: tuple[str, ...]) -> dict[str, yaml.Node]:
+def _mapping(
+    doc: _Doc, node: yaml.Node, path: str, allowed: tuple[str, ...]
+) -> dict[str, yaml.Node]:
     if not isinstance(node, yaml.MappingNode):
         raise doc.error(node, path, f"expected a mapping with keys {', '.join(allowed)}")
     out: dict[str, yaml.Node] = {}
@@ -224,7 +257,9 @@ def _mapping(doc: _Doc, node: yaml.Node, path: str, allowed: tuple[str, ...]) ->
             raise doc.error(key_node, path, f"keys must be strings, got {key!r}")
         if key not in allowed:
             close = difflib.get_close_matches(key, allowed, n=1, cutoff=0.6)
-            hint = f"; did you mean {close[0]!r}?" if close else f"; valid keys: {', '.join(allowed)}"
+            hint = (
+                f"; did you mean {close[0]!r}?" if close else f"; valid keys: {', '.join(allowed)}"
+            )
             raise doc.error(key_node, _join(path, key), f"unknown key {key!r}{hint}")
         if key in out:
             raise doc.error(key_node, _join(path, key), "key given twice")
@@ -247,7 +282,9 @@ def _int(doc: _Doc, node: yaml.Node, path: str, *, minimum: int, maximum: int | 
     value = _scalar(node) if isinstance(node, yaml.ScalarNode) else None
     if type(value) is not int or value < minimum or (maximum is not None and value > maximum):
         upper = f" and at most {maximum}" if maximum is not None else ""
-        raise doc.error(node, path, f"expected an integer of at least {minimum}{upper}, got {_show(node)}")
+        raise doc.error(
+            node, path, f"expected an integer of at least {minimum}{upper}, got {_show(node)}"
+        )
     return value
 
 
@@ -281,16 +318,21 @@ def _env(doc: _Doc, node: yaml.Node, path: str) -> dict[str, str]:
         key = _scalar(key_node)
         key_path = f"{path}.{key}"
         if not isinstance(key, str) or not _ENV_KEY.match(key):
-            raise doc.error(key_node, key_path, "environment variable names must match [A-Za-z_][A-Za-z0-9_]*")
+            raise doc.error(
+                key_node, key_path, "environment variable names must match [A-Za-z_][A-Za-z0-9_]*"
+            )
         if key in RESERVED_ENV or key.startswith(RESERVED_ENV_PREFIXES):
             raise doc.error(
                 key_node,
                 key_path,
-                f"{key} is reserved: the launcher sets it for every rank (device placement and the torchrun contract); remove it from env",
+                f"{key} is reserved: the launcher sets it for every rank (device placement and the "
+                "torchrun contract); remove it from env",
             )
         value = _scalar(value_node) if isinstance(value_node, yaml.ScalarNode) else None
         if type(value) not in (str, int, float):
-            raise doc.error(value_node, key_path, f"expected a string value, got {_show(value_node)}; quote it")
+            raise doc.error(
+                value_node, key_path, f"expected a string value, got {_show(value_node)}; quote it"
+            )
         out[key] = str(value)
     return out
 
@@ -301,7 +343,11 @@ def _devices(doc: _Doc, node: yaml.Node, path: str) -> DeviceSpec:
         for i, item in enumerate(node.value):
             gpu = _int(doc, item, f"{path}[{i}]", minimum=0, maximum=255)
             if gpu in ids:
-                raise doc.error(item, f"{path}[{i}]", f"GPU {gpu} listed twice — each rank must pin a distinct GPU")
+                raise doc.error(
+                    item,
+                    f"{path}[{i}]",
+                    f"GPU {gpu} listed twice — each rank must pin a distinct GPU",
+                )
             ids.append(gpu)
         if not ids:
             raise doc.error(node, path, "expected at least one GPU id")
@@ -314,31 +360,75 @@ def _devices(doc: _Doc, node: yaml.Node, path: str) -> DeviceSpec:
             return parse_devices(value)
         except ConfigError as exc:
             raise doc.error(node, path, str(exc)) from None
-    raise doc.error(node, path, f"{DEVICES_EXPECTED}, or a list of GPU ids like [0, 1]; got {_show(node)}")
+    raise doc.error(
+        node, path, f"{DEVICES_EXPECTED}, or a list of GPU ids like [0, 1]; got {_show(node)}"
+    )
 
 
 _TOP_KEYS = ("controller", "workers", "env", "trainer")
 #: The values `trainer:` takes (only the CPU backend rides a tunnel).
 TRAINERS = ("cpu",)
 _CONTROLLER_KEYS = ("host", "port", "join", "token_file")
-_JOIN_KEYS = ("min_rank_start", "join_timeout", "target_ranks", "max_join_timeout", "open_admission")
-_WORKER_KEYS = ("host", "devices", "ssh", "tunnel", "env", "python", "workdir", "nccl_socket_ifname", "dial_in")
+_JOIN_KEYS = (
+    "min_rank_start",
+    "join_timeout",
+    "target_ranks",
+    "max_join_timeout",
+    "open_admission",
+)
+_WORKER_KEYS = (
+    "host",
+    "devices",
+    "ssh",
+    "tunnel",
+    "env",
+    "python",
+    "workdir",
+    "nccl_socket_ifname",
+    "dial_in",
+)
 _SSH_KEYS = ("target", "port", "user", "identity_file", "known_hosts", "options")
 
 
 def _join_knobs(doc: _Doc, node: yaml.Node, path: str) -> JoinKnobs:
     keys = _mapping(doc, node, path, _JOIN_KEYS)
     knobs = JoinKnobs(
-        min_rank_start=_int(doc, keys["min_rank_start"], f"{path}.min_rank_start", minimum=1) if "min_rank_start" in keys else None,
-        join_timeout=_seconds(doc, keys["join_timeout"], f"{path}.join_timeout") if "join_timeout" in keys else None,
-        target_ranks=_int(doc, keys["target_ranks"], f"{path}.target_ranks", minimum=1) if "target_ranks" in keys else None,
-        max_join_timeout=_seconds(doc, keys["max_join_timeout"], f"{path}.max_join_timeout") if "max_join_timeout" in keys else None,
-        open_admission=_bool(doc, keys["open_admission"], f"{path}.open_admission") if "open_admission" in keys else False,
+        min_rank_start=_int(doc, keys["min_rank_start"], f"{path}.min_rank_start", minimum=1)
+        if "min_rank_start" in keys
+        else None,
+        join_timeout=_seconds(doc, keys["join_timeout"], f"{path}.join_timeout")
+        if "join_timeout" in keys
+        else None,
+        target_ranks=_int(doc, keys["target_ranks"], f"{path}.target_ranks", minimum=1)
+        if "target_ranks" in keys
+        else None,
+        max_join_timeout=_seconds(doc, keys["max_join_timeout"], f"{path}.max_join_timeout")
+        if "max_join_timeout" in keys
+        else None,
+        open_admission=_bool(doc, keys["open_admission"], f"{path}.open_admission")
+        if "open_admission" in keys
+        else False,
     )
-    if knobs.min_rank_start is not None and knobs.target_ranks is not None and knobs.target_ranks < knobs.min_rank_start:
-        raise doc.error(keys["target_ranks"], f"{path}.target_ranks", f"must be at least min_rank_start ({knobs.min_rank_start})")
-    if knobs.join_timeout is not None and knobs.max_join_timeout is not None and knobs.max_join_timeout < knobs.join_timeout:
-        raise doc.error(keys["max_join_timeout"], f"{path}.max_join_timeout", f"must be at least join_timeout ({knobs.join_timeout:g}s)")
+    if (
+        knobs.min_rank_start is not None
+        and knobs.target_ranks is not None
+        and knobs.target_ranks < knobs.min_rank_start
+    ):
+        raise doc.error(
+            keys["target_ranks"],
+            f"{path}.target_ranks",
+            f"must be at least min_rank_start ({knobs.min_rank_start})",
+        )
+    if (
+        knobs.join_timeout is not None
+        and knobs.max_join_timeout is not None
+        and knobs.max_join_timeout < knobs.join_timeout
+    ):
+        raise doc.error(
+            keys["max_join_timeout"],
+            f"{path}.max_join_timeout",
+            f"must be at least join_timeout ({knobs.join_timeout:g}s)",
+        )
     return knobs
 
 
@@ -348,8 +438,14 @@ def _ssh(doc: _Doc, node: yaml.Node, path: str) -> SshSpec:
     if "options" in keys:
         opt_node = keys["options"]
         if not isinstance(opt_node, yaml.SequenceNode):
-            raise doc.error(opt_node, f"{path}.options", "expected a list of ssh options like [ProxyJump=bastion]")
-        options = tuple(_str(doc, item, f"{path}.options[{i}]") for i, item in enumerate(opt_node.value))
+            raise doc.error(
+                opt_node,
+                f"{path}.options",
+                "expected a list of ssh options like [ProxyJump=bastion]",
+            )
+        options = tuple(
+            _str(doc, item, f"{path}.options[{i}]") for i, item in enumerate(opt_node.value)
+        )
         for i, (item, option) in enumerate(zip(opt_node.value, options, strict=True)):
             if (problem := ssh_option_error(option)) is not None:
                 raise doc.error(item, f"{path}.options[{i}]", problem)
@@ -359,7 +455,9 @@ def _ssh(doc: _Doc, node: yaml.Node, path: str) -> SshSpec:
 
     return SshSpec(
         target=optional_str("target"),
-        port=_int(doc, keys["port"], f"{path}.port", minimum=1, maximum=65535) if "port" in keys else None,
+        port=_int(doc, keys["port"], f"{path}.port", minimum=1, maximum=65535)
+        if "port" in keys
+        else None,
         user=optional_str("user"),
         identity_file=optional_str("identity_file"),
         known_hosts=optional_str("known_hosts"),
@@ -389,7 +487,9 @@ def _worker(doc: _Doc, node: yaml.Node, path: str) -> WorkerSpec:
     )
 
 
-def parse_cluster(text: str, *, source: str = "<cluster>", local_names: frozenset[str] | None = None) -> ClusterSpec:
+def parse_cluster(
+    text: str, *, source: str = "<cluster>", local_names: frozenset[str] | None = None
+) -> ClusterSpec:
     """Parse and validate cluster-file text; every problem raises :class:`ConfigError`."""
     doc = _Doc(source)
     try:
@@ -402,7 +502,11 @@ def parse_cluster(text: str, *, source: str = "<cluster>", local_names: frozense
         raise ConfigError(f"{source}: not valid YAML: {exc}") from exc
     if root is None:
         raise ConfigError(f"{source}: the file is empty; it needs at least a `workers:` list")
-    if isinstance(root, yaml.MappingNode) and len(root.value) == 1 and _scalar(root.value[0][0]) == "cluster":
+    if (
+        isinstance(root, yaml.MappingNode)
+        and len(root.value) == 1
+        and _scalar(root.value[0][0]) == "cluster"
+    ):
         root = root.value[0][1]
     top = _mapping(doc, root, "", _TOP_KEYS)
     controller = ControllerSpec()
@@ -410,9 +514,15 @@ def parse_cluster(text: str, *, source: str = "<cluster>", local_names: frozense
         ckeys = _mapping(doc, top["controller"], "controller", _CONTROLLER_KEYS)
         controller = ControllerSpec(
             host=_str(doc, ckeys["host"], "controller.host") if "host" in ckeys else "127.0.0.1",
-            port=_int(doc, ckeys["port"], "controller.port", minimum=1, maximum=65535) if "port" in ckeys else DEFAULT_PORT,
-            join=_join_knobs(doc, ckeys["join"], "controller.join") if "join" in ckeys else JoinKnobs(),
-            token_file=_str(doc, ckeys["token_file"], "controller.token_file") if "token_file" in ckeys else None,
+            port=_int(doc, ckeys["port"], "controller.port", minimum=1, maximum=65535)
+            if "port" in ckeys
+            else DEFAULT_PORT,
+            join=_join_knobs(doc, ckeys["join"], "controller.join")
+            if "join" in ckeys
+            else JoinKnobs(),
+            token_file=_str(doc, ckeys["token_file"], "controller.token_file")
+            if "token_file" in ckeys
+            else None,
         )
     if "workers" not in top:
         raise doc.error(root, "", "missing required key 'workers' (a list of worker hosts)")
@@ -425,13 +535,19 @@ def parse_cluster(text: str, *, source: str = "<cluster>", local_names: frozense
         worker = _worker(doc, item, f"workers[{i}]")
         for j, earlier in enumerate(workers):
             if earlier.host == worker.host:
-                raise doc.error(item, f"workers[{i}].host", f"host {worker.host!r} is listed twice; give each host one entry")
+                raise doc.error(
+                    item,
+                    f"workers[{i}].host",
+                    f"host {worker.host!r} is listed twice; give each host one entry",
+                )
             if is_local_host(earlier.host, names) and is_local_host(worker.host, names):
                 raise doc.error(
                     item,
                     f"workers[{i}].host",
-                    f"host {worker.host!r} is this machine, which workers[{j}] (line {workers_node.value[j].start_mark.line + 1}) already lists "
-                    f"as {earlier.host!r}; one machine is one worker — give it one entry with all its devices",
+                    f"host {worker.host!r} is this machine, which workers[{j}] (line "
+                    f"{workers_node.value[j].start_mark.line + 1}) already lists "
+                    f"as {earlier.host!r}; one machine is one worker — give it one entry with all "
+                    "its devices",
                 )
         workers.append(worker)
     spec = ClusterSpec(
@@ -448,7 +564,12 @@ def parse_cluster(text: str, *, source: str = "<cluster>", local_names: frozense
 def _trainer(doc: _Doc, node: yaml.Node) -> str:
     value = _scalar(node) if isinstance(node, yaml.ScalarNode) else None
     if value not in TRAINERS:
-        raise doc.error(node, "trainer", f"expected {' or '.join(TRAINERS)} (a flodl Trainer CPU-backend job), got {_show(node)}")
+        raise doc.error(
+            node,
+            "trainer",
+            f"expected {' or '.join(TRAINERS)} (a flodl Trainer CPU-backend job), got "
+            f"{_show(node)}",
+        )
     assert isinstance(value, str)
     return value
 
@@ -460,30 +581,48 @@ def _tunnel_node(node: yaml.Node) -> yaml.Node:
     return value
 
 
-def _validate_topology(doc: _Doc, spec: ClusterSpec, workers_node: yaml.SequenceNode, local_names: frozenset[str]) -> None:
+def _validate_topology(
+    doc: _Doc, spec: ClusterSpec, workers_node: yaml.SequenceNode, local_names: frozenset[str]
+) -> None:
     controller_names = local_names | {spec.controller.host}
     for i, worker in enumerate(spec.workers):
-        launched_by_us = [key for key, used in (("ssh", worker.ssh is not None), ("tunnel", worker.tunnel), ("python", worker.python is not None)) if used]
+        launched_by_us = [
+            key
+            for key, used in (
+                ("ssh", worker.ssh is not None),
+                ("tunnel", worker.tunnel),
+                ("python", worker.python is not None),
+            )
+            if used
+        ]
         if worker.dial_in and launched_by_us:
             raise doc.error(
                 workers_node.value[i],
                 f"workers[{i}].dial_in",
-                f"worker {worker.host!r} dials in on its own, so {', '.join(launched_by_us)} (how the launcher would start it) "
+                f"worker {worker.host!r} dials in on its own, so {', '.join(launched_by_us)} (how "
+                "the launcher would start it) "
                 "cannot apply; drop them, or drop `dial_in: true` to have the launcher start it",
             )
         # Nothing carries these to an agent that dials in on its own: refused, not silently dropped.
         agent_side = [
             key
-            for key, used in (("env", bool(worker.env)), ("workdir", worker.workdir is not None), ("nccl_socket_ifname", worker.nccl_socket_ifname is not None))
+            for key, used in (
+                ("env", bool(worker.env)),
+                ("workdir", worker.workdir is not None),
+                ("nccl_socket_ifname", worker.nccl_socket_ifname is not None),
+            )
             if used
         ]
         if worker.dial_in and agent_side:
             raise doc.error(
                 workers_node.value[i],
                 f"workers[{i}].{agent_side[0]}",
-                f"worker {worker.host!r} dials in on its own, so the launcher cannot give its agent {', '.join(agent_side)}; "
-                "set them where that agent starts: its environment (Environment= in its unit file, e.g. "
-                "GLOO_SOCKET_IFNAME/NCCL_SOCKET_IFNAME for nccl_socket_ifname) and flodl-agent --workdir, and drop them here",
+                f"worker {worker.host!r} dials in on its own, so the launcher cannot give its "
+                f"agent {', '.join(agent_side)}; "
+                "set them where that agent starts: its environment (Environment= in its unit file, "
+                "e.g. "
+                "GLOO_SOCKET_IFNAME/NCCL_SOCKET_IFNAME for nccl_socket_ifname) and flodl-agent "
+                "--workdir, and drop them here",
             )
         if not worker.tunnel:
             continue
@@ -492,15 +631,19 @@ def _validate_topology(doc: _Doc, spec: ClusterSpec, workers_node: yaml.Sequence
             raise doc.error(
                 node,
                 f"workers[{i}].tunnel",
-                f"worker {worker.host!r} sets `tunnel: true` but runs on the controller's host — there is no "
-                "ssh session to carry a forward, and loopback already reaches the controller; remove the flag",
+                f"worker {worker.host!r} sets `tunnel: true` but runs on the controller's host — "
+                "there is no "
+                "ssh session to carry a forward, and loopback already reaches the controller; "
+                "remove the flag",
             )
         if worker.devices.is_gpu:
             raise doc.error(
                 node,
                 f"workers[{i}].tunnel",
-                f"worker {worker.host!r} sets `tunnel: true` with GPU devices (NCCL backend); NCCL's data plane "
-                "is peer-to-peer and cannot ride a controller tunnel — use `devices: cpu:N` or drop the tunnel",
+                f"worker {worker.host!r} sets `tunnel: true` with GPU devices (NCCL backend); "
+                "NCCL's data plane "
+                "is peer-to-peer and cannot ride a controller tunnel — use `devices: cpu:N` or "
+                "drop the tunnel",
             )
         if spec.trainer != "cpu":
             # The launcher cannot tell a torchrun-contract script (gloo rank-to-rank traffic,
@@ -508,14 +651,17 @@ def _validate_topology(doc: _Doc, spec: ClusterSpec, workers_node: yaml.Sequence
             raise doc.error(
                 _tunnel_node(node),
                 f"workers[{i}].tunnel",
-                f"worker {worker.host!r} sets `tunnel: true`, but a tunnel carries only controller traffic, not the "
-                "rank-to-rank traffic (gloo) of a torchrun-contract script; declare the run a Trainer CPU-backend job "
+                f"worker {worker.host!r} sets `tunnel: true`, but a tunnel carries only controller "
+                "traffic, not the "
+                "rank-to-rank traffic (gloo) of a torchrun-contract script; declare the run a "
+                "Trainer CPU-backend job "
                 "with a top-level `trainer: cpu`, or drop the tunnel",
             )
 
 
 def load_cluster(path: str | Path, *, local_names: frozenset[str] | None = None) -> ClusterSpec:
-    """Read and parse a cluster file (``local_names``: this machine's names, as :func:`parse_cluster` takes them)."""
+    """Read and parse a cluster file (``local_names``: this machine's names, as
+    :func:`parse_cluster` takes them)."""
     path = Path(path)
     try:
         text = path.read_text()

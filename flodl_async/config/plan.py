@@ -1,4 +1,5 @@
-"""The launch plan: everything a controller needs, resolved from the command line and the cluster file.
+"""The launch plan: everything a controller needs, resolved from the command line and the cluster
+file.
 
 Each worker of the plan carries its :class:`Placement`: how its agent comes to
 exist: ``LOCAL`` on the controller's host (its agent runs inside the controller's
@@ -27,7 +28,8 @@ class Placement(enum.Enum):
     LOCAL = "local"
     #: Started over ssh by the launcher (:mod:`flodl_async.controller.fanout`).
     SSH = "ssh"
-    #: Joins on its own, e.g. a systemd ``flodl-agent --persist``: the controller launches nothing, the window waits for it.
+    #: Joins on its own, e.g. a systemd ``flodl-agent --persist``: the controller launches nothing,
+    #: the window waits for it.
     DIAL_IN = "dial-in"
 
 
@@ -59,13 +61,17 @@ class LaunchPlan:
     max_restarts: int = 0
     log_dir: Path | None = None
     deadlines: Deadlines = field(default_factory=Deadlines)
-    #: The spellings of the controller's machine, read once by the launcher (None: names are compared as given).
+    #: The spellings of the controller's machine, read once by the launcher (None: names are
+    #: compared as given).
     host_aliases: HostAliases | None = None
-    #: The cluster token that admits dial-in agents to the join channel (None: token admission is off).
+    #: The cluster token that admits dial-in agents to the join channel (None: token admission is
+    #: off).
     token: bytes | None = field(default=None, repr=False)
-    #: The embedded one-host cluster of ``--nproc``: one banner line; the join window's progress only under ``-v``.
+    #: The embedded one-host cluster of ``--nproc``: one banner line; the join window's progress
+    #: only under ``-v``.
     one_host: bool = False
-    #: ``--hang-timeout``: a rank with neither output nor CPU progress this long ends the run (None: off).
+    #: ``--hang-timeout``: a rank with neither output nor CPU progress this long ends the run (None:
+    #: off).
     hang_timeout: float | None = None
 
     @property

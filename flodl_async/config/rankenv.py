@@ -72,7 +72,12 @@ class RankSpec:
 
     def to_json(self) -> str:
         """Serialised for the environment."""
-        where = {"run_id": self.run_id, "host": self.host, "relay_socket": self.relay_socket, "data_socket": self.data_socket}
+        where = {
+            "run_id": self.run_id,
+            "host": self.host,
+            "relay_socket": self.relay_socket,
+            "data_socket": self.data_socket,
+        }
         return json.dumps(where | {"round": self.round, "credential": self.credential_hex})
 
     @classmethod
@@ -138,7 +143,11 @@ def rank_environment(
     )
     # Several ranks on one host each spinning a full OpenMP pool oversubscribe the cores (torchrun's
     # rule: only then); a host's only rank keeps every core.
-    user_set = "OMP_NUM_THREADS" in cluster_env or "OMP_NUM_THREADS" in host_env or "OMP_NUM_THREADS" in base
+    user_set = (
+        "OMP_NUM_THREADS" in cluster_env
+        or "OMP_NUM_THREADS" in host_env
+        or "OMP_NUM_THREADS" in base
+    )
     if p.local_world_size > 1 and not user_set:
         env["OMP_NUM_THREADS"] = "1"
     if cuda_visible_devices is not None:

@@ -44,9 +44,13 @@ def detect_role(env: Mapping[str, str]) -> Role:
     role = _TRUTH_TABLE.get(key)  # type: ignore[arg-type]
     if role is not None:
         return role
-    state = ", ".join(f"{name}={'set' if present else 'unset'}" for name, present in zip(ROLE_VARS, key, strict=True))
+    state = ", ".join(
+        f"{name}={'set' if present else 'unset'}"
+        for name, present in zip(ROLE_VARS, key, strict=True)
+    )
     raise RoleError(
         f"inconsistent flodl role environment ({state}). Expected: none set (single process), "
         f"{CONTROLLER_VAR} only (controller), {AGENT_VAR} only (agent), or {RANK_VAR} with "
-        f"{LOCAL_RANK_VAR} (rank). Unset the stray variables, e.g. ones inherited from an outer launch."
+        f"{LOCAL_RANK_VAR} (rank). Unset the stray variables, e.g. ones inherited from an outer "
+        "launch."
     )

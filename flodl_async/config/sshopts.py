@@ -1,6 +1,8 @@
-"""The ssh options a worker's ``ssh.options`` may carry: parsed and checked when the cluster file is read.
+"""The ssh options a worker's ``ssh.options`` may carry: parsed and checked when the cluster file is
+read.
 
-Pure, so :mod:`flodl_async.config.cluster` can refuse an unsupported option by name without importing asyncssh.
+Pure, so :mod:`flodl_async.config.cluster` can refuse an unsupported option by name without
+importing asyncssh.
 """
 
 from __future__ import annotations
@@ -21,7 +23,10 @@ def option_error(option: str) -> str | None:
     """Why ``option`` is refused, or None when it is supported."""
     name, value = parse_option(option)
     if name not in SUPPORTED_OPTIONS:
-        return f"ssh option {name!r} is not supported (supported: {', '.join(SUPPORTED_OPTIONS)}); remove it"
+        return (
+            f"ssh option {name!r} is not supported (supported: {', '.join(SUPPORTED_OPTIONS)}); "
+            "remove it"
+        )
     if not value:
         return f"ssh option {name} needs a value, like {name}=user@bastion:22"
     return None

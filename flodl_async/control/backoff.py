@@ -1,4 +1,5 @@
-"""Reconnect pacing for a persistent agent: capped exponential backoff with jitter, pure (time and randomness passed in).
+"""Reconnect pacing for a persistent agent: capped exponential backoff with jitter, pure (time and
+randomness passed in).
 
 Theory of operation. Attempt ``n`` (0 for the first retry after a failure) waits
 ``min(cap, initial · factor**n)`` scaled by a jitter draw: the delay is taken
@@ -34,11 +35,13 @@ class BackoffPolicy:
             raise ValueError(f"backoff: jitter must be in [0, 1] (got {self.jitter:g})")
 
     def ceiling(self, attempt: int) -> float:
-        """The un-jittered delay of ``attempt`` (0-based): ``min(cap, initial · factor**attempt)``."""
+        """The un-jittered delay of ``attempt`` (0-based): ``min(cap, initial ·
+        factor**attempt)``."""
         if attempt < 0:
             raise ValueError(f"backoff: attempt must be 0 or more (got {attempt})")
         delay = self.initial
-        for _ in range(attempt):  # a loop, not `**`: no overflow however long the controller stays away
+        # a loop, not `**`: no overflow however long the controller stays away
+        for _ in range(attempt):
             delay *= self.factor
             if delay >= self.cap:
                 return self.cap

@@ -1,8 +1,10 @@
-"""The controller's book of control links per host, and the liveness of the relays' own links (pure: ``now`` passed in).
+"""The controller's book of control links per host, and the liveness of the relays' own links (pure:
+``now`` passed in).
 
 A host's relay holds one upstream control link (ranks of the torch store backend may add their
 own). A link is bound to a host by the first rank it names (a relay beat or a RankHello), since
-the session credential it speaks with is every host's. Two rules follow, which the shell carries out:
+the session credential it speaks with is every host's. Two rules follow, which the shell carries
+out:
 
 - a host lost for any reason loses its control links with it (:meth:`ControlLinks.drop` names them
   for the shell to abort), instead of the controller holding dead TCP connections until teardown;
@@ -39,7 +41,12 @@ class ControlLinks(Generic[L]):
     def heard(self, link: L, host: str, now: float) -> None:
         """A relay beat on ``link`` (bound to ``host``): it is watched from its first beat on."""
         held = self._relays.get(link)
-        self._relays[link] = (host, held[1].heard(now) if held is not None else Liveness.start(now, interval=self._interval, silence=self._silence))
+        self._relays[link] = (
+            host,
+            held[1].heard(now)
+            if held is not None
+            else Liveness.start(now, interval=self._interval, silence=self._silence),
+        )
 
     def closed(self, link: L, host: str | None) -> None:
         """``link`` ended (its reader returned)."""
@@ -56,21 +63,25 @@ class ControlLinks(Generic[L]):
 
     def excused(self, now: float) -> None:
         """This process was frozen: no relay could be heard meanwhile."""
-        self._relays = {link: (host, live.excused(now)) for link, (host, live) in self._relays.items()}
+        self._relays = {
+            link: (host, live.excused(now)) for link, (host, live) in self._relays.items()
+        }
 
     def next_deadline(self) -> float | None:
         """When a relay link could next go silent past the deadline."""
         return min((live.expires_at() for _host, live in self._relays.values()), default=None)
 
     def silent_hosts(self, now: float, join_liveness: Mapping[str, Liveness]) -> list[str]:
-        """Hosts lost by their relay link's silence now (each once); their links are forgotten, not yet dropped."""
+        """Hosts lost by their relay link's silence now (each once); their links are forgotten, not
+        yet dropped."""
         lost: list[str] = []
         for link, (host, live) in list(self._relays.items()):
             if not live.expired(now):
                 continue
             joined = join_liveness.get(host)
             if joined is not None and joined.silent_for(now) > self._interval:
-                # Silent on its join link too: that one names the host (now or within a beat); wait for it.
+                # Silent on its join link too: that one names the host (now or within a beat); wait
+                # for it.
                 self._relays[link] = (host, live.heard(joined.last_heard))
                 continue
             del self._relays[link]

@@ -1,4 +1,5 @@
-"""Liveness of one link: when we last heard the peer, when our next heartbeat is due, and whether the peer went silent.
+"""Liveness of one link: when we last heard the peer, when our next heartbeat is due, and whether
+the peer went silent.
 
 Theory of operation. A TCP connection to a frozen host (SIGSTOP, a hung kernel) or
 behind a pulled cable stays open for minutes: nothing fails, nothing arrives. So
@@ -38,7 +39,8 @@ from dataclasses import dataclass, replace
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Liveness:
-    """One link's liveness; build with :meth:`start`, advance with :meth:`heard` and :meth:`sent` (each returns a new one)."""
+    """One link's liveness; build with :meth:`start`, advance with :meth:`heard` and :meth:`sent`
+    (each returns a new one)."""
 
     #: Seconds between our heartbeats.
     interval: float
@@ -50,11 +52,15 @@ class Liveness:
     def __post_init__(self) -> None:
         if not 0 < self.interval < self.silence:
             # A silence shorter than the interval would expire a healthy peer between two beats.
-            raise ValueError(f"heartbeat interval {self.interval:g}s must be positive and shorter than the silence deadline {self.silence:g}s")
+            raise ValueError(
+                f"heartbeat interval {self.interval:g}s must be positive and shorter than the "
+                f"silence deadline {self.silence:g}s"
+            )
 
     @classmethod
     def start(cls, now: float, *, interval: float, silence: float) -> Liveness:
-        """A link that was just heard from (it was established now); our first beat is due at once."""
+        """A link that was just heard from (it was established now); our first beat is due at
+        once."""
         return cls(interval=interval, silence=silence, last_heard=now, next_send=now)
 
     def heard(self, now: float) -> Liveness:
@@ -62,7 +68,8 @@ class Liveness:
         return replace(self, last_heard=max(self.last_heard, now))
 
     def excused(self, now: float) -> Liveness:
-        """We ourselves did not run (our process was frozen, the machine suspended): the peer's silence meanwhile is not its own.
+        """We ourselves did not run (our process was frozen, the machine suspended): the peer's
+        silence meanwhile is not its own.
 
         The shell calls this when it wakes later than one ``interval`` past the time it meant to;
         the peer then gets a whole deadline from now, as a freshly heard one.
@@ -90,5 +97,6 @@ class Liveness:
         return max(now - self.last_heard, 0.0)
 
     def next_deadline(self) -> float:
-        """When to look again if nothing arrives: the next beat or the expiry, whichever is first."""
+        """When to look again if nothing arrives: the next beat or the expiry, whichever is
+        first."""
         return min(self.next_send, self.expires_at())

@@ -56,7 +56,8 @@ class JoinConfig:
     max_join_timeout: float
     open_admission: bool = False
     max_rejected_joins: int = MAX_REJECTED_JOINS
-    #: Hosts whose reported rank count adds to ``min_rank_start`` (a defaulted quorum: capacity known only at their join).
+    #: Hosts whose reported rank count adds to ``min_rank_start`` (a defaulted quorum: capacity
+    #: known only at their join).
     quorum_reported: frozenset[str] = frozenset()
     #: Likewise for ``target_ranks``.
     target_reported: frozenset[str] = frozenset()
@@ -64,7 +65,11 @@ class JoinConfig:
     def __post_init__(self) -> None:
         if self.min_rank_start < (0 if self.quorum_reported else 1):
             raise ValueError("min_rank_start must be at least 1")
-        if self.target_ranks is not None and self.target_ranks < self.min_rank_start and not self.target_reported:
+        if (
+            self.target_ranks is not None
+            and self.target_ranks < self.min_rank_start
+            and not self.target_reported
+        ):
             raise ValueError("target_ranks must be at least min_rank_start")
         if self.max_join_timeout < self.join_timeout:
             raise ValueError("max_join_timeout must be at least join_timeout")
@@ -172,7 +177,8 @@ class JoinWindow:
         return self._rejected
 
     def _threshold(self, base: int, reported: frozenset[str]) -> int | None:
-        """``base`` plus what each host of ``reported`` brought at its join; None while one of them is still out."""
+        """``base`` plus what each host of ``reported`` brought at its join; None while one of them
+        is still out."""
         if not reported:
             return base
         brought = {member.host: len(member.ranks) for member in self._members}
@@ -182,7 +188,8 @@ class JoinWindow:
 
     @property
     def quorum(self) -> int | None:
-        """The quorum in ranks; None while a host whose capacity comes at its join has not joined."""
+        """The quorum in ranks; None while a host whose capacity comes at its join has not
+        joined."""
         return self._threshold(self.config.min_rank_start, self.config.quorum_reported)
 
     @property
@@ -198,14 +205,27 @@ class JoinWindow:
         return None if quorum is None else max(target, quorum)
 
     def describe_target(self) -> str:
-        """The target for messages: ``8``, ``none``, or ``2 + what gpu-b reports`` while that is still unknown."""
+        """The target for messages: ``8``, ``none``, or ``2 + what gpu-b reports`` while that is
+        still unknown."""
         cfg = self.config
         if cfg.target_ranks is None:
             return "none"
         target = self.target
-        return str(target) if target is not None else describe_threshold(cfg.target_ranks, cfg.target_reported)
+        return (
+            str(target)
+            if target is not None
+            else describe_threshold(cfg.target_ranks, cfg.target_reported)
+        )
 
-    def request_join(self, *, host: str, devices: tuple[str, ...], now: float, agent_version: str, protocol_version: int) -> Admitted | Rejected:
+    def request_join(
+        self,
+        *,
+        host: str,
+        devices: tuple[str, ...],
+        now: float,
+        agent_version: str,
+        protocol_version: int,
+    ) -> Admitted | Rejected:
         """Admit or refuse one agent.
 
         ``agent_version`` is the flodl_async version the agent reports (``JoinHello.agent_version``;
@@ -216,7 +236,10 @@ class JoinWindow:
         if reason is not None:
             self._rejected += 1
             if self._rejected >= self.config.max_rejected_joins and self._state is WindowState.OPEN:
-                self._fail(f"{self._rejected} joins were rejected — the join port is being hammered by something that is not a flodl agent of this run")
+                self._fail(
+                    f"{self._rejected} joins were rejected — the join port is being hammered by "
+                    "something that is not a flodl agent of this run"
+                )
             return Rejected(reason=reason)
         ranks = tuple(range(self._next_rank, self._next_rank + len(devices)))
         member = JoinedMember(host=host, devices=devices, ranks=ranks, joined_at=now)
@@ -224,7 +247,9 @@ class JoinWindow:
         self._next_rank += len(devices)
         return Admitted(member=member)
 
-    def _admission_problem(self, host: str, devices: tuple[str, ...], agent_version: str, protocol_version: int) -> str | None:
+    def _admission_problem(
+        self, host: str, devices: tuple[str, ...], agent_version: str, protocol_version: int
+    ) -> str | None:
         if self._state is not WindowState.OPEN:
             return f"the join window is {self._state.value}; this run takes no more hosts"
         # The host comes first so that every later reason can name it. The agent's strings are
@@ -234,37 +259,55 @@ class JoinWindow:
         ours = self._controller_version
         if not agent_version:
             return (
-                f"host {host!r} did not report its flodl_async version (an agent too old to send it), this controller "
+                f"host {host!r} did not report its flodl_async version (an agent too old to send "
+                "it), this controller "
                 f"runs {ours}; install the same flodl_async version on every host"
             )
         if protocol_version != self._protocol_version:
             return (
-                f"host {host!r} speaks protocol v{protocol_version} (flodl_async {agent_version!r}), this controller "
-                f"v{self._protocol_version} (flodl_async {ours}); install the same flodl_async version on every host"
+                f"host {host!r} speaks protocol v{protocol_version} (flodl_async "
+                f"{agent_version!r}), this controller "
+                f"v{self._protocol_version} (flodl_async {ours}); install the same flodl_async "
+                "version on every host"
             )
         if agent_version != ours:
-            return f"host {host!r} runs flodl_async {agent_version!r}, this controller {ours}; install the same flodl_async version on every host"
+            return (
+                f"host {host!r} runs flodl_async {agent_version!r}, this controller {ours}; "
+                "install the same flodl_async version on every host"
+            )
         if not devices:
             return f"host {host!r} offers no devices"
         if len(devices) > MAX_RANKS_PER_JOIN:
-            return f"host {host!r} offers {len(devices)} devices; at most {MAX_RANKS_PER_JOIN} ranks per host"
+            return (
+                f"host {host!r} offers {len(devices)} devices; at most {MAX_RANKS_PER_JOIN} "
+                "ranks per host"
+            )
         seen: set[str] = set()
         for device in devices:
             if device in seen:
-                return f"duplicate local device {device} on host {host!r} — each rank must pin a distinct device"
+                return (
+                    f"duplicate local device {device} on host {host!r} — each rank must pin a "
+                    "distinct device"
+                )
             seen.add(device)
         same = self._same_host(host)
         if same is not None and same.host == host:
-            return f"host {host!r} already joined this run (duplicate join — a stale agent from a previous launch, or two agents sharing one host name)"
+            return (
+                f"host {host!r} already joined this run (duplicate join — a stale agent from a "
+                "previous launch, or two agents sharing one host name)"
+            )
         if same is not None:
             return (
-                f"host {host!r} is the machine that already joined this run as {same.host!r} ({host!r} and {same.host!r} both name "
-                "this machine) — give a second agent on it a name of its own with --host, or stop the other one"
+                f"host {host!r} is the machine that already joined this run as {same.host!r} "
+                f"({host!r} and {same.host!r} both name "
+                "this machine) — give a second agent on it a name of its own with --host, or stop "
+                "the other one"
             )
         return None
 
     def _same_host(self, host: str) -> JoinedMember | None:
-        """The admitted member that is ``host``: the same name, or another spelling of the controller's machine."""
+        """The admitted member that is ``host``: the same name, or another spelling of the
+        controller's machine."""
         aliases = self._host_aliases
         key = host if aliases is None else aliases.canonical_name(host)
         for member in self._members:
@@ -281,7 +324,10 @@ class JoinWindow:
     def member_lost(self, host: str, *, now: float) -> Verdict:
         """An admitted agent died before formation: the window fails at once, naming it."""
         if self._state is WindowState.OPEN and any(m.host == host for m in self._members):
-            self._fail(f"agent on host {host!r} went away before the world formed ({now - self.opened_at:.1f}s into the window)")
+            self._fail(
+                f"agent on host {host!r} went away before the world formed "
+                f"({now - self.opened_at:.1f}s into the window)"
+            )
         return self._verdict
 
     def abort(self, reason: str) -> Verdict:
@@ -310,7 +356,11 @@ class JoinWindow:
             return self._form(self._quorum_reason(quorum), elapsed)
         if elapsed < cfg.max_join_timeout:
             return None
-        needed = str(quorum) if quorum is not None else describe_threshold(cfg.min_rank_start, cfg.quorum_reported)
+        needed = (
+            str(quorum)
+            if quorum is not None
+            else describe_threshold(cfg.min_rank_start, cfg.quorum_reported)
+        )
         self._fail(
             f"quorum not met: {joined}/{needed} ranks joined "
             f"({', '.join(m.host for m in self._members) or 'no host'}) within the join window of "
@@ -320,7 +370,9 @@ class JoinWindow:
 
     def _form(self, reason: str, elapsed: float) -> Formed:
         self._state = WindowState.FORMED
-        verdict = Formed(members=tuple(self._members), world_size=self._next_rank, reason=reason, elapsed=elapsed)
+        verdict = Formed(
+            members=tuple(self._members), world_size=self._next_rank, reason=reason, elapsed=elapsed
+        )
         self._verdict = verdict
         return verdict
 
@@ -345,7 +397,8 @@ class JoinWindow:
 
 
 def describe_threshold(base: int, reported: frozenset[str]) -> str:
-    """``base`` plus the hosts that report their capacity at join, for messages: ``2 + what gpu-a, gpu-b report``."""
+    """``base`` plus the hosts that report their capacity at join, for messages: ``2 + what gpu-a,
+    gpu-b report``."""
     if not reported:
         return str(base)
     hosts = ", ".join(sorted(reported))

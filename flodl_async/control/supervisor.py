@@ -38,7 +38,15 @@ from dataclasses import dataclass, field, replace
 from .._version import __version__
 from ..host.hostnames import HostAliases
 from ..status.model import PROCESS_STATES, RankState, RankStatus
-from ..verdict import ExitCode, RunResult, device_ranges, exit_code_for_signal, rank_ranges, rank_signal_for, restarts_text
+from ..verdict import (
+    ExitCode,
+    RunResult,
+    device_ranges,
+    exit_code_for_signal,
+    rank_ranges,
+    rank_signal_for,
+    restarts_text,
+)
 from ..wire import messages as m
 from ..wire.schema import Message
 from .membership import Admitted, Failed, Formed, JoinConfig, JoinedMember, JoinWindow
@@ -64,12 +72,14 @@ class SupervisorConfig:
     controller_store: bool = False
     #: Hosts whose agent runs inside the controller's process: one of them hosts the store.
     local_hosts: frozenset[str] = frozenset()
-    #: The spellings of the controller's machine (localhost, loopback, hostname, FQDN): one host at join.
+    #: The spellings of the controller's machine (localhost, loopback, hostname, FQDN): one host at
+    #: join.
     host_aliases: HostAliases | None = None
     protocol_version: int = 1
     #: This controller's flodl_async version: an agent of another version is refused at join.
     version: str = __version__
-    #: ``--hang-timeout``: a rank with neither output nor CPU progress this long ends the run (exit 6); None: off.
+    #: ``--hang-timeout``: a rank with neither output nor CPU progress this long ends the run (exit
+    #: 6); None: off.
     hang_timeout: float | None = None
 
 
@@ -135,7 +145,8 @@ class RankConnected:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RanksReported:
-    """A host's periodic report of its running ranks (pid, process state, CPU, output, store connection)."""
+    """A host's periodic report of its running ranks (pid, process state, CPU, output, store
+    connection)."""
 
     host: str
     report: m.RankStats
@@ -143,7 +154,8 @@ class RanksReported:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class TrainingEnded:
-    """The Trainer's coordinator concluded: in order (the ranks now exit 0) or failed (its cause is the run's).
+    """The Trainer's coordinator concluded: in order (the ranks now exit 0) or failed (its cause is
+    the run's).
 
     A coordinator that fails (spec mismatch, hello timeout, a rank lost, a stall) is the root
     cause of the exits that follow it, so the verdict is its ``reason``, given at once. An
@@ -169,7 +181,19 @@ class Tick:
     """:meth:`Supervisor.next_deadline` has passed."""
 
 
-Event = JoinRequested | JoinUndelivered | HostLost | StoreReady | RankExited | RanksStopped | RankConnected | RanksReported | TrainingEnded | Interrupted | Tick
+Event = (
+    JoinRequested
+    | JoinUndelivered
+    | HostLost
+    | StoreReady
+    | RankExited
+    | RanksStopped
+    | RankConnected
+    | RanksReported
+    | TrainingEnded
+    | Interrupted
+    | Tick
+)
 
 
 # ----- actions -----------------------------------------------------------------------------------
@@ -314,13 +338,18 @@ class Supervisor:
     def __init__(self, config: SupervisorConfig, *, now: float) -> None:
         self.config = config
         window = JoinWindow(
-            config.join, opened_at=now, protocol_version=config.protocol_version, controller_version=config.version, host_aliases=config.host_aliases
+            config.join,
+            opened_at=now,
+            protocol_version=config.protocol_version,
+            controller_version=config.version,
+            host_aliases=config.host_aliases,
         )
         self._phase: Phase = Forming(window=window)
         self._window = window
         self._restart_count = 0
         self._ranks: dict[int, RankStatus] = {}
-        self._training_done: tuple[str, ExitCode] | None = None  # the coordinator's orderly end, for the verdict
+        # the coordinator's orderly end, for the verdict
+        self._training_done: tuple[str, ExitCode] | None = None
 
     # ----- queries ----------------------------------------------------------------------------
 
@@ -382,7 +411,13 @@ class Supervisor:
         if isinstance(phase, Forming):
             return self._forming(phase, event, now)
         if isinstance(event, JoinRequested):
-            return (RejectJoin(host=event.host, reason=f"the join window is {self._window.state.value}; this run takes no more hosts"),)
+            return (
+                RejectJoin(
+                    host=event.host,
+                    reason=f"the join window is {self._window.state.value}; this run takes no more "
+                    "hosts",
+                ),
+            )
         if isinstance(event, RankExited):
             self._record_exit(event.report)
         if isinstance(event, JoinUndelivered):
@@ -404,18 +439,32 @@ class Supervisor:
         actions: list[Action] = []
         if isinstance(event, JoinRequested):
             outcome = window.request_join(
-                host=event.host, devices=event.devices, now=now, agent_version=event.agent_version, protocol_version=event.protocol_version
+                host=event.host,
+                devices=event.devices,
+                now=now,
+                agent_version=event.agent_version,
+                protocol_version=event.protocol_version,
             )
             if not isinstance(outcome, Admitted):
-                actions.append(Announce(text=f'join refused: host "{event.host}": {outcome.reason}', level=Level.WARNING))
+                actions.append(
+                    Announce(
+                        text=f'join refused: host "{event.host}": {outcome.reason}',
+                        level=Level.WARNING,
+                    )
+                )
                 actions.append(RejectJoin(host=event.host, reason=outcome.reason))
             else:
                 member = outcome.member
-                reply = m.JoinAccept(ranks=member.ranks, run_id=self.config.run_id, formation_wait_s=window.config.max_join_timeout)
+                reply = m.JoinAccept(
+                    ranks=member.ranks,
+                    run_id=self.config.run_id,
+                    formation_wait_s=window.config.max_join_timeout,
+                )
                 actions.append(AcceptJoin(host=member.host, reply=reply))
                 actions.append(
                     Announce(
-                        text=f'host "{member.host}" joined with ranks {rank_ranges(member.ranks)} ({device_ranges(member.devices)}) — '
+                        text=f'host "{member.host}" joined with ranks {rank_ranges(member.ranks)} '
+                        f"({device_ranges(member.devices)}) — "
                         f"{window.joined_ranks} rank(s) in, target {window.describe_target()}"
                     )
                 )
@@ -426,14 +475,19 @@ class Supervisor:
             window.abort(f"agent on host {event.host!r} failed before joining: {event.reason}")
         verdict = window.poll(now)
         if isinstance(verdict, Failed):
-            actions.append(self._end(ExitCode.FORMATION, f"the world did not form: {verdict.reason}"))
+            actions.append(
+                self._end(ExitCode.FORMATION, f"the world did not form: {verdict.reason}")
+            )
         elif isinstance(verdict, Formed):
             actions.extend(self._formed(verdict, now))
         return tuple(actions)
 
     def _formed(self, world: Formed, now: float) -> list[Action]:
         actions: list[Action] = [
-            Announce(text=f"world formed — {world.world_size} ranks across {len(world.members)} host(s) after {world.elapsed:.1f}s ({world.reason})")
+            Announce(
+                text=f"world formed — {world.world_size} ranks across {len(world.members)} host(s) "
+                f"after {world.elapsed:.1f}s ({world.reason})"
+            )
         ]
         store_host = self._store_host(world)
         for index, member in enumerate(world.members):
@@ -447,7 +501,8 @@ class Supervisor:
                         group_world_size=len(world.members),
                         store_host=not self.config.controller_store and member.host == store_host,
                         command=self.config.command,
-                        env=dict(self.config.cluster_env),  # the host's own env is applied by its agent
+                        # the host's own env is applied by its agent
+                        env=dict(self.config.cluster_env),
                         max_restarts=self.config.max_restarts,
                     ),
                 )
@@ -467,27 +522,51 @@ class Supervisor:
             # The store is the controller's own: ready once emptied, no exchange to wait for.
             # An empty address tells each agent to hand its ranks its own controller address.
             return [ResetStore(round=round_), *self._start_ranks(world, round_, addr="", port=0)]
-        self._phase = Rendezvous(world=world, round=round_, deadline=now + self.config.store_ready_timeout)
+        self._phase = Rendezvous(
+            world=world, round=round_, deadline=now + self.config.store_ready_timeout
+        )
         return [Tell(host=self._store_host(world), message=m.OpenRound(round=round_))]
 
     def _start_ranks(self, world: Formed, round_: int, *, addr: str, port: int) -> list[Action]:
         actions: list[Action] = []
         for member in world.members:
-            actions.append(Tell(host=member.host, message=m.StartRanks(round=round_, restart_count=self._restart_count, master_addr=addr, master_port=port)))
+            actions.append(
+                Tell(
+                    host=member.host,
+                    message=m.StartRanks(
+                        round=round_,
+                        restart_count=self._restart_count,
+                        master_addr=addr,
+                        master_port=port,
+                    ),
+                )
+            )
             for local_rank, rank in enumerate(member.ranks):
-                self._ranks[rank] = RankStatus(rank=rank, host=member.host, local_rank=local_rank, state=RankState.RUNNING)
+                self._ranks[rank] = RankStatus(
+                    rank=rank, host=member.host, local_rank=local_rank, state=RankState.RUNNING
+                )
         self._phase = Running(world=world, round=round_)
         where = f"{addr}:{port}" if addr else "the controller port"
-        actions.append(Announce(text=f"ranks started: round {round_}, restart {self._restart_count}, store at {where}"))
+        actions.append(
+            Announce(
+                text=f"ranks started: round {round_}, restart {self._restart_count}, store at "
+                f"{where}"
+            )
+        )
         return actions
 
     # ----- after formation -------------------------------------------------------------------
 
     def _rendezvous(self, phase: Rendezvous, event: Event, now: float) -> tuple[Action, ...]:
         if isinstance(event, StoreReady) and event.round == phase.round:
-            return tuple(self._start_ranks(phase.world, phase.round, addr=event.addr, port=event.port))
+            return tuple(
+                self._start_ranks(phase.world, phase.round, addr=event.addr, port=event.port)
+            )
         if isinstance(event, Tick) and now >= phase.deadline:
-            late = f"the store host {self._store_host(phase.world)!r} did not report its store within {self.config.store_ready_timeout:g}s"
+            late = (
+                f"the store host {self._store_host(phase.world)!r} did not report its store "
+                f"within {self.config.store_ready_timeout:g}s"
+            )
             return (self._end(ExitCode.FORMATION, late),)
         return ()
 
@@ -497,7 +576,11 @@ class Supervisor:
         report = event.report
         if _failed(report):
             if self._restart_count >= self.config.max_restarts:
-                restarts = f" after {restarts_text(self._restart_count)}" if self.config.max_restarts else ""
+                restarts = (
+                    f" after {restarts_text(self._restart_count)}"
+                    if self.config.max_restarts
+                    else ""
+                )
                 return (
                     Announce(text=describe_exit(report)),
                     self._end(
@@ -509,34 +592,55 @@ class Supervisor:
                     ),
                 )
             hosts = frozenset(member.host for member in phase.world.members)
-            self._phase = Restarting(world=phase.world, round=phase.round, waiting=hosts, deadline=now + self.config.stop_grace + self.config.stop_ack_margin)
+            self._phase = Restarting(
+                world=phase.world,
+                round=phase.round,
+                waiting=hosts,
+                deadline=now + self.config.stop_grace + self.config.stop_ack_margin,
+            )
             actions: list[Action] = [
                 Announce(
-                    text=f"{describe_exit(report)}; restarting the world (restart {self._restart_count + 1} of {self.config.max_restarts})",
+                    text=f"{describe_exit(report)}; restarting the world (restart "
+                    f"{self._restart_count + 1} of {self.config.max_restarts})",
                     level=Level.WARNING,
                 )
             ]
             actions.extend(
-                Tell(host=member.host, message=m.StopRanks(round=phase.round, reason="restarting the world", grace_s=self.config.stop_grace))
+                Tell(
+                    host=member.host,
+                    message=m.StopRanks(
+                        round=phase.round,
+                        reason="restarting the world",
+                        grace_s=self.config.stop_grace,
+                    ),
+                )
                 for member in phase.world.members
             )
             return tuple(actions)
         succeeded = phase.succeeded | {report.rank}
         self._phase = replace(phase, succeeded=succeeded)
-        done: list[Action] = [Announce(text=f"rank {report.rank} on {report.host} exited with code 0")]
+        done: list[Action] = [
+            Announce(text=f"rank {report.rank} on {report.host} exited with code 0")
+        ]
         if len(succeeded) == phase.world.world_size:
             after = f" after {restarts_text(self._restart_count)}" if self._restart_count else ""
-            everyone = f"all {phase.world.world_size} ranks" if phase.world.world_size > 1 else "the rank"
+            everyone = (
+                f"all {phase.world.world_size} ranks" if phase.world.world_size > 1 else "the rank"
+            )
             reason, code = self._training_done or (f"{everyone} exited 0{after}", ExitCode.OK)
             done.append(self._end(code, reason))
         return tuple(done)
 
     def _training_ended(self, event: TrainingEnded) -> tuple[Action, ...]:
         if event.ok:
-            # The ranks now leave; their clean exits give the verdict (130/143 after an orderly stop on a signal).
+            # The ranks now leave; their clean exits give the verdict (130/143 after an orderly stop
+            # on a signal).
             self._training_done = (event.reason, event.code)
             return (Announce(text=event.reason),)
-        return (Announce(text=event.reason, level=Level.WARNING), self._end(event.code, event.reason, details=event.details))
+        return (
+            Announce(text=event.reason, level=Level.WARNING),
+            self._end(event.code, event.reason, details=event.details),
+        )
 
     def _restarting(self, phase: Restarting, event: Event, now: float) -> tuple[Action, ...]:
         if isinstance(event, RanksStopped) and event.round == phase.round:
@@ -547,14 +651,36 @@ class Supervisor:
             self._restart_count += 1
             return tuple(self._open_round(phase.world, phase.round + 1, now))
         if isinstance(event, Tick) and now >= phase.deadline:
-            return (self._end(ExitCode.RANK_FAILURE, f"host(s) {sorted(phase.waiting)} did not stop their ranks for the restart"),)
+            return (
+                self._end(
+                    ExitCode.RANK_FAILURE,
+                    f"host(s) {sorted(phase.waiting)} did not stop their ranks for the restart",
+                ),
+            )
         return ()
 
-    def _host_lost(self, phase: Rendezvous | Running | Restarting, event: HostLost) -> tuple[Action, ...]:
+    def _host_lost(
+        self, phase: Rendezvous | Running | Restarting, event: HostLost
+    ) -> tuple[Action, ...]:
         if not any(member.host == event.host for member in phase.world.members):
-            return (Announce(text=f"agent on host {event.host!r} (not in the world) went away: {event.reason}", level=Level.DEBUG),)
-        during = {Rendezvous: "during rendezvous", Running: "mid-run", Restarting: "while restarting"}[type(phase)]
-        return (self._end(ExitCode.RANK_FAILURE, f"agent on host {event.host!r} was lost {during}: {event.reason}"),)
+            return (
+                Announce(
+                    text=f"agent on host {event.host!r} (not in the world) went away: "
+                    f"{event.reason}",
+                    level=Level.DEBUG,
+                ),
+            )
+        during = {
+            Rendezvous: "during rendezvous",
+            Running: "mid-run",
+            Restarting: "while restarting",
+        }[type(phase)]
+        return (
+            self._end(
+                ExitCode.RANK_FAILURE,
+                f"agent on host {event.host!r} was lost {during}: {event.reason}",
+            ),
+        )
 
     # ----- signals and the end -------------------------------------------------------------------
 
@@ -562,15 +688,31 @@ class Supervisor:
         name = _signal_name(event.signal)
         if isinstance(self._phase, Ended):
             # The first signal (or any verdict) already ended the run: this one forces the stop.
-            return (Announce(text=f"second {name}: forcing the stop (KILL now)", level=Level.WARNING), ForceStop())
+            return (
+                Announce(text=f"second {name}: forcing the stop (KILL now)", level=Level.WARNING),
+                ForceStop(),
+            )
         phase = self._phase
-        where = {Forming: " while the join window was open", Rendezvous: " during rendezvous", Restarting: " while restarting"}.get(type(phase), "")
+        where = {
+            Forming: " while the join window was open",
+            Rendezvous: " during rendezvous",
+            Restarting: " while restarting",
+        }.get(type(phase), "")
         first = rank_signal_for(event.signal)
         grace = self.config.stop_grace
-        again = "Ctrl-C" if event.signal == signal.SIGINT else name  # what the user at the terminal does
+        # what the user at the terminal does
+        again = "Ctrl-C" if event.signal == signal.SIGINT else name
         return (
-            Announce(text=f"stopping: ranks got {first.name}; KILL in {grace:g} s ({again} again to force)", level=Level.WARNING),
-            self._end(exit_code_for_signal(event.signal), f"interrupted by {name}{where}", first_signal=first),
+            Announce(
+                text=f"stopping: ranks got {first.name}; KILL in {grace:g} s ({again} again to "
+                "force)",
+                level=Level.WARNING,
+            ),
+            self._end(
+                exit_code_for_signal(event.signal),
+                f"interrupted by {name}{where}",
+                first_signal=first,
+            ),
         )
 
     def _after_verdict(self, event: Event) -> tuple[Action, ...]:
@@ -590,10 +732,19 @@ class Supervisor:
         rank: int | None = None,
         details_if_shown: str = "",
     ) -> EndRun:
-        world = None if isinstance(self._phase, Forming) else self._phase.world  # the world the verdict ends, if it formed
-        result = RunResult(exit_code=code, reason=reason, details=details, rank=rank, details_if_shown=details_if_shown)
+        # the world the verdict ends, if it formed
+        world = None if isinstance(self._phase, Forming) else self._phase.world
+        result = RunResult(
+            exit_code=code,
+            reason=reason,
+            details=details,
+            rank=rank,
+            details_if_shown=details_if_shown,
+        )
         self._phase = Ended(result=result, world=world)
-        abort = m.Abort(reason=reason, grace_s=self.config.stop_grace, first_signal=int(first_signal))
+        abort = m.Abort(
+            reason=reason, grace_s=self.config.stop_grace, first_signal=int(first_signal)
+        )
         farewell: m.Finish | m.Abort = m.Finish() if code is ExitCode.OK else abort
         return EndRun(result=result, farewell=farewell)
 
@@ -612,14 +763,21 @@ class Supervisor:
         )
 
     def _ranks_reported(self, event: RanksReported) -> tuple[Action, ...]:
-        """Fold a host's activity report into the rank table; under ``hang_timeout``, a rank quiet that long ends the run."""
+        """Fold a host's activity report into the rank table; under ``hang_timeout``, a rank quiet
+        that long ends the run."""
         phase = self._phase
         if not isinstance(phase, Running) or event.report.round != phase.round:
-            return ()  # a report of another round, or after the verdict: the table already says how those ended
+            # a report of another round, or after the verdict: the table already says how those
+            # ended
+            return ()
         hung: m.RankActivity | None = None
         for activity in event.report.ranks:
             known = self._ranks.get(activity.rank)
-            if known is None or known.host != event.host or known.state not in (RankState.RUNNING, RankState.CONNECTED):
+            if (
+                known is None
+                or known.host != event.host
+                or known.state not in (RankState.RUNNING, RankState.CONNECTED)
+            ):
                 continue
             self._ranks[activity.rank] = replace(
                 known,
@@ -633,19 +791,32 @@ class Supervisor:
                 store_connected=activity.store_connected,
             )
             limit = self.config.hang_timeout
-            if limit is not None and activity.quiet_s >= limit and (hung is None or activity.quiet_s > hung.quiet_s):
+            if (
+                limit is not None
+                and activity.quiet_s >= limit
+                and (hung is None or activity.quiet_s > hung.quiet_s)
+            ):
                 hung = activity
         if hung is None:
             return ()
         known = self._ranks[hung.rank]
         process = PROCESS_STATES.get(hung.state, hung.state)
         reason = (
-            f"rank {hung.rank} (local rank {known.local_rank}) on host {event.host!r} hung: no output and no CPU progress "
-            f"for {hung.quiet_s:g} s (--hang-timeout {self.config.hang_timeout:g}); its process {hung.pid} is {process}"
+            f"rank {hung.rank} (local rank {known.local_rank}) on host {event.host!r} hung: no "
+            "output and no CPU progress "
+            f"for {hung.quiet_s:g} s (--hang-timeout {self.config.hang_timeout:g}); its process "
+            f"{hung.pid} is {process}"
         )
-        store = "it is connected to the rendezvous store" if hung.store_connected else "it never connected to the rendezvous store"
+        store = (
+            "it is connected to the rendezvous store"
+            if hung.store_connected
+            else "it never connected to the rendezvous store"
+        )
         last = f"its last output line: {hung.last_line}" if hung.last_line else "it printed nothing"
-        return (Announce(text=reason, level=Level.WARNING), self._end(ExitCode.STALLED, reason, details=f"{store}; {last}"))
+        return (
+            Announce(text=reason, level=Level.WARNING),
+            self._end(ExitCode.STALLED, reason, details=f"{store}; {last}"),
+        )
 
     def _rank_connected(self, event: RankConnected) -> None:
         known = self._ranks.get(event.rank)
@@ -677,20 +848,30 @@ def _phase_name(phase: Phase) -> str:
     return "done" if phase.result.exit_code is ExitCode.OK else "failed"
 
 
-#: Said of a SIGKILL that reached a running rank: flodl sends KILL only when it stops a run, and then the run has already ended.
-OOM_HINT = 'not sent by flodl; the kernel\'s OOM killer is the usual cause: look for "Out of memory" in `dmesg` or `journalctl -k`'
+#: Said of a SIGKILL that reached a running rank: flodl sends KILL only when it stops a run, and
+#: then the run has already ended.
+OOM_HINT = (
+    "not sent by flodl; the kernel's OOM killer is the usual cause: look for \"Out of "
+    'memory" in `dmesg` or `journalctl -k`'
+)
 
 
 def describe_exit(report: m.RankExited) -> str:
-    """``rank 1 (local rank 1) on host 'vm' exited with code 3`` (or ``was killed by SIGKILL``, with the OOM hint)."""
-    how = f"was killed by {_signal_name(report.signal)}" if report.signal is not None else f"exited with code {report.exit_code}"
+    """``rank 1 (local rank 1) on host 'vm' exited with code 3`` (or ``was killed by SIGKILL``, with
+    the OOM hint)."""
+    how = (
+        f"was killed by {_signal_name(report.signal)}"
+        if report.signal is not None
+        else f"exited with code {report.exit_code}"
+    )
     if report.signal == signal.SIGKILL:
         how += f" ({OOM_HINT})"
     return f"rank {report.rank} (local rank {report.local_rank}) on host {report.host!r} {how}"
 
 
 def failure_details(report: m.RankExited, *, shown_live: bool = False) -> str:
-    """The traceback from the rank's error file and its last stderr lines, for the verdict — each line once.
+    """The traceback from the rank's error file and its last stderr lines, for the verdict — each
+    line once.
 
     ``@record`` writes the traceback to the error file and Python prints it to stderr too,
     so the stderr tail lines the traceback already holds are not repeated. ``shown_live``:
@@ -702,7 +883,10 @@ def failure_details(report: m.RankExited, *, shown_live: bool = False) -> str:
     if report.error_file:
         traceback = report.error_file.rstrip().splitlines()
         if shown_live:
-            details.append(f"traceback: above, in rank {report.rank}'s stderr (also in its error file); it ended with:")
+            details.append(
+                f"traceback: above, in rank {report.rank}'s stderr (also in its error file); it "
+                "ended with:"
+            )
             details.extend(f"  {line}" for line in traceback[-1:])
         else:
             details.append("traceback (from the rank's error file):")

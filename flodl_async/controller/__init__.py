@@ -1,4 +1,5 @@
-"""The controller: the asyncio shell that binds the one port and carries out the supervisor's decisions.
+"""The controller: the asyncio shell that binds the one port and carries out the supervisor's
+decisions.
 
 ``shell`` pumps events from the port's channels and the agent launchers into the
 pure :class:`~flodl_async.control.supervisor.Supervisor` and performs the actions it

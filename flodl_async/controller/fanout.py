@@ -1,4 +1,5 @@
-"""ssh fan-out: the :class:`~flodl_async.controller.launchers.AgentLauncher` of ``Placement.SSH`` workers.
+"""ssh fan-out: the :class:`~flodl_async.controller.launchers.AgentLauncher` of ``Placement.SSH``
+workers.
 
 Every worker's agent is started by its own ``run_agent`` call, and the controller runs
 those concurrently, so all hosts are dialled in parallel. Per host: connect with asyncssh
@@ -9,7 +10,8 @@ worker's ``workdir``, wait for the agent's hello line (its version), then write 
 one JSON line on stdin. The secret is never on the remote command line. The ssh session
 stays open for the whole run: it is the agent's lifeline (EOF on its stdin stops it).
 
-A ``tunnel: true`` worker (cluster file ``trainer: cpu`` only, see :mod:`flodl_async.config.cluster`)
+A ``tunnel: true`` worker (cluster file ``trainer: cpu`` only, see
+:mod:`flodl_async.config.cluster`)
 reaches the controller through a remote forward on that same ssh session: sshd on the host
 listens on its 127.0.0.1:<ephemeral>, each connection there is carried back over ssh to the
 controller's port, and the agent's spec names 127.0.0.1:<that port> as its controller. When
@@ -94,7 +96,9 @@ class SshTarget:
     @classmethod
     def of(cls, host: str, ssh: SshSpec | None) -> SshTarget:
         ssh = ssh or SshSpec()
-        jump = next((value for name, value in map(parse_option, ssh.options) if name == "ProxyJump"), None)
+        jump = next(
+            (value for name, value in map(parse_option, ssh.options) if name == "ProxyJump"), None
+        )
         return cls(
             host=host,
             address=ssh.target or host,
@@ -106,7 +110,8 @@ class SshTarget:
         )
 
     def jump_host(self) -> SshTarget:
-        """The ProxyJump host (``[user@]host[:port]``), reached with this worker's key and known_hosts."""
+        """The ProxyJump host (``[user@]host[:port]``), reached with this worker's key and
+        known_hosts."""
         assert self.proxy_jump is not None
         user, _, rest = self.proxy_jump.rpartition("@")
         address, _, port = rest.partition(":")
@@ -130,7 +135,9 @@ class SshTarget:
 class SshLauncher:
     """Agents on other hosts, started over ssh; stdout/stderr lines of each are relayed here."""
 
-    def __init__(self, contact: ControllerContact, *, run_id: str, stdout: Console, stderr: Console) -> None:
+    def __init__(
+        self, contact: ControllerContact, *, run_id: str, stdout: Console, stderr: Console
+    ) -> None:
         self._contact = contact
         self._run_id = run_id
         self._stdout = stdout
@@ -151,7 +158,10 @@ class SshLauncher:
                 tunnel = await stack.enter_async_context(await self._connect(target.jump_host()))
             conn = await stack.enter_async_context(await self._connect(target, tunnel=tunnel))
             # With a jump host, the address the jump host reached us on is the best guess at ours.
-            controller_host, controller_port = self._controller_host_for(tunnel or conn), self._contact.port
+            controller_host, controller_port = (
+                self._controller_host_for(tunnel or conn),
+                self._contact.port,
+            )
             if spec.tunnel:
                 controller_host, controller_port = await self._open_tunnel(target, conn)
             command = remote_command(spec.python or DEFAULT_PYTHON, spec.workdir)
@@ -160,22 +170,59 @@ class SshLauncher:
             stderr_tail: list[bytes] = []
             try:
                 with _first_error():
-                    await self._serve(target, process, worker, (controller_host, controller_port), stderr_tail, conn=conn)
+                    await self._serve(
+                        target,
+                        process,
+                        worker,
+                        (controller_host, controller_port),
+                        stderr_tail,
+                        conn=conn,
+                    )
             except asyncssh.Error as exc:
-                # The connection itself went mid-run (the host died, its sshd was killed): name the host, not asyncssh.
-                raise AgentError(spec.host, f"the ssh connection to {target.where} was lost: {exc.reason or exc}{_tail(stderr_tail)}") from None
+                # The connection itself went mid-run (the host died, its sshd was killed): name the
+                # host, not asyncssh.
+                raise AgentError(
+                    spec.host,
+                    f"the ssh connection to {target.where} was lost: "
+                    f"{exc.reason or exc}{_tail(stderr_tail)}",
+                ) from None
             completed = process.returncode, process.exit_signal
             if completed != (0, None):
                 code, sig = completed
-                status = f"signal {sig[0]}" if sig else f"exit {code}" if code is not None else "its ssh session closing"
-                raise AgentError(spec.host, f"the agent on {target.where} ended with {status}{_tail(stderr_tail)}")
+                status = (
+                    f"signal {sig[0]}"
+                    if sig
+                    else f"exit {code}"
+                    if code is not None
+                    else "its ssh session closing"
+                )
+                raise AgentError(
+                    spec.host,
+                    f"the agent on {target.where} ended with {status}{_tail(stderr_tail)}",
+                )
 
-    async def _serve(self, target: SshTarget, process: Any, worker: PlacedWorker, controller: tuple[str, int], stderr_tail: list[bytes], *, conn: Any) -> None:
+    async def _serve(
+        self,
+        target: SshTarget,
+        process: Any,
+        worker: PlacedWorker,
+        controller: tuple[str, int],
+        stderr_tail: list[bytes],
+        *,
+        conn: Any,
+    ) -> None:
         spec = worker.spec
         controller_host, controller_port = controller
         async with asyncio.TaskGroup() as tg:
             stderr_done = tg.create_task(self._relay_stderr(process, stderr_tail))
-            await self._await_hello(target, process, stderr_tail, stderr_done, conn=conn, python=spec.python or DEFAULT_PYTHON)
+            await self._await_hello(
+                target,
+                process,
+                stderr_tail,
+                stderr_done,
+                conn=conn,
+                python=spec.python or DEFAULT_PYTHON,
+            )
             agent_spec = AgentSpec(
                 controller_host=controller_host,
                 controller_port=controller_port,
@@ -189,7 +236,8 @@ class SshLauncher:
                 stop_grace=self._contact.deadlines.stop_grace,
                 nccl_socket_ifname=spec.nccl_socket_ifname,
             )
-            process.stdin.write(agent_spec.to_line())  # stdin stays open: it is the agent's lifeline
+            # stdin stays open: it is the agent's lifeline
+            process.stdin.write(agent_spec.to_line())
             tg.create_task(self._relay(process.stdout, self._stdout))
             await process.wait_closed()
 
@@ -210,20 +258,27 @@ class SshLauncher:
         return str(sockname[0]) if sockname else self._contact.host
 
     async def _open_tunnel(self, target: SshTarget, conn: Any) -> tuple[str, int]:
-        """A remote forward, host's 127.0.0.1:<ephemeral> to the controller's port; closed with ``conn``."""
+        """A remote forward, host's 127.0.0.1:<ephemeral> to the controller's port; closed with
+        ``conn``."""
         # The controller listens on its bind address; a wildcard bind is reached on loopback too.
-        local = self._contact.host if self._contact.host not in ("", "0.0.0.0", "::") else TUNNEL_HOST
+        local = (
+            self._contact.host if self._contact.host not in ("", "0.0.0.0", "::") else TUNNEL_HOST
+        )
         try:
             async with asyncio.timeout(self._contact.deadlines.ssh_connect):
                 listener = await conn.forward_remote_port(TUNNEL_HOST, 0, local, self._contact.port)
         except TimeoutError:
             raise SshLaunchFailed(
-                target.host, f"sshd on {target.where} did not answer the tunnel's port-forward request within {self._contact.deadlines.ssh_connect:g}s"
+                target.host,
+                f"sshd on {target.where} did not answer the tunnel's port-forward request within "
+                f"{self._contact.deadlines.ssh_connect:g}s",
             ) from None
-        except (asyncssh.ChannelListenError, asyncssh.Error) as exc:  # the first is no asyncssh.Error
+        # the first is no asyncssh.Error
+        except (asyncssh.ChannelListenError, asyncssh.Error) as exc:
             raise SshLaunchFailed(
                 target.host,
-                f"sshd on {target.where} refused the tunnel's remote port forward ({exc}); allow it there "
+                f"sshd on {target.where} refused the tunnel's remote port forward ({exc}); allow "
+                "it there "
                 "(AllowTcpForwarding yes or remote in sshd_config) or drop `tunnel: true`",
             ) from None
         if listener is None:  # asyncssh's answer to a refused forward on some versions
@@ -233,18 +288,29 @@ class SshLauncher:
                 "(AllowTcpForwarding yes or remote in sshd_config) or drop `tunnel: true`",
             )
         port = int(listener.get_port())
-        log.info("%s: tunnel %s:%d on the host -> %s:%d here", target.host, TUNNEL_HOST, port, local, self._contact.port)
+        log.info(
+            "%s: tunnel %s:%d on the host -> %s:%d here",
+            target.host,
+            TUNNEL_HOST,
+            port,
+            local,
+            self._contact.port,
+        )
         return TUNNEL_HOST, port
 
     async def _connect(self, target: SshTarget, *, tunnel: Any = None) -> Any:
         if not target.known_hosts.is_file():
             raise SshLaunchFailed(
                 target.host,
-                f"known_hosts file {target.known_hosts} does not exist; add {target.address}'s host key there "
-                f"(ssh-keyscan -p {target.port} {target.address} >> {target.known_hosts}, after checking its fingerprint)",
+                f"known_hosts file {target.known_hosts} does not exist; add {target.address}'s "
+                "host key there "
+                f"(ssh-keyscan -p {target.port} {target.address} >> {target.known_hosts}, after "
+                "checking its fingerprint)",
             )
         if target.identity_file is not None and not target.identity_file.is_file():
-            raise SshLaunchFailed(target.host, f"identity_file {target.identity_file} does not exist")
+            raise SshLaunchFailed(
+                target.host, f"identity_file {target.identity_file} does not exist"
+            )
         options: dict[str, Any] = {
             "port": target.port,
             "known_hosts": self._parsed_known_hosts(target),
@@ -263,28 +329,44 @@ class SshLauncher:
             async with asyncio.timeout(self._contact.deadlines.ssh_connect):
                 return await asyncssh.connect(target.address, **options)
         except asyncssh.HostKeyNotVerifiable:
-            raise SshLaunchFailed(target.host, await self._host_key_problem(target, tunnel)) from None
+            raise SshLaunchFailed(
+                target.host, await self._host_key_problem(target, tunnel)
+            ) from None
         except asyncssh.PermissionDenied:
             key = target.identity_file or "the default keys (~/.ssh/id_*)"
             who = f"as {target.user}" if target.user else "as the current user"
             raise SshLaunchFailed(
-                target.host, f"ssh authentication to {target.where} {who} failed with {key}; add its public key to the remote authorized_keys"
+                target.host,
+                f"ssh authentication to {target.where} {who} failed with {key}; add its public key "
+                "to the remote authorized_keys",
             ) from None
         except TimeoutError:
             raise SshLaunchFailed(
                 target.host,
-                f"ssh to {target.where} did not connect within {self._contact.deadlines.ssh_connect:g}s; check the address and that sshd runs there",
+                f"ssh to {target.where} did not connect within "
+                f"{self._contact.deadlines.ssh_connect:g}s; check the address and that sshd "
+                "runs there",
             ) from None
         except (OSError, asyncssh.Error) as exc:
-            raise SshLaunchFailed(target.host, f"cannot reach {target.where} over ssh: {exc}; check the address, port and that sshd runs there") from None
+            raise SshLaunchFailed(
+                target.host,
+                f"cannot reach {target.where} over ssh: {exc}; check the address, port and that "
+                "sshd runs there",
+            ) from None
 
     def _parsed_known_hosts(self, target: SshTarget) -> Any:
         known = self._known_hosts.get(target.known_hosts)
         if known is None:
             try:
-                known = self._known_hosts[target.known_hosts] = asyncssh.read_known_hosts(str(target.known_hosts))
+                known = self._known_hosts[target.known_hosts] = asyncssh.read_known_hosts(
+                    str(target.known_hosts)
+                )
             except (OSError, ValueError) as exc:
-                raise SshLaunchFailed(target.host, f"cannot read known_hosts file {target.known_hosts}: {exc}; fix or regenerate it") from None
+                raise SshLaunchFailed(
+                    target.host,
+                    f"cannot read known_hosts file {target.known_hosts}: {exc}; fix or regenerate "
+                    "it",
+                ) from None
         return known
 
     def _client_key(self, target: SshTarget, path: Path) -> Any:
@@ -292,9 +374,12 @@ class SshLauncher:
         if key is None:
             try:
                 key = self._client_keys[path] = asyncssh.read_private_key(str(path))
-            except (OSError, ValueError) as exc:  # asyncssh.KeyImportError is a ValueError: a passphrase, a foreign format
+            # asyncssh.KeyImportError is a ValueError: a passphrase, a foreign format
+            except (OSError, ValueError) as exc:
                 raise SshLaunchFailed(
-                    target.host, f"cannot load identity_file {path}: {exc}; it must be an unencrypted OpenSSH/PEM private key readable here"
+                    target.host,
+                    f"cannot load identity_file {path}: {exc}; it must be an unencrypted "
+                    "OpenSSH/PEM private key readable here",
                 ) from None
         return key
 
@@ -303,7 +388,12 @@ class SshLauncher:
         offered = "?"
         with contextlib.suppress(Exception):
             async with asyncio.timeout(self._contact.deadlines.ssh_connect):
-                key = await asyncssh.get_server_host_key(target.address, target.port, tunnel=tunnel if tunnel is not None else (), config=None)
+                key = await asyncssh.get_server_host_key(
+                    target.address,
+                    target.port,
+                    tunnel=tunnel if tunnel is not None else (),
+                    config=None,
+                )
             if key is not None:
                 offered = key.get_fingerprint("sha256")
         listed: tuple[Any, ...] = ()
@@ -313,16 +403,30 @@ class SshLauncher:
             listed = tuple(known.match(host, "", target.port)[0])
         if listed:
             return (
-                f"the host key of {target.where} CHANGED: it offers {offered}, but {target.known_hosts} lists another key for it; "
-                f"if the host was reinstalled, remove the old entry (ssh-keygen -R {target.address} -f {target.known_hosts}) and add the new one"
+                f"the host key of {target.where} CHANGED: it offers {offered}, but "
+                f"{target.known_hosts} lists another key for it; "
+                "if the host was reinstalled, remove the old entry (ssh-keygen -R "
+                f"{target.address} -f {target.known_hosts}) and add the new one"
             )
         return (
-            f"the host key of {target.where} is unknown: it offers {offered}, which is not in {target.known_hosts}; "
-            f"check the fingerprint, then add it (ssh-keyscan -p {target.port} {target.address} >> {target.known_hosts})"
+            f"the host key of {target.where} is unknown: it offers {offered}, which is not in "
+            f"{target.known_hosts}; "
+            f"check the fingerprint, then add it (ssh-keyscan -p {target.port} {target.address} >> "
+            f"{target.known_hosts})"
         )
 
-    async def _await_hello(self, target: SshTarget, process: Any, stderr_tail: list[bytes], stderr_done: asyncio.Task[None], *, conn: Any, python: str) -> None:
-        """The agent's first stdout line (after the shell's pid line) must be a hello of this version; else say what is wrong there."""
+    async def _await_hello(
+        self,
+        target: SshTarget,
+        process: Any,
+        stderr_tail: list[bytes],
+        stderr_done: asyncio.Task[None],
+        *,
+        conn: Any,
+        python: str,
+    ) -> None:
+        """The agent's first stdout line (after the shell's pid line) must be a hello of this
+        version; else say what is wrong there."""
         pid: int | None = None
         try:
             async with asyncio.timeout(self._contact.deadlines.ssh_connect):
@@ -332,18 +436,23 @@ class SshLauncher:
                     pid = int(value)
                     line = await process.stdout.readline()
         except TimeoutError:
-            # Whatever runs there as `python` is stuck before its hello: no spec, so no ranks, yet it would
+            # Whatever runs there as `python` is stuck before its hello: no spec, so no ranks, yet
+            # it would
             # outlive the session. KILL it (by the pid its shell said) before the connection closes.
             await self._abandon(conn, process, pid)
             raise SshLaunchFailed(
                 target.host,
-                f"the agent on {target.where} said nothing within {self._contact.deadlines.ssh_connect:g}s; "
+                f"the agent on {target.where} said nothing within "
+                f"{self._contact.deadlines.ssh_connect:g}s; "
                 "check the worker's python: there (it must start `python -m flodl_async.agent`)",
             ) from None
         except asyncssh.Error as exc:
-            # The host died (or its sshd session was killed) before the agent started: a host lost before joining.
+            # The host died (or its sshd session was killed) before the agent started: a host lost
+            # before joining.
             raise SshLaunchFailed(
-                target.host, f"the ssh connection to {target.where} was lost before the agent said hello ({exc.reason or exc}); check that the host is up"
+                target.host,
+                f"the ssh connection to {target.where} was lost before the agent said hello "
+                f"({exc.reason or exc}); check that the host is up",
             ) from None
         version = parse_hello(line.decode(errors="replace"))
         if version == __version__:
@@ -351,42 +460,60 @@ class SshLauncher:
         if version is not None:
             await self._abandon(conn, process, pid)  # another version's agent: it never gets a spec
             raise SshLaunchFailed(
-                target.host, f"{target.where} has flodl_async {version}, this launcher is {__version__}; install the same version on every host"
+                target.host,
+                f"{target.where} has flodl_async {version}, this launcher is {__version__}; "
+                "install the same version on every host",
             )
         await process.wait_closed()
-        with contextlib.suppress(TimeoutError):  # the relay has the agent's last words once stderr ends
+        # the relay has the agent's last words once stderr ends
+        with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(self._contact.deadlines.output_drain):
                 await asyncio.shield(stderr_done)
         status = process.returncode
         if status == COMMAND_NOT_FOUND:
-            raise SshLaunchFailed(target.host, f"python {python!r} was not found on {target.where} (exit 127); set the worker's python: to its path there")
+            raise SshLaunchFailed(
+                target.host,
+                f"python {python!r} was not found on {target.where} (exit 127); set the worker's "
+                "python: to its path there",
+            )
         tail = b"\n".join(stderr_tail).decode(errors="replace")
         if "No module named" in tail and "flodl_async" in tail:
             raise SshLaunchFailed(
                 target.host,
-                f"flodl_async is not importable by {python} on {target.where}; install flodl_async {__version__} there (or set the worker's python:)",
+                f"flodl_async is not importable by {python} on {target.where}; install flodl_async "
+                f"{__version__} there (or set the worker's python:)",
             )
         if "--spec-stdin" in tail:
             raise SshLaunchFailed(
-                target.host, f"flodl_async on {target.where} is older than {__version__} (no --spec-stdin); install the same version on every host"
+                target.host,
+                f"flodl_async on {target.where} is older than {__version__} (no --spec-stdin); "
+                "install the same version on every host",
             )
-        raise SshLaunchFailed(target.host, f"the agent on {target.where} exited with {status} before saying hello{_tail(stderr_tail)}")
+        raise SshLaunchFailed(
+            target.host,
+            f"the agent on {target.where} exited with {status} before saying "
+            f"hello{_tail(stderr_tail)}",
+        )
 
     async def _abandon(self, conn: Any, process: Any, pid: int | None) -> None:
-        """KILL a remote process that was never handed a spec (so it has no ranks), and end its stdin."""
+        """KILL a remote process that was never handed a spec (so it has no ranks), and end its
+        stdin."""
         with contextlib.suppress(Exception):  # a channel already gone has nothing to end
             process.stdin.write_eof()
-        if pid is None:  # no pid line: a signal request is all there is (sshd honours it for non-root users)
+        # no pid line: a signal request is all there is (sshd honours it for non-root users)
+        if pid is None:
             with contextlib.suppress(Exception):
                 process.send_signal("KILL")
             return
-        with contextlib.suppress(Exception):  # the connection itself going is the session's end anyway
+        # the connection itself going is the session's end anyway
+        with contextlib.suppress(Exception):
             async with asyncio.timeout(self._contact.deadlines.ssh_connect):
                 await conn.run(f"kill -KILL {pid}", check=False)
 
     async def _relay_stderr(self, process: Any, tail: list[bytes]) -> None:
         async for line in process.stderr:
-            if not line:  # asyncssh's line iterator ends with one b"" at EOF: no blank line per host
+            # asyncssh's line iterator ends with one b"" at EOF: no blank line per host
+            if not line:
                 continue
             tail.append(line.rstrip(b"\n"))
             del tail[:-STDERR_TAIL]
@@ -404,23 +531,39 @@ def _write(sink: Console, line: bytes) -> None:
         sink.flush()
 
 
-def ssh_launcher(contact: ControllerContact, *, bind_host: str, run_id: str, stdout: Console | None = None, stderr: Console | None = None) -> SshLauncher:
-    """The controller's ssh launcher: agents reach the controller at its bind address (or the ssh link's own).
+def ssh_launcher(
+    contact: ControllerContact,
+    *,
+    bind_host: str,
+    run_id: str,
+    stdout: Console | None = None,
+    stderr: Console | None = None,
+) -> SshLauncher:
+    """The controller's ssh launcher: agents reach the controller at its bind address (or the ssh
+    link's own).
 
-    The agents' own lines go to ``stdout``/``stderr`` (the launcher's console writers, which never block
+    The agents' own lines go to ``stdout``/``stderr`` (the launcher's console writers, which never
+    block
     the loop; default: this process's streams).
     """
-    return SshLauncher(dataclasses.replace(contact, host=bind_host), run_id=run_id, stdout=stdout or sys.stdout.buffer, stderr=stderr or sys.stderr.buffer)
+    return SshLauncher(
+        dataclasses.replace(contact, host=bind_host),
+        run_id=run_id,
+        stdout=stdout or sys.stdout.buffer,
+        stderr=stderr or sys.stderr.buffer,
+    )
 
 
 @contextlib.contextmanager
 def _first_error() -> Iterator[None]:
-    """Re-raise a task group's first flodl (or asyncssh) error bare, so the controller reads it as this host's failure."""
+    """Re-raise a task group's first flodl (or asyncssh) error bare, so the controller reads it as
+    this host's failure."""
     try:
         yield
     except BaseExceptionGroup as group:
         leaf = _first_leaf(group)
-        if isinstance(leaf, (FlodlError, asyncssh.Error)):  # run_agent names the host of an asyncssh one
+        # run_agent names the host of an asyncssh one
+        if isinstance(leaf, (FlodlError, asyncssh.Error)):
             raise leaf from None
         raise
 

@@ -34,7 +34,8 @@ class AgentLauncher(Protocol):
     """Brings up the agent of one planned worker and runs it until the run ends."""
 
     async def run_agent(self, worker: PlacedWorker) -> None:
-        """Return when the agent has left; raise :class:`~flodl_async.errors.FlodlError` when it failed."""
+        """Return when the agent has left; raise :class:`~flodl_async.errors.FlodlError` when it
+        failed."""
         ...
 
     def force_stop(self) -> None:
@@ -45,8 +46,15 @@ class AgentLauncher(Protocol):
 class LocalLauncher:
     """Agents inside the controller's own process, joining over loopback (the controller's host)."""
 
-    def __init__(self, contact: ControllerContact, *, output: RankOutput, ifname_peer: tuple[str, int] | None = None) -> None:
-        """``ifname_peer``: where this host's ranks must be reachable from (:func:`~flodl_async.host.ifnames.controller_host_peer`)."""
+    def __init__(
+        self,
+        contact: ControllerContact,
+        *,
+        output: RankOutput,
+        ifname_peer: tuple[str, int] | None = None,
+    ) -> None:
+        """``ifname_peer``: where this host's ranks must be reachable from
+        (:func:`~flodl_async.host.ifnames.controller_host_peer`)."""
         self._contact = contact
         self._output = output
         self._ifname_peer = ifname_peer
@@ -56,8 +64,13 @@ class LocalLauncher:
         """Run the host's agent in this process until its run ends."""
         spec = worker.spec
         # These agents join over loopback, so the join connection's interface (lo) is no default for
-        # them: their ranks take the interface that reaches the other hosts (a name may need the resolver).
-        ifname = await asyncio.to_thread(controller_host_ifname, self._ifname_peer) if not spec.nccl_socket_ifname else None
+        # them: their ranks take the interface that reaches the other hosts (a name may need the
+        # resolver).
+        ifname = (
+            await asyncio.to_thread(controller_host_ifname, self._ifname_peer)
+            if not spec.nccl_socket_ifname
+            else None
+        )
         session = HostSession(
             SessionConfig(
                 controller_host="127.0.0.1",
@@ -82,11 +95,13 @@ class LocalLauncher:
 
 
 class DialInLauncher:
-    """Workers that join on their own (``dial_in: true``): nothing to start; the window waits for their join."""
+    """Workers that join on their own (``dial_in: true``): nothing to start; the window waits for
+    their join."""
 
     async def run_agent(self, worker: PlacedWorker) -> None:
         """Launch nothing: the host's own agent dials the join channel like a walk-in."""
         del worker
 
     def force_stop(self) -> None:
-        """Nothing of ours runs there: the controller's Abort down the join link stops that agent's ranks."""
+        """Nothing of ours runs there: the controller's Abort down the join link stops that agent's
+        ranks."""

@@ -1,4 +1,5 @@
-"""The controller's reducer: the data channel's service, one averaging round at a time (trainer spec §3.3).
+"""The controller's reducer: the data channel's service, one averaging round at a time (trainer spec
+§3.3).
 
 Theory of operation. Each host's relay opens one data connection and says
 ``HostDataHello`` (its ranks, the model's size and the run digest); only when
@@ -66,7 +67,8 @@ _EARLY_ROUNDS = 2
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RoundResult:
-    """A completed round: its total mass (0 = nothing realized) and Reduce-opened → last consensus written."""
+    """A completed round: its total mass (0 = nothing realized) and Reduce-opened → last consensus
+    written."""
 
     round: int
     kind: str
@@ -74,7 +76,8 @@ class RoundResult:
     duration_ms: float
 
 
-#: Reducers serving a run in this process, by run id: a relay in the same process (the launcher's own
+#: Reducers serving a run in this process, by run id: a relay in the same process (the launcher's
+#: own
 #: host) hands its frames over in memory instead of dialling (flodl_async.relay.fold.LocalUplink).
 _LOCAL: dict[str, Reducer] = {}
 
@@ -85,7 +88,8 @@ def local_reducer(run_id: str) -> Reducer | None:
 
 
 class _LocalDown:
-    """The reducer's side of an in-process host: consensus frames go to the relay's fan-out directly."""
+    """The reducer's side of an in-process host: consensus frames go to the relay's fan-out
+    directly."""
 
     def __init__(self, uplink: LocalUplink) -> None:
         self.uplink = uplink
@@ -107,11 +111,13 @@ class _LocalDown:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class HostUplinkStatistics:
-    """What one host's relay sent up so far (kept after its connection closed): frames and tensor bytes accepted."""
+    """What one host's relay sent up so far (kept after its connection closed): frames and tensor
+    bytes accepted."""
 
     host: str
     ranks: tuple[int, ...]
-    #: True for the relay in the controller's process (memory), False for one that dialled the port (sealed TCP).
+    #: True for the relay in the controller's process (memory), False for one that dialled the port
+    #: (sealed TCP).
     in_process: bool
     frames: int
     payload_bytes: int
@@ -120,12 +126,16 @@ class HostUplinkStatistics:
         """One line for the run's log: which host's contributions took which path."""
         path = "in this process" if self.in_process else "over the port"
         ranks = ",".join(str(r) for r in self.ranks)
-        return f"host {self.host} (ranks {ranks}) sent {self.frames} contribution(s), {self.payload_bytes} tensor bytes, {path}"
+        return (
+            f"host {self.host} (ranks {ranks}) sent {self.frames} contribution(s), "
+            f"{self.payload_bytes} tensor bytes, {path}"
+        )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ReducerStatistics:
-    """Hosts connected (over the port, and in this process), rounds completed, and every host's uplink since the start."""
+    """Hosts connected (over the port, and in this process), rounds completed, and every host's
+    uplink since the start."""
 
     hosts: int
     in_process_hosts: int
@@ -173,7 +183,8 @@ class _Round:
 
 @dataclass(slots=True)
 class _Consensus:
-    """The held consensus: tensors in schema order, in model dtypes, and the pooled buffers behind them."""
+    """The held consensus: tensors in schema order, in model dtypes, and the pooled buffers behind
+    them."""
 
     tensors: list[torch.Tensor]
     buffers: list[bytearray | memoryview] = field(default_factory=list)
@@ -183,9 +194,17 @@ class Reducer:
     """Averages each round's host frames into the consensus; see the module docstring."""
 
     def __init__(
-        self, schema: ModelSchema, outer: OuterSpec, gamma: float, executor: Executor | None = None, *, digest: str | None = None, hello_timeout: float = 30.0
+        self,
+        schema: ModelSchema,
+        outer: OuterSpec,
+        gamma: float,
+        executor: Executor | None = None,
+        *,
+        digest: str | None = None,
+        hello_timeout: float = 30.0,
     ) -> None:
-        """``digest``: the run's TrainerSpec digest, which every host's hello must carry (None: only the model size is checked)."""
+        """``digest``: the run's TrainerSpec digest, which every host's hello must carry (None: only
+        the model size is checked)."""
         self.schema = schema
         self.outer = outer
         self.gamma = gamma
@@ -197,7 +216,9 @@ class Reducer:
         self._metas = schema.tensors
         self._specs, self._model_len = foldmath.schema_specs(self._metas)
         self._acc_specs, self._acc_len = foldmath.schema_specs(self._metas, accumulated=True)
-        self.max_payload = max(FrameLimits.tensor_ceiling_for_model(schema.model_bytes), self._acc_len)
+        self.max_payload = max(
+            FrameLimits.tensor_ceiling_for_model(schema.model_bytes), self._acc_len
+        )
         self._n_params = len(schema.params)
         self._hosts: list[_Host] = []
         self._rounds: dict[int, _Round] = {}
@@ -211,13 +232,22 @@ class Reducer:
         self._closing = False
         self._run_id: str | None = None
         self._rounds_done = 0
-        #: Each host's accepted frames by name; cumulative, so a host whose link closed still shows what it sent.
+        #: Each host's accepted frames by name; cumulative, so a host whose link closed still shows
+        #: what it sent.
         self._uplinks: dict[str, _UplinkCount] = {}
 
     # ----- wiring into the controller -------------------------------------------------------------
 
-    def attach(self, *, task_group: asyncio.TaskGroup, resolve: CredentialResolver, run_id: str, serve_local: bool = True) -> FramedService:
-        """Start the round driver in ``task_group`` and return the data channel's service for the mux.
+    def attach(
+        self,
+        *,
+        task_group: asyncio.TaskGroup,
+        resolve: CredentialResolver,
+        run_id: str,
+        serve_local: bool = True,
+    ) -> FramedService:
+        """Start the round driver in ``task_group`` and return the data channel's service for the
+        mux.
 
         ``serve_local``: a relay of ``run_id`` in this process hands its frames over in memory
         (False: it dials the port like any other; tests and benchmarks compare the two).
@@ -227,13 +257,22 @@ class Reducer:
             self._run_id = run_id
             _LOCAL[run_id] = self
         return FramedService(
-            channel=Channel.DATA, resolve=resolve, run_id=run_id, handler=self.serve, task_group=task_group, limits=HELLO_LIMITS, allocate=self.pool.acquire
+            channel=Channel.DATA,
+            resolve=resolve,
+            run_id=run_id,
+            handler=self.serve,
+            task_group=task_group,
+            limits=HELLO_LIMITS,
+            allocate=self.pool.acquire,
         )
 
     # ----- the coordinator's side -----------------------------------------------------------------
 
-    def open_round(self, round: int, kind: str, expected_ranks: frozenset[int], from_controller: bool = False) -> None:
-        """Round ``round`` starts now; it completes when every one of ``expected_ranks`` is covered or dead."""
+    def open_round(
+        self, round: int, kind: str, expected_ranks: frozenset[int], from_controller: bool = False
+    ) -> None:
+        """Round ``round`` starts now; it completes when every one of ``expected_ranks`` is covered
+        or dead."""
         if round in self._rounds or round in self._completed:
             raise ValueError(f"round {round} was already opened")
         loop = asyncio.get_running_loop()
@@ -259,7 +298,10 @@ class Reducer:
         """The result of round ``round`` once it completed (open it first)."""
         done = self._results.get(round)
         if done is None:
-            raise ValueError(f"round {round} was not opened, or its result was already taken (open_round first; each result is delivered once)")
+            raise ValueError(
+                f"round {round} was not opened, or its result was already taken (open_round first; "
+                "each result is delivered once)"
+            )
         try:
             return await asyncio.shield(done)
         finally:
@@ -267,13 +309,15 @@ class Reducer:
                 self._results.pop(round, None)
 
     def declare_dead(self, rank: int) -> None:
-        """``rank`` is lost: no round waits for it any more (its frames already folded still count)."""
+        """``rank`` is lost: no round waits for it any more (its frames already folded still
+        count)."""
         self._dead.add(rank)
         self._wake.set()
 
     @property
     def last_consensus(self) -> dict[str, torch.Tensor] | None:
-        """A copy of the latest consensus, as a full state_dict (tied keys included); None before the first.
+        """A copy of the latest consensus, as a full state_dict (tied keys included); None before
+        the first.
 
         The copy is made on the calling thread: from the event loop, prefer :meth:`copy_consensus`.
         """
@@ -290,22 +334,30 @@ class Reducer:
             return None
 
         def copy() -> dict[str, torch.Tensor]:
-            return self.schema.with_aliases({meta.name: t.clone() for meta, t in zip(self._metas, held.tensors, strict=True)})
+            return self.schema.with_aliases(
+                {meta.name: t.clone() for meta, t in zip(self._metas, held.tensors, strict=True)}
+            )
 
         return await asyncio.get_running_loop().run_in_executor(self._executor, copy)
 
     def set_initial(self, state: Mapping[str, torch.Tensor]) -> None:
-        """Resume: ``state`` (a state_dict of this schema) is the consensus, and the outer optimizer's previous global (D9)."""
+        """Resume: ``state`` (a state_dict of this schema) is the consensus, and the outer
+        optimizer's previous global (D9)."""
         tensors = []
         for meta in self._metas:
             if meta.name not in state:
                 raise ProtocolError(f"the initial state has no tensor {meta.name!r}")
             t = state[meta.name].detach().to("cpu")
             if str(t.dtype).removeprefix("torch.") != meta.dtype or tuple(t.shape) != meta.shape:
-                raise ProtocolError(f"the initial state's {meta.name!r} is {t.dtype} {tuple(t.shape)}, the model's is {meta.dtype} {meta.shape}")
+                raise ProtocolError(
+                    f"the initial state's {meta.name!r} is {t.dtype} {tuple(t.shape)}, the model's "
+                    f"is {meta.dtype} {meta.shape}"
+                )
             tensors.append(t.contiguous().clone())
         self._held = _Consensus(tensors=tensors)
-        self._stepper.set_prev_global(dict(zip(self.schema.param_names, tensors[: self._n_params], strict=True)))
+        self._stepper.set_prev_global(
+            dict(zip(self.schema.param_names, tensors[: self._n_params], strict=True))
+        )
 
     # ----- host connections -----------------------------------------------------------------------
 
@@ -315,7 +367,11 @@ class Reducer:
             async with asyncio.timeout(self._hello_timeout):
                 hello = await link.recv_message()
         except TimeoutError:
-            log.warning("data channel: %s sent no HostDataHello within %gs; closing", link.peer_label, self._hello_timeout)
+            log.warning(
+                "data channel: %s sent no HostDataHello within %gs; closing",
+                link.peer_label,
+                self._hello_timeout,
+            )
             return
         refusal = self._check_hello(hello)
         if refusal is not None:
@@ -334,7 +390,11 @@ class Reducer:
                 msg = frame.message
                 if not isinstance(msg, m.HostContribution):
                     self.pool.release(frame.payload)
-                    log.error("data channel: host %s sent %s; closing its data connection", host.name, type(msg).__name__)
+                    log.error(
+                        "data channel: host %s sent %s; closing its data connection",
+                        host.name,
+                        type(msg).__name__,
+                    )
                     return
                 item = _Frame(msg=msg, payload=frame.payload, host=host)
                 try:
@@ -349,12 +409,26 @@ class Reducer:
         """A snapshot for the status board and tests."""
         local = sum(isinstance(h.link, _LocalDown) for h in self._hosts)
         uplinks = tuple(
-            HostUplinkStatistics(host=name, ranks=c.ranks, in_process=c.in_process, frames=c.frames, payload_bytes=c.payload_bytes)
-            for name, c in sorted(self._uplinks.items(), key=lambda item: min(item[1].ranks, default=0))
+            HostUplinkStatistics(
+                host=name,
+                ranks=c.ranks,
+                in_process=c.in_process,
+                frames=c.frames,
+                payload_bytes=c.payload_bytes,
+            )
+            for name, c in sorted(
+                self._uplinks.items(), key=lambda item: min(item[1].ranks, default=0)
+            )
         )
-        return ReducerStatistics(hosts=len(self._hosts), in_process_hosts=local, rounds_completed=self._rounds_done, uplinks=uplinks)
+        return ReducerStatistics(
+            hosts=len(self._hosts),
+            in_process_hosts=local,
+            rounds_completed=self._rounds_done,
+            uplinks=uplinks,
+        )
 
-    # ----- a host in this process ------------------------------------------------------------------
+    # ----- a host in this process
+    # ------------------------------------------------------------------
 
     def connect_local(self, hello: m.HostDataHello, uplink: LocalUplink) -> str | None:
         """A relay in this process introduces its host; returns why it is refused, or None."""
@@ -363,13 +437,20 @@ class Reducer:
             log.error("data channel: refusing this process's relay: %s", refusal)
             return refusal
         uplink.bind(self)
-        self._hosts.append(_Host(name=hello.host or "local", ranks=frozenset(hello.ranks), link=_LocalDown(uplink)))
+        self._hosts.append(
+            _Host(name=hello.host or "local", ranks=frozenset(hello.ranks), link=_LocalDown(uplink))
+        )
         self._wake.set()
         return None
 
-    def offer_local(self, uplink: LocalUplink, msg: m.HostContribution, payload: memoryview | None) -> None:
+    def offer_local(
+        self, uplink: LocalUplink, msg: m.HostContribution, payload: memoryview | None
+    ) -> None:
         """A host frame from this process's relay; its buffer is the reducer's from now on."""
-        host = next((h for h in self._hosts if isinstance(h.link, _LocalDown) and h.link.uplink is uplink), None)
+        host = next(
+            (h for h in self._hosts if isinstance(h.link, _LocalDown) and h.link.uplink is uplink),
+            None,
+        )
         if host is None:
             self.pool.release(payload)
             raise ConnectionClosed("data channel of this process's relay", by_peer=False)
@@ -380,15 +461,25 @@ class Reducer:
             self._close_host(item, str(exc))
 
     def disconnect_local(self, uplink: LocalUplink) -> None:
-        self._hosts = [h for h in self._hosts if not (isinstance(h.link, _LocalDown) and h.link.uplink is uplink)]
+        self._hosts = [
+            h
+            for h in self._hosts
+            if not (isinstance(h.link, _LocalDown) and h.link.uplink is uplink)
+        ]
 
     def _check_hello(self, hello: Message) -> str | None:
         if not isinstance(hello, m.HostDataHello):
             return f"it opened with {type(hello).__name__} instead of HostDataHello"
         if hello.model_bytes != self.schema.model_bytes:
-            return f"its ranks average a {hello.model_bytes}-byte model, this run's is {self.schema.model_bytes} bytes: every rank must build the same Trainer"
+            return (
+                f"its ranks average a {hello.model_bytes}-byte model, this run's is "
+                f"{self.schema.model_bytes} bytes: every rank must build the same Trainer"
+            )
         if self.digest is not None and hello.digest != self.digest:
-            return f"its ranks' Trainer digest {hello.digest[:12]} is not this run's {self.digest[:12]}: every rank must build the same Trainer"
+            return (
+                f"its ranks' Trainer digest {hello.digest[:12]} is not this run's "
+                f"{self.digest[:12]}: every rank must build the same Trainer"
+            )
         taken = {r for h in self._hosts if not h.link.is_closing for r in h.ranks}
         twice = sorted(taken & set(hello.ranks))
         if twice:
@@ -404,7 +495,10 @@ class Reducer:
     def _offer(self, frame: _Frame) -> None:
         msg = frame.msg
         if not set(msg.ranks) <= frame.host.ranks:
-            raise ProtocolError(f"round {msg.round}: the frame lists ranks {sorted(set(msg.ranks) - frame.host.ranks)}, which are not this host's")
+            raise ProtocolError(
+                f"round {msg.round}: the frame lists ranks "
+                f"{sorted(set(msg.ranks) - frame.host.ranks)}, which are not this host's"
+            )
         state = self._rounds.get(msg.round)
         if state is not None:
             self._accept(state, frame)
@@ -412,9 +506,12 @@ class Reducer:
             return
         if msg.round in self._completed:
             if set(msg.ranks) <= self._dead:
-                self.pool.release(frame.payload)  # a dead rank's late frame: the round went on without it
+                # a dead rank's late frame: the round went on without it
+                self.pool.release(frame.payload)
                 return
-            raise ProtocolError(f"round {msg.round} is already complete; ranks {list(msg.ranks)} sent to it late")
+            raise ProtocolError(
+                f"round {msg.round} is already complete; ranks {list(msg.ranks)} sent to it late"
+            )
         if msg.round <= self._newest or msg.round > self._newest + _EARLY_ROUNDS:
             raise ProtocolError(f"round {msg.round} was never opened (newest: {self._newest})")
         early = self._early.setdefault(msg.round, [])
@@ -426,37 +523,61 @@ class Reducer:
         msg = frame.msg
         what = f"host {frame.host.name}'s frame for round {msg.round}"
         if state.from_controller:
-            raise ProtocolError(f"{what}: round {msg.round} takes no contributions (the controller sends its consensus)")
+            raise ProtocolError(
+                f"{what}: round {msg.round} takes no contributions (the controller sends its "
+                "consensus)"
+            )
         if msg.kind != state.kind:
-            raise ProtocolError(f"{what} is a {msg.kind!r} contribution; the round is {state.kind!r}")
+            raise ProtocolError(
+                f"{what} is a {msg.kind!r} contribution; the round is {state.kind!r}"
+            )
         ranks = list(msg.ranks)
         if not ranks:
             raise ProtocolError(f"{what} lists no ranks")
         seen: set[int] = set()
         for rank in ranks:
-            if rank in state.covered or rank in seen or any(rank in f.msg.ranks for f in state.pending):
-                raise ProtocolError(f"{what} lists rank {rank}, which is already covered in this round (each rank contributes exactly once)")
+            if (
+                rank in state.covered
+                or rank in seen
+                or any(rank in f.msg.ranks for f in state.pending)
+            ):
+                raise ProtocolError(
+                    f"{what} lists rank {rank}, which is already covered in this round (each rank "
+                    "contributes exactly once)"
+                )
             if rank not in state.expected:
-                raise ProtocolError(f"{what} lists rank {rank}, which round {msg.round} does not expect")
+                raise ProtocolError(
+                    f"{what} lists rank {rank}, which round {msg.round} does not expect"
+                )
             seen.add(rank)
         if not (math.isfinite(msg.weight) and msg.weight >= 0):
             raise ProtocolError(f"{what} has weight {msg.weight!r}; weights are finite and >= 0")
         if state.kind == "model" and len(msg.steps) == len(ranks):
-            # Weights are steps ** gamma (0 steps weigh 0); a rank that computed them with another gamma disagrees here.
+            # Weights are steps ** gamma (0 steps weigh 0); a rank that computed them with another
+            # gamma disagrees here.
             want = 0.0
             for steps in msg.steps:
                 want += 0.0 if steps == 0 else float(steps) ** self.gamma
             if not math.isclose(msg.weight, want, rel_tol=1e-9, abs_tol=1e-12):
-                raise ProtocolError(f"{what} weighs {msg.weight!r}, but its ranks' steps {list(msg.steps)} ** gamma {self.gamma:g} give {want!r}")
+                raise ProtocolError(
+                    f"{what} weighs {msg.weight!r}, but its ranks' steps {list(msg.steps)} ** "
+                    f"gamma {self.gamma:g} give {want!r}"
+                )
         payload_len = frame.payload.nbytes if frame.payload is not None else 0
         if msg.tensors:
             expected = self._acc_specs if msg.prescaled else self._specs
             foldmath.check_specs(msg.tensors, expected, payload_len, what=what)
         elif msg.weight != 0 or payload_len:
-            raise ProtocolError(f"{what} carries no tensors, so it must weigh 0 and have no payload")
+            raise ProtocolError(
+                f"{what} carries no tensors, so it must weigh 0 and have no payload"
+            )
         state.covered.update(ranks)
         count = self._uplinks.setdefault(
-            frame.host.name, _UplinkCount(ranks=tuple(sorted(frame.host.ranks)), in_process=isinstance(frame.host.link, _LocalDown))
+            frame.host.name,
+            _UplinkCount(
+                ranks=tuple(sorted(frame.host.ranks)),
+                in_process=isinstance(frame.host.link, _LocalDown),
+            ),
         )
         count.frames += 1
         count.payload_bytes += payload_len
@@ -466,7 +587,8 @@ class Reducer:
     # ----- the driver -----------------------------------------------------------------------------
 
     async def run(self) -> None:
-        """The round driver: folds, completes and fans out rounds as frames, hosts and deaths arrive."""
+        """The round driver: folds, completes and fans out rounds as frames, hosts and deaths
+        arrive."""
         try:
             while True:
                 await self._wake.wait()
@@ -490,7 +612,8 @@ class Reducer:
             await self._send_held(state)
             return
         alive = state.expected - self._dead
-        # The next frame in order may be folded once no lower rank can still arrive in a frame not yet here.
+        # The next frame in order may be folded once no lower rank can still arrive in a frame not
+        # yet here.
         while state.pending:
             waiting = [r for r in alive if r not in state.covered]
             blocking = min(waiting, default=math.inf)
@@ -519,7 +642,8 @@ class Reducer:
         loop = asyncio.get_running_loop()
         if state.acc is None:
             if tuple(specs) == acc_specs:
-                # Already the accumulator's layout (a prescaled frame, or a float32 model): it becomes the accumulator.
+                # Already the accumulator's layout (a prescaled frame, or a float32 model): it
+                # becomes the accumulator.
                 frame.payload = None
                 state.acc_buffer = payload
 
@@ -553,7 +677,9 @@ class Reducer:
     async def _finish(self, state: _Round) -> None:
         mass = state.mass
         if mass > 0 and state.acc is not None:
-            held = await asyncio.get_running_loop().run_in_executor(self._executor, self._consensus_of, state, mass)
+            held = await asyncio.get_running_loop().run_in_executor(
+                self._executor, self._consensus_of, state, mass
+            )
             previous, self._held = self._held, held
             state.acc, state.acc_buffer = None, None  # the held consensus owns them now
             if previous is not None:
@@ -561,7 +687,12 @@ class Reducer:
             await self._broadcast(state, mass, held)
         else:
             if mass > 0:
-                log.warning("round %d: mass %g but no tensors were contributed; sending mass 0 (ranks keep their state)", state.number, mass)
+                log.warning(
+                    "round %d: mass %g but no tensors were contributed; sending mass 0 (ranks keep "
+                    "their state)",
+                    state.number,
+                    mass,
+                )
             mass = 0.0
             self._drop_round(state)
             await self._broadcast(state, 0.0, None)
@@ -573,11 +704,15 @@ class Reducer:
 
         acc = state.acc
         assert acc is not None
-        buffers: list[bytearray | memoryview] = [state.acc_buffer] if state.acc_buffer is not None else []
+        buffers: list[bytearray | memoryview] = (
+            [state.acc_buffer] if state.acc_buffer is not None else []
+        )
         needs_cast = [meta.dtype != foldmath.acc_dtype(meta.dtype) for meta in self._metas]
         out_buffer = self.pool.acquire(self._model_len) if any(needs_cast) else None
         out_views = foldmath.views(self._specs, out_buffer) if out_buffer is not None else []
-        outs: list[torch.Tensor | None] = [out_views[i] if cast else None for i, cast in enumerate(needs_cast)]
+        outs: list[torch.Tensor | None] = [
+            out_views[i] if cast else None for i, cast in enumerate(needs_cast)
+        ]
         if out_buffer is not None:
             buffers.append(out_buffer)
         stepping = state.kind == "model" and not isinstance(self.outer, OuterAvg)
@@ -591,7 +726,9 @@ class Reducer:
         dtypes = {meta.name: getattr(torch, meta.dtype) for meta in self._metas[:n]}
         stepped = self._stepper.step(params, dtypes)
         tensors = [stepped[meta.name].contiguous() for meta in self._metas[:n]]
-        tensors += foldmath.finish(acc[n:], [meta.dtype for meta in self._metas[n:]], mass, outs[n:])
+        tensors += foldmath.finish(
+            acc[n:], [meta.dtype for meta in self._metas[n:]], mass, outs[n:]
+        )
         return _Consensus(tensors=tensors, buffers=buffers)
 
     async def _send_held(self, state: _Round) -> None:
@@ -601,7 +738,11 @@ class Reducer:
             return  # wait for every expected rank's host
         held = self._held
         if held is None:
-            log.warning("round %d: the controller holds no consensus to send; sending mass 0 (ranks keep their state)", state.number)
+            log.warning(
+                "round %d: the controller holds no consensus to send; sending mass 0 (ranks keep "
+                "their state)",
+                state.number,
+            )
         await self._broadcast(state, 1.0 if held is not None else 0.0, held)
         self._complete(state, 1.0 if held is not None else 0.0)
 
@@ -614,10 +755,17 @@ class Reducer:
         else:
             msg = m.Consensus(round=state.number, kind=state.kind, mass=mass, tensors=self._specs)
             parts = [tensor_bytes(t) for t in held.tensors]
-        results = await asyncio.gather(*(h.link.send_tensors(msg, parts) for h in hosts), return_exceptions=True)
+        results = await asyncio.gather(
+            *(h.link.send_tensors(msg, parts) for h in hosts), return_exceptions=True
+        )
         for host, result in zip(hosts, results, strict=True):
             if isinstance(result, ConnectionClosed | OSError | WireError):
-                log.warning("round %d: the consensus did not reach host %s: %s", state.number, host.name, result)
+                log.warning(
+                    "round %d: the consensus did not reach host %s: %s",
+                    state.number,
+                    host.name,
+                    result,
+                )
             elif isinstance(result, BaseException):
                 raise result
 
@@ -627,7 +775,9 @@ class Reducer:
         self._rounds_done += 1
         duration_ms = (time.monotonic() - state.opened_at) * 1000.0
         if not state.done.done():
-            state.done.set_result(RoundResult(round=state.number, kind=state.kind, mass=mass, duration_ms=duration_ms))
+            state.done.set_result(
+                RoundResult(round=state.number, kind=state.kind, mass=mass, duration_ms=duration_ms)
+            )
 
     def _drop_round(self, state: _Round) -> None:
         state.acc = None
@@ -644,7 +794,8 @@ class Reducer:
             self.pool.release(buffer)
 
     async def aclose(self) -> None:
-        """Stop the round driver (open rounds are cancelled) and close every host's data connection."""
+        """Stop the round driver (open rounds are cancelled) and close every host's data
+        connection."""
         self._closing = True
         self._wake.set()
         if self._run_id is not None and _LOCAL.get(self._run_id) is self:

@@ -1,4 +1,5 @@
-"""The controller's shell: one event loop that binds the port, pumps events into the supervisor, and tears down.
+"""The controller's shell: one event loop that binds the port, pumps events into the supervisor, and
+tears down.
 
 Theory of operation. ``bind()`` opens the one port and serves status
 (``waiting``) before anything else. ``run()`` builds the pure
@@ -84,7 +85,13 @@ from ..wire.keys import CredentialKind
 from ..wire.schema import Message
 from .fanout import ssh_launcher
 from .launchers import AgentLauncher, ControllerContact, DialInLauncher, LocalLauncher
-from .training import RoundRunner, RoundRunnerFactory, TrainingOutcome, TrainingShell, default_round_runner
+from .training import (
+    RoundRunner,
+    RoundRunnerFactory,
+    TrainingOutcome,
+    TrainingShell,
+    default_round_runner,
+)
 
 if TYPE_CHECKING:
     from .reducer import Reducer
@@ -109,7 +116,8 @@ def _ranks_reported(host: str, msg: Message) -> Event:
     return RanksReported(host=host, report=msg)
 
 
-#: What an agent's messages up its join link mean to the supervisor (the wire's table says what is legal).
+#: What an agent's messages up its join link mean to the supervisor (the wire's table says what is
+#: legal).
 _HOST_EVENTS: dict[type[Message], Callable[[str, Message], Event]] = {
     m.RankExited: _rank_exited,
     m.RanksStopped: _ranks_stopped,
@@ -117,8 +125,11 @@ _HOST_EVENTS: dict[type[Message], Callable[[str, Message], Event]] = {
 }
 
 
-def _with_secret_for_token_agent(reply: m.JoinAccept, link: FramedProtocol, secret: bytes) -> m.JoinAccept:
-    """An agent that joined with the cluster token (or none, under open admission) learns the session secret from its sealed JoinAccept."""
+def _with_secret_for_token_agent(
+    reply: m.JoinAccept, link: FramedProtocol, secret: bytes
+) -> m.JoinAccept:
+    """An agent that joined with the cluster token (or none, under open admission) learns the
+    session secret from its sealed JoinAccept."""
     if link.peer is not None and link.peer.kind in (CredentialKind.TOKEN, CredentialKind.OPEN):
         return dataclasses.replace(reply, session_secret=secret)
     return reply
@@ -127,17 +138,32 @@ def _with_secret_for_token_agent(reply: m.JoinAccept, link: FramedProtocol, secr
 class Controller:
     """Runs one launch from bind to teardown."""
 
-    def __init__(self, plan: LaunchPlan, *, output: RankOutput, training_rounds: RoundRunnerFactory | None = None) -> None:
+    def __init__(
+        self,
+        plan: LaunchPlan,
+        *,
+        output: RankOutput,
+        training_rounds: RoundRunnerFactory | None = None,
+    ) -> None:
         self.plan = plan
         self._training_rounds = training_rounds  # None: the Trainer's reducer (tests pass a seam)
         self._deadlines = plan.deadlines
         self._output = output
         self._resolve = session_resolver(plan.secret)
         self._links: dict[str, FramedProtocol] = {}
-        self._liveness: dict[str, Liveness] = {}  # per admitted host's join link, until it closes or goes silent
-        # Each host's control links (its relay's upstream), and the liveness of the relays' beats (see _handle_control).
-        self._control_links: ControlLinks[FramedProtocol] = ControlLinks(interval=self._deadlines.heartbeat_interval, silence=self._deadlines.heartbeat_silence)
-        self._mux = PortMux(host=plan.bind_host, port=plan.port, sniff_timeout=self._deadlines.sniff, handshake_timeout=self._deadlines.handshake)
+        # per admitted host's join link, until it closes or goes silent
+        self._liveness: dict[str, Liveness] = {}
+        # Each host's control links (its relay's upstream), and the liveness of the relays' beats
+        # (see _handle_control).
+        self._control_links: ControlLinks[FramedProtocol] = ControlLinks(
+            interval=self._deadlines.heartbeat_interval, silence=self._deadlines.heartbeat_silence
+        )
+        self._mux = PortMux(
+            host=plan.bind_host,
+            port=plan.port,
+            sniff_timeout=self._deadlines.sniff,
+            handshake_timeout=self._deadlines.handshake,
+        )
         self._board = StatusBoard(counters=self._connection_counters)
         self._started_at = time.time()
         self._opened_at = time.monotonic()
@@ -147,12 +173,17 @@ class Controller:
         self._changed = asyncio.Event()
         self._end: EndRun | None = None
         self._forced = False
-        self._final: RunResult | None = None  # a verdict the supervisor did not give (internal error, cancelled)
-        # The store rides the port unless torch's own store was asked for (then a store host serves it).
+        # a verdict the supervisor did not give (internal error, cancelled)
+        self._final: RunResult | None = None
+        # The store rides the port unless torch's own store was asked for (then a store host serves
+        # it).
         self._store = None if os.environ.get(BACKEND_VARIABLE, "python") == "torch" else PortStore()
-        self._training: TrainingShell | None = None  # the Trainer's coordinator shell, idle until a TrainerHello
-        self._training_signal: int | None = None  # the launcher signal that asked for an orderly training stop
-        self._training_reference: TrainerSpec | None = None  # the launcher's own spec (the user's script is the launcher)
+        # the Trainer's coordinator shell, idle until a TrainerHello
+        self._training: TrainingShell | None = None
+        # the launcher signal that asked for an orderly training stop
+        self._training_signal: int | None = None
+        # the launcher's own spec (the user's script is the launcher)
+        self._training_reference: TrainerSpec | None = None
         self._training_metrics: Callable[[EpochMetrics], None] | None = None
         self._tg: asyncio.TaskGroup | None = None
         self._reducer: Reducer | None = None
@@ -174,8 +205,12 @@ class Controller:
 
     async def bind(self) -> None:
         """Bind the one port and serve status (``waiting``) before anything else happens."""
-        self._mux.register(Channel.STATUS, lambda: StatusHttpProtocol(self._board, request_timeout=self._deadlines.http_request))
-        raise_descriptor_limit()  # every connection is a descriptor: take what the hard limit allows
+        self._mux.register(
+            Channel.STATUS,
+            lambda: StatusHttpProtocol(self._board, request_timeout=self._deadlines.http_request),
+        )
+        # every connection is a descriptor: take what the hard limit allows
+        raise_descriptor_limit()
         await self._mux.start()
         self._publish()
 
@@ -189,10 +224,19 @@ class Controller:
         if self._supervisor is None:
             self._early_signals.append(signum)
             return
-        if self._training_signal is None and self._training is not None and self._training.stop(_signal_name(signum)):
+        if (
+            self._training_signal is None
+            and self._training is not None
+            and self._training.stop(_signal_name(signum))
+        ):
             self._training_signal = signum
             name = _signal_name(signum)
-            log.warning("stopping training in order on %s: a final round, then shutdown (%s again to stop the ranks)", name, name)
+            log.warning(
+                "stopping training in order on %s: a final round, then shutdown (%s again to stop "
+                "the ranks)",
+                name,
+                name,
+            )
             return
         self._dispatch(Interrupted(signal=signum))
 
@@ -201,8 +245,11 @@ class Controller:
         """The Trainer's coordinator shell (after :meth:`run` started)."""
         return self._training
 
-    def configure_training(self, *, reference: TrainerSpec | None, metrics_sink: Callable[[EpochMetrics], None] | None) -> None:
-        """Before :meth:`run`: the launcher's spec every rank must match, and where aggregated epochs go."""
+    def configure_training(
+        self, *, reference: TrainerSpec | None, metrics_sink: Callable[[EpochMetrics], None] | None
+    ) -> None:
+        """Before :meth:`run`: the launcher's spec every rank must match, and where aggregated
+        epochs go."""
         self._training_reference = reference
         self._training_metrics = metrics_sink
 
@@ -233,14 +280,20 @@ class Controller:
             ),
             now=self._opened_at,
         )
-        contact = ControllerContact(host="127.0.0.1", port=self.port, secret=plan.secret, deadlines=self._deadlines)
-        # The controller's host's ranks bind the NIC the other hosts reach (flodl_async.host.ifnames).
+        contact = ControllerContact(
+            host="127.0.0.1", port=self.port, secret=plan.secret, deadlines=self._deadlines
+        )
+        # The controller's host's ranks bind the NIC the other hosts reach
+        # (flodl_async.host.ifnames).
         peer = controller_host_peer(plan.bind_host, self.port, direct_ssh_targets(plan.workers))
         local = LocalLauncher(contact, output=self._output, ifname_peer=peer)
         self._launchers = {Placement.LOCAL: local, Placement.DIAL_IN: DialInLauncher()}
-        if any(w.placement is Placement.SSH for w in plan.workers):  # it writes to the process's own stdout/stderr
+        # it writes to the process's own stdout/stderr
+        if any(w.placement is Placement.SSH for w in plan.workers):
             out, err = self._output.consoles
-            self._launchers[Placement.SSH] = ssh_launcher(contact, bind_host=plan.bind_host, run_id=plan.run_id, stdout=out, stderr=err)
+            self._launchers[Placement.SSH] = ssh_launcher(
+                contact, bind_host=plan.bind_host, run_id=plan.run_id, stdout=out, stderr=err
+            )
         result: RunResult | None = None
         try:
             async with asyncio.TaskGroup() as tg:
@@ -252,31 +305,56 @@ class Controller:
                     (Channel.CONTROL, self._handle_control),
                 ):
                     if channel is Channel.RENDEZVOUS and self._store is not None:
-                        continue  # the StoreAddress exchange is the torch backend's only: our store needs none
-                    resolve = join_resolver(plan.secret, plan.token, open_admission=plan.join.open_admission) if channel is Channel.JOIN else self._resolve
-                    service = FramedService(channel=channel, resolve=resolve, run_id=plan.run_id, handler=handler, task_group=tg)
+                        # the StoreAddress exchange is the torch backend's only: our store needs
+                        # none
+                        continue
+                    resolve = (
+                        join_resolver(
+                            plan.secret, plan.token, open_admission=plan.join.open_admission
+                        )
+                        if channel is Channel.JOIN
+                        else self._resolve
+                    )
+                    service = FramedService(
+                        channel=channel,
+                        resolve=resolve,
+                        run_id=plan.run_id,
+                        handler=handler,
+                        task_group=tg,
+                    )
                     self._mux.register(channel, service.protocol_factory)
                 if self._store is not None:
                     self._mux.register(Channel.STORE, self._store.protocol_factory)
                 self._announce_window()
-                agent_tasks = [tg.create_task(self._run_agent(worker), name=f"agent-{worker.host}") for worker in plan.workers]
+                agent_tasks = [
+                    tg.create_task(self._run_agent(worker), name=f"agent-{worker.host}")
+                    for worker in plan.workers
+                ]
                 try:
                     for signum in self._early_signals:
                         self._dispatch(Interrupted(signal=signum))
                     result = await self._pump()
                 except Exception as exc:  # a bug: still tear down and leave nothing behind
                     log.exception("controller failed")
-                    result = RunResult(exit_code=ExitCode.INTERNAL, reason=f"internal error: {exc!r}")
+                    result = RunResult(
+                        exit_code=ExitCode.INTERNAL, reason=f"internal error: {exc!r}"
+                    )
                     self._final = result
                 finally:
                     if result is None:
-                        self._final = RunResult(exit_code=ExitCode.INTERRUPTED, reason="the controller was cancelled")
+                        self._final = RunResult(
+                            exit_code=ExitCode.INTERRUPTED, reason="the controller was cancelled"
+                        )
                     try:
                         await self._training.aclose()
-                    finally:  # a training shell that fails (or is cancelled) to close must not leave the agents running
+                    # a training shell that fails (or is cancelled) to close must not leave the
+                    # agents running
+                    finally:
                         await self._teardown(agent_tasks)
-                        # What is still connected after the teardown's grace is stuck (a frozen host's relay link
-                        # says nothing and never closes): closing the port ends those handlers, so the group can close.
+                        # What is still connected after the teardown's grace is stuck (a frozen
+                        # host's relay link
+                        # says nothing and never closes): closing the port ends those handlers, so
+                        # the group can close.
                         await self._mux.aclose()
                         if self._reducer is not None:
                             await self._reducer.aclose()  # its round driver is a task of this group
@@ -288,14 +366,19 @@ class Controller:
         return result
 
     def install_reducer(self, reducer: Reducer) -> None:
-        """Serve the data channel with ``reducer`` (the training shell calls this when its coordinator starts).
+        """Serve the data channel with ``reducer`` (the training shell calls this when its
+        coordinator starts).
 
         Until then the port serves no data channel: a relay that dials it is closed before any
         handshake (counted as ``no_handler``), so runs without Trainer ranks never load torch.
         """
         if self._tg is None:
-            raise RuntimeError("install_reducer() needs a running controller (call it from inside run())")
-        service = reducer.attach(task_group=self._tg, resolve=self._resolve, run_id=self.plan.run_id)
+            raise RuntimeError(
+                "install_reducer() needs a running controller (call it from inside run())"
+            )
+        service = reducer.attach(
+            task_group=self._tg, resolve=self._resolve, run_id=self.plan.run_id
+        )
         self._reducer = reducer
         self._mux.register(Channel.DATA, service.protocol_factory)
 
@@ -317,38 +400,56 @@ class Controller:
             training = self._training.next_deadline() if self._training is not None else None
             wake = min((t for t in (deadline, beat, training) if t is not None), default=None)
             try:
-                async with asyncio.timeout(None if wake is None else max(wake - time.monotonic(), 0.0)):
+                async with asyncio.timeout(
+                    None if wake is None else max(wake - time.monotonic(), 0.0)
+                ):
                     await self._changed.wait()
             except TimeoutError:
                 assert wake is not None
                 self._keep_alive(time.monotonic(), late=time.monotonic() - wake)
-                if training is not None and time.monotonic() >= training and self._training is not None:
+                if (
+                    training is not None
+                    and time.monotonic() >= training
+                    and self._training is not None
+                ):
                     self._training.tick()
                 if deadline is not None and time.monotonic() >= deadline and self._end is None:
                     self._dispatch(Tick())
         return self._end.result
 
     def _keep_alive(self, now: float, *, late: float) -> None:
-        """Beat down every join link that is due; a host silent past the deadline is lost, by name."""
-        if late > self._deadlines.heartbeat_interval:  # this process was frozen: no host could be heard meanwhile
+        """Beat down every join link that is due; a host silent past the deadline is lost, by
+        name."""
+        # this process was frozen: no host could be heard meanwhile
+        if late > self._deadlines.heartbeat_interval:
             self._liveness = {host: live.excused(now) for host, live in self._liveness.items()}
             self._control_links.excused(now)
-        for host in self._control_links.silent_hosts(now, self._liveness):  # a relay's own link went silent
+        # a relay's own link went silent
+        for host in self._control_links.silent_hosts(now, self._liveness):
             silence = self._deadlines.heartbeat_silence
-            self._dispatch(HostLost(host=host, reason=f"its relay's control link sent nothing for {silence:g}s (the host is frozen, down or cut off)"))
+            self._dispatch(
+                HostLost(
+                    host=host,
+                    reason=f"its relay's control link sent nothing for {silence:g}s (the host is "
+                    "frozen, down or cut off)",
+                )
+            )
         for host, live in list(self._liveness.items()):
             if live.expired(now):
                 del self._liveness[host]
                 link = self._links.pop(host, None)
                 if link is not None:
-                    link.abort()  # its reader then ends without a second HostLost (the link is no longer the host's)
+                    # its reader then ends without a second HostLost (the link is no longer the
+                    # host's)
+                    link.abort()
                 silence = self._deadlines.heartbeat_silence
                 reason = f"no heartbeat for {silence:g}s (the host is frozen, down or cut off)"
                 self._dispatch(HostLost(host=host, reason=reason))
             elif live.send_due(now):
                 link = self._links.get(host)
                 if link is not None:
-                    with contextlib.suppress(ConnectionClosed):  # a link that just died: its reader reports it
+                    # a link that just died: its reader reports it
+                    with contextlib.suppress(ConnectionClosed):
                         link.send(m.Heartbeat(sent_at=now))
                 self._liveness[host] = live.sent(now)
 
@@ -357,7 +458,9 @@ class Controller:
         supervisor = self._require_supervisor()
         if isinstance(event, HostLost):
             self._drop_control_links(event.host)
-        pending: collections.deque[tuple[Event, FramedProtocol | None]] = collections.deque([(event, reply_link)])
+        pending: collections.deque[tuple[Event, FramedProtocol | None]] = collections.deque(
+            [(event, reply_link)]
+        )
         while pending:
             current, link = pending.popleft()
             for action in supervisor.handle(current, time.monotonic()):
@@ -371,24 +474,31 @@ class Controller:
         if isinstance(action, Tell):
             link = self._links.get(action.host)
             if link is not None:
-                with contextlib.suppress(ConnectionClosed):  # a link that just died: its handler reports HostLost
+                # a link that just died: its handler reports HostLost
+                with contextlib.suppress(ConnectionClosed):
                     link.send(action.message)
         elif isinstance(action, Announce):
             level = _LOG_LEVELS[action.level]
             if self.plan.one_host and level == logging.INFO:
-                level = logging.DEBUG  # a --nproc run said it all in its banner: the progress is for -v
+                # a --nproc run said it all in its banner: the progress is for -v
+                level = logging.DEBUG
             log.log(level, "%s", action.text)
         elif isinstance(action, AcceptJoin):
             assert reply_link is not None
             try:
-                reply_link.send(_with_secret_for_token_agent(action.reply, reply_link, self.plan.secret))
+                reply_link.send(
+                    _with_secret_for_token_agent(action.reply, reply_link, self.plan.secret)
+                )
             except ConnectionClosed:
                 return JoinUndelivered(host=action.host)
             self._links[action.host] = reply_link
             d = self._deadlines
-            self._liveness[action.host] = Liveness.start(time.monotonic(), interval=d.heartbeat_interval, silence=d.heartbeat_silence)
+            self._liveness[action.host] = Liveness.start(
+                time.monotonic(), interval=d.heartbeat_interval, silence=d.heartbeat_silence
+            )
             if self._store is not None:
-                self._store.admit_host(reply_link.peer_host)  # its ranks dial the store from the same address
+                # its ranks dial the store from the same address
+                self._store.admit_host(reply_link.peer_host)
         elif isinstance(action, RejectJoin):
             assert reply_link is not None
             with contextlib.suppress(ConnectionClosed):
@@ -397,7 +507,9 @@ class Controller:
             self._forced = True
             for launcher in self._launchers.values():
                 launcher.force_stop()
-            self._send_all(m.Abort(reason="forced stop", grace_s=0.0, first_signal=int(signal.SIGKILL)))
+            self._send_all(
+                m.Abort(reason="forced stop", grace_s=0.0, first_signal=int(signal.SIGKILL))
+            )
         elif isinstance(action, ResetStore):
             assert self._store is not None  # only asked for when the store is ours
             self._store.reset(action.round)
@@ -416,7 +528,9 @@ class Controller:
         launcher = self._launchers.get(worker.placement)
         try:
             if launcher is None:
-                raise FlodlError(f"no agent launcher for {worker.placement.value} workers in this version")
+                raise FlodlError(
+                    f"no agent launcher for {worker.placement.value} workers in this version"
+                )
             await launcher.run_agent(worker)
         except FlodlError as exc:
             self._dispatch(HostLost(host=worker.host, reason=str(exc)))
@@ -433,7 +547,9 @@ class Controller:
             reason = self._final.reason if self._final is not None else "the controller stopped"
             farewell = m.Abort(reason=reason, grace_s=self._deadlines.stop_grace)
         if self._forced and isinstance(farewell, m.Abort):
-            farewell = m.Abort(reason=farewell.reason, grace_s=0.0, first_signal=int(signal.SIGKILL))
+            farewell = m.Abort(
+                reason=farewell.reason, grace_s=0.0, first_signal=int(signal.SIGKILL)
+            )
         self._send_all(farewell)
         grace = farewell.grace_s if isinstance(farewell, m.Abort) else self._deadlines.stop_grace
         with contextlib.suppress(TimeoutError):
@@ -443,7 +559,8 @@ class Controller:
             async with asyncio.timeout(self._deadlines.teardown_margin):
                 await asyncio.gather(*agent_tasks, return_exceptions=True)
         for task in agent_tasks:
-            task.cancel()  # a stuck local agent: cancellation runs its finally, which kills its ranks
+            # a stuck local agent: cancellation runs its finally, which kills its ranks
+            task.cancel()
 
     # ----- channel handlers ----------------------------------------------------------------------
 
@@ -451,20 +568,35 @@ class Controller:
         async with asyncio.timeout(self._deadlines.join_handshake):
             hello = await link.recv_message()
         if not isinstance(hello, m.JoinHello):
-            log.warning("join channel: %s opened with %s, not JoinHello; closing", link.peer_label, type(hello).__name__)
+            log.warning(
+                "join channel: %s opened with %s, not JoinHello; closing",
+                link.peer_label,
+                type(hello).__name__,
+            )
             return
         self._dispatch(
-            JoinRequested(host=hello.host, devices=hello.devices, protocol_version=PROTOCOL_VERSION, agent_version=hello.agent_version),
+            JoinRequested(
+                host=hello.host,
+                devices=hello.devices,
+                protocol_version=PROTOCOL_VERSION,
+                agent_version=hello.agent_version,
+            ),
             reply_link=link,
         )
         if self._links.get(hello.host) is not link:
             await link.drain()  # refused: the reject is flushed, then the service closes the link
             return
-        # An agent of this process is flodl-launch's own host, checked before anything started (launch.warn_oversubscribed).
-        crowded = None if hello.pid == os.getpid() else oversubscription(hello.host, hello.devices, hello.cores)
+        # An agent of this process is flodl-launch's own host, checked before anything started
+        # (launch.warn_oversubscribed).
+        crowded = (
+            None
+            if hello.pid == os.getpid()
+            else oversubscription(hello.host, hello.devices, hello.cores)
+        )
         if crowded is not None:
             log.warning("%s", crowded)
-        if self._store is not None:  # a multi-homed host's ranks may dial the store from any of its addresses
+        # a multi-homed host's ranks may dial the store from any of its addresses
+        if self._store is not None:
             for address in routable(hello.addresses):
                 self._store.admit_host(address)
         try:
@@ -472,7 +604,8 @@ class Controller:
                 msg = await link.recv_message()
                 live = self._liveness.get(hello.host)
                 if live is not None and self._links.get(hello.host) is link:
-                    self._liveness[hello.host] = live.heard(time.monotonic())  # any frame is a sign of life
+                    # any frame is a sign of life
+                    self._liveness[hello.host] = live.heard(time.monotonic())
                 if isinstance(msg, m.RankOutput):  # output is I/O, not a supervisor event
                     self._output.receive(hello.host, msg)
                     continue
@@ -480,7 +613,8 @@ class Controller:
                 if to_event is not None:
                     self._dispatch(to_event(hello.host, msg))
         except (ConnectionClosed, WireError) as exc:
-            if self._links.get(hello.host) is link:  # not when the liveness check already cut it off
+            # not when the liveness check already cut it off
+            if self._links.get(hello.host) is link:
                 self._liveness.pop(hello.host, None)
                 self._dispatch(HostLost(host=hello.host, reason=str(exc)))
 
@@ -488,15 +622,21 @@ class Controller:
         while True:
             msg = await link.recv_message()
             if isinstance(msg, m.StoreAddress):
-                self._dispatch(StoreReady(round=msg.round, addr=msg.host or link.peer_host, port=msg.port))
+                self._dispatch(
+                    StoreReady(round=msg.round, addr=msg.host or link.peer_host, port=msg.port)
+                )
 
     async def _handle_control(self, link: FramedProtocol) -> None:
-        """A control link: a host's relay upstream (or a rank of its own, under the torch store backend).
+        """A control link: a host's relay upstream (or a rank of its own, under the torch store
+        backend).
 
-        Liveness: a relay beats up its link (``Heartbeat(relay=True)``, naming one of its host's ranks)
+        Liveness: a relay beats up its link (``Heartbeat(relay=True)``, naming one of its host's
+        ranks)
         and the controller echoes; a relay link silent past ``heartbeat_silence`` loses its host, by
-        name, as a silent join link does (:meth:`_keep_alive`). A link is bound to the host of the rank
-        its first beat or RankHello names, and when that host is lost for any reason (join link silent or
+        name, as a silent join link does (:meth:`_keep_alive`). A link is bound to the host of the
+        rank
+        its first beat or RankHello names, and when that host is lost for any reason (join link
+        silent or
         closed, its agent failed) the controller aborts the link at once, not at teardown.
         """
         host: str | None = None
@@ -510,9 +650,11 @@ class Controller:
                     self._dispatch(RankConnected(rank=msg.rank, pid=msg.pid))
                     training.bind_rank(msg.rank, link)
                     link.send(m.RankWelcome(rank=msg.rank, run_id=self.plan.run_id))
-                elif isinstance(msg, m.Heartbeat) and msg.relay:  # the relay's own beat: its link's liveness, no rank's
+                # the relay's own beat: its link's liveness, no rank's
+                elif isinstance(msg, m.Heartbeat) and msg.relay:
                     host = host or self._bind_control_link(link, msg.rank)
-                    if host is not None and host in self._links:  # a host of this run, still in it: watch this link
+                    # a host of this run, still in it: watch this link
+                    if host is not None and host in self._links:
                         self._control_links.heard(link, host, time.monotonic())
                     link.send(m.Heartbeat(sent_at=msg.sent_at, rank=msg.rank, relay=True))
                 elif isinstance(msg, m.Heartbeat):
@@ -525,7 +667,8 @@ class Controller:
             self._control_links.closed(link, host)
 
     def _bind_control_link(self, link: FramedProtocol, rank: int) -> str | None:
-        """The host that runs ``rank`` (from the formed world), with ``link`` recorded as one of its control links."""
+        """The host that runs ``rank`` (from the formed world), with ``link`` recorded as one of its
+        control links."""
         if self._supervisor is None:
             return None
         host = next((mb.host for mb in self._supervisor.view().members if rank in mb.ranks), None)
@@ -538,7 +681,11 @@ class Controller:
         for link in links:
             link.abort()
         if links:
-            log.info('host "%s" lost: closed its %d control link(s) (relay upstream) with it', host, len(links))
+            log.info(
+                'host "%s" lost: closed its %d control link(s) (relay upstream) with it',
+                host,
+                len(links),
+            )
 
     # ----- the Trainer (controller/training.py does the work) -------------------------------------
 
@@ -553,7 +700,8 @@ class Controller:
             serve_data=self._serve_training_data,
             hello_timeout=self._deadlines.trainer_hello,
             reduce_stall=self._deadlines.reduce_stall,
-            timeout_scale=scale,  # the spec's heartbeat_timeout is the user's; the run's scale applies to it
+            # the spec's heartbeat_timeout is the user's; the run's scale applies to it
+            timeout_scale=scale,
             round_runner=self._training_rounds or default_round_runner,
             reference=self._training_reference,
             metrics_sink=self._training_metrics,
@@ -571,10 +719,13 @@ class Controller:
         code = ExitCode(outcome.code) if not outcome.ok else ExitCode.OK
         if outcome.ok and self._training_signal is not None:
             code = exit_code_for_signal(self._training_signal)
-        self._dispatch(TrainingEnded(ok=outcome.ok, reason=outcome.reason, code=code, details=outcome.details))
+        self._dispatch(
+            TrainingEnded(ok=outcome.ok, reason=outcome.reason, code=code, details=outcome.details)
+        )
 
     def _serve_training_data(self, reducer: RoundRunner) -> None:
-        """The coordinator started: its reducer serves the DATA channel (a test's round seam has no data plane)."""
+        """The coordinator started: its reducer serves the DATA channel (a test's round seam has no
+        data plane)."""
         if getattr(reducer, "attach", None) is not None:
             self.install_reducer(typing.cast("Reducer", reducer))
 
@@ -584,19 +735,28 @@ class Controller:
         plan, j = self.plan, self.plan.join
         if j.open_admission:
             log.warning(
-                "WARNING: OPEN ADMISSION — any host that reaches port %d joins this run without a secret or token, and is sent "
-                "the session secret over a link anyone on the network can decrypt; use it on a trusted network only "
+                "WARNING: OPEN ADMISSION — any host that reaches port %d joins this run without a "
+                "secret or token, and is sent "
+                "the session secret over a link anyone on the network can decrypt; use it on a "
+                "trusted network only "
                 "(set join.open_admission: false and give agents a cluster token: flodl token new)",
                 self.port,
             )
         log.log(
             logging.DEBUG if plan.one_host else logging.INFO,
-            "window open (quorum %s ranks, target %s, window %gs, cap %gs, admission: %s) — status at http://%s:%d/",
+            "window open (quorum %s ranks, target %s, window %gs, cap %gs, admission: %s) — status "
+            "at http://%s:%d/",
             describe_threshold(j.min_rank_start, j.quorum_reported),
-            describe_threshold(j.target_ranks, j.target_reported) if j.target_ranks is not None else "none",
+            describe_threshold(j.target_ranks, j.target_reported)
+            if j.target_ranks is not None
+            else "none",
             j.join_timeout,
             j.max_join_timeout,
-            "open" if j.open_admission else "cluster token or pre-shared secret" if plan.token is not None else "pre-shared secret",
+            "open"
+            if j.open_admission
+            else "cluster token or pre-shared secret"
+            if plan.token is not None
+            else "pre-shared secret",
             "127.0.0.1" if plan.bind_host in ("0.0.0.0", "127.0.0.1") else plan.bind_host,
             self.port,
         )
@@ -605,9 +765,15 @@ class Controller:
         stats = self._mux.statistics()
         return {
             "routed": stats.routed,
-            "dropped": stats.dropped,  # by reason: evicted, handshake_timeout, auth_failed, unknown_magic...
+            # by reason: evicted, handshake_timeout, auth_failed, unknown_magic...
+            "dropped": stats.dropped,
             "accept_errors": stats.accept_errors,
-            "open": {"total": stats.open_now, "unsniffed": stats.unsniffed_now, "handshaking": stats.handshaking_now, "status": stats.status_now},
+            "open": {
+                "total": stats.open_now,
+                "unsniffed": stats.unsniffed_now,
+                "handshaking": stats.handshaking_now,
+                "status": stats.status_now,
+            },
         }
 
     def _publish(self) -> None:
@@ -621,7 +787,12 @@ class Controller:
             phase = Phase.FAILED if self._final is not None else Phase(view.phase)
             world_size, joined, restarts = view.world_size, view.joined_ranks, view.restart_count
             members = tuple(
-                MemberStatus(host=mb.host, ranks=mb.ranks, devices=mb.devices, joined_at=self._started_at + (mb.joined_at - self._opened_at))
+                MemberStatus(
+                    host=mb.host,
+                    ranks=mb.ranks,
+                    devices=mb.devices,
+                    joined_at=self._started_at + (mb.joined_at - self._opened_at),
+                )
                 for mb in view.members
             )
             ranks = view.ranks

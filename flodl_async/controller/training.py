@@ -1,6 +1,8 @@
-"""The controller's Trainer shell: rank control messages into the coordinator, its actions out to relays and the reducer.
+"""The controller's Trainer shell: rank control messages into the coordinator, its actions out to
+relays and the reducer.
 
-Theory of operation. Nothing here decides anything: :class:`~flodl_async.training.coordinator.Coordinator`
+Theory of operation. Nothing here decides anything:
+:class:`~flodl_async.training.coordinator.Coordinator`
 does. The controller's control-channel handler hands every relay link's frames to
 :meth:`TrainingShell.receive` (plus :meth:`bind_rank` on each ``RankHello`` and
 :meth:`seen` on each heartbeat). The first ``TrainerHello`` creates the coordinator for
@@ -94,9 +96,12 @@ class RoundResultLike(Protocol):
 
 
 class RoundRunner(Protocol):
-    """The controller-side reducer as this shell uses it (TD's ``flodl_async.controller.reducer.Reducer``)."""
+    """The controller-side reducer as this shell uses it (TD's
+    ``flodl_async.controller.reducer.Reducer``)."""
 
-    def open_round(self, round: int, kind: str, expected_ranks: frozenset[int], from_controller: bool = False) -> None: ...
+    def open_round(
+        self, round: int, kind: str, expected_ranks: frozenset[int], from_controller: bool = False
+    ) -> None: ...
     async def wait_round(self, round: int) -> RoundResultLike: ...
     def declare_dead(self, rank: int) -> None: ...
     @property
@@ -120,7 +125,8 @@ def default_round_runner(spec: TrainerSpec, schema: ModelSchema, digest: str) ->
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class TrainingResult:
-    """What the launcher's ``TrainedState`` is built from, after the run (D1: the final consensus)."""
+    """What the launcher's ``TrainedState`` is built from, after the run (D1: the final
+    consensus)."""
 
     state_dict: Mapping[str, torch.Tensor] | None
     param_names: tuple[str, ...]
@@ -150,16 +156,20 @@ _UP_EVENTS: Mapping[type[Message], Callable[[Message], Event]] = {
     m.TrainerHello: lambda msg: TrainerJoined(hello=typing.cast(m.TrainerHello, msg)),
     m.WindowDone: lambda msg: WindowReported(report=typing.cast(m.WindowDone, msg)),
     m.ReduceDone: lambda msg: CollectiveDone(message=typing.cast(m.ReduceDone, msg)),
-    m.RankGone: lambda msg: RankLost(rank=typing.cast(m.RankGone, msg).rank, reason=typing.cast(m.RankGone, msg).reason),
+    m.RankGone: lambda msg: RankLost(
+        rank=typing.cast(m.RankGone, msg).rank, reason=typing.cast(m.RankGone, msg).reason
+    ),
     m.Exiting: lambda msg: RankExiting(message=typing.cast(m.Exiting, msg)),
-    # Checkpoint intents and rank-state reports arrive with the checkpoint issue; today they are signs of life.
+    # Checkpoint intents and rank-state reports arrive with the checkpoint issue; today they are
+    # signs of life.
     m.Intent: lambda msg: FrameSeen(rank=typing.cast(m.Intent, msg).rank),
     m.RankStateSaved: lambda msg: FrameSeen(rank=typing.cast(m.RankStateSaved, msg).rank),
 }
 
 
 class TrainingShell:
-    """One run's Trainer side of the controller; created with the controller, idle until a TrainerHello."""
+    """One run's Trainer side of the controller; created with the controller, idle until a
+    TrainerHello."""
 
     def __init__(
         self,
@@ -208,19 +218,25 @@ class TrainingShell:
         return self._outcome
 
     def bind_rank(self, rank: int, link: FramedProtocol) -> None:
-        """``rank`` said hello on ``link`` (its host's relay connection): down-messages for it go there."""
+        """``rank`` said hello on ``link`` (its host's relay connection): down-messages for it go
+        there."""
         self._rank_links[rank] = link
         if link not in self._relay_links:
             self._relay_links.append(link)
 
     def link_closed(self, link: FramedProtocol) -> None:
-        """A relay's connection ended: its ranks are lost to the coordinator (their exits follow from the agent)."""
+        """A relay's connection ended: its ranks are lost to the coordinator (their exits follow
+        from the agent)."""
         if link in self._relay_links:
             self._relay_links.remove(link)
         for rank in [r for r, lk in self._rank_links.items() if lk is link]:
             del self._rank_links[rank]
             if self.coordinator is not None:
-                self._handle(RankLost(rank=rank, reason="its host's relay connection to the controller closed"))
+                self._handle(
+                    RankLost(
+                        rank=rank, reason="its host's relay connection to the controller closed"
+                    )
+                )
 
     def seen(self, rank: int) -> None:
         """A heartbeat (or any frame) from ``rank``."""
@@ -241,7 +257,8 @@ class TrainingShell:
         self._handle(to_event(msg))
 
     def stop(self, reason: str) -> bool:
-        """An orderly stop (a launcher signal, ``TrainingRun.shutdown``): the final round, then ``Shutdown``.
+        """An orderly stop (a launcher signal, ``TrainingRun.shutdown``): the final round, then
+        ``Shutdown``.
 
         False when there is no training to stop in order (no coordinator, it already concluded, or a
         stop is already under way): the caller's next step is then the supervisor's signal table.
@@ -275,17 +292,20 @@ class TrainingShell:
         return block
 
     def uplinks(self) -> tuple[HostUplinkStatistics, ...]:
-        """What each host's relay sent the reducer so far, and by which path (a test's round seam keeps none)."""
+        """What each host's relay sent the reducer so far, and by which path (a test's round seam
+        keeps none)."""
         return () if self.reducer is None else self.reducer.statistics().uplinks
 
     async def aclose(self) -> None:
-        """Cancel the round waiters, then close the reducer (its driver task and hosts' data links)."""
+        """Cancel the round waiters, then close the reducer (its driver task and hosts' data
+        links)."""
         tasks = list(self._tasks)
         for task in tasks:
             task.cancel()
         try:
             if tasks:
-                # asyncio.wait, not ``suppress(CancelledError)`` around each await: that would also swallow a
+                # asyncio.wait, not ``suppress(CancelledError)`` around each await: that would also
+                # swallow a
                 # cancellation of aclose itself. The task group still sees each task's own outcome.
                 await asyncio.wait(tasks)
         finally:
@@ -293,11 +313,15 @@ class TrainingShell:
 
     async def _close_reducer(self) -> None:
         reducer = self.reducer
-        for uplink in self.uplinks():  # which host's contributions came over the port and which in memory, for the log
+        # which host's contributions came over the port and which in memory, for the log
+        for uplink in self.uplinks():
             log.info("training data: %s", uplink.summary())
         if reducer is not None:
-            # The launcher's final state (D1): copied off the loop (clones), before the reducer lets its buffers go.
-            self._final_state = await asyncio.get_running_loop().run_in_executor(None, lambda: reducer.last_consensus)
+            # The launcher's final state (D1): copied off the loop (clones), before the reducer lets
+            # its buffers go.
+            self._final_state = await asyncio.get_running_loop().run_in_executor(
+                None, lambda: reducer.last_consensus
+            )
             await reducer.aclose()
 
     def result(self) -> TrainingResult | None:
@@ -324,7 +348,10 @@ class TrainingShell:
     def _create(self, hello: m.TrainerHello) -> bool:
         world_size, hosts = self._world()
         if world_size < 1:
-            log.warning("a TrainerHello from rank %d arrived before the world formed; ignoring it", hello.rank)
+            log.warning(
+                "a TrainerHello from rank %d arrived before the world formed; ignoring it",
+                hello.rank,
+            )
             return False
         self.coordinator = Coordinator(
             CoordinatorConfig(
@@ -344,7 +371,11 @@ class TrainingShell:
         coordinator = self.coordinator
         assert coordinator is not None
         actions = coordinator.handle(event, self._clock())
-        needs_reducer = coordinator.spec is not None and self.reducer is None and coordinator.phase is not CoordPhase.FAILED
+        needs_reducer = (
+            coordinator.spec is not None
+            and self.reducer is None
+            and coordinator.phase is not CoordPhase.FAILED
+        )
         if needs_reducer and not self._start_reducer(coordinator):
             return
         for action in actions:
@@ -356,7 +387,9 @@ class TrainingShell:
         assert spec is not None
         assert hello is not None
         try:
-            self.reducer = self._round_runner(spec, ModelSchema.from_wire(hello.model), hello.digest)
+            self.reducer = self._round_runner(
+                spec, ModelSchema.from_wire(hello.model), hello.digest
+            )
         except FlodlError as exc:
             self._conclude(TrainingOutcome(ok=False, reason=str(exc), code=1))
             return False
@@ -371,8 +404,12 @@ class TrainingShell:
             if action.reducer:
                 reducer = self.reducer
                 assert reducer is not None
-                reducer.open_round(action.round, action.kind, action.expected, action.from_controller)
-                task = self._tg.create_task(self._await_round(reducer, action.round), name=f"training-round-{action.round}")
+                reducer.open_round(
+                    action.round, action.kind, action.expected, action.from_controller
+                )
+                task = self._tg.create_task(
+                    self._await_round(reducer, action.round), name=f"training-round-{action.round}"
+                )
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
             self._send(action.message)
@@ -385,10 +422,19 @@ class TrainingShell:
         elif isinstance(action, Log):
             log.log(_LEVELS[action.level], "%s", action.text)
         elif isinstance(action, Finish):
-            self._conclude(TrainingOutcome(ok=True, reason=action.reason, save_reason=action.save_reason))
+            self._conclude(
+                TrainingOutcome(ok=True, reason=action.reason, save_reason=action.save_reason)
+            )
         elif isinstance(action, Fail):
             self._conclude(
-                TrainingOutcome(ok=False, reason=action.reason, rank=action.rank, details=action.details, save_reason=action.save_reason, code=int(action.code))
+                TrainingOutcome(
+                    ok=False,
+                    reason=action.reason,
+                    rank=action.rank,
+                    details=action.details,
+                    save_reason=action.save_reason,
+                    code=int(action.code),
+                )
             )
 
     def _conclude(self, outcome: TrainingOutcome) -> None:
@@ -399,25 +445,40 @@ class TrainingShell:
     def _publish(self, metrics: EpochMetrics) -> None:
         spec = self.coordinator.spec if self.coordinator is not None else None
         self.epochs.append(metrics)
-        log.info("%s", metrics.summary(spec.epochs if spec is not None else 0, len(metrics.per_rank)))
+        log.info(
+            "%s", metrics.summary(spec.epochs if spec is not None else 0, len(metrics.per_rank))
+        )
         if self._metrics_sink is not None:
             self._metrics_sink(metrics)
         self._send(m.EpochAggregated(metrics=metrics.to_wire()))
 
     def _send(self, msg: Message) -> None:
         rank = getattr(msg, "rank", -1)
-        links = list(self._relay_links) if rank == -1 else [lk for lk in (self._rank_links.get(rank),) if lk is not None]
+        links = (
+            list(self._relay_links)
+            if rank == -1
+            else [lk for lk in (self._rank_links.get(rank),) if lk is not None]
+        )
         for link in links:
-            with contextlib.suppress(ConnectionClosed):  # a link that just died: its handler reports it
+            # a link that just died: its handler reports it
+            with contextlib.suppress(ConnectionClosed):
                 link.send(msg)
 
     async def _await_round(self, reducer: RoundRunner, round_: int) -> None:
         result = await reducer.wait_round(round_)
         if self.coordinator is not None:
-            self._handle(RoundCompleted(round=result.round, kind=result.kind, mass=result.mass, duration_ms=result.duration_ms))
+            self._handle(
+                RoundCompleted(
+                    round=result.round,
+                    kind=result.kind,
+                    mass=result.mass,
+                    duration_ms=result.duration_ms,
+                )
+            )
 
 
-# ----- the launcher's side (trainlaunch: the user's script is the launcher) ---------------------------
+# ----- the launcher's side (trainlaunch: the user's script is the launcher)
+# ---------------------------
 
 
 class TrainerAttachment:
@@ -432,12 +493,19 @@ class TrainerAttachment:
         return None if shell is None else shell.result()
 
 
-def attach(controller: Controller, *, reference: TrainerSpec | None = None, on_epoch: Callable[[EpochMetrics], None] | None = None) -> TrainerAttachment:
-    """Before ``controller.run()``: the launcher's own spec is the reference every rank must match; epochs go to ``on_epoch``."""
+def attach(
+    controller: Controller,
+    *,
+    reference: TrainerSpec | None = None,
+    on_epoch: Callable[[EpochMetrics], None] | None = None,
+) -> TrainerAttachment:
+    """Before ``controller.run()``: the launcher's own spec is the reference every rank must match;
+    epochs go to ``on_epoch``."""
     controller.configure_training(reference=reference, metrics_sink=on_epoch)
     return TrainerAttachment(controller)
 
 
 def request_stop(controller: Controller, reason: str = "shutdown requested") -> bool:
-    """An orderly stop of the training (a final round, then ``Shutdown``); False when nothing trains."""
+    """An orderly stop of the training (a final round, then ``Shutdown``); False when nothing
+    trains."""
     return controller.stop_training(reason)

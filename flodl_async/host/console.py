@@ -1,4 +1,5 @@
-"""The launcher's console streams, written by a thread of their own: the event loop never blocks on them.
+"""The launcher's console streams, written by a thread of their own: the event loop never blocks on
+them.
 
 Theory of operation. Rank output goes to the launcher's stdout and stderr. A blocking write
 there stalls the whole event loop while nobody reads the pipe (a supervisor that reads
@@ -38,7 +39,8 @@ WRITE_LIMIT = 1 << 20
 
 
 class ConsoleWriter:
-    """One console stream (stdout or stderr) behind a writer thread; ``write`` and ``flush`` never block."""
+    """One console stream (stdout or stderr) behind a writer thread; ``write`` and ``flush`` never
+    block."""
 
     def __init__(self, stream: BinaryIO, *, name: str, limit: int = DEFAULT_LIMIT) -> None:
         self._stream = stream
@@ -80,14 +82,16 @@ class ConsoleWriter:
         return len(data)
 
     def text(self) -> TextConsole:
-        """A text view (what ``logging.StreamHandler`` writes to): the launcher's log lines keep their place among the ranks'."""
+        """A text view (what ``logging.StreamHandler`` writes to): the launcher's log lines keep
+        their place among the ranks'."""
         return TextConsole(self)
 
     def flush(self) -> None:
         """Nothing to do here: the thread flushes after every write."""
 
     async def wait_room(self) -> None:
-        """Return once the backlog is under the limit (at once when it is, or when the stream failed)."""
+        """Return once the backlog is under the limit (at once when it is, or when the stream
+        failed)."""
         loop = asyncio.get_running_loop()
         with self._cond:
             if self._backlog <= self._limit or self._failed or self._closed:
@@ -97,7 +101,8 @@ class ConsoleWriter:
         await future
 
     def close(self) -> None:
-        """Write out what is queued (blocking until the reader takes it or the stream fails), stop the thread."""
+        """Write out what is queued (blocking until the reader takes it or the stream fails), stop
+        the thread."""
         with self._cond:
             self._closed = True
             self._cond.notify()
@@ -138,7 +143,12 @@ class ConsoleWriter:
                     self._wake_waiters_locked()
             if error is not None:
                 point_at_devnull(self._stream)
-                log.warning("%s is gone (%s): rank output to it is dropped from now on; the ranks keep running", self.name, error.strerror or error)
+                log.warning(
+                    "%s is gone (%s): rank output to it is dropped from now on; the ranks keep "
+                    "running",
+                    self.name,
+                    error.strerror or error,
+                )
                 with self._cond:  # nothing more will be written: wait only for close()
                     while not self._closed:
                         self._cond.wait()
@@ -148,7 +158,8 @@ class ConsoleWriter:
     def _wake_waiters_locked(self) -> None:
         waiters, self._waiters = self._waiters, []
         for loop, future in waiters:
-            with contextlib.suppress(RuntimeError):  # a loop already closed has nobody waiting any more
+            # a loop already closed has nobody waiting any more
+            with contextlib.suppress(RuntimeError):
                 loop.call_soon_threadsafe(_resolve, future)
 
 

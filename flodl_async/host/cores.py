@@ -21,8 +21,12 @@ def usable_cores() -> int:
 
 
 def oversubscription(host: str, devices: Sequence[str], cores: int) -> str | None:
-    """The warning for a host whose CPU ranks (``cpu:N`` device labels) exceed its reported cores, else None."""
+    """The warning for a host whose CPU ranks (``cpu:N`` device labels) exceed its reported cores,
+    else None."""
     ranks = sum(1 for label in devices if label.startswith("cpu:"))
     if cores <= 0 or ranks <= cores:
         return None
-    return f"warning: {ranks} CPU ranks on host {host!r}, which has {cores} core(s) for them: they will compete for the cores (fewer ranks run faster)"
+    return (
+        f"warning: {ranks} CPU ranks on host {host!r}, which has {cores} core(s) for them: they "
+        "will compete for the cores (fewer ranks run faster)"
+    )

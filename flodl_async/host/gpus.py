@@ -1,4 +1,5 @@
-"""This host's GPUs as the caller sees them: counted from the device nodes, placed within ``CUDA_VISIBLE_DEVICES``.
+"""This host's GPUs as the caller sees them: counted from the device nodes, placed within
+``CUDA_VISIBLE_DEVICES``.
 
 The caller's mask is law, as under torchrun: with ``CUDA_VISIBLE_DEVICES=2,3``
 on a four-GPU box a run has two GPUs, and they are physical GPUs 2 and 3.
@@ -36,12 +37,15 @@ def physical_gpu_count(env: Mapping[str, str] | None = None) -> int:
     env = os.environ if env is None else env
     dev = env.get(DEV_DIR_VARIABLE) or "/dev"
     with contextlib.suppress(OSError):
-        return sum(1 for name in os.listdir(dev) if name.startswith("nvidia") and name[6:].isdigit())
+        return sum(
+            1 for name in os.listdir(dev) if name.startswith("nvidia") and name[6:].isdigit()
+        )
     return 0
 
 
 def visible_gpus(mask: str | None, physical: int) -> tuple[str, ...]:
-    """The GPUs a process sees, in the mask's own terms: every one without a mask, else the mask up to its first invalid entry."""
+    """The GPUs a process sees, in the mask's own terms: every one without a mask, else the mask up
+    to its first invalid entry."""
     if mask is None:
         return tuple(str(i) for i in range(physical))
     seen: list[str] = []
@@ -60,18 +64,21 @@ def visible_gpus(mask: str | None, physical: int) -> tuple[str, ...]:
 
 
 def host_visible_gpus(env: Mapping[str, str] | None = None) -> tuple[str, ...]:
-    """This process's visible GPUs (the caller's ``CUDA_VISIBLE_DEVICES`` applied to the host's count)."""
+    """This process's visible GPUs (the caller's ``CUDA_VISIBLE_DEVICES`` applied to the host's
+    count)."""
     env = os.environ if env is None else env
     return visible_gpus(env.get(MASK_VARIABLE), physical_gpu_count(env))
 
 
 def select(indices: Sequence[int], visible: Sequence[str]) -> tuple[str, ...]:
-    """Device indices (into the visible set) → the ranks' ``CUDA_VISIBLE_DEVICES`` entries; an index past it is a ConfigError."""
+    """Device indices (into the visible set) → the ranks' ``CUDA_VISIBLE_DEVICES`` entries; an index
+    past it is a ConfigError."""
     missing = [i for i in indices if i >= len(visible)]
     if missing:
         shown = f"visible: {','.join(visible)}" if visible else "none visible"
         raise ConfigError(
-            f"GPU {missing[0]} is not visible here: this host shows {len(visible)} GPU(s) ({shown}); "
+            f"GPU {missing[0]} is not visible here: this host shows {len(visible)} GPU(s) "
+            f"({shown}); "
             f"device ids count from 0 within the visible set ({MASK_VARIABLE} narrows it)"
         )
     return tuple(visible[i] for i in indices)

@@ -22,12 +22,14 @@ from collections.abc import Iterable
 
 FIB_TRIE = "/proc/net/fib_trie"
 IF_INET6 = "/proc/net/if_inet6"
-#: At most this many addresses travel in a join (a host with more is unusual; the rest stay unknown).
+#: At most this many addresses travel in a join (a host with more is unusual; the rest stay
+#: unknown).
 MAX_ADDRESSES = 64
 
 
 def parse_fib_trie(text: str) -> list[str]:
-    """The local IPv4 addresses in a ``/proc/net/fib_trie`` dump: each ``|-- A`` followed by ``/32 host LOCAL``."""
+    """The local IPv4 addresses in a ``/proc/net/fib_trie`` dump: each ``|-- A`` followed by ``/32
+    host LOCAL``."""
     found: list[str] = []
     last: str | None = None
     for line in text.splitlines():
@@ -54,7 +56,8 @@ def parse_if_inet6(text: str) -> list[str]:
 
 
 def routable(addresses: Iterable[str]) -> list[str]:
-    """Valid addresses that can name this host from another one, normalised, deduplicated, at most :data:`MAX_ADDRESSES`."""
+    """Valid addresses that can name this host from another one, normalised, deduplicated, at most
+    :data:`MAX_ADDRESSES`."""
     kept: list[str] = []
     for text in addresses:
         try:
@@ -63,7 +66,12 @@ def routable(addresses: Iterable[str]) -> list[str]:
             continue
         if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
             address = address.ipv4_mapped
-        if address.is_loopback or address.is_link_local or address.is_unspecified or address.is_multicast:
+        if (
+            address.is_loopback
+            or address.is_link_local
+            or address.is_unspecified
+            or address.is_multicast
+        ):
             continue
         if str(address) not in kept:
             kept.append(str(address))
@@ -73,12 +81,16 @@ def routable(addresses: Iterable[str]) -> list[str]:
 
 
 def host_addresses() -> tuple[str, ...]:
-    """Every routable address of this host (network namespace), from the kernel's tables; never raises."""
+    """Every routable address of this host (network namespace), from the kernel's tables; never
+    raises."""
     found: list[str] = []
     for path, parse in ((FIB_TRIE, parse_fib_trie), (IF_INET6, parse_if_inet6)):
         with contextlib.suppress(OSError), open(path, encoding="ascii", errors="replace") as table:
             found += parse(table.read())
     if not found:  # no /proc: what the resolver says this host is
         with contextlib.suppress(OSError):
-            found = [str(info[4][0]) for info in socket.getaddrinfo(socket.gethostname(), None, proto=socket.IPPROTO_TCP)]
+            found = [
+                str(info[4][0])
+                for info in socket.getaddrinfo(socket.gethostname(), None, proto=socket.IPPROTO_TCP)
+            ]
     return tuple(routable(found))

@@ -53,7 +53,8 @@ class HostAliases:
 
     @classmethod
     def of_machine(cls, hostname: str, fqdn: str = "") -> HostAliases:
-        """The aliases of a machine called ``hostname`` (as ``gethostname()`` says) with ``fqdn`` (``getfqdn()``)."""
+        """The aliases of a machine called ``hostname`` (as ``gethostname()`` says) with ``fqdn``
+        (``getfqdn()``)."""
         short = hostname.partition(".")[0] or "localhost"
         spellings = (*LOOPBACK_NAMES, hostname, short, fqdn)
         return cls(canonical=short, names=frozenset(normalise(n) for n in spellings if n.strip()))

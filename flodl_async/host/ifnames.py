@@ -1,4 +1,5 @@
-"""Which network interface a host's ranks bind: the ``GLOO_SOCKET_IFNAME`` / ``NCCL_SOCKET_IFNAME`` default.
+"""Which network interface a host's ranks bind: the ``GLOO_SOCKET_IFNAME`` / ``NCCL_SOCKET_IFNAME``
+default.
 
 gloo otherwise resolves the hostname and, when that names loopback (``127.0.1.1`` in many
 ``/etc/hosts``) or nothing, binds loopback: the other hosts then cannot reach this host's
@@ -33,9 +34,11 @@ SSH_PORT = 22
 
 
 def ranks_env(host_env: Mapping[str, str], *, configured_ifname: str | None) -> dict[str, str]:
-    """A host's env for its ranks: ``host_env``, with the worker's ``nccl_socket_ifname`` (when set) over both socket variables.
+    """A host's env for its ranks: ``host_env``, with the worker's ``nccl_socket_ifname`` (when set)
+    over both socket variables.
 
-    When it is unset, the session fills in only the variables nothing sets (:func:`with_default_ifname`).
+    When it is unset, the session fills in only the variables nothing sets
+    (:func:`with_default_ifname`).
     """
     env = dict(host_env)
     if configured_ifname:
@@ -44,7 +47,8 @@ def ranks_env(host_env: Mapping[str, str], *, configured_ifname: str | None) -> 
 
 
 def with_default_ifname(env: Mapping[str, str], ifname: str | None) -> dict[str, str]:
-    """``env`` plus each of :data:`IFNAME_VARIABLES` it leaves unset, set to ``ifname`` (None: nothing added)."""
+    """``env`` plus each of :data:`IFNAME_VARIABLES` it leaves unset, set to ``ifname`` (None:
+    nothing added)."""
     out = dict(env)
     if ifname:
         for variable in IFNAME_VARIABLES:
@@ -71,12 +75,14 @@ def local_ipv4_interfaces() -> dict[str, str]:
 
 
 def interface_holding(addr: str) -> str | None:
-    """The interface of this namespace that holds local address ``addr`` (a connection's own end), or None."""
+    """The interface of this namespace that holds local address ``addr`` (a connection's own end),
+    or None."""
     return interface_of_address(addr, local_ipv4_interfaces()) if addr else None
 
 
 def interface_towards(host: str, port: int) -> str | None:
-    """The interface this host uses to reach ``host:port`` (a UDP connect sends nothing), or None."""
+    """The interface this host uses to reach ``host:port`` (a UDP connect sends nothing), or
+    None."""
     try:
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
             s.connect((host, port))
@@ -87,7 +93,8 @@ def interface_towards(host: str, port: int) -> str | None:
 
 
 def stand_alone_default_ifname(controller_host: str) -> str | None:
-    """A ``flodl-agent --controller HOST`` (dial-in, walk-in, ``--persist``): the default its session applies.
+    """A ``flodl-agent --controller HOST`` (dial-in, walk-in, ``--persist``): the default its
+    session applies.
 
     None: the interface of its join connection, as for every other agent. But an agent that
     dials the controller over loopback runs on the controller's own machine, where that
@@ -106,8 +113,11 @@ def _is_wildcard_or_loopback(host: str) -> bool:
     return address.is_unspecified or address.is_loopback
 
 
-def controller_host_peer(bind_host: str, port: int, remote_targets: Iterable[tuple[str, int]]) -> tuple[str, int] | None:
-    """Where the controller's own host must look to pick its ranks' interface; None: keep gloo's own choice.
+def controller_host_peer(
+    bind_host: str, port: int, remote_targets: Iterable[tuple[str, int]]
+) -> tuple[str, int] | None:
+    """Where the controller's own host must look to pick its ranks' interface; None: keep gloo's own
+    choice.
 
     The agents inside the controller join over loopback, so "the interface of the connection to
     the controller" would be ``lo``, which the other hosts cannot reach. Their ranks need the
@@ -125,13 +135,16 @@ def controller_host_peer(bind_host: str, port: int, remote_targets: Iterable[tup
 
 
 def controller_host_ifname(peer: tuple[str, int] | None) -> str | None:
-    """The interface for the controller host's ranks, given :func:`controller_host_peer`'s answer (asks the kernel, maybe the resolver)."""
+    """The interface for the controller host's ranks, given :func:`controller_host_peer`'s answer
+    (asks the kernel, maybe the resolver)."""
     return interface_towards(*peer) if peer is not None else None
 
 
 def direct_ssh_targets(workers: Iterable[PlacedWorker]) -> list[tuple[str, int]]:
-    """Address and port of each ssh worker the launcher reaches directly (not tunnelled), in order."""
-    from ..config.plan import Placement  # the plan (and the cluster file's parser) only where a controller runs
+    """Address and port of each ssh worker the launcher reaches directly (not tunnelled), in
+    order."""
+    # the plan (and the cluster file's parser) only where a controller runs
+    from ..config.plan import Placement
 
     return [
         ((w.spec.ssh and w.spec.ssh.target) or w.host, (w.spec.ssh and w.spec.ssh.port) or SSH_PORT)

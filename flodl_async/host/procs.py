@@ -1,4 +1,5 @@
-"""Child processes that cannot outlive us: own process group, parent-death signal, shared-deadline stop.
+"""Child processes that cannot outlive us: own process group, parent-death signal, shared-deadline
+stop.
 
 Every rank and store process is started in a new session (its own process
 group, so a kill reaches the grandchildren it forks, e.g. data-loader workers)
@@ -74,8 +75,11 @@ async def _wait_all(procs: Sequence[asyncio.subprocess.Process]) -> None:
         await proc.wait()
 
 
-async def _until_exited_or_forced(procs: Sequence[asyncio.subprocess.Process], force: asyncio.Event | None, when: float) -> None:
-    """Return when every process exited, ``force`` is set, or the loop time ``when`` came, whichever is first."""
+async def _until_exited_or_forced(
+    procs: Sequence[asyncio.subprocess.Process], force: asyncio.Event | None, when: float
+) -> None:
+    """Return when every process exited, ``force`` is set, or the loop time ``when`` came, whichever
+    is first."""
     with contextlib.suppress(TimeoutError):
         async with asyncio.timeout_at(when), asyncio.TaskGroup() as tg:
             exits = tg.create_task(_wait_all(procs), name="stop-wait-exits")

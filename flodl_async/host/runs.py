@@ -1,4 +1,5 @@
-"""The runs of this machine: every controller registers in the per-user runtime directory while it runs.
+"""The runs of this machine: every controller registers in the per-user runtime directory while it
+runs.
 
 ``<runtime>/controllers/<run id>.json`` holds the controller's pid and process
 start time, run id, status address and port, and when it started. It is made
@@ -38,7 +39,9 @@ class LocalRun:
 
     def to_json(self) -> str:
         doc = {"pid": self.owner.pid, "start_time": self.owner.start_time, "run_id": self.run_id}
-        return json.dumps(doc | {"address": self.address, "port": self.port, "started_at": self.started_at})
+        return json.dumps(
+            doc | {"address": self.address, "port": self.port, "started_at": self.started_at}
+        )
 
     @classmethod
     def read(cls, path: Path) -> LocalRun | None:
@@ -47,7 +50,9 @@ class LocalRun:
             doc = json.loads(path.read_text())
             start = doc["start_time"]
             return cls(
-                owner=ProcessIdentity(pid=int(doc["pid"]), start_time=None if start is None else int(start)),
+                owner=ProcessIdentity(
+                    pid=int(doc["pid"]), start_time=None if start is None else int(start)
+                ),
                 run_id=str(doc["run_id"]),
                 address=str(doc["address"]),
                 port=int(doc["port"]),
@@ -78,7 +83,13 @@ def register(*, run_id: str, address: str, port: int, root: Path | None = None) 
     """Register this process's controller (sweeping the entries of dead ones first)."""
     directory = private_subdir(ensure_root(root), CONTROLLERS_DIR)
     sweep(root)
-    run = LocalRun(owner=ProcessIdentity.current(), run_id=run_id, address=address, port=port, started_at=time.time())
+    run = LocalRun(
+        owner=ProcessIdentity.current(),
+        run_id=run_id,
+        address=address,
+        port=port,
+        started_at=time.time(),
+    )
     final = directory / _file_name(run_id)
     tmp = directory / f".new-{os.getpid()}-{secrets.token_hex(4)}"
     tmp.write_text(run.to_json())
@@ -103,5 +114,6 @@ def sweep(root: Path | None = None) -> tuple[LocalRun, ...]:
 
 
 def local_runs(root: Path | None = None) -> tuple[LocalRun, ...]:
-    """This user's live controllers on this machine, oldest first (dead entries are swept on the way)."""
+    """This user's live controllers on this machine, oldest first (dead entries are swept on the
+    way)."""
     return sweep(root)

@@ -55,7 +55,8 @@ log = logging.getLogger("flodl_async.host.runtime")
 
 #: The marker every entry holds.
 MARKER = "owner.json"
-#: The relay's sockets inside an entry (control, data): the paths here bound by the unix-socket limit.
+#: The relay's sockets inside an entry (control, data): the paths here bound by the unix-socket
+#: limit.
 SOCKET_NAME = "relay.sock"
 DATA_SOCKET_NAME = "data.sock"  # never longer than SOCKET_NAME, so the limit check covers it
 #: ``sun_path`` is 108 bytes including the terminating NUL.
@@ -70,7 +71,8 @@ _NEW_PREFIX = ".new-"
 def runtime_root(env: Mapping[str, str] | None = None) -> Path:
     """Where this user's runtime directory is (not created): pure, from the environment."""
     env = os.environ if env is None else env
-    # systemd's RuntimeDirectory=flodl: the unit made this very directory for the service (first of a list).
+    # systemd's RuntimeDirectory=flodl: the unit made this very directory for the service (first of
+    # a list).
     service = env.get("RUNTIME_DIRECTORY", "").split(":")[0].strip()
     if service and os.path.isabs(service):
         return Path(service)
@@ -91,13 +93,20 @@ def _check_private(path: Path) -> None:
     if not stat.S_ISDIR(st.st_mode):
         raise RuntimeDirError(str(path), "exists but is not a directory")
     if st.st_uid != os.getuid():
-        raise RuntimeDirError(str(path), f"is owned by uid {st.st_uid}, not by you (uid {os.getuid()})")
+        raise RuntimeDirError(
+            str(path), f"is owned by uid {st.st_uid}, not by you (uid {os.getuid()})"
+        )
     if st.st_mode & 0o077:
-        raise RuntimeDirError(str(path), f"has mode {stat.S_IMODE(st.st_mode):04o}; it must be 0700 (others could read or plant files)")
+        raise RuntimeDirError(
+            str(path),
+            f"has mode {stat.S_IMODE(st.st_mode):04o}; it must be 0700 (others could read or plant "
+            "files)",
+        )
 
 
 def _mkdir_private(path: Path) -> None:
-    """Create ``path`` mode 0700 unless it exists, then check it (never loosen, never follow a link).
+    """Create ``path`` mode 0700 unless it exists, then check it (never loosen, never follow a
+    link).
 
     A run's directory is shared by the sessions of all the run's hosts on this machine, and
     each session's sweep removes it once empty: it can vanish between our ``mkdir`` (which
@@ -137,7 +146,8 @@ def ensure_root(root: Path | None = None) -> Path:
 
 
 def process_start_time(pid: int) -> int | None:
-    """Field 22 of ``/proc/<pid>/stat`` (clock ticks after boot), or None when the process is gone or a zombie."""
+    """Field 22 of ``/proc/<pid>/stat`` (clock ticks after boot), or None when the process is gone
+    or a zombie."""
     try:
         raw = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
@@ -202,7 +212,9 @@ class Marker:
             doc = json.loads((entry / MARKER).read_text())
             start = doc["start_time"]
             return cls(
-                owner=ProcessIdentity(pid=int(doc["pid"]), start_time=None if start is None else int(start)),
+                owner=ProcessIdentity(
+                    pid=int(doc["pid"]), start_time=None if start is None else int(start)
+                ),
                 run_id=str(doc["run_id"]),
                 host=str(doc["host"]),
                 controller=str(doc["controller"]),
@@ -236,7 +248,8 @@ def entry_path(root: Path, run_id: str, host: str) -> Path:
     if length > UNIX_PATH_MAX:
         raise RuntimeDirError(
             str(root),
-            f"is too deep for unix socket paths ({length} bytes with the shortest entry names, the limit is {UNIX_PATH_MAX})",
+            f"is too deep for unix socket paths ({length} bytes with the shortest entry names, the "
+            f"limit is {UNIX_PATH_MAX})",
         )
     return short
 
@@ -265,15 +278,24 @@ class RuntimeEntry:
             self.path.parent.rmdir()
 
 
-def create_entry(*, run_id: str, host: str, controller: str, root: Path | None = None) -> RuntimeEntry:
-    """Make this process's entry for ``host`` in ``run_id`` (after sweeping nothing: call :func:`sweep_stale` first).
+def create_entry(
+    *, run_id: str, host: str, controller: str, root: Path | None = None
+) -> RuntimeEntry:
+    """Make this process's entry for ``host`` in ``run_id`` (after sweeping nothing: call
+    :func:`sweep_stale` first).
 
     An entry left by a dead owner is replaced; one whose owner still runs is an error
     (two sessions of one host in one run on one machine).
     """
     root = ensure_root(root)
     final = entry_path(root, run_id, host)
-    marker = Marker(owner=ProcessIdentity.current(), run_id=run_id, host=host, controller=controller, created_at=time.time())
+    marker = Marker(
+        owner=ProcessIdentity.current(),
+        run_id=run_id,
+        host=host,
+        controller=controller,
+        created_at=time.time(),
+    )
     _mkdir_private(root / "runs")
     for _attempt in range(5):
         _mkdir_private(final.parent)
@@ -288,11 +310,15 @@ def create_entry(*, run_id: str, host: str, controller: str, root: Path | None =
         except OSError as exc:
             shutil.rmtree(fresh, ignore_errors=True)
             if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST):
-                raise RuntimeDirError(str(final), f"cannot create it: {exc.strerror or exc}") from exc
+                raise RuntimeDirError(
+                    str(final), f"cannot create it: {exc.strerror or exc}"
+                ) from exc
             existing = Marker.read(final)
             if existing is not None and existing.owner.is_alive():
                 raise RuntimeDirError(
-                    str(final), f"is in use by pid {existing.owner.pid} (host {host!r} of run {run_id!r} is already running on this machine)"
+                    str(final),
+                    f"is in use by pid {existing.owner.pid} (host {host!r} of run {run_id!r} is "
+                    "already running on this machine)",
                 ) from None
             shutil.rmtree(final, ignore_errors=True)  # a dead owner's leftovers
             continue
@@ -342,7 +368,12 @@ def sweep_stale(root: Path | None = None) -> tuple[Path, ...]:
         with contextlib.suppress(OSError):  # not empty: a live session's run
             run_dir.rmdir()
     if removed:
-        log.info("removed %d stale runtime entr%s under %s", len(removed), "y" if len(removed) == 1 else "ies", runs)
+        log.info(
+            "removed %d stale runtime entr%s under %s",
+            len(removed),
+            "y" if len(removed) == 1 else "ies",
+            runs,
+        )
     return tuple(removed)
 
 
@@ -389,7 +420,9 @@ class RankMarker:
             doc = json.loads(path.read_text())
             start = doc["start_time"]
             return cls(
-                leader=ProcessIdentity(pid=int(doc["pid"]), start_time=None if start is None else int(start)),
+                leader=ProcessIdentity(
+                    pid=int(doc["pid"]), start_time=None if start is None else int(start)
+                ),
                 rank=int(doc["rank"]),
                 run_id=str(doc["run_id"]),
                 controller=str(doc["controller"]),
@@ -399,7 +432,8 @@ class RankMarker:
 
 
 def write_rank_marker(entry: Path, *, pid: int, rank: int) -> None:
-    """Record a rank just started under the session entry ``entry`` (its run and controller come from the entry's marker)."""
+    """Record a rank just started under the session entry ``entry`` (its run and controller come
+    from the entry's marker)."""
     owner = Marker.read(entry)
     marker = RankMarker(
         leader=ProcessIdentity(pid=pid, start_time=process_start_time(pid)),
@@ -422,7 +456,8 @@ def remove_rank_marker(entry: Path, pid: int) -> None:
 
 
 def group_members(marker: RankMarker) -> tuple[int, ...]:
-    """Our live processes in the marker's group: same group and session id, ours, started no earlier than the leader."""
+    """Our live processes in the marker's group: same group and session id, ours, started no earlier
+    than the leader."""
     uid = os.getuid()
     members: list[int] = []
     for name in os.listdir("/proc"):
@@ -440,7 +475,11 @@ def group_members(marker: RankMarker) -> tuple[int, ...]:
             pgrp, session, started = int(fields[2]), int(fields[3]), int(fields[19])
         except ValueError:
             continue
-        if pgrp == marker.pgid and session == marker.pgid and (marker.leader.start_time is None or started >= marker.leader.start_time):
+        if (
+            pgrp == marker.pgid
+            and session == marker.pgid
+            and (marker.leader.start_time is None or started >= marker.leader.start_time)
+        ):
             members.append(int(name))
     return tuple(sorted(members))
 
@@ -457,13 +496,15 @@ class CleanedRun:
     def describe(self) -> str:
         n = len(self.pids)
         return (
-            f"cleaned up {n} process{'es' if n != 1 else ''} of run {self.run_id} on host {self.host!r} "
+            f"cleaned up {n} process{'es' if n != 1 else ''} of run {self.run_id} on host "
+            f"{self.host!r} "
             f"(their agent is gone; controller {self.controller}): pids {list(self.pids)}"
         )
 
 
 def reap_stale_ranks(root: Path | None = None) -> tuple[CleanedRun, ...]:
-    """KILL what the ranks of dead sessions left running; call before :func:`sweep_stale` removes their markers.
+    """KILL what the ranks of dead sessions left running; call before :func:`sweep_stale` removes
+    their markers.
 
     Only processes named by a rank marker of an entry whose owner is gone are touched,
     found by process group (never by command line), and only this user's.
@@ -494,5 +535,12 @@ def reap_stale_ranks(root: Path | None = None) -> tuple[CleanedRun, ...]:
                         os.kill(pid, signal.SIGKILL)
                         killed.append(pid)
             if killed:
-                cleaned.append(CleanedRun(run_id=owner.run_id, host=owner.host, controller=owner.controller, pids=tuple(killed)))
+                cleaned.append(
+                    CleanedRun(
+                        run_id=owner.run_id,
+                        host=owner.host,
+                        controller=owner.controller,
+                        pids=tuple(killed),
+                    )
+                )
     return tuple(cleaned)

@@ -41,7 +41,14 @@ NOTIFY_VARIABLES = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID")
 MAX_STATUS_CHARS = 200
 
 
-def message(*, ready: bool = False, stopping: bool = False, watchdog: bool = False, status: str | None = None, mainpid: int | None = None) -> bytes:
+def message(
+    *,
+    ready: bool = False,
+    stopping: bool = False,
+    watchdog: bool = False,
+    status: str | None = None,
+    mainpid: int | None = None,
+) -> bytes:
     """One notification datagram: the given fields as ``KEY=value`` lines, in a fixed order.
 
     A status is flattened to one line (systemd shows it on one) and cut to :data:`MAX_STATUS_CHARS`.
@@ -62,16 +69,20 @@ def message(*, ready: bool = False, stopping: bool = False, watchdog: bool = Fal
 
 
 def socket_address(notify_socket: str) -> str | bytes | None:
-    """The address to send to for a ``$NOTIFY_SOCKET`` value: a path, abstract bytes for ``@name``, or None when unusable."""
+    """The address to send to for a ``$NOTIFY_SOCKET`` value: a path, abstract bytes for ``@name``,
+    or None when unusable."""
     if notify_socket.startswith("@") and len(notify_socket) > 1:
         return b"\0" + notify_socket[1:].encode()
     if notify_socket.startswith("/"):
         return notify_socket
-    return None  # empty, relative, or vsock: not ours to speak (systemd's own sd_notify also needs an absolute path)
+    # empty, relative, or vsock: not ours to speak (systemd's own sd_notify also needs an absolute
+    # path)
+    return None
 
 
 def watchdog_interval(env: Mapping[str, str], *, pid: int) -> float | None:
-    """Seconds between pings (half of ``$WATCHDOG_USEC``), or None when there is no watchdog for ``pid``."""
+    """Seconds between pings (half of ``$WATCHDOG_USEC``), or None when there is no watchdog for
+    ``pid``."""
     raw = env.get("WATCHDOG_USEC", "").strip()
     if not raw.isdigit() or int(raw) == 0:
         return None
@@ -83,7 +94,8 @@ def watchdog_interval(env: Mapping[str, str], *, pid: int) -> float | None:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class NotifyTarget:
-    """Where notifications go and how often the watchdog wants a ping; ``address`` None means not under systemd."""
+    """Where notifications go and how often the watchdog wants a ping; ``address`` None means not
+    under systemd."""
 
     address: str | bytes | None = None
     watchdog_interval: float | None = None
@@ -98,18 +110,21 @@ class NotifyTarget:
 
 
 class Notifier:
-    """Sends notifications to the service manager; every method is a no-op when not under systemd."""
+    """Sends notifications to the service manager; every method is a no-op when not under
+    systemd."""
 
     def __init__(self, target: NotifyTarget) -> None:
         self.target = target
         self._sock: socket.socket | None = None
         if target.address is not None:
             self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
-            self._sock.setblocking(False)  # a full receive buffer drops a ping; it never stalls the loop
+            # a full receive buffer drops a ping; it never stalls the loop
+            self._sock.setblocking(False)
 
     @classmethod
     def from_environ(cls, environ: MutableMapping[str, str] | None = None) -> Notifier:
-        """The notifier this process's environment describes; the protocol's variables are then removed from it."""
+        """The notifier this process's environment describes; the protocol's variables are then
+        removed from it."""
         environ = os.environ if environ is None else environ
         target = NotifyTarget.from_env(environ, pid=os.getpid())
         for name in NOTIFY_VARIABLES:
@@ -145,7 +160,8 @@ class Notifier:
         return self.send(message(stopping=True, status=status))
 
     async def watchdog(self) -> None:
-        """Ping ``WATCHDOG=1`` every interval until cancelled; returns at once when there is no watchdog.
+        """Ping ``WATCHDOG=1`` every interval until cancelled; returns at once when there is no
+        watchdog.
 
         Run it as a named task of the caller's TaskGroup: the pings come from the event loop,
         so a stuck loop is a missed ping.

@@ -1,4 +1,5 @@
-"""Connection admission on the controller's one port: who may hold a descriptor before proving the key.
+"""Connection admission on the controller's one port: who may hold a descriptor before proving the
+key.
 
 Theory of operation
 -------------------
@@ -52,14 +53,19 @@ class Pool(enum.Enum):
 
 
 class Stage(enum.Enum):
-    """Where an admitted connection is; the first two are the unauthenticated pool and have deadlines."""
+    """Where an admitted connection is; the first two are the unauthenticated pool and have
+    deadlines."""
 
     SNIFFING = "sniffing"
     HANDSHAKING = "handshaking"
     STATUS = "status"
 
 
-_POOL_OF = {Stage.SNIFFING: Pool.UNAUTHENTICATED, Stage.HANDSHAKING: Pool.UNAUTHENTICATED, Stage.STATUS: Pool.STATUS}
+_POOL_OF = {
+    Stage.SNIFFING: Pool.UNAUTHENTICATED,
+    Stage.HANDSHAKING: Pool.UNAUTHENTICATED,
+    Stage.STATUS: Pool.STATUS,
+}
 
 
 class Cap(enum.Enum):
@@ -94,22 +100,32 @@ class AdmissionLimits:
     def __post_init__(self) -> None:
         if not 1 <= self.max_unauthenticated_per_peer <= self.max_unauthenticated:
             raise ConfigError(
-                f"admission caps: need 1 <= unauthenticated per peer ({self.max_unauthenticated_per_peer}) <= "
-                f"unauthenticated in total ({self.max_unauthenticated}); the port must be able to admit its own agents"
+                "admission caps: need 1 <= unauthenticated per peer "
+                f"({self.max_unauthenticated_per_peer}) <= "
+                f"unauthenticated in total ({self.max_unauthenticated}); the port must be able to "
+                "admit its own agents"
             )
         if not 0 <= self.max_status_per_peer <= self.max_status:
-            raise ConfigError(f"admission caps: need 0 <= status per peer ({self.max_status_per_peer}) <= status in total ({self.max_status})")
+            raise ConfigError(
+                f"admission caps: need 0 <= status per peer ({self.max_status_per_peer}) <= status "
+                f"in total ({self.max_status})"
+            )
 
     def cap(self, pool: Pool, cap: Cap) -> int:
         """The value of one cap."""
         if pool is Pool.UNAUTHENTICATED:
-            return self.max_unauthenticated_per_peer if cap is Cap.PER_PEER else self.max_unauthenticated
+            return (
+                self.max_unauthenticated_per_peer
+                if cap is Cap.PER_PEER
+                else self.max_unauthenticated
+            )
         return self.max_status_per_peer if cap is Cap.PER_PEER else self.max_status
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Eviction:
-    """Connection ``conn`` of ``peer`` was evicted from ``pool`` to make room: the shell closes it."""
+    """Connection ``conn`` of ``peer`` was evicted from ``pool`` to make room: the shell closes
+    it."""
 
     conn: int
     peer: str
@@ -140,7 +156,8 @@ class Expired:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class AdmissionStatistics:
-    """How many connections each stage holds now, and how many were evicted from each pool so far."""
+    """How many connections each stage holds now, and how many were evicted from each pool so
+    far."""
 
     sniffing: int
     handshaking: int
@@ -183,17 +200,22 @@ class Admission:
     (a linked list inside) give the oldest of a pool or a peer in O(1) under constant churn.
     """
 
-    def __init__(self, limits: AdmissionLimits, *, sniff_timeout: float, handshake_timeout: float) -> None:
+    def __init__(
+        self, limits: AdmissionLimits, *, sniff_timeout: float, handshake_timeout: float
+    ) -> None:
         self.limits = limits
         self._timeouts = {Stage.SNIFFING: sniff_timeout, Stage.HANDSHAKING: handshake_timeout}
         self._entries: dict[int, _Entry] = {}
         self._oldest: dict[Pool, OrderedDict[int, None]] = {pool: OrderedDict() for pool in Pool}
         self._by_peer: dict[Pool, dict[str, OrderedDict[int, None]]] = {pool: {} for pool in Pool}
-        self._due: dict[Stage, OrderedDict[int, float]] = {stage: OrderedDict() for stage in self._timeouts}
+        self._due: dict[Stage, OrderedDict[int, float]] = {
+            stage: OrderedDict() for stage in self._timeouts
+        }
         self._evicted: Counter[Pool] = Counter()
 
     def admit(self, conn: int, peer: str, now: float) -> Eviction | None:
-        """A newly accepted connection, sniffing until ``now`` + the sniff deadline; it always gets in."""
+        """A newly accepted connection, sniffing until ``now`` + the sniff deadline; it always gets
+        in."""
         if conn in self._entries:
             raise ValueError(f"connection {conn} is already admitted")
         outcome = self._make_room(Pool.UNAUTHENTICATED, peer)
@@ -202,7 +224,8 @@ class Admission:
         return outcome
 
     def handshake(self, conn: int, now: float) -> None:
-        """``conn`` was routed to a framed channel: it stays unauthenticated, now under the handshake deadline."""
+        """``conn`` was routed to a framed channel: it stays unauthenticated, now under the
+        handshake deadline."""
         entry = self._entries[conn]
         if entry.stage is not Stage.SNIFFING:
             raise ValueError(f"connection {conn} is {entry.stage.value}, not sniffing")
@@ -211,7 +234,8 @@ class Admission:
         self._due[Stage.HANDSHAKING][conn] = now + self._timeouts[Stage.HANDSHAKING]
 
     def to_status(self, conn: int) -> Eviction | Refused | None:
-        """``conn`` was routed to status HTTP: it moves to the status budget (refused: it stays where it was)."""
+        """``conn`` was routed to status HTTP: it moves to the status budget (refused: it stays
+        where it was)."""
         entry = self._entries[conn]
         if entry.stage is not Stage.SNIFFING:
             raise ValueError(f"connection {conn} is {entry.stage.value}, not sniffing")
@@ -223,7 +247,8 @@ class Admission:
         return outcome
 
     def release(self, conn: int) -> Stage | None:
-        """Forget ``conn`` (it authenticated, closed or was dropped); the stage it was in, or None if untracked."""
+        """Forget ``conn`` (it authenticated, closed or was dropped); the stage it was in, or None
+        if untracked."""
         entry = self._entries.get(conn)
         if entry is None:
             return None
@@ -243,7 +268,8 @@ class Admission:
         return expired
 
     def next_deadline(self) -> float | None:
-        """When :meth:`expire` next has something to say, or None while no connection has a deadline."""
+        """When :meth:`expire` next has something to say, or None while no connection has a
+        deadline."""
         heads = [next(iter(due.values())) for due in self._due.values() if due]
         return min(heads) if heads else None
 
@@ -289,7 +315,9 @@ class Admission:
         victim_peer = self._entries[victim].peer
         self._remove(victim)
         self._evicted[pool] += 1
-        return Eviction(conn=victim, peer=victim_peer, pool=pool, cap=cap, limit=self.limits.cap(pool, cap))
+        return Eviction(
+            conn=victim, peer=victim_peer, pool=pool, cap=cap, limit=self.limits.cap(pool, cap)
+        )
 
     def _insert(self, conn: int, entry: _Entry, now: float) -> None:
         pool = _POOL_OF[entry.stage]
@@ -331,7 +359,9 @@ class AdmissionTicket:
 
     __slots__ = ("_on_authenticated", "_on_rejected", "_state")
 
-    def __init__(self, *, on_authenticated: Callable[[], None], on_rejected: Callable[[str, str], None]) -> None:
+    def __init__(
+        self, *, on_authenticated: Callable[[], None], on_rejected: Callable[[str, str], None]
+    ) -> None:
         self._on_authenticated = on_authenticated
         self._on_rejected = on_rejected
         self._state = TicketState.PENDING
@@ -342,13 +372,15 @@ class AdmissionTicket:
         return self._state
 
     def authenticated(self) -> None:
-        """The peer proved the key: stop counting it as unauthenticated, cancel its handshake deadline. Idempotent."""
+        """The peer proved the key: stop counting it as unauthenticated, cancel its handshake
+        deadline. Idempotent."""
         if self._state is TicketState.PENDING:
             self._state = TicketState.AUTHENTICATED
             self._on_authenticated()
 
     def rejected(self, reason: str, detail: str) -> None:
-        """The peer is bad: count it under ``reason`` (summarised in the log, never a line each) and forget it.
+        """The peer is bad: count it under ``reason`` (summarised in the log, never a line each) and
+        forget it.
 
         The protocol aborts its transport itself. Only the first call counts; one after
         :meth:`authenticated` (a bad frame from an authenticated peer) counts too.
@@ -360,7 +392,8 @@ class AdmissionTicket:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SummaryLine:
-    """One log line of refusals; ``warning`` when it carries a note (evictions, exhausted resources)."""
+    """One log line of refusals; ``warning`` when it carries a note (evictions, exhausted
+    resources)."""
 
     text: str
     warning: bool
@@ -376,7 +409,13 @@ class RejectionSummary:
     Memory is bounded: reasons come from code, and notes are capped per line (:data:`MAX_NOTES`).
     """
 
-    def __init__(self, *, interval: float = SUMMARY_INTERVAL, subject: str = "port mux", max_notes: int = MAX_NOTES) -> None:
+    def __init__(
+        self,
+        *,
+        interval: float = SUMMARY_INTERVAL,
+        subject: str = "port mux",
+        max_notes: int = MAX_NOTES,
+    ) -> None:
         self._interval = interval
         self._subject = subject
         self._max_notes = max_notes
@@ -388,7 +427,8 @@ class RejectionSummary:
         self._last_line: float | None = None
 
     def record(self, reason: str, now: float, *, note: str = "") -> None:
-        """One connection refused for ``reason``; ``note`` says in words why, and makes the line a warning."""
+        """One connection refused for ``reason``; ``note`` says in words why, and makes the line a
+        warning."""
         self._totals[reason] += 1
         self._pending[reason] += 1
         if note:
@@ -397,7 +437,8 @@ class RejectionSummary:
             self._since = now
 
     def note(self, text: str, now: float) -> None:
-        """A problem that is not one connection's (accept failing for want of descriptors): reported as a warning."""
+        """A problem that is not one connection's (accept failing for want of descriptors): reported
+        as a warning."""
         self._add_note(text)
         if self._since is None:
             self._since = now
@@ -440,8 +481,13 @@ class RejectionSummary:
         parts: list[str] = []
         refused = sum(self._pending.values())
         if refused:
-            by_reason = ", ".join(f"{n} {reason}" for reason, n in sorted(self._pending.items(), key=lambda item: (-item[1], item[0])))
-            parts.append(f"refused {refused} connection{'' if refused == 1 else 's'}{span}: {by_reason}")
+            by_reason = ", ".join(
+                f"{n} {reason}"
+                for reason, n in sorted(self._pending.items(), key=lambda item: (-item[1], item[0]))
+            )
+            parts.append(
+                f"refused {refused} connection{'' if refused == 1 else 's'}{span}: {by_reason}"
+            )
         notes = sorted(self._notes.items(), key=lambda item: (-item[1], item[0]))
         parts += [text if n == 1 else f"{text} ({n}×)" for text, n in notes[:_SHOWN_NOTES]]
         hidden = sum(n for _, n in notes[_SHOWN_NOTES:]) + self._other_notes
@@ -455,4 +501,6 @@ class RejectionSummary:
         self._other_notes = 0
         self._since = None
         self._last_line = now
-        return SummaryLine(text=f"{self._subject}: {'; '.join(parts)}; continuing to accept", warning=warning)
+        return SummaryLine(
+            text=f"{self._subject}: {'; '.join(parts)}; continuing to accept", warning=warning
+        )

@@ -19,7 +19,8 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class BufferPoolStatistics:
-    """How often a buffer was reused (``hits``) or had to be allocated (``misses``), and what is held."""
+    """How often a buffer was reused (``hits``) or had to be allocated (``misses``), and what is
+    held."""
 
     hits: int
     misses: int
@@ -78,7 +79,12 @@ class BufferPool:
         """Reuse counters and what the pool holds now."""
         with self._lock:
             held = [b for free in self._free.values() for b in free]
-            return BufferPoolStatistics(hits=self._hits, misses=self._misses, held_buffers=len(held), held_bytes=sum(len(b) for b in held))
+            return BufferPoolStatistics(
+                hits=self._hits,
+                misses=self._misses,
+                held_buffers=len(held),
+                held_bytes=sum(len(b) for b in held),
+            )
 
 
 #: The process's pool for averaging buffers: a relay and the reducer in one process (the launcher's

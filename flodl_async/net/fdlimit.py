@@ -1,4 +1,5 @@
-"""The process's descriptor limit (RLIMIT_NOFILE): raised to the hard limit at start, read for the mux's warnings.
+"""The process's descriptor limit (RLIMIT_NOFILE): raised to the hard limit at start, read for the
+mux's warnings.
 
 Every connection is a descriptor, and the common soft limit (1,024) is a fraction of what the
 hard limit allows: an unprivileged process may raise its own soft limit up to the hard one, so
@@ -42,11 +43,14 @@ def descriptor_limit() -> DescriptorLimit:
         return DescriptorLimit(soft=None, hard=None)
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     infinity = resource.RLIM_INFINITY
-    return DescriptorLimit(soft=None if soft == infinity else soft, hard=None if hard == infinity else hard)
+    return DescriptorLimit(
+        soft=None if soft == infinity else soft, hard=None if hard == infinity else hard
+    )
 
 
 def raise_descriptor_limit() -> DescriptorLimit:
-    """Raise the soft RLIMIT_NOFILE to the hard limit; returns the limits afterwards. Never raises."""
+    """Raise the soft RLIMIT_NOFILE to the hard limit; returns the limits afterwards. Never
+    raises."""
     try:
         import resource
     except ImportError:
@@ -60,7 +64,11 @@ def raise_descriptor_limit() -> DescriptorLimit:
     if before.soft is None or before.soft == before.hard:
         log.debug("descriptor limit: already at the hard limit (%s)", before.describe())
         return before
-    targets = (before.hard,) if before.hard is not None else tuple(t for t in _FALLBACK_SOFT_LIMITS if t > before.soft)
+    targets = (
+        (before.hard,)
+        if before.hard is not None
+        else tuple(t for t in _FALLBACK_SOFT_LIMITS if t > before.soft)
+    )
     hard = resource.RLIM_INFINITY if before.hard is None else before.hard
     failure: Exception | None = None
     for target in targets:
@@ -70,7 +78,17 @@ def raise_descriptor_limit() -> DescriptorLimit:
             failure = exc
             continue
         after = DescriptorLimit(soft=target, hard=before.hard)
-        log.debug("descriptor limit: raised the soft limit from %d to %d (%s)", before.soft, target, after.describe())
+        log.debug(
+            "descriptor limit: raised the soft limit from %d to %d (%s)",
+            before.soft,
+            target,
+            after.describe(),
+        )
         return after
-    log.debug("descriptor limit: could not raise the soft limit above %d (%s): %s", before.soft, before.describe(), failure)
+    log.debug(
+        "descriptor limit: could not raise the soft limit above %d (%s): %s",
+        before.soft,
+        before.describe(),
+        failure,
+    )
     return before

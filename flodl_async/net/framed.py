@@ -1,4 +1,5 @@
-"""An asyncio Protocol around the sans-IO handshake and frame codec, with awaitable receive and flow control.
+"""An asyncio Protocol around the sans-IO handshake and frame codec, with awaitable receive and flow
+control.
 
 Used on both ends: the controller's channel services and a relay's rank socket
 get one per accepted connection (server side); agents, relays and ranks dial
@@ -26,10 +27,33 @@ import typing
 from collections.abc import Callable, Sequence
 
 from .._version import __version__
-from ..errors import AuthenticationFailed, BusyError, ConnectionClosed, HandshakeFailed, HandshakeRefused, VersionMismatch, WireError, WrongToken
+from ..errors import (
+    AuthenticationFailed,
+    BusyError,
+    ConnectionClosed,
+    HandshakeFailed,
+    HandshakeRefused,
+    VersionMismatch,
+    WireError,
+    WrongToken,
+)
 from ..wire.channels import CHANNEL_MAGIC, Channel
-from ..wire.frame import Buffer, Frame, FrameConnection, FrameLimits, SealingFrame, Side, sealed_length
-from ..wire.handshake import ClientHandshake, CredentialResolver, Established, PeerHello, ServerHandshake
+from ..wire.frame import (
+    Buffer,
+    Frame,
+    FrameConnection,
+    FrameLimits,
+    SealingFrame,
+    Side,
+    sealed_length,
+)
+from ..wire.handshake import (
+    ClientHandshake,
+    CredentialResolver,
+    Established,
+    PeerHello,
+    ServerHandshake,
+)
 from ..wire.keys import Credential
 from ..wire.schema import Message
 
@@ -41,12 +65,14 @@ DATA_WRITE_HIGH_WATER = 32 * 1024 * 1024
 _THREAD_SEAL_BYTES = 1024 * 1024
 #: Frames queued for the receiver before we stop reading from the socket.
 _RECV_HIGH_WATER = 64
-#: Sealing buffers kept for reuse per link once written (a fresh 16 MiB buffer costs ~20 ms of page faults).
+#: Sealing buffers kept for reuse per link once written (a fresh 16 MiB buffer costs ~20 ms of page
+#: faults).
 _SPARE_SEALING_BUFFERS = 4
 
 
 class AdmissionTicket(typing.Protocol):
-    """What the mux hands a server-side link: told when the peer authenticated, or why it was refused."""
+    """What the mux hands a server-side link: told when the peer authenticated, or why it was
+    refused."""
 
     def authenticated(self) -> None: ...
 
@@ -69,7 +95,8 @@ def rejection_reason(exc: WireError) -> str:
 
 
 class FramedProtocol(asyncio.BaseProtocol):
-    """One framed, authenticated connection (control-sized frames: bytes arrive via ``data_received``).
+    """One framed, authenticated connection (control-sized frames: bytes arrive via
+    ``data_received``).
 
     Derives from ``BaseProtocol`` only; :class:`StreamFramedProtocol` and
     :class:`BulkFramedProtocol` add the read style. A class that were both a ``Protocol``
@@ -96,7 +123,8 @@ class FramedProtocol(asyncio.BaseProtocol):
         self.codec: FrameConnection | None = None
         self.channel = channel
         self.peer_label = peer_label
-        #: Who the peer proved to be (its credential's kind and scope) and the run, once established.
+        #: Who the peer proved to be (its credential's kind and scope) and the run, once
+        #: established.
         self.peer: PeerHello | None = None
         self.run_id = ""
         self._limits = limits
@@ -120,11 +148,13 @@ class FramedProtocol(asyncio.BaseProtocol):
         self._bytes_written = 0
         self._in_flight: collections.deque[tuple[int, bytearray]] = collections.deque()
         self._spare: list[bytearray] = []
-        #: Sealing buffers this link had to allocate (the rest were reused): steady traffic stops allocating.
+        #: Sealing buffers this link had to allocate (the rest were reused): steady traffic stops
+        #: allocating.
         self.sealing_allocations = 0
 
     def bind_admission(self, ticket: AdmissionTicket) -> None:
-        """Called by the mux before ``connection_made``: report the handshake's outcome to ``ticket``."""
+        """Called by the mux before ``connection_made``: report the handshake's outcome to
+        ``ticket``."""
         self._ticket = ticket
 
     # ----- asyncio.Protocol ----------------------------------------------------------------
@@ -140,12 +170,19 @@ class FramedProtocol(asyncio.BaseProtocol):
             sock = transport.get_extra_info("socket")
             if sock is None or sock.family != socket.AF_UNIX:
                 # Unprotected payloads are for a private unix socket only: never on a network link.
-                self._fail(ConnectionClosed(f"{self.channel.value} channel: plain payloads on a non-unix socket", by_peer=False))
+                self._fail(
+                    ConnectionClosed(
+                        f"{self.channel.value} channel: plain payloads on a non-unix socket",
+                        by_peer=False,
+                    )
+                )
                 self._transport.abort()
                 return
         if not self.peer_label:
             peer = transport.get_extra_info("peername")
-            self.peer_label = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer or "?")
+            self.peer_label = (
+                f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer or "?")
+            )
         if isinstance(self._handshake, ClientHandshake):
             self._write(self._magic + self._handshake.hello())
 
@@ -159,7 +196,8 @@ class FramedProtocol(asyncio.BaseProtocol):
         self._established.add_done_callback(done)
 
     async def established(self) -> None:
-        """Wait until the handshake proved both sides; raises what failed it (wrap in ``asyncio.timeout``)."""
+        """Wait until the handshake proved both sides; raises what failed it (wrap in
+        ``asyncio.timeout``)."""
         await asyncio.shield(self._established)
 
     def _handshake_data(self, data: bytes) -> None:
@@ -184,7 +222,12 @@ class FramedProtocol(asyncio.BaseProtocol):
         self._handshake = None
         self.peer, self.run_id = done.peer, done.run_id
         self.codec = FrameConnection(
-            channel=self.channel, side=self.side, keys=done.keys, limits=self._limits, allocate=self._allocate, plain_payloads=self._plain_payloads
+            channel=self.channel,
+            side=self.side,
+            keys=done.keys,
+            limits=self._limits,
+            allocate=self._allocate,
+            plain_payloads=self._plain_payloads,
         )
         if self._ticket is not None:
             self._ticket.authenticated()
@@ -206,20 +249,36 @@ class FramedProtocol(asyncio.BaseProtocol):
             # first, then the error (recv raises the failure only once the queue is empty).
             self._reject(self.codec.failure)
             return
-        if len(self._frames) >= _RECV_HIGH_WATER and self._transport is not None and not self._reading_paused:
+        if (
+            len(self._frames) >= _RECV_HIGH_WATER
+            and self._transport is not None
+            and not self._reading_paused
+        ):
             self._transport.pause_reading()
             self._reading_paused = True
         self._wake()
 
     def _report_rejection(self, exc: WireError) -> None:
         if self._ticket is not None:
-            # The mux counts it and summarises rejections per interval: a flood cannot flood the log.
+            # The mux counts it and summarises rejections per interval: a flood cannot flood the
+            # log.
             self._ticket.rejected(rejection_reason(exc), str(exc))
             self._ticket = None
         elif self.side is Side.CONTROLLER:
-            log.warning("%s channel: dropping connection from %s: %s", self.channel.value, self.peer_label, exc)
+            log.warning(
+                "%s channel: dropping connection from %s: %s",
+                self.channel.value,
+                self.peer_label,
+                exc,
+            )
         else:
-            log.debug("%s channel: dropping connection to %s: %s", self.channel.value, self.peer_label, exc)  # the caller reports it
+            # the caller reports it
+            log.debug(
+                "%s channel: dropping connection to %s: %s",
+                self.channel.value,
+                self.peer_label,
+                exc,
+            )
 
     def _reject(self, exc: WireError) -> None:
         self._report_rejection(exc)
@@ -234,7 +293,8 @@ class FramedProtocol(asyncio.BaseProtocol):
         assert self.codec is not None
         try:
             self.codec.receive_data(b"")
-            # Raises TruncatedFrame when the peer stopped mid-frame; frames before it are still delivered.
+            # Raises TruncatedFrame when the peer stopped mid-frame; frames before it are still
+            # delivered.
             self._frames.extend(self.codec.frames())
         except WireError as exc:
             self._fail(exc)
@@ -243,13 +303,19 @@ class FramedProtocol(asyncio.BaseProtocol):
             self._fail(self.codec.failure)
             return None
         self._closed_by_peer = True
-        self._fail(ConnectionClosed(f"{self.channel.value} channel to {self.peer_label}", by_peer=True))
+        self._fail(
+            ConnectionClosed(f"{self.channel.value} channel to {self.peer_label}", by_peer=True)
+        )
         return None
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self._failure is None:
             self._closed_by_peer = exc is not None
-            self._fail(ConnectionClosed(f"{self.channel.value} channel to {self.peer_label}", by_peer=exc is not None))
+            self._fail(
+                ConnectionClosed(
+                    f"{self.channel.value} channel to {self.peer_label}", by_peer=exc is not None
+                )
+            )
         self._can_write.set()
         if not self._lost.done():
             self._lost.set_result(None)
@@ -267,7 +333,8 @@ class FramedProtocol(asyncio.BaseProtocol):
             self._failure = exc
         if not self._established.done():
             self._established.set_exception(exc)
-            self._established.exception()  # marked retrieved: a server-side link has nobody awaiting it
+            # marked retrieved: a server-side link has nobody awaiting it
+            self._established.exception()
         self._wake()
 
     def _wake(self) -> None:
@@ -275,16 +342,20 @@ class FramedProtocol(asyncio.BaseProtocol):
             self._wakeup.set_result(None)
 
     async def recv(self) -> Frame:
-        """The next frame; raises :class:`ConnectionClosed` at the end or :class:`WireError` on bad bytes.
+        """The next frame; raises :class:`ConnectionClosed` at the end or :class:`WireError` on bad
+        bytes.
 
-        One receiver at a time: a call while another task waits in ``recv`` raises :class:`BusyError`.
+        One receiver at a time: a call while another task waits in ``recv`` raises
+        :class:`BusyError`.
         """
         if self._wakeup is not None:
             # The one wake-up future belongs to the waiting receiver: replacing it would strand that
             # one, and taking a frame queued for it would reorder the stream between two readers.
             raise BusyError(
-                f"{self.channel.value} channel to {self.peer_label}: recv() called while another task is already "
-                "receiving; a link has one receiver at a time — hand its frames to the others through a queue"
+                f"{self.channel.value} channel to {self.peer_label}: recv() called while another "
+                "task is already "
+                "receiving; a link has one receiver at a time — hand its frames to the others "
+                "through a queue"
             )
         while not self._frames:
             if self._failure is not None:
@@ -295,7 +366,11 @@ class FramedProtocol(asyncio.BaseProtocol):
             finally:
                 self._wakeup = None
         frame = self._frames.popleft()
-        if self._reading_paused and len(self._frames) < _RECV_HIGH_WATER // 2 and self._transport is not None:
+        if (
+            self._reading_paused
+            and len(self._frames) < _RECV_HIGH_WATER // 2
+            and self._transport is not None
+        ):
             self._transport.resume_reading()
             self._reading_paused = False
         return frame
@@ -310,13 +385,18 @@ class FramedProtocol(asyncio.BaseProtocol):
         self._write(self._require_codec().send(msg))
 
     def send_parts(self, msg: Message, payload: Sequence[Buffer]) -> None:
-        """Queue one frame with a payload, sealed here (small payloads; see :meth:`send_tensors`)."""
+        """Queue one frame with a payload, sealed here (small payloads; see
+        :meth:`send_tensors`)."""
         self._check_no_sealing()
-        sealing = self._require_codec().start_parts(msg, payload, buffer=self._sealing_buffer(payload))
+        sealing = self._require_codec().start_parts(
+            msg, payload, buffer=self._sealing_buffer(payload)
+        )
         sealing.seal()
         self._write_sealed(sealing.parts(), sealing.buffer)
 
-    async def send_tensors(self, msg: Message, payload: Sequence[Buffer], *, borrow: bool = False) -> None:
+    async def send_tensors(
+        self, msg: Message, payload: Sequence[Buffer], *, borrow: bool = False
+    ) -> None:
         """Send a payload frame, encrypting a large payload in a worker thread.
 
         While the thread seals (GIL released), the loop keeps moving earlier frames' bytes
@@ -334,7 +414,9 @@ class FramedProtocol(asyncio.BaseProtocol):
             if borrow and codec.plain_payloads:
                 self._writelines(codec.send_parts_borrowed(msg, payload))
                 return
-            sealing = self._require_codec().start_parts(msg, payload, buffer=self._sealing_buffer(payload))
+            sealing = self._require_codec().start_parts(
+                msg, payload, buffer=self._sealing_buffer(payload)
+            )
             if sealing.payload_len >= _THREAD_SEAL_BYTES and not codec.plain_payloads:
                 await self._seal_streaming(sealing)
                 return
@@ -345,13 +427,15 @@ class FramedProtocol(asyncio.BaseProtocol):
                     sealing.seal()
             except BaseException:
                 # The frame took a sequence number and will never be written: the stream is broken.
-                # (A cancelled worker thread may still be writing into its buffer: it is dropped, not reused.)
+                # (A cancelled worker thread may still be writing into its buffer: it is dropped,
+                # not reused.)
                 self.abort()
                 raise
             self._write_sealed(sealing.parts(), sealing.buffer)
 
     async def _seal_streaming(self, sealing: SealingFrame) -> None:
-        """Seal a large payload chunk by chunk in a worker thread, writing each chunk as soon as it is sealed.
+        """Seal a large payload chunk by chunk in a worker thread, writing each chunk as soon as it
+        is sealed.
 
         The socket (and the peer, which opens chunks as they arrive) works on chunk i while
         the thread seals chunk i+1, instead of waiting for the whole payload. The thread hands
@@ -388,7 +472,11 @@ class FramedProtocol(asyncio.BaseProtocol):
 
     def _sealing_buffer(self, payload: Sequence[Buffer]) -> bytearray:
         payload_len = sum(memoryview(p).nbytes for p in payload)
-        need = self.codec.wire_payload_length(payload_len) if self.codec is not None else sealed_length(payload_len)
+        need = (
+            self.codec.wire_payload_length(payload_len)
+            if self.codec is not None
+            else sealed_length(payload_len)
+        )
         transport = self._transport
         if transport is not None:
             flushed = self._bytes_written - transport.get_write_buffer_size()
@@ -421,13 +509,22 @@ class FramedProtocol(asyncio.BaseProtocol):
     def _require_codec(self) -> FrameConnection:
         if self.codec is None:
             if self._failure is not None:
-                raise ConnectionClosed(f"{self.channel.value} channel to {self.peer_label}", by_peer=self._closed_by_peer)
-            raise RuntimeError("the handshake has not finished: await established() (open_framed does) before sending")
+                raise ConnectionClosed(
+                    f"{self.channel.value} channel to {self.peer_label}",
+                    by_peer=self._closed_by_peer,
+                )
+            raise RuntimeError(
+                "the handshake has not finished: await established() (open_framed does) before "
+                "sending"
+            )
         return self.codec
 
     def _check_no_sealing(self) -> None:
         if self._sealing.locked():
-            raise RuntimeError("a tensor frame is being sealed on this link; await send_tensors() before sending more")
+            raise RuntimeError(
+                "a tensor frame is being sealed on this link; await send_tensors() before sending "
+                "more"
+            )
 
     async def drain(self) -> None:
         """Wait until the transport's write buffer is below its high-water mark."""
@@ -435,11 +532,15 @@ class FramedProtocol(asyncio.BaseProtocol):
             raise self._failure
         await self._can_write.wait()
         if (self._transport is None or self._transport.is_closing()) and self._lost.done():
-            raise ConnectionClosed(f"{self.channel.value} channel to {self.peer_label}", by_peer=self._closed_by_peer)
+            raise ConnectionClosed(
+                f"{self.channel.value} channel to {self.peer_label}", by_peer=self._closed_by_peer
+            )
 
     def _writable(self) -> asyncio.Transport:
         if self._transport is None or self._transport.is_closing():
-            raise ConnectionClosed(f"{self.channel.value} channel to {self.peer_label}", by_peer=self._closed_by_peer)
+            raise ConnectionClosed(
+                f"{self.channel.value} channel to {self.peer_label}", by_peer=self._closed_by_peer
+            )
         return self._transport
 
     @property
@@ -502,7 +603,8 @@ class StreamFramedProtocol(FramedProtocol, asyncio.Protocol):
 
 
 class BulkFramedProtocol(FramedProtocol, asyncio.BufferedProtocol):
-    """The data channel's link: the socket writes tensor payloads straight into their frame buffers."""
+    """The data channel's link: the socket writes tensor payloads straight into their frame
+    buffers."""
 
     _handshake_buffer: bytearray | None = None
 
@@ -545,9 +647,17 @@ def client_protocol(
     plain_payloads: bool = False,
 ) -> FramedProtocol:
     """A dialling link of the right read style for ``channel``."""
-    handshake = ClientHandshake(channel=channel, credential=credential, version=__version__, expect_run_id=expect_run_id)
+    handshake = ClientHandshake(
+        channel=channel, credential=credential, version=__version__, expect_run_id=expect_run_id
+    )
     return framed_protocol_class(channel)(
-        channel=channel, handshake=handshake, limits=limits, peer_label=peer_label, magic=magic, allocate=allocate, plain_payloads=plain_payloads
+        channel=channel,
+        handshake=handshake,
+        limits=limits,
+        peer_label=peer_label,
+        magic=magic,
+        allocate=allocate,
+        plain_payloads=plain_payloads,
     )
 
 
@@ -561,8 +671,16 @@ def server_protocol(
     plain_payloads: bool = False,
 ) -> FramedProtocol:
     """An accepting link of the right read style for ``channel``."""
-    handshake = ServerHandshake(channel=channel, resolve=resolve, run_id=run_id, version=__version__)
-    return framed_protocol_class(channel)(channel=channel, handshake=handshake, limits=limits, allocate=allocate, plain_payloads=plain_payloads)
+    handshake = ServerHandshake(
+        channel=channel, resolve=resolve, run_id=run_id, version=__version__
+    )
+    return framed_protocol_class(channel)(
+        channel=channel,
+        handshake=handshake,
+        limits=limits,
+        allocate=allocate,
+        plain_payloads=plain_payloads,
+    )
 
 
 async def _handshaken(protocol: FramedProtocol) -> FramedProtocol:
@@ -584,7 +702,8 @@ async def open_framed(
     expect_run_id: str | None = None,
     allocate: Callable[[int], bytearray] = bytearray,
 ) -> FramedProtocol:
-    """Dial the controller port, select ``channel`` with its magic, run the handshake, return the link.
+    """Dial the controller port, select ``channel`` with its magic, run the handshake, return the
+    link.
 
     One round trip more than the TCP connect. Wrap in ``asyncio.timeout``: a server that
     accepts and never answers would otherwise be waited on forever. Raises ``OSError`` when
@@ -593,7 +712,13 @@ async def open_framed(
     loop = asyncio.get_running_loop()
     _transport, protocol = await loop.create_connection(
         lambda: client_protocol(
-            channel, credential, limits=limits, peer_label=f"{host}:{port}", magic=CHANNEL_MAGIC[channel], expect_run_id=expect_run_id, allocate=allocate
+            channel,
+            credential,
+            limits=limits,
+            peer_label=f"{host}:{port}",
+            magic=CHANNEL_MAGIC[channel],
+            expect_run_id=expect_run_id,
+            allocate=allocate,
         ),
         host,
         port,
@@ -611,14 +736,22 @@ async def open_unix_framed(
     allocate: Callable[[int], bytearray] = bytearray,
     plain_payloads: bool = False,
 ) -> FramedProtocol:
-    """Dial a relay's unix socket (no channel magic: each socket serves one channel) and run the handshake.
+    """Dial a relay's unix socket (no channel magic: each socket serves one channel) and run the
+    handshake.
 
     ``plain_payloads``: tensor payloads unencrypted on this owner-only socket (the relay's data
     socket; see :class:`~flodl_async.wire.frame.FrameConnection`)."""
     loop = asyncio.get_running_loop()
     _transport, protocol = await loop.create_unix_connection(
         lambda: client_protocol(
-            channel, credential, limits=limits, peer_label=peer_label, magic=b"", expect_run_id=None, allocate=allocate, plain_payloads=plain_payloads
+            channel,
+            credential,
+            limits=limits,
+            peer_label=peer_label,
+            magic=b"",
+            expect_run_id=None,
+            allocate=allocate,
+            plain_payloads=plain_payloads,
         ),
         path,
     )

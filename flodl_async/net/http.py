@@ -37,10 +37,13 @@ class StatusHttpProtocol(asyncio.Protocol):
         self._request: h11.Request | None = None
         self._body_bytes = 0
         self._received = 0
-        self._timeout = Deadlines.resolve().http_request if request_timeout is None else request_timeout
+        self._timeout = (
+            Deadlines.resolve().http_request if request_timeout is None else request_timeout
+        )
         self._timer: asyncio.TimerHandle | None = None
         self._answered = False
-        self._local = False  # a client on the controller's own host (loopback) also sees the ranks' output lines
+        # a client on the controller's own host (loopback) also sees the ranks' output lines
+        self._local = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transports implement asyncio.Transport without subclassing it.
@@ -87,7 +90,10 @@ class StatusHttpProtocol(asyncio.Protocol):
                 return
             if isinstance(event, h11.Request):
                 self._request = event
-                if sum(len(k) + len(v) + 4 for k, v in event.headers.raw_items()) > MAX_REQUEST_HEAD:
+                if (
+                    sum(len(k) + len(v) + 4 for k, v in event.headers.raw_items())
+                    > MAX_REQUEST_HEAD
+                ):
                     self._respond_error(431, f"request head above {MAX_REQUEST_HEAD} bytes")
                     return
             elif isinstance(event, h11.Data):
@@ -108,23 +114,38 @@ class StatusHttpProtocol(asyncio.Protocol):
         method = request.method.decode("ascii", "replace")
         path = request.target.decode("ascii", "replace").split("?", 1)[0]
         if method not in ("GET", "HEAD"):
-            self._send(405, _json({"error": f"method {method} not allowed", "allowed": ["GET", "HEAD"]}), head=False, extra=[(b"Allow", b"GET, HEAD")])
+            self._send(
+                405,
+                _json({"error": f"method {method} not allowed", "allowed": ["GET", "HEAD"]}),
+                head=False,
+                extra=[(b"Allow", b"GET, HEAD")],
+            )
             return
         head = method == "HEAD"
         if path == "/state.json":
             encoded = self._board.encoded_for(local=self._local)
             if encoded is None:
-                self._send(503, _json({"error": "no status published yet; the controller is starting"}), head=head)
+                self._send(
+                    503,
+                    _json({"error": "no status published yet; the controller is starting"}),
+                    head=head,
+                )
             else:
                 self._send(200, encoded, head=head)
         elif path == "/":
             self._send(200, dashboard_html(), head=head, content_type=b"text/html; charset=utf-8")
         else:
-            self._send(404, _json({"error": f"no such endpoint: {path}", "endpoints": list(ENDPOINTS)}), head=head)
+            self._send(
+                404,
+                _json({"error": f"no such endpoint: {path}", "endpoints": list(ENDPOINTS)}),
+                head=head,
+            )
 
     def _respond_error(self, status: int, message: str) -> None:
         if self._conn.our_state in (h11.IDLE, h11.SEND_RESPONSE):
-            self._send(status if 400 <= status < 600 else 400, _json({"error": message}), head=False)
+            self._send(
+                status if 400 <= status < 600 else 400, _json({"error": message}), head=False
+            )
         else:
             self._close()
 
@@ -163,7 +184,8 @@ class StatusHttpProtocol(asyncio.Protocol):
 
 
 def _is_loopback(peer: object) -> bool:
-    """Whether a transport's ``peername`` is this host's loopback (unix sockets and unknown peers are not)."""
+    """Whether a transport's ``peername`` is this host's loopback (unix sockets and unknown peers
+    are not)."""
     if not isinstance(peer, tuple) or not peer:
         return False
     try:
@@ -173,5 +195,6 @@ def _is_loopback(peer: object) -> bool:
 
 
 def _json(doc: dict[str, object]) -> bytes:
-    # The marker lets `flodl status` tell our errors (a 503 while starting) from another server's JSON.
+    # The marker lets `flodl status` tell our errors (a 503 while starting) from another server's
+    # JSON.
     return json.dumps({"schema": SCHEMA, **doc}).encode()

@@ -10,7 +10,8 @@ T = TypeVar("T")
 
 
 def loop_factory() -> Callable[[], asyncio.AbstractEventLoop]:
-    """uvloop's loop factory when available (about 3x the stock loop on the bulk path), else asyncio's."""
+    """uvloop's loop factory when available (about 3x the stock loop on the bulk path), else
+    asyncio's."""
     try:
         import uvloop
     except ImportError:  # not on this platform: the stock loop works, only slower

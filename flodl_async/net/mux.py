@@ -1,4 +1,5 @@
-"""The one-port mux: one listening socket, connections routed by their first four bytes, admission enforced.
+"""The one-port mux: one listening socket, connections routed by their first four bytes, admission
+enforced.
 
 Theory of operation. Each accepted connection starts under a small sniffing protocol. When
 :func:`~flodl_async.wire.channels.sniff` names a channel, the transport is handed to that
@@ -18,7 +19,8 @@ as before admission existed. Status HTTP, which proves nothing, has its own smal
 its connection closes.
 
 Every refusal (unknown magic, silence, an early close, no handler, eviction, a handshake that
-timed out or failed) closes that one connection and is counted by reason (:meth:`PortMux.statistics`,
+timed out or failed) closes that one connection and is counted by reason
+(:meth:`PortMux.statistics`,
 ``/state.json``); the log gets at most one summary line per interval, never a line per
 connection, and a clear one when accept() runs out of descriptors. The accept path never
 waits on any peer.
@@ -40,7 +42,18 @@ from dataclasses import dataclass
 from ..deadlines import Deadlines
 from ..errors import ConfigError, PortInUseError
 from ..wire.channels import MAGIC_LEN, UNCONSUMED, Channel, NeedMore, Routed, sniff
-from .admission import SUMMARY_INTERVAL, Admission, AdmissionLimits, AdmissionTicket, Eviction, Refused, RejectionSummary, Stage, SummaryLine, peer_key
+from .admission import (
+    SUMMARY_INTERVAL,
+    Admission,
+    AdmissionLimits,
+    AdmissionTicket,
+    Eviction,
+    Refused,
+    RejectionSummary,
+    Stage,
+    SummaryLine,
+    peer_key,
+)
 from .fdlimit import DescriptorLimit, descriptor_limit
 
 log = logging.getLogger("flodl_async.mux")
@@ -49,7 +62,8 @@ ProtocolFactory = Callable[[], asyncio.BaseProtocol]
 
 #: Longest prefix we buffer while sniffing: the magic is 4 bytes, more is a peer that talks past it.
 _MAX_SNIFF_BYTES = 64 * 1024
-#: accept() errors asyncio reports (and retries a second later) when the process or the kernel runs out.
+#: accept() errors asyncio reports (and retries a second later) when the process or the kernel runs
+#: out.
 _ACCEPT_RESOURCE_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
 
 
@@ -80,14 +94,21 @@ def check_bind_host(host: str) -> str:
     try:
         address = ipaddress.ip_address(host)
     except ValueError:
-        raise ConfigError(f"bind address {host!r} is not an IP address; use 0.0.0.0 (all interfaces) or 127.0.0.1 (loopback only)") from None
+        raise ConfigError(
+            f"bind address {host!r} is not an IP address; use 0.0.0.0 (all interfaces) or "
+            "127.0.0.1 (loopback only)"
+        ) from None
     if not (address.is_unspecified or address.is_loopback):
-        raise ConfigError(f"bind address {host} is neither the wildcard nor loopback; use 0.0.0.0 (all interfaces) or 127.0.0.1 (loopback only)")
+        raise ConfigError(
+            f"bind address {host} is neither the wildcard nor loopback; use 0.0.0.0 (all "
+            "interfaces) or 127.0.0.1 (loopback only)"
+        )
     return host
 
 
 class PortMux:
-    """Owns the controller's listening socket, admits connections and routes them to channel handlers."""
+    """Owns the controller's listening socket, admits connections and routes them to channel
+    handlers."""
 
     def __init__(
         self,
@@ -101,11 +122,21 @@ class PortMux:
     ) -> None:
         self._host = check_bind_host(host)
         self._port = port
-        defaults = Deadlines.resolve() if sniff_timeout is None or handshake_timeout is None else Deadlines()
+        defaults = (
+            Deadlines.resolve()
+            if sniff_timeout is None or handshake_timeout is None
+            else Deadlines()
+        )
         self._sniff_timeout = defaults.sniff if sniff_timeout is None else sniff_timeout
-        self._handshake_timeout = defaults.handshake if handshake_timeout is None else handshake_timeout
+        self._handshake_timeout = (
+            defaults.handshake if handshake_timeout is None else handshake_timeout
+        )
         self._limits = limits or AdmissionLimits()
-        self._admission = Admission(self._limits, sniff_timeout=self._sniff_timeout, handshake_timeout=self._handshake_timeout)
+        self._admission = Admission(
+            self._limits,
+            sniff_timeout=self._sniff_timeout,
+            handshake_timeout=self._handshake_timeout,
+        )
         self._summary = RejectionSummary(interval=summary_interval)
         self._handlers: dict[Channel, ProtocolFactory] = {}
         self._server: asyncio.Server | None = None
@@ -124,7 +155,9 @@ class PortMux:
         self._summary_due = _WakeUp(self._report)  # the rejection summary's next line
         self._fd_limit = DescriptorLimit(soft=None, hard=None)
         self._fd_warn_at = math.inf
-        self._previous_handler: Callable[[asyncio.AbstractEventLoop, dict[str, typing.Any]], object] | None = None
+        self._previous_handler: (
+            Callable[[asyncio.AbstractEventLoop, dict[str, typing.Any]], object] | None
+        ) = None
         self._handler_installed = False
 
     def register(self, channel: Channel, factory: ProtocolFactory) -> None:
@@ -143,11 +176,15 @@ class PortMux:
         try:
             # reuse_address: a previous run's TIME_WAIT sockets never block a rebind,
             # while a live listener still makes bind fail (the double-run guard).
-            self._server = await loop.create_server(lambda: _Sniffer(self), self._host, self._port, reuse_address=True, backlog=1024)
+            self._server = await loop.create_server(
+                lambda: _Sniffer(self), self._host, self._port, reuse_address=True, backlog=1024
+            )
         except OSError as exc:
             if exc.errno == errno.EADDRINUSE:
                 raise PortInUseError(self._host, self._port) from exc
-            raise ConfigError(f"cannot listen on {self._host}:{self._port}: {exc.strerror or exc}") from exc
+            raise ConfigError(
+                f"cannot listen on {self._host}:{self._port}: {exc.strerror or exc}"
+            ) from exc
         # asyncio reports accept() failing for want of descriptors through the loop's exception
         # handler, once per attempt (up to the backlog per retry) at ERROR with a generic message:
         # taken here, it becomes one summary line that names the limit. (uvloop never reports it:
@@ -220,7 +257,10 @@ class PortMux:
             line = self._summary.flush(self._loop.time())  # nothing refused goes unreported
             if line is not None:
                 _log_summary(line)
-            if self._handler_installed and self._loop.get_exception_handler() == self._on_loop_exception:
+            if (
+                self._handler_installed
+                and self._loop.get_exception_handler() == self._on_loop_exception
+            ):
                 self._loop.set_exception_handler(self._previous_handler)
             self._handler_installed = False
         if self._server is not None:
@@ -234,7 +274,8 @@ class PortMux:
         return self._loop.time()
 
     def _admit(self, sniffer: _Sniffer, host: str) -> int:
-        """A new connection: admitted (always; the oldest may make room), under the sniff deadline."""
+        """A new connection: admitted (always; the oldest may make room), under the sniff
+        deadline."""
         now = self._now()
         self._accepted += 1
         self._open += 1
@@ -247,7 +288,8 @@ class PortMux:
         self._arm_deadline()
         if self._open >= self._fd_warn_at:
             self._summary.note(
-                f"near the descriptor limit: more than {int(self._fd_warn_at)} connections open ({self._fd_limit.describe()}); "
+                f"near the descriptor limit: more than {int(self._fd_warn_at)} connections open "
+                f"({self._fd_limit.describe()}); "
                 "more will fail: raise `ulimit -n`",
                 now,
             )
@@ -255,7 +297,12 @@ class PortMux:
         return conn
 
     def _evict(self, eviction: Eviction) -> None:
-        self._end(eviction.conn, "evicted", f"{eviction.describe()} ({eviction.cap.value} cap)", note=eviction.describe())
+        self._end(
+            eviction.conn,
+            "evicted",
+            f"{eviction.describe()} ({eviction.cap.value} cap)",
+            note=eviction.describe(),
+        )
 
     def _end(self, conn: int, reason: str, why: str, *, note: str = "") -> None:
         """Close a connection admission tracks, and count it under ``reason``."""
@@ -279,9 +326,17 @@ class PortMux:
     def _on_deadline(self, now: float) -> None:
         for expired in self._admission.expire(now):
             if expired.stage is Stage.SNIFFING:
-                self._end(expired.conn, "sniff_timeout", f"no channel magic within {self._sniff_timeout:g}s")
+                self._end(
+                    expired.conn,
+                    "sniff_timeout",
+                    f"no channel magic within {self._sniff_timeout:g}s",
+                )
             else:
-                self._end(expired.conn, "handshake_timeout", f"not authenticated within {self._handshake_timeout:g}s")
+                self._end(
+                    expired.conn,
+                    "handshake_timeout",
+                    f"not authenticated within {self._handshake_timeout:g}s",
+                )
         self._arm_deadline()
 
     def _report(self, now: float) -> None:
@@ -291,10 +346,17 @@ class PortMux:
         assert self._loop is not None
         self._summary_due.arm(self._loop, self._summary.next_due())
 
-    def _on_loop_exception(self, loop: asyncio.AbstractEventLoop, context: dict[str, typing.Any]) -> None:
+    def _on_loop_exception(
+        self, loop: asyncio.AbstractEventLoop, context: dict[str, typing.Any]
+    ) -> None:
         exc = context.get("exception")
         sock = context.get("socket")
-        if isinstance(exc, OSError) and exc.errno in _ACCEPT_RESOURCE_ERRNOS and sock is not None and self._is_listening_socket(sock):
+        if (
+            isinstance(exc, OSError)
+            and exc.errno in _ACCEPT_RESOURCE_ERRNOS
+            and sock is not None
+            and self._is_listening_socket(sock)
+        ):
             self._accept_failed(exc)
         elif self._previous_handler is not None:
             self._previous_handler(loop, context)
@@ -347,7 +409,11 @@ class PortMux:
         protocol.connection_made(transport)
         if routed.leftover and not transport.is_closing():
             _feed(protocol, routed.leftover)
-        if sniffer.saw_eof and not transport.is_closing() and not typing.cast(asyncio.Protocol, protocol).eof_received():
+        if (
+            sniffer.saw_eof
+            and not transport.is_closing()
+            and not typing.cast(asyncio.Protocol, protocol).eof_received()
+        ):
             transport.close()
 
     def _handshake(self, record: _Routed) -> AdmissionTicket:
@@ -364,7 +430,11 @@ class PortMux:
         # the connection is admitted as it is routed (the framed protocols bind a ticket).
         if channel not in self._unbound_channels:
             self._unbound_channels.add(channel)
-            log.debug("port mux: the %s channel's protocol has no bind_admission: its connections are admitted once routed", channel.value)
+            log.debug(
+                "port mux: the %s channel's protocol has no bind_admission: its connections are "
+                "admitted once routed",
+                channel.value,
+            )
         self._admission.release(record.conn)
         self._held.pop(record.conn, None)
 
@@ -410,10 +480,19 @@ def _log_summary(line: SummaryLine) -> None:
 def _accept_advice(code: int, limit: DescriptorLimit) -> str:
     """What accept() failing with ``code`` means, and what to do about it (a summary note)."""
     if code == errno.EMFILE:
-        return f"accept() failed: out of file descriptors (EMFILE; {limit.describe()}): raise `ulimit -n`"
+        return (
+            f"accept() failed: out of file descriptors (EMFILE; {limit.describe()}): raise "
+            "`ulimit -n`"
+        )
     if code == errno.ENFILE:
-        return "accept() failed: the system's file table is full (ENFILE): raise fs.file-max (sysctl) or close files elsewhere"
-    return f"accept() failed: the kernel is out of memory for sockets ({errno.errorcode.get(code, code)})"
+        return (
+            "accept() failed: the system's file table is full (ENFILE): raise fs.file-max "
+            "(sysctl) or close files elsewhere"
+        )
+    return (
+        "accept() failed: the kernel is out of memory for sockets "
+        f"({errno.errorcode.get(code, code)})"
+    )
 
 
 class _BindsAdmission(typing.Protocol):
@@ -437,7 +516,8 @@ class _Routed:
 
 
 class _WakeUp:
-    """One loop timer for the earliest of a stream of wake-up times: re-armed only for an earlier one."""
+    """One loop timer for the earliest of a stream of wake-up times: re-armed only for an earlier
+    one."""
 
     def __init__(self, callback: Callable[[float], None]) -> None:
         self._callback = callback
@@ -523,7 +603,8 @@ class _BufferedWatch(asyncio.BufferedProtocol):
 
 
 def _watch(protocol: asyncio.BaseProtocol, on_lost: Callable[[], None]) -> asyncio.BaseProtocol:
-    # Same read style as the protocol: a class that were both would be read as a plain Protocol by uvloop.
+    # Same read style as the protocol: a class that were both would be read as a plain Protocol by
+    # uvloop.
     if isinstance(protocol, asyncio.BufferedProtocol):
         return _BufferedWatch(protocol, on_lost)
     return _Watch(typing.cast(asyncio.Protocol, protocol), on_lost)
@@ -577,16 +658,24 @@ class _Sniffer(asyncio.Protocol):
         if isinstance(result, Routed):
             self._done = True
             assert self._transport is not None
-            leftover = bytes(self._buf) if result.channel in UNCONSUMED else bytes(self._buf[MAGIC_LEN:])
+            leftover = (
+                bytes(self._buf) if result.channel in UNCONSUMED else bytes(self._buf[MAGIC_LEN:])
+            )
             self._buf.clear()
-            self._mux._route(self, self._transport, Routed(channel=result.channel, leftover=leftover))
+            self._mux._route(
+                self, self._transport, Routed(channel=result.channel, leftover=leftover)
+            )
             return
         self._mux._end(self.conn, "unknown_magic", result.reason)
 
     def eof_received(self) -> bool | None:
         self.saw_eof = True
         if not self._done:
-            self._mux._end(self.conn, "early_close", f"closed after {len(self._buf)} bytes, before sending a channel magic")
+            self._mux._end(
+                self.conn,
+                "early_close",
+                f"closed after {len(self._buf)} bytes, before sending a channel magic",
+            )
         return None
 
     def connection_lost(self, exc: Exception | None) -> None:

@@ -9,7 +9,8 @@ torch's store protocol carries no credential, so the peer's address is the crede
 connection is served only from the address of a host admitted to the run (the address its
 agent's join link came from, and every routable address its agent reported at join, for a
 multi-homed host's ranks; loopback is one of them only when the controller's own host runs
-ranks, never because a remote agent says so). Any other is closed at once and counted (``store_not_admitted``). An admitted one is
+ranks, never because a remote agent says so). Any other is closed at once and counted
+(``store_not_admitted``). An admitted one is
 under admission until its VALIDATE has been parsed, then leaves that pool for the rest of
 the run (``ticket.authenticated()``): ranks hold their store connection for hours.
 
@@ -31,7 +32,8 @@ log = logging.getLogger("flodl_async.net.torchstore")
 
 
 def normalise_host(host: str) -> str:
-    """One spelling per address: an IPv4-mapped IPv6 peer (``::ffff:a.b.c.d``) is its IPv4 address."""
+    """One spelling per address: an IPv4-mapped IPv6 peer (``::ffff:a.b.c.d``) is its IPv4
+    address."""
     try:
         address = ipaddress.ip_address(host)
     except ValueError:
@@ -68,7 +70,8 @@ class PortStore:
         return _PortStoreProtocol(self)
 
     def reset(self, round_: int) -> None:
-        """Start ``round_`` from an empty store: drop every key, queue and waiter, close every client."""
+        """Start ``round_`` from an empty store: drop every key, queue and waiter, close every
+        client."""
         self.round = round_
         self.state = StoreState()
         self._close_all()
@@ -101,11 +104,16 @@ class _PortStoreProtocol(asyncio.Protocol):
         self._ticket = ticket
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self._transport = typing.cast(asyncio.Transport, transport)  # uvloop's transports do not subclass it
+        # uvloop's transports do not subclass it
+        self._transport = typing.cast(asyncio.Transport, transport)
         peer = transport.get_extra_info("peername")
         host = str(peer[0]) if isinstance(peer, tuple) else ""
         if not self._store.is_admitted(host):
-            self._refuse("store_not_admitted", f"store connection from {host or 'an unknown address'}, which is no host of this run")
+            self._refuse(
+                "store_not_admitted",
+                f"store connection from {host or 'an unknown address'}, which is no host of this "
+                "run",
+            )
             return
         self._store._transports[self._conn] = self._transport
 
@@ -118,7 +126,8 @@ class _PortStoreProtocol(asyncio.Protocol):
             self._refuse("store_protocol", str(exc))
             return
         if self._conn.validated and self._ticket is not None:
-            self._ticket.authenticated()  # idempotent: a torch client now, off the unauthenticated caps
+            # idempotent: a torch client now, off the unauthenticated caps
+            self._ticket.authenticated()
         self._store._deliver(replies)
 
     def _refuse(self, reason: str, detail: str) -> None:

@@ -1,4 +1,5 @@
-"""The asyncio shell around :mod:`flodl_async.wire.storeproto`: a TCPStore server in the agent's loop."""
+"""The asyncio shell around :mod:`flodl_async.wire.storeproto`: a TCPStore server in the agent's
+loop."""
 
 from __future__ import annotations
 
@@ -50,7 +51,8 @@ class _StoreProtocol(asyncio.Protocol):
         self._transport: asyncio.Transport | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self._transport = typing.cast(asyncio.Transport, transport)  # uvloop's transports do not subclass it
+        # uvloop's transports do not subclass it
+        self._transport = typing.cast(asyncio.Transport, transport)
         self._server._transports[self._conn] = self._transport
 
     def data_received(self, data: bytes) -> None:

@@ -1,4 +1,5 @@
-"""The alternative store backend: torch's own ``TCPStore`` in a process, on a socket the agent bound.
+"""The alternative store backend: torch's own ``TCPStore`` in a process, on a socket the agent
+bound.
 
 The default backend serves torch's protocol from the agent's loop
 (:mod:`flodl_async.net.tcpstore`). ``FLODL_STORE_BACKEND=torch`` selects this
@@ -36,7 +37,9 @@ class TorchStoreProcess:
         self._stop_grace = stop_grace
 
     @classmethod
-    async def start(cls, listener: socket.socket, *, run_id: str, stop_grace: float) -> TorchStoreProcess:
+    async def start(
+        cls, listener: socket.socket, *, run_id: str, stop_grace: float
+    ) -> TorchStoreProcess:
         """Start the store on ``listener`` (bound and listening); the child inherits it."""
         proc = await spawn(
             [sys.executable, "-m", "flodl_async.net.torchstore", "--fd", str(listener.fileno())],

@@ -72,7 +72,9 @@ log = logging.getLogger("flodl_async.relay.control")
 _M = TypeVar("_M", bound=Message)
 
 
-def _address(cls: type[_M], read: Callable[[_M], int]) -> tuple[type[Message], Callable[[Message], int]]:
+def _address(
+    cls: type[_M], read: Callable[[_M], int]
+) -> tuple[type[Message], Callable[[Message], int]]:
     def address(msg: Message) -> int:
         return read(typing.cast(_M, msg))  # looked up by type(msg), so msg is a cls
 
@@ -132,7 +134,8 @@ class RelayStatistics:
     dropped_unaddressed: int
     #: Controller messages for a rank that is not connected here (dropped).
     dropped_rank_gone: int
-    #: Rank links closed: no RankHello first, a bound rank claimed twice, or a message claiming another rank.
+    #: Rank links closed: no RankHello first, a bound rank claimed twice, or a message claiming
+    #: another rank.
     refused_links: int
     #: The data socket: contributions folded into host frames, consensus fanned out.
     data: HostFoldStatistics
@@ -162,7 +165,8 @@ class Relay:
     ) -> None:
         """``host`` names this host in its data connection's hello (the controller's log lines).
 
-        ``on_upstream_lost(reason)``: the upstream control link went silent past the heartbeat deadline.
+        ``on_upstream_lost(reason)``: the upstream control link went silent past the heartbeat
+        deadline.
         """
         self._deadlines = deadlines
         self._on_upstream_lost = on_upstream_lost
@@ -180,7 +184,12 @@ class Relay:
         self._upstream: FramedProtocol | None = None
         self._servers: list[asyncio.AbstractServer] = []
         self._fold = HostFold(
-            host=host, ranks=ranks, dial=self._dial_data, task_group=task_group, hello_timeout=deadlines.handshake, local=lambda: local_reducer(run_id)
+            host=host,
+            ranks=ranks,
+            dial=self._dial_data,
+            task_group=task_group,
+            hello_timeout=deadlines.handshake,
+            local=lambda: local_reducer(run_id),
         )
         self._forwarded_up = 0
         self._delivered_down = 0
@@ -195,12 +204,23 @@ class Relay:
         """Dial upstream (with the session secret), then listen on the unix socket (owner-only)."""
         async with asyncio.timeout(self._deadlines.handshake):
             self._upstream = await open_framed(
-                *self._controller, channel=Channel.CONTROL, credential=Credential.session(self._secret), expect_run_id=self._run_id
+                *self._controller,
+                channel=Channel.CONTROL,
+                credential=Credential.session(self._secret),
+                expect_run_id=self._run_id,
             )
         self._tg.create_task(self._pump_down(self._upstream), name="relay-down")
         if self._host_ranks:
-            self._beats = self._tg.create_task(self._beat_upstream(self._upstream), name="relay-heartbeat")
-        control = FramedService(channel=Channel.CONTROL, resolve=self._rank_key, run_id=self._run_id, handler=self._serve_rank, task_group=self._tg)
+            self._beats = self._tg.create_task(
+                self._beat_upstream(self._upstream), name="relay-heartbeat"
+            )
+        control = FramedService(
+            channel=Channel.CONTROL,
+            resolve=self._rank_key,
+            run_id=self._run_id,
+            handler=self._serve_rank,
+            task_group=self._tg,
+        )
         data = FramedService(
             channel=Channel.DATA,
             resolve=self._rank_key,
@@ -209,14 +229,16 @@ class Relay:
             task_group=self._tg,
             limits=HELLO_LIMITS,
             allocate=self._fold.pool.acquire,
-            plain_payloads=True,  # owner-only unix socket: same-user peers (FrameConnection's plain_payloads)
+            # owner-only unix socket: same-user peers (FrameConnection's plain_payloads)
+            plain_payloads=True,
         )
         for path, service in ((self.socket_path, control), (self.data_socket_path, data)):
             await self._listen(path, service)
 
     async def _listen(self, path: str, service: FramedService) -> None:
         loop = asyncio.get_running_loop()
-        old_umask = os.umask(0o177)  # the socket is created owner-only, with no window before a chmod
+        # the socket is created owner-only, with no window before a chmod
+        old_umask = os.umask(0o177)
         try:
             self._servers.append(await loop.create_unix_server(service.protocol_factory, path))
         finally:
@@ -233,14 +255,24 @@ class Relay:
         self._fold.rank_gone(rank, reason)
 
     def _rank_key(self, peer: PeerHello) -> bytes:
-        """The credential resolver of the rank socket: one rank of this host, in the current round."""
+        """The credential resolver of the rank socket: one rank of this host, in the current
+        round."""
         if peer.kind is not CredentialKind.RANK:
-            raise HandshakeRefused(f"a relay takes rank credentials only, not a {peer.kind.name.lower()} credential")
+            raise HandshakeRefused(
+                f"a relay takes rank credentials only, not a {peer.kind.name.lower()} credential"
+            )
         if peer.rank not in self._host_ranks:
-            raise HandshakeRefused(f"rank {peer.rank} does not run on this host (its ranks: {sorted(self._host_ranks)})")
+            raise HandshakeRefused(
+                f"rank {peer.rank} does not run on this host (its ranks: "
+                f"{sorted(self._host_ranks)})"
+            )
         if peer.round != self._round:
-            raise HandshakeRefused(f"a credential of round {peer.round}, but this host runs round {self._round}")
-        return rank_credential_key(self._secret, run_id=self._run_id, round=peer.round, rank=peer.rank)
+            raise HandshakeRefused(
+                f"a credential of round {peer.round}, but this host runs round {self._round}"
+            )
+        return rank_credential_key(
+            self._secret, run_id=self._run_id, round=peer.round, rank=peer.rank
+        )
 
     def statistics(self) -> RelayStatistics:
         """What the relay has forwarded, delivered, dropped and refused so far."""
@@ -269,7 +301,9 @@ class Relay:
             self._refuse(f"rank {bound} opened with {type(hello).__name__} instead of RankHello")
             return
         if hello.rank != bound:
-            self._refuse(f"the credential of rank {bound} sent a RankHello claiming rank {hello.rank}")
+            self._refuse(
+                f"the credential of rank {bound} sent a RankHello claiming rank {hello.rank}"
+            )
             return
         current = self._ranks.get(bound)
         if current is not None and not current.is_closing:
@@ -284,15 +318,21 @@ class Relay:
                 try:
                     msg = await link.recv_message()
                 except ConnectionClosed as exc:
-                    if exc.by_peer:  # the rank's side went away: its process ended (the agent reports how)
-                        gone = "its link to the relay closed (the rank exited, crashed or was killed)"
+                    # the rank's side went away: its process ended (the agent reports how)
+                    if exc.by_peer:
+                        gone = (
+                            "its link to the relay closed (the rank exited, crashed or was killed)"
+                        )
                     raise
                 claimed = rank_of(msg)
                 if claimed != bound or type(msg) in RELAY_ONLY:
                     claim = "no rank" if claimed is None else f"rank {claimed}"
                     why = f"the link of rank {bound} sent {type(msg).__name__} claiming {claim}"
                     if type(msg) in RELAY_ONLY:
-                        why = f"the link of rank {bound} sent {type(msg).__name__}, which only a relay sends"
+                        why = (
+                            f"the link of rank {bound} sent {type(msg).__name__}, which only a "
+                            "relay sends"
+                        )
                     self._refuse(why)
                     gone = f"the relay closed its link: {why}"
                     return
@@ -305,7 +345,8 @@ class Relay:
                 self._report_gone(upstream, bound, gone)
 
     def _report_gone(self, upstream: FramedProtocol, rank: int, reason: str) -> None:
-        """Rule 4 of the coordinator protocol: a bound rank's closed link is reported up as ``RankGone``."""
+        """Rule 4 of the coordinator protocol: a bound rank's closed link is reported up as
+        ``RankGone``."""
         if upstream.is_closing:
             return
         with contextlib.suppress(ConnectionClosed, OSError):
@@ -339,9 +380,13 @@ class Relay:
                 continue
             if rank is None:
                 self._dropped_unaddressed += 1
-                if type(msg) not in self._warned:  # once per kind: a peer could flood the log otherwise
+                # once per kind: a peer could flood the log otherwise
+                if type(msg) not in self._warned:
                     self._warned.add(type(msg))
-                    log.warning("relay: dropping %s from the controller: it is addressed to no rank", type(msg).__name__)
+                    log.warning(
+                        "relay: dropping %s from the controller: it is addressed to no rank",
+                        type(msg).__name__,
+                    )
                 continue
             link = self._ranks.get(rank)
             if link is None or link.is_closing:
@@ -352,25 +397,33 @@ class Relay:
                 self._delivered_down += 1
 
     async def _beat_upstream(self, upstream: FramedProtocol) -> None:
-        """Heartbeats on the upstream control link, both ways, like the join link's (:mod:`flodl_async.control.liveness`).
+        """Heartbeats on the upstream control link, both ways, like the join link's
+        (:mod:`flodl_async.control.liveness`).
 
         Each beat names this host's first rank, which is how the controller knows whose link it is.
         The controller echoes it; a controller silent on this link past ``heartbeat_silence`` is
-        reported to ``on_upstream_lost`` (the session then stops this host's ranks), and the beats stop.
+        reported to ``on_upstream_lost`` (the session then stops this host's ranks), and the beats
+        stop.
         """
         loop = asyncio.get_running_loop()
         d = self._deadlines
-        live = self._upstream_live = Liveness.start(loop.time(), interval=d.heartbeat_interval, silence=d.heartbeat_silence)
+        live = self._upstream_live = Liveness.start(
+            loop.time(), interval=d.heartbeat_interval, silence=d.heartbeat_silence
+        )
         first_rank = min(self._host_ranks)
         wake = loop.time()
         while not upstream.is_closing:
             now = loop.time()
             live = self._upstream_live
-            if now - wake > d.heartbeat_interval:  # this process was frozen: the controller could not be heard
+            # this process was frozen: the controller could not be heard
+            if now - wake > d.heartbeat_interval:
                 live = live.excused(now)
             if live.expired(now):
                 if self._on_upstream_lost is not None:
-                    self._on_upstream_lost(f"the relay's upstream control link to the controller was silent for {d.heartbeat_silence:g}s")
+                    self._on_upstream_lost(
+                        "the relay's upstream control link to the controller was silent for "
+                        f"{d.heartbeat_silence:g}s"
+                    )
                 return
             if live.send_due(now):
                 with contextlib.suppress(ConnectionClosed):
@@ -383,7 +436,8 @@ class Relay:
     # ----- the data channel ---------------------------------------------------------------
 
     async def _dial_data(self) -> FramedProtocol:
-        """The host's data connection to the controller (the fold introduces it and raises its ceiling)."""
+        """The host's data connection to the controller (the fold introduces it and raises its
+        ceiling)."""
         async with asyncio.timeout(self._deadlines.handshake):
             return await open_framed(
                 *self._controller,
@@ -402,7 +456,8 @@ class Relay:
     async def aclose(self) -> None:
         """Stop listening, close every rank link and the upstream connections."""
         if self._beats is not None:
-            self._beats.cancel()  # it may be asleep until its next beat: the session's group must not wait for it
+            # it may be asleep until its next beat: the session's group must not wait for it
+            self._beats.cancel()
         for server in self._servers:
             server.close()
         for link in self._ranks.values():

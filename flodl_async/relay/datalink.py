@@ -43,7 +43,8 @@ _HELLO_LIMITS = FrameLimits(max_payload=0)
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ConsensusResult:
-    """A round's consensus. ``mass == 0``: nothing was realized, ``tensors`` is None — keep the local state.
+    """A round's consensus. ``mass == 0``: nothing was realized, ``tensors`` is None — keep the
+    local state.
 
     ``tensors`` are keyed by the schema's wire names (parameters then buffers; aliases of tied
     keys are not repeated) and view the link's receive buffer until the next receive.
@@ -58,7 +59,9 @@ class ConsensusResult:
 class DataLink:
     """One rank's data link to its relay."""
 
-    def __init__(self, link: FramedProtocol, *, rank: int, schema: ModelSchema, pool: BufferPool) -> None:
+    def __init__(
+        self, link: FramedProtocol, *, rank: int, schema: ModelSchema, pool: BufferPool
+    ) -> None:
         self._link = link
         self.rank = rank
         self.schema = schema
@@ -69,7 +72,8 @@ class DataLink:
 
     @classmethod
     async def connect(cls, spec: RankSpec, rank: int, schema: ModelSchema, digest: str) -> DataLink:
-        """Dial the relay's data socket, say hello, wait for the welcome (wrap in ``asyncio.timeout``).
+        """Dial the relay's data socket, say hello, wait for the welcome (wrap in
+        ``asyncio.timeout``).
 
         The welcome comes once the host's data connection to the controller is up; a relay or
         controller that refuses closes the link, raised here as :class:`ConnectionClosed`.
@@ -87,9 +91,11 @@ class DataLink:
                 allocate=pool.acquire,
                 plain_payloads=True,
             )
-        except OSError as exc:  # the relay is gone (its agent stopped) or never served data: say which socket, not an errno
+        # the relay is gone (its agent stopped) or never served data: say which socket, not an errno
+        except OSError as exc:
             raise ConnectionClosed(
-                f"rank {rank} cannot reach the data socket {spec.data_socket} of the relay of {spec.host} ({exc.strerror or exc!r}); "
+                f"rank {rank} cannot reach the data socket {spec.data_socket} of the relay of "
+                f"{spec.host} ({exc.strerror or exc!r}); "
                 "is the host's agent still running?",
                 by_peer=True,
             ) from exc
@@ -99,14 +105,22 @@ class DataLink:
                 welcome = await link.recv_message()
             except ConnectionClosed as exc:
                 raise ConnectionClosed(
-                    f"the relay of {spec.host} closed rank {rank}'s data link during its hello (a different model than the host's other ranks, "
-                    "or the controller refused the host; the agent's and controller's logs say which)",
+                    f"the relay of {spec.host} closed rank {rank}'s data link during its hello (a "
+                    "different model than the host's other ranks, "
+                    "or the controller refused the host; the agent's and controller's logs say "
+                    "which)",
                     by_peer=True,
                 ) from exc
             if not isinstance(welcome, m.DataWelcome):
-                raise ProtocolError(f"rank {rank}: the relay answered DataHello with {type(welcome).__name__}, not DataWelcome")
+                raise ProtocolError(
+                    f"rank {rank}: the relay answered DataHello with {type(welcome).__name__}, not "
+                    "DataWelcome"
+                )
             if welcome.max_payload < schema.model_bytes:
-                raise ProtocolError(f"rank {rank}: the relay's tensor ceiling {welcome.max_payload} is below the model's {schema.model_bytes} bytes")
+                raise ProtocolError(
+                    f"rank {rank}: the relay's tensor ceiling {welcome.max_payload} is below the "
+                    f"model's {schema.model_bytes} bytes"
+                )
             assert link.codec is not None
             link.codec.limits = FrameLimits(max_payload=welcome.max_payload)
         except BaseException:
@@ -119,15 +133,31 @@ class DataLink:
         for meta in self.schema.tensors:
             t = tensors.get(meta.name)
             if t is None:
-                raise ValueError(f"contribution of rank {self.rank} has no tensor {meta.name!r}; pass every name of the model schema")
+                raise ValueError(
+                    f"contribution of rank {self.rank} has no tensor {meta.name!r}; pass every "
+                    "name of the model schema"
+                )
             dtype = str(t.dtype).removeprefix("torch.")
             if dtype != meta.dtype or tuple(t.shape) != meta.shape:
-                raise ValueError(f"contribution of rank {self.rank}: {meta.name!r} is {dtype} {tuple(t.shape)}, the schema says {meta.dtype} {meta.shape}")
+                raise ValueError(
+                    f"contribution of rank {self.rank}: {meta.name!r} is {dtype} {tuple(t.shape)}, "
+                    f"the schema says {meta.dtype} {meta.shape}"
+                )
             parts.append(tensor_bytes(t.detach()))
         return parts
 
-    async def send(self, round: int, kind: str, tensors: Mapping[str, torch.Tensor] | None, steps: int, weight: float, *, _borrow: bool = False) -> None:
-        """Send this rank's contribution to ``round`` without waiting for the consensus (ASYNC submits).
+    async def send(
+        self,
+        round: int,
+        kind: str,
+        tensors: Mapping[str, torch.Tensor] | None,
+        steps: int,
+        weight: float,
+        *,
+        _borrow: bool = False,
+    ) -> None:
+        """Send this rank's contribution to ``round`` without waiting for the consensus (ASYNC
+        submits).
 
         ``tensors=None`` is an empty contribution (weight 0). The tensors must be contiguous CPU
         tensors of the schema's dtypes and shapes; they are read until this returns.
@@ -135,14 +165,24 @@ class DataLink:
         if not (math.isfinite(weight) and weight >= 0):
             raise ValueError(f"weight must be finite and >= 0, got {weight!r}")
         if tensors is None:
-            await self._link.send_tensors(m.Contribution(round=round, kind=kind, rank=self.rank, weight=0.0, steps=steps), [])
+            await self._link.send_tensors(
+                m.Contribution(round=round, kind=kind, rank=self.rank, weight=0.0, steps=steps), []
+            )
             return
         parts = self._parts(tensors)
-        msg = m.Contribution(round=round, kind=kind, rank=self.rank, weight=float(weight), steps=steps, tensors=self._specs)
+        msg = m.Contribution(
+            round=round,
+            kind=kind,
+            rank=self.rank,
+            weight=float(weight),
+            steps=steps,
+            tensors=self._specs,
+        )
         await self._link.send_tensors(msg, parts, borrow=_borrow)
 
     async def receive(self, round: int) -> ConsensusResult:
-        """The consensus of ``round`` (earlier rounds' frames are skipped). Wrap in ``asyncio.timeout``."""
+        """The consensus of ``round`` (earlier rounds' frames are skipped). Wrap in
+        ``asyncio.timeout``."""
         self._release_held()
         while True:
             if self._ahead:
@@ -151,25 +191,36 @@ class DataLink:
                 frame = await self._link.recv()
                 if not isinstance(frame.message, m.Consensus):
                     self._pool.release(frame.payload)
-                    raise ProtocolError(f"rank {self.rank}: the relay sent {type(frame.message).__name__} on the data link")
+                    raise ProtocolError(
+                        f"rank {self.rank}: the relay sent {type(frame.message).__name__} on the "
+                        "data link"
+                    )
                 msg, payload = frame.message, frame.payload
             if msg.round < round:
                 self._pool.release(payload)  # a consensus that went by before this rank needed it
                 continue
             if msg.round > round:
                 self._ahead.append((msg, payload))
-                raise ProtocolError(f"rank {self.rank}: waiting for the consensus of round {round}, the relay sent round {msg.round}")
+                raise ProtocolError(
+                    f"rank {self.rank}: waiting for the consensus of round {round}, the relay sent "
+                    f"round {msg.round}"
+                )
             return self._result(msg, payload)
 
     def _result(self, msg: m.Consensus, payload: memoryview | None) -> ConsensusResult:
         if msg.mass == 0 or not msg.tensors:
             self._pool.release(payload)
             if msg.tensors or msg.mass != 0:
-                raise ProtocolError(f"rank {self.rank}: the consensus of round {msg.round} has mass {msg.mass} but {len(msg.tensors)} tensors")
+                raise ProtocolError(
+                    f"rank {self.rank}: the consensus of round {msg.round} has mass {msg.mass} but "
+                    f"{len(msg.tensors)} tensors"
+                )
             return ConsensusResult(round=msg.round, kind=msg.kind, mass=0.0, tensors=None)
         payload_len = payload.nbytes if payload is not None else 0
         try:
-            foldmath.check_specs(msg.tensors, self._specs, payload_len, what=f"the consensus of round {msg.round}")
+            foldmath.check_specs(
+                msg.tensors, self._specs, payload_len, what=f"the consensus of round {msg.round}"
+            )
         except ProtocolError:
             self._pool.release(payload)
             raise
@@ -183,8 +234,16 @@ class DataLink:
         held, self._held = self._held, None
         self._pool.release(held)  # dropped, not reused, while a caller still holds its tensors
 
-    async def contribute(self, round: int, kind: str, tensors: Mapping[str, torch.Tensor] | None, steps: int, weight: float) -> ConsensusResult:
-        """Send this rank's contribution to ``round`` and wait for its consensus (wrap in ``asyncio.timeout``).
+    async def contribute(
+        self,
+        round: int,
+        kind: str,
+        tensors: Mapping[str, torch.Tensor] | None,
+        steps: int,
+        weight: float,
+    ) -> ConsensusResult:
+        """Send this rank's contribution to ``round`` and wait for its consensus (wrap in
+        ``asyncio.timeout``).
 
         The tensors are written from their own memory (no copy): the consensus cannot come
         before the relay read all of them, and the caller holds them until this returns.
@@ -203,5 +262,10 @@ class DataLink:
     async def __aenter__(self) -> DataLink:
         return self
 
-    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
         await self.aclose()

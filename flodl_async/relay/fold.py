@@ -1,4 +1,5 @@
-"""The relay's data socket: a host's ranks folded into one contribution per round (trainer spec §3.5).
+"""The relay's data socket: a host's ranks folded into one contribution per round (trainer spec
+§3.5).
 
 Theory of operation. Each local rank opens a data link to ``data.sock`` and says
 ``DataHello`` (its rank, the model's size and the run digest). The first hello
@@ -52,10 +53,13 @@ from ..wire.schema import Message
 
 log = logging.getLogger("flodl_async.relay.control")
 
-#: Tensor frames are refused on a data link until its hello matched (then: the controller's ceiling).
+#: Tensor frames are refused on a data link until its hello matched (then: the controller's
+#: ceiling).
 HELLO_LIMITS = FrameLimits(max_payload=0)
-#: Rounds one rank may have contributed to that this host has not sent up yet. A rank keeps at most one
-#: contribution outstanding (it waits for a round's consensus before the next), so a rank past this is
+#: Rounds one rank may have contributed to that this host has not sent up yet. A rank keeps at most
+#: one
+#: contribution outstanding (it waits for a round's consensus before the next), so a rank past this
+#: is
 #: running away, and every such round would hold one of its payloads here.
 ROUNDS_IN_FLIGHT = 4
 
@@ -75,11 +79,13 @@ class _HostRound:
     covered: list[int] = field(default_factory=list)
     weight: float = 0.0
     steps: dict[int, int] = field(default_factory=dict)
-    lone: _Taken | None = None  # the first contribution with tensors, kept as bytes until a second one arrives
+    # the first contribution with tensors, kept as bytes until a second one arrives
+    lone: _Taken | None = None
     acc: list[object] | None = None  # accumulator tensors (torch, created in the executor)
     acc_buffer: bytearray | memoryview | None = None
     acc_layout: tuple[m.TensorSpec, ...] = ()
-    layout: tuple[m.TensorSpec, ...] | None = None  # the first contribution's tensors: every other must match
+    # the first contribution's tensors: every other must match
+    layout: tuple[m.TensorSpec, ...] | None = None
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     sent: bool = False
 
@@ -112,7 +118,8 @@ class HostFold:
         executor: Executor | None = None,
         local: Callable[[], LocalReducer | None] | None = None,
     ) -> None:
-        """``dial()`` opens the host's data connection to the controller (with ``HELLO_LIMITS``, the session secret).
+        """``dial()`` opens the host's data connection to the controller (with ``HELLO_LIMITS``, the
+        session secret).
 
         ``local()``: the run's reducer when it lives in this very process (the launcher's own
         host, whose agent runs in the controller's process); then the host's frames are handed
@@ -130,7 +137,8 @@ class HostFold:
         self._dead: set[int] = set()
         self._rounds: dict[int, _HostRound] = {}
         self._finished: set[int] = set()
-        self._model: tuple[int, str] | None = None  # (model_bytes, digest) of the first hello: every rank must match
+        # (model_bytes, digest) of the first hello: every rank must match
+        self._model: tuple[int, str] | None = None
         self._upstream: FramedProtocol | LocalUplink | None = None
         self._max_payload = 0
         self._dialling = asyncio.Lock()
@@ -154,7 +162,8 @@ class HostFold:
         self._rounds.clear()
 
     def rank_gone(self, rank: int, reason: str) -> None:
-        """``rank`` left (its link closed, or the controller declared it dead): no round waits for it any more."""
+        """``rank`` left (its link closed, or the controller declared it dead): no round waits for
+        it any more."""
         if rank in self._dead or rank not in self._host_ranks:
             return
         self._dead.add(rank)
@@ -197,12 +206,16 @@ class HostFold:
             self._refuse(f"rank {rank} sent no DataHello within {self._hello_timeout:g}s")
             return
         if not isinstance(hello, m.DataHello) or hello.rank != rank:
-            self._refuse(f"the data link of rank {rank} opened with {hello!r} instead of its DataHello")
+            self._refuse(
+                f"the data link of rank {rank} opened with {hello!r} instead of its DataHello"
+            )
             return
         if self._model is not None and self._model != (hello.model_bytes, hello.digest):
             self._refuse(
-                f"rank {rank} averages a different model ({hello.model_bytes} bytes, digest {hello.digest[:12]}) than this host's "
-                f"other ranks ({self._model[0]} bytes, digest {self._model[1][:12]}): every rank must build the same Trainer"
+                f"rank {rank} averages a different model ({hello.model_bytes} bytes, digest "
+                f"{hello.digest[:12]}) than this host's "
+                f"other ranks ({self._model[0]} bytes, digest {self._model[1][:12]}): every rank "
+                "must build the same Trainer"
             )
             return
         self._model = (hello.model_bytes, hello.digest)
@@ -215,7 +228,8 @@ class HostFold:
         link.codec.limits = FrameLimits(max_payload=self._max_payload)
         link.send(m.DataWelcome(max_payload=self._max_payload))
         self._links[rank] = link
-        if self._last is not None:  # a consensus that went by before this rank dialled (see the module doc)
+        # a consensus that went by before this rank dialled (see the module doc)
+        if self._last is not None:
             with contextlib.suppress(ConnectionClosed, OSError):
                 await link.send_tensors(self._last[0], self._last[1])
         try:
@@ -224,7 +238,10 @@ class HostFold:
                 msg = frame.message
                 if not isinstance(msg, m.Contribution) or msg.rank != rank:
                     self.pool.release(frame.payload)
-                    self._refuse(f"the data link of rank {rank} sent {type(msg).__name__} for rank {getattr(msg, 'rank', '?')}")
+                    self._refuse(
+                        f"the data link of rank {rank} sent {type(msg).__name__} for rank "
+                        f"{getattr(msg, 'rank', '?')}"
+                    )
                     return
                 try:
                     self._take(msg, frame.payload)
@@ -240,30 +257,57 @@ class HostFold:
 
     def _take(self, msg: m.Contribution, payload: memoryview | None) -> None:
         if msg.round in self._finished:
-            raise ProtocolError(f"rank {msg.rank} contributed to round {msg.round} after this host's part of it went up")
+            raise ProtocolError(
+                f"rank {msg.rank} contributed to round {msg.round} after this host's part of it "
+                "went up"
+            )
         state = self._rounds.get(msg.round)
         if state is None:
-            in_flight = sum(msg.rank in r.pending or msg.rank in r.covered for r in self._rounds.values())
+            in_flight = sum(
+                msg.rank in r.pending or msg.rank in r.covered for r in self._rounds.values()
+            )
             if in_flight >= ROUNDS_IN_FLIGHT:
                 raise ProtocolError(
-                    f"rank {msg.rank} contributed to round {msg.round} with {in_flight} earlier rounds of it still waiting for this host's "
+                    f"rank {msg.rank} contributed to round {msg.round} with {in_flight} earlier "
+                    "rounds of it still waiting for this host's "
                     f"other ranks (at most {ROUNDS_IN_FLIGHT})"
                 )
             state = self._rounds[msg.round] = _HostRound(kind=msg.kind)
         if msg.kind != state.kind:
-            raise ProtocolError(f"rank {msg.rank} contributed to round {msg.round} as {msg.kind!r}, the host's other ranks as {state.kind!r}")
+            raise ProtocolError(
+                f"rank {msg.rank} contributed to round {msg.round} as {msg.kind!r}, the host's "
+                f"other ranks as {state.kind!r}"
+            )
         if msg.rank in state.pending or msg.rank in state.covered:
             raise ProtocolError(f"rank {msg.rank} contributed twice to round {msg.round}")
         if not (math.isfinite(msg.weight) and msg.weight >= 0):
-            raise ProtocolError(f"rank {msg.rank} contributed to round {msg.round} with weight {msg.weight!r}; weights are finite and >= 0")
+            raise ProtocolError(
+                f"rank {msg.rank} contributed to round {msg.round} with weight {msg.weight!r}; "
+                "weights are finite and >= 0"
+            )
         payload_len = payload.nbytes if payload is not None else 0
         if not msg.tensors:
             if msg.weight != 0 or payload_len:
-                raise ProtocolError(f"rank {msg.rank}: an empty contribution to round {msg.round} must have weight 0 and no payload")
+                raise ProtocolError(
+                    f"rank {msg.rank}: an empty contribution to round {msg.round} must have weight "
+                    "0 and no payload"
+                )
         else:
-            # Every contribution of a host describes the same tensors: the first one is the reference.
-            reference = state.layout if state.layout is not None else foldmath.packed_specs([(s.name, s.dtype, tuple(s.shape)) for s in msg.tensors])[0]
-            foldmath.check_specs(msg.tensors, reference, payload_len, what=f"rank {msg.rank}'s contribution to round {msg.round}")
+            # Every contribution of a host describes the same tensors: the first one is the
+            # reference.
+            reference = (
+                state.layout
+                if state.layout is not None
+                else foldmath.packed_specs(
+                    [(s.name, s.dtype, tuple(s.shape)) for s in msg.tensors]
+                )[0]
+            )
+            foldmath.check_specs(
+                msg.tensors,
+                reference,
+                payload_len,
+                what=f"rank {msg.rank}'s contribution to round {msg.round}",
+            )
             state.layout = reference
         self._contributions += 1
         state.pending[msg.rank] = _Taken(msg=msg, payload=payload)
@@ -279,7 +323,9 @@ class HostFold:
             if state.sent:
                 return
             while True:
-                alive_waiting = [r for r in self._alive() if r not in state.pending and r not in state.covered]
+                alive_waiting = [
+                    r for r in self._alive() if r not in state.pending and r not in state.covered
+                ]
                 blocking = min(alive_waiting, default=math.inf)
                 candidates = sorted(r for r in state.pending if r < blocking)
                 if not candidates:
@@ -322,7 +368,8 @@ class HostFold:
         if first:
             acc_layout, acc_len = foldmath.acc_specs(specs)
             if acc_layout == tuple(specs) and payload.nbytes == acc_len:
-                # Already in accumulator dtypes and packed (a float32 model): the payload becomes the accumulator.
+                # Already in accumulator dtypes and packed (a float32 model): the payload becomes
+                # the accumulator.
                 state.acc_buffer, state.acc_layout = payload, acc_layout
                 taken.payload = None
 
@@ -358,32 +405,59 @@ class HostFold:
     async def _send_up(self, number: int, state: _HostRound) -> None:
         upstream = self._upstream
         if upstream is None or upstream.is_closing:
-            log.warning("relay: round %d has no data connection to send on (the controller went away)", number)
+            log.warning(
+                "relay: round %d has no data connection to send on (the controller went away)",
+                number,
+            )
             return
         ranks = tuple(sorted(state.covered))
         steps = tuple(state.steps[r] for r in ranks)
         if state.acc is not None:
             assert state.acc_buffer is not None
             msg = m.HostContribution(
-                round=number, kind=state.kind, host=self._host, ranks=ranks, weight=state.weight, prescaled=True, tensors=state.acc_layout, steps=steps
+                round=number,
+                kind=state.kind,
+                host=self._host,
+                ranks=ranks,
+                weight=state.weight,
+                prescaled=True,
+                tensors=state.acc_layout,
+                steps=steps,
             )
-            state.acc = None  # the tensors go; the buffer is sent whole (its layout is the packed one)
+            # the tensors go; the buffer is sent whole (its layout is the packed one)
+            state.acc = None
             parts: list[bytearray | memoryview] = [state.acc_buffer]
             self._folded += 1
         elif state.lone is not None:
             msg = m.HostContribution(
-                round=number, kind=state.kind, host=self._host, ranks=ranks, weight=state.weight, prescaled=False, tensors=state.lone.msg.tensors, steps=steps
+                round=number,
+                kind=state.kind,
+                host=self._host,
+                ranks=ranks,
+                weight=state.weight,
+                prescaled=False,
+                tensors=state.lone.msg.tensors,
+                steps=steps,
             )
             parts = [state.lone.payload] if state.lone.payload is not None else []
             self._forwarded_raw += 1
         else:
-            msg = m.HostContribution(round=number, kind=state.kind, host=self._host, ranks=ranks, weight=state.weight, prescaled=False, steps=steps)
+            msg = m.HostContribution(
+                round=number,
+                kind=state.kind,
+                host=self._host,
+                ranks=ranks,
+                weight=state.weight,
+                prescaled=False,
+                steps=steps,
+            )
             parts = []
         try:
             await upstream.send_tensors(msg, parts)
             self._host_frames += 1
             if isinstance(upstream, LocalUplink):
-                # Handed over in memory: the reducer owns these buffers now (and gives them back to the pool).
+                # Handed over in memory: the reducer owns these buffers now (and gives them back to
+                # the pool).
                 state.acc_buffer = None
                 if state.lone is not None:
                     state.lone.payload = None
@@ -410,11 +484,18 @@ class HostFold:
                 return self._upstream
             reducer = self._local() if self._local is not None else None
             if reducer is not None:
-                host_hello = m.HostDataHello(host=self._host, ranks=tuple(sorted(self._host_ranks)), model_bytes=hello.model_bytes, digest=hello.digest)
+                host_hello = m.HostDataHello(
+                    host=self._host,
+                    ranks=tuple(sorted(self._host_ranks)),
+                    model_bytes=hello.model_bytes,
+                    digest=hello.digest,
+                )
                 local = LocalUplink(fold=self)
                 refusal = reducer.connect_local(host_hello, local)
                 if refusal is not None:
-                    raise FlodlError(f"the controller refused this host's data connection: {refusal}")
+                    raise FlodlError(
+                        f"the controller refused this host's data connection: {refusal}"
+                    )
                 self._max_payload = reducer.max_payload
                 self._upstream = local
                 return local
@@ -422,20 +503,33 @@ class HostFold:
                 upstream = await self._dial()
             except (ConnectionClosed, WireError, TimeoutError) as exc:
                 raise FlodlError(
-                    f"the controller refused this host's data connection ({exc}); it serves the data channel only once its "
+                    f"the controller refused this host's data connection ({exc}); it serves the "
+                    "data channel only once its "
                     "Trainer coordinator runs — open data links after TrainerWelcome"
                 ) from exc
             try:
-                upstream.send(m.HostDataHello(host=self._host, ranks=tuple(sorted(self._host_ranks)), model_bytes=hello.model_bytes, digest=hello.digest))
+                upstream.send(
+                    m.HostDataHello(
+                        host=self._host,
+                        ranks=tuple(sorted(self._host_ranks)),
+                        model_bytes=hello.model_bytes,
+                        digest=hello.digest,
+                    )
+                )
                 async with asyncio.timeout(self._hello_timeout):
                     welcome = await upstream.recv_message()
             except (ConnectionClosed, WireError, TimeoutError) as exc:
                 upstream.abort()
                 why = str(exc) or "no answer in time"
-                raise FlodlError(f"the controller did not welcome this host's data connection ({why}); see the controller's log") from exc
+                raise FlodlError(
+                    f"the controller did not welcome this host's data connection ({why}); see the "
+                    "controller's log"
+                ) from exc
             if not isinstance(welcome, m.DataWelcome):
                 upstream.abort()
-                raise ProtocolError(f"the controller answered HostDataHello with {type(welcome).__name__}")
+                raise ProtocolError(
+                    f"the controller answered HostDataHello with {type(welcome).__name__}"
+                )
             assert upstream.codec is not None
             upstream.codec.limits = FrameLimits(max_payload=welcome.max_payload)
             self._max_payload = welcome.max_payload
@@ -455,19 +549,27 @@ class HostFold:
             if not isinstance(msg, m.Consensus):
                 self.pool.release(frame.payload)
                 continue
-            await self.fan_out(msg, [frame.payload] if frame.payload is not None else [], frame.payload)
+            await self.fan_out(
+                msg, [frame.payload] if frame.payload is not None else [], frame.payload
+            )
 
     def _upstream_gone(self) -> None:
         for link in list(self._links.values()):
             link.close()  # ranks must not wait for a consensus that cannot come
 
-    async def fan_out(self, msg: m.Consensus, parts: list[memoryview], owned: memoryview | None) -> None:
-        """Send one consensus to every local rank; ``owned`` (a received payload) is this fold's to release later."""
+    async def fan_out(
+        self, msg: m.Consensus, parts: list[memoryview], owned: memoryview | None
+    ) -> None:
+        """Send one consensus to every local rank; ``owned`` (a received payload) is this fold's to
+        release later."""
         self._consensus_down += 1
         links = [link for link in self._links.values() if not link.is_closing]
-        # Borrowed: the payload stays held (self._last) until the next consensus, which cannot exist before
+        # Borrowed: the payload stays held (self._last) until the next consensus, which cannot exist
+        # before
         # every rank read this one and contributed again.
-        results = await asyncio.gather(*(link.send_tensors(msg, parts, borrow=True) for link in links), return_exceptions=True)
+        results = await asyncio.gather(
+            *(link.send_tensors(msg, parts, borrow=True) for link in links), return_exceptions=True
+        )
         for result in results:
             if isinstance(result, BaseException):
                 if not isinstance(result, ConnectionClosed | OSError):
@@ -490,13 +592,16 @@ class HostFold:
 
 
 class LocalReducer(Protocol):
-    """What the host fold needs of a reducer in its own process (flodl_async.controller.reducer.Reducer)."""
+    """What the host fold needs of a reducer in its own process
+    (flodl_async.controller.reducer.Reducer)."""
 
     max_payload: int
 
     def connect_local(self, hello: m.HostDataHello, uplink: LocalUplink) -> str | None: ...
 
-    def offer_local(self, uplink: LocalUplink, msg: m.HostContribution, payload: memoryview | None) -> None: ...
+    def offer_local(
+        self, uplink: LocalUplink, msg: m.HostContribution, payload: memoryview | None
+    ) -> None: ...
 
     def disconnect_local(self, uplink: LocalUplink) -> None: ...
 

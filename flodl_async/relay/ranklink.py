@@ -28,7 +28,9 @@ from ..wire.schema import Message
 class RankLink:
     """One rank's framed link to its relay."""
 
-    def __init__(self, link: FramedProtocol, *, rank: int, spec: RankSpec, credential: Credential) -> None:
+    def __init__(
+        self, link: FramedProtocol, *, rank: int, spec: RankSpec, credential: Credential
+    ) -> None:
         self._link = link
         self.rank = rank
         self.spec = spec
@@ -36,26 +38,50 @@ class RankLink:
 
     @classmethod
     async def connect(cls, env: Mapping[str, str] | None = None) -> RankLink:
-        """Dial the relay named in the environment and complete the handshake (wrap in ``asyncio.timeout``)."""
+        """Dial the relay named in the environment and complete the handshake (wrap in
+        ``asyncio.timeout``)."""
         env = os.environ if env is None else env
         if detect_role(env) is not Role.RANK:
-            raise ConfigError(f"not running as a flodl rank ({RANK_VAR} and {LOCAL_RANK_VAR} are not set); start it with flodl-launch")
+            raise ConfigError(
+                f"not running as a flodl rank ({RANK_VAR} and {LOCAL_RANK_VAR} are not set); start "
+                "it with flodl-launch"
+            )
         try:
             spec = RankSpec.from_json(env[RANK_VAR])
             rank = int(env["RANK"])
         except (KeyError, ValueError, TypeError) as exc:
-            raise ConfigError(f"{RANK_VAR} or RANK in this rank's environment is not what flodl wrote ({exc!r}); start the rank with flodl-launch") from None
+            raise ConfigError(
+                f"{RANK_VAR} or RANK in this rank's environment is not what flodl wrote ({exc!r}); "
+                "start the rank with flodl-launch"
+            ) from None
         credential = Credential.rank_from_hex(spec.credential_hex, round=spec.round, rank=rank)
-        link = await open_unix_framed(spec.relay_socket, channel=Channel.CONTROL, credential=credential, peer_label=f"relay of {spec.host}")
-        link.send(m.RankHello(rank=rank, local_rank=int(env["LOCAL_RANK"]), world_size=int(env["WORLD_SIZE"]), pid=os.getpid()))
+        link = await open_unix_framed(
+            spec.relay_socket,
+            channel=Channel.CONTROL,
+            credential=credential,
+            peer_label=f"relay of {spec.host}",
+        )
+        link.send(
+            m.RankHello(
+                rank=rank,
+                local_rank=int(env["LOCAL_RANK"]),
+                world_size=int(env["WORLD_SIZE"]),
+                pid=os.getpid(),
+            )
+        )
         welcome = await link.recv_message()
         if not isinstance(welcome, m.RankWelcome) or welcome.rank != rank:
             link.close()
-            raise ProtocolError(f"rank {rank}: expected RankWelcome from the controller, got {welcome!r}")
+            raise ProtocolError(
+                f"rank {rank}: expected RankWelcome from the controller, got {welcome!r}"
+            )
         return cls(link, rank=rank, spec=spec, credential=credential)
 
-    async def open_data(self, *, limits: FrameLimits | None = None, allocate: Callable[[int], bytearray] = bytearray) -> FramedProtocol:
-        """This rank's raw data link to its relay (the Trainer speaks through :class:`flodl_async.relay.datalink.DataLink`).
+    async def open_data(
+        self, *, limits: FrameLimits | None = None, allocate: Callable[[int], bytearray] = bytearray
+    ) -> FramedProtocol:
+        """This rank's raw data link to its relay (the Trainer speaks through
+        :class:`flodl_async.relay.datalink.DataLink`).
 
         Same credential, same scope as the control link; payloads travel plain on this owner-only
         socket, as the relay expects. Wrap in ``asyncio.timeout``.
@@ -98,5 +124,10 @@ class RankLink:
     async def __aenter__(self) -> RankLink:
         return self
 
-    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
         await self.aclose()

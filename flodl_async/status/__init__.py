@@ -8,8 +8,25 @@ only code that touches sockets).
 
 from __future__ import annotations
 
-from .board import COUNTERS_INTERVAL, DEFAULT_MAXSIZE, BoardStatistics, StatusBoard, Subscription, SubscriptionStatistics
-from .model import SCHEMA, SCHEMA_FAMILY, Counters, MemberState, MemberStatus, Phase, RankState, RankStatus, StatusSnapshot
+from .board import (
+    COUNTERS_INTERVAL,
+    DEFAULT_MAXSIZE,
+    BoardStatistics,
+    StatusBoard,
+    Subscription,
+    SubscriptionStatistics,
+)
+from .model import (
+    SCHEMA,
+    SCHEMA_FAMILY,
+    Counters,
+    MemberState,
+    MemberStatus,
+    Phase,
+    RankState,
+    RankStatus,
+    StatusSnapshot,
+)
 from .page import dashboard_html
 
 __all__ = [

@@ -60,7 +60,8 @@ DEFAULT_MAXSIZE = 16
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SubscriptionStatistics:
-    """What one subscription has seen: snapshots handed out, dropped as the oldest of a full queue, still queued."""
+    """What one subscription has seen: snapshots handed out, dropped as the oldest of a full queue,
+    still queued."""
 
     delivered: int
     dropped: int
@@ -71,7 +72,8 @@ class SubscriptionStatistics:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class BoardStatistics:
-    """What the board has done: snapshots published, JSON encodes (publishes plus counter refreshes), live subscriptions."""
+    """What the board has done: snapshots published, JSON encodes (publishes plus counter
+    refreshes), live subscriptions."""
 
     published: int
     encodes: int
@@ -116,7 +118,8 @@ class Subscription:
         self._wake()
 
     def get_nowait(self) -> StatusSnapshot | None:
-        """The oldest queued snapshot, or None when none is queued; raises SubscriptionClosed once closed."""
+        """The oldest queued snapshot, or None when none is queued; raises SubscriptionClosed once
+        closed."""
         if self._board is None:
             raise SubscriptionClosed()
         if not self._queue:
@@ -127,7 +130,10 @@ class Subscription:
     async def next(self) -> StatusSnapshot:
         """The oldest queued snapshot, waiting for a publish when none is queued."""
         if self._waiter is not None:
-            raise BusyError("another task is already waiting on this status subscription; it has one receiver at a time")
+            raise BusyError(
+                "another task is already waiting on this status subscription; it has one receiver "
+                "at a time"
+            )
         while (snapshot := self.get_nowait()) is None:
             # Deferred: the package is imported by the CLI, which must not pay for asyncio.
             import asyncio
@@ -151,7 +157,11 @@ class Subscription:
     def statistics(self) -> SubscriptionStatistics:
         """Counts so far, as a frozen snapshot."""
         return SubscriptionStatistics(
-            delivered=self._delivered, dropped=self._dropped, queued=len(self._queue), maxsize=self._maxsize, closed=self._board is None
+            delivered=self._delivered,
+            dropped=self._dropped,
+            queued=len(self._queue),
+            maxsize=self._maxsize,
+            closed=self._board is None,
         )
 
     def _wake(self) -> None:
@@ -170,13 +180,23 @@ class Subscription:
     def __enter__(self) -> Subscription:
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
         self.close()
 
     async def __aenter__(self) -> Subscription:
         return self
 
-    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
         self.close()
 
 
@@ -206,7 +226,8 @@ class StatusBoard:
         self._encodes = 0
 
     def publish(self, snapshot: StatusSnapshot) -> None:
-        """Make ``snapshot`` the served one (with the counters as of now) and offer it to every subscriber."""
+        """Make ``snapshot`` the served one (with the counters as of now) and offer it to every
+        subscriber."""
         if self._counters is not None:
             snapshot = dataclasses.replace(snapshot, connections=self._counters())
         self._published += 1
@@ -215,23 +236,27 @@ class StatusBoard:
             subscription._offer(snapshot)
 
     def subscribe(self, maxsize: int = DEFAULT_MAXSIZE) -> Subscription:
-        """Subscribe to every snapshot published from now on, keeping at most the newest ``maxsize``."""
+        """Subscribe to every snapshot published from now on, keeping at most the newest
+        ``maxsize``."""
         subscription = Subscription(self, maxsize=maxsize)
         self._subscriptions[subscription] = None
         return subscription
 
     def unsubscribe(self, subscription: Subscription) -> None:
-        """Stop offering snapshots to ``subscription`` (idempotent; :meth:`Subscription.close` calls it)."""
+        """Stop offering snapshots to ``subscription`` (idempotent; :meth:`Subscription.close` calls
+        it)."""
         self._subscriptions.pop(subscription, None)
 
     @property
     def snapshot(self) -> StatusSnapshot | None:
-        """The snapshot behind :attr:`encoded` (counters as of its last encode), or None before the first publish."""
+        """The snapshot behind :attr:`encoded` (counters as of its last encode), or None before the
+        first publish."""
         return self._snapshot
 
     @property
     def encoded(self) -> bytes | None:
-        """The served JSON document, or None before the first publish; counters at most ``counters_interval`` old."""
+        """The served JSON document, or None before the first publish; counters at most
+        ``counters_interval`` old."""
         if self._counters is not None and self._snapshot is not None:
             now = self._clock()
             if now - self._encoded_at >= self._interval:
@@ -239,13 +264,16 @@ class StatusBoard:
         return self._encoded
 
     def encoded_for(self, *, local: bool) -> bytes | None:
-        """:attr:`encoded` for a client on the controller's own host; without the ranks' output lines for any other."""
+        """:attr:`encoded` for a client on the controller's own host; without the ranks' output
+        lines for any other."""
         encoded = self.encoded  # refreshes the counters (both encodings) when due
         return encoded if local else self._encoded_public
 
     def statistics(self) -> BoardStatistics:
         """Counts so far, as a frozen snapshot."""
-        return BoardStatistics(published=self._published, encodes=self._encodes, subscribers=len(self._subscriptions))
+        return BoardStatistics(
+            published=self._published, encodes=self._encodes, subscribers=len(self._subscriptions)
+        )
 
     def _refresh_counters(self, current: StatusSnapshot, counters: Counters, now: float) -> None:
         if counters == current.connections:
@@ -256,7 +284,10 @@ class StatusBoard:
     def _set(self, snapshot: StatusSnapshot, now: float) -> None:
         self._snapshot = snapshot
         self._encoded = snapshot.to_json()
-        # What clients on other hosts get: the ranks' output lines (which may carry secrets) left out.
-        self._encoded_public = snapshot.without_output().to_json() if snapshot.quotes_output else self._encoded
+        # What clients on other hosts get: the ranks' output lines (which may carry secrets) left
+        # out.
+        self._encoded_public = (
+            snapshot.without_output().to_json() if snapshot.quotes_output else self._encoded
+        )
         self._encoded_at = now
         self._encodes += 1

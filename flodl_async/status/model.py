@@ -81,7 +81,8 @@ PROCESS_STATES: Mapping[str, str] = {
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RankStatus:
-    """One rank process; the activity fields come from its agent's periodic report (None until the first)."""
+    """One rank process; the activity fields come from its agent's periodic report (None until the
+    first)."""
 
     rank: int
     host: str
@@ -118,30 +119,38 @@ class StatusSnapshot:
     verdict: str = ""
     exit_code: int | None = None
     connections: Counters = field(default_factory=dict)
-    #: The Trainer's coordinator (epoch/epochs, policy, backend, anchor, counts, last reduce ms, per-rank
-    #: state, batches and heartbeat age, the last epoch's metrics); None in a run without Trainer ranks.
+    #: The Trainer's coordinator (epoch/epochs, policy, backend, anchor, counts, last reduce ms,
+    #: per-rank
+    #: state, batches and heartbeat age, the last epoch's metrics); None in a run without Trainer
+    #: ranks.
     training: Mapping[str, object] | None = None
 
     def to_document(self) -> dict[str, object]:
         """The document served at ``/state.json``, as plain JSON values (enums as their strings)."""
         doc = {f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(self)}
         if self.training is None:
-            del doc["training"]  # additive: a run without Trainer ranks serves the document it always did
+            # additive: a run without Trainer ranks serves the document it always did
+            del doc["training"]
         doc["schema"] = SCHEMA
         return doc
 
     def to_json(self) -> bytes:
-        """The JSON bytes served at ``/state.json`` (keys sorted, so equal snapshots encode equal)."""
+        """The JSON bytes served at ``/state.json`` (keys sorted, so equal snapshots encode
+        equal)."""
         return json.dumps(self.to_document(), sort_keys=True).encode()
 
     @property
     def quotes_output(self) -> bool:
-        """Whether any rank's last output line is in it (then remote clients get :meth:`without_output`)."""
+        """Whether any rank's last output line is in it (then remote clients get
+        :meth:`without_output`)."""
         return any(r.last_line for r in self.ranks)
 
     def without_output(self) -> StatusSnapshot:
-        """This snapshot with the ranks' output lines left out (their ages stay): for clients on other hosts."""
-        return dataclasses.replace(self, ranks=tuple(dataclasses.replace(r, last_line="") for r in self.ranks))
+        """This snapshot with the ranks' output lines left out (their ages stay): for clients on
+        other hosts."""
+        return dataclasses.replace(
+            self, ranks=tuple(dataclasses.replace(r, last_line="") for r in self.ranks)
+        )
 
 
 def _plain(value: object) -> object:

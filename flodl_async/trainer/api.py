@@ -1,4 +1,5 @@
-"""The Trainer: ``state = await trainer.run()``, the same script as launcher, as every rank, or inline (spec §1).
+"""The Trainer: ``state = await trainer.run()``, the same script as launcher, as every rank, or
+inline (spec §1).
 
 Theory of operation. ``Trainer(...)`` is pure: it validates its arguments and
 touches no CUDA, socket or model, so building it at import time is safe in
@@ -65,7 +66,8 @@ _OUTER_TYPES = (OuterAvg, SlowMo, DiLoCo)
 class TrainedState:
     """What a run trained: the final consensus, the same in every role (D1)."""
 
-    #: Consensus params and persistent buffers on CPU, with ``model.state_dict()`` keys (tied keys included).
+    #: Consensus params and persistent buffers on CPU, with ``model.state_dict()`` keys (tied keys
+    #: included).
     state_dict: Mapping[str, torch.Tensor] = field(repr=False)
     #: Which keys are parameters.
     param_names: tuple[str, ...]
@@ -77,7 +79,8 @@ class TrainedState:
     lost_ranks: tuple[int, ...] = ()
     #: Ended by ``shutdown()`` or a signal, not by finishing the epochs.
     interrupted: bool = False
-    #: Exactly one process per run has True: the inline process, the launcher when the script is the launcher, else rank 0.
+    #: Exactly one process per run has True: the inline process, the launcher when the script is the
+    #: launcher, else rank 0.
     primary: bool = False
     #: The bundle stem written at the end, if any.
     checkpoint: str | None = None
@@ -105,7 +108,8 @@ class _Driver(Protocol):
         ...
 
 
-#: Runs in flight in this process: the owner of their tasks (a dropped handle must not let a run be collected).
+#: Runs in flight in this process: the owner of their tasks (a dropped handle must not let a run be
+#: collected).
 _LIVE_RUNS: set[TrainingRun] = set()
 
 
@@ -133,10 +137,12 @@ class TrainingRun:
         try:
             return await self._driver.run(self._publish)
         except asyncio.CancelledError:
-            # Only the loop closing cancels this task (nothing else holds it): stop in order, then go.
+            # Only the loop closing cancels this task (nothing else holds it): stop in order, then
+            # go.
             if not self._stopping:
                 log.warning(
-                    "the event loop is closing with run %s still training; stopping it (keep a reference and await run.join(), or call run.shutdown())",
+                    "the event loop is closing with run %s still training; stopping it (keep a "
+                    "reference and await run.join(), or call run.shutdown())",
                     self.run_id,
                 )
             self._driver.request_stop()
@@ -147,7 +153,8 @@ class TrainingRun:
         self._arrived.set()
 
     def _publish(self, metrics: EpochMetrics) -> None:
-        """Thread-safe: queue one epoch's metrics for the handle (in order, ahead of the run's end, which is scheduled after)."""
+        """Thread-safe: queue one epoch's metrics for the handle (in order, ahead of the run's end,
+        which is scheduled after)."""
         with contextlib.suppress(RuntimeError):  # the loop is closed: nobody can read them any more
             self._loop.call_soon_threadsafe(self._push, metrics)
 
@@ -182,12 +189,14 @@ class TrainingRun:
     async def join(self) -> TrainedState:
         """Wait for the end. Shielded: cancelling this await does not cancel the run.
 
-        A failed run raises :class:`~flodl_async.errors.TrainingFailed`; a degraded success returns with ``lost_ranks`` set.
+        A failed run raises :class:`~flodl_async.errors.TrainingFailed`; a degraded success returns
+        with ``lost_ranks`` set.
         """
         return await asyncio.shield(self._task)
 
     async def shutdown(self, *, save: bool = True, grace: float = 30.0) -> TrainedState:
-        """The explicit cancel: an orderly stop (final round, state returned), forced after ``grace`` seconds."""
+        """The explicit cancel: an orderly stop (final round, state returned), forced after
+        ``grace`` seconds."""
         del save  # checkpoint bundles are a later issue; the stop is the same without one
         self._stopping = True
         self._driver.request_stop()
@@ -201,7 +210,9 @@ class TrainingRun:
 
 def _positive_int(name: str, value: object, *, what: str) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ConfigError(f"Trainer({name}=...) must be a whole number of at least 1 ({what}); got {value!r}")
+        raise ConfigError(
+            f"Trainer({name}=...) must be a whole number of at least 1 ({what}); got {value!r}"
+        )
     return value
 
 
@@ -239,15 +250,32 @@ class Trainer:
         heartbeat_timeout: float = 30.0,
         name: str = "",
     ) -> None:
-        _check_functions(model=model, optimizer=optimizer, train_step=train_step, collate=collate, lr_schedule=lr_schedule)
-        self.dataset_len = _check_data(dataset, batch_size=batch_size, epochs=epochs, drop_last=drop_last)
+        _check_functions(
+            model=model,
+            optimizer=optimizer,
+            train_step=train_step,
+            collate=collate,
+            lr_schedule=lr_schedule,
+        )
+        self.dataset_len = _check_data(
+            dataset, batch_size=batch_size, epochs=epochs, drop_last=drop_last
+        )
         self.batch_size, self.epochs = batch_size, epochs
         elche = ElCheConfig() if elche is None else elche
         outer = OuterAvg() if outer is None else outer
         checkpoint = Checkpointing() if checkpoint is None else checkpoint
-        _check_policy(policy=policy, backend=backend, elche=elche, outer=outer, checkpoint=checkpoint)
+        _check_policy(
+            policy=policy, backend=backend, elche=elche, outer=outer, checkpoint=checkpoint
+        )
         self.max_failure = _max_failure(max_failure)
-        _check_rest(cluster=cluster, rank_command=rank_command, seed=seed, max_grad_norm=max_grad_norm, heartbeat_timeout=heartbeat_timeout, name=name)
+        _check_rest(
+            cluster=cluster,
+            rank_command=rank_command,
+            seed=seed,
+            max_grad_norm=max_grad_norm,
+            heartbeat_timeout=heartbeat_timeout,
+            name=name,
+        )
         self.model = model
         self.optimizer = optimizer
         self.train_step = train_step
@@ -274,7 +302,12 @@ class Trainer:
     def entry(self) -> Entry:
         """What ``run()`` would do in this process, without doing it."""
         env = os.environ
-        return decide_entry(env, cluster_given=self.cluster is not None, auto_promote=self.auto_promote, visible_gpus=count_visible_gpus(env))
+        return decide_entry(
+            env,
+            cluster_given=self.cluster is not None,
+            auto_promote=self.auto_promote,
+            visible_gpus=count_visible_gpus(env),
+        )
 
     def spec(self) -> TrainerSpec:
         """The serializable, digestable config the coordinator and reducer run from (spec §2.3)."""
@@ -299,7 +332,8 @@ class Trainer:
         )
 
     def spec_wire_and_digest(self, schema: ModelSchema) -> tuple[TrainerSpecWire, str]:
-        """What a rank's ``TrainerHello`` carries: the spec on the wire and the run digest of (spec, model schema)."""
+        """What a rank's ``TrainerHello`` carries: the spec on the wire and the run digest of (spec,
+        model schema)."""
         from ..training.spec import digest
 
         spec = self.spec()
@@ -323,7 +357,8 @@ class Trainer:
     # ----- entry points ------------------------------------------------------------------------
 
     async def run(self) -> TrainedState:
-        """``start()`` + ``join()``; cancelling this coroutine is an orderly shutdown (bounded by 30 s), then it re-raises."""
+        """``start()`` + ``join()``; cancelling this coroutine is an orderly shutdown (bounded by 30
+        s), then it re-raises."""
         handle = self.start()
         try:
             return await handle.join()
@@ -340,7 +375,11 @@ class Trainer:
         driver = self._driver(entry)
         if entry in (Entry.LAUNCHER, Entry.RANK):
             _end_uncaught_training_failures_plainly(entry)
-        run_id = getattr(driver, "run_id", None) or os.environ.get("FLODL_RUN_ID") or f"inline-{secrets.token_hex(4)}"
+        run_id = (
+            getattr(driver, "run_id", None)
+            or os.environ.get("FLODL_RUN_ID")
+            or f"inline-{secrets.token_hex(4)}"
+        )
         return TrainingRun(driver, entry=entry, run_id=run_id)
 
     def _driver(self, entry: Entry) -> _Driver:
@@ -358,18 +397,22 @@ class Trainer:
     def _one_session(self) -> None:
         if _RANK_SESSION.is_set():
             raise ConfigError(
-                "a cluster training session was already run in this process — the rank's relay link and the coordinator are per-session. "
-                "Run one Trainer per process: loop at the process level (invoke the script once per model)."
+                "a cluster training session was already run in this process — the rank's relay "
+                "link and the coordinator are per-session. "
+                "Run one Trainer per process: loop at the process level (invoke the script once "
+                "per model)."
             )
         _RANK_SESSION.set()
 
     def worker(self) -> Worker:
-        """The cooperative tier (spec §1.6): ``with trainer.worker() as w:`` — a synchronous API, the user owns the loop."""
+        """The cooperative tier (spec §1.6): ``with trainer.worker() as w:`` — a synchronous API,
+        the user owns the loop."""
         entry = self.entry
         if entry is Entry.AGENT:
             exit_if_worker_role()
         if entry is Entry.LAUNCHER:
-            # The launcher has no cooperative loop to hand back: it runs the launch, reports and exits.
+            # The launcher has no cooperative loop to hand back: it runs the launch, reports and
+            # exits.
             from ..net.loop import run as run_loop
 
             try:
@@ -392,13 +435,15 @@ _RANK_SESSION = threading.Event()
 
 def _print_verdict(exc: TrainingFailed) -> None:
     print(f"flodl: FAILED — {exc.result.reason}", file=sys.stderr)
-    details = exc.result.details_for(None)  # the launcher's console shows every rank: a traceback it showed is not repeated
+    # the launcher's console shows every rank: a traceback it showed is not repeated
+    details = exc.result.details_for(None)
     if details:
         print(details, file=sys.stderr)
 
 
 def _end_uncaught_training_failures_plainly(entry: Entry) -> None:
-    """A script that lets ``TrainingFailed`` escape ends plainly, without a traceback of flodl's internals.
+    """A script that lets ``TrainingFailed`` escape ends plainly, without a traceback of flodl's
+    internals.
 
     In the launcher it ends as ``flodl-launch`` would: the verdict line and the exit-code table's
     code (4 for a rank failure, 3 for a world that did not form...) instead of exit 1; the failing
@@ -434,7 +479,9 @@ def _end_uncaught_training_failures_plainly(entry: Entry) -> None:
 def _check_functions(**functions: object) -> None:
     what = {
         "model": "that builds the model on the device it is given: model(device) -> nn.Module",
-        "optimizer": "that builds the optimizer for the model: optimizer(model) -> torch.optim.Optimizer",
+        "optimizer": (
+            "that builds the optimizer for the model: optimizer(model) -> torch.optim.Optimizer"
+        ),
         "train_step": "that returns the loss: train_step(model, batch) -> tensor",
         "collate": "that turns a list of samples into a batch",
         "lr_schedule": "of epoch progress (a float) returning the LR multiplier",
@@ -443,13 +490,19 @@ def _check_functions(**functions: object) -> None:
         if value is None and name in ("collate", "lr_schedule"):
             continue
         if not callable(value):
-            raise ConfigError(f"Trainer({name}=...) must be a function {what[name]}; got {type(value).__name__}")
+            raise ConfigError(
+                f"Trainer({name}=...) must be a function {what[name]}; got {type(value).__name__}"
+            )
 
 
 def _check_data(dataset: Any, *, batch_size: object, epochs: object, drop_last: bool) -> int:
-    if not (hasattr(dataset, "__len__") and (hasattr(dataset, "__getitem__") or hasattr(dataset, "__getitems__"))):
+    if not (
+        hasattr(dataset, "__len__")
+        and (hasattr(dataset, "__getitem__") or hasattr(dataset, "__getitems__"))
+    ):
         raise ConfigError(
-            f"Trainer(dataset=...) must be a map-style dataset (with __len__ and __getitem__), got {type(dataset).__name__}; "
+            "Trainer(dataset=...) must be a map-style dataset (with __len__ and __getitem__), got "
+            f"{type(dataset).__name__}; "
             "wrap an iterable in a list or a torch.utils.data.TensorDataset"
         )
     dataset_len = len(dataset)
@@ -459,59 +512,106 @@ def _check_data(dataset: Any, *, batch_size: object, epochs: object, drop_last: 
     _positive_int("epochs", epochs, what="passes over the dataset")
     if drop_last and dataset_len // size < 1:
         raise ConfigError(
-            f"Trainer(batch_size={size}) is larger than the dataset ({dataset_len} samples), so with drop_last=True an epoch has no batch; "
+            f"Trainer(batch_size={size}) is larger than the dataset ({dataset_len} samples), so "
+            "with drop_last=True an epoch has no batch; "
             "lower batch_size or pass drop_last=False"
         )
     return int(dataset_len)
 
 
-def _check_policy(*, policy: object, backend: object, elche: object, outer: object, checkpoint: object) -> None:
+def _check_policy(
+    *, policy: object, backend: object, elche: object, outer: object, checkpoint: object
+) -> None:
     if not isinstance(policy, Policy):
-        raise ConfigError(f"Trainer(policy=...) must be fa.Policy.SYNC, CADENCE or ASYNC; got {policy!r}")
+        raise ConfigError(
+            f"Trainer(policy=...) must be fa.Policy.SYNC, CADENCE or ASYNC; got {policy!r}"
+        )
     if not isinstance(backend, Backend):
-        raise ConfigError(f"Trainer(backend=...) must be fa.Backend.CPU or COLLECTIVE; got {backend!r}")
+        raise ConfigError(
+            f"Trainer(backend=...) must be fa.Backend.CPU or COLLECTIVE; got {backend!r}"
+        )
     if (policy, backend) == (Policy.ASYNC, Backend.COLLECTIVE):
         raise ConfigError(
-            "Trainer: (ASYNC, COLLECTIVE) is not a supported combination — bounded-lookahead async averaging needs the CPU backend "
+            "Trainer: (ASYNC, COLLECTIVE) is not a supported combination — bounded-lookahead async "
+            "averaging needs the CPU backend "
             "(use CADENCE with COLLECTIVE, or ASYNC with CPU)"
         )
     if not isinstance(elche, ElCheConfig):
-        raise ConfigError(f"Trainer(elche=...) must be an fa.ElCheConfig(...); got {type(elche).__name__}")
+        raise ConfigError(
+            f"Trainer(elche=...) must be an fa.ElCheConfig(...); got {type(elche).__name__}"
+        )
     if elche.partition_ratios is not None and policy is not Policy.SYNC:
         raise ConfigError(
-            f"Trainer(elche=ElCheConfig(partition_ratios=...)) is honored on SYNC only, and the policy is {policy.name}: "
-            "CADENCE/ASYNC size partitions from measured throughput; drop partition_ratios or use policy=fa.Policy.SYNC"
+            "Trainer(elche=ElCheConfig(partition_ratios=...)) is honored on SYNC only, and the "
+            f"policy is {policy.name}: "
+            "CADENCE/ASYNC size partitions from measured throughput; drop partition_ratios or use "
+            "policy=fa.Policy.SYNC"
         )
     for knob in ("easgd_alpha", "max_overshoot"):
         if getattr(elche, knob) is not None and policy is not Policy.ASYNC:
             raise ConfigError(
-                f"Trainer(elche=ElCheConfig({knob}=...)) applies to ASYNC only, and the policy is {policy.name}; drop {knob} or use policy=fa.Policy.ASYNC"
+                f"Trainer(elche=ElCheConfig({knob}=...)) applies to ASYNC only, and the policy is "
+                f"{policy.name}; drop {knob} or use policy=fa.Policy.ASYNC"
             )
     if not isinstance(outer, _OUTER_TYPES):
-        raise ConfigError(f"Trainer(outer=...) must be fa.OuterAvg(), fa.SlowMo(...) or fa.DiLoCo(...); got {type(outer).__name__}")
+        raise ConfigError(
+            "Trainer(outer=...) must be fa.OuterAvg(), fa.SlowMo(...) or fa.DiLoCo(...); got "
+            f"{type(outer).__name__}"
+        )
     if not isinstance(checkpoint, Checkpointing):
-        raise ConfigError(f"Trainer(checkpoint=...) must be an fa.Checkpointing(...); got {type(checkpoint).__name__}")
+        raise ConfigError(
+            "Trainer(checkpoint=...) must be an fa.Checkpointing(...); got "
+            f"{type(checkpoint).__name__}"
+        )
 
 
 def _finite_positive(value: object) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+    return (
+        isinstance(value, int | float)
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and value > 0
+    )
 
 
-def _check_rest(*, cluster: object, rank_command: object, seed: object, max_grad_norm: object, heartbeat_timeout: object, name: object) -> None:
+def _check_rest(
+    *,
+    cluster: object,
+    rank_command: object,
+    seed: object,
+    max_grad_norm: object,
+    heartbeat_timeout: object,
+    name: object,
+) -> None:
     from ..config.cluster import ClusterSpec
 
     if cluster is not None and not isinstance(cluster, str | os.PathLike | ClusterSpec):
-        raise ConfigError(f"Trainer(cluster=...) must be a cluster file path or a ClusterSpec; got {type(cluster).__name__}")
+        raise ConfigError(
+            "Trainer(cluster=...) must be a cluster file path or a ClusterSpec; got "
+            f"{type(cluster).__name__}"
+        )
     if rank_command is not None and (
-        isinstance(rank_command, str) or not isinstance(rank_command, Sequence) or not rank_command or not all(isinstance(p, str) and p for p in rank_command)
+        isinstance(rank_command, str)
+        or not isinstance(rank_command, Sequence)
+        or not rank_command
+        or not all(isinstance(p, str) and p for p in rank_command)
     ):
-        raise ConfigError(f"Trainer(rank_command=...) must be a list of strings, e.g. [sys.executable, '-m', 'myapp.rank_entry']; got {rank_command!r}")
+        raise ConfigError(
+            "Trainer(rank_command=...) must be a list of strings, e.g. [sys.executable, '-m', "
+            f"'myapp.rank_entry']; got {rank_command!r}"
+        )
     if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
         raise ConfigError(f"Trainer(seed=...) must be a whole number of 0 or more; got {seed!r}")
     if max_grad_norm is not None and not _finite_positive(max_grad_norm):
-        raise ConfigError(f"Trainer(max_grad_norm=...) must be a positive number (or None for no clipping); got {max_grad_norm!r}")
+        raise ConfigError(
+            "Trainer(max_grad_norm=...) must be a positive number (or None for no clipping); got "
+            f"{max_grad_norm!r}"
+        )
     if not _finite_positive(heartbeat_timeout):
-        raise ConfigError(f"Trainer(heartbeat_timeout=...) must be a positive number of seconds; got {heartbeat_timeout!r}")
+        raise ConfigError(
+            "Trainer(heartbeat_timeout=...) must be a positive number of seconds; got "
+            f"{heartbeat_timeout!r}"
+        )
     if not isinstance(name, str):
         raise ConfigError(f"Trainer(name=...) must be a string; got {type(name).__name__}")
 
@@ -520,16 +620,27 @@ def _max_failure(value: MaxFailure | int | float | None) -> MaxFailure | None:
     if value is None or isinstance(value, MaxFailure):
         return value
     if isinstance(value, bool):
-        raise ConfigError(f"Trainer(max_failure=...) takes a count, a fraction or fa.MaxFailure(...); got {value!r}")
+        raise ConfigError(
+            "Trainer(max_failure=...) takes a count, a fraction or fa.MaxFailure(...); got "
+            f"{value!r}"
+        )
     if isinstance(value, int):
         if value < 1:
-            raise ConfigError(f"Trainer(max_failure={value}) must be at least 1 rank (or None to tolerate any partial loss)")
+            raise ConfigError(
+                f"Trainer(max_failure={value}) must be at least 1 rank (or None to tolerate any "
+                "partial loss)"
+            )
         return MaxFailure(absolute=value)
     if isinstance(value, float):
         if not 0.0 < value <= 1.0:
-            raise ConfigError(f"Trainer(max_failure={value}) as a fraction must be in (0, 1] of the world size")
+            raise ConfigError(
+                f"Trainer(max_failure={value}) as a fraction must be in (0, 1] of the world size"
+            )
         return MaxFailure(percent=value)
-    raise ConfigError(f"Trainer(max_failure=...) takes a count, a fraction or fa.MaxFailure(...); got {type(value).__name__}")
+    raise ConfigError(
+        "Trainer(max_failure=...) takes a count, a fraction or fa.MaxFailure(...); got "
+        f"{type(value).__name__}"
+    )
 
 
 # ----- INLINE ------------------------------------------------------------------------------------
@@ -565,7 +676,9 @@ class _InlineDriver:
 
         def train() -> Mapping[str, Any]:
             compute = Compute(config, default_device())
-            schedule = InlineSchedule(compute, epochs=trainer.epochs, publish=publish, stop=self._stop)
+            schedule = InlineSchedule(
+                compute, epochs=trainer.epochs, publish=publish, stop=self._stop
+            )
             return run_managed(compute, schedule)
 
         try:
@@ -573,7 +686,9 @@ class _InlineDriver:
         except ConfigError:
             raise
         except Exception as exc:
-            raise TrainingFailed(RunResult(exit_code=ExitCode.RANK_FAILURE, reason=f"this process raised {exc!r}")) from exc
+            raise TrainingFailed(
+                RunResult(exit_code=ExitCode.RANK_FAILURE, reason=f"this process raised {exc!r}")
+            ) from exc
         return _trained(fields, primary=True)
 
     def request_stop(self) -> None:
@@ -584,9 +699,11 @@ class _InlineDriver:
 
 
 async def _on_thread(fn: Callable[[], Any], *, name: str, on_cancel: Callable[[], None]) -> Any:
-    """Run ``fn`` on a new thread of its own (a whole training would hold a default-executor slot for its lifetime).
+    """Run ``fn`` on a new thread of its own (a whole training would hold a default-executor slot
+    for its lifetime).
 
-    Cancelled (the loop is closing), it calls ``on_cancel`` (a stop request) and waits for the thread to end.
+    Cancelled (the loop is closing), it calls ``on_cancel`` (a stop request) and waits for the
+    thread to end.
     """
     loop = asyncio.get_running_loop()
     done: asyncio.Future[Any] = loop.create_future()
@@ -604,7 +721,8 @@ async def _on_thread(fn: Callable[[], Any], *, name: str, on_cancel: Callable[[]
             outcome: tuple[bool, Any] = (True, fn())
         except BaseException as exc:  # handed to the awaiting task, which re-raises it
             outcome = (False, exc)
-        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: nobody awaits the outcome
+        # the loop closed meanwhile: nobody awaits the outcome
+        with contextlib.suppress(RuntimeError):
             loop.call_soon_threadsafe(settle, *outcome)
 
     thread = threading.Thread(target=body, name=name, daemon=True)
@@ -617,8 +735,10 @@ async def _on_thread(fn: Callable[[], Any], *, name: str, on_cancel: Callable[[]
             await asyncio.shield(done)
         raise
     finally:
-        # The thread still drops its frames (torch tensors, the model) after handing over the outcome; a
-        # daemon thread caught in torch's C++ at interpreter exit aborts the process ("terminate called").
+        # The thread still drops its frames (torch tensors, the model) after handing over the
+        # outcome; a
+        # daemon thread caught in torch's C++ at interpreter exit aborts the process ("terminate
+        # called").
         await loop.run_in_executor(None, thread.join)
 
 
@@ -627,20 +747,31 @@ def _inline_worker(trainer: Trainer) -> Worker:
 
     compute = Compute(trainer.compute_config(), default_device())
     inbox: collections.deque[EpochMetrics] = collections.deque()
-    schedule = InlineSchedule(compute, epochs=trainer.epochs, publish=inbox.append, stop=threading.Event())
-    return Worker(compute, schedule, primary=True, inbox=inbox, finish=lambda fields: _trained(fields, primary=True), close=lambda: None)
+    schedule = InlineSchedule(
+        compute, epochs=trainer.epochs, publish=inbox.append, stop=threading.Event()
+    )
+    return Worker(
+        compute,
+        schedule,
+        primary=True,
+        inbox=inbox,
+        finish=lambda fields: _trained(fields, primary=True),
+        close=lambda: None,
+    )
 
 
 # ----- roles that never train here ---------------------------------------------------------------
 
 
 def current_role() -> Role:
-    """This process's role, from the environment (for scripts that gate themselves before ``run()``)."""
+    """This process's role, from the environment (for scripts that gate themselves before
+    ``run()``)."""
     return detect_role(os.environ)
 
 
 def clean_exit(code: int) -> None:
-    """Flush stdout/stderr and ``os._exit(code)``: skip interpreter teardown (torch's costs 0.3-0.5 s)."""
+    """Flush stdout/stderr and ``os._exit(code)``: skip interpreter teardown (torch's costs 0.3-0.5
+    s)."""
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
             stream.flush()
@@ -666,6 +797,10 @@ def exit_if_worker_role() -> None:
     except ValueError:
         args = None
     if not isinstance(args, list) or not all(isinstance(a, str) for a in args):
-        print(f"flodl: {AGENT_VAR} must hold the flodl-agent arguments as a JSON list of strings; got {env[AGENT_VAR]!r}", file=sys.stderr)
+        print(
+            f"flodl: {AGENT_VAR} must hold the flodl-agent arguments as a JSON list of strings; "
+            f"got {env[AGENT_VAR]!r}",
+            file=sys.stderr,
+        )
         clean_exit(int(ExitCode.USAGE))
     clean_exit(agent_main(args))

@@ -32,11 +32,18 @@ class Entry(enum.Enum):
     AGENT = "agent"
 
 
-_BY_ROLE: dict[Role, Entry] = {Role.RANK: Entry.RANK, Role.AGENT: Entry.AGENT, Role.CONTROLLER: Entry.LAUNCHER}
+_BY_ROLE: dict[Role, Entry] = {
+    Role.RANK: Entry.RANK,
+    Role.AGENT: Entry.AGENT,
+    Role.CONTROLLER: Entry.LAUNCHER,
+}
 
 
-def decide_entry(env: Mapping[str, str], *, cluster_given: bool, auto_promote: bool, visible_gpus: int) -> Entry:
-    """The entry for this process (the §1.5 table); an inconsistent role environment raises ``RoleError``.
+def decide_entry(
+    env: Mapping[str, str], *, cluster_given: bool, auto_promote: bool, visible_gpus: int
+) -> Entry:
+    """The entry for this process (the §1.5 table); an inconsistent role environment raises
+    ``RoleError``.
 
     A rank or agent never promotes, whatever else is set: a child re-entering the script must never
     re-promote (its environment would name two roles and the cohort would die at dispatch).
@@ -50,10 +57,14 @@ def decide_entry(env: Mapping[str, str], *, cluster_given: bool, auto_promote: b
     return Entry.INLINE
 
 
-def count_visible_gpus(env: Mapping[str, str], *, device_nodes: Callable[[], int] | None = None) -> int:
-    """GPUs this process may use, without touching CUDA: the device nodes, within ``CUDA_VISIBLE_DEVICES`` (:mod:`flodl_async.host.gpus`).
+def count_visible_gpus(
+    env: Mapping[str, str], *, device_nodes: Callable[[], int] | None = None
+) -> int:
+    """GPUs this process may use, without touching CUDA: the device nodes, within
+    ``CUDA_VISIBLE_DEVICES`` (:mod:`flodl_async.host.gpus`).
 
-    The mask is read as CUDA reads it (empty or ``-1`` means none; it stops at the first invalid entry).
+    The mask is read as CUDA reads it (empty or ``-1`` means none; it stops at the first invalid
+    entry).
     """
     from ..host.gpus import MASK_VARIABLE, physical_gpu_count, visible_gpus
 
@@ -61,23 +72,31 @@ def count_visible_gpus(env: Mapping[str, str], *, device_nodes: Callable[[], int
     return len(visible_gpus(env.get(MASK_VARIABLE), physical))
 
 
-def resolve_rank_command(orig_argv: Sequence[str], executable: str, *, given: Sequence[str] | None = None) -> tuple[str, ...]:
+def resolve_rank_command(
+    orig_argv: Sequence[str], executable: str, *, given: Sequence[str] | None = None
+) -> tuple[str, ...]:
     """What the ranks run: ``given``, else this interpreter re-running what it was started with.
 
     ``sys.orig_argv`` keeps ``-m pkg.mod`` and ``-X`` flags. A program started from ``-c``, the
-    interactive prompt or a notebook cannot be re-executed: that is a :class:`ConfigError` saying what to do.
+    interactive prompt or a notebook cannot be re-executed: that is a :class:`ConfigError` saying
+    what to do.
     """
     if given is not None:
         command = tuple(given)
         if not command or not all(isinstance(part, str) and part for part in command):
-            raise ConfigError(f"Trainer(rank_command=...) must be a non-empty list of non-empty strings (got {list(given)!r})")
+            raise ConfigError(
+                "Trainer(rank_command=...) must be a non-empty list of non-empty strings (got "
+                f"{list(given)!r})"
+            )
         return command
     args = list(orig_argv[1:])
     what = _started_from(args)
     if what is not None:
         raise ConfigError(
-            f"promoting to a launcher re-executes this program as the ranks, but it was started from {what}; "
-            "run it as `python train.py`, pass Trainer(rank_command=[...]), or Trainer(auto_promote=False) to train on one device"
+            "promoting to a launcher re-executes this program as the ranks, but it was started "
+            f"from {what}; "
+            "run it as `python train.py`, pass Trainer(rank_command=[...]), or "
+            "Trainer(auto_promote=False) to train on one device"
         )
     return (executable, *args)
 

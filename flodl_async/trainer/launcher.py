@@ -1,4 +1,5 @@
-"""The Trainer's launcher role: the controller on the caller's event loop, this program re-executed as the ranks (D6).
+"""The Trainer's launcher role: the controller on the caller's event loop, this program re-executed
+as the ranks (D6).
 
 Theory of operation. A script whose Trainer has ``cluster=`` (or that sees 2+
 GPUs, or runs with ``FLODL_INTERNAL_CLUSTER_SPEC``) becomes the launcher: it
@@ -53,7 +54,8 @@ log = logging.getLogger("flodl_async.cli.launch")
 
 
 def cluster_of(trainer: Trainer, env: dict[str, str] | os._Environ[str]) -> ClusterSpec:
-    """The cluster this launcher runs: ``cluster=``, else ``FLODL_INTERNAL_CLUSTER_SPEC``, else one host over its visible GPUs."""
+    """The cluster this launcher runs: ``cluster=``, else ``FLODL_INTERNAL_CLUSTER_SPEC``, else one
+    host over its visible GPUs."""
     from ..cli.launch import this_machine
 
     local = this_machine().names
@@ -67,10 +69,15 @@ def cluster_of(trainer: Trainer, env: dict[str, str] | os._Environ[str]) -> Clus
         return load_cluster(path, local_names=local)
     gpus = count_visible_gpus(env)
     if gpus < 2:
-        raise ConfigError(f"auto-promote multi-GPU failed: {gpus} visible GPU(s); pass Trainer(cluster=...) or Trainer(auto_promote=False)")
+        raise ConfigError(
+            f"auto-promote multi-GPU failed: {gpus} visible GPU(s); pass Trainer(cluster=...) or "
+            "Trainer(auto_promote=False)"
+        )
     return ClusterSpec(
         controller=_one_host_controller(),
-        workers=(WorkerSpec(host=socket.gethostname(), devices=DeviceSpec.gpus(tuple(range(gpus)))),),
+        workers=(
+            WorkerSpec(host=socket.gethostname(), devices=DeviceSpec.gpus(tuple(range(gpus)))),
+        ),
         source="auto-promote",
     )
 
@@ -81,13 +88,22 @@ def _one_host_controller() -> Any:
     return ControllerSpec(host="127.0.0.1", port=0, join=JoinKnobs(join_timeout=60.0))
 
 
-def launch_plan(trainer: Trainer, spec: ClusterSpec, *, argv: list[str], executable: str, run_id: str | None = None) -> LaunchPlan:
-    """The launch plan of a Trainer launcher: ``flodl-launch``'s, with this program as the ranks' command."""
+def launch_plan(
+    trainer: Trainer,
+    spec: ClusterSpec,
+    *,
+    argv: list[str],
+    executable: str,
+    run_id: str | None = None,
+) -> LaunchPlan:
+    """The launch plan of a Trainer launcher: ``flodl-launch``'s, with this program as the ranks'
+    command."""
     from ..cli.launch import _cluster_token, placement_of, this_machine
 
     if trainer.backend is not Backend.CPU and any(w.tunnel for w in spec.workers):
         raise ConfigError(
-            f"{spec.source}: workers with `tunnel: true` need Trainer(backend=fa.Backend.CPU) — a tunnel carries no rank-to-rank "
+            f"{spec.source}: workers with `tunnel: true` need Trainer(backend=fa.Backend.CPU) — a "
+            "tunnel carries no rank-to-rank "
             "collective traffic; drop the tunnel or use the CPU backend"
         )
     command = resolve_rank_command(argv, executable, given=trainer.rank_command)
@@ -100,7 +116,9 @@ def launch_plan(trainer: Trainer, spec: ClusterSpec, *, argv: list[str], executa
         bind_host=spec.bind_host(aliases.names),
         port=spec.controller.port,
         join=spec.controller.join.resolve(capacity, scale=deadlines.scale),
-        workers=tuple(PlacedWorker(spec=w, placement=placement_of(w, aliases.names)) for w in spec.workers),
+        workers=tuple(
+            PlacedWorker(spec=w, placement=placement_of(w, aliases.names)) for w in spec.workers
+        ),
         command=command,
         cluster_env={**spec.env, LAUNCHER_PRIMARY_VAR: "1"},
         deadlines=deadlines,
@@ -111,7 +129,8 @@ def launch_plan(trainer: Trainer, spec: ClusterSpec, *, argv: list[str], executa
 
 
 def _configure_logging() -> None:
-    """A script that set up no logging still sees the launcher's lines (as ``flodl-launch`` prints them)."""
+    """A script that set up no logging still sees the launcher's lines (as ``flodl-launch`` prints
+    them)."""
     root = logging.getLogger("flodl_async")
     if root.handlers or logging.getLogger().handlers:
         return
@@ -131,7 +150,13 @@ class LauncherDriver:
         self._trainer = trainer
         spec = cluster_of(trainer, os.environ)
         # FLODL_RUN_ID names the run when an outer tool (or a test) wants to find its processes.
-        self.plan = launch_plan(trainer, spec, argv=list(sys.orig_argv), executable=sys.executable, run_id=os.environ.get(RUN_ID_VAR) or None)
+        self.plan = launch_plan(
+            trainer,
+            spec,
+            argv=list(sys.orig_argv),
+            executable=sys.executable,
+            run_id=os.environ.get(RUN_ID_VAR) or None,
+        )
         self.run_id = self.plan.run_id
         self._controller: Controller | None = None
         self._stop_requested = False
@@ -150,18 +175,24 @@ class LauncherDriver:
         loop = asyncio.get_running_loop()
         # Ctrl-C too: left to asyncio.run, SIGINT cancels the main task, and the loop's shutdown
         # then cancels every task, the controller's own, before any round could end in order.
-        handled = [h for sig in (signal.SIGINT, signal.SIGTERM) if (h := _add_signal_handler(loop, sig, self._on_stop_signal)) is not None]
+        handled = [
+            h
+            for sig in (signal.SIGINT, signal.SIGTERM)
+            if (h := _add_signal_handler(loop, sig, self._on_stop_signal)) is not None
+        ]
         registration: Registration | None = None
         try:
             await controller.bind()
             registration = _announce(plan, controller.port)
-            # Not in a TaskGroup: a cancelled run() must keep the controller going until it stops in order
+            # Not in a TaskGroup: a cancelled run() must keep the controller going until it stops in
+            # order
             # (below); this coroutine awaits the task on every path, so it is the task's owner.
             task = loop.create_task(controller.run(), name=f"trainer-controller-{plan.run_id}")
             try:
                 result = await asyncio.shield(task)
             except asyncio.CancelledError:
-                # The loop is closing (or our task was cancelled): stop in order, wait for the verdict, then go.
+                # The loop is closing (or our task was cancelled): stop in order, wait for the
+                # verdict, then go.
                 self.request_stop()
                 with contextlib.suppress(Exception):
                     await asyncio.shield(task)
@@ -171,14 +202,17 @@ class LauncherDriver:
                 registration.remove()
             for sig, before in handled:
                 loop.remove_signal_handler(sig)
-                if before is not None:  # None: a handler not set from Python, which cannot be put back
-                    signal.signal(sig, before)  # asyncio.run's own SIGINT handler, say, not the default one
+                # None: a handler not set from Python, which cannot be put back
+                if before is not None:
+                    # asyncio.run's own SIGINT handler, say, not the default one
+                    signal.signal(sig, before)
             await controller.aclose()
             output.close()
         return final_state(attachment, result)
 
     def request_stop(self) -> None:
-        """Ask the coordinator for an orderly end, once: every later request (a cancellation on the same path) waits for it."""
+        """Ask the coordinator for an orderly end, once: every later request (a cancellation on the
+        same path) waits for it."""
         self._stop_in_order("the launcher's TrainingRun.shutdown()", signal.SIGTERM)
 
     def _stop_in_order(self, why: str, sig: signal.Signals) -> None:
@@ -189,12 +223,14 @@ class LauncherDriver:
         request_orderly_stop(controller, why, sig)
 
     def _on_stop_signal(self, sig: signal.Signals) -> None:
-        """SIGINT or SIGTERM: the first asks for the orderly end, a second forces it (the signal table)."""
+        """SIGINT or SIGTERM: the first asks for the orderly end, a second forces it (the signal
+        table)."""
         self._stop_signals += 1
         if self._stop_signals == 1:
             self._stop_in_order(f"the launcher got {sig.name}", sig)
         else:
-            self.force_stop()  # the controller says so ("second SIGTERM: forcing the stop (KILL now)")
+            # the controller says so ("second SIGTERM: forcing the stop (KILL now)")
+            self.force_stop()
 
     def force_stop(self) -> None:
         controller = self._controller
@@ -204,7 +240,8 @@ class LauncherDriver:
 
 
 def _announce(plan: LaunchPlan, port: int) -> Registration | None:
-    """``flodl-launch``'s banner (where the status answers), and the entry that lets ``flodl ps`` / a bare ``flodl status`` find this run."""
+    """``flodl-launch``'s banner (where the status answers), and the entry that lets ``flodl ps`` /
+    a bare ``flodl status`` find this run."""
     from ..cli.launch import banner, status_host, warn_oversubscribed
     from ..host.runs import register
 
@@ -217,8 +254,11 @@ def _announce(plan: LaunchPlan, port: int) -> Registration | None:
         return None
 
 
-def _add_signal_handler(loop: asyncio.AbstractEventLoop, sig: signal.Signals, callback: Callable[[signal.Signals], None]) -> tuple[signal.Signals, Any] | None:
-    """Install ``callback(sig)`` for ``sig`` when this loop can (the main thread's loop only); returns the handler it replaced.
+def _add_signal_handler(
+    loop: asyncio.AbstractEventLoop, sig: signal.Signals, callback: Callable[[signal.Signals], None]
+) -> tuple[signal.Signals, Any] | None:
+    """Install ``callback(sig)`` for ``sig`` when this loop can (the main thread's loop only);
+    returns the handler it replaced.
 
     An application that gave the loop its own handler for ``sig`` keeps it: the loop holds one
     handler per signal, and ours would replace it for good (removing ours cannot give it back).
@@ -234,11 +274,13 @@ def _add_signal_handler(loop: asyncio.AbstractEventLoop, sig: signal.Signals, ca
     return sig, before
 
 
-# ----- the controller's training shell (controller/training.py): what the launcher reads of it ---------
+# ----- the controller's training shell (controller/training.py): what the launcher reads of it
+# ---------
 
 
 def request_orderly_stop(controller: Controller, why: str, sig: signal.Signals) -> None:
-    """Ask the coordinator for a stop with a final round (no signal reaches a rank for it); before it exists, stop the run with ``sig``."""
+    """Ask the coordinator for a stop with a final round (no signal reaches a rank for it); before
+    it exists, stop the run with ``sig``."""
     from ..controller import training
 
     if not training.request_stop(controller, why):
@@ -246,16 +288,23 @@ def request_orderly_stop(controller: Controller, why: str, sig: signal.Signals) 
 
 
 def final_state(attachment: TrainerAttachment, result: RunResult) -> TrainedState:
-    """The launcher's ``TrainedState``: the final consensus the controller kept, or ``TrainingFailed`` with the verdict."""
+    """The launcher's ``TrainedState``: the final consensus the controller kept, or
+    ``TrainingFailed`` with the verdict."""
     from .api import TrainedState
 
     outcome = attachment.outcome()
-    stopped = result.exit_code in (ExitCode.INTERRUPTED, ExitCode.TERMINATED) and outcome is not None and outcome.ok
+    stopped = (
+        result.exit_code in (ExitCode.INTERRUPTED, ExitCode.TERMINATED)
+        and outcome is not None
+        and outcome.ok
+    )
     if result.exit_code is not ExitCode.OK and not stopped:
         raise TrainingFailed(result)
     if outcome is None or outcome.state_dict is None:
         reason = f"{result.reason}, but the launcher holds no final consensus"
-        raise TrainingFailed(RunResult(exit_code=ExitCode.INTERNAL, reason=reason, details=result.details))
+        raise TrainingFailed(
+            RunResult(exit_code=ExitCode.INTERNAL, reason=reason, details=result.details)
+        )
     return TrainedState(
         state_dict=outcome.state_dict,
         param_names=outcome.param_names,

@@ -1,4 +1,5 @@
-"""A Trainer rank: the link thread that speaks to the coordinator, and the schedule the compute side follows.
+"""A Trainer rank: the link thread that speaks to the coordinator, and the schedule the compute side
+follows.
 
 Theory of operation (spec §2.1, D5). Networking runs on a **link thread** with
 its own event loop, so heartbeats flow while a batch computes: it dials the
@@ -37,7 +38,15 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..deadlines import timeout_scale
-from ..errors import ConfigError, ConnectionClosed, CoordinatorLost, FlodlError, TrainingFailed, TrainingStopped, WireError
+from ..errors import (
+    ConfigError,
+    ConnectionClosed,
+    CoordinatorLost,
+    FlodlError,
+    TrainingFailed,
+    TrainingStopped,
+    WireError,
+)
 from ..training.metrics import EpochMetrics
 from ..training.policy import Backend, Policy
 from ..verdict import ExitCode, RunResult
@@ -57,7 +66,8 @@ log = logging.getLogger("flodl_async.relay.ranklink")
 HEARTBEAT_INTERVAL = 1.0
 #: The coordinator must welcome a rank within this (scaled): it waits for every rank's hello.
 WELCOME_TIMEOUT = 150.0
-#: A contribution's consensus must arrive within this (scaled), the coordinator's stall ceiling (§2.7).
+#: A contribution's consensus must arrive within this (scaled), the coordinator's stall ceiling
+#: (§2.7).
 REDUCE_DEADLINE = 120.0
 #: ``Shutdown.save_reason`` values that end a run normally; any other is a failure.
 _NORMAL_ENDS = frozenset({"", "completed", "graceful_shutdown"})
@@ -72,7 +82,8 @@ class _Lost:
 
 @dataclass(frozen=True, slots=True)
 class _Woken:
-    """An ASYNC contribution's consensus arrived (the compute side blends it at its next step boundary)."""
+    """An ASYNC contribution's consensus arrived (the compute side blends it at its next step
+    boundary)."""
 
 
 _Inbound = Message | _Lost | _Woken
@@ -81,7 +92,14 @@ _Inbound = Message | _Lost | _Woken
 class LinkThread:
     """The rank's links (control and data) on a thread of their own, with their own event loop."""
 
-    def __init__(self, *, hello: m.TrainerHello, schema: ModelSchema, heartbeat_timeout: float, env: Mapping[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        hello: m.TrainerHello,
+        schema: ModelSchema,
+        heartbeat_timeout: float,
+        env: Mapping[str, str] | None = None,
+    ) -> None:
         self._hello = hello
         self._schema = schema
         self._env = dict(os.environ if env is None else env)
@@ -119,10 +137,19 @@ class LinkThread:
             with contextlib.suppress(RuntimeError):
                 loop.call_soon_threadsafe(self._send_now, msg)
 
-    def contribute(self, round_: int, kind: str, tensors: dict[str, torch.Tensor] | None, steps: int, weight: float) -> concurrent.futures.Future[Any]:
+    def contribute(
+        self,
+        round_: int,
+        kind: str,
+        tensors: dict[str, torch.Tensor] | None,
+        steps: int,
+        weight: float,
+    ) -> concurrent.futures.Future[Any]:
         """Submit a contribution; the future holds the round's ``ConsensusResult``."""
         assert self._loop is not None
-        return asyncio.run_coroutine_threadsafe(self._data.contribute(round_, kind, tensors, steps, weight), self._loop)
+        return asyncio.run_coroutine_threadsafe(
+            self._data.contribute(round_, kind, tensors, steps, weight), self._loop
+        )
 
     def receive(self, round_: int) -> concurrent.futures.Future[Any]:
         """Wait for a round's consensus without contributing (``from_controller`` rounds)."""
@@ -151,7 +178,13 @@ class LinkThread:
                 if not self._started.is_set():
                     self._failure = exc
                 else:
-                    self.inbox.put(_Lost(exc if isinstance(exc, FlodlError) else CoordinatorLost(f"the rank's link thread failed: {exc!r}")))
+                    self.inbox.put(
+                        _Lost(
+                            exc
+                            if isinstance(exc, FlodlError)
+                            else CoordinatorLost(f"the rank's link thread failed: {exc!r}")
+                        )
+                    )
             finally:
                 self._started.set()
 
@@ -171,7 +204,9 @@ class LinkThread:
             try:
                 self._link.send(self._hello)
                 welcome = await self._await_welcome()
-                self._data = await DataLink.connect(self._link.spec, self.rank, self._schema, self._hello.digest)
+                self._data = await DataLink.connect(
+                    self._link.spec, self.rank, self._schema, self._hello.digest
+                )
                 self._welcome = welcome  # only once both links are up
             except BaseException:
                 await self._link.aclose()
@@ -213,11 +248,25 @@ class LinkThread:
                     continue  # the echo: a sign of life, and nothing else
                 self.inbox.put(msg)
         except TimeoutError:
-            self.inbox.put(_Lost(CoordinatorLost(f"rank {self.rank}: nothing from the coordinator for {self._silence:g}s (it is frozen, gone or cut off)")))
+            self.inbox.put(
+                _Lost(
+                    CoordinatorLost(
+                        f"rank {self.rank}: nothing from the coordinator for {self._silence:g}s "
+                        "(it is frozen, gone or cut off)"
+                    )
+                )
+            )
         except (ConnectionClosed, WireError) as exc:
             assert self._closing is not None
             if not self._closing.is_set():
-                self.inbox.put(_Lost(CoordinatorLost(f"rank {self.rank}: the link to the relay closed ({exc}); the agent or the controller is gone")))
+                self.inbox.put(
+                    _Lost(
+                        CoordinatorLost(
+                            f"rank {self.rank}: the link to the relay closed ({exc}); the agent or "
+                            "the controller is gone"
+                        )
+                    )
+                )
         assert self._closing is not None
         await self._closing.wait()
 
@@ -305,12 +354,14 @@ class RankSchedule:
                 self._apply_outstanding(wait=True)
                 return None
             if not self._initialized or self._final_round:
-                self._drain(block=True)  # before INIT nothing may train; after the final round nothing must
+                # before INIT nothing may train; after the final round nothing must
+                self._drain(block=True)
                 continue
             current = self._current_plan()
             if current is not None and self._window_due(current):
                 self._report_window(current.plan)
-                continue  # what the report brings (a Reduce, a next plan) is handled before the next batch
+                # what the report brings (a Reduce, a next plan) is handled before the next batch
+                continue
             if current is None or current.exhausted or self._holding():
                 self._drain(block=True)
                 continue
@@ -344,12 +395,15 @@ class RankSchedule:
 
     def fail(self, exc: BaseException) -> None:
         text = "".join(traceback.format_exception(exc)).strip()
-        self._link.close(m.Exiting(rank=self.rank, reason=f"{type(exc).__name__}: {exc}", error=text))
+        self._link.close(
+            m.Exiting(rank=self.rank, reason=f"{type(exc).__name__}: {exc}", error=text)
+        )
 
     # ----- plans, windows, holds -----------------------------------------------------------------
 
     def _current_plan(self) -> _PlanState | None:
-        """The plan being trained; a finished plan whose window is reported gives way to the next one."""
+        """The plan being trained; a finished plan whose window is reported gives way to the next
+        one."""
         while self._plans and self._plans[0].exhausted and len(self._plans) > 1:
             if not self._window_sent and self._plans[0].plan.round == self._window_round:
                 self._report_window(self._plans[0].plan)
@@ -358,7 +412,8 @@ class RankSchedule:
         return self._plans[0] if self._plans else None
 
     def _window_due(self, current: _PlanState) -> bool:
-        """Report now: the quota is reached, or the planned data ran out with steps unreported; a window planned empty at once.
+        """Report now: the quota is reached, or the planned data ran out with steps unreported; a
+        window planned empty at once.
 
         Nothing else is reported: a SYNC rank past its slice with everything reported is exempt from
         the gate, and under CADENCE the next plan may simply not have arrived yet (it rides the
@@ -387,7 +442,8 @@ class RankSchedule:
         return held or (self._outstanding is not None and current.exhausted)
 
     def _report_window(self, plan: m.Plan) -> None:
-        # Everything trained since the last report (under SYNC that includes the steps past the quota).
+        # Everything trained since the last report (under SYNC that includes the steps past the
+        # quota).
         stats = self._stats.take() if self._stats is not None else WindowStats()
         self._window_sent = True
         self._link.send(
@@ -422,7 +478,13 @@ class RankSchedule:
                 return
 
     def _handle(self, item: _Inbound) -> None:
-        log.debug("rank %d: %r (window %d, %d steps in it)", self.rank, item, self._window_round, self._window_steps)
+        log.debug(
+            "rank %d: %r (window %d, %d steps in it)",
+            self.rank,
+            item,
+            self._window_round,
+            self._window_steps,
+        )
         if isinstance(item, _Lost):
             raise item.error
         if isinstance(item, _Woken):
@@ -451,7 +513,12 @@ class RankSchedule:
     def _on_dead(self, msg: Message) -> None:
         assert isinstance(msg, m.DeclareDead)
         self._lost.add(msg.dead_rank)
-        log.warning("rank %d: the coordinator declared rank %d lost: %s", self.rank, msg.dead_rank, msg.reason)
+        log.warning(
+            "rank %d: the coordinator declared rank %d lost: %s",
+            self.rank,
+            msg.dead_rank,
+            msg.reason,
+        )
 
     def _on_shutdown(self, msg: Message) -> None:
         assert isinstance(msg, m.Shutdown)
@@ -484,15 +551,18 @@ class RankSchedule:
 
     def _cpu_reduce(self, reduce: m.Reduce, steps: int) -> None:
         kind = reduce.kind
-        if reduce.from_controller:  # the controller holds the consensus (natural end, resume): only wait for it
+        # the controller holds the consensus (natural end, resume): only wait for it
+        if reduce.from_controller:
             self._apply(self._wait(self._link.receive(reduce.round)), blend=False)
             return
         if kind in ("init", "upload"):
-            # init: the root's state seeds every rank; upload (COLLECTIVE): the ranks agree, rank 0's copy
+            # init: the root's state seeds every rank; upload (COLLECTIVE): the ranks agree, rank
+            # 0's copy
             # goes to the controller. Either way the others send an empty contribution and wait.
             tensors, weight = (self._tensors(copy=False), 1.0) if self.rank == 0 else (None, 0.0)
         elif kind == "final" and self._policy is Policy.ASYNC:
-            tensors, weight = self._tensors(copy=False), 1.0  # ASYNC locals differ on purpose: the final round is a plain mean
+            # ASYNC locals differ on purpose: the final round is a plain mean
+            tensors, weight = self._tensors(copy=False), 1.0
         else:
             weight = float(steps) ** self._gamma if steps > 0 else 0.0
             tensors = self._tensors(copy=self._policy is Policy.ASYNC and kind == "model")
@@ -508,9 +578,13 @@ class RankSchedule:
         try:
             return future.result(timeout=self._deadline)
         except concurrent.futures.TimeoutError:
-            raise CoordinatorLost(f"rank {self.rank}: no consensus within {self._deadline:g}s (the reduce stalled)") from None
+            raise CoordinatorLost(
+                f"rank {self.rank}: no consensus within {self._deadline:g}s (the reduce stalled)"
+            ) from None
         except (ConnectionClosed, WireError) as exc:
-            raise CoordinatorLost(f"rank {self.rank}: the data link closed while waiting for a consensus ({exc})") from None
+            raise CoordinatorLost(
+                f"rank {self.rank}: the data link closed while waiting for a consensus ({exc})"
+            ) from None
 
     def _apply_outstanding(self, *, wait: bool) -> None:
         future = self._outstanding
@@ -520,7 +594,8 @@ class RankSchedule:
         self._apply(self._wait(future), blend=True)
 
     def _tensors(self, *, copy: bool) -> dict[str, torch.Tensor]:
-        """This rank's state in schema order, on CPU (views of the live CPU tensors unless ``copy``)."""
+        """This rank's state in schema order, on CPU (views of the live CPU tensors unless
+        ``copy``)."""
         state = self._compute.model.state_dict()
         out = {}
         for name in self._schema.names:
@@ -529,7 +604,8 @@ class RankSchedule:
         return out
 
     def _apply(self, result: Any, *, blend: bool) -> None:
-        """Adopt a consensus: overwrite (SYNC/CADENCE, init, final) or EASGD-blend (ASYNC model rounds); mass 0 keeps local state."""
+        """Adopt a consensus: overwrite (SYNC/CADENCE, init, final) or EASGD-blend (ASYNC model
+        rounds); mass 0 keeps local state."""
         import torch
 
         if result.mass <= 0 or not result.tensors:
@@ -553,7 +629,8 @@ class RankSchedule:
         self._divergence = 0.0 if post < 1e-10 else math.sqrt(diff_sq) / post
 
     def _collective_reduce(self, reduce: m.Reduce, steps: int) -> None:
-        """COLLECTIVE (§2.10): torch.distributed in place, the outer step replicated on every rank; ``ReduceDone`` up."""
+        """COLLECTIVE (§2.10): torch.distributed in place, the outer step replicated on every rank;
+        ``ReduceDone`` up."""
         import torch
         import torch.distributed as dist
 
@@ -577,10 +654,18 @@ class RankSchedule:
                         else:
                             acc = t.double().mul_(w / mass)
                             dist.all_reduce(acc)
-                            t.copy_(torch.round(acc).to(t.dtype))  # round half to even, as the CPU reducer
+                            # round half to even, as the CPU reducer
+                            t.copy_(torch.round(acc).to(t.dtype))
                     if reduce.kind == "model":
                         self._outer_step()
-        self._link.send(m.ReduceDone(rank=self.rank, round=reduce.round, mass=mass, ms=(time.perf_counter() - started) * 1e3))
+        self._link.send(
+            m.ReduceDone(
+                rank=self.rank,
+                round=reduce.round,
+                mass=mass,
+                ms=(time.perf_counter() - started) * 1e3,
+            )
+        )
 
     def _outer_step(self) -> None:
         from ..training.outer import OuterAvg, OuterStepper
@@ -610,7 +695,8 @@ _INBOUND: dict[type[Message], Callable[[RankSchedule, Message], None]] = {
 }
 
 
-# ----- the rank's session: hello, compute, goodbye -------------------------------------------------
+# ----- the rank's session: hello, compute, goodbye
+# -------------------------------------------------
 
 
 @dataclass(slots=True)
@@ -623,7 +709,8 @@ class _Session:
 
 
 def _open_session(trainer: Trainer, publish: Callable[[EpochMetrics], None]) -> _Session:
-    """Build the model on this rank's device, say hello, wait for the welcome (compute side, blocking)."""
+    """Build the model on this rank's device, say hello, wait for the welcome (compute side,
+    blocking)."""
     from ..training.modelschema import ModelSchema
 
     env = os.environ
@@ -632,17 +719,29 @@ def _open_session(trainer: Trainer, publish: Callable[[EpochMetrics], None]) -> 
     compute = Compute(trainer.compute_config(), device)
     schema = ModelSchema.from_module(compute.model)
     spec_wire, digest = trainer.spec_wire_and_digest(schema)
-    hello = m.TrainerHello(rank=rank, spec=spec_wire, digest=digest, model=schema.to_wire(), model_bytes=schema.model_bytes, device=str(device))
+    hello = m.TrainerHello(
+        rank=rank,
+        spec=spec_wire,
+        digest=digest,
+        model=schema.to_wire(),
+        model_bytes=schema.model_bytes,
+        device=str(device),
+    )
     link = LinkThread(hello=hello, schema=schema, heartbeat_timeout=trainer.heartbeat_timeout)
     welcome = link.start()
     try:
         if trainer.backend is Backend.COLLECTIVE:
             _init_process_group(device)
-        schedule = RankSchedule(compute, link, welcome=welcome, trainer=trainer, schema=schema, publish=publish)
+        schedule = RankSchedule(
+            compute, link, welcome=welcome, trainer=trainer, schema=schema, publish=publish
+        )
     except BaseException:
-        link.close(None)  # the links are up: a failed start must not leave them (and their thread) open
+        # the links are up: a failed start must not leave them (and their thread) open
+        link.close(None)
         raise
-    return _Session(compute=compute, link=link, schedule=schedule, rank=rank, primary=rank_is_primary(env))
+    return _Session(
+        compute=compute, link=link, schedule=schedule, rank=rank, primary=rank_is_primary(env)
+    )
 
 
 def _init_process_group(device: torch.device) -> None:
@@ -696,17 +795,27 @@ class RankDriver:
             return fields, session.primary
 
         try:
-            fields, primary = await _on_thread(train, name="flodl-compute", on_cancel=self.request_stop)
+            fields, primary = await _on_thread(
+                train, name="flodl-compute", on_cancel=self.request_stop
+            )
         except (ConfigError, TrainingStopped, CoordinatorLost):
             raise
         except FlodlError as exc:
-            raise TrainingFailed(RunResult(exit_code=ExitCode.RANK_FAILURE, reason=str(exc))) from exc
+            raise TrainingFailed(
+                RunResult(exit_code=ExitCode.RANK_FAILURE, reason=str(exc))
+            ) from exc
         except Exception as exc:
-            raise TrainingFailed(RunResult(exit_code=ExitCode.RANK_FAILURE, reason=f"rank {os.environ.get('RANK')} raised {exc!r}")) from exc
+            raise TrainingFailed(
+                RunResult(
+                    exit_code=ExitCode.RANK_FAILURE,
+                    reason=f"rank {os.environ.get('RANK')} raised {exc!r}",
+                )
+            ) from exc
         return _trained(fields, primary=primary)
 
     def request_stop(self) -> None:
-        """A rank does not stop on its own: the coordinator decides (a signal reaches the launcher first)."""
+        """A rank does not stop on its own: the coordinator decides (a signal reaches the launcher
+        first)."""
 
     def force_stop(self) -> None:
         """Forcing a rank is the agent's business (TERM, then KILL)."""
@@ -723,4 +832,11 @@ def rank_worker(trainer: Trainer) -> Worker:
         session.link.close(m.Exiting(rank=session.rank, reason="done"))
         return _trained(fields, primary=session.primary)
 
-    return Worker(session.compute, session.schedule, primary=session.primary, inbox=inbox, finish=finish, close=lambda: _close_session(session, None))
+    return Worker(
+        session.compute,
+        session.schedule,
+        primary=session.primary,
+        inbox=inbox,
+        finish=finish,
+        close=lambda: _close_session(session, None),
+    )

@@ -1,4 +1,5 @@
-"""The compute side of a Trainer process: what a step is, which batch comes next, and the cooperative ``Worker``.
+"""The compute side of a Trainer process: what a step is, which batch comes next, and the
+cooperative ``Worker``.
 
 Theory of operation. :class:`Compute` owns one process's model, optimizer and
 dataset: it fetches a batch (``__getitems__`` when the dataset has it, else one
@@ -40,7 +41,8 @@ _sink = threading.local()
 
 
 def record_scalar(name: str, value: float) -> None:
-    """Record a named scalar from inside ``train_step``; it is averaged per epoch over every rank's records.
+    """Record a named scalar from inside ``train_step``; it is averaged per epoch over every rank's
+    records.
 
     Outside a Trainer's step it is ignored (a script can call it unconditionally).
     """
@@ -84,22 +86,40 @@ class WindowStats:
 
     def take(self) -> WindowStats:
         """A copy of what was gathered, and start again from zero."""
-        taken = WindowStats(self.batches, self.samples, self.compute_ms, self.data_ms, self.loss_sum, dict(self.scalar_sums), dict(self.scalar_counts))
-        self.batches, self.samples, self.compute_ms, self.data_ms, self.loss_sum = 0, 0, 0.0, 0.0, 0.0
+        taken = WindowStats(
+            self.batches,
+            self.samples,
+            self.compute_ms,
+            self.data_ms,
+            self.loss_sum,
+            dict(self.scalar_sums),
+            dict(self.scalar_counts),
+        )
+        self.batches, self.samples, self.compute_ms, self.data_ms, self.loss_sum = (
+            0,
+            0,
+            0.0,
+            0.0,
+            0.0,
+        )
         self.scalar_sums.clear()
         self.scalar_counts.clear()
         return taken
 
 
-def fetch_batch(dataset: Any, indices: Sequence[int], collate: Callable[[list[Any]], Batch]) -> Batch:
-    """The samples at ``indices``, collated: one ``__getitems__`` call when the dataset has it (torch's batched fetch)."""
+def fetch_batch(
+    dataset: Any, indices: Sequence[int], collate: Callable[[list[Any]], Batch]
+) -> Batch:
+    """The samples at ``indices``, collated: one ``__getitems__`` call when the dataset has it
+    (torch's batched fetch)."""
     getitems = getattr(dataset, "__getitems__", None)
     items = list(getitems(list(indices))) if getitems is not None else [dataset[i] for i in indices]
     return collate(items)
 
 
 def to_device(batch: Batch, device: torch.device) -> Batch:
-    """``batch`` with every tensor inside it (lists, tuples, dicts) on ``device``; a no-op on CPU."""
+    """``batch`` with every tensor inside it (lists, tuples, dicts) on ``device``; a no-op on
+    CPU."""
     import torch
 
     if device.type == "cpu":
@@ -112,12 +132,14 @@ def to_device(batch: Batch, device: torch.device) -> Batch:
         return [to_device(v, device) for v in batch]
     if isinstance(batch, tuple):
         moved = [to_device(v, device) for v in batch]
-        return type(batch)(*moved) if hasattr(batch, "_fields") else tuple(moved)  # a namedtuple keeps its type
+        # a namedtuple keeps its type
+        return type(batch)(*moved) if hasattr(batch, "_fields") else tuple(moved)
     return batch
 
 
 def default_device(local_rank: int = 0) -> torch.device:
-    """``cuda:<local_rank>`` when CUDA is available (the agent's ``CUDA_VISIBLE_DEVICES`` picks the GPU), else CPU."""
+    """``cuda:<local_rank>`` when CUDA is available (the agent's ``CUDA_VISIBLE_DEVICES`` picks the
+    GPU), else CPU."""
     import torch
 
     if torch.cuda.is_available():
@@ -154,11 +176,17 @@ class Compute:
         self.device = device
         model = config.model(device)
         if not isinstance(model, torch.nn.Module):
-            raise ConfigError(f"Trainer(model=...) must return a torch.nn.Module built on the device it is given; it returned {type(model).__name__}")
+            raise ConfigError(
+                "Trainer(model=...) must return a torch.nn.Module built on the device it is "
+                f"given; it returned {type(model).__name__}"
+            )
         self.model: nn.Module = model
         optimizer = config.optimizer(model)
         if not isinstance(optimizer, torch.optim.Optimizer):
-            raise ConfigError(f"Trainer(optimizer=...) must return a torch.optim.Optimizer, it returned {type(optimizer).__name__}")
+            raise ConfigError(
+                "Trainer(optimizer=...) must return a torch.optim.Optimizer, it returned "
+                f"{type(optimizer).__name__}"
+            )
         self.optimizer: torch.optim.Optimizer = optimizer
         self.base_lrs = [float(group["lr"]) for group in optimizer.param_groups]
         self.collate: Callable[[list[Any]], Batch] = config.collate or default_collate
@@ -170,7 +198,8 @@ class Compute:
         self.param_names = tuple(name for name, _ in model.named_parameters())
 
     def batch_indices(self, epoch: int, batch: int) -> list[int]:
-        """Samples of batch ``batch`` of epoch ``epoch``: a slice of that epoch's permutation (the same on every rank)."""
+        """Samples of batch ``batch`` of epoch ``epoch``: a slice of that epoch's permutation (the
+        same on every rank)."""
         if epoch != self._perm_epoch:
             from ..training.partition import permutation
 
@@ -182,10 +211,13 @@ class Compute:
     def load(self, epoch: int, batch: int) -> tuple[Batch, int]:
         """Batch ``batch`` of epoch ``epoch``, collated and on the device, and its sample count."""
         indices = self.batch_indices(epoch, batch)
-        return to_device(fetch_batch(self.config.dataset, indices, self.collate), self.device), len(indices)
+        return to_device(fetch_batch(self.config.dataset, indices, self.collate), self.device), len(
+            indices
+        )
 
     def set_progress(self, progress: float) -> None:
-        """Epoch progress → each group's LR (D7: a function of progress, not of per-rank step counts)."""
+        """Epoch progress → each group's LR (D7: a function of progress, not of per-rank step
+        counts)."""
         schedule = self.config.lr_schedule
         if schedule is None:
             return
@@ -203,7 +235,8 @@ class Compute:
         self.optimizer.zero_grad(set_to_none=True)
 
     def train_one(self, epoch: int, batch: int, stats: WindowStats) -> float:
-        """The managed tier's step: fetch, ``train_step``, backward, finish; its numbers go to ``stats``."""
+        """The managed tier's step: fetch, ``train_step``, backward, finish; its numbers go to
+        ``stats``."""
         started = time.perf_counter()
         data, samples = self.load(epoch, batch)
         loaded = time.perf_counter()
@@ -216,28 +249,43 @@ class Compute:
         finally:
             _sink.stats = None
         done = time.perf_counter()
-        stats.add(loss=loss_value, samples=samples, compute_ms=(done - loaded) * 1e3, data_ms=(loaded - started) * 1e3)
+        stats.add(
+            loss=loss_value,
+            samples=samples,
+            compute_ms=(done - loaded) * 1e3,
+            data_ms=(loaded - started) * 1e3,
+        )
         return loss_value
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """The model's state on CPU, detached copies (tied keys included, as ``state_dict()`` has them)."""
-        return {name: t.detach().to("cpu", copy=True) for name, t in self.model.state_dict().items()}
+        """The model's state on CPU, detached copies (tied keys included, as ``state_dict()`` has
+        them)."""
+        return {
+            name: t.detach().to("cpu", copy=True) for name, t in self.model.state_dict().items()
+        }
 
 
 def _check_loss(loss: Any) -> float:
     import torch
 
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-        raise ConfigError(f"Trainer(train_step=...) must return the loss as a one-element tensor, it returned {type(loss).__name__}")
+        raise ConfigError(
+            "Trainer(train_step=...) must return the loss as a one-element tensor, it returned "
+            f"{type(loss).__name__}"
+        )
     value = float(loss.detach())
     if not math.isfinite(value):
-        raise FloatingPointError(f"the loss is {value}: training diverged (lower the learning rate, or set max_grad_norm)")
+        raise FloatingPointError(
+            f"the loss is {value}: training diverged (lower the learning rate, or set "
+            "max_grad_norm)"
+        )
     return value
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Work:
-    """One batch to train: which epoch's pool and which batch index in it; ``plan`` numbers the plan it belongs to."""
+    """One batch to train: which epoch's pool and which batch index in it; ``plan`` numbers the plan
+    it belongs to."""
 
     epoch: int
     batch: int
@@ -249,7 +297,8 @@ class Schedule(Protocol):
     """Which batch comes next, and what happens between steps (reduces, metrics, stops)."""
 
     def next_work(self) -> Work | None:
-        """The next batch (blocking while the coordinator holds this process); None once the run is over."""
+        """The next batch (blocking while the coordinator holds this process); None once the run is
+        over."""
         ...
 
     def after_step(self, stats: WindowStats) -> bool:
@@ -274,13 +323,21 @@ class StepOutcome:
 
 
 class InlineSchedule:
-    """Every epoch's batches in order, in this one process: no coordinator, no averaging (spec §1.5 INLINE).
+    """Every epoch's batches in order, in this one process: no coordinator, no averaging (spec §1.5
+    INLINE).
 
     The policy, backend, ElChe and outer optimizer are ignored: there is no cross-rank averaging to
     steer. Each epoch's metrics are published as it ends (world size 1, every batch rank 0's).
     """
 
-    def __init__(self, compute: Compute, *, epochs: int, publish: Callable[[EpochMetrics], None], stop: threading.Event) -> None:
+    def __init__(
+        self,
+        compute: Compute,
+        *,
+        epochs: int,
+        publish: Callable[[EpochMetrics], None],
+        stop: threading.Event,
+    ) -> None:
         self._compute = compute
         self._epochs = epochs
         self._publish = publish
@@ -351,7 +408,11 @@ class InlineSchedule:
         self.epochs_completed += 1
 
     def finish(self) -> Mapping[str, Any]:
-        if self._batch >= self._compute.n_batches and self._epoch < self._epochs and not self.interrupted:
+        if (
+            self._batch >= self._compute.n_batches
+            and self._epoch < self._epochs
+            and not self.interrupted
+        ):
             self._close_epoch()  # the stop came on the epoch's last batch: the epoch is complete
         return {
             "state_dict": self._compute.state_dict(),
@@ -368,7 +429,8 @@ class InlineSchedule:
 
 
 def run_managed(compute: Compute, schedule: Schedule) -> Mapping[str, Any]:
-    """The managed tier's loop, on the compute thread: train what the schedule gives until it ends."""
+    """The managed tier's loop, on the compute thread: train what the schedule gives until it
+    ends."""
     stats = WindowStats()
     try:
         while (work := schedule.next_work()) is not None:
@@ -384,14 +446,16 @@ def run_managed(compute: Compute, schedule: Schedule) -> Mapping[str, Any]:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class PlanView:
-    """One plan the cooperative loop works through: ``epoch`` repeats across a CADENCE epoch's windows."""
+    """One plan the cooperative loop works through: ``epoch`` repeats across a CADENCE epoch's
+    windows."""
 
     epoch: int
     plan: int
 
 
 class Worker:
-    """The cooperative tier: the user owns the batch loop, the coordinator stays authoritative (spec §1.6).
+    """The cooperative tier: the user owns the batch loop, the coordinator stays authoritative (spec
+    §1.6).
 
     A synchronous API, used from the user's own thread::
 
@@ -433,7 +497,8 @@ class Worker:
         self._loaded_at = 0.0
         self._samples = 0
         self._result: Any = None
-        self._inbox = inbox  # appended to by whoever receives the aggregated epochs (a deque: thread-safe)
+        # appended to by whoever receives the aggregated epochs (a deque: thread-safe)
+        self._inbox = inbox
 
     @property
     def model(self) -> nn.Module:
@@ -464,11 +529,16 @@ class Worker:
                 self._over = True
                 return
             yield PlanView(epoch=work.epoch, plan=work.plan)
-            if self._next is work:  # the user skipped the plan's batches: train them is not optional
-                raise ConfigError("Worker.plans(): iterate w.batches() inside each plan (the coordinator planned those batches)")
+            # the user skipped the plan's batches: train them is not optional
+            if self._next is work:
+                raise ConfigError(
+                    "Worker.plans(): iterate w.batches() inside each plan (the coordinator planned "
+                    "those batches)"
+                )
 
     def batches(self) -> Iterator[Batch]:
-        """The current plan's batches, collated and on the device; after each one call :meth:`step`."""
+        """The current plan's batches, collated and on the device; after each one call
+        :meth:`step`."""
         work = self._peek()
         if work is None:
             return
@@ -482,24 +552,35 @@ class Worker:
             _sink.stats = self._stats
             yield batch
             if self._awaiting_step():
-                raise ConfigError("Worker.batches(): call w.step(loss) after each batch (it steps the optimizer and reduces when due)")
+                raise ConfigError(
+                    "Worker.batches(): call w.step(loss) after each batch (it steps the optimizer "
+                    "and reduces when due)"
+                )
             work = self._next
             if self._over:
                 return
 
     def _awaiting_step(self) -> bool:
-        """The batch handed out last has not been stepped (``step()`` clears it, from the caller's side of the yield)."""
+        """The batch handed out last has not been stepped (``step()`` clears it, from the caller's
+        side of the yield)."""
         return self._current is not None
 
     def step(self, loss: torch.Tensor) -> StepOutcome:
         """Finish the batch (clip, step, zero_grad) and do the reduce when one is due."""
         if self._current is None:
-            raise ConfigError("Worker.step() without a batch: call it once after each batch of w.batches()")
+            raise ConfigError(
+                "Worker.step() without a batch: call it once after each batch of w.batches()"
+            )
         _sink.stats = None
         value = _check_loss(loss)
         self._compute.finish_step()
         done = time.perf_counter()
-        self._stats.add(loss=value, samples=self._samples, compute_ms=(done - self._loaded_at) * 1e3, data_ms=(self._loaded_at - self._fetched_at) * 1e3)
+        self._stats.add(
+            loss=value,
+            samples=self._samples,
+            compute_ms=(done - self._loaded_at) * 1e3,
+            data_ms=(self._loaded_at - self._fetched_at) * 1e3,
+        )
         self._current = None
         stopping = self._schedule.after_step(self._stats)
         self._next = None if stopping else self._schedule.next_work()
@@ -515,17 +596,26 @@ class Worker:
         return drained
 
     def finish(self) -> Any:
-        """End this process's part of the run and return its :class:`~flodl_async.trainer.api.TrainedState`."""
+        """End this process's part of the run and return its
+        :class:`~flodl_async.trainer.api.TrainedState`."""
         if self._result is None:
             if not self._over:
-                raise ConfigError("Worker.finish() before the plans ran out: finish the loop over w.plans() (or break when w.step() says shutdown)")
+                raise ConfigError(
+                    "Worker.finish() before the plans ran out: finish the loop over w.plans() (or "
+                    "break when w.step() says shutdown)"
+                )
             self._result = self._finish_state(self._schedule.finish())
         return self._result
 
     def __enter__(self) -> Worker:
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
         try:
             if exc is not None and self._result is None:
                 self._schedule.fail(exc)

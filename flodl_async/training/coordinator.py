@@ -49,13 +49,23 @@ from . import partition as part
 from .elche import ElChe
 from .metrics import EpochLedger, EpochMetrics
 from .modelschema import ModelSchema
-from .policy import RULES, Backend, GateRank, Policy, failure_limit, hold_after, should_reduce, unrecoverable_reason
+from .policy import (
+    RULES,
+    Backend,
+    GateRank,
+    Policy,
+    failure_limit,
+    hold_after,
+    should_reduce,
+    unrecoverable_reason,
+)
 from .spec import TrainerSpec, digest_of, spec_diff
 
 # ----- configuration -------------------------------------------------------------------------
 
 
-REPORTS_AHEAD_LIMIT = 64  # windows a rank may report ahead of the coordinator's current round (see _on_window)
+# windows a rank may report ahead of the coordinator's current round (see _on_window)
+REPORTS_AHEAD_LIMIT = 64
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -133,7 +143,8 @@ class RankExiting:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RoundCompleted:
-    """The reducer finished ``round`` (``duration_ms``: Reduce sent → last consensus frame written)."""
+    """The reducer finished ``round`` (``duration_ms``: Reduce sent → last consensus frame
+    written)."""
 
     round: int
     kind: str
@@ -160,7 +171,17 @@ class Tick:
     """:meth:`Coordinator.next_deadline` passed."""
 
 
-Event = TrainerJoined | WindowReported | FrameSeen | RankLost | RankExiting | RoundCompleted | CollectiveDone | StopRequested | Tick
+Event = (
+    TrainerJoined
+    | WindowReported
+    | FrameSeen
+    | RankLost
+    | RankExiting
+    | RoundCompleted
+    | CollectiveDone
+    | StopRequested
+    | Tick
+)
 
 # ----- actions -------------------------------------------------------------------------------
 
@@ -199,7 +220,8 @@ class DeclareDead:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class PublishEpoch:
-    """An epoch closed: the log line, the status page, the launcher's handle, ``EpochAggregated``."""
+    """An epoch closed: the log line, the status page, the launcher's handle,
+    ``EpochAggregated``."""
 
     metrics: EpochMetrics
 
@@ -221,7 +243,8 @@ class Log:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Finish:
-    """Training ended in order (``Shutdown`` already in the actions before this): the run's success reason."""
+    """Training ended in order (``Shutdown`` already in the actions before this): the run's success
+    reason."""
 
     reason: str
     save_reason: str
@@ -368,7 +391,9 @@ class Coordinator:
         return sum(self._batches.values()) // self.config.world_size
 
     def _heartbeat_timeout(self) -> float | None:
-        return None if self._spec is None else self._spec.heartbeat_timeout * self.config.timeout_scale
+        return (
+            None if self._spec is None else self._spec.heartbeat_timeout * self.config.timeout_scale
+        )
 
     def next_deadline(self, now: float) -> float | None:
         """When to call again with :class:`Tick` if nothing else happens (None: no deadline)."""
@@ -380,7 +405,9 @@ class Coordinator:
             candidates.append(self._first_hello_at + self.config.hello_timeout)
         timeout = self._heartbeat_timeout()
         if timeout is not None:
-            candidates.extend(self._last_seen[r] + timeout for r in self._alive if r not in self._exiting)
+            candidates.extend(
+                self._last_seen[r] + timeout for r in self._alive if r not in self._exiting
+            )
         if self._in_flight is not None:
             candidates.append(self._in_flight.started_at + self.config.reduce_stall)
         return min(candidates, default=None)
@@ -391,7 +418,15 @@ class Coordinator:
         elche = self._elche
         ranks = []
         for rank in range(self.config.world_size):
-            state = "dead" if rank in self._dead else "exiting" if rank in self._exiting else "training" if rank in self._alive else "joining"
+            state = (
+                "dead"
+                if rank in self._dead
+                else "exiting"
+                if rank in self._exiting
+                else "training"
+                if rank in self._alive
+                else "joining"
+            )
             seen = self._last_seen.get(rank)
             ranks.append(
                 RankView(
@@ -436,12 +471,35 @@ class Coordinator:
         rank = hello.rank
         if self.phase is not CoordPhase.JOINING:
             if rank in self._joined:
-                return [Log(text=f"rank {rank} said TrainerHello twice; ignoring the second", level=Level.WARNING)]
-            return [Send(message=m.TrainerReject(rank=rank, reason="this run's Trainer already started without it"))]
+                return [
+                    Log(
+                        text=f"rank {rank} said TrainerHello twice; ignoring the second",
+                        level=Level.WARNING,
+                    )
+                ]
+            return [
+                Send(
+                    message=m.TrainerReject(
+                        rank=rank, reason="this run's Trainer already started without it"
+                    )
+                )
+            ]
         if not 0 <= rank < self.config.world_size:
-            return [Send(message=m.TrainerReject(rank=rank, reason=f"rank {rank} is not in this world of {self.config.world_size}"))]
+            return [
+                Send(
+                    message=m.TrainerReject(
+                        rank=rank,
+                        reason=f"rank {rank} is not in this world of {self.config.world_size}",
+                    )
+                )
+            ]
         if rank in self._joined:
-            return [Log(text=f"rank {rank} said TrainerHello twice; ignoring the second", level=Level.WARNING)]
+            return [
+                Log(
+                    text=f"rank {rank} said TrainerHello twice; ignoring the second",
+                    level=Level.WARNING,
+                )
+            ]
         problem = self._check_hello(hello)
         if problem is not None:
             return self._fail_before_init(rank, problem)
@@ -452,7 +510,14 @@ class Coordinator:
         self._alive.add(rank)
         self._last_seen[rank] = now
         actions: list[Action] = [
-            Send(message=m.TrainerWelcome(rank=rank, world_size=self.config.world_size, run_id=self.config.run_id, primary_rank=self.config.primary_rank))
+            Send(
+                message=m.TrainerWelcome(
+                    rank=rank,
+                    world_size=self.config.world_size,
+                    run_id=self.config.run_id,
+                    primary_rank=self.config.primary_rank,
+                )
+            )
         ]
         if len(self._joined) == self.config.world_size:
             actions.extend(self._start(now))
@@ -463,10 +528,14 @@ class Coordinator:
         try:
             claimed = digest_of(hello.spec, hello.model)
         except ConfigError as exc:
-            return f"rank {hello.rank} ({self._host(hello.rank)}) sent a Trainer spec this controller cannot read: {exc}"
+            return (
+                f"rank {hello.rank} ({self._host(hello.rank)}) sent a Trainer spec this "
+                f"controller cannot read: {exc}"
+            )
         if claimed != hello.digest:
             return (
-                f"rank {hello.rank} ({self._host(hello.rank)}) sent a digest that does not match its own Trainer spec; "
+                f"rank {hello.rank} ({self._host(hello.rank)}) sent a digest that does not match "
+                "its own Trainer spec; "
                 "are the rank and the controller running the same flodl_async version?"
             )
         launcher = self.config.reference
@@ -474,15 +543,20 @@ class Coordinator:
             diff = spec_diff(launcher.to_wire(), hello.spec)
             if diff is not None:
                 return (
-                    f"rank {hello.rank} ({self._host(hello.rank)}) built a different Trainer than the launcher: {diff}. "
-                    "Every rank must build the Trainer from the same arguments — are the ranks running different code or command lines?"
+                    f"rank {hello.rank} ({self._host(hello.rank)}) built a different Trainer than "
+                    f"the launcher: {diff}. "
+                    "Every rank must build the Trainer from the same arguments — are the ranks "
+                    "running different code or command lines?"
                 )
         ref = self._reference
         if ref is None:
             try:
                 self._spec = TrainerSpec.from_wire(hello.spec)
             except ConfigError as exc:
-                return f"rank {hello.rank} ({self._host(hello.rank)}) sent an invalid Trainer spec: {exc}"
+                return (
+                    f"rank {hello.rank} ({self._host(hello.rank)}) sent an invalid Trainer "
+                    f"spec: {exc}"
+                )
             return None
         if hello.digest == ref.digest:
             return None
@@ -490,10 +564,17 @@ class Coordinator:
         what = "Trainer"
         if diff is None:
             what = "model"
-            diff = ModelSchema.from_wire(ref.model).first_difference(ModelSchema.from_wire(hello.model)) or "the digests differ"
+            diff = (
+                ModelSchema.from_wire(ref.model).first_difference(
+                    ModelSchema.from_wire(hello.model)
+                )
+                or "the digests differ"
+            )
         return (
-            f"rank {hello.rank} ({self._host(hello.rank)}) built a different {what} than rank {ref.rank}: {diff}. "
-            "Every rank must build the Trainer from the same arguments — are the ranks running different code or command lines?"
+            f"rank {hello.rank} ({self._host(hello.rank)}) built a different {what} than rank "
+            f"{ref.rank}: {diff}. "
+            "Every rank must build the Trainer from the same arguments — are the ranks running "
+            "different code or command lines?"
         )
 
     def _fail_before_init(self, rank: int, reason: str) -> list[Action]:
@@ -521,26 +602,50 @@ class Coordinator:
             dispatch=RULES[spec.policy].elche_dispatch,
         )
         actions: list[Action] = [
-            Log(text=f"training: {self.config.world_size} rank(s), {spec.policy.name} on {spec.backend.name}, {spec.epochs} x {spec.n_batches} batches"),
+            Log(
+                text=f"training: {self.config.world_size} rank(s), {spec.policy.name} on "
+                f"{spec.backend.name}, {spec.epochs} x {spec.n_batches} batches"
+            ),
             self._start_round(0, "init", now),
         ]
         if spec.max_failure is not None and not self.config.elastic:
-            # Accepted so that a script written for elastic runs trains unchanged, but said once: it would otherwise look tolerated.
-            warning = "max_failure is set, but this run is not elastic: any lost rank ends it (elastic continuation is not built yet)"
+            # Accepted so that a script written for elastic runs trains unchanged, but said once: it
+            # would otherwise look tolerated.
+            warning = (
+                "max_failure is set, but this run is not elastic: any lost rank ends it "
+                "(elastic continuation is not built yet)"
+            )
             actions.insert(1, Log(text=warning, level=Level.WARNING))
         actions.extend(self._open_epoch(0, now))
         return actions
 
     # ----- rounds -------------------------------------------------------------------------------
 
-    def _start_round(self, round_: int, kind: str, now: float, *, from_controller: bool = False, closes_epoch: int | None = None) -> StartRound:
+    def _start_round(
+        self,
+        round_: int,
+        kind: str,
+        now: float,
+        *,
+        from_controller: bool = False,
+        closes_epoch: int | None = None,
+    ) -> StartRound:
         spec = self._require_spec()
-        # ``upload`` (COLLECTIVE's end) brings the primary's state to the controller. Like ``init``, every
-        # alive rank takes part — the primary with its tensors, the others with empty contributions — since
+        # ``upload`` (COLLECTIVE's end) brings the primary's state to the controller. Like ``init``,
+        # every
+        # alive rank takes part — the primary with its tensors, the others with empty contributions
+        # — since
         # each host's relay folds a barrier over all of its live ranks.
         collective = spec.backend is Backend.COLLECTIVE and kind != "upload"
         expected = frozenset(self._alive)
-        self._in_flight = _InFlight(round=round_, kind=kind, started_at=now, collective=collective, waiting=set(expected), closes_epoch=closes_epoch)
+        self._in_flight = _InFlight(
+            round=round_,
+            kind=kind,
+            started_at=now,
+            collective=collective,
+            waiting=set(expected),
+            closes_epoch=closes_epoch,
+        )
         reset = kind == "model" and spec.outer.resets_inner
         return StartRound(
             round=round_,
@@ -548,19 +653,32 @@ class Coordinator:
             expected=expected,
             from_controller=from_controller,
             reducer=not collective,
-            message=m.Reduce(round=round_, kind=kind, from_controller=from_controller, reset_inner=reset),
+            message=m.Reduce(
+                round=round_, kind=kind, from_controller=from_controller, reset_inner=reset
+            ),
         )
 
     def _on_round_completed(self, event: RoundCompleted, now: float) -> list[Action]:
         flying = self._in_flight
         if flying is None or flying.round != event.round or flying.collective:
-            return [Log(text=f"round {event.round} ({event.kind}) completed, but it is not the round in flight; ignoring", level=Level.WARNING)]
+            return [
+                Log(
+                    text=f"round {event.round} ({event.kind}) completed, but it is not the round "
+                    "in flight; ignoring",
+                    level=Level.WARNING,
+                )
+            ]
         return self._round_done(flying, event.mass, event.duration_ms, now)
 
     def _on_collective_done(self, event: CollectiveDone, now: float) -> list[Action]:
         msg = event.message
         flying = self._in_flight
-        if flying is None or not flying.collective or flying.round != msg.round or msg.rank not in flying.waiting:
+        if (
+            flying is None
+            or not flying.collective
+            or flying.round != msg.round
+            or msg.rank not in flying.waiting
+        ):
             return []
         flying.waiting.discard(msg.rank)
         flying.mass = msg.mass
@@ -569,8 +687,11 @@ class Coordinator:
             return []
         return self._round_done(flying, flying.mass, flying.ms, now)
 
-    def _round_done(self, flying: _InFlight, mass: float, duration_ms: float, now: float) -> list[Action]:
-        del mass  # the consensus' mass matters to the ranks (0: keep local state), not to the schedule
+    def _round_done(
+        self, flying: _InFlight, mass: float, duration_ms: float, now: float
+    ) -> list[Action]:
+        # the consensus' mass matters to the ranks (0: keep local state), not to the schedule
+        del mass
         self._in_flight = None
         self._last_sync_ms = duration_ms
         actions: list[Action] = []
@@ -611,7 +732,9 @@ class Coordinator:
             return []
         elche = self._elche
         assert elche is not None
-        metrics = ledger.close(now=now, anchor=elche.anchor, counts=elche.counts, alive=frozenset(self._alive))
+        metrics = ledger.close(
+            now=now, anchor=elche.anchor, counts=elche.counts, alive=frozenset(self._alive)
+        )
         self._completed_epochs += 1
         return [PublishEpoch(metrics=metrics)]
 
@@ -623,18 +746,26 @@ class Coordinator:
         from_controller = natural and spec.policy is not Policy.ASYNC
         if spec.backend is Backend.COLLECTIVE and from_controller:
             return [self._start_round(self._next_round(), "upload", now)]
-        return [self._start_round(self._next_round(), "final", now, from_controller=from_controller)]
+        return [
+            self._start_round(self._next_round(), "final", now, from_controller=from_controller)
+        ]
 
     def _finish(self) -> list[Action]:
         spec = self._require_spec()
         self.phase = CoordPhase.DONE
         if self._stop_reason is not None:
-            reason = f"training stopped ({self._stop_reason}) after {self._completed_epochs} of {spec.epochs} epoch(s)"
+            reason = (
+                f"training stopped ({self._stop_reason}) after {self._completed_epochs} of "
+                f"{spec.epochs} epoch(s)"
+            )
             save_reason, interrupted = "graceful_shutdown", True
         else:
             reason = f"training complete: {spec.epochs} epoch(s) on {len(self._alive)} rank(s)"
             save_reason, interrupted = "completed", False
-        return [Send(message=m.Shutdown(reason=reason, save_reason=save_reason)), Finish(reason=reason, save_reason=save_reason, interrupted=interrupted)]
+        return [
+            Send(message=m.Shutdown(reason=reason, save_reason=save_reason)),
+            Finish(reason=reason, save_reason=save_reason, interrupted=interrupted),
+        ]
 
     # ----- epochs and plans ------------------------------------------------------------------
 
@@ -646,10 +777,17 @@ class Coordinator:
         n = spec.n_batches
         if RULES[spec.policy].static_slices:
             alive = sorted(self._alive)
-            ratios = spec.elche.partition_ratios if spec.elche.partition_ratios is not None and len(spec.elche.partition_ratios) == len(alive) else None
+            ratios = (
+                spec.elche.partition_ratios
+                if spec.elche.partition_ratios is not None
+                and len(spec.elche.partition_ratios) == len(alive)
+                else None
+            )
             self._pool = part.ChunkPool(0)
             plans: list[Action] = []
-            for rank, (first, size) in zip(alive, part.sync_slices(n, len(alive), ratios), strict=True):
+            for rank, (first, size) in zip(
+                alive, part.sync_slices(n, len(alive), ratios), strict=True
+            ):
                 self._sync_left[rank] = size
                 s = spec.settings
                 plan = m.Plan(
@@ -658,7 +796,12 @@ class Coordinator:
                     epoch=epoch,
                     ranges=((first, size),) if size else (),
                     quota=1 if size else 0,
-                    hold_after=hold_after(spec.policy, quota=1, max_batch_diff=s.max_batch_diff, max_overshoot=s.max_overshoot),
+                    hold_after=hold_after(
+                        spec.policy,
+                        quota=1,
+                        max_batch_diff=s.max_batch_diff,
+                        max_overshoot=s.max_overshoot,
+                    ),
                     progress=float(epoch),
                 )
                 self._plans[(self._round, rank)] = plan
@@ -668,7 +811,8 @@ class Coordinator:
         return self._window_plans(self._round, sorted(self._alive))
 
     def _window_plans(self, round_: int, ranks: list[int]) -> list[Action]:
-        """CADENCE/ASYNC: each of ``ranks`` takes its next window of the current pool (tail by largest remainder)."""
+        """CADENCE/ASYNC: each of ``ranks`` takes its next window of the current pool (tail by
+        largest remainder)."""
         elche = self._elche
         assert elche is not None
         alloc = part.tail_allocation(self._pool.remaining, [elche.counts[r] for r in ranks])
@@ -688,7 +832,12 @@ class Coordinator:
             epoch=self._epoch,
             ranges=ranges,
             quota=quota,
-            hold_after=hold_after(spec.policy, quota=quota, max_batch_diff=s.max_batch_diff, max_overshoot=s.max_overshoot),
+            hold_after=hold_after(
+                spec.policy,
+                quota=quota,
+                max_batch_diff=s.max_batch_diff,
+                max_overshoot=s.max_overshoot,
+            ),
             progress=self._epoch + covered / max(1, spec.n_batches),
         )
         self._plans[(round_, rank)] = plan
@@ -704,17 +853,40 @@ class Coordinator:
     def _on_window(self, event: WindowReported, now: float) -> list[Action]:
         report = event.report
         rank = report.rank
-        if rank not in self._alive or self.phase not in (CoordPhase.INIT, CoordPhase.TRAINING, CoordPhase.STOPPING):
+        if rank not in self._alive or self.phase not in (
+            CoordPhase.INIT,
+            CoordPhase.TRAINING,
+            CoordPhase.STOPPING,
+        ):
             return []  # a dead rank's late frames, or no window open
         if report.round < self._round or rank in self._reports.get(report.round, {}):
-            return [Log(text=f"rank {rank} reported window {report.round} again or too late; ignoring", level=Level.WARNING)]
+            return [
+                Log(
+                    text=f"rank {rank} reported window {report.round} again or too late; ignoring",
+                    level=Level.WARNING,
+                )
+            ]
         if report.round > self._round + REPORTS_AHEAD_LIMIT:
-            # A rank numbers its windows from the reduces it has seen, so it is never more than a round or two
-            # ahead; anything further is a broken peer, and keeping its reports would grow without bound.
-            return [Log(text=f"rank {rank} reported window {report.round}, far ahead of round {self._round}; ignoring", level=Level.WARNING)]
+            # A rank numbers its windows from the reduces it has seen, so it is never more than a
+            # round or two
+            # ahead; anything further is a broken peer, and keeping its reports would grow without
+            # bound.
+            return [
+                Log(
+                    text=f"rank {rank} reported window {report.round}, far ahead of round "
+                    f"{self._round}; ignoring",
+                    level=Level.WARNING,
+                )
+            ]
         spec = self._require_spec()
         if not RULES[spec.policy].static_slices and (report.round, rank) not in self._plans:
-            return [Log(text=f"rank {rank} reported window {report.round}, which it was never planned; ignoring", level=Level.WARNING)]
+            return [
+                Log(
+                    text=f"rank {rank} reported window {report.round}, which it was never planned; "
+                    "ignoring",
+                    level=Level.WARNING,
+                )
+            ]
         self._reports.setdefault(report.round, {})[rank] = report
         self._batches[rank] = self._batches.get(rank, 0) + report.batches
         ledger = self._ledgers.get(report.epoch)
@@ -732,7 +904,9 @@ class Coordinator:
         ):
             elche = self._elche
             assert elche is not None
-            actions.append(self._plan(rank, report.round + 1, min(elche.counts[rank], self._pool.remaining)))
+            actions.append(
+                self._plan(rank, report.round + 1, min(elche.counts[rank], self._pool.remaining))
+            )
         actions.extend(self._maybe_reduce(now))
         return actions
 
@@ -749,7 +923,12 @@ class Coordinator:
                 plan = self._plans.get((round_, rank))
                 need = plan.quota if plan is not None else 1
                 quiesced = plan is not None and plan.quota == 0
-            out[rank] = GateRank(reported=report is not None, steps=0 if report is None else report.batches, need=need, quiesced=quiesced)
+            out[rank] = GateRank(
+                reported=report is not None,
+                steps=0 if report is None else report.batches,
+                need=need,
+                quiesced=quiesced,
+            )
         return out
 
     def _maybe_reduce(self, now: float) -> list[Action]:
@@ -778,13 +957,20 @@ class Coordinator:
             ms[rank] = report.compute_ms + (report.data_ms if delivered else 0.0)
             batches[rank] = report.batches
         divergences = [r.divergence for r in reports.values() if r.divergence >= 0]
-        elche.report(ms, batches, sync_ms=self._last_sync_ms, divergence=max(divergences) if divergences else None)
+        elche.report(
+            ms,
+            batches,
+            sync_ms=self._last_sync_ms,
+            divergence=max(divergences) if divergences else None,
+        )
         closes = self._closes_epoch(k)
         epoch = self._epoch
         self._round_epoch[k] = epoch
         for key in [key for key in self._plans if key[0] <= k]:
             del self._plans[key]
-        actions: list[Action] = [self._start_round(k, "model", now, closes_epoch=epoch if closes else None)]
+        actions: list[Action] = [
+            self._start_round(k, "model", now, closes_epoch=epoch if closes else None)
+        ]
         self._round = k + 1
         if self._stop_reason is not None:
             return actions
@@ -797,14 +983,22 @@ class Coordinator:
             if self._pool.remaining > 0:
                 actions.extend(self._window_plans(k + 1, waiting))
             else:
-                actions.extend(self._plan(r, k + 1, 0) for r in waiting)  # the epoch's tail is in other ranks' windows
+                # the epoch's tail is in other ranks' windows
+                actions.extend(self._plan(r, k + 1, 0) for r in waiting)
             if RULES[spec.policy].early_dispatch:
-                # ASYNC ranks that already finished window k+1 were held back (two ahead of the gate): now one ahead.
+                # ASYNC ranks that already finished window k+1 were held back (two ahead of the
+                # gate): now one ahead.
                 reported = self._reports.get(k + 1, {})
                 for rank in sorted(self._alive):
-                    if rank in reported and self._planned_round.get(rank) == k + 1 and self._pool.remaining > 0:
+                    if (
+                        rank in reported
+                        and self._planned_round.get(rank) == k + 1
+                        and self._pool.remaining > 0
+                    ):
                         elche_counts = self._elche.counts if self._elche is not None else ()
-                        actions.append(self._plan(rank, k + 2, min(elche_counts[rank], self._pool.remaining)))
+                        actions.append(
+                            self._plan(rank, k + 2, min(elche_counts[rank], self._pool.remaining))
+                        )
         return actions
 
     # ----- stop, loss, deadlines -------------------------------------------------------------
@@ -820,7 +1014,9 @@ class Coordinator:
                 Send(message=m.Shutdown(reason=reason, save_reason="graceful_shutdown")),
                 Finish(reason=reason, save_reason="graceful_shutdown", interrupted=True),
             ]
-        actions: list[Action] = [Log(text=f"stopping training ({event.reason}): a final round, then shutdown")]
+        actions: list[Action] = [
+            Log(text=f"stopping training ({event.reason}): a final round, then shutdown")
+        ]
         if self.phase is CoordPhase.TRAINING:
             self.phase = CoordPhase.STOPPING
             if self._in_flight is None:
@@ -830,10 +1026,20 @@ class Coordinator:
     def _on_exiting(self, event: RankExiting, now: float) -> list[Action]:
         msg = event.message
         if msg.error:
-            return self._on_lost(RankLost(rank=msg.rank, reason=f"it raised ({msg.reason})", details=msg.error), now)
+            return self._on_lost(
+                RankLost(rank=msg.rank, reason=f"it raised ({msg.reason})", details=msg.error), now
+            )
         self._exiting.add(msg.rank)
-        if self.phase in (CoordPhase.JOINING, CoordPhase.INIT, CoordPhase.TRAINING, CoordPhase.STOPPING, CoordPhase.FINAL):
-            return self._on_lost(RankLost(rank=msg.rank, reason=f"it left before training ended ({msg.reason})"), now)
+        if self.phase in (
+            CoordPhase.JOINING,
+            CoordPhase.INIT,
+            CoordPhase.TRAINING,
+            CoordPhase.STOPPING,
+            CoordPhase.FINAL,
+        ):
+            return self._on_lost(
+                RankLost(rank=msg.rank, reason=f"it left before training ended ({msg.reason})"), now
+            )
         return []
 
     def _on_lost(self, event: RankLost, now: float) -> list[Action]:
@@ -853,8 +1059,18 @@ class Coordinator:
             self._in_flight.waiting.discard(rank)
         actions.append(DeclareDead(rank=rank, reason=event.reason))
         mf = spec.max_failure
-        limit = failure_limit(world_size=self.config.world_size, absolute=mf.absolute if mf else None, percent=mf.percent if mf else None)
-        why = unrecoverable_reason(backend=spec.backend, world_size=self.config.world_size, dead=len(self._dead), limit=limit, elastic=self.config.elastic)
+        limit = failure_limit(
+            world_size=self.config.world_size,
+            absolute=mf.absolute if mf else None,
+            percent=mf.percent if mf else None,
+        )
+        why = unrecoverable_reason(
+            backend=spec.backend,
+            world_size=self.config.world_size,
+            dead=len(self._dead),
+            limit=limit,
+            elastic=self.config.elastic,
+        )
         if why is None:
             return actions
         reason = f"{where} was lost mid-training: {event.reason}"
@@ -862,17 +1078,30 @@ class Coordinator:
             reason = f"{where} was lost before training started: {event.reason}"
         self.phase = CoordPhase.FAILED
         actions.append(Send(message=m.Shutdown(reason=reason, save_reason=why)))
-        actions.append(Fail(code=_EXIT_FOR_SAVE_REASON.get(why, ExitCode.RANK_FAILURE), reason=reason, rank=rank, details=event.details, save_reason=why))
+        actions.append(
+            Fail(
+                code=_EXIT_FOR_SAVE_REASON.get(why, ExitCode.RANK_FAILURE),
+                reason=reason,
+                rank=rank,
+                details=event.details,
+                save_reason=why,
+            )
+        )
         return actions
 
     def _on_tick(self, event: Tick, now: float) -> list[Action]:
         del event
-        if self.phase is CoordPhase.JOINING and self._first_hello_at is not None and now >= self._first_hello_at + self.config.hello_timeout:
+        if (
+            self.phase is CoordPhase.JOINING
+            and self._first_hello_at is not None
+            and now >= self._first_hello_at + self.config.hello_timeout
+        ):
             missing = [r for r in range(self.config.world_size) if r not in self._joined]
             first = self._reference.rank if self._reference is not None else 0
             late = missing[0]
             reason = (
-                f"rank {late} on {self._host(late)} did not start its Trainer within {self.config.hello_timeout:g} s of rank {first} — "
+                f"rank {late} on {self._host(late)} did not start its Trainer within "
+                f"{self.config.hello_timeout:g} s of rank {first} — "
                 "is it running the same script, and does it reach trainer.run()?"
             )
             self.phase = CoordPhase.FAILED
@@ -886,11 +1115,19 @@ class Coordinator:
             for rank in sorted(self._alive):
                 if rank not in self._exiting and now >= self._last_seen[rank] + timeout:
                     return self._on_lost(
-                        RankLost(rank=rank, reason=f"no frame for {timeout:g} s (heartbeat timeout: the rank is frozen, stopped or cut off)"), now
+                        RankLost(
+                            rank=rank,
+                            reason=f"no frame for {timeout:g} s (heartbeat timeout: the rank is "
+                            "frozen, stopped or cut off)",
+                        ),
+                        now,
                     )
         flying = self._in_flight
         if flying is not None and now >= flying.started_at + self.config.reduce_stall:
-            reason = f"round {flying.round} ({flying.kind}) stalled: no consensus within {self.config.reduce_stall:g} s"
+            reason = (
+                f"round {flying.round} ({flying.kind}) stalled: no consensus within "
+                f"{self.config.reduce_stall:g} s"
+            )
             self.phase = CoordPhase.FAILED
             return [
                 Log(text=reason, level=Level.WARNING),

@@ -1,4 +1,5 @@
-"""ElChe: the slow rank anchors the cadence, fast ranks do proportionally more (trainer-spec §2.5-§2.6).
+"""ElChe: the slow rank anchors the cadence, fast ranks do proportionally more (trainer-spec
+§2.5-§2.6).
 
 Theory of operation. Pure (no clock, no I/O): the coordinator calls :meth:`ElChe.report`
 once per reduce with each rank's window cost (ms), batches and the previous round's
@@ -84,7 +85,9 @@ Verdict = Stable | SuppressGrowth | NudgeDown
 class TrendGuard:
     """A ring of the last 5 window divergences; three strictly rising values are a trend."""
 
-    def __init__(self, *, threshold: float, nudge_factor: float, history: Sequence[float] = ()) -> None:
+    def __init__(
+        self, *, threshold: float, nudge_factor: float, history: Sequence[float] = ()
+    ) -> None:
         self.threshold = threshold
         self.nudge_factor = nudge_factor
         self._ring: deque[float] = deque(history, maxlen=GUARD_HISTORY)
@@ -128,7 +131,15 @@ class WorldSizeMismatch(ValueError):
 class ElChe:
     """The cadence of one run; pure."""
 
-    def __init__(self, world_size: int, settings: ElCheSettings, *, batches_per_epoch: int, growth: bool, dispatch: bool = True) -> None:
+    def __init__(
+        self,
+        world_size: int,
+        settings: ElCheSettings,
+        *,
+        batches_per_epoch: int,
+        growth: bool,
+        dispatch: bool = True,
+    ) -> None:
         if world_size < 1:
             raise ValueError(f"ElChe needs at least one rank, got {world_size}")
         self.world_size = world_size
@@ -145,12 +156,19 @@ class ElChe:
         self._stable_streak = 0
         self._windows: list[deque[float]] = [deque(maxlen=TRUST_WINDOW) for _ in range(world_size)]
         self._missed = [0] * world_size
-        self.guard = None if settings.guard is None else TrendGuard(threshold=settings.guard[0], nudge_factor=settings.guard[1])
+        self.guard = (
+            None
+            if settings.guard is None
+            else TrendGuard(threshold=settings.guard[0], nudge_factor=settings.guard[1])
+        )
         counts = [self.anchor] * world_size
         if settings.speed_hint is not None:
             slow, ratio = settings.speed_hint
             if slow < world_size:
-                counts = [self.anchor if r == slow else max(1, round(self.anchor * ratio)) for r in range(world_size)]
+                counts = [
+                    self.anchor if r == slow else max(1, round(self.anchor * ratio))
+                    for r in range(world_size)
+                ]
                 self.anchor_rank = slow
         self.counts: tuple[int, ...] = self._cap(counts)
 
@@ -168,10 +186,21 @@ class ElChe:
 
     # ----- the one entry point ------------------------------------------------------------
 
-    def report(self, ms: Sequence[float], batches: Sequence[int], *, sync_ms: float, divergence: float | None = None) -> Verdict | None:
-        """One window: every rank's cost and batches, the last round's ``sync_ms``; returns the guard's verdict."""
+    def report(
+        self,
+        ms: Sequence[float],
+        batches: Sequence[int],
+        *,
+        sync_ms: float,
+        divergence: float | None = None,
+    ) -> Verdict | None:
+        """One window: every rank's cost and batches, the last round's ``sync_ms``; returns the
+        guard's verdict."""
         if len(ms) != self.world_size or len(batches) != self.world_size:
-            raise ValueError(f"a report of {len(ms)} costs and {len(batches)} batch counts for a world of {self.world_size}")
+            raise ValueError(
+                f"a report of {len(ms)} costs and {len(batches)} batch counts for a world of "
+                f"{self.world_size}"
+            )
         calibrated = False
         for rank, (cost, n) in enumerate(zip(ms, batches, strict=True)):
             per_batch = cost / n if n > 0 and math.isfinite(cost) else 0.0
@@ -187,7 +216,11 @@ class ElChe:
             return None
         first = self.calibration_count == 0
         self.calibration_count += 1
-        self.phase = next(phase for at, phase in (*_PHASE_AT, (0, ElChePhase.PROBE)) if self.calibration_count >= at)
+        self.phase = next(
+            phase
+            for at, phase in (*_PHASE_AT, (0, ElChePhase.PROBE))
+            if self.calibration_count >= at
+        )
         self._elect()
         if self._growth_applies and not first:
             self._propose(sync_ms)
@@ -196,7 +229,8 @@ class ElChe:
             verdict = self.guard.observe(divergence)
             self._apply_verdict(verdict)
         elif self.proposed_anchor is not None:
-            self.anchor, self.proposed_anchor = self.proposed_anchor, None  # no guard: commit at once
+            # no guard: commit at once
+            self.anchor, self.proposed_anchor = self.proposed_anchor, None
         if self._dispatch:
             self.counts = self._cap(self._proportional(first))
         return verdict
@@ -222,7 +256,9 @@ class ElChe:
         if incumbent is None or pinned_lost or incumbent not in readings:
             self.anchor_rank = cohort[0]
             return
-        challengers = [r for r in cohort if readings[r] > readings[incumbent] * (1 + DOMINANCE_MARGIN)]
+        challengers = [
+            r for r in cohort if readings[r] > readings[incumbent] * (1 + DOMINANCE_MARGIN)
+        ]
         if challengers:
             self.anchor_rank = challengers[0]
 
@@ -231,7 +267,12 @@ class ElChe:
 
     def _propose(self, sync_ms: float) -> None:
         slow = self._slow()
-        if not self.growth_enabled or self.cap_binding or slow is None or self.phase < ElChePhase.WARMUP:
+        if (
+            not self.growth_enabled
+            or self.cap_binding
+            or slow is None
+            or self.phase < ElChePhase.WARMUP
+        ):
             return
         overhead = sync_ms / (self.anchor * slow + sync_ms) if sync_ms > 0 else 0.0
         target = self.settings.overhead_target
@@ -255,7 +296,8 @@ class ElChe:
             self._stable_streak = 0
             if isinstance(verdict, NudgeDown):
                 factor = min(max(verdict.factor, 0.1), 1.0)
-                self.anchor = max(1, math.ceil(self.anchor * factor))  # ignores min_anchor: the guard's shrink path
+                # ignores min_anchor: the guard's shrink path
+                self.anchor = max(1, math.ceil(self.anchor * factor))
         self.proposed_anchor = None
 
     def _proportional(self, first: bool) -> list[int]:
@@ -264,7 +306,11 @@ class ElChe:
         for rank in range(self.world_size):
             mine = self.smoothed(rank)
             anchored = rank == self.anchor_rank or mine is None or slow is None
-            target = self.anchor if anchored else max(1, round(self.anchor * min(slow / mine, MAX_SPEED_RATIO)))  # type: ignore[operator]
+            target = (
+                self.anchor
+                if anchored
+                else max(1, round(self.anchor * min(slow / mine, MAX_SPEED_RATIO)))
+            )  # type: ignore[operator]
             current = out[rank]
             if not first and not anchored and abs(target - current) <= DEAD_ZONE * current:
                 continue  # inside the dead zone: no churn for noise
@@ -275,7 +321,8 @@ class ElChe:
         return out
 
     def _cap(self, counts: list[int]) -> tuple[int, ...]:
-        """Scale a window larger than one epoch down (each >= 1), the remainder to the largest count."""
+        """Scale a window larger than one epoch down (each >= 1), the remainder to the largest
+        count."""
         cap, total = self.batches_per_epoch, sum(counts)
         if total <= cap:
             return tuple(counts)
@@ -299,17 +346,28 @@ class ElChe:
         )
 
     def restore(self, state: ElCheState) -> None:
-        """Continue from ``state``; another world size is refused with the text the resume turns into a warning."""
+        """Continue from ``state``; another world size is refused with the text the resume turns
+        into a warning."""
         if len(state.smoothed_ms_per_batch) != self.world_size:
             raise WorldSizeMismatch(
-                f"ElChe state was saved with world size {len(state.smoothed_ms_per_batch)} but this run has {self.world_size}; "
+                f"ElChe state was saved with world size {len(state.smoothed_ms_per_batch)} but "
+                f"this run has {self.world_size}; "
                 "resume must use the same world size as the saved run"
             )
-        self.anchor, self.anchor_rank, self.phase, self.calibration_count = state.anchor, state.anchor_rank, state.phase, state.calibration_count
+        self.anchor, self.anchor_rank, self.phase, self.calibration_count = (
+            state.anchor,
+            state.anchor_rank,
+            state.phase,
+            state.calibration_count,
+        )
         self.counts = tuple(state.counts)
         for rank, smoothed in enumerate(state.smoothed_ms_per_batch):
             self._windows[rank].clear()
             if smoothed is not None:
                 self._windows[rank].append(smoothed)
         if self.guard is not None:
-            self.guard = TrendGuard(threshold=self.guard.threshold, nudge_factor=self.guard.nudge_factor, history=state.trend_history)
+            self.guard = TrendGuard(
+                threshold=self.guard.threshold,
+                nudge_factor=self.guard.nudge_factor,
+                history=state.trend_history,
+            )

@@ -41,13 +41,16 @@ if TYPE_CHECKING:
 
 
 def acc_dtype(dtype: str) -> str:
-    """The accumulator dtype of a tensor of ``dtype``: float64 for float64 and non-float, else float32."""
+    """The accumulator dtype of a tensor of ``dtype``: float64 for float64 and non-float, else
+    float32."""
     if dtype == "float64" or dtype not in FLOAT_DTYPES:
         return "float64"
     return "float32"
 
 
-def packed_specs(metas: Sequence[tuple[str, str, tuple[int, ...]]]) -> tuple[tuple[TensorSpec, ...], int]:
+def packed_specs(
+    metas: Sequence[tuple[str, str, tuple[int, ...]]],
+) -> tuple[tuple[TensorSpec, ...], int]:
     """Specs of tensors packed back to back in one payload, and the payload's length."""
     specs: list[TensorSpec] = []
     offset = 0
@@ -66,13 +69,20 @@ def acc_specs(specs: Sequence[TensorSpec]) -> tuple[tuple[TensorSpec, ...], int]
     return packed_specs([(s.name, acc_dtype(s.dtype), s.shape) for s in specs])
 
 
-def schema_specs(metas: Sequence[TensorMeta], *, accumulated: bool = False) -> tuple[tuple[TensorSpec, ...], int]:
+def schema_specs(
+    metas: Sequence[TensorMeta], *, accumulated: bool = False
+) -> tuple[tuple[TensorSpec, ...], int]:
     """The packed layout of a schema's tensors, in their own dtypes or in accumulator dtypes."""
-    return packed_specs([(m.name, acc_dtype(m.dtype) if accumulated else m.dtype, m.shape) for m in metas])
+    return packed_specs(
+        [(m.name, acc_dtype(m.dtype) if accumulated else m.dtype, m.shape) for m in metas]
+    )
 
 
-def check_specs(specs: Sequence[TensorSpec], expected: Sequence[TensorSpec], payload_len: int, *, what: str) -> None:
-    """``specs`` must describe exactly ``expected`` (names, dtypes, shapes, in order), packed inside the payload.
+def check_specs(
+    specs: Sequence[TensorSpec], expected: Sequence[TensorSpec], payload_len: int, *, what: str
+) -> None:
+    """``specs`` must describe exactly ``expected`` (names, dtypes, shapes, in order), packed inside
+    the payload.
 
     Offsets are checked too, so a payload is always read where its sender wrote it. The error
     names the first tensor that differs.
@@ -80,13 +90,21 @@ def check_specs(specs: Sequence[TensorSpec], expected: Sequence[TensorSpec], pay
     for index, (got, want) in enumerate(zip(specs, expected, strict=False)):
         if (got.name, got.dtype, tuple(got.shape)) != (want.name, want.dtype, tuple(want.shape)):
             raise ProtocolError(
-                f"{what}: tensor {index} is {got.name!r} ({got.dtype}, shape {tuple(got.shape)}) but the model has "
-                f"{want.name!r} ({want.dtype}, shape {tuple(want.shape)}) there; every rank must build the same model"
+                f"{what}: tensor {index} is {got.name!r} ({got.dtype}, shape {tuple(got.shape)}) "
+                "but the model has "
+                f"{want.name!r} ({want.dtype}, shape {tuple(want.shape)}) there; every rank must "
+                "build the same model"
             )
         if got.nbytes != want.nbytes or got.offset < 0 or got.offset + got.nbytes > payload_len:
-            raise ProtocolError(f"{what}: tensor {got.name!r} claims bytes [{got.offset}, {got.offset + got.nbytes}) of a {payload_len}-byte payload")
+            raise ProtocolError(
+                f"{what}: tensor {got.name!r} claims bytes [{got.offset}, "
+                f"{got.offset + got.nbytes}) of a {payload_len}-byte payload"
+            )
     if len(specs) != len(expected):
-        raise ProtocolError(f"{what}: {len(specs)} tensors, but the model has {len(expected)}; every rank must build the same model")
+        raise ProtocolError(
+            f"{what}: {len(specs)} tensors, but the model has {len(expected)}; every rank must "
+            "build the same model"
+        )
 
 
 def views(specs: Sequence[TensorSpec], buffer: bytearray | memoryview) -> list[torch.Tensor]:
@@ -99,12 +117,16 @@ def views(specs: Sequence[TensorSpec], buffer: bytearray | memoryview) -> list[t
         if spec.nbytes == 0:
             out.append(torch.empty(spec.shape, dtype=dtype))
             continue
-        flat = torch.frombuffer(buffer, dtype=dtype, offset=spec.offset, count=spec.nbytes // DTYPE_ITEMSIZE[spec.dtype])
+        flat = torch.frombuffer(
+            buffer, dtype=dtype, offset=spec.offset, count=spec.nbytes // DTYPE_ITEMSIZE[spec.dtype]
+        )
         out.append(flat.view(spec.shape))
     return out
 
 
-def add_term(acc: Sequence[torch.Tensor], terms: Sequence[torch.Tensor], weight: float | None, *, first: bool) -> None:
+def add_term(
+    acc: Sequence[torch.Tensor], terms: Sequence[torch.Tensor], weight: float | None, *, first: bool
+) -> None:
     """``acc += weight·terms`` (``weight=None``: a prescaled term, added as it is), per tensor.
 
     ``first``: the accumulator holds garbage (a pooled buffer), so the term is written, not added.
@@ -116,7 +138,8 @@ def add_term(acc: Sequence[torch.Tensor], terms: Sequence[torch.Tensor], weight:
             elif t.dtype == a.dtype:
                 torch_mul(t, weight, a)
             else:
-                # mul(t, w) would compute in t's dtype (bf16, or float32 for an int64 tensor): copy, then scale.
+                # mul(t, w) would compute in t's dtype (bf16, or float32 for an int64 tensor): copy,
+                # then scale.
                 a.copy_(t)
                 a.mul_(weight)
         elif weight is None:
@@ -131,7 +154,12 @@ def torch_mul(t: torch.Tensor, weight: float, out: torch.Tensor) -> None:
     torch.mul(t, weight, out=out)
 
 
-def finish(acc: Sequence[torch.Tensor], dtypes: Sequence[str], mass: float, out: Sequence[torch.Tensor | None]) -> list[torch.Tensor]:
+def finish(
+    acc: Sequence[torch.Tensor],
+    dtypes: Sequence[str],
+    mass: float,
+    out: Sequence[torch.Tensor | None],
+) -> list[torch.Tensor]:
     """Divide by ``mass``, round integers half-to-even, cast back; returns the consensus tensors.
 
     ``out[i]`` receives tensor ``i`` when its dtype differs from the accumulator's (None: the

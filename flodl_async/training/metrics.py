@@ -35,7 +35,8 @@ class RankEpochStats:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class EpochMetrics:
-    """One aggregated epoch: what the log line, the status page and ``TrainingRun.metrics()`` show."""
+    """One aggregated epoch: what the log line, the status page and ``TrainingRun.metrics()``
+    show."""
 
     epoch: int
     avg_loss: float
@@ -61,14 +62,22 @@ class EpochMetrics:
             avg_reduce_ms=self.avg_reduce_ms,
             anchor=self.anchor,
             counts=self.counts,
-            per_rank=tuple(m.RankEpochStatsWire(**{f: getattr(r, f) for f in RankEpochStats.__dataclass_fields__}) for r in self.per_rank),
+            per_rank=tuple(
+                m.RankEpochStatsWire(
+                    **{f: getattr(r, f) for f in RankEpochStats.__dataclass_fields__}
+                )
+                for r in self.per_rank
+            ),
             scalars=dict(self.scalars),
         )
 
     @classmethod
     def from_wire(cls, wire: m.EpochMetricsWire) -> EpochMetrics:
         """What a rank rebuilds from ``EpochAggregated``."""
-        per_rank = tuple(RankEpochStats(**{f: getattr(r, f) for f in RankEpochStats.__dataclass_fields__}) for r in wire.per_rank)
+        per_rank = tuple(
+            RankEpochStats(**{f: getattr(r, f) for f in RankEpochStats.__dataclass_fields__})
+            for r in wire.per_rank
+        )
         return cls(
             epoch=wire.epoch,
             avg_loss=wire.avg_loss,
@@ -87,7 +96,8 @@ class EpochMetrics:
         """The controller's one line per epoch."""
         shares = "/".join(f"{r.batch_share:.2f}" for r in self.per_rank)
         return (
-            f"epoch {self.epoch + 1}/{epochs}: loss {self.avg_loss:.4g} in {self.epoch_ms / 1000:.1f} s, {world} ranks, shares {shares}, "
+            f"epoch {self.epoch + 1}/{epochs}: loss {self.avg_loss:.4g} in "
+            f"{self.epoch_ms / 1000:.1f} s, {world} ranks, shares {shares}, "
             f"{self.reduces} reduces (avg {self.avg_reduce_ms:.0f} ms), anchor {self.anchor}"
         )
 
@@ -137,7 +147,9 @@ class EpochLedger:
         self._reduces += 1
         self._reduce_ms += duration_ms
 
-    def close(self, *, now: float, anchor: int, counts: tuple[int, ...], alive: frozenset[int]) -> EpochMetrics:
+    def close(
+        self, *, now: float, anchor: int, counts: tuple[int, ...], alive: frozenset[int]
+    ) -> EpochMetrics:
         """The epoch's metrics, at the reduce that closed it (``now``: that reduce's completion)."""
         total = self.batches
         loss = sum(t.loss_sum for t in self._ranks.values())
@@ -147,7 +159,9 @@ class EpochLedger:
                 batches=t.batches,
                 samples=t.samples,
                 avg_loss=t.loss_sum / t.batches if t.batches else 0.0,
-                throughput=t.batches / ((t.compute_ms + t.data_ms) / 1000) if t.compute_ms + t.data_ms > 0 else 0.0,
+                throughput=t.batches / ((t.compute_ms + t.data_ms) / 1000)
+                if t.compute_ms + t.data_ms > 0
+                else 0.0,
                 batch_share=t.batches / total if total else 0.0,
                 compute_ms=t.compute_ms,
                 data_ms=t.data_ms,
@@ -166,5 +180,8 @@ class EpochLedger:
             anchor=anchor,
             counts=counts,
             per_rank=per_rank,
-            scalars={name: self._scalar_sums[name] / self._scalar_counts[name] for name in sorted(self._scalar_sums)},
+            scalars={
+                name: self._scalar_sums[name] / self._scalar_counts[name]
+                for name in sorted(self._scalar_sums)
+            },
         )

@@ -63,13 +63,22 @@ def wire_dtype(tensor: torch.Tensor) -> str:
     name = str(tensor.dtype).removeprefix("torch.")
     if name not in DTYPE_ITEMSIZE:
         supported = ", ".join(sorted(DTYPE_ITEMSIZE))
-        raise ConfigError(f"dtype {name} is not supported by the Trainer's averaging (supported: {supported}); cast it or make it non-persistent")
+        raise ConfigError(
+            f"dtype {name} is not supported by the Trainer's averaging (supported: {supported}); "
+            "cast it or make it non-persistent"
+        )
     return name
 
 
 def _storage_key(tensor: torch.Tensor) -> tuple[int, int, tuple[int, ...], tuple[int, ...], str]:
     # Two state_dict entries are the same tensor (tied) when they view the same memory the same way.
-    return (tensor.data_ptr(), int(tensor.storage_offset()), tuple(tensor.shape), tuple(tensor.stride()), str(tensor.dtype))
+    return (
+        tensor.data_ptr(),
+        int(tensor.storage_offset()),
+        tuple(tensor.shape),
+        tuple(tensor.stride()),
+        str(tensor.dtype),
+    )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -85,17 +94,27 @@ class ModelSchema:
         seen: set[str] = set()
         for meta in (*self.params, *self.buffers):
             if meta.name in seen:
-                raise ConfigError(f"model schema lists tensor {meta.name!r} twice; every state_dict key must be unique")
+                raise ConfigError(
+                    f"model schema lists tensor {meta.name!r} twice; every state_dict key must be "
+                    "unique"
+                )
             if meta.dtype not in DTYPE_ITEMSIZE:
-                raise ConfigError(f"model schema: tensor {meta.name!r} has dtype {meta.dtype!r}, which the wire cannot carry")
+                raise ConfigError(
+                    f"model schema: tensor {meta.name!r} has dtype {meta.dtype!r}, which the wire "
+                    "cannot carry"
+                )
             if any(d < 0 for d in meta.shape):
-                raise ConfigError(f"model schema: tensor {meta.name!r} has a negative dimension in {meta.shape}")
+                raise ConfigError(
+                    f"model schema: tensor {meta.name!r} has a negative dimension in {meta.shape}"
+                )
             seen.add(meta.name)
         for alias, target in self.aliases.items():
             if alias in seen:
                 raise ConfigError(f"model schema: alias {alias!r} is also a listed tensor")
             if target not in seen:
-                raise ConfigError(f"model schema: alias {alias!r} names {target!r}, which is not a listed tensor")
+                raise ConfigError(
+                    f"model schema: alias {alias!r} names {target!r}, which is not a listed tensor"
+                )
         object.__setattr__(self, "aliases", MappingProxyType(dict(self.aliases)))
 
     # ----- construction -------------------------------------------------------------------
@@ -107,8 +126,11 @@ class ModelSchema:
         return cls.from_state_dict(model.state_dict(), param_names)
 
     @classmethod
-    def from_state_dict(cls, state_dict: Mapping[str, torch.Tensor], param_names: Sequence[str]) -> ModelSchema:
-        """The schema of ``state_dict`` whose parameters are ``param_names`` (duplicates dropped, order kept).
+    def from_state_dict(
+        cls, state_dict: Mapping[str, torch.Tensor], param_names: Sequence[str]
+    ) -> ModelSchema:
+        """The schema of ``state_dict`` whose parameters are ``param_names`` (duplicates dropped,
+        order kept).
 
         Every other key is a persistent buffer, unless its tensor is the same memory as a key
         already listed: then it is an alias of that key (a tied parameter or buffer).
@@ -116,7 +138,10 @@ class ModelSchema:
         ordered = list(dict.fromkeys(param_names))
         missing = [name for name in ordered if name not in state_dict]
         if missing:
-            raise ConfigError(f"model schema: parameter {missing[0]!r} is not a state_dict key; pass the names of the module's own parameters")
+            raise ConfigError(
+                f"model schema: parameter {missing[0]!r} is not a state_dict key; pass the names "
+                "of the module's own parameters"
+            )
         listed: dict[tuple[int, int, tuple[int, ...], tuple[int, ...], str], str] = {}
         params: list[TensorMeta] = []
         aliases: dict[str, str] = {}
@@ -127,7 +152,9 @@ class ModelSchema:
                 aliases[name] = listed[key]
                 continue
             listed.setdefault(key, name)
-            params.append(TensorMeta(name=name, dtype=wire_dtype(tensor), shape=tuple(tensor.shape)))
+            params.append(
+                TensorMeta(name=name, dtype=wire_dtype(tensor), shape=tuple(tensor.shape))
+            )
         param_set = set(ordered)
         buffers: list[TensorMeta] = []
         for name, tensor in state_dict.items():
@@ -138,7 +165,9 @@ class ModelSchema:
                 aliases[name] = listed[key]
                 continue
             listed.setdefault(key, name)
-            buffers.append(TensorMeta(name=name, dtype=wire_dtype(tensor), shape=tuple(tensor.shape)))
+            buffers.append(
+                TensorMeta(name=name, dtype=wire_dtype(tensor), shape=tuple(tensor.shape))
+            )
         return cls(params=tuple(params), buffers=tuple(buffers), aliases=aliases)
 
     # ----- views ----------------------------------------------------------------------------
@@ -194,16 +223,28 @@ class ModelSchema:
 
     @classmethod
     def from_wire(cls, wire: ModelSchemaWire) -> ModelSchema:
-        """Rebuild a schema a rank sent; a malformed one is a :class:`ConfigError` naming what is wrong."""
+        """Rebuild a schema a rank sent; a malformed one is a :class:`ConfigError` naming what is
+        wrong."""
         names = (*wire.param_names, *wire.buffer_names)
         if len(wire.dtypes) != len(names) or len(wire.shapes) != len(names):
-            raise ConfigError(f"model schema from the rank is inconsistent: {len(names)} names, {len(wire.dtypes)} dtypes, {len(wire.shapes)} shapes")
-        metas = [TensorMeta(name=n, dtype=d, shape=tuple(s)) for n, d, s in zip(names, wire.dtypes, wire.shapes, strict=True)]
+            raise ConfigError(
+                f"model schema from the rank is inconsistent: {len(names)} names, "
+                f"{len(wire.dtypes)} dtypes, {len(wire.shapes)} shapes"
+            )
+        metas = [
+            TensorMeta(name=n, dtype=d, shape=tuple(s))
+            for n, d, s in zip(names, wire.dtypes, wire.shapes, strict=True)
+        ]
         n_params = len(wire.param_names)
-        return cls(params=tuple(metas[:n_params]), buffers=tuple(metas[n_params:]), aliases=dict(wire.aliases))
+        return cls(
+            params=tuple(metas[:n_params]),
+            buffers=tuple(metas[n_params:]),
+            aliases=dict(wire.aliases),
+        )
 
     def digest_input(self) -> list[object]:
-        """A canonical plain value of the whole schema (msgpack-able; aliases sorted) for the run digest."""
+        """A canonical plain value of the whole schema (msgpack-able; aliases sorted) for the run
+        digest."""
         return [
             [[m.name, m.dtype, list(m.shape)] for m in self.params],
             [[m.name, m.dtype, list(m.shape)] for m in self.buffers],
@@ -212,10 +253,16 @@ class ModelSchema:
 
     def first_difference(self, other: ModelSchema) -> str | None:
         """What first differs between two schemas, in words (None when equal)."""
-        for label, mine, theirs in (("parameter", self.params, other.params), ("buffer", self.buffers, other.buffers)):
+        for label, mine, theirs in (
+            ("parameter", self.params, other.params),
+            ("buffer", self.buffers, other.buffers),
+        ):
             for a, b in zip(mine, theirs, strict=False):
                 if a != b:
-                    return f"{label} {a.name!r} ({a.dtype}, shape {a.shape}) != {b.name!r} ({b.dtype}, shape {b.shape})"
+                    return (
+                        f"{label} {a.name!r} ({a.dtype}, shape {a.shape}) != {b.name!r} "
+                        f"({b.dtype}, shape {b.shape})"
+                    )
             if len(mine) != len(theirs):
                 return f"{len(mine)} {label}s != {len(theirs)}"
         if dict(self.aliases) != dict(other.aliases):

@@ -1,4 +1,5 @@
-"""Outer optimizers: what the reducer does to the averaged parameters of a round (trainer spec §3.6).
+"""Outer optimizers: what the reducer does to the averaged parameters of a round (trainer spec
+§3.6).
 
 The specs are a closed set of frozen values (decision D3: a spec crosses process
 boundaries, a closure cannot) and import no torch; :class:`OuterStepper` does the
@@ -72,7 +73,8 @@ class SlowMo:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class DiLoCo:
-    """DiLoCo: Nesterov momentum on the pseudo-gradient; ranks reset their inner optimizer every round."""
+    """DiLoCo: Nesterov momentum on the pseudo-gradient; ranks reset their inner optimizer every
+    round."""
 
     lr: float = 0.7
     momentum: float = 0.9
@@ -99,7 +101,10 @@ def from_wire(wire: OuterSpecWire) -> OuterSpec:
         return SlowMo(lr=wire.lr, momentum=wire.momentum)
     if wire.kind == "diloco":
         return DiLoCo(lr=wire.lr, momentum=wire.momentum)
-    raise ConfigError(f"unknown outer optimizer {wire.kind!r} (known: avg, slowmo, diloco); are all processes running the same flodl_async?")
+    raise ConfigError(
+        f"unknown outer optimizer {wire.kind!r} (known: avg, slowmo, diloco); are all processes "
+        "running the same flodl_async?"
+    )
 
 
 def _work_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -109,7 +114,8 @@ def _work_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 class OuterStepper:
-    """The outer optimizer's state and step; not thread-safe (the reducer steps one round at a time)."""
+    """The outer optimizer's state and step; not thread-safe (the reducer steps one round at a
+    time)."""
 
     def __init__(self, spec: OuterSpec) -> None:
         self.spec = spec
@@ -122,35 +128,60 @@ class OuterStepper:
         return self._velocity is not None
 
     def set_prev_global(self, params: Mapping[str, torch.Tensor]) -> None:
-        """Adopt ``params`` as the previous global (resume from a checkpointed consensus, D9; the init round)."""
+        """Adopt ``params`` as the previous global (resume from a checkpointed consensus, D9; the
+        init round)."""
         if isinstance(self.spec, OuterAvg):
             return
-        self._prev = {name: t.detach().to(_work_dtype(t.dtype), copy=True) for name, t in params.items()}
+        self._prev = {
+            name: t.detach().to(_work_dtype(t.dtype), copy=True) for name, t in params.items()
+        }
 
     def load_velocity(self, velocity: Mapping[str, torch.Tensor]) -> None:
         """Restore the momentum of a checkpoint (``checkpoint_state()["velocity"]``)."""
-        self._velocity = {name: t.detach().to(_work_dtype(t.dtype), copy=True) for name, t in velocity.items()}
+        self._velocity = {
+            name: t.detach().to(_work_dtype(t.dtype), copy=True) for name, t in velocity.items()
+        }
 
     def checkpoint_state(self) -> dict[str, object] | None:
-        """``{"kind", "lr", "momentum", "velocity"}``; None for OuterAvg and before the first real step."""
+        """``{"kind", "lr", "momentum", "velocity"}``; None for OuterAvg and before the first real
+        step."""
         if isinstance(self.spec, OuterAvg) or self._velocity is None:
             return None
         wire = self.spec.to_wire()
-        return {"kind": wire.kind, "lr": wire.lr, "momentum": wire.momentum, "velocity": dict(self._velocity)}
+        return {
+            "kind": wire.kind,
+            "lr": wire.lr,
+            "momentum": wire.momentum,
+            "velocity": dict(self._velocity),
+        }
 
-    def step(self, consensus_params: dict[str, torch.Tensor], dtypes: Mapping[str, torch.dtype] | None = None) -> dict[str, torch.Tensor]:
-        """The parameters to adopt after this round, in ``dtypes`` (default: each input's own dtype).
+    def step(
+        self,
+        consensus_params: dict[str, torch.Tensor],
+        dtypes: Mapping[str, torch.dtype] | None = None,
+    ) -> dict[str, torch.Tensor]:
+        """The parameters to adopt after this round, in ``dtypes`` (default: each input's own
+        dtype).
 
         OuterAvg returns its input unchanged (the same tensors, cast only where ``dtypes`` asks).
         """
         spec = self.spec
-        out_dtype = {name: (dtypes[name] if dtypes is not None else c.dtype) for name, c in consensus_params.items()}
+        out_dtype = {
+            name: (dtypes[name] if dtypes is not None else c.dtype)
+            for name, c in consensus_params.items()
+        }
         if isinstance(spec, OuterAvg):
-            return {name: c if c.dtype == out_dtype[name] else c.to(out_dtype[name]) for name, c in consensus_params.items()}
+            return {
+                name: c if c.dtype == out_dtype[name] else c.to(out_dtype[name])
+                for name, c in consensus_params.items()
+            }
         prev = self._prev
         if prev is None or set(prev) != set(consensus_params):
             # First round (or a new parameter set): p = c, so g = 0 and nothing moves.
-            new = {name: c if c.dtype == out_dtype[name] else c.to(out_dtype[name]) for name, c in consensus_params.items()}
+            new = {
+                name: c if c.dtype == out_dtype[name] else c.to(out_dtype[name])
+                for name, c in consensus_params.items()
+            }
             self.set_prev_global(new)
             return new
         velocity = self._velocity if self._velocity is not None else {}
@@ -162,7 +193,8 @@ class OuterStepper:
             v = velocity.get(name)
             v = g.clone() if v is None else v.mul_(mu).add_(g)
             velocity[name] = v
-            step = v if isinstance(spec, SlowMo) else v * mu + g  # Nesterov look-ahead, as written: mu*v + g (no fused add)
+            # Nesterov look-ahead, as written: mu*v + g (no fused add)
+            step = v if isinstance(spec, SlowMo) else v * mu + g
             new[name] = (p - lr * step).to(out_dtype[name])
         self._velocity = velocity
         self.set_prev_global(new)

@@ -33,7 +33,8 @@ _MIX2 = 0x94D049BB133111EB
 
 
 def permutation(n: int, seed: int, epoch: int) -> array[int]:
-    """The sample order of ``epoch``: Fisher-Yates driven by SplitMix64 seeded ``(seed + epoch) mod 2**64``.
+    """The sample order of ``epoch``: Fisher-Yates driven by SplitMix64 seeded ``(seed + epoch) mod
+    2**64``.
 
     ``x += golden; z = mix(x)`` per draw; for ``i = n-1 .. 1``: ``j = (z * (i+1)) >> 64``, swap.
     """
@@ -68,7 +69,8 @@ def batch_samples(perm: Sequence[int], batch: int, batch_size: int) -> Sequence[
 
 
 def largest_remainder(total: int, weights: Sequence[float]) -> tuple[int, ...]:
-    """Split ``total`` proportionally to ``weights`` (Hamilton's method; ties go to the lower index).
+    """Split ``total`` proportionally to ``weights`` (Hamilton's method; ties go to the lower
+    index).
 
     The parts sum to ``total`` exactly; each is the floor of its quota or one more.
     """
@@ -88,7 +90,9 @@ def largest_remainder(total: int, weights: Sequence[float]) -> tuple[int, ...]:
     return tuple(parts)
 
 
-def sync_slices(n_batches: int, world_size: int, ratios: Sequence[float] | None = None) -> tuple[Range, ...]:
+def sync_slices(
+    n_batches: int, world_size: int, ratios: Sequence[float] | None = None
+) -> tuple[Range, ...]:
     """Each rank's contiguous slice of an epoch under SYNC (equal, or by ``partition_ratios``)."""
     if ratios is not None and len(ratios) != world_size:
         raise ValueError(f"{len(ratios)} partition ratios for a world of {world_size}")
@@ -140,12 +144,15 @@ class ChunkPool:
 
     @classmethod
     def from_coverage(cls, total: int, uncovered: Iterable[Range]) -> ChunkPool:
-        """A pool whose only free batches are ``uncovered`` (a resume); the rest counts as covered."""
+        """A pool whose only free batches are ``uncovered`` (a resume); the rest counts as
+        covered."""
         pool = cls(total)
         free = coalesce(uncovered)
         for first, n in free:
             if first < 0 or first + n > total:
-                raise ValueError(f"uncovered range ({first}, {n}) is outside the epoch's {total} batches")
+                raise ValueError(
+                    f"uncovered range ({first}, {n}) is outside the epoch's {total} batches"
+                )
         pool._free = list(free)
         pool._covered = list(_complement(free, total))
         return pool
@@ -170,7 +177,8 @@ class ChunkPool:
         return dict(self._in_flight)
 
     def take(self, rank: int, round_: int, k: int) -> tuple[Range, ...]:
-        """The next ``k`` batches (fewer when the pool runs short), from the front, for ``rank``'s window ``round_``."""
+        """The next ``k`` batches (fewer when the pool runs short), from the front, for ``rank``'s
+        window ``round_``."""
         if (rank, round_) in self._in_flight:
             raise ValueError(f"rank {rank} already holds a window of round {round_}")
         taken: list[Range] = []

@@ -1,4 +1,5 @@
-"""When and how the Trainer averages: the policies, the backends and the reduce gate (trainer-spec §2.5).
+"""When and how the Trainer averages: the policies, the backends and the reduce gate (trainer-spec
+§2.5).
 
 Theory of operation. Pure: no asyncio, no torch, no clock. The coordinator asks three
 questions here each time a window report arrives or a round completes:
@@ -33,7 +34,8 @@ class Backend(enum.Enum):
     """HOW to average."""
 
     CPU = "cpu"  # ranks -> relay (per-host fold) -> controller reducer -> back
-    COLLECTIVE = "collective"  # torch.distributed all_reduce in the ranks (NCCL on CUDA, gloo on CPU)
+    # torch.distributed all_reduce in the ranks (NCCL on CUDA, gloo on CPU)
+    COLLECTIVE = "collective"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -42,32 +44,55 @@ class PolicyRules:
 
     #: Partitions: one static slice per rank per epoch (SYNC), or windows from a progressive pool.
     static_slices: bool
-    #: The next plan goes to a rank as soon as its window report arrives (ASYNC), not with the Reduce.
+    #: The next plan goes to a rank as soon as its window report arrives (ASYNC), not with the
+    #: Reduce.
     early_dispatch: bool
     #: ElChe dispatches and grows the anchor (SYNC only observes: it has no window).
     elche_dispatch: bool
-    #: The final round weighs every alive rank 1 (ASYNC locals deliberately differ from the consensus).
+    #: The final round weighs every alive rank 1 (ASYNC locals deliberately differ from the
+    #: consensus).
     final_unit_weight: bool
     #: ElChe's timing feed: delivered cost (compute + data wait), or compute only (SYNC).
     delivered_timing: bool
 
 
 RULES: Mapping[Policy, PolicyRules] = {
-    Policy.SYNC: PolicyRules(static_slices=True, early_dispatch=False, elche_dispatch=False, final_unit_weight=False, delivered_timing=False),
-    Policy.CADENCE: PolicyRules(static_slices=False, early_dispatch=False, elche_dispatch=True, final_unit_weight=False, delivered_timing=True),
-    Policy.ASYNC: PolicyRules(static_slices=False, early_dispatch=True, elche_dispatch=True, final_unit_weight=True, delivered_timing=True),
+    Policy.SYNC: PolicyRules(
+        static_slices=True,
+        early_dispatch=False,
+        elche_dispatch=False,
+        final_unit_weight=False,
+        delivered_timing=False,
+    ),
+    Policy.CADENCE: PolicyRules(
+        static_slices=False,
+        early_dispatch=False,
+        elche_dispatch=True,
+        final_unit_weight=False,
+        delivered_timing=True,
+    ),
+    Policy.ASYNC: PolicyRules(
+        static_slices=False,
+        early_dispatch=True,
+        elche_dispatch=True,
+        final_unit_weight=True,
+        delivered_timing=True,
+    ),
 }
 
 #: Supported (policy, backend) pairs; the one refused, with what to use instead.
 UNSUPPORTED: Mapping[tuple[Policy, Backend], str] = {
     (Policy.ASYNC, Backend.COLLECTIVE): (
-        "(ASYNC, COLLECTIVE) is not a supported combination — bounded-lookahead async averaging needs the CPU backend "
+        "(ASYNC, COLLECTIVE) is not a supported combination — bounded-lookahead async averaging "
+        "needs the CPU backend "
         "(use CADENCE with COLLECTIVE, or ASYNC with CPU)"
     ),
 }
 
 
-def hold_after(policy: Policy, *, quota: int, max_batch_diff: int | None, max_overshoot: int) -> int:
+def hold_after(
+    policy: Policy, *, quota: int, max_batch_diff: int | None, max_overshoot: int
+) -> int:
     """Steps since the rank's last contribution at which it holds (-1: never).
 
     SYNC: ``1 + max_batch_diff`` (0 is strict lockstep), or keep training the slice until the
@@ -116,7 +141,9 @@ def failure_limit(*, world_size: int, absolute: int | None, percent: float | Non
     return None
 
 
-def unrecoverable_reason(*, backend: Backend, world_size: int, dead: int, limit: int | None, elastic: bool) -> str | None:
+def unrecoverable_reason(
+    *, backend: Backend, world_size: int, dead: int, limit: int | None, elastic: bool
+) -> str | None:
     """Why the run cannot continue after ``dead`` ranks were lost, as a save reason; None: it can.
 
     ``elastic=False`` (this issue) ends the run at the first loss; the elastic issue turns it on.

@@ -1,4 +1,5 @@
-"""The Trainer's serializable configuration, its canonical digest, and what differs between two (trainer-spec §2.3).
+"""The Trainer's serializable configuration, its canonical digest, and what differs between two
+(trainer-spec §2.3).
 
 Theory of operation. Every rank's ``TrainerHello`` carries a :class:`TrainerSpec` (as
 :class:`~flodl_async.wire.messages.TrainerSpecWire`) and its model's schema, with
@@ -36,7 +37,8 @@ from .policy import UNSUPPORTED, Backend, Policy
 DEFAULT_ANCHOR = {Policy.SYNC: 1, Policy.CADENCE: 10, Policy.ASYNC: 10}
 DEFAULT_MAX_OVERSHOOT = 3
 DEFAULT_EASGD_ALPHA = 0.5
-#: TrendGuard thresholds: plain, and with EASGD blending (ASYNC), whose replicas drift more by design.
+#: TrendGuard thresholds: plain, and with EASGD blending (ASYNC), whose replicas drift more by
+#: design.
 GUARD_THRESHOLD = 0.05
 GUARD_THRESHOLD_EASGD = 0.3
 OVERHEAD_TARGET_RANGE = (0.01, 0.50)
@@ -63,13 +65,20 @@ class TrendGuard:
     nudge_factor: float = 0.5
 
     def __post_init__(self) -> None:
-        _require(self.threshold is None or (_finite(self.threshold) and self.threshold > 0), f"TrendGuard.threshold must be > 0, got {self.threshold!r}")
-        _require(_finite(self.nudge_factor) and 0 < self.nudge_factor <= 1, f"TrendGuard.nudge_factor must be in (0, 1], got {self.nudge_factor!r}")
+        _require(
+            self.threshold is None or (_finite(self.threshold) and self.threshold > 0),
+            f"TrendGuard.threshold must be > 0, got {self.threshold!r}",
+        )
+        _require(
+            _finite(self.nudge_factor) and 0 < self.nudge_factor <= 1,
+            f"TrendGuard.nudge_factor must be in (0, 1], got {self.nudge_factor!r}",
+        )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ElCheConfig:
-    """ElChe, flodl's heterogeneous cadence (trainer-spec §1.1, §2.6); ``None`` fields resolve per policy."""
+    """ElChe, flodl's heterogeneous cadence (trainer-spec §1.1, §2.6); ``None`` fields resolve per
+    policy."""
 
     anchor: int | None = None
     min_anchor: int | None = None
@@ -85,28 +94,42 @@ class ElCheConfig:
     guard: TrendGuard | Literal["default"] | None = "default"
 
     def __post_init__(self) -> None:
-        _require(self.anchor is None or (_int(self.anchor) and self.anchor >= 1), f"ElCheConfig.anchor must be an integer >= 1, got {self.anchor!r}")
+        _require(
+            self.anchor is None or (_int(self.anchor) and self.anchor >= 1),
+            f"ElCheConfig.anchor must be an integer >= 1, got {self.anchor!r}",
+        )
         _require(
             self.min_anchor is None or (_int(self.min_anchor) and self.min_anchor >= 1),
             f"ElCheConfig.min_anchor must be an integer >= 1, got {self.min_anchor!r}",
         )
-        _require(_int(self.max_anchor) and self.max_anchor >= 1, f"ElCheConfig.max_anchor must be an integer >= 1, got {self.max_anchor!r}")
-        _require(_finite(self.overhead_target) and self.overhead_target > 0, f"ElCheConfig.overhead_target must be > 0, got {self.overhead_target!r}")
+        _require(
+            _int(self.max_anchor) and self.max_anchor >= 1,
+            f"ElCheConfig.max_anchor must be an integer >= 1, got {self.max_anchor!r}",
+        )
+        _require(
+            _finite(self.overhead_target) and self.overhead_target > 0,
+            f"ElCheConfig.overhead_target must be > 0, got {self.overhead_target!r}",
+        )
         _require(
             self.max_batch_diff is None or (_int(self.max_batch_diff) and self.max_batch_diff >= 0),
-            f"ElCheConfig.max_batch_diff must be an integer >= 0 (0 = lockstep), got {self.max_batch_diff!r}",
+            "ElCheConfig.max_batch_diff must be an integer >= 0 (0 = lockstep), got "
+            f"{self.max_batch_diff!r}",
         )
         if self.speed_hint is not None:
             slow, ratio = self.speed_hint
             _require(
                 _int(slow) and slow >= 0 and _finite(ratio) and ratio >= 1,
-                f"ElCheConfig.speed_hint must be (slow_rank >= 0, ratio >= 1), got {self.speed_hint!r}",
+                "ElCheConfig.speed_hint must be (slow_rank >= 0, ratio >= 1), got "
+                f"{self.speed_hint!r}",
             )
         if self.partition_ratios is not None:
             ratios = self.partition_ratios
             _require(
-                len(ratios) > 0 and all(_finite(r) and r > 0 for r in ratios) and abs(sum(ratios) - 1.0) <= 0.05,
-                f"ElCheConfig.partition_ratios must be positive and sum to 1 (± 0.05), got {ratios!r}",
+                len(ratios) > 0
+                and all(_finite(r) and r > 0 for r in ratios)
+                and abs(sum(ratios) - 1.0) <= 0.05,
+                "ElCheConfig.partition_ratios must be positive and sum to 1 (± 0.05), got "
+                f"{ratios!r}",
             )
         _require(
             self.max_overshoot is None or (_int(self.max_overshoot) and self.max_overshoot >= 0),
@@ -116,7 +139,10 @@ class ElCheConfig:
             self.easgd_alpha is None or (_finite(self.easgd_alpha) and 0 < self.easgd_alpha <= 1),
             f"ElCheConfig.easgd_alpha must be in (0, 1], got {self.easgd_alpha!r}",
         )
-        _require(_finite(self.gamma) and self.gamma >= 0, f"ElCheConfig.gamma must be >= 0 (0 = unweighted mean), got {self.gamma!r}")
+        _require(
+            _finite(self.gamma) and self.gamma >= 0,
+            f"ElCheConfig.gamma must be >= 0 (0 = unweighted mean), got {self.gamma!r}",
+        )
         _require(
             self.guard == "default" or self.guard is None or isinstance(self.guard, TrendGuard),
             f"ElCheConfig.guard must be a TrendGuard, None or 'default', got {self.guard!r}",
@@ -125,7 +151,8 @@ class ElCheConfig:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ElCheSettings:
-    """An :class:`ElCheConfig` with every default resolved for its policy (what ElChe and the wire use)."""
+    """An :class:`ElCheConfig` with every default resolved for its policy (what ElChe and the wire
+    use)."""
 
     anchor: int
     min_anchor: int
@@ -151,11 +178,19 @@ def resolve_elche(config: ElCheConfig, policy: Policy) -> ElCheSettings:
     easgd = policy is Policy.ASYNC
     guard: tuple[float, float] | None
     if config.guard == "default":
-        guard = None if policy is Policy.SYNC else (GUARD_THRESHOLD_EASGD if easgd else GUARD_THRESHOLD, 0.5)
+        guard = (
+            None
+            if policy is Policy.SYNC
+            else (GUARD_THRESHOLD_EASGD if easgd else GUARD_THRESHOLD, 0.5)
+        )
     elif config.guard is None:
         guard = None
     else:
-        threshold = config.guard.threshold if config.guard.threshold is not None else (GUARD_THRESHOLD_EASGD if easgd else GUARD_THRESHOLD)
+        threshold = (
+            config.guard.threshold
+            if config.guard.threshold is not None
+            else (GUARD_THRESHOLD_EASGD if easgd else GUARD_THRESHOLD)
+        )
         guard = (threshold, config.guard.nudge_factor)
     return ElCheSettings(
         anchor=anchor,
@@ -166,7 +201,9 @@ def resolve_elche(config: ElCheConfig, policy: Policy) -> ElCheSettings:
         adapt=config.adapt,
         speed_hint=config.speed_hint,
         partition_ratios=config.partition_ratios,
-        max_overshoot=config.max_overshoot if config.max_overshoot is not None else DEFAULT_MAX_OVERSHOOT,
+        max_overshoot=config.max_overshoot
+        if config.max_overshoot is not None
+        else DEFAULT_MAX_OVERSHOOT,
         easgd_alpha=config.easgd_alpha if config.easgd_alpha is not None else DEFAULT_EASGD_ALPHA,
         gamma=float(config.gamma),
         guard=guard,
@@ -175,7 +212,8 @@ def resolve_elche(config: ElCheConfig, policy: Policy) -> ElCheSettings:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Checkpointing:
-    """Where consensus checkpoints go and which to resume (trainer-spec §4; resume is a later issue)."""
+    """Where consensus checkpoints go and which to resume (trainer-spec §4; resume is a later
+    issue)."""
 
     save_path: str | None = None
     resume_from: str | None = None
@@ -188,20 +226,33 @@ class Checkpointing:
             self.every_epochs is None or (_int(self.every_epochs) and self.every_epochs >= 1),
             f"Checkpointing.every_epochs must be an integer >= 1, got {self.every_epochs!r}",
         )
-        _require(self.every_epochs is None or self.save_path is not None, "Checkpointing.every_epochs needs a save_path (where would the checkpoints go?)")
+        _require(
+            self.every_epochs is None or self.save_path is not None,
+            "Checkpointing.every_epochs needs a save_path (where would the checkpoints go?)",
+        )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class MaxFailure:
-    """How many dead ranks end an elastic run: ``absolute`` count or ``percent`` of the world (exactly one)."""
+    """How many dead ranks end an elastic run: ``absolute`` count or ``percent`` of the world
+    (exactly one)."""
 
     absolute: int | None = None
     percent: float | None = None
 
     def __post_init__(self) -> None:
-        _require((self.absolute is None) != (self.percent is None), "MaxFailure needs exactly one of absolute= or percent=")
-        _require(self.absolute is None or (_int(self.absolute) and self.absolute >= 1), f"MaxFailure.absolute must be an integer >= 1, got {self.absolute!r}")
-        _require(self.percent is None or (_finite(self.percent) and 0 < self.percent <= 1), f"MaxFailure.percent must be in (0, 1], got {self.percent!r}")
+        _require(
+            (self.absolute is None) != (self.percent is None),
+            "MaxFailure needs exactly one of absolute= or percent=",
+        )
+        _require(
+            self.absolute is None or (_int(self.absolute) and self.absolute >= 1),
+            f"MaxFailure.absolute must be an integer >= 1, got {self.absolute!r}",
+        )
+        _require(
+            self.percent is None or (_finite(self.percent) and 0 < self.percent <= 1),
+            f"MaxFailure.percent must be in (0, 1], got {self.percent!r}",
+        )
 
     @classmethod
     def coerce(cls, value: MaxFailure | int | float | None) -> MaxFailure | None:
@@ -212,7 +263,9 @@ class MaxFailure:
             return cls(absolute=int(value))
         if _finite(value):
             return cls(percent=float(value))
-        raise ConfigError(f"max_failure must be a MaxFailure, an int, a float or None, got {value!r}")
+        raise ConfigError(
+            f"max_failure must be a MaxFailure, an int, a float or None, got {value!r}"
+        )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -236,21 +289,42 @@ class TrainerSpec:
     name: str = ""
 
     def __post_init__(self) -> None:
-        # ``max_failure=1`` / ``0.25`` are shorthands; frozen, so the normal form is set through object.
+        # ``max_failure=1`` / ``0.25`` are shorthands; frozen, so the normal form is set through
+        # object.
         object.__setattr__(self, "max_failure", MaxFailure.coerce(self.max_failure))
-        _require(isinstance(self.policy, Policy), f"Trainer: policy must be a Policy (SYNC, CADENCE or ASYNC), got {self.policy!r}")
-        _require(isinstance(self.backend, Backend), f"Trainer: backend must be a Backend (CPU or COLLECTIVE), got {self.backend!r}")
-        _require(_int(self.epochs) and self.epochs >= 1, f"Trainer: epochs must be an integer >= 1, got {self.epochs!r}")
-        _require(_int(self.batch_size) and self.batch_size >= 1, f"Trainer: batch_size must be an integer >= 1, got {self.batch_size!r}")
-        _require(_int(self.dataset_len) and self.dataset_len >= 1, f"Trainer: the dataset must hold at least one sample, it has {self.dataset_len!r}")
+        _require(
+            isinstance(self.policy, Policy),
+            f"Trainer: policy must be a Policy (SYNC, CADENCE or ASYNC), got {self.policy!r}",
+        )
+        _require(
+            isinstance(self.backend, Backend),
+            f"Trainer: backend must be a Backend (CPU or COLLECTIVE), got {self.backend!r}",
+        )
+        _require(
+            _int(self.epochs) and self.epochs >= 1,
+            f"Trainer: epochs must be an integer >= 1, got {self.epochs!r}",
+        )
+        _require(
+            _int(self.batch_size) and self.batch_size >= 1,
+            f"Trainer: batch_size must be an integer >= 1, got {self.batch_size!r}",
+        )
+        _require(
+            _int(self.dataset_len) and self.dataset_len >= 1,
+            f"Trainer: the dataset must hold at least one sample, it has {self.dataset_len!r}",
+        )
         _require(
             not self.drop_last or self.dataset_len // self.batch_size >= 1,
-            f"Trainer: with drop_last the dataset ({self.dataset_len} samples) must fill at least one batch of {self.batch_size}; "
+            f"Trainer: with drop_last the dataset ({self.dataset_len} samples) must fill at least "
+            f"one batch of {self.batch_size}; "
             "lower batch_size or pass drop_last=False",
         )
-        _require(_int(self.seed) and 0 <= self.seed < 2**64, f"Trainer: seed must be an integer in [0, 2**64), got {self.seed!r}")
         _require(
-            _finite(self.heartbeat_timeout) and self.heartbeat_timeout > 0, f"Trainer: heartbeat_timeout must be > 0 seconds, got {self.heartbeat_timeout!r}"
+            _int(self.seed) and 0 <= self.seed < 2**64,
+            f"Trainer: seed must be an integer in [0, 2**64), got {self.seed!r}",
+        )
+        _require(
+            _finite(self.heartbeat_timeout) and self.heartbeat_timeout > 0,
+            f"Trainer: heartbeat_timeout must be > 0 seconds, got {self.heartbeat_timeout!r}",
         )
         _require(
             self.max_grad_norm is None or (_finite(self.max_grad_norm) and self.max_grad_norm > 0),
@@ -260,12 +334,14 @@ class TrainerSpec:
         _require(refused is None, f"Trainer: {refused}")
         _require(
             self.elche.partition_ratios is None or self.policy is Policy.SYNC,
-            "Trainer: elche.partition_ratios is honored on SYNC only; CADENCE/ASYNC size partitions from measured throughput (drop partition_ratios)",
+            "Trainer: elche.partition_ratios is honored on SYNC only; CADENCE/ASYNC size "
+            "partitions from measured throughput (drop partition_ratios)",
         )
         for knob in ("easgd_alpha", "max_overshoot"):
             _require(
                 getattr(self.elche, knob) is None or self.policy is Policy.ASYNC,
-                f"Trainer: elche.{knob} applies to ASYNC only (this Trainer uses {self.policy.name}); drop it or use policy=Policy.ASYNC",
+                f"Trainer: elche.{knob} applies to ASYNC only (this Trainer uses "
+                f"{self.policy.name}); drop it or use policy=Policy.ASYNC",
             )
 
     @property
@@ -293,7 +369,9 @@ class TrainerSpec:
             adapt=s.adapt,
             speed_hint_rank=None if s.speed_hint is None else int(s.speed_hint[0]),
             speed_hint_ratio=None if s.speed_hint is None else float(s.speed_hint[1]),
-            partition_ratios=None if s.partition_ratios is None else tuple(float(r) for r in s.partition_ratios),
+            partition_ratios=None
+            if s.partition_ratios is None
+            else tuple(float(r) for r in s.partition_ratios),
             max_overshoot=s.max_overshoot,
             easgd_alpha=float(s.easgd_alpha),
             gamma=s.gamma,
@@ -331,10 +409,19 @@ class TrainerSpec:
         try:
             policy, backend = Policy(wire.policy), Backend(wire.backend)
         except ValueError as exc:
-            raise ConfigError(f"the rank's Trainer spec names an unknown policy or backend ({exc}); are all processes running the same flodl_async?") from None
+            raise ConfigError(
+                f"the rank's Trainer spec names an unknown policy or backend ({exc}); are all "
+                "processes running the same flodl_async?"
+            ) from None
         e = wire.elche
-        hint = None if e.speed_hint_rank is None or e.speed_hint_ratio is None else (e.speed_hint_rank, e.speed_hint_ratio)
-        guard: TrendGuard | None = TrendGuard(threshold=e.guard_threshold, nudge_factor=e.guard_nudge) if e.guard else None
+        hint = (
+            None
+            if e.speed_hint_rank is None or e.speed_hint_ratio is None
+            else (e.speed_hint_rank, e.speed_hint_ratio)
+        )
+        guard: TrendGuard | None = (
+            TrendGuard(threshold=e.guard_threshold, nudge_factor=e.guard_nudge) if e.guard else None
+        )
         elche = ElCheConfig(
             anchor=e.anchor,
             min_anchor=e.min_anchor,
@@ -363,7 +450,11 @@ class TrainerSpec:
             elche=elche,
             outer=outer_from_wire(wire.outer),
             checkpoint=Checkpointing(
-                save_path=wire.save_path, resume_from=wire.resume_from, every_epochs=wire.every_epochs, on_shutdown=wire.on_shutdown, rank_state=wire.rank_state
+                save_path=wire.save_path,
+                resume_from=wire.resume_from,
+                every_epochs=wire.every_epochs,
+                on_shutdown=wire.on_shutdown,
+                rank_state=wire.rank_state,
             ),
             max_failure=mf,
             heartbeat_timeout=wire.heartbeat_timeout,
@@ -374,7 +465,8 @@ class TrainerSpec:
 
 
 def digest_of(spec: m.TrainerSpecWire, schema: m.ModelSchemaWire) -> str:
-    """``sha256`` (hex) of the canonical msgpack of (spec, schema): what every rank must agree on."""
+    """``sha256`` (hex) of the canonical msgpack of (spec, schema): what every rank must agree
+    on."""
     canonical = [to_body(spec), ModelSchema.from_wire(schema).digest_input()]
     return hashlib.sha256(msgpack.packb(canonical, use_bin_type=True)).hexdigest()
 
@@ -385,7 +477,8 @@ def digest(spec: TrainerSpec, schema: ModelSchema) -> str:
 
 
 def spec_diff(reference: m.TrainerSpecWire, other: m.TrainerSpecWire) -> str | None:
-    """The first differing field as ``name other != reference`` (nested: ``elche.anchor``), or None."""
+    """The first differing field as ``name other != reference`` (nested: ``elche.anchor``), or
+    None."""
     for f in dataclasses.fields(reference):
         mine, theirs = getattr(reference, f.name), getattr(other, f.name)
         if mine == theirs:

@@ -1,4 +1,5 @@
-"""The wire, sans-IO: channel magics, the per-connection handshake, authenticated and encrypted frames,
+"""The wire, sans-IO: channel magics, the per-connection handshake, authenticated and encrypted
+frames,
 typed messages, the kind table, tensor payloads.
 
 Nothing in this package touches asyncio or sockets; torch is imported lazily by
@@ -7,8 +8,22 @@ Nothing in this package touches asyncio or sockets; torch is imported lazily by
 
 from .channels import CHANNEL_MAGIC, MAGIC_LEN, Channel, NeedMore, Routed, Unrouted, sniff
 from .frame import CLOSED, NEED_DATA, Frame, FrameConnection, FrameLimits, Pending, Side
-from .handshake import PROTOCOL_VERSION, ClientHandshake, CredentialResolver, Established, PeerHello, ServerHandshake
-from .keys import Credential, CredentialKind, Direction, LinkKeys, new_session_secret, secret_from_hex
+from .handshake import (
+    PROTOCOL_VERSION,
+    ClientHandshake,
+    CredentialResolver,
+    Established,
+    PeerHello,
+    ServerHandshake,
+)
+from .keys import (
+    Credential,
+    CredentialKind,
+    Direction,
+    LinkKeys,
+    new_session_secret,
+    secret_from_hex,
+)
 from .legality import LEGAL_KINDS, legal_kinds
 from .schema import Message, message, registered_kinds
 

@@ -85,7 +85,9 @@ def sniff(prefix: bytes) -> SniffResult:
     if len(prefix) < MAGIC_LEN:
         # Reject early when the bytes so far already fit no magic: a peer that
         # sends one garbage byte and waits must not hold a slot until the deadline.
-        if prefix and not any(candidate.startswith(prefix) for candidate in (*_BY_MAGIC, *HTTP_PREFIXES)):
+        if prefix and not any(
+            candidate.startswith(prefix) for candidate in (*_BY_MAGIC, *HTTP_PREFIXES)
+        ):
             return Unrouted(reason=f"unknown channel magic {prefix.hex()}")
         return NeedMore()
     head = prefix[:MAGIC_LEN]

@@ -9,10 +9,12 @@ which gives this connection its own :class:`~.keys.LinkKeys`, a connection carri
         u16 message kind
         u64 sequence number (0, 1, 2, ... per direction)
         u32 body length      (bytes on the wire; capped by the channel's body ceiling)
-        u64 payload length   (plaintext tensor bytes; capped by the payload ceiling, 0 on most channels)
-    body     msgpack — for a sealed kind (``Message.SEALED``): AES-256-GCM(msgpack) ‖ 16-byte GCM tag
-    payload  AES-256-GCM of the raw tensor bytes, in chunks of at most ``SEAL_CHUNK`` plaintext bytes,
-             each chunk's ciphertext followed by its 16-byte GCM tag
+        u64 payload length   (plaintext tensor bytes; capped by the payload ceiling,
+                              0 on most channels)
+    body     msgpack — for a sealed kind (``Message.SEALED``):
+             AES-256-GCM(msgpack) ‖ 16-byte GCM tag
+    payload  AES-256-GCM of the raw tensor bytes, in chunks of at most ``SEAL_CHUNK``
+             plaintext bytes, each chunk's ciphertext followed by its 16-byte GCM tag
     tag      HMAC-SHA256 over header ‖ body ‖ the payload's GCM tags, 32 bytes
 
 HMAC-SHA256 authenticates every frame, as the protocol always did; the bulk bytes
@@ -84,7 +86,16 @@ from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-from ..errors import AuthenticationFailed, FrameTooLarge, IllegalKind, ReservedFlags, SequenceError, TruncatedFrame, VersionMismatch, WireError
+from ..errors import (
+    AuthenticationFailed,
+    FrameTooLarge,
+    IllegalKind,
+    ReservedFlags,
+    SequenceError,
+    TruncatedFrame,
+    VersionMismatch,
+    WireError,
+)
 from .channels import Channel
 from .handshake import PROTOCOL_VERSION
 from .keys import Direction, LinkKeys
@@ -114,7 +125,8 @@ MiB = 1024 * KiB
 
 #: Default body ceiling on every channel: control messages carry at most a traceback and some lines.
 DEFAULT_MAX_BODY = 1 * MiB
-#: Default payload ceiling on the data channel when no model size is known (design §3: at least 64 MiB).
+#: Default payload ceiling on the data channel when no model size is known (design §3: at least 64
+#: MiB).
 DEFAULT_MAX_TENSOR_PAYLOAD = 64 * MiB
 
 
@@ -144,8 +156,11 @@ class FrameLimits:
     max_payload: int = 0
 
     @classmethod
-    def for_channel(cls, channel: Channel, *, tensor_ceiling: int = DEFAULT_MAX_TENSOR_PAYLOAD) -> FrameLimits:
-        """Tensors travel on the data channel only; every other channel gets the small fixed limit."""
+    def for_channel(
+        cls, channel: Channel, *, tensor_ceiling: int = DEFAULT_MAX_TENSOR_PAYLOAD
+    ) -> FrameLimits:
+        """Tensors travel on the data channel only; every other channel gets the small fixed
+        limit."""
         return cls(max_payload=tensor_ceiling if channel is Channel.DATA else 0)
 
     @staticmethod
@@ -155,7 +170,8 @@ class FrameLimits:
 
 
 def seal_nonce(seq: int, index: int) -> bytes:
-    """The GCM nonce of chunk ``index`` (or ``BODY_INDEX``) of frame ``seq``; the one place nonces are made."""
+    """The GCM nonce of chunk ``index`` (or ``BODY_INDEX``) of frame ``seq``; the one place nonces
+    are made."""
     return NONCE.pack(seq, index)
 
 
@@ -170,7 +186,8 @@ def sealed_length(payload_len: int, chunk: int = SEAL_CHUNK) -> int:
 
 
 class Frame(NamedTuple):
-    """One authenticated, decoded frame. ``payload`` is a writable view of the plaintext, owned by this frame.
+    """One authenticated, decoded frame. ``payload`` is a writable view of the plaintext, owned by
+    this frame.
 
     A named tuple rather than a frozen dataclass: equally immutable, and a third of the
     construction cost on a path that runs once per frame.
@@ -225,7 +242,8 @@ class SealingFrame:
     ) -> None:
         self.head = head
         self.payload_len = payload_len
-        #: The sealed payload's bytes (the caller's recycled buffer, or a new one); written by :meth:`parts`.
+        #: The sealed payload's bytes (the caller's recycled buffer, or a new one); written by
+        #: :meth:`parts`.
         self.buffer = buffer
         self._parts = parts
         self._seq = seq
@@ -247,9 +265,11 @@ class SealingFrame:
         return 0 if self._plain else chunk_count(self.payload_len, self._chunk)
 
     def seal(self) -> None:
-        """Encrypt the payload into :attr:`buffer` and tag the frame (touches only this frame: thread-safe)."""
+        """Encrypt the payload into :attr:`buffer` and tag the frame (touches only this frame:
+        thread-safe)."""
         if self._plain:
-            # A plain-payload link (a private unix socket, see FrameConnection): copy, tag the head only.
+            # A plain-payload link (a private unix socket, see FrameConnection): copy, tag the head
+            # only.
             out = memoryview(self.buffer)
             at = 0
             for part in self._parts:
@@ -263,13 +283,17 @@ class SealingFrame:
         self.finish()
 
     def seal_chunk(self, index: int) -> tuple[int, int]:
-        """Seal chunk ``index`` (chunks go in order, 0 first) into :attr:`buffer`; its (start, end) there.
+        """Seal chunk ``index`` (chunks go in order, 0 first) into :attr:`buffer`; its (start, end)
+        there.
 
         Once it returns, those bytes are final: an I/O shell may write them while the next
         chunk is sealed (thread-safe like :meth:`seal`; one thread per frame at a time).
         """
         if self._plain or index != self._next or index >= self.chunks:
-            raise RuntimeError(f"seal_chunk({index}): chunks are sealed in order, {self._next} is next of {self.chunks}")
+            raise RuntimeError(
+                f"seal_chunk({index}): chunks are sealed in order, {self._next} is next of "
+                f"{self.chunks}"
+            )
         if self._mac is None:
             self._mac = hmac.new(self._mac_key, self.head, hashlib.sha256)
             self._sources = [memoryview(p).cast("B") for p in self._parts]
@@ -285,7 +309,12 @@ class SealingFrame:
         source = sources[source_index]
         if source.nbytes - source_offset >= size:
             # The common case: the chunk lies inside one buffer (one tensor, or a flat bucket).
-            self._aead.encrypt_into(nonce, source[source_offset : source_offset + size], aad, out[sealed_at : sealed_at + size + GCM_TAG_LEN])
+            self._aead.encrypt_into(
+                nonce,
+                source[source_offset : source_offset + size],
+                aad,
+                out[sealed_at : sealed_at + size + GCM_TAG_LEN],
+            )
             source_offset += size
         else:
             # Spread over several tensors: stream them through one GCM context, no gather copy.
@@ -296,7 +325,10 @@ class SealingFrame:
                 while sources[source_index].nbytes == source_offset:
                     source_index, source_offset = source_index + 1, 0
                 take = min(size - filled, sources[source_index].nbytes - source_offset)
-                encryptor.update_into(sources[source_index][source_offset : source_offset + take], out[sealed_at + filled : sealed_at + filled + take])
+                encryptor.update_into(
+                    sources[source_index][source_offset : source_offset + take],
+                    out[sealed_at + filled : sealed_at + filled + take],
+                )
                 filled += take
                 source_offset += take
             encryptor.finalize()
@@ -364,7 +396,8 @@ class FrameConnection:
         self._keys = keys
         self._send_key = keys.send_mac
         self._recv_key = keys.recv_mac
-        # Keyed templates for frames MAC'd in pieces: copying one skips the key schedule (~1 µs of 2-4 µs).
+        # Keyed templates for frames MAC'd in pieces: copying one skips the key schedule (~1 µs of
+        # 2-4 µs).
         self._recv_mac = hmac.new(self._recv_key, digestmod=hashlib.sha256)
         self._send_aead = AESGCM(keys.send_aead)
         self._recv_aead = AESGCM(keys.recv_aead)
@@ -388,7 +421,8 @@ class FrameConnection:
         self._allocate = allocate
         self._eof = False
         self._failed: WireError | None = None
-        self._unraised = False  # _failed was found by frames() behind good frames and not raised yet
+        # _failed was found by frames() behind good frames and not raised yet
+        self._unraised = False
         self._state = _State.HEADER
         self._header = b""
         self._kind = 0
@@ -396,14 +430,16 @@ class FrameConnection:
         self._body_len = 0
         self._body = b""
         self._payload_len = 0
-        # The sealed payload lands here (reused across frames), then decrypts into the frame's own buffer.
+        # The sealed payload lands here (reused across frames), then decrypts into the frame's own
+        # buffer.
         self._sealed_buf = bytearray()
         self._sealed_len = 0
         self._payload_filled = 0
         # Chunks are opened as they arrive (see _open_arrived): into this frame's plaintext buffer.
         self._opened = 0
         self._plain_out: bytearray | None = None
-        self._open_failed: int | None = None  # the first chunk that did not decrypt, reported in step 5
+        # the first chunk that did not decrypt, reported in step 5
+        self._open_failed: int | None = None
         self._mac = self._recv_mac.copy()
 
     # ----- sending -------------------------------------------------------------------------
@@ -411,7 +447,8 @@ class FrameConnection:
     def _take_seq(self) -> int:
         seq = self._send_seq
         if seq == _LAST_SEQ:
-            raise RuntimeError("sequence numbers exhausted on this connection; open a new one")  # 2**64 frames: never in practice
+            # 2**64 frames: never in practice
+            raise RuntimeError("sequence numbers exhausted on this connection; open a new one")
         self._send_seq = seq + 1
         return seq
 
@@ -422,7 +459,10 @@ class FrameConnection:
         body = pack_message(msg)
         wire_len = len(body) + (GCM_TAG_LEN if msg.SEALED else 0)
         if wire_len > self.limits.max_body:
-            raise FrameTooLarge(f"{type(msg).__name__} body is {wire_len} bytes, above the {self.limits.max_body}-byte ceiling")
+            raise FrameTooLarge(
+                f"{type(msg).__name__} body is {wire_len} bytes, above the "
+                f"{self.limits.max_body}-byte ceiling"
+            )
         return body
 
     def send(self, msg: Message) -> bytes:
@@ -438,12 +478,15 @@ class FrameConnection:
             header = HEADER.pack(PROTOCOL_VERSION, 0, msg.KIND, seq, len(body) + GCM_TAG_LEN, 0)
             sealed = header + self._seal_body(header, seq, body)
         else:
-            sealed = HEADER.pack(PROTOCOL_VERSION, 0, msg.KIND, self._take_seq(), len(body), 0) + body
+            sealed = (
+                HEADER.pack(PROTOCOL_VERSION, 0, msg.KIND, self._take_seq(), len(body), 0) + body
+            )
         # One-shot C HMAC: a third of the per-frame cost of the copy/update/digest wrapper calls.
         return sealed + hmac.digest(self._send_key, sealed, "sha256")
 
     def send_parts(self, msg: Message, payload: Sequence[Buffer]) -> list[Buffer]:
-        """One frame whose payload is ``payload`` (concatenated), encrypted without gathering it first.
+        """One frame whose payload is ``payload`` (concatenated), encrypted without gathering it
+        first.
 
         The returned list is meant for ``transport.writelines``.
         """
@@ -452,21 +495,29 @@ class FrameConnection:
         return sealing.parts()
 
     def _payload_head(self, msg: Message, payload: Sequence[Buffer]) -> tuple[bytes, int, int]:
-        """Check a payload frame and take its sequence number: (header + wire body, seq, payload length)."""
+        """Check a payload frame and take its sequence number: (header + wire body, seq, payload
+        length)."""
         if msg.KIND not in self._send_kinds:
             self._refuse_send(msg)
         body = self._wire_body(msg)
         payload_len = sum(memoryview(p).nbytes for p in payload)
         if payload_len > self.limits.max_payload:
             raise FrameTooLarge(
-                f"{type(msg).__name__} payload is {payload_len} bytes, above the {self.limits.max_payload}-byte ceiling of the {self.channel.value} channel"
+                f"{type(msg).__name__} payload is {payload_len} bytes, above the "
+                f"{self.limits.max_payload}-byte ceiling of the {self.channel.value} channel"
             )
         seq = self._take_seq()
         wire_len = len(body) + (GCM_TAG_LEN if msg.SEALED else 0)
         header = HEADER.pack(PROTOCOL_VERSION, 0, msg.KIND, seq, wire_len, payload_len)
-        return header + (self._seal_body(header, seq, body) if msg.SEALED else body), seq, payload_len
+        return (
+            header + (self._seal_body(header, seq, body) if msg.SEALED else body),
+            seq,
+            payload_len,
+        )
 
-    def start_parts(self, msg: Message, payload: Sequence[Buffer], *, buffer: bytearray | None = None) -> SealingFrame:
+    def start_parts(
+        self, msg: Message, payload: Sequence[Buffer], *, buffer: bytearray | None = None
+    ) -> SealingFrame:
         """Reserve the next sequence number for a payload frame whose sealing the caller completes.
 
         ``buffer`` (at least :func:`sealed_length` bytes) receives the ciphertext; an I/O shell
@@ -475,7 +526,9 @@ class FrameConnection:
         """
         need = self.wire_payload_length(sum(memoryview(p).nbytes for p in payload))
         if buffer is not None and len(buffer) < need:
-            raise ValueError(f"sealing buffer of {len(buffer)} bytes is smaller than the {need} the frame needs")
+            raise ValueError(
+                f"sealing buffer of {len(buffer)} bytes is smaller than the {need} the frame needs"
+            )
         head, seq, payload_len = self._payload_head(msg, payload)
         return SealingFrame(
             head=head,
@@ -495,7 +548,8 @@ class FrameConnection:
         return self._plain
 
     def send_parts_borrowed(self, msg: Message, payload: Sequence[Buffer]) -> list[Buffer]:
-        """A plain-payload frame that writes ``payload``'s own buffers (no copy): head, the buffers, the tag.
+        """A plain-payload frame that writes ``payload``'s own buffers (no copy): head, the buffers,
+        the tag.
 
         The caller keeps the buffers alive and unchanged until the transport wrote them.
         """
@@ -512,8 +566,10 @@ class FrameConnection:
         # TypeError, not a WireError: this is our own bug, and the handlers that turn a peer's
         # WireError into "close that link" must not hide it. No sequence number was taken.
         raise TypeError(
-            f"{type(msg).__name__} may not be sent by the {self.side.value} on the {self.channel.value} channel "
-            "(flodl_async.wire.legality.LEGAL_KINDS); add it to the table if this link should carry it"
+            f"{type(msg).__name__} may not be sent by the {self.side.value} on the "
+            f"{self.channel.value} channel "
+            "(flodl_async.wire.legality.LEGAL_KINDS); add it to the table if this link should "
+            "carry it"
         )
 
     # ----- receiving -----------------------------------------------------------------------
@@ -648,13 +704,25 @@ class FrameConnection:
         # Appends to the caller's list, so frames decoded before a bad one survive the raise.
         buf, pos = self._buf, self._pos
         size = len(buf)
-        key, max_body, unpack_from, digest, same = self._recv_key, self.limits.max_body, HEADER.unpack_from, hmac.digest, hmac.compare_digest
+        key, max_body, unpack_from, digest, same = (
+            self._recv_key,
+            self.limits.max_body,
+            HEADER.unpack_from,
+            hmac.digest,
+            hmac.compare_digest,
+        )
         recv_kinds, sealed = self._recv_kinds, self._sealed
         with memoryview(buf) as view:
             while size - pos >= HEADER_LEN:
                 version, flags, kind, seq, body_len, payload_len = unpack_from(buf, pos)
                 end = pos + HEADER_LEN + body_len
-                if payload_len or version != PROTOCOL_VERSION or flags or body_len > max_body or size < end + TAG_LEN:
+                if (
+                    payload_len
+                    or version != PROTOCOL_VERSION
+                    or flags
+                    or body_len > max_body
+                    or size < end + TAG_LEN
+                ):
                     break  # the state machine takes it, and performs every check itself
                 if not same(digest(key, view[pos:end], "sha256"), view[end : end + TAG_LEN]):
                     self._kind, self._body_len = kind, body_len
@@ -666,7 +734,11 @@ class FrameConnection:
                 body = view[pos + HEADER_LEN : end]
                 try:
                     msg = (
-                        unpack_message(kind, self._open_body(bytes(view[pos : pos + HEADER_LEN]), seq, body)) if kind in sealed else unpack_message(kind, body)
+                        unpack_message(
+                            kind, self._open_body(bytes(view[pos : pos + HEADER_LEN]), seq, body)
+                        )
+                        if kind in sealed
+                        else unpack_message(kind, body)
                     )
                 finally:
                     body.release()
@@ -679,7 +751,10 @@ class FrameConnection:
         try:
             return self._recv_aead.decrypt(seal_nonce(seq, BODY_INDEX), body, header)
         except InvalidTag:
-            raise AuthenticationFailed(f"{self.channel.value} channel: a sealed body did not decrypt under its GCM tag (tampered, or a peer bug)") from None
+            raise AuthenticationFailed(
+                f"{self.channel.value} channel: a sealed body did not decrypt under its GCM tag "
+                "(tampered, or a peer bug)"
+            ) from None
 
     def _open_arrived(self) -> None:
         """Decrypt every payload chunk whose ciphertext and tag have all arrived.
@@ -704,7 +779,12 @@ class FrameConnection:
                 with memoryview(self._sealed_buf) as sealed, memoryview(self._plain_out) as out:
                     nonce = seal_nonce(self._seq, index)
                     try:
-                        self._recv_aead.decrypt_into(nonce, sealed[at : at + size + GCM_TAG_LEN], self._header, out[start : start + size])
+                        self._recv_aead.decrypt_into(
+                            nonce,
+                            sealed[at : at + size + GCM_TAG_LEN],
+                            self._header,
+                            out[start : start + size],
+                        )
                     except InvalidTag:
                         self._open_failed = index
             self._opened = index + 1
@@ -713,7 +793,8 @@ class FrameConnection:
         self._open_arrived()  # every chunk has arrived by now: this opens any not opened yet
         if self._open_failed is not None:
             raise AuthenticationFailed(
-                f"{self.channel.value} channel: payload chunk {self._open_failed} did not decrypt under its GCM tag (tampered, or a peer bug)"
+                f"{self.channel.value} channel: payload chunk {self._open_failed} did not decrypt "
+                "under its GCM tag (tampered, or a peer bug)"
             )
         plain, self._plain_out = self._plain_out, None
         assert plain is not None
@@ -722,19 +803,25 @@ class FrameConnection:
     def _auth_failure(self) -> AuthenticationFailed:
         return AuthenticationFailed(
             f"{self.channel.value} channel: frame tag did not verify (kind={self._kind:#06x}, "
-            f"len={self._body_len}) — a tampered frame, or a peer bug (this connection's handshake succeeded, "
+            f"len={self._body_len}) — a tampered frame, or a peer bug (this connection's handshake "
+            "succeeded, "
             "so both sides hold the same keys)"
         )
 
     def _sequence_failure(self, seq: int) -> SequenceError:
-        return SequenceError(f"{self.channel.value} channel: frame sequence {seq}, expected {self._recv_seq} (replayed, dropped or reordered frame)")
+        return SequenceError(
+            f"{self.channel.value} channel: frame sequence {seq}, expected {self._recv_seq} "
+            "(replayed, dropped or reordered frame)"
+        )
 
     def _refuse_kind(self, kind: int) -> NoReturn:
         cls = message_class(kind)  # raises UnknownKind for a kind this build does not know at all
         sender = "controller" if self.side is Side.PEER else "peer"
         raise IllegalKind(
-            f"{self.channel.value} channel: the {sender} sent {cls.__name__} ({kind:#06x}), which is not legal "
-            "on this channel in this direction (flodl_async.wire.legality.LEGAL_KINDS) — a peer of another "
+            f"{self.channel.value} channel: the {sender} sent {cls.__name__} ({kind:#06x}), which "
+            "is not legal "
+            "on this channel in this direction (flodl_async.wire.legality.LEGAL_KINDS) — a peer of "
+            "another "
             "flodl_async version, or a bug in it; run the same version on every host"
         )
 
@@ -742,28 +829,38 @@ class FrameConnection:
         if not self._eof:
             return NEED_DATA
         if mid_frame or self._state is not _State.HEADER:
-            raise TruncatedFrame(f"{self.channel.value} channel: the peer closed in the middle of a frame")
+            raise TruncatedFrame(
+                f"{self.channel.value} channel: the peer closed in the middle of a frame"
+            )
         return CLOSED
 
     def _start_frame(self, header: bytes) -> None:
         version, flags, kind, seq, body_len, payload_len = HEADER.unpack(header)
         if version != PROTOCOL_VERSION:
             raise VersionMismatch(
-                f"{self.channel.value} channel: peer speaks wire protocol v{version}, this build speaks "
+                f"{self.channel.value} channel: peer speaks wire protocol v{version}, this build "
+                "speaks "
                 f"v{PROTOCOL_VERSION}; run the same flodl_async version on every host"
             )
         if flags != 0:
-            # Checked before the tag (like the version): the flags could one day change how the rest is read.
+            # Checked before the tag (like the version): the flags could one day change how the rest
+            # is read.
             raise ReservedFlags(
-                f"{self.channel.value} channel: reserved header flags {flags:#04x} set — a newer peer using a feature "
-                "this build lacks (run the same flodl_async version on every host), or corrupted bytes"
+                f"{self.channel.value} channel: reserved header flags {flags:#04x} set — a newer "
+                "peer using a feature "
+                "this build lacks (run the same flodl_async version on every host), or corrupted "
+                "bytes"
             )
         if body_len > self.limits.max_body:
-            raise FrameTooLarge(f"{self.channel.value} channel: frame body of {body_len} bytes exceeds the {self.limits.max_body}-byte ceiling")
+            raise FrameTooLarge(
+                f"{self.channel.value} channel: frame body of {body_len} bytes exceeds the "
+                f"{self.limits.max_body}-byte ceiling"
+            )
         if payload_len > self.limits.max_payload:
             raise FrameTooLarge(
                 f"{self.channel.value} channel: frame payload of {payload_len} bytes exceeds the "
-                f"{self.limits.max_payload}-byte ceiling (raise the tensor ceiling if the model is that large)"
+                f"{self.limits.max_payload}-byte ceiling (raise the tensor ceiling if the model is "
+                "that large)"
             )
         self._header = header
         self._kind = kind
@@ -775,9 +872,11 @@ class FrameConnection:
         self._sealed_len = self.wire_payload_length(payload_len)
         if self._plain:
             if payload_len:
-                self._sealed_buf = self._allocate(payload_len)  # the payload's own buffer: no decrypt, no copy
+                # the payload's own buffer: no decrypt, no copy
+                self._sealed_buf = self._allocate(payload_len)
         elif len(self._sealed_buf) < self._sealed_len:
-            self._sealed_buf = bytearray(self._sealed_len)  # grows to the largest frame once, then is reused
+            # grows to the largest frame once, then is reused
+            self._sealed_buf = bytearray(self._sealed_len)
         self._payload_filled = 0
         self._opened = 0
         self._plain_out = None
@@ -791,11 +890,16 @@ class FrameConnection:
             raise self._sequence_failure(self._seq)
         if self._kind not in self._recv_kinds:
             self._refuse_kind(self._kind)
-        body = self._open_body(self._header, self._seq, self._body) if self._kind in self._sealed else self._body
+        body = (
+            self._open_body(self._header, self._seq, self._body)
+            if self._kind in self._sealed
+            else self._body
+        )
         if not self._payload_len:
             payload = None
         elif self._plain:
-            payload = memoryview(self._sealed_buf)  # received in place: the frame owns this buffer now
+            # received in place: the frame owns this buffer now
+            payload = memoryview(self._sealed_buf)
             self._sealed_buf = bytearray()
         else:
             payload = memoryview(self._open_payload())

@@ -1,4 +1,5 @@
-"""The per-connection handshake, sans-IO: fresh nonces from both sides, mutual proof, one key set per connection.
+"""The per-connection handshake, sans-IO: fresh nonces from both sides, mutual proof, one key set
+per connection.
 
 Theory of operation. Every framed connection (after its channel magic, on the
 controller port or a relay's unix socket) opens with three messages, before any
@@ -62,7 +63,8 @@ runs exactly this handshake with the token as ``K``: the token never crosses the
 wire, the controller proves it holds the token before the agent proves anything,
 and a wrong token fails at the agent with "the controller's proof did not verify:
 another cluster token" (and at the controller, which sees the agent close instead
-of proving, counted as ``wrong_token`` in the admission counters). The run's session secret then reaches
+of proving, counted as ``wrong_token`` in the admission counters). The run's session secret then
+reaches
 the agent in ``JoinAccept.session_secret``, a sealed body (:mod:`.frame`): AES-256-GCM
 under this connection's controller→agent key, which is the HKDF of the token with
 both nonces as salt and the transcript in the info. So the secret is readable only
@@ -91,11 +93,19 @@ from dataclasses import dataclass
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
-from ..errors import AuthenticationFailed, HandshakeFailed, HandshakeRefused, VersionMismatch, WireError, WrongToken
+from ..errors import (
+    AuthenticationFailed,
+    HandshakeFailed,
+    HandshakeRefused,
+    VersionMismatch,
+    WireError,
+    WrongToken,
+)
 from .channels import Channel
 from .keys import KDF_LABEL, OPEN_ADMISSION_KEY, Credential, CredentialKind, LinkKeys
 
-#: The wire protocol this build speaks (handshake and frame format together). v3: 4 MiB payload chunks.
+#: The wire protocol this build speaks (handshake and frame format together). v3: 4 MiB payload
+#: chunks.
 PROTOCOL_VERSION = 3
 NONCE_BYTES = 32
 PROOF_BYTES = 32
@@ -122,13 +132,15 @@ class PeerHello:
     version: str
 
 
-#: Returns the credential key the claimed ``PeerHello`` must hold, or raises :class:`HandshakeRefused`.
+#: Returns the credential key the claimed ``PeerHello`` must hold, or raises
+#: :class:`HandshakeRefused`.
 CredentialResolver = Callable[[PeerHello], bytes]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Established:
-    """The handshake is done: this connection's keys, who the peer is, and bytes that followed it."""
+    """The handshake is done: this connection's keys, who the peer is, and bytes that followed
+    it."""
 
     keys: LinkKeys
     run_id: str
@@ -167,9 +179,18 @@ def _short(text: str, what: str) -> bytes:
     return raw
 
 
-def _key_block(*, channel: Channel, key: bytes, client_nonce: bytes, server_nonce: bytes, transcript: bytes) -> tuple[bytes, ...]:
-    info = b"/".join((KDF_LABEL, b"link", channel.value.encode(), hashlib.sha256(transcript).digest()))
-    block = HKDF(algorithm=hashes.SHA256(), length=6 * _KEY_BYTES, salt=client_nonce + server_nonce, info=info).derive(key)
+def _key_block(
+    *, channel: Channel, key: bytes, client_nonce: bytes, server_nonce: bytes, transcript: bytes
+) -> tuple[bytes, ...]:
+    info = b"/".join(
+        (KDF_LABEL, b"link", channel.value.encode(), hashlib.sha256(transcript).digest())
+    )
+    block = HKDF(
+        algorithm=hashes.SHA256(),
+        length=6 * _KEY_BYTES,
+        salt=client_nonce + server_nonce,
+        info=info,
+    ).derive(key)
     return tuple(block[i : i + _KEY_BYTES] for i in range(0, len(block), _KEY_BYTES))
 
 
@@ -187,7 +208,10 @@ class _Reader:
         if version != PROTOCOL_VERSION:
             return version, code, b"", b""  # the caller reports the version before anything else
         if rest > max_rest:
-            raise HandshakeFailed(f"handshake: the {what} announces {rest} bytes, more than the {max_rest} it may have")
+            raise HandshakeFailed(
+                f"handshake: the {what} announces {rest} bytes, more than the {max_rest} it may "
+                "have"
+            )
         end = _PREAMBLE.size + rest
         if len(self.buf) < end:
             return None
@@ -197,9 +221,18 @@ class _Reader:
 
 
 class ClientHandshake:
-    """The connecting side: ``hello()`` first, then feed what the server sends until :class:`Established`."""
+    """The connecting side: ``hello()`` first, then feed what the server sends until
+    :class:`Established`."""
 
-    def __init__(self, *, channel: Channel, credential: Credential, version: str, expect_run_id: str | None = None, nonce: bytes | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        channel: Channel,
+        credential: Credential,
+        version: str,
+        expect_run_id: str | None = None,
+        nonce: bytes | None = None,
+    ) -> None:
         self.channel = channel
         self._credential = credential
         self._expect_run_id = expect_run_id
@@ -218,7 +251,8 @@ class ClientHandshake:
         return self._hello
 
     def receive_data(self, data: bytes) -> Step:
-        """Feed bytes from the server; returns the proof to write and the keys once its ServerHello verified.
+        """Feed bytes from the server; returns the proof to write and the keys once its ServerHello
+        verified.
 
         A failure is for good: every later call raises it again.
         """
@@ -235,8 +269,10 @@ class ClientHandshake:
     def _receive(self, data: bytes) -> Step:
         if not data:
             raise HandshakeFailed(
-                f"{self.channel.value} channel: the server closed the connection during the handshake — it refused or "
-                f"evicted it (full, or shutting down), it is not a flodl controller or relay, or it runs a flodl_async "
+                f"{self.channel.value} channel: the server closed the connection during the "
+                "handshake — it refused or "
+                "evicted it (full, or shutting down), it is not a flodl controller or relay, or "
+                "it runs a flodl_async "
                 f"that does not speak wire protocol v{PROTOCOL_VERSION}"
             )
         self._reader.buf += data
@@ -246,13 +282,20 @@ class ClientHandshake:
         version, status, whole, body = got
         if version != PROTOCOL_VERSION:
             raise VersionMismatch(
-                f"{self.channel.value} channel: the server speaks wire protocol v{version}, this build speaks "
+                f"{self.channel.value} channel: the server speaks wire protocol v{version}, this "
+                "build speaks "
                 f"v{PROTOCOL_VERSION}; run the same flodl_async version on every host"
             )
         if status == _REFUSE:
-            raise HandshakeRefused(f"{self.channel.value} channel: the server refused the connection: {_text(body, 'refusal')}")
+            raise HandshakeRefused(
+                f"{self.channel.value} channel: the server refused the connection: "
+                f"{_text(body, 'refusal')}"
+            )
         if status != _ACCEPT or len(body) < NONCE_BYTES + 2 + PROOF_BYTES:
-            raise HandshakeFailed(f"{self.channel.value} channel: malformed server hello (status {status}, {len(body)} bytes)")
+            raise HandshakeFailed(
+                f"{self.channel.value} channel: malformed server hello (status {status}, "
+                f"{len(body)} bytes)"
+            )
         server_nonce = body[:NONCE_BYTES]
         pos = NONCE_BYTES
         run_len = body[pos]
@@ -263,25 +306,48 @@ class ClientHandshake:
         pos += 1 + version_len
         proof = body[pos : pos + PROOF_BYTES]
         if pos + PROOF_BYTES != len(body):
-            raise HandshakeFailed(f"{self.channel.value} channel: malformed server hello ({len(body)} bytes)")
+            raise HandshakeFailed(
+                f"{self.channel.value} channel: malformed server hello ({len(body)} bytes)"
+            )
         transcript = self._hello + whole[: len(whole) - PROOF_BYTES]
         server_proof_key, client_proof_key, up_mac, down_mac, up_aead, down_aead = _key_block(
-            channel=self.channel, key=self._credential.key, client_nonce=self._nonce, server_nonce=server_nonce, transcript=transcript
+            channel=self.channel,
+            key=self._credential.key,
+            client_nonce=self._nonce,
+            server_nonce=server_nonce,
+            transcript=transcript,
         )
         if not hmac.compare_digest(hmac.digest(server_proof_key, transcript, "sha256"), proof):
             if self._credential.kind is CredentialKind.TOKEN:
-                raise WrongToken(f"{self.channel.value} channel: the controller's proof did not verify: another cluster token (check --token-file)")
+                raise WrongToken(
+                    f"{self.channel.value} channel: the controller's proof did not verify: another "
+                    "cluster token (check --token-file)"
+                )
             raise AuthenticationFailed(
-                f"{self.channel.value} channel: the server's handshake proof did not verify — it holds another "
-                "session secret (check --secret-file: use the controller's), or it is not the flodl controller you meant"
+                f"{self.channel.value} channel: the server's handshake proof did not verify — it "
+                "holds another "
+                "session secret (check --secret-file: use the controller's), or it is not the "
+                "flodl controller you meant"
             )
         if self._expect_run_id is not None and run_id != self._expect_run_id:
-            raise HandshakeRefused(f"{self.channel.value} channel: the controller runs {run_id!r}, this side was started for {self._expect_run_id!r}")
+            raise HandshakeRefused(
+                f"{self.channel.value} channel: the controller runs {run_id!r}, this side was "
+                f"started for {self._expect_run_id!r}"
+            )
         self._done = True
         keys = LinkKeys(send_mac=up_mac, recv_mac=down_mac, send_aead=up_aead, recv_aead=down_aead)
-        peer = PeerHello(kind=self._credential.kind, round=self._credential.round, rank=self._credential.rank, version=self.server_version)
-        established = Established(keys=keys, run_id=run_id, peer=peer, leftover=bytes(self._reader.buf))
-        return Step(send=hmac.digest(client_proof_key, transcript, "sha256"), established=established)
+        peer = PeerHello(
+            kind=self._credential.kind,
+            round=self._credential.round,
+            rank=self._credential.rank,
+            version=self.server_version,
+        )
+        established = Established(
+            keys=keys, run_id=run_id, peer=peer, leftover=bytes(self._reader.buf)
+        )
+        return Step(
+            send=hmac.digest(client_proof_key, transcript, "sha256"), established=established
+        )
 
 
 class _ServerState(enum.Enum):
@@ -291,9 +357,18 @@ class _ServerState(enum.Enum):
 
 
 class ServerHandshake:
-    """The accepting side: feed what the client sends; write each :class:`Step`'s ``send``; stop at ``established`` or ``failure``."""
+    """The accepting side: feed what the client sends; write each :class:`Step`'s ``send``; stop at
+    ``established`` or ``failure``."""
 
-    def __init__(self, *, channel: Channel, resolve: CredentialResolver, run_id: str, version: str, nonce: bytes | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        channel: Channel,
+        resolve: CredentialResolver,
+        run_id: str,
+        version: str,
+        nonce: bytes | None = None,
+    ) -> None:
         self.channel = channel
         self._resolve = resolve
         self._run_id = _short(run_id, "run id")
@@ -324,13 +399,21 @@ class ServerHandshake:
 
     def _receive(self, data: bytes) -> Step:
         if not data:
-            if self._state is _ServerState.PROOF and self._peer is not None and self._peer.kind is CredentialKind.TOKEN:
-                # A token client closes without a proof exactly when ours did not verify under its token.
+            if (
+                self._state is _ServerState.PROOF
+                and self._peer is not None
+                and self._peer.kind is CredentialKind.TOKEN
+            ):
+                # A token client closes without a proof exactly when ours did not verify under its
+                # token.
                 raise WrongToken(
-                    f"{self.channel.value} channel: a dial-in agent refused this controller's proof: it holds another "
+                    f"{self.channel.value} channel: a dial-in agent refused this controller's "
+                    "proof: it holds another "
                     "cluster token (check --token-file / controller.token_file on both sides)"
                 )
-            raise HandshakeFailed(f"{self.channel.value} channel: the peer closed during the handshake")
+            raise HandshakeFailed(
+                f"{self.channel.value} channel: the peer closed during the handshake"
+            )
         self._reader.buf += data
         if self._state is _ServerState.HELLO:
             return self._on_hello()
@@ -338,14 +421,22 @@ class ServerHandshake:
             proof = bytes(self._reader.buf[:PROOF_BYTES])
             if not hmac.compare_digest(proof, self._expected_proof):
                 raise AuthenticationFailed(
-                    f"{self.channel.value} channel: the peer's handshake proof did not verify (another session secret "
+                    f"{self.channel.value} channel: the peer's handshake proof did not verify "
+                    "(another session secret "
                     "or credential, or bytes recorded from an earlier connection)"
                 )
             leftover = bytes(self._reader.buf[PROOF_BYTES:])
             self._state = _ServerState.DONE
             assert self._keys is not None
             assert self._peer is not None
-            return Step(established=Established(keys=self._keys, run_id=self._run_id.decode(), peer=self._peer, leftover=leftover))
+            return Step(
+                established=Established(
+                    keys=self._keys,
+                    run_id=self._run_id.decode(),
+                    peer=self._peer,
+                    leftover=leftover,
+                )
+            )
         return _NOTHING
 
     def _on_hello(self) -> Step:
@@ -357,45 +448,73 @@ class ServerHandshake:
             older = " (a flodl_async that predates the handshake)" if version == 1 else ""
             return self._refuse(
                 VersionMismatch(
-                    f"{self.channel.value} channel: the peer speaks wire protocol v{version}{older}, this build "
-                    f"(flodl_async {self._version}) speaks v{PROTOCOL_VERSION}; run the same flodl_async version on every host"
+                    f"{self.channel.value} channel: the peer speaks wire protocol "
+                    f"v{version}{older}, this build "
+                    f"(flodl_async {self._version}) speaks v{PROTOCOL_VERSION}; run the same "
+                    "flodl_async version on every host"
                 )
             )
         if len(body) < _CLIENT_FIXED.size + 1:
-            raise HandshakeFailed(f"{self.channel.value} channel: malformed client hello ({len(body)} bytes)")
+            raise HandshakeFailed(
+                f"{self.channel.value} channel: malformed client hello ({len(body)} bytes)"
+            )
         nonce, round_, rank = _CLIENT_FIXED.unpack_from(body)
         version_len = body[_CLIENT_FIXED.size]
         if _CLIENT_FIXED.size + 1 + version_len != len(body):
-            raise HandshakeFailed(f"{self.channel.value} channel: malformed client hello ({len(body)} bytes)")
+            raise HandshakeFailed(
+                f"{self.channel.value} channel: malformed client hello ({len(body)} bytes)"
+            )
         peer_version = _text(body[_CLIENT_FIXED.size + 1 :], "client version")
         try:
             kind = CredentialKind(kind_code)
         except ValueError:
-            return self._refuse(HandshakeRefused(f"{self.channel.value} channel: unknown credential kind {kind_code}"))
+            return self._refuse(
+                HandshakeRefused(
+                    f"{self.channel.value} channel: unknown credential kind {kind_code}"
+                )
+            )
         peer = PeerHello(kind=kind, round=round_, rank=rank, version=peer_version)
         try:
             key = self._resolve(peer)
         except HandshakeRefused as exc:
             return self._refuse(exc)
-        rest = self._nonce + bytes([len(self._run_id)]) + self._run_id + bytes([len(self._version_raw)]) + self._version_raw
+        rest = (
+            self._nonce
+            + bytes([len(self._run_id)])
+            + self._run_id
+            + bytes([len(self._version_raw)])
+            + self._version_raw
+        )
         head = _PREAMBLE.pack(PROTOCOL_VERSION, _ACCEPT, len(rest) + PROOF_BYTES) + rest
         transcript = whole + head
         server_proof_key, client_proof_key, up_mac, down_mac, up_aead, down_aead = _key_block(
-            channel=self.channel, key=key, client_nonce=nonce, server_nonce=self._nonce, transcript=transcript
+            channel=self.channel,
+            key=key,
+            client_nonce=nonce,
+            server_nonce=self._nonce,
+            transcript=transcript,
         )
         self._expected_proof = hmac.digest(client_proof_key, transcript, "sha256")
-        self._keys = LinkKeys(send_mac=down_mac, recv_mac=up_mac, send_aead=down_aead, recv_aead=up_aead)
+        self._keys = LinkKeys(
+            send_mac=down_mac, recv_mac=up_mac, send_aead=down_aead, recv_aead=up_aead
+        )
         self._peer = peer
         self._state = _ServerState.PROOF
         if self._reader.buf:
-            # A client cannot compute its proof before it has our nonce: bytes already here are not one.
-            raise HandshakeFailed(f"{self.channel.value} channel: the peer sent {len(self._reader.buf)} bytes before the server's hello")
+            # A client cannot compute its proof before it has our nonce: bytes already here are not
+            # one.
+            raise HandshakeFailed(
+                f"{self.channel.value} channel: the peer sent {len(self._reader.buf)} bytes before "
+                "the server's hello"
+            )
         return Step(send=head + hmac.digest(server_proof_key, transcript, "sha256"))
 
     def _refuse(self, exc: WireError) -> Step:
         self._state = _ServerState.DONE
         reason = str(exc).encode()[:_MAX_REASON]
-        return Step(send=_PREAMBLE.pack(PROTOCOL_VERSION, _REFUSE, len(reason)) + reason, failure=exc)
+        return Step(
+            send=_PREAMBLE.pack(PROTOCOL_VERSION, _REFUSE, len(reason)) + reason, failure=exc
+        )
 
 
 def session_resolver(secret: bytes) -> CredentialResolver:
@@ -404,7 +523,8 @@ def session_resolver(secret: bytes) -> CredentialResolver:
     def resolve(peer: PeerHello) -> bytes:
         if peer.kind is not CredentialKind.SESSION:
             raise HandshakeRefused(
-                f"a {peer.kind.name.lower()} credential is not accepted here: the controller port takes the session "
+                f"a {peer.kind.name.lower()} credential is not accepted here: the controller port "
+                "takes the session "
                 "secret only (a rank speaks to its own host's relay)"
             )
         return secret
@@ -412,20 +532,28 @@ def session_resolver(secret: bytes) -> CredentialResolver:
     return resolve
 
 
-def join_resolver(secret: bytes, token: bytes | None, *, open_admission: bool = False) -> CredentialResolver:
-    """The controller's join channel: the session secret, the cluster token when token admission is on, no credential under open admission."""
+def join_resolver(
+    secret: bytes, token: bytes | None, *, open_admission: bool = False
+) -> CredentialResolver:
+    """The controller's join channel: the session secret, the cluster token when token admission is
+    on, no credential under open admission."""
     by_session = session_resolver(secret)
 
     def resolve(peer: PeerHello) -> bytes:
         if peer.kind is CredentialKind.OPEN:
             if not open_admission:
-                raise HandshakeRefused("this controller does not run open admission: give the agent --token-file (a cluster token) or --secret-file")
+                raise HandshakeRefused(
+                    "this controller does not run open admission: give the agent --token-file (a "
+                    "cluster token) or --secret-file"
+                )
             return OPEN_ADMISSION_KEY
         if peer.kind is CredentialKind.TOKEN:
             if token is None:
                 raise HandshakeRefused(
-                    "a cluster token is not accepted here: this controller runs without token admission "
-                    "(start flodl-launch with --token-file, or set controller.token_file in cluster.yml)"
+                    "a cluster token is not accepted here: this controller runs without token "
+                    "admission "
+                    "(start flodl-launch with --token-file, or set controller.token_file in "
+                    "cluster.yml)"
                 )
             return token
         return by_session(peer)

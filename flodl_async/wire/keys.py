@@ -1,4 +1,5 @@
-"""Key material: the session secret, the credentials derived from it, and one connection's frame keys.
+"""Key material: the session secret, the credentials derived from it, and one connection's frame
+keys.
 
 Three kinds of long-lived key material exist, one per role (design §3):
 
@@ -45,19 +46,22 @@ KDF_LABEL = b"flodl-async/wire-v2"
 
 
 class Direction(enum.Enum):
-    """Which way a frame travels relative to the controller (a relay is the controller of its ranks)."""
+    """Which way a frame travels relative to the controller (a relay is the controller of its
+    ranks)."""
 
     TO_CONTROLLER = "up"
     FROM_CONTROLLER = "down"
 
 
 class CredentialKind(enum.IntEnum):
-    """What a connecting peer holds; sent in clear in its hello, and part of the handshake transcript."""
+    """What a connecting peer holds; sent in clear in its hello, and part of the handshake
+    transcript."""
 
     SESSION = 1  # the session secret: agents and their relays, to the controller
     RANK = 2  # a rank credential: one rank of one round, to its host's relay only
     TOKEN = 3  # a cluster token: dial-in agents, on the controller's join channel only
-    OPEN = 4  # no credential (a public key): the join channel of a controller with join.open_admission only
+    # no credential (a public key): the join channel of a controller with join.open_admission only
+    OPEN = 4
 
 
 def new_session_secret() -> bytes:
@@ -74,13 +78,15 @@ def secret_from_hex(text: str) -> bytes:
         raw = b""
     if len(raw) != SECRET_BYTES:
         raise ConfigError(
-            f"session secret must be {2 * SECRET_BYTES} hex characters (got {len(text)} characters); "
+            f"session secret must be {2 * SECRET_BYTES} hex characters (got {len(text)} "
+            "characters); "
             "pass the secret the controller printed or wrote to its secret file"
         )
     return raw
 
 
-#: The "key" of open admission: public by design, so it authenticates nobody (the controller warns loudly).
+#: The "key" of open admission: public by design, so it authenticates nobody (the controller warns
+#: loudly).
 OPEN_ADMISSION_KEY = KDF_LABEL + b"/open-admission"
 
 
@@ -97,21 +103,30 @@ def token_from_hex(text: str) -> bytes:
     except ValueError:
         raw = b""
     if len(raw) != TOKEN_BYTES:
-        raise ConfigError(f"cluster token must be {2 * TOKEN_BYTES} hex characters (got {len(text)} characters); write one with `flodl token new PATH`")
+        raise ConfigError(
+            f"cluster token must be {2 * TOKEN_BYTES} hex characters (got {len(text)} characters); "
+            "write one with `flodl token new PATH`"
+        )
     return raw
 
 
 def rank_credential_key(secret: bytes, *, run_id: str, round: int, rank: int) -> bytes:
-    """The credential of ``rank`` in rendezvous ``round`` of ``run_id`` (one-way from the secret)."""
+    """The credential of ``rank`` in rendezvous ``round`` of ``run_id`` (one-way from the
+    secret)."""
     if len(secret) != SECRET_BYTES:
         raise ValueError(f"session secret must be {SECRET_BYTES} bytes, got {len(secret)}")
-    info = b"/".join((KDF_LABEL, b"rank-credential", run_id.encode(), str(round).encode(), str(rank).encode()))
-    return HKDF(algorithm=hashes.SHA256(), length=CREDENTIAL_BYTES, salt=None, info=info).derive(secret)
+    info = b"/".join(
+        (KDF_LABEL, b"rank-credential", run_id.encode(), str(round).encode(), str(rank).encode())
+    )
+    return HKDF(algorithm=hashes.SHA256(), length=CREDENTIAL_BYTES, salt=None, info=info).derive(
+        secret
+    )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Credential:
-    """What one side proves it holds in a handshake: a kind, its key, and the scope a rank credential covers."""
+    """What one side proves it holds in a handshake: a kind, its key, and the scope a rank
+    credential covers."""
 
     kind: CredentialKind
     key: bytes = field(repr=False)
@@ -140,8 +155,14 @@ class Credential:
 
     @classmethod
     def for_rank(cls, secret: bytes, *, run_id: str, round: int, rank: int) -> Credential:
-        """The credential an agent hands to ``rank`` of ``round`` (derived, never the secret itself)."""
-        return cls(kind=CredentialKind.RANK, key=rank_credential_key(secret, run_id=run_id, round=round, rank=rank), round=round, rank=rank)
+        """The credential an agent hands to ``rank`` of ``round`` (derived, never the secret
+        itself)."""
+        return cls(
+            kind=CredentialKind.RANK,
+            key=rank_credential_key(secret, run_id=run_id, round=round, rank=rank),
+            round=round,
+            rank=rank,
+        )
 
     @classmethod
     def rank_from_hex(cls, text: str, *, round: int, rank: int) -> Credential:
@@ -151,13 +172,17 @@ class Credential:
         except ValueError:
             key = b""
         if len(key) != CREDENTIAL_BYTES:
-            raise ConfigError(f"rank credential must be {2 * CREDENTIAL_BYTES} hex characters; this rank's environment was not written by flodl")
+            raise ConfigError(
+                f"rank credential must be {2 * CREDENTIAL_BYTES} hex characters; this rank's "
+                "environment was not written by flodl"
+            )
         return cls(kind=CredentialKind.RANK, key=key, round=round, rank=rank)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class LinkKeys:
-    """One connection's frame keys, from its handshake: per direction, one HMAC key and one AES-256-GCM key.
+    """One connection's frame keys, from its handshake: per direction, one HMAC key and one
+    AES-256-GCM key.
 
     Held by exactly one connection: no two connections (nor the two directions of one)
     share a key, which is what makes the GCM nonce rule of :mod:`.frame` sufficient.

@@ -11,12 +11,14 @@ number verified (before msgpack sees the body), and sending one raises
 The rows are how the messages are used (design §2, §3):
 
 * join — the agent's host link, open for the run: the agent joins and reports
-  its ranks' exits, output and activity (``RankStats``); the controller admits, forms the world and drives rounds.
+  its ranks' exits, output and activity (``RankStats``); the controller admits, forms the world and
+  drives rounds.
 * rendezvous — the store host's agent reports where its store listens; nothing
   comes back down.
 * control — ranks' hello and heartbeats, and the Trainer's coordinator protocol
   (trainer-spec §2.2: hello/welcome, plans, window reports, reduces, epoch metrics,
-  deaths, shutdown; ``RankGone`` is the relay's own report of a closed link). A host's relay terminates its ranks'
+  deaths, shutdown; ``RankGone`` is the relay's own report of a closed link). A host's relay
+  terminates its ranks'
   links as the *controller* side of a unix-socket connection and forwards up as
   the *peer* side, so both hops read the same two rows.
 * data — tensor bundles, both ways (contributions up, reduced results down); the
@@ -84,18 +86,59 @@ DOWN = Direction.FROM_CONTROLLER
 #: (channel, direction) → the message classes a frame travelling that way may carry.
 LEGAL_KINDS: Mapping[tuple[Channel, Direction], frozenset[type[Message]]] = MappingProxyType(
     {
-        (Channel.JOIN, UP): frozenset({JoinHello, RankExited, RankOutput, RankStats, RanksStopped, Heartbeat}),
-        (Channel.JOIN, DOWN): frozenset({JoinAccept, JoinReject, WorldFormed, OpenRound, StartRanks, StopRanks, Abort, Finish, Heartbeat}),
+        (Channel.JOIN, UP): frozenset(
+            {JoinHello, RankExited, RankOutput, RankStats, RanksStopped, Heartbeat}
+        ),
+        (Channel.JOIN, DOWN): frozenset(
+            {
+                JoinAccept,
+                JoinReject,
+                WorldFormed,
+                OpenRound,
+                StartRanks,
+                StopRanks,
+                Abort,
+                Finish,
+                Heartbeat,
+            }
+        ),
         (Channel.RENDEZVOUS, UP): frozenset({RendezvousHello, StoreAddress}),
         (Channel.RENDEZVOUS, DOWN): frozenset(),
-        (Channel.CONTROL, UP): frozenset({RankHello, Heartbeat, TrainerHello, WindowDone, ReduceDone, RankGone, Exiting, Intent, RankStateSaved}),
-        (Channel.CONTROL, DOWN): frozenset({RankWelcome, Heartbeat, TrainerWelcome, TrainerReject, Plan, Reduce, EpochAggregated, DeclareDead, Shutdown}),
-        (Channel.DATA, UP): frozenset({TensorBundle, DataHello, HostDataHello, Contribution, HostContribution}),
+        (Channel.CONTROL, UP): frozenset(
+            {
+                RankHello,
+                Heartbeat,
+                TrainerHello,
+                WindowDone,
+                ReduceDone,
+                RankGone,
+                Exiting,
+                Intent,
+                RankStateSaved,
+            }
+        ),
+        (Channel.CONTROL, DOWN): frozenset(
+            {
+                RankWelcome,
+                Heartbeat,
+                TrainerWelcome,
+                TrainerReject,
+                Plan,
+                Reduce,
+                EpochAggregated,
+                DeclareDead,
+                Shutdown,
+            }
+        ),
+        (Channel.DATA, UP): frozenset(
+            {TensorBundle, DataHello, HostDataHello, Contribution, HostContribution}
+        ),
         (Channel.DATA, DOWN): frozenset({TensorBundle, DataWelcome, Consensus}),
     }
 )
 
 
 def legal_kinds(channel: Channel, direction: Direction) -> frozenset[int]:
-    """The kind numbers legal on ``channel`` travelling ``direction`` (what the codec checks per frame)."""
+    """The kind numbers legal on ``channel`` travelling ``direction`` (what the codec checks per
+    frame)."""
     return frozenset(cls.KIND for cls in LEGAL_KINDS[(channel, direction)])

@@ -3,7 +3,8 @@
 Messages whose bodies can carry secrets are ``sealed=True``: ``WorldFormed``
 (the command and the environment, which often hold tokens), ``RankExited``
 (a user's traceback and stderr lines), ``RankOutput`` (whatever a rank
-prints) and ``RankStats`` (each rank's last output line); their bodies are encrypted, not only authenticated. Tensor payloads are always encrypted.
+prints) and ``RankStats`` (each rank's last output line); their bodies are encrypted, not only
+authenticated. Tensor payloads are always encrypted.
 
 Kinds are grouped by channel in the high byte (0x01xx join, 0x02xx
 rendezvous, 0x03xx data, 0x04xx control, 0x05xx relay-local); a new message
@@ -31,9 +32,11 @@ class JoinHello(Message):
     devices: tuple[str, ...]
     pid: int
     agent_version: str = ""
-    #: Every address of the agent's host (:mod:`flodl_async.host.hostaddrs`): its ranks' store connections may come from any.
+    #: Every address of the agent's host (:mod:`flodl_async.host.hostaddrs`): its ranks' store
+    #: connections may come from any.
     addresses: tuple[str, ...] = ()
-    #: The cores the agent may run its ranks on (:func:`flodl_async.host.cores.usable_cores`); 0 from an agent that does not say.
+    #: The cores the agent may run its ranks on (:func:`flodl_async.host.cores.usable_cores`); 0
+    #: from an agent that does not say.
     cores: int = 0
 
 
@@ -78,7 +81,8 @@ class WorldFormed(Message):
 @message(kind=0x0105)
 @dataclass(frozen=True, slots=True, kw_only=True)
 class StartRanks(Message):
-    """Start this host's ranks for rendezvous ``round`` against the store at ``master_addr:master_port``."""
+    """Start this host's ranks for rendezvous ``round`` against the store at
+    ``master_addr:master_port``."""
 
     round: int
     restart_count: int
@@ -89,7 +93,8 @@ class StartRanks(Message):
 @message(kind=0x0106)
 @dataclass(frozen=True, slots=True, kw_only=True)
 class StopRanks(Message):
-    """Stop this host's ranks of ``round`` (TERM, then KILL after ``grace_s``); the agent stays joined."""
+    """Stop this host's ranks of ``round`` (TERM, then KILL after ``grace_s``); the agent stays
+    joined."""
 
     round: int
     reason: str
@@ -191,7 +196,8 @@ class RankActivity(Message):
 @message(kind=0x010E, sealed=True)
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RankStats(Message):
-    """An agent's periodic report of its running ranks, up the host link. Sealed: it quotes each rank's last output line."""
+    """An agent's periodic report of its running ranks, up the host link. Sealed: it quotes each
+    rank's last output line."""
 
     round: int
     ranks: tuple[RankActivity, ...]
@@ -228,7 +234,8 @@ class Heartbeat(Message):
 
     sent_at: float
     rank: int = -1
-    #: A relay's own beat on its upstream control link (``rank``: one of its host's ranks, which binds the link to the host).
+    #: A relay's own beat on its upstream control link (``rank``: one of its host's ranks, which
+    #: binds the link to the host).
     relay: bool = False
 
 
@@ -312,7 +319,8 @@ class DataWelcome(Message):
 @message(kind=0x0306)
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Contribution(Message):
-    """One rank's tensors for round ``round`` (raw, in the model's dtypes), weighted ``steps ** gamma``.
+    """One rank's tensors for round ``round`` (raw, in the model's dtypes), weighted ``steps **
+    gamma``.
 
     ``tensors == ()`` is an empty contribution: nothing to add, the rank waits for the consensus.
     """
@@ -349,7 +357,8 @@ class HostContribution(Message):
 @message(kind=0x0308)
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Consensus(Message):
-    """The result of round ``round``; ``mass == 0`` carries no tensors (ranks keep their local state)."""
+    """The result of round ``round``; ``mass == 0`` carries no tensors (ranks keep their local
+    state)."""
 
     round: int
     kind: str
@@ -360,7 +369,8 @@ class Consensus(Message):
 @message(kind=0x0309)
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ModelSchemaWire(Message):
-    """A model's tensor layout (nested in ``TrainerHello``; :class:`flodl_async.training.modelschema.ModelSchema`).
+    """A model's tensor layout (nested in ``TrainerHello``;
+    :class:`flodl_async.training.modelschema.ModelSchema`).
 
     ``dtypes``/``shapes`` are in wire order: parameters, then persistent buffers.
     """
@@ -375,7 +385,8 @@ class ModelSchemaWire(Message):
 @message(kind=0x030A)
 @dataclass(frozen=True, slots=True, kw_only=True)
 class OuterSpecWire(Message):
-    """An outer optimizer spec (:mod:`flodl_async.training.outer`): ``kind`` is ``avg``, ``slowmo`` or ``diloco``."""
+    """An outer optimizer spec (:mod:`flodl_async.training.outer`): ``kind`` is ``avg``, ``slowmo``
+    or ``diloco``."""
 
     kind: str
     lr: float = 0.0
@@ -441,7 +452,8 @@ class TrainerSpecWire(Message):
 @message(kind=0x0415)
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RankEpochStatsWire(Message):
-    """One rank's share of an aggregated epoch (:class:`flodl_async.training.metrics.RankEpochStats`)."""
+    """One rank's share of an aggregated epoch
+    (:class:`flodl_async.training.metrics.RankEpochStats`)."""
 
     rank: int
     batches: int
@@ -554,10 +566,12 @@ class WindowDone(Message):
 @message(kind=0x0409)
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Reduce(Message):
-    """Contribute to round ``round`` on the data channel (``from_controller``: only await its consensus).
+    """Contribute to round ``round`` on the data channel (``from_controller``: only await its
+    consensus).
 
     ``kind`` is ``init``, ``model``, ``final`` or ``upload``; ``checkpoint`` > 0 asks for the rank
-    state as checkpoint version N after applying; ``reset_inner`` clears the inner optimizer (DiLoCo).
+    state as checkpoint version N after applying; ``reset_inner`` clears the inner optimizer
+    (DiLoCo).
     """
 
     round: int
@@ -610,7 +624,8 @@ class RankGone(Message):
 @message(kind=0x040E, sealed=True)
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Exiting(Message):
-    """The rank is leaving: a clean exit (``error`` empty) or a death record (``error`` = traceback)."""
+    """The rank is leaving: a clean exit (``error`` empty) or a death record (``error`` =
+    traceback)."""
 
     rank: int
     reason: str
@@ -641,7 +656,8 @@ class RankStateSaved(Message):
 @message(kind=0x0411)
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Shutdown(Message):
-    """The end: ranks finish ``run()`` (normal end, graceful stop) or raise (failure: ``save_reason``)."""
+    """The end: ranks finish ``run()`` (normal end, graceful stop) or raise (failure:
+    ``save_reason``)."""
 
     reason: str
     save_reason: str = ""

@@ -28,12 +28,14 @@ from ..errors import MalformedBody, UnknownKind
 
 
 class Message:
-    """Base of every wire message; subclasses are frozen dataclasses registered with :func:`message`."""
+    """Base of every wire message; subclasses are frozen dataclasses registered with
+    :func:`message`."""
 
     __slots__ = ()
     KIND: ClassVar[int]
     SCHEMA_VERSION: ClassVar[int]
-    #: The body is encrypted on the wire (AES-256-GCM, :mod:`.frame`): messages that can carry secrets.
+    #: The body is encrypted on the wire (AES-256-GCM, :mod:`.frame`): messages that can carry
+    #: secrets.
     SEALED: ClassVar[bool]
 
 
@@ -54,7 +56,10 @@ def message(*, kind: int, version: int = 1, sealed: bool = False) -> Callable[[M
         if not 0 < kind <= 0xFFFF:
             raise ValueError(f"message kind {kind:#x} out of range")
         if kind in _REGISTRY:
-            raise ValueError(f"message kind {kind:#x} registered twice ({_REGISTRY[kind].__name__}, {cls.__name__})")
+            raise ValueError(
+                f"message kind {kind:#x} registered twice ({_REGISTRY[kind].__name__}, "
+                f"{cls.__name__})"
+            )
         cls.KIND = kind
         cls.SCHEMA_VERSION = version
         cls.SEALED = sealed
@@ -79,7 +84,9 @@ def message_class(kind: int) -> type[Message]:
     try:
         return _REGISTRY[kind]
     except KeyError:
-        raise UnknownKind(f"unknown message kind {kind:#06x}: the peer runs a newer or foreign protocol") from None
+        raise UnknownKind(
+            f"unknown message kind {kind:#06x}: the peer runs a newer or foreign protocol"
+        ) from None
 
 
 def _fields(cls: type[Message]) -> tuple[tuple[str, Any, bool], ...]:

@@ -141,7 +141,8 @@ class StoreConnection:
         self._validated = False
 
     def receive_data(self, data: bytes) -> list[Reply]:
-        """Apply every complete request in ``data`` (plus what was buffered); raises on bad input."""
+        """Apply every complete request in ``data`` (plus what was buffered); raises on bad
+        input."""
         self._buf += data
         replies: list[Reply] = []
         while self._buf:
@@ -204,7 +205,9 @@ class StoreConnection:
         state = self._state
         if not self._validated:
             if query is not Query.VALIDATE or _U32.unpack(self._take(4))[0] != VALIDATION_MAGIC:
-                raise StoreProtocolError("the first request was not a valid VALIDATE (not a torch TCPStore client)")
+                raise StoreProtocolError(
+                    "the first request was not a valid VALIDATE (not a torch TCPStore client)"
+                )
             self._validated = True
             return []
         if query is Query.VALIDATE:
@@ -233,7 +236,9 @@ class StoreConnection:
             try:
                 total = delta + int(state.data.get(key, b"0"))
             except ValueError:
-                raise StoreProtocolError(f"ADD on key {key!r} whose value is not an integer") from None
+                raise StoreProtocolError(
+                    f"ADD on key {key!r} whose value is not an integer"
+                ) from None
             return [(self, _I64.pack(total)), *state.set(key, str(total).encode())]
         if query is Query.CHECK:
             ready = all(state._has(k) for k in self._keys())

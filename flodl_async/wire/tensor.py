@@ -23,7 +23,8 @@ if TYPE_CHECKING:
 
 _MAX_TORCH_BYTES = 2**63 - 1
 
-#: Wire dtype names and their element sizes; the names match ``str(torch.<dtype>)`` minus ``torch.``.
+#: Wire dtype names and their element sizes; the names match ``str(torch.<dtype>)`` minus
+#: ``torch.``.
 DTYPE_ITEMSIZE: dict[str, int] = {
     "float32": 4,
     "float64": 8,
@@ -45,7 +46,9 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     bytes are written.
     """
     if tensor.device.type != "cpu" or not tensor.is_contiguous():
-        raise ValueError("tensor payloads must be contiguous CPU tensors; call .contiguous().cpu() first")
+        raise ValueError(
+            "tensor payloads must be contiguous CPU tensors; call .contiguous().cpu() first"
+        )
     nbytes = tensor.numel() * tensor.element_size()
     if nbytes == 0:
         return memoryview(b"")
@@ -53,7 +56,9 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     return memoryview(raw).cast("B").toreadonly()
 
 
-def pack_tensors(tensors: Mapping[str, torch.Tensor], *, round: int = 0, weight: float = 1.0) -> tuple[TensorBundle, list[memoryview]]:
+def pack_tensors(
+    tensors: Mapping[str, torch.Tensor], *, round: int = 0, weight: float = 1.0
+) -> tuple[TensorBundle, list[memoryview]]:
     """Describe ``tensors`` as a :class:`TensorBundle` plus payload parts for ``send_parts``."""
     specs: list[TensorSpec] = []
     parts: list[memoryview] = []
@@ -63,7 +68,11 @@ def pack_tensors(tensors: Mapping[str, torch.Tensor], *, round: int = 0, weight:
         if dtype not in DTYPE_ITEMSIZE:
             raise ValueError(f"tensor {name!r}: dtype {dtype} is not supported on the wire")
         view = tensor_bytes(tensor)
-        specs.append(TensorSpec(name=name, dtype=dtype, shape=tuple(tensor.shape), offset=offset, nbytes=view.nbytes))
+        specs.append(
+            TensorSpec(
+                name=name, dtype=dtype, shape=tuple(tensor.shape), offset=offset, nbytes=view.nbytes
+            )
+        )
         parts.append(view)
         offset += view.nbytes
     return TensorBundle(round=round, weight=weight, tensors=tuple(specs)), parts
@@ -77,17 +86,26 @@ def validate_bundle(bundle: TensorBundle, payload_len: int) -> None:
             raise MalformedBody(f"tensor {spec.name!r}: unknown dtype {spec.dtype!r}")
         if any(d < 0 for d in spec.shape):
             raise MalformedBody(f"tensor {spec.name!r}: negative dimension in shape {spec.shape}")
-        # torch sizes strides and storage as if empty dimensions were 1: a shape whose product overflows
+        # torch sizes strides and storage as if empty dimensions were 1: a shape whose product
+        # overflows
         # int64 that way cannot be made even when it holds no elements.
         if math.prod(max(d, 1) for d in spec.shape) * itemsize > _MAX_TORCH_BYTES:
-            raise MalformedBody(f"tensor {spec.name!r}: shape {spec.shape} is larger than any tensor torch can make")
+            raise MalformedBody(
+                f"tensor {spec.name!r}: shape {spec.shape} is larger than any tensor torch can make"
+            )
         numel = 1
         for d in spec.shape:
             numel *= d
         if numel * itemsize != spec.nbytes:
-            raise MalformedBody(f"tensor {spec.name!r}: shape {spec.shape} of {spec.dtype} is not {spec.nbytes} bytes")
+            raise MalformedBody(
+                f"tensor {spec.name!r}: shape {spec.shape} of {spec.dtype} is not {spec.nbytes} "
+                "bytes"
+            )
         if spec.offset < 0 or spec.offset + spec.nbytes > payload_len:
-            raise MalformedBody(f"tensor {spec.name!r}: bytes [{spec.offset}, {spec.offset + spec.nbytes}) lie outside the payload")
+            raise MalformedBody(
+                f"tensor {spec.name!r}: bytes [{spec.offset}, {spec.offset + spec.nbytes}) lie "
+                "outside the payload"
+            )
 
 
 def unpack_tensors(bundle: TensorBundle, payload: memoryview | None) -> dict[str, torch.Tensor]:
@@ -102,6 +120,11 @@ def unpack_tensors(bundle: TensorBundle, payload: memoryview | None) -> dict[str
         if spec.nbytes == 0:
             out[spec.name] = torch.empty(spec.shape, dtype=dtype)
             continue
-        flat = torch.frombuffer(payload, dtype=dtype, offset=spec.offset, count=spec.nbytes // DTYPE_ITEMSIZE[spec.dtype])
+        flat = torch.frombuffer(
+            payload,
+            dtype=dtype,
+            offset=spec.offset,
+            count=spec.nbytes // DTYPE_ITEMSIZE[spec.dtype],
+        )
         out[spec.name] = flat.view(spec.shape)
     return out

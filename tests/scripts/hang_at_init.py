@@ -9,6 +9,8 @@ print(f"rank {rank} loading", flush=True)
 if rank == 0:
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=600))  # connected to the store, waiting for rank 1
+    dist.init_process_group(
+        "gloo", timeout=datetime.timedelta(seconds=600)
+    )  # connected to the store, waiting for rank 1
 else:
     time.sleep(600)

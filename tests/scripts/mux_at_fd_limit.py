@@ -23,7 +23,10 @@ async def main() -> None:
     await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
     await mux.aclose()
     stats = mux.statistics()
-    print("stats " + json.dumps({"accept_errors": stats.accept_errors, "dropped": stats.dropped}), flush=True)
+    print(
+        "stats " + json.dumps({"accept_errors": stats.accept_errors, "dropped": stats.dropped}),
+        flush=True,
+    )
 
 
 _soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)

@@ -14,7 +14,9 @@ record, mode = sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else "exit"
 def on_signal(signum: int, _frame: object) -> None:
     with open(record, "a") as out:
         out.write(f"{os.environ.get('RANK', '?')} {signal.Signals(signum).name}\n")
-    print(f"got {signal.Signals(signum).name}", flush=True)  # after the record: a reader of this line can read the file
+    print(
+        f"got {signal.Signals(signum).name}", flush=True
+    )  # after the record: a reader of this line can read the file
     if mode == "exit":
         sys.exit(128 + signum)
 

@@ -12,7 +12,10 @@ async def main() -> None:
     rtts = [await link.heartbeat() for _ in range(3)]
     mode = oct(os.stat(link.spec.relay_socket).st_mode & 0o777)
     print(f"rank {link.rank} relay socket mode {mode}", flush=True)
-    print(f"rank {link.rank} welcomed by run {link.spec.run_id}; heartbeat rtts ms {[round(r * 1000, 2) for r in rtts]}", flush=True)
+    print(
+        f"rank {link.rank} welcomed by run {link.spec.run_id}; heartbeat rtts ms {[round(r * 1000, 2) for r in rtts]}",
+        flush=True,
+    )
     await link.aclose()
 
 

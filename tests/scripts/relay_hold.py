@@ -33,7 +33,9 @@ async def main() -> int:
     aside.write_text(str(os.getpid()))
     aside.rename(out / f"connected-{link.rank}")
     print(f"connected rank {link.rank} pid {os.getpid()}", flush=True)
-    code = await asyncio.to_thread(wait_for, out / f"release-{link.rank}")  # the link stays open meanwhile
+    code = await asyncio.to_thread(
+        wait_for, out / f"release-{link.rank}"
+    )  # the link stays open meanwhile
     await link.aclose()
     return code
 

@@ -38,8 +38,13 @@ async def controller_data(link: FramedProtocol) -> None:
         frame = await link.recv()
         msg = frame.message
         assert isinstance(msg, m.HostContribution), msg
-        print(f"up_prescaled={msg.prescaled} up_ranks={list(msg.ranks)} up_weight={msg.weight} up_same={bytes(frame.payload or b'') == PAYLOAD}")
-        await link.send_tensors(m.Consensus(round=msg.round, kind=msg.kind, mass=msg.weight, tensors=msg.tensors), [frame.payload] if frame.payload else [])
+        print(
+            f"up_prescaled={msg.prescaled} up_ranks={list(msg.ranks)} up_weight={msg.weight} up_same={bytes(frame.payload or b'') == PAYLOAD}"
+        )
+        await link.send_tensors(
+            m.Consensus(round=msg.round, kind=msg.kind, mass=msg.weight, tensors=msg.tensors),
+            [frame.payload] if frame.payload else [],
+        )
 
 
 async def drain(link: FramedProtocol) -> None:
@@ -54,7 +59,13 @@ async def main() -> None:
     try:
         async with asyncio.timeout(30), asyncio.TaskGroup() as tg:
             for channel, handler in ((Channel.CONTROL, drain), (Channel.DATA, controller_data)):
-                service = FramedService(channel=channel, resolve=session_resolver(secret), run_id=RUN, handler=handler, task_group=tg)
+                service = FramedService(
+                    channel=channel,
+                    resolve=session_resolver(secret),
+                    run_id=RUN,
+                    handler=handler,
+                    task_group=tg,
+                )
                 mux.register(channel, service.protocol_factory)
             await mux.start()
             relay = Relay(
@@ -73,17 +84,27 @@ async def main() -> None:
             relay.open_round(0)
             credential = Credential.for_rank(secret, run_id=RUN, round=0, rank=0)
             link = await open_unix_framed(
-                relay.data_socket_path, channel=Channel.DATA, credential=credential, peer_label="relay", limits=FrameLimits(max_payload=0), plain_payloads=True
+                relay.data_socket_path,
+                channel=Channel.DATA,
+                credential=credential,
+                peer_label="relay",
+                limits=FrameLimits(max_payload=0),
+                plain_payloads=True,
             )
             link.send(m.DataHello(rank=0, model_bytes=len(PAYLOAD), digest="x"))
             welcome = await link.recv_message()
             assert isinstance(welcome, m.DataWelcome), welcome
             assert link.codec is not None
             link.codec.limits = FrameLimits(max_payload=welcome.max_payload)
-            await link.send_tensors(m.Contribution(round=1, kind="model", rank=0, weight=2.0, steps=2, tensors=(SPEC,)), [PAYLOAD])
+            await link.send_tensors(
+                m.Contribution(round=1, kind="model", rank=0, weight=2.0, steps=2, tensors=(SPEC,)),
+                [PAYLOAD],
+            )
             frame = await link.recv()
             assert isinstance(frame.message, m.Consensus), frame.message
-            print(f"down_same={bytes(frame.payload or b'') == PAYLOAD} down_mass={frame.message.mass}")
+            print(
+                f"down_same={bytes(frame.payload or b'') == PAYLOAD} down_mass={frame.message.mass}"
+            )
             stats = relay.statistics().data
             print(f"forwarded_raw={stats.forwarded_raw} folded={stats.folded}")
             await link.aclose()

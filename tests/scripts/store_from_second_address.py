@@ -21,7 +21,9 @@ second, switching_host = sys.argv[1], sys.argv[2]
 master = os.environ["MASTER_ADDR"]
 if socket.gethostname() == switching_host:
     subnet = ipaddress.ip_network(f"{master}/24", strict=False)
-    subprocess.run(["ip", "route", "replace", str(subnet), "dev", "eth0", "src", second], check=True)
+    subprocess.run(
+        ["ip", "route", "replace", str(subnet), "dev", "eth0", "src", second], check=True
+    )
 probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
 probe.connect((master, 9))  # a UDP connect sends nothing: it only picks the source address
 print(f"{socket.gethostname()} dials the store from {probe.getsockname()[0]}", flush=True)

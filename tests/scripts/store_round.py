@@ -17,7 +17,10 @@ from torch.distributed import TCPStore
 addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
 rank, restart = int(os.environ["RANK"]), int(os.environ["TORCHELASTIC_RESTART_COUNT"])
 store = TCPStore(addr, port, None, False, timeout=datetime.timedelta(seconds=120))
-print(f"attempt {restart} rank {rank} store {addr}:{port} leftover {store.check(['leftover'])}", flush=True)
+print(
+    f"attempt {restart} rank {rank} store {addr}:{port} leftover {store.check(['leftover'])}",
+    flush=True,
+)
 if restart == 0 and "--fail-once" in sys.argv:
     if rank == 0:
         store.set("leftover", "from attempt 0")

@@ -35,17 +35,41 @@ async def main() -> int:
     env = RankSpec.from_json(os.environ[RANK_VAR])
     credential = Credential.rank_from_hex(env.credential_hex, round=env.round, rank=rank)
     async with asyncio.timeout(30):
-        link = await open_unix_framed(env.relay_socket, channel=Channel.CONTROL, credential=credential, peer_label="relay")
-        link.send(m.RankHello(rank=rank, local_rank=int(os.environ["LOCAL_RANK"]), world_size=int(os.environ["WORLD_SIZE"]), pid=os.getpid()))
+        link = await open_unix_framed(
+            env.relay_socket, channel=Channel.CONTROL, credential=credential, peer_label="relay"
+        )
+        link.send(
+            m.RankHello(
+                rank=rank,
+                local_rank=int(os.environ["LOCAL_RANK"]),
+                world_size=int(os.environ["WORLD_SIZE"]),
+                pid=os.getpid(),
+            )
+        )
         assert isinstance(await link.recv_message(), m.RankWelcome)
-    spec = TrainerSpec(epochs=1, batch_size=4, dataset_len=32, elche=ElCheConfig(anchor=2, adapt=False), heartbeat_timeout=10.0)
+    spec = TrainerSpec(
+        epochs=1,
+        batch_size=4,
+        dataset_len=32,
+        elche=ElCheConfig(anchor=2, adapt=False),
+        heartbeat_timeout=10.0,
+    )
     schema = ModelSchema.from_wire(SCHEMA)
     run_digest = digest(spec, schema)
     w = torch.full((4,), float(rank + 1))
     steps = 0
     async with asyncio.TaskGroup() as tg:
         beats = tg.create_task(beat(link, rank), name="heartbeats")
-        link.send(m.TrainerHello(rank=rank, spec=spec.to_wire(), digest=run_digest, model=SCHEMA, model_bytes=16, device="cpu"))
+        link.send(
+            m.TrainerHello(
+                rank=rank,
+                spec=spec.to_wire(),
+                digest=run_digest,
+                model=SCHEMA,
+                model_bytes=16,
+                device="cpu",
+            )
+        )
         data: DataLink | None = None
         while True:
             msg = await link.recv_message()
@@ -65,15 +89,28 @@ async def main() -> int:
                 if msg.from_controller:
                     result = await data.receive(msg.round)
                 elif msg.kind == "init":
-                    result = await data.contribute(msg.round, "init", {"w": w} if rank == 0 else None, 0, 1.0 if rank == 0 else 0.0)
+                    result = await data.contribute(
+                        msg.round,
+                        "init",
+                        {"w": w} if rank == 0 else None,
+                        0,
+                        1.0 if rank == 0 else 0.0,
+                    )
                 else:
-                    result = await data.contribute(msg.round, msg.kind, {"w": w}, steps, float(steps))
+                    result = await data.contribute(
+                        msg.round, msg.kind, {"w": w}, steps, float(steps)
+                    )
                     steps = 0
                 if result.tensors is not None:
                     w = result.tensors["w"].clone()
-                print(f"rank {rank} round {msg.round} {msg.kind} mass {result.mass:g} w {w.tolist()}", flush=True)
+                print(
+                    f"rank {rank} round {msg.round} {msg.kind} mass {result.mass:g} w {w.tolist()}",
+                    flush=True,
+                )
                 if msg.kind == "init":
-                    w = torch.full((4,), float(rank + 1))  # diverge again, so the model rounds have something to average
+                    w = torch.full(
+                        (4,), float(rank + 1)
+                    )  # diverge again, so the model rounds have something to average
             elif isinstance(msg, m.Shutdown):
                 print(f"rank {rank} shutdown: {msg.reason} ({msg.save_reason})", flush=True)
                 link.send(m.Exiting(rank=rank, reason="done"))

@@ -59,7 +59,9 @@ class Mixed(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
-            self.ema.add_(0.125)  # the same on every rank: exact in bf16, so the consensus must be exact too
+            self.ema.add_(
+                0.125
+            )  # the same on every rank: exact in bf16, so the consensus must be exact too
             self.flag.copy_(torch.tensor([True, self.rank == 0]))
             self.marker.copy_(torch.tensor([5 * self.rank, 7 * self.rank]))
         return self.head(torch.relu(self.bn(self.b(torch.relu(self.a(x))))))
@@ -101,21 +103,46 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--fast-ms", type=float, default=0.0)
     p.add_argument("--fail-rank", type=int, default=-2)
     p.add_argument("--cooperative", action="store_true")
-    p.add_argument("--ticker", action="store_true", help="run another asyncio task next to the training")
+    p.add_argument(
+        "--ticker", action="store_true", help="run another asyncio task next to the training"
+    )
     p.add_argument("--anchor", type=int, default=None)
     p.add_argument("--no-adapt", action="store_true")
-    p.add_argument("--mixed", action="store_true", help="train the Mixed model (tied weight, int64/bf16/bool buffers)")
-    p.add_argument("--lockstep", action="store_true", help="SYNC with max_batch_diff=0: one step per rank per reduce")
-    p.add_argument("--twice", action="store_true", help="a rank runs trainer.run() a second time after the first")
-    p.add_argument("--hold-file", help="with --hold-host: that host's local rank 0 prints HOLDING before its first step and waits for this file")
-    p.add_argument("--hold-host", help="the hostname whose local rank 0 holds (a test inspects the running world meanwhile)")
+    p.add_argument(
+        "--mixed",
+        action="store_true",
+        help="train the Mixed model (tied weight, int64/bf16/bool buffers)",
+    )
+    p.add_argument(
+        "--lockstep",
+        action="store_true",
+        help="SYNC with max_batch_diff=0: one step per rank per reduce",
+    )
+    p.add_argument(
+        "--twice",
+        action="store_true",
+        help="a rank runs trainer.run() a second time after the first",
+    )
+    p.add_argument(
+        "--hold-file",
+        help="with --hold-host: that host's local rank 0 prints HOLDING before its first step and waits for this file",
+    )
+    p.add_argument(
+        "--hold-host",
+        help="the hostname whose local rank 0 holds (a test inspects the running world meanwhile)",
+    )
     return p.parse_args(argv)
 
 
 def build(args: argparse.Namespace) -> fa.Trainer:
     rank = int(os.environ.get("RANK", "-1"))
     sleep_s = (args.slow_ms if rank == args.slow_rank else args.fast_ms) / 1e3
-    holding = args.hold_file is not None and rank >= 0 and socket.gethostname() == args.hold_host and os.environ.get("LOCAL_RANK") == "0"
+    holding = (
+        args.hold_file is not None
+        and rank >= 0
+        and socket.gethostname() == args.hold_host
+        and os.environ.get("LOCAL_RANK") == "0"
+    )
 
     def train_step(m: nn.Module, batch: list[torch.Tensor]) -> torch.Tensor:
         nonlocal holding
@@ -130,7 +157,9 @@ def build(args: argparse.Namespace) -> fa.Trainer:
             time.sleep(sleep_s)  # models a slower device without CPU contention
         return mse(m, batch)
 
-    elche = fa.ElCheConfig(anchor=args.anchor, adapt=not args.no_adapt, max_batch_diff=0 if args.lockstep else None)
+    elche = fa.ElCheConfig(
+        anchor=args.anchor, adapt=not args.no_adapt, max_batch_diff=0 if args.lockstep else None
+    )
     return fa.Trainer(
         model=mixed if args.mixed else model,
         optimizer=adam if args.outer == "diloco" else optimizer,
@@ -146,7 +175,13 @@ def build(args: argparse.Namespace) -> fa.Trainer:
     )
 
 
-def save(args: argparse.Namespace, trainer: fa.Trainer, state: fa.TrainedState, losses: list[float], shares: list[list[float]]) -> None:
+def save(
+    args: argparse.Namespace,
+    trainer: fa.Trainer,
+    state: fa.TrainedState,
+    losses: list[float],
+    shares: list[list[float]],
+) -> None:
     rank = int(os.environ.get("RANK", "-1"))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -183,7 +218,9 @@ async def managed(args: argparse.Namespace) -> None:
             ticking.set()
             await asyncio.sleep(0.01)
 
-    if args.ticker:  # the plain form, `state = await trainer.run()`, inside a program doing other things
+    if (
+        args.ticker
+    ):  # the plain form, `state = await trainer.run()`, inside a program doing other things
         other = asyncio.create_task(ticker(), name="ticker")
         await ticking.wait()
         state = await trainer.run()
@@ -198,7 +235,10 @@ async def managed(args: argparse.Namespace) -> None:
         losses.append(m.avg_loss)
         shares.append([r.batch_share for r in m.per_rank])
         if run.primary:
-            print(f"EPOCH {m.epoch} loss {m.avg_loss:.5f} shares {[round(s, 3) for s in shares[-1]]}", flush=True)
+            print(
+                f"EPOCH {m.epoch} loss {m.avg_loss:.5f} shares {[round(s, 3) for s in shares[-1]]}",
+                flush=True,
+            )
     state = await run.join()
     save(args, trainer, state, losses, shares)
     if args.twice and trainer.entry is fa.Entry.RANK:

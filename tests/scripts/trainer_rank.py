@@ -40,20 +40,44 @@ async def main() -> int:
     spec_env = RankSpec.from_json(os.environ[RANK_VAR])
     credential = Credential.rank_from_hex(spec_env.credential_hex, round=spec_env.round, rank=rank)
     async with asyncio.timeout(30):
-        link = await open_unix_framed(spec_env.relay_socket, channel=Channel.CONTROL, credential=credential, peer_label="relay")
-        link.send(m.RankHello(rank=rank, local_rank=int(os.environ["LOCAL_RANK"]), world_size=int(os.environ["WORLD_SIZE"]), pid=os.getpid()))
+        link = await open_unix_framed(
+            spec_env.relay_socket,
+            channel=Channel.CONTROL,
+            credential=credential,
+            peer_label="relay",
+        )
+        link.send(
+            m.RankHello(
+                rank=rank,
+                local_rank=int(os.environ["LOCAL_RANK"]),
+                world_size=int(os.environ["WORLD_SIZE"]),
+                pid=os.getpid(),
+            )
+        )
         welcome = await link.recv_message()
     assert isinstance(welcome, m.RankWelcome), welcome
     backend = Backend.COLLECTIVE if mode_name == "collective" else Backend.CPU
     spec = TrainerSpec(
-        backend=backend, epochs=3 if mode == "mismatch" else 2, batch_size=4, dataset_len=64, elche=ElCheConfig(anchor=2), heartbeat_timeout=heartbeat_timeout
+        backend=backend,
+        epochs=3 if mode == "mismatch" else 2,
+        batch_size=4,
+        dataset_len=64,
+        elche=ElCheConfig(anchor=2),
+        heartbeat_timeout=heartbeat_timeout,
     )
     async with asyncio.TaskGroup() as tg:
         beats = tg.create_task(beat(link, rank), name="heartbeats")
         if mode == "silent":
             await asyncio.sleep(3600)  # alive (heartbeats) but never starts its Trainer
         link.send(
-            m.TrainerHello(rank=rank, spec=spec.to_wire(), digest=digest(spec, ModelSchema.from_wire(SCHEMA)), model=SCHEMA, model_bytes=16, device="cpu")
+            m.TrainerHello(
+                rank=rank,
+                spec=spec.to_wire(),
+                digest=digest(spec, ModelSchema.from_wire(SCHEMA)),
+                model=SCHEMA,
+                model_bytes=16,
+                device="cpu",
+            )
         )
         trained: dict[int, list[int]] = {}
         plans = epochs_seen = 0
@@ -71,7 +95,13 @@ async def main() -> int:
                     print(f"rank {rank} freezing", flush=True)
                     os.kill(os.getpid(), signal.SIGSTOP)
                 if mode == "raise" and plans == 2:
-                    link.send(m.Exiting(rank=rank, reason="error", error="Traceback (most recent call last):\nRuntimeError: boom in train_step"))
+                    link.send(
+                        m.Exiting(
+                            rank=rank,
+                            reason="error",
+                            error="Traceback (most recent call last):\nRuntimeError: boom in train_step",
+                        )
+                    )
                     await link.drain()
                     beats.cancel()
                     return 1
@@ -92,8 +122,12 @@ async def main() -> int:
                         loss_sum=0.5 * msg.quota,
                     )
                 )
-            elif isinstance(msg, m.Reduce) and backend is Backend.COLLECTIVE and msg.kind != "upload":
-                link.send(m.ReduceDone(rank=rank, round=msg.round, mass=2.0, ms=0.5))  # the all_reduce, as TR's ranks do it
+            elif (
+                isinstance(msg, m.Reduce) and backend is Backend.COLLECTIVE and msg.kind != "upload"
+            ):
+                link.send(
+                    m.ReduceDone(rank=rank, round=msg.round, mass=2.0, ms=0.5)
+                )  # the all_reduce, as TR's ranks do it
                 print(f"rank {rank} all_reduced round {msg.round} ({msg.kind})", flush=True)
             elif isinstance(msg, m.EpochAggregated):
                 epochs_seen += 1
@@ -101,8 +135,14 @@ async def main() -> int:
                 print(f"rank {rank} heard rank {msg.dead_rank} is dead: {msg.reason}", flush=True)
             elif isinstance(msg, m.Shutdown):
                 for epoch in sorted(trained):
-                    print(f"rank {rank} epoch {epoch} batches {','.join(map(str, trained[epoch]))}", flush=True)
-                print(f"rank {rank} shutdown: {msg.reason} ({msg.save_reason}); {epochs_seen} epochs aggregated", flush=True)
+                    print(
+                        f"rank {rank} epoch {epoch} batches {','.join(map(str, trained[epoch]))}",
+                        flush=True,
+                    )
+                print(
+                    f"rank {rank} shutdown: {msg.reason} ({msg.save_reason}); {epochs_seen} epochs aggregated",
+                    flush=True,
+                )
                 link.send(m.Exiting(rank=rank, reason="done"))
                 await link.drain()
                 beats.cancel()
