@@ -306,11 +306,10 @@ class ElChe:
         for rank in range(self.world_size):
             mine = self.smoothed(rank)
             anchored = rank == self.anchor_rank or mine is None or slow is None
-            target = (
-                self.anchor
-                if anchored
-                else max(1, round(self.anchor * min(slow / mine, MAX_SPEED_RATIO)))
-            )  # type: ignore[operator]
+            if mine is None or slow is None or anchored:
+                target = self.anchor
+            else:
+                target = max(1, round(self.anchor * min(slow / mine, MAX_SPEED_RATIO)))
             current = out[rank]
             if not first and not anchored and abs(target - current) <= DEAD_ZONE * current:
                 continue  # inside the dead zone: no churn for noise
