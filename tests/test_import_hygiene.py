@@ -1,51 +1,13 @@
-"""The control plane never imports torch: it costs ~2 s and the controller never needs it."""
+"""What each command loads on its way: the control plane never imports torch (it costs ~2 s and
+the controller never needs it), `flodl status` not even asyncio, an ssh agent only its join path.
+
+The layering rules (order, circles, pure packages, every module torch-free) are in test_layering.py."""
 
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
-
-MODULES = [
-    "flodl_async",
-    "flodl_async.wire",
-    "flodl_async.wire.tensor",
-    "flodl_async.net.mux",
-    "flodl_async.cli.flodl",
-    "flodl_async.config.cluster",
-    "flodl_async.agent",
-    "flodl_async.config.devices",
-    "flodl_async.host.runtime",
-    # the Trainer's coordinator and its shell
-    "flodl_async.controller.training",
-    "flodl_async.training.coordinator",
-    # the Trainer's data plane: torch only inside the functions that do tensor math (executor threads)
-    "flodl_async.relay.control",
-    "flodl_async.relay.fold",
-    "flodl_async.controller.reducer",
-    "flodl_async.relay.datalink",
-    "flodl_async.training.foldmath",
-    "flodl_async.training.modelschema",
-    "flodl_async.training.outer",
-    "flodl_async.net.bufpool",
-    "flodl_async.controller",
-    # the Trainer API: building a Trainer (and the launcher role) needs no torch until a model is built
-    "flodl_async.trainer.api",
-    "flodl_async.trainer.entry",
-    "flodl_async.trainer.launcher",
-    "flodl_async.trainer.rank",
-    "flodl_async.trainer.worker",
-]
-
-
-def test_importing_the_control_plane_does_not_import_torch() -> None:
-    code = (
-        "import sys\n" + "".join(f"import {m}\n" for m in MODULES) + "print('torch' in sys.modules)"
-    )
-    result = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
-    )
-    assert result.stdout.strip() == "False"
 
 
 def test_cli_help_does_not_import_torch() -> None:
@@ -67,55 +29,6 @@ def test_status_query_does_not_import_asyncio() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
     )
     assert result.stdout.strip() == "False"
-
-
-#: The sans-IO core (design §8): decisions and codecs that take bytes and `now`, never a socket or a loop.
-PURE_MODULES = [
-    "flodl_async.control.supervisor",
-    "flodl_async.control.membership",
-    "flodl_async.host.hostnames",
-    "flodl_async.verdict",
-    "flodl_async.deadlines",
-    "flodl_async.config.plan",
-    "flodl_async.config.cluster",
-    "flodl_async.config.rankenv",
-    "flodl_async.config.roles",
-    "flodl_async.wire.storeproto",
-    "flodl_async.agent.outputlines",
-    "flodl_async.status.model",
-    "flodl_async.wire",
-    "flodl_async.wire.frame",
-    "flodl_async.wire.tensor",
-    "flodl_async.net.admission",
-    "flodl_async.training.partition",
-    "flodl_async.training.elche",
-    "flodl_async.training.policy",
-    "flodl_async.training.metrics",
-    "flodl_async.training.spec",
-    "flodl_async.training.coordinator",
-    "flodl_async.training.modelschema",
-    "flodl_async.training.outer",
-    "flodl_async.training.foldmath",
-    "flodl_async.trainer.entry",
-]
-
-
-def test_pure_modules_import_neither_asyncio_nor_socket() -> None:
-    code = "import importlib, sys\n" + "".join(
-        f"importlib.import_module({mod!r}); print({mod!r}, 'asyncio' in sys.modules, 'socket' in sys.modules)\n"
-        for mod in PURE_MODULES
-    )
-    # One interpreter per module would cost seconds; modules are imported in order, so the first offender is the one named.
-    result = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
-    )
-    offenders = [
-        line
-        for line in result.stdout.splitlines()
-        if line.endswith(("True False", "False True", "True True"))
-    ]
-    assert result.stdout.count("\n") == len(PURE_MODULES)
-    assert offenders == []
 
 
 #: What an agent started over ssh must not import on its way to the join: each costs every host

@@ -1,15 +1,13 @@
-"""The per-host agent: one host's session in a run, its rank processes, store, output and CLI.
+"""One host's asyncio shell in a run: its session, rank processes, store, output and CLI.
 
-==============  ======================================================================
-``session``     :class:`HostSession` — join, the command table, endings (one host, one run)
-``ranks``       rank processes: spawn with the torchrun environment, watch, report, stop
-``storehost``   the store host's per-round TCPStore
-``output``      rank output: to the launcher's console and logs, or up the join link
-``cli``         ``flodl-agent`` (also ``python -m flodl_async.agent``)
-==============  ======================================================================
+``session`` (join, the command table, endings: one host, one run), ``ranks`` (rank processes:
+spawn with the torchrun environment, watch, report, stop), ``storehost`` (the store host's
+per-round TCPStore), ``output`` and ``outputlines`` (rank output to the console and logs, or up
+the join link), ``daemon`` and ``systemd`` (the persistent dial-in agent), ``cli``
+(``flodl-agent``, also ``python -m flodl_async.agent``). Started over ssh, it imports only its
+join path first (torch, asyncssh, the controller never).
 
-The controller imports what it needs from here; the name ``Agent`` is kept for the
-long-lived dial-in agent that comes next.
+May import: _version, verdict, errors, wire, deadlines, host, control, net, config, relay.
 """
 
 from .output import RankOutput

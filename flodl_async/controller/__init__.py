@@ -1,10 +1,12 @@
-"""The controller: the asyncio shell that binds the one port and carries out the supervisor's
-decisions.
+"""The controller process's asyncio shell and its services.
 
-``shell`` pumps events from the port's channels and the agent launchers into the
-pure :class:`~flodl_async.control.supervisor.Supervisor` and performs the actions it
-returns; ``launchers`` is the seam through which agents come to exist on their
-hosts (in-process today; over ssh and by dial-in next).
+``shell`` binds the one port, pumps events from its channels and the agent launchers into the
+pure supervisor and carries out the actions it returns; ``launchers`` and ``fanout`` bring agents
+to their hosts (in process, over ssh); ``training`` and ``reducer`` are the Trainer's side of the
+controller (the coordinator's shell and the data channel's reduction).
+
+May import: _version, verdict, errors, wire, status, deadlines, host, control, training, net,
+config, relay, agent.
 """
 
 from ..config.plan import LaunchPlan, PlacedWorker, Placement

@@ -1,1 +1,10 @@
-"""host."""
+"""This machine and this process: what they have and what they may do.
+
+GPUs and cores, addresses, hostnames and interfaces, process trees (``/proc``), the private
+runtime directory and the registry of runs in it, secret and token files, systemd's notify
+socket, and the console writer. Every question of the kind "how many GPUs", "which interface",
+"where is the runtime directory" has its one answer here, for the controller, the agent and the
+Trainer alike.
+
+May import: verdict, errors, wire.
+"""

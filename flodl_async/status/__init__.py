@@ -1,9 +1,11 @@
 """Run status: the snapshot model, the board that serves and streams it, and the dashboard page.
 
-``model`` is pure data and its JSON form; ``board`` holds the latest encoded
-snapshot and its subscribers; ``page`` loads the dashboard (``/``) from package
-data. The HTTP endpoints live in :mod:`flodl_async.net.http` (``net/`` is the
-only code that touches sockets).
+``model`` is pure data and its JSON form; ``board`` holds the latest encoded snapshot and its
+subscribers; ``page`` loads the dashboard (``/``) from package data. The HTTP endpoints live in
+:mod:`flodl_async.net.http`: ``net/`` is the only code that opens a socket. ``flodl status``
+imports this package without asyncio (the board defers it).
+
+May import: errors.
 """
 
 from __future__ import annotations

@@ -1,9 +1,12 @@
-"""The wire, sans-IO: channel magics, the per-connection handshake, authenticated and encrypted
-frames,
-typed messages, the kind table, tensor payloads.
+"""The wire, sans-IO: bytes in, frames and typed messages out, and back.
 
-Nothing in this package touches asyncio or sockets; torch is imported lazily by
-:mod:`.tensor` only when tensors are actually packed or unpacked.
+Channel magics and the sniffer, the per-connection handshake and link keys, the authenticated
+(and, for sealed kinds, encrypted) frame codec, the message kinds and which channel carries which,
+tensor payload specs, and the TCPStore protocol torch's clients speak on the same port. Every
+protocol codec lives here so that a byte on any channel is checked by one set of rules.
+
+Pure: nothing here touches asyncio or sockets (torch only inside :mod:`.tensor`'s functions).
+May import: errors.
 """
 
 from .channels import CHANNEL_MAGIC, MAGIC_LEN, Channel, NeedMore, Routed, Unrouted, sniff
