@@ -2,7 +2,7 @@
 # Mutation testing of the modules listed under [tool.mutmut] in pyproject.toml.
 #
 #   PYTHON=.venv/bin/python tools/mutation.sh             # every module, one worker (the build hosts are shared)
-#   PYTHON=.venv/bin/python tools/mutation.sh supervisor  # only the mutants of flodl_async/control/supervisor.py
+#   PYTHON=.venv/bin/python tools/mutation.sh control.supervisor  # only flodl_async/control/supervisor.py's mutants
 #   MUTMUT_WORKERS=4 tools/mutation.sh                     # on a machine of your own
 #
 # It starts from an empty mutants/ every time: mutmut's cache keeps old verdicts after tests
