@@ -393,7 +393,9 @@ async def test_tensor_frames_cross_the_data_channel_and_tampering_is_caught(secr
             b"".join(
                 bytes(p)
                 for p in sender.send_parts(
-                    m.Contribution(round=9, kind="model", rank=0, weight=1.0, steps=1, tensors=(spec,)),
+                    m.Contribution(
+                        round=9, kind="model", rank=0, weight=1.0, steps=1, tensors=(spec,)
+                    ),
                     [b"\x07" * (2 << 20)],
                 )
             )

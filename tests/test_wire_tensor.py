@@ -11,7 +11,15 @@ from flodl_async.wire import messages as m
 from flodl_async.wire.frame import FrameLimits
 from flodl_async.wire.tensor import tensor_bytes, unpack_tensors, validate_specs
 
-from .wirekit import WHOLE_AND_BYTEWISE, LinkPair, codec_pair, consensus, contribution, feed, feed_buffered
+from .wirekit import (
+    WHOLE_AND_BYTEWISE,
+    LinkPair,
+    codec_pair,
+    consensus,
+    contribution,
+    feed,
+    feed_buffered,
+)
 
 
 @WHOLE_AND_BYTEWISE

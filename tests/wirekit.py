@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 
+from flodl_async.training.foldmath import packed_specs
 from flodl_async.wire import (
     CHANNEL_MAGIC,
     Channel,
@@ -28,7 +29,6 @@ from flodl_async.wire import (
     ServerHandshake,
     Side,
 )
-from flodl_async.training.foldmath import packed_specs
 from flodl_async.wire import messages as m
 from flodl_async.wire.frame import HEADER, Frame, FrameLimits, Pending
 from flodl_async.wire.handshake import PROTOCOL_VERSION, session_resolver
@@ -95,7 +95,9 @@ def tensor_parts(
 ) -> tuple[tuple[m.TensorSpec, ...], list[memoryview]]:
     """Specs of ``tensors`` laid end to end, and their bytes: a tensor message's payload, as a
     rank's data link lays it out."""
-    metas = [(name, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for name, t in tensors.items()]
+    metas = [
+        (name, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for name, t in tensors.items()
+    ]
     specs, _ = packed_specs(metas)
     return specs, [tensor_bytes(t) for t in tensors.values()]
 
@@ -105,7 +107,9 @@ def contribution(
 ) -> tuple[m.Contribution, list[memoryview]]:
     """A rank's contribution of ``tensors`` to ``round`` (up the data channel) and its payload parts."""
     specs, parts = tensor_parts(tensors)
-    return m.Contribution(round=round, kind="model", rank=0, weight=weight, steps=1, tensors=specs), parts
+    return m.Contribution(
+        round=round, kind="model", rank=0, weight=weight, steps=1, tensors=specs
+    ), parts
 
 
 def consensus(

@@ -574,8 +574,9 @@ def conforms(value: object, hint: typing.Any) -> bool:
     if isinstance(hint, type) and issubclass(hint, Message):
         hints = _hints(hint)
         return type(value) is hint and all(
-            conforms(getattr(value, f.name), hints[f.name]) for f in dataclasses.fields(hint)
-        )  # type: ignore[arg-type]
+            conforms(getattr(value, f.name), hints[f.name])
+            for f in dataclasses.fields(hint)  # type: ignore[arg-type]
+        )
     return type(value) is hint
 
 
@@ -1722,7 +1723,9 @@ class TensorsTarget(Target):
 
     def generate(self, rng: random.Random) -> Case:
         specs = tuple(self._spec(rng, i) for i in range(rng.randint(0, 3)))
-        contribution = dataclasses.replace(random_message(rng, m.Contribution), tensors=specs)
+        base = random_message(rng, m.Contribution)
+        assert isinstance(base, m.Contribution)
+        contribution = dataclasses.replace(base, tensors=specs)
         body = pack_message(contribution)
         origin = "contribution"
         if rng.random() < 0.25:

@@ -936,4 +936,3 @@ class FrameConnection:
             # error waits for the next call, and every call after that raises too.
             self._unraised = True
         return out
-
