@@ -212,7 +212,10 @@ def test_sealing_buffers_are_reused_only_once_the_transport_wrote_them(secret: b
                         if i == 20:
                             sent_some.set()
                         await link.send_tensors(
-                            m.TensorBundle(round=i, weight=1.0, tensors=(spec,)), [payload]
+                            m.Contribution(
+                                round=i, kind="model", rank=0, weight=1.0, steps=1, tensors=(spec,)
+                            ),
+                            [payload],
                         )
                     sent_some.set()
                     await done.wait()

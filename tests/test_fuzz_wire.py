@@ -220,13 +220,9 @@ def test_a_map_key_of_another_type_is_a_malformed_body() -> None:
 def test_unpack_tensors_refuses_shapes_torch_cannot_make(shape: tuple[int, ...]) -> None:
     from flodl_async.wire.tensor import unpack_tensors
 
-    bundle = m.TensorBundle(
-        round=0,
-        weight=1.0,
-        tensors=(m.TensorSpec(name="t", dtype="uint8", shape=shape, offset=0, nbytes=0),),
-    )
+    specs = (m.TensorSpec(name="t", dtype="uint8", shape=shape, offset=0, nbytes=0),)
     with pytest.raises(MalformedBody):
-        unpack_tensors(bundle, None)
+        unpack_tensors(specs, None)
 
 
 async def test_a_peer_that_stalls_mid_handshake_is_closed(monkeypatch: pytest.MonkeyPatch) -> None:

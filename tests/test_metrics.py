@@ -1,4 +1,4 @@
-"""Pure tests of the per-epoch metrics aggregation (trainer-spec §2.8)."""
+"""Pure tests of the per-epoch metrics aggregation."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import pytest
 
 from flodl_async.training.metrics import EpochLedger, EpochMetrics
 from flodl_async.wire import messages as m
+from flodl_async.wire.schema import pack_message, unpack_message
 
 
 def window(
@@ -59,7 +60,7 @@ def test_an_epoch_aggregates_loss_shares_throughput_and_scalars() -> None:
         False,
     )  # a rank with nothing still appears
     assert out.scalars == {"acc": pytest.approx(6.0 / 8)}
-    assert EpochMetrics.from_wire(out.to_wire()) == out
+    assert unpack_message(EpochMetrics.KIND, pack_message(out)) == out  # its own wire form
     assert "epoch 4/5: loss 0.5833" in out.summary(5, 3)
 
 

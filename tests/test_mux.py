@@ -33,27 +33,28 @@ FRAMED_CHANNELS = [Channel.JOIN, Channel.RENDEZVOUS, Channel.DATA, Channel.CONTR
 _PROBES: dict[Channel, Callable[[float], Message]] = {
     Channel.JOIN: lambda tag: m.Heartbeat(sent_at=tag),
     Channel.RENDEZVOUS: lambda tag: m.StoreAddress(round=0, host=repr(tag), port=0),
-    Channel.DATA: lambda tag: m.TensorBundle(round=0, weight=tag, tensors=()),
+    Channel.DATA: lambda tag: m.Contribution(round=0, kind="model", rank=0, weight=tag, steps=1),
     Channel.CONTROL: lambda tag: m.Heartbeat(sent_at=tag),
 }
 _ANSWERS: dict[Channel, Callable[[str], Message]] = {
     Channel.JOIN: lambda text: m.JoinReject(reason=text),
-    Channel.DATA: lambda text: m.TensorBundle(
+    Channel.DATA: lambda text: m.Consensus(
         round=0,
-        weight=0.0,
+        kind="model",
+        mass=0.0,
         tensors=(m.TensorSpec(name=text, dtype="uint8", shape=(0,), offset=0, nbytes=0),),
     ),
     Channel.CONTROL: lambda text: m.RankWelcome(rank=0, run_id=text),
 }
 _TEXT_OF: dict[type[Message], Callable[[typing.Any], str]] = {
     m.JoinReject: lambda msg: msg.reason,
-    m.TensorBundle: lambda msg: msg.tensors[0].name,
+    m.Consensus: lambda msg: msg.tensors[0].name,
     m.RankWelcome: lambda msg: msg.run_id,
 }
 _TAG_OF: dict[type[Message], Callable[[typing.Any], float]] = {
     m.Heartbeat: lambda msg: msg.sent_at,
     m.StoreAddress: lambda msg: float(msg.host),
-    m.TensorBundle: lambda msg: msg.weight,
+    m.Contribution: lambda msg: msg.weight,
 }
 #: Nothing may travel down the rendezvous channel: its answers come back through memory (one process).
 _RENDEZVOUS_ANSWERS: dict[float, str] = {}
@@ -347,7 +348,7 @@ async def test_tensor_frames_cross_the_data_channel_and_tampering_is_caught(secr
     async def collect(link: FramedProtocol) -> None:
         while True:
             frame = await link.recv()
-            assert isinstance(frame.message, m.TensorBundle)
+            assert isinstance(frame.message, m.Contribution)
             assert frame.payload is not None
             received.append((frame.message.round, bytes(frame.payload)))
             if len(received) == 4:
@@ -372,7 +373,10 @@ async def test_tensor_frames_cross_the_data_channel_and_tampering_is_caught(secr
             spec = m.TensorSpec(
                 name="x", dtype="uint8", shape=(len(payload),), offset=0, nbytes=len(payload)
             )
-            await link.send_tensors(m.TensorBundle(round=i, weight=1.0, tensors=(spec,)), [payload])
+            await link.send_tensors(
+                m.Contribution(round=i, kind="model", rank=0, weight=1.0, steps=1, tensors=(spec,)),
+                [payload],
+            )
         await link.drain()
         async with asyncio.timeout(30):
             await all_in.wait()
@@ -389,7 +393,10 @@ async def test_tensor_frames_cross_the_data_channel_and_tampering_is_caught(secr
             b"".join(
                 bytes(p)
                 for p in sender.send_parts(
-                    m.TensorBundle(round=9, weight=1.0, tensors=(spec,)), [b"\x07" * (2 << 20)]
+                    m.Contribution(
+                        round=9, kind="model", rank=0, weight=1.0, steps=1, tensors=(spec,)
+                    ),
+                    [b"\x07" * (2 << 20)],
                 )
             )
         )

@@ -51,7 +51,7 @@ def test_checkpoint_state_only_after_a_real_step_and_velocity_round_trips() -> N
     assert state["kind"] == "slowmo"
     velocity = state["velocity"]
     assert isinstance(velocity, dict)
-    # resume (D9): prev_global from the checkpointed consensus + the velocity gives the same next step
+    # resume: prev_global from the checkpointed consensus + the velocity gives the same next step
     b = OuterStepper(SlowMo(lr=0.5, momentum=0.9))
     b.set_prev_global({"w": torch.tensor([0.75, 1.5])})
     b.load_velocity(velocity)

@@ -15,9 +15,9 @@ from flodl_async.wire import Channel, Credential
 from flodl_async.wire import messages as m
 from flodl_async.wire.frame import FrameConnection, Side
 from flodl_async.wire.handshake import session_resolver
-from flodl_async.wire.tensor import pack_tensors, unpack_tensors
+from flodl_async.wire.tensor import unpack_tensors
 
-from .wirekit import LinkPair, feed_buffered
+from .wirekit import LinkPair, contribution, feed_buffered
 
 
 def _pair(
@@ -42,20 +42,21 @@ def test_plain_payloads_round_trip_in_place_with_exact_buffers(keys: LinkPair, c
         "a": torch.arange(50_000, dtype=torch.float32),
         "b": torch.ones(3, dtype=torch.int64),
     }
-    bundle, parts = pack_tensors(tensors, round=1)
-    wire = b"".join(bytes(p) for p in peer.send_parts(bundle, parts))
+    msg, parts = contribution(tensors, round=1)
+    wire = b"".join(bytes(p) for p in peer.send_parts(msg, parts))
     payload_len = sum(p.nbytes for p in parts)
     sealed_peer = FrameConnection(channel=Channel.DATA, side=Side.PEER, keys=keys.peer)
-    sealed_wire = b"".join(bytes(p) for p in sealed_peer.send_parts(bundle, parts))
+    sealed_wire = b"".join(bytes(p) for p in sealed_peer.send_parts(msg, parts))
     assert len(sealed_wire) - len(wire) == 16  # the payload travels as it is: no GCM tag
     assert bytes(parts[0]) in wire  # the tensor's own bytes are on the wire
     frames = feed_buffered(
-        controller, wire + peer.send(m.TensorBundle(round=2, weight=0.0, tensors=())), chunk=chunk
+        controller, wire + peer.send(contribution({}, round=2, weight=0.0)[0]), chunk=chunk
     )
     assert len(frames) == 2
     assert frames[0].payload is not None
     assert frames[0].payload.nbytes == payload_len
-    out = unpack_tensors(frames[0].message, frames[0].payload)  # type: ignore[arg-type]
+    assert isinstance(frames[0].message, m.Contribution)
+    out = unpack_tensors(frames[0].message.tensors, frames[0].payload)
     assert torch.equal(out["a"], tensors["a"])
     assert torch.equal(out["b"], tensors["b"])
     assert frames[1].payload is None
@@ -63,8 +64,8 @@ def test_plain_payloads_round_trip_in_place_with_exact_buffers(keys: LinkPair, c
 
 def test_a_tampered_header_or_body_still_fails_the_tag(keys: LinkPair) -> None:
     peer, controller = _pair(keys)
-    bundle, parts = pack_tensors({"a": torch.ones(10)}, round=1)
-    wire = bytearray(b"".join(bytes(p) for p in peer.send_parts(bundle, parts)))
+    msg, parts = contribution({"a": torch.ones(10)}, round=1)
+    wire = bytearray(b"".join(bytes(p) for p in peer.send_parts(msg, parts)))
     wire[30] ^= 0x01  # inside the msgpack body
     with pytest.raises(AuthenticationFailed):
         feed_buffered(controller, bytes(wire))
@@ -73,9 +74,9 @@ def test_a_tampered_header_or_body_still_fails_the_tag(keys: LinkPair) -> None:
 def test_both_ends_must_agree_on_plain_payloads(keys: LinkPair) -> None:
     """A mismatch (a bug: both ends are ours) reads the next bytes as the missing GCM tags and fails, never decodes garbage."""
     peer, controller = _pair(keys, peer_plain=True, controller_plain=False)
-    bundle, parts = pack_tensors({"a": torch.ones(1000)}, round=1)
-    wire = b"".join(bytes(p) for p in peer.send_parts(bundle, parts)) + peer.send(
-        m.TensorBundle(round=2, weight=0.0, tensors=())
+    msg, parts = contribution({"a": torch.ones(1000)}, round=1)
+    wire = b"".join(bytes(p) for p in peer.send_parts(msg, parts)) + peer.send(
+        contribution({}, round=2, weight=0.0)[0]
     )
     with pytest.raises(WireError):
         feed_buffered(controller, wire)

@@ -29,8 +29,12 @@ _PARTS = (SEAL_CHUNK + 3, 2 * SEAL_CHUNK - 7, 1001)
 _TOTAL = sum(_PARTS)
 
 
-def _bundle(round: int) -> m.TensorBundle:
-    return m.TensorBundle(round=round, weight=1.0, tensors=())
+def _up(round: int) -> m.Contribution:
+    return m.Contribution(round=round, kind="model", rank=0, weight=1.0, steps=1)
+
+
+def _down(round: int) -> m.Consensus:
+    return m.Consensus(round=round, kind="model", mass=1.0)
 
 
 def test_multi_chunk_payloads_go_both_ways_intact_over_tcp(secret: bytes) -> None:
@@ -43,7 +47,7 @@ def test_multi_chunk_payloads_go_both_ways_intact_over_tcp(secret: bytes) -> Non
         while True:
             frame = await link.recv()
             assert frame.payload is not None
-            await link.send_tensors(_bundle(frame.message.round), [frame.payload])  # type: ignore[attr-defined]
+            await link.send_tensors(_down(frame.message.round), [frame.payload])  # type: ignore[attr-defined]
 
     async def main() -> list[bytes]:
         back: list[bytes] = []
@@ -70,7 +74,7 @@ def test_multi_chunk_payloads_go_both_ways_intact_over_tcp(secret: bytes) -> Non
                     )
                     try:
                         for i, parts in enumerate(frames):
-                            await link.send_tensors(_bundle(i), parts)
+                            await link.send_tensors(_up(i), parts)
                         for _ in frames:
                             frame = await link.recv()
                             back.append(bytes(frame.payload or b""))
@@ -91,7 +95,7 @@ def _one_frame(secret: bytes) -> tuple[bytes, bytes, object]:
     limits = FrameLimits(max_payload=_TOTAL)
     sender, receiver = sender_and_receiver(keys, Channel.DATA, Direction.TO_CONTROLLER, limits)
     payload = os.urandom(_TOTAL)
-    wire = b"".join(bytes(p) for p in sender.send_parts(_bundle(0), [payload]))
+    wire = b"".join(bytes(p) for p in sender.send_parts(_up(0), [payload]))
     return wire, payload, receiver
 
 

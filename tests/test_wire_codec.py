@@ -374,13 +374,13 @@ def test_next_frame_delivers_the_good_prefix_one_at_a_time(keys: LinkPair) -> No
         controller.next_frame()
 
 
-def test_a_tensor_bundle_does_not_decode_on_the_join_channel(keys: LinkPair) -> None:
-    bundle = m.TensorBundle(round=0, weight=1.0, tensors=())
+def test_a_contribution_does_not_decode_on_the_join_channel(keys: LinkPair) -> None:
+    contribution = m.Contribution(round=0, kind="model", rank=0, weight=1.0, steps=1)
     _, controller = codec_pair(keys, channel=Channel.JOIN)
-    controller.receive_data(sealed(keys, bundle.KIND, pack_message(bundle)))
+    controller.receive_data(sealed(keys, contribution.KIND, pack_message(contribution)))
     with pytest.raises(
         IllegalKind,
-        match=r"join channel: the peer sent TensorBundle \(0x0302\), which is not legal",
+        match=r"join channel: the peer sent Contribution \(0x0306\), which is not legal",
     ):
         controller.frames()
     assert issubclass(IllegalKind, WireError)
@@ -398,7 +398,7 @@ def test_a_kind_legal_only_the_other_way_is_refused(keys: LinkPair, chunk: int |
 def test_the_tag_is_checked_before_the_kind(keys: LinkPair) -> None:
     # An illegal kind under a bad tag is an authentication failure: unkeyed bytes learn nothing from the table.
     _, controller = codec_pair(keys, channel=Channel.JOIN)
-    forged = bytearray(sealed(keys, m.TensorBundle.KIND, b"\x90"))
+    forged = bytearray(sealed(keys, m.Contribution.KIND, b"\x90"))
     forged[-1] ^= 1
     controller.receive_data(bytes(forged))
     with pytest.raises(AuthenticationFailed):
@@ -421,9 +421,9 @@ def test_sending_an_illegal_kind_is_a_type_error_and_takes_no_sequence_number(
     with pytest.raises(TypeError, match="Abort may not be sent by the peer on the join channel"):
         peer.send(m.Abort(reason="x"))
     with pytest.raises(
-        TypeError, match="TensorBundle may not be sent by the peer on the join channel"
+        TypeError, match="Contribution may not be sent by the peer on the join channel"
     ):
-        peer.send_parts(m.TensorBundle(round=0, weight=1.0, tensors=()), [])
+        peer.send_parts(m.Contribution(round=0, kind="model", rank=0, weight=1.0, steps=1), [])
     [frame] = feed(controller, peer.send(m.RanksStopped(round=1)))
     assert frame.seq == 0
 

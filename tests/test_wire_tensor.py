@@ -9,13 +9,21 @@ from flodl_async.errors import AuthenticationFailed, FrameTooLarge, MalformedBod
 from flodl_async.wire import Channel
 from flodl_async.wire import messages as m
 from flodl_async.wire.frame import FrameLimits
-from flodl_async.wire.tensor import pack_tensors, tensor_bytes, unpack_tensors, validate_bundle
+from flodl_async.wire.tensor import tensor_bytes, unpack_tensors, validate_specs
 
-from .wirekit import WHOLE_AND_BYTEWISE, LinkPair, codec_pair, feed, feed_buffered
+from .wirekit import (
+    WHOLE_AND_BYTEWISE,
+    LinkPair,
+    codec_pair,
+    consensus,
+    contribution,
+    feed,
+    feed_buffered,
+)
 
 
 @WHOLE_AND_BYTEWISE
-def test_tensor_bundle_round_trip(keys: LinkPair, chunk: int | None) -> None:
+def test_tensor_message_round_trip(keys: LinkPair, chunk: int | None) -> None:
     tensors = {
         "w": torch.arange(12, dtype=torch.float32).reshape(3, 4),
         "b": torch.tensor([1.5, -2.0], dtype=torch.bfloat16),
@@ -23,12 +31,12 @@ def test_tensor_bundle_round_trip(keys: LinkPair, chunk: int | None) -> None:
         "empty": torch.zeros(0, 3),
     }
     peer, controller = codec_pair(keys, channel=Channel.DATA)
-    bundle, parts = pack_tensors(tensors, round=3, weight=0.5)
-    wire = b"".join(bytes(p) for p in peer.send_parts(bundle, parts))
+    msg, parts = contribution(tensors, round=3, weight=0.5)
+    wire = b"".join(bytes(p) for p in peer.send_parts(msg, parts))
     [frame] = feed(controller, wire, chunk=chunk)
-    assert isinstance(frame.message, m.TensorBundle)
+    assert isinstance(frame.message, m.Contribution)
     assert frame.message.round == 3
-    out = unpack_tensors(frame.message, frame.payload)
+    out = unpack_tensors(frame.message.tensors, frame.payload)
     for name, tensor in tensors.items():
         assert out[name].dtype == tensor.dtype
         assert torch.equal(out[name], tensor)
@@ -48,24 +56,24 @@ def test_non_contiguous_tensor_refused() -> None:
         tensor_bytes(torch.ones(4, 4).t())
 
 
-def test_tensor_bundles_travel_both_ways_on_the_data_channel_only(keys: LinkPair) -> None:
+def test_tensors_travel_both_ways_on_the_data_channel_only(keys: LinkPair) -> None:
     peer, controller = codec_pair(keys, channel=Channel.DATA)
     average = torch.ones(4)  # held until its bytes are written: payload views do not keep it alive
-    bundle, parts = pack_tensors({"avg": average}, round=1)
+    msg, parts = consensus({"avg": average}, round=1)
     [down] = feed(
-        peer, b"".join(bytes(p) for p in controller.send_parts(bundle, parts))
+        peer, b"".join(bytes(p) for p in controller.send_parts(msg, parts))
     )  # a reduced result comes back
-    assert isinstance(down.message, m.TensorBundle)
-    assert torch.equal(unpack_tensors(down.message, down.payload)["avg"], average)
+    assert isinstance(down.message, m.Consensus)
+    assert torch.equal(unpack_tensors(down.message.tensors, down.payload)["avg"], average)
     with pytest.raises(TypeError, match="Heartbeat may not be sent"):
         peer.send(m.Heartbeat(sent_at=1.0))
 
 
 def test_tensor_over_the_ceiling_refused(keys: LinkPair) -> None:
     peer, _ = codec_pair(keys, channel=Channel.DATA, limits=FrameLimits(max_payload=1024))
-    bundle, parts = pack_tensors({"big": torch.ones(1024)})
+    msg, parts = contribution({"big": torch.ones(1024)})
     with pytest.raises(FrameTooLarge, match="4096 bytes"):
-        peer.send_parts(bundle, parts)
+        peer.send_parts(msg, parts)
 
 
 @pytest.mark.parametrize(
@@ -85,7 +93,7 @@ def test_tensor_over_the_ceiling_refused(keys: LinkPair) -> None:
 )
 def test_inconsistent_tensor_specs_are_malformed(spec: m.TensorSpec, match: str) -> None:
     with pytest.raises(MalformedBody, match=match):
-        validate_bundle(m.TensorBundle(round=0, weight=1.0, tensors=(spec,)), payload_len=16)
+        validate_specs((spec,), payload_len=16)
 
 
 def test_model_derived_ceiling() -> None:
@@ -103,28 +111,28 @@ def test_buffered_receive_path_writes_payloads_in_place(keys: LinkPair, chunk: i
     }
     wire = b""
     for i in range(3):
-        bundle, parts = pack_tensors(tensors, round=i)
-        wire += b"".join(bytes(p) for p in peer.send_parts(bundle, parts))
+        msg, parts = contribution(tensors, round=i)
+        wire += b"".join(bytes(p) for p in peer.send_parts(msg, parts))
     wire += peer.send(
-        m.TensorBundle(round=3, weight=0.0, tensors=())
+        contribution({}, round=3, weight=0.0)[0]
     )  # a payload-less frame after payload ones
     frames = feed_buffered(controller, wire, chunk=chunk)
     assert [
         (f.message.round, f.payload is None)
         for f in frames
-        if isinstance(f.message, m.TensorBundle)
+        if isinstance(f.message, m.Contribution)
     ] == [(0, False), (1, False), (2, False), (3, True)]
     for frame in frames[:3]:
-        assert isinstance(frame.message, m.TensorBundle)
-        out = unpack_tensors(frame.message, frame.payload)
+        assert isinstance(frame.message, m.Contribution)
+        out = unpack_tensors(frame.message.tensors, frame.payload)
         assert torch.equal(out["a"], tensors["a"])
         assert torch.equal(out["b"], tensors["b"])
 
 
 def test_buffered_path_still_rejects_a_tampered_payload(keys: LinkPair) -> None:
     peer, controller = codec_pair(keys, channel=Channel.DATA)
-    bundle, parts = pack_tensors({"a": torch.ones(100_000)})
-    wire = bytearray(b"".join(bytes(p) for p in peer.send_parts(bundle, parts)))
+    msg, parts = contribution({"a": torch.ones(100_000)})
+    wire = bytearray(b"".join(bytes(p) for p in peer.send_parts(msg, parts)))
     wire[len(wire) // 2] ^= 0x10
     with pytest.raises(AuthenticationFailed):
         feed_buffered(controller, bytes(wire))

@@ -1,4 +1,4 @@
-"""Sample Trainer control messages (trainer-spec §2.2), shared by the codec tests and the coordinator tests."""
+"""Sample Trainer control messages, shared by the codec tests and the coordinator tests."""
 
 from __future__ import annotations
 
@@ -67,10 +67,10 @@ def schema_wire() -> m.ModelSchemaWire:
     )
 
 
-def epoch_metrics_wire() -> m.EpochMetricsWire:
+def epoch_metrics() -> m.EpochMetrics:
     """One aggregated epoch of two ranks."""
     per_rank = tuple(
-        m.RankEpochStatsWire(
+        m.RankEpochStats(
             rank=r,
             batches=4,
             samples=32,
@@ -83,7 +83,7 @@ def epoch_metrics_wire() -> m.EpochMetricsWire:
         )
         for r in (0, 1)
     )
-    return m.EpochMetricsWire(
+    return m.EpochMetrics(
         epoch=0,
         avg_loss=0.5,
         epoch_ms=120.0,
@@ -132,7 +132,7 @@ CONTROL_DOWN: list[m.Message] = [
     m.TrainerReject(rank=1, reason="different Trainer"),
     m.Plan(rank=1, round=3, epoch=0, ranges=((0, 4), (8, 2)), quota=6, hold_after=6, progress=0.25),
     m.Reduce(round=3, kind="model", checkpoint=1, reset_inner=True),
-    m.EpochAggregated(metrics=epoch_metrics_wire()),
+    m.EpochAggregated(metrics=epoch_metrics()),
     m.DeclareDead(dead_rank=1, reason="heartbeat timeout"),
     m.Shutdown(reason="training complete", save_reason="completed"),
 ]

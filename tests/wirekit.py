@@ -11,11 +11,13 @@ import asyncio
 import hashlib
 import hmac
 import itertools
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import pytest
 
+from flodl_async.training.foldmath import packed_specs
 from flodl_async.wire import (
     CHANNEL_MAGIC,
     Channel,
@@ -27,8 +29,13 @@ from flodl_async.wire import (
     ServerHandshake,
     Side,
 )
+from flodl_async.wire import messages as m
 from flodl_async.wire.frame import HEADER, Frame, FrameLimits, Pending
 from flodl_async.wire.handshake import PROTOCOL_VERSION, session_resolver
+from flodl_async.wire.tensor import tensor_bytes
+
+if TYPE_CHECKING:
+    import torch
 
 #: Parametrise a test over feeding its bytes whole and one byte at a time.
 WHOLE_AND_BYTEWISE = pytest.mark.parametrize("chunk", [None, 1], ids=["whole", "bytewise"])
@@ -81,6 +88,36 @@ def sender_and_receiver(
     """(sending, receiving) codecs of one connection for frames travelling ``direction``."""
     peer, controller = codec_pair(keys, channel, limits)
     return (peer, controller) if direction is Direction.TO_CONTROLLER else (controller, peer)
+
+
+def tensor_parts(
+    tensors: Mapping[str, torch.Tensor],
+) -> tuple[tuple[m.TensorSpec, ...], list[memoryview]]:
+    """Specs of ``tensors`` laid end to end, and their bytes: a tensor message's payload, as a
+    rank's data link lays it out."""
+    metas = [
+        (name, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for name, t in tensors.items()
+    ]
+    specs, _ = packed_specs(metas)
+    return specs, [tensor_bytes(t) for t in tensors.values()]
+
+
+def contribution(
+    tensors: Mapping[str, torch.Tensor], *, round: int = 0, weight: float = 1.0
+) -> tuple[m.Contribution, list[memoryview]]:
+    """A rank's contribution of ``tensors`` to ``round`` (up the data channel) and its payload parts."""
+    specs, parts = tensor_parts(tensors)
+    return m.Contribution(
+        round=round, kind="model", rank=0, weight=weight, steps=1, tensors=specs
+    ), parts
+
+
+def consensus(
+    tensors: Mapping[str, torch.Tensor], *, round: int = 0, mass: float = 1.0
+) -> tuple[m.Consensus, list[memoryview]]:
+    """The consensus ``tensors`` of ``round`` (down the data channel) and its payload parts."""
+    specs, parts = tensor_parts(tensors)
+    return m.Consensus(round=round, kind="model", mass=mass, tensors=specs), parts
 
 
 def _pieces(data: bytes, chunk: int | None) -> Iterable[bytes]:

@@ -26,7 +26,8 @@ property as it goes. The targets:
   forged with the connection's real keys around mutated kinds, sequence numbers, msgpack bodies,
   seals and payload chunks, so the mutation reaches the kind table, GCM, msgpack and the schema.
   Oracle: every delivered message is of a kind legal on that route and well-typed per its schema;
-* ``tensors`` — :func:`~flodl_async.wire.tensor.unpack_tensors` on the bundles such a peer can send.
+* ``tensors`` — :func:`~flodl_async.wire.tensor.unpack_tensors` on the tensor specs of the
+  contributions such a peer can send.
 
 Most inputs are mutations of valid transcripts (:class:`Mutator`: bit flips, interesting integers
 over length, kind and sequence fields, truncations, insertions, deletions, duplicated, dropped and
@@ -220,7 +221,7 @@ class Case:
     intact: int = 0
     #: Client handshake target: the run id the client expects the server to name.
     expect_run_id: str | None = None
-    #: Tensors target: the length of the payload the bundle describes.
+    #: Tensors target: the length of the payload the contribution describes.
     payload_len: int = 0
 
     @property
@@ -517,12 +518,27 @@ def random_value(rng: random.Random, hint: typing.Any) -> object:
 def random_message(rng: random.Random, cls: type[Message]) -> Message:
     """A random, well-typed instance of ``cls``."""
     hints = _hints(cls)
-    return cls(**{f.name: random_value(rng, hints[f.name]) for f in dataclasses.fields(cls)})  # type: ignore[arg-type]
+    return cls(
+        **{
+            f.name: random_value(rng, hints[f.name])
+            for f in dataclasses.fields(cls)  # type: ignore[arg-type]
+            if f.init  # a retired position is not settable: it travels as its default
+        }
+    )
 
 
-def random_bundle(rng: random.Random) -> tuple[m.TensorBundle, bytes]:
-    """A consistent tensor bundle (specs laid end to end) and its payload, as pack_tensors makes
-    them."""
+#: The messages that carry tensors (their bytes follow the body as the frame's payload).
+TENSOR_MESSAGES: frozenset[type[Message]] = frozenset(
+    {m.Contribution, m.HostContribution, m.Consensus}
+)
+
+
+def random_with_payload(rng: random.Random, cls: type[Message]) -> tuple[Message, bytes]:
+    """A random ``cls`` and its payload: for a tensor message, consistent specs (laid end to end,
+    as a rank's data link lays them out) and their bytes; for any other, no payload."""
+    msg = random_message(rng, cls)
+    if cls not in TENSOR_MESSAGES:
+        return msg, b""
     specs, offset = [], 0
     for i in range(rng.randint(0, 4)):
         dtype = rng.choice(sorted(DTYPE_ITEMSIZE))
@@ -540,9 +556,7 @@ def random_bundle(rng: random.Random) -> tuple[m.TensorBundle, bytes]:
         offset += nbytes
     if rng.random() < 0.2:
         offset += rng.randint(1, 3000)  # a bigger payload: many GCM chunks with a small seal chunk
-    return m.TensorBundle(
-        round=random_int(rng), weight=random_float(rng), tensors=tuple(specs)
-    ), rng.randbytes(offset)
+    return dataclasses.replace(msg, tensors=tuple(specs)), rng.randbytes(offset)  # type: ignore[type-var]
 
 
 def conforms(value: object, hint: typing.Any) -> bool:
@@ -560,8 +574,9 @@ def conforms(value: object, hint: typing.Any) -> bool:
     if isinstance(hint, type) and issubclass(hint, Message):
         hints = _hints(hint)
         return type(value) is hint and all(
-            conforms(getattr(value, f.name), hints[f.name]) for f in dataclasses.fields(hint)
-        )  # type: ignore[arg-type]
+            conforms(getattr(value, f.name), hints[f.name])
+            for f in dataclasses.fields(hint)  # type: ignore[arg-type]
+        )
     return type(value) is hint
 
 
@@ -792,9 +807,9 @@ def handshake_fixture(
     codec = FrameConnection(channel=channel, side=Side.PEER, keys=proof.established.keys)
     first_frames = b""
     for cls in sorted(LEGAL_KINDS[(channel, Direction.TO_CONTROLLER)], key=lambda cls: cls.KIND):
-        if cls is m.TensorBundle:
-            bundle, payload = random_bundle(rng)
-            first_frames += b"".join(map(bytes, codec.send_parts(bundle, [payload])))
+        if cls in TENSOR_MESSAGES:
+            msg, payload = random_with_payload(rng, cls)
+            first_frames += b"".join(map(bytes, codec.send_parts(msg, [payload])))
         else:
             first_frames += codec.send(random_message(rng, cls))
     refuser = ServerHandshake(
@@ -1412,9 +1427,9 @@ class _FrameTarget(Target):
         )
 
     def message_for(self, rng: random.Random, cls: type[Message]) -> tuple[Message, bytes]:
-        """A random message of ``cls`` and its payload (a consistent bundle and its bytes on the
-        data channel)."""
-        return random_bundle(rng) if cls is m.TensorBundle else (random_message(rng, cls), b"")
+        """A random message of ``cls`` and its payload (consistent specs and their bytes for a
+        tensor message)."""
+        return random_with_payload(rng, cls)
 
     @staticmethod
     def within(case: Case, frame: bytes) -> bool:
@@ -1696,8 +1711,8 @@ class KeyedFramesTarget(_FrameTarget):
 
 
 class TensorsTarget(Target):
-    """unpack_tensors on every bundle a keyed peer can send: decoded from a (mutated) body, with a
-    payload of some length."""
+    """unpack_tensors on the specs of every contribution a keyed peer can send: decoded from a
+    (mutated) body, with a payload of some length."""
 
     name = "tensors"
     group = "tensors"
@@ -1708,11 +1723,13 @@ class TensorsTarget(Target):
 
     def generate(self, rng: random.Random) -> Case:
         specs = tuple(self._spec(rng, i) for i in range(rng.randint(0, 3)))
-        bundle = m.TensorBundle(round=random_int(rng), weight=random_float(rng), tensors=specs)
-        body = pack_message(bundle)
-        origin = "bundle"
+        base = random_message(rng, m.Contribution)
+        assert isinstance(base, m.Contribution)
+        contribution = dataclasses.replace(base, tensors=specs)
+        body = pack_message(contribution)
+        origin = "contribution"
         if rng.random() < 0.25:
-            body, origin = mutate_body(rng, body), "value-mutated bundle"
+            body, origin = mutate_body(rng, body), "value-mutated contribution"
         total = sum(s.nbytes for s in specs if 0 <= s.nbytes < 4096)
         payload_len = rng.choice(
             (0, total, total, total + rng.randint(1, 64), rng.randint(0, 4096))
@@ -1755,10 +1772,11 @@ class TensorsTarget(Target):
         from flodl_async.wire.tensor import unpack_tensors
 
         try:
-            bundle = unpack_message(m.TensorBundle.KIND, case.data)
-            assert isinstance(bundle, m.TensorBundle)
+            contribution = unpack_message(m.Contribution.KIND, case.data)
+            assert isinstance(contribution, m.Contribution)
             tensors = unpack_tensors(
-                bundle, memoryview(bytearray(case.payload_len)) if case.payload_len else None
+                contribution.tensors,
+                memoryview(bytearray(case.payload_len)) if case.payload_len else None,
             )
         except MalformedBody as exc:
             return Outcome(error=exc)
@@ -1767,9 +1785,9 @@ class TensorsTarget(Target):
                 "tensor error class",
                 f"unpack_tensors raised {type(exc).__name__}, not MalformedBody: {exc}",
             ) from exc
-        if len(tensors) != len(bundle.tensors):
+        if len(tensors) != len(contribution.tensors):
             return Outcome(frames=len(tensors), label="decoded (names repeat)")
-        for spec in bundle.tensors:
+        for spec in contribution.tensors:
             tensor = tensors[spec.name]
             if (
                 tuple(tensor.shape) != spec.shape
@@ -1783,7 +1801,7 @@ class TensorsTarget(Target):
 
     def describe(self, case: Case) -> str:
         return (
-            f"a TensorBundle body of {len(case.data)} bytes ({case.origin}) over a payload of "
+            f"a Contribution body of {len(case.data)} bytes ({case.origin}) over a payload of "
             f"{case.payload_len} bytes"
         )
 
@@ -2058,8 +2076,8 @@ def replay(targets: Sequence[Target], seed: int, spec: str) -> int:
 # ----- live: a real PortMux and FramedService on loopback
 # ------------------------------------------
 
-#: Channels whose service answers: join and control echo heartbeats, data echoes bundles (rendezvous
-#: sends nothing down).
+#: Channels whose service answers: join and control echo heartbeats, data answers a contribution
+#: with a consensus of the same tensors (rendezvous sends nothing down).
 _ECHOED = (Channel.JOIN, Channel.CONTROL, Channel.DATA)
 
 
@@ -2100,15 +2118,27 @@ class LiveReport:
         return "\n".join(lines)
 
 
+def consensus_of(contribution: m.Contribution) -> m.Consensus:
+    """The live service's answer to ``contribution``: its tensors (and payload) as a consensus."""
+    return m.Consensus(
+        round=contribution.round,
+        kind=contribution.kind,
+        mass=contribution.weight,
+        tensors=contribution.tensors,
+    )
+
+
 async def echo_handler(link: FramedProtocol) -> None:
-    """The services' handler: echo heartbeats (join, control) and tensor bundles with their payload
-    (data)."""
+    """The services' handler: echo heartbeats (join, control); answer a contribution with its
+    :func:`consensus_of` and the same payload (data)."""
     while True:
         frame = await link.recv()
         if link.channel is Channel.DATA:
-            if not isinstance(frame.message, m.TensorBundle):
-                continue  # the averaging messages travel one way only: nothing to echo
-            link.send_parts(frame.message, [frame.payload] if frame.payload is not None else [])
+            if not isinstance(frame.message, m.Contribution):
+                continue  # the other data messages have no answer
+            link.send_parts(
+                consensus_of(frame.message), [frame.payload] if frame.payload is not None else []
+            )
         elif isinstance(frame.message, m.Heartbeat):
             link.send(frame.message)
         else:
@@ -2191,9 +2221,9 @@ class _LiveClients:
         for _ in range(rng.randint(1, 4)):
             starts.append(len(stream))
             cls = rng.choice(legal)
-            if cls is m.TensorBundle:
-                bundle, payload = random_bundle(rng)
-                stream += b"".join(map(bytes, codec.send_parts(bundle, [payload])))
+            if cls in TENSOR_MESSAGES:
+                msg, payload = random_with_payload(rng, cls)
+                stream += b"".join(map(bytes, codec.send_parts(msg, [payload])))
             else:
                 stream += codec.send(random_message(rng, cls))
         if rng.random() < 0.8:
@@ -2276,15 +2306,19 @@ class _LiveClients:
         )
         try:
             msg: Message
+            expected: Message
             if channel is Channel.DATA:
-                msg, payload = random_bundle(rng)
+                msg, payload = random_with_payload(rng, m.Contribution)
+                assert isinstance(msg, m.Contribution)
+                expected = consensus_of(msg)
                 link.send_parts(msg, [payload])
             else:
                 msg, payload = m.Heartbeat(sent_at=rng.random()), b""
+                expected = msg
                 link.send(msg)
             frame = await link.recv()
             if (
-                frame.message != msg
+                frame.message != expected
                 or (bytes(frame.payload) if frame.payload is not None else b"") != payload
             ):
                 self.report.violations.append(

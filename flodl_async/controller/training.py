@@ -450,7 +450,7 @@ class TrainingShell:
         )
         if self._metrics_sink is not None:
             self._metrics_sink(metrics)
-        self._send(m.EpochAggregated(metrics=metrics.to_wire()))
+        self._send(m.EpochAggregated(metrics=metrics))
 
     def _send(self, msg: Message) -> None:
         rank = getattr(msg, "rank", -1)

@@ -505,7 +505,7 @@ class RankSchedule:
 
     def _on_epoch(self, msg: Message) -> None:
         assert isinstance(msg, m.EpochAggregated)
-        metrics = EpochMetrics.from_wire(msg.metrics)
+        metrics = msg.metrics
         self._epochs_seen = max(self._epochs_seen, metrics.epoch)
         self._cohort_batches += metrics.batches
         self._publish(metrics)

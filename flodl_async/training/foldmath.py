@@ -1,10 +1,10 @@
 """The averaging arithmetic shared by the relay's host fold and the controller's reducer.
 
-Theory of operation (trainer spec §3.3–§3.5). A round's consensus is
-``Σ_r w_r·t_r / Σ_r w_r``, summed in a fixed order (ascending rank within a host,
-ascending host by lowest rank at the controller: decision D8) into an accumulator
-of float32 — float64 for float64 tensors and for integer and bool buffers — and
-divided once. A relay that folds several ranks sends its partial sum *in the
+Theory of operation. A round's consensus is ``Σ_r w_r·t_r / Σ_r w_r``, summed in a
+fixed order (ascending rank within a host, ascending host by lowest rank at the
+controller, so the same inputs always give the same bits) into an accumulator of
+float32 — float64 for float64 tensors and for integer and bool buffers — and divided
+once. A relay that folds several ranks sends its partial sum *in the
 accumulator dtype* (``prescaled``): casting it back to bf16 before the divide would
 lose precision. After the divide, float tensors are cast back to their dtype and
 integer ones are rounded half-to-even first.

@@ -1,4 +1,4 @@
-"""Per-epoch training metrics, aggregated from the ranks' window reports (trainer-spec §2.8).
+"""Per-epoch training metrics, aggregated from the ranks' window reports.
 
 Theory of operation. Pure. The coordinator feeds every accepted ``WindowDone`` into the
 ledger of its epoch (:meth:`EpochLedger.add_window`) and every completed reduce
@@ -8,98 +8,21 @@ ledger of its epoch (:meth:`EpochLedger.add_window`) and every completed reduce
 batches / Σ batches``, scalars ``Σ sum / Σ count`` per name, ``epoch_ms`` from the first
 plan of the epoch to that reduce. A dead rank's late frames are not fed (the coordinator
 drops them), and a rank that reported nothing still appears, with zeros.
+
+:class:`EpochMetrics` and :class:`RankEpochStats` are declared in :mod:`flodl_async.wire.messages`
+and re-exported here: the ranks receive the very value the ledger closed (in ``EpochAggregated``),
+so one declaration serves as the domain type and its wire form.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Iterable
+from dataclasses import dataclass
 
 from ..wire import messages as m
+from ..wire.messages import EpochMetrics, RankEpochStats
 
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class RankEpochStats:
-    """One rank's part of an epoch."""
-
-    rank: int
-    batches: int
-    samples: int
-    avg_loss: float
-    throughput: float  # batches / s of busy (compute + data) time
-    batch_share: float  # batches / cohort batches this epoch
-    compute_ms: float
-    data_ms: float
-    alive: bool
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class EpochMetrics:
-    """One aggregated epoch: what the log line, the status page and ``TrainingRun.metrics()``
-    show."""
-
-    epoch: int
-    avg_loss: float
-    epoch_ms: float
-    batches: int
-    samples: int
-    reduces: int
-    avg_reduce_ms: float
-    anchor: int
-    counts: tuple[int, ...]
-    per_rank: tuple[RankEpochStats, ...]
-    scalars: Mapping[str, float] = field(default_factory=dict)
-
-    def to_wire(self) -> m.EpochMetricsWire:
-        """For ``EpochAggregated`` (the ranks' handles)."""
-        return m.EpochMetricsWire(
-            epoch=self.epoch,
-            avg_loss=self.avg_loss,
-            epoch_ms=self.epoch_ms,
-            batches=self.batches,
-            samples=self.samples,
-            reduces=self.reduces,
-            avg_reduce_ms=self.avg_reduce_ms,
-            anchor=self.anchor,
-            counts=self.counts,
-            per_rank=tuple(
-                m.RankEpochStatsWire(
-                    **{f: getattr(r, f) for f in RankEpochStats.__dataclass_fields__}
-                )
-                for r in self.per_rank
-            ),
-            scalars=dict(self.scalars),
-        )
-
-    @classmethod
-    def from_wire(cls, wire: m.EpochMetricsWire) -> EpochMetrics:
-        """What a rank rebuilds from ``EpochAggregated``."""
-        per_rank = tuple(
-            RankEpochStats(**{f: getattr(r, f) for f in RankEpochStats.__dataclass_fields__})
-            for r in wire.per_rank
-        )
-        return cls(
-            epoch=wire.epoch,
-            avg_loss=wire.avg_loss,
-            epoch_ms=wire.epoch_ms,
-            batches=wire.batches,
-            samples=wire.samples,
-            reduces=wire.reduces,
-            avg_reduce_ms=wire.avg_reduce_ms,
-            anchor=wire.anchor,
-            counts=wire.counts,
-            per_rank=per_rank,
-            scalars=dict(wire.scalars),
-        )
-
-    def summary(self, epochs: int, world: int) -> str:
-        """The controller's one line per epoch."""
-        shares = "/".join(f"{r.batch_share:.2f}" for r in self.per_rank)
-        return (
-            f"epoch {self.epoch + 1}/{epochs}: loss {self.avg_loss:.4g} in "
-            f"{self.epoch_ms / 1000:.1f} s, {world} ranks, shares {shares}, "
-            f"{self.reduces} reduces (avg {self.avg_reduce_ms:.0f} ms), anchor {self.anchor}"
-        )
+__all__ = ["EpochLedger", "EpochMetrics", "RankEpochStats"]
 
 
 @dataclass(slots=True)

@@ -53,10 +53,6 @@ class TensorMeta:
     def nbytes(self) -> int:
         return self.numel * DTYPE_ITEMSIZE[self.dtype]
 
-    @property
-    def is_float(self) -> bool:
-        return self.dtype in FLOAT_DTYPES
-
 
 def wire_dtype(tensor: torch.Tensor) -> str:
     """``torch.float32`` → ``"float32"``, refusing dtypes the wire cannot carry."""

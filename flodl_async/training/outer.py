@@ -1,8 +1,7 @@
-"""Outer optimizers: what the reducer does to the averaged parameters of a round (trainer spec
-§3.6).
+"""Outer optimizers: what the reducer does to the averaged parameters of a round.
 
-The specs are a closed set of frozen values (decision D3: a spec crosses process
-boundaries, a closure cannot) and import no torch; :class:`OuterStepper` does the
+The specs are a closed set of frozen values (a spec crosses process boundaries, in
+``TrainerHello``; a closure cannot) and import no torch; :class:`OuterStepper` does the
 math, importing torch when it first steps. Notation per parameter tensor: ``c`` is
 this round's consensus, ``p`` the global adopted after the previous round
 (``prev_global``; on the first round ``p = c``, so the step is a no-op) and ``v``
@@ -122,13 +121,8 @@ class OuterStepper:
         self._prev: dict[str, torch.Tensor] | None = None
         self._velocity: dict[str, torch.Tensor] | None = None
 
-    @property
-    def has_stepped(self) -> bool:
-        """True once a real step (one with a previous global) has run."""
-        return self._velocity is not None
-
     def set_prev_global(self, params: Mapping[str, torch.Tensor]) -> None:
-        """Adopt ``params`` as the previous global (resume from a checkpointed consensus, D9; the
+        """Adopt ``params`` as the previous global (resume from a checkpointed consensus; the
         init round)."""
         if isinstance(self.spec, OuterAvg):
             return

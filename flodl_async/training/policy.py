@@ -1,5 +1,4 @@
-"""When and how the Trainer averages: the policies, the backends and the reduce gate (trainer-spec
-§2.5).
+"""When and how the Trainer averages: the policies, the backends and the reduce gate.
 
 Theory of operation. Pure: no asyncio, no torch, no clock. The coordinator asks three
 questions here each time a window report arrives or a round completes:
@@ -10,8 +9,8 @@ questions here each time a window report arrives or a round completes:
   actually stepped (``any_mover``). Never wall-time based: a wall-time gate
   self-reinforces into deadlock (flodl replaced it for that reason).
 * :func:`hold_after` — how far a rank may train past its quota before it holds.
-* :data:`RULES` — the per-policy table (early per-rank dispatch, whether the final round's
-  contributions weigh one each), read as data rather than branched on.
+* :data:`RULES` — the per-policy table (static slices, early per-rank dispatch, ElChe's
+  dispatch and timing feed), read as data rather than branched on.
 """
 
 from __future__ import annotations
@@ -40,7 +39,7 @@ class Backend(enum.Enum):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class PolicyRules:
-    """What differs between the policies, as data (the table of trainer-spec §2.5)."""
+    """What differs between the policies, as data (read by the coordinator, not branched on)."""
 
     #: Partitions: one static slice per rank per epoch (SYNC), or windows from a progressive pool.
     static_slices: bool
@@ -49,9 +48,6 @@ class PolicyRules:
     early_dispatch: bool
     #: ElChe dispatches and grows the anchor (SYNC only observes: it has no window).
     elche_dispatch: bool
-    #: The final round weighs every alive rank 1 (ASYNC locals deliberately differ from the
-    #: consensus).
-    final_unit_weight: bool
     #: ElChe's timing feed: delivered cost (compute + data wait), or compute only (SYNC).
     delivered_timing: bool
 
@@ -61,21 +57,18 @@ RULES: Mapping[Policy, PolicyRules] = {
         static_slices=True,
         early_dispatch=False,
         elche_dispatch=False,
-        final_unit_weight=False,
         delivered_timing=False,
     ),
     Policy.CADENCE: PolicyRules(
         static_slices=False,
         early_dispatch=False,
         elche_dispatch=True,
-        final_unit_weight=False,
         delivered_timing=True,
     ),
     Policy.ASYNC: PolicyRules(
         static_slices=False,
         early_dispatch=True,
         elche_dispatch=True,
-        final_unit_weight=True,
         delivered_timing=True,
     ),
 }
@@ -133,7 +126,7 @@ def should_reduce(*, in_flight: bool, ranks: Mapping[int, GateRank]) -> bool:
 
 
 def failure_limit(*, world_size: int, absolute: int | None, percent: float | None) -> int | None:
-    """Dead ranks at which ``max_failure`` is breached (None: no limit; FI §H9)."""
+    """Dead ranks at which ``max_failure`` is breached (None: no limit)."""
     if absolute is not None:
         return absolute
     if percent is not None:

@@ -1,14 +1,13 @@
-"""The Trainer's serializable configuration, its canonical digest, and what differs between two
-(trainer-spec §2.3).
+"""The Trainer's serializable configuration, its canonical digest, and what differs between two.
 
 Theory of operation. Every rank's ``TrainerHello`` carries a :class:`TrainerSpec` (as
-:class:`~flodl_async.wire.messages.TrainerSpecWire`) and its model's schema, with
-``digest = sha256(canonical msgpack of (spec, schema))``. The controller configures the
-coordinator and reducer from the first hello and holds every other rank to the same
-digest: ``flodl-launch cluster.yml -- python train.py`` runs the controller in a process
-that never sees the user's Trainer, so the spec is all it knows. Callables (model,
-optimizer, train_step, collate, lr_schedule) cannot be compared; only whether an LR
-schedule is present is. Pure: no torch, no I/O.
+:class:`~flodl_async.wire.messages.TrainerSpecWire`, whose docstring says why it is a separate
+type) and its model's schema, with ``digest = sha256(canonical msgpack of (spec, schema))``.
+The controller configures the coordinator and reducer from the first hello and holds every
+other rank to the same digest: ``flodl-launch cluster.yml -- python train.py`` runs the
+controller in a process that never sees the user's Trainer, so the spec is all it knows.
+Callables (model, optimizer, train_step, collate, lr_schedule) cannot be compared; only whether
+an LR schedule is present is. Pure: no torch, no I/O.
 
 The config dataclasses validate in ``__post_init__`` with a :class:`ConfigError` that
 names the field and the accepted range; cross-field rules (which policy honours which
@@ -77,8 +76,8 @@ class TrendGuard:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ElCheConfig:
-    """ElChe, flodl's heterogeneous cadence (trainer-spec §1.1, §2.6); ``None`` fields resolve per
-    policy."""
+    """ElChe, flodl's heterogeneous cadence: how many batches each rank runs per window;
+    ``None`` fields resolve per policy (:func:`resolve_elche`)."""
 
     anchor: int | None = None
     min_anchor: int | None = None
@@ -170,7 +169,8 @@ class ElCheSettings:
 
 
 def resolve_elche(config: ElCheConfig, policy: Policy) -> ElCheSettings:
-    """Fill ``config``'s policy-dependent defaults (Appendix A)."""
+    """Fill ``config``'s policy-dependent defaults (:data:`DEFAULT_ANCHOR` and the constants
+    above)."""
     anchor = config.anchor if config.anchor is not None else DEFAULT_ANCHOR[policy]
     min_anchor = config.min_anchor if config.min_anchor is not None else anchor
     max_anchor = max(config.max_anchor, anchor)
@@ -212,8 +212,7 @@ def resolve_elche(config: ElCheConfig, policy: Policy) -> ElCheSettings:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Checkpointing:
-    """Where consensus checkpoints go and which to resume (trainer-spec §4; resume is a later
-    issue)."""
+    """Where consensus checkpoints go and which to resume (resume itself is a later issue)."""
 
     save_path: str | None = None
     resume_from: str | None = None
@@ -351,7 +350,8 @@ class TrainerSpec:
 
     @property
     def n_batches(self) -> int:
-        """Batches per epoch (the batch-aligned pool, §2.4)."""
+        """Batches per epoch: the pool is cut at batch boundaries, the last one partial unless
+        ``drop_last``."""
         full, rest = divmod(self.dataset_len, self.batch_size)
         return full if self.drop_last or rest == 0 else full + 1
 

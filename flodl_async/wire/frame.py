@@ -386,7 +386,7 @@ class FrameConnection:
         Both ends must agree (a mismatch fails the first payload frame's tag). Only for a relay's
         owner-only unix socket, whose peers are the same user (who could read the ranks' memory
         anyway): it removes two AES-GCM passes and a copy per tensor frame on that leg
-        (benchmarks/averaging.py; trainer spec §3.7)."""
+        (measured by benchmarks/averaging.py)."""
         if channel is Channel.STATUS:
             raise ValueError("the status channel speaks HTTP, not frames")
         if not 0 < seal_chunk <= MAX_SEAL_CHUNK:
@@ -936,30 +936,3 @@ class FrameConnection:
             # error waits for the next call, and every call after that raises too.
             self._unraised = True
         return out
-
-
-class PayloadPool:
-    """Recycles payload buffers by size, so steady tensor traffic stops paying page faults.
-
-    Pass :meth:`acquire` as a codec's ``allocate``; hand a frame's payload back with
-    :meth:`release` once no tensor views it any more.
-    """
-
-    def __init__(self, *, max_per_size: int = 8) -> None:
-        self._free: dict[int, list[bytearray]] = {}
-        self._max_per_size = max_per_size
-
-    def acquire(self, size: int) -> bytearray:
-        """A buffer of exactly ``size`` bytes (contents undefined)."""
-        free = self._free.get(size)
-        return free.pop() if free else bytearray(size)
-
-    def release(self, payload: memoryview | bytearray) -> None:
-        """Return a payload (the frame's memoryview or its bytearray) to the pool."""
-        buffer = payload.obj if isinstance(payload, memoryview) else payload
-        if isinstance(payload, memoryview):
-            payload.release()
-        if isinstance(buffer, bytearray):
-            free = self._free.setdefault(len(buffer), [])
-            if len(free) < self._max_per_size:
-                free.append(buffer)

@@ -69,20 +69,29 @@ def new_session_secret() -> bytes:
     return secrets.token_bytes(SECRET_BYTES)
 
 
-def secret_from_hex(text: str) -> bytes:
-    """Parse a secret given as 32 hex characters (stdin, file or env of an agent)."""
+def _hex_bytes(text: str, size: int, *, what: str, fix: str) -> bytes:
+    """``text`` (surrounding whitespace ignored) as exactly ``size`` bytes of hex, or a
+    :class:`ConfigError` naming ``what`` and saying ``fix``."""
     text = text.strip()
     try:
         raw = bytes.fromhex(text)
     except ValueError:
         raw = b""
-    if len(raw) != SECRET_BYTES:
+    if len(raw) != size:
         raise ConfigError(
-            f"session secret must be {2 * SECRET_BYTES} hex characters (got {len(text)} "
-            "characters); "
-            "pass the secret the controller printed or wrote to its secret file"
+            f"{what} must be {2 * size} hex characters (got {len(text)} characters); {fix}"
         )
     return raw
+
+
+def secret_from_hex(text: str) -> bytes:
+    """Parse a secret given as 32 hex characters (stdin, file or env of an agent)."""
+    return _hex_bytes(
+        text,
+        SECRET_BYTES,
+        what="session secret",
+        fix="pass the secret the controller printed or wrote to its secret file",
+    )
 
 
 #: The "key" of open admission: public by design, so it authenticates nobody (the controller warns
@@ -97,17 +106,9 @@ def new_cluster_token() -> bytes:
 
 def token_from_hex(text: str) -> bytes:
     """Parse a cluster token given as 64 hex characters (a token file)."""
-    text = text.strip()
-    try:
-        raw = bytes.fromhex(text)
-    except ValueError:
-        raw = b""
-    if len(raw) != TOKEN_BYTES:
-        raise ConfigError(
-            f"cluster token must be {2 * TOKEN_BYTES} hex characters (got {len(text)} characters); "
-            "write one with `flodl token new PATH`"
-        )
-    return raw
+    return _hex_bytes(
+        text, TOKEN_BYTES, what="cluster token", fix="write one with `flodl token new PATH`"
+    )
 
 
 def rank_credential_key(secret: bytes, *, run_id: str, round: int, rank: int) -> bytes:

@@ -16,15 +16,14 @@ The rows are how the messages are used (design §2, §3):
 * rendezvous — the store host's agent reports where its store listens; nothing
   comes back down.
 * control — ranks' hello and heartbeats, and the Trainer's coordinator protocol
-  (trainer-spec §2.2: hello/welcome, plans, window reports, reduces, epoch metrics,
-  deaths, shutdown; ``RankGone`` is the relay's own report of a closed link). A host's relay
-  terminates its ranks'
-  links as the *controller* side of a unix-socket connection and forwards up as
-  the *peer* side, so both hops read the same two rows.
-* data — tensor bundles, both ways (contributions up, reduced results down); the
-  Trainer's averaging: a rank's ``DataHello``/``Contribution`` to its relay, the relay's
-  ``HostDataHello``/``HostContribution`` to the controller (a relay is the peer side of both
-  hops, as on control), ``DataWelcome``/``Consensus`` back down.
+  (hello/welcome, plans, window reports, reduces, epoch metrics, deaths, shutdown;
+  ``RankGone`` is the relay's own report of a closed link). A host's relay terminates its
+  ranks' links as the *controller* side of a unix-socket connection and forwards up as the
+  *peer* side, so both hops read the same two rows.
+* data — the Trainer's averaging, tensors up and the consensus down: a rank's
+  ``DataHello``/``Contribution`` to its relay, the relay's ``HostDataHello``/``HostContribution``
+  to the controller (a relay is the peer side of both hops, as on control),
+  ``DataWelcome``/``Consensus`` back down.
 
 ``Heartbeat`` is legal both ways on join and control. A new message is added
 to its row here, or it cannot be sent.
@@ -71,7 +70,6 @@ from .messages import (
     StartRanks,
     StopRanks,
     StoreAddress,
-    TensorBundle,
     TrainerHello,
     TrainerReject,
     TrainerWelcome,
@@ -130,10 +128,8 @@ LEGAL_KINDS: Mapping[tuple[Channel, Direction], frozenset[type[Message]]] = Mapp
                 Shutdown,
             }
         ),
-        (Channel.DATA, UP): frozenset(
-            {TensorBundle, DataHello, HostDataHello, Contribution, HostContribution}
-        ),
-        (Channel.DATA, DOWN): frozenset({TensorBundle, DataWelcome, Consensus}),
+        (Channel.DATA, UP): frozenset({DataHello, HostDataHello, Contribution, HostContribution}),
+        (Channel.DATA, DOWN): frozenset({DataWelcome, Consensus}),
     }
 )
 

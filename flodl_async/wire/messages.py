@@ -274,17 +274,11 @@ class TensorSpec(Message):
     nbytes: int
 
 
-@message(kind=0x0302)
-@dataclass(frozen=True, slots=True, kw_only=True)
-class TensorBundle(Message):
-    """Tensors of one reduce round; their bytes follow the body as the frame's raw payload."""
-
-    round: int
-    weight: float
-    tensors: tuple[TensorSpec, ...]
+# 0x0302 carried the generic TensorBundle, which production stopped sending: the kind stays
+# retired, never reused, so an older peer cannot read a new message as one.
 
 
-# ----- data channel: the Trainer's averaging (trainer spec §3.2) -----------------------------
+# ----- data channel: the Trainer's averaging ------------------------------------------------
 
 
 @message(kind=0x0303)
@@ -373,6 +367,12 @@ class ModelSchemaWire(Message):
     :class:`flodl_async.training.modelschema.ModelSchema`).
 
     ``dtypes``/``shapes`` are in wire order: parameters, then persistent buffers.
+
+    A twin of ``ModelSchema``, kept because the shapes differ: here names, dtypes and shapes
+    travel as parallel arrays, there each tensor is one ``TensorMeta``; and ``ModelSchema``
+    validates what a rank sent (unique names, dtypes the wire carries, aliases that name listed
+    tensors) as a ``ConfigError`` when ``ModelSchema.from_wire`` rebuilds it, which a decoded
+    message (no ``__post_init__``, see :mod:`.schema`) cannot.
     """
 
     param_names: tuple[str, ...]
@@ -386,24 +386,36 @@ class ModelSchemaWire(Message):
 @dataclass(frozen=True, slots=True, kw_only=True)
 class OuterSpecWire(Message):
     """An outer optimizer spec (:mod:`flodl_async.training.outer`): ``kind`` is ``avg``, ``slowmo``
-    or ``diloco``."""
+    or ``diloco``.
+
+    A twin of ``OuterAvg | SlowMo | DiLoCo``, kept because a union of three classes travels as
+    one tagged record: a nested value is encoded by position, without its class, so ``kind`` is
+    what tells them apart. The domain classes also validate ``lr`` and ``momentum``.
+    """
 
     kind: str
     lr: float = 0.0
     momentum: float = 0.0
 
 
-# ----- control channel: the Trainer's coordinator protocol (trainer-spec §2.2) ----------------
+# ----- control channel: the Trainer's coordinator protocol -----------------------------------
 #
 # Down-messages carry ``rank`` (the relay routes on it); ``rank = -1`` means every local rank
-# of the receiving relay, one frame per host. The nested ``...Wire`` classes are registered
-# kinds so the schema can nest them, but are legal on no route by themselves.
+# of the receiving relay, one frame per host. The nested classes (``...Wire``, ``EpochMetrics``,
+# ``RankEpochStats``) are registered kinds so the schema can nest them, but are legal on no route
+# by themselves.
 
 
 @message(kind=0x0412)
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ElCheConfigWire(Message):
-    """:class:`flodl_async.training.spec.ElCheConfig` with every default resolved for its policy."""
+    """:class:`flodl_async.training.spec.ElCheConfig` with every default resolved for its policy.
+
+    A twin of ``ElCheSettings``, kept because the wire shape differs: its ``speed_hint`` pair
+    ``(rank, ratio)`` travels as two nullable fields, and its ``guard`` pair ``(threshold,
+    nudge)`` or None as ``guard``/``guard_threshold``/``guard_nudge`` (the schema has no
+    mixed-type tuples).
+    """
 
     anchor: int
     min_anchor: int
@@ -425,7 +437,14 @@ class ElCheConfigWire(Message):
 @message(kind=0x0413)
 @dataclass(frozen=True, slots=True, kw_only=True)
 class TrainerSpecWire(Message):
-    """Everything the coordinator and reducer need from a rank's Trainer, as plain values (§2.3)."""
+    """Everything the coordinator and reducer need from a rank's Trainer, as plain values.
+
+    A twin of ``TrainerSpec``, kept because the two differ in more than names: the policy and
+    backend enums travel as their values, ``Checkpointing`` and ``MaxFailure`` are flattened
+    into fields, and ElChe travels with its defaults resolved (so the run digest compares the
+    settings ranks actually use, not how they were written); ``TrainerSpec`` also checks its
+    cross-field rules when ``TrainerSpec.from_wire`` rebuilds it, which belongs above the wire.
+    """
 
     policy: str
     backend: str
@@ -451,16 +470,19 @@ class TrainerSpecWire(Message):
 
 @message(kind=0x0415)
 @dataclass(frozen=True, slots=True, kw_only=True)
-class RankEpochStatsWire(Message):
-    """One rank's share of an aggregated epoch
-    (:class:`flodl_async.training.metrics.RankEpochStats`)."""
+class RankEpochStats(Message):
+    """One rank's part of an aggregated epoch (nested in :class:`EpochMetrics`).
+
+    Defined here, not in :mod:`flodl_async.training.metrics` (which re-exports it): the same
+    declaration is the domain value and its wire form.
+    """
 
     rank: int
     batches: int
     samples: int
     avg_loss: float
-    throughput: float
-    batch_share: float
+    throughput: float  # batches / s of busy (compute + data) time
+    batch_share: float  # batches / cohort batches this epoch
     compute_ms: float
     data_ms: float
     alive: bool
@@ -468,8 +490,12 @@ class RankEpochStatsWire(Message):
 
 @message(kind=0x0416)
 @dataclass(frozen=True, slots=True, kw_only=True)
-class EpochMetricsWire(Message):
-    """One aggregated epoch (:class:`flodl_async.training.metrics.EpochMetrics`)."""
+class EpochMetrics(Message):
+    """One aggregated epoch: what the log line, the status page and ``TrainingRun.metrics()`` show.
+
+    Built by :class:`flodl_async.training.metrics.EpochLedger`, sent to the ranks in
+    :class:`EpochAggregated` as it is (the domain value is its own wire form).
+    """
 
     epoch: int
     avg_loss: float
@@ -480,8 +506,17 @@ class EpochMetricsWire(Message):
     avg_reduce_ms: float
     anchor: int
     counts: tuple[int, ...]
-    per_rank: tuple[RankEpochStatsWire, ...]
+    per_rank: tuple[RankEpochStats, ...]
     scalars: dict[str, float] = field(default_factory=dict)
+
+    def summary(self, epochs: int, world: int) -> str:
+        """The controller's one line per epoch."""
+        shares = "/".join(f"{r.batch_share:.2f}" for r in self.per_rank)
+        return (
+            f"epoch {self.epoch + 1}/{epochs}: loss {self.avg_loss:.4g} in "
+            f"{self.epoch_ms / 1000:.1f} s, {world} ranks, shares {shares}, "
+            f"{self.reduces} reduces (avg {self.avg_reduce_ms:.0f} ms), anchor {self.anchor}"
+        )
 
 
 @message(kind=0x0404)
@@ -500,16 +535,20 @@ class TrainerHello(Message):
 @message(kind=0x0405)
 @dataclass(frozen=True, slots=True, kw_only=True)
 class TrainerWelcome(Message):
-    """The spec is accepted; where the run starts."""
+    """The spec is accepted: the world's size, the run, and which rank is the primary."""
 
     rank: int
     world_size: int
     run_id: str
-    start_epoch: int = 0
-    global_step: int = 0
-    sync_round: int = 0
-    resumed: bool = False
-    restore_rank_state: bool = False
+    # Retired: these five positions carried resume state that nothing sets or reads any more
+    # (resume returns with its own message). They stay as fixed placeholders, not settable,
+    # because ``primary_rank`` follows them: removing them would move it on the wire, which the
+    # schema allows only under a new kind.
+    start_epoch: int = field(default=0, init=False, repr=False)
+    global_step: int = field(default=0, init=False, repr=False)
+    sync_round: int = field(default=0, init=False, repr=False)
+    resumed: bool = field(default=False, init=False, repr=False)
+    restore_rank_state: bool = field(default=False, init=False, repr=False)
     primary_rank: int = 0
 
 
@@ -598,7 +637,7 @@ class ReduceDone(Message):
 class EpochAggregated(Message):
     """An aggregated epoch, for the ranks' ``TrainingRun.metrics()``."""
 
-    metrics: EpochMetricsWire
+    metrics: EpochMetrics
     rank: int = -1
 
 

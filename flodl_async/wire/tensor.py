@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import ctypes
 import math
-from collections.abc import Mapping
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from ..errors import MalformedBody
-from .messages import TensorBundle, TensorSpec
+from .messages import TensorSpec
 
 if TYPE_CHECKING:
     import torch
@@ -56,39 +56,16 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     return memoryview(raw).cast("B").toreadonly()
 
 
-def pack_tensors(
-    tensors: Mapping[str, torch.Tensor], *, round: int = 0, weight: float = 1.0
-) -> tuple[TensorBundle, list[memoryview]]:
-    """Describe ``tensors`` as a :class:`TensorBundle` plus payload parts for ``send_parts``."""
-    specs: list[TensorSpec] = []
-    parts: list[memoryview] = []
-    offset = 0
-    for name, tensor in tensors.items():
-        dtype = str(tensor.dtype).removeprefix("torch.")
-        if dtype not in DTYPE_ITEMSIZE:
-            raise ValueError(f"tensor {name!r}: dtype {dtype} is not supported on the wire")
-        view = tensor_bytes(tensor)
-        specs.append(
-            TensorSpec(
-                name=name, dtype=dtype, shape=tuple(tensor.shape), offset=offset, nbytes=view.nbytes
-            )
-        )
-        parts.append(view)
-        offset += view.nbytes
-    return TensorBundle(round=round, weight=weight, tensors=tuple(specs)), parts
-
-
-def validate_bundle(bundle: TensorBundle, payload_len: int) -> None:
+def validate_specs(specs: Sequence[TensorSpec], payload_len: int) -> None:
     """Check that every spec is consistent and lies inside the payload (pure, no torch)."""
-    for spec in bundle.tensors:
+    for spec in specs:
         itemsize = DTYPE_ITEMSIZE.get(spec.dtype)
         if itemsize is None:
             raise MalformedBody(f"tensor {spec.name!r}: unknown dtype {spec.dtype!r}")
         if any(d < 0 for d in spec.shape):
             raise MalformedBody(f"tensor {spec.name!r}: negative dimension in shape {spec.shape}")
         # torch sizes strides and storage as if empty dimensions were 1: a shape whose product
-        # overflows
-        # int64 that way cannot be made even when it holds no elements.
+        # overflows int64 that way cannot be made even when it holds no elements.
         if math.prod(max(d, 1) for d in spec.shape) * itemsize > _MAX_TORCH_BYTES:
             raise MalformedBody(
                 f"tensor {spec.name!r}: shape {spec.shape} is larger than any tensor torch can make"
@@ -108,14 +85,17 @@ def validate_bundle(bundle: TensorBundle, payload_len: int) -> None:
             )
 
 
-def unpack_tensors(bundle: TensorBundle, payload: memoryview | None) -> dict[str, torch.Tensor]:
-    """Tensors viewing the received payload in place (no copy; writable)."""
+def unpack_tensors(
+    specs: Sequence[TensorSpec], payload: memoryview | None
+) -> dict[str, torch.Tensor]:
+    """The tensors ``specs`` (a tensor message's ``tensors``) describe, viewing the received
+    payload in place (no copy; writable); inconsistent specs are a :class:`MalformedBody`."""
     import torch  # deferred: the control plane never pays for it
 
     payload = payload if payload is not None else memoryview(bytearray())
-    validate_bundle(bundle, payload.nbytes)
+    validate_specs(specs, payload.nbytes)
     out: dict[str, torch.Tensor] = {}
-    for spec in bundle.tensors:
+    for spec in specs:
         dtype = getattr(torch, spec.dtype)
         if spec.nbytes == 0:
             out[spec.name] = torch.empty(spec.shape, dtype=dtype)
