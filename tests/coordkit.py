@@ -6,21 +6,22 @@ import collections
 import dataclasses
 from dataclasses import dataclass, field
 
-from flodl_async.training.coordinator import (
+from flodl_async.control.vocab import Tell
+from flodl_async.training.coordination import (
+    EVERY_RANK,
     Action,
     CollectiveDone,
-    Coordinator,
     CoordinatorConfig,
     Event,
     Fail,
     Finish,
     PublishEpoch,
     RoundCompleted,
-    Send,
     StartRound,
     TrainerJoined,
     WindowReported,
 )
+from flodl_async.training.coordinator import Coordinator
 from flodl_async.training.metrics import EpochMetrics
 from flodl_async.training.modelschema import ModelSchema
 from flodl_async.training.policy import Policy
@@ -113,7 +114,11 @@ class Driver:
         )
 
     def _react(self, action: Action) -> None:
-        if isinstance(action, Send) and isinstance(action.message, m.Plan):
+        if isinstance(action, Tell):
+            # The controller's training shell routes a message by its own rank field (none: every
+            # relay), so the coordinator's address must say the same.
+            assert action.to == getattr(action.message, "rank", EVERY_RANK), action
+        if isinstance(action, Tell) and isinstance(action.message, m.Plan):
             plan = action.message
             batches = [b for first, n in plan.ranges for b in range(first, first + n)]
             if self.spec.policy is Policy.SYNC:
@@ -159,12 +164,12 @@ class Driver:
 
 def plans(actions: list[Action]) -> list[m.Plan]:
     """The plans among ``actions``."""
-    return [a.message for a in actions if isinstance(a, Send) and isinstance(a.message, m.Plan)]
+    return [a.message for a in actions if isinstance(a, Tell) and isinstance(a.message, m.Plan)]
 
 
 def sent(actions: list[Action], kind: type[m.Message]) -> list[m.Message]:
     """The messages of type ``kind`` among ``actions``."""
-    return [a.message for a in actions if isinstance(a, Send) and isinstance(a.message, kind)]
+    return [a.message for a in actions if isinstance(a, Tell) and isinstance(a.message, kind)]
 
 
 def replace_spec(spec: TrainerSpec, **changes: object) -> TrainerSpec:

@@ -1,4 +1,4 @@
-"""Pure tests of the coordinator on a fake clock: scripted scenarios asserting the action trace (trainer-spec §2)."""
+"""Pure tests of the coordinator on a fake clock: scripted scenarios asserting the action trace."""
 
 from __future__ import annotations
 
@@ -8,25 +8,23 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from flodl_async.training.coordinator import (
-    REPORTS_AHEAD_LIMIT,
-    Coordinator,
+from flodl_async.control.vocab import Announce, Tick
+from flodl_async.training.coordination import (
     CoordinatorConfig,
     CoordPhase,
     DeclareDead,
     Fail,
     Finish,
     FrameSeen,
-    Log,
     RankExiting,
     RankLost,
     RoundCompleted,
     StartRound,
     StopRequested,
-    Tick,
     TrainerJoined,
     WindowReported,
 )
+from flodl_async.training.coordinator import REPORTS_AHEAD_LIMIT, Coordinator
 from flodl_async.training.outer import DiLoCo
 from flodl_async.training.policy import Backend, GateRank, Policy, should_reduce
 from flodl_async.training.spec import ElCheConfig, TrainerSpec
@@ -189,7 +187,7 @@ def test_collective_rounds_run_in_the_ranks_and_upload_at_the_end() -> None:
 
 @pytest.mark.parametrize("backend", [Backend.CPU, Backend.COLLECTIVE])
 def test_the_anchor_grows_when_the_reduce_overhead_exceeds_the_target(backend: Backend) -> None:
-    """Auto-tune (spec §2.6) through the coordinator: the reducer's round duration (CPU) or the ranks' slowest
+    """Auto-tune through the coordinator: the reducer's round duration (CPU) or the ranks' slowest
     ``ReduceDone.ms`` (COLLECTIVE) is ElChe's sync_ms; overhead = sync / (anchor·slow + sync) against the 5 % target."""
     s = spec(
         Policy.CADENCE,
@@ -417,13 +415,13 @@ def test_max_failure_names_its_exit_code() -> None:
 def test_max_failure_on_a_run_that_is_not_elastic_is_said_once_at_the_start() -> None:
     d = Driver(spec(max_failure=1), world=3)
     d.join_all()
-    warnings = [a.text for a in d.actions if isinstance(a, Log) and "max_failure" in a.text]
+    warnings = [a.text for a in d.actions if isinstance(a, Announce) and "max_failure" in a.text]
     assert warnings == [
         "max_failure is set, but this run is not elastic: any lost rank ends it (elastic continuation is not built yet)"
     ]
     quiet = Driver(spec(), world=3)
     quiet.join_all()
-    assert not [a for a in quiet.actions if isinstance(a, Log) and "max_failure" in a.text]
+    assert not [a for a in quiet.actions if isinstance(a, Announce) and "max_failure" in a.text]
 
 
 def test_elastic_runs_continue_after_a_loss_and_forfeit_its_batches() -> None:
@@ -597,7 +595,7 @@ def test_reports_far_ahead_of_the_current_round_are_refused_not_kept() -> None:
                 )
             )
         )
-        assert [a.text for a in out if isinstance(a, Log)] == [
+        assert [a.text for a in out if isinstance(a, Announce)] == [
             f"rank 0 reported window {far + offset}, far ahead of round {d.coord._round}; ignoring"
         ]
     assert not any(r >= far for r in d.coord._reports)

@@ -1,4 +1,4 @@
-"""Pure tests of ElChe and the TrendGuard (trainer-spec §2.5-§2.6)."""
+"""Pure tests of ElChe and the TrendGuard."""
 
 from __future__ import annotations
 

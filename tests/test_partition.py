@@ -1,4 +1,4 @@
-"""Pure tests of the partition planner: permutations, slices, the chunk pool (trainer-spec §2.4)."""
+"""Pure tests of the partition planner: permutations, slices, the chunk pool."""
 
 from __future__ import annotations
 

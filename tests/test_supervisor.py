@@ -8,11 +8,9 @@ import pytest
 
 from flodl_async._version import __version__
 from flodl_async.control.membership import JoinConfig
-from flodl_async.control.supervisor import (
-    OOM_HINT,
+from flodl_async.control.supervision import (
     AcceptJoin,
     Action,
-    Announce,
     Ended,
     EndRun,
     ForceStop,
@@ -21,7 +19,6 @@ from flodl_async.control.supervisor import (
     Interrupted,
     JoinRequested,
     JoinUndelivered,
-    Level,
     RankConnected,
     RankExited,
     RanksReported,
@@ -32,14 +29,11 @@ from flodl_async.control.supervisor import (
     Restarting,
     Running,
     StoreReady,
-    Supervisor,
     SupervisorConfig,
-    Tell,
-    Tick,
     TrainingEnded,
-    describe_exit,
-    failure_details,
 )
+from flodl_async.control.supervisor import OOM_HINT, Supervisor, describe_exit, failure_details
+from flodl_async.control.vocab import Announce, Level, Tell, Tick
 from flodl_async.host.hostnames import HostAliases
 from flodl_async.status.model import RankState, RankStatus
 from flodl_async.verdict import ExitCode
@@ -90,7 +84,7 @@ def of(actions: tuple[Action, ...], kind: type) -> list:
 
 
 def told(actions: tuple[Action, ...], message: type) -> dict[str, m.Message]:
-    return {a.host: a.message for a in of(actions, Tell) if isinstance(a.message, message)}
+    return {a.to: a.message for a in of(actions, Tell) if isinstance(a.message, message)}
 
 
 def the_end(actions: tuple[Action, ...]) -> EndRun:

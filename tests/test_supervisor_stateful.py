@@ -18,10 +18,9 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from flodl_async._version import __version__
 from flodl_async.control.membership import JoinConfig
-from flodl_async.control.supervisor import (
+from flodl_async.control.supervision import (
     AcceptJoin,
     Action,
-    Announce,
     Ended,
     EndRun,
     Event,
@@ -41,11 +40,10 @@ from flodl_async.control.supervisor import (
     Restarting,
     Running,
     StoreReady,
-    Supervisor,
     SupervisorConfig,
-    Tell,
-    Tick,
 )
+from flodl_async.control.supervisor import Supervisor
+from flodl_async.control.vocab import Announce, Tell, Tick
 from flodl_async.verdict import ExitCode
 from flodl_async.wire import messages as m
 
@@ -242,12 +240,12 @@ class SupervisorMachine(RuleBasedStateMachine):
                 self.accepted[action.host] = len(action.reply.ranks)
             elif isinstance(action, Tell):
                 # Nothing goes down a join link before its accept did.
-                assert action.host in self.accepted, action
+                assert action.to in self.accepted, action
                 message = action.message
                 if isinstance(message, m.WorldFormed):
-                    worlds.append((action.host, message))
+                    worlds.append((action.to, message))
                 elif isinstance(message, m.OpenRound):
-                    opened.append((action.host, message.round))
+                    opened.append((action.to, message.round))
                 elif isinstance(message, m.StartRanks) and self.config.controller_store:
                     assert resets == [message.round], (
                         "the store is emptied for the round before its ranks start"
@@ -277,7 +275,7 @@ class SupervisorMachine(RuleBasedStateMachine):
             self.round = opened[0][1]
         starts = [a for a in actions if isinstance(a, Tell) and isinstance(a.message, m.StartRanks)]
         if starts:
-            assert sorted(a.host for a in starts) == sorted(self.world)
+            assert sorted(a.to for a in starts) == sorted(self.world)
             self.started_round = self.round
             self.succeeded = set()
 

@@ -5,9 +5,11 @@ every event that matters to the run (a host asks to join, a host is lost, the
 store is ready, a rank exited, a host stopped its ranks, a signal, a deadline
 passed) together with ``now`` (monotonic seconds), and carries out the actions
 it returns, in order (answer a join, tell a host, announce a line, end the
-run). It calls again with :class:`Tick` at :meth:`Supervisor.next_deadline`.
-Nothing here performs I/O or reads a clock, so every decision of a run is
-tested with fake time.
+run). It calls again with :class:`~flodl_async.control.vocab.Tick` at
+:meth:`Supervisor.next_deadline`. Nothing here performs I/O or reads a clock,
+so every decision of a run is tested with fake time. Its configuration,
+events, actions, phases and status view are declared in
+:mod:`flodl_async.control.supervision`.
 
 Phases, one type each (no field that starts as ``None``)::
 
@@ -30,13 +32,9 @@ stop its ranks following the signal table; a signal after the verdict forces
 
 from __future__ import annotations
 
-import enum
 import signal
-from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
-from .._version import __version__
-from ..host.hostnames import HostAliases
 from ..status.model import PROCESS_STATES, RankState, RankStatus
 from ..verdict import (
     ExitCode,
@@ -48,286 +46,35 @@ from ..verdict import (
     restarts_text,
 )
 from ..wire import messages as m
-from ..wire.schema import Message
-from .membership import Admitted, Failed, Formed, JoinConfig, JoinedMember, JoinWindow
-
-# ----- configuration ----------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class SupervisorConfig:
-    """What the supervisor decides with, resolved by the launcher (deadlines already scaled)."""
-
-    run_id: str
-    join: JoinConfig
-    command: tuple[str, ...]
-    cluster_env: Mapping[str, str] = field(default_factory=dict)
-    max_restarts: int = 0
-    stop_grace: float = 10.0
-    store_ready_timeout: float = 120.0
-    stop_ack_margin: float = 10.0
-    #: The store rides the controller's port (the default backend): each round empties it
-    #: (:class:`ResetStore`) and starts the ranks at once, each host dialling the controller
-    #: the way its agent does. False: a store host serves it and reports :class:`StoreReady`.
-    controller_store: bool = False
-    #: Hosts whose agent runs inside the controller's process: one of them hosts the store.
-    local_hosts: frozenset[str] = frozenset()
-    #: The spellings of the controller's machine (localhost, loopback, hostname, FQDN): one host at
-    #: join.
-    host_aliases: HostAliases | None = None
-    protocol_version: int = 1
-    #: This controller's flodl_async version: an agent of another version is refused at join.
-    version: str = __version__
-    #: ``--hang-timeout``: a rank with neither output nor CPU progress this long ends the run (exit
-    #: 6); None: off.
-    hang_timeout: float | None = None
-
-
-# ----- events ------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class JoinRequested:
-    """An agent's hello arrived on a join connection."""
-
-    host: str
-    devices: tuple[str, ...]
-    protocol_version: int
-    agent_version: str
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class JoinUndelivered:
-    """The accept for ``host`` could not be sent (its connection died at once)."""
-
-    host: str
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class HostLost:
-    """A host's agent is gone: its link closed or broke, or its launcher failed."""
-
-    host: str
-    reason: str
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class StoreReady:
-    """The store host reported its store for ``round``."""
-
-    round: int
-    addr: str
-    port: int
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class RankExited:
-    """A host reported a rank's exit."""
-
-    report: m.RankExited
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class RanksStopped:
-    """A host stopped every rank of ``round``."""
-
-    host: str
-    round: int
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class RankConnected:
-    """A flodl-aware rank said hello through its relay (status only)."""
-
-    rank: int
-    pid: int
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class RanksReported:
-    """A host's periodic report of its running ranks (pid, process state, CPU, output, store
-    connection)."""
-
-    host: str
-    report: m.RankStats
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class TrainingEnded:
-    """The Trainer's coordinator concluded: in order (the ranks now exit 0) or failed (its cause is
-    the run's).
-
-    A coordinator that fails (spec mismatch, hello timeout, a rank lost, a stall) is the root
-    cause of the exits that follow it, so the verdict is its ``reason``, given at once. An
-    orderly end waits for the ranks' exits; ``code`` is the verdict's code then (OK, or the
-    signal's code when a launcher signal asked for the orderly stop).
-    """
-
-    ok: bool
-    reason: str
-    code: ExitCode = ExitCode.OK
-    details: str = ""
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Interrupted:
-    """The launcher received ``signal`` (SIGINT or SIGTERM)."""
-
-    signal: int
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Tick:
-    """:meth:`Supervisor.next_deadline` has passed."""
-
-
-Event = (
-    JoinRequested
-    | JoinUndelivered
-    | HostLost
-    | StoreReady
-    | RankExited
-    | RanksStopped
-    | RankConnected
-    | RanksReported
-    | TrainingEnded
-    | Interrupted
-    | Tick
+from .membership import Admitted, Failed, Formed, JoinWindow
+from .supervision import (
+    AcceptJoin,
+    Action,
+    Ended,
+    EndRun,
+    Event,
+    ForceStop,
+    Forming,
+    HostLost,
+    Interrupted,
+    JoinRequested,
+    JoinUndelivered,
+    Phase,
+    RankConnected,
+    RankExited,
+    RanksReported,
+    RanksStopped,
+    RejectJoin,
+    Rendezvous,
+    ResetStore,
+    Restarting,
+    Running,
+    StoreReady,
+    SupervisorConfig,
+    SupervisorView,
+    TrainingEnded,
 )
-
-
-# ----- actions -----------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class AcceptJoin:
-    """Answer the pending join of ``host``: admitted with ``ranks``."""
-
-    host: str
-    reply: m.JoinAccept
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class RejectJoin:
-    """Answer the pending join of ``host``: refused (then close that connection)."""
-
-    host: str
-    reason: str
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Tell:
-    """Send ``message`` down the join link of ``host``."""
-
-    host: str
-    message: Message
-
-
-class Level(enum.Enum):
-    """How loud an announcement is."""
-
-    DEBUG = "debug"
-    INFO = "info"
-    WARNING = "warning"
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Announce:
-    """One line for the operator (one per lifecycle event)."""
-
-    text: str
-    level: Level = Level.INFO
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class ForceStop:
-    """A second signal: kill every rank now, on every host."""
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class EndRun:
-    """The verdict: tear down, telling every host ``farewell`` (``Finish`` or an ``Abort``)."""
-
-    result: RunResult
-    farewell: m.Finish | m.Abort
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class ResetStore:
-    """Empty the controller's store and close its connections: ``round`` starts from nothing.
-
-    torch adds no per-attempt key prefix under the agent-store contract, so a restarted
-    world reading the last round's keys would rendezvous with ghosts.
-    """
-
-    round: int
-
-
-Action = AcceptJoin | RejectJoin | Tell | Announce | ForceStop | EndRun | ResetStore
-
-
-# ----- phases ----------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Forming:
-    """The join window is open."""
-
-    window: JoinWindow
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Rendezvous:
-    """The store host was asked for a store for ``round``; nothing runs yet."""
-
-    world: Formed
-    round: int
-    deadline: float
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Running:
-    """The ranks of ``round`` run; ``succeeded`` have exited 0."""
-
-    world: Formed
-    round: int
-    succeeded: frozenset[int] = frozenset()
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Restarting:
-    """Every host was told to stop ``round``; ``waiting`` have not confirmed yet."""
-
-    world: Formed
-    round: int
-    waiting: frozenset[str]
-    deadline: float
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Ended:
-    """The verdict is given; it never changes."""
-
-    result: RunResult
-    world: Formed | None
-
-
-Phase = Forming | Rendezvous | Running | Restarting | Ended
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class SupervisorView:
-    """A frozen snapshot for the status endpoint."""
-
-    phase: str
-    members: tuple[JoinedMember, ...]
-    joined_ranks: int
-    world_size: int
-    restart_count: int
-    ranks: tuple[RankStatus, ...]
-    result: RunResult | None
-    rejected_joins: int
-
+from .vocab import Announce, Level, Tell, Tick
 
 # ----- the machine ----------------------------------------------------------------------------
 
@@ -493,7 +240,7 @@ class Supervisor:
         for index, member in enumerate(world.members):
             actions.append(
                 Tell(
-                    host=member.host,
+                    to=member.host,
                     message=m.WorldFormed(
                         world_size=world.world_size,
                         ranks=member.ranks,
@@ -525,14 +272,14 @@ class Supervisor:
         self._phase = Rendezvous(
             world=world, round=round_, deadline=now + self.config.store_ready_timeout
         )
-        return [Tell(host=self._store_host(world), message=m.OpenRound(round=round_))]
+        return [Tell(to=self._store_host(world), message=m.OpenRound(round=round_))]
 
     def _start_ranks(self, world: Formed, round_: int, *, addr: str, port: int) -> list[Action]:
         actions: list[Action] = []
         for member in world.members:
             actions.append(
                 Tell(
-                    host=member.host,
+                    to=member.host,
                     message=m.StartRanks(
                         round=round_,
                         restart_count=self._restart_count,
@@ -607,7 +354,7 @@ class Supervisor:
             ]
             actions.extend(
                 Tell(
-                    host=member.host,
+                    to=member.host,
                     message=m.StopRanks(
                         round=phase.round,
                         reason="restarting the world",

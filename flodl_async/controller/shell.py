@@ -38,10 +38,9 @@ from ..config.plan import LaunchPlan, PlacedWorker, Placement
 from ..control.links import ControlLinks
 from ..control.liveness import Liveness
 from ..control.membership import describe_threshold
-from ..control.supervisor import (
+from ..control.supervision import (
     AcceptJoin,
     Action,
-    Announce,
     EndRun,
     Event,
     ForceStop,
@@ -49,7 +48,6 @@ from ..control.supervisor import (
     Interrupted,
     JoinRequested,
     JoinUndelivered,
-    Level,
     RankConnected,
     RankExited,
     RanksReported,
@@ -57,12 +55,11 @@ from ..control.supervisor import (
     RejectJoin,
     ResetStore,
     StoreReady,
-    Supervisor,
     SupervisorConfig,
-    Tell,
-    Tick,
     TrainingEnded,
 )
+from ..control.supervisor import Supervisor
+from ..control.vocab import LOGGING_LEVELS, Announce, Tell, Tick
 from ..errors import ConnectionClosed, FlodlError, WireError
 from ..host.cores import oversubscription
 from ..host.hostaddrs import routable
@@ -97,8 +94,6 @@ if TYPE_CHECKING:
     from .reducer import Reducer
 
 log = logging.getLogger("flodl_async.cli.launch")
-
-_LOG_LEVELS = {Level.DEBUG: logging.DEBUG, Level.INFO: logging.INFO, Level.WARNING: logging.WARNING}
 
 
 def _rank_exited(_host: str, msg: Message) -> Event:
@@ -472,13 +467,13 @@ class Controller:
 
     def _carry_out(self, action: Action, reply_link: FramedProtocol | None) -> Event | None:
         if isinstance(action, Tell):
-            link = self._links.get(action.host)
+            link = self._links.get(action.to)
             if link is not None:
                 # a link that just died: its handler reports HostLost
                 with contextlib.suppress(ConnectionClosed):
                     link.send(action.message)
         elif isinstance(action, Announce):
-            level = _LOG_LEVELS[action.level]
+            level = LOGGING_LEVELS[action.level]
             if self.plan.one_host and level == logging.INFO:
                 # a --nproc run said it all in its banner: the progress is for -v
                 level = logging.DEBUG

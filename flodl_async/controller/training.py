@@ -10,7 +10,7 @@ the formed world and the reducer (the DATA channel is served from then on, never
 run without Trainer ranks); every later frame becomes an event, and the actions come
 back and are carried out at once, in order:
 
-* ``Send`` — a down-message to its rank's relay link, or (``rank = -1``) once to every relay;
+* ``Tell`` — a down-message to its rank's relay link, or (``rank = -1``) once to every relay;
 * ``StartRound`` — open the round in the reducer, then broadcast its ``Reduce``; a task
   owned by the controller's TaskGroup awaits the round and feeds ``RoundCompleted`` back
   (COLLECTIVE rounds are answered by the ranks' ``ReduceDone`` instead);
@@ -38,12 +38,12 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
+from ..control.vocab import LOGGING_LEVELS, Announce, Tell, Tick
 from ..errors import ConnectionClosed, FlodlError
 from ..net.framed import FramedProtocol
-from ..training.coordinator import (
+from ..training.coordination import (
     Action,
     CollectiveDone,
-    Coordinator,
     CoordinatorConfig,
     CoordinatorView,
     CoordPhase,
@@ -52,19 +52,16 @@ from ..training.coordinator import (
     Fail,
     Finish,
     FrameSeen,
-    Level,
-    Log,
     PublishEpoch,
     RankExiting,
     RankLost,
     RoundCompleted,
-    Send,
     StartRound,
     StopRequested,
-    Tick,
     TrainerJoined,
     WindowReported,
 )
+from ..training.coordinator import Coordinator
 from ..training.metrics import EpochMetrics
 from ..training.modelschema import ModelSchema
 from ..training.spec import TrainerSpec
@@ -78,8 +75,6 @@ if TYPE_CHECKING:
     from .shell import Controller
 
 log = logging.getLogger("flodl_async.cli.launch")
-
-_LEVELS = {Level.INFO: logging.INFO, Level.WARNING: logging.WARNING}
 
 
 class RoundResultLike(Protocol):
@@ -398,7 +393,7 @@ class TrainingShell:
         return True
 
     def _carry_out(self, action: Action) -> None:
-        if isinstance(action, Send):
+        if isinstance(action, Tell):
             self._send(action.message)
         elif isinstance(action, StartRound):
             if action.reducer:
@@ -419,8 +414,8 @@ class TrainingShell:
             self._send(m.DeclareDead(dead_rank=action.rank, reason=action.reason))
         elif isinstance(action, PublishEpoch):
             self._publish(action.metrics)
-        elif isinstance(action, Log):
-            log.log(_LEVELS[action.level], "%s", action.text)
+        elif isinstance(action, Announce):
+            log.log(LOGGING_LEVELS[action.level], "%s", action.text)
         elif isinstance(action, Finish):
             self._conclude(
                 TrainingOutcome(ok=True, reason=action.reason, save_reason=action.save_reason)

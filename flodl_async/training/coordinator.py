@@ -1,11 +1,13 @@
-"""The Trainer's coordinator: a pure state machine on the control channel (trainer-spec §2).
+"""The Trainer's coordinator: a pure state machine on the control channel.
 
 Theory of operation. h11-shaped: the controller's training shell feeds
 :meth:`Coordinator.handle` every event that matters (a rank's ``TrainerHello``, a window
 report, any frame seen from a rank, a rank lost, a round completed, a stop request, a
 deadline passed) with ``now`` (monotonic seconds) and carries out the returned actions in
-order; it calls again with :class:`Tick` at :meth:`Coordinator.next_deadline`. Nothing
-here reads a clock, touches a socket or imports torch.
+order; it calls again with :class:`~flodl_async.control.vocab.Tick` at
+:meth:`Coordinator.next_deadline`. Nothing here reads a clock, touches a socket or imports
+torch. Its configuration, phases, events, actions and status view are declared in
+:mod:`flodl_async.training.coordination`.
 
 Phases::
 
@@ -30,24 +32,46 @@ Phases::
   COLLECTIVE then uploads the primary rank's state (``upload``). Then ``Shutdown``.
 * A rank lost (relay ``RankGone``, a death record, a non-zero exit, heartbeat staleness)
   runs the death chain: forfeit its in-flight batches, ``DeclareDead`` (the reducer stops
-  waiting on it), then :func:`~flodl_async.training.policy.unrecoverable_reason` — in this issue
+  waiting on it), then :func:`~flodl_async.training.policy.unrecoverable_reason` — for now
   every loss is unrecoverable (``elastic=False``) and ends the run with a verdict naming
   the rank; elastic continuation flips that flag.
 """
 
 from __future__ import annotations
 
-import enum
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TypeVar
 
+from ..control.vocab import Announce, Level, Tell, Tick
 from ..errors import ConfigError
 from ..verdict import ExitCode
 from ..wire import messages as m
-from ..wire.schema import Message
 from . import partition as part
+from .coordination import (
+    EVERY_RANK,
+    Action,
+    CollectiveDone,
+    CoordinatorConfig,
+    CoordinatorView,
+    CoordPhase,
+    DeclareDead,
+    Event,
+    Fail,
+    Finish,
+    FrameSeen,
+    PublishEpoch,
+    RankExiting,
+    RankLost,
+    RankView,
+    RoundCompleted,
+    StartRound,
+    StopRequested,
+    TrainerJoined,
+    WindowReported,
+)
 from .elche import ElChe
-from .metrics import EpochLedger, EpochMetrics
+from .metrics import EpochLedger
 from .modelschema import ModelSchema
 from .policy import (
     RULES,
@@ -61,213 +85,34 @@ from .policy import (
 )
 from .spec import TrainerSpec, digest_of, spec_diff
 
-# ----- configuration -------------------------------------------------------------------------
-
+# ----- the machine ---------------------------------------------------------------------------
 
 # windows a rank may report ahead of the coordinator's current round (see _on_window)
 REPORTS_AHEAD_LIMIT = 64
 
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class CoordinatorConfig:
-    """What the shell knows when the first hello arrives (deadlines already scaled)."""
-
-    run_id: str
-    world_size: int
-    #: Which host runs each rank (for the verdicts' wording).
-    hosts: Mapping[int, str] = field(default_factory=dict)
-    hello_timeout: float = 120.0
-    reduce_stall: float = 120.0
-    #: Multiplies the spec's ``heartbeat_timeout`` (``FLODL_NET_TIMEOUT_SCALE``).
-    timeout_scale: float = 1.0
-    #: Continue after a rank loss within ``max_failure`` (the elastic issue); off here.
-    elastic: bool = False
-    primary_rank: int = 0
-    #: The launcher's own spec when the user's script is the launcher: every rank must match it.
-    reference: TrainerSpec | None = None
-
-
-class CoordPhase(enum.Enum):
-    """Where the run is."""
-
-    JOINING = "joining"
-    INIT = "init"
-    TRAINING = "training"
-    STOPPING = "stopping"
-    FINAL = "final"
-    DONE = "done"
-    FAILED = "failed"
-
-
 _OVER = (CoordPhase.DONE, CoordPhase.FAILED)
-
-# ----- events --------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class TrainerJoined:
-    """A rank's ``TrainerHello`` arrived."""
-
-    hello: m.TrainerHello
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class WindowReported:
-    """A rank's ``WindowDone`` arrived."""
-
-    report: m.WindowDone
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class FrameSeen:
-    """Some frame (a heartbeat included) arrived from ``rank``: a sign of life."""
-
-    rank: int
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class RankLost:
-    """``rank`` is gone: its relay link closed, it exited non-zero, or its agent lost it."""
-
-    rank: int
-    reason: str
-    details: str = ""
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class RankExiting:
-    """A rank's ``Exiting``: a clean exit, or a death record with its traceback."""
-
-    message: m.Exiting
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class RoundCompleted:
-    """The reducer finished ``round`` (``duration_ms``: Reduce sent → last consensus frame
-    written)."""
-
-    round: int
-    kind: str
-    mass: float
-    duration_ms: float
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class CollectiveDone:
-    """A rank's ``ReduceDone`` (COLLECTIVE backend)."""
-
-    message: m.ReduceDone
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class StopRequested:
-    """An orderly stop: a final round, then ``Shutdown`` (``TrainingRun.shutdown``, a signal)."""
-
-    reason: str
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Tick:
-    """:meth:`Coordinator.next_deadline` passed."""
-
-
-Event = (
-    TrainerJoined
-    | WindowReported
-    | FrameSeen
-    | RankLost
-    | RankExiting
-    | RoundCompleted
-    | CollectiveDone
-    | StopRequested
-    | Tick
-)
-
-# ----- actions -------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Send:
-    """Send a down-message: to its ``rank``'s relay link, or (``rank == -1``) to every relay."""
-
-    message: Message
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class StartRound:
-    """Open round ``round`` and broadcast its ``Reduce``.
-
-    ``reducer``: the controller's reducer runs it (open it with ``expected`` before the
-    broadcast, report :class:`RoundCompleted`); otherwise the ranks all_reduce among
-    themselves and answer ``ReduceDone`` (COLLECTIVE).
-    """
-
-    round: int
-    kind: str
-    expected: frozenset[int]
-    from_controller: bool
-    reducer: bool
-    message: m.Reduce
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class DeclareDead:
-    """``rank`` is dead: release it from the reducer's rounds and broadcast ``DeclareDead``."""
-
-    rank: int
-    reason: str
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class PublishEpoch:
-    """An epoch closed: the log line, the status page, the launcher's handle,
-    ``EpochAggregated``."""
-
-    metrics: EpochMetrics
-
-
-class Level(enum.Enum):
-    """How loud a line is."""
-
-    INFO = "info"
-    WARNING = "warning"
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Log:
-    """One line for the operator."""
-
-    text: str
-    level: Level = Level.INFO
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Finish:
-    """Training ended in order (``Shutdown`` already in the actions before this): the run's success
-    reason."""
-
-    reason: str
-    save_reason: str
-    interrupted: bool = False
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Fail:
-    """The coordinator cannot go on: the run's root cause (``rank`` is who, or -1)."""
-
-    code: ExitCode
-    reason: str
-    rank: int = -1
-    details: str = ""
-    save_reason: str = ""
-
-
-Action = Send | StartRound | DeclareDead | PublishEpoch | Log | Finish | Fail
-
-# ----- the machine ---------------------------------------------------------------------------
 
 #: Save reasons that are the operator's limit rather than a plain failure.
 _EXIT_FOR_SAVE_REASON = {"max_failure_exceeded": ExitCode.MAX_FAILURE}
+
+
+_EventT = TypeVar("_EventT", bound=Event)
+
+
+class _Handlers:
+    """Which method takes each event type: :meth:`add` checks that the type and the method's
+    parameter agree, so the table needs neither a cast nor an ignore."""
+
+    __slots__ = ("_by_type",)
+
+    def __init__(self) -> None:
+        self._by_type: dict[type, Callable[..., list[Action]]] = {}
+
+    def add(self, kind: type[_EventT], handler: Callable[[_EventT, float], list[Action]]) -> None:
+        self._by_type[kind] = handler
+
+    def __call__(self, event: Event, now: float) -> list[Action]:
+        return self._by_type[type(event)](event, now)
 
 
 @dataclass(slots=True, kw_only=True)
@@ -282,41 +127,17 @@ class _InFlight:
     ms: float = 0.0
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class RankView:
-    """One rank on the status page."""
-
-    rank: int
-    host: str
-    state: str
-    batches: int
-    heartbeat_age: float
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class CoordinatorView:
-    """A frozen snapshot for the status endpoint's ``training`` block."""
-
-    phase: str
-    epoch: int
-    epochs: int
-    policy: str
-    backend: str
-    anchor: int
-    counts: tuple[int, ...]
-    last_reduce_ms: float
-    ranks: tuple[RankView, ...]
-
-
 class Coordinator:
     """One training run's decisions; pure, ``now`` passed in."""
 
     def __init__(self, config: CoordinatorConfig, *, now: float) -> None:
         if config.world_size < 1:
             raise ValueError(f"a training world needs at least one rank, got {config.world_size}")
+        # Every deadline starts at a hello, so the machine reads no time before the first one;
+        # ``now`` keeps the constructor shaped like the supervisor's.
+        del now
         self.config = config
         self.phase = CoordPhase.JOINING
-        self._created_at = now
         self._reference: m.TrainerHello | None = None
         self._spec: TrainerSpec | None = None
         self._first_hello_at: float | None = None
@@ -341,17 +162,16 @@ class Coordinator:
         self._last_sync_ms = 0.0
         self._batches: dict[int, int] = {}
         self._stop_reason: str | None = None
-        self._handlers: Mapping[type, Callable[[object, float], list[Action]]] = {
-            TrainerJoined: self._on_joined,  # type: ignore[dict-item]
-            WindowReported: self._on_window,  # type: ignore[dict-item]
-            FrameSeen: self._on_frame,  # type: ignore[dict-item]
-            RankLost: self._on_lost,  # type: ignore[dict-item]
-            RankExiting: self._on_exiting,  # type: ignore[dict-item]
-            RoundCompleted: self._on_round_completed,  # type: ignore[dict-item]
-            CollectiveDone: self._on_collective_done,  # type: ignore[dict-item]
-            StopRequested: self._on_stop,  # type: ignore[dict-item]
-            Tick: self._on_tick,  # type: ignore[dict-item]
-        }
+        self._handlers = _Handlers()
+        self._handlers.add(TrainerJoined, self._on_joined)
+        self._handlers.add(WindowReported, self._on_window)
+        self._handlers.add(FrameSeen, self._on_frame)
+        self._handlers.add(RankLost, self._on_lost)
+        self._handlers.add(RankExiting, self._on_exiting)
+        self._handlers.add(RoundCompleted, self._on_round_completed)
+        self._handlers.add(CollectiveDone, self._on_collective_done)
+        self._handlers.add(StopRequested, self._on_stop)
+        self._handlers.add(Tick, self._on_tick)
 
     # ----- queries ----------------------------------------------------------------------------
 
@@ -387,7 +207,7 @@ class Coordinator:
 
     @property
     def global_step(self) -> int:
-        """Cohort batches trained, divided by the world size (trainer-spec §2.4)."""
+        """Cohort batches trained, divided by the world size: what an average rank trained."""
         return sum(self._batches.values()) // self.config.world_size
 
     def _heartbeat_timeout(self) -> float | None:
@@ -458,7 +278,7 @@ class Coordinator:
             self._last_seen[rank] = max(self._last_seen.get(rank, now), now)
         if self.phase in _OVER and not isinstance(event, TrainerJoined):
             return []
-        return self._handlers[type(event)](event, now)
+        return self._handlers(event, now)
 
     # ----- joining ------------------------------------------------------------------------------
 
@@ -469,37 +289,12 @@ class Coordinator:
     def _on_joined(self, event: TrainerJoined, now: float) -> list[Action]:
         hello = event.hello
         rank = hello.rank
-        if self.phase is not CoordPhase.JOINING:
-            if rank in self._joined:
-                return [
-                    Log(
-                        text=f"rank {rank} said TrainerHello twice; ignoring the second",
-                        level=Level.WARNING,
-                    )
-                ]
-            return [
-                Send(
-                    message=m.TrainerReject(
-                        rank=rank, reason="this run's Trainer already started without it"
-                    )
-                )
-            ]
-        if not 0 <= rank < self.config.world_size:
-            return [
-                Send(
-                    message=m.TrainerReject(
-                        rank=rank,
-                        reason=f"rank {rank} is not in this world of {self.config.world_size}",
-                    )
-                )
-            ]
         if rank in self._joined:
-            return [
-                Log(
-                    text=f"rank {rank} said TrainerHello twice; ignoring the second",
-                    level=Level.WARNING,
-                )
-            ]
+            return [_warning(f"rank {rank} said TrainerHello twice; ignoring the second")]
+        if self.phase is not CoordPhase.JOINING:
+            return [_reject(rank, "this run's Trainer already started without it")]
+        if not 0 <= rank < self.config.world_size:
+            return [_reject(rank, f"rank {rank} is not in this world of {self.config.world_size}")]
         problem = self._check_hello(hello)
         if problem is not None:
             return self._fail_before_init(rank, problem)
@@ -510,13 +305,14 @@ class Coordinator:
         self._alive.add(rank)
         self._last_seen[rank] = now
         actions: list[Action] = [
-            Send(
+            Tell(
+                to=rank,
                 message=m.TrainerWelcome(
                     rank=rank,
                     world_size=self.config.world_size,
                     run_id=self.config.run_id,
                     primary_rank=self.config.primary_rank,
-                )
+                ),
             )
         ]
         if len(self._joined) == self.config.world_size:
@@ -578,12 +374,17 @@ class Coordinator:
         )
 
     def _fail_before_init(self, rank: int, reason: str) -> list[Action]:
+        return [_reject(rank, reason), *self._fail(ExitCode.FORMATION, reason, rank=rank)]
+
+    def _fail(
+        self, code: ExitCode, reason: str, *, rank: int = -1, save_reason: str = ""
+    ) -> list[Action]:
+        """The coordinator's own finding ends the run: say it, shut every rank down, name it."""
         self.phase = CoordPhase.FAILED
         return [
-            Send(message=m.TrainerReject(rank=rank, reason=reason)),
-            Log(text=reason, level=Level.WARNING),
-            Send(message=m.Shutdown(reason=reason, save_reason="")),
-            Fail(code=ExitCode.FORMATION, reason=reason, rank=rank),
+            _warning(reason),
+            Tell(to=EVERY_RANK, message=m.Shutdown(reason=reason, save_reason=save_reason)),
+            Fail(code=code, reason=reason, rank=rank, save_reason=save_reason),
         ]
 
     def _require_spec(self) -> TrainerSpec:
@@ -602,7 +403,7 @@ class Coordinator:
             dispatch=RULES[spec.policy].elche_dispatch,
         )
         actions: list[Action] = [
-            Log(
+            Announce(
                 text=f"training: {self.config.world_size} rank(s), {spec.policy.name} on "
                 f"{spec.backend.name}, {spec.epochs} x {spec.n_batches} batches"
             ),
@@ -615,7 +416,7 @@ class Coordinator:
                 "max_failure is set, but this run is not elastic: any lost rank ends it "
                 "(elastic continuation is not built yet)"
             )
-            actions.insert(1, Log(text=warning, level=Level.WARNING))
+            actions.insert(1, _warning(warning))
         actions.extend(self._open_epoch(0, now))
         return actions
 
@@ -632,10 +433,8 @@ class Coordinator:
     ) -> StartRound:
         spec = self._require_spec()
         # ``upload`` (COLLECTIVE's end) brings the primary's state to the controller. Like ``init``,
-        # every
-        # alive rank takes part — the primary with its tensors, the others with empty contributions
-        # — since
-        # each host's relay folds a barrier over all of its live ranks.
+        # every alive rank takes part — the primary with its tensors, the others with empty
+        # contributions — since each host's relay folds a barrier over all of its live ranks.
         collective = spec.backend is Backend.COLLECTIVE and kind != "upload"
         expected = frozenset(self._alive)
         self._in_flight = _InFlight(
@@ -662,10 +461,9 @@ class Coordinator:
         flying = self._in_flight
         if flying is None or flying.round != event.round or flying.collective:
             return [
-                Log(
-                    text=f"round {event.round} ({event.kind}) completed, but it is not the round "
-                    "in flight; ignoring",
-                    level=Level.WARNING,
+                _warning(
+                    f"round {event.round} ({event.kind}) completed, but it is not the round in "
+                    "flight; ignoring"
                 )
             ]
         return self._round_done(flying, event.mass, event.duration_ms, now)
@@ -763,7 +561,7 @@ class Coordinator:
             reason = f"training complete: {spec.epochs} epoch(s) on {len(self._alive)} rank(s)"
             save_reason, interrupted = "completed", False
         return [
-            Send(message=m.Shutdown(reason=reason, save_reason=save_reason)),
+            Tell(to=EVERY_RANK, message=m.Shutdown(reason=reason, save_reason=save_reason)),
             Finish(reason=reason, save_reason=save_reason, interrupted=interrupted),
         ]
 
@@ -789,23 +587,17 @@ class Coordinator:
                 alive, part.sync_slices(n, len(alive), ratios), strict=True
             ):
                 self._sync_left[rank] = size
-                s = spec.settings
                 plan = m.Plan(
                     rank=rank,
                     round=self._round,
                     epoch=epoch,
                     ranges=((first, size),) if size else (),
                     quota=1 if size else 0,
-                    hold_after=hold_after(
-                        spec.policy,
-                        quota=1,
-                        max_batch_diff=s.max_batch_diff,
-                        max_overshoot=s.max_overshoot,
-                    ),
+                    hold_after=_hold_after(spec, quota=1),
                     progress=float(epoch),
                 )
                 self._plans[(self._round, rank)] = plan
-                plans.append(Send(message=plan))
+                plans.append(Tell(to=rank, message=plan))
             return plans
         self._pool = part.ChunkPool(n)
         return self._window_plans(self._round, sorted(self._alive))
@@ -818,31 +610,25 @@ class Coordinator:
         alloc = part.tail_allocation(self._pool.remaining, [elche.counts[r] for r in ranks])
         return [self._plan(rank, round_, k) for rank, k in zip(ranks, alloc, strict=True)]
 
-    def _plan(self, rank: int, round_: int, k: int) -> Send:
+    def _plan(self, rank: int, round_: int, k: int) -> Tell[int]:
         spec = self._require_spec()
         covered = part.range_size(self._pool.covered_ranges())
         ranges = self._pool.take(rank, round_, k)
         quota = part.range_size(ranges)
         if quota:
             self._epoch_last_round = max(self._epoch_last_round, round_)
-        s = spec.settings
         plan = m.Plan(
             rank=rank,
             round=round_,
             epoch=self._epoch,
             ranges=ranges,
             quota=quota,
-            hold_after=hold_after(
-                spec.policy,
-                quota=quota,
-                max_batch_diff=s.max_batch_diff,
-                max_overshoot=s.max_overshoot,
-            ),
+            hold_after=_hold_after(spec, quota=quota),
             progress=self._epoch + covered / max(1, spec.n_batches),
         )
         self._plans[(round_, rank)] = plan
         self._planned_round[rank] = round_
-        return Send(message=plan)
+        return Tell(to=rank, message=plan)
 
     # ----- windows and the gate ----------------------------------------------------------------
 
@@ -861,30 +647,24 @@ class Coordinator:
             return []  # a dead rank's late frames, or no window open
         if report.round < self._round or rank in self._reports.get(report.round, {}):
             return [
-                Log(
-                    text=f"rank {rank} reported window {report.round} again or too late; ignoring",
-                    level=Level.WARNING,
-                )
+                _warning(f"rank {rank} reported window {report.round} again or too late; ignoring")
             ]
         if report.round > self._round + REPORTS_AHEAD_LIMIT:
             # A rank numbers its windows from the reduces it has seen, so it is never more than a
-            # round or two
-            # ahead; anything further is a broken peer, and keeping its reports would grow without
-            # bound.
+            # round or two ahead; anything further is a broken peer, and keeping its reports would
+            # grow without bound.
             return [
-                Log(
-                    text=f"rank {rank} reported window {report.round}, far ahead of round "
-                    f"{self._round}; ignoring",
-                    level=Level.WARNING,
+                _warning(
+                    f"rank {rank} reported window {report.round}, far ahead of round "
+                    f"{self._round}; ignoring"
                 )
             ]
         spec = self._require_spec()
         if not RULES[spec.policy].static_slices and (report.round, rank) not in self._plans:
             return [
-                Log(
-                    text=f"rank {rank} reported window {report.round}, which it was never planned; "
-                    "ignoring",
-                    level=Level.WARNING,
+                _warning(
+                    f"rank {rank} reported window {report.round}, which it was never planned; "
+                    "ignoring"
                 )
             ]
         self._reports.setdefault(report.round, {})[rank] = report
@@ -1011,11 +791,14 @@ class Coordinator:
             self.phase = CoordPhase.DONE
             reason = f"training stopped ({event.reason}) before it started"
             return [
-                Send(message=m.Shutdown(reason=reason, save_reason="graceful_shutdown")),
+                Tell(
+                    to=EVERY_RANK,
+                    message=m.Shutdown(reason=reason, save_reason="graceful_shutdown"),
+                ),
                 Finish(reason=reason, save_reason="graceful_shutdown", interrupted=True),
             ]
         actions: list[Action] = [
-            Log(text=f"stopping training ({event.reason}): a final round, then shutdown")
+            Announce(text=f"stopping training ({event.reason}): a final round, then shutdown")
         ]
         if self.phase is CoordPhase.TRAINING:
             self.phase = CoordPhase.STOPPING
@@ -1051,7 +834,7 @@ class Coordinator:
         self._alive.discard(rank)
         spec = self._require_spec()
         where = f"rank {rank} on {self._host(rank)}"
-        actions: list[Action] = [Log(text=f"{where} lost: {event.reason}", level=Level.WARNING)]
+        actions: list[Action] = [_warning(f"{where} lost: {event.reason}")]
         self._pool.forfeit(rank)
         if self._elche is not None:
             self._elche.forget(rank)
@@ -1077,7 +860,7 @@ class Coordinator:
         if self.phase is CoordPhase.JOINING:
             reason = f"{where} was lost before training started: {event.reason}"
         self.phase = CoordPhase.FAILED
-        actions.append(Send(message=m.Shutdown(reason=reason, save_reason=why)))
+        actions.append(Tell(to=EVERY_RANK, message=m.Shutdown(reason=reason, save_reason=why)))
         actions.append(
             Fail(
                 code=_EXIT_FOR_SAVE_REASON.get(why, ExitCode.RANK_FAILURE),
@@ -1104,12 +887,7 @@ class Coordinator:
                 f"{self.config.hello_timeout:g} s of rank {first} — "
                 "is it running the same script, and does it reach trainer.run()?"
             )
-            self.phase = CoordPhase.FAILED
-            return [
-                Log(text=reason, level=Level.WARNING),
-                Send(message=m.Shutdown(reason=reason, save_reason="")),
-                Fail(code=ExitCode.FORMATION, reason=reason, rank=late),
-            ]
+            return self._fail(ExitCode.FORMATION, reason, rank=late)
         timeout = self._heartbeat_timeout()
         if timeout is not None:
             for rank in sorted(self._alive):
@@ -1128,13 +906,23 @@ class Coordinator:
                 f"round {flying.round} ({flying.kind}) stalled: no consensus within "
                 f"{self.config.reduce_stall:g} s"
             )
-            self.phase = CoordPhase.FAILED
-            return [
-                Log(text=reason, level=Level.WARNING),
-                Send(message=m.Shutdown(reason=reason, save_reason="reduce_stall")),
-                Fail(code=ExitCode.STALLED, reason=reason, save_reason="reduce_stall"),
-            ]
+            return self._fail(ExitCode.STALLED, reason, save_reason="reduce_stall")
         return []
+
+
+def _warning(text: str) -> Announce:
+    return Announce(text=text, level=Level.WARNING)
+
+
+def _reject(rank: int, reason: str) -> Tell[int]:
+    return Tell(to=rank, message=m.TrainerReject(rank=rank, reason=reason))
+
+
+def _hold_after(spec: TrainerSpec, *, quota: int) -> int:
+    s = spec.settings
+    return hold_after(
+        spec.policy, quota=quota, max_batch_diff=s.max_batch_diff, max_overshoot=s.max_overshoot
+    )
 
 
 def _rank_of(event: Event) -> int | None:

@@ -1,5 +1,4 @@
-"""ElChe: the slow rank anchors the cadence, fast ranks do proportionally more (trainer-spec
-§2.5-§2.6).
+"""ElChe: the slow rank anchors the cadence, fast ranks do proportionally more.
 
 Theory of operation. Pure (no clock, no I/O): the coordinator calls :meth:`ElChe.report`
 once per reduce with each rank's window cost (ms), batches and the previous round's

@@ -1,4 +1,4 @@
-"""Epochs and deterministic partitions: who trains which batch (trainer-spec §2.4).
+"""Epochs and deterministic partitions: who trains which batch.
 
 Theory of operation. Pure (no asyncio, no torch): the controller deals in *batch indices*
 only and no data is ever shipped. Every rank computes the same epoch permutation from

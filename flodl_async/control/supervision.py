@@ -1,0 +1,272 @@
+"""The supervisor's vocabulary: what it decides with, the events it takes, the actions it
+returns, its phases and the view it shows.
+
+The machine that relates them is :class:`~flodl_async.control.supervisor.Supervisor`. Its
+:class:`~flodl_async.control.vocab.Tick`, :class:`~flodl_async.control.vocab.Announce` (at a
+:class:`~flodl_async.control.vocab.Level`) and :class:`~flodl_async.control.vocab.Tell` (to a
+host, down its join link) are the words it shares with the Trainer's coordinator. Pure.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from .._version import __version__
+from ..host.hostnames import HostAliases
+from ..status.model import RankStatus
+from ..verdict import ExitCode, RunResult
+from ..wire import messages as m
+from .membership import Formed, JoinConfig, JoinedMember, JoinWindow
+from .vocab import Announce, Tell, Tick
+
+# ----- configuration ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SupervisorConfig:
+    """What the supervisor decides with, resolved by the launcher (deadlines already scaled)."""
+
+    run_id: str
+    join: JoinConfig
+    command: tuple[str, ...]
+    cluster_env: Mapping[str, str] = field(default_factory=dict)
+    max_restarts: int = 0
+    stop_grace: float = 10.0
+    store_ready_timeout: float = 120.0
+    stop_ack_margin: float = 10.0
+    #: The store rides the controller's port (the default backend): each round empties it
+    #: (:class:`ResetStore`) and starts the ranks at once, each host dialling the controller
+    #: the way its agent does. False: a store host serves it and reports :class:`StoreReady`.
+    controller_store: bool = False
+    #: Hosts whose agent runs inside the controller's process: one of them hosts the store.
+    local_hosts: frozenset[str] = frozenset()
+    #: The spellings of the controller's machine (localhost, loopback, hostname, FQDN): one host at
+    #: join.
+    host_aliases: HostAliases | None = None
+    protocol_version: int = 1
+    #: This controller's flodl_async version: an agent of another version is refused at join.
+    version: str = __version__
+    #: ``--hang-timeout``: a rank with neither output nor CPU progress this long ends the run (exit
+    #: 6); None: off.
+    hang_timeout: float | None = None
+
+
+# ----- events ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class JoinRequested:
+    """An agent's hello arrived on a join connection."""
+
+    host: str
+    devices: tuple[str, ...]
+    protocol_version: int
+    agent_version: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class JoinUndelivered:
+    """The accept for ``host`` could not be sent (its connection died at once)."""
+
+    host: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class HostLost:
+    """A host's agent is gone: its link closed or broke, or its launcher failed."""
+
+    host: str
+    reason: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StoreReady:
+    """The store host reported its store for ``round``."""
+
+    round: int
+    addr: str
+    port: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RankExited:
+    """A host reported a rank's exit."""
+
+    report: m.RankExited
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RanksStopped:
+    """A host stopped every rank of ``round``."""
+
+    host: str
+    round: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RankConnected:
+    """A flodl-aware rank said hello through its relay (status only)."""
+
+    rank: int
+    pid: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RanksReported:
+    """A host's periodic report of its running ranks (pid, process state, CPU, output, store
+    connection)."""
+
+    host: str
+    report: m.RankStats
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TrainingEnded:
+    """The Trainer's coordinator concluded: in order (the ranks now exit 0) or failed (its cause is
+    the run's).
+
+    A coordinator that fails (spec mismatch, hello timeout, a rank lost, a stall) is the root
+    cause of the exits that follow it, so the verdict is its ``reason``, given at once. An
+    orderly end waits for the ranks' exits; ``code`` is the verdict's code then (OK, or the
+    signal's code when a launcher signal asked for the orderly stop).
+    """
+
+    ok: bool
+    reason: str
+    code: ExitCode = ExitCode.OK
+    details: str = ""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Interrupted:
+    """The launcher received ``signal`` (SIGINT or SIGTERM)."""
+
+    signal: int
+
+
+Event = (
+    JoinRequested
+    | JoinUndelivered
+    | HostLost
+    | StoreReady
+    | RankExited
+    | RanksStopped
+    | RankConnected
+    | RanksReported
+    | TrainingEnded
+    | Interrupted
+    | Tick
+)
+
+
+# ----- actions -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AcceptJoin:
+    """Answer the pending join of ``host``: admitted with ``ranks``."""
+
+    host: str
+    reply: m.JoinAccept
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RejectJoin:
+    """Answer the pending join of ``host``: refused (then close that connection)."""
+
+    host: str
+    reason: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ForceStop:
+    """A second signal: kill every rank now, on every host."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EndRun:
+    """The verdict: tear down, telling every host ``farewell`` (``Finish`` or an ``Abort``)."""
+
+    result: RunResult
+    farewell: m.Finish | m.Abort
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ResetStore:
+    """Empty the controller's store and close its connections: ``round`` starts from nothing.
+
+    torch adds no per-attempt key prefix under the agent-store contract, so a restarted
+    world reading the last round's keys would rendezvous with ghosts.
+    """
+
+    round: int
+
+
+Action = AcceptJoin | RejectJoin | Tell[str] | Announce | ForceStop | EndRun | ResetStore
+
+
+# ----- phases ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Forming:
+    """The join window is open."""
+
+    window: JoinWindow
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Rendezvous:
+    """The store host was asked for a store for ``round``; nothing runs yet."""
+
+    world: Formed
+    round: int
+    deadline: float
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Running:
+    """The ranks of ``round`` run; ``succeeded`` have exited 0."""
+
+    world: Formed
+    round: int
+    succeeded: frozenset[int] = frozenset()
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Restarting:
+    """Every host was told to stop ``round``; ``waiting`` have not confirmed yet."""
+
+    world: Formed
+    round: int
+    waiting: frozenset[str]
+    deadline: float
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Ended:
+    """The verdict is given; it never changes."""
+
+    result: RunResult
+    world: Formed | None
+
+
+Phase = Forming | Rendezvous | Running | Restarting | Ended
+
+
+# ----- the status view -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SupervisorView:
+    """A frozen snapshot for the status endpoint."""
+
+    phase: str
+    members: tuple[JoinedMember, ...]
+    joined_ranks: int
+    world_size: int
+    restart_count: int
+    ranks: tuple[RankStatus, ...]
+    result: RunResult | None
+    rejected_joins: int

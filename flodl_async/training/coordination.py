@@ -1,0 +1,223 @@
+"""The coordinator's vocabulary: what it is built with, its phases, the events it takes, the
+actions it returns and the view it shows.
+
+The machine that relates them is :class:`~flodl_async.training.coordinator.Coordinator`. Its
+:class:`~flodl_async.control.vocab.Tick`, :class:`~flodl_async.control.vocab.Announce` and
+:class:`~flodl_async.control.vocab.Tell` are the words it shares with the run's supervisor: it
+tells ranks, ``Tell(to=rank, ...)``, or every relay at once, ``Tell(to=EVERY_RANK, ...)``. Pure.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from ..control.vocab import Announce, Tell, Tick
+from ..verdict import ExitCode
+from ..wire import messages as m
+from .metrics import EpochMetrics
+from .spec import TrainerSpec
+
+#: The ``to`` of a :class:`~flodl_async.control.vocab.Tell` for every relay: a down-message
+#: that names no rank (``Shutdown``) goes to all of them.
+EVERY_RANK = -1
+
+
+# ----- configuration -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CoordinatorConfig:
+    """What the shell knows when the first hello arrives (deadlines already scaled)."""
+
+    run_id: str
+    world_size: int
+    #: Which host runs each rank (for the verdicts' wording).
+    hosts: Mapping[int, str] = field(default_factory=dict)
+    hello_timeout: float = 120.0
+    reduce_stall: float = 120.0
+    #: Multiplies the spec's ``heartbeat_timeout`` (``FLODL_NET_TIMEOUT_SCALE``).
+    timeout_scale: float = 1.0
+    #: Continue after a rank loss within ``max_failure`` (the elastic issue); off here.
+    elastic: bool = False
+    primary_rank: int = 0
+    #: The launcher's own spec when the user's script is the launcher: every rank must match it.
+    reference: TrainerSpec | None = None
+
+
+class CoordPhase(enum.Enum):
+    """Where the run is."""
+
+    JOINING = "joining"
+    INIT = "init"
+    TRAINING = "training"
+    STOPPING = "stopping"
+    FINAL = "final"
+    DONE = "done"
+    FAILED = "failed"
+
+
+# ----- events --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TrainerJoined:
+    """A rank's ``TrainerHello`` arrived."""
+
+    hello: m.TrainerHello
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class WindowReported:
+    """A rank's ``WindowDone`` arrived."""
+
+    report: m.WindowDone
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class FrameSeen:
+    """Some frame (a heartbeat included) arrived from ``rank``: a sign of life."""
+
+    rank: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RankLost:
+    """``rank`` is gone: its relay link closed, it exited non-zero, or its agent lost it."""
+
+    rank: int
+    reason: str
+    details: str = ""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RankExiting:
+    """A rank's ``Exiting``: a clean exit, or a death record with its traceback."""
+
+    message: m.Exiting
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RoundCompleted:
+    """The reducer finished ``round`` (``duration_ms``: Reduce sent → last consensus frame
+    written)."""
+
+    round: int
+    kind: str
+    mass: float
+    duration_ms: float
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CollectiveDone:
+    """A rank's ``ReduceDone`` (COLLECTIVE backend)."""
+
+    message: m.ReduceDone
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StopRequested:
+    """An orderly stop: a final round, then ``Shutdown`` (``TrainingRun.shutdown``, a signal)."""
+
+    reason: str
+
+
+Event = (
+    TrainerJoined
+    | WindowReported
+    | FrameSeen
+    | RankLost
+    | RankExiting
+    | RoundCompleted
+    | CollectiveDone
+    | StopRequested
+    | Tick
+)
+
+# ----- actions -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StartRound:
+    """Open round ``round`` and broadcast its ``Reduce``.
+
+    ``reducer``: the controller's reducer runs it (open it with ``expected`` before the
+    broadcast, report :class:`RoundCompleted`); otherwise the ranks all_reduce among
+    themselves and answer ``ReduceDone`` (COLLECTIVE).
+    """
+
+    round: int
+    kind: str
+    expected: frozenset[int]
+    from_controller: bool
+    reducer: bool
+    message: m.Reduce
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DeclareDead:
+    """``rank`` is dead: release it from the reducer's rounds and broadcast ``DeclareDead``."""
+
+    rank: int
+    reason: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PublishEpoch:
+    """An epoch closed: the log line, the status page, the launcher's handle,
+    ``EpochAggregated``."""
+
+    metrics: EpochMetrics
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Finish:
+    """Training ended in order (``Shutdown`` already in the actions before this): the run's success
+    reason."""
+
+    reason: str
+    save_reason: str
+    interrupted: bool = False
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Fail:
+    """The coordinator cannot go on: the run's root cause (``rank`` is who, or -1)."""
+
+    code: ExitCode
+    reason: str
+    rank: int = -1
+    details: str = ""
+    save_reason: str = ""
+
+
+Action = Tell[int] | StartRound | DeclareDead | PublishEpoch | Announce | Finish | Fail
+
+# ----- the status view -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RankView:
+    """One rank on the status page."""
+
+    rank: int
+    host: str
+    state: str
+    batches: int
+    heartbeat_age: float
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CoordinatorView:
+    """A frozen snapshot for the status endpoint's ``training`` block."""
+
+    phase: str
+    epoch: int
+    epochs: int
+    policy: str
+    backend: str
+    anchor: int
+    counts: tuple[int, ...]
+    last_reduce_ms: float
+    ranks: tuple[RankView, ...]
