@@ -135,12 +135,7 @@ async def _host_main(
                 task_group=tg,
             )
             mux.register(Channel.CONTROL, control.protocol_factory)
-            service = reducer.attach(
-                task_group=tg,
-                resolve=session_resolver(secret),
-                run_id=run_id,
-                serve_local=uplink == "in-process",
-            )
+            service = reducer.attach(task_group=tg, resolve=session_resolver(secret), run_id=run_id)
             mux.register(Channel.DATA, service.protocol_factory)
             await mux.start()
             relay = Relay(
@@ -154,6 +149,8 @@ async def _host_main(
                 task_group=tg,
                 deadlines=Deadlines(),
                 host="bench",
+                # the launcher's own host: its controller hands the relay its reducer
+                local_reducer=(lambda r=reducer: r) if uplink == "in-process" else None,
             )
             await relay.start()
             relay.open_round(0)

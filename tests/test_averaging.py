@@ -257,8 +257,8 @@ async def _bench(
     local: bool = False,
     schema: ModelSchema = SCHEMA,
 ) -> AsyncIterator[Bench]:
-    """``local``: the relays find the reducer in this process and hand frames over in memory (the launcher's own
-    host); otherwise they dial its port like a remote host's relay (TCP, sealed payloads)."""
+    """``local``: the relays are handed the reducer in this process and pass frames over in memory (the launcher's
+    own host); otherwise they dial its port like a remote host's relay (TCP, sealed payloads)."""
     scratch = Path(tempfile.mkdtemp(prefix="fl-avg-", dir="/tmp"))
     mux = PortMux(host="127.0.0.1", port=0)
     reducer = Reducer(schema, outer or OuterAvg(), gamma, digest=DIGEST)
@@ -275,7 +275,7 @@ async def _bench(
             mux.register(
                 Channel.DATA,
                 reducer.attach(
-                    task_group=tg, resolve=session_resolver(secret), run_id=RUN, serve_local=local
+                    task_group=tg, resolve=session_resolver(secret), run_id=RUN
                 ).protocol_factory,
             )
             await mux.start()
@@ -292,6 +292,7 @@ async def _bench(
                     task_group=tg,
                     deadlines=Deadlines(),
                     host=host,
+                    local_reducer=(lambda: reducer) if local else None,
                 )
                 await relay.start()
                 relay.open_round(0)

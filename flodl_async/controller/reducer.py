@@ -1,5 +1,4 @@
-"""The controller's reducer: the data channel's service, one averaging round at a time (trainer spec
-§3.3).
+"""The controller's reducer: the data channel's service, one averaging round at a time.
 
 Theory of operation. Each host's relay opens one data connection and says
 ``HostDataHello`` (its ranks, the model's size and the run digest); only when
@@ -9,15 +8,16 @@ they match this run's model does the reducer raise that link's tensor ceiling to
 
 The coordinator opens round ``k`` (:meth:`Reducer.open_round`) with the ranks it
 expects. Host frames (``HostContribution``) are folded into a pooled accumulator
-in a fixed order — ascending host by lowest rank (D8); a frame that arrives early
-waits in its receive buffer — by one driver task whose tensor math runs in
-executor threads. A round is complete when every expected rank is covered
-exactly once (a rank listed twice closes that connection) or was declared dead
-since (:meth:`declare_dead` releases a round waiting on it). Then, with
+in a fixed order — ascending host by lowest rank, so that a round's sum does not depend on
+which frame came first; a frame that arrives early waits in its receive buffer — by one
+driver task whose tensor math runs in executor threads. A round is complete when every
+expected rank is covered exactly once (a rank listed twice closes that connection) or was
+declared dead since (:meth:`declare_dead` releases a round waiting on it). Then, with
 ``mass = Σ w``:
 
 * ``mass > 0``: divide, round integer buffers half-to-even, cast floats back; a
-  ``model`` round's parameters take the outer optimizer's step (:mod:`.outer`);
+  ``model`` round's parameters take the outer optimizer's step
+  (:mod:`flodl_async.training.outer`);
   the consensus goes down once per host with alive ranks and is kept as
   :attr:`Reducer.last_consensus`;
 * ``mass == 0``: ``Consensus(mass=0)`` without payload: ranks keep their state.
@@ -43,7 +43,7 @@ from ..errors import ConnectionClosed, ProtocolError, WireError
 from ..net.bufpool import SHARED
 from ..net.framed import FramedProtocol
 from ..net.service import FramedService
-from ..relay.fold import LocalUplink
+from ..relay.fold import HELLO_LIMITS, LocalUplink
 from ..training import foldmath
 from ..training.modelschema import ModelSchema
 from ..training.outer import OuterAvg, OuterSpec, OuterStepper
@@ -59,8 +59,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("flodl_async.controller.reducer")
 
-#: Tensor frames are refused on a data connection until its hello matched.
-HELLO_LIMITS = FrameLimits(max_payload=0)
 #: Rounds a host may run ahead of the newest opened round (its frames wait in their buffers).
 _EARLY_ROUNDS = 2
 
@@ -74,17 +72,6 @@ class RoundResult:
     kind: str
     mass: float
     duration_ms: float
-
-
-#: Reducers serving a run in this process, by run id: a relay in the same process (the launcher's
-#: own
-#: host) hands its frames over in memory instead of dialling (flodl_async.relay.fold.LocalUplink).
-_LOCAL: dict[str, Reducer] = {}
-
-
-def local_reducer(run_id: str) -> Reducer | None:
-    """The reducer of ``run_id`` if it runs in this process."""
-    return _LOCAL.get(run_id)
 
 
 class _LocalDown:
@@ -230,7 +217,6 @@ class Reducer:
         self._held: _Consensus | None = None
         self._wake = asyncio.Event()
         self._closing = False
-        self._run_id: str | None = None
         self._rounds_done = 0
         #: Each host's accepted frames by name; cumulative, so a host whose link closed still shows
         #: what it sent.
@@ -244,18 +230,15 @@ class Reducer:
         task_group: asyncio.TaskGroup,
         resolve: CredentialResolver,
         run_id: str,
-        serve_local: bool = True,
     ) -> FramedService:
         """Start the round driver in ``task_group`` and return the data channel's service for the
         mux.
 
-        ``serve_local``: a relay of ``run_id`` in this process hands its frames over in memory
-        (False: it dials the port like any other; tests and benchmarks compare the two).
+        A relay in this process reaches the reducer without the port when whoever made both hands
+        the reducer to it (:data:`~flodl_async.relay.fold.LocalReducerSource`: the controller, to
+        its in-process agent); every other relay dials the data channel.
         """
         task_group.create_task(self.run(), name="reducer")
-        if serve_local:
-            self._run_id = run_id
-            _LOCAL[run_id] = self
         return FramedService(
             channel=Channel.DATA,
             resolve=resolve,
@@ -342,7 +325,7 @@ class Reducer:
 
     def set_initial(self, state: Mapping[str, torch.Tensor]) -> None:
         """Resume: ``state`` (a state_dict of this schema) is the consensus, and the outer
-        optimizer's previous global (D9)."""
+        optimizer's previous global (the point its next step moves from)."""
         tensors = []
         for meta in self._metas:
             if meta.name not in state:
@@ -432,7 +415,8 @@ class Reducer:
 
     def connect_local(self, hello: m.HostDataHello, uplink: LocalUplink) -> str | None:
         """A relay in this process introduces its host; returns why it is refused, or None."""
-        refusal = self._check_hello(hello)
+        # closed: as a relay dialling the closed port would be, this one is turned away
+        refusal = "the reducer has closed" if self._closing else self._check_hello(hello)
         if refusal is not None:
             log.error("data channel: refusing this process's relay: %s", refusal)
             return refusal
@@ -798,8 +782,6 @@ class Reducer:
         connection."""
         self._closing = True
         self._wake.set()
-        if self._run_id is not None and _LOCAL.get(self._run_id) is self:
-            del _LOCAL[self._run_id]
         for host in list(self._hosts):
             with contextlib.suppress(ConnectionClosed, OSError):
                 await host.link.aclose()

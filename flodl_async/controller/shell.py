@@ -286,7 +286,9 @@ class Controller:
         # The controller's host's ranks bind the NIC the other hosts reach
         # (flodl_async.host.ifnames).
         peer = controller_host_peer(plan.bind_host, self.port, direct_ssh_targets(plan.workers))
-        local = LocalLauncher(contact, output=self._output, ifname_peer=peer)
+        local = LocalLauncher(
+            contact, output=self._output, ifname_peer=peer, local_reducer=self._in_process_reducer
+        )
         self._launchers = {Placement.LOCAL: local, Placement.DIAL_IN: DialInLauncher()}
         # it writes to the process's own stdout/stderr
         if any(w.placement is Placement.SSH for w in plan.workers):
@@ -381,6 +383,11 @@ class Controller:
         )
         self._reducer = reducer
         self._mux.register(Channel.DATA, service.protocol_factory)
+
+    def _in_process_reducer(self) -> Reducer | None:
+        """The reducer that this process's agents' relays hand their frames to in memory (None
+        before the Trainer's coordinator started one: then there is nothing to hand to)."""
+        return self._reducer
 
     async def aclose(self) -> None:
         """Close the port (idempotent)."""
