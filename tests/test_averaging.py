@@ -159,7 +159,7 @@ def outer_reference(
     rounds: list[tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]],
     schema: ModelSchema = SCHEMA,
 ) -> list[dict[str, torch.Tensor]]:
-    """§3.6 by hand on each round's (consensus, divided accumulators): the step runs on the divided
+    """The outer step by hand on each round's (consensus, divided accumulators): the step runs on the divided
     float32 (float64) values, before the cast back; params only, buffers pass through; the
     previous global is what ranks adopt (after the cast)."""
     prev: dict[str, torch.Tensor] | None = None
@@ -738,7 +738,7 @@ BIG_SCHEMA = ModelSchema.from_state_dict(
 async def test_the_fold_and_average_math_runs_off_the_event_loop_thread(
     secret: bytes, monkeypatch: pytest.MonkeyPatch, local: bool
 ) -> None:
-    """D6 / §3.3-3.5: the relay's fold, the reducer's sums, divide, round, cast and outer step run in executor threads.
+    """Tensor math stays off the event loop: the relay's fold, the reducer's sums, divide, round, cast and outer step run in executor threads.
 
     The real functions run (the result equals the reference); the wrappers only note the thread they ran on.
     """
