@@ -1,7 +1,7 @@
 """Averaging benchmark: one CPU averaging round through relay and reducer against a gloo all_reduce.
 
 Run: ``python benchmarks/averaging.py [--sizes 1,16,64] [--rounds 20,10,5] [--warmup 3] [--json
-out.json]``
+out.json]`` (``--smoke``: one round of 1 MiB and of resnet20, no warm-up, for the test suite)
 
 Two rank processes hold both a gloo process group and a
 :class:`~flodl_async.relay.datalink.DataLink`.
@@ -135,12 +135,7 @@ async def _host_main(
                 task_group=tg,
             )
             mux.register(Channel.CONTROL, control.protocol_factory)
-            service = reducer.attach(
-                task_group=tg,
-                resolve=session_resolver(secret),
-                run_id=run_id,
-                serve_local=uplink == "in-process",
-            )
+            service = reducer.attach(task_group=tg, resolve=session_resolver(secret), run_id=run_id)
             mux.register(Channel.DATA, service.protocol_factory)
             await mux.start()
             relay = Relay(
@@ -154,6 +149,8 @@ async def _host_main(
                 task_group=tg,
                 deadlines=Deadlines(),
                 host="bench",
+                # the launcher's own host: its controller hands the relay its reducer
+                local_reducer=(lambda r=reducer: r) if uplink == "in-process" else None,
             )
             await relay.start()
             relay.open_round(0)
@@ -301,7 +298,12 @@ def main() -> None:
         "host); "
         "tcp: it dials the controller port like a worker host's relay (sealed TCP leg)",
     )
+    parser.add_argument(
+        "--smoke", action="store_true", help="one round of 1 MiB and resnet20, no warm-up"
+    )
     args = parser.parse_args()
+    if args.smoke:
+        args.sizes, args.rounds, args.warmup = "1,resnet", "1,1", 0
     sizes = args.sizes.split(",")
     rounds = [int(r) for r in args.rounds.split(",")]
     if len(rounds) != len(sizes):

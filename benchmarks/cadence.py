@@ -1,6 +1,7 @@
 """Cadence benchmark: CADENCE vs SYNC epoch time on 2 CPU ranks, one of them 3x slower.
 
 Run: ``python benchmarks/cadence.py [--rounds 2] [--epochs 6] [--backend cpu|collective]``
+(``--smoke``: one round of 3 epochs of 24 batches, for the test suite)
 
 Each trial is this very file run as a Trainer launcher (``cluster=`` a one-host ``cpu:2`` cluster
 file): it re-executes itself as the two ranks. ``train_step`` sleeps 4 ms on rank 0 and 12 ms on
@@ -29,7 +30,7 @@ from pathlib import Path
 FAST_MS, SLOW_MS, BATCHES, BATCH = 4.0, 12.0, 96, 32
 
 
-def _trainer(policy: str, backend: str, epochs: int, cluster: str) -> object:
+def _trainer(policy: str, backend: str, epochs: int, cluster: str, batches: int) -> object:
     import torch
     from torch import nn
     from torch.utils.data import TensorDataset
@@ -37,7 +38,7 @@ def _trainer(policy: str, backend: str, epochs: int, cluster: str) -> object:
     import flodl_async as fa
 
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(BATCHES * BATCH, 16, generator=g)
+    x = torch.randn(batches * BATCH, 16, generator=g)
     data = TensorDataset(x, x @ torch.randn(16, 1, generator=g))
     rank = int(os.environ.get("RANK", "-1"))
     sleep_s = (SLOW_MS if rank == 1 else FAST_MS) / 1e3
@@ -61,7 +62,7 @@ def _trainer(policy: str, backend: str, epochs: int, cluster: str) -> object:
 
 async def _trial(args: argparse.Namespace) -> None:
     """One run, in the launcher (and, re-executed, in each rank)."""
-    trainer = _trainer(args.trial, args.backend, args.epochs, args.cluster)
+    trainer = _trainer(args.trial, args.backend, args.epochs, args.cluster, args.batches)
     run = trainer.start()  # type: ignore[attr-defined]
     epochs = [
         {
@@ -84,7 +85,9 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _run(policy: str, backend: str, epochs: int, workdir: Path) -> list[dict[str, float]]:
+def _run(
+    policy: str, backend: str, epochs: int, workdir: Path, batches: int
+) -> list[dict[str, float]]:
     cluster = workdir / f"cluster-{policy}.yml"
     cluster.write_text(
         f"controller:\n  host: 127.0.0.1\n  port: {_free_port()}\nworkers:\n  - host: "
@@ -101,6 +104,8 @@ def _run(policy: str, backend: str, epochs: int, workdir: Path) -> list[dict[str
         str(epochs),
         "--cluster",
         str(cluster),
+        "--batches",
+        str(batches),
     ]
     done = subprocess.run(
         cmd,
@@ -125,7 +130,11 @@ def main() -> None:
     parser.add_argument("--backend", default="cpu", choices=["cpu", "collective"])
     parser.add_argument("--trial", help=argparse.SUPPRESS)
     parser.add_argument("--cluster", help=argparse.SUPPRESS)
+    parser.add_argument("--batches", type=int, default=BATCHES, help="batches per epoch")
+    parser.add_argument("--smoke", action="store_true", help="one round of 3 epochs of 24 batches")
     args = parser.parse_args()
+    if args.smoke:
+        args.rounds, args.epochs, args.batches = 1, 3, 24
     if args.trial:
         asyncio.run(_trial(args))
         return
@@ -136,13 +145,13 @@ def main() -> None:
             medians = {}
             # interleaved: both variants see the machine in the same state
             for policy in ("sync", "cadence"):
-                epochs = _run(policy, args.backend, args.epochs, Path(tmp))[2:]
+                epochs = _run(policy, args.backend, args.epochs, Path(tmp), args.batches)[2:]
                 results[policy].extend(epochs)
                 medians[policy] = statistics.median(e["epoch_ms"] for e in epochs)
             ratios.append(medians["sync"] / medians["cadence"])
-    ideal_ms = BATCHES / (1 / FAST_MS + 1 / SLOW_MS)
+    ideal_ms = args.batches / (1 / FAST_MS + 1 / SLOW_MS)
     setup = (
-        f"2 ranks, {args.backend}, {BATCHES} batches/epoch, rank 0 {FAST_MS:g} ms/batch, rank "
+        f"2 ranks, {args.backend}, {args.batches} batches/epoch, rank 0 {FAST_MS:g} ms/batch, rank "
         f"1 {SLOW_MS:g} ms/batch"
     )
     print(f"{setup}; epochs 2..{args.epochs - 1}, {args.rounds} round(s)")
@@ -165,7 +174,7 @@ def main() -> None:
     )
     print(
         f"ideal CADENCE epoch (harmonic bound, compute only): {ideal_ms:.0f} ms; SYNC's slow half: "
-        f"{BATCHES / 2 * SLOW_MS:.0f} ms"
+        f"{args.batches / 2 * SLOW_MS:.0f} ms"
     )
 
 

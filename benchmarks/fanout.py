@@ -12,7 +12,9 @@ share: on a real cluster each host's part runs on its own machine).
 A second launch per cell runs a gloo script instead of ``python -c pass`` and measures command →
 every rank past its first all_reduce (its marker line seen on the launcher's stdout): that adds
 each rank's ``import torch`` and the rendezvous, all on the same cores (no goal, just reported).
-Each cell is the median of ``--repeats`` runs. Run: ``sudo python benchmarks/fanout.py``.
+Each cell is the median of ``--repeats`` runs. Run: ``sudo python benchmarks/fanout.py``
+(``--smoke``: K = 1 and 2, one run each, for the test suite; every namespace, sshd and process it
+made is gone when it returns).
 """
 
 from __future__ import annotations
@@ -144,7 +146,10 @@ def main() -> int:
         "--hosts", default="1,2,4,8", help="comma-separated K values (default %(default)s)"
     )
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--smoke", action="store_true", help="K = 1 and 2, one run each")
     args = parser.parse_args()
+    if args.smoke:
+        args.hosts, args.repeats = "1,2", 1
     why = missing_requirements()
     if why is not None:
         print(f"fanout benchmark: {why}", file=sys.stderr)

@@ -1,6 +1,7 @@
 """Launch benchmark: time from command start until every rank has passed its first all_reduce.
 
-Run: ``python benchmarks/launch.py [--rounds 5] [--nproc 2 4]``
+Run: ``python benchmarks/launch.py [--rounds 5] [--nproc 2 4]`` (``--smoke``: one round of
+``--nproc 2``, for the test suite)
 
 Three launchers run the same rank script (gloo init + one 1-element all_reduce),
 alternated round by round so they share the machine's state:
@@ -132,7 +133,10 @@ def main() -> None:
     )
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--nproc", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--smoke", action="store_true", help="one round of --nproc 2")
     args = parser.parse_args()
+    if args.smoke:
+        args.rounds, args.nproc = 1, [2]
     with tempfile.TemporaryDirectory() as tmp:
         script = Path(tmp) / "rank.py"
         script.write_text(RANK_SCRIPT)

@@ -1,7 +1,8 @@
 """Store benchmark: torch's own TCPStore clients against our store on the controller port and
 against torch's server.
 
-Run: ``python benchmarks/store.py [--clients 8] [--ops 2000] [--rounds 3]``
+Run: ``python benchmarks/store.py [--clients 8] [--ops 2000] [--rounds 3]`` (``--smoke``: 2
+clients x 50 requests, one round, for the test suite)
 
 Measured in one run, side by side, rounds interleaved (median of rounds). Each round starts
 ``--clients`` client processes, each a real ``torch.distributed.TCPStore(is_master=False)``,
@@ -153,7 +154,12 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=8, help="client processes per trial")
     parser.add_argument("--ops", type=int, default=2000, help="requests per client per operation")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--smoke", action="store_true", help="2 clients x 50 requests per op, one round"
+    )
     args = parser.parse_args()
+    if args.smoke:
+        args.clients, args.ops, args.rounds = 2, 50, 1
     results: dict[str, list[dict[str, float]]] = {"ours": [], "torch": []}
     for _ in range(args.rounds):
         for server in ("ours", "torch"):  # interleaved: load from other work hits both alike

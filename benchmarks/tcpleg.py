@@ -1,11 +1,13 @@
 """TCP-leg benchmark: a sealed tensor frame to another process and back, as a worker host's relay
 and the controller exchange them.
 
-Run: ``python benchmarks/tcpleg.py [--sizes 16,64] [--rounds 20] [--warmup 3]``
+Run: ``python benchmarks/tcpleg.py [--sizes 16,64] [--rounds 20] [--warmup 3]`` (``--smoke``: one
+1 MiB round, for the test suite)
 
 A server process runs a real :class:`~flodl_async.net.mux.PortMux` with a data-channel
 :class:`~flodl_async.net.service.FramedService` that sends every tensor frame it receives
-straight back (``send_tensors``, as the reducer sends a consensus). The client dials it with
+straight back (a host's ``HostContribution`` up, its payload back as a ``Consensus``, as the
+reducer sends one). The client dials it with
 :func:`~flodl_async.net.framed.open_framed`, sends one float payload of each size and waits
 for the echo: one round is seal → write → read → open, twice, on two processes (AES-256-GCM
 payloads, HMAC'd frames, pooled buffers on both ends). Unlike ``averaging.py --uplink tcp``,
@@ -40,22 +42,26 @@ def _server(conn: multiprocessing.connection.Connection, max_payload: int) -> No
 
 async def _server_main(conn: multiprocessing.connection.Connection, max_payload: int) -> None:
     from flodl_async.errors import ConnectionClosed
+    from flodl_async.net.bufpool import BufferPool
     from flodl_async.net.framed import FramedProtocol
     from flodl_async.net.mux import PortMux
     from flodl_async.net.service import FramedService
     from flodl_async.wire import Channel
     from flodl_async.wire import messages as m
-    from flodl_async.wire.frame import FrameLimits, PayloadPool
+    from flodl_async.wire.frame import FrameLimits
     from flodl_async.wire.handshake import session_resolver
 
-    pool = PayloadPool()
+    pool = BufferPool()
 
     async def echo(link: FramedProtocol) -> None:
         try:
             while True:
                 frame = await link.recv()
+                msg = frame.message
+                assert isinstance(msg, m.HostContribution), msg
                 parts = [frame.payload] if frame.payload is not None else []
-                await link.send_tensors(m.TensorBundle(round=0, weight=1.0, tensors=()), parts)
+                back = m.Consensus(round=msg.round, kind=msg.kind, mass=1.0, tensors=msg.tensors)
+                await link.send_tensors(back, parts)
                 if frame.payload is not None:
                     pool.release(frame.payload)  # its ciphertext is in the sealing buffer now
         except ConnectionClosed:
@@ -83,12 +89,13 @@ async def _server_main(conn: multiprocessing.connection.Connection, max_payload:
 async def _client(
     port: int, sizes: list[int], rounds: int, warmup: int, max_payload: int
 ) -> dict[int, list[float]]:
+    from flodl_async.net.bufpool import BufferPool
     from flodl_async.net.framed import open_framed
     from flodl_async.wire import Channel, Credential
     from flodl_async.wire import messages as m
-    from flodl_async.wire.frame import FrameLimits, PayloadPool
+    from flodl_async.wire.frame import FrameLimits
 
-    pool = PayloadPool()
+    pool = BufferPool()
     limits = FrameLimits(max_payload=max_payload)
     async with asyncio.timeout(10):
         link = await open_framed(
@@ -103,10 +110,23 @@ async def _client(
     try:
         for size in sizes:
             payload = bytearray(os.urandom(size * MiB))
+            spec = m.TensorSpec(
+                name="w", dtype="float32", shape=(len(payload) // 4,), offset=0, nbytes=len(payload)
+            )
             times: list[float] = []
             for k in range(warmup + rounds):
+                up = m.HostContribution(
+                    round=k + 1,
+                    kind="model",
+                    host="bench",
+                    ranks=(0,),
+                    weight=1.0,
+                    prescaled=False,
+                    tensors=(spec,),
+                    steps=(1,),
+                )
                 t0 = time.perf_counter()
-                await link.send_tensors(m.TensorBundle(round=0, weight=1.0, tensors=()), [payload])
+                await link.send_tensors(up, [payload])
                 frame = await link.recv()
                 if k >= warmup:
                     times.append((time.perf_counter() - t0) * 1000.0)
@@ -123,7 +143,10 @@ def main() -> None:
     parser.add_argument("--sizes", default="16,64", help="MiB per payload, comma separated")
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--smoke", action="store_true", help="one 1 MiB round, no warm-up")
     args = parser.parse_args()
+    if args.smoke:
+        args.sizes, args.rounds, args.warmup = "1", 1, 0
     sizes = [int(s) for s in args.sizes.split(",")]
     max_payload = max(sizes) * MiB
 

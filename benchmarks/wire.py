@@ -1,9 +1,15 @@
 """Wire and mux benchmark: handshaken, authenticated, encrypted throughput against its physical
 baselines.
 
-Run: ``python benchmarks/wire.py [--rounds 3] [--total-mib 1024]``
+Run: ``python benchmarks/wire.py [--rounds 3] [--total-mib 1024]`` (``--smoke``: tiny sizes, one
+round, every stage, in seconds: the test suite runs it)
 
 Measured in one run, side by side, rounds interleaved (median of rounds):
+
+The data frames are the Trainer's own, as production sends them: a host's ``HostContribution``
+frames to the controller after its ``HostDataHello`` was welcomed, a rank's ``Contribution``
+frames to its relay after its ``DataHello``; the end of a trial is an empty contribution, answered
+by a ``Consensus`` whose mass is the byte count that arrived.
 
 (a) bulk: 4 MiB tensor frames through the mux, client process -> controller process, on
     one connection after its handshake: payloads AES-256-GCM-sealed, frames HMAC'd. Against
@@ -11,8 +17,9 @@ Measured in one run, side by side, rounds interleaved (median of rounds):
     own AES-GCM speed (one core, in-process) and a blocking socket pair that runs AES-GCM on
     both ends with no framing and no loop (what two processes sharing these cores reach);
 (b) one relay hop: rank process -> relay process (a real Relay: unix socket in, TCP out,
-    each leg with its own handshake and keys) -> controller process, against a bare uvloop
-    byte forwarder between the same kinds of sockets;
+    each leg with its own handshake and keys; the rank's leg, an owner-only socket, carries
+    plain payloads as a rank's DataLink sends them, the TCP leg sealed ones) -> controller
+    process, against a bare uvloop byte forwarder between the same kinds of sockets;
 (c) small control frames per second through the mux (pipelined heartbeats);
 (d) what a connection's handshake costs: dial-to-established against a bare TCP connect;
 (e) encode/decode cost per control frame and per 16 MiB tensor frame, in-process.
@@ -42,13 +49,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from flodl_async.deadlines import Deadlines
+from flodl_async.net.bufpool import BufferPool
 from flodl_async.net.framed import FramedProtocol, open_framed, open_unix_framed
 from flodl_async.net.mux import PortMux
 from flodl_async.net.service import FramedService
 from flodl_async.relay.control import Relay
+from flodl_async.relay.fold import HELLO_LIMITS
 from flodl_async.wire import Channel, Credential, FrameConnection, Side
 from flodl_async.wire import messages as m
-from flodl_async.wire.frame import NEED_DATA, Frame, FrameLimits, PayloadPool
+from flodl_async.wire.frame import NEED_DATA, Frame, FrameLimits
 from flodl_async.wire.handshake import session_resolver
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
@@ -69,43 +78,81 @@ def _loop_factory(kind: str) -> Callable[[], asyncio.AbstractEventLoop]:
     return asyncio.new_event_loop
 
 
-def _bundle(nbytes: int) -> m.TensorBundle:
-    return m.TensorBundle(
-        round=0,
-        weight=1.0,
-        tensors=(m.TensorSpec(name="x", dtype="uint8", shape=(nbytes,), offset=0, nbytes=nbytes),),
+DIGEST = "bench"
+#: Each data frame is a round of its own; rounds only go up (the relay refuses a finished one).
+_ROUNDS = iter(range(1, 1 << 62))
+
+
+def _spec(nbytes: int) -> m.TensorSpec:
+    return m.TensorSpec(name="x", dtype="uint8", shape=(nbytes,), offset=0, nbytes=nbytes)
+
+
+def _host_frame(nbytes: int) -> m.HostContribution:
+    """What a host's relay sends the controller: one rank's raw tensors (``nbytes == 0``: the
+    end-of-trial marker, an empty contribution)."""
+    return m.HostContribution(
+        round=next(_ROUNDS),
+        kind="model",
+        host="bench",
+        ranks=(0,),
+        weight=1.0 if nbytes else 0.0,
+        prescaled=False,
+        tensors=(_spec(nbytes),) if nbytes else (),
+        steps=(1 if nbytes else 0,),
     )
 
 
-def _marker(channel: Channel, count: float) -> m.Heartbeat | m.TensorBundle:
-    """The end-of-trial marker and its answer (carrying ``count``): a kind the channel carries both
-    ways."""
-    if channel is Channel.DATA:
-        return m.TensorBundle(round=-1, weight=count, tensors=())
-    return m.Heartbeat(sent_at=count)
+def _rank_frame(nbytes: int) -> m.Contribution:
+    """What a rank sends its relay (``nbytes == 0``: the end-of-trial marker)."""
+    return m.Contribution(
+        round=next(_ROUNDS),
+        kind="model",
+        rank=0,
+        weight=1.0 if nbytes else 0.0,
+        steps=1 if nbytes else 0,
+        tensors=(_spec(nbytes),) if nbytes else (),
+    )
 
 
-def _marked_count(msg: m.Message) -> float:
-    assert isinstance(msg, m.Heartbeat | m.TensorBundle), msg
-    return msg.weight if isinstance(msg, m.TensorBundle) else msg.sent_at
+async def _welcomed(link: FramedProtocol, hello: m.DataHello | m.HostDataHello) -> FramedProtocol:
+    """Say the data channel's hello and take the welcome, which raises the link's tensor
+    ceiling."""
+    link.send(hello)
+    welcome = await link.recv_message()
+    assert isinstance(welcome, m.DataWelcome), welcome
+    assert link.codec is not None
+    link.codec.limits = FrameLimits(max_payload=welcome.max_payload)
+    return link
 
 
 # ----- the controller side (a child process) -------------------------------------------------
 
 
-POOL = PayloadPool(max_per_size=32)
+POOL = BufferPool(max_per_size=32)
 
 
 async def _count_frames(link: FramedProtocol) -> None:
-    """Consume frames; on a marker, answer with how many payload bytes (or frames) arrived."""
+    """Consume frames; on a marker, answer with how many payload bytes (or frames) arrived.
+
+    A data connection is welcomed first, as the reducer welcomes a host: its tensor ceiling is
+    zero until then.
+    """
+    if link.channel is Channel.DATA:
+        hello = await link.recv_message()
+        assert isinstance(hello, m.HostDataHello), hello
+        assert link.codec is not None
+        link.codec.limits = LIMITS
+        link.send(m.DataWelcome(max_payload=LIMITS.max_payload))
     received = 0
     while True:
         frame = await link.recv()
-        if isinstance(frame.message, m.Heartbeat | m.TensorBundle) and frame.payload is None:
-            if link.channel is Channel.DATA:
-                await link.send_tensors(_marker(link.channel, float(received)), [])
-            else:
-                link.send(_marker(link.channel, float(received)))
+        msg = frame.message
+        if isinstance(msg, m.HostContribution) and not msg.tensors:
+            done = m.Consensus(round=msg.round, kind=msg.kind, mass=float(received))
+            await link.send_tensors(done, [])
+            received = 0
+        elif isinstance(msg, m.Heartbeat):
+            link.send(m.Heartbeat(sent_at=float(received)))
             received = 0
         elif frame.payload is not None:
             received += frame.payload.nbytes
@@ -144,7 +191,7 @@ def _serve(kind: str, port_out: multiprocessing.connection.Connection, raw_expec
                     run_id=RUN_ID,
                     handler=_count_frames,
                     task_group=tg,
-                    limits=LIMITS,
+                    limits=HELLO_LIMITS if channel is Channel.DATA else LIMITS,
                     allocate=POOL.acquire,
                 )
                 mux.register(channel, service.protocol_factory)
@@ -161,16 +208,23 @@ def _serve(kind: str, port_out: multiprocessing.connection.Connection, raw_expec
 # ----- the client side -------------------------------------------------------------------------
 
 
-async def _send_bulk(link: FramedProtocol, total: int) -> float:
+async def _send_bulk(
+    link: FramedProtocol, total: int, frame: Callable[[int], m.Contribution | m.HostContribution]
+) -> float:
+    """Send ``total`` bytes in ``CHUNK`` frames, then the marker; MB/s until its answer came."""
     payload = memoryview(os.urandom(CHUNK))
-    bundle = _bundle(CHUNK)
     start = time.perf_counter()
     for _ in range(total // CHUNK):
-        await link.send_tensors(bundle, [payload])
-    await link.send_tensors(_marker(Channel.DATA, 0.0), [])
-    reply = await link.recv()
+        await link.send_tensors(frame(CHUNK), [payload])
+    marker = frame(0)
+    await link.send_tensors(marker, [])
+    while True:
+        # a relay hands a rank that dials it the consensus that went by before (the last trial's)
+        reply = (await link.recv()).message
+        if isinstance(reply, m.Consensus) and reply.round == marker.round:
+            break
     elapsed = time.perf_counter() - start
-    assert int(_marked_count(reply.message)) == total, reply
+    assert int(reply.mass) == total, reply
     await link.aclose()
     return total / elapsed / 1e6
 
@@ -181,10 +235,11 @@ async def _bulk_framed(port: int, total: int) -> float:
         port,
         channel=Channel.DATA,
         credential=Credential.session(SECRET),
-        limits=LIMITS,
+        limits=HELLO_LIMITS,
         allocate=POOL.acquire,
     )
-    return await _send_bulk(link, total)
+    hello = m.HostDataHello(host="bench", ranks=(0,), model_bytes=CHUNK, digest=DIGEST)
+    return await _send_bulk(await _welcomed(link, hello), total, _host_frame)
 
 
 class _RawSource(asyncio.Protocol):
@@ -241,10 +296,10 @@ async def _small_frames(port: int, count: int) -> float:
             batch.clear()
             await link.drain()
     link._write(b"".join(batch))
-    link.send(_marker(Channel.CONTROL, -1.0))
+    link.send(m.Heartbeat(sent_at=-1.0))
     reply = await link.recv_message()
     elapsed = time.perf_counter() - start
-    assert int(_marked_count(reply)) == count, reply
+    assert isinstance(reply, m.Heartbeat) and int(reply.sent_at) == count, reply
     await link.aclose()
     return count / elapsed
 
@@ -364,16 +419,20 @@ def _bare_forwarder(
 
 
 async def _relay_hop_framed(data_socket: str, total: int) -> float:
+    """A rank's data link as :class:`~flodl_async.relay.datalink.DataLink` dials it: its own
+    credential, plain payloads on the owner-only socket, ``DataHello`` first."""
     credential = Credential.for_rank(SECRET, run_id=RUN_ID, round=0, rank=0)
     link = await open_unix_framed(
         data_socket,
         channel=Channel.DATA,
         credential=credential,
         peer_label="relay",
-        limits=LIMITS,
+        limits=HELLO_LIMITS,
         allocate=POOL.acquire,
+        plain_payloads=True,
     )
-    return await _send_bulk(link, total)
+    hello = m.DataHello(rank=0, model_bytes=CHUNK, digest=DIGEST)
+    return await _send_bulk(await _welcomed(link, hello), total, _rank_frame)
 
 
 async def _relay_hop_bare(path: str, total: int) -> float:
@@ -477,7 +536,7 @@ def _blocking_aead_pair(total: int) -> float:
     return total / elapsed / 1e6
 
 
-def _codec_costs(repeat: int = 20000) -> dict[str, float]:
+def _codec_costs(repeat: int = 20000, tensor_repeat: int = 5) -> dict[str, float]:
     # A control frame where the kind table allows it (an agent's heartbeat on the join channel), and
     # a
     # sealed one (RankExited: its body is encrypted as well as authenticated).
@@ -506,7 +565,7 @@ def _codec_costs(repeat: int = 20000) -> dict[str, float]:
     sender = FrameConnection(
         channel=Channel.DATA, side=Side.PEER, keys=data_keys.peer, limits=LIMITS
     )
-    pool = PayloadPool()
+    pool = BufferPool()
     receiver = FrameConnection(
         channel=Channel.DATA,
         side=Side.CONTROLLER,
@@ -515,12 +574,11 @@ def _codec_costs(repeat: int = 20000) -> dict[str, float]:
         allocate=pool.acquire,
     )
     big = memoryview(os.urandom(16 * MiB))
-    bundle = _bundle(16 * MiB)
-    buffer = bytearray(16 * MiB + 16)
+    buffer = bytearray(sender.wire_payload_length(16 * MiB))
     enc_t, dec_t = [], []
-    for _ in range(5):
+    for _ in range(tensor_repeat):
         start = time.perf_counter()
-        sealing = sender.start_parts(bundle, [big], buffer=buffer)
+        sealing = sender.start_parts(_host_frame(16 * MiB), [big], buffer=buffer)
         sealing.seal()
         parts = sealing.parts()
         enc_t.append(time.perf_counter() - start)
@@ -553,7 +611,14 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--total-mib", type=int, default=1024, help="bytes per bulk trial")
     parser.add_argument("--frames", type=int, default=200_000, help="control frames per trial")
+    parser.add_argument(
+        "--smoke", action="store_true", help="tiny sizes, one round: every stage in seconds"
+    )
     args = parser.parse_args()
+    dials, codec_repeat, tensor_repeat = 200, 20000, 5
+    if args.smoke:
+        args.rounds, args.total_mib, args.frames = 1, 2 * CHUNK // MiB, 2000
+        dials, codec_repeat, tensor_repeat = 5, 200, 1
     total = args.total_mib * MiB
     ctx = multiprocessing.get_context("fork")
     results: dict[str, dict[str, list[float]]] = {}
@@ -576,7 +641,7 @@ def main() -> None:
                 rows["raw MB/s"].append(await _bulk_raw(raw_port, total))
                 rows["framed MB/s"].append(await _bulk_framed(mux_port, total))
                 rows["frames/s"].append(await _small_frames(mux_port, args.frames))
-            connect[kind] = await _connect_costs(mux_port, raw_port)
+            connect[kind] = await _connect_costs(mux_port, raw_port, dials)
 
         with asyncio.Runner(loop_factory=_loop_factory(kind)) as runner:
             runner.run(trial())
@@ -620,19 +685,19 @@ def main() -> None:
         "trial):"
     )
     print(
-        f"    bare uvloop forwarder {bare_hop:.0f} MB/s; flodl relay (two handshaken, sealed legs) "
-        f"{framed_hop:.0f} MB/s",
+        f"    bare uvloop forwarder {bare_hop:.0f} MB/s; flodl relay (two handshaken legs, TCP "
+        f"sealed) {framed_hop:.0f} MB/s",
         end="",
     )
     print(f"; ratio {framed_hop / bare_hop:.2f}")
-    print("\n(d) dial to a usable link, median of 200:")
+    print(f"\n(d) dial to a usable link, median of {dials}:")
     for kind, (bare_ms, hs_ms) in connect.items():
         print(
             f"    {kind:<8} bare TCP connect {bare_ms:.3f} ms; connect + handshake {hs_ms:.3f} ms "
             f"(+{hs_ms - bare_ms:.3f} ms)"
         )
     print("\n(e) codec cost, in-process")
-    for name, value in _codec_costs().items():
+    for name, value in _codec_costs(codec_repeat, tensor_repeat).items():
         print(f"    {name:<24} {value:8.2f}")
     print(
         "\ntargets: (a) framed >= 0.80 x raw; (b) relay >= 0.80 x bare forwarder; (c) control "

@@ -159,7 +159,7 @@ def outer_reference(
     rounds: list[tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]],
     schema: ModelSchema = SCHEMA,
 ) -> list[dict[str, torch.Tensor]]:
-    """§3.6 by hand on each round's (consensus, divided accumulators): the step runs on the divided
+    """The outer step by hand on each round's (consensus, divided accumulators): the step runs on the divided
     float32 (float64) values, before the cast back; params only, buffers pass through; the
     previous global is what ranks adopt (after the cast)."""
     prev: dict[str, torch.Tensor] | None = None
@@ -257,8 +257,8 @@ async def _bench(
     local: bool = False,
     schema: ModelSchema = SCHEMA,
 ) -> AsyncIterator[Bench]:
-    """``local``: the relays find the reducer in this process and hand frames over in memory (the launcher's own
-    host); otherwise they dial its port like a remote host's relay (TCP, sealed payloads)."""
+    """``local``: the relays are handed the reducer in this process and pass frames over in memory (the launcher's
+    own host); otherwise they dial its port like a remote host's relay (TCP, sealed payloads)."""
     scratch = Path(tempfile.mkdtemp(prefix="fl-avg-", dir="/tmp"))
     mux = PortMux(host="127.0.0.1", port=0)
     reducer = Reducer(schema, outer or OuterAvg(), gamma, digest=DIGEST)
@@ -275,7 +275,7 @@ async def _bench(
             mux.register(
                 Channel.DATA,
                 reducer.attach(
-                    task_group=tg, resolve=session_resolver(secret), run_id=RUN, serve_local=local
+                    task_group=tg, resolve=session_resolver(secret), run_id=RUN
                 ).protocol_factory,
             )
             await mux.start()
@@ -292,6 +292,7 @@ async def _bench(
                     task_group=tg,
                     deadlines=Deadlines(),
                     host=host,
+                    local_reducer=(lambda: reducer) if local else None,
                 )
                 await relay.start()
                 relay.open_round(0)
@@ -737,7 +738,7 @@ BIG_SCHEMA = ModelSchema.from_state_dict(
 async def test_the_fold_and_average_math_runs_off_the_event_loop_thread(
     secret: bytes, monkeypatch: pytest.MonkeyPatch, local: bool
 ) -> None:
-    """D6 / §3.3-3.5: the relay's fold, the reducer's sums, divide, round, cast and outer step run in executor threads.
+    """Tensor math stays off the event loop: the relay's fold, the reducer's sums, divide, round, cast and outer step run in executor threads.
 
     The real functions run (the result equals the reference); the wrappers only note the thread they ran on.
     """

@@ -299,7 +299,7 @@ async def test_the_data_socket_takes_the_same_rank_scoped_credentials(bench: Ben
             )
 
 
-# ----- the Trainer's control rules (trainer-spec §2.2, rules 1-4) ---------------------------------
+# ----- the Trainer's control rules (the relay's routing of the coordinator protocol, rules 1-4) -----
 
 
 async def test_a_broadcast_reaches_every_local_rank_once(bench: Bench) -> None:

@@ -2,8 +2,8 @@
 speaking the coordinator protocol at the framing level (tests/scripts/trainer_rank.py, no torch).
 
 Rounds go through the shell's reducer seam (:class:`LoopbackRounds`): it completes each round once opened, as
-TD's reducer does once every expected rank contributed; the data plane itself is TD's to test. Everything else
-is real: the relay's rank checks and broadcasts, the controller's routing, heartbeats, the verdict.
+the real reducer does once every expected rank contributed (one test runs the real reducer and relay fold;
+tests/test_averaging.py tests the data plane itself). Everything else is real: the relay's rank checks and broadcasts, the controller's routing, heartbeats, the verdict.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from flodl_async.agent import RankOutput
 from flodl_async.config.cluster import DeviceSpec, WorkerSpec
 from flodl_async.control.membership import JoinConfig
 from flodl_async.controller import Controller, ExitCode, LaunchPlan, PlacedWorker, Placement
-from flodl_async.controller.reducer import ReducerStatistics
+from flodl_async.controller.roundstate import ReducerStatistics
 from flodl_async.controller.training import TrainerAttachment, attach
 from flodl_async.deadlines import Deadlines
 from flodl_async.training.metrics import EpochMetrics
@@ -238,7 +238,7 @@ def test_a_rank_that_never_starts_its_trainer_times_out_by_name(tmp_path: Path) 
 
 
 def test_rounds_average_through_the_real_reducer_and_relay(tmp_path: Path) -> None:
-    """TD's Reducer and relay fold under the coordinator: init is rank 0's state, model rounds the steps-weighted mean."""
+    """The real Reducer and relay fold under the coordinator: init is rank 0's state, model rounds the steps-weighted mean."""
     attached: list[TrainerAttachment] = []
     epochs_seen.clear()
     result, output, _rounds, controller = run_controller(
@@ -264,7 +264,9 @@ def test_rounds_average_through_the_real_reducer_and_relay(tmp_path: Path) -> No
     training = controller._training
     assert training is not None
     assert [e.batches for e in training.epochs] == [8]
-    # The launcher's side (D1): the final consensus and counters, and the epochs it was handed.
+    # The controller handed its reducer to its own host's agent: that relay's frames went in memory.
+    assert [(u.host, u.in_process) for u in training.uplinks()] == [("localhost", True)]
+    # The launcher's side: the final consensus and counters, and the epochs it was handed.
     [handle] = attached
     final = handle.outcome()
     assert final is not None

@@ -88,6 +88,7 @@ from .output import LinkOutput, OutputSink
 # imported where the world has formed: an agent's start (the fan-out's per-host path) skips them
 if TYPE_CHECKING:
     from ..relay.control import Relay
+    from ..relay.fold import LocalReducerSource
     from .ranks import RankProcesses
 
 log = logging.getLogger("flodl_async.agent")
@@ -143,6 +144,9 @@ class SessionConfig:
     #: hosts reach); the controller's own host, which joins over loopback, passes its choice ("":
     #: none).
     default_ifname: str | None = None
+    #: The controller's reducer when this agent runs in the controller's own process (its local
+    #: launcher passes it): the relay hands the host's frames to it in memory. None: dial the port.
+    local_reducer: LocalReducerSource | None = field(default=None, repr=False, compare=False)
 
     @property
     def controller_addr(self) -> str:
@@ -604,6 +608,7 @@ class _Serving:
                     deadlines=cfg.deadlines,
                     host=cfg.host,
                     on_upstream_lost=self._relay_lost,
+                    local_reducer=cfg.local_reducer,
                 )
                 self._relay = relay
                 try:

@@ -12,12 +12,15 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from ..agent import HostSession, RankOutput, SessionConfig
 from ..config.plan import PlacedWorker
 from ..deadlines import Deadlines
 from ..host.ifnames import controller_host_ifname, ranks_env
+
+if TYPE_CHECKING:
+    from ..relay.fold import LocalReducerSource
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -52,12 +55,18 @@ class LocalLauncher:
         *,
         output: RankOutput,
         ifname_peer: tuple[str, int] | None = None,
+        local_reducer: LocalReducerSource | None = None,
     ) -> None:
         """``ifname_peer``: where this host's ranks must be reachable from
-        (:func:`~flodl_async.host.ifnames.controller_host_peer`)."""
+        (:func:`~flodl_async.host.ifnames.controller_host_peer`).
+
+        ``local_reducer``: the controller's reducer, once it serves (asked when a relay needs it):
+        these agents' relays hand their frames to it in memory instead of dialling the port.
+        """
         self._contact = contact
         self._output = output
         self._ifname_peer = ifname_peer
+        self._local_reducer = local_reducer
         self._sessions: list[HostSession] = []
 
     async def run_agent(self, worker: PlacedWorker) -> None:
@@ -82,6 +91,7 @@ class LocalLauncher:
                 workdir=spec.workdir,
                 deadlines=self._contact.deadlines,
                 default_ifname=ifname or "",
+                local_reducer=self._local_reducer,
             ),
             output=self._output,
         )

@@ -1,5 +1,4 @@
-"""The controller's reducer: the data channel's service, one averaging round at a time (trainer spec
-§3.3).
+"""The controller's reducer: the data channel's service, one averaging round at a time.
 
 Theory of operation. Each host's relay opens one data connection and says
 ``HostDataHello`` (its ranks, the model's size and the run digest); only when
@@ -9,15 +8,16 @@ they match this run's model does the reducer raise that link's tensor ceiling to
 
 The coordinator opens round ``k`` (:meth:`Reducer.open_round`) with the ranks it
 expects. Host frames (``HostContribution``) are folded into a pooled accumulator
-in a fixed order — ascending host by lowest rank (D8); a frame that arrives early
-waits in its receive buffer — by one driver task whose tensor math runs in
-executor threads. A round is complete when every expected rank is covered
-exactly once (a rank listed twice closes that connection) or was declared dead
-since (:meth:`declare_dead` releases a round waiting on it). Then, with
+in a fixed order — ascending host by lowest rank, so that a round's sum does not depend on
+which frame came first; a frame that arrives early waits in its receive buffer — by one
+driver task whose tensor math runs in executor threads. A round is complete when every
+expected rank is covered exactly once (a rank listed twice closes that connection) or was
+declared dead since (:meth:`declare_dead` releases a round waiting on it). Then, with
 ``mass = Σ w``:
 
 * ``mass > 0``: divide, round integer buffers half-to-even, cast floats back; a
-  ``model`` round's parameters take the outer optimizer's step (:mod:`.outer`);
+  ``model`` round's parameters take the outer optimizer's step
+  (:mod:`flodl_async.training.outer`);
   the consensus goes down once per host with alive ranks and is kept as
   :attr:`Reducer.last_consensus`;
 * ``mass == 0``: ``Consensus(mass=0)`` without payload: ranks keep their state.
@@ -36,14 +36,13 @@ import math
 import time
 from collections.abc import Mapping
 from concurrent.futures import Executor
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from ..errors import ConnectionClosed, ProtocolError, WireError
 from ..net.bufpool import SHARED
 from ..net.framed import FramedProtocol
 from ..net.service import FramedService
-from ..relay.fold import LocalUplink
+from ..relay.fold import HELLO_LIMITS, LocalUplink
 from ..training import foldmath
 from ..training.modelschema import ModelSchema
 from ..training.outer import OuterAvg, OuterSpec, OuterStepper
@@ -53,141 +52,25 @@ from ..wire.frame import FrameLimits
 from ..wire.handshake import CredentialResolver
 from ..wire.schema import Message
 from ..wire.tensor import tensor_bytes
+from .roundstate import (
+    DataHost,
+    HeldConsensus,
+    HostUplinkStatistics,
+    LocalDown,
+    PendingFrame,
+    ReducerStatistics,
+    RoundResult,
+    RoundState,
+    UplinkCount,
+)
 
 if TYPE_CHECKING:
     import torch
 
 log = logging.getLogger("flodl_async.controller.reducer")
 
-#: Tensor frames are refused on a data connection until its hello matched.
-HELLO_LIMITS = FrameLimits(max_payload=0)
 #: Rounds a host may run ahead of the newest opened round (its frames wait in their buffers).
 _EARLY_ROUNDS = 2
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class RoundResult:
-    """A completed round: its total mass (0 = nothing realized) and Reduce-opened → last consensus
-    written."""
-
-    round: int
-    kind: str
-    mass: float
-    duration_ms: float
-
-
-#: Reducers serving a run in this process, by run id: a relay in the same process (the launcher's
-#: own
-#: host) hands its frames over in memory instead of dialling (flodl_async.relay.fold.LocalUplink).
-_LOCAL: dict[str, Reducer] = {}
-
-
-def local_reducer(run_id: str) -> Reducer | None:
-    """The reducer of ``run_id`` if it runs in this process."""
-    return _LOCAL.get(run_id)
-
-
-class _LocalDown:
-    """The reducer's side of an in-process host: consensus frames go to the relay's fan-out
-    directly."""
-
-    def __init__(self, uplink: LocalUplink) -> None:
-        self.uplink = uplink
-        self.peer_label = "this process's relay"
-
-    @property
-    def is_closing(self) -> bool:
-        return self.uplink.is_closing
-
-    async def send_tensors(self, msg: m.Consensus, parts: list[memoryview]) -> None:
-        await self.uplink.deliver(msg, parts)
-
-    def abort(self) -> None:
-        self.uplink.abort()
-
-    async def aclose(self) -> None:
-        self.uplink.abort()
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class HostUplinkStatistics:
-    """What one host's relay sent up so far (kept after its connection closed): frames and tensor
-    bytes accepted."""
-
-    host: str
-    ranks: tuple[int, ...]
-    #: True for the relay in the controller's process (memory), False for one that dialled the port
-    #: (sealed TCP).
-    in_process: bool
-    frames: int
-    payload_bytes: int
-
-    def summary(self) -> str:
-        """One line for the run's log: which host's contributions took which path."""
-        path = "in this process" if self.in_process else "over the port"
-        ranks = ",".join(str(r) for r in self.ranks)
-        return (
-            f"host {self.host} (ranks {ranks}) sent {self.frames} contribution(s), "
-            f"{self.payload_bytes} tensor bytes, {path}"
-        )
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class ReducerStatistics:
-    """Hosts connected (over the port, and in this process), rounds completed, and every host's
-    uplink since the start."""
-
-    hosts: int
-    in_process_hosts: int
-    rounds_completed: int
-    uplinks: tuple[HostUplinkStatistics, ...] = ()
-
-
-@dataclass(slots=True)
-class _Host:
-    name: str
-    ranks: frozenset[int]
-    link: FramedProtocol | _LocalDown
-
-
-@dataclass(slots=True)
-class _UplinkCount:
-    ranks: tuple[int, ...]
-    in_process: bool
-    frames: int = 0
-    payload_bytes: int = 0
-
-
-@dataclass(slots=True)
-class _Frame:
-    msg: m.HostContribution
-    payload: memoryview | None
-    host: _Host
-
-
-@dataclass(slots=True)
-class _Round:
-    number: int
-    kind: str
-    expected: frozenset[int]
-    from_controller: bool
-    opened_at: float
-    done: asyncio.Future[RoundResult]
-    pending: list[_Frame] = field(default_factory=list)
-    covered: set[int] = field(default_factory=set)
-    mass: float = 0.0
-    acc: list[torch.Tensor] | None = None
-    acc_buffer: bytearray | memoryview | None = None
-    folded: int = 0
-
-
-@dataclass(slots=True)
-class _Consensus:
-    """The held consensus: tensors in schema order, in model dtypes, and the pooled buffers behind
-    them."""
-
-    tensors: list[torch.Tensor]
-    buffers: list[bytearray | memoryview] = field(default_factory=list)
 
 
 class Reducer:
@@ -220,21 +103,20 @@ class Reducer:
             FrameLimits.tensor_ceiling_for_model(schema.model_bytes), self._acc_len
         )
         self._n_params = len(schema.params)
-        self._hosts: list[_Host] = []
-        self._rounds: dict[int, _Round] = {}
+        self._hosts: list[DataHost] = []
+        self._rounds: dict[int, RoundState] = {}
         self._results: dict[int, asyncio.Future[RoundResult]] = {}
-        self._early: dict[int, list[_Frame]] = {}
+        self._early: dict[int, list[PendingFrame]] = {}
         self._completed: set[int] = set()
         self._newest = -1
         self._dead: set[int] = set()
-        self._held: _Consensus | None = None
+        self._held: HeldConsensus | None = None
         self._wake = asyncio.Event()
         self._closing = False
-        self._run_id: str | None = None
         self._rounds_done = 0
         #: Each host's accepted frames by name; cumulative, so a host whose link closed still shows
         #: what it sent.
-        self._uplinks: dict[str, _UplinkCount] = {}
+        self._uplinks: dict[str, UplinkCount] = {}
 
     # ----- wiring into the controller -------------------------------------------------------------
 
@@ -244,18 +126,15 @@ class Reducer:
         task_group: asyncio.TaskGroup,
         resolve: CredentialResolver,
         run_id: str,
-        serve_local: bool = True,
     ) -> FramedService:
         """Start the round driver in ``task_group`` and return the data channel's service for the
         mux.
 
-        ``serve_local``: a relay of ``run_id`` in this process hands its frames over in memory
-        (False: it dials the port like any other; tests and benchmarks compare the two).
+        A relay in this process reaches the reducer without the port when whoever made both hands
+        the reducer to it (:data:`~flodl_async.relay.fold.LocalReducerSource`: the controller, to
+        its in-process agent); every other relay dials the data channel.
         """
         task_group.create_task(self.run(), name="reducer")
-        if serve_local:
-            self._run_id = run_id
-            _LOCAL[run_id] = self
         return FramedService(
             channel=Channel.DATA,
             resolve=resolve,
@@ -276,7 +155,7 @@ class Reducer:
         if round in self._rounds or round in self._completed:
             raise ValueError(f"round {round} was already opened")
         loop = asyncio.get_running_loop()
-        state = _Round(
+        state = RoundState(
             number=round,
             kind=kind,
             expected=frozenset(expected_ranks),
@@ -342,7 +221,7 @@ class Reducer:
 
     def set_initial(self, state: Mapping[str, torch.Tensor]) -> None:
         """Resume: ``state`` (a state_dict of this schema) is the consensus, and the outer
-        optimizer's previous global (D9)."""
+        optimizer's previous global (the point its next step moves from)."""
         tensors = []
         for meta in self._metas:
             if meta.name not in state:
@@ -354,7 +233,7 @@ class Reducer:
                     f"is {meta.dtype} {meta.shape}"
                 )
             tensors.append(t.contiguous().clone())
-        self._held = _Consensus(tensors=tensors)
+        self._held = HeldConsensus(tensors=tensors)
         self._stepper.set_prev_global(
             dict(zip(self.schema.param_names, tensors[: self._n_params], strict=True))
         )
@@ -380,7 +259,7 @@ class Reducer:
         assert isinstance(hello, m.HostDataHello)
         assert link.codec is not None
         link.codec.limits = FrameLimits(max_payload=self.max_payload)
-        host = _Host(name=hello.host or link.peer_label, ranks=frozenset(hello.ranks), link=link)
+        host = DataHost(name=hello.host or link.peer_label, ranks=frozenset(hello.ranks), link=link)
         self._hosts.append(host)
         link.send(m.DataWelcome(max_payload=self.max_payload))
         self._wake.set()  # a from_controller round may have waited for this host
@@ -396,7 +275,7 @@ class Reducer:
                         type(msg).__name__,
                     )
                     return
-                item = _Frame(msg=msg, payload=frame.payload, host=host)
+                item = PendingFrame(msg=msg, payload=frame.payload, host=host)
                 try:
                     self._offer(item)
                 except ProtocolError as exc:
@@ -407,7 +286,7 @@ class Reducer:
 
     def statistics(self) -> ReducerStatistics:
         """A snapshot for the status board and tests."""
-        local = sum(isinstance(h.link, _LocalDown) for h in self._hosts)
+        local = sum(isinstance(h.link, LocalDown) for h in self._hosts)
         uplinks = tuple(
             HostUplinkStatistics(
                 host=name,
@@ -432,13 +311,16 @@ class Reducer:
 
     def connect_local(self, hello: m.HostDataHello, uplink: LocalUplink) -> str | None:
         """A relay in this process introduces its host; returns why it is refused, or None."""
-        refusal = self._check_hello(hello)
+        # closed: as a relay dialling the closed port would be, this one is turned away
+        refusal = "the reducer has closed" if self._closing else self._check_hello(hello)
         if refusal is not None:
             log.error("data channel: refusing this process's relay: %s", refusal)
             return refusal
         uplink.bind(self)
         self._hosts.append(
-            _Host(name=hello.host or "local", ranks=frozenset(hello.ranks), link=_LocalDown(uplink))
+            DataHost(
+                name=hello.host or "local", ranks=frozenset(hello.ranks), link=LocalDown(uplink)
+            )
         )
         self._wake.set()
         return None
@@ -448,13 +330,13 @@ class Reducer:
     ) -> None:
         """A host frame from this process's relay; its buffer is the reducer's from now on."""
         host = next(
-            (h for h in self._hosts if isinstance(h.link, _LocalDown) and h.link.uplink is uplink),
+            (h for h in self._hosts if isinstance(h.link, LocalDown) and h.link.uplink is uplink),
             None,
         )
         if host is None:
             self.pool.release(payload)
             raise ConnectionClosed("data channel of this process's relay", by_peer=False)
-        item = _Frame(msg=msg, payload=payload, host=host)
+        item = PendingFrame(msg=msg, payload=payload, host=host)
         try:
             self._offer(item)
         except ProtocolError as exc:
@@ -464,7 +346,7 @@ class Reducer:
         self._hosts = [
             h
             for h in self._hosts
-            if not (isinstance(h.link, _LocalDown) and h.link.uplink is uplink)
+            if not (isinstance(h.link, LocalDown) and h.link.uplink is uplink)
         ]
 
     def _check_hello(self, hello: Message) -> str | None:
@@ -486,13 +368,13 @@ class Reducer:
             return f"ranks {twice} already have a data connection from another host"
         return None
 
-    def _close_host(self, frame: _Frame, why: str) -> None:
+    def _close_host(self, frame: PendingFrame, why: str) -> None:
         log.error("data channel: closing host %s's data connection: %s", frame.host.name, why)
         self.pool.release(frame.payload)
         frame.payload = None
         frame.host.link.abort()
 
-    def _offer(self, frame: _Frame) -> None:
+    def _offer(self, frame: PendingFrame) -> None:
         msg = frame.msg
         if not set(msg.ranks) <= frame.host.ranks:
             raise ProtocolError(
@@ -519,7 +401,7 @@ class Reducer:
             raise ProtocolError(f"two frames for round {msg.round} before it opened")
         early.append(frame)
 
-    def _accept(self, state: _Round, frame: _Frame) -> None:
+    def _accept(self, state: RoundState, frame: PendingFrame) -> None:
         msg = frame.msg
         what = f"host {frame.host.name}'s frame for round {msg.round}"
         if state.from_controller:
@@ -574,9 +456,9 @@ class Reducer:
         state.covered.update(ranks)
         count = self._uplinks.setdefault(
             frame.host.name,
-            _UplinkCount(
+            UplinkCount(
                 ranks=tuple(sorted(frame.host.ranks)),
-                in_process=isinstance(frame.host.link, _LocalDown),
+                in_process=isinstance(frame.host.link, LocalDown),
             ),
         )
         count.frames += 1
@@ -605,7 +487,7 @@ class Reducer:
                 if not state.done.done():
                     state.done.cancel()
 
-    async def _drive(self, state: _Round) -> None:
+    async def _drive(self, state: RoundState) -> None:
         if state.done.done():
             return
         if state.from_controller:
@@ -630,7 +512,7 @@ class Reducer:
             return
         await self._finish(state)
 
-    async def _fold(self, state: _Round, frame: _Frame) -> None:
+    async def _fold(self, state: RoundState, frame: PendingFrame) -> None:
         msg = frame.msg
         state.mass += msg.weight
         if not msg.tensors:
@@ -674,7 +556,7 @@ class Reducer:
             await loop.run_in_executor(self._executor, add)
         state.folded += 1
 
-    async def _finish(self, state: _Round) -> None:
+    async def _finish(self, state: RoundState) -> None:
         mass = state.mass
         if mass > 0 and state.acc is not None:
             held = await asyncio.get_running_loop().run_in_executor(
@@ -698,7 +580,7 @@ class Reducer:
             await self._broadcast(state, 0.0, None)
         self._complete(state, mass)
 
-    def _consensus_of(self, state: _Round, mass: float) -> _Consensus:
+    def _consensus_of(self, state: RoundState, mass: float) -> HeldConsensus:
         """Executor thread: divide, round, cast back, outer step; the consensus in model dtypes."""
         import torch
 
@@ -718,7 +600,7 @@ class Reducer:
         stepping = state.kind == "model" and not isinstance(self.outer, OuterAvg)
         if not stepping:
             tensors = foldmath.finish(acc, [meta.dtype for meta in self._metas], mass, outs)
-            return _Consensus(tensors=tensors, buffers=buffers)
+            return HeldConsensus(tensors=tensors, buffers=buffers)
         n = self._n_params
         for a in acc[:n]:
             a.div_(mass)
@@ -729,9 +611,9 @@ class Reducer:
         tensors += foldmath.finish(
             acc[n:], [meta.dtype for meta in self._metas[n:]], mass, outs[n:]
         )
-        return _Consensus(tensors=tensors, buffers=buffers)
+        return HeldConsensus(tensors=tensors, buffers=buffers)
 
-    async def _send_held(self, state: _Round) -> None:
+    async def _send_held(self, state: RoundState) -> None:
         alive = state.expected - self._dead
         connected = {r for h in self._hosts if not h.link.is_closing for r in h.ranks}
         if not alive <= connected:
@@ -746,7 +628,7 @@ class Reducer:
         await self._broadcast(state, 1.0 if held is not None else 0.0, held)
         self._complete(state, 1.0 if held is not None else 0.0)
 
-    async def _broadcast(self, state: _Round, mass: float, held: _Consensus | None) -> None:
+    async def _broadcast(self, state: RoundState, mass: float, held: HeldConsensus | None) -> None:
         alive = state.expected - self._dead
         hosts = [h for h in self._hosts if not h.link.is_closing and h.ranks & alive]
         if held is None:
@@ -769,7 +651,7 @@ class Reducer:
             elif isinstance(result, BaseException):
                 raise result
 
-    def _complete(self, state: _Round, mass: float) -> None:
+    def _complete(self, state: RoundState, mass: float) -> None:
         self._rounds.pop(state.number, None)
         self._completed.add(state.number)
         self._rounds_done += 1
@@ -779,7 +661,7 @@ class Reducer:
                 RoundResult(round=state.number, kind=state.kind, mass=mass, duration_ms=duration_ms)
             )
 
-    def _drop_round(self, state: _Round) -> None:
+    def _drop_round(self, state: RoundState) -> None:
         state.acc = None
         self.pool.release(state.acc_buffer)
         state.acc_buffer = None
@@ -788,7 +670,7 @@ class Reducer:
             frame.payload = None
         state.pending.clear()
 
-    def _release_consensus(self, held: _Consensus) -> None:
+    def _release_consensus(self, held: HeldConsensus) -> None:
         held.tensors = []
         for buffer in held.buffers:
             self.pool.release(buffer)
@@ -798,8 +680,6 @@ class Reducer:
         connection."""
         self._closing = True
         self._wake.set()
-        if self._run_id is not None and _LOCAL.get(self._run_id) is self:
-            del _LOCAL[self._run_id]
         for host in list(self._hosts):
             with contextlib.suppress(ConnectionClosed, OSError):
                 await host.link.aclose()

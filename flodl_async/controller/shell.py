@@ -1,21 +1,21 @@
 """The controller's shell: one event loop that binds the port, pumps events into the supervisor, and
 tears down.
 
-Theory of operation. ``bind()`` opens the one port and serves status
-(``waiting``) before anything else. ``run()`` builds the pure
-:class:`~flodl_async.control.supervisor.Supervisor`, registers the channel handlers,
-asks each worker's agent launcher to bring its agent up, and then only pumps:
-every handler turns what arrives on the port into a supervisor event, handed
-over by :meth:`Controller._dispatch`, which carries out the returned actions at
-once and in order (answer a join, tell a host, log a line, end the run). The
-pump itself waits for the supervisor's next deadline and feeds it a ``Tick``.
-All decisions are the supervisor's; this module only does I/O.
+Theory of operation. ``bind()`` opens the one port and serves status (``waiting``) before anything
+else. ``run()`` builds the pure :class:`~flodl_async.control.supervisor.Supervisor`, registers the
+channel handlers, asks each worker's agent launcher to bring its agent up, and then only pumps:
+every handler turns what arrives on the port into a supervisor event, handed over by
+:meth:`Controller._dispatch`, which carries out the returned actions at once and in order (answer a
+join, tell a host, log a line, end the run). The pump itself waits for the supervisor's next
+deadline and feeds it a ``Tick``. All decisions are the supervisor's; this module only does I/O.
+What it publishes and logs about the run is built in :mod:`.report`, the join link's events in
+:mod:`.joinlink`, and each placement's agent launcher in :mod:`.agents`.
 
-Teardown runs on every exit path — a verdict, an internal error, or the task
-being cancelled (an embedding application, Ctrl-C through ``asyncio.run``): the
-terminal phase is published, every host is told ``Finish`` or ``Abort``, the
-links are given the stop grace to close, stuck agents are cancelled (their own
-``finally`` kills their ranks), and the port closes. Nothing here imports torch.
+Teardown runs on every exit path — a verdict, an internal error, or the task being cancelled (an
+embedding application, Ctrl-C through ``asyncio.run``): the terminal phase is published, every host
+is told ``Finish`` or ``Abort``, the links are given the stop grace to close, stuck agents are
+cancelled (their own ``finally`` kills their ranks), and the port closes. Nothing here imports
+torch.
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import dataclasses
 import logging
 import os
 import signal
@@ -37,7 +36,6 @@ from ..agent import RankOutput
 from ..config.plan import LaunchPlan, PlacedWorker, Placement
 from ..control.links import ControlLinks
 from ..control.liveness import Liveness
-from ..control.membership import describe_threshold
 from ..control.supervision import (
     AcceptJoin,
     Action,
@@ -49,9 +47,6 @@ from ..control.supervision import (
     JoinRequested,
     JoinUndelivered,
     RankConnected,
-    RankExited,
-    RanksReported,
-    RanksStopped,
     RejectJoin,
     ResetStore,
     StoreReady,
@@ -63,7 +58,6 @@ from ..control.vocab import LOGGING_LEVELS, Announce, Tell, Tick
 from ..errors import ConnectionClosed, FlodlError, WireError
 from ..host.cores import oversubscription
 from ..host.hostaddrs import routable
-from ..host.ifnames import controller_host_peer, direct_ssh_targets
 from ..net.fdlimit import raise_descriptor_limit
 from ..net.framed import FramedProtocol
 from ..net.http import StatusHttpProtocol
@@ -71,17 +65,18 @@ from ..net.mux import PortMux
 from ..net.portstore import PortStore
 from ..net.service import FramedService
 from ..net.torchstore import BACKEND_VARIABLE
-from ..status import Counters, MemberStatus, Phase, RankStatus, StatusBoard, StatusSnapshot
+from ..status import Counters, StatusBoard
 from ..training.metrics import EpochMetrics
 from ..training.spec import TrainerSpec
 from ..verdict import ExitCode, RunResult, exit_code_for_signal
 from ..wire import messages as m
 from ..wire.channels import Channel
 from ..wire.handshake import PROTOCOL_VERSION, join_resolver, session_resolver
-from ..wire.keys import CredentialKind
 from ..wire.schema import Message
-from .fanout import ssh_launcher
-from .launchers import AgentLauncher, ControllerContact, DialInLauncher, LocalLauncher
+from .agents import agent_launchers
+from .joinlink import HOST_EVENTS, with_secret_for_token_agent
+from .launchers import AgentLauncher, ControllerContact
+from .report import announce_window, connection_counters, signal_name, status_snapshot
 from .training import (
     RoundRunner,
     RoundRunnerFactory,
@@ -94,40 +89,6 @@ if TYPE_CHECKING:
     from .reducer import Reducer
 
 log = logging.getLogger("flodl_async.cli.launch")
-
-
-def _rank_exited(_host: str, msg: Message) -> Event:
-    assert isinstance(msg, m.RankExited)
-    return RankExited(report=msg)
-
-
-def _ranks_stopped(host: str, msg: Message) -> Event:
-    assert isinstance(msg, m.RanksStopped)
-    return RanksStopped(host=host, round=msg.round)
-
-
-def _ranks_reported(host: str, msg: Message) -> Event:
-    assert isinstance(msg, m.RankStats)
-    return RanksReported(host=host, report=msg)
-
-
-#: What an agent's messages up its join link mean to the supervisor (the wire's table says what is
-#: legal).
-_HOST_EVENTS: dict[type[Message], Callable[[str, Message], Event]] = {
-    m.RankExited: _rank_exited,
-    m.RanksStopped: _ranks_stopped,
-    m.RankStats: _ranks_reported,
-}
-
-
-def _with_secret_for_token_agent(
-    reply: m.JoinAccept, link: FramedProtocol, secret: bytes
-) -> m.JoinAccept:
-    """An agent that joined with the cluster token (or none, under open admission) learns the
-    session secret from its sealed JoinAccept."""
-    if link.peer is not None and link.peer.kind in (CredentialKind.TOKEN, CredentialKind.OPEN):
-        return dataclasses.replace(reply, session_secret=secret)
-    return reply
 
 
 class Controller:
@@ -148,8 +109,7 @@ class Controller:
         self._links: dict[str, FramedProtocol] = {}
         # per admitted host's join link, until it closes or goes silent
         self._liveness: dict[str, Liveness] = {}
-        # Each host's control links (its relay's upstream), and the liveness of the relays' beats
-        # (see _handle_control).
+        # each host's relay upstream links and their beats' liveness (see _handle_control)
         self._control_links: ControlLinks[FramedProtocol] = ControlLinks(
             interval=self._deadlines.heartbeat_interval, silence=self._deadlines.heartbeat_silence
         )
@@ -170,8 +130,7 @@ class Controller:
         self._forced = False
         # a verdict the supervisor did not give (internal error, cancelled)
         self._final: RunResult | None = None
-        # The store rides the port unless torch's own store was asked for (then a store host serves
-        # it).
+        # the store rides the port unless torch's own was asked for (a store host serves that)
         self._store = None if os.environ.get(BACKEND_VARIABLE, "python") == "torch" else PortStore()
         # the Trainer's coordinator shell, idle until a TrainerHello
         self._training: TrainingShell | None = None
@@ -222,10 +181,10 @@ class Controller:
         if (
             self._training_signal is None
             and self._training is not None
-            and self._training.stop(_signal_name(signum))
+            and self._training.stop(signal_name(signum))
         ):
             self._training_signal = signum
-            name = _signal_name(signum)
+            name = signal_name(signum)
             log.warning(
                 "stopping training in order on %s: a final round, then shutdown (%s again to stop "
                 "the ranks)",
@@ -278,17 +237,9 @@ class Controller:
         contact = ControllerContact(
             host="127.0.0.1", port=self.port, secret=plan.secret, deadlines=self._deadlines
         )
-        # The controller's host's ranks bind the NIC the other hosts reach
-        # (flodl_async.host.ifnames).
-        peer = controller_host_peer(plan.bind_host, self.port, direct_ssh_targets(plan.workers))
-        local = LocalLauncher(contact, output=self._output, ifname_peer=peer)
-        self._launchers = {Placement.LOCAL: local, Placement.DIAL_IN: DialInLauncher()}
-        # it writes to the process's own stdout/stderr
-        if any(w.placement is Placement.SSH for w in plan.workers):
-            out, err = self._output.consoles
-            self._launchers[Placement.SSH] = ssh_launcher(
-                contact, bind_host=plan.bind_host, run_id=plan.run_id, stdout=out, stderr=err
-            )
+        self._launchers = agent_launchers(
+            plan, contact, output=self._output, local_reducer=self._in_process_reducer
+        )
         result: RunResult | None = None
         try:
             async with asyncio.TaskGroup() as tg:
@@ -300,8 +251,7 @@ class Controller:
                     (Channel.CONTROL, self._handle_control),
                 ):
                     if channel is Channel.RENDEZVOUS and self._store is not None:
-                        # the StoreAddress exchange is the torch backend's only: our store needs
-                        # none
+                        # the StoreAddress exchange is the torch backend's only
                         continue
                     resolve = (
                         join_resolver(
@@ -320,7 +270,7 @@ class Controller:
                     self._mux.register(channel, service.protocol_factory)
                 if self._store is not None:
                     self._mux.register(Channel.STORE, self._store.protocol_factory)
-                self._announce_window()
+                announce_window(plan, self.port)
                 agent_tasks = [
                     tg.create_task(self._run_agent(worker), name=f"agent-{worker.host}")
                     for worker in plan.workers
@@ -342,14 +292,11 @@ class Controller:
                         )
                     try:
                         await self._training.aclose()
-                    # a training shell that fails (or is cancelled) to close must not leave the
-                    # agents running
+                    # a training shell that fails to close must not leave the agents running
                     finally:
                         await self._teardown(agent_tasks)
-                        # What is still connected after the teardown's grace is stuck (a frozen
-                        # host's relay link
-                        # says nothing and never closes): closing the port ends those handlers, so
-                        # the group can close.
+                        # What is still connected after the grace is stuck (a frozen host's relay
+                        # link never closes): closing the port ends those handlers and the group.
                         await self._mux.aclose()
                         if self._reducer is not None:
                             await self._reducer.aclose()  # its round driver is a task of this group
@@ -376,6 +323,11 @@ class Controller:
         )
         self._reducer = reducer
         self._mux.register(Channel.DATA, service.protocol_factory)
+
+    def _in_process_reducer(self) -> Reducer | None:
+        """The reducer that this process's agents' relays hand their frames to in memory (None
+        before the Trainer's coordinator started one: then there is nothing to hand to)."""
+        return self._reducer
 
     async def aclose(self) -> None:
         """Close the port (idempotent)."""
@@ -434,8 +386,7 @@ class Controller:
                 del self._liveness[host]
                 link = self._links.pop(host, None)
                 if link is not None:
-                    # its reader then ends without a second HostLost (the link is no longer the
-                    # host's)
+                    # its reader ends without a second HostLost (the link is no longer the host's)
                     link.abort()
                 silence = self._deadlines.heartbeat_silence
                 reason = f"no heartbeat for {silence:g}s (the host is frozen, down or cut off)"
@@ -482,7 +433,7 @@ class Controller:
             assert reply_link is not None
             try:
                 reply_link.send(
-                    _with_secret_for_token_agent(action.reply, reply_link, self.plan.secret)
+                    with_secret_for_token_agent(action.reply, reply_link, self.plan.secret)
                 )
             except ConnectionClosed:
                 return JoinUndelivered(host=action.host)
@@ -581,8 +532,7 @@ class Controller:
         if self._links.get(hello.host) is not link:
             await link.drain()  # refused: the reject is flushed, then the service closes the link
             return
-        # An agent of this process is flodl-launch's own host, checked before anything started
-        # (launch.warn_oversubscribed).
+        # this process's own agent: flodl-launch checked it first (launch.warn_oversubscribed)
         crowded = (
             None
             if hello.pid == os.getpid()
@@ -604,7 +554,7 @@ class Controller:
                 if isinstance(msg, m.RankOutput):  # output is I/O, not a supervisor event
                     self._output.receive(hello.host, msg)
                     continue
-                to_event = _HOST_EVENTS.get(type(msg))
+                to_event = HOST_EVENTS.get(type(msg))
                 if to_event is not None:
                     self._dispatch(to_event(hello.host, msg))
         except (ConnectionClosed, WireError) as exc:
@@ -626,13 +576,11 @@ class Controller:
         backend).
 
         Liveness: a relay beats up its link (``Heartbeat(relay=True)``, naming one of its host's
-        ranks)
-        and the controller echoes; a relay link silent past ``heartbeat_silence`` loses its host, by
-        name, as a silent join link does (:meth:`_keep_alive`). A link is bound to the host of the
-        rank
-        its first beat or RankHello names, and when that host is lost for any reason (join link
-        silent or
-        closed, its agent failed) the controller aborts the link at once, not at teardown.
+        ranks) and the controller echoes; a relay link silent past ``heartbeat_silence`` loses its
+        host, by name, as a silent join link does (:meth:`_keep_alive`). A link is bound to the
+        host of the rank its first beat or RankHello names, and when that host is lost for any
+        reason (join link silent or closed, its agent failed) the controller aborts the link at
+        once, not at teardown.
         """
         host: str | None = None
         training = self._training
@@ -726,86 +674,17 @@ class Controller:
 
     # ----- status --------------------------------------------------------------------------------
 
-    def _announce_window(self) -> None:
-        plan, j = self.plan, self.plan.join
-        if j.open_admission:
-            log.warning(
-                "WARNING: OPEN ADMISSION — any host that reaches port %d joins this run without a "
-                "secret or token, and is sent "
-                "the session secret over a link anyone on the network can decrypt; use it on a "
-                "trusted network only "
-                "(set join.open_admission: false and give agents a cluster token: flodl token new)",
-                self.port,
-            )
-        log.log(
-            logging.DEBUG if plan.one_host else logging.INFO,
-            "window open (quorum %s ranks, target %s, window %gs, cap %gs, admission: %s) — status "
-            "at http://%s:%d/",
-            describe_threshold(j.min_rank_start, j.quorum_reported),
-            describe_threshold(j.target_ranks, j.target_reported)
-            if j.target_ranks is not None
-            else "none",
-            j.join_timeout,
-            j.max_join_timeout,
-            "open"
-            if j.open_admission
-            else "cluster token or pre-shared secret"
-            if plan.token is not None
-            else "pre-shared secret",
-            "127.0.0.1" if plan.bind_host in ("0.0.0.0", "127.0.0.1") else plan.bind_host,
-            self.port,
-        )
-
     def _connection_counters(self) -> Counters:
-        stats = self._mux.statistics()
-        return {
-            "routed": stats.routed,
-            # by reason: evicted, handshake_timeout, auth_failed, unknown_magic...
-            "dropped": stats.dropped,
-            "accept_errors": stats.accept_errors,
-            "open": {
-                "total": stats.open_now,
-                "unsniffed": stats.unsniffed_now,
-                "handshaking": stats.handshaking_now,
-                "status": stats.status_now,
-            },
-        }
+        return connection_counters(self._mux.statistics())
 
     def _publish(self) -> None:
-        phase, world_size, joined, restarts = Phase.WAITING, 0, 0, 0
-        members: tuple[MemberStatus, ...] = ()
-        ranks: tuple[RankStatus, ...] = ()
-        result = self._final
-        if self._supervisor is not None:
-            view = self._supervisor.view()
-            result = self._final or view.result
-            phase = Phase.FAILED if self._final is not None else Phase(view.phase)
-            world_size, joined, restarts = view.world_size, view.joined_ranks, view.restart_count
-            members = tuple(
-                MemberStatus(
-                    host=mb.host,
-                    ranks=mb.ranks,
-                    devices=mb.devices,
-                    joined_at=self._started_at + (mb.joined_at - self._opened_at),
-                )
-                for mb in view.members
-            )
-            ranks = view.ranks
         self._board.publish(
-            StatusSnapshot(
-                run_id=self.plan.run_id,
-                phase=phase,
+            status_snapshot(
+                self.plan,
+                self._supervisor.view() if self._supervisor is not None else None,
+                final=self._final,
                 started_at=self._started_at,
-                updated_at=time.time(),
-                world_size=world_size,
-                joined_ranks=joined,
-                min_rank_start=self.plan.join.min_rank_start,
-                target_ranks=self.plan.join.target_ranks or 0,
-                restart_count=restarts,
-                members=members,
-                ranks=ranks,
-                verdict=result.reason if result is not None else "",
-                exit_code=int(result.exit_code) if result is not None else None,
+                opened_at=self._opened_at,
                 training=self._training.status() if self._training is not None else None,
             )
         )
@@ -814,10 +693,3 @@ class Controller:
         if self._supervisor is None:
             raise RuntimeError("run() has not started")
         return self._supervisor
-
-
-def _signal_name(number: int) -> str:
-    try:
-        return signal.Signals(number).name
-    except ValueError:
-        return f"signal {number}"

@@ -71,7 +71,7 @@ from ..wire.schema import Message
 if TYPE_CHECKING:
     import torch
 
-    from .reducer import HostUplinkStatistics, ReducerStatistics
+    from .roundstate import HostUplinkStatistics, ReducerStatistics
     from .shell import Controller
 
 log = logging.getLogger("flodl_async.cli.launch")

@@ -55,7 +55,6 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from ..control.liveness import Liveness
-from ..controller.reducer import local_reducer
 from ..deadlines import Deadlines
 from ..errors import ConnectionClosed, HandshakeRefused, WireError
 from ..net.framed import FramedProtocol, open_framed
@@ -65,7 +64,7 @@ from ..wire.channels import Channel
 from ..wire.handshake import PeerHello
 from ..wire.keys import Credential, CredentialKind, rank_credential_key
 from ..wire.schema import Message
-from .fold import HELLO_LIMITS, HostFold, HostFoldStatistics
+from .fold import HELLO_LIMITS, HostFold, HostFoldStatistics, LocalReducerSource
 
 log = logging.getLogger("flodl_async.relay.control")
 
@@ -87,7 +86,7 @@ RANK_ADDRESS: Mapping[type[Message], Callable[[Message], int]] = dict(
         _address(m.RankHello, lambda msg: msg.rank),
         _address(m.RankWelcome, lambda msg: msg.rank),
         _address(m.Heartbeat, lambda msg: msg.rank),
-        # The Trainer's coordinator protocol (trainer-spec §2.2); down, rank -1 is every local rank.
+        # The Trainer's coordinator protocol; down, rank -1 is every local rank.
         *(
             _address(cls, lambda msg: msg.rank)  # type: ignore[attr-defined]
             for cls in (
@@ -162,8 +161,12 @@ class Relay:
         deadlines: Deadlines,
         host: str = "",
         on_upstream_lost: Callable[[str], None] | None = None,
+        local_reducer: LocalReducerSource | None = None,
     ) -> None:
         """``host`` names this host in its data connection's hello (the controller's log lines).
+
+        ``local_reducer``: where the controller in this process hands its reducer over (the
+        launcher's own host); the host's frames then go to it in memory instead of up the port.
 
         ``on_upstream_lost(reason)``: the upstream control link went silent past the heartbeat
         deadline.
@@ -189,7 +192,7 @@ class Relay:
             dial=self._dial_data,
             task_group=task_group,
             hello_timeout=deadlines.handshake,
-            local=lambda: local_reducer(run_id),
+            local=local_reducer,
         )
         self._forwarded_up = 0
         self._delivered_down = 0

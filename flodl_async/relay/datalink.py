@@ -1,4 +1,4 @@
-"""The rank's data link: contributions to its host's relay, consensus back (trainer spec §3.1–§3.3).
+"""The rank's data link: contributions to its host's relay, consensus back.
 
 ``await DataLink.connect(spec, rank, schema, digest)`` dials the relay's
 ``data.sock`` with the rank's own credential (its rank, its round) and says
@@ -33,12 +33,10 @@ from ..wire.channels import Channel
 from ..wire.frame import FrameLimits
 from ..wire.keys import Credential
 from ..wire.tensor import tensor_bytes
+from .fold import HELLO_LIMITS
 
 if TYPE_CHECKING:
     import torch
-
-#: Tensor frames are refused until the relay's welcome names the ceiling.
-_HELLO_LIMITS = FrameLimits(max_payload=0)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -87,7 +85,7 @@ class DataLink:
                 channel=Channel.DATA,
                 credential=credential,
                 peer_label=label,
-                limits=_HELLO_LIMITS,
+                limits=HELLO_LIMITS,  # until the relay's welcome names the ceiling
                 allocate=pool.acquire,
                 plain_payloads=True,
             )

@@ -1,5 +1,4 @@
-"""The relay's data socket: a host's ranks folded into one contribution per round (trainer spec
-§3.5).
+"""The relay's data socket: a host's ranks folded into one contribution per round.
 
 Theory of operation. Each local rank opens a data link to ``data.sock`` and says
 ``DataHello`` (its rank, the model's size and the run digest). The first hello
@@ -24,8 +23,9 @@ Empty (weight-0) contributions add nothing but are listed in ``ranks``.
 
 Rank links carry plain payloads (the socket is owner-only: same-user peers; see
 :class:`~flodl_async.wire.frame.FrameConnection`), so the rank leg costs no AES-GCM. When the
-run's reducer lives in this process (the launcher's own host), the host's "connection" is a
-:class:`LocalUplink`: frames change hands in memory, drawn from one shared buffer pool. The
+run's reducer lives in this process (the launcher's own host, whose controller hands its reducer
+to its agent: :data:`LocalReducerSource`), the host's "connection" is a :class:`LocalUplink`:
+frames change hands in memory, drawn from one shared buffer pool. The
 controller's ``Consensus`` comes down once per host and is sent to every rank
 with an open data link (one seal per link, all in worker threads). The latest one
 is kept and handed to a rank that connects after it went by (a resumed run's
@@ -116,14 +116,15 @@ class HostFold:
         hello_timeout: float,
         pool: BufferPool | None = None,
         executor: Executor | None = None,
-        local: Callable[[], LocalReducer | None] | None = None,
+        local: LocalReducerSource | None = None,
     ) -> None:
         """``dial()`` opens the host's data connection to the controller (with ``HELLO_LIMITS``, the
         session secret).
 
-        ``local()``: the run's reducer when it lives in this very process (the launcher's own
-        host, whose agent runs in the controller's process); then the host's frames are handed
-        to it in memory — no socket, no AES-GCM, no copy — instead of dialling.
+        ``local()``, asked when the first rank needs the data connection: the run's reducer when
+        it lives in this very process (the launcher's own host, whose agent runs in the
+        controller's process); then the host's frames are handed to it in memory — no socket, no
+        AES-GCM, no copy — instead of dialling.
         """
         self._host = host
         self._host_ranks = ranks
@@ -592,8 +593,11 @@ class HostFold:
 
 
 class LocalReducer(Protocol):
-    """What the host fold needs of a reducer in its own process
-    (flodl_async.controller.reducer.Reducer)."""
+    """What the host fold needs of a reducer in its own process: the in-memory uplink's other end.
+
+    The controller's reducer is one; the relay never imports the controller (it sits below it),
+    so the controller hands its reducer down through its in-process agent's session config.
+    """
 
     max_payload: int
 
@@ -604,6 +608,13 @@ class LocalReducer(Protocol):
     ) -> None: ...
 
     def disconnect_local(self, uplink: LocalUplink) -> None: ...
+
+
+#: Asked when the host's first rank needs its data connection: the run's reducer when it runs in
+#: this process, else None (the relay dials the controller's port). A callable, not the reducer
+#: itself: the controller makes its reducer only once the Trainer's coordinator starts, after its
+#: agent (and relay) did.
+LocalReducerSource = Callable[[], LocalReducer | None]
 
 
 class LocalUplink:

@@ -4,14 +4,15 @@
 dials the relay's unix socket with the rank's own credential (its rank, its
 round: never the session secret), and says hello (``RankHello`` up,
 ``RankWelcome`` back from the controller). ``heartbeat()`` measures a round trip
-to the controller and back; ``open_data()`` opens the rank's data link.
+to the controller and back. The rank's data link is
+:class:`~flodl_async.relay.datalink.DataLink`'s (the same rank credential, from the same spec).
 """
 
 from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from types import TracebackType
 
 from ..config.rankenv import RankSpec
@@ -20,7 +21,6 @@ from ..errors import ConfigError, ProtocolError
 from ..net.framed import FramedProtocol, open_unix_framed
 from ..wire import messages as m
 from ..wire.channels import Channel
-from ..wire.frame import FrameLimits
 from ..wire.keys import Credential
 from ..wire.schema import Message
 
@@ -28,13 +28,10 @@ from ..wire.schema import Message
 class RankLink:
     """One rank's framed link to its relay."""
 
-    def __init__(
-        self, link: FramedProtocol, *, rank: int, spec: RankSpec, credential: Credential
-    ) -> None:
+    def __init__(self, link: FramedProtocol, *, rank: int, spec: RankSpec) -> None:
         self._link = link
         self.rank = rank
         self.spec = spec
-        self._credential = credential
 
     @classmethod
     async def connect(cls, env: Mapping[str, str] | None = None) -> RankLink:
@@ -75,26 +72,7 @@ class RankLink:
             raise ProtocolError(
                 f"rank {rank}: expected RankWelcome from the controller, got {welcome!r}"
             )
-        return cls(link, rank=rank, spec=spec, credential=credential)
-
-    async def open_data(
-        self, *, limits: FrameLimits | None = None, allocate: Callable[[int], bytearray] = bytearray
-    ) -> FramedProtocol:
-        """This rank's raw data link to its relay (the Trainer speaks through
-        :class:`flodl_async.relay.datalink.DataLink`).
-
-        Same credential, same scope as the control link; payloads travel plain on this owner-only
-        socket, as the relay expects. Wrap in ``asyncio.timeout``.
-        """
-        return await open_unix_framed(
-            self.spec.data_socket,
-            channel=Channel.DATA,
-            credential=self._credential,
-            peer_label=f"relay of {self.spec.host} (data)",
-            limits=limits,
-            allocate=allocate,
-            plain_payloads=True,
-        )
+        return cls(link, rank=rank, spec=spec)
 
     def send(self, msg: Message) -> None:
         """Send one control message up (the Trainer's link thread is the link's one user)."""

@@ -1,0 +1,134 @@
+"""What the controller says about its run: the status snapshot it publishes, the port's connection
+counters, the join window's banner and the levels of the supervisor's announcements in the log.
+
+Plain functions of what the controller knows at the moment it reports (its plan, the supervisor's
+view, its own verdict); the shell calls them and publishes or logs the result. No I/O here but the
+banner's log lines.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import time
+from collections.abc import Mapping
+
+from ..config.plan import LaunchPlan
+from ..control.membership import describe_threshold
+from ..control.supervision import SupervisorView
+from ..net.mux import MuxStatistics
+from ..status import Counters, MemberStatus, Phase, RankStatus, StatusSnapshot
+from ..verdict import RunResult
+
+# the launcher's own logger: the banner is one of its lines
+log = logging.getLogger("flodl_async.cli.launch")
+
+#: The supervisor's ``Announce`` levels as the log's.
+
+
+def announce_window(plan: LaunchPlan, port: int) -> None:
+    """Log the join window's terms (and, under open admission, the warning that goes with it)."""
+    j = plan.join
+    if j.open_admission:
+        log.warning(
+            "WARNING: OPEN ADMISSION — any host that reaches port %d joins this run without a "
+            "secret or token, and is sent "
+            "the session secret over a link anyone on the network can decrypt; use it on a "
+            "trusted network only "
+            "(set join.open_admission: false and give agents a cluster token: flodl token new)",
+            port,
+        )
+    log.log(
+        logging.DEBUG if plan.one_host else logging.INFO,
+        "window open (quorum %s ranks, target %s, window %gs, cap %gs, admission: %s) — status "
+        "at http://%s:%d/",
+        describe_threshold(j.min_rank_start, j.quorum_reported),
+        describe_threshold(j.target_ranks, j.target_reported)
+        if j.target_ranks is not None
+        else "none",
+        j.join_timeout,
+        j.max_join_timeout,
+        "open"
+        if j.open_admission
+        else "cluster token or pre-shared secret"
+        if plan.token is not None
+        else "pre-shared secret",
+        "127.0.0.1" if plan.bind_host in ("0.0.0.0", "127.0.0.1") else plan.bind_host,
+        port,
+    )
+
+
+def connection_counters(stats: MuxStatistics) -> Counters:
+    """The status page's ``connections`` block, from the port's statistics."""
+    return {
+        "routed": stats.routed,
+        # by reason: evicted, handshake_timeout, auth_failed, unknown_magic...
+        "dropped": stats.dropped,
+        "accept_errors": stats.accept_errors,
+        "open": {
+            "total": stats.open_now,
+            "unsniffed": stats.unsniffed_now,
+            "handshaking": stats.handshaking_now,
+            "status": stats.status_now,
+        },
+    }
+
+
+def status_snapshot(
+    plan: LaunchPlan,
+    view: SupervisorView | None,
+    *,
+    final: RunResult | None,
+    started_at: float,
+    opened_at: float,
+    training: Mapping[str, object] | None,
+) -> StatusSnapshot:
+    """The run as the status page shows it now.
+
+    ``view``: the supervisor's (None before it exists: the run is ``waiting``). ``final``: a
+    verdict the supervisor did not give (an internal error, a cancel), which wins. Join times are
+    monotonic (``opened_at`` is the window's opening) and shown on the wall clock of
+    ``started_at``.
+    """
+    phase, world_size, joined, restarts = Phase.WAITING, 0, 0, 0
+    members: tuple[MemberStatus, ...] = ()
+    ranks: tuple[RankStatus, ...] = ()
+    result = final
+    if view is not None:
+        result = final or view.result
+        phase = Phase.FAILED if final is not None else Phase(view.phase)
+        world_size, joined, restarts = view.world_size, view.joined_ranks, view.restart_count
+        members = tuple(
+            MemberStatus(
+                host=mb.host,
+                ranks=mb.ranks,
+                devices=mb.devices,
+                joined_at=started_at + (mb.joined_at - opened_at),
+            )
+            for mb in view.members
+        )
+        ranks = view.ranks
+    return StatusSnapshot(
+        run_id=plan.run_id,
+        phase=phase,
+        started_at=started_at,
+        updated_at=time.time(),
+        world_size=world_size,
+        joined_ranks=joined,
+        min_rank_start=plan.join.min_rank_start,
+        target_ranks=plan.join.target_ranks or 0,
+        restart_count=restarts,
+        members=members,
+        ranks=ranks,
+        verdict=result.reason if result is not None else "",
+        exit_code=int(result.exit_code) if result is not None else None,
+        training=training,
+    )
+
+
+def signal_name(number: int) -> str:
+    """``SIGTERM`` for 15: how the log names a signal (a number it does not know stays one)."""
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
