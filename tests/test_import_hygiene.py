@@ -32,8 +32,12 @@ MODULES = [
     # the Trainer API: building a Trainer (and the launcher role) needs no torch until a model is built
     "flodl_async.trainer.api",
     "flodl_async.trainer.entry",
+    "flodl_async.trainer.inline",
     "flodl_async.trainer.launcher",
+    "flodl_async.trainer.link",
     "flodl_async.trainer.rank",
+    "flodl_async.trainer.schedule",
+    "flodl_async.trainer.state",
     "flodl_async.trainer.worker",
 ]
 

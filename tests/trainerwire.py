@@ -1,4 +1,4 @@
-"""Sample Trainer control messages (trainer-spec §2.2), shared by the codec tests and the coordinator tests."""
+"""Sample Trainer control messages (one of each kind), shared by the codec tests and the coordinator tests."""
 
 from __future__ import annotations
 
