@@ -15,7 +15,7 @@ from ._version import __version__
 #: Public name -> the module that defines it (loaded on first attribute access, PEP 562).
 _LAZY = {
     "Trainer": "trainer.api",
-    "TrainedState": "trainer.api",
+    "TrainedState": "trainer.state",
     "TrainingRun": "trainer.api",
     "exit_if_worker_role": "trainer.api",
     "clean_exit": "trainer.api",
@@ -70,7 +70,6 @@ if TYPE_CHECKING:
     from .errors import TrainingFailed, TrainingStopped
     from .net.loop import run
     from .trainer.api import (
-        TrainedState,
         Trainer,
         TrainingRun,
         clean_exit,
@@ -78,6 +77,7 @@ if TYPE_CHECKING:
         exit_if_worker_role,
     )
     from .trainer.entry import Entry
+    from .trainer.state import TrainedState
     from .trainer.worker import Worker, record_scalar
     from .training.metrics import EpochMetrics, RankEpochStats
     from .training.outer import DiLoCo, OuterAvg, SlowMo

@@ -2,7 +2,8 @@
 
 Network deadlines scale with one knob, ``FLODL_NET_TIMEOUT_SCALE`` (a slow or
 loaded machine sets 2 or 3); the stop grace is the operator's own seconds and is
-not scaled. Nothing else in the code base holds a timeout literal: components
+not scaled, nor are a Trainer rank's heartbeat cadence and teardown bounds
+(``_UNSCALED`` says why). Nothing else in the code base holds a timeout literal: components
 take a :class:`Deadlines` (or one of its fields) from whoever built them.
 """
 
@@ -37,6 +38,16 @@ def timeout_scale(env: Mapping[str, str] | None = None) -> float:
             "every network deadline)"
         )
     return scale
+
+
+#: Fields :meth:`Deadlines.resolve` leaves as they are. The stop grace is the operator's own
+#: seconds. A Trainer rank's heartbeat cadence and its teardown bounds have always been plain
+#: seconds: the beat only has to come well inside the coordinator's silence window, which is what
+#: scales (the Trainer's ``heartbeat_timeout`` times the scale), and the teardown bounds a process
+#: already leaving; scaling them would change how a slow machine behaves.
+_UNSCALED = frozenset(
+    {"scale", "stop_grace", "rank_heartbeat_interval", "rank_farewell", "rank_link_exit"}
+)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -79,12 +90,23 @@ class Deadlines:
     #: An ssh connection to a worker (TCP, host key, login), and then its agent's hello line, each
     #: within this.
     ssh_connect: float = 15.0
-    #: Every rank of the formed world must say TrainerHello within this of the first (trainer-spec
-    #: §2.3).
+    #: Every rank of the formed world must say TrainerHello within this of the first.
     trainer_hello: float = 120.0
-    #: A reduce round in flight longer than this is a stall (trainer-spec §2.7; the ranks' data-link
-    #: read deadline too).
+    #: A reduce round in flight longer than this is a stall; a rank waits as long for a round's
+    #: consensus before it calls the coordinator lost.
     reduce_stall: float = 120.0
+    #: A Trainer rank must be welcomed (and its data link open) within this of dialling its relay:
+    #: the coordinator welcomes no rank before every rank said hello, so it exceeds trainer_hello.
+    trainer_welcome: float = 150.0
+    #: Seconds between a Trainer rank's heartbeats to the coordinator (not scaled, see
+    #: ``_UNSCALED``).
+    rank_heartbeat_interval: float = 1.0
+    #: A Trainer rank's goodbye (``Exiting``) gets this to leave before its links close (not
+    #: scaled).
+    rank_farewell: float = 2.0
+    #: A Trainer rank waits this long for its link thread to end after asking it to close (not
+    #: scaled).
+    rank_link_exit: float = 10.0
     #: Seconds from the first stop signal to KILL (operator's seconds, not scaled).
     stop_grace: float = DEFAULT_STOP_GRACE
 
@@ -99,6 +121,6 @@ class Deadlines:
         scaled = {
             f.name: getattr(base, f.name) * scale
             for f in dataclasses.fields(cls)
-            if f.name not in ("scale", "stop_grace")
+            if f.name not in _UNSCALED
         }
         return cls(scale=scale, stop_grace=stop_grace, **scaled)

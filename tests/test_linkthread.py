@@ -1,4 +1,4 @@
-"""The rank's link thread (:class:`flodl_async.trainer.rank.LinkThread`) against a real relay and a stand-in controller.
+"""The rank's link thread (:class:`flodl_async.trainer.link.LinkThread`) against a real relay and a stand-in controller.
 
 The controller side is the relay tests' control channel; the relay is real. The case here: the
 coordinator welcomes the rank, then its data link cannot be opened. ``start()`` must raise that
@@ -13,8 +13,9 @@ import pytest
 
 from flodl_async.config.rankenv import RankSpec
 from flodl_async.config.roles import LOCAL_RANK_VAR, RANK_VAR
+from flodl_async.deadlines import Deadlines
 from flodl_async.errors import ConnectionClosed
-from flodl_async.trainer.rank import LinkThread
+from flodl_async.trainer.link import LinkThread
 from flodl_async.training.modelschema import ModelSchema
 from flodl_async.training.spec import TrainerSpec
 from flodl_async.wire import Credential
@@ -48,6 +49,7 @@ async def test_a_data_link_that_fails_after_the_welcome_is_raised_by_start(bench
         hello=trainer_hello,
         schema=ModelSchema.from_wire(schema_wire()),
         heartbeat_timeout=10.0,
+        deadlines=Deadlines.resolve(env=env),
         env=env,
     )
 

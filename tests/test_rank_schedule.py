@@ -18,8 +18,9 @@ from typing import Any
 import torch
 
 import flodl_async as fa
+from flodl_async.deadlines import Deadlines
 from flodl_async.errors import TrainingStopped
-from flodl_async.trainer.rank import RankSchedule
+from flodl_async.trainer.schedule import RankSchedule
 from flodl_async.trainer.worker import Compute, run_managed
 from flodl_async.training.modelschema import ModelSchema
 from flodl_async.wire import messages as m
@@ -140,8 +141,14 @@ def run_rank(
     schema = ModelSchema.from_module(compute.model)
     welcome = m.TrainerWelcome(rank=0, world_size=1, run_id="t")
     schedule = RankSchedule(
-        compute, link, welcome=welcome, trainer=trainer, schema=schema, publish=lambda _m: None
-    )  # type: ignore[arg-type]
+        compute,
+        link,  # type: ignore[arg-type]
+        welcome=welcome,
+        spec=trainer.spec(),
+        schema=schema,
+        publish=lambda _m: None,
+        reduce_deadline=Deadlines.resolve().reduce_stall,
+    )
     out: dict[str, Any] = {}
 
     def body() -> None:

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import itertools
+from pathlib import Path
 
 import pytest
 
 from flodl_async.config.roles import AGENT_VAR, CONTROLLER_VAR, LOCAL_RANK_VAR, RANK_VAR
 from flodl_async.errors import ConfigError, RoleError
-from flodl_async.trainer.entry import Entry, count_visible_gpus, decide_entry, resolve_rank_command
+from flodl_async.host.gpus import DEV_DIR_VARIABLE, host_visible_gpus
+from flodl_async.trainer.entry import Entry, decide_entry, resolve_rank_command
 
 ROLE_ENVS = {
     "single": {},
@@ -69,13 +71,24 @@ def test_an_inconsistent_environment_names_every_variable() -> None:
         ("0,,1", 1),
     ],
 )
-def test_cuda_visible_devices_wins_over_device_nodes(value: str, count: int) -> None:
-    assert count_visible_gpus({"CUDA_VISIBLE_DEVICES": value}, device_nodes=lambda: 8) == count
+def test_cuda_visible_devices_wins_over_device_nodes(
+    value: str, count: int, tmp_path: Path
+) -> None:
+    env = {"CUDA_VISIBLE_DEVICES": value, DEV_DIR_VARIABLE: str(_nodes(tmp_path, 8))}
+    assert len(host_visible_gpus(env)) == count  # what Trainer.entry counts
 
 
-def test_without_cuda_visible_devices_the_device_nodes_count() -> None:
-    assert count_visible_gpus({}, device_nodes=lambda: 3) == 3
-    assert count_visible_gpus({}) >= 0  # this machine's /dev, whatever it holds
+def test_without_cuda_visible_devices_the_device_nodes_count(tmp_path: Path) -> None:
+    assert len(host_visible_gpus({DEV_DIR_VARIABLE: str(_nodes(tmp_path, 3))})) == 3
+    assert len(host_visible_gpus({})) >= 0  # this machine's /dev, whatever it holds
+
+
+def _nodes(where: Path, n: int) -> Path:
+    """A directory holding ``n`` GPU device nodes (empty files named as the driver names them)."""
+    for i in range(n):
+        (where / f"nvidia{i}").touch()
+    (where / "nvidiactl").touch()  # not a GPU
+    return where
 
 
 @pytest.mark.parametrize(

@@ -22,8 +22,8 @@ from flodl_async.config.cluster import DeviceSpec, WorkerSpec
 from flodl_async.control.membership import JoinConfig
 from flodl_async.controller import Controller, ExitCode, LaunchPlan, PlacedWorker, Placement
 from flodl_async.controller.roundstate import ReducerStatistics
-from flodl_async.controller.training import TrainerAttachment, attach
 from flodl_async.deadlines import Deadlines
+from flodl_async.trainer.launcher import TrainerAttachment, attach
 from flodl_async.training.metrics import EpochMetrics
 from flodl_async.training.spec import ElCheConfig, TrainerSpec
 from flodl_async.verdict import RunResult

@@ -15,11 +15,13 @@ from flodl_async.config.cluster import ClusterSpec, ControllerSpec, DeviceSpec, 
 from flodl_async.config.devices import parse_devices
 from flodl_async.config.plan import Placement
 from flodl_async.errors import ConfigError
+from flodl_async.trainer.entry import LAUNCHER_PRIMARY_VAR
 from flodl_async.trainer.launcher import _add_signal_handler, cluster_of, launch_plan
-from flodl_async.trainer.rank import LAUNCHER_PRIMARY_VAR
+from flodl_async.trainer.state import RunRequest
 
 
-def trainer(**kw: Any) -> fa.Trainer:
+def trainer(**kw: Any) -> RunRequest:
+    """What a Trainer built from ``kw`` hands its launcher driver."""
     args: dict[str, Any] = {
         "model": lambda d: None,
         "optimizer": lambda m: None,
@@ -29,7 +31,7 @@ def trainer(**kw: Any) -> fa.Trainer:
         "epochs": 1,
     }
     args.update(kw)
-    return fa.Trainer(**args)
+    return fa.Trainer(**args).run_request()
 
 
 def test_a_cluster_file_becomes_a_local_plan_that_re_runs_this_program(tmp_path: Path) -> None:

@@ -72,7 +72,6 @@ if TYPE_CHECKING:
     import torch
 
     from .roundstate import HostUplinkStatistics, ReducerStatistics
-    from .shell import Controller
 
 log = logging.getLogger("flodl_async.cli.launch")
 
@@ -470,37 +469,3 @@ class TrainingShell:
                     duration_ms=result.duration_ms,
                 )
             )
-
-
-# ----- the launcher's side (trainlaunch: the user's script is the launcher)
-# ---------------------------
-
-
-class TrainerAttachment:
-    """What :func:`attach` gives the launcher: the run's result once the controller returns."""
-
-    def __init__(self, controller: Controller) -> None:
-        self._controller = controller
-
-    def outcome(self) -> TrainingResult | None:
-        """The final consensus and counters (None when no Trainer rank said hello)."""
-        shell = self._controller.training
-        return None if shell is None else shell.result()
-
-
-def attach(
-    controller: Controller,
-    *,
-    reference: TrainerSpec | None = None,
-    on_epoch: Callable[[EpochMetrics], None] | None = None,
-) -> TrainerAttachment:
-    """Before ``controller.run()``: the launcher's own spec is the reference every rank must match;
-    epochs go to ``on_epoch``."""
-    controller.configure_training(reference=reference, metrics_sink=on_epoch)
-    return TrainerAttachment(controller)
-
-
-def request_stop(controller: Controller, reason: str = "shutdown requested") -> bool:
-    """An orderly stop of the training (a final round, then ``Shutdown``); False when nothing
-    trains."""
-    return controller.stop_training(reason)

@@ -6,7 +6,8 @@ touches no CUDA, socket or model, so building it at import time is safe in
 every role. What ``run()`` does is decided from the environment alone
 (:func:`flodl_async.trainer.entry.decide_entry`):
 
-- INLINE: train in this process (compute thread), no coordinator;
+- INLINE: train in this process (compute thread), no coordinator
+  (:mod:`flodl_async.trainer.inline`);
 - RANK: the link thread joins the coordinator through the host's relay, the compute thread
   trains what it is planned and contributes to the reduces (:mod:`flodl_async.trainer.rank`);
 - LAUNCHER: the controller runs on the caller's event loop and re-executes this
@@ -25,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import json
 import logging
 import math
 import os
@@ -32,62 +34,37 @@ import secrets
 import sys
 import threading
 import traceback
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
+from ..agent.cli import main as agent_main
+from ..config.cluster import ClusterSpec
+from ..config.rankenv import RUN_ID_VAR
 from ..config.roles import AGENT_VAR, Role, detect_role
 from ..errors import ConfigError, TrainingFailed
+from ..host.gpus import host_visible_gpus
+from ..net.loop import run as run_loop
 from ..training.outer import DiLoCo, OuterAvg, SlowMo
 from ..training.policy import Backend, Policy
-from ..training.spec import Checkpointing, ElCheConfig, MaxFailure
-from ..verdict import ExitCode, RunResult
-from .entry import Entry, count_visible_gpus, decide_entry
+from ..training.spec import Checkpointing, ElCheConfig, MaxFailure, TrainerSpec
+from ..verdict import ExitCode
+from .entry import Entry, decide_entry
+from .inline import InlineDriver, inline_worker
+from .rank import RankDriver, rank_worker
+from .state import RunRequest, TrainedState
 from .worker import ComputeConfig
 
 if TYPE_CHECKING:
     import torch
     from torch import nn
 
-    from ..config.cluster import ClusterSpec
     from ..training.metrics import EpochMetrics
-    from ..training.modelschema import ModelSchema
     from ..training.outer import OuterSpec
-    from ..training.spec import TrainerSpec
-    from ..wire.messages import TrainerSpecWire
     from .worker import Worker
 
 log = logging.getLogger("flodl_async.trainer.api")
 
 _OUTER_TYPES = (OuterAvg, SlowMo, DiLoCo)
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class TrainedState:
-    """What a run trained: the final consensus, the same in every role (D1)."""
-
-    #: Consensus params and persistent buffers on CPU, with ``model.state_dict()`` keys (tied keys
-    #: included).
-    state_dict: Mapping[str, torch.Tensor] = field(repr=False)
-    #: Which keys are parameters.
-    param_names: tuple[str, ...]
-    epochs_completed: int
-    #: Cohort batches completed divided by the world size.
-    global_step: int
-    world_size: int
-    #: Ranks lost on the way (non-empty: a degraded success).
-    lost_ranks: tuple[int, ...] = ()
-    #: Ended by ``shutdown()`` or a signal, not by finishing the epochs.
-    interrupted: bool = False
-    #: Exactly one process per run has True: the inline process, the launcher when the script is the
-    #: launcher, else rank 0.
-    primary: bool = False
-    #: The bundle stem written at the end, if any.
-    checkpoint: str | None = None
-
-    def load_into(self, model: nn.Module) -> None:
-        """``model.load_state_dict(strict=True)``, copied to the model's device."""
-        model.load_state_dict(dict(self.state_dict), strict=True)
 
 
 class _Driver(Protocol):
@@ -306,13 +283,11 @@ class Trainer:
             env,
             cluster_given=self.cluster is not None,
             auto_promote=self.auto_promote,
-            visible_gpus=count_visible_gpus(env),
+            visible_gpus=len(host_visible_gpus(env)),
         )
 
     def spec(self) -> TrainerSpec:
         """The serializable, digestable config the coordinator and reducer run from (spec §2.3)."""
-        from ..training.spec import TrainerSpec
-
         return TrainerSpec(
             policy=self.policy,
             backend=self.backend,
@@ -331,14 +306,6 @@ class Trainer:
             name=self.name,
         )
 
-    def spec_wire_and_digest(self, schema: ModelSchema) -> tuple[TrainerSpecWire, str]:
-        """What a rank's ``TrainerHello`` carries: the spec on the wire and the run digest of (spec,
-        model schema)."""
-        from ..training.spec import digest
-
-        spec = self.spec()
-        return spec.to_wire(), digest(spec, schema)
-
     def compute_config(self) -> ComputeConfig:
         """The arguments that make a step, for the compute side."""
         return ComputeConfig(
@@ -352,6 +319,15 @@ class Trainer:
             seed=self.seed,
             lr_schedule=self.lr_schedule,
             max_grad_norm=self.max_grad_norm,
+        )
+
+    def run_request(self) -> RunRequest:
+        """What a rank or launcher driver runs from: this Trainer's arguments, frozen."""
+        return RunRequest(
+            spec=self.spec(),
+            compute=self.compute_config(),
+            cluster=self.cluster,
+            rank_command=self.rank_command,
         )
 
     # ----- entry points ------------------------------------------------------------------------
@@ -377,22 +353,20 @@ class Trainer:
             _end_uncaught_training_failures_plainly(entry)
         run_id = (
             getattr(driver, "run_id", None)
-            or os.environ.get("FLODL_RUN_ID")
+            or os.environ.get(RUN_ID_VAR)
             or f"inline-{secrets.token_hex(4)}"
         )
         return TrainingRun(driver, entry=entry, run_id=run_id)
 
     def _driver(self, entry: Entry) -> _Driver:
         if entry is Entry.INLINE:
-            return _InlineDriver(self)
+            return InlineDriver(self.compute_config(), epochs=self.epochs)
         if entry is Entry.RANK:
             self._one_session()
-            from .rank import RankDriver
+            return RankDriver(self.run_request())
+        from .launcher import LauncherDriver  # deferred: it loads asyncssh, which no rank needs
 
-            return RankDriver(self)
-        from .launcher import LauncherDriver
-
-        return LauncherDriver(self)
+        return LauncherDriver(self.run_request())
 
     def _one_session(self) -> None:
         if _RANK_SESSION.is_set():
@@ -413,8 +387,6 @@ class Trainer:
         if entry is Entry.LAUNCHER:
             # The launcher has no cooperative loop to hand back: it runs the launch, reports and
             # exits.
-            from ..net.loop import run as run_loop
-
             try:
                 run_loop(self.run())
             except TrainingFailed as exc:
@@ -423,10 +395,8 @@ class Trainer:
             clean_exit(0)
         if entry is Entry.RANK:
             self._one_session()
-            from .rank import rank_worker
-
-            return rank_worker(self)
-        return _inline_worker(self)
+            return rank_worker(self.run_request())
+        return inline_worker(self.compute_config(), epochs=self.epochs)
 
 
 #: Set once a rank's session started: a rank's relay link and coordinator are per process.
@@ -583,8 +553,6 @@ def _check_rest(
     heartbeat_timeout: object,
     name: object,
 ) -> None:
-    from ..config.cluster import ClusterSpec
-
     if cluster is not None and not isinstance(cluster, str | os.PathLike | ClusterSpec):
         raise ConfigError(
             "Trainer(cluster=...) must be a cluster file path or a ClusterSpec; got "
@@ -643,123 +611,6 @@ def _max_failure(value: MaxFailure | int | float | None) -> MaxFailure | None:
     )
 
 
-# ----- INLINE ------------------------------------------------------------------------------------
-
-
-def _trained(fields: Mapping[str, Any], *, primary: bool) -> TrainedState:
-    return TrainedState(
-        state_dict=fields["state_dict"],
-        param_names=tuple(fields["param_names"]),
-        epochs_completed=int(fields["epochs_completed"]),
-        global_step=int(fields["global_step"]),
-        world_size=int(fields["world_size"]),
-        lost_ranks=tuple(fields.get("lost_ranks", ())),
-        interrupted=bool(fields.get("interrupted", False)),
-        primary=primary,
-    )
-
-
-class _InlineDriver:
-    """One process, one device: the compute thread trains every epoch (spec §1.5 INLINE)."""
-
-    primary = True
-
-    def __init__(self, trainer: Trainer) -> None:
-        self._trainer = trainer
-        self._stop = threading.Event()
-
-    async def run(self, publish: Callable[[EpochMetrics], None]) -> TrainedState:
-        from .worker import Compute, InlineSchedule, default_device, run_managed
-
-        trainer = self._trainer
-        config = trainer.compute_config()
-
-        def train() -> Mapping[str, Any]:
-            compute = Compute(config, default_device())
-            schedule = InlineSchedule(
-                compute, epochs=trainer.epochs, publish=publish, stop=self._stop
-            )
-            return run_managed(compute, schedule)
-
-        try:
-            fields = await _on_thread(train, name="flodl-compute", on_cancel=self._stop.set)
-        except ConfigError:
-            raise
-        except Exception as exc:
-            raise TrainingFailed(
-                RunResult(exit_code=ExitCode.RANK_FAILURE, reason=f"this process raised {exc!r}")
-            ) from exc
-        return _trained(fields, primary=True)
-
-    def request_stop(self) -> None:
-        self._stop.set()
-
-    def force_stop(self) -> None:
-        self._stop.set()  # inline stops after the current batch; there is nothing to kill
-
-
-async def _on_thread(fn: Callable[[], Any], *, name: str, on_cancel: Callable[[], None]) -> Any:
-    """Run ``fn`` on a new thread of its own (a whole training would hold a default-executor slot
-    for its lifetime).
-
-    Cancelled (the loop is closing), it calls ``on_cancel`` (a stop request) and waits for the
-    thread to end.
-    """
-    loop = asyncio.get_running_loop()
-    done: asyncio.Future[Any] = loop.create_future()
-
-    def settle(ok: bool, value: Any) -> None:
-        if done.done():
-            return
-        if ok:
-            done.set_result(value)
-        else:
-            done.set_exception(value)
-
-    def body() -> None:
-        try:
-            outcome: tuple[bool, Any] = (True, fn())
-        except BaseException as exc:  # handed to the awaiting task, which re-raises it
-            outcome = (False, exc)
-        # the loop closed meanwhile: nobody awaits the outcome
-        with contextlib.suppress(RuntimeError):
-            loop.call_soon_threadsafe(settle, *outcome)
-
-    thread = threading.Thread(target=body, name=name, daemon=True)
-    thread.start()
-    try:
-        return await asyncio.shield(done)
-    except asyncio.CancelledError:
-        on_cancel()
-        with contextlib.suppress(BaseException):
-            await asyncio.shield(done)
-        raise
-    finally:
-        # The thread still drops its frames (torch tensors, the model) after handing over the
-        # outcome; a
-        # daemon thread caught in torch's C++ at interpreter exit aborts the process ("terminate
-        # called").
-        await loop.run_in_executor(None, thread.join)
-
-
-def _inline_worker(trainer: Trainer) -> Worker:
-    from .worker import Compute, InlineSchedule, Worker, default_device
-
-    compute = Compute(trainer.compute_config(), default_device())
-    inbox: collections.deque[EpochMetrics] = collections.deque()
-    schedule = InlineSchedule(
-        compute, epochs=trainer.epochs, publish=inbox.append, stop=threading.Event()
-    )
-    return Worker(
-        compute,
-        schedule,
-        primary=True,
-        inbox=inbox,
-        finish=lambda fields: _trained(fields, primary=True),
-        close=lambda: None,
-    )
-
-
 # ----- roles that never train here ---------------------------------------------------------------
 
 
@@ -788,10 +639,6 @@ def exit_if_worker_role() -> None:
     env = os.environ
     if detect_role(env) is not Role.AGENT:
         return
-    import json
-
-    from ..agent.cli import main as agent_main
-
     try:
         args = json.loads(env[AGENT_VAR])
     except ValueError:

@@ -10,14 +10,16 @@ process plays is decided here, from the environment alone, on top of
   with ``auto_promote`` make this process the launcher, which re-executes the script as the ranks;
 - anything else trains inline, in this process.
 
-Nothing here touches CUDA, a socket or torch: visible GPUs are counted from
-``CUDA_VISIBLE_DEVICES`` or the ``/dev/nvidiaN`` nodes.
+Nothing here touches CUDA, a socket or torch: the caller counts the visible GPUs
+(:func:`flodl_async.host.gpus.host_visible_gpus`, from the ``/dev/nvidiaN`` nodes
+within ``CUDA_VISIBLE_DEVICES``). Which process of a run is its primary is decided
+here too (:func:`rank_is_primary`).
 """
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 from ..config.roles import Role, detect_role
 from ..errors import ConfigError
@@ -57,19 +59,13 @@ def decide_entry(
     return Entry.INLINE
 
 
-def count_visible_gpus(
-    env: Mapping[str, str], *, device_nodes: Callable[[], int] | None = None
-) -> int:
-    """GPUs this process may use, without touching CUDA: the device nodes, within
-    ``CUDA_VISIBLE_DEVICES`` (:mod:`flodl_async.host.gpus`).
+#: Set by a Trainer launcher on its ranks: the launcher is the run's primary process, no rank is.
+LAUNCHER_PRIMARY_VAR = "FLODL_TRAINER_LAUNCHER_PRIMARY"
 
-    The mask is read as CUDA reads it (empty or ``-1`` means none; it stops at the first invalid
-    entry).
-    """
-    from ..host.gpus import MASK_VARIABLE, physical_gpu_count, visible_gpus
 
-    physical = device_nodes() if device_nodes is not None else physical_gpu_count(env)
-    return len(visible_gpus(env.get(MASK_VARIABLE), physical))
+def rank_is_primary(env: Mapping[str, str]) -> bool:
+    """Rank 0 is primary, unless the script is also the launcher (then the launcher is)."""
+    return env.get("RANK") == "0" and env.get(LAUNCHER_PRIMARY_VAR) != "1"
 
 
 def resolve_rank_command(

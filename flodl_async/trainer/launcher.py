@@ -1,5 +1,5 @@
 """The Trainer's launcher role: the controller on the caller's event loop, this program re-executed
-as the ranks (D6).
+as the ranks.
 
 Theory of operation. A script whose Trainer has ``cluster=`` (or that sees 2+
 GPUs, or runs with ``FLODL_INTERNAL_CLUSTER_SPEC``) becomes the launcher: it
@@ -13,9 +13,10 @@ the model: the model schema comes from the ranks' hellos.
 
 The launcher is the run's primary process (its ranks are told so through
 ``FLODL_TRAINER_LAUNCHER_PRIMARY``), and its ``run()`` returns the reducer's
-final consensus (D1). A stop (``shutdown()``, cancelling ``trainer.run()``,
-SIGTERM, Ctrl-C) asks the coordinator for an orderly end — a final round, the
-state returned — before any signal reaches a rank; a second signal forces.
+final consensus, as every other role returns the state it ends with. A stop
+(``shutdown()``, cancelling ``trainer.run()``, SIGTERM, Ctrl-C) asks the
+coordinator for an orderly end — a final round, the state returned — before any
+signal reaches a rank; a second signal forces.
 """
 
 from __future__ import annotations
@@ -31,35 +32,50 @@ import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from ..config.cluster import ClusterSpec, DeviceSpec, WorkerSpec, load_cluster
+from ..agent import RankOutput
+from ..cli.launch import (
+    banner,
+    cluster_token,
+    placement_of,
+    status_host,
+    this_machine,
+    warn_oversubscribed,
+)
+from ..config.cluster import (
+    ClusterSpec,
+    ControllerSpec,
+    DeviceSpec,
+    JoinKnobs,
+    WorkerSpec,
+    load_cluster,
+)
 from ..config.plan import LaunchPlan, PlacedWorker
 from ..config.rankenv import RUN_ID_VAR
 from ..config.roles import CONTROLLER_VAR
+from ..controller import Controller
+from ..controller.training import TrainingResult
 from ..deadlines import Deadlines
 from ..errors import ConfigError, RuntimeDirError, TrainingFailed
+from ..host.gpus import host_visible_gpus
+from ..host.runs import Registration, register
 from ..training.policy import Backend
 from ..verdict import ExitCode, RunResult
 from ..wire.keys import new_session_secret
-from .entry import count_visible_gpus, resolve_rank_command
-from .rank import LAUNCHER_PRIMARY_VAR
+from .entry import LAUNCHER_PRIMARY_VAR, resolve_rank_command
+from .state import RunRequest, TrainedState
 
 if TYPE_CHECKING:
-    from ..controller import Controller
-    from ..controller.training import TrainerAttachment
-    from ..host.runs import Registration
     from ..training.metrics import EpochMetrics
-    from .api import TrainedState, Trainer
+    from ..training.spec import TrainerSpec
 
 log = logging.getLogger("flodl_async.cli.launch")
 
 
-def cluster_of(trainer: Trainer, env: dict[str, str] | os._Environ[str]) -> ClusterSpec:
+def cluster_of(request: RunRequest, env: dict[str, str] | os._Environ[str]) -> ClusterSpec:
     """The cluster this launcher runs: ``cluster=``, else ``FLODL_INTERNAL_CLUSTER_SPEC``, else one
     host over its visible GPUs."""
-    from ..cli.launch import this_machine
-
     local = this_machine().names
-    given = trainer.cluster
+    given = request.cluster
     if isinstance(given, ClusterSpec):
         return given
     if given is not None:
@@ -67,7 +83,7 @@ def cluster_of(trainer: Trainer, env: dict[str, str] | os._Environ[str]) -> Clus
     path = env.get(CONTROLLER_VAR)
     if path:
         return load_cluster(path, local_names=local)
-    gpus = count_visible_gpus(env)
+    gpus = len(host_visible_gpus(env))
     if gpus < 2:
         raise ConfigError(
             f"auto-promote multi-GPU failed: {gpus} visible GPU(s); pass Trainer(cluster=...) or "
@@ -82,14 +98,12 @@ def cluster_of(trainer: Trainer, env: dict[str, str] | os._Environ[str]) -> Clus
     )
 
 
-def _one_host_controller() -> Any:
-    from ..config.cluster import ControllerSpec, JoinKnobs
-
+def _one_host_controller() -> ControllerSpec:
     return ControllerSpec(host="127.0.0.1", port=0, join=JoinKnobs(join_timeout=60.0))
 
 
 def launch_plan(
-    trainer: Trainer,
+    request: RunRequest,
     spec: ClusterSpec,
     *,
     argv: list[str],
@@ -98,15 +112,13 @@ def launch_plan(
 ) -> LaunchPlan:
     """The launch plan of a Trainer launcher: ``flodl-launch``'s, with this program as the ranks'
     command."""
-    from ..cli.launch import _cluster_token, placement_of, this_machine
-
-    if trainer.backend is not Backend.CPU and any(w.tunnel for w in spec.workers):
+    if request.spec.backend is not Backend.CPU and any(w.tunnel for w in spec.workers):
         raise ConfigError(
             f"{spec.source}: workers with `tunnel: true` need Trainer(backend=fa.Backend.CPU) — a "
             "tunnel carries no rank-to-rank "
             "collective traffic; drop the tunnel or use the CPU backend"
         )
-    command = resolve_rank_command(argv, executable, given=trainer.rank_command)
+    command = resolve_rank_command(argv, executable, given=request.rank_command)
     deadlines = Deadlines.resolve()
     aliases = this_machine()
     capacity = sum(w.devices.known_count or 0 for w in spec.workers)
@@ -123,7 +135,7 @@ def launch_plan(
         cluster_env={**spec.env, LAUNCHER_PRIMARY_VAR: "1"},
         deadlines=deadlines,
         host_aliases=aliases,
-        token=_cluster_token(None, spec),
+        token=cluster_token(None, spec),
         one_host=spec.source == "auto-promote",
     )
 
@@ -146,12 +158,13 @@ class LauncherDriver:
 
     primary = True
 
-    def __init__(self, trainer: Trainer) -> None:
-        self._trainer = trainer
-        spec = cluster_of(trainer, os.environ)
-        # FLODL_RUN_ID names the run when an outer tool (or a test) wants to find its processes.
+    def __init__(self, request: RunRequest) -> None:
+        self._reference = request.spec
+        spec = cluster_of(request, os.environ)
+        # The run-id variable names the run when an outer tool (or a test) wants to find its
+        # processes.
         self.plan = launch_plan(
-            trainer,
+            request,
             spec,
             argv=list(sys.orig_argv),
             executable=sys.executable,
@@ -163,14 +176,11 @@ class LauncherDriver:
         self._stop_signals = 0
 
     async def run(self, publish: Callable[[EpochMetrics], None]) -> TrainedState:
-        from ..agent import RankOutput
-        from ..controller import Controller, training
-
         _configure_logging()
         plan = self.plan
         output = RankOutput(stdout=sys.stdout.buffer, stderr=sys.stderr.buffer, run_id=plan.run_id)
         controller = Controller(plan, output=output)
-        attachment = training.attach(controller, reference=self._trainer.spec(), on_epoch=publish)
+        attachment = attach(controller, reference=self._reference, on_epoch=publish)
         self._controller = controller
         loop = asyncio.get_running_loop()
         # Ctrl-C too: left to asyncio.run, SIGINT cancels the main task, and the loop's shutdown
@@ -242,9 +252,6 @@ class LauncherDriver:
 def _announce(plan: LaunchPlan, port: int) -> Registration | None:
     """``flodl-launch``'s banner (where the status answers), and the entry that lets ``flodl ps`` /
     a bare ``flodl status`` find this run."""
-    from ..cli.launch import banner, status_host, warn_oversubscribed
-    from ..host.runs import register
-
     warn_oversubscribed(plan)  # this host's CPU ranks; every other host's are checked at its join
     log.info("%s", banner(plan, port))
     try:
@@ -281,17 +288,13 @@ def _add_signal_handler(
 def request_orderly_stop(controller: Controller, why: str, sig: signal.Signals) -> None:
     """Ask the coordinator for a stop with a final round (no signal reaches a rank for it); before
     it exists, stop the run with ``sig``."""
-    from ..controller import training
-
-    if not training.request_stop(controller, why):
+    if not request_stop(controller, why):
         controller.interrupt(int(sig))
 
 
 def final_state(attachment: TrainerAttachment, result: RunResult) -> TrainedState:
     """The launcher's ``TrainedState``: the final consensus the controller kept, or
     ``TrainingFailed`` with the verdict."""
-    from .api import TrainedState
-
     outcome = attachment.outcome()
     stopped = (
         result.exit_code in (ExitCode.INTERRUPTED, ExitCode.TERMINATED)
@@ -315,3 +318,36 @@ def final_state(attachment: TrainerAttachment, result: RunResult) -> TrainedStat
         interrupted=outcome.interrupted,
         primary=True,
     )
+
+
+# ----- the launcher's hold on the controller's training shell -----------------------------------
+
+
+class TrainerAttachment:
+    """What :func:`attach` gives the launcher: the run's result once the controller returns."""
+
+    def __init__(self, controller: Controller) -> None:
+        self._controller = controller
+
+    def outcome(self) -> TrainingResult | None:
+        """The final consensus and counters (None when no Trainer rank said hello)."""
+        shell = self._controller.training
+        return None if shell is None else shell.result()
+
+
+def attach(
+    controller: Controller,
+    *,
+    reference: TrainerSpec | None = None,
+    on_epoch: Callable[[EpochMetrics], None] | None = None,
+) -> TrainerAttachment:
+    """Before ``controller.run()``: the launcher's own spec is the reference every rank must match;
+    epochs go to ``on_epoch``."""
+    controller.configure_training(reference=reference, metrics_sink=on_epoch)
+    return TrainerAttachment(controller)
+
+
+def request_stop(controller: Controller, reason: str = "shutdown requested") -> bool:
+    """An orderly stop of the training (a final round, then ``Shutdown``); False when nothing
+    trains."""
+    return controller.stop_training(reason)

@@ -5,9 +5,9 @@ Theory of operation. :class:`Compute` owns one process's model, optimizer and
 dataset: it fetches a batch (``__getitems__`` when the dataset has it, else one
 ``__getitem__`` per sample, then ``collate``), moves it to the device, and
 finishes a step (clip, ``optimizer.step()``, ``zero_grad``). Which batch comes
-next is a :class:`Schedule`'s business: the inline schedule walks every epoch's
-permutation in this process; the rank schedule (:mod:`flodl_async.trainer.rank`)
-follows the coordinator's plans and carries out its reduces at step
+next is a :class:`Schedule`'s business (:mod:`flodl_async.trainer.schedule`): the
+inline schedule walks every epoch's permutation in this process; the rank
+schedule follows the coordinator's plans and carries out its reduces at step
 boundaries. Both run on a compute thread that is not an event loop's: the
 managed loop (:func:`run_managed`) or the user's own thread (:class:`Worker`).
 
@@ -27,6 +27,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ..errors import ConfigError
+from ..training.partition import permutation
 
 if TYPE_CHECKING:
     import torch
@@ -120,7 +121,7 @@ def fetch_batch(
 def to_device(batch: Batch, device: torch.device) -> Batch:
     """``batch`` with every tensor inside it (lists, tuples, dicts) on ``device``; a no-op on
     CPU."""
-    import torch
+    import torch  # deferred: torch loads when a process builds its model, never before
 
     if device.type == "cpu":
         return batch
@@ -140,7 +141,7 @@ def to_device(batch: Batch, device: torch.device) -> Batch:
 def default_device(local_rank: int = 0) -> torch.device:
     """``cuda:<local_rank>`` when CUDA is available (the agent's ``CUDA_VISIBLE_DEVICES`` picks the
     GPU), else CPU."""
-    import torch
+    import torch  # deferred: torch loads when a process builds its model, never before
 
     if torch.cuda.is_available():
         index = local_rank % max(torch.cuda.device_count(), 1)
@@ -169,8 +170,8 @@ class Compute:
     """One process's model, optimizer and data (built on the compute side, on its device)."""
 
     def __init__(self, config: ComputeConfig, device: torch.device) -> None:
-        import torch
-        from torch.utils.data import default_collate
+        import torch  # deferred: torch loads when a process builds its model, never before
+        from torch.utils.data import default_collate  # deferred with torch
 
         self.config = config
         self.device = device
@@ -201,8 +202,6 @@ class Compute:
         """Samples of batch ``batch`` of epoch ``epoch``: a slice of that epoch's permutation (the
         same on every rank)."""
         if epoch != self._perm_epoch:
-            from ..training.partition import permutation
-
             self._perm = permutation(self.dataset_len, self.config.seed, epoch)
             self._perm_epoch = epoch
         size = self.config.batch_size
@@ -216,7 +215,7 @@ class Compute:
         )
 
     def set_progress(self, progress: float) -> None:
-        """Epoch progress → each group's LR (D7: a function of progress, not of per-rank step
+        """Epoch progress → each group's LR (a function of progress, not of per-rank step
         counts)."""
         schedule = self.config.lr_schedule
         if schedule is None:
@@ -227,7 +226,7 @@ class Compute:
 
     def finish_step(self) -> None:
         """Clip, step, zero the gradients (the user's code did forward, loss and backward)."""
-        import torch
+        import torch  # deferred: torch loads when a process builds its model, never before
 
         if self.config.max_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.max_grad_norm)
@@ -266,7 +265,7 @@ class Compute:
 
 
 def _check_loss(loss: Any) -> float:
-    import torch
+    import torch  # deferred: torch loads when a process builds its model, never before
 
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
         raise ConfigError(
@@ -320,112 +319,6 @@ class StepOutcome:
 
     loss: float
     shutdown: bool
-
-
-class InlineSchedule:
-    """Every epoch's batches in order, in this one process: no coordinator, no averaging (spec §1.5
-    INLINE).
-
-    The policy, backend, ElChe and outer optimizer are ignored: there is no cross-rank averaging to
-    steer. Each epoch's metrics are published as it ends (world size 1, every batch rank 0's).
-    """
-
-    def __init__(
-        self,
-        compute: Compute,
-        *,
-        epochs: int,
-        publish: Callable[[EpochMetrics], None],
-        stop: threading.Event,
-    ) -> None:
-        self._compute = compute
-        self._epochs = epochs
-        self._publish = publish
-        self._stop = stop
-        self._epoch = 0
-        self._batch = 0
-        self._epoch_started = time.monotonic()
-        self._epoch_stats = WindowStats()
-        self.epochs_completed = 0
-        self.global_step = 0
-        self.interrupted = False
-
-    def next_work(self) -> Work | None:
-        if self._stop.is_set():
-            self.interrupted = True
-            return None
-        if self._batch >= self._compute.n_batches:
-            self._close_epoch()
-            self._epoch += 1
-            self._batch = 0
-            self._epoch_started = time.monotonic()
-        if self._epoch >= self._epochs:
-            return None
-        progress = self._epoch + self._batch / self._compute.n_batches
-        return Work(epoch=self._epoch, batch=self._batch, plan=self._epoch, progress=progress)
-
-    def after_step(self, stats: WindowStats) -> bool:
-        self._batch += 1
-        self.global_step += 1
-        self._epoch_stats.merge(stats.take())
-        if self._stop.is_set():
-            self.interrupted = True
-        return self.interrupted
-
-    def _close_epoch(self) -> None:
-        from ..training.metrics import EpochMetrics, RankEpochStats
-
-        s = self._epoch_stats.take()
-        busy_s = (s.compute_ms + s.data_ms) / 1e3
-        avg_loss = s.loss_sum / s.batches if s.batches else math.nan
-        rank = RankEpochStats(
-            rank=0,
-            batches=s.batches,
-            samples=s.samples,
-            avg_loss=avg_loss,
-            throughput=s.batches / busy_s if busy_s > 0 else 0.0,
-            batch_share=1.0,
-            compute_ms=s.compute_ms,
-            data_ms=s.data_ms,
-            alive=True,
-        )
-        scalars = {name: total / s.scalar_counts[name] for name, total in s.scalar_sums.items()}
-        self._publish(
-            EpochMetrics(
-                epoch=self._epoch,
-                avg_loss=avg_loss,
-                epoch_ms=(time.monotonic() - self._epoch_started) * 1e3,
-                batches=s.batches,
-                samples=s.samples,
-                reduces=0,
-                avg_reduce_ms=0.0,
-                anchor=0,
-                counts=(s.batches,),
-                per_rank=(rank,),
-                scalars=scalars,
-            )
-        )
-        self.epochs_completed += 1
-
-    def finish(self) -> Mapping[str, Any]:
-        if (
-            self._batch >= self._compute.n_batches
-            and self._epoch < self._epochs
-            and not self.interrupted
-        ):
-            self._close_epoch()  # the stop came on the epoch's last batch: the epoch is complete
-        return {
-            "state_dict": self._compute.state_dict(),
-            "param_names": self._compute.param_names,
-            "epochs_completed": self.epochs_completed,
-            "global_step": self.global_step,
-            "world_size": 1,
-            "lost_ranks": (),
-            "interrupted": self.interrupted and self.epochs_completed < self._epochs,
-        }
-
-    def fail(self, exc: BaseException) -> None:
-        """Nothing waits on an inline run but its own handle, which gets the exception."""
 
 
 def run_managed(compute: Compute, schedule: Schedule) -> Mapping[str, Any]:
@@ -597,7 +490,7 @@ class Worker:
 
     def finish(self) -> Any:
         """End this process's part of the run and return its
-        :class:`~flodl_async.trainer.api.TrainedState`."""
+        :class:`~flodl_async.trainer.state.TrainedState`."""
         if self._result is None:
             if not self._over:
                 raise ConfigError(

@@ -1,7 +1,7 @@
 """Rank script (torch, CPU): the Trainer's control protocol plus real contributions on the data channel.
 
 Each rank holds ``w = [rank + 1] * 4`` (float32) and "trains" each plan's quota at once; on ``Reduce`` it
-contributes through TD's DataLink (init: rank 0's state, the others empty; model/final: ``steps ** 1``),
+contributes through the relay's DataLink (init: rank 0's state, the others empty; model/final: ``steps ** 1``),
 adopts the consensus, and prints it. The controller runs the real Reducer.
 """
 
