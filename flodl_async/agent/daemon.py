@@ -37,6 +37,7 @@ from collections.abc import Callable
 from ..control.backoff import Backoff, BackoffPolicy
 from ..errors import AgentError, ConfigError, WrongToken
 from ..verdict import ExitCode, exit_code_for_signal
+from .failures import failure_line, session_failure
 from .lifecycle import SessionObserver, ignore
 from .output import RankOutput
 from .session import Ending, HostSession, SessionConfig
@@ -92,8 +93,6 @@ class PersistentAgent:
 
     async def run(self) -> ExitCode:
         """Join, serve, reconnect — until a signal or an error not worth retrying."""
-        from .cli import failure_line, session_failure
-
         cfg = self.config
         loop = asyncio.get_running_loop()
         # Up, signal handlers in place, about to dial: ready, whether or not a controller answers.

@@ -28,9 +28,9 @@ from pathlib import Path
 
 from .._version import __version__
 from ..agent import RankOutput
+from ..config.addr import DEFAULT_PORT
 from ..config.argtypos import HintingParser, hyphenate
 from ..config.cluster import (
-    DEFAULT_PORT,
     ClusterSpec,
     ControllerSpec,
     DeviceKind,
