@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING
 
 from .._version import __version__
 from ..agent import RankOutput
-from ..config.plan import LaunchPlan, PlacedWorker, Placement
+from ..config.plan import LaunchPlan, PlacedWorker, Placement, direct_ssh_targets
 from ..control.links import ControlLinks
 from ..control.liveness import Liveness
 from ..control.membership import describe_threshold
@@ -66,7 +66,7 @@ from ..control.supervisor import (
 from ..errors import ConnectionClosed, FlodlError, WireError
 from ..host.cores import oversubscription
 from ..host.hostaddrs import routable
-from ..host.ifnames import controller_host_peer, direct_ssh_targets
+from ..host.ifnames import controller_host_peer
 from ..net.fdlimit import raise_descriptor_limit
 from ..net.framed import FramedProtocol
 from ..net.http import StatusHttpProtocol
