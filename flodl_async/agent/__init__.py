@@ -12,15 +12,9 @@ The controller imports what it needs from here; the name ``Agent`` is kept for t
 long-lived dial-in agent that comes next.
 """
 
+from .join import SessionConfig, device_labels
 from .output import RankOutput
-from .session import (
-    Ending,
-    HostSession,
-    SessionConfig,
-    SessionOutcome,
-    detect_gpu_count,
-    device_labels,
-)
+from .session import Ending, HostSession, SessionOutcome
 
 __all__ = [
     "Ending",
@@ -28,6 +22,5 @@ __all__ = [
     "RankOutput",
     "SessionConfig",
     "SessionOutcome",
-    "detect_gpu_count",
     "device_labels",
 ]

@@ -43,7 +43,8 @@ from ..net.loop import run
 from ..verdict import AGENT_EXIT_MEANINGS, ExitCode, exit_code_for_signal, exit_help
 from ..wire.keys import secret_from_hex
 from .failures import exit_code_for_error, failure_line, session_failure
-from .session import Ending, HostSession, SessionConfig, SessionOutcome
+from .join import SessionConfig
+from .session import Ending, HostSession, SessionOutcome
 from .specline import read_spec, serve_spec_stdin
 from .systemd import notification_observer, with_watchdog
 

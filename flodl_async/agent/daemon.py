@@ -38,9 +38,10 @@ from ..control.backoff import Backoff, BackoffPolicy
 from ..errors import AgentError, ConfigError, WrongToken
 from ..verdict import ExitCode, exit_code_for_signal
 from .failures import failure_line, session_failure
+from .join import SessionConfig
 from .lifecycle import SessionObserver, ignore
 from .output import RankOutput
-from .session import Ending, HostSession, SessionConfig
+from .session import Ending, HostSession
 
 log = logging.getLogger("flodl_async.agent")
 

@@ -21,7 +21,7 @@ from ..errors import (
     WireError,
 )
 from ..verdict import ExitCode
-from .session import SessionConfig
+from .join import SessionConfig
 
 #: The exit code of each error a session ends with, most specific first (the first match wins).
 ERROR_EXIT_CODES: tuple[tuple[type[FlodlError], ExitCode], ...] = (
