@@ -20,7 +20,6 @@ it the cluster token as a credential, ``--token-file $CREDENTIALS_DIRECTORY/NAME
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import logging
 import signal
@@ -40,6 +39,7 @@ from ..host.sdnotify import Notifier
 from ..host.secretfile import read_secret_file, read_token_file
 from ..net.fdlimit import raise_descriptor_limit
 from ..net.loop import run
+from ..net.signals import StopSignals
 from ..verdict import AGENT_EXIT_MEANINGS, ExitCode, exit_code_for_signal, exit_help
 from ..wire.keys import secret_from_hex
 from .failures import exit_code_for_error, failure_line, session_failure
@@ -199,30 +199,22 @@ def build_config(args: argparse.Namespace) -> SessionConfig:
 
 async def serve(session: HostSession) -> SessionOutcome:
     """Run ``session`` with SIGTERM/SIGINT wired: the first stops gracefully, the second forces."""
-    loop = asyncio.get_running_loop()
-    received: list[signal.Signals] = []
 
-    def on_signal(sig: signal.Signals) -> None:
-        received.append(sig)
-        if len(received) == 1:
-            grace = session.config.deadlines.stop_grace
-            log.info(
-                "%s: stopping this host's ranks (KILL in %gs; a second signal kills them now)",
-                sig.name,
-                grace,
-            )
-            session.request_stop(sig)
-        else:
-            log.warning("second signal (%s): killing this host's ranks now", sig.name)
-            session.force_stop()
+    def graceful(sig: signal.Signals) -> None:
+        grace = session.config.deadlines.stop_grace
+        log.info(
+            "%s: stopping this host's ranks (KILL in %gs; a second signal kills them now)",
+            sig.name,
+            grace,
+        )
+        session.request_stop(sig)
 
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, on_signal, sig)
-    try:
+    def forced(sig: signal.Signals) -> None:
+        log.warning("second signal (%s): killing this host's ranks now", sig.name)
+        session.force_stop()
+
+    with StopSignals(graceful, forced):
         return await session.run()
-    finally:
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.remove_signal_handler(sig)
 
 
 def exit_code_for(outcome: SessionOutcome) -> ExitCode:

@@ -36,6 +36,7 @@ from collections.abc import Callable
 
 from ..control.backoff import Backoff, BackoffPolicy
 from ..errors import AgentError, ConfigError, WrongToken
+from ..net.signals import StopSignals
 from ..verdict import ExitCode, exit_code_for_signal
 from .failures import failure_line, session_failure
 from .join import SessionConfig
@@ -159,21 +160,10 @@ class PersistentAgent:
 
 async def serve_persistently(agent: PersistentAgent) -> ExitCode:
     """Run ``agent`` with SIGTERM/SIGINT wired: the first stops gracefully, the second forces."""
-    loop = asyncio.get_running_loop()
-    received: list[signal.Signals] = []
 
-    def on_signal(sig: signal.Signals) -> None:
-        received.append(sig)
-        if len(received) == 1:
-            agent.request_stop(sig)
-        else:
-            log.warning("second signal (%s): killing this host's ranks now", sig.name)
-            agent.force_stop()
+    def forced(sig: signal.Signals) -> None:
+        log.warning("second signal (%s): killing this host's ranks now", sig.name)
+        agent.force_stop()
 
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, on_signal, sig)
-    try:
+    with StopSignals(agent.request_stop, forced):
         return await agent.run()
-    finally:
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.remove_signal_handler(sig)

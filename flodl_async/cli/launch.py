@@ -22,7 +22,7 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -50,6 +50,7 @@ from ..host.gpus import host_visible_gpus, select
 from ..host.hostnames import HostAliases
 from ..host.runs import Registration, register
 from ..host.secretfile import load_or_create_secret, read_token_file
+from ..net.signals import StopSignals
 from ..verdict import ExitCode, RunResult, exit_help
 from ..wire.keys import new_session_secret
 
@@ -526,14 +527,11 @@ async def _run(
             )
         except RuntimeDirError as exc:
             log.warning("not registered for `flodl ps` / `flodl status`: %s", exc)
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, controller.interrupt, int(sig))
-        try:
+        # Every signal goes to the controller, which counts them itself (its supervisor's signal
+        # table: the first stops in order, the next forces).
+        interrupt = _interrupter(controller)
+        with StopSignals(interrupt, interrupt):
             return await controller.run()
-        finally:
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                loop.remove_signal_handler(sig)
     finally:
         if registration is not None:
             registration.remove()
@@ -546,6 +544,15 @@ async def _run(
         for handler, stream in zip(handlers, previous, strict=True):
             if stream is not None:
                 handler.setStream(stream)
+
+
+def _interrupter(controller: Controller) -> Callable[[signal.Signals], None]:
+    """``controller.interrupt`` as a stop signal calls it (with the signal's number)."""
+
+    def interrupt(sig: signal.Signals) -> None:
+        controller.interrupt(int(sig))
+
+    return interrupt
 
 
 def main(argv: Sequence[str] | None = None) -> int:
