@@ -268,10 +268,9 @@ class _Serving:
         entry: RuntimeEntry,
         default_ifname: str | None = None,
     ) -> None:
-        # Only a formed world needs ranks, a relay and a store: importing them here keeps them off
-        # the join path.
-        from .ranks import RankWorld
-        from .storehost import StoreHost
+        # Only a formed world needs ranks, a relay and a store.
+        from .ranks import RankWorld  # off the ssh agent's start path
+        from .storehost import StoreHost  # off the ssh agent's start path
 
         cfg = session.config
         self._session = session

@@ -130,7 +130,7 @@ def _status(args: argparse.Namespace) -> StatusExit:
 
 
 def _token_new(args: argparse.Namespace) -> int:
-    from ..host.secretfile import create_token_file
+    from ..host.secretfile import create_token_file  # cryptography: not for `flodl status`
 
     try:
         create_token_file(args.path)

@@ -50,6 +50,7 @@ from ..host.gpus import host_visible_gpus, select
 from ..host.hostnames import HostAliases
 from ..host.runs import Registration, register
 from ..host.secretfile import load_or_create_secret, read_token_file
+from ..net.loop import run
 from ..net.signals import StopSignals
 from ..verdict import ExitCode, RunResult, exit_help
 from ..wire.keys import new_session_secret
@@ -557,8 +558,6 @@ def _interrupter(controller: Controller) -> Callable[[signal.Signals], None]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``flodl-launch``."""
-    from ..net.loop import run
-
     argv = sys.argv[1:] if argv is None else argv
     try:
         args = parse_args(argv)
