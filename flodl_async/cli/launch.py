@@ -334,7 +334,7 @@ def build_plan(args: _Args) -> LaunchPlan:
     )
     join = spec.controller.join.resolve(capacity, scale=deadlines.scale, reported_hosts=reported)
     secret = _session_secret(args.secret_file)
-    token = _cluster_token(args.token_file, spec)
+    token = cluster_token(args.token_file, spec)
     run_id = args.run_id or f"flodl-{secrets.token_hex(4)}"
     if args.log_dir is not None and (args.log_dir / run_id).exists():
         # torchrun's layout has one directory per run: an earlier run's logs are never appended to.
@@ -362,7 +362,7 @@ def build_plan(args: _Args) -> LaunchPlan:
     )
 
 
-def _cluster_token(flag: str | None, spec: ClusterSpec) -> bytes | None:
+def cluster_token(flag: str | None, spec: ClusterSpec) -> bytes | None:
     """The token of ``--token-file``, else of ``controller.token_file`` (relative to the cluster
     file), else None."""
     if flag is not None:

@@ -99,7 +99,7 @@ def launch_plan(
 ) -> LaunchPlan:
     """The launch plan of a Trainer launcher: ``flodl-launch``'s, with this program as the ranks'
     command."""
-    from ..cli.launch import _cluster_token, placement_of, this_machine
+    from ..cli.launch import cluster_token, placement_of, this_machine
 
     if trainer.backend is not Backend.CPU and any(w.tunnel for w in spec.workers):
         raise ConfigError(
@@ -124,7 +124,7 @@ def launch_plan(
         cluster_env={**spec.env, LAUNCHER_PRIMARY_VAR: "1"},
         deadlines=deadlines,
         host_aliases=aliases,
-        token=_cluster_token(None, spec),
+        token=cluster_token(None, spec),
         one_host=spec.source == "auto-promote",
     )
 
