@@ -41,7 +41,6 @@ MAX_STATUS_DEPTH = 32
 #: How much of a redirect's target the refusal quotes.
 _QUOTE_LIMIT = 200
 
-
 #: Unicode categories never printed: controls (C0, DEL, C1: terminal escape sequences start with
 #: them), format characters (bidi overrides and isolates, zero-width ones), lone surrogates (which
 #: cannot even be encoded), and the line and paragraph separators.
@@ -317,6 +316,8 @@ def fetch_status(host: str, port: int, *, timeout: float = 3.0) -> tuple[int, di
     assert isinstance(cleaned, dict)
     return response.status, cleaned
 
+
+# ----- the table ---------------------------------------------------------------------------------
 
 #: ``flodl status`` flags a running rank with neither output nor CPU progress for this long
 #: (``--silent-after``).
