@@ -24,7 +24,8 @@ translated at the boundary with ``raise ... from exc``.
     ├── BusyError                 a second task tried to receive on a link (also a RuntimeError)
     ├── ProtocolError             a valid frame out of place
     ├── ConfigError               bad cluster file, arguments or environment
-    │   └── RoleError             inconsistent role variables
+    │   ├── RoleError             inconsistent role variables
+    │   └── NotFlodlStatus        ``flodl status`` was pointed at something else than a controller
     ├── PortInUseError            the controller port is held by a live listener
     ├── SubscriptionClosed        a status subscription was closed
     └── AgentError                one host's session failed (fields: host, reason)
@@ -140,6 +141,10 @@ class ConfigError(FlodlError):
 
 class RoleError(ConfigError):
     """The environment names an inconsistent mix of process roles."""
+
+
+class NotFlodlStatus(ConfigError):
+    """Something answered at the address, but not with a flodl status document."""
 
 
 class PortInUseError(FlodlError):

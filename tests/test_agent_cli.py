@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from flodl_async.agent import RankOutput, SessionConfig
-from flodl_async.agent.cli import exit_code_for_error, failure_line, session_failure
+from flodl_async.agent.failures import exit_code_for_error, failure_line, session_failure
 from flodl_async.config.devices import DeviceSpec
 from flodl_async.errors import (
     AgentError,

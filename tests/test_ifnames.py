@@ -6,12 +6,11 @@ import pytest
 
 from flodl_async.config.cluster import SshSpec, WorkerSpec, parse_cluster
 from flodl_async.config.devices import parse_devices
-from flodl_async.config.plan import PlacedWorker, Placement
+from flodl_async.config.plan import PlacedWorker, Placement, direct_ssh_targets
 from flodl_async.errors import ConfigError
 from flodl_async.host.ifnames import (
     controller_host_ifname,
     controller_host_peer,
-    direct_ssh_targets,
     interface_holding,
     ranks_env,
     stand_alone_default_ifname,

@@ -853,7 +853,7 @@ def test_flodl_ps_and_status_find_the_local_runs(
 def test_a_taken_default_port_gives_way_for_nproc_runs_but_an_explicit_port_is_strict(
     tmp_path: Path, own_runtime: dict[str, str]
 ) -> None:
-    from flodl_async.config.cluster import DEFAULT_PORT
+    from flodl_async.config.addr import DEFAULT_PORT
 
     with socket.socket() as holder:
         holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -15,8 +15,9 @@ from flodl_async.config.cluster import ClusterSpec, ControllerSpec, DeviceSpec, 
 from flodl_async.config.devices import parse_devices
 from flodl_async.config.plan import Placement
 from flodl_async.errors import ConfigError
+from flodl_async.net.signals import add_guest_handler
 from flodl_async.trainer.entry import LAUNCHER_PRIMARY_VAR
-from flodl_async.trainer.launcher import _add_signal_handler, cluster_of, launch_plan
+from flodl_async.trainer.launcher import cluster_of, launch_plan
 from flodl_async.trainer.state import RunRequest
 
 
@@ -137,8 +138,8 @@ def test_the_launcher_takes_a_stop_signal_only_where_the_application_has_not() -
                 both.set()
 
         loop.add_signal_handler(signal.SIGTERM, record, "the application's graceful stop")
-        assert _add_signal_handler(loop, signal.SIGTERM, record) is None  # left to the application
-        taken = _add_signal_handler(loop, signal.SIGINT, record)
+        assert add_guest_handler(loop, signal.SIGTERM, record) is None  # left to the application
+        taken = add_guest_handler(loop, signal.SIGINT, record)
         assert taken is not None
         assert taken[0] is signal.SIGINT
         signal.raise_signal(signal.SIGTERM)

@@ -10,15 +10,9 @@ join path first (torch, asyncssh, the controller never).
 May import: _version, verdict, errors, wire, deadlines, host, control, net, config, relay.
 """
 
+from .join import SessionConfig, device_labels
 from .output import RankOutput
-from .session import (
-    Ending,
-    HostSession,
-    SessionConfig,
-    SessionOutcome,
-    detect_gpu_count,
-    device_labels,
-)
+from .session import Ending, HostSession, SessionOutcome
 
 __all__ = [
     "Ending",
@@ -26,6 +20,5 @@ __all__ = [
     "RankOutput",
     "SessionConfig",
     "SessionOutcome",
-    "detect_gpu_count",
     "device_labels",
 ]

@@ -20,34 +20,31 @@ it the cluster token as a credential, ``--token-file $CREDENTIALS_DIRECTORY/NAME
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import logging
 import signal
 import socket
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 from .._version import __version__
+from ..config.addr import parse_addr
 from ..config.argtypos import HintingParser, hyphenate
 from ..config.devices import parse_devices
 from ..control.backoff import BackoffPolicy
 from ..deadlines import DEFAULT_STOP_GRACE, Deadlines
-from ..errors import (
-    AgentError,
-    ConfigError,
-    ConnectionClosed,
-    ControllerLost,
-    FlodlError,
-    JoinFailed,
-    WireError,
-)
+from ..errors import ConfigError
 from ..host.ifnames import stand_alone_default_ifname
 from ..host.sdnotify import Notifier
 from ..host.secretfile import read_secret_file, read_token_file
+from ..net.fdlimit import raise_descriptor_limit
+from ..net.loop import run
+from ..net.signals import StopSignals
 from ..verdict import AGENT_EXIT_MEANINGS, ExitCode, exit_code_for_signal, exit_help
 from ..wire.keys import secret_from_hex
-from .session import Ending, HostSession, SessionConfig, SessionOutcome
+from .failures import exit_code_for_error, failure_line, session_failure
+from .join import SessionConfig
+from .session import Ending, HostSession, SessionOutcome
 from .specline import read_spec, serve_spec_stdin
 from .systemd import notification_observer, with_watchdog
 
@@ -147,8 +144,6 @@ def _read_secret(secret_file: str | None) -> bytes:
 
 def build_config(args: argparse.Namespace) -> SessionConfig:
     """The parsed command line as a session config; mistakes raise :class:`ConfigError`."""
-    from ..cli.flodl import parse_addr
-
     if args.controller is None:
         raise ConfigError(
             "--controller HOST:PORT is required (or --spec-stdin, when flodl-launch starts this "
@@ -204,30 +199,22 @@ def build_config(args: argparse.Namespace) -> SessionConfig:
 
 async def serve(session: HostSession) -> SessionOutcome:
     """Run ``session`` with SIGTERM/SIGINT wired: the first stops gracefully, the second forces."""
-    loop = asyncio.get_running_loop()
-    received: list[signal.Signals] = []
 
-    def on_signal(sig: signal.Signals) -> None:
-        received.append(sig)
-        if len(received) == 1:
-            grace = session.config.deadlines.stop_grace
-            log.info(
-                "%s: stopping this host's ranks (KILL in %gs; a second signal kills them now)",
-                sig.name,
-                grace,
-            )
-            session.request_stop(sig)
-        else:
-            log.warning("second signal (%s): killing this host's ranks now", sig.name)
-            session.force_stop()
+    def graceful(sig: signal.Signals) -> None:
+        grace = session.config.deadlines.stop_grace
+        log.info(
+            "%s: stopping this host's ranks (KILL in %gs; a second signal kills them now)",
+            sig.name,
+            grace,
+        )
+        session.request_stop(sig)
 
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, on_signal, sig)
-    try:
+    def forced(sig: signal.Signals) -> None:
+        log.warning("second signal (%s): killing this host's ranks now", sig.name)
+        session.force_stop()
+
+    with StopSignals(graceful, forced):
         return await session.run()
-    finally:
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.remove_signal_handler(sig)
 
 
 def exit_code_for(outcome: SessionOutcome) -> ExitCode:
@@ -242,9 +229,6 @@ def exit_code_for(outcome: SessionOutcome) -> ExitCode:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``flodl-agent``: join a controller and run this host's ranks; returns the exit
     code."""
-    from ..net.fdlimit import raise_descriptor_limit
-    from ..net.loop import run
-
     parser = _parser()
     # --help and argparse's own errors exit here (code 2)
     args = parser.parse_args(hyphenate(parser, sys.argv[1:] if argv is None else argv))
@@ -281,8 +265,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _persist(config: SessionConfig, *, reconnect_max: float) -> int:
-    from ..net.loop import run
-    from .daemon import PersistentAgent, serve_persistently
+    from .daemon import PersistentAgent, serve_persistently  # off the ssh agent's start path
 
     policy = BackoffPolicy(initial=min(0.5, reconnect_max), cap=reconnect_max)
     notifier = Notifier.from_environ()  # as for one run: a no-op outside systemd
@@ -303,67 +286,6 @@ def _persist(config: SessionConfig, *, reconnect_max: float) -> int:
         return int(ExitCode.INTERNAL)
     finally:
         notifier.close()
-
-
-#: The exit code of each error a session ends with, most specific first (the first match wins).
-ERROR_EXIT_CODES: tuple[tuple[type[FlodlError], ExitCode], ...] = (
-    (ConfigError, ExitCode.USAGE),
-    (JoinFailed, ExitCode.FORMATION),
-    (AgentError, ExitCode.RANK_FAILURE),
-)
-
-
-def exit_code_for_error(exc: AgentError | ConfigError) -> ExitCode:
-    """The exit code of a session that ended with ``exc`` (:data:`ERROR_EXIT_CODES`)."""
-    return next(code for cls, code in ERROR_EXIT_CODES if isinstance(exc, cls))
-
-
-def session_failure(exc: BaseException, config: SessionConfig) -> AgentError | ConfigError | None:
-    """The user-facing error behind what a session raised, or None when it is a bug.
-
-    A session's serving phase runs in a TaskGroup, so its error may come wrapped in an
-    ``ExceptionGroup``: the group is unwrapped to its first session or config error. A
-    link error that escaped untranslated is the controller going away — before admission
-    when it comes bare (the join is outside the group), mid-run when it comes in the
-    group. Anything else in a group is a bug, and so is the whole group then.
-    """
-    if isinstance(exc, AgentError | ConfigError):
-        return exc
-    if isinstance(exc, ConnectionClosed | WireError):
-        return JoinFailed(
-            config.host, f"lost the controller at {config.controller_addr} before joining: {exc}"
-        )
-    if not isinstance(exc, BaseExceptionGroup):
-        return None
-    leaves = list(_leaves(exc))
-    if not all(
-        isinstance(leaf, AgentError | ConfigError | ConnectionClosed | WireError) for leaf in leaves
-    ):
-        return None
-    for leaf in leaves:
-        if isinstance(leaf, AgentError | ConfigError):
-            return leaf
-    return ControllerLost(
-        config.host, f"lost the controller at {config.controller_addr} mid-run: {leaves[0]}"
-    )
-
-
-def _leaves(group: BaseExceptionGroup[BaseException]) -> Iterator[BaseException]:
-    for exc in group.exceptions:
-        if isinstance(exc, BaseExceptionGroup):
-            yield from _leaves(exc)
-        else:
-            yield exc
-
-
-def failure_line(exc: AgentError | ConfigError, controller: str) -> str:
-    """One line for the operator: this host, the controller's address, the cause, what to do
-    next."""
-    if not isinstance(exc, AgentError):
-        return f"flodl-agent: {exc}"
-    # The session's reasons name the controller when they know its address; the rest get it here.
-    where = "" if controller in exc.reason else f" (controller {controller})"
-    return f"flodl-agent: agent {exc.host}: {exc.reason}{where} — {exc.advice}"
 
 
 def _say(line: str) -> None:

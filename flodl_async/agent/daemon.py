@@ -36,10 +36,13 @@ from collections.abc import Callable
 
 from ..control.backoff import Backoff, BackoffPolicy
 from ..errors import AgentError, ConfigError, WrongToken
+from ..net.signals import StopSignals
 from ..verdict import ExitCode, exit_code_for_signal
+from .failures import failure_line, session_failure
+from .join import SessionConfig
 from .lifecycle import SessionObserver, ignore
 from .output import RankOutput
-from .session import Ending, HostSession, SessionConfig
+from .session import Ending, HostSession
 
 log = logging.getLogger("flodl_async.agent")
 
@@ -92,8 +95,6 @@ class PersistentAgent:
 
     async def run(self) -> ExitCode:
         """Join, serve, reconnect — until a signal or an error not worth retrying."""
-        from .cli import failure_line, session_failure
-
         cfg = self.config
         loop = asyncio.get_running_loop()
         # Up, signal handlers in place, about to dial: ready, whether or not a controller answers.
@@ -159,21 +160,10 @@ class PersistentAgent:
 
 async def serve_persistently(agent: PersistentAgent) -> ExitCode:
     """Run ``agent`` with SIGTERM/SIGINT wired: the first stops gracefully, the second forces."""
-    loop = asyncio.get_running_loop()
-    received: list[signal.Signals] = []
 
-    def on_signal(sig: signal.Signals) -> None:
-        received.append(sig)
-        if len(received) == 1:
-            agent.request_stop(sig)
-        else:
-            log.warning("second signal (%s): killing this host's ranks now", sig.name)
-            agent.force_stop()
+    def forced(sig: signal.Signals) -> None:
+        log.warning("second signal (%s): killing this host's ranks now", sig.name)
+        agent.force_stop()
 
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, on_signal, sig)
-    try:
+    with StopSignals(agent.request_stop, forced):
         return await agent.run()
-    finally:
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.remove_signal_handler(sig)

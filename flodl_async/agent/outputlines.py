@@ -46,11 +46,6 @@ class OutputChunker:
             self._pending_since = now
         self._buffer += data
 
-    @property
-    def buffered(self) -> int:
-        """Bytes received and not yet handed out."""
-        return len(self._buffer)
-
     def next_chunk(self, now: float) -> bytes | None:
         """The next chunk due at ``now``, or None: whole lines first, then a partial line that
         waited ``idle``."""

@@ -1,8 +1,8 @@
 """One host's session in one run: join, serve the controller's commands, leave nothing behind.
 
 Theory of operation. :meth:`HostSession.run` dials the controller's join
-channel and asks to join with its host name and devices. Once admitted it
-takes its entry in the runtime directory (:mod:`flodl_async.host.runtime`), waits
+channel and asks to join with its host name and devices (:mod:`flodl_async.agent.join`). Once
+admitted it takes its entry in the runtime directory (:mod:`flodl_async.host.runtime`), waits
 for ``WorldFormed`` (its global ranks and the command), starts the relay, and
 then follows the controller's commands on the join link, which stays open for
 the whole run. Commands are dispatched through one table (message class →
@@ -42,116 +42,41 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import enum
 import logging
-import os
-import random
 import signal
-import socket
 from collections.abc import Callable, Coroutine, Mapping, Sequence
-from dataclasses import dataclass, field, replace
-from pathlib import Path
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from .._version import __version__
-from ..config.devices import DeviceKind, DeviceSpec
-from ..control.backoff import Backoff, BackoffPolicy
+from ..config.devices import DeviceKind
 from ..control.liveness import Liveness
-from ..deadlines import Deadlines
 from ..errors import (
     AgentError,
     ConfigError,
     ConnectionClosed,
     ControllerLost,
-    ControllerUnreachable,
     FlodlError,
-    FormationAborted,
-    JoinFailed,
-    JoinRejected,
     WireError,
 )
-from ..host.cores import usable_cores
 from ..host.gpus import host_visible_gpus, select
-from ..host.hostaddrs import host_addresses
 from ..host.ifnames import interface_holding
 from ..host.runtime import RuntimeEntry, create_entry, reap_stale_ranks, sweep_stale
-from ..net.framed import FramedProtocol, open_framed
+from ..net.framed import FramedProtocol
 from ..verdict import StopStep, rank_signal_for, stop_schedule
 from ..wire import messages as m
-from ..wire.channels import Channel
-from ..wire.keys import SECRET_BYTES, Credential
+from ..wire.keys import Credential
 from ..wire.schema import Message
+from .join import Joiner, SessionConfig, StopRequested, device_labels, with_session_secret
 from .lifecycle import Phase, SessionEvent, SessionObserver, ignore
 from .output import LinkOutput, OutputSink
 
 # imported where the world has formed: an agent's start (the fan-out's per-host path) skips them
 if TYPE_CHECKING:
     from ..relay.control import Relay
-    from ..relay.fold import LocalReducerSource
     from .ranks import RankProcesses
 
 log = logging.getLogger("flodl_async.agent")
-
-
-def detect_gpu_count() -> int:
-    """GPUs this process may use, without importing torch: the device nodes, within the caller's
-    CUDA_VISIBLE_DEVICES (:mod:`flodl_async.host.gpus`).
-
-    Each agent counts its own host's and reports them as its devices at join: that is a remote
-    ``devices: all`` host's capacity, never the controller's count.
-    """
-    return len(host_visible_gpus())
-
-
-def device_labels(devices: DeviceSpec) -> tuple[str, ...]:
-    """The device labels this host offers."""
-    return devices.labels(detect_gpu_count() if devices.kind is DeviceKind.ALL_GPUS else 0)
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class SessionConfig:
-    """Everything one host needs to take part in one run."""
-
-    controller_host: str
-    controller_port: int
-    #: The session secret; empty when ``token`` is set (the controller then sends the secret,
-    #: sealed, on admission).
-    secret: bytes = field(repr=False)
-    host: str
-    devices: DeviceSpec
-    env: Mapping[str, str] = field(default_factory=dict)
-    workdir: str | None = None
-    advertise_addr: str | None = None
-    #: Every deadline, resolved once (``FLODL_NET_TIMEOUT_SCALE`` applied); ``stop_grace`` is used
-    #: for Finish, signals and a lost controller.
-    deadlines: Deadlines = field(default_factory=Deadlines.resolve)
-    #: The runtime directory (default: :func:`flodl_async.host.runtime.runtime_root`).
-    runtime_root: Path | None = None
-    #: A dial-in agent's cluster token: it joins with the token instead of the session secret.
-    token: bytes | None = field(default=None, repr=False)
-    #: Join with no credential at all (a controller running ``join.open_admission``); the secret
-    #: comes as with a token.
-    open_admission: bool = False
-    #: While nothing listens at the controller address, keep dialing this long (0: one try).
-    #: ``flodl-agent --connect-timeout``.
-    connect_timeout: float = 0.0
-    #: The pacing of those dials: the capped backoff of ``--persist``.
-    connect_backoff: BackoffPolicy = field(default_factory=BackoffPolicy)
-    #: The ranks' GLOO/NCCL_SOCKET_IFNAME where nothing (cluster file, env, this agent's env) sets
-    #: them:
-    #: None takes the interface of the join connection (an agent on another host: the NIC the other
-    #: hosts reach); the controller's own host, which joins over loopback, passes its choice ("":
-    #: none).
-    default_ifname: str | None = None
-    #: The controller's reducer when this agent runs in the controller's own process (its local
-    #: launcher passes it): the relay hands the host's frames to it in memory. None: dial the port.
-    local_reducer: LocalReducerSource | None = field(default=None, repr=False, compare=False)
-
-    @property
-    def controller_addr(self) -> str:
-        """``host:port`` of the controller, for messages and the runtime marker."""
-        return f"{self.controller_host}:{self.controller_port}"
 
 
 class Ending(enum.Enum):
@@ -170,32 +95,6 @@ class SessionOutcome:
     ending: Ending
     reason: str
     signal: int | None = None
-
-
-def _join_credential(cfg: SessionConfig) -> Credential:
-    if cfg.token is not None:
-        return Credential.token(cfg.token)
-    if cfg.open_admission:
-        return Credential.open_admission()
-    return Credential.session(cfg.secret)
-
-
-def _with_session_secret(cfg: SessionConfig, accept: m.JoinAccept) -> SessionConfig:
-    """A token agent's config once admitted: the run's session secret, as its sealed JoinAccept
-    carried it."""
-    if len(accept.session_secret) != SECRET_BYTES:
-        raise JoinFailed(
-            cfg.host,
-            f"the controller at {cfg.controller_addr} admitted this agent without a valid session "
-            "secret "
-            f"({len(accept.session_secret)} bytes); run the same flodl_async version on every host",
-        )
-    return dataclasses.replace(cfg, secret=accept.session_secret)
-
-
-class _StopRequested(Exception):
-    """Internal: a stop was requested before the session was serving (the join link was closed for
-    it)."""
 
 
 class HostSession:
@@ -271,7 +170,8 @@ class HostSession:
             log.warning("agent %s: %s", cfg.host, cleaned.describe())
         sweep_stale(cfg.runtime_root)  # leftovers of sessions that were SIGKILLed
         self.observe(Phase.DIALING)
-        link = await self._dial_until_answered()
+        joiner = Joiner(cfg, stopping=self._stop_waiting)
+        link = await joiner.dial()
         if link is None:
             sig = self._stop_signal or signal.SIGTERM
             return SessionOutcome(
@@ -284,10 +184,10 @@ class HostSession:
         entry: RuntimeEntry | None = None
         try:
             if self._stop_signal is not None:
-                raise _StopRequested
-            accept = await self._join(link, devices)
+                raise StopRequested
+            accept = await joiner.join(link, devices)
             if cfg.token is not None or cfg.open_admission:
-                self.config = cfg = _with_session_secret(cfg, accept)
+                self.config = cfg = with_session_secret(cfg, accept)
             self.observe(Phase.ADMITTED, run_id=accept.run_id, ranks=accept.ranks)
             entry = create_entry(
                 run_id=accept.run_id,
@@ -295,7 +195,7 @@ class HostSession:
                 controller=cfg.controller_addr,
                 root=cfg.runtime_root,
             )
-            formed = await self._await_formation(link, accept)
+            formed = await joiner.await_formation(link, accept)
             ifname = (
                 cfg.default_ifname
                 if cfg.default_ifname is not None
@@ -311,7 +211,7 @@ class HostSession:
             )
             self._serving = serving
             return await serving.run()
-        except _StopRequested:
+        except StopRequested:
             sig = self._stop_signal or signal.SIGTERM
             return SessionOutcome(
                 ending=Ending.STOPPED,
@@ -322,79 +222,6 @@ class HostSession:
             await link.aclose(grace=cfg.deadlines.link_close)
             if entry is not None:
                 entry.remove()
-
-    async def _dial_until_answered(self) -> FramedProtocol | None:
-        """Dial the join channel; while nothing listens there, retry (the capped backoff of
-        ``--persist``) up to ``connect_timeout``.
-
-        An agent started before its controller waits instead of failing on the first
-        refused connection, and says so once. None: a signal stopped the wait.
-        """
-        cfg = self.config
-        loop = asyncio.get_running_loop()
-        give_up = loop.time() + cfg.connect_timeout
-        backoff = Backoff(cfg.connect_backoff)
-        while True:
-            try:
-                return await self._dial_once()
-            except ControllerUnreachable as exc:
-                cause = exc.__cause__
-                if (
-                    not isinstance(cause, OSError)
-                    or isinstance(cause, socket.gaierror | TimeoutError)
-                    or loop.time() >= give_up
-                ):
-                    # a name that does not resolve, or a handshake that hung, will not mend by
-                    # waiting
-                    raise
-                if backoff.failures == 0:
-                    why = cause.strerror or cause
-                    log.warning(
-                        "agent %s: no controller at %s yet (%s); retrying for up to %gs",
-                        cfg.host,
-                        cfg.controller_addr,
-                        why,
-                        cfg.connect_timeout,
-                    )
-                at = min(backoff.failed(loop.time(), random.random()), give_up)  # noqa: S311 -- jitter, not a secret
-                with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(max(at - loop.time(), 0.0)):
-                        await self._stop_waiting.wait()
-                if self._stop_signal is not None:
-                    return None
-
-    async def _dial_once(self) -> FramedProtocol:
-        cfg = self.config
-        try:
-            async with asyncio.timeout(cfg.deadlines.handshake):
-                credential = _join_credential(cfg)
-                return await open_framed(
-                    cfg.controller_host,
-                    cfg.controller_port,
-                    channel=Channel.JOIN,
-                    credential=credential,
-                )
-        except TimeoutError as exc:
-            raise ControllerUnreachable(
-                cfg.host,
-                f"the controller at {cfg.controller_addr} accepted the connection but did not "
-                f"finish the handshake within {cfg.deadlines.handshake:g}s",
-            ) from exc
-        except OSError as exc:
-            waited = (
-                f" (waited {cfg.connect_timeout:g}s, --connect-timeout)"
-                if cfg.connect_timeout > 0
-                else ""
-            )
-            raise ControllerUnreachable(
-                cfg.host,
-                f"cannot reach the controller at {cfg.controller_addr}: "
-                f"{exc.strerror or exc}{waited}",
-            ) from exc
-        except WireError as exc:
-            raise JoinFailed(
-                cfg.host, f"cannot join the controller at {cfg.controller_addr}: {exc}"
-            ) from exc
 
     def observe(
         self,
@@ -420,80 +247,6 @@ class HostSession:
             )
         )
 
-    async def _recv(
-        self, link: FramedProtocol, doing: str, lost: Callable[[str, str], AgentError]
-    ) -> Message:
-        try:
-            return await link.recv_message()
-        except ConnectionClosed as exc:
-            if self._stop_signal is not None:
-                raise _StopRequested from exc
-            raise lost(
-                self.config.host, f"the controller closed the join link while {doing}"
-            ) from exc
-        except WireError as exc:
-            raise lost(
-                self.config.host, f"bad frame from the controller while {doing}: {exc}"
-            ) from exc
-
-    async def _join(self, link: FramedProtocol, devices: tuple[str, ...]) -> m.JoinAccept:
-        cfg = self.config
-        try:
-            hello = m.JoinHello(
-                host=cfg.host,
-                devices=devices,
-                pid=os.getpid(),
-                agent_version=__version__,
-                addresses=host_addresses(),
-                cores=usable_cores(),
-            )
-            link.send(hello)
-        except ConnectionClosed as exc:
-            raise JoinFailed(
-                cfg.host,
-                f"the controller at {cfg.controller_addr} closed the join link before the join "
-                "request",
-            ) from exc
-        try:
-            async with asyncio.timeout(cfg.deadlines.join_reply):
-                reply = await self._recv(link, "waiting for the join reply", JoinFailed)
-        except TimeoutError:
-            raise JoinFailed(
-                cfg.host, f"no answer to the join request within {cfg.deadlines.join_reply:g}s"
-            ) from None
-        if isinstance(reply, m.JoinReject):
-            raise JoinRejected(cfg.host, f"join rejected by the controller: {reply.reason}")
-        if not isinstance(reply, m.JoinAccept):
-            raise JoinFailed(cfg.host, f"unexpected {type(reply).__name__} instead of a join reply")
-        log.debug(
-            "agent %s: admitted to run %s with ranks %s", cfg.host, reply.run_id, list(reply.ranks)
-        )
-        return reply
-
-    async def _await_formation(self, link: FramedProtocol, accept: m.JoinAccept) -> m.WorldFormed:
-        cfg = self.config
-        wait = accept.formation_wait_s + cfg.deadlines.formation_margin
-        try:
-            async with asyncio.timeout(wait):
-                formed = await self._recv(link, "waiting for the world to form", FormationAborted)
-                while isinstance(formed, m.Heartbeat):  # the controller checks we are alive: echo
-                    with contextlib.suppress(ConnectionClosed):
-                        link.send(m.Heartbeat(sent_at=formed.sent_at))
-                    formed = await self._recv(
-                        link, "waiting for the world to form", FormationAborted
-                    )
-        except TimeoutError:
-            raise FormationAborted(cfg.host, f"the world did not form within {wait:g}s") from None
-        if isinstance(formed, m.Abort):
-            raise FormationAborted(
-                cfg.host, f"the controller aborted before formation: {formed.reason}"
-            )
-        if not isinstance(formed, m.WorldFormed):
-            raise FormationAborted(
-                cfg.host, f"unexpected {type(formed).__name__} instead of WorldFormed"
-            )
-        return formed
-
 
 _Handler = Callable[["_Serving", Any], None]
 
@@ -515,10 +268,9 @@ class _Serving:
         entry: RuntimeEntry,
         default_ifname: str | None = None,
     ) -> None:
-        # Only a formed world needs ranks, a relay and a store: importing them here keeps them off
-        # the join path.
-        from .ranks import RankWorld
-        from .storehost import StoreHost
+        # Only a formed world needs ranks, a relay and a store.
+        from .ranks import RankWorld  # off the ssh agent's start path
+        from .storehost import StoreHost  # off the ssh agent's start path
 
         cfg = session.config
         self._session = session

@@ -30,7 +30,8 @@ from ..deadlines import Deadlines
 from ..errors import ConfigError
 from ..host.ifnames import ranks_env
 from ..wire.keys import secret_from_hex
-from .session import HostSession, SessionConfig, SessionOutcome
+from .join import SessionConfig
+from .session import HostSession, SessionOutcome
 
 #: The first stdout line of an agent started with --spec-stdin: ``HELLO_PREFIX <version>``.
 HELLO_PREFIX = "flodl-agent-hello"

@@ -22,15 +22,15 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from .._version import __version__
 from ..agent import RankOutput
+from ..config.addr import DEFAULT_PORT
 from ..config.argtypos import HintingParser, hyphenate
 from ..config.cluster import (
-    DEFAULT_PORT,
     ClusterSpec,
     ControllerSpec,
     DeviceKind,
@@ -50,6 +50,8 @@ from ..host.gpus import host_visible_gpus, select
 from ..host.hostnames import HostAliases
 from ..host.runs import Registration, register
 from ..host.secretfile import load_or_create_secret, read_token_file
+from ..net.loop import run
+from ..net.signals import StopSignals
 from ..verdict import ExitCode, RunResult, exit_help
 from ..wire.keys import new_session_secret
 
@@ -526,14 +528,11 @@ async def _run(
             )
         except RuntimeDirError as exc:
             log.warning("not registered for `flodl ps` / `flodl status`: %s", exc)
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, controller.interrupt, int(sig))
-        try:
+        # Every signal goes to the controller, which counts them itself (its supervisor's signal
+        # table: the first stops in order, the next forces).
+        interrupt = _interrupter(controller)
+        with StopSignals(interrupt, interrupt):
             return await controller.run()
-        finally:
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                loop.remove_signal_handler(sig)
     finally:
         if registration is not None:
             registration.remove()
@@ -548,10 +547,17 @@ async def _run(
                 handler.setStream(stream)
 
 
+def _interrupter(controller: Controller) -> Callable[[signal.Signals], None]:
+    """``controller.interrupt`` as a stop signal calls it (with the signal's number)."""
+
+    def interrupt(sig: signal.Signals) -> None:
+        controller.interrupt(int(sig))
+
+    return interrupt
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``flodl-launch``."""
-    from ..net.loop import run
-
     argv = sys.argv[1:] if argv is None else argv
     try:
         args = parse_args(argv)

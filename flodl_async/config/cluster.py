@@ -39,13 +39,15 @@ import yaml
 from ..control.membership import JoinConfig
 from ..errors import ConfigError
 from ..host.hostnames import HostAliases, names_this_machine
+from .addr import DEFAULT_PORT
 from .devices import EXPECTED as DEVICES_EXPECTED
 from .devices import DeviceKind, DeviceSpec, parse_devices, parse_gpu_ids
 from .rankenv import TORCHRUN_CONTRACT
 from .sshopts import option_error as ssh_option_error
 
-# The device types live in flodl_async.config.devices; re-exported so `from
-# flodl_async.config.cluster import DeviceSpec` keeps working.
+# The device types live in flodl_async.config.devices and the default port in
+# flodl_async.config.addr; re-exported so `from flodl_async.config.cluster import DeviceSpec`
+# (or DEFAULT_PORT) keeps working.
 __all__ = [
     "DEFAULT_JOIN_TIMEOUT",
     "DEFAULT_MAX_JOIN_TIMEOUT",
@@ -66,7 +68,6 @@ __all__ = [
     "parse_gpu_ids",
 ]
 
-DEFAULT_PORT = 1337
 DEFAULT_JOIN_TIMEOUT = 300.0
 DEFAULT_MAX_JOIN_TIMEOUT = 600.0
 

@@ -11,7 +11,7 @@ process, over the real join protocol on loopback), ``SSH`` on every other host
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -19,6 +19,9 @@ from ..control.membership import JoinConfig
 from ..deadlines import Deadlines
 from ..host.hostnames import HostAliases
 from .cluster import WorkerSpec
+
+#: The port a remote worker's sshd listens on when its ``ssh.port`` is unset.
+SSH_PORT = 22
 
 
 class Placement(enum.Enum):
@@ -78,3 +81,14 @@ class LaunchPlan:
     def local_hosts(self) -> frozenset[str]:
         """Hosts whose agent runs in the controller's process."""
         return frozenset(w.host for w in self.workers if w.placement is Placement.LOCAL)
+
+
+def direct_ssh_targets(workers: Iterable[PlacedWorker]) -> list[tuple[str, int]]:
+    """Address and port of each ssh worker the launcher reaches directly (not tunnelled), in
+    order (where the controller's own host looks for its ranks' interface:
+    :func:`flodl_async.host.ifnames.controller_host_peer`)."""
+    return [
+        ((w.spec.ssh and w.spec.ssh.target) or w.host, (w.spec.ssh and w.spec.ssh.port) or SSH_PORT)
+        for w in workers
+        if w.placement is Placement.SSH and not w.spec.tunnel
+    ]

@@ -6,8 +6,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ..agent import RankOutput
-from ..config.plan import LaunchPlan, Placement
-from ..host.ifnames import controller_host_peer, direct_ssh_targets
+from ..config.plan import LaunchPlan, Placement, direct_ssh_targets
+from ..host.ifnames import controller_host_peer
 from .fanout import ssh_launcher
 from .launchers import AgentLauncher, ControllerContact, DialInLauncher, LocalLauncher
 

@@ -22,15 +22,9 @@ import ipaddress
 import socket
 import struct
 from collections.abc import Iterable, Mapping
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from ..config.plan import PlacedWorker
 
 #: The ranks' socket-interface variables an agent fills in when nothing sets them.
 IFNAME_VARIABLES = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
-#: The port a remote worker's sshd listens on when its ``ssh.port`` is unset.
-SSH_PORT = 22
 
 
 def ranks_env(host_env: Mapping[str, str], *, configured_ifname: str | None) -> dict[str, str]:
@@ -125,9 +119,10 @@ def controller_host_peer(
     when that is a specific address (the address the remote agents dial; a route to one's own
     address leaves from that address), else the one towards the first remote worker the launcher
     reaches directly (``remote_targets``: ssh target and port of each non-tunnelled ssh worker,
-    in cluster-file order). With neither — a one-host run, or only dial-in workers behind a
-    wildcard bind, whose addresses are unknown before they join — nothing is set, and the
-    operator sets ``nccl_socket_ifname`` on the local worker.
+    in cluster-file order: :func:`flodl_async.config.plan.direct_ssh_targets`). With neither —
+    a one-host run, or only dial-in workers behind a wildcard bind, whose addresses are unknown
+    before they join — nothing is set, and the operator sets ``nccl_socket_ifname`` on the local
+    worker.
     """
     if not _is_wildcard_or_loopback(bind_host):
         return (bind_host, port)
@@ -138,16 +133,3 @@ def controller_host_ifname(peer: tuple[str, int] | None) -> str | None:
     """The interface for the controller host's ranks, given :func:`controller_host_peer`'s answer
     (asks the kernel, maybe the resolver)."""
     return interface_towards(*peer) if peer is not None else None
-
-
-def direct_ssh_targets(workers: Iterable[PlacedWorker]) -> list[tuple[str, int]]:
-    """Address and port of each ssh worker the launcher reaches directly (not tunnelled), in
-    order."""
-    # the plan (and the cluster file's parser) only where a controller runs
-    from ..config.plan import Placement
-
-    return [
-        ((w.spec.ssh and w.spec.ssh.target) or w.host, (w.spec.ssh and w.spec.ssh.port) or SSH_PORT)
-        for w in workers
-        if w.placement is Placement.SSH and not w.spec.tunnel
-    ]

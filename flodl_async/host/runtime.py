@@ -45,9 +45,10 @@ import signal
 import stat
 import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, TypeVar
 
 from ..errors import RuntimeDirError
 
@@ -63,6 +64,8 @@ DATA_SOCKET_NAME = "data.sock"  # never longer than SOCKET_NAME, so the limit ch
 UNIX_PATH_MAX = 107
 #: An entry without a readable marker is a creator that died mid-creation once it is this old.
 UNMARKED_GRACE_S = 60.0
+
+_M = TypeVar("_M")
 
 _SAFE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 _NEW_PREFIX = ".new-"
@@ -182,6 +185,27 @@ class ProcessIdentity:
         return self.start_time is None or now == self.start_time
 
 
+def _marker_json(process: ProcessIdentity, **fields: object) -> str:
+    """A marker file's text: the process it names (``pid``, ``start_time``), then ``fields``."""
+    return json.dumps({"pid": process.pid, "start_time": process.start_time, **fields})
+
+
+def _read_marker(
+    path: Path, build: Callable[[ProcessIdentity, Mapping[str, Any]], _M]
+) -> _M | None:
+    """The marker at ``path``, built from its process and its other fields, or None when it is
+    missing or unreadable (not JSON, a field missing or of the wrong type)."""
+    try:
+        doc = json.loads(path.read_text())
+        start = doc["start_time"]
+        process = ProcessIdentity(
+            pid=int(doc["pid"]), start_time=None if start is None else int(start)
+        )
+        return build(process, doc)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Marker:
     """What ``owner.json`` says about an entry."""
@@ -194,34 +218,28 @@ class Marker:
 
     def to_json(self) -> str:
         """Serialised for the marker file."""
-        return json.dumps(
-            {
-                "pid": self.owner.pid,
-                "start_time": self.owner.start_time,
-                "run_id": self.run_id,
-                "host": self.host,
-                "controller": self.controller,
-                "created_at": self.created_at,
-            }
+        return _marker_json(
+            self.owner,
+            run_id=self.run_id,
+            host=self.host,
+            controller=self.controller,
+            created_at=self.created_at,
         )
 
     @classmethod
     def read(cls, entry: Path) -> Marker | None:
         """The entry's marker, or None when it is missing or unreadable."""
-        try:
-            doc = json.loads((entry / MARKER).read_text())
-            start = doc["start_time"]
+
+        def build(owner: ProcessIdentity, doc: Mapping[str, Any]) -> Marker:
             return cls(
-                owner=ProcessIdentity(
-                    pid=int(doc["pid"]), start_time=None if start is None else int(start)
-                ),
+                owner=owner,
                 run_id=str(doc["run_id"]),
                 host=str(doc["host"]),
                 controller=str(doc["controller"]),
                 created_at=float(doc["created_at"]),
             )
-        except (OSError, ValueError, KeyError, TypeError):
-            return None
+
+        return _read_marker(entry / MARKER, build)
 
 
 # ----- entries --------------------------------------------------------------------------------
@@ -403,32 +421,25 @@ class RankMarker:
         return self.leader.pid
 
     def to_json(self) -> str:
-        return json.dumps(
-            {
-                "pid": self.leader.pid,
-                "pgid": self.pgid,
-                "start_time": self.leader.start_time,
-                "rank": self.rank,
-                "run_id": self.run_id,
-                "controller": self.controller,
-            }
+        return _marker_json(
+            self.leader,
+            pgid=self.pgid,
+            rank=self.rank,
+            run_id=self.run_id,
+            controller=self.controller,
         )
 
     @classmethod
     def read(cls, path: Path) -> RankMarker | None:
-        try:
-            doc = json.loads(path.read_text())
-            start = doc["start_time"]
+        def build(leader: ProcessIdentity, doc: Mapping[str, Any]) -> RankMarker:
             return cls(
-                leader=ProcessIdentity(
-                    pid=int(doc["pid"]), start_time=None if start is None else int(start)
-                ),
+                leader=leader,
                 rank=int(doc["rank"]),
                 run_id=str(doc["run_id"]),
                 controller=str(doc["controller"]),
             )
-        except (OSError, ValueError, KeyError, TypeError):
-            return None
+
+        return _read_marker(path, build)
 
 
 def write_rank_marker(entry: Path, *, pid: int, rank: int) -> None:

@@ -34,7 +34,15 @@ from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ..errors import ConfigError
+from ..errors import (
+    AuthenticationFailed,
+    ConfigError,
+    HandshakeFailed,
+    HandshakeRefused,
+    VersionMismatch,
+    WireError,
+    WrongToken,
+)
 
 #: Seconds between two summary lines of refused connections. A reporting period, not a deadline:
 #: it does not scale with FLODL_NET_TIMEOUT_SCALE.
@@ -388,6 +396,21 @@ class AdmissionTicket:
         if self._state is not TicketState.REJECTED:
             self._state = TicketState.REJECTED
             self._on_rejected(reason, detail)
+
+
+def rejection_reason(exc: WireError) -> str:
+    """The counter a connection whose handshake or frames failed with ``exc`` is refused under."""
+    if isinstance(exc, VersionMismatch):
+        return "version_mismatch"
+    if isinstance(exc, WrongToken):
+        return "wrong_token"
+    if isinstance(exc, AuthenticationFailed):
+        return "auth_failed"
+    if isinstance(exc, HandshakeRefused):
+        return "refused_credential"
+    if isinstance(exc, HandshakeFailed):
+        return "bad_handshake"
+    return "bad_frame"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -19,13 +19,9 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class BufferPoolStatistics:
-    """How often a buffer was reused (``hits``) or had to be allocated (``misses``), and what is
-    held."""
+    """How often a buffer was reused (``hits``): steady rounds stop allocating."""
 
     hits: int
-    misses: int
-    held_buffers: int
-    held_bytes: int
 
 
 class BufferPool:
@@ -36,7 +32,6 @@ class BufferPool:
         self._max_per_size = max_per_size
         self._lock = threading.Lock()
         self._hits = 0
-        self._misses = 0
 
     def acquire(self, size: int) -> bytearray:
         """A buffer of exactly ``size`` bytes; its contents are whatever the last user left."""
@@ -45,7 +40,6 @@ class BufferPool:
             if free:
                 self._hits += 1
                 return free.pop()
-            self._misses += 1
         return bytearray(size)
 
     def release(self, buffer: bytearray | memoryview | None) -> None:
@@ -76,15 +70,9 @@ class BufferPool:
             self._free.clear()
 
     def statistics(self) -> BufferPoolStatistics:
-        """Reuse counters and what the pool holds now."""
+        """The reuse counter."""
         with self._lock:
-            held = [b for free in self._free.values() for b in free]
-            return BufferPoolStatistics(
-                hits=self._hits,
-                misses=self._misses,
-                held_buffers=len(held),
-                held_bytes=sum(len(b) for b in held),
-            )
+            return BufferPoolStatistics(hits=self._hits)
 
 
 #: The process's pool for averaging buffers: a relay and the reducer in one process (the launcher's

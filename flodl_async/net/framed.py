@@ -27,16 +27,7 @@ import typing
 from collections.abc import Callable, Sequence
 
 from .._version import __version__
-from ..errors import (
-    AuthenticationFailed,
-    BusyError,
-    ConnectionClosed,
-    HandshakeFailed,
-    HandshakeRefused,
-    VersionMismatch,
-    WireError,
-    WrongToken,
-)
+from ..errors import BusyError, ConnectionClosed, WireError
 from ..wire.channels import CHANNEL_MAGIC, Channel
 from ..wire.frame import (
     Buffer,
@@ -56,6 +47,8 @@ from ..wire.handshake import (
 )
 from ..wire.keys import Credential
 from ..wire.schema import Message
+from .admission import AdmissionTicket, rejection_reason
+from .sealing import SealingBuffers, seal_streaming
 
 log = logging.getLogger("flodl_async.net")
 
@@ -65,33 +58,6 @@ DATA_WRITE_HIGH_WATER = 32 * 1024 * 1024
 _THREAD_SEAL_BYTES = 1024 * 1024
 #: Frames queued for the receiver before we stop reading from the socket.
 _RECV_HIGH_WATER = 64
-#: Sealing buffers kept for reuse per link once written (a fresh 16 MiB buffer costs ~20 ms of page
-#: faults).
-_SPARE_SEALING_BUFFERS = 4
-
-
-class AdmissionTicket(typing.Protocol):
-    """What the mux hands a server-side link: told when the peer authenticated, or why it was
-    refused."""
-
-    def authenticated(self) -> None: ...
-
-    def rejected(self, reason: str, detail: str) -> None: ...
-
-
-def rejection_reason(exc: WireError) -> str:
-    """The admission counter a failed connection is counted under."""
-    if isinstance(exc, VersionMismatch):
-        return "version_mismatch"
-    if isinstance(exc, WrongToken):
-        return "wrong_token"
-    if isinstance(exc, AuthenticationFailed):
-        return "auth_failed"
-    if isinstance(exc, HandshakeRefused):
-        return "refused_credential"
-    if isinstance(exc, HandshakeFailed):
-        return "bad_handshake"
-    return "bad_frame"
 
 
 class FramedProtocol(asyncio.BaseProtocol):
@@ -143,14 +109,12 @@ class FramedProtocol(asyncio.BaseProtocol):
         self._lost = asyncio.get_running_loop().create_future()
         self._reading_paused = False
         self._sealing = asyncio.Lock()
-        # Bytes ever handed to the transport; minus its buffered bytes, what reached the kernel.
-        # uvloop writes from our buffers without copying, so a sealing buffer is reused only then.
-        self._bytes_written = 0
-        self._in_flight: collections.deque[tuple[int, bytearray]] = collections.deque()
-        self._spare: list[bytearray] = []
-        #: Sealing buffers this link had to allocate (the rest were reused): steady traffic stops
-        #: allocating.
-        self.sealing_allocations = 0
+        self._buffers = SealingBuffers()  # every byte written is counted there
+
+    @property
+    def sealing_allocations(self) -> int:
+        """Sealing buffers this link had to allocate (the rest were reused)."""
+        return self._buffers.allocations
 
     def bind_admission(self, ticket: AdmissionTicket) -> None:
         """Called by the mux before ``connection_made``: report the handshake's outcome to
@@ -434,41 +398,28 @@ class FramedProtocol(asyncio.BaseProtocol):
             self._write_sealed(sealing.parts(), sealing.buffer)
 
     async def _seal_streaming(self, sealing: SealingFrame) -> None:
-        """Seal a large payload chunk by chunk in a worker thread, writing each chunk as soon as it
-        is sealed.
+        """Seal a large payload in a worker thread, writing each chunk as soon as it is sealed
+        (:func:`~flodl_async.net.sealing.seal_streaming`); the tag goes last.
 
         The socket (and the peer, which opens chunks as they arrive) works on chunk i while
-        the thread seals chunk i+1, instead of waiting for the whole payload. The thread hands
-        each finished chunk to the loop in order (``call_soon_threadsafe`` is FIFO, and the
-        job's completion comes after its last chunk); the tag goes last.
+        the thread seals chunk i+1, instead of waiting for the whole payload.
         """
-        loop = asyncio.get_running_loop()
         view = memoryview(sealing.buffer)
-        stop = False
 
         def write_chunk(start: int, end: int) -> None:
             if self._transport is not None and not self._transport.is_closing():
                 self._write_view(view[start:end])
 
-        def work() -> bytes:
-            for index in range(sealing.chunks):
-                if stop:
-                    return b""  # the send was cancelled: nobody writes the rest
-                start, end = sealing.seal_chunk(index)
-                loop.call_soon_threadsafe(write_chunk, start, end)
-            return sealing.finish()
-
         self._write(sealing.head)
         try:
-            tag = await loop.run_in_executor(None, work)
+            tag = await seal_streaming(sealing, write_chunk)
         except BaseException:
             # Part of the frame is written (or never will be): the stream is broken. The buffer is
             # dropped, not reused, since the thread may still be writing into it.
-            stop = True
             self.abort()
             raise
         self._write(tag)
-        self._in_flight.append((self._bytes_written, sealing.buffer))
+        self._buffers.sent(sealing.buffer)
 
     def _sealing_buffer(self, payload: Sequence[Buffer]) -> bytearray:
         payload_len = sum(memoryview(p).nbytes for p in payload)
@@ -478,33 +429,24 @@ class FramedProtocol(asyncio.BaseProtocol):
             else sealed_length(payload_len)
         )
         transport = self._transport
-        if transport is not None:
-            flushed = self._bytes_written - transport.get_write_buffer_size()
-            while self._in_flight and self._in_flight[0][0] <= flushed:
-                done = self._in_flight.popleft()[1]
-                if len(self._spare) < _SPARE_SEALING_BUFFERS:
-                    self._spare.append(done)
-        for index, spare in enumerate(self._spare):
-            if len(spare) >= need:
-                return self._spare.pop(index)
-        self.sealing_allocations += 1
-        return bytearray(need)
+        unflushed = transport.get_write_buffer_size() if transport is not None else None
+        return self._buffers.take(need, unflushed=unflushed)
 
     def _write_sealed(self, parts: list[Buffer], buffer: bytearray) -> None:
         self._writelines(parts)
-        self._in_flight.append((self._bytes_written, buffer))
+        self._buffers.sent(buffer)
 
     def _write(self, data: bytes) -> None:
         self._writable().write(data)
-        self._bytes_written += len(data)
+        self._buffers.wrote(len(data))
 
     def _write_view(self, data: memoryview) -> None:
         self._writable().write(data)
-        self._bytes_written += data.nbytes
+        self._buffers.wrote(data.nbytes)
 
     def _writelines(self, parts: list[Buffer]) -> None:
         self._writable().writelines(parts)
-        self._bytes_written += sum(memoryview(p).nbytes for p in parts)
+        self._buffers.wrote(sum(memoryview(p).nbytes for p in parts))
 
     def _require_codec(self) -> FrameConnection:
         if self.codec is None:

@@ -33,6 +33,8 @@ class Phase(enum.Enum):
     """Where a run is in its lifecycle."""
 
     WAITING = "waiting"
+    #: The world formed; its round's store is being opened and no rank runs yet (the supervisor's
+    #: ``Rendezvous``).
     FORMING = "forming"
     TRAINING = "training"
     DONE = "done"

@@ -30,7 +30,7 @@ import signal
 import socket
 import sys
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from ..agent import RankOutput
 from ..cli.launch import (
@@ -58,6 +58,7 @@ from ..deadlines import Deadlines
 from ..errors import ConfigError, RuntimeDirError, TrainingFailed
 from ..host.gpus import host_visible_gpus
 from ..host.runs import Registration, register
+from ..net.signals import StopSignals
 from ..training.policy import Backend
 from ..verdict import ExitCode, RunResult
 from ..wire.keys import new_session_secret
@@ -173,7 +174,6 @@ class LauncherDriver:
         self.run_id = self.plan.run_id
         self._controller: Controller | None = None
         self._stop_requested = False
-        self._stop_signals = 0
 
     async def run(self, publish: Callable[[EpochMetrics], None]) -> TrainedState:
         _configure_logging()
@@ -185,11 +185,8 @@ class LauncherDriver:
         loop = asyncio.get_running_loop()
         # Ctrl-C too: left to asyncio.run, SIGINT cancels the main task, and the loop's shutdown
         # then cancels every task, the controller's own, before any round could end in order.
-        handled = [
-            h
-            for sig in (signal.SIGINT, signal.SIGTERM)
-            if (h := _add_signal_handler(loop, sig, self._on_stop_signal)) is not None
-        ]
+        stop_signals = StopSignals(self._first_stop_signal, self._later_stop_signal, guest=True)
+        stop_signals.install()
         registration: Registration | None = None
         try:
             await controller.bind()
@@ -210,12 +207,7 @@ class LauncherDriver:
         finally:
             if registration is not None:
                 registration.remove()
-            for sig, before in handled:
-                loop.remove_signal_handler(sig)
-                # None: a handler not set from Python, which cannot be put back
-                if before is not None:
-                    # asyncio.run's own SIGINT handler, say, not the default one
-                    signal.signal(sig, before)
+            stop_signals.restore()
             await controller.aclose()
             output.close()
         return final_state(attachment, result)
@@ -232,15 +224,14 @@ class LauncherDriver:
         self._stop_requested = True
         request_orderly_stop(controller, why, sig)
 
-    def _on_stop_signal(self, sig: signal.Signals) -> None:
-        """SIGINT or SIGTERM: the first asks for the orderly end, a second forces it (the signal
-        table)."""
-        self._stop_signals += 1
-        if self._stop_signals == 1:
-            self._stop_in_order(f"the launcher got {sig.name}", sig)
-        else:
-            # the controller says so ("second SIGTERM: forcing the stop (KILL now)")
-            self.force_stop()
+    def _first_stop_signal(self, sig: signal.Signals) -> None:
+        """The first SIGINT or SIGTERM asks for the orderly end (the signal table)."""
+        self._stop_in_order(f"the launcher got {sig.name}", sig)
+
+    def _later_stop_signal(self, sig: signal.Signals) -> None:
+        """A second one forces it; the controller says so ("second SIGTERM: forcing the stop (KILL
+        now)")."""
+        self.force_stop()
 
     def force_stop(self) -> None:
         controller = self._controller
@@ -259,26 +250,6 @@ def _announce(plan: LaunchPlan, port: int) -> Registration | None:
     except RuntimeDirError as exc:
         log.warning("not registered for `flodl ps` / `flodl status`: %s", exc)
         return None
-
-
-def _add_signal_handler(
-    loop: asyncio.AbstractEventLoop, sig: signal.Signals, callback: Callable[[signal.Signals], None]
-) -> tuple[signal.Signals, Any] | None:
-    """Install ``callback(sig)`` for ``sig`` when this loop can (the main thread's loop only);
-    returns the handler it replaced.
-
-    An application that gave the loop its own handler for ``sig`` keeps it: the loop holds one
-    handler per signal, and ours would replace it for good (removing ours cannot give it back).
-    Such an application stops the run itself (``run.shutdown()``, or cancelling ``trainer.run()``).
-    """
-    if sig in getattr(loop, "_signal_handlers", {}):  # asyncio's own loops keep them there
-        return None
-    before = signal.getsignal(sig)
-    try:
-        loop.add_signal_handler(sig, callback, sig)
-    except (RuntimeError, ValueError, NotImplementedError):
-        return None
-    return sig, before
 
 
 # ----- the controller's training shell (controller/training.py): what the launcher reads of it
