@@ -265,7 +265,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _persist(config: SessionConfig, *, reconnect_max: float) -> int:
-    from .daemon import PersistentAgent, serve_persistently  # off the ssh agent's start path
+    from .daemon import (  # deferred: off the ssh agent's start path
+        PersistentAgent,
+        serve_persistently,
+    )
 
     policy = BackoffPolicy(initial=min(0.5, reconnect_max), cap=reconnect_max)
     notifier = Notifier.from_environ()  # as for one run: a no-op outside systemd

@@ -269,8 +269,8 @@ class _Serving:
         default_ifname: str | None = None,
     ) -> None:
         # Only a formed world needs ranks, a relay and a store.
-        from .ranks import RankWorld  # off the ssh agent's start path
-        from .storehost import StoreHost  # off the ssh agent's start path
+        from .ranks import RankWorld  # deferred: off the ssh agent's start path
+        from .storehost import StoreHost  # deferred: off the ssh agent's start path
 
         cfg = session.config
         self._session = session
@@ -328,8 +328,8 @@ class _Serving:
             list(self._formed.ranks),
             self._formed.world_size,
         )
-        from ..relay.control import Relay
-        from .ranks import RankProcesses
+        from ..relay.control import Relay  # deferred: off the ssh agent's start path
+        from .ranks import RankProcesses  # deferred: off the ssh agent's start path
 
         relay: Relay | None = None
         async with asyncio.TaskGroup() as tg:

@@ -24,6 +24,7 @@ from ..config.addr import DEFAULT_PORT, parse_addr
 from ..config.argtypos import HintingParser, hyphenate
 from ..errors import ConfigError, NotFlodlStatus
 from ..host.runs import LocalRun, local_runs
+from ..host.secretfile import create_token_file
 from ..verdict import STATUS_EXIT_MEANINGS, StatusExit
 from .statusclient import SILENT_AFTER, fetch_status, format_age, format_status, strip_controls
 
@@ -130,8 +131,6 @@ def _status(args: argparse.Namespace) -> StatusExit:
 
 
 def _token_new(args: argparse.Namespace) -> int:
-    from ..host.secretfile import create_token_file  # cryptography: not for `flodl status`
-
     try:
         create_token_file(args.path)
     except ConfigError as exc:

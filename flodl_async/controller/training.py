@@ -67,6 +67,7 @@ from ..training.modelschema import ModelSchema
 from ..training.spec import TrainerSpec
 from ..wire import messages as m
 from ..wire.schema import Message
+from .reducer import Reducer
 
 if TYPE_CHECKING:
     import torch
@@ -111,9 +112,7 @@ DataServer = Callable[[RoundRunner], None]
 
 
 def default_round_runner(spec: TrainerSpec, schema: ModelSchema, digest: str) -> RoundRunner:
-    """TD's reducer (imported here, lazily: a run without Trainer ranks never loads it)."""
-    from .reducer import Reducer
-
+    """The data channel's reducer for this run's spec and model schema."""
     return typing.cast(RoundRunner, Reducer(schema, spec.outer, spec.settings.gamma, digest=digest))
 
 
