@@ -1,4 +1,4 @@
-"""The rank side of the coordinator protocol (spec §2.5) against a scripted coordinator, in one process.
+"""The rank side of the coordinator protocol against a scripted coordinator, in one process.
 
 The link is a stand-in for the link thread (the same inbox, the same calls); the compute side is
 real: a real model trains real batches on the managed loop. What is asserted is the rank's half of

@@ -99,7 +99,7 @@ def test_host_env_overrides_cluster_env_and_neither_overrides_the_contract() -> 
 
 
 def test_a_launchers_or_agents_role_variables_never_reach_a_rank() -> None:
-    """A CONTROLLER-role launcher's ranks would otherwise see CONTROLLER+RANK and die at dispatch (spec §1.5)."""
+    """A CONTROLLER-role launcher's ranks would otherwise see CONTROLLER+RANK and die at dispatch."""
     base = {
         "PATH": "/bin",
         "FLODL_INTERNAL_CLUSTER_SPEC": "/x.yml",

@@ -432,7 +432,7 @@ def test_the_cooperative_worker_under_flodl_launch(tmp_path: Path) -> None:
 
 
 def test_the_cooperative_worker_as_the_launcher_runs_the_launch_and_exits(tmp_path: Path) -> None:
-    """The launcher has no cooperative loop to hand back (spec §1.6): trainer.worker() launches, reports, exits."""
+    """The launcher has no cooperative loop to hand back: trainer.worker() launches, reports, exits."""
     done = as_launcher(tmp_path, "--cooperative", "--epochs", "3", run_id=new_run_id())
     assert done.returncode == 0, done.stderr
     saved = states(tmp_path)
@@ -524,7 +524,7 @@ def test_a_trainer_launcher_registers_for_flodl_ps_and_status_and_unregisters_at
 def test_tied_weights_integer_bool_and_bf16_buffers_average_as_the_spec_says(
     tmp_path: Path, backend: str
 ) -> None:
-    """Spec §3.3 / §2.10: integer and bool buffers average in float64 and round half to even, floats keep their dtype,
+    """Integer and bool buffers average in float64 and round half to even, floats keep their dtype,
     tied keys stay tied. Strict lockstep (one step per rank per reduce) makes every value exact and known here."""
     epochs = 2
     done = as_launcher(

@@ -1,4 +1,4 @@
-"""The Trainer in one process (INLINE): construction validates, training converges, the handle behaves (spec §1.2-1.4)."""
+"""The Trainer in one process (INLINE): construction validates, training converges, the handle behaves."""
 
 from __future__ import annotations
 

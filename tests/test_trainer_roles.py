@@ -1,4 +1,4 @@
-"""What Trainer.run() does here is a pure function of the environment (spec §1.5), tested whole."""
+"""What Trainer.run() does here is a pure function of the environment, tested whole."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 """Fuzz the wire: the mux sniffer, every handshake state, and frames on every channel and side
 (issue 7).
 
-The property under fuzz (design §3): decoding any byte string either yields frames or raises exactly
+The property under fuzz: decoding any byte string either yields frames or raises exactly
 one :class:`~flodl_async.errors.WireError` subclass — never another exception, never a hang; nothing
 random establishes a handshake or yields a frame its sender did not make; and a connection that
 failed stays failed.

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from .roles import AGENT_VAR, CONTROLLER_VAR, LOCAL_RANK_VAR, RANK_VAR
 
-#: The variables every rank gets from the launcher (design §5).
+#: The variables every rank gets from the launcher.
 TORCHRUN_CONTRACT = (
     "RANK",
     "LOCAL_RANK",

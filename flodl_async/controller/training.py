@@ -78,7 +78,8 @@ log = logging.getLogger("flodl_async.cli.launch")
 
 
 class RoundResultLike(Protocol):
-    """What the reducer reports for a finished round (TD's ``RoundResult``)."""
+    """What the reducer reports for a finished round
+    (:class:`~flodl_async.controller.roundstate.RoundResult`)."""
 
     @property
     def round(self) -> int: ...
@@ -91,8 +92,8 @@ class RoundResultLike(Protocol):
 
 
 class RoundRunner(Protocol):
-    """The controller-side reducer as this shell uses it (TD's
-    ``flodl_async.controller.reducer.Reducer``)."""
+    """The controller-side reducer as this shell uses it
+    (:class:`~flodl_async.controller.reducer.Reducer`)."""
 
     def open_round(
         self, round: int, kind: str, expected_ranks: frozenset[int], from_controller: bool = False
@@ -118,8 +119,8 @@ def default_round_runner(spec: TrainerSpec, schema: ModelSchema, digest: str) ->
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class TrainingResult:
-    """What the launcher's ``TrainedState`` is built from, after the run (D1: the final
-    consensus)."""
+    """What the launcher's ``TrainedState`` is built from, after the run: the final
+    consensus, the one state every rank ended with."""
 
     state_dict: Mapping[str, torch.Tensor] | None
     param_names: tuple[str, ...]
@@ -310,8 +311,8 @@ class TrainingShell:
         for uplink in self.uplinks():
             log.info("training data: %s", uplink.summary())
         if reducer is not None:
-            # The launcher's final state (D1): copied off the loop (clones), before the reducer lets
-            # its buffers go.
+            # The launcher's final state (the last consensus): copied off the loop (clones),
+            # before the reducer lets its buffers go.
             self._final_state = await asyncio.get_running_loop().run_in_executor(
                 None, lambda: reducer.last_consensus
             )

@@ -1,7 +1,7 @@
 """A pool of large byte buffers: payloads and accumulators reused across averaging rounds.
 
-Why: a fresh 16 MiB ``bytearray`` costs ~20 ms of first-touch page faults here
-(perf-baselines §4), more than the arithmetic on it. Steady rounds therefore take
+Why: a fresh 16 MiB ``bytearray`` costs ~20 ms of first-touch page faults on a
+2-vCPU machine, more than the arithmetic on it. Steady rounds therefore take
 their receive buffers, accumulators and consensus buffers from a pool, by exact
 size (a model's frames have the same few sizes every round).
 

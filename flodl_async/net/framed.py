@@ -10,7 +10,7 @@ mux's admission ticket learns when the peer authenticated (or why it was
 refused), so unauthenticated connections are capped and timed out, and
 rejections are counted and summarised instead of logged one by one.
 
-Bad bytes close the connection at once, without a reply (design §3); frames
+Bad bytes close the connection at once, without a reply; frames
 that verified before them in the same read are still delivered, and the
 receiver sees the :class:`WireError` after them. A link has one receiver at a
 time: a second concurrent :meth:`FramedProtocol.recv` raises :class:`BusyError`

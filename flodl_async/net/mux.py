@@ -88,7 +88,8 @@ class MuxStatistics:
 
 
 def check_bind_host(host: str) -> str:
-    """Only the wildcard address or a loopback address may be bound (design §4 trust model)."""
+    """Only the wildcard address or a loopback address may be bound: the port faces only the
+    networks the operator chose."""
     if host == "localhost":
         return "127.0.0.1"
     try:

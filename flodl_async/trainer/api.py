@@ -1,5 +1,5 @@
 """The Trainer: ``state = await trainer.run()``, the same script as launcher, as every rank, or
-inline (spec §1).
+inline.
 
 Theory of operation. ``Trainer(...)`` is pure: it validates its arguments and
 touches no CUDA, socket or model, so building it at import time is safe in
@@ -194,7 +194,7 @@ def _positive_int(name: str, value: object, *, what: str) -> int:
 
 
 class Trainer:
-    """Distributed data-parallel training that copes with ranks of different speeds (spec §1.2).
+    """Distributed data-parallel training that copes with ranks of different speeds.
 
     Every process (launcher and ranks) builds the same Trainer from the same
     arguments; each rank builds its own dataset and model. Construction is pure
@@ -287,7 +287,7 @@ class Trainer:
         )
 
     def spec(self) -> TrainerSpec:
-        """The serializable, digestable config the coordinator and reducer run from (spec §2.3)."""
+        """The serializable, digestable config the coordinator and reducer run from."""
         return TrainerSpec(
             policy=self.policy,
             backend=self.backend,
@@ -379,7 +379,7 @@ class Trainer:
         _RANK_SESSION.set()
 
     def worker(self) -> Worker:
-        """The cooperative tier (spec §1.6): ``with trainer.worker() as w:`` — a synchronous API,
+        """The cooperative tier: ``with trainer.worker() as w:`` — a synchronous API,
         the user owns the loop."""
         entry = self.entry
         if entry is Entry.AGENT:

@@ -1,4 +1,4 @@
-"""What ``Trainer.run()`` does in this process: a pure function of the environment (spec §1.5).
+"""What ``Trainer.run()`` does in this process: a pure function of the environment.
 
 The same script runs as the launcher and as every rank. Which part this
 process plays is decided here, from the environment alone, on top of
@@ -44,7 +44,8 @@ _BY_ROLE: dict[Role, Entry] = {
 def decide_entry(
     env: Mapping[str, str], *, cluster_given: bool, auto_promote: bool, visible_gpus: int
 ) -> Entry:
-    """The entry for this process (the §1.5 table); an inconsistent role environment raises
+    """The entry for this process (the rules in this module's docstring);
+    an inconsistent role environment raises
     ``RoleError``.
 
     A rank or agent never promotes, whatever else is set: a child re-entering the script must never

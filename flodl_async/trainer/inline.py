@@ -1,4 +1,4 @@
-"""The Trainer in one process, on one device: no coordinator, no averaging (spec §1.5 INLINE).
+"""The Trainer in one process, on one device: no coordinator, no averaging.
 
 The inline driver trains every epoch on a compute thread of its own; the inline worker hands the
 same schedule to the user's thread (the cooperative tier). Both read only the compute config and

@@ -1,6 +1,6 @@
 """A Trainer rank: its session (model, hello, links, schedule) and the drivers of its two tiers.
 
-Theory of operation (spec §2.1). On the compute side, a rank builds its model on its device, says
+Theory of operation. On the compute side, a rank builds its model on its device, says
 ``TrainerHello`` through the link thread (:mod:`flodl_async.trainer.link`) and waits for the
 welcome; from then on the compute side trains what :class:`~.schedule.RankSchedule` gives it: on a
 compute thread of its own (:class:`RankDriver`, the managed tier) or on the user's thread

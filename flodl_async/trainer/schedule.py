@@ -5,7 +5,7 @@ in the cooperative tier) asks its schedule for the next batch (:class:`~.worker.
 
 - :class:`InlineSchedule` walks every epoch's permutation in this one process.
 - :class:`RankSchedule` follows the coordinator. Between batches it drains the inbox the link
-  thread (:mod:`flodl_async.trainer.link`) fills and does what the policy says (spec §2.5): send
+  thread (:mod:`flodl_async.trainer.link`) fills and does what the policy says: send
   ``WindowDone`` at the plan's quota or when out of data, hold at ``hold_after``, contribute to a
   pending ``Reduce`` (blocking until the consensus is applied under SYNC/CADENCE, submitting and
   blending later under ASYNC), and end at ``Shutdown``. Tensor math runs on the compute side, never
@@ -48,8 +48,8 @@ _NORMAL_ENDS = frozenset({"", "completed", "graceful_shutdown"})
 
 
 class InlineSchedule:
-    """Every epoch's batches in order, in this one process: no coordinator, no averaging (spec §1.5
-    INLINE).
+    """Every epoch's batches in order, in this one process: no coordinator, no averaging (the
+    INLINE entry).
 
     The policy, backend, ElChe and outer optimizer are ignored: there is no cross-rank averaging to
     steer. Each epoch's metrics are published as it ends (world size 1, every batch rank 0's).
@@ -172,7 +172,7 @@ def _flatten(ranges: tuple[tuple[int, ...], ...]) -> list[int]:
 
 
 class RankSchedule:
-    """What the compute side of one rank trains next, and what it does between steps (spec §2.5)."""
+    """What the compute side of one rank trains next, and what it does between steps."""
 
     def __init__(
         self,
@@ -503,7 +503,7 @@ class RankSchedule:
         self._divergence = 0.0 if post < 1e-10 else math.sqrt(diff_sq) / post
 
     def _collective_reduce(self, reduce: m.Reduce, steps: int) -> None:
-        """COLLECTIVE (§2.10): torch.distributed in place, the outer step replicated on every rank;
+        """COLLECTIVE: torch.distributed in place, the outer step replicated on every rank;
         ``ReduceDone`` up."""
         import torch  # deferred: torch loads only where a tensor is touched
         import torch.distributed as dist  # deferred with torch

@@ -347,8 +347,8 @@ class PlanView:
 
 
 class Worker:
-    """The cooperative tier: the user owns the batch loop, the coordinator stays authoritative (spec
-    §1.6).
+    """The cooperative tier: the user owns the batch loop, the coordinator stays
+    authoritative.
 
     A synchronous API, used from the user's own thread::
 

@@ -125,8 +125,8 @@ MiB = 1024 * KiB
 
 #: Default body ceiling on every channel: control messages carry at most a traceback and some lines.
 DEFAULT_MAX_BODY = 1 * MiB
-#: Default payload ceiling on the data channel when no model size is known (design §3: at least 64
-#: MiB).
+#: Default payload ceiling on the data channel when no model size is known: the floor of
+#: :meth:`tensor_ceiling_for_model`'s rule, 64 MiB.
 DEFAULT_MAX_TENSOR_PAYLOAD = 64 * MiB
 
 
@@ -165,7 +165,8 @@ class FrameLimits:
 
     @staticmethod
     def tensor_ceiling_for_model(model_bytes: int) -> int:
-        """Design §3: twice the model's bytes, at least 64 MiB."""
+        """Twice the model's bytes (a frame holds at most the whole model, with room to spare),
+        at least 64 MiB."""
         return max(2 * model_bytes, DEFAULT_MAX_TENSOR_PAYLOAD)
 
 

@@ -1,7 +1,7 @@
 """Key material: the session secret, the credentials derived from it, and one connection's frame
 keys.
 
-Three kinds of long-lived key material exist, one per role (design §3):
+Three kinds of long-lived key material exist, one per role:
 
 * the **session secret** (128 bits, one per run or per ``--secret-file``): held by
   the controller and the agents only;

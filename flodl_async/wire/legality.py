@@ -8,7 +8,7 @@ row raises :class:`~flodl_async.errors.IllegalKind` once its tag and sequence
 number verified (before msgpack sees the body), and sending one raises
 ``TypeError``, because that is a bug in our own code, not a fault of the peer.
 
-The rows are how the messages are used (design §2, §3):
+The rows are how the messages are used:
 
 * join — the agent's host link, open for the run: the agent joins and reports
   its ranks' exits, output and activity (``RankStats``); the controller admits, forms the world and
