@@ -274,8 +274,7 @@ class TensorSpec(Message):
     nbytes: int
 
 
-# 0x0302 carried the generic TensorBundle, which production stopped sending: the kind stays
-# retired, never reused, so an older peer cannot read a new message as one.
+# 0x0302 (the retired TensorBundle) is never reused: an older peer would misread it.
 
 
 # ----- data channel: the Trainer's averaging ------------------------------------------------
@@ -540,10 +539,8 @@ class TrainerWelcome(Message):
     rank: int
     world_size: int
     run_id: str
-    # Retired: these five positions carried resume state that nothing sets or reads any more
-    # (resume returns with its own message). They stay as fixed placeholders, not settable,
-    # because ``primary_rank`` follows them: removing them would move it on the wire, which the
-    # schema allows only under a new kind.
+    # Retired resume state (resume returns with its own message): fixed placeholders, as
+    # ``primary_rank`` follows them and the schema moves a field only under a new kind.
     start_epoch: int = field(default=0, init=False, repr=False)
     global_step: int = field(default=0, init=False, repr=False)
     sync_round: int = field(default=0, init=False, repr=False)
