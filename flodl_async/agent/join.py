@@ -6,7 +6,7 @@ with this host's devices, addresses and cores, and waits out the join window for
 ``WorldFormed`` — echoing the controller's heartbeats meanwhile. Every failure is an
 :class:`~flodl_async.errors.AgentError` naming this host; a stop requested meanwhile ends the
 wait for the controller (:meth:`Joiner.dial` returns None) or turns the link's closing into
-:class:`StopRequested`. :class:`~flodl_async.agent.session.HostSession` runs these steps, then
+:class:`StoppedBeforeServing`. :class:`~flodl_async.agent.session.HostSession` runs these steps, then
 serves the run.
 """
 
@@ -123,7 +123,7 @@ def with_session_secret(cfg: SessionConfig, accept: m.JoinAccept) -> SessionConf
     return dataclasses.replace(cfg, secret=accept.session_secret)
 
 
-class StopRequested(Exception):
+class StoppedBeforeServing(Exception):
     """A stop was requested before the session was serving (the join link was closed for it)."""
 
 
@@ -215,7 +215,7 @@ class Joiner:
             return await link.recv_message()
         except ConnectionClosed as exc:
             if self._stopping.is_set():
-                raise StopRequested from exc
+                raise StoppedBeforeServing from exc
             raise lost(
                 self.config.host, f"the controller closed the join link while {doing}"
             ) from exc

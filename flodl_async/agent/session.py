@@ -67,7 +67,7 @@ from ..verdict import StopStep, rank_signal_for, stop_schedule
 from ..wire import messages as m
 from ..wire.keys import Credential
 from ..wire.schema import Message
-from .join import Joiner, SessionConfig, StopRequested, device_labels, with_session_secret
+from .join import Joiner, SessionConfig, StoppedBeforeServing, device_labels, with_session_secret
 from .lifecycle import Phase, SessionEvent, SessionObserver, ignore
 from .output import LinkOutput, OutputSink
 
@@ -184,7 +184,7 @@ class HostSession:
         entry: RuntimeEntry | None = None
         try:
             if self._stop_signal is not None:
-                raise StopRequested
+                raise StoppedBeforeServing
             accept = await joiner.join(link, devices)
             if cfg.token is not None or cfg.open_admission:
                 self.config = cfg = with_session_secret(cfg, accept)
@@ -211,7 +211,7 @@ class HostSession:
             )
             self._serving = serving
             return await serving.run()
-        except StopRequested:
+        except StoppedBeforeServing:
             sig = self._stop_signal or signal.SIGTERM
             return SessionOutcome(
                 ending=Ending.STOPPED,
