@@ -6,8 +6,8 @@ with this host's devices, addresses and cores, and waits out the join window for
 ``WorldFormed`` — echoing the controller's heartbeats meanwhile. Every failure is an
 :class:`~flodl_async.errors.AgentError` naming this host; a stop requested meanwhile ends the
 wait for the controller (:meth:`Joiner.dial` returns None) or turns the link's closing into
-:class:`StoppedBeforeServing`. :class:`~flodl_async.agent.session.HostSession` runs these steps, then
-serves the run.
+:class:`StoppedBeforeServing`. :class:`~flodl_async.agent.session.HostSession` runs these
+steps, then serves the run.
 """
 
 from __future__ import annotations
