@@ -325,3 +325,17 @@ def test_importing_every_module_does_not_import_torch() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
     )
     assert result.stdout.strip() == "False"
+
+
+def test_the_readme_layout_table_says_what_each_docstring_says() -> None:
+    """README's one-line-per-package table copies each package's 'May import:' line."""
+    rows = re.findall(
+        r"^\| `(\w+)/` \| [^|]+ \| ([^|]+) \|$", (ROOT / "README.md").read_text(), re.M
+    )
+    assert {package for package, _ in rows} == {p for p in ORDER if (PACKAGE / p).is_dir()}
+    for package, cell in rows:
+        doc = ast.get_docstring(ast.parse((PACKAGE / package / "__init__.py").read_text()))
+        found = _MAY_IMPORT.search(doc or "")
+        assert found, package
+        docstring = {n.strip(" `") for n in " ".join(found.group(1).split()).split(",")}
+        assert {n.strip(" `") for n in cell.split(",")} == docstring, package
