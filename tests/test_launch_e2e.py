@@ -397,11 +397,14 @@ def test_ranks_get_the_launchers_signal_first(sig: signal.Signals, tmp_path: Pat
     """The signal table: Ctrl-C reaches plain-script ranks as SIGINT (their KeyboardInterrupt handler runs), SIGTERM as SIGTERM."""
     run_id = new_run_id()
     rank = tmp_path / "save_on_signal.py"
+    # Both handlers are in place before `ready` leaves: the SIGTERM one is installed first, and
+    # `ready` is printed inside the `try`, so a Ctrl-C sent the moment the line arrives (while the
+    # rank is still returning from print) lands in the rank's KeyboardInterrupt handler.
     rank.write_text(
-        "import os, signal, sys, time\n"
-        "signal.signal(signal.SIGTERM, lambda s, f: (print(f'saved on SIGTERM', flush=True), sys.exit(0)))\n"
-        "print('ready', flush=True)\n"
+        "import signal, sys, time\n"
+        "signal.signal(signal.SIGTERM, lambda s, f: (print('saved on SIGTERM', flush=True), sys.exit(0)))\n"
         "try:\n"
+        "    print('ready', flush=True)\n"
         "    time.sleep(600)\n"
         "except KeyboardInterrupt:\n"
         "    print('saved on SIGINT', flush=True)\n"

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from flodl_async.control.liveness import Liveness
+from flodl_async.control.liveness import Liveness, Wake
 from flodl_async.deadlines import Deadlines
 
 
@@ -60,3 +60,22 @@ def test_a_peer_is_excused_for_the_time_we_ourselves_were_frozen() -> None:
     live = Liveness.start(0.0, interval=2.0, silence=10.0)
     assert live.expired(60.0)  # what a shell that slept through a SIGSTOP would conclude
     assert not live.excused(60.0).expired(69.9)
+
+
+def test_a_waking_loop_beats_when_due_sleeps_otherwise_and_loses_a_silent_peer() -> None:
+    live = Liveness.start(0.0, interval=2.0, silence=10.0)
+    beaten, due = live.woke(0.0, meant=0.0)
+    assert due is Wake.BEAT
+    assert beaten == live.sent(0.0)  # kept as sent: the next beat is at 2.0
+    assert beaten.woke(1.0, meant=1.0) == (beaten, Wake.SLEEP)
+    assert beaten.woke(10.0, meant=10.0) == (beaten, Wake.LOST)  # lost before any beat is due
+
+
+def test_a_wake_more_than_one_interval_late_excuses_the_peer_and_one_exactly_that_late_does_not() -> (
+    None
+):
+    live = Liveness.start(0.0, interval=2.0, silence=10.0).sent(0.0)
+    assert live.woke(12.0, meant=10.0) == (live, Wake.LOST)  # late by the interval: still running
+    excused, due = live.woke(12.5, meant=10.0)
+    assert due is Wake.BEAT  # a fresh deadline from the wake, and our beat was overdue
+    assert excused == live.excused(12.5).sent(12.5)

@@ -173,7 +173,8 @@ async def test_abort_during_a_long_stop_ranks_kills_at_once(bench: Bench) -> Non
         outcome = await running
         took = loop.time() - aborted_at
     assert outcome == SessionOutcome(ending=Ending.ABORTED, reason="a rank failed elsewhere")
-    assert took < 3.0, f"the 60 s stop was not escalated: {took:.1f}s"
+    # far below the 60 s grace: a bound on a hang, with room for a busy machine's slow reaping
+    assert took < 20.0, f"the 60 s stop was not escalated: {took:.1f}s"
     assert not processes_of_run(bench.controller.run_id)
     assert sorted(bench.record.read_text().split()) == ["0", "1", "SIGTERM", "SIGTERM"]
     exits = [msg for msg in _drain(bench.controller.up) if isinstance(msg, m.RankExited)]

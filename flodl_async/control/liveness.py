@@ -7,10 +7,11 @@ both ends of every agent's join link send a :class:`~flodl_async.wire.messages.H
 every ``interval`` seconds, and each counts *any* frame from the peer as a sign of
 life. A peer unheard for ``silence`` seconds is gone. This object only keeps the
 two instants and answers questions about them, with ``now`` passed in; the shells
-(the controller's pump, the agent's ticker) send, read the clock, and act. A
-shell that wakes more than one interval late was itself frozen; it excuses every
-peer (:meth:`Liveness.excused`) rather than accuse a host that could not be
-heard by a process that was not running.
+(the controller's pump, the agent's ticker, the relay's beat loop) send, read the
+clock, and act. A shell that wakes more than one interval late was itself frozen;
+it excuses every peer (:meth:`Liveness.excused`) rather than accuse a host that
+could not be heard by a process that was not running. A loop that watches one
+link asks :meth:`Liveness.woke` what to do on each wake (lost, beat, or sleep).
 
 What is covered, link by link (defaults: ``interval`` 2 s, ``silence`` 10 s, both scaled by
 ``FLODL_NET_TIMEOUT_SCALE``):
@@ -34,7 +35,19 @@ What is covered, link by link (defaults: ``interval`` 2 s, ``silence`` 10 s, bot
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, replace
+
+
+class Wake(enum.Enum):
+    """What a link's heartbeat loop does when it wakes (:meth:`Liveness.woke`)."""
+
+    #: The peer was silent for the whole deadline: report it lost and stop beating.
+    LOST = enum.auto()
+    #: Our heartbeat is due: send it now.
+    BEAT = enum.auto()
+    #: Nothing is due: sleep until :meth:`Liveness.next_deadline`.
+    SLEEP = enum.auto()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -95,6 +108,21 @@ class Liveness:
     def silent_for(self, now: float) -> float:
         """Seconds since the peer was last heard."""
         return max(now - self.last_heard, 0.0)
+
+    def woke(self, now: float, *, meant: float) -> tuple[Liveness, Wake]:
+        """A heartbeat loop that meant to wake at ``meant`` woke at ``now``: what it does, and the
+        liveness to keep (already :meth:`sent` on a :attr:`Wake.BEAT`).
+
+        Waking more than one ``interval`` late means this process was frozen: the peer is excused
+        first, so a host that could not be heard by a process that was not running is not accused.
+        After a beat or a sleep the loop sleeps until :meth:`next_deadline` of what this returns.
+        """
+        live = self.excused(now) if now - meant > self.interval else self
+        if live.expired(now):
+            return live, Wake.LOST
+        if live.send_due(now):
+            return live.sent(now), Wake.BEAT
+        return live, Wake.SLEEP
 
     def next_deadline(self) -> float:
         """When to look again if nothing arrives: the next beat or the expiry, whichever is

@@ -54,7 +54,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TypeVar
 
-from ..control.liveness import Liveness
+from ..control.liveness import Liveness, Wake
 from ..deadlines import Deadlines
 from ..errors import ConnectionClosed, HandshakeRefused, WireError
 from ..net.framed import FramedProtocol, open_framed
@@ -410,29 +410,26 @@ class Relay:
         """
         loop = asyncio.get_running_loop()
         d = self._deadlines
-        live = self._upstream_live = Liveness.start(
+        self._upstream_live = Liveness.start(
             loop.time(), interval=d.heartbeat_interval, silence=d.heartbeat_silence
         )
         first_rank = min(self._host_ranks)
         wake = loop.time()
         while not upstream.is_closing:
             now = loop.time()
-            live = self._upstream_live
-            # this process was frozen: the controller could not be heard
-            if now - wake > d.heartbeat_interval:
-                live = live.excused(now)
-            if live.expired(now):
+            # read afresh each wake: the down pump marks the controller heard in between
+            live, due = self._upstream_live.woke(now, meant=wake)
+            self._upstream_live = live
+            if due is Wake.LOST:
                 if self._on_upstream_lost is not None:
                     self._on_upstream_lost(
                         "the relay's upstream control link to the controller was silent for "
                         f"{d.heartbeat_silence:g}s"
                     )
                 return
-            if live.send_due(now):
+            if due is Wake.BEAT:
                 with contextlib.suppress(ConnectionClosed):
                     upstream.send(m.Heartbeat(sent_at=now, rank=first_rank, relay=True))
-                live = live.sent(now)
-            self._upstream_live = live
             wake = live.next_deadline()
             await asyncio.sleep(max(wake - loop.time(), 0.0))
 

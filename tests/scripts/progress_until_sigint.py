@@ -36,8 +36,9 @@ for k in (1, 2, 3):
     write(f"\rprog {k}/3 r{rank}")
 wait_for("gate-4")
 write("\n")  # the finished bar's newline, on its own (as tqdm's close() writes it)
-write(f"waiting for SIGINT r{rank}\n")
 try:
+    # inside the try: a Ctrl-C sent the moment this line is read lands in the handler below
+    write(f"waiting for SIGINT r{rank}\n")
     while True:
         time.sleep(3600)
 except KeyboardInterrupt:
