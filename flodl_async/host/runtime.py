@@ -85,7 +85,7 @@ def runtime_root(env: Mapping[str, str] | None = None) -> Path:
     used.
     """
     preferred = preferred_root(env)
-    chosen = choose_root(preferred, short_roots(os.getuid()), problem=_short_root_problem)
+    chosen = choose_root(preferred, short_roots(os.getuid()), problem=root_problem)
     if chosen != preferred:
         _note_fallback(preferred, chosen)
     return chosen
@@ -108,7 +108,8 @@ def preferred_root(env: Mapping[str, str] | None = None) -> Path:
 def short_roots(uid: int) -> tuple[Path, ...]:
     """Where a runtime directory too deep for socket paths gives way to, in order: the login's own
     runtime directory (systemd-logind makes it, private, for each user), then ``/tmp``'s."""
-    return (Path(f"/run/user/{uid}/flodl"), Path(f"/tmp/flodl-{uid}"))
+    # /tmp on purpose: it is short on every machine, and its entry is checked private before use
+    return (Path(f"/run/user/{uid}/flodl"), Path(f"/tmp/flodl-{uid}"))  # noqa: S108
 
 
 def shortest_socket_path(root: Path) -> int:
@@ -152,9 +153,10 @@ def _too_deep(length: int) -> str:
     )
 
 
-def _short_root_problem(path: Path) -> str | None:
+def root_problem(path: Path) -> str | None:
     """Why ``path`` cannot be a runtime root (it exists but is not private, or it cannot be made
-    in its parent), or None: it is checked again, and made, when it is used."""
+    in its parent), or None: it is checked again, and made, when it is used (a probe, which
+    :func:`runtime_root` hands :func:`choose_root`)."""
     if os.path.lexists(path):
         try:
             _check_private(path)
