@@ -15,7 +15,10 @@ import pytest
 
 from flodl_async.errors import RuntimeDirError
 from flodl_async.host import runtime
-from tests.launchkit import PY, Launcher, new_run_id, run_launch, script
+
+from .hostkit import HostKit
+from .launchkit import PY, Launcher, new_run_id, run_launch, script
+from .test_fanout_e2e import _cluster, _python_wrapper
 
 pytestmark = pytest.mark.e2e
 
@@ -107,26 +110,21 @@ def test_flodl_ps_finds_a_run_whose_tmpdir_is_deep(deep: Path, tmp_path: Path) -
     assert left_of_run(run_id) == []
 
 
-# The in-process agent fails after it joined (its runtime entry cannot be made): what the user must
-# read is that error, not that the agent's join link closed.
-FAILING_ENTRY = """
+# No short directory can be made: the launcher, its agent patched to look only where none can be.
+NO_SHORT_ROOT = """
 import sys
-from flodl_async.agent import session
-from flodl_async.errors import RuntimeDirError
-
-def refuse(**kwargs):
-    raise RuntimeDirError("/deep/flodl", "is too deep for unix socket paths (test)")
-
-session.create_entry = refuse
+from pathlib import Path
+from flodl_async.host import runtime
+runtime.short_roots = lambda uid: (Path("/nonexistent/flodl"),)
 from flodl_async.cli.launch import main
 sys.exit(main())
 """
 
 
-def test_an_in_process_agents_own_error_is_the_verdict(deep: Path) -> None:
+def test_with_no_short_root_the_verdict_is_the_too_deep_error(deep: Path) -> None:
     run_id = new_run_id()
     done = subprocess.run(
-        [PY, "-c", FAILING_ENTRY, "--run-id", run_id, "--nproc", "1", "--devices", "cpu",
+        [PY, "-c", NO_SHORT_ROOT, "--run-id", run_id, "--nproc", "1", "--devices", "cpu",
          "--port", "0", "--", PY, "-c", "pass"],
         capture_output=True,
         text=True,
@@ -135,12 +133,62 @@ def test_an_in_process_agents_own_error_is_the_verdict(deep: Path) -> None:
         check=False,
     )  # fmt: skip
     verdict = done.stderr.strip().splitlines()[-1]
+    assert done.returncode == 3, done.stderr  # the agent failed before it joined
+    assert f"runtime directory {deep / 'flodl'}: is too deep for unix socket paths" in verdict
+    assert "/nonexistent/flodl: cannot create it" in verdict
+    assert "XDG_RUNTIME_DIR" in verdict
+    assert list(deep.iterdir()) == []
+
+
+# An agent that fails after it joined closes its join link, then says why (its launcher raises it):
+# what the user must read is that error, not that the link closed. Here its runtime entry cannot be
+# made: the runs directory under a private root is open to others.
+@pytest.fixture
+def loose_runs() -> Iterator[Path]:
+    """An XDG_RUNTIME_DIR whose ``flodl/runs`` has mode 0755: the root passes, the entry fails."""
+    base = Path(tempfile.mkdtemp(prefix="fl-loose-", dir="/tmp"))
+    (base / "flodl").mkdir(mode=0o700)
+    (base / "flodl" / "runs").mkdir()
+    (base / "flodl" / "runs").chmod(0o755)
+    yield base
+    shutil.rmtree(base, ignore_errors=True)
+
+
+def loose_runs_error(xdg: Path) -> str:
+    return f"runtime directory {xdg / 'flodl' / 'runs'}: has mode 0755; it must be 0700"
+
+
+def test_an_in_process_agents_own_error_is_the_verdict(loose_runs: Path) -> None:
+    done = run_launch(
+        "--nproc", "1", "--devices", "cpu", "--port", "0", "--", PY, "-c", "pass",
+        run_id=new_run_id(),
+        env={"XDG_RUNTIME_DIR": str(loose_runs)},
+    )  # fmt: skip
+    verdict = done.stderr.strip().splitlines()[-1]
     assert done.returncode == 4, done.stderr
     assert "FAILED — agent on host" in verdict, done.stderr
-    assert "runtime directory /deep/flodl: is too deep for unix socket paths (test)" in verdict
+    assert loose_runs_error(loose_runs) in verdict, done.stderr
     assert "XDG_RUNTIME_DIR" in verdict  # what to do
     assert "peer closed the connection" not in done.stderr, done.stderr
-    assert left_of_run(run_id) == []
+
+
+def test_a_remote_agents_own_error_is_the_verdict(
+    hostkit: HostKit, tmp_path: Path, loose_runs: Path
+) -> None:
+    """Over ssh the agent prints its error and exits 2: its launcher raises that line, the verdict."""
+    h1 = hostkit.hosts[0]
+    wrapper = _python_wrapper(tmp_path)
+    text = wrapper.read_text().replace(
+        "\nexec ", f"\nexport XDG_RUNTIME_DIR={loose_runs}\nexec ", 1
+    )
+    wrapper.write_text(text)
+    cluster = _cluster(tmp_path, hostkit, [(h1, "cpu:1")], python=str(wrapper))
+    done = run_launch(str(cluster), "--", PY, "-c", "pass", run_id=new_run_id())
+    verdict = done.stderr.strip().splitlines()[-1]
+    assert done.returncode == 4, done.stderr
+    assert f"agent on host {h1.name!r}" in verdict, done.stderr
+    assert loose_runs_error(loose_runs) in verdict, done.stderr
+    assert "peer closed the connection" not in done.stderr, done.stderr
 
 
 def test_the_deep_fixture_would_have_failed_before_the_fallback(deep: Path) -> None:

@@ -68,7 +68,7 @@ def test_a_root_that_fits_is_kept_without_looking_at_the_fallbacks() -> None:
 def test_a_root_too_deep_gives_way_to_the_first_usable_short_one() -> None:
     assert runtime.shortest_socket_path(DEEP) == 117
     assert choose_root(DEEP, SHORT, problem=lambda p: None) == SHORT[0]
-    no_login_dir = {SHORT[0]: "cannot be made (/run/user/7 does not exist)"}
+    no_login_dir = {SHORT[0]: "cannot create it: No such file or directory"}
     assert choose_root(DEEP, SHORT, problem=no_login_dir.get) == SHORT[1]
     # a fallback too deep itself is never asked about
     asked: list[Path] = []
@@ -79,7 +79,7 @@ def test_a_root_too_deep_gives_way_to_the_first_usable_short_one() -> None:
 
 def test_a_root_too_deep_with_no_usable_short_one_is_a_clear_error() -> None:
     problems = {
-        SHORT[0]: "cannot be made (/run/user/7 does not exist)",
+        SHORT[0]: "cannot create it: No such file or directory",
         SHORT[1]: "is owned by uid 54321, not by you (uid 7)",
     }
     with pytest.raises(RuntimeDirError) as caught:
@@ -90,8 +90,8 @@ def test_a_root_too_deep_with_no_usable_short_one_is_a_clear_error() -> None:
         "is too deep for unix socket paths (117 bytes with the shortest entry names, the limit is 107)"
         in text
     )
-    assert "/run/user/7/flodl cannot be made (/run/user/7 does not exist)" in text
-    assert "/tmp/flodl-7 is owned by uid 54321" in text
+    assert "/run/user/7/flodl: cannot create it: No such file or directory;" in text
+    assert "/tmp/flodl-7: is owned by uid 54321" in text
     assert "XDG_RUNTIME_DIR" in text  # what to do
 
 
@@ -103,10 +103,9 @@ def test_the_short_roots_are_per_user_and_short() -> None:
 
 def test_whether_a_short_root_can_be_used_is_checked_like_a_root(short_tmp: Path) -> None:
     problem = runtime.root_problem
-    assert problem(short_tmp / "new") is None  # not there yet: made when used
-    assert (
-        problem(short_tmp / "no" / "new") == f"cannot be made ({short_tmp / 'no'} does not exist)"
-    )
+    assert problem(short_tmp / "new") is None
+    assert oct((short_tmp / "new").stat().st_mode & 0o777) == "0o700"  # made, private
+    assert problem(short_tmp / "no" / "new") == "cannot create it: No such file or directory"
     ensure_root(short_tmp / "ours")
     assert problem(short_tmp / "ours") is None
     (short_tmp / "loose").mkdir(mode=0o755)

@@ -78,8 +78,9 @@ _NEW_PREFIX = ".new-"
 
 
 def runtime_root(env: Mapping[str, str] | None = None) -> Path:
-    """Where this user's runtime directory is (not created): :func:`preferred_root`, unless that
-    is too deep for unix socket paths, then the first usable of :func:`short_roots`.
+    """Where this user's runtime directory is: :func:`preferred_root` (not created), unless that
+    is too deep for unix socket paths, then the first of :func:`short_roots` that is, or can be
+    made, a private directory of ours (made then).
 
     Raises :class:`RuntimeDirError` when the preferred root is too deep and no short one can be
     used.
@@ -139,7 +140,7 @@ def choose_root(
         )
         if found is None:
             return candidate
-        why.append(f"{candidate} {found}")
+        why.append(f"{candidate}: {found}")
     raise RuntimeDirError(
         str(preferred),
         f"{_too_deep(length)}, and no short directory can take its place ({'; '.join(why)})",
@@ -154,20 +155,13 @@ def _too_deep(length: int) -> str:
 
 
 def root_problem(path: Path) -> str | None:
-    """Why ``path`` cannot be a runtime root (it exists but is not private, or it cannot be made
-    in its parent), or None: it is checked again, and made, when it is used (a probe, which
-    :func:`runtime_root` hands :func:`choose_root`)."""
-    if os.path.lexists(path):
-        try:
-            _check_private(path)
-        except RuntimeDirError as exc:
-            return exc.problem
-        return None
-    parent = path.parent
-    if not parent.is_dir():
-        return f"cannot be made ({parent} does not exist)"
-    if not os.access(parent, os.W_OK | os.X_OK):
-        return f"cannot be made ({parent} is not writable)"
+    """Why ``path`` cannot be a runtime root, or None once it is one: made mode 0700 unless it
+    exists, and checked (the probe :func:`runtime_root` hands :func:`choose_root`; trying is the
+    only sure test of whether a directory can be made)."""
+    try:
+        _mkdir_private(path)
+    except RuntimeDirError as exc:
+        return exc.problem
     return None
 
 
