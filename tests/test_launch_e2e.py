@@ -5,9 +5,11 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 
@@ -734,8 +736,16 @@ def _left_on_disk(tmp: Path) -> list[str]:
 
 def test_nothing_of_a_run_outlives_it_on_disk(tmp_path: Path) -> None:
     """Success, failure, and a SIGKILLed launcher (whose leftovers the next start sweeps): the temp dir ends as it began."""
-    tmp = tmp_path / "tmp"
-    tmp.mkdir()
+    # short, wherever pytest's own temp dir is: a TMPDIR too deep for socket paths would put the
+    # runtime directory elsewhere (test_deep_tmpdir.py covers that)
+    tmp = Path(tempfile.mkdtemp(prefix="fl-tmp-", dir="/tmp"))
+    try:
+        _nothing_outlives_a_run_in(tmp, tmp_path)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _nothing_outlives_a_run_in(tmp: Path, tmp_path: Path) -> None:
     env = {
         "TMPDIR": str(tmp),
         "XDG_RUNTIME_DIR": "",

@@ -368,6 +368,16 @@ def test_member_lost_names_the_host_and_the_time_into_the_window() -> None:
     assert w.state is WindowState.FAILED
 
 
+def test_member_lost_says_why_when_it_is_known() -> None:
+    w = window()
+    join(w, "a")
+    verdict = w.member_lost("a", now=103.4, reason="runtime directory /x: is too deep")
+    assert verdict == Failed(
+        reason="agent on host 'a' went away before the world formed (3.4s into the window): "
+        "runtime directory /x: is too deep"
+    )
+
+
 def test_losing_a_host_that_never_joined_keeps_the_window_open() -> None:
     w = window()
     join(w, "a")

@@ -17,9 +17,11 @@ from flodl_async.errors import ConfigError, RuntimeDirError
 from flodl_async.host import runtime
 from flodl_async.host.runtime import (
     ProcessIdentity,
+    choose_root,
     create_entry,
     ensure_root,
     entry_path,
+    preferred_root,
     process_start_time,
     runtime_root,
     sweep_stale,
@@ -40,10 +42,109 @@ def root(short_tmp: Path) -> Path:
 
 
 def test_root_follows_xdg_runtime_dir_else_a_per_user_temp_dir() -> None:
+    assert preferred_root({"XDG_RUNTIME_DIR": "/run/user/1000"}) == Path("/run/user/1000/flodl")
     assert runtime_root({"XDG_RUNTIME_DIR": "/run/user/1000"}) == Path("/run/user/1000/flodl")
-    fallback = runtime_root({})
-    assert fallback.name == f"flodl-{os.getuid()}"
-    assert runtime_root({"XDG_RUNTIME_DIR": "relative/not/allowed"}) == fallback
+    fallback = preferred_root({})
+    assert fallback == Path(tempfile.gettempdir()) / f"flodl-{os.getuid()}"
+    assert preferred_root({"XDG_RUNTIME_DIR": "relative/not/allowed"}) == fallback
+
+
+# ----- a root too deep for unix socket paths gives way to a short one ----------------------------
+
+#: 117 bytes of relay socket path under it with the shortest entry names: past the 107-byte limit.
+DEEP = Path("/scratch/" + "d" * 58 + "/flodl-0")
+SHORT = (Path("/run/user/7/flodl"), Path("/tmp/flodl-7"))
+
+
+def test_a_root_that_fits_is_kept_without_looking_at_the_fallbacks() -> None:
+    def never(path: Path) -> str | None:
+        raise AssertionError(f"looked at {path}")
+
+    fits = Path("/tmp/" + "d" * 40 + "/flodl-0")
+    assert runtime.shortest_socket_path(fits) <= runtime.UNIX_PATH_MAX
+    assert choose_root(fits, SHORT, problem=never) == fits
+
+
+def test_a_root_too_deep_gives_way_to_the_first_usable_short_one() -> None:
+    assert runtime.shortest_socket_path(DEEP) == 117
+    assert choose_root(DEEP, SHORT, problem=lambda p: None) == SHORT[0]
+    no_login_dir = {SHORT[0]: "cannot create it: No such file or directory"}
+    assert choose_root(DEEP, SHORT, problem=no_login_dir.get) == SHORT[1]
+    # a fallback too deep itself is never asked about
+    asked: list[Path] = []
+    deeper = DEEP / "more"
+    assert choose_root(DEEP, (deeper, SHORT[1]), problem=asked.append) == SHORT[1]
+    assert asked == [SHORT[1]]
+
+
+def test_a_root_too_deep_with_no_usable_short_one_is_a_clear_error() -> None:
+    problems = {
+        SHORT[0]: "cannot create it: No such file or directory",
+        SHORT[1]: "is owned by uid 54321, not by you (uid 7)",
+    }
+    with pytest.raises(RuntimeDirError) as caught:
+        choose_root(DEEP, SHORT, problem=problems.get)
+    assert caught.value.path == str(DEEP)
+    text = str(caught.value)
+    assert (
+        "is too deep for unix socket paths (117 bytes with the shortest entry names, the limit is 107)"
+        in text
+    )
+    assert "/run/user/7/flodl: cannot create it: No such file or directory;" in text
+    assert "/tmp/flodl-7: is owned by uid 54321" in text
+    assert "XDG_RUNTIME_DIR" in text  # what to do
+
+
+def test_the_short_roots_are_per_user_and_short() -> None:
+    roots = runtime.short_roots(4294967294)
+    assert roots == (Path("/run/user/4294967294/flodl"), Path("/tmp/flodl-4294967294"))
+    assert all(runtime.shortest_socket_path(r) <= runtime.UNIX_PATH_MAX for r in roots)
+
+
+def test_whether_a_short_root_can_be_used_is_checked_like_a_root(short_tmp: Path) -> None:
+    problem = runtime.root_problem
+    assert problem(short_tmp / "new") is None
+    assert oct((short_tmp / "new").stat().st_mode & 0o777) == "0o700"  # made, private
+    assert problem(short_tmp / "no" / "new") == "cannot create it: No such file or directory"
+    ensure_root(short_tmp / "ours")
+    assert problem(short_tmp / "ours") is None
+    (short_tmp / "loose").mkdir(mode=0o755)
+    (short_tmp / "loose").chmod(0o755)
+    assert (
+        problem(short_tmp / "loose")
+        == "has mode 0755; it must be 0700 (others could read or plant files)"
+    )
+    (short_tmp / "link").symlink_to(short_tmp / "ours")
+    assert problem(short_tmp / "link") == "is a symlink; refusing to follow it"
+
+
+def test_the_environments_root_falls_back_when_tmpdir_and_xdg_are_deep(
+    short_tmp: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    deep = short_tmp / ("d" * 100)
+    env = {"XDG_RUNTIME_DIR": str(deep)}
+    usable = [r for r in runtime.short_roots(os.getuid()) if runtime.root_problem(r) is None]
+    if not usable:
+        pytest.skip("neither short root can be used on this machine")
+    assert runtime_root(env) == usable[0]
+    # every process of the run asks again, and gets the same answer
+    assert runtime_root(env) == runtime_root(dict(env)) == usable[0]
+    monkeypatch.setattr(runtime, "short_roots", lambda uid: (short_tmp / f"fb-{uid}",))
+    assert runtime_root(env) == short_tmp / f"fb-{os.getuid()}"
+    root = ensure_root(runtime_root(env))
+    entry = create_entry(run_id="run-1", host="h", controller="c", root=root)
+    assert len(os.fsencode(entry.socket_path)) <= runtime.UNIX_PATH_MAX
+    entry.remove()
+
+
+def test_flodl_ps_lists_nothing_when_no_root_can_be_used(monkeypatch: pytest.MonkeyPatch) -> None:
+    from flodl_async.host import runs
+
+    def refuse(env: object = None) -> Path:
+        raise RuntimeDirError(str(DEEP), "is too deep")
+
+    monkeypatch.setattr(runs, "runtime_root", refuse)
+    assert runs.local_runs() == ()
 
 
 def test_root_is_created_owner_only(root: Path) -> None:

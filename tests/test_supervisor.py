@@ -533,6 +533,87 @@ def test_a_member_lost_after_formation_ends_the_run_naming_it(stage: str, words:
     assert end.result.reason == f"agent on host 'b' was lost {words}: link reset"
 
 
+# A launched agent that fails closes its join link, then its launcher raises its error: the
+# error (what went wrong, what to do) is the verdict, not the link's closing.
+CLOSED = "join channel to 127.0.0.1:5000: the peer closed the connection"
+AGENT_ERROR = (
+    "runtime directory /x: is too deep for unix socket paths — point XDG_RUNTIME_DIR at a short one"
+)
+
+
+def link_closed(host: str) -> HostLost:
+    return HostLost(host=host, reason=CLOSED, link_closed=True)
+
+
+def test_a_launched_agents_own_error_wins_over_its_links_closing() -> None:
+    sup = Supervisor(config(launched_hosts=frozenset({"a", "b"}), agent_reason_wait=2.0), now=0.0)
+    running(sup)
+    assert sup.handle(link_closed("b"), 3.0) == ()  # its launcher may say why
+    assert sup.next_deadline(3.0) == 5.0
+    assert sup.result is None
+    end = the_end(sup.handle(HostLost(host="b", reason=AGENT_ERROR), 3.5))
+    assert end.result.exit_code is ExitCode.RANK_FAILURE
+    assert end.result.reason == f"agent on host 'b' was lost mid-run: {AGENT_ERROR}"
+    assert sup.handle(Tick(), 5.0) == ()  # the link's loss was answered: nothing more
+    assert sup.next_deadline(5.0) is None
+
+
+def test_a_launched_agent_that_says_nothing_is_lost_with_its_links_reason_at_the_wait() -> None:
+    sup = Supervisor(config(launched_hosts=frozenset({"b"}), agent_reason_wait=2.0), now=0.0)
+    running(sup)
+    sup.handle(link_closed("b"), 3.0)
+    assert sup.handle(link_closed("b"), 3.5) == ()  # the first closing sets the wait
+    assert sup.handle(Tick(), 4.99) == ()
+    end = the_end(sup.handle(Tick(), 5.0))
+    assert end.result.reason == f"agent on host 'b' was lost mid-run: {CLOSED}"
+    assert sup.next_deadline(5.0) is None
+
+
+def test_a_link_loss_past_its_wait_goes_before_the_next_event() -> None:
+    sup = Supervisor(config(launched_hosts=frozenset({"b"}), agent_reason_wait=2.0), now=0.0)
+    running(sup)
+    sup.handle(link_closed("b"), 3.0)
+    actions = sup.handle(exited(0, "a", code=0), 6.0)
+    assert the_end(actions).result.reason == f"agent on host 'b' was lost mid-run: {CLOSED}"
+
+
+def test_the_wait_for_an_agents_reason_comes_before_the_phases_deadline() -> None:
+    sup = Supervisor(config(launched_hosts=frozenset({"b"}), agent_reason_wait=2.0), now=0.0)
+    formed(sup)  # rendezvous: the store must be ready by 1.0 + 20.0
+    assert sup.next_deadline(3.0) == 21.0
+    sup.handle(link_closed("b"), 3.0)
+    assert sup.next_deadline(3.0) == 5.0
+
+
+@pytest.mark.parametrize("launched", [frozenset(), frozenset({"a"})])
+def test_a_link_closing_of_a_host_no_launcher_runs_is_lost_at_once(
+    launched: frozenset[str],
+) -> None:
+    """A dial-in agent (or a walk-in) has no launcher to explain it: its link's reason is all there is."""
+    sup = Supervisor(config(launched_hosts=launched), now=0.0)
+    running(sup)
+    end = the_end(sup.handle(link_closed("b"), 3.0))
+    assert end.result.reason == f"agent on host 'b' was lost mid-run: {CLOSED}"
+
+
+def test_a_launched_hosts_link_closing_after_the_verdict_waits_for_nothing() -> None:
+    sup = Supervisor(config(launched_hosts=frozenset({"b"})), now=0.0)
+    running(sup)
+    sup.handle(Interrupted(signal=int(signal.SIGTERM)), 3.0)
+    assert sup.handle(link_closed("b"), 4.0) == ()
+    assert sup.next_deadline(4.0) is None
+
+
+def test_a_launched_agent_that_fails_before_the_world_forms_says_why() -> None:
+    sup = Supervisor(config(launched_hosts=frozenset({"a", "b"})), now=0.0)
+    sup.handle(join("a"), 1.0)
+    assert sup.handle(link_closed("a"), 2.0) == ()
+    end = the_end(sup.handle(HostLost(host="a", reason=AGENT_ERROR), 2.1))
+    assert end.result.exit_code is ExitCode.FORMATION
+    assert AGENT_ERROR in end.result.reason
+    assert CLOSED not in end.result.reason
+
+
 def test_a_host_outside_the_world_going_away_changes_nothing() -> None:
     sup = Supervisor(config(), now=0.0)
     running(sup)

@@ -321,12 +321,13 @@ class JoinWindow:
             member = self._members.pop()
             self._next_rank -= len(member.ranks)
 
-    def member_lost(self, host: str, *, now: float) -> Verdict:
-        """An admitted agent died before formation: the window fails at once, naming it."""
+    def member_lost(self, host: str, *, now: float, reason: str = "") -> Verdict:
+        """An admitted agent died before formation: the window fails at once, naming it and, when
+        known, why."""
         if self._state is WindowState.OPEN and any(m.host == host for m in self._members):
             self._fail(
                 f"agent on host {host!r} went away before the world formed "
-                f"({now - self.opened_at:.1f}s into the window)"
+                f"({now - self.opened_at:.1f}s into the window){f': {reason}' if reason else ''}"
             )
         return self._verdict
 

@@ -50,6 +50,13 @@ class SupervisorConfig:
     #: ``--hang-timeout``: a rank with neither output nor CPU progress this long ends the run (exit
     #: 6); None: off.
     hang_timeout: float | None = None
+    #: Hosts whose agent a launcher of this controller runs (in its process, or over ssh): such an
+    #: agent that fails closes its join link first, and says why through its launcher a moment
+    #: later.
+    launched_hosts: frozenset[str] = frozenset()
+    #: How long a launched host's closed join link waits for that reason before its own (that the
+    #: link closed) is the verdict's.
+    agent_reason_wait: float = 2.0
 
 
 # ----- events ------------------------------------------------------------------------------------
@@ -78,6 +85,8 @@ class HostLost:
 
     host: str
     reason: str
+    #: Its join link closed or broke (``reason`` says how): the agent's own reason may follow.
+    link_closed: bool = False
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -25,15 +25,17 @@ restarts left every host stops that round's ranks and a new rendezvous round
 starts (``TORCHELASTIC_RESTART_COUNT`` + 1); otherwise the verdict names the
 rank, its host, its code or signal, its traceback and its last stderr lines
 (exit 4). A member host lost at any point ends the run (exit 4 after
-formation). The first signal ends the run with 130/143 and tells every host to
-stop its ranks following the signal table; a signal after the verdict forces
-(KILL now). A verdict, once given, is final.
+formation); when its join link closed and a launcher runs its agent, the loss
+waits ``agent_reason_wait`` for the launcher's report, so that an agent that
+failed is the verdict in its own words, not in its link's. The first signal
+ends the run with 130/143 and tells every host to stop its ranks following the
+signal table; a signal after the verdict forces (KILL now). A verdict, once given, is final.
 """
 
 from __future__ import annotations
 
 import signal
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from ..status.model import PROCESS_STATES, RankState, RankStatus
 from ..verdict import (
@@ -79,6 +81,15 @@ from .vocab import Announce, Level, Tell, Tick
 # ----- the machine ----------------------------------------------------------------------------
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _LinkLoss:
+    """A launched host's join link closed: lost with ``reason`` at ``until``, unless its launcher
+    says why first."""
+
+    reason: str
+    until: float
+
+
 class Supervisor:
     """One run's decisions; pure, ``now`` passed in."""
 
@@ -97,6 +108,7 @@ class Supervisor:
         self._ranks: dict[int, RankStatus] = {}
         # the coordinator's orderly end, for the verdict
         self._training_done: tuple[str, ExitCode] | None = None
+        self._link_losses: dict[str, _LinkLoss] = {}
 
     # ----- queries ----------------------------------------------------------------------------
 
@@ -118,11 +130,13 @@ class Supervisor:
     def next_deadline(self, now: float) -> float | None:
         """When to call again with :class:`Tick` if nothing else happens (None: no deadline)."""
         phase = self._phase
+        due: float | None = None
         if isinstance(phase, Forming):
-            return phase.window.next_deadline(now)
-        if isinstance(phase, Rendezvous | Restarting):
-            return phase.deadline
-        return None
+            due = phase.window.next_deadline(now)
+        elif isinstance(phase, Rendezvous | Restarting):
+            due = phase.deadline
+        waits = (loss.until for loss in self._link_losses.values())
+        return min((t for t in (due, *waits) if t is not None), default=None)
 
     def view(self) -> SupervisorView:
         """What the status endpoint shows."""
@@ -143,6 +157,31 @@ class Supervisor:
 
     def handle(self, event: Event, now: float) -> tuple[Action, ...]:
         """Take one event; return what the shell must do, in order."""
+        if isinstance(event, HostLost):
+            if self._awaits_agent_reason(event):
+                self._link_losses.setdefault(
+                    event.host,
+                    _LinkLoss(reason=event.reason, until=now + self.config.agent_reason_wait),
+                )
+                return ()
+            self._link_losses.pop(event.host, None)  # the launcher's reason came first
+        due = [host for host, loss in self._link_losses.items() if now >= loss.until]
+        actions: list[Action] = []
+        for host in due:
+            lost = HostLost(host=host, reason=self._link_losses.pop(host).reason)
+            actions.extend(self._handle(lost, now))
+        return (*actions, *self._handle(event, now))
+
+    def _awaits_agent_reason(self, event: HostLost) -> bool:
+        """The join link of a host a launcher runs closed: the agent, if it failed, tells its
+        launcher what went wrong and what to do, which says more than that its link closed."""
+        return (
+            event.link_closed
+            and event.host in self.config.launched_hosts
+            and not isinstance(self._phase, Ended)
+        )
+
+    def _handle(self, event: Event, now: float) -> tuple[Action, ...]:
         if isinstance(event, Interrupted):
             return self._interrupted(event, now)
         if isinstance(event, RankConnected):
@@ -217,7 +256,10 @@ class Supervisor:
                 )
         elif isinstance(event, JoinUndelivered):
             window.retract(event.host)
-        elif isinstance(event, HostLost) and window.member_lost(event.host, now=now) is None:
+        elif (
+            isinstance(event, HostLost)
+            and window.member_lost(event.host, now=now, reason=event.reason) is None
+        ):
             # Not a member yet: a planned agent that failed before it could join.
             window.abort(f"agent on host {event.host!r} failed before joining: {event.reason}")
         verdict = window.poll(now)

@@ -5,7 +5,10 @@ to run that worker's agent for the whole run; the agent then joins over the
 real join protocol like any other. A launcher's failure to bring its agent up
 (or the agent's own failure) is raised as a :class:`~flodl_async.errors.FlodlError`
 and becomes a ``HostLost`` event naming the host; the lifecycle never knows how
-the agent was started. In-process here; ssh fan-out is :mod:`.fanout`.
+the agent was started. An agent that fails closes its join link before its
+launcher can raise, so the supervisor gives a launched host's closed link a
+moment (``agent_reason_wait``) for that error, which then is the verdict. In-process
+here; ssh fan-out is :mod:`.fanout`.
 """
 
 from __future__ import annotations

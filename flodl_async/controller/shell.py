@@ -231,6 +231,11 @@ class Controller:
                 protocol_version=PROTOCOL_VERSION,
                 version=__version__,
                 hang_timeout=plan.hang_timeout,
+                launched_hosts=frozenset(
+                    w.host for w in plan.workers if w.placement is not Placement.DIAL_IN
+                ),
+                # such an agent closes its link (waiting at most link_close) before it can fail
+                agent_reason_wait=2 * self._deadlines.link_close,
             ),
             now=self._opened_at,
         )
@@ -561,7 +566,7 @@ class Controller:
             # not when the liveness check already cut it off
             if self._links.get(hello.host) is link:
                 self._liveness.pop(hello.host, None)
-                self._dispatch(HostLost(host=hello.host, reason=str(exc)))
+                self._dispatch(HostLost(host=hello.host, reason=str(exc), link_closed=True))
 
     async def _handle_rendezvous(self, link: FramedProtocol) -> None:
         while True:

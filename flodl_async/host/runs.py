@@ -7,7 +7,9 @@ whole under a temporary name and renamed into place, removed when the
 controller ends, and an entry whose owner died without that chance (SIGKILL)
 is swept by the next controller that starts and by every reader
 (:func:`local_runs`): a process is judged alive by pid *and* start time, as in
-:mod:`flodl_async.host.runtime`. This is what lets ``flodl status`` with no
+:mod:`flodl_async.host.runtime`, whose choice of root (the short one that
+stands in for a root too deep for socket paths included) the controller and
+its readers share. This is what lets ``flodl status`` with no
 address find the local run, and ``flodl ps`` list them. Nothing here imports
 asyncio: ``flodl`` reads it too.
 """
@@ -22,6 +24,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..errors import RuntimeDirError
 from .runtime import ProcessIdentity, ensure_root, private_subdir, runtime_root
 
 CONTROLLERS_DIR = "controllers"
@@ -99,7 +102,12 @@ def register(*, run_id: str, address: str, port: int, root: Path | None = None) 
 
 def sweep(root: Path | None = None) -> tuple[LocalRun, ...]:
     """Remove the entries of controllers that are gone; returns the live ones, oldest first."""
-    directory = (runtime_root() if root is None else root) / CONTROLLERS_DIR
+    if root is None:
+        try:
+            root = runtime_root()
+        except RuntimeDirError:  # too deep, no short one usable: no controller could register
+            return ()
+    directory = root / CONTROLLERS_DIR
     if not directory.is_dir() or directory.is_symlink():
         return ()
     live: list[LocalRun] = []

@@ -26,8 +26,14 @@ time, rank, run id, controller), and :func:`reap_stale_ranks`, called before the
 sweep, KILLs the live members of those groups for entries whose owner is gone.
 
 Unix socket paths are limited to 107 bytes: an entry whose socket path would
-be longer falls back to short hashed names, and a root too long even for
-those is an error that says what to do.
+be longer falls back to short hashed names. A root too deep even for those (a
+cluster's scratch ``TMPDIR``, pytest's temp directories) gives way to a short
+one of this user's: ``/run/user/<uid>/flodl`` (the login's own runtime
+directory, when there is one), else ``/tmp/flodl-<uid>``, checked like any
+root. The choice depends only on the environment and on which of those can be
+used, so every process of a run on the host (its agents, its controller,
+``flodl ps``) makes the same one; ranks and relays are handed their socket
+paths whole. When neither can be used the error says so, and what to do.
 """
 
 from __future__ import annotations
@@ -45,7 +51,7 @@ import signal
 import stat
 import tempfile
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -72,7 +78,22 @@ _NEW_PREFIX = ".new-"
 
 
 def runtime_root(env: Mapping[str, str] | None = None) -> Path:
-    """Where this user's runtime directory is (not created): pure, from the environment."""
+    """Where this user's runtime directory is: :func:`preferred_root` (not created), unless that
+    is too deep for unix socket paths, then the first of :func:`short_roots` that is, or can be
+    made, a private directory of ours (made then).
+
+    Raises :class:`RuntimeDirError` when the preferred root is too deep and no short one can be
+    used.
+    """
+    preferred = preferred_root(env)
+    chosen = choose_root(preferred, short_roots(os.getuid()), problem=root_problem)
+    if chosen != preferred:
+        _note_fallback(preferred, chosen)
+    return chosen
+
+
+def preferred_root(env: Mapping[str, str] | None = None) -> Path:
+    """Where the environment puts this user's runtime directory: pure."""
     env = os.environ if env is None else env
     # systemd's RuntimeDirectory=flodl: the unit made this very directory for the service (first of
     # a list).
@@ -83,6 +104,77 @@ def runtime_root(env: Mapping[str, str] | None = None) -> Path:
     if xdg and os.path.isabs(xdg):  # the XDG spec: a relative value is invalid and ignored
         return Path(xdg) / "flodl"
     return Path(tempfile.gettempdir()) / f"flodl-{os.getuid()}"
+
+
+def short_roots(uid: int) -> tuple[Path, ...]:
+    """Where a runtime directory too deep for socket paths gives way to, in order: the login's own
+    runtime directory (systemd-logind makes it, private, for each user), then ``/tmp``'s."""
+    # /tmp on purpose: it is short on every machine, and its entry is checked private before use
+    return (Path(f"/run/user/{uid}/flodl"), Path(f"/tmp/flodl-{uid}"))  # noqa: S108
+
+
+def shortest_socket_path(root: Path) -> int:
+    """The length in bytes of the relay socket path of an entry under ``root`` with the shortest
+    (hashed) names: above :data:`UNIX_PATH_MAX`, ``root`` cannot hold a run."""
+    return len(os.fsencode(root / "runs" / _hashed("") / _hashed("") / SOCKET_NAME))
+
+
+def choose_root(
+    preferred: Path, fallbacks: Sequence[Path], *, problem: Callable[[Path], str | None]
+) -> Path:
+    """``preferred`` when its socket paths fit, else the first of ``fallbacks`` whose paths fit and
+    where ``problem`` finds none (it says why a directory cannot be used, or None).
+
+    Pure but for ``problem``: the same environment and the same directories give every process of
+    a run the same root. Raises :class:`RuntimeDirError` about ``preferred`` when none will do.
+    """
+    length = shortest_socket_path(preferred)
+    if length <= UNIX_PATH_MAX:
+        return preferred
+    why: list[str] = []
+    for candidate in fallbacks:
+        found = (
+            "too deep as well"
+            if shortest_socket_path(candidate) > UNIX_PATH_MAX
+            else problem(candidate)
+        )
+        if found is None:
+            return candidate
+        why.append(f"{candidate}: {found}")
+    raise RuntimeDirError(
+        str(preferred),
+        f"{_too_deep(length)}, and no short directory can take its place ({'; '.join(why)})",
+    )
+
+
+def _too_deep(length: int) -> str:
+    return (
+        f"is too deep for unix socket paths ({length} bytes with the shortest entry names, the "
+        f"limit is {UNIX_PATH_MAX})"
+    )
+
+
+def root_problem(path: Path) -> str | None:
+    """Why ``path`` cannot be a runtime root, or None once it is one: made mode 0700 unless it
+    exists, and checked (the probe :func:`runtime_root` hands :func:`choose_root`; trying is the
+    only sure test of whether a directory can be made)."""
+    try:
+        _mkdir_private(path)
+    except RuntimeDirError as exc:
+        return exc.problem
+    return None
+
+
+#: Fallbacks this process has reported: the root is asked for at every step of a session, and a
+#: cluster whose TMPDIR is always deep wants no line on every run (so -v only).
+_noted: set[tuple[Path, Path]] = set()
+
+
+def _note_fallback(preferred: Path, chosen: Path) -> None:
+    if (preferred, chosen) not in _noted:
+        _noted.add((preferred, chosen))
+        too_deep = _too_deep(shortest_socket_path(preferred))
+        log.debug("runtime directory %s %s: using %s instead", preferred, too_deep, chosen)
 
 
 def _check_private(path: Path) -> None:
@@ -263,12 +355,8 @@ def entry_path(root: Path, run_id: str, host: str) -> Path:
         return readable
     short = root / "runs" / _hashed(run_id) / _hashed(host)
     length = len(os.fsencode(short / SOCKET_NAME))
-    if length > UNIX_PATH_MAX:
-        raise RuntimeDirError(
-            str(root),
-            f"is too deep for unix socket paths ({length} bytes with the shortest entry names, the "
-            f"limit is {UNIX_PATH_MAX})",
-        )
+    if length > UNIX_PATH_MAX:  # a root given explicitly: one from the environment never is
+        raise RuntimeDirError(str(root), _too_deep(length))
     return short
 
 
