@@ -10,9 +10,10 @@ join path first (torch, asyncssh, the controller never).
 May import: _version, verdict, errors, wire, deadlines, host, control, net, config, relay.
 """
 
+from .endings import Ending, SessionOutcome
 from .join import SessionConfig, device_labels
 from .output import RankOutput
-from .session import Ending, HostSession, SessionOutcome
+from .session import HostSession
 
 __all__ = [
     "Ending",

@@ -42,9 +42,10 @@ from ..net.loop import run
 from ..net.signals import StopSignals
 from ..verdict import AGENT_EXIT_MEANINGS, ExitCode, exit_code_for_signal, exit_help
 from ..wire.keys import secret_from_hex
+from .endings import Ending, SessionOutcome
 from .failures import exit_code_for_error, failure_line, session_failure
 from .join import SessionConfig
-from .session import Ending, HostSession, SessionOutcome
+from .session import HostSession
 from .specline import read_spec, serve_spec_stdin
 from .systemd import notification_observer, with_watchdog
 

@@ -38,11 +38,12 @@ from ..control.backoff import Backoff, BackoffPolicy
 from ..errors import AgentError, ConfigError, WrongToken
 from ..net.signals import StopSignals
 from ..verdict import ExitCode, exit_code_for_signal
+from .endings import Ending
 from .failures import failure_line, session_failure
 from .join import SessionConfig
 from .lifecycle import SessionObserver, ignore
 from .output import RankOutput
-from .session import Ending, HostSession
+from .session import HostSession
 
 log = logging.getLogger("flodl_async.agent")
 

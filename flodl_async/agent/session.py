@@ -22,7 +22,8 @@ Round commands run one after another, in arrival order. An ending (``Abort``,
 signal) stops every rank following the signal table; a later ending while
 one is under way only brings the KILL deadline closer (the shorter deadline
 wins), and :meth:`HostSession.force_stop` means KILL now. The first ending
-decides the outcome.
+decides the outcome. Those rules are a pure core (:mod:`flodl_async.agent.endings`):
+this shell feeds it each ending with the clock and runs the stops it returns.
 
 Liveness: from admission on, any frame from the controller counts as a sign of
 life, and the agent beats up the link (:mod:`flodl_async.control.liveness`): while the
@@ -42,31 +43,35 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import enum
 import logging
 import signal
 from collections.abc import Callable, Coroutine, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from ..config.devices import DeviceKind
-from ..control.liveness import Liveness
-from ..errors import (
-    AgentError,
-    ConfigError,
-    ConnectionClosed,
-    ControllerLost,
-    FlodlError,
-    WireError,
-)
+from ..control.liveness import Liveness, Wake
+from ..errors import AgentError, ConfigError, ConnectionClosed, FlodlError, WireError
 from ..host.gpus import host_visible_gpus, select
 from ..host.ifnames import interface_holding
 from ..host.runtime import RuntimeEntry, create_entry, reap_stale_ranks, sweep_stale
 from ..net.framed import FramedProtocol
-from ..verdict import StopStep, rank_signal_for, stop_schedule
+from ..verdict import StopStep, stop_schedule
 from ..wire import messages as m
 from ..wire.keys import Credential
 from ..wire.schema import Message
+from .endings import (
+    Aborted,
+    ControllerGone,
+    EndingEvent,
+    Endings,
+    Finished,
+    RelayFailed,
+    RoundFailed,
+    SessionOutcome,
+    Signalled,
+    stopped_by,
+)
 from .join import Joiner, SessionConfig, StoppedBeforeServing, device_labels, with_session_secret
 from .lifecycle import Phase, SessionEvent, SessionObserver, ignore
 from .output import LinkOutput, OutputSink
@@ -77,24 +82,6 @@ if TYPE_CHECKING:
     from .ranks import RankProcesses
 
 log = logging.getLogger("flodl_async.agent")
-
-
-class Ending(enum.Enum):
-    """How a session ended without an error."""
-
-    FINISHED = "finished"  # Finish: the run succeeded
-    # Abort: the controller ended the run (a failure elsewhere, or the launcher was stopped)
-    ABORTED = "aborted"
-    STOPPED = "stopped"  # this process was told to stop (a signal)
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class SessionOutcome:
-    """What :meth:`HostSession.run` returns: how it ended, why, and the signal for ``STOPPED``."""
-
-    ending: Ending
-    reason: str
-    signal: int | None = None
 
 
 class HostSession:
@@ -173,11 +160,8 @@ class HostSession:
         joiner = Joiner(cfg, stopping=self._stop_waiting)
         link = await joiner.dial()
         if link is None:
-            sig = self._stop_signal or signal.SIGTERM
-            return SessionOutcome(
-                ending=Ending.STOPPED,
-                reason=f"stopped by {signal.Signals(sig).name} while waiting for the controller",
-                signal=sig,
+            return stopped_by(
+                self._stop_signal or signal.SIGTERM, when="while waiting for the controller"
             )
         self._link = link
         self.observe(Phase.CONNECTED)
@@ -212,12 +196,7 @@ class HostSession:
             self._serving = serving
             return await serving.run()
         except StoppedBeforeServing:
-            sig = self._stop_signal or signal.SIGTERM
-            return SessionOutcome(
-                ending=Ending.STOPPED,
-                reason=f"stopped by {signal.Signals(sig).name} before the world formed",
-                signal=sig,
-            )
+            return stopped_by(self._stop_signal or signal.SIGTERM, when="before the world formed")
         finally:
             await link.aclose(grace=cfg.deadlines.link_close)
             if entry is not None:
@@ -309,9 +288,8 @@ class _Serving:
         self._tasks: set[asyncio.Task[None]] = set()
         self._serial = 0
         self._ended: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._outcome: SessionOutcome | None = None
-        self._error: AgentError | None = None
         d = cfg.deadlines
+        self._endings = Endings(host=cfg.host, stop_grace=d.stop_grace)
         self._liveness = Liveness.start(
             asyncio.get_running_loop().time(),
             interval=d.heartbeat_interval,
@@ -366,25 +344,22 @@ class _Serving:
                 try:
                     await relay.start()
                 except (OSError, FlodlError) as exc:
-                    lost = ControllerLost(
-                        cfg.host,
-                        f"cannot open the relay's upstream link to {cfg.controller_addr}: {exc}",
-                    )
-                    self.begin_ending(self._lost_schedule(), error=lost)
+                    self.end_by(RelayFailed(controller=cfg.controller_addr, detail=str(exc)))
                 else:
                     self._spawn(self._read_commands(), name=f"{cfg.host}-commands")
                     self._spawn(self._keep_alive(), name=f"{cfg.host}-heartbeat")
                     self._spawn(self._report_activity(), name=f"{cfg.host}-activity")
-                # a signal came while the world formed
-                if self._session._stop_signal is not None and self._outcome is None:
+                # a signal came while the world formed (the core drops it if already taken)
+                if self._session._stop_signal is not None:
                     self.stop_for_signal(self._session._stop_signal)
                 await self._ended
             finally:
                 await self._wind_down(relay)
-        if self._error is not None:
-            raise self._error
-        assert self._outcome is not None
-        return self._outcome
+        result = self._endings.result
+        if isinstance(result, AgentError):
+            raise result
+        assert result is not None
+        return result
 
     async def _wind_down(self, relay: Relay | None) -> None:
         """Whatever ended the session: no task, rank, store or socket outlives it."""
@@ -412,56 +387,37 @@ class _Serving:
         with contextlib.suppress(ConnectionClosed):
             self._link.send(msg)
 
-    def _lost_schedule(self) -> tuple[StopStep, ...]:
-        return stop_schedule(signal.SIGTERM, self._cfg.deadlines.stop_grace)
-
     # ----- endings ---------------------------------------------------------------------------
 
-    def begin_ending(
-        self,
-        schedule: Sequence[StopStep],
-        *,
-        outcome: SessionOutcome | None = None,
-        error: AgentError | None = None,
-    ) -> None:
-        """Stop every rank by ``schedule``, then end; the first ending decides the outcome.
-
-        A later ending while one is under way runs alongside it, so its KILL deadline
-        applies too: the shorter one wins.
-        """
-        if self._outcome is None and self._error is None:
-            self._outcome, self._error = outcome, error
-            why = (
-                error.reason
-                if error is not None
-                else outcome.reason
-                if outcome is not None
-                else "?"
-            )
-            log.debug("agent %s: ending (%s)", self._cfg.host, why)
+    def end_by(self, event: EndingEvent) -> None:
+        """Hand ``event`` to the endings core (:mod:`.endings`) and run the stop it returns:
+        stop every rank by its schedule, then end (the first stop to return ends the session)."""
+        self._endings, stop = self._endings.end(event, asyncio.get_running_loop().time())
+        if stop is None:
+            return
+        if stop.stands:
+            log.debug("agent %s: ending (%s)", self._cfg.host, stop.reason)
             self._session.observe(
-                Phase.STOPPING, run_id=self._run_id, ranks=self._formed.ranks, reason=why
+                Phase.STOPPING, run_id=self._run_id, ranks=self._formed.ranks, reason=stop.reason
             )
-        self._spawn(self._end(schedule), name="stop-all")
+        elif stop.sooner:
+            log.debug("agent %s: %s brings the KILL deadline closer", self._cfg.host, stop.reason)
+        self._spawn(self._end(stop.schedule), name="stop-all")
 
     def stop_for_signal(self, sig: int) -> None:
         """A signal to this process: stop the ranks by the signal table, ``sig`` first."""
-        self.begin_ending(
-            stop_schedule(rank_signal_for(sig), self._cfg.deadlines.stop_grace),
-            outcome=SessionOutcome(
-                ending=Ending.STOPPED, reason=f"stopped by {signal.Signals(sig).name}", signal=sig
-            ),
-        )
+        self.end_by(Signalled(sig=sig))
 
     async def _end(self, schedule: Sequence[StopStep]) -> None:
         assert self._ranks is not None
         await self._ranks.stop(schedule)
-        if not self._ended.done():
+        self._endings, over = self._endings.stopped()
+        if over:
             self._ended.set_result(None)
 
     @property
     def ending(self) -> bool:
-        return self._outcome is not None or self._error is not None
+        return self._endings.ending
 
     # ----- the command loop --------------------------------------------------------------------
 
@@ -471,13 +427,7 @@ class _Serving:
             try:
                 msg = await self._link.recv_message()
             except (ConnectionClosed, WireError) as exc:
-                if not self.ending:
-                    reason = (
-                        f"lost the join link to the controller ({exc}); stopping this host's ranks"
-                    )
-                    self.begin_ending(
-                        self._lost_schedule(), error=ControllerLost(self._cfg.host, reason)
-                    )
+                self.end_by(ControllerGone.link_lost(str(exc)))
                 return
             # any frame is a sign of life
             self._liveness = self._liveness.heard(asyncio.get_running_loop().time())
@@ -495,14 +445,7 @@ class _Serving:
     def _relay_lost(self, reason: str) -> None:
         """The relay's upstream control link went silent: the controller is as lost as on the join
         link."""
-        if not self.ending:
-            self.begin_ending(
-                self._lost_schedule(),
-                error=ControllerLost(
-                    self._cfg.host,
-                    f"{reason} (frozen, down or cut off); stopping this host's ranks",
-                ),
-            )
+        self.end_by(ControllerGone.relay_silent(reason))
 
     async def _keep_alive(self) -> None:
         """Beat up the join link; a controller silent past the deadline is lost (it may be frozen:
@@ -511,23 +454,15 @@ class _Serving:
         wake = loop.time()
         while not self.ending:
             now = loop.time()
-            # this process was frozen: the controller could not be heard
-            if now - wake > self._cfg.deadlines.heartbeat_interval:
-                self._liveness = self._liveness.excused(now)
-            live = self._liveness
-            if live.expired(now):
+            # read afresh each wake: the command reader marks the controller heard in between
+            live, due = self._liveness.woke(now, meant=wake)
+            self._liveness = live
+            if due is Wake.LOST:
                 silence = self._cfg.deadlines.heartbeat_silence
-                reason = (
-                    f"the controller at {self._cfg.controller_addr} sent nothing for "
-                    f"{silence:g}s (frozen, down or cut off); stopping this host's ranks"
-                )
-                self.begin_ending(
-                    self._lost_schedule(), error=ControllerLost(self._cfg.host, reason)
-                )
+                self.end_by(ControllerGone.silent(self._cfg.controller_addr, silence))
                 return
-            if live.send_due(now):
+            if due is Wake.BEAT:
                 self._send(m.Heartbeat(sent_at=now))
-                self._liveness = live = live.sent(now)
             wake = live.next_deadline()
             await asyncio.sleep(max(wake - loop.time(), 0.0))
 
@@ -554,9 +489,7 @@ class _Serving:
             try:
                 await work
             except (OSError, FlodlError) as exc:
-                self.begin_ending(
-                    self._lost_schedule(), error=AgentError(self._cfg.host, f"{name} failed: {exc}")
-                )
+                self.end_by(RoundFailed(name=name, detail=str(exc)))
 
     def _on_open_round(self, msg: m.OpenRound) -> None:
         self._round_command(self._store.open_round(msg.round), name=f"open-round-{msg.round}")
@@ -589,20 +522,14 @@ class _Serving:
 
     def _on_abort(self, msg: m.Abort) -> None:
         log.debug("agent %s: abort: %s", self._cfg.host, msg.reason)
-        self.begin_ending(
-            stop_schedule(msg.first_signal, msg.grace_s),
-            outcome=SessionOutcome(ending=Ending.ABORTED, reason=msg.reason),
-        )
+        self.end_by(Aborted(command=msg))
 
     def _on_heartbeat(self, msg: m.Heartbeat) -> None:
         """The controller's beat: reading it already counted as a sign of life; nothing else to
         do."""
 
     def _on_finish(self, msg: m.Finish) -> None:
-        self.begin_ending(
-            stop_schedule(signal.SIGTERM, self._cfg.deadlines.stop_grace),
-            outcome=SessionOutcome(ending=Ending.FINISHED, reason=msg.reason),
-        )
+        self.end_by(Finished(command=msg))
 
 
 _Serving.commands = {

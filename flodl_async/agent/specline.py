@@ -30,8 +30,9 @@ from ..deadlines import Deadlines
 from ..errors import ConfigError
 from ..host.ifnames import ranks_env
 from ..wire.keys import secret_from_hex
+from .endings import SessionOutcome
 from .join import SessionConfig
-from .session import HostSession, SessionOutcome
+from .session import HostSession
 
 #: The first stdout line of an agent started with --spec-stdin: ``HELLO_PREFIX <version>``.
 HELLO_PREFIX = "flodl-agent-hello"
