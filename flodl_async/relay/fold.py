@@ -409,7 +409,7 @@ class HostFold:
                 number,
             )
             return
-        ranks = tuple(sorted(state.barrier.covered))
+        ranks = tuple(sorted(state.steps))  # the ranks folded
         steps = tuple(state.steps[r] for r in ranks)
         if state.acc is not None:
             assert state.acc_buffer is not None
