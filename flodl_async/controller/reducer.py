@@ -12,7 +12,9 @@ in a fixed order — ascending host by lowest rank, so that a round's sum does n
 which frame came first; a frame that arrives early waits in its receive buffer — by one
 driver task whose tensor math runs in executor threads. A round is complete when every
 expected rank is covered exactly once (a rank listed twice closes that connection) or was
-declared dead since (:meth:`declare_dead` releases a round waiting on it). Then, with
+declared dead since (:meth:`declare_dead` releases a round waiting on it). The order and the
+completion are the round's :class:`~flodl_async.training.foldround.FoldRound`'s to decide (the
+relay's host fold keeps the same barrier); the reducer folds and sends. Then, with
 ``mass = Σ w``:
 
 * ``mass > 0``: divide, round integer buffers half-to-even, cast floats back; a
@@ -44,6 +46,7 @@ from ..net.framed import FramedProtocol
 from ..net.service import FramedService
 from ..relay.fold import HELLO_LIMITS, LocalUplink
 from ..training import foldmath
+from ..training.foldround import FoldRound, Refused
 from ..training.modelschema import ModelSchema
 from ..training.outer import OuterAvg, OuterSpec, OuterStepper
 from ..wire import messages as m
@@ -71,6 +74,15 @@ log = logging.getLogger("flodl_async.controller.reducer")
 
 #: Rounds a host may run ahead of the newest opened round (its frames wait in their buffers).
 _EARLY_ROUNDS = 2
+#: What a frame the round's barrier refuses is told: formatted with (frame, rank, round).
+_REFUSALS = {
+    Refused.NO_RANKS: "{0} lists no ranks",
+    Refused.TWICE: (
+        "{0} lists rank {1}, which is already covered in this round (each rank contributes "
+        "exactly once)"
+    ),
+    Refused.UNEXPECTED: "{0} lists rank {1}, which round {2} does not expect",
+}
 
 
 class Reducer:
@@ -158,7 +170,7 @@ class Reducer:
         state = RoundState(
             number=round,
             kind=kind,
-            expected=frozenset(expected_ranks),
+            barrier=FoldRound(expected_ranks, dead=self._dead),
             from_controller=from_controller,
             opened_at=time.monotonic(),
             done=loop.create_future(),
@@ -191,6 +203,8 @@ class Reducer:
         """``rank`` is lost: no round waits for it any more (its frames already folded still
         count)."""
         self._dead.add(rank)
+        for state in self._rounds.values():
+            state.barrier.declare_dead(rank)
         self._wake.set()
 
     @property
@@ -414,24 +428,9 @@ class Reducer:
                 f"{what} is a {msg.kind!r} contribution; the round is {state.kind!r}"
             )
         ranks = list(msg.ranks)
-        if not ranks:
-            raise ProtocolError(f"{what} lists no ranks")
-        seen: set[int] = set()
-        for rank in ranks:
-            if (
-                rank in state.covered
-                or rank in seen
-                or any(rank in f.msg.ranks for f in state.pending)
-            ):
-                raise ProtocolError(
-                    f"{what} lists rank {rank}, which is already covered in this round (each rank "
-                    "contributes exactly once)"
-                )
-            if rank not in state.expected:
-                raise ProtocolError(
-                    f"{what} lists rank {rank}, which round {msg.round} does not expect"
-                )
-            seen.add(rank)
+        refusal = state.barrier.refusal(ranks)
+        if refusal is not None:
+            raise ProtocolError(_REFUSALS[refusal.reason].format(what, refusal.rank, msg.round))
         if not (math.isfinite(msg.weight) and msg.weight >= 0):
             raise ProtocolError(f"{what} has weight {msg.weight!r}; weights are finite and >= 0")
         if state.kind == "model" and len(msg.steps) == len(ranks):
@@ -453,7 +452,6 @@ class Reducer:
             raise ProtocolError(
                 f"{what} carries no tensors, so it must weigh 0 and have no payload"
             )
-        state.covered.update(ranks)
         count = self._uplinks.setdefault(
             frame.host.name,
             UplinkCount(
@@ -463,8 +461,7 @@ class Reducer:
         )
         count.frames += 1
         count.payload_bytes += payload_len
-        state.pending.append(frame)
-        state.pending.sort(key=lambda f: min(f.msg.ranks))
+        state.barrier.offer(ranks, frame)
 
     # ----- the driver -----------------------------------------------------------------------------
 
@@ -493,24 +490,15 @@ class Reducer:
         if state.from_controller:
             await self._send_held(state)
             return
-        alive = state.expected - self._dead
-        # The next frame in order may be folded once no lower rank can still arrive in a frame not
-        # yet here.
-        while state.pending:
-            waiting = [r for r in alive if r not in state.covered]
-            blocking = min(waiting, default=math.inf)
-            frame = state.pending[0]
-            if min(frame.msg.ranks) > blocking:
-                break
-            state.pending.pop(0)
+        # The barrier hands frames out in rank order, each once no lower rank can still arrive.
+        while (frame := state.barrier.next_to_fold()) is not None:
             try:
                 await self._fold(state, frame)
             finally:
                 self.pool.release(frame.payload)
                 frame.payload = None
-        if state.pending or not alive <= state.covered:
-            return
-        await self._finish(state)
+        if state.barrier.complete:
+            await self._finish(state)
 
     async def _fold(self, state: RoundState, frame: PendingFrame) -> None:
         msg = frame.msg
@@ -614,7 +602,7 @@ class Reducer:
         return HeldConsensus(tensors=tensors, buffers=buffers)
 
     async def _send_held(self, state: RoundState) -> None:
-        alive = state.expected - self._dead
+        alive = state.barrier.alive
         connected = {r for h in self._hosts if not h.link.is_closing for r in h.ranks}
         if not alive <= connected:
             return  # wait for every expected rank's host
@@ -629,7 +617,7 @@ class Reducer:
         self._complete(state, 1.0 if held is not None else 0.0)
 
     async def _broadcast(self, state: RoundState, mass: float, held: HeldConsensus | None) -> None:
-        alive = state.expected - self._dead
+        alive = state.barrier.alive
         hosts = [h for h in self._hosts if not h.link.is_closing and h.ranks & alive]
         if held is None:
             msg = m.Consensus(round=state.number, kind=state.kind, mass=0.0)
@@ -665,10 +653,9 @@ class Reducer:
         state.acc = None
         self.pool.release(state.acc_buffer)
         state.acc_buffer = None
-        for frame in state.pending:
+        for frame in state.barrier.drain():
             self.pool.release(frame.payload)
             frame.payload = None
-        state.pending.clear()
 
     def _release_consensus(self, held: HeldConsensus) -> None:
         held.tensors = []

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from ..net.framed import FramedProtocol
 from ..relay.fold import LocalUplink
+from ..training.foldround import FoldRound
 from ..wire import messages as m
 
 if TYPE_CHECKING:
@@ -115,16 +116,15 @@ class PendingFrame:
 
 @dataclass(slots=True)
 class RoundState:
-    """An open round: who is expected and covered, the frames waiting in order, the partial sum."""
+    """An open round: its fold barrier (who is expected, covered and dead; the frames waiting in
+    order) and the partial sum."""
 
     number: int
     kind: str
-    expected: frozenset[int]
+    barrier: FoldRound[PendingFrame]
     from_controller: bool
     opened_at: float
     done: asyncio.Future[RoundResult]
-    pending: list[PendingFrame] = field(default_factory=list)
-    covered: set[int] = field(default_factory=set)
     mass: float = 0.0
     acc: list[torch.Tensor] | None = None
     acc_buffer: bytearray | memoryview | None = None

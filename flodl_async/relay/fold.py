@@ -10,7 +10,9 @@ with a zero payload ceiling).
 
 A round is a barrier over the host's *alive* ranks: every rank this host runs,
 except those whose data or control link closed or that were declared dead. Each
-sends one ``Contribution(k)``; contributions are taken in ascending rank order:
+sends one ``Contribution(k)``; contributions are taken in ascending rank order (the
+round's :class:`~flodl_async.training.foldround.FoldRound` decides which folds next and when
+the barrier is met; the reducer keeps the same one over hosts):
 
 * one contributor with tensors (a lone rank, or the root of an init round): its
   frame goes up unchanged as ``HostContribution(prescaled=False)`` — bytes only,
@@ -47,6 +49,7 @@ from ..errors import ConnectionClosed, FlodlError, ProtocolError, WireError
 from ..net.bufpool import SHARED, BufferPool
 from ..net.framed import FramedProtocol
 from ..training import foldmath
+from ..training.foldround import FoldRound, Refused
 from ..wire import messages as m
 from ..wire.frame import FrameLimits
 from ..wire.schema import Message
@@ -75,8 +78,8 @@ class _HostRound:
     """One round's barrier and partial sum on this host."""
 
     kind: str
-    pending: dict[int, _Taken] = field(default_factory=dict)
-    covered: list[int] = field(default_factory=list)
+    #: the host's ranks, who is dead, the contributions waiting in rank order
+    barrier: FoldRound[_Taken]
     weight: float = 0.0
     steps: dict[int, int] = field(default_factory=dict)
     # the first contribution with tensors, kept as bytes until a second one arrives
@@ -169,11 +172,10 @@ class HostFold:
             return
         self._dead.add(rank)
         log.info("relay: rank %d leaves the host fold: %s", rank, reason)
+        for state in self._rounds.values():
+            state.barrier.declare_dead(rank)
         for number in sorted(self._rounds):
             self._tg.create_task(self._advance(number), name=f"relay-fold-{number}")
-
-    def _alive(self) -> set[int]:
-        return set(self._host_ranks) - self._dead
 
     def statistics(self) -> HostFoldStatistics:
         return HostFoldStatistics(
@@ -264,23 +266,27 @@ class HostFold:
             )
         state = self._rounds.get(msg.round)
         if state is None:
-            in_flight = sum(
-                msg.rank in r.pending or msg.rank in r.covered for r in self._rounds.values()
-            )
+            in_flight = sum(msg.rank in r.barrier.covered for r in self._rounds.values())
             if in_flight >= ROUNDS_IN_FLIGHT:
                 raise ProtocolError(
                     f"rank {msg.rank} contributed to round {msg.round} with {in_flight} earlier "
                     "rounds of it still waiting for this host's "
                     f"other ranks (at most {ROUNDS_IN_FLIGHT})"
                 )
-            state = self._rounds[msg.round] = _HostRound(kind=msg.kind)
+            state = self._rounds[msg.round] = _HostRound(
+                kind=msg.kind, barrier=FoldRound(self._host_ranks, dead=self._dead)
+            )
         if msg.kind != state.kind:
             raise ProtocolError(
                 f"rank {msg.rank} contributed to round {msg.round} as {msg.kind!r}, the host's "
                 f"other ranks as {state.kind!r}"
             )
-        if msg.rank in state.pending or msg.rank in state.covered:
+        refusal = state.barrier.refusal([msg.rank])
+        if refusal is not None and refusal.reason is Refused.TWICE:
             raise ProtocolError(f"rank {msg.rank} contributed twice to round {msg.round}")
+        if refusal is not None:
+            # the rank socket's handshake admits only this host's ranks: not reached from there
+            raise ProtocolError(f"rank {msg.rank} does not run on this host")
         if not (math.isfinite(msg.weight) and msg.weight >= 0):
             raise ProtocolError(
                 f"rank {msg.rank} contributed to round {msg.round} with weight {msg.weight!r}; "
@@ -311,7 +317,7 @@ class HostFold:
             )
             state.layout = reference
         self._contributions += 1
-        state.pending[msg.rank] = _Taken(msg=msg, payload=payload)
+        state.barrier.offer([msg.rank], _Taken(msg=msg, payload=payload))
 
     # ----- the fold -----------------------------------------------------------------------------
 
@@ -323,19 +329,11 @@ class HostFold:
         async with state.lock:
             if state.sent:
                 return
-            while True:
-                alive_waiting = [
-                    r for r in self._alive() if r not in state.pending and r not in state.covered
-                ]
-                blocking = min(alive_waiting, default=math.inf)
-                candidates = sorted(r for r in state.pending if r < blocking)
-                if not candidates:
-                    break
-                rank = candidates[0]
-                taken = state.pending.pop(rank)
-                state.covered.append(rank)
+            # the barrier hands contributions out in rank order, each once no lower rank can
+            # still arrive
+            while (taken := state.barrier.next_to_fold()) is not None:
                 state.weight += taken.msg.weight
-                state.steps[rank] = taken.msg.steps
+                state.steps[taken.msg.rank] = taken.msg.steps
                 if not taken.msg.tensors:
                     continue
                 if state.lone is None and state.acc is None:
@@ -350,7 +348,7 @@ class HostFold:
                 except Exception:
                     log.exception("relay: folding round %d failed (bug)", number)
                     raise
-            if state.pending or any(r not in state.covered for r in self._alive()):
+            if not state.barrier.complete:
                 return
             state.sent = True
             try:
@@ -411,7 +409,7 @@ class HostFold:
                 number,
             )
             return
-        ranks = tuple(sorted(state.covered))
+        ranks = tuple(sorted(state.steps))  # the ranks folded
         steps = tuple(state.steps[r] for r in ranks)
         if state.acc is not None:
             assert state.acc_buffer is not None
@@ -472,9 +470,8 @@ class HostFold:
         if state.lone is not None:
             self.pool.release(state.lone.payload)
             state.lone = None
-        for taken in state.pending.values():
+        for taken in state.barrier.drain():
             self.pool.release(taken.payload)
-        state.pending.clear()
 
     # ----- upstream -----------------------------------------------------------------------------
 
