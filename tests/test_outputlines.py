@@ -53,6 +53,19 @@ def test_whole_lines_go_at_once_and_a_partial_line_only_after_idle() -> None:
     assert chunker.end() == b""
 
 
+def test_a_partial_line_left_behind_waits_from_when_its_chunk_was_handed_on() -> None:
+    chunker = OutputChunker(idle=0.1)
+    chunker.receive_data(b"b" * 10 + b"\n" + b"b" * 4, now=5.0)
+    assert chunker.next_chunk(5.0) == b"b" * 10 + b"\n"
+    chunker.handed_on(5.5)  # a saturated link held the whole line half a second
+    assert chunker.next_chunk(5.5) is None  # the rest of the line may be in the pipe, unread
+    assert chunker.next_deadline() == 5.6
+    chunker.receive_data(b"b" * 6 + b"\n", now=5.5)
+    assert chunker.next_chunk(5.5) == b"b" * 10 + b"\n"  # one whole line, not a half shown first
+    chunker.handed_on(5.6)  # nothing left behind: nothing waits
+    assert chunker.next_deadline() is None
+
+
 def test_a_line_longer_than_the_limit_goes_in_pieces() -> None:
     chunker = OutputChunker(idle=10.0, limit=4)
     chunker.receive_data(b"abcdefghij\n", now=0.0)

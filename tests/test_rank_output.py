@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import io
 import logging
 from pathlib import Path
@@ -9,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from flodl_async.agent import RankOutput
+from flodl_async.agent.output import forward_output
 
 
 def test_chunks_of_two_ranks_cut_mid_line_come_out_as_whole_lines() -> None:
@@ -72,3 +74,30 @@ def test_an_unknown_stream_is_dropped_with_a_warning(caplog: pytest.LogCaptureFi
     assert [r.getMessage() for r in caplog.records] == [
         "rank output from h for rank 0 names an unknown stream 'tty'; dropped"
     ]
+
+
+async def test_a_slow_sink_never_makes_the_reader_send_a_line_in_two_pieces() -> None:
+    # The reader hands a whole line on while the rank is still writing the next: the sink holds it
+    # (a saturated link) far past the idle time, and meanwhile the rank finishes its line. The
+    # reader must read that rest before it judges the unfinished line idle.
+    idle = 0.05
+    stream = asyncio.StreamReader()
+    stream.feed_data(b"first line\nsecond ")
+    held = asyncio.Event()
+    release = asyncio.Event()
+    chunks: list[bytes] = []
+
+    async def emit(chunk: bytes) -> None:
+        chunks.append(chunk)
+        if len(chunks) == 1:
+            held.set()
+            await release.wait()
+
+    reader = asyncio.create_task(forward_output(stream, idle=idle, emit=emit))
+    await held.wait()
+    stream.feed_data(b"line\n")  # the rank finished its line while the sink held the first
+    await asyncio.sleep(4 * idle)  # the sink is slow: the unfinished line's idle time has passed
+    release.set()
+    stream.feed_eof()
+    await reader
+    assert chunks == [b"first line\n", b"second line\n"]

@@ -246,6 +246,7 @@ async def forward_output(
     while True:
         while (chunk := chunker.next_chunk(loop.time())) is not None:
             await emit(chunk)
+            chunker.handed_on(loop.time())
         try:
             async with asyncio.timeout_at(chunker.next_deadline()):
                 # cancelling a read loses nothing: the bytes stay buffered

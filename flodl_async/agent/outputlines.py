@@ -6,7 +6,9 @@ whole lines as soon as they are complete, and a partial line (a progress bar
 drawn with ``\\r`` before its newline) once it has waited ``idle`` seconds, so
 it is visible without flooding the link with every keystroke. The idle clock
 starts when the oldest unsent byte arrived, not at the last write: a bar that
-redraws every 50 ms is still shown every ``idle`` seconds. A line longer than
+redraws every 50 ms is still shown every ``idle`` seconds. Time the reader spent
+away handing a chunk on does not count (:meth:`OutputChunker.handed_on`): a
+partial line is sent for the rank's pause, never for a slow sink. A line longer than
 ``limit`` goes in pieces, so no buffer grows without bound.
 
 On the launcher, :class:`LineAssembler` (one per rank and stream) turns chunks
@@ -67,6 +69,18 @@ class OutputChunker:
         if not self._buffer or self._pending_since is None:
             return None
         return self._pending_since + self._idle
+
+    def handed_on(self, now: float) -> None:
+        """The chunk just taken was handed on at ``now``: a partial line it left waits ``idle`` from
+        now.
+
+        The reader was away while the sink took the chunk (a saturated link can hold it for
+        seconds), so what the rank wrote meanwhile is still in its pipe, unread: the line it
+        was finishing would otherwise go out in two pieces, shown half first, for the sink's
+        slowness rather than the rank's pause.
+        """
+        if self._buffer:
+            self._pending_since = now
 
     def end(self) -> bytes:
         """End of the stream: everything still buffered."""
