@@ -14,13 +14,15 @@ import typing
 from collections.abc import Callable
 from typing import Concatenate, Generic, ParamSpec, TypeVar
 
+_T = TypeVar("_T")
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
 _K = TypeVar("_K")
 
 
-class TypeTable(Generic[_P, _R]):
-    """``item -> handler(item, *args)`` by ``type(item)``; each type has one handler."""
+class TypeTable(Generic[_T, _P, _R]):
+    """``item -> handler(item, *args)`` by ``type(item)``, for the items of the union ``_T``; each
+    type has one handler."""
 
     __slots__ = ("_by_type", "_what")
 
@@ -35,7 +37,7 @@ class TypeTable(Generic[_P, _R]):
             raise ValueError(f"{self._what}: {kind.__name__} already has a handler")
         self._by_type[kind] = handler
 
-    def __call__(self, item: object, /, *args: _P.args, **kwargs: _P.kwargs) -> _R:
+    def __call__(self, item: _T, /, *args: _P.args, **kwargs: _P.kwargs) -> _R:
         handler = self._by_type.get(type(item))
         if handler is None:
             raise TypeError(f"{self._what}: no handler for {type(item).__name__}")
@@ -45,6 +47,18 @@ class TypeTable(Generic[_P, _R]):
     def kinds(self) -> frozenset[type]:
         """The types with a handler."""
         return frozenset(self._by_type)
+
+    def require(self, union: object) -> None:
+        """Raise unless every class of ``union`` has a handler and nothing else has one: a shell
+        checks its table once, when it builds it, not on the first action of a kind."""
+        expected = members(union)
+        missing = sorted(kind.__name__ for kind in expected - self.kinds)
+        extra = sorted(kind.__name__ for kind in self.kinds - expected)
+        if missing or extra:
+            raise TypeError(
+                f"{self._what}: no handler for {missing or 'none'}; handlers for types outside "
+                f"the union: {extra or 'none'}"
+            )
 
 
 def members(union: object) -> frozenset[type]:

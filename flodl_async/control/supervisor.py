@@ -52,6 +52,7 @@ from ..verdict import (
     restarts_text,
 )
 from ..wire import messages as m
+from .dispatch import members
 from .membership import Admitted, Failed, Formed, JoinWindow
 from .supervision import (
     AcceptJoin,
@@ -141,6 +142,13 @@ class _Transitions:
     def pairs(self) -> frozenset[tuple[type, type]]:
         """Every (phase type, event type) filed."""
         return frozenset(self._by_pair)
+
+    def require_every_pair(self) -> None:
+        """Raise unless every event is filed in every phase (checked once, when it is built)."""
+        expected = {(p, e) for p in members(Phase) for e in members(Event)}
+        missing = sorted(f"{e.__name__} in {p.__name__}" for p, e in expected - self.pairs)
+        if missing:
+            raise TypeError(f"the supervisor's table has no entry for {', '.join(missing)}")
 
 
 def _unchanged(phase: Phase, event: Event, now: float) -> tuple[Action, ...]:
@@ -295,6 +303,7 @@ class Supervisor:
         t.ignore(
             (Ended,), (JoinUndelivered, HostLost, StoreReady, RanksStopped, TrainingEnded, Tick)
         )
+        t.require_every_pair()
         return t
 
     # ----- forming -------------------------------------------------------------------------------
