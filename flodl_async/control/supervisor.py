@@ -152,8 +152,9 @@ class _Transitions:
 
 
 def _unchanged(phase: Phase, event: Event, now: float) -> tuple[Action, ...]:
-    """An event that means nothing in this phase (a stale round's report, a tick with no
-    deadline, anything after the verdict but a join or an exit)."""
+    """An event that means nothing in this phase: an activity report outside a running round, a
+    tick with no deadline, a store address outside a rendezvous, a stop outside a restart, and
+    after the verdict anything but a signal, a join or a rank's hello or exit."""
     return ()
 
 
