@@ -7,7 +7,9 @@ passed) together with ``now`` (monotonic seconds), and carries out the actions
 it returns, in order (answer a join, tell a host, announce a line, end the
 run). It calls again with :class:`~flodl_async.control.vocab.Tick` at
 :meth:`Supervisor.next_deadline`. Nothing here performs I/O or reads a clock,
-so every decision of a run is tested with fake time. Its configuration,
+so every decision of a run is tested with fake time. Which method takes an event is looked up in
+one table keyed by (phase type, event type), every pair filed, the ones that change nothing
+included (:meth:`Supervisor._build_transitions`). Its configuration,
 events, actions, phases and status view are declared in
 :mod:`flodl_async.control.supervision`.
 
@@ -35,7 +37,9 @@ signal table; a signal after the verdict forces (KILL now). A verdict, once give
 from __future__ import annotations
 
 import signal
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
+from typing import TypeVar
 
 from ..status.model import PROCESS_STATES, RankState, RankStatus
 from ..verdict import (
@@ -48,6 +52,7 @@ from ..verdict import (
     restarts_text,
 )
 from ..wire import messages as m
+from .dispatch import members
 from .membership import Admitted, Failed, Formed, JoinWindow
 from .supervision import (
     AcceptJoin,
@@ -77,6 +82,81 @@ from .supervision import (
     TrainingEnded,
 )
 from .vocab import Announce, Level, Tell, Tick
+
+# ----- the (phase, event) table ----------------------------------------------------------------
+
+_PhaseT = TypeVar("_PhaseT", bound=Phase)
+_EventT = TypeVar("_EventT", bound=Event)
+
+_FormedPhase = Rendezvous | Running | Restarting
+_FORMED: tuple[type[_FormedPhase], ...] = (Rendezvous, Running, Restarting)
+_BEFORE_VERDICT: tuple[type[Forming | _FormedPhase], ...] = (Forming, *_FORMED)
+_ALL_PHASES: tuple[type[Phase], ...] = (*_BEFORE_VERDICT, Ended)
+_BETWEEN_ROUNDS: tuple[type[Rendezvous | Restarting], ...] = (Rendezvous, Restarting)
+# what the join window takes as a cue to decide, and nothing more
+_WINDOW_CUES: tuple[type[StoreReady | RankExited | RanksStopped | Tick], ...] = (
+    StoreReady,
+    RankExited,
+    RanksStopped,
+    Tick,
+)
+
+
+class _Transitions:
+    """The supervisor's transition table: ``(phase type, event type) -> handler(phase, event,
+    now)``. :meth:`add` checks that the handler's parameters accept every phase and event it is
+    filed under, so the table needs neither a cast nor an ignore; a pair is filed once."""
+
+    __slots__ = ("_by_pair",)
+
+    def __init__(self) -> None:
+        self._by_pair: dict[tuple[type, type], Callable[..., tuple[Action, ...]]] = {}
+
+    def add(
+        self,
+        phases: Iterable[type[_PhaseT]],
+        events: Iterable[type[_EventT]],
+        handler: Callable[[_PhaseT, _EventT, float], tuple[Action, ...]],
+    ) -> None:
+        """File ``handler`` under every pair of ``phases`` and ``events``."""
+        events = tuple(events)
+        for phase in phases:
+            for event in events:
+                if (phase, event) in self._by_pair:
+                    raise ValueError(f"{event.__name__} in {phase.__name__} is filed twice")
+                self._by_pair[phase, event] = handler
+
+    def ignore(self, phases: Iterable[type[Phase]], events: Iterable[type[Event]]) -> None:
+        """File "nothing changes" under every pair of ``phases`` and ``events``."""
+        self.add(phases, events, _unchanged)
+
+    def __call__(self, phase: Phase, event: Event, now: float) -> tuple[Action, ...]:
+        handler = self._by_pair.get((type(phase), type(event)))
+        if handler is None:
+            raise TypeError(
+                f"the supervisor takes no {type(event).__name__} in {type(phase).__name__}"
+            )
+        return handler(phase, event, now)
+
+    @property
+    def pairs(self) -> frozenset[tuple[type, type]]:
+        """Every (phase type, event type) filed."""
+        return frozenset(self._by_pair)
+
+    def require_every_pair(self) -> None:
+        """Raise unless every event is filed in every phase (checked once, when it is built)."""
+        expected = {(p, e) for p in members(Phase) for e in members(Event)}
+        missing = sorted(f"{e.__name__} in {p.__name__}" for p, e in expected - self.pairs)
+        if missing:
+            raise TypeError(f"the supervisor's table has no entry for {', '.join(missing)}")
+
+
+def _unchanged(phase: Phase, event: Event, now: float) -> tuple[Action, ...]:
+    """An event that means nothing in this phase: an activity report outside a running round, a
+    tick with no deadline, a store address outside a rendezvous, a stop outside a restart, and
+    after the verdict anything but a signal, a join or a rank's hello or exit."""
+    return ()
+
 
 # ----- the machine ----------------------------------------------------------------------------
 
@@ -109,6 +189,7 @@ class Supervisor:
         # the coordinator's orderly end, for the verdict
         self._training_done: tuple[str, ExitCode] | None = None
         self._link_losses: dict[str, _LinkLoss] = {}
+        self._transitions = self._build_transitions()
 
     # ----- queries ----------------------------------------------------------------------------
 
@@ -169,8 +250,8 @@ class Supervisor:
         actions: list[Action] = []
         for host in due:
             lost = HostLost(host=host, reason=self._link_losses.pop(host).reason)
-            actions.extend(self._handle(lost, now))
-        return (*actions, *self._handle(event, now))
+            actions.extend(self._transitions(self._phase, lost, now))
+        return (*actions, *self._transitions(self._phase, event, now))
 
     def _awaits_agent_reason(self, event: HostLost) -> bool:
         """The join link of a host a launcher runs closed: the agent, if it failed, tells its
@@ -181,95 +262,109 @@ class Supervisor:
             and not isinstance(self._phase, Ended)
         )
 
-    def _handle(self, event: Event, now: float) -> tuple[Action, ...]:
-        if isinstance(event, Interrupted):
-            return self._interrupted(event, now)
-        if isinstance(event, RankConnected):
-            self._rank_connected(event)
-            return ()
-        if isinstance(event, RanksReported):
-            return self._ranks_reported(event)
-        phase = self._phase
-        if isinstance(phase, Ended):
-            return self._after_verdict(event)
-        if isinstance(event, TrainingEnded):
-            return self._training_ended(event)
-        if isinstance(phase, Forming):
-            return self._forming(phase, event, now)
-        if isinstance(event, JoinRequested):
-            return (
-                RejectJoin(
-                    host=event.host,
-                    reason=f"the join window is {self._window.state.value}; this run takes no more "
-                    "hosts",
-                ),
-            )
-        if isinstance(event, RankExited):
-            self._record_exit(event.report)
-        if isinstance(event, JoinUndelivered):
-            # The world formed on that very join, too late to retract it: the host never learnt it
-            # is in the world and its link reports nothing more, so it is lost.
-            event = HostLost(host=event.host, reason="its join accept could not be delivered")
-        if isinstance(event, HostLost):
-            return self._host_lost(phase, event)
-        if isinstance(phase, Rendezvous):
-            return self._rendezvous(phase, event, now)
-        if isinstance(phase, Running):
-            return self._running(phase, event, now)
-        return self._restarting(phase, event, now)
+    def _build_transitions(self) -> _Transitions:
+        """Which method takes each event in each phase; every (phase, event) pair has one entry,
+        the ones that change nothing included, so a missing pair is an error, not a silent drop."""
+        t = _Transitions()
+        # A signal, a rank's hello and a host's activity report do not wait on the window: a
+        # signal ends the run (forces the stop after the verdict), a hello and a report fill the
+        # rank table.
+        t.add(_BEFORE_VERDICT, (Interrupted,), self._interrupted)
+        t.add((Ended,), (Interrupted,), self._forced)
+        t.add(_ALL_PHASES, (RankConnected,), self._rank_connected)
+        # only the running round's ranks report activity that matters
+        t.add((Running,), (RanksReported,), self._ranks_reported)
+        t.ignore((Forming, Rendezvous, Restarting, Ended), (RanksReported,))
+        # The coordinator's conclusion counts until the verdict, the window open or not.
+        t.add(_BEFORE_VERDICT, (TrainingEnded,), self._training_ended)
+
+        # The join window: every event but those above may let it decide.
+        t.add((Forming,), (JoinRequested,), self._forming_join)
+        t.add((Forming,), (JoinUndelivered,), self._forming_undelivered)
+        t.add((Forming,), (HostLost,), self._forming_lost)
+        t.add((Forming,), _WINDOW_CUES, self._forming_poll)
+
+        # The formed world: late joins are refused, a member lost ends the run, exits are recorded.
+        t.add(_FORMED, (JoinRequested,), self._join_too_late)
+        t.add(_FORMED, (JoinUndelivered,), self._accept_undelivered)
+        t.add(_FORMED, (HostLost,), self._host_lost)
+        t.add(_BETWEEN_ROUNDS, (RankExited,), self._rank_exited_between_rounds)
+        t.add((Running,), (RankExited,), self._running_exit)
+        t.add((Rendezvous,), (StoreReady,), self._store_ready)
+        t.ignore((Running, Restarting), (StoreReady,))
+        t.add((Rendezvous,), (Tick,), self._rendezvous_tick)
+        t.add((Restarting,), (Tick,), self._restarting_tick)
+        t.ignore((Running,), (Tick,))
+        t.add((Restarting,), (RanksStopped,), self._ranks_stopped)
+        t.ignore((Rendezvous, Running), (RanksStopped,))
+
+        # After the verdict: joins are refused and exits still fill the rank table.
+        t.add((Ended,), (JoinRequested,), self._join_after_verdict)
+        t.add((Ended,), (RankExited,), self._exit_after_verdict)
+        t.ignore(
+            (Ended,), (JoinUndelivered, HostLost, StoreReady, RanksStopped, TrainingEnded, Tick)
+        )
+        t.require_every_pair()
+        return t
 
     # ----- forming -------------------------------------------------------------------------------
 
-    def _forming(self, phase: Forming, event: Event, now: float) -> tuple[Action, ...]:
+    def _forming_join(self, phase: Forming, event: JoinRequested, now: float) -> tuple[Action, ...]:
         window = phase.window
+        outcome = window.request_join(
+            host=event.host,
+            devices=event.devices,
+            now=now,
+            agent_version=event.agent_version,
+            protocol_version=event.protocol_version,
+        )
         actions: list[Action] = []
-        if isinstance(event, JoinRequested):
-            outcome = window.request_join(
-                host=event.host,
-                devices=event.devices,
-                now=now,
-                agent_version=event.agent_version,
-                protocol_version=event.protocol_version,
+        if not isinstance(outcome, Admitted):
+            actions.append(
+                Announce(
+                    text=f'join refused: host "{event.host}": {outcome.reason}',
+                    level=Level.WARNING,
+                )
             )
-            if not isinstance(outcome, Admitted):
-                actions.append(
-                    Announce(
-                        text=f'join refused: host "{event.host}": {outcome.reason}',
-                        level=Level.WARNING,
-                    )
+            actions.append(RejectJoin(host=event.host, reason=outcome.reason))
+        else:
+            member = outcome.member
+            reply = m.JoinAccept(
+                ranks=member.ranks,
+                run_id=self.config.run_id,
+                formation_wait_s=window.config.max_join_timeout,
+            )
+            actions.append(AcceptJoin(host=member.host, reply=reply))
+            actions.append(
+                Announce(
+                    text=f'host "{member.host}" joined with ranks {rank_ranges(member.ranks)} '
+                    f"({device_ranges(member.devices)}) — "
+                    f"{window.joined_ranks} rank(s) in, target {window.describe_target()}"
                 )
-                actions.append(RejectJoin(host=event.host, reason=outcome.reason))
-            else:
-                member = outcome.member
-                reply = m.JoinAccept(
-                    ranks=member.ranks,
-                    run_id=self.config.run_id,
-                    formation_wait_s=window.config.max_join_timeout,
-                )
-                actions.append(AcceptJoin(host=member.host, reply=reply))
-                actions.append(
-                    Announce(
-                        text=f'host "{member.host}" joined with ranks {rank_ranges(member.ranks)} '
-                        f"({device_ranges(member.devices)}) — "
-                        f"{window.joined_ranks} rank(s) in, target {window.describe_target()}"
-                    )
-                )
-        elif isinstance(event, JoinUndelivered):
-            window.retract(event.host)
-        elif (
-            isinstance(event, HostLost)
-            and window.member_lost(event.host, now=now, reason=event.reason) is None
-        ):
+            )
+        return (*actions, *self._forming_poll(phase, event, now))
+
+    def _forming_undelivered(
+        self, phase: Forming, event: JoinUndelivered, now: float
+    ) -> tuple[Action, ...]:
+        phase.window.retract(event.host)
+        return self._forming_poll(phase, event, now)
+
+    def _forming_lost(self, phase: Forming, event: HostLost, now: float) -> tuple[Action, ...]:
+        window = phase.window
+        if window.member_lost(event.host, now=now, reason=event.reason) is None:
             # Not a member yet: a planned agent that failed before it could join.
             window.abort(f"agent on host {event.host!r} failed before joining: {event.reason}")
-        verdict = window.poll(now)
+        return self._forming_poll(phase, event, now)
+
+    def _forming_poll(self, phase: Forming, event: Event, now: float) -> tuple[Action, ...]:
+        """Whether the window, after ``event``, formed the world or failed it."""
+        verdict = phase.window.poll(now)
         if isinstance(verdict, Failed):
-            actions.append(
-                self._end(ExitCode.FORMATION, f"the world did not form: {verdict.reason}")
-            )
-        elif isinstance(verdict, Formed):
-            actions.extend(self._formed(verdict, now))
-        return tuple(actions)
+            return (self._end(ExitCode.FORMATION, f"the world did not form: {verdict.reason}"),)
+        if isinstance(verdict, Formed):
+            return tuple(self._formed(verdict, now))
+        return ()
 
     def _formed(self, world: Formed, now: float) -> list[Action]:
         actions: list[Action] = [
@@ -346,21 +441,44 @@ class Supervisor:
 
     # ----- after formation -------------------------------------------------------------------
 
-    def _rendezvous(self, phase: Rendezvous, event: Event, now: float) -> tuple[Action, ...]:
-        if isinstance(event, StoreReady) and event.round == phase.round:
-            return tuple(
-                self._start_ranks(phase.world, phase.round, addr=event.addr, port=event.port)
-            )
-        if isinstance(event, Tick) and now >= phase.deadline:
-            late = (
-                f"the store host {self._store_host(phase.world)!r} did not report its store "
-                f"within {self.config.store_ready_timeout:g}s"
-            )
-            return (self._end(ExitCode.FORMATION, late),)
+    def _join_too_late(
+        self, phase: Rendezvous | Running | Restarting, event: JoinRequested, now: float
+    ) -> tuple[Action, ...]:
+        reason = f"the join window is {self._window.state.value}; this run takes no more hosts"
+        return (RejectJoin(host=event.host, reason=reason),)
+
+    def _accept_undelivered(
+        self, phase: Rendezvous | Running | Restarting, event: JoinUndelivered, now: float
+    ) -> tuple[Action, ...]:
+        # The world formed on that very join, too late to retract it: the host never learnt it is
+        # in the world and its link reports nothing more, so it is lost.
+        lost = HostLost(host=event.host, reason="its join accept could not be delivered")
+        return self._host_lost(phase, lost, now)
+
+    def _rank_exited_between_rounds(
+        self, phase: Rendezvous | Restarting, event: RankExited, now: float
+    ) -> tuple[Action, ...]:
+        # no round runs: the exit fills the rank table and decides nothing
+        self._record_exit(event.report)
         return ()
 
-    def _running(self, phase: Running, event: Event, now: float) -> tuple[Action, ...]:
-        if not isinstance(event, RankExited) or event.report.round != phase.round:
+    def _store_ready(self, phase: Rendezvous, event: StoreReady, now: float) -> tuple[Action, ...]:
+        if event.round != phase.round:
+            return ()
+        return tuple(self._start_ranks(phase.world, phase.round, addr=event.addr, port=event.port))
+
+    def _rendezvous_tick(self, phase: Rendezvous, event: Tick, now: float) -> tuple[Action, ...]:
+        if now < phase.deadline:
+            return ()
+        late = (
+            f"the store host {self._store_host(phase.world)!r} did not report its store "
+            f"within {self.config.store_ready_timeout:g}s"
+        )
+        return (self._end(ExitCode.FORMATION, late),)
+
+    def _running_exit(self, phase: Running, event: RankExited, now: float) -> tuple[Action, ...]:
+        self._record_exit(event.report)
+        if event.report.round != phase.round:
             return ()
         report = event.report
         if _failed(report):
@@ -420,7 +538,9 @@ class Supervisor:
             done.append(self._end(code, reason))
         return tuple(done)
 
-    def _training_ended(self, event: TrainingEnded) -> tuple[Action, ...]:
+    def _training_ended(
+        self, phase: Forming | Rendezvous | Running | Restarting, event: TrainingEnded, now: float
+    ) -> tuple[Action, ...]:
         if event.ok:
             # The ranks now leave; their clean exits give the verdict (130/143 after an orderly stop
             # on a signal).
@@ -431,25 +551,30 @@ class Supervisor:
             self._end(event.code, event.reason, details=event.details),
         )
 
-    def _restarting(self, phase: Restarting, event: Event, now: float) -> tuple[Action, ...]:
-        if isinstance(event, RanksStopped) and event.round == phase.round:
-            waiting = phase.waiting - {event.host}
-            if waiting:
-                self._phase = replace(phase, waiting=waiting)
-                return ()
-            self._restart_count += 1
-            return tuple(self._open_round(phase.world, phase.round + 1, now))
-        if isinstance(event, Tick) and now >= phase.deadline:
-            return (
-                self._end(
-                    ExitCode.RANK_FAILURE,
-                    f"host(s) {sorted(phase.waiting)} did not stop their ranks for the restart",
-                ),
-            )
-        return ()
+    def _ranks_stopped(
+        self, phase: Restarting, event: RanksStopped, now: float
+    ) -> tuple[Action, ...]:
+        if event.round != phase.round:
+            return ()
+        waiting = phase.waiting - {event.host}
+        if waiting:
+            self._phase = replace(phase, waiting=waiting)
+            return ()
+        self._restart_count += 1
+        return tuple(self._open_round(phase.world, phase.round + 1, now))
+
+    def _restarting_tick(self, phase: Restarting, event: Tick, now: float) -> tuple[Action, ...]:
+        if now < phase.deadline:
+            return ()
+        return (
+            self._end(
+                ExitCode.RANK_FAILURE,
+                f"host(s) {sorted(phase.waiting)} did not stop their ranks for the restart",
+            ),
+        )
 
     def _host_lost(
-        self, phase: Rendezvous | Running | Restarting, event: HostLost
+        self, phase: Rendezvous | Running | Restarting, event: HostLost, now: float
     ) -> tuple[Action, ...]:
         if not any(member.host == event.host for member in phase.world.members):
             return (
@@ -473,15 +598,18 @@ class Supervisor:
 
     # ----- signals and the end -------------------------------------------------------------------
 
-    def _interrupted(self, event: Interrupted, now: float) -> tuple[Action, ...]:
+    def _forced(self, phase: Ended, event: Interrupted, now: float) -> tuple[Action, ...]:
+        # The first signal (or any verdict) already ended the run: this one forces the stop.
         name = _signal_name(event.signal)
-        if isinstance(self._phase, Ended):
-            # The first signal (or any verdict) already ended the run: this one forces the stop.
-            return (
-                Announce(text=f"second {name}: forcing the stop (KILL now)", level=Level.WARNING),
-                ForceStop(),
-            )
-        phase = self._phase
+        return (
+            Announce(text=f"second {name}: forcing the stop (KILL now)", level=Level.WARNING),
+            ForceStop(),
+        )
+
+    def _interrupted(
+        self, phase: Forming | Rendezvous | Running | Restarting, event: Interrupted, now: float
+    ) -> tuple[Action, ...]:
+        name = _signal_name(event.signal)
         where = {
             Forming: " while the join window was open",
             Rendezvous: " during rendezvous",
@@ -504,11 +632,15 @@ class Supervisor:
             ),
         )
 
-    def _after_verdict(self, event: Event) -> tuple[Action, ...]:
-        if isinstance(event, JoinRequested):
-            return (RejectJoin(host=event.host, reason="this run has ended"),)
-        if isinstance(event, RankExited):
-            self._record_exit(event.report)
+    def _join_after_verdict(
+        self, phase: Ended, event: JoinRequested, now: float
+    ) -> tuple[Action, ...]:
+        return (RejectJoin(host=event.host, reason="this run has ended"),)
+
+    def _exit_after_verdict(
+        self, phase: Ended, event: RankExited, now: float
+    ) -> tuple[Action, ...]:
+        self._record_exit(event.report)
         return ()
 
     def _end(
@@ -551,13 +683,13 @@ class Supervisor:
             signal=report.signal,
         )
 
-    def _ranks_reported(self, event: RanksReported) -> tuple[Action, ...]:
+    def _ranks_reported(
+        self, phase: Running, event: RanksReported, now: float
+    ) -> tuple[Action, ...]:
         """Fold a host's activity report into the rank table; under ``hang_timeout``, a rank quiet
         that long ends the run."""
-        phase = self._phase
-        if not isinstance(phase, Running) or event.report.round != phase.round:
-            # a report of another round, or after the verdict: the table already says how those
-            # ended
+        if event.report.round != phase.round:
+            # a report of another round: the table already says how that one ended
             return ()
         hung: m.RankActivity | None = None
         for activity in event.report.ranks:
@@ -607,10 +739,11 @@ class Supervisor:
             self._end(ExitCode.STALLED, reason, details=f"{store}; {last}"),
         )
 
-    def _rank_connected(self, event: RankConnected) -> None:
+    def _rank_connected(self, phase: Phase, event: RankConnected, now: float) -> tuple[Action, ...]:
         known = self._ranks.get(event.rank)
         if known is not None and known.state is RankState.RUNNING:
             self._ranks[event.rank] = replace(known, state=RankState.CONNECTED, pid=event.pid)
+        return ()
 
 
 # ----- descriptions ----------------------------------------------------------------------------

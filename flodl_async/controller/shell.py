@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING
 from .._version import __version__
 from ..agent import RankOutput
 from ..config.plan import LaunchPlan, PlacedWorker, Placement
+from ..control.dispatch import TypeTable
 from ..control.links import ControlLinks
 from ..control.liveness import Liveness
 from ..control.supervision import (
@@ -141,6 +142,7 @@ class Controller:
         self._training_metrics: Callable[[EpochMetrics], None] | None = None
         self._tg: asyncio.TaskGroup | None = None
         self._reducer: Reducer | None = None
+        self._carry_out = self._carry_out_table()
 
     @property
     def status_board(self) -> StatusBoard:
@@ -421,52 +423,71 @@ class Controller:
         self._publish()
         self._changed.set()
 
-    def _carry_out(self, action: Action, reply_link: FramedProtocol | None) -> Event | None:
-        if isinstance(action, Tell):
-            link = self._links.get(action.to)
-            if link is not None:
-                # a link that just died: its handler reports HostLost
-                with contextlib.suppress(ConnectionClosed):
-                    link.send(action.message)
-        elif isinstance(action, Announce):
-            level = LOGGING_LEVELS[action.level]
-            if self.plan.one_host and level == logging.INFO:
-                # a --nproc run said it all in its banner: the progress is for -v
-                level = logging.DEBUG
-            log.log(level, "%s", action.text)
-        elif isinstance(action, AcceptJoin):
-            assert reply_link is not None
-            try:
-                reply_link.send(
-                    with_secret_for_token_agent(action.reply, reply_link, self.plan.secret)
-                )
-            except ConnectionClosed:
-                return JoinUndelivered(host=action.host)
-            self._links[action.host] = reply_link
-            d = self._deadlines
-            self._liveness[action.host] = Liveness.start(
-                time.monotonic(), interval=d.heartbeat_interval, silence=d.heartbeat_silence
-            )
-            if self._store is not None:
-                # its ranks dial the store from the same address
-                self._store.admit_host(reply_link.peer_host)
-        elif isinstance(action, RejectJoin):
-            assert reply_link is not None
+    def _carry_out_table(self) -> TypeTable[Action, [FramedProtocol | None], Event | None]:
+        """Which method carries out each supervisor action: ``(action, reply_link)`` in, a
+        follow-up event (an accept that could not be delivered) or None out."""
+        table: TypeTable[Action, [FramedProtocol | None], Event | None] = TypeTable(
+            "the controller's supervisor actions"
+        )
+        table.add(Tell, self._tell)
+        table.add(Announce, self._announce)
+        table.add(AcceptJoin, self._accept_join)
+        table.add(RejectJoin, self._reject_join)
+        table.add(ForceStop, self._force_stop)
+        table.add(ResetStore, self._reset_store)
+        table.add(EndRun, self._end_run)
+        table.require(Action)
+        return table
+
+    def _tell(self, action: Tell[str], reply_link: FramedProtocol | None) -> None:
+        link = self._links.get(action.to)
+        if link is not None:
+            # a link that just died: its handler reports HostLost
             with contextlib.suppress(ConnectionClosed):
-                reply_link.send(m.JoinReject(reason=action.reason))
-        elif isinstance(action, ForceStop):
-            self._forced = True
-            for launcher in self._launchers.values():
-                launcher.force_stop()
-            self._send_all(
-                m.Abort(reason="forced stop", grace_s=0.0, first_signal=int(signal.SIGKILL))
-            )
-        elif isinstance(action, ResetStore):
-            assert self._store is not None  # only asked for when the store is ours
-            self._store.reset(action.round)
-        elif isinstance(action, EndRun):
-            self._end = action
+                link.send(action.message)
+
+    def _announce(self, action: Announce, reply_link: FramedProtocol | None) -> None:
+        level = LOGGING_LEVELS[action.level]
+        if self.plan.one_host and level == logging.INFO:
+            # a --nproc run said it all in its banner: the progress is for -v
+            level = logging.DEBUG
+        log.log(level, "%s", action.text)
+
+    def _accept_join(
+        self, action: AcceptJoin, reply_link: FramedProtocol | None
+    ) -> JoinUndelivered | None:
+        assert reply_link is not None
+        try:
+            reply_link.send(with_secret_for_token_agent(action.reply, reply_link, self.plan.secret))
+        except ConnectionClosed:
+            return JoinUndelivered(host=action.host)
+        self._links[action.host] = reply_link
+        d = self._deadlines
+        self._liveness[action.host] = Liveness.start(
+            time.monotonic(), interval=d.heartbeat_interval, silence=d.heartbeat_silence
+        )
+        if self._store is not None:
+            # its ranks dial the store from the same address
+            self._store.admit_host(reply_link.peer_host)
         return None
+
+    def _reject_join(self, action: RejectJoin, reply_link: FramedProtocol | None) -> None:
+        assert reply_link is not None
+        with contextlib.suppress(ConnectionClosed):
+            reply_link.send(m.JoinReject(reason=action.reason))
+
+    def _force_stop(self, action: ForceStop, reply_link: FramedProtocol | None) -> None:
+        self._forced = True
+        for launcher in self._launchers.values():
+            launcher.force_stop()
+        self._send_all(m.Abort(reason="forced stop", grace_s=0.0, first_signal=int(signal.SIGKILL)))
+
+    def _reset_store(self, action: ResetStore, reply_link: FramedProtocol | None) -> None:
+        assert self._store is not None  # only asked for when the store is ours
+        self._store.reset(action.round)
+
+    def _end_run(self, action: EndRun, reply_link: FramedProtocol | None) -> None:
+        self._end = action
 
     def _send_all(self, msg: Message) -> None:
         for link in list(self._links.values()):

@@ -38,6 +38,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
+from ..control.dispatch import TypeTable
 from ..control.vocab import LOGGING_LEVELS, Announce, Tell, Tick
 from ..errors import ConnectionClosed, FlodlError
 from ..net.framed import FramedProtocol
@@ -203,6 +204,7 @@ class TrainingShell:
         self._relay_links: list[FramedProtocol] = []
         self._tasks: set[asyncio.Task[None]] = set()
         self._outcome: TrainingOutcome | None = None
+        self._carry_out = self._carry_out_table()
 
     # ----- what the controller calls --------------------------------------------------------
 
@@ -391,45 +393,61 @@ class TrainingShell:
             self._serve_data(self.reducer)
         return True
 
-    def _carry_out(self, action: Action) -> None:
-        if isinstance(action, Tell):
-            self._send(action.message)
-        elif isinstance(action, StartRound):
-            if action.reducer:
-                reducer = self.reducer
-                assert reducer is not None
-                reducer.open_round(
-                    action.round, action.kind, action.expected, action.from_controller
-                )
-                task = self._tg.create_task(
-                    self._await_round(reducer, action.round), name=f"training-round-{action.round}"
-                )
-                self._tasks.add(task)
-                task.add_done_callback(self._tasks.discard)
-            self._send(action.message)
-        elif isinstance(action, DeclareDead):
-            if self.reducer is not None:
-                self.reducer.declare_dead(action.rank)
-            self._send(m.DeclareDead(dead_rank=action.rank, reason=action.reason))
-        elif isinstance(action, PublishEpoch):
-            self._publish(action.metrics)
-        elif isinstance(action, Announce):
-            log.log(LOGGING_LEVELS[action.level], "%s", action.text)
-        elif isinstance(action, Finish):
-            self._conclude(
-                TrainingOutcome(ok=True, reason=action.reason, save_reason=action.save_reason)
+    def _carry_out_table(self) -> TypeTable[Action, [], None]:
+        """Which method carries out each coordinator action."""
+        table: TypeTable[Action, [], None] = TypeTable("the Trainer shell's coordinator actions")
+        table.add(Tell, self._tell)
+        table.add(StartRound, self._start_round)
+        table.add(DeclareDead, self._declare_dead)
+        table.add(PublishEpoch, self._publish_epoch)
+        table.add(Announce, self._announce)
+        table.add(Finish, self._finish)
+        table.add(Fail, self._fail)
+        table.require(Action)
+        return table
+
+    def _tell(self, action: Tell[int]) -> None:
+        self._send(action.message)
+
+    def _start_round(self, action: StartRound) -> None:
+        if action.reducer:
+            reducer = self.reducer
+            assert reducer is not None
+            reducer.open_round(action.round, action.kind, action.expected, action.from_controller)
+            task = self._tg.create_task(
+                self._await_round(reducer, action.round), name=f"training-round-{action.round}"
             )
-        elif isinstance(action, Fail):
-            self._conclude(
-                TrainingOutcome(
-                    ok=False,
-                    reason=action.reason,
-                    rank=action.rank,
-                    details=action.details,
-                    save_reason=action.save_reason,
-                    code=int(action.code),
-                )
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+        self._send(action.message)
+
+    def _declare_dead(self, action: DeclareDead) -> None:
+        if self.reducer is not None:
+            self.reducer.declare_dead(action.rank)
+        self._send(m.DeclareDead(dead_rank=action.rank, reason=action.reason))
+
+    def _publish_epoch(self, action: PublishEpoch) -> None:
+        self._publish(action.metrics)
+
+    def _announce(self, action: Announce) -> None:
+        log.log(LOGGING_LEVELS[action.level], "%s", action.text)
+
+    def _finish(self, action: Finish) -> None:
+        self._conclude(
+            TrainingOutcome(ok=True, reason=action.reason, save_reason=action.save_reason)
+        )
+
+    def _fail(self, action: Fail) -> None:
+        self._conclude(
+            TrainingOutcome(
+                ok=False,
+                reason=action.reason,
+                rank=action.rank,
+                details=action.details,
+                save_reason=action.save_reason,
+                code=int(action.code),
             )
+        )
 
     def _conclude(self, outcome: TrainingOutcome) -> None:
         if self._outcome is None:
