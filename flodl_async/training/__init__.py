@@ -1,9 +1,11 @@
 """The Trainer's pure core: what the coordinator decides and everything it decides with.
 
 The coordinator (rounds, plans, the end of a run), ElChe (heterogeneous-speed cadence), the
-partition planner, policies, epoch metrics, the model schema, the outer optimizers and the fold
-arithmetic, the TrainerSpec every process agrees on. No asyncio; torch only inside the functions
-that do tensor math (they run on executor threads), so the controller can decide without it.
+partition planner, policies, epoch metrics, the model schema, the outer optimizers, the fold
+barrier (which contribution folds next, when a round is complete) that the reducer and the relay
+fold both drive, the fold arithmetic, and the TrainerSpec every process agrees on. No asyncio;
+torch only inside the functions that do tensor math (they run on executor threads), so the
+controller can decide without it.
 
 Pure: nothing here imports asyncio or socket.
 May import: verdict, errors, wire, control.
