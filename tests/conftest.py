@@ -5,17 +5,34 @@ Codec pairs and byte feeding live in :mod:`tests.wirekit`.
 
 from __future__ import annotations
 
+import atexit
+import os
 import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
 
 from flodl_async.wire import new_session_secret
 
-from .hostkit import HostKit, require_namespace_hosts
+from .hostkit import HostKit, require_namespace_hosts, under_ci
 from .wirekit import LinkPair, handshake_keys
+
+# Under CI, Hypothesis draws the same examples on every run: a red CI is then a failure anyone
+# can reproduce, never a draw nobody has seen. Locally the default profile keeps exploring new
+# draws (and replays the failures it saved in .hypothesis/). Per-test settings built after this
+# inherit it and keep their own max_examples. CI writes nothing into the checkout: no example
+# database, and Hypothesis' other caches (the constants it reads from the code under test) go to
+# a private directory, removed at exit, unless CI names its own.
+settings.register_profile("ci", derandomize=True, database=None)
+if under_ci():
+    settings.load_profile("ci")
+    if "HYPOTHESIS_STORAGE_DIRECTORY" not in os.environ:
+        _hypothesis_home = tempfile.mkdtemp(prefix="fl-hypothesis-")
+        os.environ["HYPOTHESIS_STORAGE_DIRECTORY"] = _hypothesis_home
+        atexit.register(shutil.rmtree, _hypothesis_home, ignore_errors=True)
 
 
 @pytest.fixture

@@ -19,8 +19,9 @@ window. Per report:
    ``SuppressGrowth`` drops it and latches growth off, ``NudgeDown`` also shrinks the
    anchor; 5 consecutive ``Stable`` re-arm growth;
 6. proportional dispatch: each rank gets ``round(anchor · min(slow/ms_r, 64))`` (the anchor
-   rank gets the anchor), inside a 5 % dead zone and a ``max_batch_diff`` clamp, then the
-   whole window is capped at one epoch.
+   rank gets the anchor), inside a 5 % dead zone and a ``max_batch_diff`` clamp, then a
+   window over one epoch is scaled down to one epoch, each rank keeping at least one batch
+   (so a window never holds more than ``max(world, batches_per_epoch)``).
 
 ``adapt=False`` freezes the counts (and the anchor) at their initial values.
 """
@@ -319,14 +320,27 @@ class ElChe:
         return out
 
     def _cap(self, counts: list[int]) -> tuple[int, ...]:
-        """Scale a window larger than one epoch down (each >= 1), the remainder to the largest
-        count."""
+        """Scale a window larger than one epoch down to one epoch, each rank keeping at least one
+        batch: never more than ``max(world, batches_per_epoch)``."""
         cap, total = self.batches_per_epoch, sum(counts)
         if total <= cap:
             return tuple(counts)
         scaled = [max(1, c * cap // total) for c in counts]
-        largest = max(range(len(counts)), key=lambda r: (counts[r], -r))
-        scaled[largest] = max(1, scaled[largest] + cap - sum(scaled))
+        left = cap - sum(scaled)
+        if left >= 0:  # what rounding down left over goes to the largest count
+            largest = max(range(len(counts)), key=lambda r: (counts[r], -r))
+            scaled[largest] += left
+            return tuple(scaled)
+        # Each rank raised to its floor of 1 holds a batch the budget never had. Giving that
+        # excess back from one rank could not always be done (it keeps 1 too), so take it one
+        # batch at a time from whichever rank holds the most; among equals, from the smaller
+        # count, so a faster rank never ends with fewer batches than a slower one.
+        while left < 0:
+            rank = max(range(len(counts)), key=lambda r: (scaled[r], -counts[r], r))
+            if scaled[rank] == 1:
+                break  # more ranks than batches: every rank at its floor
+            scaled[rank] -= 1
+            left += 1
         return tuple(scaled)
 
     # ----- snapshot -----------------------------------------------------------------------
