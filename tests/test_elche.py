@@ -88,6 +88,16 @@ def test_the_window_is_capped_at_one_epoch() -> None:
     assert tiny.counts == (1, 1, 1)  # more ranks than batches: the per-rank floor of 1 wins
 
 
+def test_the_floors_excess_comes_back_from_the_ranks_holding_the_most() -> None:
+    e = elche(10, epoch=12)
+    # Two ranks far faster than eight (clamped at 64x): (640, 640, 10 x 8) scales to floors of
+    # (5, 5, 0 x 8); the eight raised to 1 put the window 6 over the epoch. Taken all from one
+    # rank it could not fit (that rank keeps 1 too); taken a batch at a time from the rank
+    # holding the most, the two fast ranks share what is left and stay ahead of the slow ones.
+    e.report([0.01, 0.01, *[100.0] * 8], [10] * 10, sync_ms=0.0)
+    assert e.counts == (2, 2, 1, 1, 1, 1, 1, 1, 1, 1)
+
+
 def test_growth_formula_cap_and_warmup_margin() -> None:
     e = elche(anchor=10, overhead_target=0.05)
     # slow = 20 ms/batch; anchor·slow = 200 ms. sync 15 ms -> overhead 0.0698: above the target, under 2x (WARMUP).
@@ -226,9 +236,19 @@ def test_restore_round_trips_and_refuses_another_world_size() -> None:
 @settings(max_examples=150, deadline=None)
 @given(
     world=st.integers(1, 6),
-    epoch=st.integers(1, 400),
+    # Half the draws in epochs of a few batches, and repeated costs and empty reports: the epoch
+    # cap and its floor of 1 a rank only bind where the window is many times the epoch.
+    epoch=st.integers(1, 12) | st.integers(1, 400),
     reports=st.lists(
-        st.lists(st.tuples(st.floats(0.0, 5000.0), st.integers(0, 50)), min_size=6, max_size=6),
+        st.lists(
+            st.tuples(
+                st.sampled_from([0.0, 1.0, 8.0, 500.0]) | st.floats(0.0, 5000.0),
+                st.sampled_from([0, 1]) | st.integers(0, 50),
+            ),
+            min_size=6,
+            max_size=6,
+        ),
+        min_size=1,
         max_size=12,
     ),
 )
