@@ -7,6 +7,7 @@ import signal
 import pytest
 
 from flodl_async._version import __version__
+from flodl_async.control.exits import OOM_HINT, describe_exit, failure_details
 from flodl_async.control.membership import JoinConfig
 from flodl_async.control.supervision import (
     AcceptJoin,
@@ -32,7 +33,7 @@ from flodl_async.control.supervision import (
     SupervisorConfig,
     TrainingEnded,
 )
-from flodl_async.control.supervisor import OOM_HINT, Supervisor, describe_exit, failure_details
+from flodl_async.control.supervisor import Supervisor
 from flodl_async.control.vocab import Announce, Level, Tell, Tick
 from flodl_async.host.hostnames import HostAliases
 from flodl_async.status.model import RankState, RankStatus

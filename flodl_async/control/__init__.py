@@ -1,6 +1,7 @@
 """The run's pure decision cores: ``handle(event, now) -> actions``, none of them able to await.
 
-The supervisor (the run from join window to verdict), membership (the join window), liveness
+The supervisor (the run from join window to verdict; ``exits`` says how a rank's exit reads in
+it), membership (the join window), liveness
 and backoff, the relay-link watch, the vocabulary both cores speak (ticks, levels, what to tell
 and say) and the type tables the cores and shells dispatch through. The asyncio shells in
 ``controller/`` and ``agent/`` feed them events and carry out their actions; a unit test drives

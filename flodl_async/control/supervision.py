@@ -9,14 +9,16 @@ host, down its join link) are the words it shares with the Trainer's coordinator
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from .._version import __version__
 from ..host.hostnames import HostAliases
 from ..status.model import RankStatus
 from ..verdict import ExitCode, RunResult
 from ..wire import messages as m
+from .dispatch import members
 from .membership import Formed, JoinConfig, JoinedMember, JoinWindow
 from .vocab import Announce, Tell, Tick
 
@@ -279,3 +281,63 @@ class SupervisorView:
     ranks: tuple[RankStatus, ...]
     result: RunResult | None
     rejected_joins: int
+
+
+_PhaseT = TypeVar("_PhaseT", bound=Phase)
+_EventT = TypeVar("_EventT", bound=Event)
+
+
+class Transitions:
+    """The supervisor's transition table: ``(phase type, event type) -> handler(phase, event,
+    now)``. :meth:`add` checks that the handler's parameters accept every phase and event it is
+    filed under, so the table needs neither a cast nor an ignore; a pair is filed once."""
+
+    __slots__ = ("_by_pair",)
+
+    def __init__(self) -> None:
+        self._by_pair: dict[tuple[type, type], Callable[..., tuple[Action, ...]]] = {}
+
+    def add(
+        self,
+        phases: Iterable[type[_PhaseT]],
+        events: Iterable[type[_EventT]],
+        handler: Callable[[_PhaseT, _EventT, float], tuple[Action, ...]],
+    ) -> None:
+        """File ``handler`` under every pair of ``phases`` and ``events``."""
+        events = tuple(events)
+        for phase in phases:
+            for event in events:
+                if (phase, event) in self._by_pair:
+                    raise ValueError(f"{event.__name__} in {phase.__name__} is filed twice")
+                self._by_pair[phase, event] = handler
+
+    def ignore(self, phases: Iterable[type[Phase]], events: Iterable[type[Event]]) -> None:
+        """File "nothing changes" under every pair of ``phases`` and ``events``."""
+        self.add(phases, events, unchanged)
+
+    def __call__(self, phase: Phase, event: Event, now: float) -> tuple[Action, ...]:
+        handler = self._by_pair.get((type(phase), type(event)))
+        if handler is None:
+            raise TypeError(
+                f"the supervisor takes no {type(event).__name__} in {type(phase).__name__}"
+            )
+        return handler(phase, event, now)
+
+    @property
+    def pairs(self) -> frozenset[tuple[type, type]]:
+        """Every (phase type, event type) filed."""
+        return frozenset(self._by_pair)
+
+    def require_every_pair(self) -> None:
+        """Raise unless every event is filed in every phase (checked once, when it is built)."""
+        expected = {(p, e) for p in members(Phase) for e in members(Event)}
+        missing = sorted(f"{e.__name__} in {p.__name__}" for p, e in expected - self.pairs)
+        if missing:
+            raise TypeError(f"the supervisor's table has no entry for {', '.join(missing)}")
+
+
+def unchanged(phase: Phase, event: Event, now: float) -> tuple[Action, ...]:
+    """An event that means nothing in this phase: an activity report outside a running round, a
+    tick with no deadline, a store address outside a rendezvous, a stop outside a restart, and
+    after the verdict anything but a signal, a join or a rank's hello or exit."""
+    return ()

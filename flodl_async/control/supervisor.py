@@ -37,9 +37,7 @@ signal table; a signal after the verdict forces (KILL now). A verdict, once give
 from __future__ import annotations
 
 import signal
-from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
-from typing import TypeVar
 
 from ..status.model import PROCESS_STATES, RankState, RankStatus
 from ..verdict import (
@@ -52,7 +50,7 @@ from ..verdict import (
     restarts_text,
 )
 from ..wire import messages as m
-from .dispatch import members
+from .exits import describe_exit, failed, failure_details, signal_name
 from .membership import Admitted, Failed, Formed, JoinWindow
 from .supervision import (
     AcceptJoin,
@@ -80,13 +78,12 @@ from .supervision import (
     SupervisorConfig,
     SupervisorView,
     TrainingEnded,
+    Transitions,
 )
 from .vocab import Announce, Level, Tell, Tick
 
 # ----- the (phase, event) table ----------------------------------------------------------------
 
-_PhaseT = TypeVar("_PhaseT", bound=Phase)
-_EventT = TypeVar("_EventT", bound=Event)
 
 _FormedPhase = Rendezvous | Running | Restarting
 _FORMED: tuple[type[_FormedPhase], ...] = (Rendezvous, Running, Restarting)
@@ -100,62 +97,6 @@ _WINDOW_CUES: tuple[type[StoreReady | RankExited | RanksStopped | Tick], ...] = 
     RanksStopped,
     Tick,
 )
-
-
-class _Transitions:
-    """The supervisor's transition table: ``(phase type, event type) -> handler(phase, event,
-    now)``. :meth:`add` checks that the handler's parameters accept every phase and event it is
-    filed under, so the table needs neither a cast nor an ignore; a pair is filed once."""
-
-    __slots__ = ("_by_pair",)
-
-    def __init__(self) -> None:
-        self._by_pair: dict[tuple[type, type], Callable[..., tuple[Action, ...]]] = {}
-
-    def add(
-        self,
-        phases: Iterable[type[_PhaseT]],
-        events: Iterable[type[_EventT]],
-        handler: Callable[[_PhaseT, _EventT, float], tuple[Action, ...]],
-    ) -> None:
-        """File ``handler`` under every pair of ``phases`` and ``events``."""
-        events = tuple(events)
-        for phase in phases:
-            for event in events:
-                if (phase, event) in self._by_pair:
-                    raise ValueError(f"{event.__name__} in {phase.__name__} is filed twice")
-                self._by_pair[phase, event] = handler
-
-    def ignore(self, phases: Iterable[type[Phase]], events: Iterable[type[Event]]) -> None:
-        """File "nothing changes" under every pair of ``phases`` and ``events``."""
-        self.add(phases, events, _unchanged)
-
-    def __call__(self, phase: Phase, event: Event, now: float) -> tuple[Action, ...]:
-        handler = self._by_pair.get((type(phase), type(event)))
-        if handler is None:
-            raise TypeError(
-                f"the supervisor takes no {type(event).__name__} in {type(phase).__name__}"
-            )
-        return handler(phase, event, now)
-
-    @property
-    def pairs(self) -> frozenset[tuple[type, type]]:
-        """Every (phase type, event type) filed."""
-        return frozenset(self._by_pair)
-
-    def require_every_pair(self) -> None:
-        """Raise unless every event is filed in every phase (checked once, when it is built)."""
-        expected = {(p, e) for p in members(Phase) for e in members(Event)}
-        missing = sorted(f"{e.__name__} in {p.__name__}" for p, e in expected - self.pairs)
-        if missing:
-            raise TypeError(f"the supervisor's table has no entry for {', '.join(missing)}")
-
-
-def _unchanged(phase: Phase, event: Event, now: float) -> tuple[Action, ...]:
-    """An event that means nothing in this phase: an activity report outside a running round, a
-    tick with no deadline, a store address outside a rendezvous, a stop outside a restart, and
-    after the verdict anything but a signal, a join or a rank's hello or exit."""
-    return ()
 
 
 # ----- the machine ----------------------------------------------------------------------------
@@ -262,10 +203,10 @@ class Supervisor:
             and not isinstance(self._phase, Ended)
         )
 
-    def _build_transitions(self) -> _Transitions:
+    def _build_transitions(self) -> Transitions:
         """Which method takes each event in each phase; every (phase, event) pair has one entry,
         the ones that change nothing included, so a missing pair is an error, not a silent drop."""
-        t = _Transitions()
+        t = Transitions()
         # A signal, a rank's hello and a host's activity report do not wait on the window: a
         # signal ends the run (forces the stop after the verdict), a hello and a report fill the
         # rank table.
@@ -481,7 +422,7 @@ class Supervisor:
         if event.report.round != phase.round:
             return ()
         report = event.report
-        if _failed(report):
+        if failed(report):
             if self._restart_count >= self.config.max_restarts:
                 restarts = (
                     f" after {restarts_text(self._restart_count)}"
@@ -600,7 +541,7 @@ class Supervisor:
 
     def _forced(self, phase: Ended, event: Interrupted, now: float) -> tuple[Action, ...]:
         # The first signal (or any verdict) already ended the run: this one forces the stop.
-        name = _signal_name(event.signal)
+        name = signal_name(event.signal)
         return (
             Announce(text=f"second {name}: forcing the stop (KILL now)", level=Level.WARNING),
             ForceStop(),
@@ -609,7 +550,7 @@ class Supervisor:
     def _interrupted(
         self, phase: Forming | Rendezvous | Running | Restarting, event: Interrupted, now: float
     ) -> tuple[Action, ...]:
-        name = _signal_name(event.signal)
+        name = signal_name(event.signal)
         where = {
             Forming: " while the join window was open",
             Rendezvous: " during rendezvous",
@@ -677,7 +618,7 @@ class Supervisor:
             rank=report.rank,
             host=report.host,
             local_rank=report.local_rank,
-            state=RankState.FAILED if _failed(report) else RankState.EXITED,
+            state=RankState.FAILED if failed(report) else RankState.EXITED,
             pid=known.pid if known is not None else None,
             exit_code=report.exit_code,
             signal=report.signal,
@@ -749,17 +690,6 @@ class Supervisor:
 # ----- descriptions ----------------------------------------------------------------------------
 
 
-def _failed(report: m.RankExited) -> bool:
-    return report.exit_code != 0 or report.signal is not None
-
-
-def _signal_name(number: int) -> str:
-    try:
-        return signal.Signals(number).name
-    except ValueError:
-        return f"signal {number}"
-
-
 def _phase_name(phase: Phase) -> str:
     if isinstance(phase, Forming):
         return "waiting"
@@ -768,54 +698,3 @@ def _phase_name(phase: Phase) -> str:
     if isinstance(phase, Running | Restarting):
         return "training"
     return "done" if phase.result.exit_code is ExitCode.OK else "failed"
-
-
-#: Said of a SIGKILL that reached a running rank: flodl sends KILL only when it stops a run, and
-#: then the run has already ended.
-OOM_HINT = (
-    "not sent by flodl; the kernel's OOM killer is the usual cause: look for \"Out of "
-    'memory" in `dmesg` or `journalctl -k`'
-)
-
-
-def describe_exit(report: m.RankExited) -> str:
-    """``rank 1 (local rank 1) on host 'vm' exited with code 3`` (or ``was killed by SIGKILL``, with
-    the OOM hint)."""
-    how = (
-        f"was killed by {_signal_name(report.signal)}"
-        if report.signal is not None
-        else f"exited with code {report.exit_code}"
-    )
-    if report.signal == signal.SIGKILL:
-        how += f" ({OOM_HINT})"
-    return f"rank {report.rank} (local rank {report.local_rank}) on host {report.host!r} {how}"
-
-
-def failure_details(report: m.RankExited, *, shown_live: bool = False) -> str:
-    """The traceback from the rank's error file and its last stderr lines, for the verdict — each
-    line once.
-
-    ``@record`` writes the traceback to the error file and Python prints it to stderr too,
-    so the stderr tail lines the traceback already holds are not repeated. ``shown_live``:
-    the console showed the rank's stderr as it came, traceback included; the verdict then
-    points at it and repeats only its last line (the exception).
-    """
-    details: list[str] = []
-    tail = list(report.stderr_tail)
-    if report.error_file:
-        traceback = report.error_file.rstrip().splitlines()
-        if shown_live:
-            details.append(
-                f"traceback: above, in rank {report.rank}'s stderr (also in its error file); it "
-                "ended with:"
-            )
-            details.extend(f"  {line}" for line in traceback[-1:])
-        else:
-            details.append("traceback (from the rank's error file):")
-            details.extend(f"  {line}" for line in traceback)
-        told = {line.strip() for line in traceback}
-        tail = [line for line in tail if line.strip() not in told]
-    if tail:
-        details.append(f"last {len(tail)} stderr line(s) of rank {report.rank}:")
-        details.extend(f"  {line}" for line in tail)
-    return "\n".join(details)

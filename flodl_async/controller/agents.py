@@ -1,13 +1,18 @@
-"""Which launcher brings up the agents of each placement: in this process, over ssh, or none
-(dial-in workers join on their own)."""
+"""What the controller starts from its plan: the supervisor's config, and which launcher brings
+up the agents of each placement (in this process, over ssh, or none: dial-in workers join on
+their own)."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from .._version import __version__
 from ..agent import RankOutput
 from ..config.plan import LaunchPlan, Placement, direct_ssh_targets
+from ..control.supervision import SupervisorConfig
+from ..deadlines import Deadlines
 from ..host.ifnames import controller_host_peer
+from ..wire.handshake import PROTOCOL_VERSION
 from .fanout import ssh_launcher
 from .launchers import AgentLauncher, ControllerContact, DialInLauncher, LocalLauncher
 
@@ -40,3 +45,31 @@ def agent_launchers(
             contact, bind_host=plan.bind_host, run_id=plan.run_id, stdout=out, stderr=err
         )
     return launchers
+
+
+def supervisor_config(
+    plan: LaunchPlan, deadlines: Deadlines, *, controller_store: bool
+) -> SupervisorConfig:
+    """The supervisor's config for ``plan``'s run (``controller_store``: the controller serves the
+    rendezvous store on its port)."""
+    return SupervisorConfig(
+        run_id=plan.run_id,
+        join=plan.join,
+        command=plan.command,
+        cluster_env=plan.cluster_env,
+        max_restarts=plan.max_restarts,
+        stop_grace=deadlines.stop_grace,
+        store_ready_timeout=deadlines.store_ready,
+        controller_store=controller_store,
+        stop_ack_margin=deadlines.stop_ack_margin,
+        local_hosts=plan.local_hosts,
+        host_aliases=plan.host_aliases,
+        protocol_version=PROTOCOL_VERSION,
+        version=__version__,
+        hang_timeout=plan.hang_timeout,
+        launched_hosts=frozenset(
+            w.host for w in plan.workers if w.placement is not Placement.DIAL_IN
+        ),
+        # such an agent closes its link (waiting at most link_close) before it can fail
+        agent_reason_wait=2 * deadlines.link_close,
+    )

@@ -9,7 +9,6 @@ banner's log lines.
 from __future__ import annotations
 
 import logging
-import signal
 import time
 from collections.abc import Mapping
 
@@ -124,11 +123,3 @@ def status_snapshot(
         exit_code=int(result.exit_code) if result is not None else None,
         training=training,
     )
-
-
-def signal_name(number: int) -> str:
-    """``SIGTERM`` for 15: how the log names a signal (a number it does not know stays one)."""
-    try:
-        return signal.Signals(number).name
-    except ValueError:
-        return f"signal {number}"

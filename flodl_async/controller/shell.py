@@ -31,10 +31,10 @@ import typing
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from .._version import __version__
 from ..agent import RankOutput
 from ..config.plan import LaunchPlan, PlacedWorker, Placement
 from ..control.dispatch import TypeTable
+from ..control.exits import signal_name
 from ..control.links import ControlLinks
 from ..control.liveness import Liveness
 from ..control.supervision import (
@@ -51,7 +51,6 @@ from ..control.supervision import (
     RejectJoin,
     ResetStore,
     StoreReady,
-    SupervisorConfig,
     TrainingEnded,
 )
 from ..control.supervisor import Supervisor
@@ -74,10 +73,10 @@ from ..wire import messages as m
 from ..wire.channels import Channel
 from ..wire.handshake import PROTOCOL_VERSION, join_resolver, session_resolver
 from ..wire.schema import Message
-from .agents import agent_launchers
+from .agents import agent_launchers, supervisor_config
 from .joinlink import HOST_EVENTS, with_secret_for_token_agent
 from .launchers import AgentLauncher, ControllerContact
-from .report import announce_window, connection_counters, signal_name, status_snapshot
+from .report import announce_window, connection_counters, status_snapshot
 from .training import (
     RoundRunner,
     RoundRunnerFactory,
@@ -218,27 +217,7 @@ class Controller:
         plan = self.plan
         self._opened_at = time.monotonic()
         self._supervisor = Supervisor(
-            SupervisorConfig(
-                run_id=plan.run_id,
-                join=plan.join,
-                command=plan.command,
-                cluster_env=plan.cluster_env,
-                max_restarts=plan.max_restarts,
-                stop_grace=self._deadlines.stop_grace,
-                store_ready_timeout=self._deadlines.store_ready,
-                controller_store=self._store is not None,
-                stop_ack_margin=self._deadlines.stop_ack_margin,
-                local_hosts=plan.local_hosts,
-                host_aliases=plan.host_aliases,
-                protocol_version=PROTOCOL_VERSION,
-                version=__version__,
-                hang_timeout=plan.hang_timeout,
-                launched_hosts=frozenset(
-                    w.host for w in plan.workers if w.placement is not Placement.DIAL_IN
-                ),
-                # such an agent closes its link (waiting at most link_close) before it can fail
-                agent_reason_wait=2 * self._deadlines.link_close,
-            ),
+            supervisor_config(plan, self._deadlines, controller_store=self._store is not None),
             now=self._opened_at,
         )
         contact = ControllerContact(
