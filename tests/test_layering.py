@@ -339,3 +339,13 @@ def test_the_readme_layout_table_says_what_each_docstring_says() -> None:
         assert found, package
         docstring = {n.strip(" `") for n in " ".join(found.group(1).split()).split(",")}
         assert {n.strip(" `") for n in cell.split(",")} == docstring, package
+
+
+def test_no_module_is_too_long_to_read() -> None:
+    """None over 950 lines, and at most two over 700 (the frame codec and the coordinator, each one
+    concern): a module that grows past that wants a cohesive part moved into a module of its own."""
+    lengths = {m: len(p.read_text().splitlines()) for m, p in MODULES.items()}
+    assert [m for m, n in lengths.items() if n > 950] == []
+    assert len([m for m, n in lengths.items() if n > 700]) <= 2, sorted(
+        (n, m) for m, n in lengths.items() if n > 700
+    )
