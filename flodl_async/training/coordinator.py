@@ -39,10 +39,9 @@ Phases::
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TypeVar
 
+from ..control.dispatch import TypeTable
 from ..control.vocab import Announce, Level, Tell, Tick
 from ..errors import ConfigError
 from ..verdict import ExitCode
@@ -96,25 +95,6 @@ _OVER = (CoordPhase.DONE, CoordPhase.FAILED)
 _EXIT_FOR_SAVE_REASON = {"max_failure_exceeded": ExitCode.MAX_FAILURE}
 
 
-_EventT = TypeVar("_EventT", bound=Event)
-
-
-class _Handlers:
-    """Which method takes each event type: :meth:`add` checks that the type and the method's
-    parameter agree, so the table needs neither a cast nor an ignore."""
-
-    __slots__ = ("_by_type",)
-
-    def __init__(self) -> None:
-        self._by_type: dict[type, Callable[..., list[Action]]] = {}
-
-    def add(self, kind: type[_EventT], handler: Callable[[_EventT, float], list[Action]]) -> None:
-        self._by_type[kind] = handler
-
-    def __call__(self, event: Event, now: float) -> list[Action]:
-        return self._by_type[type(event)](event, now)
-
-
 @dataclass(slots=True, kw_only=True)
 class _InFlight:
     round: int
@@ -162,7 +142,9 @@ class Coordinator:
         self._last_sync_ms = 0.0
         self._batches: dict[int, int] = {}
         self._stop_reason: str | None = None
-        self._handlers = _Handlers()
+        self._handlers: TypeTable[Event, [float], list[Action]] = TypeTable(
+            "the coordinator's events"
+        )
         self._handlers.add(TrainerJoined, self._on_joined)
         self._handlers.add(WindowReported, self._on_window)
         self._handlers.add(FrameSeen, self._on_frame)
@@ -172,6 +154,7 @@ class Coordinator:
         self._handlers.add(CollectiveDone, self._on_collective_done)
         self._handlers.add(StopRequested, self._on_stop)
         self._handlers.add(Tick, self._on_tick)
+        self._handlers.require(Event)
 
     # ----- queries ----------------------------------------------------------------------------
 
