@@ -38,7 +38,7 @@ from ..errors import (
     WireError,
 )
 from ..host.cores import usable_cores
-from ..host.gpus import detect_gpu_count
+from ..host.gpus import host_visible_gpus
 from ..host.hostaddrs import host_addresses
 from ..net.framed import FramedProtocol, open_framed
 from ..wire import messages as m
@@ -99,7 +99,10 @@ class SessionConfig:
 
 def device_labels(devices: DeviceSpec) -> tuple[str, ...]:
     """The device labels this host offers when it joins (its GPUs counted only for ``all``)."""
-    return devices.labels(detect_gpu_count() if devices.kind is DeviceKind.ALL_GPUS else 0)
+    # each agent counts its own host's GPUs: a remote ``devices: all`` host's capacity, never the
+    # controller's count
+    gpus = len(host_visible_gpus()) if devices.kind is DeviceKind.ALL_GPUS else 0
+    return devices.labels(gpus)
 
 
 def _join_credential(cfg: SessionConfig) -> Credential:

@@ -70,16 +70,6 @@ def host_visible_gpus(env: Mapping[str, str] | None = None) -> tuple[str, ...]:
     return visible_gpus(env.get(MASK_VARIABLE), physical_gpu_count(env))
 
 
-def detect_gpu_count() -> int:
-    """GPUs this process may use, without importing torch: the device nodes, within the caller's
-    CUDA_VISIBLE_DEVICES.
-
-    Each agent counts its own host's and reports them as its devices at join: that is a remote
-    ``devices: all`` host's capacity, never the controller's count.
-    """
-    return len(host_visible_gpus())
-
-
 def select(indices: Sequence[int], visible: Sequence[str]) -> tuple[str, ...]:
     """Device indices (into the visible set) → the ranks' ``CUDA_VISIBLE_DEVICES`` entries; an index
     past it is a ConfigError."""
