@@ -285,19 +285,22 @@ def test_pure_packages_really_load_without_asyncio_or_socket() -> None:
 
 
 _MAY_IMPORT = re.compile(r"^May import:\s*(.*?)\.?\s*(?:\n\n|\Z)", re.MULTILINE | re.DOTALL)
+_SUBPACKAGES = [p for p in ORDER if (PACKAGE / p).is_dir()]
 
 
-@pytest.mark.parametrize("package", [p for p in ORDER if (PACKAGE / p).is_dir()], ids=lambda p: p)
-def test_each_package_says_its_role_and_truly_what_it_may_import(package: str) -> None:
+def _may_import(package: str) -> set[str]:
+    """The packages named by ``package``'s docstring on its 'May import:' line (which may wrap)."""
     doc = ast.get_docstring(ast.parse((PACKAGE / package / "__init__.py").read_text()))
     assert doc, f"{package}/__init__.py has no docstring"
     found = _MAY_IMPORT.search(doc)
     assert found, f"{package}/__init__.py's docstring has no 'May import:' line"
-    said = {
-        name.strip().strip("`")
-        for name in " ".join(found.group(1).split()).split(",")
-        if name.strip() != "nothing"
-    }
+    names = (name.strip(" `") for name in " ".join(found.group(1).split()).split(","))
+    return {name for name in names if name != "nothing"}
+
+
+@pytest.mark.parametrize("package", _SUBPACKAGES, ids=lambda p: p)
+def test_each_package_says_its_role_and_truly_what_it_may_import(package: str) -> None:
+    said = _may_import(package)
     below = set(ORDER[: ORDER.index(package)])
     assert said <= below, f"{package} says it may import {sorted(said - below)}, which sit above"
     used = {
@@ -332,13 +335,9 @@ def test_the_readme_layout_table_says_what_each_docstring_says() -> None:
     rows = re.findall(
         r"^\| `(\w+)/` \| [^|]+ \| ([^|]+) \|$", (ROOT / "README.md").read_text(), re.M
     )
-    assert {package for package, _ in rows} == {p for p in ORDER if (PACKAGE / p).is_dir()}
+    assert {package for package, _ in rows} == set(_SUBPACKAGES)
     for package, cell in rows:
-        doc = ast.get_docstring(ast.parse((PACKAGE / package / "__init__.py").read_text()))
-        found = _MAY_IMPORT.search(doc or "")
-        assert found, package
-        docstring = {n.strip(" `") for n in " ".join(found.group(1).split()).split(",")}
-        assert {n.strip(" `") for n in cell.split(",")} == docstring, package
+        assert {n.strip(" `") for n in cell.split(",")} == _may_import(package), package
 
 
 def test_no_module_is_too_long_to_read() -> None:
