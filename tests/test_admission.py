@@ -9,7 +9,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from flodl_async.errors import ConfigError
+from flodl_async.errors import (
+    AuthenticationFailed,
+    ConfigError,
+    FrameTooLarge,
+    HandshakeFailed,
+    HandshakeRefused,
+    VersionMismatch,
+    WireError,
+    WrongToken,
+)
 from flodl_async.net.admission import (
     Admission,
     AdmissionLimits,
@@ -21,8 +30,10 @@ from flodl_async.net.admission import (
     Refused,
     RejectionSummary,
     Stage,
+    SummaryLine,
     TicketState,
     peer_key,
+    rejection_reason,
 )
 
 SMALL = AdmissionLimits(
@@ -410,3 +421,104 @@ def test_at_most_one_line_per_interval_and_every_refusal_reported(
         reported += int(re.search(r"refused (\d+) connection", line.text).group(1))  # type: ignore[union-attr]
     assert reported == len(events)
     assert sum(summary.totals().values()) == len(events)
+
+
+# ----- what callers read back -----------------------------------------------------------------------
+
+
+def test_the_status_budget_has_a_total_cap_above_its_per_peer_cap() -> None:
+    core = _core(AdmissionLimits(max_status=2, max_status_per_peer=1))
+    for conn, peer in enumerate("abc"):
+        core.admit(conn, peer, 0.0)
+    assert core.to_status(0) is None
+    assert core.to_status(1) is None  # another peer: room left in total
+    eviction = core.to_status(2)
+    assert eviction == Eviction(conn=0, peer="a", pool=Pool.STATUS, cap=Cap.TOTAL, limit=2)
+    assert eviction.describe() == "evicting the oldest status connections: more than 2 in total"
+
+
+def test_statistics_count_each_stage() -> None:
+    core = _core()
+    for conn in range(5):
+        core.admit(conn, f"peer{conn}", 0.0)
+    core.handshake(0, 0.0)
+    core.to_status(1)
+    core.to_status(2)
+    core.to_status(3)
+    stats = core.statistics()
+    assert (stats.sniffing, stats.handshaking, stats.status) == (1, 1, 3)
+    assert stats.evicted == {}
+
+
+@pytest.mark.parametrize(
+    ("exc", "reason"),
+    [
+        (VersionMismatch("v2"), "version_mismatch"),
+        (WrongToken("proof"), "wrong_token"),  # before its base class, AuthenticationFailed
+        (AuthenticationFailed("tag"), "auth_failed"),
+        (HandshakeRefused("credential"), "refused_credential"),  # before HandshakeFailed
+        (HandshakeFailed("cut short"), "bad_handshake"),
+        (FrameTooLarge("2 GiB"), "bad_frame"),
+        (WireError("anything else"), "bad_frame"),
+    ],
+)
+def test_each_wire_error_is_refused_under_its_own_counter(exc: WireError, reason: str) -> None:
+    assert rejection_reason(exc) == reason
+
+
+def test_reasons_are_listed_most_frequent_first_then_by_name() -> None:
+    summary = RejectionSummary()
+    summary.record("wrong_token", 0.0)
+    for _ in range(2):
+        summary.record("bad_frame", 0.0)
+    summary.record("unknown_magic", 0.0)
+    summary.record("auth_failed", 0.0)
+    line = summary.flush(0.0)
+    assert line is not None
+    assert line.text == (
+        "port mux: refused 5 connections: 2 bad_frame, 1 auth_failed, 1 unknown_magic, "
+        "1 wrong_token; continuing to accept"
+    )
+
+
+def test_notes_are_shown_most_frequent_first_then_by_text() -> None:
+    summary = RejectionSummary()
+    for text in ["d once", "c once", "b twice", "b twice", "a once"]:
+        summary.note(text, 0.0)
+    line = summary.flush(0.0)
+    assert line is not None
+    # the three shown: the most frequent, then the first two by text; one more is counted
+    assert line.text == (
+        "port mux: b twice (2×); a once; c once; 1 more for other reasons; continuing to accept"
+    )
+
+
+def test_a_note_arriving_when_the_line_is_full_is_counted_not_kept() -> None:
+    summary = RejectionSummary(max_notes=1)
+    summary.note("kept", 0.0)
+    for _ in range(3):
+        summary.note("late", 0.0)  # more frequent, yet the line had no room for it
+    line = summary.flush(0.0)
+    assert line is not None
+    assert line.text == "port mux: kept; 3 more for other reasons; continuing to accept"
+
+
+def test_a_note_is_a_warning_even_when_the_line_has_no_room_to_show_it() -> None:
+    summary = RejectionSummary(max_notes=0)
+    summary.note("accept() failed: out of file descriptors", 0.0)
+    line = summary.flush(0.0)
+    assert line == SummaryLine(
+        text="port mux: 1 more for other reasons; continuing to accept", warning=True
+    )
+
+
+@pytest.mark.parametrize(
+    ("window", "span"),
+    [(0.0, ""), (0.049, ""), (0.05, " in the last 0.05 s"), (0.5, " in the last 0.5 s")],
+)
+def test_the_span_is_named_once_it_is_long_enough_to_read(window: float, span: str) -> None:
+    summary = RejectionSummary()
+    summary.record("bad_frame", 0.0)
+    line = summary.flush(window)
+    assert line is not None
+    assert line.text == f"port mux: refused 1 connection{span}: 1 bad_frame; continuing to accept"

@@ -145,6 +145,18 @@ def test_admission_checks(host: str, devices: tuple[str, ...], reason: str) -> N
     assert reason in result.reason
 
 
+def test_a_duplicate_device_and_a_duplicate_join_say_what_to_fix() -> None:
+    w = window()
+    join(w, "a")
+    assert join(w, "b", ("cuda:0", "cuda:0")) == Rejected(
+        reason="duplicate local device cuda:0 on host 'b' — each rank must pin a distinct device"
+    )
+    assert join(w, "a") == Rejected(
+        reason="host 'a' already joined this run (duplicate join — a stale agent from a previous "
+        "launch, or two agents sharing one host name)"
+    )
+
+
 def test_protocol_version_is_checked() -> None:
     result = join(window(), "a", protocol_version=9)
     assert isinstance(result, Rejected)

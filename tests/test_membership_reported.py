@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
+import pytest
+
 from flodl_async._version import __version__
 from flodl_async.config.cluster import JoinKnobs
-from flodl_async.control.membership import Failed, Formed, JoinWindow
+from flodl_async.control.membership import (
+    Failed,
+    Formed,
+    JoinConfig,
+    JoinWindow,
+    describe_threshold,
+)
 
 
 def _join(window: JoinWindow, host: str, count: int, now: float) -> None:
@@ -76,3 +84,38 @@ def test_only_a_reporting_host_gives_a_known_zero_base() -> None:
     verdict = window.poll(1.0)
     assert isinstance(verdict, Formed)
     assert verdict.world_size == 2
+
+
+def test_a_reported_quorum_is_its_base_plus_what_the_host_brought_and_a_failure_names_it() -> None:
+    config = JoinConfig(
+        min_rank_start=3,
+        join_timeout=10,
+        target_ranks=None,
+        max_join_timeout=20,
+        quorum_reported=frozenset({"gpu-a"}),
+    )
+    window = JoinWindow(config, opened_at=0.0)
+    _join(window, "gpu-a", 2, now=1.0)
+    assert window.quorum == 5
+    verdict = window.poll(20.0)
+    assert isinstance(verdict, Failed)
+    assert verdict.reason.startswith("quorum not met: 2/5 ranks joined (gpu-a) within")
+
+
+def test_a_reported_target_is_described_by_its_number_once_the_host_joined() -> None:
+    config = JoinKnobs(join_timeout=10).resolve(1, reported_hosts=frozenset({"gpu-a"}))
+    window = JoinWindow(config, opened_at=0.0)
+    _join(window, "gpu-a", 4, now=1.0)
+    assert window.describe_target() == "5"
+
+
+@pytest.mark.parametrize(
+    ("base", "reported", "words"),
+    [
+        (2, frozenset(), "2"),
+        (0, frozenset({"gpu-b", "gpu-a"}), "what gpu-a, gpu-b report"),
+        (2, frozenset({"gpu-b", "gpu-a"}), "2 + what gpu-a, gpu-b report"),
+    ],
+)
+def test_a_threshold_in_words(base: int, reported: frozenset[str], words: str) -> None:
+    assert describe_threshold(base, reported) == words
