@@ -105,6 +105,40 @@ class UplinkCount:
     payload_bytes: int = 0
 
 
+class UplinkCounts:
+    """What each host sent so far, by name: cumulative, so a host whose link closed still shows
+    what it sent."""
+
+    def __init__(self) -> None:
+        self._counts: dict[str, UplinkCount] = {}
+
+    def count(self, host: DataHost, payload_len: int) -> None:
+        """``host`` sent one more accepted frame, with ``payload_len`` tensor bytes."""
+        count = self._counts.setdefault(
+            host.name,
+            UplinkCount(
+                ranks=tuple(sorted(host.ranks)), in_process=isinstance(host.link, LocalDown)
+            ),
+        )
+        count.frames += 1
+        count.payload_bytes += payload_len
+
+    def statistics(self) -> tuple[HostUplinkStatistics, ...]:
+        """Every host's uplink since the start, by lowest rank."""
+        return tuple(
+            HostUplinkStatistics(
+                host=name,
+                ranks=c.ranks,
+                in_process=c.in_process,
+                frames=c.frames,
+                payload_bytes=c.payload_bytes,
+            )
+            for name, c in sorted(
+                self._counts.items(), key=lambda item: min(item[1].ranks, default=0)
+            )
+        )
+
+
 @dataclass(slots=True)
 class PendingFrame:
     """A host frame taken for a round, not folded yet; its payload is the reducer's to release."""
