@@ -45,7 +45,8 @@ from ..errors import ConnectionClosed, ProtocolError, WireError
 from ..net.bufpool import SHARED
 from ..net.framed import FramedProtocol
 from ..net.service import FramedService
-from ..relay.fold import HELLO_LIMITS, LocalUplink
+from ..relay.fold import HELLO_LIMITS
+from ..relay.upstream import LocalUplink
 from ..training.foldround import FoldRound
 from ..training.modelschema import ModelSchema
 from ..training.outer import OuterSpec
@@ -125,7 +126,7 @@ class Reducer:
         mux.
 
         A relay in this process reaches the reducer without the port when whoever made both hands
-        the reducer to it (:data:`~flodl_async.relay.fold.LocalReducerSource`: the controller, to
+        the reducer to it (:data:`~flodl_async.relay.upstream.LocalReducerSource`: the controller, to
         its in-process agent); every other relay dials the data channel.
         """
         task_group.create_task(self.run(), name="reducer")

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from ..net.framed import FramedProtocol
-from ..relay.fold import LocalUplink
+from ..relay.upstream import LocalUplink
 from ..training.foldround import FoldRound
 from ..wire import messages as m
 
