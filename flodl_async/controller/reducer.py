@@ -126,8 +126,8 @@ class Reducer:
         mux.
 
         A relay in this process reaches the reducer without the port when whoever made both hands
-        the reducer to it (:data:`~flodl_async.relay.upstream.LocalReducerSource`: the controller, to
-        its in-process agent); every other relay dials the data channel.
+        the reducer to it (:data:`~flodl_async.relay.upstream.LocalReducerSource`: the controller,
+        to its in-process agent); every other relay dials the data channel.
         """
         task_group.create_task(self.run(), name="reducer")
         return FramedService(
