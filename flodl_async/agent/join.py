@@ -47,7 +47,7 @@ from ..wire.keys import SECRET_BYTES, Credential
 from ..wire.schema import Message
 
 if TYPE_CHECKING:
-    from ..relay.fold import LocalReducerSource
+    from ..relay.upstream import LocalReducerSource
 
 log = logging.getLogger("flodl_async.agent")
 

@@ -17,7 +17,7 @@ from .fanout import ssh_launcher
 from .launchers import AgentLauncher, ControllerContact, DialInLauncher, LocalLauncher
 
 if TYPE_CHECKING:
-    from ..relay.fold import LocalReducerSource
+    from ..relay.upstream import LocalReducerSource
 
 
 def agent_launchers(

@@ -23,7 +23,7 @@ from ..deadlines import Deadlines
 from ..host.ifnames import controller_host_ifname, ranks_env
 
 if TYPE_CHECKING:
-    from ..relay.fold import LocalReducerSource
+    from ..relay.upstream import LocalReducerSource
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -14,7 +14,9 @@ driver task whose tensor math runs in executor threads. A round is complete when
 expected rank is covered exactly once (a rank listed twice closes that connection) or was
 declared dead since (:meth:`declare_dead` releases a round waiting on it). The order and the
 completion are the round's :class:`~flodl_async.training.foldround.FoldRound`'s to decide (the
-relay's host fold keeps the same barrier); the reducer folds and sends. Then, with
+relay's host fold keeps the same barrier); which round a frame goes to, and whether it may join
+it, is the :class:`~flodl_async.training.roundgate.RoundGate`'s; the tensor math is
+:class:`~flodl_async.controller.roundmath.RoundMath`'s. The reducer folds and sends. Then, with
 ``mass = Σ w``:
 
 * ``mass > 0``: divide, round integer buffers half-to-even, cast floats back; a
@@ -34,7 +36,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import time
 from collections.abc import Mapping
 from concurrent.futures import Executor
@@ -44,27 +45,28 @@ from ..errors import ConnectionClosed, ProtocolError, WireError
 from ..net.bufpool import SHARED
 from ..net.framed import FramedProtocol
 from ..net.service import FramedService
-from ..relay.fold import HELLO_LIMITS, LocalUplink
-from ..training import foldmath
-from ..training.foldround import FoldRound, Refused
+from ..relay.fold import HELLO_LIMITS
+from ..relay.upstream import LocalUplink
+from ..training.foldround import FoldRound
 from ..training.modelschema import ModelSchema
-from ..training.outer import OuterAvg, OuterSpec, OuterStepper
+from ..training.outer import OuterSpec
+from ..training.roundgate import RoundGate, Route, check_host_frame
 from ..wire import messages as m
 from ..wire.channels import Channel
 from ..wire.frame import FrameLimits
 from ..wire.handshake import CredentialResolver
 from ..wire.schema import Message
 from ..wire.tensor import tensor_bytes
+from .roundmath import RoundMath
 from .roundstate import (
     DataHost,
     HeldConsensus,
-    HostUplinkStatistics,
     LocalDown,
     PendingFrame,
     ReducerStatistics,
     RoundResult,
     RoundState,
-    UplinkCount,
+    UplinkCounts,
 )
 
 if TYPE_CHECKING:
@@ -74,15 +76,6 @@ log = logging.getLogger("flodl_async.controller.reducer")
 
 #: Rounds a host may run ahead of the newest opened round (its frames wait in their buffers).
 _EARLY_ROUNDS = 2
-#: What a frame the round's barrier refuses is told: formatted with (frame, rank, round).
-_REFUSALS = {
-    Refused.NO_RANKS: "{0} lists no ranks",
-    Refused.TWICE: (
-        "{0} lists rank {1}, which is already covered in this round (each rank contributes "
-        "exactly once)"
-    ),
-    Refused.UNEXPECTED: "{0} lists rank {1}, which round {2} does not expect",
-}
 
 
 class Reducer:
@@ -104,31 +97,21 @@ class Reducer:
         self.outer = outer
         self.gamma = gamma
         self.digest = digest
-        self._executor = executor
         self._hello_timeout = hello_timeout
-        self._stepper = OuterStepper(outer)
         self.pool = SHARED  # shared with a relay in this process: buffers change hands in memory
-        self._metas = schema.tensors
-        self._specs, self._model_len = foldmath.schema_specs(self._metas)
-        self._acc_specs, self._acc_len = foldmath.schema_specs(self._metas, accumulated=True)
+        self._math = RoundMath(schema, outer, executor, self.pool)
         self.max_payload = max(
-            FrameLimits.tensor_ceiling_for_model(schema.model_bytes), self._acc_len
+            FrameLimits.tensor_ceiling_for_model(schema.model_bytes), self._math.acc_len
         )
-        self._n_params = len(schema.params)
         self._hosts: list[DataHost] = []
         self._rounds: dict[int, RoundState] = {}
         self._results: dict[int, asyncio.Future[RoundResult]] = {}
-        self._early: dict[int, list[PendingFrame]] = {}
-        self._completed: set[int] = set()
-        self._newest = -1
-        self._dead: set[int] = set()
+        self._gate: RoundGate[PendingFrame] = RoundGate(early_rounds=_EARLY_ROUNDS)
         self._held: HeldConsensus | None = None
         self._wake = asyncio.Event()
         self._closing = False
         self._rounds_done = 0
-        #: Each host's accepted frames by name; cumulative, so a host whose link closed still shows
-        #: what it sent.
-        self._uplinks: dict[str, UplinkCount] = {}
+        self._uplinks = UplinkCounts()
 
     # ----- wiring into the controller -------------------------------------------------------------
 
@@ -143,8 +126,8 @@ class Reducer:
         mux.
 
         A relay in this process reaches the reducer without the port when whoever made both hands
-        the reducer to it (:data:`~flodl_async.relay.fold.LocalReducerSource`: the controller, to
-        its in-process agent); every other relay dials the data channel.
+        the reducer to it (:data:`~flodl_async.relay.upstream.LocalReducerSource`: the controller,
+        to its in-process agent); every other relay dials the data channel.
         """
         task_group.create_task(self.run(), name="reducer")
         return FramedService(
@@ -164,21 +147,19 @@ class Reducer:
     ) -> None:
         """Round ``round`` starts now; it completes when every one of ``expected_ranks`` is covered
         or dead."""
-        if round in self._rounds or round in self._completed:
-            raise ValueError(f"round {round} was already opened")
+        early = self._gate.open(round)
         loop = asyncio.get_running_loop()
         state = RoundState(
             number=round,
             kind=kind,
-            barrier=FoldRound(expected_ranks, dead=self._dead),
+            barrier=FoldRound(expected_ranks, dead=self._gate.dead),
             from_controller=from_controller,
             opened_at=time.monotonic(),
             done=loop.create_future(),
         )
         self._rounds[round] = state
         self._results[round] = state.done
-        self._newest = max(self._newest, round)
-        for frame in self._early.pop(round, []):
+        for frame in early:
             try:
                 self._accept(state, frame)
             except ProtocolError as exc:
@@ -202,7 +183,7 @@ class Reducer:
     def declare_dead(self, rank: int) -> None:
         """``rank`` is lost: no round waits for it any more (its frames already folded still
         count)."""
-        self._dead.add(rank)
+        self._gate.declare_dead(rank)
         for state in self._rounds.values():
             state.barrier.declare_dead(rank)
         self._wake.set()
@@ -215,42 +196,17 @@ class Reducer:
         The copy is made on the calling thread: from the event loop, prefer :meth:`copy_consensus`.
         """
         held = self._held
-        if held is None:
-            return None
-        copies = {meta.name: t.clone() for meta, t in zip(self._metas, held.tensors, strict=True)}
-        return self.schema.with_aliases(copies)
+        return self._math.copy(held) if held is not None else None
 
     async def copy_consensus(self) -> dict[str, torch.Tensor] | None:
         """:attr:`last_consensus`, copied in an executor thread (tensor math stays off the loop)."""
         held = self._held
-        if held is None:
-            return None
-
-        def copy() -> dict[str, torch.Tensor]:
-            return self.schema.with_aliases(
-                {meta.name: t.clone() for meta, t in zip(self._metas, held.tensors, strict=True)}
-            )
-
-        return await asyncio.get_running_loop().run_in_executor(self._executor, copy)
+        return await self._math.copy_off_loop(held) if held is not None else None
 
     def set_initial(self, state: Mapping[str, torch.Tensor]) -> None:
         """Resume: ``state`` (a state_dict of this schema) is the consensus, and the outer
         optimizer's previous global (the point its next step moves from)."""
-        tensors = []
-        for meta in self._metas:
-            if meta.name not in state:
-                raise ProtocolError(f"the initial state has no tensor {meta.name!r}")
-            t = state[meta.name].detach().to("cpu")
-            if str(t.dtype).removeprefix("torch.") != meta.dtype or tuple(t.shape) != meta.shape:
-                raise ProtocolError(
-                    f"the initial state's {meta.name!r} is {t.dtype} {tuple(t.shape)}, the model's "
-                    f"is {meta.dtype} {meta.shape}"
-                )
-            tensors.append(t.contiguous().clone())
-        self._held = HeldConsensus(tensors=tensors)
-        self._stepper.set_prev_global(
-            dict(zip(self.schema.param_names, tensors[: self._n_params], strict=True))
-        )
+        self._held = self._math.initial(state)
 
     # ----- host connections -----------------------------------------------------------------------
 
@@ -301,23 +257,11 @@ class Reducer:
     def statistics(self) -> ReducerStatistics:
         """A snapshot for the status board and tests."""
         local = sum(isinstance(h.link, LocalDown) for h in self._hosts)
-        uplinks = tuple(
-            HostUplinkStatistics(
-                host=name,
-                ranks=c.ranks,
-                in_process=c.in_process,
-                frames=c.frames,
-                payload_bytes=c.payload_bytes,
-            )
-            for name, c in sorted(
-                self._uplinks.items(), key=lambda item: min(item[1].ranks, default=0)
-            )
-        )
         return ReducerStatistics(
             hosts=len(self._hosts),
             in_process_hosts=local,
             rounds_completed=self._rounds_done,
-            uplinks=uplinks,
+            uplinks=self._uplinks.statistics(),
         )
 
     # ----- a host in this process
@@ -395,72 +339,29 @@ class Reducer:
                 f"round {msg.round}: the frame lists ranks "
                 f"{sorted(set(msg.ranks) - frame.host.ranks)}, which are not this host's"
             )
-        state = self._rounds.get(msg.round)
-        if state is not None:
-            self._accept(state, frame)
+        route = self._gate.route(msg.round, msg.ranks, frame.host, frame)
+        if route is Route.OPEN:
+            self._accept(self._rounds[msg.round], frame)
             self._wake.set()
-            return
-        if msg.round in self._completed:
-            if set(msg.ranks) <= self._dead:
-                # a dead rank's late frame: the round went on without it
-                self.pool.release(frame.payload)
-                return
-            raise ProtocolError(
-                f"round {msg.round} is already complete; ranks {list(msg.ranks)} sent to it late"
-            )
-        if msg.round <= self._newest or msg.round > self._newest + _EARLY_ROUNDS:
-            raise ProtocolError(f"round {msg.round} was never opened (newest: {self._newest})")
-        early = self._early.setdefault(msg.round, [])
-        if any(f.host is frame.host for f in early):
-            raise ProtocolError(f"two frames for round {msg.round} before it opened")
-        early.append(frame)
+        elif route is Route.DROPPED:
+            self.pool.release(frame.payload)
 
     def _accept(self, state: RoundState, frame: PendingFrame) -> None:
         msg = frame.msg
-        what = f"host {frame.host.name}'s frame for round {msg.round}"
-        if state.from_controller:
-            raise ProtocolError(
-                f"{what}: round {msg.round} takes no contributions (the controller sends its "
-                "consensus)"
-            )
-        if msg.kind != state.kind:
-            raise ProtocolError(
-                f"{what} is a {msg.kind!r} contribution; the round is {state.kind!r}"
-            )
         ranks = list(msg.ranks)
-        refusal = state.barrier.refusal(ranks)
-        if refusal is not None:
-            raise ProtocolError(_REFUSALS[refusal.reason].format(what, refusal.rank, msg.round))
-        if not (math.isfinite(msg.weight) and msg.weight >= 0):
-            raise ProtocolError(f"{what} has weight {msg.weight!r}; weights are finite and >= 0")
-        if state.kind == "model" and len(msg.steps) == len(ranks):
-            # Weights are steps ** gamma (0 steps weigh 0); a rank that computed them with another
-            # gamma disagrees here.
-            want = 0.0
-            for steps in msg.steps:
-                want += 0.0 if steps == 0 else float(steps) ** self.gamma
-            if not math.isclose(msg.weight, want, rel_tol=1e-9, abs_tol=1e-12):
-                raise ProtocolError(
-                    f"{what} weighs {msg.weight!r}, but its ranks' steps {list(msg.steps)} ** "
-                    f"gamma {self.gamma:g} give {want!r}"
-                )
         payload_len = frame.payload.nbytes if frame.payload is not None else 0
-        if msg.tensors:
-            expected = self._acc_specs if msg.prescaled else self._specs
-            foldmath.check_specs(msg.tensors, expected, payload_len, what=what)
-        elif msg.weight != 0 or payload_len:
-            raise ProtocolError(
-                f"{what} carries no tensors, so it must weigh 0 and have no payload"
-            )
-        count = self._uplinks.setdefault(
-            frame.host.name,
-            UplinkCount(
-                ranks=tuple(sorted(frame.host.ranks)),
-                in_process=isinstance(frame.host.link, LocalDown),
-            ),
+        check_host_frame(
+            msg,
+            what=f"host {frame.host.name}'s frame for round {msg.round}",
+            kind=state.kind,
+            takes_contributions=not state.from_controller,
+            refusal=state.barrier.refusal(ranks),
+            gamma=self.gamma,
+            specs=self._math.specs,
+            acc_specs=self._math.acc_specs,
+            payload_len=payload_len,
         )
-        count.frames += 1
-        count.payload_bytes += payload_len
+        self._uplinks.count(frame.host, payload_len)
         state.barrier.offer(ranks, frame)
 
     # ----- the driver -----------------------------------------------------------------------------
@@ -480,7 +381,7 @@ class Reducer:
                         await self._drive(state)
         finally:
             for state in self._rounds.values():
-                self._drop_round(state)
+                self._math.drop(state)
                 if not state.done.done():
                     state.done.cancel()
 
@@ -493,67 +394,21 @@ class Reducer:
         # The barrier hands frames out in rank order, each once no lower rank can still arrive.
         while (frame := state.barrier.next_to_fold()) is not None:
             try:
-                await self._fold(state, frame)
+                await self._math.fold(state, frame)
             finally:
                 self.pool.release(frame.payload)
                 frame.payload = None
         if state.barrier.complete:
             await self._finish(state)
 
-    async def _fold(self, state: RoundState, frame: PendingFrame) -> None:
-        msg = frame.msg
-        state.mass += msg.weight
-        if not msg.tensors:
-            return
-        payload = frame.payload
-        assert payload is not None
-        weight = None if msg.prescaled else msg.weight
-        specs, acc_specs = msg.tensors, self._acc_specs
-        loop = asyncio.get_running_loop()
-        if state.acc is None:
-            if tuple(specs) == acc_specs:
-                # Already the accumulator's layout (a prescaled frame, or a float32 model): it
-                # becomes the accumulator.
-                frame.payload = None
-                state.acc_buffer = payload
-
-                def adopt() -> list[torch.Tensor]:
-                    acc = foldmath.views(acc_specs, payload)
-                    if weight is not None and weight != 1.0:
-                        for a in acc:
-                            a.mul_(weight)
-                    return acc
-
-                state.acc = await loop.run_in_executor(self._executor, adopt)
-            else:
-                buffer = self.pool.acquire(self._acc_len)
-                state.acc_buffer = buffer
-
-                def start() -> list[torch.Tensor]:
-                    acc = foldmath.views(acc_specs, buffer)
-                    foldmath.add_term(acc, foldmath.views(specs, payload), weight, first=True)
-                    return acc
-
-                state.acc = await loop.run_in_executor(self._executor, start)
-        else:
-            acc = state.acc
-
-            def add() -> None:
-                foldmath.add_term(acc, foldmath.views(specs, payload), weight, first=False)
-
-            await loop.run_in_executor(self._executor, add)
-        state.folded += 1
-
     async def _finish(self, state: RoundState) -> None:
         mass = state.mass
         if mass > 0 and state.acc is not None:
-            held = await asyncio.get_running_loop().run_in_executor(
-                self._executor, self._consensus_of, state, mass
-            )
+            held = await self._math.consensus(state, mass)
             previous, self._held = self._held, held
             state.acc, state.acc_buffer = None, None  # the held consensus owns them now
             if previous is not None:
-                self._release_consensus(previous)
+                self._math.release(previous)
             await self._broadcast(state, mass, held)
         else:
             if mass > 0:
@@ -564,42 +419,9 @@ class Reducer:
                     mass,
                 )
             mass = 0.0
-            self._drop_round(state)
+            self._math.drop(state)
             await self._broadcast(state, 0.0, None)
         self._complete(state, mass)
-
-    def _consensus_of(self, state: RoundState, mass: float) -> HeldConsensus:
-        """Executor thread: divide, round, cast back, outer step; the consensus in model dtypes."""
-        import torch
-
-        acc = state.acc
-        assert acc is not None
-        buffers: list[bytearray | memoryview] = (
-            [state.acc_buffer] if state.acc_buffer is not None else []
-        )
-        needs_cast = [meta.dtype != foldmath.acc_dtype(meta.dtype) for meta in self._metas]
-        out_buffer = self.pool.acquire(self._model_len) if any(needs_cast) else None
-        out_views = foldmath.views(self._specs, out_buffer) if out_buffer is not None else []
-        outs: list[torch.Tensor | None] = [
-            out_views[i] if cast else None for i, cast in enumerate(needs_cast)
-        ]
-        if out_buffer is not None:
-            buffers.append(out_buffer)
-        stepping = state.kind == "model" and not isinstance(self.outer, OuterAvg)
-        if not stepping:
-            tensors = foldmath.finish(acc, [meta.dtype for meta in self._metas], mass, outs)
-            return HeldConsensus(tensors=tensors, buffers=buffers)
-        n = self._n_params
-        for a in acc[:n]:
-            a.div_(mass)
-        params = {meta.name: a for meta, a in zip(self._metas[:n], acc[:n], strict=True)}
-        dtypes = {meta.name: getattr(torch, meta.dtype) for meta in self._metas[:n]}
-        stepped = self._stepper.step(params, dtypes)
-        tensors = [stepped[meta.name].contiguous() for meta in self._metas[:n]]
-        tensors += foldmath.finish(
-            acc[n:], [meta.dtype for meta in self._metas[n:]], mass, outs[n:]
-        )
-        return HeldConsensus(tensors=tensors, buffers=buffers)
 
     async def _send_held(self, state: RoundState) -> None:
         alive = state.barrier.alive
@@ -623,7 +445,9 @@ class Reducer:
             msg = m.Consensus(round=state.number, kind=state.kind, mass=0.0)
             parts: list[memoryview] = []
         else:
-            msg = m.Consensus(round=state.number, kind=state.kind, mass=mass, tensors=self._specs)
+            msg = m.Consensus(
+                round=state.number, kind=state.kind, mass=mass, tensors=self._math.specs
+            )
             parts = [tensor_bytes(t) for t in held.tensors]
         results = await asyncio.gather(
             *(h.link.send_tensors(msg, parts) for h in hosts), return_exceptions=True
@@ -641,26 +465,13 @@ class Reducer:
 
     def _complete(self, state: RoundState, mass: float) -> None:
         self._rounds.pop(state.number, None)
-        self._completed.add(state.number)
+        self._gate.complete(state.number)
         self._rounds_done += 1
         duration_ms = (time.monotonic() - state.opened_at) * 1000.0
         if not state.done.done():
             state.done.set_result(
                 RoundResult(round=state.number, kind=state.kind, mass=mass, duration_ms=duration_ms)
             )
-
-    def _drop_round(self, state: RoundState) -> None:
-        state.acc = None
-        self.pool.release(state.acc_buffer)
-        state.acc_buffer = None
-        for frame in state.barrier.drain():
-            self.pool.release(frame.payload)
-            frame.payload = None
-
-    def _release_consensus(self, held: HeldConsensus) -> None:
-        held.tensors = []
-        for buffer in held.buffers:
-            self.pool.release(buffer)
 
     async def aclose(self) -> None:
         """Stop the round driver (open rounds are cancelled) and close every host's data

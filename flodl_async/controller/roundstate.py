@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from ..net.framed import FramedProtocol
-from ..relay.fold import LocalUplink
+from ..relay.upstream import LocalUplink
 from ..training.foldround import FoldRound
 from ..wire import messages as m
 
@@ -103,6 +103,40 @@ class UplinkCount:
     in_process: bool
     frames: int = 0
     payload_bytes: int = 0
+
+
+class UplinkCounts:
+    """What each host sent so far, by name: cumulative, so a host whose link closed still shows
+    what it sent."""
+
+    def __init__(self) -> None:
+        self._counts: dict[str, UplinkCount] = {}
+
+    def count(self, host: DataHost, payload_len: int) -> None:
+        """``host`` sent one more accepted frame, with ``payload_len`` tensor bytes."""
+        count = self._counts.setdefault(
+            host.name,
+            UplinkCount(
+                ranks=tuple(sorted(host.ranks)), in_process=isinstance(host.link, LocalDown)
+            ),
+        )
+        count.frames += 1
+        count.payload_bytes += payload_len
+
+    def statistics(self) -> tuple[HostUplinkStatistics, ...]:
+        """Every host's uplink since the start, by lowest rank."""
+        return tuple(
+            HostUplinkStatistics(
+                host=name,
+                ranks=c.ranks,
+                in_process=c.in_process,
+                frames=c.frames,
+                payload_bytes=c.payload_bytes,
+            )
+            for name, c in sorted(
+                self._counts.items(), key=lambda item: min(item[1].ranks, default=0)
+            )
+        )
 
 
 @dataclass(slots=True)

@@ -20,7 +20,6 @@ instead of taking the first one's wake-up.
 from __future__ import annotations
 
 import asyncio
-import collections
 import logging
 import socket
 import typing
@@ -48,6 +47,7 @@ from ..wire.handshake import (
 from ..wire.keys import Credential
 from ..wire.schema import Message
 from .admission import AdmissionTicket, rejection_reason
+from .inbox import FrameInbox
 from .sealing import SealingBuffers, seal_streaming
 
 log = logging.getLogger("flodl_async.net")
@@ -56,8 +56,6 @@ log = logging.getLogger("flodl_async.net")
 DATA_WRITE_HIGH_WATER = 32 * 1024 * 1024
 #: Payloads at least this large are sealed in a worker thread by send_tensors.
 _THREAD_SEAL_BYTES = 1024 * 1024
-#: Frames queued for the receiver before we stop reading from the socket.
-_RECV_HIGH_WATER = 64
 
 
 class FramedProtocol(asyncio.BaseProtocol):
@@ -100,14 +98,11 @@ class FramedProtocol(asyncio.BaseProtocol):
         self._ticket: AdmissionTicket | None = None
         self._established: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._transport: asyncio.Transport | None = None
-        self._frames: collections.deque[Frame] = collections.deque()
-        self._failure: BaseException | None = None
+        self._inbox = FrameInbox(pause=self._pause_reading, resume=self._resume_reading)
         self._closed_by_peer = False
-        self._wakeup: asyncio.Future[None] | None = None
         self._can_write = asyncio.Event()
         self._can_write.set()
         self._lost = asyncio.get_running_loop().create_future()
-        self._reading_paused = False
         self._sealing = asyncio.Lock()
         self._buffers = SealingBuffers()  # every byte written is counted there
 
@@ -201,10 +196,26 @@ class FramedProtocol(asyncio.BaseProtocol):
             self.codec.receive_data(done.leftover)
             self._collect()
 
+    @property
+    def _failure(self) -> BaseException | None:
+        return self._inbox.failure
+
+    def _pause_reading(self) -> bool:
+        if self._transport is None:
+            return False
+        self._transport.pause_reading()
+        return True
+
+    def _resume_reading(self) -> bool:
+        if self._transport is None:
+            return False
+        self._transport.resume_reading()
+        return True
+
     def _collect(self) -> None:
         assert self.codec is not None
         try:
-            self._frames.extend(self.codec.frames())
+            self._inbox.put(self.codec.frames())
         except WireError as exc:
             self._reject(exc)
             return
@@ -213,14 +224,7 @@ class FramedProtocol(asyncio.BaseProtocol):
             # first, then the error (recv raises the failure only once the queue is empty).
             self._reject(self.codec.failure)
             return
-        if (
-            len(self._frames) >= _RECV_HIGH_WATER
-            and self._transport is not None
-            and not self._reading_paused
-        ):
-            self._transport.pause_reading()
-            self._reading_paused = True
-        self._wake()
+        self._inbox.throttle()
 
     def _report_rejection(self, exc: WireError) -> None:
         if self._ticket is not None:
@@ -259,7 +263,7 @@ class FramedProtocol(asyncio.BaseProtocol):
             self.codec.receive_data(b"")
             # Raises TruncatedFrame when the peer stopped mid-frame; frames before it are still
             # delivered.
-            self._frames.extend(self.codec.frames())
+            self._inbox.put(self.codec.frames())
         except WireError as exc:
             self._fail(exc)
             return None
@@ -293,17 +297,11 @@ class FramedProtocol(asyncio.BaseProtocol):
     # ----- API -----------------------------------------------------------------------------
 
     def _fail(self, exc: BaseException) -> None:
-        if self._failure is None:
-            self._failure = exc
+        self._inbox.fail(exc)
         if not self._established.done():
             self._established.set_exception(exc)
             # marked retrieved: a server-side link has nobody awaiting it
             self._established.exception()
-        self._wake()
-
-    def _wake(self) -> None:
-        if self._wakeup is not None and not self._wakeup.done():
-            self._wakeup.set_result(None)
 
     async def recv(self) -> Frame:
         """The next frame; raises :class:`ConnectionClosed` at the end or :class:`WireError` on bad
@@ -312,7 +310,7 @@ class FramedProtocol(asyncio.BaseProtocol):
         One receiver at a time: a call while another task waits in ``recv`` raises
         :class:`BusyError`.
         """
-        if self._wakeup is not None:
+        if self._inbox.receiving:
             # The one wake-up future belongs to the waiting receiver: replacing it would strand that
             # one, and taking a frame queued for it would reorder the stream between two readers.
             raise BusyError(
@@ -321,23 +319,7 @@ class FramedProtocol(asyncio.BaseProtocol):
                 "receiving; a link has one receiver at a time — hand its frames to the others "
                 "through a queue"
             )
-        while not self._frames:
-            if self._failure is not None:
-                raise self._failure
-            self._wakeup = asyncio.get_running_loop().create_future()
-            try:
-                await self._wakeup
-            finally:
-                self._wakeup = None
-        frame = self._frames.popleft()
-        if (
-            self._reading_paused
-            and len(self._frames) < _RECV_HIGH_WATER // 2
-            and self._transport is not None
-        ):
-            self._transport.resume_reading()
-            self._reading_paused = False
-        return frame
+        return await self._inbox.get()
 
     async def recv_message(self) -> Message:
         """The next frame's message (payload-less channels)."""

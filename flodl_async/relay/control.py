@@ -64,7 +64,8 @@ from ..wire.channels import Channel
 from ..wire.handshake import PeerHello
 from ..wire.keys import Credential, CredentialKind, rank_credential_key
 from ..wire.schema import Message
-from .fold import HELLO_LIMITS, HostFold, HostFoldStatistics, LocalReducerSource
+from .fold import HELLO_LIMITS, HostFold, HostFoldStatistics
+from .upstream import LocalReducerSource
 
 log = logging.getLogger("flodl_async.relay.control")
 

@@ -26,8 +26,9 @@ Empty (weight-0) contributions add nothing but are listed in ``ranks``.
 Rank links carry plain payloads (the socket is owner-only: same-user peers; see
 :class:`~flodl_async.wire.frame.FrameConnection`), so the rank leg costs no AES-GCM. When the
 run's reducer lives in this process (the launcher's own host, whose controller hands its reducer
-to its agent: :data:`LocalReducerSource`), the host's "connection" is a :class:`LocalUplink`:
-frames change hands in memory, drawn from one shared buffer pool. The
+to its agent: :data:`~flodl_async.relay.upstream.LocalReducerSource`), the host's "connection" is
+a :class:`~flodl_async.relay.upstream.LocalUplink`: frames change hands in memory, drawn from one
+shared buffer pool (the connection either way is :mod:`flodl_async.relay.upstream`'s). The
 controller's ``Consensus`` comes down once per host and is sent to every rank
 with an open data link (one seal per link, all in worker threads). The latest one
 is kept and handed to a rank that connects after it went by (a resumed run's
@@ -39,20 +40,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 from collections.abc import Awaitable, Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
-from typing import Protocol
 
-from ..errors import ConnectionClosed, FlodlError, ProtocolError, WireError
+from ..errors import ConnectionClosed, FlodlError, ProtocolError
 from ..net.bufpool import SHARED, BufferPool
 from ..net.framed import FramedProtocol
 from ..training import foldmath
-from ..training.foldround import FoldRound, Refused
+from ..training.foldround import FoldRound
+from ..training.roundgate import check_rank_contribution
 from ..wire import messages as m
 from ..wire.frame import FrameLimits
-from ..wire.schema import Message
+from .upstream import HostUpstream, LocalReducerSource, LocalUplink
 
 log = logging.getLogger("flodl_async.relay.control")
 
@@ -131,21 +131,27 @@ class HostFold:
         """
         self._host = host
         self._host_ranks = ranks
-        self._dial = dial
         self._tg = task_group
         self._hello_timeout = hello_timeout
         self.pool = pool or SHARED
-        self._local = local
         self._executor = executor
+        self._up = HostUpstream(
+            host=host,
+            ranks=ranks,
+            dial=dial,
+            local=local,
+            hello_timeout=hello_timeout,
+            task_group=task_group,
+            pool=self.pool,
+            fan_out=self.fan_out,
+            cut_off=self._upstream_gone,
+        )
         self._links: dict[int, FramedProtocol] = {}
         self._dead: set[int] = set()
         self._rounds: dict[int, _HostRound] = {}
         self._finished: set[int] = set()
         # (model_bytes, digest) of the first hello: every rank must match
         self._model: tuple[int, str] | None = None
-        self._upstream: FramedProtocol | LocalUplink | None = None
-        self._max_payload = 0
-        self._dialling = asyncio.Lock()
         self._last: tuple[m.Consensus, list[memoryview], memoryview | None] | None = None
         self._contributions = 0
         self._host_frames = 0
@@ -223,13 +229,13 @@ class HostFold:
             return
         self._model = (hello.model_bytes, hello.digest)
         try:
-            await self._uplink(hello)
+            await self._up.open(hello)
         except (OSError, FlodlError) as exc:
             log.error("relay: rank %d's data link is closed: %s", rank, exc)
             return
         assert link.codec is not None
-        link.codec.limits = FrameLimits(max_payload=self._max_payload)
-        link.send(m.DataWelcome(max_payload=self._max_payload))
+        link.codec.limits = FrameLimits(max_payload=self._up.max_payload)
+        link.send(m.DataWelcome(max_payload=self._up.max_payload))
         self._links[rank] = link
         # a consensus that went by before this rank dialled (see the module doc)
         if self._last is not None:
@@ -276,46 +282,13 @@ class HostFold:
             state = self._rounds[msg.round] = _HostRound(
                 kind=msg.kind, barrier=FoldRound(self._host_ranks, dead=self._dead)
             )
-        if msg.kind != state.kind:
-            raise ProtocolError(
-                f"rank {msg.rank} contributed to round {msg.round} as {msg.kind!r}, the host's "
-                f"other ranks as {state.kind!r}"
-            )
-        refusal = state.barrier.refusal([msg.rank])
-        if refusal is not None and refusal.reason is Refused.TWICE:
-            raise ProtocolError(f"rank {msg.rank} contributed twice to round {msg.round}")
-        if refusal is not None:
-            # the rank socket's handshake admits only this host's ranks: not reached from there
-            raise ProtocolError(f"rank {msg.rank} does not run on this host")
-        if not (math.isfinite(msg.weight) and msg.weight >= 0):
-            raise ProtocolError(
-                f"rank {msg.rank} contributed to round {msg.round} with weight {msg.weight!r}; "
-                "weights are finite and >= 0"
-            )
-        payload_len = payload.nbytes if payload is not None else 0
-        if not msg.tensors:
-            if msg.weight != 0 or payload_len:
-                raise ProtocolError(
-                    f"rank {msg.rank}: an empty contribution to round {msg.round} must have weight "
-                    "0 and no payload"
-                )
-        else:
-            # Every contribution of a host describes the same tensors: the first one is the
-            # reference.
-            reference = (
-                state.layout
-                if state.layout is not None
-                else foldmath.packed_specs(
-                    [(s.name, s.dtype, tuple(s.shape)) for s in msg.tensors]
-                )[0]
-            )
-            foldmath.check_specs(
-                msg.tensors,
-                reference,
-                payload_len,
-                what=f"rank {msg.rank}'s contribution to round {msg.round}",
-            )
-            state.layout = reference
+        state.layout = check_rank_contribution(
+            msg,
+            kind=state.kind,
+            refusal=state.barrier.refusal([msg.rank]),
+            layout=state.layout,
+            payload_len=payload.nbytes if payload is not None else 0,
+        )
         self._contributions += 1
         state.barrier.offer([msg.rank], _Taken(msg=msg, payload=payload))
 
@@ -402,7 +375,7 @@ class HostFold:
         taken.payload = None
 
     async def _send_up(self, number: int, state: _HostRound) -> None:
-        upstream = self._upstream
+        upstream = self._up.link
         if upstream is None or upstream.is_closing:
             log.warning(
                 "relay: round %d has no data connection to send on (the controller went away)",
@@ -475,82 +448,6 @@ class HostFold:
 
     # ----- upstream -----------------------------------------------------------------------------
 
-    async def _uplink(self, hello: m.DataHello) -> FramedProtocol | LocalUplink:
-        """The host's one data connection, dialled and introduced when the first rank needs it."""
-        async with self._dialling:
-            if self._upstream is not None and not self._upstream.is_closing:
-                return self._upstream
-            reducer = self._local() if self._local is not None else None
-            if reducer is not None:
-                host_hello = m.HostDataHello(
-                    host=self._host,
-                    ranks=tuple(sorted(self._host_ranks)),
-                    model_bytes=hello.model_bytes,
-                    digest=hello.digest,
-                )
-                local = LocalUplink(fold=self)
-                refusal = reducer.connect_local(host_hello, local)
-                if refusal is not None:
-                    raise FlodlError(
-                        f"the controller refused this host's data connection: {refusal}"
-                    )
-                self._max_payload = reducer.max_payload
-                self._upstream = local
-                return local
-            try:
-                upstream = await self._dial()
-            except (ConnectionClosed, WireError, TimeoutError) as exc:
-                raise FlodlError(
-                    f"the controller refused this host's data connection ({exc}); it serves the "
-                    "data channel only once its "
-                    "Trainer coordinator runs — open data links after TrainerWelcome"
-                ) from exc
-            try:
-                upstream.send(
-                    m.HostDataHello(
-                        host=self._host,
-                        ranks=tuple(sorted(self._host_ranks)),
-                        model_bytes=hello.model_bytes,
-                        digest=hello.digest,
-                    )
-                )
-                async with asyncio.timeout(self._hello_timeout):
-                    welcome = await upstream.recv_message()
-            except (ConnectionClosed, WireError, TimeoutError) as exc:
-                upstream.abort()
-                why = str(exc) or "no answer in time"
-                raise FlodlError(
-                    f"the controller did not welcome this host's data connection ({why}); see the "
-                    "controller's log"
-                ) from exc
-            if not isinstance(welcome, m.DataWelcome):
-                upstream.abort()
-                raise ProtocolError(
-                    f"the controller answered HostDataHello with {type(welcome).__name__}"
-                )
-            assert upstream.codec is not None
-            upstream.codec.limits = FrameLimits(max_payload=welcome.max_payload)
-            self._max_payload = welcome.max_payload
-            self._upstream = upstream
-            self._tg.create_task(self._pump_down(upstream), name="relay-data-down")
-            return upstream
-
-    async def _pump_down(self, upstream: FramedProtocol) -> None:
-        while True:
-            try:
-                frame = await upstream.recv()
-            except (ConnectionClosed, WireError) as exc:
-                log.debug("relay: the data connection to the controller ended: %s", exc)
-                self._upstream_gone()
-                return
-            msg = frame.message
-            if not isinstance(msg, m.Consensus):
-                self.pool.release(frame.payload)
-                continue
-            await self.fan_out(
-                msg, [frame.payload] if frame.payload is not None else [], frame.payload
-            )
-
     def _upstream_gone(self) -> None:
         for link in list(self._links.values()):
             link.close()  # ranks must not wait for a consensus that cannot come
@@ -582,86 +479,7 @@ class HostFold:
         """Close every rank's data link and the upstream connection."""
         for link in list(self._links.values()):
             link.close()
-        if self._upstream is not None:
-            await self._upstream.aclose(grace=grace)
+        await self._up.aclose(grace)
         for state in self._rounds.values():
             self._release_round(state)
         self._rounds.clear()
-
-
-class LocalReducer(Protocol):
-    """What the host fold needs of a reducer in its own process: the in-memory uplink's other end.
-
-    The controller's reducer is one; the relay never imports the controller (it sits below it),
-    so the controller hands its reducer down through its in-process agent's session config.
-    """
-
-    max_payload: int
-
-    def connect_local(self, hello: m.HostDataHello, uplink: LocalUplink) -> str | None: ...
-
-    def offer_local(
-        self, uplink: LocalUplink, msg: m.HostContribution, payload: memoryview | None
-    ) -> None: ...
-
-    def disconnect_local(self, uplink: LocalUplink) -> None: ...
-
-
-#: Asked when the host's first rank needs its data connection: the run's reducer when it runs in
-#: this process, else None (the relay dials the controller's port). A callable, not the reducer
-#: itself: the controller makes its reducer only once the Trainer's coordinator starts, after its
-#: agent (and relay) did.
-LocalReducerSource = Callable[[], LocalReducer | None]
-
-
-class LocalUplink:
-    """The host's data connection when the reducer is in this process: frames handed over in memory.
-
-    Up: :meth:`send_tensors` gives the reducer the host frame's buffer itself (no copy; the
-    reducer owns it from then on). Down: the reducer calls :meth:`deliver`, which fans the
-    consensus out from the reducer's own buffers, which it keeps until its next round completes —
-    after every rank read this one.
-    """
-
-    def __init__(self, *, fold: HostFold) -> None:
-        self._fold = fold
-        self._reducer: LocalReducer | None = None
-        self._closed = False
-        self.peer_label = "the controller (in this process)"
-
-    def bind(self, reducer: LocalReducer) -> None:
-        self._reducer = reducer
-
-    @property
-    def is_closing(self) -> bool:
-        return self._closed
-
-    async def send_tensors(self, msg: Message, payload: list[bytearray | memoryview]) -> None:
-        if self._closed or self._reducer is None:
-            raise ConnectionClosed("data channel to the controller (in this process)", by_peer=True)
-        assert isinstance(msg, m.HostContribution)
-        view: memoryview | None = None
-        if payload:
-            (buffer,) = payload
-            view = buffer if isinstance(buffer, memoryview) else memoryview(buffer)
-        self._reducer.offer_local(self, msg, view)
-
-    async def deliver(self, msg: m.Consensus, parts: list[memoryview]) -> None:
-        """The reducer's consensus for this host's ranks."""
-        if not self._closed:
-            await self._fold.fan_out(msg, parts, None)
-
-    def abort(self) -> None:
-        """The reducer refused a frame: the host's ranks are cut off, as on a socket."""
-        if not self._closed:
-            self._closed = True
-            self._fold._upstream_gone()
-
-    close = abort
-
-    async def aclose(self, grace: float = 0.0) -> None:
-        del grace
-        reducer, self._reducer = self._reducer, None
-        self.abort()
-        if reducer is not None:
-            reducer.disconnect_local(self)

@@ -1,0 +1,171 @@
+"""The reducer's tensor math: host frames folded into a round's accumulator, and the consensus.
+
+Every tensor operation runs in an executor thread (torch is imported only there); the loop only
+hands buffers over. A round's accumulator is a pooled buffer in the accumulator dtypes
+(:mod:`flodl_async.training.foldmath`); the consensus divides it by the round's mass, rounds
+integer buffers half-to-even, casts floats back, and lets a ``model`` round's parameters take the
+outer optimizer's step (:mod:`flodl_async.training.outer`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping
+from concurrent.futures import Executor
+from typing import TYPE_CHECKING
+
+from ..errors import ProtocolError
+from ..net.bufpool import BufferPool
+from ..training import foldmath
+from ..training.modelschema import ModelSchema
+from ..training.outer import OuterAvg, OuterSpec, OuterStepper
+from .roundstate import HeldConsensus, PendingFrame, RoundState
+
+if TYPE_CHECKING:
+    import torch
+
+
+class RoundMath:
+    """Folds, finishes and copies the reducer's tensors for one model ``schema``, off the loop."""
+
+    def __init__(
+        self, schema: ModelSchema, outer: OuterSpec, executor: Executor | None, pool: BufferPool
+    ) -> None:
+        self.schema = schema
+        self.outer = outer
+        self._executor = executor
+        self._pool = pool
+        self._stepper = OuterStepper(outer)
+        self._metas = schema.tensors
+        #: The model's layout packed in its own dtypes (a plain frame, the consensus) and in the
+        #: accumulator dtypes (a prescaled frame, the accumulator), with their byte lengths.
+        self.specs, self._model_len = foldmath.schema_specs(self._metas)
+        self.acc_specs, self.acc_len = foldmath.schema_specs(self._metas, accumulated=True)
+        self._n_params = len(schema.params)
+
+    async def fold(self, state: RoundState, frame: PendingFrame) -> None:
+        """Add ``frame``'s weighted tensors to ``state``'s accumulator (the first one starts it)."""
+        msg = frame.msg
+        state.mass += msg.weight
+        if not msg.tensors:
+            return
+        payload = frame.payload
+        assert payload is not None
+        weight = None if msg.prescaled else msg.weight
+        specs, acc_specs = msg.tensors, self.acc_specs
+        loop = asyncio.get_running_loop()
+        if state.acc is None:
+            if tuple(specs) == acc_specs:
+                # Already the accumulator's layout (a prescaled frame, or a float32 model): it
+                # becomes the accumulator.
+                frame.payload = None
+                state.acc_buffer = payload
+
+                def adopt() -> list[torch.Tensor]:
+                    acc = foldmath.views(acc_specs, payload)
+                    if weight is not None and weight != 1.0:
+                        for a in acc:
+                            a.mul_(weight)
+                    return acc
+
+                state.acc = await loop.run_in_executor(self._executor, adopt)
+            else:
+                buffer = self._pool.acquire(self.acc_len)
+                state.acc_buffer = buffer
+
+                def start() -> list[torch.Tensor]:
+                    acc = foldmath.views(acc_specs, buffer)
+                    foldmath.add_term(acc, foldmath.views(specs, payload), weight, first=True)
+                    return acc
+
+                state.acc = await loop.run_in_executor(self._executor, start)
+        else:
+            acc = state.acc
+
+            def add() -> None:
+                foldmath.add_term(acc, foldmath.views(specs, payload), weight, first=False)
+
+            await loop.run_in_executor(self._executor, add)
+        state.folded += 1
+
+    async def consensus(self, state: RoundState, mass: float) -> HeldConsensus:
+        """``state``'s accumulator made the consensus (it owns the accumulator's buffer now)."""
+        return await asyncio.get_running_loop().run_in_executor(
+            self._executor, self._consensus_of, state, mass
+        )
+
+    def _consensus_of(self, state: RoundState, mass: float) -> HeldConsensus:
+        """Executor thread: divide, round, cast back, outer step; the consensus in model dtypes."""
+        import torch
+
+        acc = state.acc
+        assert acc is not None
+        buffers: list[bytearray | memoryview] = (
+            [state.acc_buffer] if state.acc_buffer is not None else []
+        )
+        needs_cast = [meta.dtype != foldmath.acc_dtype(meta.dtype) for meta in self._metas]
+        out_buffer = self._pool.acquire(self._model_len) if any(needs_cast) else None
+        out_views = foldmath.views(self.specs, out_buffer) if out_buffer is not None else []
+        outs: list[torch.Tensor | None] = [
+            out_views[i] if cast else None for i, cast in enumerate(needs_cast)
+        ]
+        if out_buffer is not None:
+            buffers.append(out_buffer)
+        stepping = state.kind == "model" and not isinstance(self.outer, OuterAvg)
+        if not stepping:
+            tensors = foldmath.finish(acc, [meta.dtype for meta in self._metas], mass, outs)
+            return HeldConsensus(tensors=tensors, buffers=buffers)
+        n = self._n_params
+        for a in acc[:n]:
+            a.div_(mass)
+        params = {meta.name: a for meta, a in zip(self._metas[:n], acc[:n], strict=True)}
+        dtypes = {meta.name: getattr(torch, meta.dtype) for meta in self._metas[:n]}
+        stepped = self._stepper.step(params, dtypes)
+        tensors = [stepped[meta.name].contiguous() for meta in self._metas[:n]]
+        tensors += foldmath.finish(
+            acc[n:], [meta.dtype for meta in self._metas[n:]], mass, outs[n:]
+        )
+        return HeldConsensus(tensors=tensors, buffers=buffers)
+
+    def copy(self, held: HeldConsensus) -> dict[str, torch.Tensor]:
+        """A copy of ``held`` as a full state_dict (tied keys included), made on this thread."""
+        copies = {meta.name: t.clone() for meta, t in zip(self._metas, held.tensors, strict=True)}
+        return self.schema.with_aliases(copies)
+
+    async def copy_off_loop(self, held: HeldConsensus) -> dict[str, torch.Tensor]:
+        """:meth:`copy`, in an executor thread (tensor math stays off the loop)."""
+        return await asyncio.get_running_loop().run_in_executor(self._executor, self.copy, held)
+
+    def initial(self, state: Mapping[str, torch.Tensor]) -> HeldConsensus:
+        """Resume: ``state`` (a state_dict of this schema) as the consensus, and as the outer
+        optimizer's previous global (the point its next step moves from)."""
+        tensors = []
+        for meta in self._metas:
+            if meta.name not in state:
+                raise ProtocolError(f"the initial state has no tensor {meta.name!r}")
+            t = state[meta.name].detach().to("cpu")
+            if str(t.dtype).removeprefix("torch.") != meta.dtype or tuple(t.shape) != meta.shape:
+                raise ProtocolError(
+                    f"the initial state's {meta.name!r} is {t.dtype} {tuple(t.shape)}, the model's "
+                    f"is {meta.dtype} {meta.shape}"
+                )
+            tensors.append(t.contiguous().clone())
+        self._stepper.set_prev_global(
+            dict(zip(self.schema.param_names, tensors[: self._n_params], strict=True))
+        )
+        return HeldConsensus(tensors=tensors)
+
+    def drop(self, state: RoundState) -> None:
+        """Give ``state``'s accumulator and waiting frames' buffers back to the pool."""
+        state.acc = None
+        self._pool.release(state.acc_buffer)
+        state.acc_buffer = None
+        for frame in state.barrier.drain():
+            self._pool.release(frame.payload)
+            frame.payload = None
+
+    def release(self, held: HeldConsensus) -> None:
+        """Give a consensus that was replaced back to the pool."""
+        held.tensors = []
+        for buffer in held.buffers:
+            self._pool.release(buffer)
