@@ -26,7 +26,6 @@ import traceback
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from ..control.dispatch import TypeTable
 from ..errors import ConnectionClosed, CoordinatorLost, TrainingStopped, WireError
 from ..training.metrics import EpochMetrics, RankEpochStats
 from ..training.outer import OuterAvg, OuterStepper
@@ -82,6 +81,10 @@ def _work(action: Train) -> Work:
     return Work(epoch=action.epoch, batch=action.batch, plan=action.plan, progress=action.progress)
 
 
+def _end(_action: End) -> None:
+    return None
+
+
 class InlineSchedule:
     """Every epoch's batches in order, in this one process: no coordinator, no averaging (the
     INLINE entry).
@@ -104,12 +107,11 @@ class InlineSchedule:
         self._policy = InlinePolicy(epochs=epochs, n_batches=compute.n_batches)
         self._epoch_started = time.monotonic()
         self._epoch_stats = WindowStats()
-        table: TypeTable[InlineAction, [], Work | None] = TypeTable("the inline schedule's actions")
-        table.add(Train, _work)
-        table.add(CloseEpoch, self._close_epoch)
-        table.add(End, lambda _end: None)
-        table.require(InlineAction)
-        self._carry = table
+        self._carry_out: dict[type[InlineAction], Callable[[Any], Work | None]] = {
+            Train: _work,
+            CloseEpoch: self._close_epoch,
+            End: _end,
+        }
 
     def _see_stop(self) -> None:
         if self._stop.is_set():
@@ -119,7 +121,7 @@ class InlineSchedule:
         self._see_stop()
         work: Work | None = None
         for action in self._policy.handle(_ASKED):  # the last is the batch or the end
-            work = self._carry(action)
+            work = self._carry_out[type(action)](action)
         return work
 
     def after_step(self, stats: WindowStats) -> bool:
@@ -164,7 +166,7 @@ class InlineSchedule:
 
     def finish(self) -> Mapping[str, Any]:
         for action in self._policy.handle(Finishing()):
-            self._carry(action)
+            self._carry_out[type(action)](action)
         outcome = self._policy.outcome
         return {
             "state_dict": self._compute.state_dict(),
@@ -216,7 +218,17 @@ class RankSchedule:
         self._outstanding: concurrent.futures.Future[Any] | None = None
         self._divergence = -1.0
         self._stepper: Any = None
-        self._carry = self._carry_out_table()
+        self._carry_out: dict[type[RankAction], Callable[[Any], _Step]] = {
+            Train: _work,
+            Report: self._report,
+            Contribute: self._contribute,
+            Settle: self._settle,
+            Hold: self._hold,
+            End: _end,
+            Publish: self._on_publish,
+            NoteLost: self._note_lost,
+            Stop: self._stop,
+        }
         self._via: dict[Via, Callable[[Contribute], None]] = {
             Via.RECEIVE: self._receive,
             Via.LINK: self._send,
@@ -224,20 +236,8 @@ class RankSchedule:
             Via.COLLECTIVE: self._collective_reduce,
         }
 
-    def _carry_out_table(self) -> TypeTable[RankAction, [], _Step]:
-        """Which method carries out each of the policy's actions."""
-        table: TypeTable[RankAction, [], _Step] = TypeTable("the rank schedule's actions")
-        table.add(Train, _work)
-        table.add(Report, self._report)
-        table.add(Contribute, self._contribute)
-        table.add(Settle, self._settle)
-        table.add(Hold, self._hold)
-        table.add(End, lambda _end: None)
-        table.add(Publish, self._on_publish)
-        table.add(NoteLost, self._note_lost)
-        table.add(Stop, self._stop)
-        table.require(RankAction)
-        return table
+    def _carry(self, action: RankAction) -> _Step:
+        return self._carry_out[type(action)](action)
 
     # ----- the Schedule protocol -----------------------------------------------------------------
 
