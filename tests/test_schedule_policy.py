@@ -340,6 +340,26 @@ def test_a_model_round_weighs_steps_to_the_gamma_and_waits_on_the_link() -> None
     assert (again.steps, again.weight) == (0, 0.0)
 
 
+@pytest.mark.parametrize(
+    ("steps", "gamma", "weight"), [(9, 0.5, 3.0), (1, 1.0, 1.0), (0, 0.0, 0.0), (3, 0.0, 1.0)]
+)
+def test_a_contributions_weight_is_its_steps_to_the_gamma_and_nothing_trained_weighs_nothing(
+    steps: int, gamma: float, weight: float
+) -> None:
+    p = started(rank_policy(gamma=gamma), plan(1, 0, 9, quota=10))
+    train(p, steps)
+    assert contribution(p, m.Reduce(round=1, kind="model")).weight == weight
+
+
+def test_steps_trained_after_a_contribution_count_in_the_new_window_across_a_plan_change() -> None:
+    p = started(rank_policy(), plan(1, 0, 3, quota=2), plan(2, 3, 2, quota=2))
+    assert train(p, 2) == [0, 1]
+    assert p.handle(ASKED) == (Report(round=1, epoch=0),)
+    contribution(p, m.Reduce(round=1, kind="model"))  # window 2 opens
+    assert train(p, 2) == [2, 3]  # one step on plan 1, one on plan 2: both window 2's
+    assert p.handle(ASKED) == (Report(round=2, epoch=0),)
+
+
 def test_a_final_round_from_the_controller_only_receives_and_keeps_the_step_count() -> None:
     p = started(rank_policy(), plan(1, 0, 4, quota=9, hold_after=2))
     train(p, 2)
@@ -402,7 +422,7 @@ def test_async_model_rounds_are_submitted_and_settled_before_the_next_contributi
     train(p, 2)
     p.handle(ASKED)  # report
     sub = contribution(p, m.Reduce(round=1, kind="model"))
-    assert (sub.via, sub.steps, sub.weight) == (Via.SUBMIT, 2, 2.0)
+    assert (sub.via, sub.steps, sub.weight, sub.tensors) == (Via.SUBMIT, 2, 2.0, True)
     train(p, 2)  # training goes on while the consensus is out
     p.handle(ASKED)  # report
     p.handle(m.Reduce(round=2, kind="model"))

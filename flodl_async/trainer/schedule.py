@@ -364,8 +364,9 @@ class RankSchedule:
         self._apply(self._wait(future), blend=False)
 
     def _submit(self, action: Contribute) -> None:
+        tensors = self._tensors(copy=True) if action.tensors else None
         future = self._link.contribute(
-            action.round, action.kind, self._tensors(copy=True), action.steps, action.weight
+            action.round, action.kind, tensors, action.steps, action.weight
         )
         self._outstanding = future
         future.add_done_callback(lambda _f: self._link.inbox.put(Woken()))

@@ -227,7 +227,7 @@ class RankPolicy:
         self.window_round = -1
         self.window_steps = 0
         self._window_sent = False
-        self._unreported = 0  # steps trained since the last report
+        self._unreported = False  # a step was trained since the last report
         self._since_contribution = 0
         self._outstanding = False
         self._lost: set[int] = set()
@@ -306,7 +306,7 @@ class RankPolicy:
         self._plans[0].done += 1
         self.window_steps += 1
         self._since_contribution += 1
-        self._unreported += 1
+        self._unreported = True
         return ()
 
     def _on_settled(self, _event: Settled) -> tuple[RankAction, ...]:
@@ -344,7 +344,7 @@ class RankPolicy:
         if current.plan.quota == 0:
             return current.plan.round == self.window_round
         if current.exhausted and len(self._plans) == 1:
-            return self._unreported > 0
+            return self._unreported
         return self.window_steps > 0 and self.window_steps >= current.plan.quota
 
     def _open_window(self, round_: int) -> None:
@@ -362,7 +362,7 @@ class RankPolicy:
         # Everything trained since the last report (under SYNC that includes the steps past the
         # quota).
         self._window_sent = True
-        self._unreported = 0
+        self._unreported = False
         return Report(round=self.window_round, epoch=plan.epoch)
 
     # ----- reduces -------------------------------------------------------------------------------
