@@ -78,7 +78,8 @@ def started(p: RankPolicy, *plans: m.Plan) -> RankPolicy:
     """INIT contributed, then ``plans`` arrived."""
     p.handle(m.Reduce(round=0, kind="init"))
     (init,) = p.handle(ASKED)
-    assert isinstance(init, Contribute) and init.kind == "init"
+    assert isinstance(init, Contribute)
+    assert init.kind == "init"
     for each in plans:
         p.handle(each)
     return p
@@ -201,7 +202,8 @@ def test_a_plan_trains_its_ranges_in_order_with_the_lr_progress_inside_the_plan(
 def test_an_empty_pool_keeps_the_plans_progress() -> None:
     p = started(rank_policy(n_batches=0), plan(1, 0, 2, progress=0.25))
     (work,) = p.handle(ASKED)
-    assert isinstance(work, Train) and work.progress == 0.25
+    assert isinstance(work, Train)
+    assert work.progress == 0.25
 
 
 def test_flatten_spells_out_the_ranges() -> None:
@@ -409,7 +411,8 @@ def test_collective_rounds_run_in_place_with_the_weighted_steps() -> None:
     )
     p.handle(m.Reduce(round=0, kind="init"))
     (init,) = p.handle(ASKED)
-    assert isinstance(init, Contribute) and init.via is Via.COLLECTIVE
+    assert isinstance(init, Contribute)
+    assert init.via is Via.COLLECTIVE
     p.handle(plan(1, 0, 4, quota=9))
     train(p, 2)
     got = contribution(p, m.Reduce(round=1, kind="model", from_controller=True))
@@ -428,7 +431,8 @@ def test_async_model_rounds_are_submitted_and_settled_before_the_next_contributi
     p.handle(m.Reduce(round=2, kind="model"))
     settle, nxt = p.handle(ASKED)
     assert settle == Settle()
-    assert isinstance(nxt, Contribute) and nxt.via is Via.SUBMIT
+    assert isinstance(nxt, Contribute)
+    assert nxt.via is Via.SUBMIT
     assert p.handle(Settled()) == ()
     p.handle(m.Reduce(round=3, kind="model"))
     (only,) = p.handle(ASKED)  # settled already: nothing to wait for
@@ -583,3 +587,11 @@ def test_inline_zero_epochs_ends_at_once() -> None:
     p = InlinePolicy(epochs=0, n_batches=2)
     assert p.handle(ASKED) == (End(),)
     assert p.handle(Finishing()) == ()
+
+
+def test_a_window_opened_with_nothing_trained_since_the_report_is_not_reported() -> None:
+    p = started(rank_policy(), plan(1, 0, 2, quota=2))
+    train(p, 2)
+    assert p.handle(ASKED) == (Report(round=1, epoch=0),)
+    contribution(p, m.Reduce(round=1, kind="model"))  # window 2 opens, the data is trained out
+    assert p.handle(ASKED) == (Hold(),)
