@@ -1,21 +1,22 @@
-"""Which batch a Trainer process trains next, and what it does between steps: one schedule per role.
+"""The runners of a Trainer process's schedule: they block, touch the tensors, carry out the policy.
 
 Theory of operation. The compute side (the managed loop on a compute thread, or the user's thread
-in the cooperative tier) asks its schedule for the next batch (:class:`~.worker.Schedule`).
+in the cooperative tier) asks its schedule for the next batch (:class:`~.worker.Schedule`). What
+to do is the pure policy's decision (:mod:`flodl_async.training.schedule`); a runner here blocks
+on the link, touches the tensors and carries out the policy's actions from a table.
 
 - :class:`InlineSchedule` walks every epoch's permutation in this one process.
 - :class:`RankSchedule` follows the coordinator. Between batches it drains the inbox the link
-  thread (:mod:`flodl_async.trainer.link`) fills and does what the policy says: send
-  ``WindowDone`` at the plan's quota or when out of data, hold at ``hold_after``, contribute to a
-  pending ``Reduce`` (blocking until the consensus is applied under SYNC/CADENCE, submitting and
-  blending later under ASYNC), and end at ``Shutdown``. Tensor math runs on the compute side, never
-  on a loop.
+  thread (:mod:`flodl_async.trainer.link`) fills into the policy and does what it says: send
+  ``WindowDone``, hold (block on the inbox), contribute to a pending ``Reduce`` (blocking until the
+  consensus is applied under SYNC/CADENCE, submitting and blending later under ASYNC), and end at
+  ``Shutdown``. Tensor math runs on the compute side, never on a loop.
 """
 
 from __future__ import annotations
 
-import collections
 import concurrent.futures
+import enum
 import logging
 import math
 import queue
@@ -23,15 +24,35 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..errors import ConnectionClosed, CoordinatorLost, TrainingStopped, WireError
 from ..training.metrics import EpochMetrics, RankEpochStats
 from ..training.outer import OuterAvg, OuterStepper
-from ..training.policy import Backend, Policy
+from ..training.policy import Backend
+from ..training.schedule import (
+    Asked,
+    CloseEpoch,
+    Contribute,
+    End,
+    Finishing,
+    Hold,
+    InlineAction,
+    InlinePolicy,
+    NoteLost,
+    Publish,
+    RankAction,
+    RankPolicy,
+    Report,
+    Settle,
+    Settled,
+    Stepped,
+    Stop,
+    StopSeen,
+    Train,
+    Via,
+)
 from ..wire import messages as m
-from ..wire.schema import Message
 from .link import Inbound, LinkThread, Lost, Woken
 from .worker import Compute, WindowStats, Work
 
@@ -43,8 +64,25 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("flodl_async.relay.ranklink")
 
-#: ``Shutdown.save_reason`` values that end a run normally; any other is a failure.
-_NORMAL_ENDS = frozenset({"", "completed", "graceful_shutdown"})
+
+class _Again(enum.Enum):
+    """An action after which the runner asks its policy again."""
+
+    AGAIN = "again"
+
+
+#: What carrying out an action gives ``next_work``: a batch, the end, or go on.
+_Step = Work | None | _Again
+_AGAIN = _Again.AGAIN
+_ASKED = Asked()
+
+
+def _work(action: Train) -> Work:
+    return Work(epoch=action.epoch, batch=action.batch, plan=action.plan, progress=action.progress)
+
+
+def _end(_action: End) -> None:
+    return None
 
 
 class InlineSchedule:
@@ -64,40 +102,35 @@ class InlineSchedule:
         stop: threading.Event,
     ) -> None:
         self._compute = compute
-        self._epochs = epochs
         self._publish = publish
         self._stop = stop
-        self._epoch = 0
-        self._batch = 0
+        self._policy = InlinePolicy(epochs=epochs, n_batches=compute.n_batches)
         self._epoch_started = time.monotonic()
         self._epoch_stats = WindowStats()
-        self.epochs_completed = 0
-        self.global_step = 0
-        self.interrupted = False
+        self._carry_out: dict[type[InlineAction], Callable[[Any], Work | None]] = {
+            Train: _work,
+            CloseEpoch: self._close_epoch,
+            End: _end,
+        }
+
+    def _see_stop(self) -> None:
+        if self._stop.is_set():
+            self._policy.handle(StopSeen())
 
     def next_work(self) -> Work | None:
-        if self._stop.is_set():
-            self.interrupted = True
-            return None
-        if self._batch >= self._compute.n_batches:
-            self._close_epoch()
-            self._epoch += 1
-            self._batch = 0
-            self._epoch_started = time.monotonic()
-        if self._epoch >= self._epochs:
-            return None
-        progress = self._epoch + self._batch / self._compute.n_batches
-        return Work(epoch=self._epoch, batch=self._batch, plan=self._epoch, progress=progress)
+        self._see_stop()
+        work: Work | None = None
+        for action in self._policy.handle(_ASKED):  # the last is the batch or the end
+            work = self._carry_out[type(action)](action)
+        return work
 
     def after_step(self, stats: WindowStats) -> bool:
-        self._batch += 1
-        self.global_step += 1
+        self._policy.handle(Stepped())
         self._epoch_stats.merge(stats.take())
-        if self._stop.is_set():
-            self.interrupted = True
-        return self.interrupted
+        self._see_stop()
+        return self._policy.interrupted
 
-    def _close_epoch(self) -> None:
+    def _close_epoch(self, action: CloseEpoch) -> None:
         s = self._epoch_stats.take()
         busy_s = (s.compute_ms + s.data_ms) / 1e3
         avg_loss = s.loss_sum / s.batches if s.batches else math.nan
@@ -113,11 +146,12 @@ class InlineSchedule:
             alive=True,
         )
         scalars = {name: total / s.scalar_counts[name] for name, total in s.scalar_sums.items()}
+        now = time.monotonic()
         self._publish(
             EpochMetrics(
-                epoch=self._epoch,
+                epoch=action.epoch,
                 avg_loss=avg_loss,
-                epoch_ms=(time.monotonic() - self._epoch_started) * 1e3,
+                epoch_ms=(now - self._epoch_started) * 1e3,
                 batches=s.batches,
                 samples=s.samples,
                 reduces=0,
@@ -128,47 +162,24 @@ class InlineSchedule:
                 scalars=scalars,
             )
         )
-        self.epochs_completed += 1
+        self._epoch_started = now
 
     def finish(self) -> Mapping[str, Any]:
-        if (
-            self._batch >= self._compute.n_batches
-            and self._epoch < self._epochs
-            and not self.interrupted
-        ):
-            self._close_epoch()  # the stop came on the epoch's last batch: the epoch is complete
+        for action in self._policy.handle(Finishing()):
+            self._carry_out[type(action)](action)
+        outcome = self._policy.outcome
         return {
             "state_dict": self._compute.state_dict(),
             "param_names": self._compute.param_names,
-            "epochs_completed": self.epochs_completed,
-            "global_step": self.global_step,
-            "world_size": 1,
-            "lost_ranks": (),
-            "interrupted": self.interrupted and self.epochs_completed < self._epochs,
+            "epochs_completed": outcome.epochs_completed,
+            "global_step": outcome.global_step,
+            "world_size": outcome.world_size,
+            "lost_ranks": outcome.lost_ranks,
+            "interrupted": outcome.interrupted,
         }
 
     def fail(self, exc: BaseException) -> None:
         """Nothing waits on an inline run but its own handle, which gets the exception."""
-
-
-@dataclass(slots=True)
-class _PlanState:
-    """A plan being worked through: its batches in order and how far the rank got."""
-
-    plan: m.Plan
-    batches: list[int]
-    done: int = 0
-
-    @property
-    def exhausted(self) -> bool:
-        return self.done >= len(self.batches)
-
-
-def _flatten(ranges: tuple[tuple[int, ...], ...]) -> list[int]:
-    out: list[int] = []
-    for first, count in ranges:
-        out.extend(range(first, first + count))
-    return out
 
 
 class RankSchedule:
@@ -192,148 +203,75 @@ class RankSchedule:
         self._publish = publish
         self.rank = link.rank
         self.welcome = welcome
-        self._policy = spec.policy
-        self._collective = spec.backend is Backend.COLLECTIVE
         settings = spec.settings
-        self._gamma = settings.gamma
+        self._policy = RankPolicy(
+            rank=link.rank,
+            world_size=welcome.world_size,
+            averaging=spec.policy,
+            collective=spec.backend is Backend.COLLECTIVE,
+            gamma=settings.gamma,
+            n_batches=compute.n_batches,
+        )
         self._alpha = settings.easgd_alpha
         self._deadline = reduce_deadline
-        self._plans: collections.deque[_PlanState] = collections.deque()
-        self._reduces: collections.deque[m.Reduce] = collections.deque()
-        self._initialized = False
-        self._final_round = False  # the final (or upload) round is done: only Shutdown is left
-        self._ended: m.Shutdown | None = None
-        self._window_round = -1
-        self._window_steps = 0
-        self._window_sent = False
-        self._since_contribution = 0
         self._stats: WindowStats | None = None
         self._outstanding: concurrent.futures.Future[Any] | None = None
         self._divergence = -1.0
-        self._lost: set[int] = set()
-        self._epochs_seen = -1
-        self._cohort_batches = 0
         self._stepper: Any = None
+        self._carry_out: dict[type[RankAction], Callable[[Any], _Step]] = {
+            Train: _work,
+            Report: self._report,
+            Contribute: self._contribute,
+            Settle: self._settle,
+            Hold: self._hold,
+            End: _end,
+            Publish: self._on_publish,
+            NoteLost: self._note_lost,
+            Stop: self._stop,
+        }
+        self._via: dict[Via, Callable[[Contribute], None]] = {
+            Via.RECEIVE: self._receive,
+            Via.LINK: self._send,
+            Via.SUBMIT: self._submit,
+            Via.COLLECTIVE: self._collective_reduce,
+        }
+
+    def _carry(self, action: RankAction) -> _Step:
+        return self._carry_out[type(action)](action)
 
     # ----- the Schedule protocol -----------------------------------------------------------------
 
     def next_work(self) -> Work | None:
         while True:
             self._drain(block=False)
-            self._apply_outstanding(wait=False)
-            if self._reduces:  # every call here is a step boundary: contribute now
-                self._reduce(self._reduces.popleft())
-                continue
-            if self._ended is not None:
-                self._apply_outstanding(wait=True)
-                return None
-            if not self._initialized or self._final_round:
-                # before INIT nothing may train; after the final round nothing must
-                self._drain(block=True)
-                continue
-            current = self._current_plan()
-            if current is not None and self._window_due(current):
-                self._report_window(current.plan)
-                # what the report brings (a Reduce, a next plan) is handled before the next batch
-                continue
-            if current is None or current.exhausted or self._holding():
-                self._drain(block=True)
-                continue
-            plan = current.plan
-            batch = current.batches[current.done]
-            n_batches = self._compute.n_batches
-            progress = plan.progress + current.done / n_batches if n_batches else plan.progress
-            return Work(epoch=plan.epoch, batch=batch, plan=plan.round, progress=progress)
+            self._poll_outstanding()
+            step: _Step = _AGAIN
+            for action in self._policy.handle(_ASKED):  # the last one decides
+                step = self._carry(action)
+            if step is not _AGAIN:
+                return step
 
     def after_step(self, stats: WindowStats) -> bool:
         self._stats = stats
-        current = self._current_plan()
-        assert current is not None
-        current.done += 1
-        self._window_steps += 1
-        self._since_contribution += 1
+        self._policy.handle(Stepped())
         return False
 
     def finish(self) -> Mapping[str, Any]:
-        assert self._ended is not None
-        world = self.welcome.world_size
+        outcome = self._policy.outcome
         return {
             "state_dict": self._compute.state_dict(),
             "param_names": self._compute.param_names,
-            "epochs_completed": self._epochs_seen + 1,
-            "global_step": self._cohort_batches // max(world, 1),
-            "world_size": world - len(self._lost),
-            "lost_ranks": tuple(sorted(self._lost)),
-            "interrupted": self._ended.save_reason == "graceful_shutdown",
+            "epochs_completed": outcome.epochs_completed,
+            "global_step": outcome.global_step,
+            "world_size": outcome.world_size,
+            "lost_ranks": outcome.lost_ranks,
+            "interrupted": outcome.interrupted,
         }
 
     def fail(self, exc: BaseException) -> None:
         text = "".join(traceback.format_exception(exc)).strip()
         self._link.close(
             m.Exiting(rank=self.rank, reason=f"{type(exc).__name__}: {exc}", error=text)
-        )
-
-    # ----- plans, windows, holds -----------------------------------------------------------------
-
-    def _current_plan(self) -> _PlanState | None:
-        """The plan being trained; a finished plan whose window is reported gives way to the next
-        one."""
-        while self._plans and self._plans[0].exhausted and len(self._plans) > 1:
-            if not self._window_sent and self._plans[0].plan.round == self._window_round:
-                self._report_window(self._plans[0].plan)
-            self._plans.popleft()
-            self._open_window(self._plans[0].plan.round)
-        return self._plans[0] if self._plans else None
-
-    def _window_due(self, current: _PlanState) -> bool:
-        """Report now: the quota is reached, or the planned data ran out with steps unreported; a
-        window planned empty at once.
-
-        Nothing else is reported: a SYNC rank past its slice with everything reported is exempt from
-        the gate, and under CADENCE the next plan may simply not have arrived yet (it rides the
-        control link, the consensus the data link).
-        """
-        if self._window_sent:
-            return False
-        if current.plan.quota == 0:
-            return current.plan.round == self._window_round
-        if current.exhausted and len(self._plans) == 1:
-            return self._stats is not None and self._stats.batches > 0
-        return self._window_steps > 0 and self._window_steps >= current.plan.quota
-
-    def _open_window(self, round_: int) -> None:
-        if round_ > self._window_round:
-            self._window_round = round_
-            self._window_steps = 0
-            self._window_sent = False
-
-    def _holding(self) -> bool:
-        current = self._plans[0] if self._plans else None
-        if current is None:
-            return True
-        hold_after = current.plan.hold_after
-        held = hold_after >= 0 and self._since_contribution >= hold_after
-        return held or (self._outstanding is not None and current.exhausted)
-
-    def _report_window(self, plan: m.Plan) -> None:
-        # Everything trained since the last report (under SYNC that includes the steps past the
-        # quota).
-        stats = self._stats.take() if self._stats is not None else WindowStats()
-        self._window_sent = True
-        self._link.send(
-            m.WindowDone(
-                rank=self.rank,
-                round=self._window_round,
-                epoch=plan.epoch,
-                batches=stats.batches,
-                samples=stats.samples,
-                compute_ms=stats.compute_ms,
-                data_ms=stats.data_ms,
-                loss_sum=stats.loss_sum,
-                divergence=self._divergence,
-                scalar_sums=stats.scalar_sums,
-                scalar_counts=stats.scalar_counts,
-            )
         )
 
     # ----- the inbox -----------------------------------------------------------------------------
@@ -356,96 +294,97 @@ class RankSchedule:
             "rank %d: %r (window %d, %d steps in it)",
             self.rank,
             item,
-            self._window_round,
-            self._window_steps,
+            self._policy.window_round,
+            self._policy.window_steps,
         )
         if isinstance(item, Lost):
             raise item.error
         if isinstance(item, Woken):
-            return
-        handler = _INBOUND.get(type(item))
-        if handler is not None:
-            handler(self, item)
+            return  # it only woke a blocked drain: the consensus is polled at the boundary
+        for action in self._policy.handle(item):
+            self._carry(action)
 
-    def _on_plan(self, plan: Message) -> None:
-        assert isinstance(plan, m.Plan)
-        self._plans.append(_PlanState(plan=plan, batches=_flatten(plan.ranges)))
-        if len(self._plans) == 1:
-            self._open_window(plan.round)
+    # ----- carrying out -------------------------------------------------------------------------
 
-    def _on_reduce(self, reduce: Message) -> None:
-        assert isinstance(reduce, m.Reduce)
-        self._reduces.append(reduce)
+    def _hold(self, _action: Hold) -> _Step:
+        self._drain(block=True)
+        return _AGAIN
 
-    def _on_epoch(self, msg: Message) -> None:
-        assert isinstance(msg, m.EpochAggregated)
-        metrics = msg.metrics
-        self._epochs_seen = max(self._epochs_seen, metrics.epoch)
-        self._cohort_batches += metrics.batches
-        self._publish(metrics)
+    def _report(self, action: Report) -> _Step:
+        stats = self._stats.take() if self._stats is not None else WindowStats()
+        self._link.send(
+            m.WindowDone(
+                rank=self.rank,
+                round=action.round,
+                epoch=action.epoch,
+                batches=stats.batches,
+                samples=stats.samples,
+                compute_ms=stats.compute_ms,
+                data_ms=stats.data_ms,
+                loss_sum=stats.loss_sum,
+                divergence=self._divergence,
+                scalar_sums=stats.scalar_sums,
+                scalar_counts=stats.scalar_counts,
+            )
+        )
+        return _AGAIN
 
-    def _on_dead(self, msg: Message) -> None:
-        assert isinstance(msg, m.DeclareDead)
-        self._lost.add(msg.dead_rank)
+    def _on_publish(self, action: Publish) -> _Step:
+        self._publish(action.metrics)
+        return _AGAIN
+
+    def _note_lost(self, action: NoteLost) -> _Step:
         log.warning(
             "rank %d: the coordinator declared rank %d lost: %s",
             self.rank,
-            msg.dead_rank,
-            msg.reason,
+            action.rank,
+            action.reason,
         )
+        return _AGAIN
 
-    def _on_shutdown(self, msg: Message) -> None:
-        assert isinstance(msg, m.Shutdown)
-        if msg.save_reason not in _NORMAL_ENDS:
-            raise TrainingStopped(f"the coordinator stopped the run: {msg.reason}")
-        self._ended = msg
-
-    def _on_reject(self, msg: Message) -> None:
-        assert isinstance(msg, m.TrainerReject)
-        raise TrainingStopped(f"the coordinator refused rank {self.rank}: {msg.reason}")
+    def _stop(self, action: Stop) -> _Step:
+        raise TrainingStopped(action.reason)
 
     # ----- reduces -------------------------------------------------------------------------------
 
-    def _reduce(self, reduce: m.Reduce) -> None:
-        self._apply_outstanding(wait=True)  # at most one contribution outstanding
-        steps = self._since_contribution
-        if reduce.kind == "model" or (reduce.kind == "final" and not reduce.from_controller):
-            self._since_contribution = 0
-            self._open_window(reduce.round + 1)
-        if self._collective and reduce.kind != "upload":
-            self._collective_reduce(reduce, steps)
-        else:
-            self._cpu_reduce(reduce, steps)
-        if reduce.kind == "init":
-            self._initialized = True
-        elif reduce.kind in ("final", "upload"):
-            self._final_round = True
-        if reduce.reset_inner:
+    def _contribute(self, action: Contribute) -> _Step:
+        self._via[action.via](action)
+        if action.reset_inner:
             self._compute.optimizer.state.clear()  # DiLoCo: inner state is disposable each round
+        return _AGAIN
 
-    def _cpu_reduce(self, reduce: m.Reduce, steps: int) -> None:
-        kind = reduce.kind
-        # the controller holds the consensus (natural end, resume): only wait for it
-        if reduce.from_controller:
-            self._apply(self._wait(self._link.receive(reduce.round)), blend=False)
-            return
-        if kind in ("init", "upload"):
-            # init: the root's state seeds every rank; upload (COLLECTIVE): the ranks agree, rank
-            # 0's copy
-            # goes to the controller. Either way the others send an empty contribution and wait.
-            tensors, weight = (self._tensors(copy=False), 1.0) if self.rank == 0 else (None, 0.0)
-        elif kind == "final" and self._policy is Policy.ASYNC:
-            # ASYNC locals differ on purpose: the final round is a plain mean
-            tensors, weight = self._tensors(copy=False), 1.0
-        else:
-            weight = float(steps) ** self._gamma if steps > 0 else 0.0
-            tensors = self._tensors(copy=self._policy is Policy.ASYNC and kind == "model")
-        future = self._link.contribute(reduce.round, kind, tensors, steps, weight)
-        if kind == "model" and self._policy is Policy.ASYNC:
-            self._outstanding = future
-            future.add_done_callback(lambda _f: self._link.inbox.put(Woken()))
-            return
+    def _receive(self, action: Contribute) -> None:
+        self._apply(self._wait(self._link.receive(action.round)), blend=False)
+
+    def _send(self, action: Contribute) -> None:
+        tensors = self._tensors(copy=False) if action.tensors else None
+        future = self._link.contribute(
+            action.round, action.kind, tensors, action.steps, action.weight
+        )
         self._apply(self._wait(future), blend=False)
+
+    def _submit(self, action: Contribute) -> None:
+        tensors = self._tensors(copy=True) if action.tensors else None
+        future = self._link.contribute(
+            action.round, action.kind, tensors, action.steps, action.weight
+        )
+        self._outstanding = future
+        future.add_done_callback(lambda _f: self._link.inbox.put(Woken()))
+
+    def _settle(self, _action: Settle) -> _Step:
+        future = self._outstanding
+        assert future is not None  # the policy settles only what it submitted
+        self._outstanding = None
+        self._apply(self._wait(future), blend=True)
+        return _AGAIN
+
+    def _poll_outstanding(self) -> None:
+        future = self._outstanding
+        if future is None or not future.done():
+            return
+        self._outstanding = None
+        self._apply(self._wait(future), blend=True)
+        self._policy.handle(Settled())
 
     def _wait(self, future: concurrent.futures.Future[Any]) -> Any:
         """The consensus of a contribution; the link failing meanwhile is a lost coordinator."""
@@ -459,13 +398,6 @@ class RankSchedule:
             raise CoordinatorLost(
                 f"rank {self.rank}: the data link closed while waiting for a consensus ({exc})"
             ) from None
-
-    def _apply_outstanding(self, *, wait: bool) -> None:
-        future = self._outstanding
-        if future is None or not (wait or future.done()):
-            return
-        self._outstanding = None
-        self._apply(self._wait(future), blend=True)
 
     def _tensors(self, *, copy: bool) -> dict[str, torch.Tensor]:
         """This rank's state in schema order, on CPU (views of the live CPU tensors unless
@@ -502,7 +434,7 @@ class RankSchedule:
         post = math.sqrt(post_sq)
         self._divergence = 0.0 if post < 1e-10 else math.sqrt(diff_sq) / post
 
-    def _collective_reduce(self, reduce: m.Reduce, steps: int) -> None:
+    def _collective_reduce(self, action: Contribute) -> None:
         """COLLECTIVE: torch.distributed in place, the outer step replicated on every rank;
         ``ReduceDone`` up."""
         import torch  # deferred: torch loads only where a tensor is touched
@@ -512,11 +444,11 @@ class RankSchedule:
         tensors = [self._compute.model.state_dict()[name] for name in self._schema.names]
         mass = 1.0
         with torch.no_grad():
-            if reduce.kind == "init":
+            if action.kind == "init":
                 for t in tensors:
                     dist.broadcast(t, src=0)
             else:
-                w = float(steps) ** self._gamma if steps > 0 else 0.0
+                w = action.weight
                 total = torch.tensor([w], dtype=torch.float64)
                 dist.all_reduce(total)
                 mass = float(total.item())
@@ -530,12 +462,12 @@ class RankSchedule:
                             dist.all_reduce(acc)
                             # round half to even, as the CPU reducer
                             t.copy_(torch.round(acc).to(t.dtype))
-                    if reduce.kind == "model":
+                    if action.kind == "model":
                         self._outer_step()
         self._link.send(
             m.ReduceDone(
                 rank=self.rank,
-                round=reduce.round,
+                round=action.round,
                 mass=mass,
                 ms=(time.perf_counter() - started) * 1e3,
             )
@@ -555,13 +487,3 @@ class RankSchedule:
         with torch.no_grad():
             for name, value in stepped.items():
                 params[name].copy_(value)
-
-
-_INBOUND: dict[type[Message], Callable[[RankSchedule, Message], None]] = {
-    m.Plan: RankSchedule._on_plan,
-    m.Reduce: RankSchedule._on_reduce,
-    m.EpochAggregated: RankSchedule._on_epoch,
-    m.DeclareDead: RankSchedule._on_dead,
-    m.Shutdown: RankSchedule._on_shutdown,
-    m.TrainerReject: RankSchedule._on_reject,
-}
