@@ -35,8 +35,6 @@ from ..agent import RankOutput
 from ..config.plan import LaunchPlan, PlacedWorker, Placement
 from ..control.dispatch import TypeTable
 from ..control.exits import signal_name
-from ..control.links import ControlLinks
-from ..control.liveness import Liveness
 from ..control.supervision import (
     AcceptJoin,
     Action,
@@ -47,6 +45,7 @@ from ..control.supervision import (
     Interrupted,
     JoinRequested,
     JoinUndelivered,
+    OrderlyStop,
     RankConnected,
     RejectJoin,
     ResetStore,
@@ -54,7 +53,19 @@ from ..control.supervision import (
     TrainingEnded,
 )
 from ..control.supervisor import Supervisor
-from ..control.vocab import LOGGING_LEVELS, Announce, Tell, Tick
+from ..control.vocab import LOGGING_LEVELS, Announce, Tell
+from ..control.watch import (
+    AbortLinks,
+    ControlLinkClosed,
+    ControlLinkNamed,
+    CutJoinLink,
+    JoinBound,
+    JoinHeard,
+    LinkEvent,
+    RelayBeat,
+    SendHeartbeat,
+    Woke,
+)
 from ..errors import ConnectionClosed, FlodlError, WireError
 from ..host.cores import oversubscription
 from ..host.hostaddrs import routable
@@ -68,7 +79,7 @@ from ..net.torchstore import BACKEND_VARIABLE
 from ..status import Counters, StatusBoard
 from ..training.metrics import EpochMetrics
 from ..training.spec import TrainerSpec
-from ..verdict import ExitCode, RunResult, exit_code_for_signal
+from ..verdict import ExitCode, RunResult
 from ..wire import messages as m
 from ..wire.channels import Channel
 from ..wire.handshake import PROTOCOL_VERSION, join_resolver, session_resolver
@@ -107,12 +118,6 @@ class Controller:
         self._output = output
         self._resolve = session_resolver(plan.secret)
         self._links: dict[str, FramedProtocol] = {}
-        # per admitted host's join link, until it closes or goes silent
-        self._liveness: dict[str, Liveness] = {}
-        # each host's relay upstream links and their beats' liveness (see _handle_control)
-        self._control_links: ControlLinks[FramedProtocol] = ControlLinks(
-            interval=self._deadlines.heartbeat_interval, silence=self._deadlines.heartbeat_silence
-        )
         self._mux = PortMux(
             host=plan.bind_host,
             port=plan.port,
@@ -134,8 +139,6 @@ class Controller:
         self._store = None if os.environ.get(BACKEND_VARIABLE, "python") == "torch" else PortStore()
         # the Trainer's coordinator shell, idle until a TrainerHello
         self._training: TrainingShell | None = None
-        # the launcher signal that asked for an orderly training stop
-        self._training_signal: int | None = None
         # the launcher's own spec (the user's script is the launcher)
         self._training_reference: TrainerSpec | None = None
         self._training_metrics: Callable[[EpochMetrics], None] | None = None
@@ -179,19 +182,8 @@ class Controller:
         if self._supervisor is None:
             self._early_signals.append(signum)
             return
-        if (
-            self._training_signal is None
-            and self._training is not None
-            and self._training.stop(signal_name(signum))
-        ):
-            self._training_signal = signum
-            name = signal_name(signum)
-            log.warning(
-                "stopping training in order on %s: a final round, then shutdown (%s again to stop "
-                "the ranks)",
-                name,
-                name,
-            )
+        if self._training is not None and self._training.stop(signal_name(signum)):
+            self._dispatch(OrderlyStop(signal=signum))
             return
         self._dispatch(Interrupted(signal=signum))
 
@@ -322,90 +314,67 @@ class Controller:
     # ----- the pump ------------------------------------------------------------------------------
 
     async def _pump(self) -> RunResult:
+        """Sleep until the supervisor's next deadline (its hosts' links included) or the
+        coordinator's, whichever is first, or until an event moved them; read the clock once per
+        wake and hand the supervisor the wake."""
         supervisor = self._require_supervisor()
+        now = time.monotonic()
         while self._end is None:
             self._changed.clear()
-            deadline = supervisor.next_deadline(time.monotonic())
-            beat = min((live.next_deadline() for live in self._liveness.values()), default=None)
-            relay_silence = self._control_links.next_deadline()
-            if relay_silence is not None and (beat is None or relay_silence < beat):
-                beat = relay_silence
             training = self._training.next_deadline() if self._training is not None else None
-            wake = min((t for t in (deadline, beat, training) if t is not None), default=None)
+            due = (supervisor.next_deadline(now), training)
+            wake = min((t for t in due if t is not None), default=None)
+            timed_out = False
             try:
-                async with asyncio.timeout(
-                    None if wake is None else max(wake - time.monotonic(), 0.0)
-                ):
+                async with asyncio.timeout(None if wake is None else max(wake - now, 0.0)):
                     await self._changed.wait()
             except TimeoutError:
+                timed_out = True
+            now = time.monotonic()
+            if timed_out:
                 assert wake is not None
-                self._keep_alive(time.monotonic(), late=time.monotonic() - wake)
-                if (
-                    training is not None
-                    and time.monotonic() >= training
-                    and self._training is not None
-                ):
+                self._dispatch(Woke(late=now - wake), now=now)
+                if training is not None and now >= training and self._training is not None:
                     self._training.tick()
-                if deadline is not None and time.monotonic() >= deadline and self._end is None:
-                    self._dispatch(Tick())
         return self._end.result
 
-    def _keep_alive(self, now: float, *, late: float) -> None:
-        """Beat down every join link that is due; a host silent past the deadline is lost, by
-        name."""
-        # this process was frozen: no host could be heard meanwhile
-        if late > self._deadlines.heartbeat_interval:
-            self._liveness = {host: live.excused(now) for host, live in self._liveness.items()}
-            self._control_links.excused(now)
-        # a relay's own link went silent
-        for host in self._control_links.silent_hosts(now, self._liveness):
-            silence = self._deadlines.heartbeat_silence
-            self._dispatch(
-                HostLost(
-                    host=host,
-                    reason=f"its relay's control link sent nothing for {silence:g}s (the host is "
-                    "frozen, down or cut off)",
-                )
-            )
-        for host, live in list(self._liveness.items()):
-            if live.expired(now):
-                del self._liveness[host]
-                link = self._links.pop(host, None)
-                if link is not None:
-                    # its reader ends without a second HostLost (the link is no longer the host's)
-                    link.abort()
-                silence = self._deadlines.heartbeat_silence
-                reason = f"no heartbeat for {silence:g}s (the host is frozen, down or cut off)"
-                self._dispatch(HostLost(host=host, reason=reason))
-            elif live.send_due(now):
-                link = self._links.get(host)
-                if link is not None:
-                    # a link that just died: its reader reports it
-                    with contextlib.suppress(ConnectionClosed):
-                        link.send(m.Heartbeat(sent_at=now))
-                self._liveness[host] = live.sent(now)
-
-    def _dispatch(self, event: Event, *, reply_link: FramedProtocol | None = None) -> None:
+    def _dispatch(
+        self,
+        event: Event | LinkEvent,
+        *,
+        reply_link: FramedProtocol | None = None,
+        now: float | None = None,
+    ) -> None:
         """Hand one event to the supervisor and carry out its actions now, in order."""
-        supervisor = self._require_supervisor()
-        if isinstance(event, HostLost):
-            self._drop_control_links(event.host)
-        pending: collections.deque[tuple[Event, FramedProtocol | None]] = collections.deque(
-            [(event, reply_link)]
-        )
-        while pending:
-            current, link = pending.popleft()
-            for action in supervisor.handle(current, time.monotonic()):
-                follow_up = self._carry_out(action, link)
-                if follow_up is not None:
-                    pending.append((follow_up, None))
+        self._carry_out_all(event, reply_link, time.monotonic() if now is None else now)
         self._publish()
         self._changed.set()
 
-    def _carry_out_table(self) -> TypeTable[Action, [FramedProtocol | None], Event | None]:
+    def _note(self, event: LinkEvent) -> None:
+        """A link bound, heard or closed: the supervisor's watch takes it; it changes nothing the
+        status page shows, and the pump looks again at its next wake."""
+        self._carry_out_all(event, None, time.monotonic())
+
+    def _carry_out_all(
+        self, event: Event | LinkEvent, reply_link: FramedProtocol | None, now: float
+    ) -> None:
+        supervisor = self._require_supervisor()
+        pending: collections.deque[tuple[Event | LinkEvent, FramedProtocol | None]] = (
+            collections.deque([(event, reply_link)])
+        )
+        while pending:
+            current, link = pending.popleft()
+            for action in supervisor.handle(current, now):
+                follow_up = self._carry_out(action, link)
+                if follow_up is not None:
+                    pending.append((follow_up, None))
+
+    def _carry_out_table(
+        self,
+    ) -> TypeTable[Action, [FramedProtocol | None], Event | LinkEvent | None]:
         """Which method carries out each supervisor action: ``(action, reply_link)`` in, a
         follow-up event (an accept that could not be delivered) or None out."""
-        table: TypeTable[Action, [FramedProtocol | None], Event | None] = TypeTable(
+        table: TypeTable[Action, [FramedProtocol | None], Event | LinkEvent | None] = TypeTable(
             "the controller's supervisor actions"
         )
         table.add(Tell, self._tell)
@@ -415,6 +384,9 @@ class Controller:
         table.add(ForceStop, self._force_stop)
         table.add(ResetStore, self._reset_store)
         table.add(EndRun, self._end_run)
+        table.add(SendHeartbeat, self._send_heartbeat)
+        table.add(CutJoinLink, self._cut_join_link)
+        table.add(AbortLinks, self._abort_links)
         table.require(Action)
         return table
 
@@ -434,21 +406,17 @@ class Controller:
 
     def _accept_join(
         self, action: AcceptJoin, reply_link: FramedProtocol | None
-    ) -> JoinUndelivered | None:
+    ) -> JoinUndelivered | JoinBound:
         assert reply_link is not None
         try:
             reply_link.send(with_secret_for_token_agent(action.reply, reply_link, self.plan.secret))
         except ConnectionClosed:
             return JoinUndelivered(host=action.host)
         self._links[action.host] = reply_link
-        d = self._deadlines
-        self._liveness[action.host] = Liveness.start(
-            time.monotonic(), interval=d.heartbeat_interval, silence=d.heartbeat_silence
-        )
         if self._store is not None:
             # its ranks dial the store from the same address
             self._store.admit_host(reply_link.peer_host)
-        return None
+        return JoinBound(host=action.host)
 
     def _reject_join(self, action: RejectJoin, reply_link: FramedProtocol | None) -> None:
         assert reply_link is not None
@@ -467,6 +435,28 @@ class Controller:
 
     def _end_run(self, action: EndRun, reply_link: FramedProtocol | None) -> None:
         self._end = action
+
+    def _send_heartbeat(self, action: SendHeartbeat, reply_link: FramedProtocol | None) -> None:
+        link = self._links.get(action.host)
+        if link is not None:
+            # a link that just died: its reader reports it
+            with contextlib.suppress(ConnectionClosed):
+                link.send(m.Heartbeat(sent_at=action.sent_at))
+
+    def _cut_join_link(self, action: CutJoinLink, reply_link: FramedProtocol | None) -> None:
+        link = self._links.pop(action.host, None)
+        if link is not None:
+            # its reader ends without a second HostLost (the link is no longer the host's)
+            link.abort()
+
+    def _abort_links(self, action: AbortLinks, reply_link: FramedProtocol | None) -> None:
+        for link in action.links:
+            link.abort()
+        log.info(
+            'host "%s" lost: closed its %d control link(s) (relay upstream) with it',
+            action.host,
+            len(action.links),
+        )
 
     def _send_all(self, msg: Message) -> None:
         for link in list(self._links.values()):
@@ -552,10 +542,8 @@ class Controller:
         try:
             while True:
                 msg = await link.recv_message()
-                live = self._liveness.get(hello.host)
-                if live is not None and self._links.get(hello.host) is link:
-                    # any frame is a sign of life
-                    self._liveness[hello.host] = live.heard(time.monotonic())
+                if self._links.get(hello.host) is link:
+                    self._note(JoinHeard(host=hello.host))  # any frame is a sign of life
                 if isinstance(msg, m.RankOutput):  # output is I/O, not a supervisor event
                     self._output.receive(hello.host, msg)
                     continue
@@ -565,7 +553,6 @@ class Controller:
         except (ConnectionClosed, WireError) as exc:
             # not when the liveness check already cut it off
             if self._links.get(hello.host) is link:
-                self._liveness.pop(hello.host, None)
                 self._dispatch(HostLost(host=hello.host, reason=str(exc), link_closed=True))
 
     async def _handle_rendezvous(self, link: FramedProtocol) -> None:
@@ -587,23 +574,19 @@ class Controller:
         reason (join link silent or closed, its agent failed) the controller aborts the link at
         once, not at teardown.
         """
-        host: str | None = None
         training = self._training
         assert training is not None
         try:
             while True:
                 msg = await link.recv_message()
                 if isinstance(msg, m.RankHello):
-                    host = host or self._bind_control_link(link, msg.rank)
+                    self._note(ControlLinkNamed(link=link, rank=msg.rank))
                     self._dispatch(RankConnected(rank=msg.rank, pid=msg.pid))
                     training.bind_rank(msg.rank, link)
                     link.send(m.RankWelcome(rank=msg.rank, run_id=self.plan.run_id))
                 # the relay's own beat: its link's liveness, no rank's
                 elif isinstance(msg, m.Heartbeat) and msg.relay:
-                    host = host or self._bind_control_link(link, msg.rank)
-                    # a host of this run, still in it: watch this link
-                    if host is not None and host in self._links:
-                        self._control_links.heard(link, host, time.monotonic())
+                    self._note(RelayBeat(link=link, rank=msg.rank))
                     link.send(m.Heartbeat(sent_at=msg.sent_at, rank=msg.rank, relay=True))
                 elif isinstance(msg, m.Heartbeat):
                     link.send(m.Heartbeat(sent_at=msg.sent_at, rank=msg.rank))
@@ -612,28 +595,7 @@ class Controller:
                     training.receive(msg, link)  # the Trainer's coordinator protocol
         finally:
             training.link_closed(link)
-            self._control_links.closed(link, host)
-
-    def _bind_control_link(self, link: FramedProtocol, rank: int) -> str | None:
-        """The host that runs ``rank`` (from the formed world), with ``link`` recorded as one of its
-        control links."""
-        if self._supervisor is None:
-            return None
-        host = next((mb.host for mb in self._supervisor.view().members if rank in mb.ranks), None)
-        if host is not None:
-            self._control_links.bind(link, host)
-        return host
-
-    def _drop_control_links(self, host: str) -> None:
-        links = self._control_links.drop(host)
-        for link in links:
-            link.abort()
-        if links:
-            log.info(
-                'host "%s" lost: closed its %d control link(s) (relay upstream) with it',
-                host,
-                len(links),
-            )
+            self._note(ControlLinkClosed(link=link))
 
     # ----- the Trainer (controller/training.py does the work) -------------------------------------
 
@@ -664,9 +626,8 @@ class Controller:
         return view.world_size, {r.rank: r.host for r in view.ranks}
 
     def _training_outcome(self, outcome: TrainingOutcome) -> None:
-        code = ExitCode(outcome.code) if not outcome.ok else ExitCode.OK
-        if outcome.ok and self._training_signal is not None:
-            code = exit_code_for_signal(self._training_signal)
+        # an orderly end's code is the supervisor's (it knows the signal that asked for it)
+        code = ExitCode.OK if outcome.ok else ExitCode(outcome.code)
         self._dispatch(
             TrainingEnded(ok=outcome.ok, reason=outcome.reason, code=code, details=outcome.details)
         )
