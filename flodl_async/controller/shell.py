@@ -6,9 +6,11 @@ else. ``run()`` builds the pure :class:`~flodl_async.control.supervisor.Supervis
 channel handlers, asks each worker's agent launcher to bring its agent up, and then only pumps:
 every handler turns what arrives on the port into a supervisor event, handed over by
 :meth:`Controller._dispatch`, which carries out the returned actions at once and in order (answer a
-join, tell a host, log a line, end the run). The pump itself waits for the supervisor's next
-deadline and feeds it a ``Tick``. All decisions are the supervisor's; this module only does I/O.
-What it publishes and logs about the run is built in :mod:`.report`, the join link's events in
+join, tell a host, log a line, end the run). The pump itself sleeps until the supervisor's next
+deadline (its hosts' links' included) or the coordinator's, reads the clock once when it wakes,
+and hands the supervisor a ``Woke``. All decisions are the supervisor's; this module only does
+I/O. The channels' handlers and what goes down a host's links are :mod:`.hostlinks`; what it
+publishes and logs about the run is built in :mod:`.report`, the join link's events in
 :mod:`.joinlink`, and each placement's agent launcher in :mod:`.agents`.
 
 Teardown runs on every exit path — a verdict, an internal error, or the task being cancelled (an
@@ -43,32 +45,21 @@ from ..control.supervision import (
     ForceStop,
     HostLost,
     Interrupted,
-    JoinRequested,
-    JoinUndelivered,
     OrderlyStop,
-    RankConnected,
     RejectJoin,
     ResetStore,
-    StoreReady,
     TrainingEnded,
 )
 from ..control.supervisor import Supervisor
 from ..control.vocab import LOGGING_LEVELS, Announce, Tell
 from ..control.watch import (
     AbortLinks,
-    ControlLinkClosed,
-    ControlLinkNamed,
     CutJoinLink,
-    JoinBound,
-    JoinHeard,
     LinkEvent,
-    RelayBeat,
     SendHeartbeat,
     Woke,
 )
-from ..errors import ConnectionClosed, FlodlError, WireError
-from ..host.cores import oversubscription
-from ..host.hostaddrs import routable
+from ..errors import FlodlError
 from ..net.fdlimit import raise_descriptor_limit
 from ..net.framed import FramedProtocol
 from ..net.http import StatusHttpProtocol
@@ -82,10 +73,9 @@ from ..training.spec import TrainerSpec
 from ..verdict import ExitCode, RunResult
 from ..wire import messages as m
 from ..wire.channels import Channel
-from ..wire.handshake import PROTOCOL_VERSION, join_resolver, session_resolver
-from ..wire.schema import Message
+from ..wire.handshake import join_resolver, session_resolver
 from .agents import agent_launchers, supervisor_config
-from .joinlink import HOST_EVENTS, with_secret_for_token_agent
+from .hostlinks import HostLinks
 from .launchers import AgentLauncher, ControllerContact
 from .report import announce_window, connection_counters, status_snapshot
 from .training import (
@@ -117,7 +107,6 @@ class Controller:
         self._deadlines = plan.deadlines
         self._output = output
         self._resolve = session_resolver(plan.secret)
-        self._links: dict[str, FramedProtocol] = {}
         self._mux = PortMux(
             host=plan.bind_host,
             port=plan.port,
@@ -144,6 +133,14 @@ class Controller:
         self._training_metrics: Callable[[EpochMetrics], None] | None = None
         self._tg: asyncio.TaskGroup | None = None
         self._reducer: Reducer | None = None
+        self._hosts = HostLinks(
+            plan=plan,
+            output=output,
+            store=self._store,
+            dispatch=self._dispatch,
+            note=self._note,
+            training=lambda: self._training,
+        )
         self._carry_out = self._carry_out_table()
 
     @property
@@ -224,9 +221,9 @@ class Controller:
                 self._tg = tg
                 self._training = self._training_shell(tg)
                 for channel, handler in (
-                    (Channel.JOIN, self._handle_join),
-                    (Channel.RENDEZVOUS, self._handle_rendezvous),
-                    (Channel.CONTROL, self._handle_control),
+                    (Channel.JOIN, self._hosts.handle_join),
+                    (Channel.RENDEZVOUS, self._hosts.handle_rendezvous),
+                    (Channel.CONTROL, self._hosts.handle_control),
                 ):
                     if channel is Channel.RENDEZVOUS and self._store is not None:
                         # the StoreAddress exchange is the torch backend's only
@@ -377,25 +374,18 @@ class Controller:
         table: TypeTable[Action, [FramedProtocol | None], Event | LinkEvent | None] = TypeTable(
             "the controller's supervisor actions"
         )
-        table.add(Tell, self._tell)
+        table.add(Tell, self._hosts.tell)
         table.add(Announce, self._announce)
-        table.add(AcceptJoin, self._accept_join)
-        table.add(RejectJoin, self._reject_join)
+        table.add(AcceptJoin, self._hosts.accept_join)
+        table.add(RejectJoin, self._hosts.reject_join)
         table.add(ForceStop, self._force_stop)
         table.add(ResetStore, self._reset_store)
         table.add(EndRun, self._end_run)
-        table.add(SendHeartbeat, self._send_heartbeat)
-        table.add(CutJoinLink, self._cut_join_link)
-        table.add(AbortLinks, self._abort_links)
+        table.add(SendHeartbeat, self._hosts.send_heartbeat)
+        table.add(CutJoinLink, self._hosts.cut_join_link)
+        table.add(AbortLinks, self._hosts.abort_links)
         table.require(Action)
         return table
-
-    def _tell(self, action: Tell[str], reply_link: FramedProtocol | None) -> None:
-        link = self._links.get(action.to)
-        if link is not None:
-            # a link that just died: its handler reports HostLost
-            with contextlib.suppress(ConnectionClosed):
-                link.send(action.message)
 
     def _announce(self, action: Announce, reply_link: FramedProtocol | None) -> None:
         level = LOGGING_LEVELS[action.level]
@@ -404,30 +394,13 @@ class Controller:
             level = logging.DEBUG
         log.log(level, "%s", action.text)
 
-    def _accept_join(
-        self, action: AcceptJoin, reply_link: FramedProtocol | None
-    ) -> JoinUndelivered | JoinBound:
-        assert reply_link is not None
-        try:
-            reply_link.send(with_secret_for_token_agent(action.reply, reply_link, self.plan.secret))
-        except ConnectionClosed:
-            return JoinUndelivered(host=action.host)
-        self._links[action.host] = reply_link
-        if self._store is not None:
-            # its ranks dial the store from the same address
-            self._store.admit_host(reply_link.peer_host)
-        return JoinBound(host=action.host)
-
-    def _reject_join(self, action: RejectJoin, reply_link: FramedProtocol | None) -> None:
-        assert reply_link is not None
-        with contextlib.suppress(ConnectionClosed):
-            reply_link.send(m.JoinReject(reason=action.reason))
-
     def _force_stop(self, action: ForceStop, reply_link: FramedProtocol | None) -> None:
         self._forced = True
         for launcher in self._launchers.values():
             launcher.force_stop()
-        self._send_all(m.Abort(reason="forced stop", grace_s=0.0, first_signal=int(signal.SIGKILL)))
+        self._hosts.send_all(
+            m.Abort(reason="forced stop", grace_s=0.0, first_signal=int(signal.SIGKILL))
+        )
 
     def _reset_store(self, action: ResetStore, reply_link: FramedProtocol | None) -> None:
         assert self._store is not None  # only asked for when the store is ours
@@ -435,33 +408,6 @@ class Controller:
 
     def _end_run(self, action: EndRun, reply_link: FramedProtocol | None) -> None:
         self._end = action
-
-    def _send_heartbeat(self, action: SendHeartbeat, reply_link: FramedProtocol | None) -> None:
-        link = self._links.get(action.host)
-        if link is not None:
-            # a link that just died: its reader reports it
-            with contextlib.suppress(ConnectionClosed):
-                link.send(m.Heartbeat(sent_at=action.sent_at))
-
-    def _cut_join_link(self, action: CutJoinLink, reply_link: FramedProtocol | None) -> None:
-        link = self._links.pop(action.host, None)
-        if link is not None:
-            # its reader ends without a second HostLost (the link is no longer the host's)
-            link.abort()
-
-    def _abort_links(self, action: AbortLinks, reply_link: FramedProtocol | None) -> None:
-        for link in action.links:
-            link.abort()
-        log.info(
-            'host "%s" lost: closed its %d control link(s) (relay upstream) with it',
-            action.host,
-            len(action.links),
-        )
-
-    def _send_all(self, msg: Message) -> None:
-        for link in list(self._links.values()):
-            with contextlib.suppress(ConnectionClosed):
-                link.send(msg)
 
     # ----- agents and teardown -------------------------------------------------------------------
 
@@ -491,11 +437,11 @@ class Controller:
             farewell = m.Abort(
                 reason=farewell.reason, grace_s=0.0, first_signal=int(signal.SIGKILL)
             )
-        self._send_all(farewell)
+        self._hosts.send_all(farewell)
         grace = farewell.grace_s if isinstance(farewell, m.Abort) else self._deadlines.stop_grace
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(grace + self._deadlines.teardown_margin):
-                await asyncio.gather(*(link.wait_closed() for link in self._links.values()))
+                await asyncio.gather(*(link.wait_closed() for link in self._hosts.links.values()))
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(self._deadlines.teardown_margin):
                 await asyncio.gather(*agent_tasks, return_exceptions=True)
@@ -504,98 +450,6 @@ class Controller:
             task.cancel()
 
     # ----- channel handlers ----------------------------------------------------------------------
-
-    async def _handle_join(self, link: FramedProtocol) -> None:
-        async with asyncio.timeout(self._deadlines.join_handshake):
-            hello = await link.recv_message()
-        if not isinstance(hello, m.JoinHello):
-            log.warning(
-                "join channel: %s opened with %s, not JoinHello; closing",
-                link.peer_label,
-                type(hello).__name__,
-            )
-            return
-        self._dispatch(
-            JoinRequested(
-                host=hello.host,
-                devices=hello.devices,
-                protocol_version=PROTOCOL_VERSION,
-                agent_version=hello.agent_version,
-            ),
-            reply_link=link,
-        )
-        if self._links.get(hello.host) is not link:
-            await link.drain()  # refused: the reject is flushed, then the service closes the link
-            return
-        # this process's own agent: flodl-launch checked it first (launch.warn_oversubscribed)
-        crowded = (
-            None
-            if hello.pid == os.getpid()
-            else oversubscription(hello.host, hello.devices, hello.cores)
-        )
-        if crowded is not None:
-            log.warning("%s", crowded)
-        # a multi-homed host's ranks may dial the store from any of its addresses
-        if self._store is not None:
-            for address in routable(hello.addresses):
-                self._store.admit_host(address)
-        try:
-            while True:
-                msg = await link.recv_message()
-                if self._links.get(hello.host) is link:
-                    self._note(JoinHeard(host=hello.host))  # any frame is a sign of life
-                if isinstance(msg, m.RankOutput):  # output is I/O, not a supervisor event
-                    self._output.receive(hello.host, msg)
-                    continue
-                to_event = HOST_EVENTS.get(type(msg))
-                if to_event is not None:
-                    self._dispatch(to_event(hello.host, msg))
-        except (ConnectionClosed, WireError) as exc:
-            # not when the liveness check already cut it off
-            if self._links.get(hello.host) is link:
-                self._dispatch(HostLost(host=hello.host, reason=str(exc), link_closed=True))
-
-    async def _handle_rendezvous(self, link: FramedProtocol) -> None:
-        while True:
-            msg = await link.recv_message()
-            if isinstance(msg, m.StoreAddress):
-                self._dispatch(
-                    StoreReady(round=msg.round, addr=msg.host or link.peer_host, port=msg.port)
-                )
-
-    async def _handle_control(self, link: FramedProtocol) -> None:
-        """A control link: a host's relay upstream (or a rank of its own, under the torch store
-        backend).
-
-        Liveness: a relay beats up its link (``Heartbeat(relay=True)``, naming one of its host's
-        ranks) and the controller echoes; a relay link silent past ``heartbeat_silence`` loses its
-        host, by name, as a silent join link does (:meth:`_keep_alive`). A link is bound to the
-        host of the rank its first beat or RankHello names, and when that host is lost for any
-        reason (join link silent or closed, its agent failed) the controller aborts the link at
-        once, not at teardown.
-        """
-        training = self._training
-        assert training is not None
-        try:
-            while True:
-                msg = await link.recv_message()
-                if isinstance(msg, m.RankHello):
-                    self._note(ControlLinkNamed(link=link, rank=msg.rank))
-                    self._dispatch(RankConnected(rank=msg.rank, pid=msg.pid))
-                    training.bind_rank(msg.rank, link)
-                    link.send(m.RankWelcome(rank=msg.rank, run_id=self.plan.run_id))
-                # the relay's own beat: its link's liveness, no rank's
-                elif isinstance(msg, m.Heartbeat) and msg.relay:
-                    self._note(RelayBeat(link=link, rank=msg.rank))
-                    link.send(m.Heartbeat(sent_at=msg.sent_at, rank=msg.rank, relay=True))
-                elif isinstance(msg, m.Heartbeat):
-                    link.send(m.Heartbeat(sent_at=msg.sent_at, rank=msg.rank))
-                    training.seen(msg.rank)
-                else:
-                    training.receive(msg, link)  # the Trainer's coordinator protocol
-        finally:
-            training.link_closed(link)
-            self._note(ControlLinkClosed(link=link))
 
     # ----- the Trainer (controller/training.py does the work) -------------------------------------
 
