@@ -20,6 +20,7 @@ from flodl_async.control.supervision import (
     Interrupted,
     JoinRequested,
     JoinUndelivered,
+    OrderlyStop,
     RankConnected,
     RankExited,
     RanksReported,
@@ -976,18 +977,38 @@ def test_an_orderly_training_end_names_the_verdict_once_the_ranks_exit() -> None
     )
 
 
-def test_an_orderly_stop_on_a_signal_keeps_the_signals_code() -> None:
+@pytest.mark.parametrize(
+    ("signum", "code"),
+    [(signal.SIGTERM, ExitCode.TERMINATED), (signal.SIGINT, ExitCode.INTERRUPTED)],
+)
+def test_an_orderly_stop_on_a_signal_keeps_the_signals_code(
+    signum: signal.Signals, code: ExitCode
+) -> None:
     sup = Supervisor(config(), now=0.0)
     running(sup)
-    sup.handle(
-        TrainingEnded(
-            ok=True,
-            reason="training stopped (SIGTERM) after 1 of 2 epoch(s)",
-            code=ExitCode.TERMINATED,
+    said = sup.handle(OrderlyStop(signal=int(signum)), 2.0)
+    name = signum.name
+    assert said == (
+        Announce(
+            text=f"stopping training in order on {name}: a final round, then shutdown ({name} "
+            "again to stop the ranks)",
+            level=Level.WARNING,
         ),
-        3.0,
+    )
+    # an orderly end's own code (OK) gives way to the signal's
+    sup.handle(
+        TrainingEnded(ok=True, reason=f"training stopped ({name}) after 1 of 2 epoch(s)"), 3.0
     )
     for rank, host in ((0, "a"), (1, "a"), (2, "b")):
         sup.handle(exited(rank, host), 3.0)
     end = the_end(sup.handle(exited(3, "b"), 3.0))
-    assert end.result.exit_code is ExitCode.TERMINATED
+    assert end.result.exit_code is code
+    assert isinstance(end.farewell, m.Abort)
+
+
+def test_a_failed_training_keeps_its_own_code_after_an_orderly_stop_was_asked() -> None:
+    sup = Supervisor(config(), now=0.0)
+    running(sup)
+    sup.handle(OrderlyStop(signal=int(signal.SIGTERM)), 2.0)
+    end = the_end(sup.handle(TrainingEnded(ok=False, reason="stalled", code=ExitCode.STALLED), 3.0))
+    assert end.result.exit_code is ExitCode.STALLED

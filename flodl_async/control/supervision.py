@@ -10,17 +10,18 @@ host, down its join link) are the words it shares with the Trainer's coordinator
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TypeVar
 
 from .._version import __version__
 from ..host.hostnames import HostAliases
-from ..status.model import RankStatus
+from ..status.model import PROCESS_STATES, RankStatus
 from ..verdict import ExitCode, RunResult
 from ..wire import messages as m
 from .dispatch import members
 from .membership import Formed, JoinConfig, JoinedMember, JoinWindow
 from .vocab import Announce, Tell, Tick
+from .watch import AbortLinks, CutJoinLink, SendHeartbeat, Woke
 
 # ----- configuration ----------------------------------------------------------------------------
 
@@ -59,6 +60,10 @@ class SupervisorConfig:
     #: How long a launched host's closed join link waits for that reason before its own (that the
     #: link closed) is the verdict's.
     agent_reason_wait: float = 2.0
+    #: Seconds between the heartbeats down each join link (:mod:`flodl_async.control.watch`).
+    heartbeat_interval: float = 2.0
+    #: Seconds of a link's silence after which its host is lost.
+    heartbeat_silence: float = 10.0
 
 
 # ----- events ------------------------------------------------------------------------------------
@@ -83,11 +88,13 @@ class JoinUndelivered:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class HostLost:
-    """A host's agent is gone: its link closed or broke, or its launcher failed."""
+    """A host's agent is gone: its link closed or broke, or its launcher failed; its control links
+    go with it."""
 
     host: str
     reason: str
-    #: Its join link closed or broke (``reason`` says how): the agent's own reason may follow.
+    #: Its join link closed or broke (``reason`` says how; the link is watched no more): the
+    #: agent's own reason may follow.
     link_closed: bool = False
 
 
@@ -139,8 +146,8 @@ class TrainingEnded:
 
     A coordinator that fails (spec mismatch, hello timeout, a rank lost, a stall) is the root
     cause of the exits that follow it, so the verdict is its ``reason``, given at once. An
-    orderly end waits for the ranks' exits; ``code`` is the verdict's code then (OK, or the
-    signal's code when a launcher signal asked for the orderly stop).
+    orderly end waits for the ranks' exits, and its code is OK, or the signal's when a launcher
+    signal asked for the orderly stop (:class:`OrderlyStop`); ``code`` is a failure's.
     """
 
     ok: bool
@@ -156,6 +163,15 @@ class Interrupted:
     signal: int
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class OrderlyStop:
+    """A launcher ``signal`` asked the Trainer for an orderly stop (a final round, then shutdown)
+    instead of reaching the supervisor's signal table; a training that then ends in order keeps
+    the signal's exit code."""
+
+    signal: int
+
+
 Event = (
     JoinRequested
     | JoinUndelivered
@@ -167,7 +183,9 @@ Event = (
     | RanksReported
     | TrainingEnded
     | Interrupted
+    | OrderlyStop
     | Tick
+    | Woke
 )
 
 
@@ -214,7 +232,18 @@ class ResetStore:
     round: int
 
 
-Action = AcceptJoin | RejectJoin | Tell[str] | Announce | ForceStop | EndRun | ResetStore
+Action = (
+    AcceptJoin
+    | RejectJoin
+    | Tell[str]
+    | Announce
+    | ForceStop
+    | EndRun
+    | ResetStore
+    | SendHeartbeat
+    | CutJoinLink
+    | AbortLinks
+)
 
 
 # ----- phases ----------------------------------------------------------------------------------
@@ -265,6 +294,20 @@ class Ended:
 
 Phase = Forming | Rendezvous | Running | Restarting | Ended
 
+_PHASE_NAMES = {
+    Forming: "waiting",
+    Rendezvous: "forming",
+    Running: "training",
+    Restarting: "training",
+}
+
+
+def phase_name(phase: Phase) -> str:
+    """The phase as the status endpoint names it."""
+    if isinstance(phase, Ended):
+        return "done" if phase.result.exit_code is ExitCode.OK else "failed"
+    return _PHASE_NAMES[type(phase)]
+
 
 # ----- the status view -------------------------------------------------------------------------
 
@@ -281,6 +324,21 @@ class SupervisorView:
     ranks: tuple[RankStatus, ...]
     result: RunResult | None
     rejected_joins: int
+
+
+def with_activity(known: RankStatus, activity: m.RankActivity) -> RankStatus:
+    """``known`` with what its host's latest activity report says of it."""
+    return replace(
+        known,
+        pid=activity.pid,
+        uptime_s=activity.uptime_s,
+        process=PROCESS_STATES.get(activity.state, activity.state),
+        cpu_percent=activity.cpu_percent,
+        last_line=activity.last_line,
+        output_age_s=activity.output_age_s if activity.output_age_s >= 0 else None,
+        quiet_s=activity.quiet_s,
+        store_connected=activity.store_connected,
+    )
 
 
 _PhaseT = TypeVar("_PhaseT", bound=Phase)

@@ -1,17 +1,16 @@
 """The run's supervisor: a pure state machine from the open window to the verdict.
 
-Theory of operation. The controller's shell feeds :meth:`Supervisor.handle`
-every event that matters to the run (a host asks to join, a host is lost, the
-store is ready, a rank exited, a host stopped its ranks, a signal, a deadline
-passed) together with ``now`` (monotonic seconds), and carries out the actions
-it returns, in order (answer a join, tell a host, announce a line, end the
-run). It calls again with :class:`~flodl_async.control.vocab.Tick` at
-:meth:`Supervisor.next_deadline`. Nothing here performs I/O or reads a clock,
-so every decision of a run is tested with fake time. Which method takes an event is looked up in
-one table keyed by (phase type, event type), every pair filed, the ones that change nothing
-included (:meth:`Supervisor._build_transitions`). Its configuration,
-events, actions, phases and status view are declared in
-:mod:`flodl_async.control.supervision`.
+Theory of operation. The controller's shell feeds :meth:`Supervisor.handle` every event that matters
+to the run (a host asks to join, a host is lost, the store is ready, a rank exited, a host stopped
+its ranks, a signal, a deadline passed) together with ``now`` (monotonic seconds), and carries out
+the actions it returns, in order (answer a join, tell a host, announce a line, end the run). It
+wakes it with :class:`~flodl_async.control.watch.Woke` at :meth:`Supervisor.next_deadline`, which
+covers the hosts' links too: their liveness is the supervisor's
+:class:`~flodl_async.control.watch.HostWatch`. Nothing here performs I/O or reads a clock, so every
+decision of a run is tested with fake time. Which method takes an event is looked up in one table
+keyed by (phase type, event type), every pair filed, the ones that change nothing included
+(:meth:`Supervisor._build_transitions`). Its configuration, events, actions, phases and status view
+are declared in :mod:`flodl_async.control.supervision`.
 
 Phases, one type each (no field that starts as ``None``)::
 
@@ -21,23 +20,21 @@ Phases, one type each (no field that starts as ``None``)::
        ▼                    ▼                          │            ▼
      Ended ◀─────────── any failure, interrupt, deadline ─┴───── every rank exited 0
 
-Rules. Before formation the first failure ends the run (exit 3). After it,
-the first non-zero rank exit of the current round ends the round: with
-restarts left every host stops that round's ranks and a new rendezvous round
-starts (``TORCHELASTIC_RESTART_COUNT`` + 1); otherwise the verdict names the
-rank, its host, its code or signal, its traceback and its last stderr lines
-(exit 4). A member host lost at any point ends the run (exit 4 after
-formation); when its join link closed and a launcher runs its agent, the loss
-waits ``agent_reason_wait`` for the launcher's report, so that an agent that
-failed is the verdict in its own words, not in its link's. The first signal
-ends the run with 130/143 and tells every host to stop its ranks following the
-signal table; a signal after the verdict forces (KILL now). A verdict, once given, is final.
+Rules. Before formation the first failure ends the run (exit 3). After it, the first non-zero rank
+exit of the current round ends the round: with restarts left every host stops that round's ranks and
+a new rendezvous round starts (``TORCHELASTIC_RESTART_COUNT`` + 1); otherwise the verdict names the
+rank, its host, its code or signal, its traceback and its last stderr lines (exit 4). A member host
+lost at any point ends the run (exit 4 after formation); when its join link closed and a launcher
+runs its agent, the loss waits ``agent_reason_wait`` for the launcher's report, so that an agent
+that failed is the verdict in its own words, not in its link's. The first signal ends the run with
+130/143 and tells every host to stop its ranks following the signal table; a signal after the
+verdict forces (KILL now). A verdict, once given, is final.
 """
 
 from __future__ import annotations
 
 import signal
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from ..status.model import PROCESS_STATES, RankState, RankStatus
 from ..verdict import (
@@ -64,6 +61,7 @@ from .supervision import (
     Interrupted,
     JoinRequested,
     JoinUndelivered,
+    OrderlyStop,
     Phase,
     RankConnected,
     RankExited,
@@ -79,8 +77,11 @@ from .supervision import (
     SupervisorView,
     TrainingEnded,
     Transitions,
+    phase_name,
+    with_activity,
 )
 from .vocab import Announce, Level, Tell, Tick
+from .watch import HostWatch, LinkEvent, Lost, Woke
 
 # ----- the (phase, event) table ----------------------------------------------------------------
 
@@ -102,15 +103,6 @@ _WINDOW_CUES: tuple[type[StoreReady | RankExited | RanksStopped | Tick], ...] = 
 # ----- the machine ----------------------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class _LinkLoss:
-    """A launched host's join link closed: lost with ``reason`` at ``until``, unless its launcher
-    says why first."""
-
-    reason: str
-    until: float
-
-
 class Supervisor:
     """One run's decisions; pure, ``now`` passed in."""
 
@@ -129,7 +121,14 @@ class Supervisor:
         self._ranks: dict[int, RankStatus] = {}
         # the coordinator's orderly end, for the verdict
         self._training_done: tuple[str, ExitCode] | None = None
-        self._link_losses: dict[str, _LinkLoss] = {}
+        # the launcher signal that asked the Trainer for an orderly stop
+        self._orderly_signal: int | None = None
+        self.watch = HostWatch(
+            interval=config.heartbeat_interval,
+            silence=config.heartbeat_silence,
+            launched_hosts=config.launched_hosts,
+            agent_reason_wait=config.agent_reason_wait,
+        )
         self._transitions = self._build_transitions()
 
     # ----- queries ----------------------------------------------------------------------------
@@ -150,22 +149,22 @@ class Supervisor:
         return self._restart_count
 
     def next_deadline(self, now: float) -> float | None:
-        """When to call again with :class:`Tick` if nothing else happens (None: no deadline)."""
+        """When to call again with :class:`Woke` if nothing else happens (None: no deadline)."""
+        due = (self._own_deadline(now), self.watch.next_deadline())
+        return min((t for t in due if t is not None), default=None)
+
+    def _own_deadline(self, now: float) -> float | None:
         phase = self._phase
-        due: float | None = None
         if isinstance(phase, Forming):
-            due = phase.window.next_deadline(now)
-        elif isinstance(phase, Rendezvous | Restarting):
-            due = phase.deadline
-        waits = (loss.until for loss in self._link_losses.values())
-        return min((t for t in (due, *waits) if t is not None), default=None)
+            return phase.window.next_deadline(now)
+        return phase.deadline if isinstance(phase, Rendezvous | Restarting) else None
 
     def view(self) -> SupervisorView:
         """What the status endpoint shows."""
         phase = self._phase
         formed = None if isinstance(phase, Forming) else phase.world
         return SupervisorView(
-            phase=_phase_name(phase),
+            phase=phase_name(phase),
             members=self._window.members,
             joined_ranks=self._window.joined_ranks,
             world_size=formed.world_size if formed is not None else 0,
@@ -177,31 +176,39 @@ class Supervisor:
 
     # ----- the one entry point ------------------------------------------------------------------
 
-    def handle(self, event: Event, now: float) -> tuple[Action, ...]:
+    def handle(self, event: Event | LinkEvent, now: float) -> tuple[Action, ...]:
         """Take one event; return what the shell must do, in order."""
-        if isinstance(event, HostLost):
-            if self._awaits_agent_reason(event):
-                self._link_losses.setdefault(
-                    event.host,
-                    _LinkLoss(reason=event.reason, until=now + self.config.agent_reason_wait),
-                )
-                return ()
-            self._link_losses.pop(event.host, None)  # the launcher's reason came first
-        due = [host for host, loss in self._link_losses.items() if now >= loss.until]
+        if isinstance(event, LinkEvent):
+            # a link bound, heard or closed: the watch's alone, nothing to do at once
+            self.watch.handle(event, now, self._host_of)
+            return ()
         actions: list[Action] = []
-        for host in due:
-            lost = HostLost(host=host, reason=self._link_losses.pop(host).reason)
+        if isinstance(event, HostLost):
+            actions.extend(self.watch.drop(event.host))
+            ended = isinstance(self._phase, Ended)
+            if self.watch.held(event.host, event.reason, event.link_closed, now, ended=ended):
+                return tuple(actions)
+        for due in self.watch.due_losses(now):
+            lost = HostLost(host=due.host, reason=due.reason)
             actions.extend(self._transitions(self._phase, lost, now))
         return (*actions, *self._transitions(self._phase, event, now))
 
-    def _awaits_agent_reason(self, event: HostLost) -> bool:
-        """The join link of a host a launcher runs closed: the agent, if it failed, tells its
-        launcher what went wrong and what to do, which says more than that its link closed."""
-        return (
-            event.link_closed
-            and event.host in self.config.launched_hosts
-            and not isinstance(self._phase, Ended)
-        )
+    def _host_of(self, rank: int) -> str | None:
+        return next((mb.host for mb in self._window.members if rank in mb.ranks), None)
+
+    def _woke(self, phase: Phase, event: Woke, now: float) -> tuple[Action, ...]:
+        """The pump woke: the watch's beats and losses (:meth:`HostWatch.woke`), then this
+        machine's own deadline if it passed."""
+        due = self._own_deadline(now)
+        actions: list[Action] = []
+        for item in self.watch.woke(now, late=event.late):
+            if isinstance(item, Lost):
+                actions.extend(self.handle(HostLost(host=item.host, reason=item.reason), now))
+            else:
+                actions.append(item)
+        if due is not None and now >= due and not isinstance(self._phase, Ended):
+            actions.extend(self.handle(Tick(), now))
+        return tuple(actions)
 
     def _build_transitions(self) -> Transitions:
         """Which method takes each event in each phase; every (phase, event) pair has one entry,
@@ -213,6 +220,8 @@ class Supervisor:
         t.add(_BEFORE_VERDICT, (Interrupted,), self._interrupted)
         t.add((Ended,), (Interrupted,), self._forced)
         t.add(_ALL_PHASES, (RankConnected,), self._rank_connected)
+        t.add(_ALL_PHASES, (Woke,), self._woke)
+        t.add(_ALL_PHASES, (OrderlyStop,), self._orderly_stop)
         # only the running round's ranks report activity that matters
         t.add((Running,), (RanksReported,), self._ranks_reported)
         t.ignore((Forming, Rendezvous, Restarting, Ended), (RanksReported,))
@@ -485,7 +494,9 @@ class Supervisor:
         if event.ok:
             # The ranks now leave; their clean exits give the verdict (130/143 after an orderly stop
             # on a signal).
-            self._training_done = (event.reason, event.code)
+            stop = self._orderly_signal
+            code = ExitCode.OK if stop is None else exit_code_for_signal(stop)
+            self._training_done = (event.reason, code)
             return (Announce(text=event.reason),)
         return (
             Announce(text=event.reason, level=Level.WARNING),
@@ -573,6 +584,15 @@ class Supervisor:
             ),
         )
 
+    def _orderly_stop(self, phase: Phase, event: OrderlyStop, now: float) -> tuple[Action, ...]:
+        self._orderly_signal = event.signal
+        name = signal_name(event.signal)
+        text = (
+            f"stopping training in order on {name}: a final round, then shutdown ({name} again to "
+            "stop the ranks)"
+        )
+        return (Announce(text=text, level=Level.WARNING),)
+
     def _join_after_verdict(
         self, phase: Ended, event: JoinRequested, now: float
     ) -> tuple[Action, ...]:
@@ -641,17 +661,7 @@ class Supervisor:
                 or known.state not in (RankState.RUNNING, RankState.CONNECTED)
             ):
                 continue
-            self._ranks[activity.rank] = replace(
-                known,
-                pid=activity.pid,
-                uptime_s=activity.uptime_s,
-                process=PROCESS_STATES.get(activity.state, activity.state),
-                cpu_percent=activity.cpu_percent,
-                last_line=activity.last_line,
-                output_age_s=activity.output_age_s if activity.output_age_s >= 0 else None,
-                quiet_s=activity.quiet_s,
-                store_connected=activity.store_connected,
-            )
+            self._ranks[activity.rank] = with_activity(known, activity)
             limit = self.config.hang_timeout
             if (
                 limit is not None
@@ -685,16 +695,3 @@ class Supervisor:
         if known is not None and known.state is RankState.RUNNING:
             self._ranks[event.rank] = replace(known, state=RankState.CONNECTED, pid=event.pid)
         return ()
-
-
-# ----- descriptions ----------------------------------------------------------------------------
-
-
-def _phase_name(phase: Phase) -> str:
-    if isinstance(phase, Forming):
-        return "waiting"
-    if isinstance(phase, Rendezvous):
-        return "forming"
-    if isinstance(phase, Running | Restarting):
-        return "training"
-    return "done" if phase.result.exit_code is ExitCode.OK else "failed"

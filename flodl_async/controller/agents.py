@@ -72,4 +72,6 @@ def supervisor_config(
         ),
         # such an agent closes its link (waiting at most link_close) before it can fail
         agent_reason_wait=2 * deadlines.link_close,
+        heartbeat_interval=deadlines.heartbeat_interval,
+        heartbeat_silence=deadlines.heartbeat_silence,
     )

@@ -6,9 +6,11 @@ else. ``run()`` builds the pure :class:`~flodl_async.control.supervisor.Supervis
 channel handlers, asks each worker's agent launcher to bring its agent up, and then only pumps:
 every handler turns what arrives on the port into a supervisor event, handed over by
 :meth:`Controller._dispatch`, which carries out the returned actions at once and in order (answer a
-join, tell a host, log a line, end the run). The pump itself waits for the supervisor's next
-deadline and feeds it a ``Tick``. All decisions are the supervisor's; this module only does I/O.
-What it publishes and logs about the run is built in :mod:`.report`, the join link's events in
+join, tell a host, log a line, end the run). The pump itself sleeps until the supervisor's next
+deadline (its hosts' links' included) or the coordinator's, reads the clock once when it wakes,
+and hands the supervisor a ``Woke``. All decisions are the supervisor's; this module only does
+I/O. The channels' handlers and what goes down a host's links are :mod:`.hostlinks`; what it
+publishes and logs about the run is built in :mod:`.report`, the join link's events in
 :mod:`.joinlink`, and each placement's agent launcher in :mod:`.agents`.
 
 Teardown runs on every exit path — a verdict, an internal error, or the task being cancelled (an
@@ -35,8 +37,6 @@ from ..agent import RankOutput
 from ..config.plan import LaunchPlan, PlacedWorker, Placement
 from ..control.dispatch import TypeTable
 from ..control.exits import signal_name
-from ..control.links import ControlLinks
-from ..control.liveness import Liveness
 from ..control.supervision import (
     AcceptJoin,
     Action,
@@ -45,19 +45,21 @@ from ..control.supervision import (
     ForceStop,
     HostLost,
     Interrupted,
-    JoinRequested,
-    JoinUndelivered,
-    RankConnected,
+    OrderlyStop,
     RejectJoin,
     ResetStore,
-    StoreReady,
     TrainingEnded,
 )
 from ..control.supervisor import Supervisor
-from ..control.vocab import LOGGING_LEVELS, Announce, Tell, Tick
-from ..errors import ConnectionClosed, FlodlError, WireError
-from ..host.cores import oversubscription
-from ..host.hostaddrs import routable
+from ..control.vocab import LOGGING_LEVELS, Announce, Tell
+from ..control.watch import (
+    AbortLinks,
+    CutJoinLink,
+    LinkEvent,
+    SendHeartbeat,
+    Woke,
+)
+from ..errors import FlodlError
 from ..net.fdlimit import raise_descriptor_limit
 from ..net.framed import FramedProtocol
 from ..net.http import StatusHttpProtocol
@@ -68,13 +70,12 @@ from ..net.torchstore import BACKEND_VARIABLE
 from ..status import Counters, StatusBoard
 from ..training.metrics import EpochMetrics
 from ..training.spec import TrainerSpec
-from ..verdict import ExitCode, RunResult, exit_code_for_signal
+from ..verdict import ExitCode, RunResult
 from ..wire import messages as m
 from ..wire.channels import Channel
-from ..wire.handshake import PROTOCOL_VERSION, join_resolver, session_resolver
-from ..wire.schema import Message
+from ..wire.handshake import join_resolver, session_resolver
 from .agents import agent_launchers, supervisor_config
-from .joinlink import HOST_EVENTS, with_secret_for_token_agent
+from .hostlinks import HostLinks
 from .launchers import AgentLauncher, ControllerContact
 from .report import announce_window, connection_counters, status_snapshot
 from .training import (
@@ -106,13 +107,6 @@ class Controller:
         self._deadlines = plan.deadlines
         self._output = output
         self._resolve = session_resolver(plan.secret)
-        self._links: dict[str, FramedProtocol] = {}
-        # per admitted host's join link, until it closes or goes silent
-        self._liveness: dict[str, Liveness] = {}
-        # each host's relay upstream links and their beats' liveness (see _handle_control)
-        self._control_links: ControlLinks[FramedProtocol] = ControlLinks(
-            interval=self._deadlines.heartbeat_interval, silence=self._deadlines.heartbeat_silence
-        )
         self._mux = PortMux(
             host=plan.bind_host,
             port=plan.port,
@@ -134,13 +128,19 @@ class Controller:
         self._store = None if os.environ.get(BACKEND_VARIABLE, "python") == "torch" else PortStore()
         # the Trainer's coordinator shell, idle until a TrainerHello
         self._training: TrainingShell | None = None
-        # the launcher signal that asked for an orderly training stop
-        self._training_signal: int | None = None
         # the launcher's own spec (the user's script is the launcher)
         self._training_reference: TrainerSpec | None = None
         self._training_metrics: Callable[[EpochMetrics], None] | None = None
         self._tg: asyncio.TaskGroup | None = None
         self._reducer: Reducer | None = None
+        self._hosts = HostLinks(
+            plan=plan,
+            output=output,
+            store=self._store,
+            dispatch=self._dispatch,
+            note=self._note,
+            training=lambda: self._training,
+        )
         self._carry_out = self._carry_out_table()
 
     @property
@@ -179,19 +179,8 @@ class Controller:
         if self._supervisor is None:
             self._early_signals.append(signum)
             return
-        if (
-            self._training_signal is None
-            and self._training is not None
-            and self._training.stop(signal_name(signum))
-        ):
-            self._training_signal = signum
-            name = signal_name(signum)
-            log.warning(
-                "stopping training in order on %s: a final round, then shutdown (%s again to stop "
-                "the ranks)",
-                name,
-                name,
-            )
+        if self._training is not None and self._training.stop(signal_name(signum)):
+            self._dispatch(OrderlyStop(signal=signum))
             return
         self._dispatch(Interrupted(signal=signum))
 
@@ -232,9 +221,9 @@ class Controller:
                 self._tg = tg
                 self._training = self._training_shell(tg)
                 for channel, handler in (
-                    (Channel.JOIN, self._handle_join),
-                    (Channel.RENDEZVOUS, self._handle_rendezvous),
-                    (Channel.CONTROL, self._handle_control),
+                    (Channel.JOIN, self._hosts.handle_join),
+                    (Channel.RENDEZVOUS, self._hosts.handle_rendezvous),
+                    (Channel.CONTROL, self._hosts.handle_control),
                 ):
                     if channel is Channel.RENDEZVOUS and self._store is not None:
                         # the StoreAddress exchange is the torch backend's only
@@ -322,108 +311,81 @@ class Controller:
     # ----- the pump ------------------------------------------------------------------------------
 
     async def _pump(self) -> RunResult:
+        """Sleep until the supervisor's next deadline (its hosts' links included) or the
+        coordinator's, whichever is first, or until an event moved them; read the clock once per
+        wake and hand the supervisor the wake."""
         supervisor = self._require_supervisor()
+        now = time.monotonic()
         while self._end is None:
             self._changed.clear()
-            deadline = supervisor.next_deadline(time.monotonic())
-            beat = min((live.next_deadline() for live in self._liveness.values()), default=None)
-            relay_silence = self._control_links.next_deadline()
-            if relay_silence is not None and (beat is None or relay_silence < beat):
-                beat = relay_silence
             training = self._training.next_deadline() if self._training is not None else None
-            wake = min((t for t in (deadline, beat, training) if t is not None), default=None)
+            due = (supervisor.next_deadline(now), training)
+            wake = min((t for t in due if t is not None), default=None)
+            timed_out = False
             try:
-                async with asyncio.timeout(
-                    None if wake is None else max(wake - time.monotonic(), 0.0)
-                ):
+                async with asyncio.timeout(None if wake is None else max(wake - now, 0.0)):
                     await self._changed.wait()
             except TimeoutError:
+                timed_out = True
+            now = time.monotonic()
+            if timed_out:
                 assert wake is not None
-                self._keep_alive(time.monotonic(), late=time.monotonic() - wake)
-                if (
-                    training is not None
-                    and time.monotonic() >= training
-                    and self._training is not None
-                ):
+                self._dispatch(Woke(late=now - wake), now=now)
+                if training is not None and now >= training and self._training is not None:
                     self._training.tick()
-                if deadline is not None and time.monotonic() >= deadline and self._end is None:
-                    self._dispatch(Tick())
         return self._end.result
 
-    def _keep_alive(self, now: float, *, late: float) -> None:
-        """Beat down every join link that is due; a host silent past the deadline is lost, by
-        name."""
-        # this process was frozen: no host could be heard meanwhile
-        if late > self._deadlines.heartbeat_interval:
-            self._liveness = {host: live.excused(now) for host, live in self._liveness.items()}
-            self._control_links.excused(now)
-        # a relay's own link went silent
-        for host in self._control_links.silent_hosts(now, self._liveness):
-            silence = self._deadlines.heartbeat_silence
-            self._dispatch(
-                HostLost(
-                    host=host,
-                    reason=f"its relay's control link sent nothing for {silence:g}s (the host is "
-                    "frozen, down or cut off)",
-                )
-            )
-        for host, live in list(self._liveness.items()):
-            if live.expired(now):
-                del self._liveness[host]
-                link = self._links.pop(host, None)
-                if link is not None:
-                    # its reader ends without a second HostLost (the link is no longer the host's)
-                    link.abort()
-                silence = self._deadlines.heartbeat_silence
-                reason = f"no heartbeat for {silence:g}s (the host is frozen, down or cut off)"
-                self._dispatch(HostLost(host=host, reason=reason))
-            elif live.send_due(now):
-                link = self._links.get(host)
-                if link is not None:
-                    # a link that just died: its reader reports it
-                    with contextlib.suppress(ConnectionClosed):
-                        link.send(m.Heartbeat(sent_at=now))
-                self._liveness[host] = live.sent(now)
-
-    def _dispatch(self, event: Event, *, reply_link: FramedProtocol | None = None) -> None:
+    def _dispatch(
+        self,
+        event: Event | LinkEvent,
+        *,
+        reply_link: FramedProtocol | None = None,
+        now: float | None = None,
+    ) -> None:
         """Hand one event to the supervisor and carry out its actions now, in order."""
-        supervisor = self._require_supervisor()
-        if isinstance(event, HostLost):
-            self._drop_control_links(event.host)
-        pending: collections.deque[tuple[Event, FramedProtocol | None]] = collections.deque(
-            [(event, reply_link)]
-        )
-        while pending:
-            current, link = pending.popleft()
-            for action in supervisor.handle(current, time.monotonic()):
-                follow_up = self._carry_out(action, link)
-                if follow_up is not None:
-                    pending.append((follow_up, None))
+        self._carry_out_all(event, reply_link, time.monotonic() if now is None else now)
         self._publish()
         self._changed.set()
 
-    def _carry_out_table(self) -> TypeTable[Action, [FramedProtocol | None], Event | None]:
+    def _note(self, event: LinkEvent) -> None:
+        """A link bound, heard or closed: the supervisor's watch takes it; it changes nothing the
+        status page shows, and the pump looks again at its next wake."""
+        self._carry_out_all(event, None, time.monotonic())
+
+    def _carry_out_all(
+        self, event: Event | LinkEvent, reply_link: FramedProtocol | None, now: float
+    ) -> None:
+        supervisor = self._require_supervisor()
+        pending: collections.deque[tuple[Event | LinkEvent, FramedProtocol | None]] = (
+            collections.deque([(event, reply_link)])
+        )
+        while pending:
+            current, link = pending.popleft()
+            for action in supervisor.handle(current, now):
+                follow_up = self._carry_out(action, link)
+                if follow_up is not None:
+                    pending.append((follow_up, None))
+
+    def _carry_out_table(
+        self,
+    ) -> TypeTable[Action, [FramedProtocol | None], Event | LinkEvent | None]:
         """Which method carries out each supervisor action: ``(action, reply_link)`` in, a
         follow-up event (an accept that could not be delivered) or None out."""
-        table: TypeTable[Action, [FramedProtocol | None], Event | None] = TypeTable(
+        table: TypeTable[Action, [FramedProtocol | None], Event | LinkEvent | None] = TypeTable(
             "the controller's supervisor actions"
         )
-        table.add(Tell, self._tell)
+        table.add(Tell, self._hosts.tell)
         table.add(Announce, self._announce)
-        table.add(AcceptJoin, self._accept_join)
-        table.add(RejectJoin, self._reject_join)
+        table.add(AcceptJoin, self._hosts.accept_join)
+        table.add(RejectJoin, self._hosts.reject_join)
         table.add(ForceStop, self._force_stop)
         table.add(ResetStore, self._reset_store)
         table.add(EndRun, self._end_run)
+        table.add(SendHeartbeat, self._hosts.send_heartbeat)
+        table.add(CutJoinLink, self._hosts.cut_join_link)
+        table.add(AbortLinks, self._hosts.abort_links)
         table.require(Action)
         return table
-
-    def _tell(self, action: Tell[str], reply_link: FramedProtocol | None) -> None:
-        link = self._links.get(action.to)
-        if link is not None:
-            # a link that just died: its handler reports HostLost
-            with contextlib.suppress(ConnectionClosed):
-                link.send(action.message)
 
     def _announce(self, action: Announce, reply_link: FramedProtocol | None) -> None:
         level = LOGGING_LEVELS[action.level]
@@ -432,34 +394,13 @@ class Controller:
             level = logging.DEBUG
         log.log(level, "%s", action.text)
 
-    def _accept_join(
-        self, action: AcceptJoin, reply_link: FramedProtocol | None
-    ) -> JoinUndelivered | None:
-        assert reply_link is not None
-        try:
-            reply_link.send(with_secret_for_token_agent(action.reply, reply_link, self.plan.secret))
-        except ConnectionClosed:
-            return JoinUndelivered(host=action.host)
-        self._links[action.host] = reply_link
-        d = self._deadlines
-        self._liveness[action.host] = Liveness.start(
-            time.monotonic(), interval=d.heartbeat_interval, silence=d.heartbeat_silence
-        )
-        if self._store is not None:
-            # its ranks dial the store from the same address
-            self._store.admit_host(reply_link.peer_host)
-        return None
-
-    def _reject_join(self, action: RejectJoin, reply_link: FramedProtocol | None) -> None:
-        assert reply_link is not None
-        with contextlib.suppress(ConnectionClosed):
-            reply_link.send(m.JoinReject(reason=action.reason))
-
     def _force_stop(self, action: ForceStop, reply_link: FramedProtocol | None) -> None:
         self._forced = True
         for launcher in self._launchers.values():
             launcher.force_stop()
-        self._send_all(m.Abort(reason="forced stop", grace_s=0.0, first_signal=int(signal.SIGKILL)))
+        self._hosts.send_all(
+            m.Abort(reason="forced stop", grace_s=0.0, first_signal=int(signal.SIGKILL))
+        )
 
     def _reset_store(self, action: ResetStore, reply_link: FramedProtocol | None) -> None:
         assert self._store is not None  # only asked for when the store is ours
@@ -467,11 +408,6 @@ class Controller:
 
     def _end_run(self, action: EndRun, reply_link: FramedProtocol | None) -> None:
         self._end = action
-
-    def _send_all(self, msg: Message) -> None:
-        for link in list(self._links.values()):
-            with contextlib.suppress(ConnectionClosed):
-                link.send(msg)
 
     # ----- agents and teardown -------------------------------------------------------------------
 
@@ -501,11 +437,11 @@ class Controller:
             farewell = m.Abort(
                 reason=farewell.reason, grace_s=0.0, first_signal=int(signal.SIGKILL)
             )
-        self._send_all(farewell)
+        self._hosts.send_all(farewell)
         grace = farewell.grace_s if isinstance(farewell, m.Abort) else self._deadlines.stop_grace
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(grace + self._deadlines.teardown_margin):
-                await asyncio.gather(*(link.wait_closed() for link in self._links.values()))
+                await asyncio.gather(*(link.wait_closed() for link in self._hosts.links.values()))
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(self._deadlines.teardown_margin):
                 await asyncio.gather(*agent_tasks, return_exceptions=True)
@@ -514,126 +450,6 @@ class Controller:
             task.cancel()
 
     # ----- channel handlers ----------------------------------------------------------------------
-
-    async def _handle_join(self, link: FramedProtocol) -> None:
-        async with asyncio.timeout(self._deadlines.join_handshake):
-            hello = await link.recv_message()
-        if not isinstance(hello, m.JoinHello):
-            log.warning(
-                "join channel: %s opened with %s, not JoinHello; closing",
-                link.peer_label,
-                type(hello).__name__,
-            )
-            return
-        self._dispatch(
-            JoinRequested(
-                host=hello.host,
-                devices=hello.devices,
-                protocol_version=PROTOCOL_VERSION,
-                agent_version=hello.agent_version,
-            ),
-            reply_link=link,
-        )
-        if self._links.get(hello.host) is not link:
-            await link.drain()  # refused: the reject is flushed, then the service closes the link
-            return
-        # this process's own agent: flodl-launch checked it first (launch.warn_oversubscribed)
-        crowded = (
-            None
-            if hello.pid == os.getpid()
-            else oversubscription(hello.host, hello.devices, hello.cores)
-        )
-        if crowded is not None:
-            log.warning("%s", crowded)
-        # a multi-homed host's ranks may dial the store from any of its addresses
-        if self._store is not None:
-            for address in routable(hello.addresses):
-                self._store.admit_host(address)
-        try:
-            while True:
-                msg = await link.recv_message()
-                live = self._liveness.get(hello.host)
-                if live is not None and self._links.get(hello.host) is link:
-                    # any frame is a sign of life
-                    self._liveness[hello.host] = live.heard(time.monotonic())
-                if isinstance(msg, m.RankOutput):  # output is I/O, not a supervisor event
-                    self._output.receive(hello.host, msg)
-                    continue
-                to_event = HOST_EVENTS.get(type(msg))
-                if to_event is not None:
-                    self._dispatch(to_event(hello.host, msg))
-        except (ConnectionClosed, WireError) as exc:
-            # not when the liveness check already cut it off
-            if self._links.get(hello.host) is link:
-                self._liveness.pop(hello.host, None)
-                self._dispatch(HostLost(host=hello.host, reason=str(exc), link_closed=True))
-
-    async def _handle_rendezvous(self, link: FramedProtocol) -> None:
-        while True:
-            msg = await link.recv_message()
-            if isinstance(msg, m.StoreAddress):
-                self._dispatch(
-                    StoreReady(round=msg.round, addr=msg.host or link.peer_host, port=msg.port)
-                )
-
-    async def _handle_control(self, link: FramedProtocol) -> None:
-        """A control link: a host's relay upstream (or a rank of its own, under the torch store
-        backend).
-
-        Liveness: a relay beats up its link (``Heartbeat(relay=True)``, naming one of its host's
-        ranks) and the controller echoes; a relay link silent past ``heartbeat_silence`` loses its
-        host, by name, as a silent join link does (:meth:`_keep_alive`). A link is bound to the
-        host of the rank its first beat or RankHello names, and when that host is lost for any
-        reason (join link silent or closed, its agent failed) the controller aborts the link at
-        once, not at teardown.
-        """
-        host: str | None = None
-        training = self._training
-        assert training is not None
-        try:
-            while True:
-                msg = await link.recv_message()
-                if isinstance(msg, m.RankHello):
-                    host = host or self._bind_control_link(link, msg.rank)
-                    self._dispatch(RankConnected(rank=msg.rank, pid=msg.pid))
-                    training.bind_rank(msg.rank, link)
-                    link.send(m.RankWelcome(rank=msg.rank, run_id=self.plan.run_id))
-                # the relay's own beat: its link's liveness, no rank's
-                elif isinstance(msg, m.Heartbeat) and msg.relay:
-                    host = host or self._bind_control_link(link, msg.rank)
-                    # a host of this run, still in it: watch this link
-                    if host is not None and host in self._links:
-                        self._control_links.heard(link, host, time.monotonic())
-                    link.send(m.Heartbeat(sent_at=msg.sent_at, rank=msg.rank, relay=True))
-                elif isinstance(msg, m.Heartbeat):
-                    link.send(m.Heartbeat(sent_at=msg.sent_at, rank=msg.rank))
-                    training.seen(msg.rank)
-                else:
-                    training.receive(msg, link)  # the Trainer's coordinator protocol
-        finally:
-            training.link_closed(link)
-            self._control_links.closed(link, host)
-
-    def _bind_control_link(self, link: FramedProtocol, rank: int) -> str | None:
-        """The host that runs ``rank`` (from the formed world), with ``link`` recorded as one of its
-        control links."""
-        if self._supervisor is None:
-            return None
-        host = next((mb.host for mb in self._supervisor.view().members if rank in mb.ranks), None)
-        if host is not None:
-            self._control_links.bind(link, host)
-        return host
-
-    def _drop_control_links(self, host: str) -> None:
-        links = self._control_links.drop(host)
-        for link in links:
-            link.abort()
-        if links:
-            log.info(
-                'host "%s" lost: closed its %d control link(s) (relay upstream) with it',
-                host,
-                len(links),
-            )
 
     # ----- the Trainer (controller/training.py does the work) -------------------------------------
 
@@ -664,9 +480,8 @@ class Controller:
         return view.world_size, {r.rank: r.host for r in view.ranks}
 
     def _training_outcome(self, outcome: TrainingOutcome) -> None:
-        code = ExitCode(outcome.code) if not outcome.ok else ExitCode.OK
-        if outcome.ok and self._training_signal is not None:
-            code = exit_code_for_signal(self._training_signal)
+        # an orderly end's code is the supervisor's (it knows the signal that asked for it)
+        code = ExitCode.OK if outcome.ok else ExitCode(outcome.code)
         self._dispatch(
             TrainingEnded(ok=outcome.ok, reason=outcome.reason, code=code, details=outcome.details)
         )
