@@ -27,12 +27,12 @@ from flodl_async.training.coordination import (
     sender,
 )
 from flodl_async.training.coordinator import Coordinator
-from flodl_async.training.policy import Backend
-from flodl_async.training.spec import TrainerSpec
+from flodl_async.training.policy import Backend, Policy
+from flodl_async.training.spec import ElCheConfig, TrainerSpec
 from flodl_async.verdict import ExitCode
 from flodl_async.wire import messages as m
 
-from .coordkit import Driver, hello
+from .coordkit import Driver, hello, plans
 from .test_coordinator import coordinator, spec, started
 
 
@@ -319,3 +319,250 @@ def test_every_event_names_its_sender_or_none() -> None:
     assert sender(TrainerJoined(hello=hello(0, spec()))) is None
     assert sender(RankLost(rank=1, reason="x")) is None
     assert sender(Tick()) is None
+
+
+# ----- the end of a run -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("policy", "backend", "tail"),
+    [
+        # SYNC/CADENCE end held at the last reduce: the controller's consensus is final as it is
+        (Policy.SYNC, Backend.CPU, [("final", True, True)]),
+        (Policy.CADENCE, Backend.CPU, [("final", True, True)]),
+        # ASYNC locals differ: every rank contributes
+        (Policy.ASYNC, Backend.CPU, [("final", False, True)]),
+        # COLLECTIVE: the ranks hold the consensus, the primary uploads it
+        (Policy.CADENCE, Backend.COLLECTIVE, [("upload", False, True)]),
+    ],
+)
+def test_a_natural_end_closes_with_the_right_rounds_and_says_complete(
+    policy: Policy, backend: Backend, tail: list[tuple[str, bool, bool]]
+) -> None:
+    d = Driver(spec(policy, backend=backend))
+    d.run()
+    after_model = d.rounds[[r.kind for r in d.rounds].index("init") + 1 :]
+    last_model = max(i for i, r in enumerate(after_model) if r.kind == "model")
+    ending = after_model[last_model + 1 :]
+    assert [(r.kind, r.from_controller, r.reducer) for r in ending] == tail
+    assert [r.round for r in d.rounds] == list(range(len(d.rounds)))  # one number per round
+    assert all(r.message.round == r.round and r.message.kind == r.kind for r in d.rounds)
+    assert all(r.message.from_controller == r.from_controller for r in d.rounds)
+    reason = "training complete: 2 epoch(s) on 2 rank(s)"
+    assert d.actions[-2:] == [
+        shutdown(reason, "completed"),
+        Finish(reason=reason, save_reason="completed", interrupted=False),
+    ]
+    assert d.coord.phase is CoordPhase.DONE
+    assert d.coord.completed_epochs == 2
+    assert d.coord.next_deadline(d.now) is None
+    # an epoch's metrics count its reduces, each of the Driver's 2 ms
+    assert [e.epoch for e in d.epochs] == [0, 1]
+    for e in d.epochs:
+        assert e.batches == 16
+        assert e.reduces >= 1
+        assert e.avg_reduce_ms == pytest.approx(2.0)
+        assert [r.alive for r in e.per_rank] == [True, True]
+    assert d.coord.view(d.now).last_reduce_ms == 2.0
+
+
+def test_the_start_announces_the_run_and_opens_round_0_from_the_root() -> None:
+    c = coordinator(2)
+    c.handle(TrainerJoined(hello=hello(0, spec())), 1.0)
+    out = c.handle(TrainerJoined(hello=hello(1, spec())), 2.0)
+    assert out[:3] == [
+        Tell(
+            to=1,
+            message=m.TrainerWelcome(rank=1, world_size=2, run_id="r", primary_rank=0),
+        ),
+        Announce(text="training: 2 rank(s), CADENCE on CPU, 2 x 16 batches"),
+        StartRound(
+            round=0,
+            kind="init",
+            expected=frozenset({0, 1}),
+            from_controller=False,
+            reducer=True,
+            message=m.Reduce(round=0, kind="init", from_controller=False),
+        ),
+    ]
+    assert [(p.rank, p.round, p.epoch, p.progress) for p in plans(out)] == [
+        (0, 1, 0, 0.0),
+        (1, 1, 0, 0.0),
+    ]
+    assert c.phase is CoordPhase.INIT
+
+
+def test_a_stopped_collective_run_contributes_its_final_round_then_uploads_it() -> None:
+    d = Driver(spec(backend=Backend.COLLECTIVE))
+    d.join_all()
+    for _ in range(4):
+        d.feed(d.pending.popleft())
+    d.feed(StopRequested(reason="SIGTERM"))
+    d.run()
+    assert [(r.kind, r.from_controller, r.reducer) for r in d.rounds[-2:]] == [
+        ("final", False, False),
+        ("upload", False, True),
+    ]
+    assert isinstance(d.ended, Finish)
+    assert d.ended.interrupted
+
+
+# ----- what ElChe and the plans are told ---------------------------------------------------------
+
+
+def window(rank: int, round_: int, compute_ms: float, data_ms: float) -> WindowReported:
+    return WindowReported(
+        report=m.WindowDone(
+            rank=rank,
+            round=round_,
+            epoch=0,
+            batches=2,
+            samples=8,
+            compute_ms=compute_ms,
+            data_ms=data_ms,
+            loss_sum=1.0,
+        )
+    )
+
+
+def test_a_ranks_data_wait_counts_in_its_speed_under_cadence() -> None:
+    """CADENCE times what a rank's window cost it, data loading included: a rank that computes
+    fast but waits on its data is the slow one."""
+    c = coordinator(2)
+    for rank in (0, 1):
+        c.handle(TrainerJoined(hello=hello(rank, spec(epochs=3, dataset_len=1600))), 1.0)
+    c.handle(RoundCompleted(round=0, kind="init", mass=1.0, duration_ms=1.0), 2.0)
+    c.handle(window(0, 1, 20.0, 0.0), 3.0)
+    out = c.handle(window(1, 1, 2.0, 30.0), 3.0)  # 32 ms against rank 0's 20 ms
+    [started_round] = [a for a in out if isinstance(a, StartRound)]
+    assert (started_round.round, started_round.kind) == (1, "model")
+    counts = c.view(3.0).counts
+    assert counts[0] > counts[1] == 2  # the slow rank anchors
+    assert [(p.rank, p.round, p.quota) for p in plans(out)] == [(0, 2, counts[0]), (1, 2, 2)]
+    assert c.view(3.0).ranks[1].batches == 2
+
+
+def test_plan_progress_is_the_share_of_the_epoch_in_a_consensus() -> None:
+    """A plan's progress (the ranks' progress bar) counts the batches already reduced: the Driver
+    completes each round before the next fires, so round r's plans see the rounds up to r - 2."""
+    d = Driver(spec(Policy.CADENCE, epochs=3))
+    d.run()
+    issued = plans(d.actions)
+    for p in issued:
+        reduced = sum(q.quota for q in issued if q.epoch == p.epoch and q.round <= p.round - 2)
+        assert p.progress == pytest.approx(p.epoch + reduced / 16), p
+    assert {p.progress for p in issued} > {0.0, 1.0, 2.0}  # within an epoch too
+
+
+def test_sync_plans_are_one_slice_each_and_an_empty_slice_holds_at_once() -> None:
+    d = Driver(spec(Policy.SYNC, dataset_len=4))  # one batch for two ranks
+    d.join_all()
+    first = plans(d.actions)
+    assert [(p.rank, p.ranges, p.quota, p.progress) for p in first] == [
+        (0, ((0, 1),), 1, 0.0),
+        (1, (), 0, 0.0),
+    ]
+    d.run()
+    assert isinstance(d.ended, Finish)
+    assert [p.progress for p in plans(d.actions) if p.epoch == 1] == [1.0, 1.0]
+
+
+def test_sync_slices_follow_the_partition_ratios_of_this_world_size_only() -> None:
+    d = Driver(spec(Policy.SYNC, elche=ElCheConfig(partition_ratios=(0.75, 0.25))))
+    d.join_all()
+    assert [p.ranges for p in plans(d.actions)] == [((0, 12),), ((12, 4),)]
+    assert all(p.quota == 1 for p in plans(d.actions))
+    d = Driver(spec(Policy.SYNC, elche=ElCheConfig(partition_ratios=(0.5, 0.25, 0.25))))
+    d.join_all()
+    assert [p.ranges for p in plans(d.actions)] == [((0, 8),), ((8, 8),)]
+    d.run()
+    assert isinstance(d.ended, Finish)
+    assert [e.counts for e in d.epochs] == [d.coord.view(d.now).counts] * 2
+
+
+# ----- joining, looked at closely --------------------------------------------------------------
+
+
+def test_the_welcome_names_the_primary_and_the_max_failure_warning_comes_before_round_0() -> None:
+    c = Coordinator(
+        CoordinatorConfig(run_id="run-7", world_size=2, primary_rank=1, hosts={0: "a"}), now=0.0
+    )
+    first = hello(0, spec(max_failure=1))
+    assert c.handle(TrainerJoined(hello=first), 1.0) == [
+        Tell(to=0, message=m.TrainerWelcome(rank=0, world_size=2, run_id="run-7", primary_rank=1))
+    ]
+    out = c.handle(TrainerJoined(hello=hello(1, spec(max_failure=1))), 2.0)
+    assert isinstance(out[2], Announce)
+    assert out[2].level is Level.WARNING
+    assert isinstance(out[3], StartRound)
+    assert c.reference == first  # the stage kept it through the start
+    # a rank with no host of record is "its host" in verdicts, "" on the page
+    assert c.view(2.0).ranks[1].host == ""
+    lost = c.handle(RankLost(rank=1, reason="killed"), 3.0)
+    assert lost[0] == warning("rank 1 on its host lost: killed")
+    assert c.view(3.0).ranks[1].state == "dead"
+
+
+def test_a_frame_from_a_rank_that_has_not_joined_is_not_its_heartbeat() -> None:
+    c = coordinator(2)
+    c.handle(TrainerJoined(hello=hello(0, spec())), 1.0)
+    c.handle(FrameSeen(rank=1), 5.0)
+    assert c.view(7.0).ranks[1].heartbeat_age == 0.0
+    assert c.view(7.0).ranks[0].heartbeat_age == 6.0
+
+
+def test_a_digest_that_does_not_match_names_the_rank_its_host_and_the_likely_cause() -> None:
+    import dataclasses
+
+    c = coordinator(3)
+    bad = dataclasses.replace(hello(2, spec()), digest="00" * 32)
+    reason = (
+        "rank 2 (host b) sent a digest that does not match its own Trainer spec; are the rank "
+        "and the controller running the same flodl_async version?"
+    )
+    assert c.handle(TrainerJoined(hello=bad), 1.0) == [
+        Tell(to=2, message=m.TrainerReject(rank=2, reason=reason)),
+        warning(reason),
+        shutdown(reason, ""),
+        Fail(code=ExitCode.FORMATION, reason=reason, rank=2),
+    ]
+
+
+# ----- COLLECTIVE rounds --------------------------------------------------------------------
+
+
+def test_a_collective_round_completes_on_each_ranks_reducedone_once() -> None:
+    c = coordinator(2)
+    for rank in (0, 1):
+        c.handle(TrainerJoined(hello=hello(rank, spec(backend=Backend.COLLECTIVE))), 1.0)
+
+    def done(rank: int, round_: int, ms: float) -> CollectiveDone:
+        return CollectiveDone(message=m.ReduceDone(rank=rank, round=round_, mass=1.0, ms=ms))
+
+    assert c.handle(done(0, 5, 1.0), 2.0) == []  # not the round in flight
+    assert c.handle(done(0, 0, 4.0), 2.0) == []
+    assert c.handle(done(0, 0, 9.0), 2.0) == []  # a second answer from rank 0 counts once
+    assert c.handle(RoundCompleted(round=0, kind="init", mass=1.0, duration_ms=1.0), 2.0) == [
+        warning("round 0 (init) completed, but it is not the round in flight; ignoring")
+    ]  # the reducer does not run collective rounds
+    assert c.phase is CoordPhase.INIT
+    c.handle(done(1, 0, 3.0), 2.0)
+    assert c.phase is CoordPhase.TRAINING
+    assert c.view(2.0).last_reduce_ms == 4.0  # the slowest rank's
+
+
+def test_the_reducer_ignores_reducedone_on_the_cpu_backend() -> None:
+    d = started()
+    assert (
+        d.coord.handle(
+            CollectiveDone(message=m.ReduceDone(rank=0, round=0, mass=1.0, ms=1.0)), d.now
+        )
+        == []
+    )
+    assert (
+        d.coord.handle(
+            CollectiveDone(message=m.ReduceDone(rank=1, round=0, mass=1.0, ms=1.0)), d.now
+        )
+        == []
+    )
+    assert d.coord.phase is CoordPhase.INIT

@@ -108,7 +108,6 @@ class _InFlight:
     collective: bool
     waiting: set[int]
     closes_epoch: int | None = None
-    mass: float = 0.0
     ms: float = 0.0
 
 
@@ -124,7 +123,7 @@ class Coordinator:
         self.config = config
         self.phase = CoordPhase.JOINING
         self._stage: Stage = BeforeHello()
-        self._joined: dict[int, m.TrainerHello] = {}
+        self._joined: set[int] = set()
         self._alive: set[int] = set()
         self._dead: set[int] = set()
         self._exiting: set[int] = set()
@@ -284,7 +283,7 @@ class Coordinator:
             return self._fail_before_init(rank, checked)
         if isinstance(self._stage, BeforeHello):
             self._stage = Joining(reference=hello, spec=checked, first_hello_at=now)
-        self._joined[rank] = hello
+        self._joined.add(rank)
         self._alive.add(rank)
         self._last_seen[rank] = now
         actions: list[Action] = [
@@ -459,7 +458,7 @@ class Coordinator:
                     "flight; ignoring"
                 )
             ]
-        return self._round_done(flying, event.mass, event.duration_ms, now)
+        return self._round_done(flying, event.duration_ms, now)
 
     def _on_collective_done(self, event: CollectiveDone, now: float) -> list[Action]:
         msg = event.message
@@ -472,17 +471,13 @@ class Coordinator:
         ):
             return []
         flying.waiting.discard(msg.rank)
-        flying.mass = msg.mass
         flying.ms = max(flying.ms, msg.ms)
         if flying.waiting:
             return []
-        return self._round_done(flying, flying.mass, flying.ms, now)
+        return self._round_done(flying, flying.ms, now)
 
-    def _round_done(
-        self, flying: _InFlight, mass: float, duration_ms: float, now: float
-    ) -> list[Action]:
-        # the consensus' mass matters to the ranks (0: keep local state), not to the schedule
-        del mass
+    def _round_done(self, flying: _InFlight, duration_ms: float, now: float) -> list[Action]:
+        # A consensus' mass matters to the ranks (0: keep local state), not to the schedule.
         self._in_flight = None
         self._last_sync_ms = duration_ms
         actions: list[Action] = []
