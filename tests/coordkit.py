@@ -78,6 +78,10 @@ class Driver:
 
     def feed(self, event: Event) -> list[Action]:
         out = self.coord.handle(event, self.now)
+        # The fake ranks answer at once and every timeout is seconds long: whatever the
+        # coordinator waits for next (a round's stall, a heartbeat) is still ahead.
+        deadline = self.coord.next_deadline(self.now)
+        assert deadline is None or deadline > self.now, (deadline, self.now)
         self.now += 0.001
         self.actions.extend(out)
         for action in out:

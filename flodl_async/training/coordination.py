@@ -13,9 +13,11 @@ import enum
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from ..control.dispatch import TypeTable
 from ..control.vocab import Announce, Tell, Tick
 from ..verdict import ExitCode
 from ..wire import messages as m
+from .elche import ElChe
 from .metrics import EpochMetrics
 from .spec import TrainerSpec
 
@@ -57,6 +59,36 @@ class CoordPhase(enum.Enum):
     DONE = "done"
     FAILED = "failed"
 
+
+# ----- what each stage holds ----------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BeforeHello:
+    """No valid hello yet: no spec, no deadline."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Joining:
+    """The first valid hello fixed the run's spec; the others have ``hello_timeout`` from
+    ``first_hello_at``."""
+
+    reference: m.TrainerHello
+    spec: TrainerSpec
+    first_hello_at: float
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Running:
+    """Every rank said hello: ElChe sizes the windows (from INIT to the end of the run)."""
+
+    reference: m.TrainerHello
+    spec: TrainerSpec
+    elche: ElChe
+
+
+#: The coordinator's data by stage; :class:`CoordPhase` says where within it the run is.
+Stage = BeforeHello | Joining | Running
 
 # ----- events --------------------------------------------------------------------------------
 
@@ -134,6 +166,37 @@ Event = (
     | StopRequested
     | Tick
 )
+
+
+def _no_sender(event: TrainerJoined | RankLost | RoundCompleted | StopRequested | Tick, /) -> None:
+    # a hello is recorded by its own handler; the others are not frames from a rank
+    del event
+
+
+def _reporter(event: WindowReported, /) -> int:
+    return event.report.rank
+
+
+def _frame_sender(event: FrameSeen, /) -> int:
+    return event.rank
+
+
+def _message_sender(event: RankExiting | CollectiveDone, /) -> int:
+    return event.message.rank
+
+
+sender: TypeTable[Event, [], int | None] = TypeTable("the coordinator's events' senders")
+"""``sender(event)``: the rank whose frame ``event`` is (a sign of life), or None."""
+sender.add(TrainerJoined, _no_sender)
+sender.add(RankLost, _no_sender)
+sender.add(RoundCompleted, _no_sender)
+sender.add(StopRequested, _no_sender)
+sender.add(Tick, _no_sender)
+sender.add(WindowReported, _reporter)
+sender.add(FrameSeen, _frame_sender)
+sender.add(RankExiting, _message_sender)
+sender.add(CollectiveDone, _message_sender)
+sender.require(Event)
 
 # ----- actions -------------------------------------------------------------------------------
 

@@ -50,6 +50,7 @@ from . import partition as part
 from .coordination import (
     EVERY_RANK,
     Action,
+    BeforeHello,
     CollectiveDone,
     CoordinatorConfig,
     CoordinatorView,
@@ -59,15 +60,19 @@ from .coordination import (
     Fail,
     Finish,
     FrameSeen,
+    Joining,
     PublishEpoch,
     RankExiting,
     RankLost,
     RankView,
     RoundCompleted,
+    Running,
+    Stage,
     StartRound,
     StopRequested,
     TrainerJoined,
     WindowReported,
+    sender,
 )
 from .elche import ElChe
 from .metrics import EpochLedger
@@ -103,7 +108,6 @@ class _InFlight:
     collective: bool
     waiting: set[int]
     closes_epoch: int | None = None
-    mass: float = 0.0
     ms: float = 0.0
 
 
@@ -118,15 +122,12 @@ class Coordinator:
         del now
         self.config = config
         self.phase = CoordPhase.JOINING
-        self._reference: m.TrainerHello | None = None
-        self._spec: TrainerSpec | None = None
-        self._first_hello_at: float | None = None
-        self._joined: dict[int, m.TrainerHello] = {}
+        self._stage: Stage = BeforeHello()
+        self._joined: set[int] = set()
         self._alive: set[int] = set()
         self._dead: set[int] = set()
         self._exiting: set[int] = set()
         self._last_seen: dict[int, float] = {}
-        self._elche: ElChe | None = None
         self._round = 1  # the window being gathered; round 0 is INIT
         self._reports: dict[int, dict[int, m.WindowDone]] = {}
         self._plans: dict[tuple[int, int], m.Plan] = {}
@@ -161,12 +162,12 @@ class Coordinator:
     @property
     def spec(self) -> TrainerSpec | None:
         """The reference spec (after the first valid hello)."""
-        return self._spec
+        return None if isinstance(self._stage, BeforeHello) else self._stage.spec
 
     @property
     def reference(self) -> m.TrainerHello | None:
         """The hello that fixed the run's spec, schema and digest."""
-        return self._reference
+        return None if isinstance(self._stage, BeforeHello) else self._stage.reference
 
     @property
     def alive(self) -> frozenset[int]:
@@ -194,9 +195,8 @@ class Coordinator:
         return sum(self._batches.values()) // self.config.world_size
 
     def _heartbeat_timeout(self) -> float | None:
-        return (
-            None if self._spec is None else self._spec.heartbeat_timeout * self.config.timeout_scale
-        )
+        spec = self.spec
+        return None if spec is None else spec.heartbeat_timeout * self.config.timeout_scale
 
     def next_deadline(self, now: float) -> float | None:
         """When to call again with :class:`Tick` if nothing else happens (None: no deadline)."""
@@ -204,8 +204,8 @@ class Coordinator:
         if self.phase in _OVER:
             return None
         candidates: list[float] = []
-        if self.phase is CoordPhase.JOINING and self._first_hello_at is not None:
-            candidates.append(self._first_hello_at + self.config.hello_timeout)
+        if isinstance(self._stage, Joining):
+            candidates.append(self._stage.first_hello_at + self.config.hello_timeout)
         timeout = self._heartbeat_timeout()
         if timeout is not None:
             candidates.extend(
@@ -217,8 +217,8 @@ class Coordinator:
 
     def view(self, now: float) -> CoordinatorView:
         """What the status page shows of training."""
-        spec = self._spec
-        elche = self._elche
+        spec = self.spec
+        elche = self._stage.elche if isinstance(self._stage, Running) else None
         ranks = []
         for rank in range(self.config.world_size):
             state = (
@@ -256,7 +256,7 @@ class Coordinator:
 
     def handle(self, event: Event, now: float) -> list[Action]:
         """Take one event; return what the shell must do, in order."""
-        rank = _rank_of(event)
+        rank = sender(event)
         if rank is not None and rank in self._joined:
             self._last_seen[rank] = max(self._last_seen.get(rank, now), now)
         if self.phase in _OVER and not isinstance(event, TrainerJoined):
@@ -278,13 +278,12 @@ class Coordinator:
             return [_reject(rank, "this run's Trainer already started without it")]
         if not 0 <= rank < self.config.world_size:
             return [_reject(rank, f"rank {rank} is not in this world of {self.config.world_size}")]
-        problem = self._check_hello(hello)
-        if problem is not None:
-            return self._fail_before_init(rank, problem)
-        if self._reference is None:
-            self._reference = hello
-            self._first_hello_at = now
-        self._joined[rank] = hello
+        checked = self._check_hello(hello)
+        if isinstance(checked, str):
+            return self._fail_before_init(rank, checked)
+        if isinstance(self._stage, BeforeHello):
+            self._stage = Joining(reference=hello, spec=checked, first_hello_at=now)
+        self._joined.add(rank)
         self._alive.add(rank)
         self._last_seen[rank] = now
         actions: list[Action] = [
@@ -302,8 +301,9 @@ class Coordinator:
             actions.extend(self._start(now))
         return actions
 
-    def _check_hello(self, hello: m.TrainerHello) -> str | None:
-        """Why this hello cannot join (None: it can); the first valid one becomes the reference."""
+    def _check_hello(self, hello: m.TrainerHello) -> TrainerSpec | str:
+        """The run's spec if this hello can join, else why not; the first valid one becomes the
+        reference."""
         try:
             claimed = digest_of(hello.spec, hello.model)
         except ConfigError as exc:
@@ -327,18 +327,18 @@ class Coordinator:
                     "Every rank must build the Trainer from the same arguments — are the ranks "
                     "running different code or command lines?"
                 )
-        ref = self._reference
-        if ref is None:
+        stage = self._stage
+        if isinstance(stage, BeforeHello):
             try:
-                self._spec = TrainerSpec.from_wire(hello.spec)
+                return TrainerSpec.from_wire(hello.spec)
             except ConfigError as exc:
                 return (
                     f"rank {hello.rank} ({self._host(hello.rank)}) sent an invalid Trainer "
                     f"spec: {exc}"
                 )
-            return None
+        ref = stage.reference
         if hello.digest == ref.digest:
-            return None
+            return stage.spec
         diff = spec_diff(ref.spec, hello.spec)
         what = "Trainer"
         if diff is None:
@@ -370,20 +370,29 @@ class Coordinator:
             Fail(code=code, reason=reason, rank=rank, save_reason=save_reason),
         ]
 
+    def _running(self) -> Running:
+        if not isinstance(self._stage, Running):
+            raise RuntimeError(f"the coordinator is {self.phase.value}, not training")
+        return self._stage
+
     def _require_spec(self) -> TrainerSpec:
-        if self._spec is None:
-            raise RuntimeError("no reference spec yet")
-        return self._spec
+        return self._running().spec
 
     def _start(self, now: float) -> list[Action]:
-        spec = self._require_spec()
+        joining = self._stage
+        assert isinstance(joining, Joining)  # every rank said hello
+        spec = joining.spec
         self.phase = CoordPhase.INIT
-        self._elche = ElChe(
-            self.config.world_size,
-            spec.settings,
-            batches_per_epoch=spec.n_batches,
-            growth=spec.policy is not Policy.SYNC,
-            dispatch=RULES[spec.policy].elche_dispatch,
+        self._stage = Running(
+            reference=joining.reference,
+            spec=spec,
+            elche=ElChe(
+                self.config.world_size,
+                spec.settings,
+                batches_per_epoch=spec.n_batches,
+                growth=spec.policy is not Policy.SYNC,
+                dispatch=RULES[spec.policy].elche_dispatch,
+            ),
         )
         actions: list[Action] = [
             Announce(
@@ -449,7 +458,7 @@ class Coordinator:
                     "flight; ignoring"
                 )
             ]
-        return self._round_done(flying, event.mass, event.duration_ms, now)
+        return self._round_done(flying, event.duration_ms, now)
 
     def _on_collective_done(self, event: CollectiveDone, now: float) -> list[Action]:
         msg = event.message
@@ -462,17 +471,13 @@ class Coordinator:
         ):
             return []
         flying.waiting.discard(msg.rank)
-        flying.mass = msg.mass
         flying.ms = max(flying.ms, msg.ms)
         if flying.waiting:
             return []
-        return self._round_done(flying, flying.mass, flying.ms, now)
+        return self._round_done(flying, flying.ms, now)
 
-    def _round_done(
-        self, flying: _InFlight, mass: float, duration_ms: float, now: float
-    ) -> list[Action]:
-        # the consensus' mass matters to the ranks (0: keep local state), not to the schedule
-        del mass
+    def _round_done(self, flying: _InFlight, duration_ms: float, now: float) -> list[Action]:
+        # A consensus' mass matters to the ranks (0: keep local state), not to the schedule.
         self._in_flight = None
         self._last_sync_ms = duration_ms
         actions: list[Action] = []
@@ -511,8 +516,7 @@ class Coordinator:
         ledger = self._ledgers.pop(epoch, None)
         if ledger is None:
             return []
-        elche = self._elche
-        assert elche is not None
+        elche = self._running().elche
         metrics = ledger.close(
             now=now, anchor=elche.anchor, counts=elche.counts, alive=frozenset(self._alive)
         )
@@ -588,8 +592,7 @@ class Coordinator:
     def _window_plans(self, round_: int, ranks: list[int]) -> list[Action]:
         """CADENCE/ASYNC: each of ``ranks`` takes its next window of the current pool (tail by
         largest remainder)."""
-        elche = self._elche
-        assert elche is not None
+        elche = self._running().elche
         alloc = part.tail_allocation(self._pool.remaining, [elche.counts[r] for r in ranks])
         return [self._plan(rank, round_, k) for rank, k in zip(ranks, alloc, strict=True)]
 
@@ -665,8 +668,7 @@ class Coordinator:
             and self._planned_round.get(rank) == report.round
             and self._pool.remaining > 0
         ):
-            elche = self._elche
-            assert elche is not None
+            elche = self._running().elche
             actions.append(
                 self._plan(rank, report.round + 1, min(elche.counts[rank], self._pool.remaining))
             )
@@ -710,8 +712,7 @@ class Coordinator:
 
     def _fire(self, k: int, now: float) -> list[Action]:
         spec = self._require_spec()
-        elche = self._elche
-        assert elche is not None
+        elche = self._running().elche
         reports = self._reports.pop(k, {})
         delivered = RULES[spec.policy].delivered_timing
         ms = [0.0] * self.config.world_size
@@ -758,9 +759,8 @@ class Coordinator:
                         and self._planned_round.get(rank) == k + 1
                         and self._pool.remaining > 0
                     ):
-                        elche_counts = self._elche.counts if self._elche is not None else ()
                         actions.append(
-                            self._plan(rank, k + 2, min(elche_counts[rank], self._pool.remaining))
+                            self._plan(rank, k + 2, min(elche.counts[rank], self._pool.remaining))
                         )
         return actions
 
@@ -815,12 +815,14 @@ class Coordinator:
             return []  # not a Trainer rank yet (the supervisor names its exit), or already counted
         self._dead.add(rank)
         self._alive.discard(rank)
-        spec = self._require_spec()
+        stage = self._stage
+        assert not isinstance(stage, BeforeHello)  # the rank joined
+        spec = stage.spec
         where = f"rank {rank} on {self._host(rank)}"
         actions: list[Action] = [_warning(f"{where} lost: {event.reason}")]
         self._pool.forfeit(rank)
-        if self._elche is not None:
-            self._elche.forget(rank)
+        if isinstance(stage, Running):
+            stage.elche.forget(rank)
         if self._in_flight is not None:
             self._in_flight.waiting.discard(rank)
         actions.append(DeclareDead(rank=rank, reason=event.reason))
@@ -857,13 +859,10 @@ class Coordinator:
 
     def _on_tick(self, event: Tick, now: float) -> list[Action]:
         del event
-        if (
-            self.phase is CoordPhase.JOINING
-            and self._first_hello_at is not None
-            and now >= self._first_hello_at + self.config.hello_timeout
-        ):
+        stage = self._stage
+        if isinstance(stage, Joining) and now >= stage.first_hello_at + self.config.hello_timeout:
             missing = [r for r in range(self.config.world_size) if r not in self._joined]
-            first = self._reference.rank if self._reference is not None else 0
+            first = stage.reference.rank
             late = missing[0]
             reason = (
                 f"rank {late} on {self._host(late)} did not start its Trainer within "
@@ -906,15 +905,3 @@ def _hold_after(spec: TrainerSpec, *, quota: int) -> int:
     return hold_after(
         spec.policy, quota=quota, max_batch_diff=s.max_batch_diff, max_overshoot=s.max_overshoot
     )
-
-
-def _rank_of(event: Event) -> int | None:
-    if isinstance(event, TrainerJoined):
-        return None  # its own handler records it
-    if isinstance(event, WindowReported):
-        return event.report.rank
-    if isinstance(event, FrameSeen):
-        return event.rank
-    if isinstance(event, RankExiting | CollectiveDone):
-        return event.message.rank
-    return None
