@@ -79,3 +79,15 @@ def test_a_wake_more_than_one_interval_late_excuses_the_peer_and_one_exactly_tha
     excused, due = live.woke(12.5, meant=10.0)
     assert due is Wake.BEAT  # a fresh deadline from the wake, and our beat was overdue
     assert excused == live.excused(12.5).sent(12.5)
+
+
+def test_a_zero_interval_is_refused() -> None:
+    # a loop beating every 0 s would spin
+    with pytest.raises(ValueError, match="must be positive"):
+        Liveness.start(0.0, interval=0.0, silence=10.0)
+
+
+def test_a_peer_just_heard_or_heard_after_a_late_read_clock_has_been_silent_for_nothing() -> None:
+    live = Liveness.start(100.0, interval=2.0, silence=10.0)
+    assert live.silent_for(100.0) == 0.0
+    assert live.silent_for(99.5) == 0.0

@@ -36,6 +36,7 @@ from flodl_async.control.supervision import (
 )
 from flodl_async.control.supervisor import Supervisor
 from flodl_async.control.vocab import Announce, Level, Tell, Tick
+from flodl_async.control.watch import JoinBound, JoinHeard, Woke
 from flodl_async.host.hostnames import HostAliases
 from flodl_async.status.model import RankState, RankStatus
 from flodl_async.verdict import ExitCode
@@ -1012,3 +1013,115 @@ def test_a_failed_training_keeps_its_own_code_after_an_orderly_stop_was_asked() 
     sup.handle(OrderlyStop(signal=int(signal.SIGTERM)), 2.0)
     end = the_end(sup.handle(TrainingEnded(ok=False, reason="stalled", code=ExitCode.STALLED), 3.0))
     assert end.result.exit_code is ExitCode.STALLED
+
+
+# ----- what the console prints of a verdict --------------------------------------------------------
+
+
+def test_a_failed_ranks_traceback_is_pointed_at_when_the_console_showed_its_stderr() -> None:
+    sup = Supervisor(config(), now=0.0)
+    running(sup)
+    report = m.RankExited(
+        round=0,
+        rank=1,
+        local_rank=1,
+        host="a",
+        exit_code=3,
+        error_file="Traceback\n  boom\nValueError: bad\n",
+    )
+    result = the_end(sup.handle(RankExited(report=report), 3.0)).result
+    assert result.rank == 1
+    # the console that showed rank 1 live gets the pointer and the exception, another the traceback
+    assert result.details_for(frozenset({1})) == failure_details(report, shown_live=True)
+    assert "traceback: above, in rank 1's stderr" in result.details_for(frozenset({1}))
+    assert result.details_for(frozenset({0})) == failure_details(report)
+
+
+def test_a_verdict_that_names_no_rank_prints_its_details_to_every_console() -> None:
+    sup = Supervisor(config(), now=0.0)
+    running(sup)
+    result = the_end(
+        sup.handle(
+            TrainingEnded(
+                ok=False, reason="stalled", code=ExitCode.STALLED, details="round 3 waited"
+            ),
+            3.0,
+        )
+    ).result
+    assert (result.rank, result.details_if_shown) == (None, "")
+    assert result.details_for(None) == "round 3 waited"
+
+
+@pytest.mark.parametrize(
+    ("ranks", "reason"), [(1, "the rank exited 0"), (2, "all 2 ranks exited 0")]
+)
+def test_success_names_the_rank_or_counts_them(ranks: int, reason: str) -> None:
+    join_config = JoinConfig(
+        min_rank_start=ranks, join_timeout=10.0, target_ranks=ranks, max_join_timeout=30.0
+    )
+    sup = Supervisor(config(join=join_config, local_hosts=frozenset({"a"})), now=0.0)
+    sup.handle(join("a", ranks), 1.0)
+    sup.handle(StoreReady(round=0, addr="10.0.0.2", port=4000), 2.0)
+    for rank in range(ranks - 1):
+        sup.handle(exited(rank, "a"), 3.0)
+    end = the_end(sup.handle(exited(ranks - 1, "a"), 3.0))
+    assert (end.result.exit_code, end.result.reason) == (ExitCode.OK, reason)
+
+
+def test_the_coordinators_conclusion_is_announced() -> None:
+    sup = Supervisor(config(), now=0.0)
+    running(sup)
+    done = "training complete: 2 epoch(s) on 4 rank(s)"
+    assert sup.handle(TrainingEnded(ok=True, reason=done), 3.0) == (Announce(text=done),)
+    failed = sup.handle(TrainingEnded(ok=False, reason="stalled", code=ExitCode.STALLED), 4.0)
+    assert failed[0] == Announce(text="stalled", level=Level.WARNING)
+
+
+def test_a_hang_names_the_first_of_the_quietest_ranks_at_the_limit_with_what_it_last_did() -> None:
+    sup = Supervisor(config(hang_timeout=30.0), now=0.0)
+    running(sup)
+    actions = sup.handle(
+        RanksReported(
+            host="b",
+            report=m.RankStats(
+                round=0,
+                ranks=(
+                    _activity(0, quiet=99.0),  # a's rank: b cannot speak for it
+                    _activity(2, quiet=30.0, state="W", connected=True),
+                    _activity(3, quiet=30.0),
+                ),
+            ),
+        ),
+        4.0,
+    )
+    end = the_end(actions)
+    reason = (
+        "rank 2 (local rank 0) on host 'b' hung: no output and no CPU progress for 30 s "
+        "(--hang-timeout 30); its process 102 is W"  # a state it has no word for, as it is
+    )
+    assert end.result.reason == reason
+    assert end.result.details == (
+        "it is connected to the rendezvous store; its last output line: step 3"
+    )
+    assert actions[0] == Announce(text=reason, level=Level.WARNING)
+
+
+def test_a_wake_past_the_join_windows_end_forms_the_quorum() -> None:
+    sup = Supervisor(config(), now=0.0)
+    sup.handle(join("a"), 1.0)  # 2 ranks: the quorum, short of the target
+    assert sup.next_deadline(1.0) == 10.0
+    actions = sup.handle(Woke(late=0.0), 10.0)
+    assert set(told(actions, m.WorldFormed)) == {"a"}
+
+
+def test_a_silent_host_is_lost_while_another_hosts_loss_waits_for_its_reason() -> None:
+    sup = Supervisor(config(launched_hosts=frozenset({"b"}), agent_reason_wait=2.0), now=0.0)
+    running(sup)
+    for host in ("a", "b"):
+        sup.handle(JoinBound(host=host), 2.0)
+    sup.handle(Woke(late=0.0), 2.0)
+    sup.handle(JoinHeard(host="a"), 2.0)
+    closed = HostLost(host="b", reason="the peer closed the connection", link_closed=True)
+    assert sup.handle(closed, 11.0) == ()  # b's loss waits until 13.0
+    end = the_end(sup.handle(Woke(late=0.0), 12.0))  # a silent since 2.0
+    assert end.result.reason.startswith("agent on host 'a' was lost mid-run: no heartbeat for 10s")

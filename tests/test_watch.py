@@ -250,3 +250,55 @@ def test_a_wake_past_the_supervisors_own_deadline_ticks_it_and_one_before_does_n
     assert end.result.exit_code is ExitCode.FORMATION
     assert of(wake(sup, 22.0), EndRun) == []  # the verdict is given once
     assert sup.handle(Tick(), 23.0) == ()
+
+
+# ----- the watch on its own ----------------------------------------------------------------------
+
+
+def _watch(**overrides: object) -> HostWatch:
+    settings: dict[str, object] = {"interval": 2.0, "silence": 10.0}
+    settings.update(overrides)
+    return HostWatch(**settings)  # type: ignore[arg-type]
+
+
+def test_a_closed_relay_link_loses_nobody_when_it_would_have_gone_silent() -> None:
+    watch = _watch()
+    link = FakeLink("a1")
+    hosts = {0: "a"}.get
+    watch.handle(JoinBound(host="a"), 0.0, hosts)
+    watch.handle(RelayBeat(link=link, rank=0), 0.0, hosts)
+    watch.handle(ControlLinkClosed(link=link), 1.0, hosts)
+    watch.handle(JoinHeard(host="a"), 9.5, hosts)
+    assert watch.woke(10.0, late=0.0) == (SendHeartbeat(host="a", sent_at=10.0),)
+
+
+def test_the_launchers_reason_cancels_the_held_loss_of_its_link() -> None:
+    watch = _watch(launched_hosts=frozenset({"a"}), agent_reason_wait=2.0)
+    assert watch.held("a", "link closed", True, 1.0, ended=False)
+    assert not watch.held("a", "ranks failed to start", False, 1.5, ended=False)
+    assert watch.due_losses(5.0) == ()  # the loss is the launcher's, not a second one
+    assert watch.next_deadline() is None
+
+
+def test_a_frozen_controller_excuses_the_relay_links_too() -> None:
+    watch = _watch()
+    hosts = {0: "a"}.get
+    watch.handle(JoinBound(host="a"), 0.0, hosts)
+    watch.handle(RelayBeat(link=FakeLink("a1"), rank=0), 0.0, hosts)
+    watch.woke(0.0, late=0.0)
+    assert watch.woke(40.0, late=36.0) == (SendHeartbeat(host="a", sent_at=40.0),)
+    assert watch.next_deadline() == 42.0
+
+
+def test_a_relay_beat_of_a_host_whose_join_link_was_cut_is_not_watched() -> None:
+    watch = _watch()
+    hosts = {0: "a"}.get
+    watch.handle(JoinBound(host="a"), 0.0, hosts)
+    watch.woke(0.0, late=0.0)
+    assert watch.woke(10.0, late=0.0) == (
+        CutJoinLink(host="a"),
+        Lost(host="a", reason=JOIN_SILENCE),
+    )
+    # a beat that was under way as the host was lost: its silence must not lose it again
+    watch.handle(RelayBeat(link=FakeLink("a1"), rank=0), 11.0, hosts)
+    assert watch.next_deadline() is None

@@ -197,16 +197,17 @@ class Supervisor:
         return next((mb.host for mb in self._window.members if rank in mb.ranks), None)
 
     def _woke(self, phase: Phase, event: Woke, now: float) -> tuple[Action, ...]:
-        """The pump woke: the watch's beats and losses (:meth:`HostWatch.woke`), then this
-        machine's own deadline if it passed."""
-        due = self._own_deadline(now)
+        """The pump woke: the watch's beats and losses (:meth:`HostWatch.woke`), then a
+        :class:`Tick`, each phase judging its own deadline by ``now``."""
         actions: list[Action] = []
         for item in self.watch.woke(now, late=event.late):
             if isinstance(item, Lost):
                 actions.extend(self.handle(HostLost(host=item.host, reason=item.reason), now))
             else:
                 actions.append(item)
-        if due is not None and now >= due and not isinstance(self._phase, Ended):
+        if not isinstance(self._phase, Ended):
+            # not only when _own_deadline(now) passed: once the join window's end passed, it names
+            # the cap, and the quorum would wait for that
             actions.extend(self.handle(Tick(), now))
         return tuple(actions)
 
