@@ -205,6 +205,16 @@ def test_pool_partitions_every_batch_under_any_sequence(
     assert resumed.take(0, 1, total) == pool.uncovered_ranges()
 
 
+def test_a_take_spans_the_free_ranges_until_it_has_its_count() -> None:
+    pool = ChunkPool(10)
+    pool.take(0, 1, 2)
+    pool.take(1, 1, 3)
+    assert pool.forfeit(0) == ((0, 2),)  # free now: (0, 2) and (5, 5)
+    assert pool.take(1, 2, 6) == ((0, 2), (5, 4))
+    assert pool.uncovered_ranges() == ((0, 10),)
+    assert pool.remaining == 1
+
+
 def test_an_empty_epoch_is_complete_from_the_start() -> None:
     pool = ChunkPool(0)
     assert pool.total == 0
