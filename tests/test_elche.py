@@ -331,6 +331,18 @@ def test_five_empty_reports_in_a_row_clear_a_rank_and_a_reading_resets_the_count
     assert e.smoothed(0) is None  # the fifth miss in a row clears it
 
 
+def test_a_restored_reading_also_lasts_five_empty_reports() -> None:
+    saved = elche()
+    saved.report([100.0, 200.0], [10, 10], sync_ms=0.0)
+    e = elche()
+    e.restore(saved.snapshot())
+    for _ in range(4):
+        e.report([0.0, 200.0], [0, 10], sync_ms=0.0)
+    assert e.smoothed(0) == 10.0
+    e.report([0.0, 200.0], [0, 10], sync_ms=0.0)
+    assert e.smoothed(0) is None
+
+
 def test_a_rank_whose_readings_were_cleared_falls_back_to_the_anchors_count() -> None:
     e = elche(anchor=20)
     e.report([200.0, 190.0], [10, 10], sync_ms=0.0)
