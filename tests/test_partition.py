@@ -10,6 +10,7 @@ from flodl_async.training.partition import (
     ChunkPool,
     batch_samples,
     batches_per_epoch,
+    coalesce,
     largest_remainder,
     permutation,
     range_size,
@@ -99,6 +100,23 @@ def test_sync_slices_cover_each_batch_exactly_once(
     assert sync_slices(n_batches, world, ratios) == slices
 
 
+def test_what_a_caller_gets_wrong_is_named_in_the_error() -> None:
+    with pytest.raises(ValueError, match=r"^permutation of a negative length -1$"):
+        permutation(-1, 0, 0)
+    with pytest.raises(ValueError, match=r"^cannot split a negative total -1$"):
+        largest_remainder(-1, [1.0])
+    with pytest.raises(ValueError, match=r"^weights must be non-negative and non-empty, got \[\]$"):
+        largest_remainder(3, [])
+    with pytest.raises(
+        ValueError, match=r"^weights must be non-negative and non-empty, got \[2.0, -1.0\]$"
+    ):
+        largest_remainder(3, [2.0, -1.0])  # sums to a positive mass: still refused
+    with pytest.raises(ValueError, match=r"^weights sum to zero: nothing to split by$"):
+        largest_remainder(3, [0, 0])
+    with pytest.raises(ValueError, match=r"^a pool of -1 batches$"):
+        ChunkPool(-1)
+
+
 def test_sync_slices_follow_ratios() -> None:
     assert sync_slices(10, 2) == ((0, 5), (5, 5))
     assert sync_slices(10, 2, [0.7, 0.3]) == ((0, 7), (7, 3))
@@ -110,6 +128,16 @@ def test_tail_allocation() -> None:
     assert tail_allocation(100, [10, 20]) == (10, 20)  # not the tail: the counts stand
     assert tail_allocation(9, [10, 20]) == (3, 6)
     assert tail_allocation(1, [10, 20]) == (0, 1)  # a rank with 0 gets a quota-0 plan
+    assert tail_allocation(30, [10, 20]) == (10, 20)  # exactly what is left: the counts stand
+    assert tail_allocation(0, [0, 0]) == (0, 0)  # nothing left and nothing asked: no error
+
+
+def test_coalesce_sorts_merges_and_drops_empty_ranges() -> None:
+    assert coalesce([(5, 2), (0, 3), (3, 2)]) == ((0, 7),)  # adjacent ranges merge
+    assert coalesce([(0, 10), (2, 3)]) == ((0, 10),)  # one inside another
+    assert coalesce([(0, 4), (2, 6)]) == ((0, 8),)  # overlapping
+    assert coalesce([(4, 0), (1, 1), (9, 0)]) == ((1, 1),)
+    assert coalesce([(0, 1), (2, 1)]) == ((0, 1), (2, 1))  # a gap stays a gap
 
 
 @SETTINGS
@@ -175,6 +203,46 @@ def test_pool_partitions_every_batch_under_any_sequence(
     assert resumed.uncovered_ranges() == pool.uncovered_ranges()
     assert resumed.covered_ranges() == pool.covered_ranges()
     assert resumed.take(0, 1, total) == pool.uncovered_ranges()
+
+
+def test_a_take_spans_the_free_ranges_until_it_has_its_count() -> None:
+    pool = ChunkPool(10)
+    pool.take(0, 1, 2)
+    pool.take(1, 1, 3)
+    assert pool.forfeit(0) == ((0, 2),)  # free now: (0, 2) and (5, 5)
+    assert pool.take(1, 2, 6) == ((0, 2), (5, 4))
+    assert pool.uncovered_ranges() == ((0, 10),)
+    assert pool.remaining == 1
+
+
+def test_an_empty_epoch_is_complete_from_the_start() -> None:
+    pool = ChunkPool(0)
+    assert pool.total == 0
+    assert pool.drained
+    assert pool.complete
+    assert pool.take(0, 1, 5) == ()
+
+
+def test_a_pool_hands_out_single_batches() -> None:
+    pool = ChunkPool(3)
+    assert pool.total == 3
+    assert pool.take(0, 1, 1) == ((0, 1),)
+    assert pool.take(1, 1, 1) == ((1, 1),)
+    assert pool.remaining == 1
+    assert pool.take(0, 2, 0) == ()
+    assert pool.remaining == 1
+
+
+def test_from_coverage_counts_everything_outside_the_uncovered_ranges_as_covered() -> None:
+    pool = ChunkPool.from_coverage(10, [(5, 2), (0, 2)])
+    assert pool.total == 10
+    assert pool.covered_ranges() == ((2, 3), (7, 3))
+    assert pool.uncovered_ranges() == ((0, 2), (5, 2))
+    assert pool.remaining == 4
+    head = ChunkPool.from_coverage(10, [(0, 4)])
+    assert head.covered_ranges() == ((4, 6),)
+    assert ChunkPool.from_coverage(10, []).complete
+    assert ChunkPool.from_coverage(10, [(0, 10)]).covered_ranges() == ()
 
 
 def test_from_coverage_refuses_ranges_outside_the_epoch() -> None:
