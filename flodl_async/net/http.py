@@ -44,6 +44,13 @@ class StatusHttpProtocol(asyncio.Protocol):
         self._answered = False
         # a client on the controller's own host (loopback) also sees the ranks' output lines
         self._local = False
+        # what each h11 event does; True: the request is answered or refused, the pump stops
+        self._on_event: dict[type, typing.Callable[[typing.Any], bool]] = {
+            h11.Request: self._on_request,
+            h11.Data: self._on_data,
+            h11.EndOfMessage: self._on_end,
+            h11.ConnectionClosed: self._on_closed,
+        }
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transports implement asyncio.Transport without subclassing it.
@@ -88,25 +95,33 @@ class StatusHttpProtocol(asyncio.Protocol):
                 return
             if event is h11.NEED_DATA:
                 return
-            if isinstance(event, h11.Request):
-                self._request = event
-                if (
-                    sum(len(k) + len(v) + 4 for k, v in event.headers.raw_items())
-                    > MAX_REQUEST_HEAD
-                ):
-                    self._respond_error(431, f"request head above {MAX_REQUEST_HEAD} bytes")
-                    return
-            elif isinstance(event, h11.Data):
-                self._body_bytes += len(event.data)
-                if self._body_bytes > MAX_REQUEST_BODY:
-                    self._respond_error(413, f"request body above {MAX_REQUEST_BODY} bytes")
-                    return
-            elif isinstance(event, h11.EndOfMessage):
-                self._serve()
+            on_event = self._on_event.get(type(event))
+            # a server is sent no other h11 event; PAUSED never comes (the pump stops at the
+            # request's end)
+            if on_event is not None and on_event(event):
                 return
-            elif isinstance(event, h11.ConnectionClosed):
-                self._close()
-                return
+
+    def _on_request(self, event: h11.Request) -> bool:
+        self._request = event
+        if sum(len(k) + len(v) + 4 for k, v in event.headers.raw_items()) > MAX_REQUEST_HEAD:
+            self._respond_error(431, f"request head above {MAX_REQUEST_HEAD} bytes")
+            return True
+        return False
+
+    def _on_data(self, event: h11.Data) -> bool:
+        self._body_bytes += len(event.data)
+        if self._body_bytes > MAX_REQUEST_BODY:
+            self._respond_error(413, f"request body above {MAX_REQUEST_BODY} bytes")
+            return True
+        return False
+
+    def _on_end(self, event: h11.EndOfMessage) -> bool:
+        self._serve()
+        return True
+
+    def _on_closed(self, event: h11.ConnectionClosed) -> bool:
+        self._close()
+        return True
 
     def _serve(self) -> None:
         request = self._request
