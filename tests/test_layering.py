@@ -348,3 +348,53 @@ def test_no_module_is_too_long_to_read() -> None:
     assert len([m for m, n in lengths.items() if n > 700]) <= 2, sorted(
         (n, m) for m, n in lengths.items() if n > 700
     )
+
+
+def _imports_asyncio(tree: ast.AST) -> bool:
+    return any(
+        (isinstance(n, ast.Import) and any(a.name.split(".")[0] == "asyncio" for a in n.names))
+        or (isinstance(n, ast.ImportFrom) and (n.module or "").split(".")[0] == "asyncio")
+        for n in ast.walk(tree)
+    )
+
+
+def test_no_shell_class_is_over_450_lines() -> None:
+    """A class in a module that imports asyncio is a shell: it pumps and carries out. Past 450 lines
+    it is deciding too; the decisions go into a pure core it drives."""
+    too_long = []
+    for module, path in MODULES.items():
+        tree = ast.parse(path.read_text())
+        if not _imports_asyncio(tree):
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef):
+                assert node.end_lineno is not None
+                if node.end_lineno - node.lineno + 1 > 450:
+                    too_long.append(f"{module}.{node.name}")
+    assert too_long == []
+
+
+def _isinstance_ladder(node: ast.If) -> int:
+    """How many `if isinstance(...)` / `elif isinstance(...)` branches start at ``node``."""
+    branches = 0
+    current: ast.stmt | None = node
+    while (
+        isinstance(current, ast.If)
+        and isinstance(current.test, ast.Call)
+        and isinstance(current.test.func, ast.Name)
+        and current.test.func.id == "isinstance"
+    ):
+        branches += 1
+        current = current.orelse[0] if len(current.orelse) == 1 else None
+    return branches
+
+
+def test_dispatch_is_by_table_not_by_a_long_isinstance_ladder() -> None:
+    """More than three isinstance branches in a row is a dispatch: it belongs in a table keyed on
+    the type (control.dispatch.TypeTable checks the table covers its union)."""
+    ladders = []
+    for module, path in MODULES.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.If) and _isinstance_ladder(node) > 3:
+                ladders.append(f"{module}:{node.lineno}")
+    assert ladders == []
