@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Mutation testing of the modules listed under [tool.mutmut] in pyproject.toml.
+# Mutation testing of the modules listed under [tool.mutmut] in pyproject.toml
+# (pip install -e '.[mutation]' first).
 #
 #   PYTHON=.venv/bin/python tools/mutation.sh             # every module, one worker (the build hosts are shared)
 #   PYTHON=.venv/bin/python tools/mutation.sh control.supervisor  # only flodl_async/control/supervisor.py's mutants
