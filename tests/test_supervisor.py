@@ -12,6 +12,7 @@ from flodl_async.control.membership import JoinConfig
 from flodl_async.control.supervision import (
     AcceptJoin,
     Action,
+    Concluding,
     Ended,
     EndRun,
     ForceStop,
@@ -33,6 +34,7 @@ from flodl_async.control.supervision import (
     StoreReady,
     SupervisorConfig,
     TrainingEnded,
+    TrainingStarted,
 )
 from flodl_async.control.supervisor import Supervisor
 from flodl_async.control.vocab import Announce, Level, Tell, Tick
@@ -1013,6 +1015,88 @@ def test_a_failed_training_keeps_its_own_code_after_an_orderly_stop_was_asked() 
     sup.handle(OrderlyStop(signal=int(signal.SIGTERM)), 2.0)
     end = the_end(sup.handle(TrainingEnded(ok=False, reason="stalled", code=ExitCode.STALLED), 3.0))
     assert end.result.exit_code is ExitCode.STALLED
+
+
+# ----- a rank's failure while the coordinator runs: the cause may follow the effect ----------
+
+
+def _trainer_running(**overrides: object) -> Supervisor:
+    sup = Supervisor(config(training_outcome_wait=2.0, **overrides), now=0.0)
+    running(sup)
+    assert sup.handle(TrainingStarted(), 2.5) == ()
+    return sup
+
+
+def test_a_rank_failure_waits_for_the_coordinators_cause_which_is_the_verdict() -> None:
+    sup = _trainer_running()
+    report = exited(1, "a", code=1)
+    # the exit is said at once; the verdict waits for the cause crossing the other link
+    assert sup.handle(report, 3.0) == (Announce(text=describe_exit(report.report)),)
+    assert isinstance(sup.phase, Concluding)
+    assert sup.next_deadline(3.0) == 5.0
+    assert sup.view().phase == "training"
+    cause = "rank 1: training failed: rank 1 raised RuntimeError('boom')"
+    end = the_end(
+        sup.handle(TrainingEnded(ok=False, reason=cause, code=ExitCode.RANK_FAILURE), 3.5)
+    )
+    assert (end.result.exit_code, end.result.reason) == (ExitCode.RANK_FAILURE, cause)
+
+
+def test_a_rank_failure_with_no_cause_in_time_is_the_verdict_at_the_deadline() -> None:
+    sup = _trainer_running()
+    report = exited(1, "a", code=1)
+    sup.handle(report, 3.0)
+    # the other ranks' exits and a tick before the deadline decide nothing
+    assert of(sup.handle(exited(0, "a", code=1), 3.2), EndRun) == []
+    assert of(sup.handle(Woke(late=0.0), 4.9), EndRun) == []
+    end = the_end(sup.handle(Woke(late=0.0), 5.0))
+    assert (end.result.exit_code, end.result.reason) == (
+        ExitCode.RANK_FAILURE,
+        describe_exit(report.report),
+    )
+    assert end.result.rank == 1
+    # the table still took the second exit
+    assert {r.rank: r.state for r in sup.view().ranks}[0] is RankState.FAILED
+
+
+def test_a_held_rank_failure_outweighs_an_orderly_end_and_a_later_host_loss() -> None:
+    for later in (
+        TrainingEnded(ok=True, reason="training complete"),
+        HostLost(host="b", reason="its join link closed"),
+    ):
+        sup = _trainer_running()
+        report = exited(1, "a", code=1)
+        sup.handle(report, 3.0)
+        end = the_end(sup.handle(later, 3.1))
+        assert (end.result.exit_code, end.result.reason) == (
+            ExitCode.RANK_FAILURE,
+            describe_exit(report.report),
+        )
+
+
+def test_a_signal_while_a_failure_is_held_is_still_the_signals() -> None:
+    sup = _trainer_running()
+    sup.handle(exited(1, "a", code=1), 3.0)
+    end = the_end(sup.handle(Interrupted(signal=int(signal.SIGINT)), 3.1))
+    assert end.result.exit_code is ExitCode.INTERRUPTED
+
+
+def test_without_a_coordinator_or_after_its_orderly_end_a_rank_failure_is_the_verdict_at_once() -> (
+    None
+):
+    plain = Supervisor(config(training_outcome_wait=2.0), now=0.0)
+    running(plain)
+    assert the_end(plain.handle(exited(1, "a", code=1), 3.0)).result.rank == 1
+    # the coordinator already concluded in order: no cause can follow
+    done = _trainer_running()
+    done.handle(TrainingEnded(ok=True, reason="training complete"), 2.8)
+    assert the_end(done.handle(exited(1, "a", code=1), 3.0)).result.rank == 1
+
+
+def test_with_restarts_left_a_coordinated_rank_failure_restarts_the_world_at_once() -> None:
+    sup = _trainer_running(max_restarts=1)
+    sup.handle(exited(1, "a", code=1), 3.0)
+    assert isinstance(sup.phase, Restarting)
 
 
 # ----- what the console prints of a verdict --------------------------------------------------------

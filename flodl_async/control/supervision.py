@@ -60,6 +60,11 @@ class SupervisorConfig:
     #: How long a launched host's closed join link waits for that reason before its own (that the
     #: link closed) is the verdict's.
     agent_reason_wait: float = 2.0
+    #: How long a rank's failure, with no restart left while the Trainer's coordinator runs, waits
+    #: for the coordinator's own cause before the exit is the verdict: the rank sends that cause
+    #: up its relay link and then exits, and its agent reports the exit down another link, so
+    #: either may arrive first (:class:`Concluding`).
+    training_outcome_wait: float = 2.0
     #: Seconds between the heartbeats down each join link (:mod:`flodl_async.control.watch`).
     heartbeat_interval: float = 2.0
     #: Seconds of a link's silence after which its host is lost.
@@ -157,6 +162,12 @@ class TrainingEnded:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class TrainingStarted:
+    """The Trainer's coordinator started (its first rank said hello): from now on a rank's
+    failure may be the effect of a cause the coordinator is about to report."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Interrupted:
     """The launcher received ``signal`` (SIGINT or SIGTERM)."""
 
@@ -181,6 +192,7 @@ Event = (
     | RanksStopped
     | RankConnected
     | RanksReported
+    | TrainingStarted
     | TrainingEnded
     | Interrupted
     | OrderlyStop
@@ -275,6 +287,19 @@ class Running:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class Concluding:
+    """A rank of ``round`` failed with no restart left while the Trainer's coordinator runs: the
+    verdict waits until ``deadline`` for the coordinator's cause (a rank that raised, a spec
+    mismatch), which then is the verdict; at the deadline, or on any other failure first,
+    ``failure`` is."""
+
+    world: Formed
+    round: int
+    failure: m.RankExited
+    deadline: float
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Restarting:
     """Every host was told to stop ``round``; ``waiting`` have not confirmed yet."""
 
@@ -292,12 +317,13 @@ class Ended:
     world: Formed | None
 
 
-Phase = Forming | Rendezvous | Running | Restarting | Ended
+Phase = Forming | Rendezvous | Running | Concluding | Restarting | Ended
 
 _PHASE_NAMES = {
     Forming: "waiting",
     Rendezvous: "forming",
     Running: "training",
+    Concluding: "training",
     Restarting: "training",
 }
 

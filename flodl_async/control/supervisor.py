@@ -19,15 +19,20 @@ Phases, one type each (no field that starts as ``None``)::
        │                    │   └──── all stopped ── Restarting ◀┘  │ (rank failed, restarts left)
        ▼                    ▼                          │            ▼
      Ended ◀─────────── any failure, interrupt, deadline ─┴───── every rank exited 0
+       ▲                                                          │ (rank failed, none left,
+       └──── the coordinator's cause, or its wait over ── Concluding ◀┘  a coordinator runs)
 
 Rules. Before formation the first failure ends the run (exit 3). After it, the first non-zero rank
 exit of the current round ends the round: with restarts left every host stops that round's ranks and
 a new rendezvous round starts (``TORCHELASTIC_RESTART_COUNT`` + 1); otherwise the verdict names the
-rank, its host, its code or signal, its traceback and its last stderr lines (exit 4). A member host
-lost at any point ends the run (exit 4 after formation); when its join link closed and a launcher
-runs its agent, the loss waits ``agent_reason_wait`` for the launcher's report, so that an agent
-that failed is the verdict in its own words, not in its link's. The first signal ends the run with
-130/143 and tells every host to stop its ranks following the signal table; a signal after the
+rank, its host, its code or signal, its traceback and its last stderr lines (exit 4). When the
+Trainer's coordinator runs, that verdict first waits ``training_outcome_wait`` (:class:`Concluding`)
+for the coordinator's cause: a rank that raised reports why up its relay link and then exits, and
+its agent reports the exit down its join link, so the effect may arrive before the cause. A member
+host lost at any point ends the run (exit 4 after formation); when its join link closed and a
+launcher runs its agent, the loss waits ``agent_reason_wait`` for the launcher's report, so that an
+agent that failed is the verdict in its own words, not in its link's. The first signal ends the run
+with 130/143 and tells every host to stop its ranks following the signal table; a signal after the
 verdict forces (KILL now). A verdict, once given, is final.
 """
 
@@ -52,6 +57,7 @@ from .membership import Admitted, Failed, Formed, JoinWindow
 from .supervision import (
     AcceptJoin,
     Action,
+    Concluding,
     Ended,
     EndRun,
     Event,
@@ -76,6 +82,7 @@ from .supervision import (
     SupervisorConfig,
     SupervisorView,
     TrainingEnded,
+    TrainingStarted,
     Transitions,
     phase_name,
     with_activity,
@@ -86,11 +93,18 @@ from .watch import HostWatch, LinkEvent, Lost, Woke
 # ----- the (phase, event) table ----------------------------------------------------------------
 
 
-_FormedPhase = Rendezvous | Running | Restarting
-_FORMED: tuple[type[_FormedPhase], ...] = (Rendezvous, Running, Restarting)
+_FormedPhase = Rendezvous | Running | Concluding | Restarting
+_FORMED: tuple[type[_FormedPhase], ...] = (Rendezvous, Running, Concluding, Restarting)
 _BEFORE_VERDICT: tuple[type[Forming | _FormedPhase], ...] = (Forming, *_FORMED)
 _ALL_PHASES: tuple[type[Phase], ...] = (*_BEFORE_VERDICT, Ended)
-_BETWEEN_ROUNDS: tuple[type[Rendezvous | Restarting], ...] = (Rendezvous, Restarting)
+# where a rank's exit fills the rank table and decides nothing: no round runs, or its outcome is
+# already decided (held for the coordinator's cause, or given)
+_EXIT_RECORDED: tuple[type[Rendezvous | Concluding | Restarting | Ended], ...] = (
+    Rendezvous,
+    Concluding,
+    Restarting,
+    Ended,
+)
 # what the join window takes as a cue to decide, and nothing more
 _WINDOW_CUES: tuple[type[StoreReady | RankExited | RanksStopped | Tick], ...] = (
     StoreReady,
@@ -123,6 +137,8 @@ class Supervisor:
         self._training_done: tuple[str, ExitCode] | None = None
         # the launcher signal that asked the Trainer for an orderly stop
         self._orderly_signal: int | None = None
+        # the Trainer's coordinator runs: a rank's failure may be the effect of its cause
+        self._coordinated = False
         self.watch = HostWatch(
             interval=config.heartbeat_interval,
             silence=config.heartbeat_silence,
@@ -157,7 +173,7 @@ class Supervisor:
         phase = self._phase
         if isinstance(phase, Forming):
             return phase.window.next_deadline(now)
-        return phase.deadline if isinstance(phase, Rendezvous | Restarting) else None
+        return phase.deadline if isinstance(phase, Rendezvous | Concluding | Restarting) else None
 
     def view(self) -> SupervisorView:
         """What the status endpoint shows."""
@@ -223,9 +239,10 @@ class Supervisor:
         t.add(_ALL_PHASES, (RankConnected,), self._rank_connected)
         t.add(_ALL_PHASES, (Woke,), self._woke)
         t.add(_ALL_PHASES, (OrderlyStop,), self._orderly_stop)
+        t.add(_ALL_PHASES, (TrainingStarted,), self._training_started)
         # only the running round's ranks report activity that matters
         t.add((Running,), (RanksReported,), self._ranks_reported)
-        t.ignore((Forming, Rendezvous, Restarting, Ended), (RanksReported,))
+        t.ignore((Forming, Rendezvous, Concluding, Restarting, Ended), (RanksReported,))
         # The coordinator's conclusion counts until the verdict, the window open or not.
         t.add(_BEFORE_VERDICT, (TrainingEnded,), self._training_ended)
 
@@ -239,19 +256,19 @@ class Supervisor:
         t.add(_FORMED, (JoinRequested,), self._join_too_late)
         t.add(_FORMED, (JoinUndelivered,), self._accept_undelivered)
         t.add(_FORMED, (HostLost,), self._host_lost)
-        t.add(_BETWEEN_ROUNDS, (RankExited,), self._rank_exited_between_rounds)
+        t.add(_EXIT_RECORDED, (RankExited,), self._exit_recorded)
         t.add((Running,), (RankExited,), self._running_exit)
         t.add((Rendezvous,), (StoreReady,), self._store_ready)
-        t.ignore((Running, Restarting), (StoreReady,))
+        t.ignore((Running, Concluding, Restarting), (StoreReady,))
         t.add((Rendezvous,), (Tick,), self._rendezvous_tick)
+        t.add((Concluding,), (Tick,), self._concluding_tick)
         t.add((Restarting,), (Tick,), self._restarting_tick)
         t.ignore((Running,), (Tick,))
         t.add((Restarting,), (RanksStopped,), self._ranks_stopped)
-        t.ignore((Rendezvous, Running), (RanksStopped,))
+        t.ignore((Rendezvous, Running, Concluding), (RanksStopped,))
 
-        # After the verdict: joins are refused and exits still fill the rank table.
+        # After the verdict: joins are refused (exits still fill the rank table, above).
         t.add((Ended,), (JoinRequested,), self._join_after_verdict)
-        t.add((Ended,), (RankExited,), self._exit_after_verdict)
         t.ignore(
             (Ended,), (JoinUndelivered, HostLost, StoreReady, RanksStopped, TrainingEnded, Tick)
         )
@@ -393,23 +410,22 @@ class Supervisor:
     # ----- after formation -------------------------------------------------------------------
 
     def _join_too_late(
-        self, phase: Rendezvous | Running | Restarting, event: JoinRequested, now: float
+        self, phase: _FormedPhase, event: JoinRequested, now: float
     ) -> tuple[Action, ...]:
         reason = f"the join window is {self._window.state.value}; this run takes no more hosts"
         return (RejectJoin(host=event.host, reason=reason),)
 
     def _accept_undelivered(
-        self, phase: Rendezvous | Running | Restarting, event: JoinUndelivered, now: float
+        self, phase: _FormedPhase, event: JoinUndelivered, now: float
     ) -> tuple[Action, ...]:
         # The world formed on that very join, too late to retract it: the host never learnt it is
         # in the world and its link reports nothing more, so it is lost.
         lost = HostLost(host=event.host, reason="its join accept could not be delivered")
         return self._host_lost(phase, lost, now)
 
-    def _rank_exited_between_rounds(
-        self, phase: Rendezvous | Restarting, event: RankExited, now: float
+    def _exit_recorded(
+        self, phase: Rendezvous | Concluding | Restarting | Ended, event: RankExited, now: float
     ) -> tuple[Action, ...]:
-        # no round runs: the exit fills the rank table and decides nothing
         self._record_exit(event.report)
         return ()
 
@@ -434,21 +450,16 @@ class Supervisor:
         report = event.report
         if failed(report):
             if self._restart_count >= self.config.max_restarts:
-                restarts = (
-                    f" after {restarts_text(self._restart_count)}"
-                    if self.config.max_restarts
-                    else ""
-                )
-                return (
-                    Announce(text=describe_exit(report)),
-                    self._end(
-                        ExitCode.RANK_FAILURE,
-                        describe_exit(report) + restarts,
-                        details=failure_details(report),
-                        rank=report.rank,
-                        details_if_shown=failure_details(report, shown_live=True),
-                    ),
-                )
+                announce = Announce(text=describe_exit(report))
+                if self._coordinated and self._training_done is None:
+                    self._phase = Concluding(
+                        world=phase.world,
+                        round=phase.round,
+                        failure=report,
+                        deadline=now + self.config.training_outcome_wait,
+                    )
+                    return (announce,)
+                return (announce, self._rank_failure(report))
             hosts = frozenset(member.host for member in phase.world.members)
             self._phase = Restarting(
                 world=phase.world,
@@ -489,9 +500,35 @@ class Supervisor:
             done.append(self._end(code, reason))
         return tuple(done)
 
-    def _training_ended(
-        self, phase: Forming | Rendezvous | Running | Restarting, event: TrainingEnded, now: float
+    def _rank_failure(self, report: m.RankExited) -> EndRun:
+        """The verdict of a rank's failure with no restart left."""
+        restarts = (
+            f" after {restarts_text(self._restart_count)}" if self.config.max_restarts else ""
+        )
+        return self._end(
+            ExitCode.RANK_FAILURE,
+            describe_exit(report) + restarts,
+            details=failure_details(report),
+            rank=report.rank,
+            details_if_shown=failure_details(report, shown_live=True),
+        )
+
+    def _concluding_tick(self, phase: Concluding, event: Tick, now: float) -> tuple[Action, ...]:
+        # the coordinator gave no cause in time: the exit is the verdict
+        return () if now < phase.deadline else (self._rank_failure(phase.failure),)
+
+    def _training_started(
+        self, phase: Phase, event: TrainingStarted, now: float
     ) -> tuple[Action, ...]:
+        self._coordinated = True
+        return ()
+
+    def _training_ended(
+        self, phase: Forming | _FormedPhase, event: TrainingEnded, now: float
+    ) -> tuple[Action, ...]:
+        if event.ok and isinstance(phase, Concluding):
+            # an orderly end cannot outweigh the rank failure already seen
+            return (Announce(text=event.reason), self._rank_failure(phase.failure))
         if event.ok:
             # The ranks now leave; their clean exits give the verdict (130/143 after an orderly stop
             # on a signal).
@@ -526,9 +563,10 @@ class Supervisor:
             ),
         )
 
-    def _host_lost(
-        self, phase: Rendezvous | Running | Restarting, event: HostLost, now: float
-    ) -> tuple[Action, ...]:
+    def _host_lost(self, phase: _FormedPhase, event: HostLost, now: float) -> tuple[Action, ...]:
+        if isinstance(phase, Concluding):
+            # the first failure decides: the rank's, held only for its cause
+            return (self._rank_failure(phase.failure),)
         if not any(member.host == event.host for member in phase.world.members):
             return (
                 Announce(
@@ -560,7 +598,7 @@ class Supervisor:
         )
 
     def _interrupted(
-        self, phase: Forming | Rendezvous | Running | Restarting, event: Interrupted, now: float
+        self, phase: Forming | _FormedPhase, event: Interrupted, now: float
     ) -> tuple[Action, ...]:
         name = signal_name(event.signal)
         where = {
@@ -598,12 +636,6 @@ class Supervisor:
         self, phase: Ended, event: JoinRequested, now: float
     ) -> tuple[Action, ...]:
         return (RejectJoin(host=event.host, reason="this run has ended"),)
-
-    def _exit_after_verdict(
-        self, phase: Ended, event: RankExited, now: float
-    ) -> tuple[Action, ...]:
-        self._record_exit(event.report)
-        return ()
 
     def _end(
         self,

@@ -72,6 +72,8 @@ def supervisor_config(
         ),
         # such an agent closes its link (waiting at most link_close) before it can fail
         agent_reason_wait=2 * deadlines.link_close,
+        # a rank's cause crosses one link, its exit another, each within about one link_close
+        training_outcome_wait=2 * deadlines.link_close,
         heartbeat_interval=deadlines.heartbeat_interval,
         heartbeat_silence=deadlines.heartbeat_silence,
     )

@@ -49,6 +49,7 @@ from ..control.supervision import (
     RejectJoin,
     ResetStore,
     TrainingEnded,
+    TrainingStarted,
 )
 from ..control.supervisor import Supervisor
 from ..control.vocab import LOGGING_LEVELS, Announce, Tell
@@ -461,6 +462,7 @@ class Controller:
             task_group=tg,
             on_outcome=self._training_outcome,
             on_change=self._training_changed,
+            on_start=lambda: self._dispatch(TrainingStarted()),
             serve_data=self._serve_training_data,
             hello_timeout=self._deadlines.trainer_hello,
             reduce_stall=self._deadlines.reduce_stall,

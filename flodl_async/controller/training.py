@@ -174,6 +174,7 @@ class TrainingShell:
         task_group: asyncio.TaskGroup,
         on_outcome: Callable[[TrainingOutcome], None],
         on_change: Callable[[], None] = lambda: None,
+        on_start: Callable[[], None] = lambda: None,
         serve_data: DataServer | None = None,
         round_runner: RoundRunnerFactory = default_round_runner,
         hello_timeout: float = 120.0,
@@ -188,6 +189,7 @@ class TrainingShell:
         self._tg = task_group
         self._on_outcome = on_outcome
         self._on_change = on_change
+        self._on_start = on_start
         self._serve_data = serve_data
         self._round_runner = round_runner
         self._hello_timeout = hello_timeout
@@ -361,6 +363,7 @@ class TrainingShell:
             ),
             now=self._clock(),
         )
+        self._on_start()
         return True
 
     def _handle(self, event: Event) -> None:
