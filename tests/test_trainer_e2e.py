@@ -124,9 +124,14 @@ def test_three_ranks_fold_on_one_host_and_agree(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("outer", ["slowmo", "diloco"])
 def test_outer_optimizers_converge(tmp_path: Path, outer: str) -> None:
+    # The counts stay at the anchor (--no-adapt): ElChe grows the anchor when the averaging costs
+    # much against the compute, which a loaded machine makes so, and fewer rounds mean fewer outer
+    # steps, whose momentum then builds up less in 4 epochs (a DiLoCo run on 2 busy cores once
+    # ended at 12 % of its start). Frozen counts make the curve the same on any machine.
     done = as_launcher(
-        tmp_path, "--outer", outer, "--anchor", "2", "--epochs", "4", run_id=new_run_id()
-    )
+        tmp_path, "--outer", outer, "--anchor", "2", "--no-adapt", "--epochs", "4",
+        run_id=new_run_id(),
+    )  # fmt: skip
     assert done.returncode == 0, done.stderr
     saved = states(tmp_path)
     assert_identical(saved, ALL)
