@@ -38,7 +38,8 @@ class ExitCode(enum.IntEnum):
 
 #: What each code means, for ``--help`` and the README (one source for both).
 EXIT_MEANINGS: dict[ExitCode, str] = {
-    ExitCode.OK: "every rank exited 0 (a documented degraded success included)",
+    ExitCode.OK: "every rank exited 0, or a Trainer run completed with ranks lost under "
+    "max_failure (its verdict says DEGRADED and names them)",
     ExitCode.INTERNAL: "internal error (a bug: please report it)",
     ExitCode.USAGE: "bad arguments or cluster file, or the port is taken; nothing was started",
     ExitCode.FORMATION: "the world did not form (join window failed, join refused, store did not "

@@ -16,6 +16,7 @@ from flodl_async.training.coordination import (
     Fail,
     Finish,
     PublishEpoch,
+    RankLost,
     RoundCompleted,
     StartRound,
     TrainerJoined,
@@ -62,9 +63,16 @@ class Driver:
     rounds: list[StartRound] = field(default_factory=list)
     ended: Finish | Fail | None = None
     pending: collections.deque[Event] = field(default_factory=collections.deque)
-    _sync: dict[int, tuple[int, int, int, int]] = field(
-        default_factory=dict
-    )  # rank -> (epoch, next batch, end, round)
+    # SYNC: rank -> (epoch, the batches it has yet to train, in order, the round it trains for)
+    _sync: dict[int, tuple[int, collections.deque[int], int]] = field(default_factory=dict)
+    # SYNC: rank -> the last round it reported a window of (one batch per window, lockstep)
+    _sync_reported: dict[int, int] = field(default_factory=dict)
+    #: killed ranks (:meth:`kill`): they train nothing more
+    dead: set[int] = field(default_factory=set)
+    #: epoch -> the batches of every window a consensus holds (a reducer's ``covered`` ranks')
+    consensus: dict[int, list[int]] = field(default_factory=lambda: collections.defaultdict(list))
+    # (round, rank) -> (epoch, batches): the windows whose contributions were sent
+    _sent: dict[tuple[int, int], tuple[int, list[int]]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.ms_per_batch:
@@ -94,12 +102,32 @@ class Driver:
 
     def run(self, limit: int = 100_000) -> None:
         self.join_all()
+        self.drain(limit)
+
+    def drain(self, limit: int = 100_000) -> None:
+        """Feed what is pending until nothing is (or ``limit`` events)."""
         steps = 0
         while self.pending and steps < limit:
             self.feed(self.pending.popleft())
             steps += 1
 
+    def kill(self, rank: int, *, frames_lost: bool = False) -> list[Action]:
+        """``rank`` dies now: its reports not yet delivered are gone, and with ``frames_lost`` the
+        contributions it sent for rounds not started yet too (else they reach the reducer)."""
+        self.dead.add(rank)
+        self.pending = collections.deque(
+            e for e in self.pending if not (isinstance(e, WindowReported) and e.report.rank == rank)
+        )
+        if frames_lost:
+            started = {r.round for r in self.rounds}
+            for key in [k for k in self._sent if k[1] == rank and k[0] not in started]:
+                del self._sent[key]
+        return self.feed(RankLost(rank=rank, reason="killed"))
+
     def _window(self, rank: int, round_: int, epoch: int, batches: list[int]) -> None:
+        if rank in self.dead:
+            return
+        self._sent[(round_, rank)] = (epoch, batches)
         self.trained[(epoch, rank)].extend(batches)
         ms = self.ms_per_batch[rank] * len(batches)
         self.pending.append(
@@ -126,17 +154,34 @@ class Driver:
             plan = action.message
             batches = [b for first, n in plan.ranges for b in range(first, first + n)]
             if self.spec.policy is Policy.SYNC:
-                first, n = plan.ranges[0] if plan.ranges else (0, 0)
-                self._sync[plan.rank] = (plan.epoch, first, first + n, plan.round)
+                held = self._sync.get(plan.rank)
+                if held is not None and held[0] == plan.epoch:
+                    held[1].extend(batches)  # more of this epoch (a dead rank's slice): queued
+                else:
+                    self._sync[plan.rank] = (plan.epoch, collections.deque(batches), plan.round)
                 self._sync_step(plan.rank)
             else:
                 self._window(plan.rank, plan.round, plan.epoch, batches)
         elif isinstance(action, StartRound):
             self.rounds.append(action)
             if action.reducer:
+                # the reducer folds what reached it from the ranks the round expects
+                folded = {
+                    r: len(self._sent[(action.round, r)][1])
+                    for r in sorted(action.expected)
+                    if (action.round, r) in self._sent
+                }
+                if action.kind == "model":
+                    for rank in folded:
+                        epoch, batches = self._sent[(action.round, rank)]
+                        self.consensus[epoch].extend(batches)
                 self.pending.append(
                     RoundCompleted(
-                        round=action.round, kind=action.kind, mass=1.0, duration_ms=self.reduce_ms
+                        round=action.round,
+                        kind=action.kind,
+                        mass=1.0,
+                        duration_ms=self.reduce_ms,
+                        folded=folded,
                     )
                 )
             else:
@@ -150,8 +195,8 @@ class Driver:
                     )
             if self.spec.policy is Policy.SYNC and action.kind == "model":
                 for rank in list(self._sync):
-                    epoch, at, end, _round = self._sync[rank]
-                    self._sync[rank] = (epoch, at, end, action.round + 1)
+                    epoch, queue, _round = self._sync[rank]
+                    self._sync[rank] = (epoch, queue, action.round + 1)
                     self._sync_step(rank)
         elif isinstance(action, PublishEpoch):
             self.epochs.append(action.metrics)
@@ -160,10 +205,10 @@ class Driver:
 
     def _sync_step(self, rank: int) -> None:
         """Lockstep SYNC: one batch of the slice per window, reported at once."""
-        epoch, at, end, round_ = self._sync[rank]
-        if at < end:
-            self._sync[rank] = (epoch, at + 1, end, round_)
-            self._window(rank, round_, epoch, [at])
+        epoch, queue, round_ = self._sync[rank]
+        if queue and self._sync_reported.get(rank, -1) < round_ and rank not in self.dead:
+            self._sync_reported[rank] = round_
+            self._window(rank, round_, epoch, [queue.popleft()])
 
 
 def plans(actions: list[Action]) -> list[m.Plan]:

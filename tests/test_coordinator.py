@@ -350,14 +350,9 @@ def test_heartbeat_staleness_declares_the_rank_dead_by_name() -> None:
             reason="no frame for 30 s (heartbeat timeout: the rank is frozen, stopped or cut off)",
         )
     ]
-    [fail] = [a for a in out if isinstance(a, Fail)]
-    assert (
-        fail.reason
-        == "rank 1 on host h1 was lost mid-training: no frame for 30 s (heartbeat timeout: the rank is frozen, stopped or cut off)"
-    )
-    assert (fail.code, fail.rank, fail.save_reason) == (ExitCode.RANK_FAILURE, 1, "rank_lost")
-    [dead] = sent(out, m.Shutdown)
-    assert dead.save_reason == "rank_lost"  # type: ignore[attr-defined]
+    # the survivor trains on
+    assert [a for a in out if isinstance(a, Fail)] == []
+    assert (d.coord.phase, d.coord.alive, d.coord.dead) == (CoordPhase.TRAINING, {0}, {1})
 
 
 def test_the_heartbeat_timeout_scales() -> None:
@@ -370,7 +365,7 @@ def test_the_heartbeat_timeout_scales() -> None:
 
 
 def test_a_death_record_carries_the_traceback_into_the_verdict() -> None:
-    d = started()
+    d = started(world=1)
     out = d.coord.handle(
         RankExiting(
             message=m.Exiting(rank=0, reason="error", error="Traceback ...\nValueError: boom")
@@ -412,22 +407,22 @@ def test_max_failure_names_its_exit_code() -> None:
     assert (fail.code, fail.save_reason) == (ExitCode.MAX_FAILURE, "max_failure_exceeded")
 
 
-def test_max_failure_on_a_run_that_is_not_elastic_is_said_once_at_the_start() -> None:
-    d = Driver(spec(max_failure=1), world=3)
+def test_max_failure_on_a_collective_run_is_said_once_at_the_start() -> None:
+    d = Driver(spec(max_failure=1, backend=Backend.COLLECTIVE), world=3)
     d.join_all()
     warnings = [a.text for a in d.actions if isinstance(a, Announce) and "max_failure" in a.text]
     assert warnings == [
-        "max_failure is set, but this run is not elastic: any lost rank ends it (elastic continuation is not built yet)"
+        "max_failure is set, but a COLLECTIVE world cannot lose a rank yet: any lost rank ends it (the CPU backend trains on)"
     ]
-    quiet = Driver(spec(), world=3)
-    quiet.join_all()
-    assert not [a for a in quiet.actions if isinstance(a, Announce) and "max_failure" in a.text]
+    for quiet in (Driver(spec(), world=3), Driver(spec(max_failure=1), world=3)):
+        quiet.join_all()
+        assert not [a for a in quiet.actions if isinstance(a, Announce) and "max_failure" in a.text]
 
 
 def test_elastic_runs_continue_after_a_loss_and_forfeit_its_batches() -> None:
     s = spec(epochs=1)
     d = Driver(s, world=3)
-    d.coord = Coordinator(CoordinatorConfig(run_id="r", world_size=3, elastic=True), now=d.now)
+    d.coord = Coordinator(CoordinatorConfig(run_id="r", world_size=3), now=d.now)
     d.join_all()
     lost = d.coord.handle(RankLost(rank=2, reason="killed"), d.now)
     assert [a for a in lost if isinstance(a, Fail)] == []

@@ -140,12 +140,21 @@ def test_a_stop_while_a_model_round_is_in_flight_waits_for_it() -> None:
 # ----- losses -------------------------------------------------------------------------------
 
 
-def test_a_clean_exit_mid_run_is_a_loss_with_the_whole_chain() -> None:
+def test_a_clean_exit_mid_run_is_a_loss_and_the_survivor_trains_on() -> None:
     d = started()
     out = d.coord.handle(RankExiting(message=m.Exiting(rank=1, reason="done")), d.now)
-    assert out == lost_mid_run(1, "h1", "it left before training ended (done)")
-    assert d.coord.phase is CoordPhase.FAILED
+    why = "it left before training ended (done)"
+    assert out[:2] == [warning(f"rank 1 on host h1 lost: {why}"), DeclareDead(rank=1, reason=why)]
+    assert not [a for a in out if isinstance(a, Fail)]
+    assert d.coord.phase is CoordPhase.INIT  # round 0 still in flight: it goes on without rank 1
     assert (d.coord.dead, d.coord.alive) == ({1}, {0})
+    d.drain()
+    assert isinstance(d.ended, Finish)
+    assert d.ended.lost == ((1, "it left before training ended (done) at epoch 1"),)
+    assert d.ended.reason == (
+        "training complete, DEGRADED — 1 of 2 ranks lost (rank 1 on host h1: it left before "
+        "training ended (done) at epoch 1); 2 epoch(s) on 1 rank(s)"
+    )
 
 
 def test_a_clean_exit_while_joining_is_lost_before_training_started() -> None:
@@ -155,22 +164,27 @@ def test_a_clean_exit_while_joining_is_lost_before_training_started() -> None:
     assert out == lost_mid_run(0, "a", "it left before training ended (done)", before=True)
 
 
-def test_a_death_record_is_a_loss_with_its_traceback() -> None:
+def test_every_rank_lost_names_them_all_with_the_first_ones_traceback() -> None:
     d = started()
-    out = d.coord.handle(
+    first = d.coord.handle(
         RankExiting(message=m.Exiting(rank=0, reason="error", error="Traceback: boom")), d.now
     )
-    chain = lost_mid_run(0, "h0", "it raised (error)")
-    fail = chain[-1]
-    assert isinstance(fail, Fail)
-    chain[-1] = Fail(
-        code=fail.code,
-        reason=fail.reason,
-        rank=0,
-        details="Traceback: boom",
-        save_reason="rank_lost",
+    assert not [a for a in first if isinstance(a, Fail)]
+    out = d.coord.handle(RankLost(rank=1, reason="killed"), d.now)
+    reason = (
+        "every rank was lost — rank 0 on host h0: it raised (error) at epoch 1; rank 1 on host h1: "
+        "killed at epoch 1"
     )
-    assert out == chain
+    assert out[-2:] == [
+        shutdown(reason, "all_ranks_lost"),
+        Fail(
+            code=ExitCode.RANK_FAILURE,
+            reason=reason,
+            rank=0,
+            details="Traceback: boom",
+            save_reason="all_ranks_lost",
+        ),
+    ]
 
 
 def test_a_clean_exit_before_its_hello_is_the_supervisors_but_shows_on_the_page() -> None:
@@ -183,7 +197,7 @@ def test_a_clean_exit_before_its_hello_is_the_supervisors_but_shows_on_the_page(
 
 def test_a_lost_collective_rank_ends_the_run_since_a_process_group_cannot_shrink() -> None:
     s = spec(backend=Backend.COLLECTIVE)
-    c = Coordinator(CoordinatorConfig(run_id="r", world_size=2, elastic=True), now=0.0)
+    c = Coordinator(CoordinatorConfig(run_id="r", world_size=2), now=0.0)
     for rank in (0, 1):
         c.handle(TrainerJoined(hello=hello(rank, s)), 1.0)
     out = c.handle(RankLost(rank=1, reason="killed"), 1.0)
@@ -487,11 +501,13 @@ def test_the_welcome_names_the_primary_and_the_max_failure_warning_comes_before_
     c = Coordinator(
         CoordinatorConfig(run_id="run-7", world_size=2, primary_rank=1, hosts={0: "a"}), now=0.0
     )
-    first = hello(0, spec(max_failure=1))
+    first = hello(0, spec(max_failure=1, backend=Backend.COLLECTIVE))
     assert c.handle(TrainerJoined(hello=first), 1.0) == [
         Tell(to=0, message=m.TrainerWelcome(rank=0, world_size=2, run_id="run-7", primary_rank=1))
     ]
-    out = c.handle(TrainerJoined(hello=hello(1, spec(max_failure=1))), 2.0)
+    out = c.handle(
+        TrainerJoined(hello=hello(1, spec(max_failure=1, backend=Backend.COLLECTIVE))), 2.0
+    )
     assert isinstance(out[2], Announce)
     assert out[2].level is Level.WARNING
     assert isinstance(out[3], StartRound)

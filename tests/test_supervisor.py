@@ -23,6 +23,7 @@ from flodl_async.control.supervision import (
     JoinUndelivered,
     OrderlyStop,
     RankConnected,
+    RankDropped,
     RankExited,
     RanksReported,
     RanksStopped,
@@ -33,6 +34,7 @@ from flodl_async.control.supervision import (
     Running,
     StoreReady,
     SupervisorConfig,
+    TellCoordinator,
     TrainingEnded,
     TrainingStarted,
 )
@@ -1017,7 +1019,7 @@ def test_a_failed_training_keeps_its_own_code_after_an_orderly_stop_was_asked() 
     assert end.result.exit_code is ExitCode.STALLED
 
 
-# ----- a rank's failure while the coordinator runs: the cause may follow the effect ----------
+# ----- a rank's failure while the coordinator runs: dropped, or the cause follows the effect -----
 
 
 def _trainer_running(**overrides: object) -> Supervisor:
@@ -1027,11 +1029,14 @@ def _trainer_running(**overrides: object) -> Supervisor:
     return sup
 
 
-def test_a_rank_failure_waits_for_the_coordinators_cause_which_is_the_verdict() -> None:
+def test_a_rank_failure_goes_to_the_coordinator_and_waits_for_its_cause() -> None:
     sup = _trainer_running()
     report = exited(1, "a", code=1)
-    # the exit is said at once; the verdict waits for the cause crossing the other link
-    assert sup.handle(report, 3.0) == (Announce(text=describe_exit(report.report)),)
+    # the exit is said at once and handed to the coordinator; the verdict waits
+    assert sup.handle(report, 3.0) == (
+        Announce(text=describe_exit(report.report), level=Level.WARNING),
+        TellCoordinator(report=report.report),
+    )
     assert isinstance(sup.phase, Concluding)
     assert sup.next_deadline(3.0) == 5.0
     assert sup.view().phase == "training"
@@ -1042,12 +1047,50 @@ def test_a_rank_failure_waits_for_the_coordinators_cause_which_is_the_verdict() 
     assert (end.result.exit_code, end.result.reason) == (ExitCode.RANK_FAILURE, cause)
 
 
-def test_a_rank_failure_with_no_cause_in_time_is_the_verdict_at_the_deadline() -> None:
+def test_a_rank_the_coordinator_drops_ends_nothing_and_the_training_gives_the_verdict() -> None:
+    sup = _trainer_running()
+    sup.handle(exited(1, "a", code=None, sig=int(signal.SIGKILL)), 3.0)
+    assert sup.handle(RankDropped(rank=1, reason="killed"), 3.1) == ()
+    assert isinstance(sup.phase, Running)
+    # the deadline is gone with the hold
+    assert sup.next_deadline(3.1) is None
+    done = "training complete, DEGRADED — 1 of 4 ranks lost"
+    sup.handle(TrainingEnded(ok=True, reason=done), 4.0)
+    for rank, host in ((0, "a"), (2, "b")):
+        assert of(sup.handle(exited(rank, host), 4.1), EndRun) == []
+    end = the_end(sup.handle(exited(3, "b"), 4.2))
+    assert (end.result.exit_code, end.result.reason) == (ExitCode.OK, done)
+
+
+def test_a_rank_dropped_before_its_exit_ends_nothing_when_the_exit_comes() -> None:
+    sup = _trainer_running()
+    sup.handle(RankDropped(rank=2, reason="no frame for 10 s"), 3.0)
+    said = sup.handle(exited(2, "b", code=None, sig=int(signal.SIGKILL)), 3.1)
+    assert of(said, EndRun) == []
+    # handed on all the same: its own end may say more than what dropped it
+    [told] = of(said, TellCoordinator)
+    assert told.report.rank == 2
+    assert isinstance(sup.phase, Running)
+
+
+def test_two_failures_held_wait_until_both_are_dropped() -> None:
+    sup = _trainer_running()
+    sup.handle(exited(1, "a", code=1), 3.0)
+    second = sup.handle(exited(3, "b", code=1), 3.1)
+    assert of(second, TellCoordinator) == [TellCoordinator(report=exited(3, "b", code=1).report)]
+    sup.handle(RankDropped(rank=1, reason="x"), 3.2)
+    assert isinstance(sup.phase, Concluding)
+    # the first failure's deadline still holds for the second
+    end = the_end(sup.handle(Woke(late=0.0), 5.0))
+    assert end.result.rank == 3
+
+
+def test_a_rank_failure_with_no_answer_in_time_is_the_verdict_at_the_deadline() -> None:
     sup = _trainer_running()
     report = exited(1, "a", code=1)
     sup.handle(report, 3.0)
-    # the other ranks' exits and a tick before the deadline decide nothing
-    assert of(sup.handle(exited(0, "a", code=1), 3.2), EndRun) == []
+    # the other ranks' clean exits and a wake before the deadline decide nothing
+    assert of(sup.handle(exited(0, "a"), 3.2), EndRun) == []
     assert of(sup.handle(Woke(late=0.0), 4.9), EndRun) == []
     end = the_end(sup.handle(Woke(late=0.0), 5.0))
     assert (end.result.exit_code, end.result.reason) == (
@@ -1055,8 +1098,18 @@ def test_a_rank_failure_with_no_cause_in_time_is_the_verdict_at_the_deadline() -
         describe_exit(report.report),
     )
     assert end.result.rank == 1
-    # the table still took the second exit
-    assert {r.rank: r.state for r in sup.view().ranks}[0] is RankState.FAILED
+    # the table still took the other exit
+    assert {r.rank: r.state for r in sup.view().ranks}[0] is RankState.EXITED
+
+
+def test_every_rank_gone_with_no_conclusion_is_a_failure() -> None:
+    sup = _trainer_running()
+    for rank, host in ((0, "a"), (1, "a"), (2, "b")):
+        sup.handle(exited(rank, host), 3.0)
+    sup.handle(exited(3, "b", code=1), 3.1)
+    end = the_end(sup.handle(RankDropped(rank=3, reason="x"), 3.2))
+    assert end.result.exit_code is ExitCode.RANK_FAILURE
+    assert end.result.reason == "every rank exited before training ended (1 dropped)"
 
 
 def test_a_held_rank_failure_outweighs_an_orderly_end_and_a_later_host_loss() -> None:
@@ -1086,17 +1139,18 @@ def test_without_a_coordinator_or_after_its_orderly_end_a_rank_failure_is_the_ve
 ):
     plain = Supervisor(config(training_outcome_wait=2.0), now=0.0)
     running(plain)
-    assert the_end(plain.handle(exited(1, "a", code=1), 3.0)).result.rank == 1
+    assert plain.handle(RankDropped(rank=1, reason="x"), 2.9) == ()  # no Trainer: means nothing
+    assert the_end(plain.handle(exited(2, "b", code=1), 3.0)).result.rank == 2
     # the coordinator already concluded in order: no cause can follow
     done = _trainer_running()
     done.handle(TrainingEnded(ok=True, reason="training complete"), 2.8)
     assert the_end(done.handle(exited(1, "a", code=1), 3.0)).result.rank == 1
 
 
-def test_with_restarts_left_a_coordinated_rank_failure_restarts_the_world_at_once() -> None:
+def test_a_coordinated_rank_failure_does_not_restart_the_world() -> None:
     sup = _trainer_running(max_restarts=1)
     sup.handle(exited(1, "a", code=1), 3.0)
-    assert isinstance(sup.phase, Restarting)
+    assert isinstance(sup.phase, Concluding)
 
 
 # ----- what the console prints of a verdict --------------------------------------------------------

@@ -210,9 +210,21 @@ def test_the_launcher_runs_on_the_callers_loop_next_to_other_tasks(tmp_path: Pat
 # ----- failures: a verdict naming the rank, nothing left behind ------------------------------------
 
 
-def test_a_rank_that_raises_fails_the_run_naming_it(tmp_path: Path) -> None:
+def test_a_rank_that_raises_is_dropped_and_the_run_ends_degraded_naming_it(
+    tmp_path: Path,
+) -> None:
     done = as_launcher(tmp_path, "--fail-rank", "1", run_id=new_run_id())
-    assert_launcher_verdict(done, ExitCode.RANK_FAILURE, "rank 1")
+    assert done.returncode == ExitCode.OK, done.stderr
+    assert "fails on purpose" in done.stderr  # the rank's own traceback, forwarded
+    lost = f"1 of 2 ranks lost (rank 1 on host {socket.gethostname()}: it raised "
+    assert f"training complete, DEGRADED — {lost}" in done.stderr, done.stderr
+    assert_identical(states(tmp_path), {"launcher--1", "rank-0"})
+
+
+def test_a_rank_that_raises_at_max_failure_fails_the_run_naming_it(tmp_path: Path) -> None:
+    done = as_launcher(tmp_path, "--fail-rank", "1", "--max-failure", "1", run_id=new_run_id())
+    assert_launcher_verdict(done, ExitCode.MAX_FAILURE, "rank 1")
+    assert "max_failure reached: 1 of 2 ranks lost (the limit is 1)" in done.stderr
     assert "fails on purpose" in done.stderr  # the rank's own traceback, forwarded
     # ... as the traceback of what the user's code raised, not chained to flodl's internals that re-raised it.
     assert (
@@ -264,14 +276,15 @@ class ScriptLauncher(Launcher):
         self.stdout_lines = []
 
 
-@pytest.mark.parametrize(("how", "named"), [("kill", "rank 1"), ("stop", "rank 1")])
-def test_a_killed_or_frozen_rank_ends_the_run_naming_it(
-    tmp_path: Path, how: str, named: str
+@pytest.mark.parametrize("how", ["kill", "stop"])
+def test_a_killed_or_frozen_rank_is_dropped_and_the_survivors_finish(
+    tmp_path: Path, how: str
 ) -> None:
     run_id = new_run_id()
-    # A frozen rank is noticed by its silence: 30 s x 0.1 = 3 s without a frame.
+    # A frozen rank is noticed by its silence: 30 s x 0.1 = 3 s without a frame; its agent then
+    # kills it, or the run would wait on it.
     env = {"FLODL_NET_TIMEOUT_SCALE": "0.1"} if how == "stop" else None
-    launcher = ScriptLauncher(tmp_path, "--epochs", "200", "--fast-ms", "3", run_id=run_id, env=env)
+    launcher = ScriptLauncher(tmp_path, "--epochs", "40", "--fast-ms", "3", run_id=run_id, env=env)
     try:
         launcher.wait_for_stdout("EPOCH 0", timeout=120)
         os.kill(_rank_pid(run_id, 1), signal.SIGKILL if how == "kill" else signal.SIGSTOP)
@@ -279,11 +292,13 @@ def test_a_killed_or_frozen_rank_ends_the_run_naming_it(
     finally:
         launcher.kill()
         assert_nothing_left(run_id)
-    assert_launcher_verdict(done, ExitCode.RANK_FAILURE, named)
+    assert done.returncode == ExitCode.OK, done.stderr
+    verdicts = [line for line in done.stderr.splitlines() if "DEGRADED" in line]
+    assert verdicts, done.stderr
+    assert "1 of 2 ranks lost (rank 1 on host " in verdicts[-1], verdicts
     if how == "stop":
-        assert (
-            "heartbeat" in done.stderr or "nothing from" in done.stderr or "silent" in done.stderr
-        ), done.stderr
+        assert "heartbeat timeout" in verdicts[-1], verdicts
+    assert_identical(states(tmp_path), {"launcher--1", "rank-0"})
 
 
 def test_ranks_of_a_frozen_launcher_notice_its_silence_and_exit(tmp_path: Path) -> None:
@@ -458,8 +473,8 @@ def test_an_exception_in_a_cooperative_loop_is_a_death_record_naming_the_rank(
         "--nproc", "2", "--devices", "cpu", "--port", "0", "--", PY, SCRIPT, "--out", str(tmp_path / "out"), "--cooperative", "--fail-rank", "1",
         run_id=run_id, env=ENV, timeout=180,
     )  # fmt: skip
-    assert done.returncode == 4, done.stderr
-    assert "rank 1" in done.stderr
+    assert done.returncode == ExitCode.OK, done.stderr  # the survivor trained on
+    assert "DEGRADED — 1 of 2 ranks lost (rank 1 on host " in done.stderr, done.stderr
     assert "it raised" in done.stderr  # the rank's Exiting(error=...), not a heartbeat deadline
     assert "fails on purpose in its own loop" in done.stderr
 

@@ -51,6 +51,7 @@ class Result:
     kind: str
     mass: float
     duration_ms: float
+    folded: dict[int, int] | None = None
 
 
 @dataclass
@@ -209,22 +210,28 @@ def test_a_rank_with_a_different_trainer_is_the_runs_verdict(tmp_path: Path) -> 
     # (Whether the rejected rank prints its TrainerReject before the verdict's stop reaches it is a race: not asserted.)
 
 
-def test_a_frozen_rank_is_named_by_the_heartbeat_deadline(tmp_path: Path) -> None:
+def test_a_frozen_rank_is_dropped_by_the_heartbeat_deadline_killed_and_the_run_goes_on(
+    tmp_path: Path,
+) -> None:
     result, output, rounds, _c = run_controller(tmp_path, "freeze", 1)
-    assert result.exit_code is ExitCode.RANK_FAILURE, (result, output.decode())
-    assert (
-        result.reason
-        == "rank 1 on host localhost was lost mid-training: no frame for 2 s (heartbeat timeout: the rank is frozen, stopped or cut off)"
-    )
+    assert result.exit_code is ExitCode.OK, (result, output.decode())
+    assert re.fullmatch(
+        r"training complete, DEGRADED — 1 of 2 ranks lost \(rank 1 on host localhost: no frame "
+        r"for 2 s \(heartbeat timeout: the rank is frozen, stopped or cut off\) at epoch 1\); "
+        r"2 epoch\(s\) on 1 rank\(s\)",
+        result.reason,
+    ), result.reason
     assert rounds.dead == [1]
-    # (The survivor hears DeclareDead before the verdict's stop reaches it, usually; a race, so not asserted.)
+    # its agent killed the stopped process (else the run would wait on it for ever)
 
 
-def test_a_rank_that_raises_is_named_with_its_traceback(tmp_path: Path) -> None:
+def test_a_rank_that_raises_is_dropped_and_named_in_the_degraded_verdict(tmp_path: Path) -> None:
     result, output, _rounds, _c = run_controller(tmp_path, "raise", 0)
-    assert result.exit_code is ExitCode.RANK_FAILURE, (result, output.decode())
-    assert result.reason == "rank 0 on host localhost was lost mid-training: it raised (error)"
-    assert "RuntimeError: boom in train_step" in result.details
+    assert result.exit_code is ExitCode.OK, (result, output.decode())
+    assert result.reason.startswith(
+        "training complete, DEGRADED — 1 of 2 ranks lost (rank 0 on host localhost: it raised "
+        "(error) at epoch 1)"
+    ), result.reason
 
 
 def test_a_rank_that_never_starts_its_trainer_times_out_by_name(tmp_path: Path) -> None:

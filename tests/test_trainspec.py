@@ -180,18 +180,17 @@ def test_failure_limits_and_unrecoverable_reasons() -> None:
     assert failure_limit(world_size=4, absolute=1, percent=None) == 1
     assert failure_limit(world_size=4, absolute=None, percent=0.3) == 2  # ceil(1.2)
     assert failure_limit(world_size=4, absolute=None, percent=None) is None
-    kw = {"backend": Backend.CPU, "world_size": 3, "limit": None}
-    assert unrecoverable_reason(dead=0, elastic=False, **kw) is None  # type: ignore[arg-type]
-    assert unrecoverable_reason(dead=1, elastic=False, **kw) == "rank_lost"  # type: ignore[arg-type]
-    assert unrecoverable_reason(dead=1, elastic=True, **kw) is None  # type: ignore[arg-type]
-    assert unrecoverable_reason(dead=3, elastic=True, **kw) == "all_ranks_lost"  # type: ignore[arg-type]
+
+    def cpu(dead: int, limit: int | None = None) -> str | None:
+        return unrecoverable_reason(backend=Backend.CPU, world_size=3, limit=limit, dead=dead)
+
+    assert cpu(0) is None
+    assert cpu(1) is None  # the survivors train on
+    assert cpu(2) is None
+    assert cpu(3) == "all_ranks_lost"
+    assert cpu(1, limit=2) is None  # reaching the limit breaches it, not passing it
+    assert cpu(2, limit=2) == "max_failure_exceeded"
     assert (
-        unrecoverable_reason(
-            backend=Backend.COLLECTIVE, world_size=3, limit=None, dead=1, elastic=True
-        )
+        unrecoverable_reason(backend=Backend.COLLECTIVE, world_size=3, limit=None, dead=1)
         == "collective_lost"
-    )
-    assert (
-        unrecoverable_reason(backend=Backend.CPU, world_size=3, limit=1, dead=1, elastic=True)
-        == "max_failure_exceeded"
     )

@@ -60,6 +60,8 @@ class _Rank:
     activity: RankActivityTracker
     readers: list[asyncio.Task[None]] = field(default_factory=list)
     stopping: bool = False
+    #: why this agent SIGKILLed it outside a stop (:meth:`RankProcesses.kill_dead`)
+    killed_because: str = ""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -276,8 +278,19 @@ class RankProcesses:
                 signal=-code if code < 0 else None,
                 error_file=read_error_file(entry.error_file) if failed else "",
                 stderr_tail=tuple(entry.stderr_tail) if failed else (),
+                killed_because=entry.killed_because,
             )
         )
+
+    def kill_dead(self, rank: int, reason: str) -> None:
+        """The Trainer's coordinator declared ``rank`` dead (frozen, lying, cut off): it is gone
+        for good, so KILL it if it still runs (KILL reaches a stopped process too)."""
+        entry = self._ranks.get(rank)
+        if entry is None or entry.proc.returncode is not None or _has_exited(entry.proc.pid):
+            return  # it died by itself (often the cause of the declaration): its exit says how
+        entry.killed_because = f"declared dead: {reason}"
+        log.warning("agent %s: killing rank %d, declared dead: %s", self._host, rank, reason)
+        signal_group(entry.proc.pid, signal.SIGKILL)
 
     def activity(self, now: float) -> tuple[int, tuple[m.RankActivity, ...]]:
         """The round and activity of every running rank (a few ``/proc`` reads each; the TCP tables
@@ -394,3 +407,13 @@ def read_error_file(path: Path) -> str:
             return str(stack or message.get("message", ""))
         return str(message)
     return raw
+
+
+def _has_exited(pid: int) -> bool:
+    """The child ``pid`` has exited, reaped or not (asyncio's watcher may not have reaped it yet);
+    it is left for the watcher to reap."""
+    try:
+        info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:
+        return True  # reaped already
+    return info is not None

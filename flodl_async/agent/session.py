@@ -338,6 +338,7 @@ class _Serving:
                     deadlines=cfg.deadlines,
                     host=cfg.host,
                     on_upstream_lost=self._relay_lost,
+                    on_rank_dead=self._ranks.kill_dead,
                     local_reducer=cfg.local_reducer,
                 )
                 self._relay = relay

@@ -36,14 +36,23 @@ OOM_HINT = (
 def describe_exit(report: m.RankExited) -> str:
     """``rank 1 (local rank 1) on host 'vm' exited with code 3`` (or ``was killed by SIGKILL``, with
     the OOM hint)."""
+    where = f"rank {report.rank} (local rank {report.local_rank}) on host {report.host!r}"
+    return f"{where} {exit_cause(report)}"
+
+
+def exit_cause(report: m.RankExited) -> str:
+    """``exited with code 3`` or ``was killed by SIGKILL (...)``: :func:`describe_exit` without the
+    rank."""
     how = (
         f"was killed by {signal_name(report.signal)}"
         if report.signal is not None
         else f"exited with code {report.exit_code}"
     )
-    if report.signal == signal.SIGKILL:
+    if report.signal == signal.SIGKILL and report.killed_because:
+        how += f" (by its agent: {report.killed_because})"
+    elif report.signal == signal.SIGKILL:
         how += f" ({OOM_HINT})"
-    return f"rank {report.rank} (local rank {report.local_rank}) on host {report.host!r} {how}"
+    return how
 
 
 def failure_details(report: m.RankExited, *, shown_live: bool = False) -> str:

@@ -168,6 +168,15 @@ class TrainingStarted:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class RankDropped:
+    """The Trainer's coordinator declared ``rank`` dead and trains on without it (an elastic
+    run): its failure, before or after this, ends nothing."""
+
+    rank: int
+    reason: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Interrupted:
     """The launcher received ``signal`` (SIGINT or SIGTERM)."""
 
@@ -193,6 +202,7 @@ Event = (
     | RankConnected
     | RanksReported
     | TrainingStarted
+    | RankDropped
     | TrainingEnded
     | Interrupted
     | OrderlyStop
@@ -244,8 +254,17 @@ class ResetStore:
     round: int
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TellCoordinator:
+    """Hand a rank's failed exit to the Trainer's coordinator, as one source of its death chain:
+    it drops the rank (:class:`RankDropped`) or ends the run with its cause."""
+
+    report: m.RankExited
+
+
 Action = (
-    AcceptJoin
+    TellCoordinator
+    | AcceptJoin
     | RejectJoin
     | Tell[str]
     | Announce
@@ -279,24 +298,38 @@ class Rendezvous:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Running:
-    """The ranks of ``round`` run; ``succeeded`` have exited 0."""
+    """The ranks of ``round`` run; ``exited`` have exited (with 0, or ``dropped``: declared dead
+    by the Trainer's coordinator, which trains on without them)."""
 
     world: Formed
     round: int
-    succeeded: frozenset[int] = frozenset()
+    exited: frozenset[int] = frozenset()
+    dropped: frozenset[int] = frozenset()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Concluding:
-    """A rank of ``round`` failed with no restart left while the Trainer's coordinator runs: the
-    verdict waits until ``deadline`` for the coordinator's cause (a rank that raised, a spec
-    mismatch), which then is the verdict; at the deadline, or on any other failure first,
-    ``failure`` is."""
+    """Ranks of the running round failed while the Trainer's coordinator runs: until ``deadline``
+    the coordinator may drop them (:class:`RankDropped`: the round runs on) or give its cause (a
+    rank that raised, a spec mismatch, a limit breached: then that is the verdict); at the
+    deadline, or on a host lost first, the first of ``failures`` is.
 
-    world: Formed
-    round: int
-    failure: m.RankExited
+    ``running``: the round as it stands, exits recorded meanwhile included.
+    """
+
+    running: Running
+    failures: tuple[m.RankExited, ...]
     deadline: float
+
+    @property
+    def world(self) -> Formed:
+        """The formed world."""
+        return self.running.world
+
+    @property
+    def round(self) -> int:
+        """The running round."""
+        return self.running.round
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

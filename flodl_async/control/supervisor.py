@@ -41,21 +41,19 @@ from __future__ import annotations
 import signal
 from dataclasses import replace
 
-from ..status.model import PROCESS_STATES, RankState, RankStatus
 from ..verdict import (
     ExitCode,
     RunResult,
-    device_ranges,
     exit_code_for_signal,
-    rank_ranges,
     rank_signal_for,
     restarts_text,
 )
 from ..wire import messages as m
 from .exits import describe_exit, failed, failure_details, signal_name
-from .membership import Admitted, Failed, Formed, JoinWindow
+from .formation import join_answer, store_host, world_formed
+from .membership import Failed, Formed, JoinWindow
+from .ranktable import RankTable, hang_verdict
 from .supervision import (
-    AcceptJoin,
     Action,
     Concluding,
     Ended,
@@ -70,6 +68,7 @@ from .supervision import (
     OrderlyStop,
     Phase,
     RankConnected,
+    RankDropped,
     RankExited,
     RanksReported,
     RanksStopped,
@@ -81,11 +80,11 @@ from .supervision import (
     StoreReady,
     SupervisorConfig,
     SupervisorView,
+    TellCoordinator,
     TrainingEnded,
     TrainingStarted,
     Transitions,
     phase_name,
-    with_activity,
 )
 from .vocab import Announce, Level, Tell, Tick
 from .watch import HostWatch, LinkEvent, Lost, Woke
@@ -99,12 +98,7 @@ _BEFORE_VERDICT: tuple[type[Forming | _FormedPhase], ...] = (Forming, *_FORMED)
 _ALL_PHASES: tuple[type[Phase], ...] = (*_BEFORE_VERDICT, Ended)
 # where a rank's exit fills the rank table and decides nothing: no round runs, or its outcome is
 # already decided (held for the coordinator's cause, or given)
-_EXIT_RECORDED: tuple[type[Rendezvous | Concluding | Restarting | Ended], ...] = (
-    Rendezvous,
-    Concluding,
-    Restarting,
-    Ended,
-)
+_EXIT_RECORDED: tuple[type[Rendezvous | Restarting | Ended], ...] = (Rendezvous, Restarting, Ended)
 # what the join window takes as a cue to decide, and nothing more
 _WINDOW_CUES: tuple[type[StoreReady | RankExited | RanksStopped | Tick], ...] = (
     StoreReady,
@@ -132,7 +126,7 @@ class Supervisor:
         self._phase: Phase = Forming(window=window)
         self._window = window
         self._restart_count = 0
-        self._ranks: dict[int, RankStatus] = {}
+        self._ranks = RankTable()
         # the coordinator's orderly end, for the verdict
         self._training_done: tuple[str, ExitCode] | None = None
         # the launcher signal that asked the Trainer for an orderly stop
@@ -185,7 +179,7 @@ class Supervisor:
             joined_ranks=self._window.joined_ranks,
             world_size=formed.world_size if formed is not None else 0,
             restart_count=self._restart_count,
-            ranks=tuple(self._ranks[r] for r in sorted(self._ranks)),
+            ranks=self._ranks.statuses(),
             result=self.result,
             rejected_joins=self._window.rejected_joins,
         )
@@ -258,6 +252,10 @@ class Supervisor:
         t.add(_FORMED, (HostLost,), self._host_lost)
         t.add(_EXIT_RECORDED, (RankExited,), self._exit_recorded)
         t.add((Running,), (RankExited,), self._running_exit)
+        t.add((Concluding,), (RankExited,), self._concluding_exit)
+        t.add((Running,), (RankDropped,), self._running_dropped)
+        t.add((Concluding,), (RankDropped,), self._concluding_dropped)
+        t.ignore((Forming, Rendezvous, Restarting, Ended), (RankDropped,))
         t.add((Rendezvous,), (StoreReady,), self._store_ready)
         t.ignore((Running, Concluding, Restarting), (StoreReady,))
         t.add((Rendezvous,), (Tick,), self._rendezvous_tick)
@@ -286,30 +284,7 @@ class Supervisor:
             agent_version=event.agent_version,
             protocol_version=event.protocol_version,
         )
-        actions: list[Action] = []
-        if not isinstance(outcome, Admitted):
-            actions.append(
-                Announce(
-                    text=f'join refused: host "{event.host}": {outcome.reason}',
-                    level=Level.WARNING,
-                )
-            )
-            actions.append(RejectJoin(host=event.host, reason=outcome.reason))
-        else:
-            member = outcome.member
-            reply = m.JoinAccept(
-                ranks=member.ranks,
-                run_id=self.config.run_id,
-                formation_wait_s=window.config.max_join_timeout,
-            )
-            actions.append(AcceptJoin(host=member.host, reply=reply))
-            actions.append(
-                Announce(
-                    text=f'host "{member.host}" joined with ranks {rank_ranges(member.ranks)} '
-                    f"({device_ranges(member.devices)}) — "
-                    f"{window.joined_ranks} rank(s) in, target {window.describe_target()}"
-                )
-            )
+        actions = join_answer(outcome, host=event.host, window=window, run_id=self.config.run_id)
         return (*actions, *self._forming_poll(phase, event, now))
 
     def _forming_undelivered(
@@ -335,39 +310,10 @@ class Supervisor:
         return ()
 
     def _formed(self, world: Formed, now: float) -> list[Action]:
-        actions: list[Action] = [
-            Announce(
-                text=f"world formed — {world.world_size} ranks across {len(world.members)} host(s) "
-                f"after {world.elapsed:.1f}s ({world.reason})"
-            )
-        ]
-        store_host = self._store_host(world)
-        for index, member in enumerate(world.members):
-            actions.append(
-                Tell(
-                    to=member.host,
-                    message=m.WorldFormed(
-                        world_size=world.world_size,
-                        ranks=member.ranks,
-                        group_rank=index,
-                        group_world_size=len(world.members),
-                        store_host=not self.config.controller_store and member.host == store_host,
-                        command=self.config.command,
-                        # the host's own env is applied by its agent
-                        env=dict(self.config.cluster_env),
-                        max_restarts=self.config.max_restarts,
-                    ),
-                )
-            )
-        actions.extend(self._open_round(world, 0, now))
-        return actions
+        return [*world_formed(world, self.config), *self._open_round(world, 0, now)]
 
     def _store_host(self, world: Formed) -> str:
-        """The controller's own host when it runs ranks, else the host of global rank 0."""
-        for member in world.members:
-            if member.host in self.config.local_hosts:
-                return member.host
-        return world.members[0].host
+        return store_host(world, self.config.local_hosts)
 
     def _open_round(self, world: Formed, round_: int, now: float) -> list[Action]:
         if self.config.controller_store:
@@ -394,9 +340,7 @@ class Supervisor:
                 )
             )
             for local_rank, rank in enumerate(member.ranks):
-                self._ranks[rank] = RankStatus(
-                    rank=rank, host=member.host, local_rank=local_rank, state=RankState.RUNNING
-                )
+                self._ranks.started(rank, host=member.host, local_rank=local_rank)
         self._phase = Running(world=world, round=round_)
         where = f"{addr}:{port}" if addr else "the controller port"
         actions.append(
@@ -424,9 +368,9 @@ class Supervisor:
         return self._host_lost(phase, lost, now)
 
     def _exit_recorded(
-        self, phase: Rendezvous | Concluding | Restarting | Ended, event: RankExited, now: float
+        self, phase: Rendezvous | Restarting | Ended, event: RankExited, now: float
     ) -> tuple[Action, ...]:
-        self._record_exit(event.report)
+        self._ranks.exited(event.report)
         return ()
 
     def _store_ready(self, phase: Rendezvous, event: StoreReady, now: float) -> tuple[Action, ...]:
@@ -444,61 +388,110 @@ class Supervisor:
         return (self._end(ExitCode.FORMATION, late),)
 
     def _running_exit(self, phase: Running, event: RankExited, now: float) -> tuple[Action, ...]:
-        self._record_exit(event.report)
-        if event.report.round != phase.round:
-            return ()
+        self._ranks.exited(event.report)
         report = event.report
-        if failed(report):
+        if report.round != phase.round:
+            return ()
+        if failed(report) and report.rank not in phase.dropped:
+            if self._coordinated and self._training_done is None:
+                # the coordinator drops the rank or gives the cause (the shell hands it the exit)
+                self._phase = Concluding(
+                    running=_exited(phase, report),
+                    failures=(report,),
+                    deadline=now + self.config.training_outcome_wait,
+                )
+                return (
+                    Announce(text=describe_exit(report), level=Level.WARNING),
+                    TellCoordinator(report=report),
+                )
             if self._restart_count >= self.config.max_restarts:
-                announce = Announce(text=describe_exit(report))
-                if self._coordinated and self._training_done is None:
-                    self._phase = Concluding(
-                        world=phase.world,
-                        round=phase.round,
-                        failure=report,
-                        deadline=now + self.config.training_outcome_wait,
-                    )
-                    return (announce,)
-                return (announce, self._rank_failure(report))
-            hosts = frozenset(member.host for member in phase.world.members)
-            self._phase = Restarting(
-                world=phase.world,
-                round=phase.round,
-                waiting=hosts,
-                deadline=now + self.config.stop_grace + self.config.stop_ack_margin,
-            )
-            actions: list[Action] = [
-                Announce(
-                    text=f"{describe_exit(report)}; restarting the world (restart "
-                    f"{self._restart_count + 1} of {self.config.max_restarts})",
-                    level=Level.WARNING,
-                )
-            ]
-            actions.extend(
-                Tell(
-                    to=member.host,
-                    message=m.StopRanks(
-                        round=phase.round,
-                        reason="restarting the world",
-                        grace_s=self.config.stop_grace,
-                    ),
-                )
-                for member in phase.world.members
-            )
-            return tuple(actions)
-        succeeded = phase.succeeded | {report.rank}
-        self._phase = replace(phase, succeeded=succeeded)
-        done: list[Action] = [
-            Announce(text=f"rank {report.rank} on {report.host} exited with code 0")
-        ]
-        if len(succeeded) == phase.world.world_size:
+                return (Announce(text=describe_exit(report)), self._rank_failure(report))
+            return self._restart(phase, report, now)
+        if failed(report):
+            said = Announce(text=f"{describe_exit(report)} (dropped from training)")
+            # its own end says more than the link that reported it first
+            told = (TellCoordinator(report=report),) if self._training_done is None else ()
+            return (said, *told, *self._round_over(_exited(phase, report)))
+        said = Announce(text=f"rank {report.rank} on {report.host} exited with code 0")
+        return (said, *self._round_over(_exited(phase, report)))
+
+    def _round_over(self, phase: Running) -> tuple[Action, ...]:
+        """``phase`` becomes the round as it stands; once every rank exited, the verdict."""
+        self._phase = phase
+        world = phase.world.world_size
+        if len(phase.exited) < world:
+            return ()
+        if self._training_done is not None:
+            reason, code = self._training_done
+        elif phase.dropped:
+            # every rank is gone and the coordinator never concluded
+            reason = f"every rank exited before training ended ({len(phase.dropped)} dropped)"
+            return (self._end(ExitCode.RANK_FAILURE, reason),)
+        else:
             after = f" after {restarts_text(self._restart_count)}" if self._restart_count else ""
-            everyone = (
-                f"all {phase.world.world_size} ranks" if phase.world.world_size > 1 else "the rank"
+            everyone = f"all {world} ranks" if world > 1 else "the rank"
+            reason, code = f"{everyone} exited 0{after}", ExitCode.OK
+        return (self._end(code, reason),)
+
+    def _restart(self, phase: Running, report: m.RankExited, now: float) -> tuple[Action, ...]:
+        hosts = frozenset(member.host for member in phase.world.members)
+        self._phase = Restarting(
+            world=phase.world,
+            round=phase.round,
+            waiting=hosts,
+            deadline=now + self.config.stop_grace + self.config.stop_ack_margin,
+        )
+        actions: list[Action] = [
+            Announce(
+                text=f"{describe_exit(report)}; restarting the world (restart "
+                f"{self._restart_count + 1} of {self.config.max_restarts})",
+                level=Level.WARNING,
             )
-            reason, code = self._training_done or (f"{everyone} exited 0{after}", ExitCode.OK)
-            done.append(self._end(code, reason))
-        return tuple(done)
+        ]
+        actions.extend(
+            Tell(
+                to=member.host,
+                message=m.StopRanks(
+                    round=phase.round, reason="restarting the world", grace_s=self.config.stop_grace
+                ),
+            )
+            for member in phase.world.members
+        )
+        return tuple(actions)
+
+    def _running_dropped(
+        self, phase: Running, event: RankDropped, now: float
+    ) -> tuple[Action, ...]:
+        # its exit may still come (a frozen rank its agent now kills): then it ends nothing
+        if self._coordinated:
+            self._phase = replace(phase, dropped=phase.dropped | {event.rank})
+        return ()
+
+    def _concluding_exit(
+        self, phase: Concluding, event: RankExited, now: float
+    ) -> tuple[Action, ...]:
+        self._ranks.exited(event.report)
+        report = event.report
+        if report.round != phase.round:
+            return ()
+        running = _exited(phase.running, report)
+        failures = phase.failures
+        said: tuple[Action, ...] = ()
+        if failed(report) and report.rank not in running.dropped:
+            failures = (*failures, report)
+            said = (TellCoordinator(report=report),)
+        self._phase = replace(phase, running=running, failures=failures)
+        return said
+
+    def _concluding_dropped(
+        self, phase: Concluding, event: RankDropped, now: float
+    ) -> tuple[Action, ...]:
+        running = replace(phase.running, dropped=phase.running.dropped | {event.rank})
+        failures = tuple(f for f in phase.failures if f.rank != event.rank)
+        if failures:
+            self._phase = replace(phase, running=running, failures=failures)
+            return ()
+        return self._round_over(running)
 
     def _rank_failure(self, report: m.RankExited) -> EndRun:
         """The verdict of a rank's failure with no restart left."""
@@ -514,8 +507,9 @@ class Supervisor:
         )
 
     def _concluding_tick(self, phase: Concluding, event: Tick, now: float) -> tuple[Action, ...]:
-        # the coordinator gave no cause in time: the exit is the verdict
-        return () if now < phase.deadline else (self._rank_failure(phase.failure),)
+        # the coordinator neither dropped the rank nor gave a cause in time (it never knew the
+        # rank, or it is gone): the exit is the verdict
+        return () if now < phase.deadline else (self._rank_failure(phase.failures[0]),)
 
     def _training_started(
         self, phase: Phase, event: TrainingStarted, now: float
@@ -528,7 +522,7 @@ class Supervisor:
     ) -> tuple[Action, ...]:
         if event.ok and isinstance(phase, Concluding):
             # an orderly end cannot outweigh the rank failure already seen
-            return (Announce(text=event.reason), self._rank_failure(phase.failure))
+            return (Announce(text=event.reason), self._rank_failure(phase.failures[0]))
         if event.ok:
             # The ranks now leave; their clean exits give the verdict (130/143 after an orderly stop
             # on a signal).
@@ -566,7 +560,7 @@ class Supervisor:
     def _host_lost(self, phase: _FormedPhase, event: HostLost, now: float) -> tuple[Action, ...]:
         if isinstance(phase, Concluding):
             # the first failure decides: the rank's, held only for its cause
-            return (self._rank_failure(phase.failure),)
+            return (self._rank_failure(phase.failures[0]),)
         if not any(member.host == event.host for member in phase.world.members):
             return (
                 Announce(
@@ -665,18 +659,6 @@ class Supervisor:
 
     # ----- the rank table (status) ------------------------------------------------------------
 
-    def _record_exit(self, report: m.RankExited) -> None:
-        known = self._ranks.get(report.rank)
-        self._ranks[report.rank] = RankStatus(
-            rank=report.rank,
-            host=report.host,
-            local_rank=report.local_rank,
-            state=RankState.FAILED if failed(report) else RankState.EXITED,
-            pid=known.pid if known is not None else None,
-            exit_code=report.exit_code,
-            signal=report.signal,
-        )
-
     def _ranks_reported(
         self, phase: Running, event: RanksReported, now: float
     ) -> tuple[Action, ...]:
@@ -685,46 +667,23 @@ class Supervisor:
         if event.report.round != phase.round:
             # a report of another round: the table already says how that one ended
             return ()
-        hung: m.RankActivity | None = None
-        for activity in event.report.ranks:
-            known = self._ranks.get(activity.rank)
-            if (
-                known is None
-                or known.host != event.host
-                or known.state not in (RankState.RUNNING, RankState.CONNECTED)
-            ):
-                continue
-            self._ranks[activity.rank] = with_activity(known, activity)
-            limit = self.config.hang_timeout
-            if (
-                limit is not None
-                and activity.quiet_s >= limit
-                and (hung is None or activity.quiet_s > hung.quiet_s)
-            ):
-                hung = activity
-        if hung is None:
+        limit = self.config.hang_timeout
+        hung = self._ranks.reported(event.host, event.report, hang_timeout=limit)
+        if hung is None or limit is None:
             return ()
-        known = self._ranks[hung.rank]
-        process = PROCESS_STATES.get(hung.state, hung.state)
-        reason = (
-            f"rank {hung.rank} (local rank {known.local_rank}) on host {event.host!r} hung: no "
-            "output and no CPU progress "
-            f"for {hung.quiet_s:g} s (--hang-timeout {self.config.hang_timeout:g}); its process "
-            f"{hung.pid} is {process}"
+        reason, details = hang_verdict(
+            hung, host=event.host, local_rank=self._ranks.local_rank(hung.rank), hang_timeout=limit
         )
-        store = (
-            "it is connected to the rendezvous store"
-            if hung.store_connected
-            else "it never connected to the rendezvous store"
-        )
-        last = f"its last output line: {hung.last_line}" if hung.last_line else "it printed nothing"
         return (
             Announce(text=reason, level=Level.WARNING),
-            self._end(ExitCode.STALLED, reason, details=f"{store}; {last}"),
+            self._end(ExitCode.STALLED, reason, details=details),
         )
 
     def _rank_connected(self, phase: Phase, event: RankConnected, now: float) -> tuple[Action, ...]:
-        known = self._ranks.get(event.rank)
-        if known is not None and known.state is RankState.RUNNING:
-            self._ranks[event.rank] = replace(known, state=RankState.CONNECTED, pid=event.pid)
+        self._ranks.connected(event.rank, event.pid)
         return ()
+
+
+def _exited(phase: Running, report: m.RankExited) -> Running:
+    """``phase`` with ``report``'s rank exited."""
+    return replace(phase, exited=phase.exited | {report.rank})

@@ -363,6 +363,7 @@ class Reducer:
         )
         self._uplinks.count(frame.host, payload_len)
         state.barrier.offer(ranks, frame)
+        state.steps.update(dict.fromkeys(ranks, 0) | dict(zip(msg.ranks, msg.steps, strict=False)))
 
     # ----- the driver -----------------------------------------------------------------------------
 
@@ -470,7 +471,13 @@ class Reducer:
         duration_ms = (time.monotonic() - state.opened_at) * 1000.0
         if not state.done.done():
             state.done.set_result(
-                RoundResult(round=state.number, kind=state.kind, mass=mass, duration_ms=duration_ms)
+                RoundResult(
+                    round=state.number,
+                    kind=state.kind,
+                    mass=mass,
+                    duration_ms=duration_ms,
+                    folded=dict(state.steps),
+                )
             )
 
     async def aclose(self) -> None:

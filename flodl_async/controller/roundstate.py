@@ -7,6 +7,7 @@ one user); the statistics are frozen snapshots for the status board and the run'
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -28,6 +29,8 @@ class RoundResult:
     kind: str
     mass: float
     duration_ms: float
+    #: The ranks whose contributions the consensus holds, with the steps each brought.
+    folded: Mapping[int, int] = field(default_factory=dict)
 
 
 class LocalDown:
@@ -163,6 +166,8 @@ class RoundState:
     acc: list[torch.Tensor] | None = None
     acc_buffer: bytearray | memoryview | None = None
     folded: int = 0
+    #: rank -> the steps its contribution brought, for every rank a frame taken lists
+    steps: dict[int, int] = field(default_factory=dict)
 
 
 @dataclass(slots=True)

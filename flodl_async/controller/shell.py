@@ -46,8 +46,10 @@ from ..control.supervision import (
     HostLost,
     Interrupted,
     OrderlyStop,
+    RankDropped,
     RejectJoin,
     ResetStore,
+    TellCoordinator,
     TrainingEnded,
     TrainingStarted,
 )
@@ -377,6 +379,7 @@ class Controller:
         )
         table.add(Tell, self._hosts.tell)
         table.add(Announce, self._announce)
+        table.add(TellCoordinator, self._tell_coordinator)
         table.add(AcceptJoin, self._hosts.accept_join)
         table.add(RejectJoin, self._hosts.reject_join)
         table.add(ForceStop, self._force_stop)
@@ -394,6 +397,10 @@ class Controller:
             # a --nproc run said it all in its banner: the progress is for -v
             level = logging.DEBUG
         log.log(level, "%s", action.text)
+
+    def _tell_coordinator(self, action: TellCoordinator, reply_link: FramedProtocol | None) -> None:
+        if self._training is not None:
+            self._training.rank_exited(action.report)
 
     def _force_stop(self, action: ForceStop, reply_link: FramedProtocol | None) -> None:
         self._forced = True
@@ -463,6 +470,7 @@ class Controller:
             on_outcome=self._training_outcome,
             on_change=self._training_changed,
             on_start=lambda: self._dispatch(TrainingStarted()),
+            on_drop=lambda rank, reason: self._dispatch(RankDropped(rank=rank, reason=reason)),
             serve_data=self._serve_training_data,
             hello_timeout=self._deadlines.trainer_hello,
             reduce_stall=self._deadlines.reduce_stall,

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from ..control.dispatch import TypeTable
+from ..control.exits import exit_cause, failure_details
 from ..control.vocab import LOGGING_LEVELS, Announce, Tell, Tick
 from ..errors import ConnectionClosed, FlodlError
 from ..net.framed import FramedProtocol
@@ -90,6 +91,8 @@ class RoundResultLike(Protocol):
     def mass(self) -> float: ...
     @property
     def duration_ms(self) -> float: ...
+    @property
+    def folded(self) -> Mapping[int, int] | None: ...
 
 
 class RoundRunner(Protocol):
@@ -175,6 +178,7 @@ class TrainingShell:
         on_outcome: Callable[[TrainingOutcome], None],
         on_change: Callable[[], None] = lambda: None,
         on_start: Callable[[], None] = lambda: None,
+        on_drop: Callable[[int, str], None] = lambda rank, reason: None,
         serve_data: DataServer | None = None,
         round_runner: RoundRunnerFactory = default_round_runner,
         hello_timeout: float = 120.0,
@@ -190,6 +194,7 @@ class TrainingShell:
         self._on_outcome = on_outcome
         self._on_change = on_change
         self._on_start = on_start
+        self._on_drop = on_drop
         self._serve_data = serve_data
         self._round_runner = round_runner
         self._hello_timeout = hello_timeout
@@ -235,6 +240,20 @@ class TrainingShell:
                         rank=rank, reason="its host's relay connection to the controller closed"
                     )
                 )
+
+    def rank_exited(self, report: m.RankExited) -> None:
+        """The agent reported ``report``'s rank failed: one source of the coordinator's death
+        chain (the first source of a death decides; the others find it dead)."""
+        if self.coordinator is not None:
+            self._handle(
+                RankLost(
+                    rank=report.rank,
+                    reason=f"its process {exit_cause(report)}",
+                    details=failure_details(report),
+                    # its agent's own KILL of a rank declared dead says nothing new
+                    exit=not report.killed_because,
+                )
+            )
 
     def seen(self, rank: int) -> None:
         """A heartbeat (or any frame) from ``rank``."""
@@ -428,6 +447,7 @@ class TrainingShell:
         if self.reducer is not None:
             self.reducer.declare_dead(action.rank)
         self._send(m.DeclareDead(dead_rank=action.rank, reason=action.reason))
+        self._on_drop(action.rank, action.reason)
 
     def _publish_epoch(self, action: PublishEpoch) -> None:
         self._publish(action.metrics)
@@ -488,5 +508,6 @@ class TrainingShell:
                     kind=result.kind,
                     mass=result.mass,
                     duration_ms=result.duration_ms,
+                    folded=result.folded,
                 )
             )

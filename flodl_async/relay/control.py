@@ -162,6 +162,7 @@ class Relay:
         deadlines: Deadlines,
         host: str = "",
         on_upstream_lost: Callable[[str], None] | None = None,
+        on_rank_dead: Callable[[int, str], None] | None = None,
         local_reducer: LocalReducerSource | None = None,
     ) -> None:
         """``host`` names this host in its data connection's hello (the controller's log lines).
@@ -171,9 +172,12 @@ class Relay:
 
         ``on_upstream_lost(reason)``: the upstream control link went silent past the heartbeat
         deadline.
+
+        ``on_rank_dead(rank, reason)``: the controller declared one of this host's ranks dead.
         """
         self._deadlines = deadlines
         self._on_upstream_lost = on_upstream_lost
+        self._on_rank_dead = on_rank_dead
         self._upstream_live: Liveness | None = None
         self._beats: asyncio.Task[None] | None = None
         self.socket_path = socket_path
@@ -255,8 +259,11 @@ class Relay:
         self._fold.open_round()
 
     def rank_dead(self, rank: int, reason: str) -> None:
-        """The controller declared ``rank`` dead (``DeclareDead``): no host fold waits for it."""
+        """The controller declared ``rank`` dead (``DeclareDead``): no host fold waits for it, and
+        ``on_rank_dead`` (its agent) makes sure it no longer runs."""
         self._fold.rank_gone(rank, reason)
+        if self._on_rank_dead is not None and rank in self._host_ranks:
+            self._on_rank_dead(rank, reason)
 
     def _rank_key(self, peer: PeerHello) -> bytes:
         """The credential resolver of the rank socket: one rank of this host, in the current

@@ -10,7 +10,7 @@ tells ranks, ``Tell(to=rank, ...)``, or every relay at once, ``Tell(to=EVERY_RAN
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from ..control.dispatch import TypeTable
@@ -41,8 +41,6 @@ class CoordinatorConfig:
     reduce_stall: float = 120.0
     #: Multiplies the spec's ``heartbeat_timeout`` (``FLODL_NET_TIMEOUT_SCALE``).
     timeout_scale: float = 1.0
-    #: Continue after a rank loss within ``max_failure`` (the elastic issue); off here.
-    elastic: bool = False
     primary_rank: int = 0
     #: The launcher's own spec when the user's script is the launcher: every rank must match it.
     reference: TrainerSpec | None = None
@@ -121,6 +119,9 @@ class RankLost:
     rank: int
     reason: str
     details: str = ""
+    #: The reason is the process's own exit (its code or signal): for a rank already lost to a
+    #: link's close, it replaces the reason the verdict gives.
+    exit: bool = False
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -139,6 +140,9 @@ class RoundCompleted:
     kind: str
     mass: float
     duration_ms: float
+    #: The ranks whose contributions the consensus holds, with the steps each brought; None: the
+    #: round runner does not say, and a rank that died while the round ran is taken as not in it.
+    folded: Mapping[int, int] | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -242,6 +246,8 @@ class Finish:
     reason: str
     save_reason: str
     interrupted: bool = False
+    #: The ranks lost on the way (the run went on without them), with why.
+    lost: tuple[tuple[int, str], ...] = ()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -269,6 +275,42 @@ class RankView:
     state: str
     batches: int
     heartbeat_age: float
+
+
+def rank_views(
+    hosts: Mapping[int, str],
+    ranks: Iterable[int],
+    *,
+    dead: frozenset[int],
+    exiting: frozenset[int],
+    alive: frozenset[int],
+    last_seen: Mapping[int, float],
+    batches: Mapping[int, int],
+    now: float,
+) -> tuple[RankView, ...]:
+    """Each of ``ranks`` as the status page shows it: dead, exiting, training or joining."""
+    views = []
+    for rank in ranks:
+        state = (
+            "dead"
+            if rank in dead
+            else "exiting"
+            if rank in exiting
+            else "training"
+            if rank in alive
+            else "joining"
+        )
+        seen = last_seen.get(rank)
+        views.append(
+            RankView(
+                rank=rank,
+                host=hosts.get(rank, ""),
+                state=state,
+                batches=batches.get(rank, 0),
+                heartbeat_age=0.0 if seen is None else max(0.0, now - seen),
+            )
+        )
+    return tuple(views)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

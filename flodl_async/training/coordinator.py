@@ -31,19 +31,23 @@ Phases::
   since the last reduce (SYNC/CADENCE natural end), else contributed by every alive rank;
   COLLECTIVE then uploads the primary rank's state (``upload``). Then ``Shutdown``.
 * A rank lost (relay ``RankGone``, a death record, a non-zero exit, heartbeat staleness)
-  runs the death chain: forfeit its in-flight batches, ``DeclareDead`` (the reducer stops
-  waiting on it), then :func:`~flodl_async.training.policy.unrecoverable_reason` — for now
-  every loss is unrecoverable (``elastic=False``) and ends the run with a verdict naming
-  the rank; elastic continuation flips that flag.
+  runs the death chain, once per rank (the first source decides, the others find it dead): mark
+  it dead with its reason; return its batches not yet in a consensus to the pool (the window of a
+  round being reduced as it died waits for that round's result: the consensus may hold it);
+  ``DeclareDead`` (the reducer, the relays and the survivors stop waiting on it); then
+  :func:`~flodl_async.training.policy.unrecoverable_reason` — ``max_failure`` reached (exit 5,
+  naming every dead rank), every rank lost, a COLLECTIVE world (exit 4) — or else the survivors
+  train on: the gate, ElChe and the epoch's ledger drop it, the next windows take its batches, and
+  the end says ``DEGRADED`` with the ranks lost.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from ..control.dispatch import TypeTable
 from ..control.vocab import Announce, Level, Tell, Tick
-from ..errors import ConfigError
 from ..verdict import ExitCode
 from ..wire import messages as m
 from . import partition as part
@@ -64,7 +68,6 @@ from .coordination import (
     PublishEpoch,
     RankExiting,
     RankLost,
-    RankView,
     RoundCompleted,
     Running,
     Stage,
@@ -72,11 +75,13 @@ from .coordination import (
     StopRequested,
     TrainerJoined,
     WindowReported,
+    rank_views,
     sender,
 )
 from .elche import ElChe
+from .hellocheck import check_hello
+from .losses import LostRanks
 from .metrics import EpochLedger
-from .modelschema import ModelSchema
 from .policy import (
     RULES,
     Backend,
@@ -87,7 +92,8 @@ from .policy import (
     should_reduce,
     unrecoverable_reason,
 )
-from .spec import TrainerSpec, digest_of, spec_diff
+from .slices import SyncSlices
+from .spec import TrainerSpec
 
 # ----- the machine ---------------------------------------------------------------------------
 
@@ -125,14 +131,15 @@ class Coordinator:
         self._stage: Stage = BeforeHello()
         self._joined: set[int] = set()
         self._alive: set[int] = set()
-        self._dead: set[int] = set()
+        # why each dead rank was lost, and in which epoch (for the verdict)
+        self._lost = LostRanks(self._host)
         self._exiting: set[int] = set()
         self._last_seen: dict[int, float] = {}
         self._round = 1  # the window being gathered; round 0 is INIT
         self._reports: dict[int, dict[int, m.WindowDone]] = {}
         self._plans: dict[tuple[int, int], m.Plan] = {}
         self._planned_round: dict[int, int] = {}
-        self._sync_left: dict[int, int] = {}
+        self._slices = SyncSlices()
         self._in_flight: _InFlight | None = None
         self._epoch = 0
         self._pool = part.ChunkPool(0)
@@ -187,7 +194,7 @@ class Coordinator:
     @property
     def dead(self) -> frozenset[int]:
         """Ranks lost so far."""
-        return frozenset(self._dead)
+        return self._lost.ranks
 
     @property
     def global_step(self) -> int:
@@ -219,27 +226,6 @@ class Coordinator:
         """What the status page shows of training."""
         spec = self.spec
         elche = self._stage.elche if isinstance(self._stage, Running) else None
-        ranks = []
-        for rank in range(self.config.world_size):
-            state = (
-                "dead"
-                if rank in self._dead
-                else "exiting"
-                if rank in self._exiting
-                else "training"
-                if rank in self._alive
-                else "joining"
-            )
-            seen = self._last_seen.get(rank)
-            ranks.append(
-                RankView(
-                    rank=rank,
-                    host=self.config.hosts.get(rank, ""),
-                    state=state,
-                    batches=self._batches.get(rank, 0),
-                    heartbeat_age=0.0 if seen is None else max(0.0, now - seen),
-                )
-            )
         return CoordinatorView(
             phase=self.phase.value,
             epoch=self._completed_epochs,
@@ -249,7 +235,16 @@ class Coordinator:
             anchor=0 if elche is None else elche.anchor,
             counts=() if elche is None else elche.counts,
             last_reduce_ms=self._last_sync_ms,
-            ranks=tuple(ranks),
+            ranks=rank_views(
+                self.config.hosts,
+                range(self.config.world_size),
+                dead=self._lost.ranks,
+                exiting=frozenset(self._exiting),
+                alive=frozenset(self._alive),
+                last_seen=self._last_seen,
+                batches=self._batches,
+                now=now,
+            ),
         )
 
     # ----- the one entry point ------------------------------------------------------------------
@@ -278,7 +273,13 @@ class Coordinator:
             return [_reject(rank, "this run's Trainer already started without it")]
         if not 0 <= rank < self.config.world_size:
             return [_reject(rank, f"rank {rank} is not in this world of {self.config.world_size}")]
-        checked = self._check_hello(hello)
+        stage = self._stage
+        checked = check_hello(
+            hello,
+            host=self._host(rank),
+            launcher=self.config.reference,
+            reference=None if isinstance(stage, BeforeHello) else (stage.reference, stage.spec),
+        )
         if isinstance(checked, str):
             return self._fail_before_init(rank, checked)
         if isinstance(self._stage, BeforeHello):
@@ -300,61 +301,6 @@ class Coordinator:
         if len(self._joined) == self.config.world_size:
             actions.extend(self._start(now))
         return actions
-
-    def _check_hello(self, hello: m.TrainerHello) -> TrainerSpec | str:
-        """The run's spec if this hello can join, else why not; the first valid one becomes the
-        reference."""
-        try:
-            claimed = digest_of(hello.spec, hello.model)
-        except ConfigError as exc:
-            return (
-                f"rank {hello.rank} ({self._host(hello.rank)}) sent a Trainer spec this "
-                f"controller cannot read: {exc}"
-            )
-        if claimed != hello.digest:
-            return (
-                f"rank {hello.rank} ({self._host(hello.rank)}) sent a digest that does not match "
-                "its own Trainer spec; "
-                "are the rank and the controller running the same flodl_async version?"
-            )
-        launcher = self.config.reference
-        if launcher is not None:
-            diff = spec_diff(launcher.to_wire(), hello.spec)
-            if diff is not None:
-                return (
-                    f"rank {hello.rank} ({self._host(hello.rank)}) built a different Trainer than "
-                    f"the launcher: {diff}. "
-                    "Every rank must build the Trainer from the same arguments — are the ranks "
-                    "running different code or command lines?"
-                )
-        stage = self._stage
-        if isinstance(stage, BeforeHello):
-            try:
-                return TrainerSpec.from_wire(hello.spec)
-            except ConfigError as exc:
-                return (
-                    f"rank {hello.rank} ({self._host(hello.rank)}) sent an invalid Trainer "
-                    f"spec: {exc}"
-                )
-        ref = stage.reference
-        if hello.digest == ref.digest:
-            return stage.spec
-        diff = spec_diff(ref.spec, hello.spec)
-        what = "Trainer"
-        if diff is None:
-            what = "model"
-            diff = (
-                ModelSchema.from_wire(ref.model).first_difference(
-                    ModelSchema.from_wire(hello.model)
-                )
-                or "the digests differ"
-            )
-        return (
-            f"rank {hello.rank} ({self._host(hello.rank)}) built a different {what} than rank "
-            f"{ref.rank}: {diff}. "
-            "Every rank must build the Trainer from the same arguments — are the ranks running "
-            "different code or command lines?"
-        )
 
     def _fail_before_init(self, rank: int, reason: str) -> list[Action]:
         return [_reject(rank, reason), *self._fail(ExitCode.FORMATION, reason, rank=rank)]
@@ -401,12 +347,12 @@ class Coordinator:
             ),
             self._start_round(0, "init", now),
         ]
-        if spec.max_failure is not None and not self.config.elastic:
+        if spec.max_failure is not None and spec.backend is Backend.COLLECTIVE:
             # Accepted so that a script written for elastic runs trains unchanged, but said once: it
             # would otherwise look tolerated.
             warning = (
-                "max_failure is set, but this run is not elastic: any lost rank ends it "
-                "(elastic continuation is not built yet)"
+                "max_failure is set, but a COLLECTIVE world cannot lose a rank yet: any lost rank "
+                "ends it (the CPU backend trains on)"
             )
             actions.insert(1, _warning(warning))
         actions.extend(self._open_epoch(0, now))
@@ -458,7 +404,7 @@ class Coordinator:
                     "flight; ignoring"
                 )
             ]
-        return self._round_done(flying, event.duration_ms, now)
+        return self._round_done(flying, event.duration_ms, now, event.folded)
 
     def _on_collective_done(self, event: CollectiveDone, now: float) -> list[Action]:
         msg = event.message
@@ -476,7 +422,13 @@ class Coordinator:
             return []
         return self._round_done(flying, flying.ms, now)
 
-    def _round_done(self, flying: _InFlight, duration_ms: float, now: float) -> list[Action]:
+    def _round_done(
+        self,
+        flying: _InFlight,
+        duration_ms: float,
+        now: float,
+        folded: Mapping[int, int] | None = None,
+    ) -> list[Action]:
         # A consensus' mass matters to the ranks (0: keep local state), not to the schedule.
         self._in_flight = None
         self._last_sync_ms = duration_ms
@@ -488,17 +440,24 @@ class Coordinator:
                 return self._final(now, natural=False)
             return self._maybe_reduce(now)
         if flying.kind == "model":
-            self._pool.complete_round(flying.round)
+            actions.extend(self._settle_coverage(flying.round, folded or {}))
             ledger = self._ledgers.get(self._round_epoch.pop(flying.round, self._epoch))
             if ledger is not None:
                 ledger.add_reduce(duration_ms)
-            if flying.closes_epoch is not None:
-                actions.extend(self._close_epoch(flying.closes_epoch, now))
             spec = self._require_spec()
+            closing = flying.closes_epoch
+            if closing is not None and not self._epoch_covered():
+                # a rank died before its last windows reached this consensus: the survivors
+                # train them (planned above), and a later round closes the epoch
+                closing = None
+            if closing is not None:
+                actions.extend(self._close_epoch(closing, now))
             if self._completed_epochs >= spec.epochs:
                 actions.extend(self._final(now, natural=True))
             elif self._stop_reason is not None:
                 actions.extend(self._final(now, natural=False))
+            elif closing is not None:
+                actions.extend(self._open_epoch(closing + 1, now))
             else:
                 actions.extend(self._maybe_reduce(now))
             return actions
@@ -506,6 +465,45 @@ class Coordinator:
         if flying.kind == "final" and spec.backend is Backend.COLLECTIVE:
             return [self._start_round(self._next_round(), "upload", now)]
         return self._finish()
+
+    def _settle_coverage(self, round_: int, folded: Mapping[int, int]) -> list[Action]:
+        """Round ``round_``'s consensus holds ``folded``'s contributions: those windows are covered;
+        a dead rank's window it lacks goes back to the survivors (CADENCE/ASYNC: to the pool; SYNC:
+        the rest of the dead rank's slice, shared out now)."""
+        spec = self._require_spec()
+        if RULES[spec.policy].static_slices:
+            self._slices.settle(folded)
+            return self._share_dead_slices()
+        for rank in sorted(self._lost.ranks):
+            if rank not in folded:
+                self._pool.forfeit_window(rank, round_)
+        self._pool.complete_round(round_)
+        return []
+
+    def _epoch_covered(self) -> bool:
+        """Every batch of the epoch is in a consensus."""
+        spec = self._require_spec()
+        if RULES[spec.policy].static_slices:
+            return self._slices.covered
+        return self._pool.complete
+
+    def _share_dead_slices(self) -> list[Action]:
+        """SYNC: what of each dead rank's slice no consensus holds goes, in order, to the survivors
+        (a plan each, queued after what they hold)."""
+        spec = self._require_spec()
+        actions: list[Action] = []
+        for rank, share in self._slices.share_dead(self._lost.ranks, sorted(self._alive)):
+            plan = m.Plan(
+                rank=rank,
+                round=self._round,
+                epoch=self._epoch,
+                ranges=share,
+                quota=1,
+                hold_after=_hold_after(spec, quota=1),
+                progress=float(self._epoch),
+            )
+            actions.append(Tell(to=rank, message=plan))
+        return actions
 
     def _next_round(self) -> int:
         round_ = self._round
@@ -547,9 +545,15 @@ class Coordinator:
         else:
             reason = f"training complete: {spec.epochs} epoch(s) on {len(self._alive)} rank(s)"
             save_reason, interrupted = "completed", False
+        reason = self._lost.degraded(reason, world_size=self.config.world_size)
         return [
             Tell(to=EVERY_RANK, message=m.Shutdown(reason=reason, save_reason=save_reason)),
-            Finish(reason=reason, save_reason=save_reason, interrupted=interrupted),
+            Finish(
+                reason=reason,
+                save_reason=save_reason,
+                interrupted=interrupted,
+                lost=self._lost.why(),
+            ),
         ]
 
     # ----- epochs and plans ------------------------------------------------------------------
@@ -569,11 +573,10 @@ class Coordinator:
                 else None
             )
             self._pool = part.ChunkPool(0)
+            slices = dict(zip(alive, part.sync_slices(n, len(alive), ratios), strict=True))
+            self._slices.open(slices)
             plans: list[Action] = []
-            for rank, (first, size) in zip(
-                alive, part.sync_slices(n, len(alive), ratios), strict=True
-            ):
-                self._sync_left[rank] = size
+            for rank, (first, size) in slices.items():
                 plan = m.Plan(
                     rank=rank,
                     round=self._round,
@@ -658,8 +661,7 @@ class Coordinator:
         ledger = self._ledgers.get(report.epoch)
         if ledger is not None:
             ledger.add_window(report)
-        if rank in self._sync_left:
-            self._sync_left[rank] = max(0, self._sync_left[rank] - report.batches)
+        self._slices.reported(rank, report.batches)
         actions: list[Action] = []
         if (
             RULES[spec.policy].early_dispatch
@@ -683,7 +685,7 @@ class Coordinator:
         for rank in self._alive:
             report = reports.get(rank)
             if static:
-                need, quiesced = 1, self._sync_left.get(rank, 0) <= 0
+                need, quiesced = 1, self._slices.left(rank) <= 0
             else:
                 plan = self._plans.get((round_, rank))
                 need = plan.quota if plan is not None else 1
@@ -700,14 +702,19 @@ class Coordinator:
         if self.phase is not CoordPhase.TRAINING or self._in_flight is not None:
             return []
         k = self._round
-        if not should_reduce(in_flight=False, ranks=self._gate_view(k)):
-            return []
-        return self._fire(k, now)
+        ranks = self._gate_view(k)
+        if should_reduce(in_flight=False, ranks=ranks):
+            return self._fire(k, now)
+        if ranks and all(r.quiesced for r in ranks.values()) and self._pool.remaining > 0:
+            # A death gave batches back to a pool whose tail the survivors had already been
+            # told is elsewhere: an empty round plans them.
+            return self._fire(k, now)
+        return []
 
     def _closes_epoch(self, k: int) -> bool:
         spec = self._require_spec()
         if RULES[spec.policy].static_slices:
-            return all(self._sync_left.get(r, 0) <= 0 for r in self._alive)
+            return all(self._slices.left(r) <= 0 for r in self._alive)
         return self._pool.drained and self._epoch_last_round <= k
 
     def _fire(self, k: int, now: float) -> list[Action]:
@@ -739,8 +746,8 @@ class Coordinator:
         if self._stop_reason is not None:
             return actions
         if closes:
-            if epoch + 1 < spec.epochs:
-                actions.extend(self._open_epoch(epoch + 1, now))
+            # The next epoch opens once this consensus is known to hold every batch of this one
+            # (a rank may die before its last contribution reaches it; windows never span epochs).
             return actions
         if not RULES[spec.policy].static_slices:
             waiting = [r for r in sorted(self._alive) if self._planned_round.get(r, 0) <= k]
@@ -808,50 +815,72 @@ class Coordinator:
             )
         return []
 
+    def _after_loss(self, now: float) -> list[Action]:
+        """The survivors train on: a round that waited only on the dead rank goes on; under SYNC
+        the dead rank's slice is shared out (once the model round in flight says what it holds)."""
+        flying = self._in_flight
+        spec = self._require_spec()
+        shared: list[Action] = []
+        if RULES[spec.policy].static_slices and (flying is None or flying.kind != "model"):
+            shared = self._share_dead_slices()
+        if flying is not None:
+            if flying.collective and not flying.waiting:
+                return [*shared, *self._round_done(flying, flying.ms, now)]
+            return shared  # the reducer stops waiting on it and completes the round
+        if self.phase is CoordPhase.STOPPING:
+            return [*shared, *self._final(now, natural=False)]
+        return [*shared, *self._maybe_reduce(now)]
+
     def _on_lost(self, event: RankLost, now: float) -> list[Action]:
         rank = event.rank
-        del now
-        if rank in self._dead or rank not in self._joined:
+        if rank in self._lost and event.exit:
+            self._lost.refine(rank, event.reason)  # its own end says more than its link's close
+            return []
+        if rank in self._lost or rank not in self._joined:
             return []  # not a Trainer rank yet (the supervisor names its exit), or already counted
-        self._dead.add(rank)
         self._alive.discard(rank)
+        self._lost.record(rank, event.reason, epoch=self._epoch, details=event.details)
         stage = self._stage
         assert not isinstance(stage, BeforeHello)  # the rank joined
         spec = stage.spec
-        where = f"rank {rank} on {self._host(rank)}"
-        actions: list[Action] = [_warning(f"{where} lost: {event.reason}")]
-        self._pool.forfeit(rank)
+        actions: list[Action] = [
+            _warning(f"rank {rank} on {self._host(rank)} lost: {event.reason}")
+        ]
+        flying = self._in_flight
+        reducing = flying.round if flying is not None and flying.kind == "model" else None
+        self._pool.forfeit(rank, keep=reducing)
         if isinstance(stage, Running):
             stage.elche.forget(rank)
-        if self._in_flight is not None:
-            self._in_flight.waiting.discard(rank)
+        if flying is not None:
+            flying.waiting.discard(rank)
         actions.append(DeclareDead(rank=rank, reason=event.reason))
         mf = spec.max_failure
+        world = self.config.world_size
         limit = failure_limit(
-            world_size=self.config.world_size,
+            world_size=world,
             absolute=mf.absolute if mf else None,
             percent=mf.percent if mf else None,
         )
         why = unrecoverable_reason(
-            backend=spec.backend,
-            world_size=self.config.world_size,
-            dead=len(self._dead),
-            limit=limit,
-            elastic=self.config.elastic,
+            backend=spec.backend, world_size=world, dead=len(self._lost), limit=limit
         )
+        joining = self.phase is CoordPhase.JOINING
+        if why is None and joining:
+            why = "rank_lost"  # the world never started: nothing to train on without it
         if why is None:
-            return actions
-        reason = f"{where} was lost mid-training: {event.reason}"
-        if self.phase is CoordPhase.JOINING:
-            reason = f"{where} was lost before training started: {event.reason}"
+            return [*actions, *self._after_loss(now)]
+        reason = self._lost.unrecoverable(
+            why, rank=rank, reason=event.reason, world_size=world, limit=limit, joining=joining
+        )
+        first, details = self._lost.first()
         self.phase = CoordPhase.FAILED
         actions.append(Tell(to=EVERY_RANK, message=m.Shutdown(reason=reason, save_reason=why)))
         actions.append(
             Fail(
                 code=_EXIT_FOR_SAVE_REASON.get(why, ExitCode.RANK_FAILURE),
                 reason=reason,
-                rank=rank,
-                details=event.details,
+                rank=first,
+                details=details,
                 save_reason=why,
             )
         )

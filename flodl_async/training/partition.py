@@ -128,6 +128,35 @@ def range_size(ranges: Iterable[Range]) -> int:
     return sum(n for _first, n in ranges)
 
 
+def split_ranges(ranges: Sequence[Range], at: int) -> tuple[tuple[Range, ...], tuple[Range, ...]]:
+    """``ranges`` in their order (not sorted): the first ``at`` batches, and the rest."""
+    head: list[Range] = []
+    tail: list[Range] = []
+    left = at
+    for first, n in ranges:
+        if left >= n:
+            head.append((first, n))
+            left -= n
+        elif left > 0:
+            head.append((first, left))
+            tail.append((first + left, n - left))
+            left = 0
+        else:
+            tail.append((first, n))
+    return tuple(r for r in head if r[1]), tuple(r for r in tail if r[1])
+
+
+def share_ranges(ranges: Sequence[Range], parts: int) -> tuple[tuple[Range, ...], ...]:
+    """``ranges`` cut in order into ``parts`` runs of sizes within one of each other (a dead SYNC
+    rank's rest of its slice, over the survivors)."""
+    out: list[tuple[Range, ...]] = []
+    rest = tuple(ranges)
+    for size in largest_remainder(range_size(ranges), [1.0] * parts):
+        part, rest = split_ranges(rest, size)
+        out.append(part)
+    return tuple(out)
+
+
 class ChunkPool:
     """One epoch's batches, ``[0, total)``: free, in flight per ``(rank, round)``, or covered.
 
@@ -201,11 +230,22 @@ class ChunkPool:
             self._covered.extend(self._in_flight.pop(key))
         self._covered = list(coalesce(self._covered))
 
-    def forfeit(self, rank: int) -> tuple[Range, ...]:
-        """``rank`` died: its in-flight batches go back to the front of the pool; returns them."""
+    def forfeit(self, rank: int, *, keep: int | None = None) -> tuple[Range, ...]:
+        """``rank`` died: its in-flight batches go back to the front of the pool; returns them.
+
+        ``keep``: a round being reduced as it died, whose window stays in flight until the
+        round's result says whether its contribution made it in (:meth:`forfeit_window`, or
+        :meth:`complete_round`)."""
         back: list[Range] = []
-        for key in [key for key in self._in_flight if key[0] == rank]:
+        for key in [key for key in self._in_flight if key[0] == rank and key[1] != keep]:
             back.extend(self._in_flight.pop(key))
+        self._free = list(coalesce([*self._free, *back]))
+        return coalesce(back)
+
+    def forfeit_window(self, rank: int, round_: int) -> tuple[Range, ...]:
+        """``rank``'s window of ``round_`` did not reach the consensus: back to the front of the
+        pool; returns it."""
+        back = self._in_flight.pop((rank, round_), ())
         self._free = list(coalesce([*self._free, *back]))
         return coalesce(back)
 

@@ -135,11 +135,14 @@ def failure_limit(*, world_size: int, absolute: int | None, percent: float | Non
 
 
 def unrecoverable_reason(
-    *, backend: Backend, world_size: int, dead: int, limit: int | None, elastic: bool
+    *, backend: Backend, world_size: int, dead: int, limit: int | None
 ) -> str | None:
-    """Why the run cannot continue after ``dead`` ranks were lost, as a save reason; None: it can.
+    """Why the run cannot continue after ``dead`` ranks were lost, as a save reason; None: it can
+    (the survivors train on).
 
-    ``elastic=False`` (this issue) ends the run at the first loss; the elastic issue turns it on.
+    The CPU backend is elastic: the coordinator plans the next rounds for the survivors. A
+    COLLECTIVE world cannot lose a rank yet (its survivors would have to re-form their process
+    group in place). ``limit`` (:func:`failure_limit`) is breached when the dead reach it.
     """
     if dead <= 0:
         return None
@@ -149,6 +152,4 @@ def unrecoverable_reason(
         return "collective_lost"  # torch process groups cannot shrink
     if limit is not None and dead >= limit:
         return "max_failure_exceeded"
-    if not elastic:
-        return "rank_lost"
     return None

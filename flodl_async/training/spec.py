@@ -234,7 +234,13 @@ class Checkpointing:
 @dataclass(frozen=True, slots=True, kw_only=True)
 class MaxFailure:
     """How many dead ranks end an elastic run: ``absolute`` count or ``percent`` of the world
-    (exactly one)."""
+    (exactly one).
+
+    The run ends when the number of dead ranks *reaches* the limit (exit 5), as flodl counts it:
+    ``MaxFailure(absolute=1)`` ends the run at the first death, ``absolute=2`` tolerates one. This
+    is one less than torchft's or Horovod's "N failures tolerated". ``percent=p`` is
+    ``ceil(p * world size)`` deaths. Without it a run goes on while one rank lives (CPU backend).
+    """
 
     absolute: int | None = None
     percent: float | None = None

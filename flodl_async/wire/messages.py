@@ -32,11 +32,9 @@ class JoinHello(Message):
     devices: tuple[str, ...]
     pid: int
     agent_version: str = ""
-    #: Every address of the agent's host (:mod:`flodl_async.host.hostaddrs`): its ranks' store
-    #: connections may come from any.
+    #: Every address of its host (:mod:`flodl_async.host.hostaddrs`): its ranks' store links' too.
     addresses: tuple[str, ...] = ()
-    #: The cores the agent may run its ranks on (:func:`flodl_async.host.cores.usable_cores`); 0
-    #: from an agent that does not say.
+    #: The cores it may run its ranks on (:func:`flodl_async.host.cores.usable_cores`); 0: unsaid.
     cores: int = 0
 
 
@@ -104,7 +102,8 @@ class StopRanks(Message):
 @message(kind=0x0107, sealed=True)
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RankExited(Message):
-    """A rank process ended: exit code (or the signal that killed it) and what it left behind."""
+    """A rank process ended: exit code (or the signal that killed it), what it left behind, and
+    why its agent killed it itself, if it did (declared dead: not the OOM killer's SIGKILL)."""
 
     round: int
     rank: int
@@ -114,6 +113,7 @@ class RankExited(Message):
     signal: int | None = None
     error_file: str = ""
     stderr_tail: tuple[str, ...] = ()
+    killed_because: str = ""
 
 
 @message(kind=0x0108)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import signal
 import socket
 import sys
 import time
@@ -28,11 +29,13 @@ import flodl_async as fa
 FEATURES = 8
 
 
-def dataset(n: int = 512) -> TensorDataset:
+def dataset(n: int = 512, *, indexed: bool = False) -> TensorDataset:
     g = torch.Generator().manual_seed(0)
     x = torch.randn(n, FEATURES, generator=g)
     w = torch.randn(FEATURES, 1, generator=g)
-    return TensorDataset(x, x @ w + 0.01 * torch.randn(n, 1, generator=g))
+    y = x @ w + 0.01 * torch.randn(n, 1, generator=g)
+    # --usage: each sample carries its index, so a rank can say which samples it trained
+    return TensorDataset(x, y, torch.arange(n)) if indexed else TensorDataset(x, y)
 
 
 def model(device: torch.device) -> nn.Module:
@@ -81,7 +84,7 @@ def adam(m: nn.Module) -> torch.optim.Optimizer:
 
 
 def mse(m: nn.Module, batch: list[torch.Tensor]) -> torch.Tensor:
-    x, y = batch
+    x, y = batch[0], batch[1]
     return nn.functional.mse_loss(m(x), y)
 
 
@@ -102,6 +105,14 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--slow-ms", type=float, default=0.0)
     p.add_argument("--fast-ms", type=float, default=0.0)
     p.add_argument("--fail-rank", type=int, default=-2)
+    p.add_argument("--kill-rank", type=int, default=-2, help="this rank SIGKILLs itself ...")
+    p.add_argument("--kill-batch", type=int, default=0, help="... at its Nth batch (from 0)")
+    p.add_argument("--max-failure", type=int, default=None, help="the Trainer's max_failure")
+    p.add_argument(
+        "--usage",
+        action="store_true",
+        help="each rank appends the sample indices of every batch it trained to DIR/used-RANK.txt",
+    )
     p.add_argument("--cooperative", action="store_true")
     p.add_argument(
         "--ticker", action="store_true", help="run another asyncio task next to the training"
@@ -144,8 +155,18 @@ def build(args: argparse.Namespace) -> fa.Trainer:
         and os.environ.get("LOCAL_RANK") == "0"
     )
 
+    steps = 0
+
     def train_step(m: nn.Module, batch: list[torch.Tensor]) -> torch.Tensor:
-        nonlocal holding
+        nonlocal holding, steps
+        if rank == args.kill_rank and steps == args.kill_batch:
+            os.kill(os.getpid(), signal.SIGKILL)
+        steps += 1
+        if args.usage:
+            # one line per batch, written whole before the step: a rank killed later keeps it
+            Path(args.out).mkdir(parents=True, exist_ok=True)
+            with open(Path(args.out) / f"used-{rank}.txt", "a") as f:
+                f.write(" ".join(str(i) for i in batch[2].tolist()) + "\n")
         if holding:
             holding = False
             print(f"HOLDING rank {rank} pid {os.getpid()} on {socket.gethostname()}", flush=True)
@@ -164,13 +185,14 @@ def build(args: argparse.Namespace) -> fa.Trainer:
         model=mixed if args.mixed else model,
         optimizer=adam if args.outer == "diloco" else optimizer,
         train_step=train_step,
-        dataset=dataset(),
+        dataset=dataset(indexed=args.usage),
         batch_size=32,
         epochs=args.epochs,
         policy=POLICIES[args.policy],
         backend=BACKENDS[args.backend],
         outer=OUTERS[args.outer],
         elche=elche,
+        max_failure=args.max_failure,
         cluster=args.cluster,
     )
 

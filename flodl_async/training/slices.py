@@ -1,0 +1,77 @@
+"""One SYNC epoch's slices: what each rank was planned, what it reported, what a consensus holds.
+
+Under SYNC each rank trains one contiguous slice of the epoch, in order (the partition's
+``sync_slices``). The gate asks whether a rank still has data to report (:meth:`SyncSlices.left`);
+the death chain asks which of a dead rank's batches no consensus holds, and shares them, in order,
+among the survivors (:meth:`SyncSlices.share_dead`), so that every batch of the epoch ends in the
+consensus exactly once. A rank's batches are counted in when a round's consensus holds its
+contribution (:meth:`SyncSlices.settle`, the steps the reducer folded), never when it reports: a
+report may come from a rank that dies before it contributes.
+
+Pure: no asyncio, no torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+
+from . import partition as part
+
+
+class SyncSlices:
+    """The slices of the epoch being trained (empty before the first :meth:`open`)."""
+
+    __slots__ = ("_held", "_left", "_ranges")
+
+    def __init__(self) -> None:
+        # rank -> its batches in plan order (its slice, then any share of a dead rank's)
+        self._ranges: dict[int, tuple[part.Range, ...]] = {}
+        # rank -> batches planned and not reported yet
+        self._left: dict[int, int] = {}
+        # rank -> batches of its ranges a consensus holds
+        self._held: dict[int, int] = {}
+
+    def open(self, slices: Mapping[int, part.Range]) -> None:
+        """A new epoch: each rank's one slice."""
+        self._ranges = {r: ((first, n),) if n else () for r, (first, n) in slices.items()}
+        self._left = {r: n for r, (_first, n) in slices.items()}
+        self._held = dict.fromkeys(slices, 0)
+
+    def left(self, rank: int) -> int:
+        """Batches planned to ``rank`` that it has not reported yet."""
+        return self._left.get(rank, 0)
+
+    def reported(self, rank: int, batches: int) -> None:
+        """``rank`` reported ``batches`` more."""
+        if rank in self._left:
+            self._left[rank] = max(0, self._left[rank] - batches)
+
+    def settle(self, folded: Mapping[int, int]) -> None:
+        """A round's consensus holds each listed rank's contribution, of that many steps."""
+        for rank, steps in folded.items():
+            if rank in self._held:
+                self._held[rank] += steps
+
+    @property
+    def covered(self) -> bool:
+        """Every batch of the epoch is in a consensus."""
+        return all(self._held[r] >= part.range_size(ranges) for r, ranges in self._ranges.items())
+
+    def share_dead(
+        self, dead: Iterable[int], alive: Sequence[int]
+    ) -> list[tuple[int, tuple[part.Range, ...]]]:
+        """What no consensus holds of each dead rank's ranges, cut in order among ``alive``: the
+        (survivor, ranges) to plan, each added to that survivor's ranges (nothing twice)."""
+        out: list[tuple[int, tuple[part.Range, ...]]] = []
+        for rank in sorted(set(dead) & set(self._ranges)):
+            done, rest = part.split_ranges(self._ranges[rank], self._held[rank])
+            if not rest or not alive:
+                continue
+            self._ranges[rank] = done
+            self._left[rank] = 0
+            for survivor, share in zip(alive, part.share_ranges(rest, len(alive)), strict=True):
+                if share:
+                    self._ranges[survivor] = (*self._ranges[survivor], *share)
+                    self._left[survivor] = self._left.get(survivor, 0) + part.range_size(share)
+                    out.append((survivor, share))
+        return out

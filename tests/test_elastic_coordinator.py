@@ -1,0 +1,124 @@
+"""The elastic death chain, pure, on a fake clock: whatever dies when, every batch of every epoch is
+in the consensus exactly once, and the run ends in the verdict the exit table gives."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from flodl_async.training.coordination import CoordPhase, DeclareDead, Fail, Finish, RankLost
+from flodl_async.training.policy import Policy
+from flodl_async.training.spec import ElCheConfig, MaxFailure, TrainerSpec
+from flodl_async.verdict import ExitCode
+
+from .coordkit import Driver
+
+N_BATCHES = 16
+
+
+def spec(policy: Policy, **overrides: object) -> TrainerSpec:
+    fields: dict[str, object] = {
+        "policy": policy,
+        "epochs": 3,
+        "batch_size": 4,
+        "dataset_len": 4 * N_BATCHES,
+        "heartbeat_timeout": 1000.0,
+    }
+    if policy is not Policy.SYNC:
+        fields["elche"] = ElCheConfig(anchor=2)
+    fields.update(overrides)
+    return TrainerSpec(**fields)  # type: ignore[arg-type]
+
+
+def assert_exact_coverage(d: Driver, epochs: int) -> None:
+    for epoch in range(epochs):
+        assert sorted(d.consensus[epoch]) == list(range(N_BATCHES)), epoch
+
+
+@pytest.mark.parametrize("policy", [Policy.SYNC, Policy.CADENCE, Policy.ASYNC])
+def test_with_nobody_lost_the_consensus_holds_every_batch_once(policy: Policy) -> None:
+    d = Driver(spec(policy), world=3)
+    d.run()
+    assert isinstance(d.ended, Finish)
+    assert d.ended.lost == ()
+    assert_exact_coverage(d, 3)
+
+
+@given(
+    policy=st.sampled_from([Policy.SYNC, Policy.CADENCE, Policy.ASYNC]),
+    world=st.integers(2, 4),
+    victim=st.integers(0, 3),
+    at=st.integers(0, 400),
+    frames_lost=st.booleans(),
+    ms=st.lists(st.sampled_from([1.0, 2.0, 5.0]), min_size=4, max_size=4),
+)
+def test_a_death_at_any_moment_keeps_the_coverage_exact_and_ends_degraded(
+    policy: Policy, world: int, victim: int, at: int, frames_lost: bool, ms: list[float]
+) -> None:
+    victim %= world
+    d = Driver(spec(policy), world=world, ms_per_batch=tuple(ms[:world]))
+    d.join_all()
+    d.drain(limit=at)
+    if d.ended is not None:
+        return  # the run ended before the death: nothing to lose
+    lost = d.kill(victim, frames_lost=frames_lost)
+    assert [a for a in lost if isinstance(a, DeclareDead)] == [
+        DeclareDead(rank=victim, reason="killed")
+    ]
+    d.drain()
+    assert isinstance(d.ended, Finish), d.ended
+    assert [rank for rank, _ in d.ended.lost] == [victim]
+    assert "DEGRADED — 1 of" in d.ended.reason
+    assert d.coord.phase is CoordPhase.DONE
+    assert_exact_coverage(d, 3)
+
+
+@given(
+    policy=st.sampled_from([Policy.SYNC, Policy.CADENCE, Policy.ASYNC]),
+    first=st.integers(0, 300),
+    second=st.integers(0, 300),
+)
+def test_two_deaths_of_four_keep_the_coverage_exact(
+    policy: Policy, first: int, second: int
+) -> None:
+    d = Driver(spec(policy), world=4, ms_per_batch=(1.0, 2.0, 1.0, 3.0))
+    d.join_all()
+    for victim, at in ((1, first), (3, second)):
+        d.drain(limit=at)
+        if d.ended is not None:
+            return
+        d.kill(victim)
+    d.drain()
+    assert isinstance(d.ended, Finish), d.ended
+    assert [rank for rank, _ in d.ended.lost] == [1, 3]
+    assert_exact_coverage(d, 3)
+
+
+def test_reaching_max_failure_ends_the_run_with_exit_5_naming_every_dead_rank() -> None:
+    d = Driver(spec(Policy.CADENCE, max_failure=MaxFailure(absolute=2)), world=4)
+    d.join_all()
+    d.drain(limit=3)
+    first = d.kill(1)
+    assert not [a for a in first if isinstance(a, Fail)]  # one death is under the limit of 2
+    d.drain(limit=3)
+    assert d.ended is None
+    d.kill(2)
+    assert isinstance(d.ended, Fail)
+    assert (d.ended.code, d.ended.save_reason) == (ExitCode.MAX_FAILURE, "max_failure_exceeded")
+    assert d.ended.reason.startswith("max_failure reached: 2 of 4 ranks lost (the limit is 2) — ")
+    assert "rank 1 on host h1: killed at epoch" in d.ended.reason
+    assert "rank 2 on host h0: killed at epoch" in d.ended.reason
+
+
+def test_a_death_reported_by_its_exit_after_its_link_refines_the_reason() -> None:
+    d = Driver(spec(Policy.CADENCE), world=2)
+    d.join_all()
+    d.drain(limit=10)
+    epoch = d.coord.completed_epochs + 1  # the one being trained
+    d.dead.add(1)
+    d.feed(RankLost(rank=1, reason="its link to the relay closed"))
+    assert d.feed(RankLost(rank=1, reason="its process was killed by SIGKILL", exit=True)) == []
+    d.drain()
+    assert isinstance(d.ended, Finish)
+    assert d.ended.lost == ((1, f"its process was killed by SIGKILL at epoch {epoch}"),)
