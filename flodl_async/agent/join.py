@@ -254,7 +254,8 @@ class Joiner:
                 cfg.host,
                 f"the controller at {cfg.controller_addr} closed the connection before its "
                 "handshake finished: it evicted it (more unproven connections from this host's "
-                "address than its admission cap holds), or it is shutting down",
+                "address than its admission cap holds), or it is shutting down, or it is no flodl "
+                "controller of this version",
             ) from exc
         except AuthenticationFailed as exc:  # WrongToken among them
             raise ControllerNotProved(
