@@ -16,7 +16,8 @@ translated at the boundary with ``raise ... from exc``.
     │   ├── IllegalKind           a known kind not legal on this channel in this direction
     │   ├── VersionMismatch       the peer speaks another wire protocol (told before any key)
     │   ├── HandshakeFailed       the handshake did not complete (malformed, closed, cut)
-    │   │   └── HandshakeRefused  the other side said no: a credential it does not take, another run
+    │   │   ├── HandshakeRefused  the other side said no: a credential it does not take, another run
+    │   │   └── HandshakeCut      the server closed before its hello (evicted, shutting down)
     │   ├── ReservedFlags         header flags this build does not know (newer peer, corruption)
     │   ├── TruncatedFrame        the peer closed in the middle of a frame
     │   └── StoreProtocolError    a TCPStore client sent what the store cannot accept
@@ -31,6 +32,8 @@ translated at the boundary with ``raise ... from exc``.
     └── AgentError                one host's session failed (fields: host, reason)
         ├── JoinFailed            the host never got into the run (exit 3)
         │   ├── ControllerUnreachable
+        │   ├── ControllerNotProved  its handshake proof failed: not our controller, or another key
+        │   ├── ClosedBeforeJoin  closed before the join was answered (evicted, shutting down)
         │   ├── JoinRejected      the controller said no (JoinReject)
         │   └── FormationAborted  admitted, but the world never formed
         └── ControllerLost        the join link broke mid-run (exit 4)
@@ -99,6 +102,11 @@ class HandshakeFailed(WireError):
 class HandshakeRefused(HandshakeFailed):
     """The other side refused the handshake: a credential this endpoint does not take, or another
     run."""
+
+
+class HandshakeCut(HandshakeFailed):
+    """The server closed the connection before its hello: it refused or evicted the connection
+    (its admission caps), or it is shutting down."""
 
 
 class ReservedFlags(WireError):
@@ -199,6 +207,30 @@ class ControllerUnreachable(JoinFailed):
     """Nothing accepted a connection at the controller address."""
 
     advice = "check the --controller address and that flodl-launch is running and reachable there"
+
+
+class ControllerNotProved(JoinFailed):
+    """The controller's handshake proof did not verify under this agent's credential: whatever
+    answered is not our controller, or it holds another token or secret."""
+
+    # no word of a session secret here: a dial-in agent holds none (the reason names the credential)
+    advice = (
+        "if that address is your flodl-launch, give the agent its credential (the same "
+        "--token-file, or its --secret-file); if not, find what else answers there (a process "
+        "holding the port, a host on the path)"
+    )
+
+
+class ClosedBeforeJoin(JoinFailed):
+    """The controller closed the join connection before it answered the join: it evicted the
+    connection before its handshake finished (an address over its admission cap), or it is shutting
+    down. Worth another dial: an honest controller always answers a join it read."""
+
+    advice = (
+        "if something on this host floods the controller's port, stop it (the controller evicts "
+        "the oldest unproven connections of an address); otherwise check that flodl-launch is "
+        "running there"
+    )
 
 
 class JoinRejected(JoinFailed):

@@ -58,10 +58,11 @@ EXIT_MEANINGS: dict[ExitCode, str] = {
 AGENT_EXIT_MEANINGS: dict[ExitCode, str] = {
     ExitCode.OK: "the run finished (the controller said Finish)",
     ExitCode.INTERNAL: "internal error (a bug: please report it)",
-    ExitCode.USAGE: "bad arguments, secret or runtime directory; nothing was started",
-    ExitCode.FORMATION: "could not join: no controller answered within --connect-timeout, join "
-    "refused "
-    "(a wrong cluster token too, even with --persist), or the world did not form",
+    ExitCode.USAGE: "bad arguments, secret or token file, or runtime directory; nothing was "
+    "started (the one failure that ends --persist)",
+    ExitCode.FORMATION: "could not join: no controller answered within --connect-timeout, its "
+    "handshake proof did not verify (another token, or not our controller), join refused, or the "
+    "world did not form; never with --persist, which dials again",
     ExitCode.RANK_FAILURE: "the run failed: the controller aborted it (a rank failed, the launcher "
     "was stopped) or the controller was lost",
     ExitCode.INTERRUPTED: "stopped by SIGINT (the ranks got SIGINT first); a second signal kills "

@@ -5,22 +5,34 @@ from __future__ import annotations
 import io
 import logging
 import os
+import socket
 from pathlib import Path
 
 import pytest
 
 from flodl_async.agent import RankOutput, SessionConfig
-from flodl_async.agent.failures import exit_code_for_error, failure_line, session_failure
+from flodl_async.agent.failures import (
+    exit_code_for_error,
+    failure_line,
+    persist_exit_code,
+    persist_retry_level,
+    session_failure,
+)
+from flodl_async.agent.join import mends_by_waiting
 from flodl_async.config.devices import DeviceSpec
 from flodl_async.errors import (
     AgentError,
     AuthenticationFailed,
+    ClosedBeforeJoin,
     ConfigError,
     ConnectionClosed,
     ControllerLost,
+    ControllerNotProved,
     ControllerUnreachable,
     FormationAborted,
     JoinFailed,
+    JoinRejected,
+    WrongToken,
 )
 from flodl_async.verdict import ExitCode
 
@@ -104,6 +116,77 @@ def test_the_line_names_host_controller_and_cause_once() -> None:
     )
     assert failure_line(already, CONFIG.controller_addr).count("10.0.0.1:1337") == 1
     assert "\n" not in failure_line(AgentError("node-b", "x"), CONFIG.controller_addr)
+
+
+def _caused(exc: AgentError, cause: BaseException) -> AgentError:
+    exc.__cause__ = cause
+    return exc
+
+
+NOT_PROVED = _caused(
+    ControllerNotProved(
+        "node-b",
+        "cannot join the controller at 10.0.0.1:1337: join channel: the controller's proof did not "
+        "verify: it holds another cluster token, or it is not our controller",
+    ),
+    WrongToken("join channel: the controller's proof did not verify"),
+)
+EVICTED = ClosedBeforeJoin(
+    "node-b", "the controller at 10.0.0.1:1337 closed the connection before its handshake finished"
+)
+
+
+@pytest.mark.parametrize(
+    ("exc", "mends"),
+    [
+        (
+            _caused(ControllerUnreachable("node-b", "refused"), ConnectionRefusedError(111, "x")),
+            True,
+        ),
+        (EVICTED, True),  # the per-address cap evicted it: the next try may get in
+        (NOT_PROVED, False),  # a one-run agent says a wrong token now, not in a minute
+        (_caused(ControllerUnreachable("node-b", "hung"), TimeoutError()), False),
+        (_caused(ControllerUnreachable("node-b", "no such name"), socket.gaierror(-2, "x")), False),
+        (JoinRejected("node-b", "join rejected by the controller: version"), False),
+        (FormationAborted("node-b", "the world did not form"), False),
+    ],
+)
+def test_what_a_one_run_agent_waits_out_within_its_connect_timeout(
+    exc: AgentError, mends: bool
+) -> None:
+    assert mends_by_waiting(exc) is mends
+
+
+@pytest.mark.parametrize(
+    ("exc", "level"),
+    [
+        (NOT_PROVED, logging.WARNING),  # an impostor or another token: said every time
+        (EVICTED, logging.WARNING),
+        (ControllerUnreachable("node-b", "refused"), logging.INFO),  # between runs: expected
+        (ControllerLost("node-b", "lost"), logging.INFO),
+        (JoinRejected("node-b", "join rejected by the controller: version"), logging.INFO),
+    ],
+)
+def test_a_persistent_agent_retries_every_session_failure_the_proof_ones_loudly(
+    exc: AgentError, level: int
+) -> None:
+    assert persist_exit_code(exc) is None
+    assert persist_retry_level(exc) == level
+
+
+def test_only_a_usage_problem_ends_a_persistent_agent() -> None:
+    assert persist_exit_code(ConfigError("no devices")) is ExitCode.USAGE
+
+
+def test_a_failed_proof_names_both_causes_and_no_session_secret() -> None:
+    assert exit_code_for_error(NOT_PROVED) is ExitCode.FORMATION  # one run: exit 3 at once
+    line = failure_line(NOT_PROVED, CONFIG.controller_addr)
+    assert "another cluster token" in line
+    assert "not our controller" in line
+    assert "session secret" not in line  # a dial-in agent holds none
+    evicted = failure_line(EVICTED, CONFIG.controller_addr)
+    assert "session secret" not in evicted
+    assert "evicts" in evicted
 
 
 def test_rank_output_retires_a_pipe_whose_reader_is_gone(caplog: pytest.LogCaptureFixture) -> None:

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from flodl_async.control.backoff import Backoff, BackoffPolicy
+from flodl_async.control.backoff import Backoff, BackoffPolicy, BoundedRetry
 
 
 def test_the_ceiling_doubles_from_initial_up_to_the_cap() -> None:
@@ -71,3 +71,37 @@ def test_every_delay_is_within_the_cap_and_the_ceilings_never_shrink(
     assert 0 <= delay <= policy.cap
     assert (1 - jitter) * policy.ceiling(attempt) - 1e-9 <= delay
     assert policy.ceiling(attempt) <= policy.ceiling(attempt + 1)
+
+
+def test_a_bounded_retry_cuts_its_last_wait_at_the_deadline_then_gives_up() -> None:
+    policy = BackoffPolicy(initial=1.0, factor=2.0, cap=30.0, jitter=0.0)
+    retry = BoundedRetry(policy, give_up_at=105.0)
+    assert retry.failed(100.0, 0.5) == 101.0
+    assert retry.failed(101.0, 0.5) == 103.0
+    assert retry.failed(103.0, 0.5) == 105.0  # 107 would pass the deadline: one last try at it
+    assert retry.failed(105.0, 0.5) is None  # the deadline has come: give up
+    assert retry.failures == 3
+
+
+def test_a_bounded_retry_with_no_time_tries_once() -> None:
+    # --connect-timeout 0: the deadline is the start
+    assert BoundedRetry(BackoffPolicy(), give_up_at=50.0).failed(50.0, 0.0) is None
+
+
+@given(
+    start=st.floats(0.0, 1e6),
+    window=st.floats(0.0, 600.0),
+    draws=st.lists(st.floats(0.0, 1.0), min_size=1, max_size=50),
+)
+def test_a_bounded_retry_never_schedules_past_its_deadline(
+    start: float, window: float, draws: list[float]
+) -> None:
+    retry = BoundedRetry(BackoffPolicy(initial=0.5, cap=30.0), give_up_at=start + window)
+    now = start
+    for draw in draws:
+        at = retry.failed(now, draw)
+        if at is None:
+            assert now >= start + window
+            return
+        assert now < at <= start + window
+        now = at

@@ -461,11 +461,8 @@ def _unit_settings(unit: str) -> dict[str, str]:
 def test_the_agent_unit_agrees_with_the_exit_codes_and_the_stop_grace() -> None:
     unit = _unit_settings("flodl-agent.service")
     assert unit["Type"] == "notify"
-    # A usage error, or (a persisting agent's one exit 3) a wrong cluster token, would only fail again.
-    assert unit["RestartPreventExitStatus"].split() == [
-        str(int(ExitCode.USAGE)),
-        str(int(ExitCode.FORMATION)),
-    ]
+    # A usage error would only fail again; nothing else ends a persisting agent (no exit 3 or 4).
+    assert unit["RestartPreventExitStatus"].split() == [str(int(ExitCode.USAGE))]
     assert sorted(unit["SuccessExitStatus"].split()) == sorted(
         [str(int(ExitCode.INTERRUPTED)), str(int(ExitCode.TERMINATED))]
     )

@@ -39,7 +39,8 @@ from flodl_async.wire.keys import (
 from .launchkit import PY, Launcher, assert_nothing_left, free_port, new_run_id, script, wait_status
 
 WRONG_TOKEN_LINE = (
-    "the controller's proof did not verify: another cluster token (check --token-file)"
+    "the controller's proof did not verify: it holds another cluster token, or it is not our "
+    "controller (check --token-file and --controller)"
 )
 
 
@@ -322,9 +323,11 @@ def test_token_file_on_the_command_line_overrides_the_cluster_files(
 
 
 @pytest.mark.e2e
-def test_a_wrong_token_is_refused_on_both_sides_counted_and_exits_3_even_with_persist(
+def test_a_wrong_token_is_refused_on_both_sides_and_a_persistent_agent_keeps_dialing_loudly(
     tmp_path: Path, xdg: Path
 ) -> None:
+    """One run exits 3 at once; ``--persist`` warns at each refusal and dials again (a wrong
+    token may be fixed, and it cannot be told from an impostor), until a signal stops it."""
     assert _flodl("token", "new", str(tmp_path / "token")).returncode == 0
     assert _flodl("token", "new", str(tmp_path / "wrong")).returncode == 0
     port, run_id = free_port(), new_run_id()
@@ -345,12 +348,12 @@ def test_a_wrong_token_is_refused_on_both_sides_counted_and_exits_3_even_with_pe
         _out, agent_err = agent.communicate(timeout=60)
         doc = wait_status(port, lambda doc: _auth_failed(doc) >= 1)
         assert doc["joined_ranks"] == 1  # nobody was admitted
-        # --persist retries what may pass next time, never a wrong token: it exits 3 on the first refusal
-        # (flodl-agent.service's RestartPreventExitStatus=2 3 then keeps it down). Retrying, it would
-        # hit the 60 s below, with a backoff of at most --reconnect-max 1 s.
         persistent = _persistent_agent(port, tmp_path / "wrong", env, out, err)
-        persistent.wait(timeout=60)
-        doc = wait_status(port, lambda doc: _auth_failed(doc) >= 2)
+        _wait_for_text(err, WRONG_TOKEN_LINE, count=2)  # refused, and refused again
+        assert persistent.poll() is None, err.read_text()  # still up, dialing
+        persistent.send_signal(signal.SIGTERM)
+        assert persistent.wait(timeout=60) == 143, err.read_text()
+        doc = wait_status(port, lambda doc: _auth_failed(doc) >= 3)
         assert doc["joined_ranks"] == 1
     finally:
         if persistent is not None and persistent.poll() is None:
@@ -362,14 +365,17 @@ def test_a_wrong_token_is_refused_on_both_sides_counted_and_exits_3_even_with_pe
     lines = [line for line in agent_err.splitlines() if line.strip()]
     assert len(lines) == 1
     assert WRONG_TOKEN_LINE in lines[0]
+    assert "session secret" not in agent_err  # a dial-in agent holds none
     assert "Traceback" not in agent_err
-    assert persistent.returncode == 3, err.read_text()
-    assert WRONG_TOKEN_LINE in err.read_text()
-    assert "again in" not in err.read_text()  # no retry was even scheduled
-    assert "Traceback" not in err.read_text()
-    assert _auth_failed(doc) == 2  # one refusal each: the persistent agent dialled once
-    # The controller's side of it: its refusal summaries (one line per interval at most) count both.
-    assert sum(int(n) for n in re.findall(r"(\d+) wrong_token", done.stderr)) == 2, done.stderr
+    text = err.read_text()
+    said = text.count(WRONG_TOKEN_LINE)  # each refusal, said with its next dial...
+    assert said == text.count("again in") >= 2
+    assert "session secret" not in text
+    assert "Traceback" not in text
+    # ...and each counted by the controller (one more, maybe, cut short by the SIGTERM): its
+    # refusal summaries (one line per interval at most) count them all, the one-run agent's too.
+    counted = sum(int(n) for n in re.findall(r"(\d+) wrong_token", done.stderr))
+    assert 1 + said <= counted <= 2 + said, done.stderr
     assert_nothing_left(run_id)
 
 
@@ -458,6 +464,74 @@ def test_a_persistent_agent_serves_two_runs_in_a_row_and_leaves_nothing_between(
     assert "stopped after serving 2 run(s)" in err.read_text()
     assert "Traceback" not in err.read_text()
     assert read_token_file(tmp_path / "token").hex() not in err.read_text() + out.read_text()
+
+
+def _impostor(port: int) -> subprocess.Popen[str]:
+    """A real server at ``port`` answering every join hello with a well-formed ServerHello and a
+    random proof (tests/scripts/impostor_controller.py); returns once it listens."""
+    proc = subprocess.Popen(
+        [PY, script("impostor_controller.py"), str(port)],
+        stdout=subprocess.PIPE,
+        text=True,
+        bufsize=1,
+    )
+    assert proc.stdout is not None
+    assert proc.stdout.readline() == "listening\n"
+    return proc
+
+
+@pytest.mark.e2e
+def test_an_impostor_at_the_controller_address_never_ends_a_persistent_agent(
+    tmp_path: Path, xdg: Path
+) -> None:
+    """Whoever answers at the controller's address between runs cannot stop the fleet's agents.
+
+    Against an impostor a one-run agent exits 3 at once, naming both causes; a persistent one
+    warns at each failed proof and dials again; once the impostor is gone and the real
+    controller binds that port, it joins the run and serves it.
+    """
+    assert _flodl("token", "new", str(tmp_path / "token")).returncode == 0
+    port, run_id = free_port(), new_run_id()
+    env = {"XDG_RUNTIME_DIR": str(xdg)}
+    out, err = tmp_path / "agent.out", tmp_path / "agent.err"
+    impostor = _impostor(port)
+    agent = None
+    try:
+        once = _agent(port, tmp_path / "token", env)
+        _out, once_err = once.communicate(timeout=60)
+        agent = _persistent_agent(port, tmp_path / "token", env, out, err)
+        _wait_for_text(err, WRONG_TOKEN_LINE, count=2)  # the second attempt failed too
+        assert agent.poll() is None, err.read_text()  # and it is still up
+        impostor.terminate()
+        impostor.communicate(timeout=30)
+        done = Launcher(
+            str(_cluster(tmp_path, port)),
+            "--",
+            PY,
+            script("allreduce.py"),
+            run_id=run_id,
+            env=env,
+        ).finish(timeout=120)
+        _wait_for_text(err, "the run finished")
+        agent.send_signal(signal.SIGTERM)
+        assert agent.wait(timeout=60) == 143, err.read_text()
+    finally:
+        for proc in (impostor, agent):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+    assert once.returncode == 3, once_err
+    lines = [line for line in once_err.splitlines() if line.strip()]
+    assert len(lines) == 1, once_err
+    assert WRONG_TOKEN_LINE in lines[0]
+    assert "session secret" not in once_err  # a dial-in agent holds none
+    assert done.returncode == 0, done.stderr
+    assert "[walk-in:r1] rank 1 of 2 sum 3" in done.stdout  # the persistent agent served the run
+    text = err.read_text()
+    assert "session secret" not in text
+    assert "Traceback" not in text
+    assert "stopped after serving 1 run(s)" in text
+    assert_nothing_left(run_id)
 
 
 @pytest.mark.e2e

@@ -7,10 +7,15 @@ KILL at one deadline, ``--stop-grace`` after the first — closes the join link
 kills the ranks at once.
 
 Failures are one line naming this host, the controller's address and the cause,
-with the exit code of :data:`AGENT_EXIT_MEANINGS`; a traceback means a bug.
+with the exit code of :data:`AGENT_EXIT_MEANINGS`; a traceback means a bug. One run waits
+within ``--connect-timeout`` for a controller that is not listening yet or that closed the
+connection before answering (an eviction), and exits 3 at once when the controller's proof did
+not verify: a user at a terminal wants to hear of a wrong token now, not in a minute.
 
 ``--persist`` (with ``--token-file``) runs :class:`~flodl_async.agent.daemon.PersistentAgent`
-instead of one session: run after run, until a signal.
+instead of one session: run after run, until a signal. It never exits 3 or 4: every failure
+to join, a failed proof included, is dialed again with backoff; only a usage problem ends it
+(exit 2).
 
 Under systemd (deploy/flodl-agent.service) it notifies READY/STATUS/STOPPING and
 pings the watchdog from its loop (:mod:`flodl_async.agent.systemd`); the unit hands
@@ -106,16 +111,16 @@ def _parser() -> argparse.ArgumentParser:
         "--persist",
         action="store_true",
         help="with --token-file: stay up across runs, dialing again (capped exponential backoff "
-        "with jitter) after each run "
-        "and while no controller answers; SIGTERM stops it (exit 143)",
+        "with jitter) after each run, while no controller answers, and (warning each time) while "
+        "what answers fails its proof; only a usage error (exit 2) or SIGTERM (exit 143) ends it",
     )
     parser.add_argument(
         "--connect-timeout",
         type=float,
         default=60.0,
         help="started before the controller: keep dialing (the capped backoff of --persist) this "
-        "many seconds "
-        "while nothing listens at --controller; 0 tries once (default %(default)g)",
+        "many seconds while nothing listens at --controller or it closes the connection before "
+        "answering (evicted by its admission cap); 0 tries once (default %(default)g)",
     )
     parser.add_argument(
         "--reconnect-max",

@@ -9,10 +9,15 @@ last run's controller is closing, a window refused us), it waits out a capped
 exponential backoff with jitter (:mod:`flodl_async.control.backoff`) and retries; a run
 it joined resets the schedule.
 
-What is not worth retrying ends the daemon with the one-run agent's exit code:
-a usage problem (exit 2), and a wrong cluster token (exit 3: every retry would
-fail the same way, and hammering a controller with a wrong token fills its
-refusal counters).
+Only a usage problem ends the daemon (exit 2, the one-run agent's code). A
+controller whose handshake proof does not verify is not our controller, or holds
+another token: the agent cannot tell which, and either may mend (the impostor
+goes away, the token is fixed), while exiting would let anyone who can answer at
+the controller's address — a local user binding the port between runs, a host on
+the path — stop every agent of the fleet for good. So it backs off like any
+failure (capped, with jitter: a wrong token is refused at most once per
+``--reconnect-max`` seconds once the schedule has grown) and warns each time
+(:data:`~flodl_async.agent.failures.PERSIST_RETRY_LEVELS`).
 
 Under systemd (``Type=notify``) the daemon says ``READY=1`` as soon as it is up and
 waiting for a controller — before its first dial, not when a controller first
@@ -35,11 +40,11 @@ import signal
 from collections.abc import Callable
 
 from ..control.backoff import Backoff, BackoffPolicy
-from ..errors import AgentError, ConfigError, WrongToken
+from ..errors import AgentError
 from ..net.signals import StopSignals
 from ..verdict import ExitCode, exit_code_for_signal
 from .endings import Ending
-from .failures import failure_line, session_failure
+from .failures import failure_line, persist_exit_code, persist_retry_level, session_failure
 from .join import SessionConfig
 from .lifecycle import SessionObserver, ignore
 from .output import RankOutput
@@ -111,37 +116,29 @@ class PersistentAgent:
                     raise
                 if self.stopping():
                     break
-                if isinstance(failure, ConfigError):
-                    log.error(
-                        "%s",
-                        failure_line(failure, cfg.controller_addr).removeprefix("flodl-agent: "),
-                    )
-                    return ExitCode.USAGE
-                if isinstance(failure.__cause__, WrongToken):
-                    log.error(
-                        "%s",
-                        failure_line(failure, cfg.controller_addr).removeprefix("flodl-agent: "),
-                    )
-                    return ExitCode.FORMATION
+                line = failure_line(failure, cfg.controller_addr).removeprefix("flodl-agent: ")
+                code = persist_exit_code(failure)
+                if code is not None:
+                    log.error("%s", line)
+                    return code
                 assert isinstance(failure, AgentError)
+                level = persist_retry_level(failure)
                 reason = failure.reason
+                # a loud one carries what to check too: each time, so it cannot go unheard
+                said = line if level > logging.INFO else f"agent {cfg.host}: {reason}"
             else:
                 if outcome.ending is Ending.STOPPED:
                     break
                 self.runs_served += 1
                 self._backoff.succeeded()
+                level = logging.INFO
                 reason = f"the run {outcome.ending.value}: {outcome.reason}"
+                said = f"agent {cfg.host}: {reason}"
             finally:
                 self._session = None
             at = self._backoff.failed(loop.time(), self._rng.random())
             delay = max(0.0, at - loop.time())
-            log.info(
-                "agent %s: %s; dialing %s again in %.1fs",
-                cfg.host,
-                reason,
-                cfg.controller_addr,
-                delay,
-            )
+            log.log(level, "%s; dialing %s again in %.1fs", said, cfg.controller_addr, delay)
             self._status(
                 f"waiting for a controller at {cfg.controller_addr} (dialing again in "
                 f"{delay:.1f}s; last: {reason})"

@@ -4,18 +4,23 @@ code.
 Shared by the one-run agent (:mod:`flodl_async.agent.cli`) and the persistent one
 (:mod:`flodl_async.agent.daemon`): both turn what :meth:`HostSession.run
 <flodl_async.agent.session.HostSession.run>` raised into the same user-facing error, or decide
-that it is a bug.
+that it is a bug. The one-run agent exits with :data:`ERROR_EXIT_CODES`; the persistent one
+dials again on all but a usage problem (:func:`persist_exit_code`), as loudly as
+:data:`PERSIST_RETRY_LEVELS` says.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 
 from ..errors import (
     AgentError,
+    ClosedBeforeJoin,
     ConfigError,
     ConnectionClosed,
     ControllerLost,
+    ControllerNotProved,
     FlodlError,
     JoinFailed,
     WireError,
@@ -29,6 +34,33 @@ ERROR_EXIT_CODES: tuple[tuple[type[FlodlError], ExitCode], ...] = (
     (JoinFailed, ExitCode.FORMATION),
     (AgentError, ExitCode.RANK_FAILURE),
 )
+
+
+#: Under ``--persist``, how loudly each failed session is retried (the first match wins). A failed
+#: controller proof is an impostor at the controller's address or another token: the daemon cannot
+#: tell them apart, and either may mend (the impostor goes, the token is fixed), so it keeps
+#: dialing — warning each time, since an operator must hear of either. A config error is the only
+#: failure that ends the daemon (:func:`persist_exit_code`).
+PERSIST_RETRY_LEVELS: tuple[tuple[type[AgentError], int], ...] = (
+    (ControllerNotProved, logging.WARNING),
+    (ClosedBeforeJoin, logging.WARNING),
+    (AgentError, logging.INFO),
+)
+
+
+def persist_exit_code(exc: AgentError | ConfigError) -> ExitCode | None:
+    """The exit code that ends a persistent agent on ``exc``, or None: dial again.
+
+    Only a usage problem (exit 2) is not worth retrying; a wrong token or an impostor may be gone
+    next time, and ending the daemon would let anyone who can answer at the controller's address
+    stop every agent of the fleet.
+    """
+    return ExitCode.USAGE if isinstance(exc, ConfigError) else None
+
+
+def persist_retry_level(exc: AgentError) -> int:
+    """The log level a persistent agent retries ``exc`` at (:data:`PERSIST_RETRY_LEVELS`)."""
+    return next(level for cls, level in PERSIST_RETRY_LEVELS if isinstance(exc, cls))
 
 
 def exit_code_for_error(exc: AgentError | ConfigError) -> ExitCode:

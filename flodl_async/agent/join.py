@@ -1,11 +1,13 @@
 """The way into a run: what a host joins with, and the join handshake up to a formed world.
 
-:class:`Joiner` dials the controller's join channel (retrying, with the capped backoff of
-``--persist``, while nothing listens there, up to ``connect_timeout``), sends the join request
-with this host's devices, addresses and cores, and waits out the join window for
-``WorldFormed`` — echoing the controller's heartbeats meanwhile. Every failure is an
+:class:`Joiner` dials the controller's join channel and sends the join request with this
+host's devices, addresses and cores (:meth:`Joiner.enter`), then waits out the join window for
+``WorldFormed`` — echoing the controller's heartbeats meanwhile. While nothing listens at the
+controller address, or the controller closes the connection before it answers the join (its
+admission evicted it, from an address flooding the port), the way in is tried again with the
+capped backoff of ``--persist``, up to ``connect_timeout``. Every failure is an
 :class:`~flodl_async.errors.AgentError` naming this host; a stop requested meanwhile ends the
-wait for the controller (:meth:`Joiner.dial` returns None) or turns the link's closing into
+wait for the controller (:meth:`Joiner.enter` returns None) or turns the link's closing into
 :class:`StoppedBeforeServing`. :class:`~flodl_async.agent.session.HostSession` runs these
 steps, then serves the run.
 """
@@ -26,13 +28,17 @@ from typing import TYPE_CHECKING
 
 from .._version import __version__
 from ..config.devices import DeviceKind, DeviceSpec
-from ..control.backoff import Backoff, BackoffPolicy
+from ..control.backoff import BackoffPolicy, BoundedRetry
 from ..deadlines import Deadlines
 from ..errors import (
     AgentError,
+    AuthenticationFailed,
+    ClosedBeforeJoin,
     ConnectionClosed,
+    ControllerNotProved,
     ControllerUnreachable,
     FormationAborted,
+    HandshakeCut,
     JoinFailed,
     JoinRejected,
     WireError,
@@ -126,57 +132,99 @@ def with_session_secret(cfg: SessionConfig, accept: m.JoinAccept) -> SessionConf
     return dataclasses.replace(cfg, secret=accept.session_secret)
 
 
+def mends_by_waiting(exc: AgentError) -> bool:
+    """Whether another dial may get in where ``exc`` stopped this one (a one-run agent's
+    ``--connect-timeout``): nothing listens at the controller address yet, or the controller closed
+    the connection before it answered the join (an eviction, a restart). A name that does not
+    resolve, a handshake that hung, a proof that failed or a refusal fails the same way again."""
+    if isinstance(exc, ClosedBeforeJoin):
+        return True
+    if not isinstance(exc, ControllerUnreachable):
+        return False
+    cause = exc.__cause__
+    # TimeoutError is an OSError too: a handshake that hung
+    return isinstance(cause, OSError) and not isinstance(cause, socket.gaierror | TimeoutError)
+
+
 class StoppedBeforeServing(Exception):
     """A stop was requested before the session was serving (the join link was closed for it)."""
 
 
 class Joiner:
-    """One session's way in: dial, join, wait for the world to form (one call each, in order)."""
+    """One session's way in: :meth:`enter` (dial and join), then :meth:`await_formation`."""
 
     def __init__(self, config: SessionConfig, *, stopping: asyncio.Event) -> None:
         """``stopping``: set when a stop is requested (a signal); the steps then give up."""
         self.config = config
         self._stopping = stopping
 
-    async def dial(self) -> FramedProtocol | None:
-        """Dial the join channel; while nothing listens there, retry (the capped backoff of
-        ``--persist``) up to ``connect_timeout``.
+    async def enter(
+        self, devices: tuple[str, ...], *, connected: Callable[[FramedProtocol], None]
+    ) -> tuple[FramedProtocol, m.JoinAccept] | None:
+        """Dial the join channel and join: the link and the controller's ``JoinAccept``.
 
-        An agent started before its controller waits instead of failing on the first
-        refused connection, and says so once. None: a signal stopped the wait.
+        What may mend by waiting (:func:`mends_by_waiting`: nothing listens there yet, or the
+        controller closed the connection before answering) is tried again with the capped
+        backoff of ``--persist``, up to ``connect_timeout``, and said once per kind of failure.
+        ``connected(link)`` is called once a link is up (it may raise
+        :class:`StoppedBeforeServing`); a failed join closes its link. None: a signal stopped the
+        wait.
         """
         cfg = self.config
         loop = asyncio.get_running_loop()
-        give_up = loop.time() + cfg.connect_timeout
-        backoff = Backoff(cfg.connect_backoff)
+        retry = BoundedRetry(cfg.connect_backoff, give_up_at=loop.time() + cfg.connect_timeout)
+        said: set[type[AgentError]] = set()
         while True:
             try:
-                return await self._dial_once()
-            except ControllerUnreachable as exc:
-                cause = exc.__cause__
-                if (
-                    not isinstance(cause, OSError)
-                    or isinstance(cause, socket.gaierror | TimeoutError)
-                    or loop.time() >= give_up
-                ):
-                    # a name that does not resolve, or a handshake that hung, will not mend by
-                    # waiting
+                return await self._attempt(devices, connected)
+            except AgentError as exc:
+                if not mends_by_waiting(exc):
                     raise
-                if backoff.failures == 0:
-                    why = cause.strerror or cause
-                    log.warning(
-                        "agent %s: no controller at %s yet (%s); retrying for up to %gs",
-                        cfg.host,
-                        cfg.controller_addr,
-                        why,
-                        cfg.connect_timeout,
-                    )
-                at = min(backoff.failed(loop.time(), random.random()), give_up)  # noqa: S311 -- jitter, not a secret
-                with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(max(at - loop.time(), 0.0)):
-                        await self._stopping.wait()
-                if self._stopping.is_set():
-                    return None
+                at = retry.failed(loop.time(), random.random())  # noqa: S311 -- jitter, not a secret
+                if at is None:
+                    if cfg.connect_timeout <= 0:
+                        raise
+                    waited = f" (waited {cfg.connect_timeout:g}s, --connect-timeout)"
+                    raise type(exc)(exc.host, exc.reason + waited) from exc.__cause__
+                if type(exc) not in said:
+                    said.add(type(exc))
+                    self._say_retrying(exc)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(max(at - loop.time(), 0.0)):
+                    await self._stopping.wait()
+            if self._stopping.is_set():
+                return None
+
+    def _say_retrying(self, exc: AgentError) -> None:
+        cfg = self.config
+        if isinstance(exc, ClosedBeforeJoin):
+            log.warning(
+                "agent %s: %s; dialing again for up to %gs",
+                cfg.host,
+                exc.reason,
+                cfg.connect_timeout,
+            )
+            return
+        cause = exc.__cause__
+        why = cause.strerror if isinstance(cause, OSError) and cause.strerror else cause
+        log.warning(
+            "agent %s: no controller at %s yet (%s); retrying for up to %gs",
+            cfg.host,
+            cfg.controller_addr,
+            why,
+            cfg.connect_timeout,
+        )
+
+    async def _attempt(
+        self, devices: tuple[str, ...], connected: Callable[[FramedProtocol], None]
+    ) -> tuple[FramedProtocol, m.JoinAccept]:
+        link = await self._dial_once()
+        try:
+            connected(link)
+            return link, await self.join(link, devices)
+        except BaseException:
+            await link.aclose(grace=self.config.deadlines.link_close)
+            raise
 
     async def _dial_once(self) -> FramedProtocol:
         cfg = self.config
@@ -196,15 +244,22 @@ class Joiner:
                 f"finish the handshake within {cfg.deadlines.handshake:g}s",
             ) from exc
         except OSError as exc:
-            waited = (
-                f" (waited {cfg.connect_timeout:g}s, --connect-timeout)"
-                if cfg.connect_timeout > 0
-                else ""
-            )
             raise ControllerUnreachable(
                 cfg.host,
-                f"cannot reach the controller at {cfg.controller_addr}: "
-                f"{exc.strerror or exc}{waited}",
+                f"cannot reach the controller at {cfg.controller_addr}: {exc.strerror or exc}",
+            ) from exc
+        except (HandshakeCut, ConnectionClosed) as exc:
+            # Before its hello: a FIN when the controller had read what we sent, a reset when not.
+            raise ClosedBeforeJoin(
+                cfg.host,
+                f"the controller at {cfg.controller_addr} closed the connection before its "
+                "handshake finished: it evicted it (more unproven connections from this host's "
+                "address than its admission cap holds), or it is shutting down, or it is no flodl "
+                "controller of this version",
+            ) from exc
+        except AuthenticationFailed as exc:  # WrongToken among them
+            raise ControllerNotProved(
+                cfg.host, f"cannot join the controller at {cfg.controller_addr}: {exc}"
             ) from exc
         except WireError as exc:
             raise JoinFailed(
@@ -212,13 +267,22 @@ class Joiner:
             ) from exc
 
     async def _recv(
-        self, link: FramedProtocol, doing: str, lost: Callable[[str, str], AgentError]
+        self,
+        link: FramedProtocol,
+        doing: str,
+        lost: Callable[[str, str], AgentError],
+        *,
+        closed: Callable[[str], AgentError] | None = None,
     ) -> Message:
+        """The next message; ``lost(host, reason)`` for a bad frame, and for the link closing unless
+        ``closed(when)`` is given for that."""
         try:
             return await link.recv_message()
         except ConnectionClosed as exc:
             if self._stopping.is_set():
                 raise StoppedBeforeServing from exc
+            if closed is not None:
+                raise closed(f"while {doing}") from exc
             raise lost(
                 self.config.host, f"the controller closed the join link while {doing}"
             ) from exc
@@ -240,14 +304,12 @@ class Joiner:
             )
             link.send(hello)
         except ConnectionClosed as exc:
-            raise JoinFailed(
-                cfg.host,
-                f"the controller at {cfg.controller_addr} closed the join link before the join "
-                "request",
-            ) from exc
+            raise self._closed_before_reply("before the join request") from exc
         try:
             async with asyncio.timeout(cfg.deadlines.join_reply):
-                reply = await self._recv(link, "waiting for the join reply", JoinFailed)
+                reply = await self._recv(
+                    link, "waiting for the join reply", JoinFailed, closed=self._closed_before_reply
+                )
         except TimeoutError:
             raise JoinFailed(
                 cfg.host, f"no answer to the join request within {cfg.deadlines.join_reply:g}s"
@@ -260,6 +322,17 @@ class Joiner:
             "agent %s: admitted to run %s with ranks %s", cfg.host, reply.run_id, list(reply.ranks)
         )
         return reply
+
+    def _closed_before_reply(self, doing: str) -> ClosedBeforeJoin:
+        # Our proof was sent but not yet read when the controller evicted the connection: its
+        # handshake had not finished there, though ours had.
+        cfg = self.config
+        return ClosedBeforeJoin(
+            cfg.host,
+            f"the controller at {cfg.controller_addr} closed the join link {doing}: it evicted "
+            "the connection before its handshake finished there (more unproven connections from "
+            "this host's address than its admission cap holds), or it is shutting down",
+        )
 
     async def await_formation(self, link: FramedProtocol, accept: m.JoinAccept) -> m.WorldFormed:
         cfg = self.config

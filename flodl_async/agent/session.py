@@ -158,18 +158,17 @@ class HostSession:
         sweep_stale(cfg.runtime_root)  # leftovers of sessions that were SIGKILLed
         self.observe(Phase.DIALING)
         joiner = Joiner(cfg, stopping=self._stop_waiting)
-        link = await joiner.dial()
-        if link is None:
+        try:
+            entered = await joiner.enter(devices, connected=self._connected)
+        except StoppedBeforeServing:
+            return stopped_by(self._stop_signal or signal.SIGTERM, when="before the world formed")
+        if entered is None:
             return stopped_by(
                 self._stop_signal or signal.SIGTERM, when="while waiting for the controller"
             )
-        self._link = link
-        self.observe(Phase.CONNECTED)
+        link, accept = entered
         entry: RuntimeEntry | None = None
         try:
-            if self._stop_signal is not None:
-                raise StoppedBeforeServing
-            accept = await joiner.join(link, devices)
             if cfg.token is not None or cfg.open_admission:
                 self.config = cfg = with_session_secret(cfg, accept)
             self.observe(Phase.ADMITTED, run_id=accept.run_id, ranks=accept.ranks)
@@ -201,6 +200,13 @@ class HostSession:
             await link.aclose(grace=cfg.deadlines.link_close)
             if entry is not None:
                 entry.remove()
+
+    def _connected(self, link: FramedProtocol) -> None:
+        """A join link is up (each try of :meth:`Joiner.enter`): a signal from now on closes it."""
+        self._link = link
+        self.observe(Phase.CONNECTED)
+        if self._stop_signal is not None:
+            raise StoppedBeforeServing
 
     def observe(
         self,

@@ -7,8 +7,11 @@ uniformly from ``[(1 - jitter) · d, d]`` ("equal jitter" when ``jitter`` is
 0.5), so a fleet of agents that lost the same controller at the same moment
 does not come back in lockstep, yet no agent waits longer than the cap. A
 success (the agent joined a run) resets the count: the next failure starts
-from ``initial`` again. The shell owns the clock and the random source; this
-module only does arithmetic, so the schedule is tested exactly.
+from ``initial`` again. :class:`BoundedRetry` is the same schedule with a last
+moment (a one-run agent's ``--connect-timeout``): the wait before the last try
+ends at that moment, and a failure at or after it means give up. The shell owns
+the clock and the random source; this module only does arithmetic, so the
+schedule is tested exactly.
 """
 
 from __future__ import annotations
@@ -71,3 +74,25 @@ class Backoff:
     def succeeded(self) -> None:
         """The agent joined a run: the next failure starts the schedule over."""
         self.failures = 0
+
+
+class BoundedRetry:
+    """A :class:`Backoff` that gives up at ``give_up_at`` (monotonic): the one-run agent's
+    ``--connect-timeout``."""
+
+    def __init__(self, policy: BackoffPolicy, *, give_up_at: float) -> None:
+        self._backoff = Backoff(policy)
+        self.give_up_at = give_up_at
+
+    @property
+    def failures(self) -> int:
+        """Failed attempts so far."""
+        return self._backoff.failures
+
+    def failed(self, now: float, draw: float) -> float | None:
+        """Record a failed attempt at ``now``: when to try again (never past ``give_up_at``), or
+        None once ``give_up_at`` has come (give up)."""
+        if now >= self.give_up_at:
+            return None
+        # the last wait is cut short rather than skipped: one more try lands right at the deadline
+        return min(self._backoff.failed(now, draw), self.give_up_at)

@@ -61,12 +61,12 @@ What each check defeats:
 The cluster token (dial-in agents). A join link opened with a TOKEN credential
 runs exactly this handshake with the token as ``K``: the token never crosses the
 wire, the controller proves it holds the token before the agent proves anything,
-and a wrong token fails at the agent with "the controller's proof did not verify:
-another cluster token" (and at the controller, which sees the agent close instead
-of proving, counted as ``wrong_token`` in the admission counters). The run's session secret then
-reaches
-the agent in ``JoinAccept.session_secret``, a sealed body (:mod:`.frame`): AES-256-GCM
-under this connection's controller→agent key, which is the HKDF of the token with
+and a wrong token fails at the agent with "the controller's proof did not verify: it
+holds another cluster token, or it is not our controller" (an impostor fails the same way; and
+at the controller, which sees the agent close instead of proving, it is counted as
+``wrong_token`` in the admission counters). The run's session secret then reaches the agent
+in ``JoinAccept.session_secret``, a sealed body (:mod:`.frame`): AES-256-GCM under this
+connection's controller→agent key, which is the HKDF of the token with
 both nonces as salt and the transcript in the info. So the secret is readable only
 by a holder of the token, on this connection: without the token the key cannot be
 derived; bytes recorded from this connection open on no other (the nonces differ)
@@ -95,6 +95,7 @@ from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from ..errors import (
     AuthenticationFailed,
+    HandshakeCut,
     HandshakeFailed,
     HandshakeRefused,
     VersionMismatch,
@@ -268,7 +269,7 @@ class ClientHandshake:
 
     def _receive(self, data: bytes) -> Step:
         if not data:
-            raise HandshakeFailed(
+            raise HandshakeCut(
                 f"{self.channel.value} channel: the server closed the connection during the "
                 "handshake — it refused or "
                 "evicted it (full, or shutting down), it is not a flodl controller or relay, or "
@@ -319,9 +320,12 @@ class ClientHandshake:
         )
         if not hmac.compare_digest(hmac.digest(server_proof_key, transcript, "sha256"), proof):
             if self._credential.kind is CredentialKind.TOKEN:
+                # An impostor answering at the controller's address fails exactly here too: the
+                # agent cannot tell the two apart, so it names both.
                 raise WrongToken(
-                    f"{self.channel.value} channel: the controller's proof did not verify: another "
-                    "cluster token (check --token-file)"
+                    f"{self.channel.value} channel: the controller's proof did not verify: it "
+                    "holds another cluster token, or it is not our controller (check --token-file "
+                    "and --controller)"
                 )
             raise AuthenticationFailed(
                 f"{self.channel.value} channel: the server's handshake proof did not verify — it "
