@@ -8,11 +8,12 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from flodl_async.training.coordination import CoordPhase, DeclareDead, Fail, Finish, RankLost
-from flodl_async.training.policy import Policy
+from flodl_async.training.policy import Backend, Policy
 from flodl_async.training.spec import ElCheConfig, MaxFailure, TrainerSpec
 from flodl_async.verdict import ExitCode
 
 from .coordkit import Driver
+from .test_coordinator import assert_each_batch_once_per_epoch
 
 N_BATCHES = 16
 
@@ -122,3 +123,13 @@ def test_a_death_reported_by_its_exit_after_its_link_refines_the_reason() -> Non
     d.drain()
     assert isinstance(d.ended, Finish)
     assert d.ended.lost == ((1, f"its process was killed by SIGKILL at epoch {epoch}"),)
+
+
+@pytest.mark.parametrize("policy", [Policy.SYNC, Policy.CADENCE])  # ASYNC needs the CPU backend
+def test_an_all_reduce_world_closes_every_epoch_on_what_its_ranks_reported(policy: Policy) -> None:
+    # an all_reduce says nothing of what it folded: every alive rank's reported work is in it
+    d = Driver(spec(policy, backend=Backend.COLLECTIVE), world=2)
+    d.run()
+    assert isinstance(d.ended, Finish), d.ended
+    assert len(d.epochs) == 3
+    assert_each_batch_once_per_epoch(d, 3, N_BATCHES)

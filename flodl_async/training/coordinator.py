@@ -440,7 +440,7 @@ class Coordinator:
                 return self._final(now, natural=False)
             return self._maybe_reduce(now)
         if flying.kind == "model":
-            actions.extend(self._settle_coverage(flying.round, folded or {}))
+            actions.extend(self._settle_coverage(flying.round, folded))
             ledger = self._ledgers.get(self._round_epoch.pop(flying.round, self._epoch))
             if ledger is not None:
                 ledger.add_reduce(duration_ms)
@@ -466,16 +466,20 @@ class Coordinator:
             return [self._start_round(self._next_round(), "upload", now)]
         return self._finish()
 
-    def _settle_coverage(self, round_: int, folded: Mapping[int, int]) -> list[Action]:
+    def _settle_coverage(self, round_: int, folded: Mapping[int, int] | None) -> list[Action]:
         """Round ``round_``'s consensus holds ``folded``'s contributions: those windows are covered;
         a dead rank's window it lacks goes back to the survivors (CADENCE/ASYNC: to the pool; SYNC:
-        the rest of the dead rank's slice, shared out now)."""
+        the rest of the dead rank's slice, shared out now). ``folded`` None (an all_reduce, or a
+        round runner that does not say): what every alive rank reported is in, a dead rank's not."""
         spec = self._require_spec()
         if RULES[spec.policy].static_slices:
-            self._slices.settle(folded)
+            if folded is None:
+                self._slices.settle_reported(self._alive)
+            else:
+                self._slices.settle(folded)
             return self._share_dead_slices()
         for rank in sorted(self._lost.ranks):
-            if rank not in folded:
+            if folded is None or rank not in folded:
                 self._pool.forfeit_window(rank, round_)
         self._pool.complete_round(round_)
         return []

@@ -52,6 +52,13 @@ class SyncSlices:
             if rank in self._held:
                 self._held[rank] += steps
 
+    def settle_reported(self, ranks: Iterable[int]) -> None:
+        """A consensus holds everything each of ``ranks`` reported so far (an all_reduce among
+        them, or a round runner that does not list what it folded)."""
+        for rank in ranks:
+            if rank in self._held:
+                self._held[rank] = part.range_size(self._ranges[rank]) - self._left[rank]
+
     @property
     def covered(self) -> bool:
         """Every batch of the epoch is in a consensus."""
