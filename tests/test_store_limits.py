@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import socket
 import struct
 import subprocess
 import sys
@@ -25,6 +26,7 @@ from flodl_async.errors import StoreLimitExceeded, StoreProtocolError
 from flodl_async.net.admission import AdmissionLimits
 from flodl_async.net.mux import PortMux
 from flodl_async.net.portstore import PortStore
+from flodl_async.net.tcpstore import StoreServer
 from flodl_async.wire import Channel
 from flodl_async.wire.channels import STORE_PREFIX
 from flodl_async.wire.storeproto import (
@@ -335,6 +337,27 @@ async def test_an_offender_is_closed_counted_and_named_once_and_the_other_keys_s
         assert "store_limit" in named[0]
         assert "budget is 65536" in named[0]
         good[1].close()
+
+
+async def test_the_agents_own_store_server_keeps_the_same_bounds() -> None:
+    listener = socket.create_server(("127.0.0.1", 0))
+    server = StoreServer(limits=SMALL)
+    await server.start(listener)
+    port = listener.getsockname()[1]
+    try:
+        good = await _store_client(port)
+        good[1].write(_set(b"init/", b"keep") + bytes([Query.APPEND]) + _s(b"a") + _s(b"x" * 8000))
+        assert await _ping(*good)
+        good[1].write(bytes([Query.APPEND]) + _s(b"a") + _s(b"x" * 8000))
+        assert not await _ping(*good)  # the APPEND would pass the value limit
+        again = await _store_client(port)
+        again[1].write(bytes([Query.GET]) + _s(b"init/"))
+        assert await again[0].readexactly(12) == _s(b"keep")
+        assert server.refused == {"store_limit": 1}
+        for _, writer in (good, again):
+            writer.close()
+    finally:
+        await server.aclose()
 
 
 async def test_a_client_that_reads_slowly_gets_every_reply_in_order() -> None:
