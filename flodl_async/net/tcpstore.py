@@ -112,6 +112,8 @@ class StoreClientProtocol(asyncio.Protocol):
         self.label = "an unknown peer"
         self._paused = False
         self._refused = False
+        #: Reply bytes the transport held unsent when last asked (what the state was told).
+        self._unsent = 0
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transports do not subclass it
@@ -150,8 +152,12 @@ class StoreClientProtocol(asyncio.Protocol):
 
     def _account(self) -> None:
         assert self._transport is not None
+        unsent = self._transport.get_write_buffer_size()
+        if unsent == self._unsent:
+            return  # the usual case: the kernel took it all, as it took the last one
+        self._unsent = unsent
         try:
-            self._clients.state.owe(self.conn, self._transport.get_write_buffer_size())
+            self._clients.state.owe(self.conn, unsent)
         except StoreLimitExceeded as exc:
             self.refuse("store_limit", str(exc))
 

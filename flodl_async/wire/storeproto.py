@@ -22,7 +22,9 @@ clients have not read yet (the shell reports those, :meth:`StoreState.owe`).
 No value may grow past ``max_value``, ``APPEND`` included. A request that would
 break a bound raises :class:`StoreLimitExceeded` before it changes anything
 (a ``MULTI_SET`` is applied whole or not at all), so a refused client leaves
-the other keys as they were. Lengths are checked as soon as their header
+the other keys as they were. While a request is applied its bytes count twice,
+as arriving and as stored, since both copies exist then: six values of 8 MiB
+fit the default budget, not seven. Lengths are checked as soon as their header
 arrives, before the bytes they announce are buffered.
 
 Incomplete requests. A request that is not whole yet is *framed*: its length
@@ -121,6 +123,8 @@ class Query(enum.IntEnum):
     QUEUE_LEN = 16
 
 
+#: By byte value: a tuple index is quicker than the enum's own lookup, and this runs per request.
+_QUERIES = tuple(Query)
 CHECK_READY, CHECK_NOT_READY = b"\x00", b"\x01"
 STOP_WAITING, WAIT_CANCELED = b"\x00", b"\x01"
 
@@ -170,6 +174,7 @@ class StoreState:
 
     def __init__(self, limits: StoreLimits | None = None) -> None:
         self.limits = limits or StoreLimits()
+        self._max_bytes = self.limits.max_bytes
         self.data: dict[str, bytes] = {}
         self.queues: dict[str, collections.deque[bytes]] = {}
         self._waiting: dict[str, list[StoreConnection]] = {}
@@ -202,11 +207,12 @@ class StoreState:
                 f"{self._owed_total} for every client (at most {self.limits.max_bytes})"
             )
 
-    def _charge(self, delta: int, what: str) -> None:
-        if delta > 0 and self.held + delta > self.limits.max_bytes:
+    def _charge(self, delta: int, what: str, *args: object) -> None:
+        # ``what % args`` is formatted only for a refusal: this runs on every SET
+        if delta > 0 and self._held + self._buffered + delta > self._max_bytes:
             raise StoreLimitExceeded(
-                f"{what} would take the store to {self.held + delta} bytes (its budget is "
-                f"{self.limits.max_bytes}; it holds {self.held})"
+                f"{what % args} would take the store to {self.held + delta} bytes (its budget is "
+                f"{self._max_bytes}; it holds {self.held})"
             )
         self._held += delta
 
@@ -224,10 +230,12 @@ class StoreState:
     def set(self, key: str, value: bytes) -> list[Reply]:
         old = self.data.get(key)
         self._charge(
-            _entry(key, value) - (0 if old is None else _entry(key, old)), f"setting {key!r}"
+            len(value) - len(old) if old is not None else len(key) + len(value) + ENTRY_OVERHEAD,
+            "setting %r",
+            key,
         )
         self.data[key] = value
-        return self._wake_all(key)
+        return self._wake_all(key) if key in self._waiting else []
 
     def set_many(self, pairs: list[tuple[str, bytes]]) -> list[Reply]:
         last = dict(pairs)  # a key set twice in one request holds its last value
@@ -235,7 +243,7 @@ class StoreState:
             _entry(key, value) - (_entry(key, self.data[key]) if key in self.data else 0)
             for key, value in last.items()
         )
-        self._charge(delta, f"a MULTI_SET of {len(pairs)} keys")  # all of it, or nothing
+        self._charge(delta, "a MULTI_SET of %d keys", len(pairs))  # all of it, or nothing
         self.data.update(last)
         replies: list[Reply] = []
         for key in last:
@@ -253,7 +261,7 @@ class StoreState:
         if all(self._has(k) for k in keys):
             return [(conn, STOP_WAITING)]
         missing = [k for k in keys if k not in self.data]
-        self._charge(sum(len(k) + ENTRY_OVERHEAD for k in missing), f"a WAIT on {len(keys)} keys")
+        self._charge(sum(len(k) + ENTRY_OVERHEAD for k in missing), "a WAIT on %d keys", len(keys))
         for key in missing:
             self._waiting.setdefault(key, []).append(conn)
         self._registered.setdefault(conn, []).extend(missing)
@@ -297,7 +305,7 @@ class StoreState:
         return []
 
     def queue_push(self, key: str, value: bytes) -> list[Reply]:
-        self._charge(_entry(key, value), f"a QUEUE_PUSH on {key!r}")
+        self._charge(_entry(key, value), "a QUEUE_PUSH on %r", key)
         self.queues.setdefault(key, collections.deque()).append(value)
         return self._wake_one(key)
 
@@ -353,6 +361,7 @@ class StoreConnection:
 
     def __init__(self, state: StoreState) -> None:
         self._state = state
+        self._max_value = state.limits.max_value
         self._buf = bytearray()
         self._pos = 0
         self._validated = False
@@ -512,19 +521,24 @@ class StoreConnection:
         return int(_U64.unpack(self._take(8))[0])
 
     def _key(self) -> str:
-        return self._take(_check_key(self._u64())).decode("utf-8", "surrogateescape")
+        size = self._u64()
+        if size > MAX_KEY_LEN:
+            _check_key(size)
+        return self._take(size).decode("utf-8", "surrogateescape")
 
     def _value(self) -> bytes:
-        return self._take(_check_value(self._u64(), self._state.limits))
+        size = self._u64()
+        if size > self._max_value:
+            _check_value(size, self._state.limits)
+        return self._take(size)
 
     def _keys(self) -> list[str]:
         return [self._key() for _ in range(_check_count(self._u64()))]
 
     def _query(self, raw: int) -> Query:
-        try:
-            query = Query(raw)
-        except ValueError:
-            raise StoreProtocolError(f"unknown store query type {raw}") from None
+        if raw >= len(_QUERIES):
+            raise StoreProtocolError(f"unknown store query type {raw}")
+        query = _QUERIES[raw]
         if not self._validated and query is not Query.VALIDATE:
             raise StoreProtocolError(
                 "the first request was not a valid VALIDATE (not a torch TCPStore client)"
