@@ -21,6 +21,7 @@ translated at the boundary with ``raise ... from exc``.
     │   ├── ReservedFlags         header flags this build does not know (newer peer, corruption)
     │   ├── TruncatedFrame        the peer closed in the middle of a frame
     │   └── StoreProtocolError    a TCPStore client sent what the store cannot accept
+    │       └── StoreLimitExceeded  ... or more than the store's byte budget or value limit
     ├── ConnectionClosed          a link ended (we closed it, or the peer broke it)
     ├── BusyError                 a second task tried to receive on a link (also a RuntimeError)
     ├── ProtocolError             a valid frame out of place
@@ -119,6 +120,11 @@ class TruncatedFrame(WireError):
 
 class StoreProtocolError(WireError):
     """A TCPStore client sent something the store cannot accept; close its connection."""
+
+
+class StoreLimitExceeded(StoreProtocolError):
+    """A TCPStore client's request would take the store past its byte budget or a value past its
+    limit; close its connection (the store's other keys stay as they were)."""
 
 
 class ConnectionClosed(FlodlError):

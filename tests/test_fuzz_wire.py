@@ -20,6 +20,7 @@ from flodl_async.wire import frame as frame_module
 from flodl_async.wire import messages as m
 from flodl_async.wire.handshake import PROTOCOL_VERSION, session_resolver
 from flodl_async.wire.schema import pack_message, unpack_message
+from flodl_async.wire.storeproto import Query, StoreConnection, StoreState
 from tools import fuzz_wire as fw
 
 SEED = 7
@@ -61,6 +62,7 @@ def test_the_targets_cover_every_channel_side_and_handshake_state() -> None:
         "server-proof",
         "client-hello",
         "tensors",
+        "store",
         *routes,
     }
     fixtures = TARGETS["server-hello"].fixtures  # type: ignore[attr-defined]
@@ -127,6 +129,47 @@ def test_an_accepted_forgery_is_a_violation(monkeypatch: pytest.MonkeyPatch) -> 
         "forged payload",
         "ill-typed message",
     }
+
+
+def test_the_store_target_sends_every_request_type_and_reaches_every_bound() -> None:
+    assert TARGETS["store"].queries == set(Query)  # type: ignore[attr-defined]
+    errors = _run("store", 600).stats[0].errors
+    assert set(errors) == {"StoreProtocolError", "StoreLimitExceeded"}
+
+
+def test_an_add_past_int64_unchecked_is_a_violation(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The bug the attack run found: struct.error ("Fatal error on transport") from an ADD."""
+
+    def unchecked(self: StoreState, key: str, delta: int) -> tuple[int, list[object]]:
+        total = delta + int(self.data.get(key, b"0"))
+        return total, self.set(key, str(total).encode())
+
+    monkeypatch.setattr(StoreState, "add", unchecked)
+    assert ("store", "non-WireError error") in _run("store", 600).found
+
+
+def test_a_store_that_forgets_a_charge_is_a_violation(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(
+        StoreState, "delete", lambda self, key: self.data.pop(key, None) is not None
+    )
+    assert ("store", "store accounting") in _run("store", 600).found
+
+
+def test_a_store_whose_framer_loses_its_place_is_a_violation(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A cut feed must answer what the whole feed answers: a framer that resumes its walk a byte
+    early reads lengths out of the wrong bytes."""
+    frame = StoreConnection._frame
+
+    def off_by_one(self: StoreConnection) -> bool:
+        done = frame(self)
+        if not done:
+            self._scan = max(1, self._scan - 1)
+        return done
+
+    monkeypatch.setattr(StoreConnection, "_frame", off_by_one)
+    assert ("store", "cuts change the answers") in _run("store", 600).found
 
 
 def test_a_codec_that_forgets_its_failure_is_a_violation(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -27,7 +27,9 @@ property as it goes. The targets:
   seals and payload chunks, so the mutation reaches the kind table, GCM, msgpack and the schema.
   Oracle: every delivered message is of a kind legal on that route and well-typed per its schema;
 * ``tensors`` — :func:`~flodl_async.wire.tensor.unpack_tensors` on the tensor specs of the
-  contributions such a peer can send.
+  contributions such a peer can send;
+* ``store`` — the TCPStore parser (:mod:`flodl_async.wire.storeproto`) over every request type,
+  under its byte budget and value limit, with a second client waiting on its keys.
 
 Most inputs are mutations of valid transcripts (:class:`Mutator`: bit flips, interesting integers
 over length, kind and sequence fields, truncations, insertions, deletions, duplicated, dropped and
@@ -62,6 +64,7 @@ import logging
 import math
 import random
 import signal
+import struct
 import sys
 import time
 import traceback
@@ -74,7 +77,13 @@ import msgpack
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from flodl_async.deadlines import Deadlines
-from flodl_async.errors import HandshakeRefused, MalformedBody, WireError
+from flodl_async.errors import (
+    HandshakeRefused,
+    MalformedBody,
+    StoreLimitExceeded,
+    StoreProtocolError,
+    WireError,
+)
 from flodl_async.net.admission import AdmissionLimits
 from flodl_async.net.framed import FramedProtocol, open_framed
 from flodl_async.net.http import StatusHttpProtocol
@@ -123,6 +132,14 @@ from flodl_async.wire.frame import (
 from flodl_async.wire.handshake import session_resolver
 from flodl_async.wire.keys import rank_credential_key
 from flodl_async.wire.schema import pack_message, sealed_kinds, unpack_message
+from flodl_async.wire.storeproto import (
+    ENTRY_OVERHEAD,
+    VALIDATION_MAGIC,
+    Query,
+    StoreConnection,
+    StoreLimits,
+    StoreState,
+)
 from flodl_async.wire.tensor import DTYPE_ITEMSIZE
 
 FRAMED_CHANNELS = (Channel.JOIN, Channel.RENDEZVOUS, Channel.DATA, Channel.CONTROL)
@@ -1806,6 +1823,216 @@ class TensorsTarget(Target):
         )
 
 
+# ----- the TCPStore parser ----------------------------------------------------------------------
+
+#: Keys the store samples use: few, so requests meet each other's keys (waits woken, ADD on a SET).
+STORE_KEYS = (b"init/", b"k", b"n", b"q", b"rank/0", b"", "é☃".encode(), b"\x00\xff")
+#: Limits of the fuzzed stores, by fixture: small ones (so that mutations reach every bound) and
+#: the defaults.
+STORE_LIMITS = (StoreLimits(max_bytes=16 * 1024, max_value=2048), StoreLimits())
+
+
+class _StoreWriter:
+    """Builds a valid request stream for the samples, noting request starts and integer fields."""
+
+    def __init__(self) -> None:
+        self.data = bytearray()
+        self.units: list[int] = []
+        self.fields: list[tuple[int, int]] = []
+
+    def request(self, query: Query) -> None:
+        self.units.append(len(self.data))
+        self.fields.append((len(self.data), 1))
+        self.data.append(query)
+
+    def u64(self, n: int) -> None:
+        self.fields.append((len(self.data), 8))
+        self.data += struct.pack("<Q", n)
+
+    def blob(self, b: bytes) -> None:
+        self.u64(len(b))
+        self.data += b
+
+
+class StoreTarget(Target):
+    """The TCPStore parser (:mod:`flodl_async.wire.storeproto`) over every request type, with a
+    second client waiting on its keys.
+
+    Inputs are mutations of valid request streams (every :class:`Query`, values near the limits,
+    ADD near the int64 bounds) fed whole and under a random plan (cuts, EOF), with the flow
+    control's ``receive_data(b"")`` calls. Oracle: only :class:`StoreProtocolError` is raised
+    and a failed connection stays failed; after every call the store holds no more than its
+    budget and no value past its limit; once both clients are gone it is charged exactly for what
+    it stores; and unless a limit refused the whole feed (a budget counts buffered bytes, so it
+    depends on the cuts), the cut feed answers byte for byte what the whole feed answers, to both
+    clients, and leaves the same keys.
+    """
+
+    name = "store"
+    group = "store"
+    weight = 3.0
+
+    def __init__(self, seed: int) -> None:
+        rng = input_rng(seed, self.name, "samples")
+        self._samples = [self._sample(rng) for _ in range(64)]
+        self.queries = {q for sample in self._samples for q in self._queries(sample)}
+
+    @staticmethod
+    def _queries(sample: Sample) -> set[Query]:
+        return {Query(sample.data[u]) for u in sample.units}
+
+    def _sample(self, rng: random.Random) -> Sample:
+        out = _StoreWriter()
+        out.request(Query.VALIDATE)
+        out.data += struct.pack("<I", VALIDATION_MAGIC)
+        for _ in range(rng.randint(1, 12)):
+            self._request(rng, out, rng.choice(list(Query)))
+        return Sample(data=bytes(out.data), units=tuple(out.units), fields=tuple(out.fields))
+
+    @staticmethod
+    def _value(rng: random.Random) -> bytes:
+        roll = rng.random()
+        if roll < 0.1:
+            return str(rng.choice((0, 1, -1, _INT64[1], _INT64[0], _INT64[1] - 1))).encode()
+        size = rng.choice((0, 1, 8, 64, 2047, 2048, 2049, rng.randint(0, 6000)))
+        return rng.randbytes(size) if roll < 0.5 else b"v" * size
+
+    def _request(self, rng: random.Random, out: _StoreWriter, query: Query) -> None:
+        key = functools.partial(rng.choice, STORE_KEYS)
+        out.request(query)
+        if query in (Query.VALIDATE, Query.PING):
+            out.data += struct.pack("<I", VALIDATION_MAGIC) if query is Query.VALIDATE else b"ping"
+        elif query in (Query.SET, Query.APPEND, Query.QUEUE_PUSH):
+            out.blob(key())
+            out.blob(self._value(rng))
+        elif query is Query.COMPARE_SET:
+            out.blob(key())
+            out.blob(rng.choice((b"", self._value(rng))))
+            out.blob(self._value(rng))
+        elif query in (Query.GET, Query.DELETE_KEY, Query.QUEUE_POP, Query.QUEUE_LEN):
+            out.blob(key())
+        elif query is Query.ADD:
+            out.blob(key())
+            out.fields.append((len(out.data), 8))
+            delta = rng.choice((1, -1, 5, _INT64[1], _INT64[0], rng.randint(*_INT64)))
+            out.data += struct.pack("<q", delta)
+        elif query in (Query.CHECK, Query.WAIT, Query.MULTI_GET):
+            keys = [key() for _ in range(rng.choice((0, 1, 2, 3, 8)))]
+            out.u64(len(keys))
+            for k in keys:
+                out.blob(k)
+        elif query is Query.MULTI_SET:
+            count = rng.choice((0, 1, 2, 4))
+            out.u64(count)
+            for _ in range(count):
+                out.blob(key())
+                out.blob(self._value(rng))
+        # GETNUMKEYS and CANCEL_WAIT carry nothing
+
+    def generate(self, rng: random.Random) -> Case:
+        sample = rng.choice(self._samples)
+        if rng.random() < 0.1:
+            data, origin = sample.data[:5] + rng.randbytes(rng.randint(0, 64)), "random requests"
+        else:
+            donors = [s.data for s in self._samples]
+            data, ops = Mutator(rng, donors=donors).mutate(sample, max_ops=3)
+            origin = "mutated: " + ", ".join(ops)
+        origin += " of " + "/".join(sorted(q.name for q in self._queries(sample)))
+        return Case(
+            data=data,
+            origin=origin,
+            fixture=0 if rng.random() < 0.8 else 1,
+            cuts=random_cuts(rng, len(data), sample.units),
+            eof_at=random_eof(rng, len(data)),
+        )
+
+    def _feed(self, case: Case, cuts: Sequence[int]) -> _StoreRun:
+        limits = STORE_LIMITS[case.fixture]
+        state = StoreState(limits)
+        watcher, conn = StoreConnection(state), StoreConnection(state)
+        got: dict[StoreConnection, bytearray] = {watcher: bytearray(), conn: bytearray()}
+
+        def take(replies: list[tuple[StoreConnection, bytes]]) -> None:
+            for to, payload in replies:
+                got[to] += payload
+            if state.held > limits.max_bytes:
+                raise Violation("store budget", f"the store holds {state.held} bytes")
+            if any(len(v) > limits.max_value for v in state.data.values()) or any(
+                len(item) > limits.max_value for queue in state.queues.values() for item in queue
+            ):
+                raise Violation("value limit", "a value past the limit was stored")
+
+        take(watcher.receive_data(STORE_PREFIX + bytes([Query.WAIT]) + _store_keys(STORE_KEYS)))
+        error: StoreProtocolError | None = None
+        for piece in pieces(case.fed, cuts):
+            try:
+                take(conn.receive_data(piece))
+                while conn.wants_more:
+                    take(conn.receive_data(b""))
+            except StoreProtocolError as exc:
+                if error is None:
+                    error = exc
+                continue
+            if error is not None:
+                raise Violation("stays failed", f"after {error!r}, receive_data took more bytes")
+        if error is not None:
+            try:
+                conn.receive_data(STORE_PREFIX)
+            except StoreProtocolError:
+                pass
+            else:
+                raise Violation("stays failed", f"after {error!r}, receive_data took a VALIDATE")
+        data, queues = dict(state.data), {k: list(v) for k, v in state.queues.items()}
+        conn.closed()
+        watcher.closed()
+        charged = sum(len(k) + len(v) + ENTRY_OVERHEAD for k, v in state.data.items()) + sum(
+            len(k) + len(item) + ENTRY_OVERHEAD for k, q in state.queues.items() for item in q
+        )
+        if state.held != charged or state.owed:
+            raise Violation(
+                "store accounting",
+                f"with every client gone the store is charged {state.held} bytes (owed "
+                f"{state.owed}) for {charged} it stores",
+            )
+        return _StoreRun(
+            replies=bytes(got[conn]), woken=bytes(got[watcher]), error=error, keys=(data, queues)
+        )
+
+    def execute(self, case: Case) -> Outcome:
+        whole = self._feed(case, ())
+        cut = self._feed(case, case.cuts)
+        if not isinstance(whole.error, StoreLimitExceeded):
+            theirs = (whole.replies, whole.woken, repr(whole.error), whole.keys)
+            if (cut.replies, cut.woken, repr(cut.error), cut.keys) != theirs:
+                raise Violation(
+                    "cuts change the answers",
+                    f"whole: {len(whole.replies)} reply bytes, {whole.error!r}; cut at "
+                    f"{len(case.cuts)} points: {len(cut.replies)} reply bytes, {cut.error!r}",
+                )
+        label = "clean" if cut.error is None else type(cut.error).__name__
+        return Outcome(error=cut.error, frames=len(cut.replies), label=label)
+
+    def describe(self, case: Case) -> str:
+        return f"store limits {STORE_LIMITS[case.fixture]}; " + case.describe()
+
+
+_INT64 = (-(1 << 63), (1 << 63) - 1)
+
+
+def _store_keys(keys: Sequence[bytes]) -> bytes:
+    return struct.pack("<Q", len(keys)) + b"".join(struct.pack("<Q", len(k)) + k for k in keys)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _StoreRun:
+    """What one feed of a store input did."""
+
+    replies: bytes
+    woken: bytes
+    error: StoreProtocolError | None
+    keys: tuple[dict[str, bytes], dict[str, list[bytes]]]
+
+
 def all_targets(seed: int, pattern: str = "*") -> list[Target]:
     """The targets whose names match the glob ``pattern``, in table order (only those are built)."""
     makers: list[tuple[str, Callable[[], Target]]] = [
@@ -1819,6 +2046,7 @@ def all_targets(seed: int, pattern: str = "*") -> list[Target]:
             for side in (Side.PEER, Side.CONTROLLER)
         ]
     makers.append((TensorsTarget.name, functools.partial(TensorsTarget, seed)))
+    makers.append((StoreTarget.name, functools.partial(StoreTarget, seed)))
     return [make() for name, make in makers if fnmatch.fnmatchcase(name, pattern)]
 
 

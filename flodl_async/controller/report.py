@@ -69,6 +69,7 @@ def connection_counters(stats: MuxStatistics) -> Counters:
             "unsniffed": stats.unsniffed_now,
             "handshaking": stats.handshaking_now,
             "status": stats.status_now,
+            "store": stats.store_now,
         },
     }
 

@@ -19,6 +19,14 @@ Status HTTP connections prove nothing (the page is public), so they move to a se
 budget with the same rule (:meth:`Admission.to_status`) and stay there until they close; their
 request deadline is the HTTP protocol's own.
 
+Store connections (torch's TCPStore protocol, which carries no credential) move to a third
+budget (:meth:`Admission.to_store`) and stay there until they close, capped per address and in
+total like the others. Ranks hold theirs for hours, so a full store cap turns the *newcomer*
+away and never evicts: evicting would break a rank's rendezvous. The store's total cap is
+fitted to the descriptor limit (:meth:`AdmissionLimits.within_descriptors`), so held store
+connections always leave descriptors for the unauthenticated and status pools and the
+authenticated links.
+
 The pieces are sans-IO: :class:`Admission` takes connection ids, peer keys and ``now`` (a
 monotonic clock) and answers which connection to evict or which have expired;
 :class:`RejectionSummary` turns refusals into at most one log line per interval;
@@ -28,6 +36,7 @@ port mux (:mod:`flodl_async.net.mux`) performs what they decide.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import ipaddress
 from collections import Counter, OrderedDict
@@ -54,10 +63,11 @@ _SHOWN_NOTES = 3
 
 
 class Pool(enum.Enum):
-    """The two budgets: connections that have not proved the key, and status HTTP."""
+    """The budgets: connections that have not proved the key, status HTTP, and the TCPStore."""
 
     UNAUTHENTICATED = "unauthenticated"
     STATUS = "status"
+    STORE = "store"
 
 
 class Stage(enum.Enum):
@@ -67,13 +77,21 @@ class Stage(enum.Enum):
     SNIFFING = "sniffing"
     HANDSHAKING = "handshaking"
     STATUS = "status"
+    STORE = "store"
 
 
 _POOL_OF = {
     Stage.SNIFFING: Pool.UNAUTHENTICATED,
     Stage.HANDSHAKING: Pool.UNAUTHENTICATED,
     Stage.STATUS: Pool.STATUS,
+    Stage.STORE: Pool.STORE,
 }
+#: Descriptors the store's cap leaves, beyond the unauthenticated and status pools, to the
+#: authenticated links (a few per host) and the controller's own files, pipes and loop.
+RESERVED_DESCRIPTORS = 128
+#: The store's total cap never goes below this, however low the descriptor limit: a run must be
+#: able to rendezvous at all (a limit that low is reported by the mux's descriptor warning).
+MIN_STORE_CONNECTIONS = 16
 
 
 class Cap(enum.Enum):
@@ -96,7 +114,10 @@ class AdmissionLimits:
     control link, data links), so 64 per address leaves headroom for several hosts behind one
     NAT or on one machine while holding a single flooding address to an eighth of the pool.
     Status is one short request per connection (``Connection: close``): 16 concurrent from one
-    address covers a few dashboards, ``flodl status`` and a scraper; 64 in all.
+    address covers a few dashboards, ``flodl status`` and a scraper; 64 in all. A rank holds one
+    store connection (torch's TCPStore client; its process groups share it), so 1,024 per
+    address covers the largest hosts and 4,096 in all a large world; under a low descriptor
+    limit the total shrinks to fit (:meth:`within_descriptors`): 320 under 1,024.
     """
 
     max_unauthenticated: int = 512
@@ -104,6 +125,8 @@ class AdmissionLimits:
     #: 0 turns status HTTP away (counted as ``over_capacity``).
     max_status: int = 64
     max_status_per_peer: int = 16
+    max_store: int = 4096
+    max_store_per_peer: int = 1024
 
     def __post_init__(self) -> None:
         if not 1 <= self.max_unauthenticated_per_peer <= self.max_unauthenticated:
@@ -118,6 +141,12 @@ class AdmissionLimits:
                 f"admission caps: need 0 <= status per peer ({self.max_status_per_peer}) <= status "
                 f"in total ({self.max_status})"
             )
+        if not 1 <= self.max_store_per_peer <= self.max_store:
+            raise ConfigError(
+                f"admission caps: need 1 <= store connections per peer "
+                f"({self.max_store_per_peer}) <= store connections in total ({self.max_store}); "
+                "the ranks must be able to rendezvous"
+            )
 
     def cap(self, pool: Pool, cap: Cap) -> int:
         """The value of one cap."""
@@ -127,7 +156,22 @@ class AdmissionLimits:
                 if cap is Cap.PER_PEER
                 else self.max_unauthenticated
             )
+        if pool is Pool.STORE:
+            return self.max_store_per_peer if cap is Cap.PER_PEER else self.max_store
         return self.max_status_per_peer if cap is Cap.PER_PEER else self.max_status
+
+    def within_descriptors(self, soft_limit: int | None) -> AdmissionLimits:
+        """These caps with the store's lowered, if need be, to leave the other pools and
+        :data:`RESERVED_DESCRIPTORS` their descriptors under ``soft_limit`` (None: unlimited)."""
+        if soft_limit is None:
+            return self
+        room = soft_limit - self.max_unauthenticated - self.max_status - RESERVED_DESCRIPTORS
+        total = min(self.max_store, max(room, MIN_STORE_CONNECTIONS))
+        if total == self.max_store:
+            return self
+        return dataclasses.replace(
+            self, max_store=total, max_store_per_peer=min(self.max_store_per_peer, total)
+        )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -149,9 +193,20 @@ class Eviction:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Refused:
-    """The pool admits nobody (a cap of 0): the newcomer is turned away."""
+    """The newcomer is turned away: the pool admits nobody (a cap of 0), or it is the store's and
+    full (its cap ``cap`` of ``limit``, reached by ``peer``'s connections or in total)."""
 
     pool: Pool
+    cap: Cap = Cap.PER_PEER
+    limit: int = 0
+    peer: str = ""
+
+    def describe(self) -> str:
+        """The note a summary line carries, the same for every refusal of this kind."""
+        if self.limit == 0:
+            return f"{self.pool.value} connections are switched off ({self.pool.value} cap 0)"
+        scope = f"from {self.peer}" if self.cap is Cap.PER_PEER else "in total"
+        return f"refusing new {self.pool.value} connections: {self.limit} held {scope}"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -170,6 +225,7 @@ class AdmissionStatistics:
     sniffing: int
     handshaking: int
     status: int
+    store: int
     evicted: dict[str, int]
 
 
@@ -254,6 +310,22 @@ class Admission:
         self._insert(conn, _Entry(entry.peer, Stage.STATUS), 0.0)
         return outcome
 
+    def to_store(self, conn: int) -> Refused | None:
+        """``conn`` was routed to the store: it moves to the store's budget, or is refused (it
+        stays where it was; a full store cap never evicts a rank's connection)."""
+        entry = self._entries[conn]
+        if entry.stage is not Stage.SNIFFING:
+            raise ValueError(f"connection {conn} is {entry.stage.value}, not sniffing")
+        mine = self._by_peer[Pool.STORE].get(entry.peer, ())
+        # the total first: once fitted to the descriptor limit it is what a refusal must name
+        for cap, held in ((Cap.TOTAL, len(self._oldest[Pool.STORE])), (Cap.PER_PEER, len(mine))):
+            limit = self.limits.cap(Pool.STORE, cap)
+            if held >= limit:
+                return Refused(pool=Pool.STORE, cap=cap, limit=limit, peer=entry.peer)
+        self._remove(conn)
+        self._insert(conn, _Entry(entry.peer, Stage.STORE), 0.0)
+        return None
+
     def release(self, conn: int) -> Stage | None:
         """Forget ``conn`` (it authenticated, closed or was dropped); the stage it was in, or None
         if untracked."""
@@ -302,6 +374,7 @@ class Admission:
             sniffing=len(self._due[Stage.SNIFFING]),
             handshaking=len(self._due[Stage.HANDSHAKING]),
             status=len(self._oldest[Pool.STATUS]),
+            store=len(self._oldest[Pool.STORE]),
             evicted={pool.value: n for pool, n in self._evicted.items()},
         )
 

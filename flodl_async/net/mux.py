@@ -5,7 +5,7 @@ Theory of operation. Each accepted connection starts under a small sniffing prot
 :func:`~flodl_async.wire.channels.sniff` names a channel, the transport is handed to that
 channel's protocol (``transport.set_protocol``) together with the bytes that followed the magic,
 so the hot path runs on plain ``asyncio.Protocol`` callbacks with no extra copy or task; a thin
-watcher in between only forwards them and notices the close.
+watcher in between (:mod:`flodl_async.net.handover`) only forwards them and notices the close.
 
 Until its peer proves the key, a connection is under admission
 (:mod:`flodl_async.net.admission`): capped per peer address and in total, the oldest evicted
@@ -16,7 +16,9 @@ before ``connection_made`` — and calls ``ticket.authenticated()`` once the pee
 or ``ticket.rejected(reason, detail)``. A protocol without ``bind_admission`` on a framed
 channel cannot say when its peer authenticated, so its connections are admitted once routed,
 as before admission existed. Status HTTP, which proves nothing, has its own small budget until
-its connection closes.
+its connection closes; so has the TCPStore channel (torch's client carries no credential), whose
+cap turns newcomers away rather than evict a rank's connection, and whose total is fitted to the
+descriptor limit when the port starts, so held store connections leave room for the rest.
 
 Every refusal (unknown magic, silence, an early close, no handler, eviction, a handshake that
 timed out or failed) closes that one connection and is counted by reason
@@ -47,6 +49,7 @@ from .admission import (
     Admission,
     AdmissionLimits,
     AdmissionTicket,
+    Cap,
     Eviction,
     Refused,
     RejectionSummary,
@@ -55,6 +58,7 @@ from .admission import (
     peer_key,
 )
 from .fdlimit import DescriptorLimit, descriptor_limit
+from .handover import feed, watch
 
 log = logging.getLogger("flodl_async.mux")
 
@@ -85,6 +89,8 @@ class MuxStatistics:
     handshaking_now: int
     #: Status HTTP connections open now.
     status_now: int
+    #: TCPStore connections open now.
+    store_now: int = 0
 
 
 def check_bind_host(host: str) -> str:
@@ -160,6 +166,8 @@ class PortMux:
             Callable[[asyncio.AbstractEventLoop, dict[str, typing.Any]], object] | None
         ) = None
         self._handler_installed = False
+        #: Whether the descriptor limit lowered the store's total cap (a refusal says so).
+        self._store_fitted = False
 
     def register(self, channel: Channel, factory: ProtocolFactory) -> None:
         """Route ``channel`` to protocols made by ``factory`` (called once per connection)."""
@@ -170,6 +178,21 @@ class PortMux:
         loop = asyncio.get_running_loop()
         self._loop = loop
         self._fd_limit = descriptor_limit()
+        fitted = self._limits.within_descriptors(self._fd_limit.soft)
+        if fitted != self._limits:
+            log.debug(
+                "port mux: at most %d store connections (%d asked for): the descriptor limit (%s) "
+                "keeps the rest for the other channels",
+                fitted.max_store,
+                self._limits.max_store,
+                self._fd_limit.describe(),
+            )
+            self._limits = fitted
+            self._store_fitted = True
+            # nothing is admitted before the port listens: the bookkeeper starts over with the caps
+            self._admission = Admission(
+                fitted, sniff_timeout=self._sniff_timeout, handshake_timeout=self._handshake_timeout
+            )
         if self._fd_limit.soft is not None:
             # Past this many open connections the process is close to its limit (its other files,
             # pipes and the loop's own descriptors need the rest): warn before accept() fails.
@@ -238,6 +261,7 @@ class PortMux:
             unsniffed_now=admission.sniffing,
             handshaking_now=admission.handshaking,
             status_now=admission.status,
+            store_now=admission.store,
         )
 
     async def aclose(self) -> None:
@@ -389,7 +413,16 @@ class PortMux:
         protocol = factory()
         record = _Routed(conn, transport, sniffer.label)
         ticket: AdmissionTicket | None = None
-        if callable(getattr(protocol, "bind_admission", None)):
+        binds = callable(getattr(protocol, "bind_admission", None))
+        if routed.channel is Channel.STORE:
+            if not self._to_store(record):
+                return
+            if binds:
+                ticket = AdmissionTicket(
+                    on_authenticated=_held_until_closed,
+                    on_rejected=functools.partial(self._rejected, record),
+                )
+        elif binds:
             ticket = self._handshake(record)
         elif routed.channel is Channel.STATUS:
             outcome = self._admission.to_status(conn)
@@ -403,19 +436,37 @@ class PortMux:
             self._admit_unbound(record, routed.channel)
         self._routed[routed.channel.value] += 1
         sniffer.handed_over = True
-        transport.set_protocol(_watch(protocol, functools.partial(self._routed_lost, record)))
+        transport.set_protocol(watch(protocol, functools.partial(self._routed_lost, record)))
         self._track(transport)
         if ticket is not None:
             typing.cast(_BindsAdmission, protocol).bind_admission(ticket)
         protocol.connection_made(transport)
         if routed.leftover and not transport.is_closing():
-            _feed(protocol, routed.leftover)
+            feed(protocol, routed.leftover)
         if (
             sniffer.saw_eof
             and not transport.is_closing()
             and not typing.cast(asyncio.Protocol, protocol).eof_received()
         ):
             transport.close()
+
+    def _to_store(self, record: _Routed) -> bool:
+        refused = self._admission.to_store(record.conn)
+        if refused is None:
+            self._held[record.conn] = record
+            return True
+        advice = (
+            f"; the descriptor limit ({self._fd_limit.describe()}) sets it: raise `ulimit -n`"
+            if refused.cap is Cap.TOTAL and self._store_fitted
+            else ""
+        )
+        self._end(
+            record.conn,
+            "store_over_capacity",
+            f"{refused.describe()} ({refused.cap.value} cap)",
+            note=refused.describe() + advice,
+        )
+        return False
 
     def _handshake(self, record: _Routed) -> AdmissionTicket:
         self._admission.handshake(record.conn, self._now())
@@ -496,6 +547,11 @@ def _accept_advice(code: int, limit: DescriptorLimit) -> str:
     )
 
 
+def _held_until_closed() -> None:
+    """A store connection's ticket: the magic was its VALIDATE, and it stays in the store's pool
+    until it closes."""
+
+
 class _BindsAdmission(typing.Protocol):
     def bind_admission(self, ticket: AdmissionTicket) -> None: ...
 
@@ -546,83 +602,6 @@ class _WakeUp:
             self._timer.cancel()
         self._timer = None
         self._at = math.inf
-
-
-class _Watch(asyncio.Protocol):
-    """Forwards a routed connection's callbacks to its protocol and tells the mux when it closes."""
-
-    def __init__(self, inner: asyncio.Protocol, on_lost: Callable[[], None]) -> None:
-        self._inner = inner
-        self._on_lost = on_lost
-
-    def data_received(self, data: bytes) -> None:
-        self._inner.data_received(data)
-
-    def eof_received(self) -> bool | None:
-        return self._inner.eof_received()
-
-    def pause_writing(self) -> None:
-        self._inner.pause_writing()
-
-    def resume_writing(self) -> None:
-        self._inner.resume_writing()
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        try:
-            self._inner.connection_lost(exc)  # first: the protocol may still report a rejection
-        finally:
-            self._on_lost()
-
-
-class _BufferedWatch(asyncio.BufferedProtocol):
-    """:class:`_Watch` for a protocol that reads into its own buffers (the data channel)."""
-
-    def __init__(self, inner: asyncio.BufferedProtocol, on_lost: Callable[[], None]) -> None:
-        self._inner = inner
-        self._on_lost = on_lost
-
-    def get_buffer(self, sizehint: int) -> memoryview:
-        return typing.cast(memoryview, self._inner.get_buffer(sizehint))
-
-    def buffer_updated(self, nbytes: int) -> None:
-        self._inner.buffer_updated(nbytes)
-
-    def eof_received(self) -> bool | None:
-        return self._inner.eof_received()
-
-    def pause_writing(self) -> None:
-        self._inner.pause_writing()
-
-    def resume_writing(self) -> None:
-        self._inner.resume_writing()
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        try:
-            self._inner.connection_lost(exc)
-        finally:
-            self._on_lost()
-
-
-def _watch(protocol: asyncio.BaseProtocol, on_lost: Callable[[], None]) -> asyncio.BaseProtocol:
-    # Same read style as the protocol: a class that were both would be read as a plain Protocol by
-    # uvloop.
-    if isinstance(protocol, asyncio.BufferedProtocol):
-        return _BufferedWatch(protocol, on_lost)
-    return _Watch(typing.cast(asyncio.Protocol, protocol), on_lost)
-
-
-def _feed(protocol: asyncio.BaseProtocol, data: bytes) -> None:
-    """Hand bytes the sniffer already read to a protocol, whichever read style it uses."""
-    if isinstance(protocol, asyncio.BufferedProtocol):
-        view = memoryview(data)
-        while view:
-            target = memoryview(protocol.get_buffer(len(view)))
-            n = min(len(target), len(view))
-            target[:n] = view[:n]
-            protocol.buffer_updated(n)
-            view = view[n:]
-    else:
-        typing.cast(asyncio.Protocol, protocol).data_received(data)
 
 
 class _Sniffer(asyncio.Protocol):

@@ -10,9 +10,15 @@ connection is served only from the address of a host admitted to the run (the ad
 agent's join link came from, and every routable address its agent reported at join, for a
 multi-homed host's ranks; loopback is one of them only when the controller's own host runs
 ranks, never because a remote agent says so). Any other is closed at once and counted
-(``store_not_admitted``). An admitted one is
-under admission until its VALIDATE has been parsed, then leaves that pool for the rest of
-the run (``ticket.authenticated()``): ranks hold their store connection for hours.
+(``store_not_admitted``). The mux holds every store connection in admission's store pool
+(:class:`~flodl_async.net.admission.Pool`), capped per address and in total and fitted to the
+descriptor limit, until it closes: ranks hold theirs for hours, and held store connections
+must not take the descriptors status and the framed channels need.
+
+The store's bytes are bounded (:class:`~flodl_async.wire.storeproto.StoreLimits`: 64 MiB in
+all, 8 MiB a value, ``APPEND`` included); a client that breaks a bound or the protocol is
+refused as :mod:`flodl_async.net.tcpstore` says (``store_limit``, ``store_protocol``), and the
+run's other keys stay as they were.
 
 A restart is a new round (:meth:`PortStore.reset`): the keys go and every old connection is
 closed, since torch adds no per-attempt prefix under the agent-store contract.
@@ -20,13 +26,12 @@ closed, since torch adds no per-attempt prefix under the agent-store contract.
 
 from __future__ import annotations
 
-import asyncio
 import ipaddress
 import logging
-import typing
 
-from ..wire.storeproto import StoreConnection, StoreProtocolError, StoreState
+from ..wire.storeproto import StoreLimits, StoreState
 from .admission import AdmissionTicket
+from .tcpstore import StoreClientProtocol, StoreClients
 
 log = logging.getLogger("flodl_async.net.torchstore")
 
@@ -46,11 +51,20 @@ def normalise_host(host: str) -> str:
 class PortStore:
     """One store per round, served to the admitted hosts' connections on the mux."""
 
-    def __init__(self) -> None:
-        self.state = StoreState()
+    def __init__(self, *, limits: StoreLimits | None = None) -> None:
+        self._clients = StoreClients(limits=limits, subject="port store")
         self.round = 0
         self._admitted: set[str] = set()
-        self._transports: dict[StoreConnection, asyncio.Transport] = {}
+
+    @property
+    def state(self) -> StoreState:
+        """This round's keys, queues and waiters."""
+        return self._clients.state
+
+    @property
+    def limits(self) -> StoreLimits:
+        """The store's bounds."""
+        return self._clients.state.limits
 
     def admit_host(self, address: str) -> None:
         """Store connections from ``address`` are served from now on (an admitted host's)."""
@@ -63,81 +77,45 @@ class PortStore:
     @property
     def connections(self) -> int:
         """Store connections open now."""
-        return len(self._transports)
+        return self._clients.connections
 
-    def protocol_factory(self) -> asyncio.BaseProtocol:
+    def protocol_factory(self) -> _PortStoreProtocol:
         """A protocol for one routed store connection (the mux's handler for the store channel)."""
-        return _PortStoreProtocol(self)
+        return _PortStoreProtocol(self, self._clients)
 
     def reset(self, round_: int) -> None:
         """Start ``round_`` from an empty store: drop every key, queue and waiter, close every
         client."""
         self.round = round_
-        self.state = StoreState()
-        self._close_all()
+        self._clients.renew()
 
     def close(self) -> None:
         """Close every client (the run is over)."""
-        self._close_all()
-
-    def _close_all(self) -> None:
-        transports = list(self._transports.values())
-        self._transports.clear()
-        for transport in transports:
-            transport.abort()  # a rank of the last round: nothing it could still say matters
-
-    def _deliver(self, replies: list[tuple[StoreConnection, bytes]]) -> None:
-        for conn, payload in replies:
-            transport = self._transports.get(conn)
-            if transport is not None and not transport.is_closing():
-                transport.write(payload)
+        self._clients.close_all()
 
 
-class _PortStoreProtocol(asyncio.Protocol):
-    def __init__(self, store: PortStore) -> None:
+class _PortStoreProtocol(StoreClientProtocol):
+    def __init__(self, store: PortStore, clients: StoreClients) -> None:
+        super().__init__(clients)
         self._store = store
-        self._conn = StoreConnection(store.state)
-        self._transport: asyncio.Transport | None = None
         self._ticket: AdmissionTicket | None = None
 
     def bind_admission(self, ticket: AdmissionTicket) -> None:
         self._ticket = ticket
 
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        # uvloop's transports do not subclass it
-        self._transport = typing.cast(asyncio.Transport, transport)
-        peer = transport.get_extra_info("peername")
-        host = str(peer[0]) if isinstance(peer, tuple) else ""
-        if not self._store.is_admitted(host):
-            self._refuse(
-                "store_not_admitted",
-                f"store connection from {host or 'an unknown address'}, which is no host of this "
-                "run",
-            )
-            return
-        self._store._transports[self._conn] = self._transport
-
-    def data_received(self, data: bytes) -> None:
-        if self._transport is None or self._transport.is_closing():
-            return
-        try:
-            replies = self._conn.receive_data(data)
-        except StoreProtocolError as exc:
-            self._refuse("store_protocol", str(exc))
-            return
-        if self._conn.validated and self._ticket is not None:
-            # idempotent: a torch client now, off the unauthenticated caps
-            self._ticket.authenticated()
-        self._store._deliver(replies)
-
-    def _refuse(self, reason: str, detail: str) -> None:
+    def accept(self) -> bool:
+        if self._store.is_admitted(self.host):
+            return True
         if self._ticket is not None:
-            self._ticket.rejected(reason, detail)
-        self._store._transports.pop(self._conn, None)
+            self._ticket.rejected(
+                "store_not_admitted",
+                f"store connection from {self.host or 'an unknown address'}, which is no host of "
+                "this run",
+            )
         if self._transport is not None:
             self._transport.abort()
+        return False
 
-    def connection_lost(self, exc: Exception | None) -> None:
-        self._conn.closed()
-        if self._store._transports.get(self._conn) is self._transport:
-            del self._store._transports[self._conn]
+    def refused(self, reason: str, detail: str) -> None:
+        if self._ticket is not None:
+            self._ticket.rejected(reason, detail)
