@@ -281,9 +281,9 @@ def test_a_killed_or_frozen_rank_is_dropped_and_the_survivors_finish(
     tmp_path: Path, how: str
 ) -> None:
     run_id = new_run_id()
-    # A frozen rank is noticed by its silence: 30 s x 0.1 = 3 s without a frame; its agent then
+    # A frozen rank is noticed by its silence: 10 s x 0.3 = 3 s without a frame; its agent then
     # kills it, or the run would wait on it.
-    env = {"FLODL_NET_TIMEOUT_SCALE": "0.1"} if how == "stop" else None
+    env = {"FLODL_NET_TIMEOUT_SCALE": "0.3"} if how == "stop" else None
     launcher = ScriptLauncher(tmp_path, "--epochs", "40", "--fast-ms", "3", run_id=run_id, env=env)
     try:
         launcher.wait_for_stdout("EPOCH 0", timeout=120)
@@ -311,7 +311,7 @@ def test_ranks_of_a_frozen_launcher_notice_its_silence_and_exit(tmp_path: Path) 
         "--fast-ms",
         "3",
         run_id=run_id,
-        env={"FLODL_NET_TIMEOUT_SCALE": "0.1"},
+        env={"FLODL_NET_TIMEOUT_SCALE": "0.3"},
     )
     try:
         launcher.wait_for_stdout("EPOCH 0", timeout=120)

@@ -224,7 +224,7 @@ class Trainer:
         drop_last: bool = True,
         lr_schedule: Callable[[float], float] | None = None,
         max_grad_norm: float | None = None,
-        heartbeat_timeout: float = 30.0,
+        heartbeat_timeout: float = 10.0,
         name: str = "",
     ) -> None:
         _check_functions(

@@ -288,7 +288,7 @@ class TrainerSpec:
     outer: OuterSpec = field(default_factory=OuterAvg)
     checkpoint: Checkpointing = field(default_factory=Checkpointing)
     max_failure: MaxFailure | None = None
-    heartbeat_timeout: float = 30.0
+    heartbeat_timeout: float = 10.0
     lr_schedule: bool = False
     max_grad_norm: float | None = None
     name: str = ""
