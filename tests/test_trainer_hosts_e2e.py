@@ -214,7 +214,7 @@ def test_a_tunnel_only_cluster_trains_end_to_end_through_a_loopback_only_control
     assert hostkit.leftovers() == {}
 
 
-def test_a_rank_killed_on_the_remote_host_names_host_and_rank_and_leaves_nothing(
+def test_a_rank_killed_on_the_remote_host_is_dropped_named_and_leaves_nothing(
     hostkit: HostKit, tmp_path: Path
 ) -> None:
     hold = tmp_path / "hold"
@@ -228,15 +228,8 @@ def test_a_rank_killed_on_the_remote_host_names_host_and_rank_and_leaves_nothing
     finally:
         hold.touch()
         launcher.kill()
-    # The launcher's run() raised the verdict and the script let it escape: it ends as flodl-launch would.
-    assert done.returncode == ExitCode.RANK_FAILURE, done.stderr
-    assert f"\nflodl: FAILED — rank {rank} on host h1 was lost mid-training" in done.stderr, (
-        done.stderr
-    )
-    assert "trainlaunch.py" not in done.stderr, (
-        done.stderr
-    )  # no traceback of the launcher's own code
-    assert not (
-        tmp_path / "out" / "launcher--1.pt"
-    ).exists()  # the launcher's run() returned no state
+    # The run is elastic: h1's host leaves the fold with its last rank, the survivor trains on.
+    assert done.returncode == ExitCode.OK, done.stderr
+    assert f"DEGRADED — 1 of 3 ranks lost (rank {rank} on host h1: " in done.stderr, done.stderr
+    assert (tmp_path / "out" / "launcher--1.pt").exists()  # the launcher's run() returned the state
     assert hostkit.leftovers() == {}
