@@ -79,6 +79,10 @@ def main() -> None:
             print(f"epoch {epoch} loss {mean:.6f} (world {world})", flush=True)
     if rank == 0:
         print(f"first loss {losses[0]:.6f} last loss {losses[-1]:.6f}", flush=True)
+    # Every rank reaches the end before any tears its group down: a gloo rank whose peer destroyed
+    # the group and exited first can abort in its own teardown ("terminate called without an
+    # active exception", SIGABRT), seen on a loaded machine under torchrun and flodl-launch alike.
+    dist.barrier()
     dist.destroy_process_group()
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import secrets
 import signal
 import socket
@@ -24,10 +25,24 @@ def script(name: str) -> str:
     return str(SCRIPTS / name)
 
 
+#: Ports free_port() picks from: below the kernel's ephemeral range (32768-60999 here), where no
+#: other process's bind(0) or outgoing connection lands between our check and the launcher's bind.
+_PORTS = range(20000, 32000)
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A port free on every address now, outside the ephemeral range (a busy machine's ranks,
+    stores and clients take ephemeral ports all the time)."""
+    for _ in range(200):
+        port = random.choice(_PORTS)
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind(("0.0.0.0", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {_PORTS}")
 
 
 def new_run_id() -> str:

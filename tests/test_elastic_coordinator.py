@@ -133,3 +133,15 @@ def test_an_all_reduce_world_closes_every_epoch_on_what_its_ranks_reported(polic
     assert isinstance(d.ended, Finish), d.ended
     assert len(d.epochs) == 3
     assert_each_batch_once_per_epoch(d, 3, N_BATCHES)
+
+
+def test_a_rank_that_said_why_it_died_keeps_its_words_over_its_exit() -> None:
+    d = Driver(spec(Policy.CADENCE), world=2)
+    d.join_all()
+    d.drain(limit=10)
+    d.dead.add(1)
+    d.feed(RankLost(rank=1, reason="it raised (error)", details="Traceback: boom"))
+    d.feed(RankLost(rank=1, reason="its process exited with code 1", exit=True))
+    d.drain()
+    assert isinstance(d.ended, Finish)
+    assert next(why for _rank, why in d.ended.lost).startswith("it raised (error) at epoch ")

@@ -50,9 +50,11 @@ class LostRanks:
         self._losses[rank] = _Loss(reason=reason, epoch=epoch, details=details)
 
     def refine(self, rank: int, reason: str) -> None:
-        """A better reason for a rank already dead (its process's own exit, after its link)."""
+        """A better reason for a rank already dead (its process's own exit, after its link's
+        close); a death that came with its own account (a traceback) keeps it."""
         loss = self._losses[rank]
-        self._losses[rank] = _Loss(reason=reason, epoch=loss.epoch, details=loss.details)
+        if not loss.details:
+            self._losses[rank] = _Loss(reason=reason, epoch=loss.epoch, details=loss.details)
 
     def why(self) -> tuple[tuple[int, str], ...]:
         """(rank, ``reason at epoch N``) for each dead rank, by rank."""
