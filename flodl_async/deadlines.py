@@ -107,6 +107,10 @@ class Deadlines:
     #: A Trainer rank waits this long for its link thread to end after asking it to close (not
     #: scaled).
     rank_link_exit: float = 10.0
+    #: A rank the coordinator declared dead gets this to exit by itself before its agent KILLs it:
+    #: a rank that raised is still writing its traceback and last line when its death record
+    #: arrives; a frozen or lying one is KILLed once it runs out.
+    dead_rank_grace: float = 3.0
     #: Seconds from the first stop signal to KILL (operator's seconds, not scaled).
     stop_grace: float = DEFAULT_STOP_GRACE
 

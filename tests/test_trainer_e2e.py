@@ -230,7 +230,7 @@ def test_a_rank_that_raises_at_max_failure_fails_the_run_naming_it(tmp_path: Pat
     assert (
         "flodl: rank 1: training failed: rank 1 raised RuntimeError('rank 1 fails on purpose')"
         in done.stderr
-    )
+    ), done.stderr
     assert "The above exception was the direct cause" not in done.stderr
 
 

@@ -99,6 +99,7 @@ class RankProcesses:
         force: asyncio.Event,
         output_drain: float,
         output_idle: float,
+        dead_grace: float,
     ) -> None:
         self._host = host
         self._world = world
@@ -109,6 +110,7 @@ class RankProcesses:
         self._force = force
         self._output_drain = output_drain
         self._output_idle = output_idle
+        self._dead_grace = dead_grace
         self._ranks: dict[int, _Rank] = {}
         self._readers: set[asyncio.Task[None]] = set()
         self._closed = False
@@ -283,14 +285,30 @@ class RankProcesses:
         )
 
     def kill_dead(self, rank: int, reason: str) -> None:
-        """The Trainer's coordinator declared ``rank`` dead (frozen, lying, cut off): it is gone
-        for good, so KILL it if it still runs (KILL reaches a stopped process too)."""
+        """The Trainer's coordinator declared ``rank`` dead (frozen, lying, cut off, or it raised):
+        it is gone for good, so KILL it if it still runs once its grace is over (KILL reaches a
+        stopped process too).
+
+        The grace is for a rank on its way out: one that raised sends its death record first and
+        writes its traceback and its last line after, and a KILL at once cut that line off."""
         entry = self._ranks.get(rank)
-        if entry is None or entry.proc.returncode is not None or _has_exited(entry.proc.pid):
+        if entry is None or entry.stopping or self._exited(entry):
             return  # it died by itself (often the cause of the declaration): its exit says how
+        self._tg.create_task(self._kill_after_grace(entry, reason), name=f"r{rank}-kill-dead")
+
+    async def _kill_after_grace(self, entry: _Rank, reason: str) -> None:
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(self._dead_grace):
+                await entry.proc.wait()
+        if entry.stopping or self._exited(entry):
+            return  # it left in its grace, or a stop owns it now
         entry.killed_because = f"declared dead: {reason}"
-        log.warning("agent %s: killing rank %d, declared dead: %s", self._host, rank, reason)
+        log.warning("agent %s: killing rank %d, declared dead: %s", self._host, entry.rank, reason)
         signal_group(entry.proc.pid, signal.SIGKILL)
+
+    @staticmethod
+    def _exited(entry: _Rank) -> bool:
+        return entry.proc.returncode is not None or _has_exited(entry.proc.pid)
 
     def activity(self, now: float) -> tuple[int, tuple[m.RankActivity, ...]]:
         """The round and activity of every running rank (a few ``/proc`` reads each; the TCP tables

@@ -330,6 +330,7 @@ class _Serving:
                 force=self._session._force,
                 output_drain=cfg.deadlines.output_drain,
                 output_idle=cfg.deadlines.output_idle,
+                dead_grace=cfg.deadlines.dead_rank_grace,
             )
             try:
                 relay = Relay(
