@@ -91,7 +91,7 @@ def test_cadence_happy_path() -> None:
     assert [w.rank for w in welcomes] == [0, 1]
     assert all(w.world_size == 2 and w.run_id == "r" for w in welcomes)  # type: ignore[attr-defined]
     assert_each_batch_once_per_epoch(d, 2, 16)
-    assert [e.epoch for e in d.epochs] == [0, 1]
+    assert [e.epoch for e in d.epochs] == [1, 2]
     assert d.epochs[0].batches == 16
     final = d.rounds[-1]
     assert (final.kind, final.from_controller) == (
@@ -243,7 +243,7 @@ def test_every_policy_covers_each_batch_exactly_once_per_epoch(
     d.run()
     assert isinstance(d.ended, Finish), d.ended
     assert_each_batch_once_per_epoch(d, epochs, n_batches)
-    assert [e.epoch for e in d.epochs] == list(range(epochs))
+    assert [e.epoch for e in d.epochs] == list(range(1, epochs + 1))
     assert all(e.batches == n_batches for e in d.epochs)
 
 

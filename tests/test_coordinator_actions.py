@@ -371,7 +371,7 @@ def test_a_natural_end_closes_with_the_right_rounds_and_says_complete(
     assert d.coord.completed_epochs == 2
     assert d.coord.next_deadline(d.now) is None
     # an epoch's metrics count its reduces, each of the Driver's 2 ms
-    assert [e.epoch for e in d.epochs] == [0, 1]
+    assert [e.epoch for e in d.epochs] == [1, 2]
     for e in d.epochs:
         assert e.batches == 16
         assert e.reduces >= 1

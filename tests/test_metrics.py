@@ -40,7 +40,7 @@ def test_an_epoch_aggregates_loss_shares_throughput_and_scalars() -> None:
     ledger.add_reduce(10.0)
     ledger.add_reduce(30.0)
     out = ledger.close(now=12.5, anchor=2, counts=(4, 2, 2), alive=frozenset({0, 1}))
-    assert out.epoch == 3
+    assert out.epoch == 4  # the ledger's epoch 3 (from 0) is the user's 4th
     assert out.avg_loss == pytest.approx(7.0 / 12)  # batch-weighted over every rank's batches
     assert out.batches == 12
     assert out.samples == 48

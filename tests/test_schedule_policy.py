@@ -466,12 +466,12 @@ def test_the_end_settles_an_outstanding_submission_first() -> None:
 
 def test_aggregated_epochs_are_published_and_counted() -> None:
     p = rank_policy(world_size=3)
-    first, second = metrics(1, 10), metrics(0, 5)
+    first, second = metrics(2, 10), metrics(1, 5)
     assert p.handle(m.EpochAggregated(metrics=first)) == (Publish(first),)
     assert p.handle(m.EpochAggregated(metrics=second)) == (Publish(second),)
     p.handle(m.Shutdown(reason="done", save_reason="completed"))
     outcome = p.outcome
-    assert outcome.epochs_completed == 2  # the highest epoch seen, plus one
+    assert outcome.epochs_completed == 2  # the highest epoch seen (counted from 1)
     assert outcome.global_step == 5  # 15 cohort batches over 3 ranks
     assert outcome.interrupted is False
 

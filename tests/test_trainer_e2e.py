@@ -286,7 +286,7 @@ def test_a_killed_or_frozen_rank_is_dropped_and_the_survivors_finish(
     env = {"FLODL_NET_TIMEOUT_SCALE": "0.3"} if how == "stop" else None
     launcher = ScriptLauncher(tmp_path, "--epochs", "40", "--fast-ms", "3", run_id=run_id, env=env)
     try:
-        launcher.wait_for_stdout("EPOCH 0", timeout=120)
+        launcher.wait_for_stdout("EPOCH 1", timeout=120)
         os.kill(_rank_pid(run_id, 1), signal.SIGKILL if how == "kill" else signal.SIGSTOP)
         done = launcher.finish(timeout=120)
     finally:
@@ -314,7 +314,7 @@ def test_ranks_of_a_frozen_launcher_notice_its_silence_and_exit(tmp_path: Path) 
         env={"FLODL_NET_TIMEOUT_SCALE": "0.3"},
     )
     try:
-        launcher.wait_for_stdout("EPOCH 0", timeout=120)
+        launcher.wait_for_stdout("EPOCH 1", timeout=120)
         ranks = [_rank_pid(run_id, 0), _rank_pid(run_id, 1)]
         os.kill(
             launcher.proc.pid, signal.SIGSTOP
@@ -348,7 +348,7 @@ def test_a_launcher_signal_stops_in_order_and_returns_the_state_everywhere(
     run_id = new_run_id()
     launcher = ScriptLauncher(tmp_path, "--epochs", "200", "--fast-ms", "3", run_id=run_id)
     try:
-        launcher.wait_for_stdout("EPOCH 1", timeout=120)
+        launcher.wait_for_stdout("EPOCH 2", timeout=120)
         launcher.proc.send_signal(sig)
         done = launcher.finish(timeout=120)
     finally:
@@ -384,7 +384,7 @@ def test_a_second_signal_during_the_orderly_stop_forces_it(tmp_path: Path) -> No
         run_id=run_id,
     )
     try:
-        launcher.wait_for_stdout("EPOCH 0", timeout=120)
+        launcher.wait_for_stdout("EPOCH 1", timeout=120)
         launcher.proc.send_signal(signal.SIGTERM)
         assert launcher.proc.stderr is not None
         early: list[str] = []
@@ -400,7 +400,7 @@ def test_a_second_signal_during_the_orderly_stop_forces_it(tmp_path: Path) -> No
     stderr = "".join(early) + done.stderr
     assert done.returncode == 143, stderr
     assert "second SIGTERM: forcing the stop (KILL now)" in stderr
-    assert "FAILED — interrupted by SIGTERM" in stderr
+    assert "flodl: stopped — interrupted by SIGTERM" in stderr
     assert not (tmp_path / "out" / "launcher--1.pt").exists()  # a forced stop returns no state
 
 
@@ -425,7 +425,7 @@ def test_flodl_launch_sigint_stops_the_trainer_in_order(tmp_path: Path) -> None:
     ]
     launcher = Launcher(*cmd, run_id=run_id, env=ENV)
     try:
-        launcher.wait_for_stdout("EPOCH 1", timeout=120)
+        launcher.wait_for_stdout("EPOCH 2", timeout=120)
         launcher.proc.send_signal(signal.SIGINT)
         done = launcher.finish(timeout=120)
     finally:

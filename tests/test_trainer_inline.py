@@ -140,7 +140,7 @@ def test_inline_converges_and_reports_every_epoch_once() -> None:
         return await run.join(), seen
 
     state, seen = asyncio.run(main())
-    assert [m.epoch for m in seen] == [0, 1, 2, 3]
+    assert [m.epoch for m in seen] == [1, 2, 3, 4]
     assert all(
         m.batches == 16 and m.samples == 512 and m.per_rank[0].batch_share == 1.0 for m in seen
     )
@@ -169,7 +169,7 @@ def test_the_cooperative_worker_trains_the_same_as_the_managed_loop() -> None:
                 w.step(loss)
         state = w.finish()
         metrics = w.poll_metrics()
-    assert [m.epoch for m in metrics] == [0, 1, 2]
+    assert [m.epoch for m in metrics] == [1, 2, 3]
     assert state.epochs_completed == 3
     for name, tensor in managed.state_dict.items():
         assert torch.equal(tensor, state.state_dict[name]), name

@@ -179,7 +179,7 @@ def test_a_trainer_run_completes_with_every_batch_trained_once(tmp_path: Path) -
     assert rounds.closed  # the shell closed its reducer at teardown
     training = controller._training  # what the shell published
     assert training is not None
-    assert [e.epoch for e in training.epochs] == [0, 1]
+    assert [e.epoch for e in training.epochs] == [1, 2]
     assert all(e.batches == spec.n_batches for e in training.epochs)
     snapshot = controller.status_board.snapshot
     assert snapshot is not None
@@ -192,7 +192,7 @@ def test_a_trainer_run_completes_with_every_batch_trained_once(tmp_path: Path) -
         "cpu",
     )
     assert [r["batches"] for r in doc["ranks"]] == [16, 16]
-    assert doc["last_epoch"]["epoch"] == 1
+    assert doc["last_epoch"]["epoch"] == doc["epoch"] == 2  # both count from 1
 
 
 def test_a_rank_with_a_different_trainer_is_the_runs_verdict(tmp_path: Path) -> None:
@@ -287,7 +287,7 @@ def test_rounds_average_through_the_real_reducer_and_relay(tmp_path: Path) -> No
         final.lost_ranks,
         final.interrupted,
     ) == (("w",), 1, 4, 2, (), False)
-    assert [e.epoch for e in epochs_seen] == [0]
+    assert [e.epoch for e in epochs_seen] == [1]
 
 
 def test_a_launcher_signal_stops_training_in_order_before_any_signal_reaches_the_ranks(

@@ -54,6 +54,7 @@ from ..net.loop import run
 from ..net.signals import StopSignals
 from ..verdict import ExitCode, RunResult, exit_help
 from ..wire.keys import new_session_secret
+from .verdictline import verdict_line
 
 log = logging.getLogger("flodl_async.cli.launch")
 
@@ -497,7 +498,8 @@ async def _bind(plan: LaunchPlan, output: RankOutput, *, port_fallback: bool) ->
 
 async def _run(
     plan: LaunchPlan, *, show_ranks: frozenset[int] | None = None, port_fallback: bool = False
-) -> RunResult:
+) -> tuple[RunResult, bool]:
+    """The run's verdict, and whether its Trainer (if any) ended by a stop."""
     # Rank output goes through writer threads: a console nobody reads must not stall the loop
     # (heartbeats, status).
     consoles = (
@@ -532,7 +534,9 @@ async def _run(
         # table: the first stops in order, the next forces).
         interrupt = _interrupter(controller)
         with StopSignals(interrupt, interrupt):
-            return await controller.run()
+            result = await controller.run()
+        trained = controller.training.result() if controller.training is not None else None
+        return result, trained is not None and trained.interrupted
     finally:
         if registration is not None:
             registration.remove()
@@ -576,7 +580,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         plan = build_plan(args)
         warn_oversubscribed(plan)
-        result = run(
+        result, interrupted = run(
             _run(
                 plan,
                 show_ranks=args.ranks_filter,
@@ -591,14 +595,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(ExitCode.INTERNAL)
     elapsed = time.monotonic() - started
     # The verdict line is printed under -q too: it is what -q keeps.
-    if result.exit_code is ExitCode.OK:
-        print(f"flodl-launch: done — {result.reason} ({elapsed:.1f}s)", file=sys.stderr)
-    else:
-        print(f"flodl-launch: FAILED — {result.reason} ({elapsed:.1f}s)", file=sys.stderr)
-        # a traceback the console already showed is not repeated
-        details = result.details_for(args.ranks_filter)
-        if details:
-            print(details, file=sys.stderr)
+    line = verdict_line("flodl-launch", result, interrupted=interrupted, elapsed=elapsed)
+    print(line, file=sys.stderr)
+    # a traceback the console already showed is not repeated
+    details = result.details_for(args.ranks_filter) if result.exit_code is not ExitCode.OK else ""
+    if details:
+        print(details, file=sys.stderr)
     return int(result.exit_code)
 
 

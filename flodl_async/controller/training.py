@@ -158,8 +158,8 @@ _UP_EVENTS: Mapping[type[Message], Callable[[Message], Event]] = {
         rank=typing.cast(m.RankGone, msg).rank, reason=typing.cast(m.RankGone, msg).reason
     ),
     m.Exiting: lambda msg: RankExiting(message=typing.cast(m.Exiting, msg)),
-    # Checkpoint intents and rank-state reports arrive with the checkpoint issue; today they are
-    # signs of life.
+    # A stop intent is taken by :meth:`TrainingShell.receive`; checkpoint intents and rank-state
+    # reports arrive with the checkpoint issue, and today they are signs of life.
     m.Intent: lambda msg: FrameSeen(rank=typing.cast(m.Intent, msg).rank),
     m.RankStateSaved: lambda msg: FrameSeen(rank=typing.cast(m.RankStateSaved, msg).rank),
 }
@@ -271,11 +271,15 @@ class TrainingShell:
                 return
         if self.coordinator is None:
             return  # no Trainer in this run (yet): nothing to coordinate
+        if isinstance(msg, m.Intent) and msg.kind == m.Intent.STOP:
+            # one rank's TrainingRun.shutdown() stops the whole run in order, as the launcher's does
+            self.stop(f"rank {msg.rank} called TrainingRun.shutdown()")
+            return
         self._handle(to_event(msg))
 
     def stop(self, reason: str) -> bool:
-        """An orderly stop (a launcher signal, ``TrainingRun.shutdown``): the final round, then
-        ``Shutdown``.
+        """An orderly stop (a launcher signal, ``TrainingRun.shutdown`` in any process): the final
+        round, then ``Shutdown``.
 
         False when there is no training to stop in order (no coordinator, it already concluded, or a
         stop is already under way): the caller's next step is then the supervisor's signal table.

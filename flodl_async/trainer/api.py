@@ -17,8 +17,9 @@ every role. What ``run()`` does is decided from the environment alone
 ``start()`` returns a :class:`TrainingRun` handle at once. The run is a task held
 by the module-level ``_LIVE_RUNS`` set, not by the handle: asyncio keeps only
 weak references to tasks, and dropping the handle must not cancel training.
-``join()`` is shielded; ``shutdown()`` is the one explicit cancel; cancelling
-``trainer.run()`` (Ctrl-C under ``asyncio.run``) is an orderly shutdown.
+``join()`` is shielded; ``shutdown()``, from any process of the run, is the one explicit cancel;
+cancelling ``trainer.run()`` is an orderly shutdown, and so is Ctrl-C (or SIGTERM) to the
+launcher or to an inline run, which take the first stop signal on the caller's loop.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ..agent.cli import main as agent_main
+from ..cli.verdictline import verdict_line
 from ..config.cluster import ClusterSpec
 from ..config.rankenv import RUN_ID_VAR
 from ..config.roles import AGENT_VAR, Role, detect_role
@@ -47,7 +49,7 @@ from ..net.loop import run as run_loop
 from ..training.outer import DiLoCo, OuterAvg, SlowMo
 from ..training.policy import Backend, Policy
 from ..training.spec import Checkpointing, ElCheConfig, MaxFailure, TrainerSpec
-from ..verdict import ExitCode
+from ..verdict import ExitCode, RunResult
 from .entry import Entry, decide_entry
 from .inline import InlineDriver, inline_worker
 from .rank import RankDriver, rank_worker
@@ -172,8 +174,13 @@ class TrainingRun:
         return await asyncio.shield(self._task)
 
     async def shutdown(self, *, save: bool = True, grace: float = 30.0) -> TrainedState:
-        """The explicit cancel: an orderly stop (final round, state returned), forced after
-        ``grace`` seconds."""
+        """The explicit cancel, from any process of the run: an orderly stop of the whole run.
+
+        The launcher, any rank or the inline process asks the coordinator for a final round (inline:
+        the run ends after the current batch); every process's run then returns the state with
+        ``interrupted=True``. After ``grace`` seconds the launcher forces its ranks to stop; a rank
+        keeps waiting for the coordinator's end (forcing it is its agent's business).
+        """
         del save  # checkpoint bundles are a later issue; the stop is the same without one
         self._stopping = True
         self._driver.request_stop()
@@ -335,13 +342,7 @@ class Trainer:
     async def run(self) -> TrainedState:
         """``start()`` + ``join()``; cancelling this coroutine is an orderly shutdown (bounded by 30
         s), then it re-raises."""
-        handle = self.start()
-        try:
-            return await handle.join()
-        except asyncio.CancelledError:
-            with contextlib.suppress(Exception):
-                await handle.shutdown(save=True, grace=30.0)
-            raise
+        return await _join_or_stop(self.start())
 
     def start(self) -> TrainingRun:
         """Start the run on the running loop and return its handle at once."""
@@ -368,6 +369,22 @@ class Trainer:
 
         return LauncherDriver(self.run_request())
 
+    async def _launch_to_its_end(self) -> int:
+        """The cooperative tier's launcher: the run, its verdict line once it is not a plain
+        ``done`` and the exit-table code, as ``flodl-launch`` ends (130/143 after a signal)."""
+        try:
+            handle = self.start()
+            state = await _join_or_stop(handle)
+        except TrainingFailed as exc:
+            _print_verdict(exc)
+            return int(exc.result.exit_code)
+        result: RunResult | None = getattr(handle._driver, "result", None)
+        if result is None:
+            return 0
+        if state.interrupted:
+            print(verdict_line("flodl", result, interrupted=True), file=sys.stderr)
+        return int(result.exit_code)
+
     def _one_session(self) -> None:
         if _RANK_SESSION.is_set():
             raise ConfigError(
@@ -387,16 +404,21 @@ class Trainer:
         if entry is Entry.LAUNCHER:
             # The launcher has no cooperative loop to hand back: it runs the launch, reports and
             # exits.
-            try:
-                run_loop(self.run())
-            except TrainingFailed as exc:
-                _print_verdict(exc)
-                clean_exit(int(exc.result.exit_code))
-            clean_exit(0)
+            clean_exit(run_loop(self._launch_to_its_end()))
         if entry is Entry.RANK:
             self._one_session()
             return rank_worker(self.run_request())
         return inline_worker(self.compute_config(), epochs=self.epochs)
+
+
+async def _join_or_stop(handle: TrainingRun) -> TrainedState:
+    """``handle.join()``; cancelled, an orderly shutdown (bounded by 30 s), then it re-raises."""
+    try:
+        return await handle.join()
+    except asyncio.CancelledError:
+        with contextlib.suppress(Exception):
+            await handle.shutdown(save=True, grace=30.0)
+        raise
 
 
 #: Set once a rank's session started: a rank's relay link and coordinator are per process.
@@ -404,7 +426,8 @@ _RANK_SESSION = threading.Event()
 
 
 def _print_verdict(exc: TrainingFailed) -> None:
-    print(f"flodl: FAILED — {exc.result.reason}", file=sys.stderr)
+    # a signal's end is "stopped — interrupted by SIGINT", as flodl-launch says it
+    print(verdict_line("flodl", exc.result), file=sys.stderr)
     # the launcher's console shows every rank: a traceback it showed is not repeated
     details = exc.result.details_for(None)
     if details:

@@ -3,16 +3,25 @@
 The inline driver trains every epoch on a compute thread of its own; the inline worker hands the
 same schedule to the user's thread (the cooperative tier). Both read only the compute config and
 the epoch count: with no other process there is no spec to agree on.
+
+While the driver trains, the first SIGINT (Ctrl-C) or SIGTERM is the orderly stop a launcher's is:
+training ends after the current batch and ``run()`` returns the state with ``interrupted`` (left to
+``asyncio.run``, Ctrl-C would cancel the program's main task and lose it). A second one goes to the
+handler that was there before (``asyncio.run``'s, the interpreter's): the plain stop, without the
+state.
 """
 
 from __future__ import annotations
 
 import collections
+import signal
+import sys
 import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from ..errors import ConfigError, TrainingFailed
+from ..net.signals import StopSignals
 from ..training.metrics import EpochMetrics
 from ..verdict import ExitCode, RunResult
 from .schedule import InlineSchedule
@@ -29,6 +38,7 @@ class InlineDriver:
         self._config = config
         self._epochs = epochs
         self._stop = threading.Event()
+        self._signals = StopSignals(self._first_signal, self._later_signal, guest=True)
 
     async def run(self, publish: Callable[[EpochMetrics], None]) -> TrainedState:
         """Train every epoch on a compute thread; ``publish`` gets each epoch's metrics."""
@@ -39,6 +49,8 @@ class InlineDriver:
             schedule = InlineSchedule(compute, epochs=epochs, publish=publish, stop=self._stop)
             return run_managed(compute, schedule)
 
+        # A guest on the caller's loop: a program that handles these signals itself keeps them.
+        self._signals.install()
         try:
             fields = await on_thread(train, name="flodl-compute", on_cancel=self._stop.set)
         except ConfigError:
@@ -47,7 +59,24 @@ class InlineDriver:
             raise TrainingFailed(
                 RunResult(exit_code=ExitCode.RANK_FAILURE, reason=f"this process raised {exc!r}")
             ) from exc
+        finally:
+            self._signals.restore()
         return trained_state(fields, primary=True)
+
+    def _first_signal(self, sig: signal.Signals) -> None:
+        again = "Ctrl-C" if sig is signal.SIGINT else sig.name
+        print(
+            f"flodl: {sig.name}: stopping after the current batch, and run() returns the state "
+            f"({again} again to stop without it)",
+            file=sys.stderr,
+            flush=True,
+        )
+        self._stop.set()
+
+    def _later_signal(self, sig: signal.Signals) -> None:
+        # forced: the handler that was there before (asyncio.run's, the interpreter's) takes it
+        self._signals.restore()
+        signal.raise_signal(sig)
 
     def request_stop(self) -> None:
         """Stop after the current batch."""

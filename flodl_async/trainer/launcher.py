@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import secrets
@@ -60,7 +61,7 @@ from ..host.gpus import host_visible_gpus
 from ..host.runs import Registration, register
 from ..net.signals import StopSignals
 from ..training.policy import Backend
-from ..verdict import ExitCode, RunResult
+from ..verdict import ExitCode, RunResult, exit_code_for_signal
 from ..wire.keys import new_session_secret
 from .entry import LAUNCHER_PRIMARY_VAR, resolve_rank_command
 from .state import RunRequest, TrainedState
@@ -174,6 +175,9 @@ class LauncherDriver:
         self.run_id = self.plan.run_id
         self._controller: Controller | None = None
         self._stop_requested = False
+        #: The run's verdict, once the controller returned (what a cooperative launcher exits with).
+        self.result: RunResult | None = None
+        self._stop_signal: signal.Signals | None = None
 
     async def run(self, publish: Callable[[EpochMetrics], None]) -> TrainedState:
         _configure_logging()
@@ -210,6 +214,12 @@ class LauncherDriver:
             stop_signals.restore()
             await controller.aclose()
             output.close()
+        outcome = attachment.outcome()
+        stopped = outcome is not None and outcome.interrupted
+        if self._stop_signal is not None and result.exit_code is ExitCode.OK and stopped:
+            # an orderly stop on a signal ends as flodl-launch's does, 130/143 (with the state)
+            result = dataclasses.replace(result, exit_code=exit_code_for_signal(self._stop_signal))
+        self.result = result
         return final_state(attachment, result)
 
     def request_stop(self) -> None:
@@ -226,6 +236,7 @@ class LauncherDriver:
 
     def _first_stop_signal(self, sig: signal.Signals) -> None:
         """The first SIGINT or SIGTERM asks for the orderly end (the signal table)."""
+        self._stop_signal = sig
         self._stop_in_order(f"the launcher got {sig.name}", sig)
 
     def _later_stop_signal(self, sig: signal.Signals) -> None:

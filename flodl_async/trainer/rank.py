@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import os
+import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -120,13 +121,18 @@ class RankDriver:
         self._request = request
         self.run_id = os.environ.get(RUN_ID_VAR, "")
         self.primary = rank_is_primary(os.environ)
+        # request_stop (the loop's thread) and the session opening (the compute thread) meet here
+        self._lock = threading.Lock()
+        self._session: _Session | None = None
+        self._stop_wanted = False
 
     async def run(self, publish: Callable[[EpochMetrics], None]) -> TrainedState:
-        box: list[_Session] = []
-
         def train() -> tuple[Mapping[str, Any], bool]:
             session = _open_session(self._request, publish)
-            box.append(session)
+            with self._lock:
+                self._session, wanted = session, self._stop_wanted
+            if wanted:  # asked before the coordinator welcomed this rank
+                _ask_stop(session)
             try:
                 fields = run_managed(session.compute, session.schedule)
             except BaseException:
@@ -155,11 +161,23 @@ class RankDriver:
         return trained_state(fields, primary=primary)
 
     def request_stop(self) -> None:
-        """A rank does not stop on its own: the coordinator decides (a signal reaches the launcher
-        first)."""
+        """Ask the coordinator for the orderly stop of the whole run (once; sent as soon as the
+        link is up): a final round, and every process returns the state with ``interrupted``."""
+        with self._lock:
+            if self._stop_wanted:
+                return
+            self._stop_wanted = True
+            session = self._session
+        if session is not None:
+            _ask_stop(session)
 
     def force_stop(self) -> None:
-        """Forcing a rank is the agent's business (TERM, then KILL)."""
+        """Forcing a rank is the agent's business (TERM, then KILL): a rank waits for the
+        coordinator's end."""
+
+
+def _ask_stop(session: _Session) -> None:
+    session.link.send(m.Intent(rank=session.rank, kind=m.Intent.STOP))
 
 
 def rank_worker(request: RunRequest) -> Worker:

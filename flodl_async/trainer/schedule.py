@@ -149,7 +149,7 @@ class InlineSchedule:
         now = time.monotonic()
         self._publish(
             EpochMetrics(
-                epoch=action.epoch,
+                epoch=action.epoch + 1,  # counted from 1, as the coordinator's ledger does
                 avg_loss=avg_loss,
                 epoch_ms=(now - self._epoch_started) * 1e3,
                 batches=s.batches,

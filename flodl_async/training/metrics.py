@@ -93,7 +93,7 @@ class EpochLedger:
             for r, t in sorted(self._ranks.items())
         )
         return EpochMetrics(
-            epoch=self.epoch,
+            epoch=self.epoch + 1,  # what a user counts (and the log's "epoch 3/5"): from 1
             avg_loss=loss / total if total else 0.0,
             epoch_ms=max(0.0, (now - self.started_at) * 1000),
             batches=total,

@@ -231,7 +231,7 @@ class RankPolicy:
         self._since_contribution = 0
         self._outstanding = False
         self._lost: set[int] = set()
-        self._epochs_seen = -1
+        self._epochs_seen = 0
         self._cohort_batches = 0
         self._handlers: TypeTable[
             Message | Asked | Stepped | Settled, [], tuple[RankAction, ...]
@@ -265,7 +265,7 @@ class RankPolicy:
         if self._ended is None:
             raise RuntimeError(f"rank {self.rank}: the run has not ended")
         return Outcome(
-            epochs_completed=self._epochs_seen + 1,
+            epochs_completed=self._epochs_seen,
             global_step=self._cohort_batches // max(self._world_size, 1),
             world_size=self._world_size - len(self._lost),
             lost_ranks=tuple(sorted(self._lost)),

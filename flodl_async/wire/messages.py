@@ -398,7 +398,6 @@ class OuterSpecWire(Message):
 
 
 # ----- control channel: the Trainer's coordinator protocol -----------------------------------
-#
 # Down-messages carry ``rank`` (the relay routes on it); ``rank = -1`` means every local rank
 # of the receiving relay, one frame per host. The nested classes (``...Wire``, ``EpochMetrics``,
 # ``RankEpochStats``) are registered kinds so the schema can nest them, but are legal on no route
@@ -492,8 +491,8 @@ class RankEpochStats(Message):
 class EpochMetrics(Message):
     """One aggregated epoch: what the log line, the status page and ``TrainingRun.metrics()`` show.
 
-    Built by :class:`flodl_async.training.metrics.EpochLedger`, sent to the ranks in
-    :class:`EpochAggregated` as it is (the domain value is its own wire form).
+    ``epoch`` counts from 1 (a run's last is its epoch count). Built by the ``EpochLedger``, sent to
+    the ranks in :class:`EpochAggregated` as it is (the domain value is its own wire form).
     """
 
     epoch: int
@@ -512,7 +511,7 @@ class EpochMetrics(Message):
         """The controller's one line per epoch."""
         shares = "/".join(f"{r.batch_share:.2f}" for r in self.per_rank)
         return (
-            f"epoch {self.epoch + 1}/{epochs}: loss {self.avg_loss:.4g} in "
+            f"epoch {self.epoch}/{epochs}: loss {self.avg_loss:.4g} in "
             f"{self.epoch_ms / 1000:.1f} s, {world} ranks, shares {shares}, "
             f"{self.reduces} reduces (avg {self.avg_reduce_ms:.0f} ms), anchor {self.anchor}"
         )
@@ -671,8 +670,9 @@ class Exiting(Message):
 @message(kind=0x040F)
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Intent(Message):
-    """A rank's request folded into the next reduce (``kind``: ``checkpoint``)."""
+    """A rank's request: ``kind`` ``checkpoint``, or :attr:`STOP` (``TrainingRun.shutdown()``)."""
 
+    STOP = "stop"  # the orderly stop of the whole run: a final round, every process's state
     rank: int
     kind: str
 

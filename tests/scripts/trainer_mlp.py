@@ -142,6 +142,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
         "--hold-host",
         help="the hostname whose local rank 0 holds (a test inspects the running world meanwhile)",
     )
+    add_stop_flags(p)
     return p.parse_args(argv)
 
 
@@ -261,10 +262,35 @@ async def managed(args: argparse.Namespace) -> None:
                 f"EPOCH {m.epoch} loss {m.avg_loss:.5f} shares {[round(s, 3) for s in shares[-1]]}",
                 flush=True,
             )
+        await maybe_shut_down(args, run, m)
     state = await run.join()
     save(args, trainer, state, losses, shares)
     if args.twice and trainer.entry is fa.Entry.RANK:
         await trainer.run()  # one session per process in a rank: this must be refused clearly
+
+
+# ----- stopping (tests/test_trainer_stop_e2e.py) ---------------------------------------------------
+
+
+def add_stop_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--shutdown-rank",
+        type=int,
+        default=None,
+        help="the process with this RANK (-1: the launcher or the inline process) calls run.shutdown() ...",
+    )
+    p.add_argument(
+        "--shutdown-epoch", type=int, default=1, help="... once it has this epoch's metrics"
+    )
+
+
+async def maybe_shut_down(
+    args: argparse.Namespace, run: fa.TrainingRun, m: fa.EpochMetrics
+) -> None:
+    rank = int(os.environ.get("RANK", "-1"))
+    if rank == args.shutdown_rank and m.epoch == args.shutdown_epoch:
+        print(f"SHUTDOWN rank {rank} after epoch {m.epoch}", flush=True)
+        await run.shutdown()
 
 
 def cooperative(args: argparse.Namespace) -> None:
