@@ -16,6 +16,12 @@ order alternates every round), each after a gloo barrier:
   reducer → relay → both ranks) and ``param.copy_(consensus)``;
 * ``gloo``: ``dist.all_reduce(param)`` and ``param.div_(2)``.
 
+The ``check ms`` column is what the plan checks add to each contribution on top of that: the one
+pass over its tensors (:func:`~flodl_async.training.plancheck.first_bad_tensor`, an ``aminmax``
+per float tensor) that the relay's fold runs in its executor before folding it (and the reducer
+for a rank whose bytes no relay folded), timed alone on one rank's tensors; the flodl column
+includes it.
+
 ``--uplink tcp`` makes the relay dial the port as a worker host's relay does (the sealed TCP
 leg) instead of handing its frames to the in-process reducer. A round's latency is the slower
 rank's (max over ranks). The table prints median (min–max) per
@@ -212,6 +218,8 @@ async def _rank_main(
 
     from flodl_async.config.rankenv import RankSpec
     from flodl_async.relay.datalink import DataLink
+    from flodl_async.training import plancheck
+    from flodl_async.training.foldmath import schema_specs
     from flodl_async.training.modelschema import ModelSchema
 
     dist.init_process_group("gloo", rank=rank, world_size=2)
@@ -266,6 +274,14 @@ async def _rank_main(
                     times[variant].append(float(elapsed.item()) * 1000.0)
         await link.aclose()
         conn.send("closed")
+        # the plan checks' pass over one contribution, alone (the relay runs it per rank)
+        specs = schema_specs(schema.tensors)[0]
+        ordered = [params[meta.name] for meta in schema.tensors]
+        for k in range(1, cfg["total"] + 1):
+            t0 = time.perf_counter()
+            assert plancheck.first_bad_tensor(specs, ordered, 1.0) is None
+            if k > warmup:
+                times.setdefault("check", []).append((time.perf_counter() - t0) * 1000.0)
         results[size] = times
     dist.destroy_process_group()
     if out is not None:
@@ -341,22 +357,25 @@ def main() -> None:
         f"float32, max over ranks, {args.warmup} warm-ups"
     )
     print(
-        f"{'size':>8} | {'rounds':>6} | {'flodl ms':>24} | {'gloo ms':>24} | ratio (median of "
-        "per-round)"
+        f"{'size':>8} | {'rounds':>6} | {'flodl ms':>24} | {'gloo ms':>24} | {'check ms':>8} | "
+        "ratio (median of per-round)"
     )
     for size in sizes:
         t = results[size]
         ratios = [a / b for a, b in zip(t["flodl"], t["gloo"], strict=True)]
         ratio = statistics.median(ratios)
+        check = statistics.median(t["check"])
         print(
             f"{_label(size):>8} | {len(t['flodl']):>6} | {_fmt(t['flodl']):>24} | "
-            f"{_fmt(t['gloo']):>24} | {ratio:.2f}× ({min(ratios):.2f}–{max(ratios):.2f})"
+            f"{_fmt(t['gloo']):>24} | {check:8.2f} | "
+            f"{ratio:.2f}× ({min(ratios):.2f}–{max(ratios):.2f})"
         )
         rows.append(
             {
                 "size": _label(size),
                 "flodl_ms": t["flodl"],
                 "gloo_ms": t["gloo"],
+                "check_ms": t["check"],
                 "ratio_median": ratio,
             }
         )

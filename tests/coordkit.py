@@ -137,7 +137,7 @@ class Driver:
                     round=round_,
                     epoch=epoch,
                     batches=len(batches),
-                    samples=len(batches) * 4,
+                    samples=len(batches) * self.spec.batch_size,
                     compute_ms=ms,
                     data_ms=0.0,
                     loss_sum=0.5 * len(batches),

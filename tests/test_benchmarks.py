@@ -27,9 +27,9 @@ ROOT = Path(__file__).resolve().parent.parent
 #: header, then a row per variant and its baseline.
 TABLES: dict[str, tuple[str, ...]] = {
     "averaging": (
-        r"\s*size \| rounds \|\s+flodl ms \|\s+gloo ms \| ratio.*",
-        r"\s*1 MiB \|\s+1 \| .* \| .* \| [\d.]+× .*",
-        r"resnet20 \|\s+1 \| .* \| .* \| [\d.]+× .*",
+        r"\s*size \| rounds \|\s+flodl ms \|\s+gloo ms \|\s+check ms \| ratio.*",
+        r"\s*1 MiB \|\s+1 \| .* \| .* \|\s+[\d.]+ \| [\d.]+× .*",
+        r"resnet20 \|\s+1 \| .* \| .* \|\s+[\d.]+ \| [\d.]+× .*",
     ),
     "cadence": (
         r"policy\s+epoch ms median \(min-max\)\s+rank 0 share\s+reduces/epoch\s+reduce ms",

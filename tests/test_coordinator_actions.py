@@ -100,7 +100,13 @@ def test_a_stop_during_init_waits_for_round_0_then_runs_a_contributed_final() ->
             expected=frozenset({0, 1}),
             from_controller=False,
             reducer=True,
-            message=m.Reduce(round=1, kind="final", from_controller=False),
+            # each rank may have trained its first window (2 batches) before the stop
+            message=m.Reduce(
+                round=1,
+                kind="final",
+                from_controller=False,
+                plan=m.RoundPlan(steps=(2, 2), gamma=1.0),
+            ),
         )
     ]
     assert d.coord.phase is CoordPhase.FINAL
@@ -396,7 +402,12 @@ def test_the_start_announces_the_run_and_opens_round_0_from_the_root() -> None:
             expected=frozenset({0, 1}),
             from_controller=False,
             reducer=True,
-            message=m.Reduce(round=0, kind="init", from_controller=False),
+            message=m.Reduce(
+                round=0,
+                kind="init",
+                from_controller=False,
+                plan=m.RoundPlan(steps=(0, 0), gamma=1.0),
+            ),
         ),
     ]
     assert [(p.rank, p.round, p.epoch, p.progress) for p in plans(out)] == [

@@ -26,6 +26,15 @@ it, is the :class:`~flodl_async.training.roundgate.RoundGate`'s; the tensor math
   :attr:`Reducer.last_consensus`;
 * ``mass == 0``: ``Consensus(mass=0)`` without payload: ranks keep their state.
 
+Nothing a host frame claims for a rank is believed: a round opened with its
+:class:`~flodl_async.wire.messages.RoundPlan` checks each listed rank's steps against it and the
+frame's weight against what they give, and a raw frame's tensors (one rank's bytes no relay
+folded) are checked before they are folded (:mod:`flodl_async.training.plancheck`). What breaks
+the plan is that rank's failure: the frame is left out, and ``on_misbehaved(rank, reason)`` tells
+the coordinator's shell, which runs the death chain (with no ``on_misbehaved``, the host's data
+connection is closed). A host-level fault — a prescaled frame whose sum no single rank explains —
+closes the host's data connection, as any protocol error does.
+
 A ``from_controller`` round takes no contributions: the held consensus (the
 previous round's, or :meth:`set_initial`'s on resume) goes down as soon as every
 expected rank's host is connected. torch is imported only in executor threads.
@@ -37,7 +46,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import Executor
 from typing import TYPE_CHECKING
 
@@ -47,6 +56,7 @@ from ..net.framed import FramedProtocol
 from ..net.service import FramedService
 from ..relay.fold import HELLO_LIMITS
 from ..relay.upstream import LocalUplink
+from ..training import plancheck
 from ..training.foldround import FoldRound
 from ..training.modelschema import ModelSchema
 from ..training.outer import OuterSpec
@@ -90,9 +100,15 @@ class Reducer:
         *,
         digest: str | None = None,
         hello_timeout: float = 30.0,
+        on_misbehaved: Callable[[int, str], None] | None = None,
     ) -> None:
         """``digest``: the run's TrainerSpec digest, which every host's hello must carry (None: only
-        the model size is checked)."""
+        the model size is checked).
+
+        ``on_misbehaved(rank, reason)`` (settable later): a rank's contribution broke its round's
+        plan; called on the loop, before the round can complete without it.
+        """
+        self.on_misbehaved = on_misbehaved
         self.schema = schema
         self.outer = outer
         self.gamma = gamma
@@ -143,10 +159,15 @@ class Reducer:
     # ----- the coordinator's side -----------------------------------------------------------------
 
     def open_round(
-        self, round: int, kind: str, expected_ranks: frozenset[int], from_controller: bool = False
+        self,
+        round: int,
+        kind: str,
+        expected_ranks: frozenset[int],
+        from_controller: bool = False,
+        plan: m.RoundPlan | None = None,
     ) -> None:
         """Round ``round`` starts now; it completes when every one of ``expected_ranks`` is covered
-        or dead."""
+        or dead. ``plan``: what each rank may claim in it (its ``Reduce``'s)."""
         early = self._gate.open(round)
         loop = asyncio.get_running_loop()
         state = RoundState(
@@ -156,6 +177,7 @@ class Reducer:
             from_controller=from_controller,
             opened_at=time.monotonic(),
             done=loop.create_future(),
+            plan=plan,
         )
         self._rounds[round] = state
         self._results[round] = state.done
@@ -350,20 +372,41 @@ class Reducer:
         msg = frame.msg
         ranks = list(msg.ranks)
         payload_len = frame.payload.nbytes if frame.payload is not None else 0
+        what = f"host {frame.host.name}'s frame for round {msg.round}"
         check_host_frame(
             msg,
-            what=f"host {frame.host.name}'s frame for round {msg.round}",
+            what=what,
             kind=state.kind,
             takes_contributions=not state.from_controller,
             refusal=state.barrier.refusal(ranks),
-            gamma=self.gamma,
+            # with a plan, the plan's weights (below, where a lie has a rank's name)
+            gamma=self.gamma if state.plan is None else None,
             specs=self._math.specs,
             acc_specs=self._math.acc_specs,
             payload_len=payload_len,
         )
+        lie = None if state.plan is None else plancheck.check_host_claims(msg, state.plan)
+        if lie is not None:
+            told = self._rank_failed(lie.rank, lie.reason)
+            if not told or ranks != [lie.rank]:
+                # Other ranks' work is in it too, or nobody to tell: nothing of the frame is kept.
+                raise ProtocolError(f"{what} carries a contribution that breaks its plan")
+            # left out uncovered: the round waits for the rank's death, as for any lost rank
+            self.pool.release(frame.payload)
+            frame.payload = None
+            return
         self._uplinks.count(frame.host, payload_len)
         state.barrier.offer(ranks, frame)
         state.steps.update(dict.fromkeys(ranks, 0) | dict(zip(msg.ranks, msg.steps, strict=False)))
+
+    def _rank_failed(self, rank: int, reason: str) -> bool:
+        """``rank`` broke its plan: logged, and told to ``on_misbehaved``; False when there is
+        none."""
+        log.error("data channel: %s", reason)
+        if self.on_misbehaved is None:
+            return False
+        self.on_misbehaved(rank, reason)
+        return True
 
     # ----- the driver -----------------------------------------------------------------------------
 
@@ -395,10 +438,17 @@ class Reducer:
         # The barrier hands frames out in rank order, each once no lower rank can still arrive.
         while (frame := state.barrier.next_to_fold()) is not None:
             try:
-                await self._math.fold(state, frame)
+                bad = await self._math.fold(state, frame)
             finally:
                 self.pool.release(frame.payload)
                 frame.payload = None
+            if bad is not None:
+                owner = plancheck.tensor_owner(frame.msg)
+                why = f"host {frame.host.name} sent {bad[0]} in round {state.number}"
+                if owner is None or not self._rank_failed(
+                    owner, plancheck.tensor_lie(owner, state.number, bad)
+                ):
+                    self._close_host(frame, why)
         if state.barrier.complete:
             await self._finish(state)
 

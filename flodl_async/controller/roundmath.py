@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 from ..errors import ProtocolError
 from ..net.bufpool import BufferPool
-from ..training import foldmath
+from ..training import foldmath, plancheck
 from ..training.modelschema import ModelSchema
 from ..training.outer import OuterAvg, OuterSpec, OuterStepper
 from .roundstate import HeldConsensus, PendingFrame, RoundState
@@ -43,50 +43,87 @@ class RoundMath:
         self.acc_specs, self.acc_len = foldmath.schema_specs(self._metas, accumulated=True)
         self._n_params = len(schema.params)
 
-    async def fold(self, state: RoundState, frame: PendingFrame) -> None:
-        """Add ``frame``'s weighted tensors to ``state``'s accumulator (the first one starts it)."""
+    async def fold(self, state: RoundState, frame: PendingFrame) -> tuple[str, str] | None:
+        """Add ``frame``'s weighted tensors to ``state``'s accumulator (the first one starts it).
+
+        A raw frame's tensors are one rank's bytes that no relay folded, so they are checked in the
+        same executor call (:func:`~flodl_async.training.plancheck.first_bad_tensor`): what is
+        wrong with them is returned instead, and nothing of the frame counts. A prescaled frame's
+        were checked rank by rank by the relay that folded them.
+        """
         msg = frame.msg
+        if msg.tensors:
+            first = state.acc is None
+            bad = await (self._start(state, frame) if first else self._add(state, frame))
+            if bad is not None:
+                return bad
+            state.folded += 1
         state.mass += msg.weight
-        if not msg.tensors:
-            return
-        payload = frame.payload
+        return None
+
+    @staticmethod
+    def _bad(frame: PendingFrame, terms: list[torch.Tensor]) -> tuple[str, str] | None:
+        msg = frame.msg
+        return None if msg.prescaled else plancheck.first_bad_tensor(msg.tensors, terms, msg.weight)
+
+    async def _start(self, state: RoundState, frame: PendingFrame) -> tuple[str, str] | None:
+        msg, payload = frame.msg, frame.payload
         assert payload is not None
         weight = None if msg.prescaled else msg.weight
         specs, acc_specs = msg.tensors, self.acc_specs
         loop = asyncio.get_running_loop()
-        if state.acc is None:
-            if tuple(specs) == acc_specs:
-                # Already the accumulator's layout (a prescaled frame, or a float32 model): it
-                # becomes the accumulator.
-                frame.payload = None
-                state.acc_buffer = payload
+        if tuple(specs) == acc_specs:
+            # Already the accumulator's layout (a prescaled frame, or a float32 model): it becomes
+            # the accumulator.
 
-                def adopt() -> list[torch.Tensor]:
-                    acc = foldmath.views(acc_specs, payload)
-                    if weight is not None and weight != 1.0:
-                        for a in acc:
-                            a.mul_(weight)
-                    return acc
+            def adopt() -> tuple[str, str] | list[torch.Tensor]:
+                acc = foldmath.views(acc_specs, payload)
+                bad = self._bad(frame, acc)
+                if bad is not None:
+                    return bad
+                if weight is not None and weight != 1.0:
+                    for a in acc:
+                        a.mul_(weight)
+                return acc
 
-                state.acc = await loop.run_in_executor(self._executor, adopt)
-            else:
-                buffer = self._pool.acquire(self.acc_len)
-                state.acc_buffer = buffer
+            adopted = await loop.run_in_executor(self._executor, adopt)
+            if isinstance(adopted, tuple):
+                return adopted
+            frame.payload = None
+            state.acc, state.acc_buffer = adopted, payload
+            return None
+        buffer = self._pool.acquire(self.acc_len)
 
-                def start() -> list[torch.Tensor]:
-                    acc = foldmath.views(acc_specs, buffer)
-                    foldmath.add_term(acc, foldmath.views(specs, payload), weight, first=True)
-                    return acc
+        def start() -> tuple[str, str] | list[torch.Tensor]:
+            terms = foldmath.views(specs, payload)
+            bad = self._bad(frame, terms)
+            if bad is not None:
+                return bad
+            acc = foldmath.views(acc_specs, buffer)
+            foldmath.add_term(acc, terms, weight, first=True)
+            return acc
 
-                state.acc = await loop.run_in_executor(self._executor, start)
-        else:
-            acc = state.acc
+        started = await loop.run_in_executor(self._executor, start)
+        if isinstance(started, tuple):
+            self._pool.release(buffer)
+            return started
+        state.acc, state.acc_buffer = started, buffer
+        return None
 
-            def add() -> None:
-                foldmath.add_term(acc, foldmath.views(specs, payload), weight, first=False)
+    async def _add(self, state: RoundState, frame: PendingFrame) -> tuple[str, str] | None:
+        msg, payload, acc = frame.msg, frame.payload, state.acc
+        assert payload is not None
+        assert acc is not None
+        weight = None if msg.prescaled else msg.weight
 
-            await loop.run_in_executor(self._executor, add)
-        state.folded += 1
+        def add() -> tuple[str, str] | None:
+            terms = foldmath.views(msg.tensors, payload)
+            bad = self._bad(frame, terms)
+            if bad is None:
+                foldmath.add_term(acc, terms, weight, first=False)
+            return bad
+
+        return await asyncio.get_running_loop().run_in_executor(self._executor, add)
 
     async def consensus(self, state: RoundState, mass: float) -> HeldConsensus:
         """``state``'s accumulator made the consensus (it owns the accumulator's buffer now)."""

@@ -162,6 +162,8 @@ class RoundState:
     from_controller: bool
     opened_at: float
     done: asyncio.Future[RoundResult]
+    #: What each rank may claim in the round (None: claims are checked against gamma only).
+    plan: m.RoundPlan | None = None
     mass: float = 0.0
     acc: list[torch.Tensor] | None = None
     acc_buffer: bytearray | memoryview | None = None

@@ -30,9 +30,13 @@ against it in one place (:func:`rank_of`):
   connection (the controller learns of a dead Trainer rank without waiting for
   its heartbeat deadline or its exit report).
 
-The relay also reads one Trainer message as it passes: ``DeclareDead`` (a rank
-its fold barrier must stop waiting for). The data socket learns the model's size
-and digest from the ranks' own ``DataHello`` (:mod:`flodl_async.relay.fold`).
+The relay also reads three Trainer messages as they pass: ``DeclareDead`` (a rank
+its fold barrier must stop waiting for), a rank's ``TrainerHello`` (its model: the tensors its
+contributions must carry) and ``Reduce``, whose round plan the fold checks the ranks'
+contributions against (the ranks get the ``Reduce`` without it); a rank the fold refuses
+for breaking its plan is reported up as ``RankGone`` with the fold's reason. The data socket
+learns the model's size and digest from the ranks' own ``DataHello``
+(:mod:`flodl_async.relay.fold`).
 
 Credentials. The relay holds the session secret (it is part of its agent) and
 speaks upstream with it; ranks never get it. The rank socket takes only rank
@@ -47,6 +51,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import typing
@@ -141,7 +146,7 @@ class RelayStatistics:
     data: HostFoldStatistics
     #: Down-messages for every local rank (``rank = -1``), counted once per frame.
     broadcasts_down: int = 0
-    #: ``RankGone`` reports sent up for closed rank links.
+    #: ``RankGone`` reports sent up: closed rank links, and ranks the host fold refused.
     ranks_gone: int = 0
 
 
@@ -198,6 +203,7 @@ class Relay:
             task_group=task_group,
             hello_timeout=deadlines.handshake,
             local=local_reducer,
+            on_misbehaved=self._misbehaved,
         )
         self._forwarded_up = 0
         self._delivered_down = 0
@@ -264,6 +270,11 @@ class Relay:
         self._fold.rank_gone(rank, reason)
         if self._on_rank_dead is not None and rank in self._host_ranks:
             self._on_rank_dead(rank, reason)
+
+    def _misbehaved(self, rank: int, reason: str) -> None:
+        """The host fold refused what ``rank`` sent: the coordinator learns it as its loss."""
+        if self._upstream is not None:
+            self._report_gone(self._upstream, rank, reason)
 
     def _rank_key(self, peer: PeerHello) -> bytes:
         """The credential resolver of the rank socket: one rank of this host, in the current
@@ -347,6 +358,8 @@ class Relay:
                     self._refuse(why)
                     gone = f"the relay closed its link: {why}"
                     return
+                if isinstance(msg, m.TrainerHello):
+                    self._fold.note_hello(msg)
                 self._up(upstream, msg)
                 await upstream.drain()
         finally:
@@ -381,6 +394,10 @@ class Relay:
             rank = rank_of(msg)
             if isinstance(msg, m.DeclareDead):
                 self.rank_dead(msg.dead_rank, msg.reason)
+            elif isinstance(msg, m.Reduce) and msg.plan is not None:
+                # the fold knows the round before any rank can contribute to it
+                self._fold.note_round(msg)
+                msg = dataclasses.replace(msg, plan=None)
             if rank == EVERY_LOCAL_RANK:
                 self._broadcasts_down += 1
                 for local in list(self._ranks.values()):

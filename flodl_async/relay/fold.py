@@ -23,6 +23,16 @@ the barrier is met; the reducer keeps the same one over hosts):
 
 Empty (weight-0) contributions add nothing but are listed in ``ranks``.
 
+Nothing a rank claims is believed (:mod:`flodl_async.training.plancheck`): each round's plan
+comes down with its ``Reduce`` (:meth:`HostFold.note_round`), and a contribution whose kind,
+steps, weight or tensors break it — steps past the plan or negative, a weight its steps do not
+give, tensors other than its own ``TrainerHello``'s model's (:meth:`HostFold.note_hello`), a
+non-finite or overflowing value (checked in the executor, one pass, just before it would be
+folded) — is that rank's failure: it is left out of the host frame, the rank leaves the fold
+and its data link is closed, and ``on_misbehaved`` reports it up (the relay's ``RankGone``, which
+the coordinator's death chain takes). A lone contributor's bytes go up unchecked: the reducer
+checks a frame one rank's bytes went into.
+
 Rank links carry plain payloads (the socket is owner-only: same-user peers; see
 :class:`~flodl_async.wire.frame.FrameConnection`), so the rank leg costs no AES-GCM. When the
 run's reducer lives in this process (the launcher's own host, whose controller hands its reducer
@@ -43,16 +53,20 @@ import logging
 from collections.abc import Awaitable, Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from ..errors import ConnectionClosed, FlodlError, ProtocolError
 from ..net.bufpool import SHARED, BufferPool
 from ..net.framed import FramedProtocol
-from ..training import foldmath
+from ..training import foldmath, plancheck
 from ..training.foldround import FoldRound
 from ..training.roundgate import check_rank_contribution
 from ..wire import messages as m
 from ..wire.frame import FrameLimits
 from .upstream import HostUpstream, LocalReducerSource, LocalUplink
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger("flodl_async.relay.control")
 
@@ -65,6 +79,8 @@ HELLO_LIMITS = FrameLimits(max_payload=0)
 #: is
 #: running away, and every such round would hold one of its payloads here.
 ROUNDS_IN_FLIGHT = 4
+#: Round plans kept (newest first): past any round a rank may still contribute to.
+_PLANS_KEPT = 4 * ROUNDS_IN_FLIGHT
 
 
 @dataclass(slots=True)
@@ -80,11 +96,12 @@ class _HostRound:
     kind: str
     #: the host's ranks, who is dead, the contributions waiting in rank order
     barrier: FoldRound[_Taken]
-    weight: float = 0.0
+    # the ranks folded so far: their steps and weights
     steps: dict[int, int] = field(default_factory=dict)
+    weights: dict[int, float] = field(default_factory=dict)
     # the first contribution with tensors, kept as bytes until a second one arrives
     lone: _Taken | None = None
-    acc: list[object] | None = None  # accumulator tensors (torch, created in the executor)
+    acc: list[torch.Tensor] | None = None  # accumulator tensors (created in the executor)
     acc_buffer: bytearray | memoryview | None = None
     acc_layout: tuple[m.TensorSpec, ...] = ()
     # the first contribution's tensors: every other must match
@@ -120,6 +137,7 @@ class HostFold:
         pool: BufferPool | None = None,
         executor: Executor | None = None,
         local: LocalReducerSource | None = None,
+        on_misbehaved: Callable[[int, str], None] | None = None,
     ) -> None:
         """``dial()`` opens the host's data connection to the controller (with ``HELLO_LIMITS``, the
         session secret).
@@ -128,8 +146,11 @@ class HostFold:
         it lives in this very process (the launcher's own host, whose agent runs in the
         controller's process); then the host's frames are handed to it in memory — no socket, no
         AES-GCM, no copy — instead of dialling.
+
+        ``on_misbehaved(rank, reason)``: a local rank sent what its round's plan does not allow.
         """
         self._host = host
+        self._on_misbehaved = on_misbehaved
         self._host_ranks = ranks
         self._tg = task_group
         self._hello_timeout = hello_timeout
@@ -150,6 +171,10 @@ class HostFold:
         self._dead: set[int] = set()
         self._rounds: dict[int, _HostRound] = {}
         self._finished: set[int] = set()
+        # the Reduce of each round opened lately; None until the first plan: no round is checked
+        self._plans: dict[int, m.Reduce] | None = None
+        # per rank, the tensors its own TrainerHello's model has
+        self._layouts: dict[int, tuple[m.TensorSpec, ...]] = {}
         # (model_bytes, digest) of the first hello: every rank must match
         self._model: tuple[int, str] | None = None
         self._last: tuple[m.Consensus, list[memoryview], memoryview | None] | None = None
@@ -167,6 +192,8 @@ class HostFold:
         """A new rendezvous round: new rank processes, nobody dead, no fold in flight."""
         self._dead.clear()
         self._finished.clear()
+        self._plans = None
+        self._layouts.clear()
         for state in self._rounds.values():
             self._release_round(state)
         self._rounds.clear()
@@ -182,6 +209,24 @@ class HostFold:
             state.barrier.declare_dead(rank)
         for number in sorted(self._rounds):
             self._tg.create_task(self._advance(number), name=f"relay-fold-{number}")
+
+    def note_hello(self, hello: m.TrainerHello) -> None:
+        """A local rank's ``TrainerHello`` is on its way up: its contributions must carry its
+        model's tensors."""
+        layout = plancheck.contribution_layout(hello.model)
+        if layout is not None:
+            self._layouts[hello.rank] = layout
+
+    def note_round(self, reduce: m.Reduce) -> None:
+        """The controller opened ``reduce.round`` (its ``Reduce`` is on its way to the ranks): what
+        each local rank may contribute to it."""
+        if reduce.plan is None:
+            return
+        plans = self._plans if self._plans is not None else {}
+        self._plans = plans
+        plans[reduce.round] = reduce
+        while len(plans) > _PLANS_KEPT:
+            del plans[min(plans)]
 
     def statistics(self) -> HostFoldStatistics:
         return HostFoldStatistics(
@@ -253,10 +298,14 @@ class HostFold:
                     )
                     return
                 try:
-                    self._take(msg, frame.payload)
+                    lie = self._take(msg, frame.payload)
                 except ProtocolError as exc:
                     self.pool.release(frame.payload)
                     self._refuse(str(exc))
+                    return
+                if lie is not None:
+                    self.pool.release(frame.payload)
+                    self._misbehaved(rank, lie)
                     return
                 await self._advance(msg.round)
         finally:
@@ -264,12 +313,33 @@ class HostFold:
                 del self._links[rank]
                 self.rank_gone(rank, "its data link closed")
 
-    def _take(self, msg: m.Contribution, payload: memoryview | None) -> None:
+    def _take(self, msg: m.Contribution, payload: memoryview | None) -> str | None:
+        """Offer ``msg`` to its host round; returns how it breaks its round's plan instead (the
+        rank's failure), and raises :class:`ProtocolError` for a frame no round takes."""
         if msg.round in self._finished:
             raise ProtocolError(
                 f"rank {msg.rank} contributed to round {msg.round} after this host's part of it "
                 "went up"
             )
+        layout = self._layouts.get(msg.rank)
+        if layout is not None:
+            # judged against its own model before it may set the host round's layout for the others
+            lie = plancheck.check_layout(msg, layout, payload.nbytes if payload is not None else 0)
+            if lie is not None:
+                return lie
+        if self._plans is not None:
+            # ... and against the Reduce before it may set the host round's kind
+            opened = self._plans.get(msg.round)
+            if opened is None or opened.plan is None:
+                return f"rank {msg.rank} contributed to round {msg.round}, which is not open"
+            if opened.from_controller:
+                return (
+                    f"rank {msg.rank} contributed to round {msg.round}, whose consensus the "
+                    "controller sends"
+                )
+            lie = plancheck.check_contribution(msg, opened.plan, kind=opened.kind)
+            if lie is not None:
+                return lie
         state = self._rounds.get(msg.round)
         if state is None:
             in_flight = sum(msg.rank in r.barrier.covered for r in self._rounds.values())
@@ -291,6 +361,17 @@ class HostFold:
         )
         self._contributions += 1
         state.barrier.offer([msg.rank], _Taken(msg=msg, payload=payload))
+        return None
+
+    def _misbehaved(self, rank: int, reason: str) -> None:
+        """``rank`` broke its plan: it is reported, leaves the fold (which logs why), and its data
+        link closes."""
+        if self._on_misbehaved is not None:
+            self._on_misbehaved(rank, reason)
+        self.rank_gone(rank, reason)
+        link = self._links.get(rank)
+        if link is not None:
+            link.close()
 
     # ----- the fold -----------------------------------------------------------------------------
 
@@ -305,8 +386,8 @@ class HostFold:
             # the barrier hands contributions out in rank order, each once no lower rank can
             # still arrive
             while (taken := state.barrier.next_to_fold()) is not None:
-                state.weight += taken.msg.weight
                 state.steps[taken.msg.rank] = taken.msg.steps
+                state.weights[taken.msg.rank] = taken.msg.weight
                 if not taken.msg.tensors:
                     continue
                 if state.lone is None and state.acc is None:
@@ -314,10 +395,10 @@ class HostFold:
                     continue
                 try:
                     if state.acc is None:
-                        assert state.lone is not None
-                        await self._fold(state, state.lone, first=True)
-                        state.lone = None
-                    await self._fold(state, taken, first=False)
+                        lone, state.lone = state.lone, None
+                        assert lone is not None
+                        await self._fold_checked(number, state, lone)
+                    await self._fold_checked(number, state, taken)
                 except Exception:
                     log.exception("relay: folding round %d failed (bug)", number)
                     raise
@@ -331,48 +412,42 @@ class HostFold:
                 self._rounds.pop(number, None)
                 self._finished.add(number)
 
-    async def _fold(self, state: _HostRound, taken: _Taken, *, first: bool) -> None:
-        loop = asyncio.get_running_loop()
-        specs = taken.msg.tensors
-        weight = taken.msg.weight
-        payload = taken.payload
-        assert payload is not None
-        if first:
-            acc_layout, acc_len = foldmath.acc_specs(specs)
-            if acc_layout == tuple(specs) and payload.nbytes == acc_len:
-                # Already in accumulator dtypes and packed (a float32 model): the payload becomes
-                # the accumulator.
-                state.acc_buffer, state.acc_layout = payload, acc_layout
-                taken.payload = None
-
-                def scale() -> list[object]:
-                    acc = foldmath.views(acc_layout, payload)
-                    if weight != 1.0:
-                        for a in acc:
-                            a.mul_(weight)
-                    return list(acc)
-
-                state.acc = await loop.run_in_executor(self._executor, scale)
-                return
-            buffer = self.pool.acquire(acc_len)
-            state.acc_buffer, state.acc_layout = buffer, acc_layout
-
-            def start() -> list[object]:
-                acc = foldmath.views(acc_layout, buffer)
-                foldmath.add_term(acc, foldmath.views(specs, payload), weight, first=True)
-                return list(acc)
-
-            state.acc = await loop.run_in_executor(self._executor, start)
-        else:
-            acc_tensors = state.acc
-            assert acc_tensors is not None
-
-            def add() -> None:
-                foldmath.add_term(acc_tensors, foldmath.views(specs, payload), weight, first=False)  # type: ignore[arg-type]
-
-            await loop.run_in_executor(self._executor, add)
+    async def _fold_checked(self, number: int, state: _HostRound, taken: _Taken) -> None:
+        """Fold ``taken`` (the first one starts the accumulator), unless its tensors are not sound:
+        then its rank is left out of the host frame and reported."""
+        bad = await self._fold(state, taken, first=state.acc is None)
         self.pool.release(taken.payload)
         taken.payload = None
+        if bad is not None:
+            rank = taken.msg.rank
+            del state.steps[rank], state.weights[rank]
+            self._misbehaved(rank, plancheck.tensor_lie(rank, number, bad))
+
+    async def _fold(
+        self, state: _HostRound, taken: _Taken, *, first: bool
+    ) -> tuple[str, str] | None:
+        """Check ``taken``'s tensors and add them, in one executor call; returns what is wrong with
+        them instead (the accumulator unchanged)."""
+        run = asyncio.get_running_loop().run_in_executor
+        msg, payload = taken.msg, taken.payload
+        assert payload is not None
+        if not first:
+            assert state.acc is not None
+            return await run(self._executor, _add_checked, state.acc, msg, payload)
+        acc_layout, acc_len = foldmath.acc_specs(msg.tensors)
+        # Already in accumulator dtypes and packed (a float32 model): the payload becomes the
+        # accumulator.
+        adopt = acc_layout == tuple(msg.tensors) and payload.nbytes == acc_len
+        buffer = payload if adopt else self.pool.acquire(acc_len)
+        started = await run(self._executor, _start_checked, acc_layout, msg, payload, buffer)
+        if isinstance(started, tuple):
+            if not adopt:
+                self.pool.release(buffer)
+            return started
+        state.acc, state.acc_buffer, state.acc_layout = started, buffer, acc_layout
+        if adopt:
+            taken.payload = None
+        return None
 
     async def _send_up(self, number: int, state: _HostRound) -> None:
         upstream = self._up.link
@@ -384,6 +459,9 @@ class HostFold:
             return
         ranks = tuple(sorted(state.steps))  # the ranks folded
         steps = tuple(state.steps[r] for r in ranks)
+        weight = 0.0
+        for r in ranks:  # in rank order, as every fold
+            weight += state.weights[r]
         if state.acc is not None:
             assert state.acc_buffer is not None
             msg = m.HostContribution(
@@ -391,7 +469,7 @@ class HostFold:
                 kind=state.kind,
                 host=self._host,
                 ranks=ranks,
-                weight=state.weight,
+                weight=weight,
                 prescaled=True,
                 tensors=state.acc_layout,
                 steps=steps,
@@ -406,7 +484,7 @@ class HostFold:
                 kind=state.kind,
                 host=self._host,
                 ranks=ranks,
-                weight=state.weight,
+                weight=weight,
                 prescaled=False,
                 tensors=state.lone.msg.tensors,
                 steps=steps,
@@ -419,7 +497,7 @@ class HostFold:
                 kind=state.kind,
                 host=self._host,
                 ranks=ranks,
-                weight=state.weight,
+                weight=weight,
                 prescaled=False,
                 steps=steps,
             )
@@ -483,3 +561,40 @@ class HostFold:
         for state in self._rounds.values():
             self._release_round(state)
         self._rounds.clear()
+
+
+# ----- the executor's side of a fold: check a rank's tensors, then add them --------------------
+
+
+def _start_checked(
+    acc_layout: tuple[m.TensorSpec, ...],
+    msg: m.Contribution,
+    payload: memoryview,
+    buffer: bytearray | memoryview,
+) -> tuple[str, str] | list[torch.Tensor]:
+    """The accumulator (in ``buffer``) started from ``msg``'s tensors, or what is wrong with them;
+    ``buffer is payload``: the payload, already in the accumulator's layout, is scaled in place."""
+    terms = foldmath.views(msg.tensors, payload)
+    bad = plancheck.first_bad_tensor(msg.tensors, terms, msg.weight)
+    if bad is not None:
+        return bad
+    if buffer is payload:
+        if msg.weight != 1.0:
+            for t in terms:
+                t.mul_(msg.weight)
+        return list(terms)
+    acc = foldmath.views(acc_layout, buffer)
+    foldmath.add_term(acc, terms, msg.weight, first=True)
+    return list(acc)
+
+
+def _add_checked(
+    acc: list[torch.Tensor], msg: m.Contribution, payload: memoryview
+) -> tuple[str, str] | None:
+    """``msg``'s weighted tensors added to ``acc``, or what is wrong with them (``acc`` as it
+    was)."""
+    terms = foldmath.views(msg.tensors, payload)
+    bad = plancheck.first_bad_tensor(msg.tensors, terms, msg.weight)
+    if bad is None:
+        foldmath.add_term(acc, terms, msg.weight, first=False)
+    return bad

@@ -51,6 +51,7 @@ from ..control.vocab import Announce, Level, Tell, Tick
 from ..verdict import ExitCode
 from ..wire import messages as m
 from . import partition as part
+from . import plancheck
 from .coordination import (
     EVERY_RANK,
     Action,
@@ -149,6 +150,8 @@ class Coordinator:
         self._completed_epochs = 0
         self._last_sync_ms = 0.0
         self._batches: dict[int, int] = {}
+        # batches each rank reported since the last round opened (a SYNC round's plan)
+        self._reported_since_round: dict[int, int] = {}
         self._stop_reason: str | None = None
         self._handlers: TypeTable[Event, [float], list[Action]] = TypeTable(
             "the coordinator's events"
@@ -384,6 +387,16 @@ class Coordinator:
             closes_epoch=closes_epoch,
         )
         reset = kind == "model" and spec.outer.resets_inner
+        plan = plancheck.round_plan(
+            world_size=self.config.world_size,
+            expected=expected,
+            claimable=plancheck.sync_claimable(self._sync_left, self._reported_since_round)
+            if RULES[spec.policy].static_slices
+            else plancheck.in_flight_batches(self._pool.in_flight()),
+            gamma=spec.settings.gamma,
+            equal=kind == "final" and spec.policy is Policy.ASYNC,
+        )
+        self._reported_since_round = {}
         return StartRound(
             round=round_,
             kind=kind,
@@ -391,7 +404,11 @@ class Coordinator:
             from_controller=from_controller,
             reducer=not collective,
             message=m.Reduce(
-                round=round_, kind=kind, from_controller=from_controller, reset_inner=reset
+                round=round_,
+                kind=kind,
+                from_controller=from_controller,
+                reset_inner=reset,
+                plan=plan,
             ),
         )
 
@@ -653,15 +670,27 @@ class Coordinator:
                 )
             ]
         spec = self._require_spec()
-        if not RULES[spec.policy].static_slices and (report.round, rank) not in self._plans:
+        static = RULES[spec.policy].static_slices
+        plan = None if static else self._plans.get((report.round, rank))
+        if not static and plan is None:
             return [
                 _warning(
                     f"rank {rank} reported window {report.round}, which it was never planned; "
                     "ignoring"
                 )
             ]
+        lie = plancheck.check_window(
+            report,
+            # SYNC: everything trained since the last report, all of it from the rank's slice
+            planned=self._sync_left.get(rank, 0) if plan is None else plan.quota,
+            epoch=self._epoch if plan is None else plan.epoch,
+            batch_size=spec.batch_size,
+        )
+        if lie is not None:
+            return self._on_lost(RankLost(rank=rank, reason=lie), now)
         self._reports.setdefault(report.round, {})[rank] = report
         self._batches[rank] = self._batches.get(rank, 0) + report.batches
+        self._reported_since_round[rank] = self._reported_since_round.get(rank, 0) + report.batches
         ledger = self._ledgers.get(report.epoch)
         if ledger is not None:
             ledger.add_window(report)

@@ -119,7 +119,7 @@ def check_host_frame(
     kind: str,
     takes_contributions: bool,
     refusal: Refusal | None,
-    gamma: float,
+    gamma: float | None,
     specs: Sequence[m.TensorSpec],
     acc_specs: Sequence[m.TensorSpec],
     payload_len: int,
@@ -128,7 +128,8 @@ def check_host_frame(
 
     ``kind``: the round's; ``takes_contributions``: False for a round whose consensus the
     controller sends; ``refusal``: the round barrier's answer for the frame's ranks; ``gamma``:
-    a ``model`` frame's weight is its ranks' ``steps ** gamma`` summed; ``specs`` and
+    a ``model`` frame's weight is its ranks' ``steps ** gamma`` summed (None: the round's plan
+    judges weights, :func:`~flodl_async.training.plancheck.check_host_claims`); ``specs`` and
     ``acc_specs``: the model's layout, plain and prescaled (accumulated); ``payload_len``: the
     bytes behind the frame."""
     if not takes_contributions:
@@ -141,7 +142,7 @@ def check_host_frame(
         raise ProtocolError(_REFUSALS[refusal.reason].format(what, refusal.rank, msg.round))
     if not (math.isfinite(msg.weight) and msg.weight >= 0):
         raise ProtocolError(f"{what} has weight {msg.weight!r}; weights are finite and >= 0")
-    if kind == "model" and len(msg.steps) == len(msg.ranks):
+    if gamma is not None and kind == "model" and len(msg.steps) == len(msg.ranks):
         # Weights are steps ** gamma (0 steps weigh 0); a rank that computed them with another
         # gamma disagrees here.
         want = 0.0

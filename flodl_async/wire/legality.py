@@ -17,7 +17,7 @@ The rows are how the messages are used:
   comes back down.
 * control — ranks' hello and heartbeats, and the Trainer's coordinator protocol
   (hello/welcome, plans, window reports, reduces, epoch metrics, deaths, shutdown;
-  ``RankGone`` is the relay's own report of a closed link). A host's relay terminates its
+  ``RankGone`` is the relay's own report of a rank it lost). A host's relay terminates its
   ranks' links as the *controller* side of a unix-socket connection and forwards up as the
   *peer* side, so both hops read the same two rows.
 * data — the Trainer's averaging, tensors up and the consensus down: a rank's

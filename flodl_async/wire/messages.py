@@ -400,8 +400,8 @@ class OuterSpecWire(Message):
 # ----- control channel: the Trainer's coordinator protocol -----------------------------------
 # Down-messages carry ``rank`` (the relay routes on it); ``rank = -1`` means every local rank
 # of the receiving relay, one frame per host. The nested classes (``...Wire``, ``EpochMetrics``,
-# ``RankEpochStats``) are registered kinds so the schema can nest them, but are legal on no route
-# by themselves.
+# ``RankEpochStats``, ``RoundPlan``) are registered kinds so the schema can nest them, but are
+# legal on no route by themselves.
 
 
 @message(kind=0x0412)
@@ -598,6 +598,18 @@ class WindowDone(Message):
     scalar_counts: dict[str, int] = field(default_factory=dict)
 
 
+@message(kind=0x0417)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RoundPlan(Message):
+    """What each rank may claim in one round (nested in ``Reduce``, for the relays and the reducer:
+    :mod:`flodl_async.training.plancheck`): ``steps[r]`` steps at most, each contribution weighing
+    ``steps ** gamma`` (0 steps: 0), or 1 if ``equal``; ``init``/``upload`` take rank 0's alone."""
+
+    steps: tuple[int, ...]
+    gamma: float
+    equal: bool = False
+
+
 @message(kind=0x0409)
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Reduce(Message):
@@ -606,7 +618,7 @@ class Reduce(Message):
 
     ``kind`` is ``init``, ``model``, ``final`` or ``upload``; ``checkpoint`` > 0 asks for the rank
     state as checkpoint version N after applying; ``reset_inner`` clears the inner optimizer
-    (DiLoCo).
+    (DiLoCo). ``plan`` is for the relays and the reducer (a relay strips it before the ranks).
     """
 
     round: int
@@ -615,6 +627,7 @@ class Reduce(Message):
     checkpoint: int = 0
     reset_inner: bool = False
     rank: int = -1
+    plan: RoundPlan | None = None
 
 
 @message(kind=0x040A)
@@ -650,7 +663,8 @@ class DeclareDead(Message):
 @message(kind=0x040D)
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RankGone(Message):
-    """A relay's local control link from ``rank`` closed (sent by the relay, never by a rank)."""
+    """A relay lost ``rank``: its local control link closed, or its host fold refused what the rank
+    sent (``reason`` says which). Sent by the relay, never by a rank."""
 
     rank: int
     reason: str
