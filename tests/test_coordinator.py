@@ -24,8 +24,9 @@ from flodl_async.training.coordination import (
     TrainerJoined,
     WindowReported,
 )
-from flodl_async.training.coordinator import REPORTS_AHEAD_LIMIT, Coordinator
+from flodl_async.training.coordinator import Coordinator
 from flodl_async.training.outer import DiLoCo
+from flodl_async.training.plancheck import REPORTS_AHEAD_LIMIT
 from flodl_async.training.policy import Backend, GateRank, Policy, should_reduce
 from flodl_async.training.spec import ElCheConfig, TrainerSpec
 from flodl_async.verdict import ExitCode

@@ -3,9 +3,9 @@
 tests/scripts/trainer_liar.py runs trainer_mlp.py as the launcher with rank 1 patched to lie (the
 attacks of the elastic issue: a takeover claiming 10**15 steps with every tensor 0.123, a window
 report of -10**9 batches, NaN tensors, negative steps). Each run ends with the liar named in the
-log and in the verdict, never the honest rank, and the attacker's tensors never become the model.
-A liar's death ends the run (exit 4) until survivors continue after a death; then the run
-completes DEGRADED (exit 0) without it, which these tests take too.
+log and in the verdict, never the honest rank, and the attacker's tensors never become the model:
+the liar is dropped like a rank that died, and the honest rank completes the run DEGRADED (exit 0)
+without it.
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ def test_a_lying_rank_is_named_and_its_lie_never_becomes_the_model(
 ) -> None:
     done = _run(tmp_path, lie)
     out = done.stdout + done.stderr
-    assert done.returncode in (ExitCode.OK, ExitCode.RANK_FAILURE), out
+    assert done.returncode == ExitCode.OK, out
     # the log line, from the coordinator's death chain
     assert f"flodl: rank 1 on host {socket.gethostname()} lost: {why}" in done.stderr, out
     verdict = [line for line in done.stderr.splitlines() if line.startswith("flodl: ")][-1]
@@ -69,10 +69,10 @@ def test_a_lying_rank_is_named_and_its_lie_never_becomes_the_model(
     consensus = [line for line in out.splitlines() if "CONSENSUS" in line]
     assert consensus, out  # the honest ranks did apply consensus rounds ...
     assert not [line for line in consensus if "takeover=True" in line], out  # ... never the lie
-    if done.returncode == ExitCode.OK:
-        # survivors continued: the final model is theirs, and the liar is among the lost
-        saved = torch.load(tmp_path / "out" / "launcher--1.pt")
-        assert saved["world_size"] == 1
-        for tensor in saved["state"].values():
-            assert torch.isfinite(tensor).all()
-            assert not torch.all(tensor == 0.123)
+    # the survivor continued: the final model is its own, and the liar is among the lost
+    assert "DEGRADED — 1 of 2 ranks lost (rank 1 on host" in verdict, out
+    saved = torch.load(tmp_path / "out" / "launcher--1.pt")
+    assert saved["world_size"] == 1
+    for tensor in saved["state"].values():
+        assert torch.isfinite(tensor).all()
+        assert not torch.all(tensor == 0.123)

@@ -84,7 +84,7 @@ async def _shell_with_two_ranks(
         world=lambda: (2, {0: "h0", 1: "h1"}),
         task_group=tg,
         on_outcome=concluded,
-        round_runner=lambda _spec, _schema, _digest: LoopbackRounds(),
+        round_runner=lambda _spec, _schema, _digest, _misbehaved: LoopbackRounds(),
     )
     link = RelayLink()
     for rank in (0, 1):

@@ -27,6 +27,7 @@ from flodl_async.trainer.launcher import TrainerAttachment, attach
 from flodl_async.training.metrics import EpochMetrics
 from flodl_async.training.spec import ElCheConfig, TrainerSpec
 from flodl_async.verdict import RunResult
+from flodl_async.wire import messages as m
 from flodl_async.wire import new_session_secret
 
 from .launchkit import PY, assert_nothing_left, new_run_id, script
@@ -64,8 +65,14 @@ class LoopbackRounds:
     _results: dict[int, Result] = field(default_factory=dict)
 
     def open_round(
-        self, round: int, kind: str, expected_ranks: frozenset[int], from_controller: bool = False
+        self,
+        round: int,
+        kind: str,
+        expected_ranks: frozenset[int],
+        from_controller: bool = False,
+        plan: m.RoundPlan | None = None,
     ) -> None:
+        assert plan is not None  # the coordinator opens every round with its plan
         self.opened.append((round, kind, expected_ranks, from_controller))
         self._results[round] = Result(
             round=round,
@@ -125,7 +132,9 @@ def run_controller(
 
     async def main() -> tuple[RunResult, bytes, Controller]:
         sink = LineSink()
-        seam = None if command is not None else (lambda _spec, _schema, _digest: rounds)
+        seam = (
+            None if command is not None else (lambda _spec, _schema, _digest, _misbehaved: rounds)
+        )
         controller = Controller(
             plan, output=RankOutput(stdout=sink, stderr=sink), training_rounds=seam
         )  # type: ignore[arg-type]
@@ -316,7 +325,7 @@ def test_a_launcher_signal_stops_training_in_order_before_any_signal_reaches_the
         controller = Controller(
             plan,
             output=RankOutput(stdout=sink, stderr=sink),
-            training_rounds=lambda _s, _m, _d: rounds,
+            training_rounds=lambda _s, _m, _d, _liar: rounds,
         )  # type: ignore[arg-type]
         await controller.bind()
         task = asyncio.get_running_loop().create_task(controller.run(), name="controller")

@@ -100,7 +100,12 @@ class RoundRunner(Protocol):
     (:class:`~flodl_async.controller.reducer.Reducer`)."""
 
     def open_round(
-        self, round: int, kind: str, expected_ranks: frozenset[int], from_controller: bool = False
+        self,
+        round: int,
+        kind: str,
+        expected_ranks: frozenset[int],
+        from_controller: bool = False,
+        plan: m.RoundPlan | None = None,
     ) -> None: ...
     async def wait_round(self, round: int) -> RoundResultLike: ...
     def declare_dead(self, rank: int) -> None: ...
@@ -110,15 +115,23 @@ class RoundRunner(Protocol):
     async def aclose(self) -> None: ...
 
 
-#: Builds the reducer once the reference spec, model schema and run digest are known.
-RoundRunnerFactory = Callable[[TrainerSpec, ModelSchema, str], RoundRunner]
+#: Builds the reducer once the reference spec, model schema and run digest are known; the last
+#: argument is told ``(rank, reason)`` of a rank whose contribution broke its round's plan.
+RoundRunnerFactory = Callable[
+    [TrainerSpec, ModelSchema, str, Callable[[int, str], None]], RoundRunner
+]
 #: Serves one DATA-channel link with the reducer (the controller registers it on the mux).
 DataServer = Callable[[RoundRunner], None]
 
 
-def default_round_runner(spec: TrainerSpec, schema: ModelSchema, digest: str) -> RoundRunner:
+def default_round_runner(
+    spec: TrainerSpec, schema: ModelSchema, digest: str, on_misbehaved: Callable[[int, str], None]
+) -> RoundRunner:
     """The data channel's reducer for this run's spec and model schema."""
-    return typing.cast(RoundRunner, Reducer(schema, spec.outer, spec.settings.gamma, digest=digest))
+    reducer = Reducer(
+        schema, spec.outer, spec.settings.gamma, digest=digest, on_misbehaved=on_misbehaved
+    )
+    return typing.cast(RoundRunner, reducer)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -410,7 +423,7 @@ class TrainingShell:
         assert hello is not None
         try:
             self.reducer = self._round_runner(
-                spec, ModelSchema.from_wire(hello.model), hello.digest
+                spec, ModelSchema.from_wire(hello.model), hello.digest, self._misbehaved
             )
         except FlodlError as exc:
             self._conclude(TrainingOutcome(ok=False, reason=str(exc), code=1))
@@ -418,6 +431,12 @@ class TrainingShell:
         if self._serve_data is not None:
             self._serve_data(self.reducer)
         return True
+
+    def _misbehaved(self, rank: int, reason: str) -> None:
+        """The reducer caught ``rank`` breaking its round's plan: a rank that lies is a rank that
+        failed. Taken on the loop's next turn, outside the reducer's own call (the death chain
+        calls back into the reducer)."""
+        asyncio.get_running_loop().call_soon(self._handle, RankLost(rank=rank, reason=reason))
 
     def _carry_out_table(self) -> TypeTable[Action, [], None]:
         """Which method carries out each coordinator action."""
@@ -439,7 +458,13 @@ class TrainingShell:
         if action.reducer:
             reducer = self.reducer
             assert reducer is not None
-            reducer.open_round(action.round, action.kind, action.expected, action.from_controller)
+            reducer.open_round(
+                action.round,
+                action.kind,
+                action.expected,
+                action.from_controller,
+                plan=action.message.plan,
+            )
             task = self._tg.create_task(
                 self._await_round(reducer, action.round), name=f"training-round-{action.round}"
             )

@@ -98,9 +98,6 @@ from .spec import TrainerSpec
 
 # ----- the machine ---------------------------------------------------------------------------
 
-# windows a rank may report ahead of the coordinator's current round (see _on_window)
-REPORTS_AHEAD_LIMIT = 64
-
 _OVER = (CoordPhase.DONE, CoordPhase.FAILED)
 
 #: Save reasons that are the operator's limit rather than a plain failure.
@@ -150,8 +147,6 @@ class Coordinator:
         self._completed_epochs = 0
         self._last_sync_ms = 0.0
         self._batches: dict[int, int] = {}
-        # batches each rank reported since the last round opened (a SYNC round's plan)
-        self._reported_since_round: dict[int, int] = {}
         self._stop_reason: str | None = None
         self._handlers: TypeTable[Event, [float], list[Action]] = TypeTable(
             "the coordinator's events"
@@ -390,13 +385,13 @@ class Coordinator:
         plan = plancheck.round_plan(
             world_size=self.config.world_size,
             expected=expected,
-            claimable=plancheck.sync_claimable(self._sync_left, self._reported_since_round)
+            claimable=self._slices.claimable()
             if RULES[spec.policy].static_slices
             else plancheck.in_flight_batches(self._pool.in_flight()),
             gamma=spec.settings.gamma,
             equal=kind == "final" and spec.policy is Policy.ASYNC,
         )
-        self._reported_since_round = {}
+        self._slices.round_opened()
         return StartRound(
             round=round_,
             kind=kind,
@@ -655,34 +650,21 @@ class Coordinator:
             CoordPhase.STOPPING,
         ):
             return []  # a dead rank's late frames, or no window open
-        if report.round < self._round or rank in self._reports.get(report.round, {}):
-            return [
-                _warning(f"rank {rank} reported window {report.round} again or too late; ignoring")
-            ]
-        if report.round > self._round + REPORTS_AHEAD_LIMIT:
-            # A rank numbers its windows from the reduces it has seen, so it is never more than a
-            # round or two ahead; anything further is a broken peer, and keeping its reports would
-            # grow without bound.
-            return [
-                _warning(
-                    f"rank {rank} reported window {report.round}, far ahead of round "
-                    f"{self._round}; ignoring"
-                )
-            ]
         spec = self._require_spec()
         static = RULES[spec.policy].static_slices
         plan = None if static else self._plans.get((report.round, rank))
-        if not static and plan is None:
-            return [
-                _warning(
-                    f"rank {rank} reported window {report.round}, which it was never planned; "
-                    "ignoring"
-                )
-            ]
+        out_of_place = plancheck.window_out_of_place(
+            report,
+            current=self._round,
+            again=rank in self._reports.get(report.round, {}),
+            planned=static or plan is not None,
+        )
+        if out_of_place is not None:
+            return [_warning(out_of_place)]
         lie = plancheck.check_window(
             report,
             # SYNC: everything trained since the last report, all of it from the rank's slice
-            planned=self._sync_left.get(rank, 0) if plan is None else plan.quota,
+            planned=self._slices.left(rank) if plan is None else plan.quota,
             epoch=self._epoch if plan is None else plan.epoch,
             batch_size=spec.batch_size,
         )
@@ -690,7 +672,6 @@ class Coordinator:
             return self._on_lost(RankLost(rank=rank, reason=lie), now)
         self._reports.setdefault(report.round, {})[rank] = report
         self._batches[rank] = self._batches.get(rank, 0) + report.batches
-        self._reported_since_round[rank] = self._reported_since_round.get(rank, 0) + report.batches
         ledger = self._ledgers.get(report.epoch)
         if ledger is not None:
             ledger.add_window(report)

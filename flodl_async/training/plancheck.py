@@ -297,6 +297,30 @@ def tensor_lie(rank: int, round: int, bad: tuple[str, str]) -> str:
 
 # ----- window reports ------------------------------------------------------------------------
 
+#: windows a rank may report ahead of the coordinator's current round
+REPORTS_AHEAD_LIMIT = 64
+
+
+def window_out_of_place(
+    report: m.WindowDone, *, current: int, again: bool, planned: bool
+) -> str | None:
+    """Why window report ``report`` is not taken at all (ignored with a warning), or None.
+
+    Not a death: a slow honest rank sends a late report too. ``current``: the coordinator's round;
+    ``again``: the rank already reported this window; ``planned``: it was planned this window (or
+    under SYNC, any)."""
+    rank, round_ = report.rank, report.round
+    if round_ < current or again:
+        return f"rank {rank} reported window {round_} again or too late; ignoring"
+    if round_ > current + REPORTS_AHEAD_LIMIT:
+        # A rank numbers its windows from the reduces it has seen, so it is never more than a round
+        # or two ahead; anything further is a broken peer, and keeping its reports would grow
+        # without bound.
+        return f"rank {rank} reported window {round_}, far ahead of round {current}; ignoring"
+    if not planned:
+        return f"rank {rank} reported window {round_}, which it was never planned; ignoring"
+    return None
+
 
 def check_window(report: m.WindowDone, *, planned: int, epoch: int, batch_size: int) -> str | None:
     """Why window report ``report`` breaks its plan, or None (the coordinator).

@@ -16,12 +16,13 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 
 from . import partition as part
+from . import plancheck
 
 
 class SyncSlices:
     """The slices of the epoch being trained (empty before the first :meth:`open`)."""
 
-    __slots__ = ("_held", "_left", "_ranges")
+    __slots__ = ("_held", "_left", "_ranges", "_since_round")
 
     def __init__(self) -> None:
         # rank -> its batches in plan order (its slice, then any share of a dead rank's)
@@ -30,6 +31,8 @@ class SyncSlices:
         self._left: dict[int, int] = {}
         # rank -> batches of its ranges a consensus holds
         self._held: dict[int, int] = {}
+        # rank -> batches it reported since the last round opened (a round's plan)
+        self._since_round: dict[int, int] = {}
 
     def open(self, slices: Mapping[int, part.Range]) -> None:
         """A new epoch: each rank's one slice."""
@@ -45,6 +48,16 @@ class SyncSlices:
         """``rank`` reported ``batches`` more."""
         if rank in self._left:
             self._left[rank] = max(0, self._left[rank] - batches)
+        self._since_round[rank] = self._since_round.get(rank, 0) + batches
+
+    def round_opened(self) -> None:
+        """A round opened: what :meth:`claimable` counts as reported starts again from here."""
+        self._since_round = {}
+
+    def claimable(self) -> dict[int, int]:
+        """The most steps each rank can contribute to the round opening now (its plan's bound:
+        :func:`~flodl_async.training.plancheck.sync_claimable`)."""
+        return plancheck.sync_claimable(self._left, self._since_round)
 
     def settle(self, folded: Mapping[int, int]) -> None:
         """A round's consensus holds each listed rank's contribution, of that many steps."""

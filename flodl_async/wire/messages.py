@@ -313,10 +313,7 @@ class DataWelcome(Message):
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Contribution(Message):
     """One rank's tensors for round ``round`` (raw, in the model's dtypes), weighted ``steps **
-    gamma``.
-
-    ``tensors == ()`` is an empty contribution: nothing to add, the rank waits for the consensus.
-    """
+    gamma``; ``tensors == ()`` is an empty one: nothing to add, the rank awaits the consensus."""
 
     round: int
     kind: str
@@ -363,9 +360,8 @@ class Consensus(Message):
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ModelSchemaWire(Message):
     """A model's tensor layout (nested in ``TrainerHello``;
-    :class:`flodl_async.training.modelschema.ModelSchema`).
-
-    ``dtypes``/``shapes`` are in wire order: parameters, then persistent buffers.
+    :class:`flodl_async.training.modelschema.ModelSchema`). ``dtypes``/``shapes`` are in wire
+    order: parameters, then persistent buffers.
 
     A twin of ``ModelSchema``, kept because the shapes differ: here names, dtypes and shapes
     travel as parallel arrays, there each tensor is one ``TensorMeta``; and ``ModelSchema``
@@ -469,11 +465,9 @@ class TrainerSpecWire(Message):
 @message(kind=0x0415)
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RankEpochStats(Message):
-    """One rank's part of an aggregated epoch (nested in :class:`EpochMetrics`).
-
-    Defined here, not in :mod:`flodl_async.training.metrics` (which re-exports it): the same
-    declaration is the domain value and its wire form.
-    """
+    """One rank's part of an aggregated epoch (nested in :class:`EpochMetrics`); defined here, not
+    in :mod:`flodl_async.training.metrics`: the same declaration is the domain value and its wire
+    form."""
 
     rank: int
     batches: int
@@ -490,10 +484,8 @@ class RankEpochStats(Message):
 @dataclass(frozen=True, slots=True, kw_only=True)
 class EpochMetrics(Message):
     """One aggregated epoch: what the log line, the status page and ``TrainingRun.metrics()`` show.
-
     ``epoch`` counts from 1 (a run's last is its epoch count). Built by the ``EpochLedger``, sent to
-    the ranks in :class:`EpochAggregated` as it is (the domain value is its own wire form).
-    """
+    the ranks in :class:`EpochAggregated` as it is (the domain value is its own wire form)."""
 
     epoch: int
     avg_loss: float
@@ -560,12 +552,10 @@ class TrainerReject(Message):
 @message(kind=0x0407)
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Plan(Message):
-    """Work for one window: batch ranges ``(first_batch, n)`` of epoch ``epoch``'s pool.
-
-    Send ``WindowDone`` after ``quota`` steps (0: at once); hold once the steps since the last
+    """Work for one window: batch ranges ``(first_batch, n)`` of epoch ``epoch``'s pool. Send
+    ``WindowDone`` after ``quota`` steps (0: at once); hold once the steps since the last
     contribution reach ``hold_after`` (-1: never); ``progress`` is the epoch progress at the
-    window's start, for LR schedules.
-    """
+    window's start, for LR schedules."""
 
     rank: int
     round: int
@@ -614,12 +604,9 @@ class RoundPlan(Message):
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Reduce(Message):
     """Contribute to round ``round`` on the data channel (``from_controller``: only await its
-    consensus).
-
-    ``kind`` is ``init``, ``model``, ``final`` or ``upload``; ``checkpoint`` > 0 asks for the rank
-    state as checkpoint version N after applying; ``reset_inner`` clears the inner optimizer
-    (DiLoCo). ``plan`` is for the relays and the reducer (a relay strips it before the ranks).
-    """
+    consensus). ``kind`` is ``init``, ``model``, ``final`` or ``upload``; ``checkpoint`` > 0 asks
+    for the rank state as checkpoint version N after applying; ``reset_inner`` clears the inner
+    optimizer (DiLoCo). ``plan`` is for the relays and the reducer (a relay strips it)."""
 
     round: int
     kind: str
@@ -673,8 +660,7 @@ class RankGone(Message):
 @message(kind=0x040E, sealed=True)
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Exiting(Message):
-    """The rank is leaving: a clean exit (``error`` empty) or a death record (``error`` =
-    traceback)."""
+    """The rank is leaving: a clean exit (``error`` empty) or a death record (its traceback)."""
 
     rank: int
     reason: str
@@ -706,8 +692,7 @@ class RankStateSaved(Message):
 @message(kind=0x0411)
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Shutdown(Message):
-    """The end: ranks finish ``run()`` (normal end, graceful stop) or raise (failure:
-    ``save_reason``)."""
+    """The end: ranks finish ``run()`` (normal end, orderly stop) or raise (``save_reason``)."""
 
     reason: str
     save_reason: str = ""
