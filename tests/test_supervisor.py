@@ -1035,7 +1035,7 @@ def test_a_rank_failure_goes_to_the_coordinator_and_waits_for_its_cause() -> Non
     # the exit is said at once and handed to the coordinator; the verdict waits
     assert sup.handle(report, 3.0) == (
         Announce(text=describe_exit(report.report), level=Level.WARNING),
-        TellCoordinator(report=report.report),
+        TellCoordinator(rank=1, reason="its process exited with code 1", refines=True),
     )
     assert isinstance(sup.phase, Concluding)
     assert sup.next_deadline(3.0) == 5.0
@@ -1069,7 +1069,7 @@ def test_a_rank_dropped_before_its_exit_ends_nothing_when_the_exit_comes() -> No
     assert of(said, EndRun) == []
     # handed on all the same: its own end may say more than what dropped it
     [told] = of(said, TellCoordinator)
-    assert told.report.rank == 2
+    assert (told.rank, told.refines) == (2, True)
     assert isinstance(sup.phase, Running)
 
 
@@ -1077,7 +1077,7 @@ def test_two_failures_held_wait_until_both_are_dropped() -> None:
     sup = _trainer_running()
     sup.handle(exited(1, "a", code=1), 3.0)
     second = sup.handle(exited(3, "b", code=1), 3.1)
-    assert of(second, TellCoordinator) == [TellCoordinator(report=exited(3, "b", code=1).report)]
+    assert [t.rank for t in of(second, TellCoordinator)] == [3]
     sup.handle(RankDropped(rank=1, reason="x"), 3.2)
     assert isinstance(sup.phase, Concluding)
     # the first failure's deadline still holds for the second
@@ -1112,11 +1112,8 @@ def test_every_rank_gone_with_no_conclusion_is_a_failure() -> None:
     assert end.result.reason == "every rank exited before training ended (1 dropped)"
 
 
-def test_a_held_rank_failure_outweighs_an_orderly_end_and_a_later_host_loss() -> None:
-    for later in (
-        TrainingEnded(ok=True, reason="training complete"),
-        HostLost(host="b", reason="its join link closed"),
-    ):
+def test_a_held_rank_failure_outweighs_an_orderly_end() -> None:
+    for later in (TrainingEnded(ok=True, reason="training complete"),):
         sup = _trainer_running()
         report = exited(1, "a", code=1)
         sup.handle(report, 3.0)
@@ -1151,6 +1148,51 @@ def test_a_coordinated_rank_failure_does_not_restart_the_world() -> None:
     sup = _trainer_running(max_restarts=1)
     sup.handle(exited(1, "a", code=1), 3.0)
     assert isinstance(sup.phase, Concluding)
+
+
+def test_a_trainer_hosts_loss_hands_its_ranks_to_the_coordinator_and_the_run_goes_on() -> None:
+    sup = _trainer_running()
+    said = sup.handle(HostLost(host="b", reason="no heartbeat for 10 s"), 3.0)
+    assert of(said, EndRun) == []
+    assert of(said, TellCoordinator) == [
+        TellCoordinator(rank=r, reason="its host 'b' was lost: no heartbeat for 10 s")
+        for r in (2, 3)
+    ]
+    assert isinstance(sup.phase, Concluding)
+    sup.handle(RankDropped(rank=2, reason="x"), 3.1)
+    sup.handle(RankDropped(rank=3, reason="x"), 3.1)
+    assert isinstance(sup.phase, Running)
+    done = "training complete, DEGRADED — 2 of 4 ranks lost"
+    sup.handle(TrainingEnded(ok=True, reason=done), 4.0)
+    sup.handle(exited(0, "a"), 4.1)
+    # b's ranks are gone with it: a's exits end the run
+    end = the_end(sup.handle(exited(1, "a"), 4.2))
+    assert (end.result.exit_code, end.result.reason) == (ExitCode.OK, done)
+
+
+def test_a_trainer_hosts_loss_nobody_absorbs_is_the_verdict_at_the_deadline() -> None:
+    sup = _trainer_running()
+    sup.handle(HostLost(host="b", reason="no heartbeat for 10 s"), 3.0)
+    end = the_end(sup.handle(Woke(late=0.0), 5.0))
+    assert end.result.reason == "agent on host 'b' was lost mid-run: no heartbeat for 10 s"
+    assert end.result.exit_code is ExitCode.RANK_FAILURE
+
+
+def test_a_host_lost_while_a_failure_is_held_is_held_too() -> None:
+    sup = _trainer_running()
+    sup.handle(exited(1, "a", code=1), 3.0)
+    said = sup.handle(HostLost(host="b", reason="cut"), 3.1)
+    assert [t.rank for t in of(said, TellCoordinator)] == [2, 3]
+    for rank in (1, 2, 3):
+        sup.handle(RankDropped(rank=rank, reason="x"), 3.2)
+    assert isinstance(sup.phase, Running)
+
+
+def test_a_plain_scripts_host_loss_still_ends_the_run() -> None:
+    sup = Supervisor(config(), now=0.0)
+    running(sup)
+    end = the_end(sup.handle(HostLost(host="b", reason="cut"), 3.0))
+    assert end.result.reason == "agent on host 'b' was lost mid-run: cut"
 
 
 # ----- what the console prints of a verdict --------------------------------------------------------

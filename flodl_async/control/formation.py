@@ -1,5 +1,5 @@
-"""What the supervisor says while the world forms: the answer to each join, and the world's
-announcement to every member host.
+"""What the supervisor says to the world's hosts as it forms and restarts: the answer to each join,
+the world's announcement to every member host, and the stop before a restart.
 
 Pure: the join window (:mod:`flodl_async.control.membership`) decides who is in; these turn its
 decisions into the supervisor's actions.
@@ -72,3 +72,14 @@ def world_formed(world: Formed, config: SupervisorConfig) -> list[Action]:
             )
         )
     return actions
+
+
+def stop_for_restart(world: Formed, round_: int, grace: float) -> list[Action]:
+    """Every member host is told to stop ``round_``'s ranks, so that the world restarts."""
+    return [
+        Tell(
+            to=member.host,
+            message=m.StopRanks(round=round_, reason="restarting the world", grace_s=grace),
+        )
+        for member in world.members
+    ]

@@ -3,7 +3,7 @@ activity, how they exited; and which one hung.
 
 Pure. The supervisor fills it from the events of the running round and asks it, under
 ``--hang-timeout``, whether a host's report names a rank quiet past the limit
-(:meth:`RankTable.reported`), and how that verdict reads (:func:`hang_verdict`).
+(:meth:`RankTable.hang`), and how that verdict reads (:func:`hang_verdict`).
 """
 
 from __future__ import annotations
@@ -76,9 +76,16 @@ class RankTable:
                 hung = activity
         return hung
 
-    def local_rank(self, rank: int) -> int:
-        """``rank``'s local rank on its host."""
-        return self._ranks[rank].local_rank
+    def hang(
+        self, host: str, report: m.RankStats, *, hang_timeout: float | None
+    ) -> tuple[str, str] | None:
+        """:meth:`reported`, and the reason and details of the verdict on the rank that hung, if
+        one did."""
+        hung = self.reported(host, report, hang_timeout=hang_timeout)
+        if hung is None or hang_timeout is None:
+            return None
+        local_rank = self._ranks[hung.rank].local_rank
+        return hang_verdict(hung, host=host, local_rank=local_rank, hang_timeout=hang_timeout)
 
 
 def hang_verdict(

@@ -256,10 +256,15 @@ class ResetStore:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class TellCoordinator:
-    """Hand a rank's failed exit to the Trainer's coordinator, as one source of its death chain:
-    it drops the rank (:class:`RankDropped`) or ends the run with its cause."""
+    """Tell the Trainer's coordinator that ``rank`` is lost (its process failed, or its host was
+    lost), one source of its death chain: it drops the rank (:class:`RankDropped`) or ends the run
+    with its cause. ``refines``: the reason is the process's own end, which says more than a link's
+    close the coordinator may have heard first."""
 
-    report: m.RankExited
+    rank: int
+    reason: str
+    details: str = ""
+    refines: bool = False
 
 
 Action = (
@@ -308,6 +313,17 @@ class Running:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class HeldFailure:
+    """A failure of a Trainer run's rank that its coordinator may absorb by dropping the rank; the
+    verdict it gives if it does not."""
+
+    rank: int
+    reason: str
+    details: str = ""
+    details_if_shown: str = ""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Concluding:
     """Ranks of the running round failed while the Trainer's coordinator runs: until ``deadline``
     the coordinator may drop them (:class:`RankDropped`: the round runs on) or give its cause (a
@@ -318,7 +334,7 @@ class Concluding:
     """
 
     running: Running
-    failures: tuple[m.RankExited, ...]
+    failures: tuple[HeldFailure, ...]
     deadline: float
 
     @property

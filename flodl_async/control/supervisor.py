@@ -49,10 +49,11 @@ from ..verdict import (
     restarts_text,
 )
 from ..wire import messages as m
-from .exits import describe_exit, failed, failure_details, signal_name
-from .formation import join_answer, store_host, world_formed
-from .membership import Failed, Formed, JoinWindow
-from .ranktable import RankTable, hang_verdict
+from .elastic import held_exit, held_host, tell_exit
+from .exits import describe_exit, failed, signal_name
+from .formation import join_answer, stop_for_restart, store_host, world_formed
+from .membership import Failed, Formed, JoinedMember, JoinWindow
+from .ranktable import RankTable
 from .supervision import (
     Action,
     Concluding,
@@ -61,6 +62,7 @@ from .supervision import (
     Event,
     ForceStop,
     Forming,
+    HeldFailure,
     HostLost,
     Interrupted,
     JoinRequested,
@@ -80,7 +82,6 @@ from .supervision import (
     StoreReady,
     SupervisorConfig,
     SupervisorView,
-    TellCoordinator,
     TrainingEnded,
     TrainingStarted,
     Transitions,
@@ -397,20 +398,21 @@ class Supervisor:
                 # the coordinator drops the rank or gives the cause (the shell hands it the exit)
                 self._phase = Concluding(
                     running=_exited(phase, report),
-                    failures=(report,),
+                    failures=(held_exit(report),),
                     deadline=now + self.config.training_outcome_wait,
                 )
                 return (
                     Announce(text=describe_exit(report), level=Level.WARNING),
-                    TellCoordinator(report=report),
+                    tell_exit(report),
                 )
             if self._restart_count >= self.config.max_restarts:
-                return (Announce(text=describe_exit(report)), self._rank_failure(report))
+                failure = held_exit(report, after=self._after_restarts())
+                return (Announce(text=describe_exit(report)), self._rank_failure(failure))
             return self._restart(phase, report, now)
         if failed(report):
             said = Announce(text=f"{describe_exit(report)} (dropped from training)")
             # its own end says more than the link that reported it first
-            told = (TellCoordinator(report=report),) if self._training_done is None else ()
+            told = (tell_exit(report),) if self._training_done is None else ()
             return (said, *told, *self._round_over(_exited(phase, report)))
         said = Announce(text=f"rank {report.rank} on {report.host} exited with code 0")
         return (said, *self._round_over(_exited(phase, report)))
@@ -441,23 +443,12 @@ class Supervisor:
             waiting=hosts,
             deadline=now + self.config.stop_grace + self.config.stop_ack_margin,
         )
-        actions: list[Action] = [
-            Announce(
-                text=f"{describe_exit(report)}; restarting the world (restart "
-                f"{self._restart_count + 1} of {self.config.max_restarts})",
-                level=Level.WARNING,
-            )
-        ]
-        actions.extend(
-            Tell(
-                to=member.host,
-                message=m.StopRanks(
-                    round=phase.round, reason="restarting the world", grace_s=self.config.stop_grace
-                ),
-            )
-            for member in phase.world.members
+        said = Announce(
+            text=f"{describe_exit(report)}; restarting the world (restart "
+            f"{self._restart_count + 1} of {self.config.max_restarts})",
+            level=Level.WARNING,
         )
-        return tuple(actions)
+        return (said, *stop_for_restart(phase.world, phase.round, self.config.stop_grace))
 
     def _running_dropped(
         self, phase: Running, event: RankDropped, now: float
@@ -478,8 +469,8 @@ class Supervisor:
         failures = phase.failures
         said: tuple[Action, ...] = ()
         if failed(report) and report.rank not in running.dropped:
-            failures = (*failures, report)
-            said = (TellCoordinator(report=report),)
+            failures = (*failures, held_exit(report))
+            said = (tell_exit(report),)
         self._phase = replace(phase, running=running, failures=failures)
         return said
 
@@ -493,17 +484,17 @@ class Supervisor:
             return ()
         return self._round_over(running)
 
-    def _rank_failure(self, report: m.RankExited) -> EndRun:
-        """The verdict of a rank's failure with no restart left."""
-        restarts = (
-            f" after {restarts_text(self._restart_count)}" if self.config.max_restarts else ""
-        )
+    def _after_restarts(self) -> str:
+        return f" after {restarts_text(self._restart_count)}" if self.config.max_restarts else ""
+
+    def _rank_failure(self, failure: HeldFailure) -> EndRun:
+        """The verdict of a rank's failure nothing absorbed."""
         return self._end(
             ExitCode.RANK_FAILURE,
-            describe_exit(report) + restarts,
-            details=failure_details(report),
-            rank=report.rank,
-            details_if_shown=failure_details(report, shown_live=True),
+            failure.reason,
+            details=failure.details,
+            rank=failure.rank,
+            details_if_shown=failure.details_if_shown,
         )
 
     def _concluding_tick(self, phase: Concluding, event: Tick, now: float) -> tuple[Action, ...]:
@@ -558,10 +549,14 @@ class Supervisor:
         )
 
     def _host_lost(self, phase: _FormedPhase, event: HostLost, now: float) -> tuple[Action, ...]:
+        member = next((mb for mb in phase.world.members if mb.host == event.host), None)
+        trainer = self._coordinated and self._training_done is None
+        if isinstance(phase, Running | Concluding) and member is not None and trainer:
+            return self._hold_host(phase, member, event, now)
         if isinstance(phase, Concluding):
             # the first failure decides: the rank's, held only for its cause
             return (self._rank_failure(phase.failures[0]),)
-        if not any(member.host == event.host for member in phase.world.members):
+        if member is None:
             return (
                 Announce(
                     text=f"agent on host {event.host!r} (not in the world) went away: "
@@ -580,6 +575,24 @@ class Supervisor:
                 f"agent on host {event.host!r} was lost {during}: {event.reason}",
             ),
         )
+
+    def _hold_host(
+        self, phase: Running | Concluding, member: JoinedMember, event: HostLost, now: float
+    ) -> tuple[Action, ...]:
+        """A Trainer run's host is lost, and its ranks with it: each the coordinator's to drop
+        (their exits never come)."""
+        running = phase.running if isinstance(phase, Concluding) else phase
+        held, told = held_host(member, event.reason, gone=running.exited | running.dropped)
+        running = replace(running, exited=running.exited | set(member.ranks))
+        if isinstance(phase, Concluding):
+            self._phase = replace(phase, running=running, failures=(*phase.failures, *held))
+        elif held:
+            deadline = now + self.config.training_outcome_wait
+            self._phase = Concluding(running=running, failures=held, deadline=deadline)
+        else:
+            return self._round_over(running)
+        text = f"agent on host {member.host!r} was lost: {event.reason}"
+        return (Announce(text=text, level=Level.WARNING), *told)
 
     # ----- signals and the end -------------------------------------------------------------------
 
@@ -667,13 +680,10 @@ class Supervisor:
         if event.report.round != phase.round:
             # a report of another round: the table already says how that one ended
             return ()
-        limit = self.config.hang_timeout
-        hung = self._ranks.reported(event.host, event.report, hang_timeout=limit)
-        if hung is None or limit is None:
+        hang = self._ranks.hang(event.host, event.report, hang_timeout=self.config.hang_timeout)
+        if hang is None:
             return ()
-        reason, details = hang_verdict(
-            hung, host=event.host, local_rank=self._ranks.local_rank(hung.rank), hang_timeout=limit
-        )
+        reason, details = hang
         return (
             Announce(text=reason, level=Level.WARNING),
             self._end(ExitCode.STALLED, reason, details=details),

@@ -400,7 +400,9 @@ class Controller:
 
     def _tell_coordinator(self, action: TellCoordinator, reply_link: FramedProtocol | None) -> None:
         if self._training is not None:
-            self._training.rank_exited(action.report)
+            self._training.rank_lost(
+                action.rank, action.reason, details=action.details, refines=action.refines
+            )
 
     def _force_stop(self, action: ForceStop, reply_link: FramedProtocol | None) -> None:
         self._forced = True

@@ -39,7 +39,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from ..control.dispatch import TypeTable
-from ..control.exits import exit_cause, failure_details
 from ..control.vocab import LOGGING_LEVELS, Announce, Tell, Tick
 from ..errors import ConnectionClosed, FlodlError
 from ..net.framed import FramedProtocol
@@ -254,19 +253,12 @@ class TrainingShell:
                     )
                 )
 
-    def rank_exited(self, report: m.RankExited) -> None:
-        """The agent reported ``report``'s rank failed: one source of the coordinator's death
-        chain (the first source of a death decides; the others find it dead)."""
+    def rank_lost(self, rank: int, reason: str, *, details: str = "", refines: bool) -> None:
+        """The supervisor learnt ``rank`` is lost (its process failed, its host was lost): one
+        source of the coordinator's death chain (the first source of a death decides; the others
+        find it dead, and ``refines`` says a process's own end may reword its reason)."""
         if self.coordinator is not None:
-            self._handle(
-                RankLost(
-                    rank=report.rank,
-                    reason=f"its process {exit_cause(report)}",
-                    details=failure_details(report),
-                    # its agent's own KILL of a rank declared dead says nothing new
-                    exit=not report.killed_because,
-                )
-            )
+            self._handle(RankLost(rank=rank, reason=reason, details=details, exit=refines))
 
     def seen(self, rank: int) -> None:
         """A heartbeat (or any frame) from ``rank``."""
