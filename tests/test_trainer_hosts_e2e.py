@@ -233,3 +233,30 @@ def test_a_rank_killed_on_the_remote_host_is_dropped_named_and_leaves_nothing(
     assert f"DEGRADED — 1 of 3 ranks lost (rank {rank} on host h1: " in done.stderr, done.stderr
     assert (tmp_path / "out" / "launcher--1.pt").exists()  # the launcher's run() returned the state
     assert hostkit.leftovers() == {}
+
+
+def test_a_host_cut_off_mid_training_costs_its_ranks_and_the_survivors_finish(
+    hostkit: HostKit, tmp_path: Path
+) -> None:
+    """h1's link goes down while its rank trains: the controller loses the host (its links go silent),
+    the coordinator drops its rank, and the controller's host trains on to a DEGRADED end."""
+    h1 = hostkit.hosts[0]
+    hold = tmp_path / "hold"
+    args = ("--epochs", "2", "--hold-file", str(hold), "--hold-host", "h1")
+    launcher = ScriptLauncher(tmp_path, _two_agents(tmp_path, hostkit), *args, run_id=new_run_id())
+    link = ("ip", "netns", "exec", h1.ns, "ip", "link", "set", "eth0")
+    try:
+        rank, _pid = launcher.held_rank()
+        subprocess.run([*link, "down"], check=True)  # the cable is pulled: nothing says goodbye
+        done = launcher.finish(timeout=120)
+    finally:
+        subprocess.run([*link, "up"], check=False)
+        hold.touch()
+        launcher.kill()
+    assert done.returncode == ExitCode.OK, done.stderr
+    assert f"DEGRADED — 1 of 3 ranks lost (rank {rank} on host h1: " in done.stderr, done.stderr
+    saved = states(tmp_path)
+    assert saved["launcher--1"]["world_size"] == 2, saved["launcher--1"]  # the survivors' world
+    assert saved["launcher--1"]["epochs_completed"] == 2
+    # the cut-off agent finds its controller silent and ends its rank: nothing is left on h1
+    assert hostkit.leftovers(within=30) == {}
