@@ -113,7 +113,8 @@ class Driver:
 
     def kill(self, rank: int, *, frames_lost: bool = False) -> list[Action]:
         """``rank`` dies now: its reports not yet delivered are gone, and with ``frames_lost`` the
-        contributions it sent for rounds not started yet too (else they reach the reducer)."""
+        contributions it sent for rounds not completed yet too (else they reach the reducer): a
+        round being reduced completes without it, as when its frame was cut off or refused."""
         self.dead.add(rank)
         self.pending = collections.deque(
             e for e in self.pending if not (isinstance(e, WindowReported) and e.report.rank == rank)
@@ -122,7 +123,20 @@ class Driver:
             started = {r.round for r in self.rounds}
             for key in [k for k in self._sent if k[1] == rank and k[0] not in started]:
                 del self._sent[key]
+            self.pending = collections.deque(self._without(e, rank) for e in self.pending)
         return self.feed(RankLost(rank=rank, reason="killed"))
+
+    def _without(self, event: Event, rank: int) -> Event:
+        """``event``, a round's completion not yet delivered, with ``rank``'s contribution out of
+        it (and out of the consensus the round was recorded to hold)."""
+        if not isinstance(event, RoundCompleted) or not event.folded or rank not in event.folded:
+            return event
+        if event.kind == "model":
+            epoch, batches = self._sent[(event.round, rank)]
+            for batch in batches:
+                self.consensus[epoch].remove(batch)
+        folded = {r: n for r, n in event.folded.items() if r != rank}
+        return dataclasses.replace(event, folded=folded)
 
     def _window(self, rank: int, round_: int, epoch: int, batches: list[int]) -> None:
         if rank in self.dead:

@@ -75,6 +75,29 @@ def test_a_death_at_any_moment_keeps_the_coverage_exact_and_ends_degraded(
     assert_exact_coverage(d, 3)
 
 
+@pytest.mark.parametrize("policy", [Policy.SYNC, Policy.CADENCE, Policy.ASYNC])
+def test_a_death_whose_frame_never_arrives_at_every_moment_of_a_run_keeps_the_coverage_exact(
+    policy: Policy,
+) -> None:
+    """Every moment, not a sample: the death while an epoch's closing round is reduced, its
+    contribution cut off (a lie the fold refused, a rank killed mid-send), left the survivor with
+    no window and the run stalled."""
+    moments = 0
+    while True:
+        d = Driver(spec(policy, epochs=2), world=2)
+        d.join_all()
+        d.drain(limit=moments)
+        if d.ended is not None:
+            break
+        d.kill(1, frames_lost=True)
+        d.drain()
+        assert isinstance(d.ended, Finish), (moments, d.ended)
+        assert [rank for rank, _ in d.ended.lost] == [1]
+        assert_exact_coverage(d, 2)
+        moments += 1
+    assert moments > 10  # the sweep went through a whole run
+
+
 @given(
     policy=st.sampled_from([Policy.SYNC, Policy.CADENCE, Policy.ASYNC]),
     first=st.integers(0, 300),
@@ -118,7 +141,7 @@ def test_a_death_reported_by_its_exit_after_its_link_refines_the_reason() -> Non
     d.drain(limit=10)
     epoch = d.coord.completed_epochs + 1  # the one being trained
     d.dead.add(1)
-    d.feed(RankLost(rank=1, reason="its link to the relay closed"))
+    d.feed(RankLost(rank=1, reason="its link to the relay closed", vague=True))
     assert d.feed(RankLost(rank=1, reason="its process was killed by SIGKILL", exit=True)) == []
     d.drain()
     assert isinstance(d.ended, Finish)

@@ -245,7 +245,7 @@ async def test_a_liar_is_left_out_of_its_hosts_frame_and_named_by_the_relay(
             for r in (honest, 2)
         ]  # fmt: skip
         gone = await bench.rank_gone()
-        assert gone == m.RankGone(rank=liar, reason=why)
+        assert gone == m.RankGone(rank=liar, reason=why, refused=True)
         # the reducer still waits for the liar's host... until the coordinator declares it dead
         assert not any(w.done() for w in waiting)
         bench.reducer.declare_dead(liar)
@@ -308,7 +308,9 @@ async def test_a_contribution_to_a_round_the_relay_never_saw_open_is_a_lie(bench
     async with asyncio.timeout(20):
         await bench.data[1].send(2, "model", tensors(1.0), 4, 4.0)
         gone = await bench.rank_gone()
-    assert gone == m.RankGone(rank=1, reason="rank 1 contributed to round 2, which is not open")
+    assert gone == m.RankGone(
+        rank=1, reason="rank 1 contributed to round 2, which is not open", refused=True
+    )
 
 
 # ----- a host frame that lies (hand-made relays) ----------------------------------------------

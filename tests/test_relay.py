@@ -186,6 +186,7 @@ async def test_a_link_claiming_another_rank_is_closed(bench: Bench) -> None:
     assert gone == m.RankGone(
         rank=0,
         reason="the relay closed its link: the link of rank 0 sent Heartbeat claiming rank 3",
+        refused=True,
     )
     stats = bench.relay.statistics()
     assert stats.refused_links == 1
@@ -342,6 +343,7 @@ async def test_a_rank_cannot_send_rank_gone(bench: Bench) -> None:
     assert gone == m.RankGone(
         rank=0,
         reason="the relay closed its link: the link of rank 0 sent RankGone, which only a relay sends",
+        refused=True,
     )
     assert bench.relay.statistics().refused_links == 1
 

@@ -167,7 +167,9 @@ _UP_EVENTS: Mapping[type[Message], Callable[[Message], Event]] = {
     m.WindowDone: lambda msg: WindowReported(report=typing.cast(m.WindowDone, msg)),
     m.ReduceDone: lambda msg: CollectiveDone(message=typing.cast(m.ReduceDone, msg)),
     m.RankGone: lambda msg: RankLost(
-        rank=typing.cast(m.RankGone, msg).rank, reason=typing.cast(m.RankGone, msg).reason
+        rank=typing.cast(m.RankGone, msg).rank,
+        reason=typing.cast(m.RankGone, msg).reason,
+        vague=not typing.cast(m.RankGone, msg).refused,
     ),
     m.Exiting: lambda msg: RankExiting(message=typing.cast(m.Exiting, msg)),
     # A stop intent is taken by :meth:`TrainingShell.receive`; checkpoint intents and rank-state
@@ -249,7 +251,9 @@ class TrainingShell:
             if self.coordinator is not None:
                 self._handle(
                     RankLost(
-                        rank=rank, reason="its host's relay connection to the controller closed"
+                        rank=rank,
+                        reason="its host's relay connection to the controller closed",
+                        vague=True,
                     )
                 )
 

@@ -274,7 +274,7 @@ class Relay:
     def _misbehaved(self, rank: int, reason: str) -> None:
         """The host fold refused what ``rank`` sent: the coordinator learns it as its loss."""
         if self._upstream is not None:
-            self._report_gone(self._upstream, rank, reason)
+            self._report_gone(self._upstream, rank, reason, refused=True)
 
     def _rank_key(self, peer: PeerHello) -> bytes:
         """The credential resolver of the rank socket: one rank of this host, in the current
@@ -333,7 +333,7 @@ class Relay:
             return
         self._ranks[bound] = link
         upstream = self._require_upstream()
-        gone = "its link to the relay closed"
+        gone, refused = "its link to the relay closed", False
         try:
             self._up(upstream, hello)
             while True:
@@ -356,7 +356,7 @@ class Relay:
                             "relay sends"
                         )
                     self._refuse(why)
-                    gone = f"the relay closed its link: {why}"
+                    gone, refused = f"the relay closed its link: {why}", True
                     return
                 if isinstance(msg, m.TrainerHello):
                     self._fold.note_hello(msg)
@@ -366,15 +366,17 @@ class Relay:
             if self._ranks.get(bound) is link:
                 del self._ranks[bound]
                 self._fold.rank_gone(bound, "its control link closed")
-                self._report_gone(upstream, bound, gone)
+                self._report_gone(upstream, bound, gone, refused=refused)
 
-    def _report_gone(self, upstream: FramedProtocol, rank: int, reason: str) -> None:
+    def _report_gone(
+        self, upstream: FramedProtocol, rank: int, reason: str, *, refused: bool
+    ) -> None:
         """Rule 4 of the coordinator protocol: a bound rank's closed link is reported up as
         ``RankGone``."""
         if upstream.is_closing:
             return
         with contextlib.suppress(ConnectionClosed, OSError):
-            upstream.send(m.RankGone(rank=rank, reason=reason))
+            upstream.send(m.RankGone(rank=rank, reason=reason, refused=refused))
             self._ranks_gone += 1
 
     def _up(self, upstream: FramedProtocol, msg: Message) -> None:

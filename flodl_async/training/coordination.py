@@ -122,6 +122,9 @@ class RankLost:
     #: The reason is the process's own exit (its code or signal): for a rank already lost to a
     #: link's close, it replaces the reason the verdict gives.
     exit: bool = False
+    #: The reason says only that a link closed: the process's own exit, when it comes, says more
+    #: (a lie, a death record or a frozen rank's silence are causes, and keep their reason).
+    vague: bool = False
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

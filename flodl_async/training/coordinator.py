@@ -460,8 +460,11 @@ class Coordinator:
             closing = flying.closes_epoch
             if closing is not None and not self._epoch_covered():
                 # a rank died before its last windows reached this consensus: the survivors
-                # train them (planned above), and a later round closes the epoch
+                # train them, and a later round closes the epoch (SYNC's shares are planned above;
+                # the pool's batches go to the ranks the closing round left without a window)
                 closing = None
+                if not RULES[spec.policy].static_slices:
+                    actions.extend(self._plan_waiting(self._round))
             if closing is not None:
                 actions.extend(self._close_epoch(closing, now))
             if self._completed_epochs >= spec.epochs:
@@ -615,6 +618,12 @@ class Coordinator:
         alloc = part.tail_allocation(self._pool.remaining, [elche.counts[r] for r in ranks])
         return [self._plan(rank, round_, k) for rank, k in zip(ranks, alloc, strict=True)]
 
+    def _plan_waiting(self, round_: int) -> list[Action]:
+        """CADENCE/ASYNC: a window of ``round_`` for each alive rank with none planned that far
+        (empty ones when the epoch's tail is in other ranks' windows)."""
+        waiting = [r for r in sorted(self._alive) if self._planned_round.get(r, 0) < round_]
+        return self._window_plans(round_, waiting)
+
     def _plan(self, rank: int, round_: int, k: int) -> Tell[int]:
         spec = self._require_spec()
         covered = part.range_size(self._pool.covered_ranges())
@@ -764,12 +773,7 @@ class Coordinator:
             # (a rank may die before its last contribution reaches it; windows never span epochs).
             return actions
         if not RULES[spec.policy].static_slices:
-            waiting = [r for r in sorted(self._alive) if self._planned_round.get(r, 0) <= k]
-            if self._pool.remaining > 0:
-                actions.extend(self._window_plans(k + 1, waiting))
-            else:
-                # the epoch's tail is in other ranks' windows
-                actions.extend(self._plan(r, k + 1, 0) for r in waiting)
+            actions.extend(self._plan_waiting(k + 1))
             if RULES[spec.policy].early_dispatch:
                 # ASYNC ranks that already finished window k+1 were held back (two ahead of the
                 # gate): now one ahead.
@@ -817,13 +821,7 @@ class Coordinator:
                 RankLost(rank=msg.rank, reason=f"it raised ({msg.reason})", details=msg.error), now
             )
         self._exiting.add(msg.rank)
-        if self.phase in (
-            CoordPhase.JOINING,
-            CoordPhase.INIT,
-            CoordPhase.TRAINING,
-            CoordPhase.STOPPING,
-            CoordPhase.FINAL,
-        ):
+        if self.phase not in _OVER:
             return self._on_lost(
                 RankLost(rank=msg.rank, reason=f"it left before training ended ({msg.reason})"), now
             )
@@ -853,7 +851,9 @@ class Coordinator:
         if rank in self._lost or rank not in self._joined:
             return []  # not a Trainer rank yet (the supervisor names its exit), or already counted
         self._alive.discard(rank)
-        self._lost.record(rank, event.reason, epoch=self._epoch, details=event.details)
+        self._lost.record(
+            rank, event.reason, epoch=self._epoch, details=event.details, vague=event.vague
+        )
         stage = self._stage
         assert not isinstance(stage, BeforeHello)  # the rank joined
         spec = stage.spec

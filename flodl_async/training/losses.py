@@ -20,6 +20,7 @@ class _Loss:
     reason: str
     epoch: int  # 0-based: the epoch being trained when it died
     details: str
+    vague: bool  # the reason is only a link's close
 
 
 class LostRanks:
@@ -45,16 +46,21 @@ class LostRanks:
         """Every dead rank."""
         return frozenset(self._losses)
 
-    def record(self, rank: int, reason: str, *, epoch: int, details: str = "") -> None:
-        """``rank`` died while ``epoch`` (0-based) trained; ``details``: its traceback, if any."""
-        self._losses[rank] = _Loss(reason=reason, epoch=epoch, details=details)
+    def record(
+        self, rank: int, reason: str, *, epoch: int, details: str = "", vague: bool = False
+    ) -> None:
+        """``rank`` died while ``epoch`` (0-based) trained; ``details``: its traceback, if any;
+        ``vague``: ``reason`` is only that its link closed."""
+        self._losses[rank] = _Loss(reason=reason, epoch=epoch, details=details, vague=vague)
 
     def refine(self, rank: int, reason: str) -> None:
         """A better reason for a rank already dead (its process's own exit, after its link's
-        close); a death that came with its own account (a traceback) keeps it."""
+        close); a death that came with its cause (its traceback, a lie, its silence) keeps it."""
         loss = self._losses[rank]
-        if not loss.details:
-            self._losses[rank] = _Loss(reason=reason, epoch=loss.epoch, details=loss.details)
+        if loss.vague:
+            self._losses[rank] = _Loss(
+                reason=reason, epoch=loss.epoch, details=loss.details, vague=False
+            )
 
     def why(self) -> tuple[tuple[int, str], ...]:
         """(rank, ``reason at epoch N``) for each dead rank, by rank."""

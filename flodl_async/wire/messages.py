@@ -650,11 +650,12 @@ class DeclareDead(Message):
 @message(kind=0x040D)
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RankGone(Message):
-    """A relay lost ``rank``: its local control link closed, or its host fold refused what the rank
-    sent (``reason`` says which). Sent by the relay, never by a rank."""
+    """A relay lost ``rank``: its local control link closed, or (``refused``) the relay refused what
+    the rank sent (``reason`` says what). Sent by the relay, never by a rank."""
 
     rank: int
     reason: str
+    refused: bool = False
 
 
 @message(kind=0x040E, sealed=True)
