@@ -26,7 +26,7 @@ from flodl_async.training.coordinator import Coordinator
 from flodl_async.training.metrics import EpochMetrics
 from flodl_async.training.modelschema import ModelSchema
 from flodl_async.training.policy import Policy
-from flodl_async.training.spec import TrainerSpec, digest
+from flodl_async.training.spec import ElCheConfig, TrainerSpec, digest
 from flodl_async.wire import messages as m
 
 from .trainerwire import schema_wire
@@ -111,7 +111,7 @@ class Driver:
             self.feed(self.pending.popleft())
             steps += 1
 
-    def kill(self, rank: int, *, frames_lost: bool = False) -> list[Action]:
+    def kill(self, rank: int, *, frames_lost: bool = False, reason: str = "killed") -> list[Action]:
         """``rank`` dies now: its reports not yet delivered are gone, and with ``frames_lost`` the
         contributions it sent for rounds not completed yet too (else they reach the reducer): a
         round being reduced completes without it, as when its frame was cut off or refused."""
@@ -124,7 +124,7 @@ class Driver:
             for key in [k for k in self._sent if k[1] == rank and k[0] not in started]:
                 del self._sent[key]
             self.pending = collections.deque(self._without(e, rank) for e in self.pending)
-        return self.feed(RankLost(rank=rank, reason="killed"))
+        return self.feed(RankLost(rank=rank, reason=reason))
 
     def _without(self, event: Event, rank: int) -> Event:
         """``event``, a round's completion not yet delivered, with ``rank``'s contribution out of
@@ -237,3 +237,24 @@ def sent(actions: list[Action], kind: type[m.Message]) -> list[m.Message]:
 
 def replace_spec(spec: TrainerSpec, **changes: object) -> TrainerSpec:
     return dataclasses.replace(spec, **changes)  # type: ignore[arg-type]
+
+
+def training_block_after_a_kill(reason: str = "killed") -> dict[str, object]:
+    """The ``training`` block of ``/state.json`` (as the controller's training shell serves it) of
+    a 3-rank CADENCE run on two hosts whose rank 2 (host h0) was lost for ``reason`` in epoch 2."""
+    d = Driver(
+        TrainerSpec(
+            policy=Policy.CADENCE,
+            epochs=3,
+            batch_size=4,
+            dataset_len=64,
+            heartbeat_timeout=1000.0,
+            elche=ElCheConfig(anchor=2),
+        ),
+        world=3,
+    )
+    d.join_all()
+    while d.coord.completed_epochs < 1:
+        d.feed(d.pending.popleft())
+    d.kill(2, reason=reason)
+    return {**dataclasses.asdict(d.coord.view(d.now)), "last_epoch": None, "uplinks": []}

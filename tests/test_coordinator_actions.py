@@ -285,6 +285,9 @@ def test_the_view_follows_the_stages() -> None:
         anchor=0,
         counts=(),
         last_reduce_ms=0.0,
+        world_size=2,
+        alive=0,
+        lost=(),
         ranks=tuple(joining),
     )
     assert (c.spec, c.reference) == (None, None)

@@ -7,7 +7,14 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from flodl_async.training.coordination import CoordPhase, DeclareDead, Fail, Finish, RankLost
+from flodl_async.training.coordination import (
+    CoordPhase,
+    DeclareDead,
+    Fail,
+    Finish,
+    LostRankView,
+    RankLost,
+)
 from flodl_async.training.policy import Backend, Policy
 from flodl_async.training.spec import ElCheConfig, MaxFailure, TrainerSpec
 from flodl_async.verdict import ExitCode
@@ -168,3 +175,20 @@ def test_a_rank_that_said_why_it_died_keeps_its_words_over_its_exit() -> None:
     d.drain()
     assert isinstance(d.ended, Finish)
     assert next(why for _rank, why in d.ended.lost).startswith("it raised (error) at epoch ")
+
+
+def test_the_status_view_shows_the_world_left_and_why_each_rank_was_lost() -> None:
+    d = Driver(spec(Policy.CADENCE), world=3)
+    d.join_all()
+    d.drain(limit=10)
+    before = d.coord.view(d.now)
+    assert (before.world_size, before.alive, before.lost) == (3, 3, ())
+    epoch = d.coord.completed_epochs + 1  # the one being trained
+    d.kill(2)
+    view = d.coord.view(d.now)
+    assert (view.world_size, view.alive) == (3, 2)
+    assert view.lost == (LostRankView(rank=2, host="h0", reason=f"killed at epoch {epoch}"),)
+    assert [r.state for r in view.ranks] == ["training", "training", "dead"]
+    d.drain()
+    assert isinstance(d.ended, Finish)
+    assert d.coord.view(d.now).lost == view.lost  # the end of the run keeps them

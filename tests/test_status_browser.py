@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import html
+import json
 import shutil
 import time
 from pathlib import Path
 
 import pytest
 
+from flodl_async.cli.statusclient import training_line
 from flodl_async.net.http import StatusHttpProtocol
 from flodl_async.net.mux import PortMux
 from flodl_async.status import (
@@ -20,6 +23,8 @@ from flodl_async.status import (
     StatusSnapshot,
 )
 from flodl_async.wire import Channel
+
+from .coordkit import training_block_after_a_kill
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
@@ -50,6 +55,40 @@ async def _render(url: str, profile: Path, screenshot: Path | None = None) -> st
             proc.kill()
             await proc.wait()
     return out.decode()
+
+
+async def test_status_page_shows_the_trainers_world_and_its_lost_ranks(tmp_path: Path) -> None:
+    # markup in a reason is text on the page, never an element
+    training = training_block_after_a_kill(reason="its process was <b>killed</b>")
+    board = StatusBoard()
+    now = time.time()
+    board.publish(
+        StatusSnapshot(
+            run_id="run-elastic",
+            phase=Phase.TRAINING,
+            started_at=now,
+            updated_at=now,
+            world_size=3,
+            joined_ranks=3,
+            training=training,
+        )
+    )
+    mux = PortMux(host="127.0.0.1", port=0)
+    mux.register(Channel.STATUS, lambda: StatusHttpProtocol(board))
+    await mux.start()
+    try:
+        dom = await _render(f"http://127.0.0.1:{mux.port}/", tmp_path / "profile")
+    finally:
+        await mux.aclose()
+    # above the tables, the same line as `flodl status` prints
+    said = training_line(json.loads(json.dumps(training)))
+    assert said.endswith(
+        "2 of 3 ranks alive — lost: rank 2 on host h0: its process was <b>killed</b> at epoch 2"
+    )
+    line = f'<p id="training">training: {html.escape(said, quote=False)}</p>'
+    assert line in dom
+    assert dom.index(line) < dom.index('<tbody id="members">')
+    assert "<b>killed" not in dom
 
 
 async def test_status_page_shows_phase_members_and_verdict(tmp_path: Path) -> None:
@@ -97,3 +136,4 @@ async def test_status_page_shows_phase_members_and_verdict(tmp_path: Path) -> No
     assert "<td>0</td><td>node-a</td><td>0</td><td>4242</td><td>running</td><td>-</td>" in dom
     assert "<td>1</td><td>node-a</td><td>1</td><td>-</td><td>failed</td><td>3</td>" in dom
     assert (tmp_path / "status.png").stat().st_size > 1000
+    assert '<p id="training"></p>' in dom  # a run without Trainer ranks: no training line

@@ -241,6 +241,10 @@ NOT_STATUS: dict[str, tuple[Handler, str]] = {
         ),
         "answered HTTP 301",
     ),
+    "a lost rank that is text": (
+        _answer(_http(_json(_genuine(training={"alive": 1, "lost": ["rank 2"]})))),
+        "not a flodl status: training.lost[0]",
+    ),
     "members is a string": (
         _answer(_http(_json(_genuine(members="node-a")))),
         "not a flodl status: members",
@@ -356,6 +360,15 @@ def _hostile_everywhere() -> dict[str, object]:
             }
         ],
         connections={f"routed{HOSTILE}": {f"join{HOSTILE}": 1}, "dropped": {}},
+        training={
+            "epoch": 1,
+            "epochs": 4,
+            "policy": f"cadence{HOSTILE}",
+            "backend": f"cpu{HOSTILE}",
+            "world_size": 3,
+            "alive": 2,
+            "lost": [{"rank": 2, "host": f"b{HOSTILE}", "reason": f"killed{HOSTILE} at epoch 2"}],
+        },
     )
     doc[f"key{HOSTILE}"] = {f"nested{HOSTILE}": [f"deep{HOSTILE}", {f"deeper{HOSTILE}": HOSTILE}]}
     return doc
@@ -371,6 +384,7 @@ async def test_a_genuine_status_with_hostile_strings_is_printed_clean() -> None:
     assert f"verdict  rank 1 failed{CLEANED}\n" in out
     assert "node[2J[31mred" in out
     assert "running[2J[31mred" in out
+    assert f"lost: rank 2 on host b{CLEANED}: killed{CLEANED} at epoch 2\n" in out
 
 
 async def test_a_genuine_status_with_hostile_strings_is_printed_clean_as_json() -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import http.client
 import json
 import shutil
@@ -25,6 +26,8 @@ from flodl_async.status import (
 )
 from flodl_async.status.model import Counters
 from flodl_async.wire import Channel
+
+from .coordkit import training_block_after_a_kill
 
 
 @pytest.fixture
@@ -216,6 +219,27 @@ async def test_flodl_status_prints_a_table_and_json(served: tuple[PortMux, Statu
     code, out, _ = await _flodl_status("--addr", f"127.0.0.1:{mux.port}", "--json")
     assert code == 0
     assert json.loads(out)["world_size"] == 2
+
+
+#: What ``flodl status`` and the status page say of :func:`training_block_after_a_kill`'s run.
+TRAINING_LINE = (
+    "1/3 epochs done, CADENCE on cpu, 2 of 3 ranks alive — lost: rank 2 on host h0: killed at "
+    "epoch 2"
+)
+
+
+async def test_flodl_status_prints_the_trainers_world_and_its_lost_ranks(
+    served: tuple[PortMux, StatusBoard],
+) -> None:
+    mux, board = served
+    board.publish(dataclasses.replace(_snapshot(), training=training_block_after_a_kill()))
+    code, out, err = await _flodl_status("--addr", f"127.0.0.1:{mux.port}")
+    assert code == 0, err
+    assert f"\ntraining {TRAINING_LINE}\n" in out
+    board.publish(_snapshot())  # a plain script's run: no training block, no line
+    code, out, err = await _flodl_status("--addr", f"127.0.0.1:{mux.port}")
+    assert code == 0, err
+    assert "\ntraining " not in out
 
 
 async def test_flodl_status_fails_when_nothing_answers() -> None:

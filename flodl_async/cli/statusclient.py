@@ -190,6 +190,15 @@ DOCUMENT_SHAPE = _object_with(
                 }
             )
         ),
+        # a Trainer run's coordinator (absent for a plain script)
+        "training": _object_with(
+            {
+                **dict.fromkeys(("epoch", "epochs", "world_size", "alive"), _count),
+                "policy": _text,
+                "backend": _text,
+                "lost": _list_of(_object_with({"rank": _count, "host": _text, "reason": _text})),
+            }
+        ),
     }
 )
 
@@ -333,6 +342,9 @@ def format_status(doc: dict[str, object], *, silent_after: float = SILENT_AFTER)
         f"(quorum {doc.get('min_rank_start', 0)}, target {doc.get('target_ranks', 0)}), restarts "
         f"{doc.get('restart_count', 0)}",
     ]
+    training = doc.get("training")
+    if isinstance(training, dict):
+        lines.append(f"training {training_line(training)}")
     if doc.get("verdict"):
         lines.append(f"verdict  {doc['verdict']}")
     members = doc.get("members") or []
@@ -372,6 +384,29 @@ def format_status(doc: dict[str, object], *, silent_after: float = SILENT_AFTER)
         for flag in flagged:
             lines.append(f"SILENT   {flag} — hung? (a stack: py-spy dump --pid PID)")
     return "\n".join(lines)
+
+
+def training_line(training: Mapping[str, object]) -> str:
+    """A Trainer run's world in one line: ``2/4 epochs done, CADENCE on cpu, 2 of 3 ranks alive —
+    lost: rank 2 on host b: killed by SIGKILL at epoch 1`` (the status page says the same)."""
+    # the count of epochs closed (as the launcher's ``epoch 2/4`` line counts): said as such, since
+    # ``epoch 0/4`` would misread as the epoch being trained
+    text = (
+        f"{training.get('epoch', '?')}/{training.get('epochs', '?')} epochs done, "
+        f"{str(training.get('policy') or '?').upper()} on {training.get('backend') or '?'}"
+    )
+    if "alive" in training:  # a controller older than the elastic Trainer does not say
+        text += f", {training['alive']} of {training.get('world_size', '?')} ranks alive"
+    lost = training.get("lost")
+    if isinstance(lost, list) and lost:
+        text += " — lost: " + "; ".join(_lost_rank(r) for r in lost if isinstance(r, dict))
+    return text
+
+
+def _lost_rank(lost: Mapping[str, object]) -> str:
+    host = lost.get("host")
+    where = f" on host {host}" if host else ""
+    return f"rank {lost.get('rank', '?')}{where}: {lost.get('reason') or '?'}"
 
 
 def _folded(items: object) -> str:

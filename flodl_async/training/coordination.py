@@ -317,10 +317,21 @@ def rank_views(
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class LostRankView:
+    """A rank the run lost, on the status page."""
+
+    rank: int
+    host: str
+    #: Why, and when: ``its process was killed by SIGKILL at epoch 2``.
+    reason: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class CoordinatorView:
     """A frozen snapshot for the status endpoint's ``training`` block."""
 
     phase: str
+    #: Epochs closed so far (the epoch line's count: ``epoch 2/4`` once the second closed).
     epoch: int
     epochs: int
     policy: str
@@ -328,4 +339,55 @@ class CoordinatorView:
     anchor: int
     counts: tuple[int, ...]
     last_reduce_ms: float
+    #: The world the run started with.
+    world_size: int
+    #: Ranks that joined and are not lost: the world training goes on with.
+    alive: int
+    #: The ranks lost so far, by rank.
+    lost: tuple[LostRankView, ...]
     ranks: tuple[RankView, ...]
+
+
+def coordinator_view(
+    config: CoordinatorConfig,
+    *,
+    phase: CoordPhase,
+    epoch: int,
+    spec: TrainerSpec | None,
+    elche: ElChe | None,
+    last_reduce_ms: float,
+    lost: Iterable[tuple[int, str]],
+    exiting: frozenset[int],
+    alive: frozenset[int],
+    last_seen: Mapping[int, float],
+    batches: Mapping[int, int],
+    now: float,
+) -> CoordinatorView:
+    """The coordinator's state as the status page shows it; ``lost``: (rank, why) of each lost
+    rank (``LostRanks.why``)."""
+    lost_views = tuple(
+        LostRankView(rank=rank, host=config.hosts.get(rank, ""), reason=why) for rank, why in lost
+    )
+    return CoordinatorView(
+        phase=phase.value,
+        epoch=epoch,
+        epochs=0 if spec is None else spec.epochs,
+        policy="" if spec is None else spec.policy.value,
+        backend="" if spec is None else spec.backend.value,
+        anchor=0 if elche is None else elche.anchor,
+        counts=() if elche is None else elche.counts,
+        last_reduce_ms=last_reduce_ms,
+        world_size=config.world_size,
+        alive=len(alive),
+        lost=lost_views,
+        ranks=rank_views(
+            config.hosts,
+            range(config.world_size),
+            dead=frozenset(v.rank for v in lost_views),
+            exiting=exiting,
+            alive=alive,
+            last_seen=last_seen,
+            batches=batches,
+            now=now,
+        ),
+    )

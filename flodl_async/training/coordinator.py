@@ -76,7 +76,7 @@ from .coordination import (
     StopRequested,
     TrainerJoined,
     WindowReported,
-    rank_views,
+    coordinator_view,
     sender,
 )
 from .elche import ElChe
@@ -222,27 +222,19 @@ class Coordinator:
 
     def view(self, now: float) -> CoordinatorView:
         """What the status page shows of training."""
-        spec = self.spec
-        elche = self._stage.elche if isinstance(self._stage, Running) else None
-        return CoordinatorView(
-            phase=self.phase.value,
+        return coordinator_view(
+            self.config,
+            phase=self.phase,
             epoch=self._completed_epochs,
-            epochs=0 if spec is None else spec.epochs,
-            policy="" if spec is None else spec.policy.value,
-            backend="" if spec is None else spec.backend.value,
-            anchor=0 if elche is None else elche.anchor,
-            counts=() if elche is None else elche.counts,
+            spec=self.spec,
+            elche=self._stage.elche if isinstance(self._stage, Running) else None,
             last_reduce_ms=self._last_sync_ms,
-            ranks=rank_views(
-                self.config.hosts,
-                range(self.config.world_size),
-                dead=self._lost.ranks,
-                exiting=frozenset(self._exiting),
-                alive=frozenset(self._alive),
-                last_seen=self._last_seen,
-                batches=self._batches,
-                now=now,
-            ),
+            lost=self._lost.why(),
+            exiting=frozenset(self._exiting),
+            alive=frozenset(self._alive),
+            last_seen=self._last_seen,
+            batches=self._batches,
+            now=now,
         )
 
     # ----- the one entry point ------------------------------------------------------------------
