@@ -488,6 +488,15 @@ def test_deaths_are_noted_and_counted_out_of_the_world() -> None:
     assert (outcome.epochs_completed, outcome.global_step) == (0, 0)
 
 
+def test_a_rank_told_it_is_dead_stops_and_never_returns_a_state() -> None:
+    # a frozen rank resumed before its agent's KILL learns it was dropped: it stops at once
+    p = rank_policy(rank=1, world_size=3)
+    why = "no frame for 10 s (heartbeat timeout)"
+    assert p.handle(m.DeclareDead(dead_rank=1, reason=why)) == (
+        Stop(f"rank 1 was declared dead: {why}"),
+    )
+
+
 def test_a_world_of_zero_counts_no_steps_without_dividing_by_zero() -> None:
     p = rank_policy(world_size=0)
     p.handle(m.EpochAggregated(metrics=metrics(0, 7)))

@@ -426,6 +426,10 @@ class RankPolicy:
         return (Publish(metrics),)
 
     def _on_dead(self, msg: m.DeclareDead) -> tuple[RankAction, ...]:
+        if msg.dead_rank == self.rank:
+            # it got control back (a frozen rank resumed before its KILL): a dead rank is gone for
+            # good, and never returns a state the others' consensus moved on from
+            return (Stop(f"rank {self.rank} was declared dead: {msg.reason}"),)
         self._lost.add(msg.dead_rank)
         return (NoteLost(msg.dead_rank, msg.reason),)
 
