@@ -207,6 +207,34 @@ def test_the_launcher_runs_on_the_callers_loop_next_to_other_tasks(tmp_path: Pat
     assert_identical(states(tmp_path), ALL)
 
 
+INTERNAL_LINES = ("relay: rank 0 leaves the host fold: ", "training data: host ")
+
+
+@pytest.mark.parametrize(
+    ("flags", "prefix", "shown"),
+    [
+        ((), "flodl: ", False),
+        (("--verbose",), "flodl: ", True),
+        (("--app-logging", "--verbose"), "APP flodl_async.", True),
+    ],
+)
+def test_internal_lines_are_verbose_only_and_an_application_s_logging_is_kept(
+    tmp_path: Path, flags: tuple[str, ...], prefix: str, shown: bool
+) -> None:
+    """The relays' and the reducer's closing lines need the Trainer's -v (the flodl_async logger at
+    DEBUG); an application that configured logging gets every line through its own handler."""
+    done = as_launcher(tmp_path, "--epochs", "1", *flags, run_id=new_run_id())
+    assert done.returncode == 0, done.stderr
+    lines = done.stderr.splitlines()
+    assert any(line.startswith(prefix) and "training complete" in line for line in lines), (
+        done.stderr
+    )
+    for text in INTERNAL_LINES:
+        assert any(line.startswith(prefix) and text in line for line in lines) is shown, done.stderr
+    if prefix != "flodl: ":
+        assert not [line for line in lines if line.startswith("flodl: ")], done.stderr
+
+
 # ----- failures: a verdict naming the rank, nothing left behind ------------------------------------
 
 

@@ -119,7 +119,14 @@ def test_three_ranks_over_two_agents_train_to_one_state(hostkit: HostKit, tmp_pa
     """Ranks 0-1 on the controller's host, rank 2 on h1: one state everywhere, and h1's share went up over TCP."""
     run_id = new_run_id()
     done = _as_launcher(
-        tmp_path, _two_agents(tmp_path, hostkit), "--policy", "sync", "--epochs", "4", run_id=run_id
+        tmp_path,
+        _two_agents(tmp_path, hostkit),
+        "--policy",
+        "sync",
+        "--epochs",
+        "4",
+        "--verbose",  # the reducer's closing "training data:" lines are -v's
+        run_id=run_id,
     )
     assert done.returncode == 0, done.stderr
     _assert_trained(tmp_path, 3, epochs=4)
@@ -168,6 +175,7 @@ def test_a_tunnel_only_cluster_trains_end_to_end_through_a_loopback_only_control
         "cadence",
         "--epochs",
         "2",
+        "--verbose",
         "--hold-file",
         str(hold),
         "--hold-host",

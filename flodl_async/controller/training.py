@@ -345,7 +345,7 @@ class TrainingShell:
         reducer = self.reducer
         # which host's contributions came over the port and which in memory, for the log
         for uplink in self.uplinks():
-            log.info("training data: %s", uplink.summary())
+            log.debug("training data: %s", uplink.summary())
         if reducer is not None:
             # The launcher's final state (the last consensus): copied off the loop (clones),
             # before the reducer lets its buffers go.

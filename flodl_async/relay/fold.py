@@ -204,7 +204,7 @@ class HostFold:
         if rank in self._dead or rank not in self._host_ranks:
             return
         self._dead.add(rank)
-        log.info("relay: rank %d leaves the host fold: %s", rank, reason)
+        log.debug("relay: rank %d leaves the host fold: %s", rank, reason)
         for state in self._rounds.values():
             state.barrier.declare_dead(rank)
         for number in sorted(self._rounds):

@@ -144,14 +144,21 @@ def launch_plan(
 
 def _configure_logging() -> None:
     """A script that set up no logging still sees the launcher's lines (as ``flodl-launch`` prints
-    them)."""
+    them, ``flodl:`` first).
+
+    Like :func:`logging.basicConfig`, it does nothing when the root logger already has a handler:
+    an application that configured logging gets the launcher's lines through its own handlers, at
+    its own levels. A level the script set on the ``flodl_async`` logger is kept: ``DEBUG`` there
+    is the Trainer's ``-v`` (the relays' and the reducer's closing lines), ``WARNING`` its ``-q``.
+    """
     root = logging.getLogger("flodl_async")
     if root.handlers or logging.getLogger().handlers:
         return
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("flodl: %(message)s"))
     root.addHandler(handler)
-    root.setLevel(logging.INFO)
+    if root.level == logging.NOTSET:
+        root.setLevel(logging.INFO)
     root.propagate = False
 
 

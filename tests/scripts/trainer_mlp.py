@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import os
 import signal
 import socket
@@ -142,8 +143,25 @@ def parse(argv: list[str]) -> argparse.Namespace:
         "--hold-host",
         help="the hostname whose local rank 0 holds (a test inspects the running world meanwhile)",
     )
+    p.add_argument(
+        "--verbose",
+        action="store_true",
+        help="the Trainer's -v: the flodl_async logger at DEBUG (the launcher keeps the level)",
+    )
+    p.add_argument(
+        "--app-logging",
+        action="store_true",
+        help="the application configures logging itself (logging.basicConfig, an APP prefix)",
+    )
     add_stop_flags(p)
     return p.parse_args(argv)
+
+
+def configure_logging(args: argparse.Namespace) -> None:
+    if args.app_logging:
+        logging.basicConfig(level=logging.INFO, format="APP %(name)s: %(message)s")
+    if args.verbose:
+        logging.getLogger("flodl_async").setLevel(logging.DEBUG)
 
 
 def build(args: argparse.Namespace) -> fa.Trainer:
@@ -318,6 +336,7 @@ def cooperative(args: argparse.Namespace) -> None:
 
 if __name__ == "__main__":
     arguments = parse(sys.argv[1:])
+    configure_logging(arguments)
     if arguments.cooperative:
         cooperative(arguments)
     else:
