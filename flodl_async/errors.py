@@ -34,6 +34,7 @@ translated at the boundary with ``raise ... from exc``.
         ├── JoinFailed            the host never got into the run (exit 3)
         │   ├── ControllerUnreachable
         │   ├── ControllerNotProved  its handshake proof failed: not our controller, or another key
+        │   ├── ControllerRefused  its handshake refused the credential (another admission mode)
         │   ├── ClosedBeforeJoin  closed before the join was answered (evicted, shutting down)
         │   ├── JoinRejected      the controller said no (JoinReject)
         │   └── FormationAborted  admitted, but the world never formed
@@ -189,23 +190,27 @@ class SubscriptionClosed(FlodlError):
 class AgentError(FlodlError):
     """One host's session failed. ``host`` and ``reason`` are what the controller reports.
 
-    The message is built from them and ends with what to do (each subclass's ``advice``).
+    The message is built from them and ends with what to do: each subclass's ``advice``, or the
+    ``advice`` given for this one cause when the class's would not fit it.
     """
 
     advice = "see the controller's log for the run's verdict"
 
-    def __init__(self, host: str, reason: str) -> None:
+    def __init__(self, host: str, reason: str, *, advice: str | None = None) -> None:
         self.host = host
         self.reason = reason
+        if advice is not None:
+            self.advice = advice
         super().__init__(f"agent {host}: {reason} — {self.advice}")
 
 
 class JoinFailed(AgentError):
     """The host never got into the run: the link failed before admission or formation."""
 
+    # No word of a session secret: a secret that differs fails the proof (ControllerNotProved).
     advice = (
-        "check that the controller is running, its address, and that both sides hold the same "
-        "session secret"
+        "check that flodl-launch is running at that address, with the same flodl_async version "
+        "as this host"
     )
 
 
@@ -225,6 +230,13 @@ class ControllerNotProved(JoinFailed):
         "--token-file, or its --secret-file); if not, find what else answers there (a process "
         "holding the port, a host on the path)"
     )
+
+
+class ControllerRefused(JoinFailed):
+    """The controller refused the credential this agent offered, saying why (another admission
+    mode: a token where it takes none, nothing where it takes one)."""
+
+    advice = "start the agent again with the credential the controller's refusal names"
 
 
 class ClosedBeforeJoin(JoinFailed):

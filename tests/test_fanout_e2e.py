@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import stat
 import subprocess
@@ -166,8 +167,12 @@ def test_a_missing_python_is_named(hostkit: HostKit, tmp_path: Path) -> None:
     cluster = _cluster(tmp_path, hostkit, [(h1, "cpu:1")], python="/nonexistent/python3")
     done = _launch(cluster, PY, script("allreduce.py"))
     assert done.returncode == 3, done.stderr
-    assert "python '/nonexistent/python3' was not found on" in done.stderr
-    assert "(exit 127)" in done.stderr
+    assert (
+        "python '/nonexistent/python3' was not found on "
+        f"{h1.addr}:22 (exit 127) — set the worker's python: in the cluster file to its path there"
+        in done.stderr
+    ), done.stderr
+    assert "ssh settings" not in done.stderr  # the ssh side worked: its advice is not this cause's
 
 
 def test_flodl_async_missing_on_the_host_is_named(hostkit: HostKit, tmp_path: Path) -> None:
@@ -180,7 +185,11 @@ def test_flodl_async_missing_on_the_host_is_named(hostkit: HostKit, tmp_path: Pa
     cluster = _cluster(tmp_path, hostkit, [(h1, "cpu:1")], python=str(bare))
     done = _launch(cluster, PY, script("allreduce.py"))
     assert done.returncode == 3, done.stderr
-    assert f"flodl_async is not importable by {bare} on {h1.addr}:22" in done.stderr
+    assert (
+        f"flodl_async is not importable by {bare} on {h1.addr}:22 — install flodl_async "
+        f"{__version__} there (or set the worker's python: in the cluster file)" in done.stderr
+    ), done.stderr
+    assert "ssh settings" not in done.stderr
 
 
 def test_proxy_jump_reaches_a_host_through_another(hostkit: HostKit, tmp_path: Path) -> None:
@@ -300,7 +309,7 @@ def test_another_flodl_async_version_names_both(hostkit: HostKit, tmp_path: Path
     done = _launch(cluster, PY, script("allreduce.py"))
     assert done.returncode == 3, done.stderr
     assert (
-        f"{h1.addr}:22 has flodl_async 0.0.1, this launcher is {__version__}; install the same version on every host"
+        f"{h1.addr}:22 has flodl_async 0.0.1, this launcher is {__version__} — install the same flodl_async version on every host"
         in done.stderr
     )
 
@@ -350,3 +359,23 @@ def test_ranks_on_ssh_hosts_report_their_activity_and_only_local_clients_read_th
         release.touch()
         launcher.kill()
     assert done.returncode == 0, done.stderr
+
+
+def test_a_failed_rank_is_said_once_not_again_by_each_remote_agent(
+    hostkit: HostKit, tmp_path: Path
+) -> None:
+    """The controller's verdict names the failed rank; an agent it started over ssh does not echo
+    the Abort's reason up its stderr (the console would read it once per remote host, unnamed)."""
+    h1, h2 = hostkit.hosts[:2]
+    cluster = _cluster(
+        tmp_path, hostkit, [(h1, "cpu:1"), (h2, "cpu:1")], python=str(_python_wrapper(tmp_path))
+    )
+    done = _launch(cluster, PY, script("fail.py"))
+    assert done.returncode == 4, done.stderr
+    verdict = next(line for line in done.stderr.splitlines() if "FAILED" in line)
+    assert re.search(r"rank 1 \(local rank 0\) on host 'h[12]' exited with code 3", verdict), (
+        done.stderr
+    )
+    # the controller's line and its verdict; no agent repeats them
+    assert done.stderr.count("exited with code 3") == 2, done.stderr
+    assert "flodl-agent:" not in done.stderr, done.stderr

@@ -387,6 +387,44 @@ def _auth_failed(doc: dict[str, object]) -> int:
     return int(dropped.get("wrong_token", 0)) if isinstance(dropped, dict) else 0
 
 
+@pytest.mark.e2e
+def test_a_token_at_a_controller_without_token_admission_gets_the_refusal_s_own_advice(
+    tmp_path: Path, xdg: Path
+) -> None:
+    """The refusal says what the controller takes; the line's tail follows that cause (no word of
+    a session secret, which the agent never held)."""
+    assert _flodl("token", "new", str(tmp_path / "token")).returncode == 0
+    port, run_id = free_port(), new_run_id()
+    env = {"XDG_RUNTIME_DIR": str(xdg)}
+    cluster = tmp_path / "cluster.yml"
+    cluster.write_text(
+        f"controller:\n  port: {port}\n  join: {{join_timeout: 600}}\n"
+        "workers:\n  - host: localhost\n    devices: cpu:1\n  - host: walk-in\n"
+        "    devices: cpu:1\n    dial_in: true\n"
+    )
+    launcher = Launcher(
+        str(cluster), "--", PY, script("allreduce.py"), run_id=run_id, env=env
+    )  # fmt: skip
+    try:
+        wait_status(port, lambda doc: doc["joined_ranks"] == 1)
+        agent = _agent(port, tmp_path / "token", env)
+        _out, agent_err = agent.communicate(timeout=60)
+    finally:
+        launcher.proc.terminate()
+        launcher.finish(timeout=60)
+    assert agent.returncode == 3, agent_err
+    lines = [line for line in agent_err.splitlines() if line.strip()]
+    assert len(lines) == 1, agent_err
+    assert (
+        "a cluster token is not accepted here: this controller runs without token admission"
+        in (lines[0])
+    )
+    assert lines[0].endswith(
+        " — start the agent again with the credential the controller's refusal names"
+    ), lines[0]
+    assert "session secret" not in agent_err
+
+
 # ----- flodl-agent --persist ----------------------------------------------------------------------
 
 

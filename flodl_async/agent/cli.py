@@ -265,8 +265,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(exit_code_for_error(failure))
     finally:
         notifier.close()
-    if outcome.ending is not Ending.FINISHED:
-        _say(f"flodl-agent: {outcome.ending.value}: {outcome.reason}")
+    # An Abort's reason is the controller's own verdict: an agent it started (over ssh, its stderr
+    # relayed to the controller's console) would only repeat it there, once per host.
+    if outcome.ending is not Ending.FINISHED and not (
+        args.spec_stdin and outcome.ending is Ending.ABORTED
+    ):
+        _say(f"flodl-agent: agent {config.host}: {outcome.ending.value}: {outcome.reason}")
     return int(exit_code_for(outcome))
 
 

@@ -36,9 +36,11 @@ from ..errors import (
     ClosedBeforeJoin,
     ConnectionClosed,
     ControllerNotProved,
+    ControllerRefused,
     ControllerUnreachable,
     FormationAborted,
     HandshakeCut,
+    HandshakeRefused,
     JoinFailed,
     JoinRejected,
     WireError,
@@ -259,6 +261,10 @@ class Joiner:
             ) from exc
         except AuthenticationFailed as exc:  # WrongToken among them
             raise ControllerNotProved(
+                cfg.host, f"cannot join the controller at {cfg.controller_addr}: {exc}"
+            ) from exc
+        except HandshakeRefused as exc:
+            raise ControllerRefused(
                 cfg.host, f"cannot join the controller at {cfg.controller_addr}: {exc}"
             ) from exc
         except WireError as exc:

@@ -59,9 +59,19 @@ STDERR_TAIL = 5
 
 
 class SshLaunchFailed(JoinFailed):
-    """flodl-launch could not bring a worker's agent up over ssh."""
+    """flodl-launch could not bring a worker's agent up over ssh.
+
+    The class's advice is for the ssh settings; a cause that another fix mends (a python, a
+    version, sshd's forwarding) gives its own.
+    """
 
     advice = "fix the worker's ssh settings in the cluster file (or the host) and run again"
+
+
+SAME_VERSION = "install the same flodl_async version on every host"
+ALLOW_FORWARDING = (
+    "allow it there (AllowTcpForwarding yes or remote in sshd_config) or drop `tunnel: true`"
+)
 
 
 #: The first stdout line of the remote command, before the agent's own hello: ``PID_PREFIX <pid>``.
@@ -277,15 +287,14 @@ class SshLauncher:
         except (asyncssh.ChannelListenError, asyncssh.Error) as exc:
             raise SshLaunchFailed(
                 target.host,
-                f"sshd on {target.where} refused the tunnel's remote port forward ({exc}); allow "
-                "it there "
-                "(AllowTcpForwarding yes or remote in sshd_config) or drop `tunnel: true`",
+                f"sshd on {target.where} refused the tunnel's remote port forward ({exc})",
+                advice=ALLOW_FORWARDING,
             ) from None
         if listener is None:  # asyncssh's answer to a refused forward on some versions
             raise SshLaunchFailed(
                 target.host,
-                f"sshd on {target.where} refused the tunnel's remote port forward; allow it there "
-                "(AllowTcpForwarding yes or remote in sshd_config) or drop `tunnel: true`",
+                f"sshd on {target.where} refused the tunnel's remote port forward",
+                advice=ALLOW_FORWARDING,
             )
         port = int(listener.get_port())
         log.info(
@@ -302,10 +311,9 @@ class SshLauncher:
         if not target.known_hosts.is_file():
             raise SshLaunchFailed(
                 target.host,
-                f"known_hosts file {target.known_hosts} does not exist; add {target.address}'s "
-                "host key there "
-                f"(ssh-keyscan -p {target.port} {target.address} >> {target.known_hosts}, after "
-                "checking its fingerprint)",
+                f"known_hosts file {target.known_hosts} does not exist",
+                advice=f"add {target.address}'s host key there (ssh-keyscan -p {target.port} "
+                f"{target.address} >> {target.known_hosts}, after checking its fingerprint)",
             )
         if target.identity_file is not None and not target.identity_file.is_file():
             raise SshLaunchFailed(
@@ -329,28 +337,29 @@ class SshLauncher:
             async with asyncio.timeout(self._contact.deadlines.ssh_connect):
                 return await asyncssh.connect(target.address, **options)
         except asyncssh.HostKeyNotVerifiable:
-            raise SshLaunchFailed(
-                target.host, await self._host_key_problem(target, tunnel)
-            ) from None
+            problem, advice = await self._host_key_problem(target, tunnel)
+            raise SshLaunchFailed(target.host, problem, advice=advice) from None
         except asyncssh.PermissionDenied:
             key = target.identity_file or "the default keys (~/.ssh/id_*)"
             who = f"as {target.user}" if target.user else "as the current user"
             raise SshLaunchFailed(
                 target.host,
-                f"ssh authentication to {target.where} {who} failed with {key}; add its public key "
-                "to the remote authorized_keys",
+                f"ssh authentication to {target.where} {who} failed with {key}",
+                advice="add its public key to the remote authorized_keys, or fix the worker's "
+                "ssh: user and identity_file in the cluster file",
             ) from None
         except TimeoutError:
             raise SshLaunchFailed(
                 target.host,
                 f"ssh to {target.where} did not connect within "
-                f"{self._contact.deadlines.ssh_connect:g}s; check the address and that sshd "
-                "runs there",
+                f"{self._contact.deadlines.ssh_connect:g}s",
+                advice="check the worker's address in the cluster file and that sshd runs there",
             ) from None
         except (OSError, asyncssh.Error) as exc:
             raise SshLaunchFailed(
                 target.host,
-                f"cannot reach {target.where} over ssh: {exc}; check the address, port and that "
+                f"cannot reach {target.where} over ssh: {exc}",
+                advice="check the worker's address and ssh: port in the cluster file and that "
                 "sshd runs there",
             ) from None
 
@@ -364,8 +373,8 @@ class SshLauncher:
             except (OSError, ValueError) as exc:
                 raise SshLaunchFailed(
                     target.host,
-                    f"cannot read known_hosts file {target.known_hosts}: {exc}; fix or regenerate "
-                    "it",
+                    f"cannot read known_hosts file {target.known_hosts}: {exc}",
+                    advice="fix or regenerate it",
                 ) from None
         return known
 
@@ -378,13 +387,15 @@ class SshLauncher:
             except (OSError, ValueError) as exc:
                 raise SshLaunchFailed(
                     target.host,
-                    f"cannot load identity_file {path}: {exc}; it must be an unencrypted "
-                    "OpenSSH/PEM private key readable here",
+                    f"cannot load identity_file {path}: {exc}",
+                    advice="give the worker's ssh: identity_file an unencrypted OpenSSH/PEM "
+                    "private key readable here",
                 ) from None
         return key
 
-    async def _host_key_problem(self, target: SshTarget, tunnel: Any) -> str:
-        """Unknown or changed: the key the host offers (fingerprint) and what known_hosts says."""
+    async def _host_key_problem(self, target: SshTarget, tunnel: Any) -> tuple[str, str]:
+        """Unknown or changed: the key the host offers (fingerprint) and what known_hosts says, and
+        what to do about it."""
         offered = "?"
         with contextlib.suppress(Exception):
             async with asyncio.timeout(self._contact.deadlines.ssh_connect):
@@ -404,15 +415,15 @@ class SshLauncher:
         if listed:
             return (
                 f"the host key of {target.where} CHANGED: it offers {offered}, but "
-                f"{target.known_hosts} lists another key for it; "
+                f"{target.known_hosts} lists another key for it",
                 "if the host was reinstalled, remove the old entry (ssh-keygen -R "
-                f"{target.address} -f {target.known_hosts}) and add the new one"
+                f"{target.address} -f {target.known_hosts}) and add the new one",
             )
         return (
             f"the host key of {target.where} is unknown: it offers {offered}, which is not in "
-            f"{target.known_hosts}; "
+            f"{target.known_hosts}",
             f"check the fingerprint, then add it (ssh-keyscan -p {target.port} {target.address} >> "
-            f"{target.known_hosts})"
+            f"{target.known_hosts})",
         )
 
     async def _await_hello(
@@ -443,8 +454,9 @@ class SshLauncher:
             raise SshLaunchFailed(
                 target.host,
                 f"the agent on {target.where} said nothing within "
-                f"{self._contact.deadlines.ssh_connect:g}s; "
-                "check the worker's python: there (it must start `python -m flodl_async.agent`)",
+                f"{self._contact.deadlines.ssh_connect:g}s",
+                advice="check the worker's python: there (it must start "
+                "`python -m flodl_async.agent`)",
             ) from None
         except asyncssh.Error as exc:
             # The host died (or its sshd session was killed) before the agent started: a host lost
@@ -452,7 +464,8 @@ class SshLauncher:
             raise SshLaunchFailed(
                 target.host,
                 f"the ssh connection to {target.where} was lost before the agent said hello "
-                f"({exc.reason or exc}); check that the host is up",
+                f"({exc.reason or exc})",
+                advice="check that the host is up, then run again",
             ) from None
         version = parse_hello(line.decode(errors="replace"))
         if version == __version__:
@@ -461,8 +474,8 @@ class SshLauncher:
             await self._abandon(conn, process, pid)  # another version's agent: it never gets a spec
             raise SshLaunchFailed(
                 target.host,
-                f"{target.where} has flodl_async {version}, this launcher is {__version__}; "
-                "install the same version on every host",
+                f"{target.where} has flodl_async {version}, this launcher is {__version__}",
+                advice=SAME_VERSION,
             )
         await process.wait_closed()
         # the relay has the agent's last words once stderr ends
@@ -473,26 +486,28 @@ class SshLauncher:
         if status == COMMAND_NOT_FOUND:
             raise SshLaunchFailed(
                 target.host,
-                f"python {python!r} was not found on {target.where} (exit 127); set the worker's "
-                "python: to its path there",
+                f"python {python!r} was not found on {target.where} (exit 127)",
+                advice="set the worker's python: in the cluster file to its path there",
             )
         tail = b"\n".join(stderr_tail).decode(errors="replace")
         if "No module named" in tail and "flodl_async" in tail:
             raise SshLaunchFailed(
                 target.host,
-                f"flodl_async is not importable by {python} on {target.where}; install flodl_async "
-                f"{__version__} there (or set the worker's python:)",
+                f"flodl_async is not importable by {python} on {target.where}",
+                advice=f"install flodl_async {__version__} there (or set the worker's python: in "
+                "the cluster file)",
             )
         if "--spec-stdin" in tail:
             raise SshLaunchFailed(
                 target.host,
-                f"flodl_async on {target.where} is older than {__version__} (no --spec-stdin); "
-                "install the same version on every host",
+                f"flodl_async on {target.where} is older than {__version__} (no --spec-stdin)",
+                advice=SAME_VERSION,
             )
         raise SshLaunchFailed(
             target.host,
             f"the agent on {target.where} exited with {status} before saying "
             f"hello{_tail(stderr_tail)}",
+            advice="its stderr above says why; check the worker's python: and flodl_async there",
         )
 
     async def _abandon(self, conn: Any, process: Any, pid: int | None) -> None:
