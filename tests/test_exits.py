@@ -82,3 +82,31 @@ def test_without_an_error_file_the_stderr_tail_is_all_there_is() -> None:
         failure_details(_exit(stderr_tail=("boom",))) == "last 1 stderr line(s) of rank 2:\n  boom"
     )
     assert failure_details(_exit()) == ""
+
+
+def test_a_rank_prefixed_traceback_on_stderr_is_the_error_file_s_with_its_outer_frames() -> None:
+    """torch's excepthook writes ``[rank2]:`` before each line of a process group's rank, and the
+    stderr copy holds the frames above ``@record`` too: neither makes it a second traceback."""
+    printed = (
+        "[rank2]: Traceback (most recent call last):",
+        '[rank2]:   File "t.py", line 9, in <module>',
+        "[rank2]:     main()",
+        *(f"[rank2]: {line}" for line in TRACEBACK.splitlines()[1:]),
+    )
+    report = _exit(error_file=TRACEBACK, stderr_tail=("a warning", *printed, "after it"))
+    assert failure_details(report, shown_live=True) == (
+        "traceback: above, in rank 2's stderr (also in its error file); it ended with:\n"
+        "  ValueError: x\n"
+        "last 2 stderr line(s) of rank 2:\n"
+        "  a warning\n"
+        "  after it"
+    )
+
+
+def test_a_traceback_cut_by_the_tail_s_start_is_dropped_back_to_its_first_frame_line() -> None:
+    outer = ('  File "t.py", line 9, in <module>', "    main()")
+    report = _exit(error_file=TRACEBACK, stderr_tail=(*outer, *TRACEBACK.splitlines()[1:]))
+    assert failure_details(report, shown_live=True) == (
+        "traceback: above, in rank 2's stderr (also in its error file); it ended with:\n"
+        "  ValueError: x"
+    )

@@ -171,8 +171,11 @@ def test_record_traceback_appears_in_the_verdict() -> None:
     )
 
 
-def test_record_traceback_shown_live_is_not_repeated_by_the_verdict() -> None:
-    """Today's three copies (live, error file, stderr tail) are one: the live one, which the verdict points at."""
+@pytest.mark.parametrize("group", [(), ("--process-group",)], ids=["plain", "rank-prefixed"])
+def test_record_traceback_shown_live_is_not_repeated_by_the_verdict(group: tuple[str, ...]) -> None:
+    """Today's three copies (live, error file, stderr tail) are one: the live one, which the verdict
+    points at. Its outer frames (above @record's) and torch's ``[rank0]:`` prefix (a rank in a
+    process group) make no second copy under "last N stderr line(s)"."""
     run_id = new_run_id()
     done = run_launch(
         "--nproc",
@@ -186,12 +189,16 @@ def test_record_traceback_shown_live_is_not_repeated_by_the_verdict() -> None:
         "--",
         PY,
         script("raise_record.py"),
+        *group,
         run_id=run_id,
     )
     assert done.returncode == 4, done.stderr
     assert done.stderr.count('raise ValueError("deliberate failure for the verdict test")') == 1, (
         done.stderr
     )
+    verdict = done.stderr.split("FAILED —", 1)[1]
+    assert "stderr line(s)" not in verdict, done.stderr  # nothing but the traceback was on stderr
+    assert "main()" not in verdict, done.stderr
     assert re.search(r"^\[[^\]]+:r0\] .*raise ValueError", done.stderr, re.M), (
         done.stderr
     )  # the one copy: rank 0's own, live

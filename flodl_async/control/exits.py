@@ -7,6 +7,7 @@ Pure: the supervisor builds its verdicts from these; the controller's log names 
 
 from __future__ import annotations
 
+import re
 import signal
 
 from ..wire import messages as m
@@ -77,9 +78,42 @@ def failure_details(report: m.RankExited, *, shown_live: bool = False) -> str:
         else:
             details.append("traceback (from the rank's error file):")
             details.extend(f"  {line}" for line in traceback)
-        told = {line.strip() for line in traceback}
-        tail = [line for line in tail if line.strip() not in told]
+        tail = _without_traceback(tail, traceback)
     if tail:
         details.append(f"last {len(tail)} stderr line(s) of rank {report.rank}:")
         details.extend(f"  {line}" for line in tail)
     return "\n".join(details)
+
+
+#: What torch's excepthook puts before each line a rank of a process group writes to stderr.
+_RANK_PREFIX = re.compile(r"\[rank\d+\]:")
+_TRACEBACK_HEADER = "Traceback (most recent call last):"
+
+
+def _plain(line: str) -> str:
+    """``line`` without torch's ``[rank1]:`` prefix (its indentation kept)."""
+    return _RANK_PREFIX.sub("", line, count=1) if line.startswith("[rank") else line
+
+
+def _without_traceback(tail: list[str], traceback: list[str]) -> list[str]:
+    """The stderr tail without the traceback Python printed there too: the whole block up to the
+    error file's last line (the outer frames ``@record`` did not see included), then any line the
+    error file holds."""
+    plain = [_plain(line) for line in tail]
+    told = {line.strip() for line in traceback}
+    ends = [i for i, line in enumerate(plain) if line.strip() == traceback[-1].strip()]
+    block = range(0)
+    if ends:
+        start = ends[-1]
+        # back over the frames (indented) and the chained causes (in the error file) to the header
+        while start > 0 and plain[start].strip() != _TRACEBACK_HEADER:
+            before = plain[start - 1]
+            if not (before.startswith(" ") or before.strip() in told | {_TRACEBACK_HEADER}):
+                break
+            start -= 1
+        block = range(start, ends[-1] + 1)
+    return [
+        line
+        for i, (line, bare) in enumerate(zip(tail, plain, strict=True))
+        if i not in block and bare.strip() not in told
+    ]
