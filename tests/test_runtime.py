@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
+import pwd
 import shutil
 import subprocess
 import sys
@@ -242,6 +244,29 @@ def test_sweep_removes_entries_of_dead_owners_only(root: Path) -> None:
     old = 1_000_000_000
     os.utime(unmarked_fresh, (old, old))
     assert sweep_stale(root) == (unmarked_fresh,)
+
+
+def test_the_sweep_s_line_says_whose_entries_it_removed(
+    root: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Which run, host and dead pid left each entry; the owning user only when it is not us."""
+    gone = ProcessIdentity(pid=2**22 + 17, start_time=1)
+    _plant(root, "run-ours", "a", gone)
+    theirs = _plant(root, "run-theirs", "b", gone)
+    if os.getuid() == 0:  # only root can hand an entry to another user
+        os.chown(theirs, 4242, 4242)
+    with caplog.at_level(logging.INFO, logger="flodl_async.host.runtime"):
+        assert len(sweep_stale(root)) == 2
+    [line] = [r.getMessage() for r in caplog.records if "stale runtime" in r.getMessage()]
+    assert line.startswith(f"removed 2 stale runtime entries under {root / 'runs'}: "), line
+    assert f"run run-ours (host a, pid {gone.pid}, gone); run run-theirs (host b, pid " in line
+    ours = line.split("; ")[0]
+    assert "user" not in ours, line
+    if os.getuid() == 0:
+        who = (
+            pwd.getpwuid(4242).pw_name if 4242 in {u.pw_uid for u in pwd.getpwall()} else "uid 4242"
+        )
+        assert line.endswith(f", gone) of user {who}"), line
 
 
 def test_sweep_of_a_missing_root_does_nothing(root: Path) -> None:

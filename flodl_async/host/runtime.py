@@ -44,6 +44,7 @@ import hashlib
 import json
 import logging
 import os
+import pwd
 import re
 import secrets
 import shutil
@@ -457,6 +458,7 @@ def sweep_stale(root: Path | None = None) -> tuple[Path, ...]:
     if not runs.is_dir() or runs.is_symlink():
         return ()
     removed: list[Path] = []
+    whose: list[str] = []
     now = time.time()
     for run_dir in sorted(runs.iterdir()):
         if run_dir.is_symlink() or not run_dir.is_dir():
@@ -469,18 +471,48 @@ def sweep_stale(root: Path | None = None) -> tuple[Path, ...]:
             if entry.is_symlink() or not entry.is_dir():
                 continue
             if _stale(entry, now):
+                whose.append(_whose(entry))
                 shutil.rmtree(entry, ignore_errors=True)
                 removed.append(entry)
         with contextlib.suppress(OSError):  # not empty: a live session's run
             run_dir.rmdir()
     if removed:
+        named = "; ".join(whose[:_NAMED_STALE])
+        more = f"; and {len(whose) - _NAMED_STALE} more" if len(whose) > _NAMED_STALE else ""
         log.info(
-            "removed %d stale runtime entr%s under %s",
+            "removed %d stale runtime entr%s under %s: %s%s",
             len(removed),
             "y" if len(removed) == 1 else "ies",
             runs,
+            named,
+            more,
         )
     return tuple(removed)
+
+
+#: How many removed entries the sweep's line names (a machine full of leftovers stays one line).
+_NAMED_STALE = 3
+
+
+def _whose(entry: Path) -> str:
+    """``run flodl-1a2b (host vm, pid 812, gone)``: which run left ``entry``, and the user who
+    owns it when that is not us (one runtime directory may hold a sudo'd run's leftovers)."""
+    marker = Marker.read(entry)
+    if marker is None:
+        what = f"run {entry.parent.name} (host {entry.name}, no owner marker)"
+    else:
+        what = f"run {marker.run_id} (host {marker.host}, pid {marker.owner.pid}, gone)"
+    try:
+        uid = os.lstat(entry).st_uid
+    except OSError:
+        return what
+    if uid == os.getuid():
+        return what
+    try:
+        user = pwd.getpwuid(uid).pw_name
+    except KeyError:
+        user = f"uid {uid}"
+    return f"{what} of user {user}"
 
 
 # ----- rank markers: processes that may outlive their session -----------------------------------
