@@ -85,6 +85,12 @@ if TYPE_CHECKING:
     from .training.spec import Checkpointing, ElCheConfig, MaxFailure, TrendGuard
 
 
+def __dir__() -> list[str]:
+    """The public names (the lazy ones too, unloaded: tab completion offers them) and the module's
+    dunders, not the helpers this file imports."""
+    return sorted({*__all__, *(name for name in globals() if name.startswith("__"))})
+
+
 def __getattr__(name: str) -> Any:
     module = _LAZY.get(name)
     if module is None:

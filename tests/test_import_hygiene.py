@@ -134,3 +134,22 @@ def test_building_a_trainer_and_its_spec_does_not_import_torch() -> None:
         env=env,
     )
     assert result.stdout.strip() == "inline False"
+
+
+def test_dir_of_the_package_offers_the_public_names_without_loading_them() -> None:
+    """Tab completion reads ``dir()``: the lazy names are there before first use, the helpers the
+    face imports are not, and listing them imports no torch."""
+    code = (
+        "import sys\nimport flodl_async as fa\n"
+        "print(sorted(n for n in dir(fa) if not n.startswith('__')))\n"
+        "print(sorted(n for n in fa.__all__ if not n.startswith('__')))\n"
+        "print('__version__' in dir(fa), 'torch' in sys.modules)"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
+    )
+    listed, public, flags = result.stdout.strip().splitlines()
+    assert listed == public
+    assert "Trainer" in listed
+    assert "importlib" not in listed
+    assert flags == "True False"
