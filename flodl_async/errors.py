@@ -34,7 +34,7 @@ translated at the boundary with ``raise ... from exc``.
         ├── JoinFailed            the host never got into the run (exit 3)
         │   ├── ControllerUnreachable
         │   ├── ControllerNotProved  its handshake proof failed: not our controller, or another key
-        │   ├── ControllerRefused  its handshake refused the credential (another admission mode)
+        │   ├── ControllerRefused  its handshake refused us: another admission mode, another run
         │   ├── ClosedBeforeJoin  closed before the join was answered (evicted, shutting down)
         │   ├── JoinRejected      the controller said no (JoinReject)
         │   └── FormationAborted  admitted, but the world never formed
@@ -233,10 +233,13 @@ class ControllerNotProved(JoinFailed):
 
 
 class ControllerRefused(JoinFailed):
-    """The controller refused the credential this agent offered, saying why (another admission
-    mode: a token where it takes none, nothing where it takes one)."""
+    """The controller's handshake refused this agent, saying why: a credential of another
+    admission mode (a token where it takes none, nothing where it takes one), or another run."""
 
-    advice = "start the agent again with the credential the controller's refusal names"
+    advice = (
+        "the refusal says what that controller takes: start the agent again with it, or point it "
+        "at the controller you meant"
+    )
 
 
 class ClosedBeforeJoin(JoinFailed):

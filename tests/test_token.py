@@ -420,7 +420,8 @@ def test_a_token_at_a_controller_without_token_admission_gets_the_refusal_s_own_
         in (lines[0])
     )
     assert lines[0].endswith(
-        " — start the agent again with the credential the controller's refusal names"
+        " — the refusal says what that controller takes: start the agent again with it, or point "
+        "it at the controller you meant"
     ), lines[0]
     assert "session secret" not in agent_err
 
