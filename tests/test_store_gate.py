@@ -35,7 +35,7 @@ from flodl_async.net.portstore import PortStore
 from flodl_async.net.storegate import Standing, StoreGate
 from flodl_async.wire import Channel
 
-from .launchkit import PY, Launcher, free_port, new_run_id, script
+from .launchkit import PY, Launcher, free_port, new_run_id, reap, script, wait_status
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="sock_diag and /proc are Linux's")
 
@@ -317,3 +317,38 @@ def test_poisoners_of_another_user_and_of_ours_change_nothing_for_an_nproc_run(
     assert f"uid {NOBODY} (nobody)" in foreign[0], done.stderr
     assert len(ours) == 1, done.stderr
     assert f"uid {os.geteuid()}" in ours[0], done.stderr
+
+
+@pytest.mark.e2e
+def test_a_walk_in_agent_of_this_host_gets_its_ranks_into_the_store(tmp_path: Path) -> None:
+    """Its ranks descend from its own process, not the controller's: its join makes it a root."""
+    port, secret = free_port(), tmp_path / "secret"
+    cluster = tmp_path / "cluster.yml"
+    cluster.write_text(
+        f"controller:\n  port: {port}\n  join: {{min_rank_start: 2, target_ranks: 2, "
+        "join_timeout: 60}\nworkers:\n  - host: localhost\n    devices: cpu:1\n"
+    )
+    launcher = Launcher(
+        str(cluster), "--secret-file", str(secret), "--", PY, script("allreduce.py"),
+        run_id=new_run_id(),
+    )  # fmt: skip
+    agent = None
+    try:
+        wait_status(port, lambda doc: doc["joined_ranks"] == 1)
+        agent = subprocess.Popen(
+            [
+                PY, "-m", "flodl_async.agent", "--controller", f"127.0.0.1:{port}",
+                "--host", "walk-in", "--devices", "cpu:1", "--secret-file", str(secret),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )  # fmt: skip
+        done = launcher.finish(timeout=120)
+        agent.communicate(timeout=60)
+    finally:
+        launcher.kill()
+        reap(agent)
+    assert done.returncode == 0, done.stderr
+    assert "[walk-in:r1] rank 1 of 2 sum 3" in done.stdout, done.stdout
+    assert "store_not_run" not in done.stderr
