@@ -104,12 +104,20 @@ def holder_among(inode: int, pids: Iterable[int]) -> int | None:
     return None
 
 
-def all_pids() -> list[int]:
-    """Every pid ``/proc`` lists (of this pid namespace)."""
+def all_pids(uid: int | None = None) -> list[int]:
+    """Every pid ``/proc`` lists (of this pid namespace); with ``uid``, only that user's."""
     try:
-        return [int(name) for name in os.listdir("/proc") if name.isdigit()]
+        pids = [int(name) for name in os.listdir("/proc") if name.isdigit()]
     except OSError:
         return []
+    if uid is None:
+        return pids
+    mine = []
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            if os.stat(f"/proc/{pid}").st_uid == uid:
+                mine.append(pid)
+    return mine
 
 
 def command_name(pid: int) -> str:

@@ -153,7 +153,11 @@ class StoreGate:
         if pid == os.getpid():
             return  # an agent of this process: its ranks are already of this tree
         # the pid it says is checked against its socket: another pid namespace says another one
-        holder = pid if holds_socket(pid, owner.inode) else holder_among(owner.inode, all_pids())
+        holder = (
+            pid
+            if holds_socket(pid, owner.inode)
+            else holder_among(owner.inode, all_pids(owner.uid))
+        )
         if holder is not None:
             self.admit_tree(holder)
             return
@@ -199,7 +203,7 @@ class StoreGate:
         """A refused peer in words, its process looked up (costly: only for a peer logged)."""
         if check.pid == 0 and check.inode:
             with contextlib.suppress(OSError):
-                pid = holder_among(check.inode, all_pids())
+                pid = holder_among(check.inode, all_pids(check.uid if check.uid >= 0 else None))
                 if pid is not None:
                     check = PeerCheck(
                         standing=check.standing, uid=check.uid, inode=check.inode, pid=pid
