@@ -9,8 +9,9 @@ probe in the kernel (tens of microseconds, whatever the host's connection count)
 user may ask; the answer is synchronous, so the read never waits.
 
 The codec is pure (:func:`lookup_request`, :func:`parse_reply`); :func:`tcp_owner` is the thin
-reader. Where netlink is missing (not Linux) :func:`tcp_owner` raises :class:`OwnerUnknowable`:
-the caller then cannot tell local processes apart and says so.
+reader. Where netlink is missing (not Linux) :func:`tcp_owner` raises
+:class:`~flodl_async.errors.SocketOwnerUnknown` (``everywhere``): the caller then cannot tell
+local processes apart and says so.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ import ipaddress
 import socket
 import struct
 from dataclasses import dataclass
+
+from ..errors import SocketOwnerUnknown
 
 NETLINK_SOCK_DIAG = 4
 SOCK_DIAG_BY_FAMILY = 20
@@ -47,10 +50,6 @@ _MESSAGE_LEN = _MESSAGE_HEAD.size + _SOCKID_LEN + _MESSAGE_TAIL.size
 _RECV_BYTES = 8192
 
 Endpoint = tuple[str, int]
-
-
-class OwnerUnknowable(Exception):  # a condition the caller branches on, not a failure
-    """This system cannot say who owns a socket (no netlink sock_diag)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -123,11 +122,12 @@ def tcp_owner(local: Endpoint, remote: Endpoint) -> SocketOwner | None:
     (network namespace) has none: the peer of such a connection is on another machine.
 
     A connection we accepted from ``peer`` on ``ours`` is ``tcp_owner(peer, ours)``. Raises
-    :class:`OwnerUnknowable` where netlink cannot answer.
+    :class:`~flodl_async.errors.SocketOwnerUnknown` where netlink cannot answer (``everywhere``
+    when it cannot for any socket).
     """
     family = getattr(socket, "AF_NETLINK", None)
     if family is None:
-        raise OwnerUnknowable("this system has no netlink sock_diag")
+        raise SocketOwnerUnknown("this system has no netlink sock_diag", everywhere=True)
     try:
         request = lookup_request(local, remote)
     except ValueError:
@@ -135,13 +135,15 @@ def tcp_owner(local: Endpoint, remote: Endpoint) -> SocketOwner | None:
     try:
         sock = socket.socket(family, socket.SOCK_DGRAM, NETLINK_SOCK_DIAG)
     except OSError as exc:
-        raise OwnerUnknowable(f"cannot open a sock_diag socket: {exc.strerror or exc}") from exc
+        raise SocketOwnerUnknown(
+            f"cannot open a sock_diag socket: {exc.strerror or exc}", everywhere=True
+        ) from exc
     with contextlib.closing(sock):
         try:
             sock.sendto(request, (0, 0))
             # the kernel queues the answer before sendto returns: this read never waits
             owner = parse_reply(sock.recv(_RECV_BYTES, socket.MSG_DONTWAIT))
         except (OSError, ValueError) as exc:
-            raise OwnerUnknowable(f"sock_diag did not answer: {exc}") from exc
+            raise SocketOwnerUnknown(f"sock_diag did not answer: {exc}", everywhere=False) from exc
     # with no connected socket of that four-tuple the kernel answers with a listener on ``local``
     return None if owner is None or owner.state == TCP_LISTEN else owner

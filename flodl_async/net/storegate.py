@@ -37,6 +37,7 @@ import pwd
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from ..errors import SocketOwnerUnknown
 from ..host.hostaddrs import host_addresses
 from ..host.proctree import (
     all_pids,
@@ -46,7 +47,7 @@ from ..host.proctree import (
     holds_socket,
     start_ticks,
 )
-from ..host.sockdiag import Endpoint, OwnerUnknowable, tcp_owner
+from ..host.sockdiag import Endpoint, tcp_owner
 
 log = logging.getLogger("flodl_async.net.torchstore")
 
@@ -145,8 +146,8 @@ class StoreGate:
         ``pid``: its ranks are served. A remote agent's join changes nothing here."""
         try:
             owner = tcp_owner(peer, ours)
-        except OwnerUnknowable:
-            return
+        except SocketOwnerUnknown:
+            return  # its ranks are judged as a remote host's would be (or refused, if local)
         if owner is None or owner.inode == 0:
             return
         self._uids.add(owner.uid)
@@ -177,15 +178,14 @@ class StoreGate:
         """Judge a new connection from ``peer`` accepted on ``ours``."""
         try:
             owner = tcp_owner(peer, ours)
-        except OwnerUnknowable as exc:
-            if not self._warned_unknowable:
-                self._warned_unknowable = True
-                log.warning(
-                    "store: %s: cannot tell this host's processes apart; store connections are "
-                    "judged by their address alone",
-                    exc,
-                )
-            return PeerCheck(standing=Standing.REMOTE)
+        except SocketOwnerUnknown as exc:
+            if not exc.everywhere:  # this one lookup failed: a local peer is refused, as unknown
+                owner = None
+            else:
+                if not self._warned_unknowable:
+                    self._warned_unknowable = True
+                    log.warning("store: %s", exc)
+                return PeerCheck(standing=Standing.REMOTE)
         if owner is None:
             local = self._is_local(peer[0], ours[0])
             return PeerCheck(standing=Standing.OWNER_UNKNOWN if local else Standing.REMOTE)
