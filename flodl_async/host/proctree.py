@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 #: A tree is read up to this many processes (a fork bomb must not make every read costly).
 TREE_LIMIT = 64
@@ -32,30 +32,37 @@ def read_proc(path: str) -> str:
         os.close(fd)
 
 
+def children(pid: int) -> list[int]:
+    """``pid``'s live children, from each of its threads' children file ([] when it is gone)."""
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return []
+    found: list[int] = []
+    for tid in tids:
+        with contextlib.suppress(OSError):
+            found += parse_children(read_proc(f"/proc/{pid}/task/{tid}/children"))
+    return found
+
+
+def _descendants(pid: int, limit: int) -> Iterator[int]:
+    """``pid``'s live descendants, breadth first, at most ``limit`` - 1 of them, as they are
+    found (a caller looking for one stops reading the tree there)."""
+    seen, queue = {pid}, [pid]
+    while queue and len(seen) < limit:
+        for child in children(queue.pop(0)):
+            if child not in seen and len(seen) < limit:
+                seen.add(child)
+                queue.append(child)
+                yield child
+
+
 def process_tree(pid: int, limit: int = TREE_LIMIT) -> list[int]:
     """``pid`` and its live descendants, ``pid`` first (breadth first, at most ``limit``).
 
     Without the children files (a kernel built without them) the tree is ``pid`` alone.
     """
-    tree, queue = [pid], [pid]
-    seen = {pid}
-    while queue and len(tree) < limit:
-        parent = queue.pop(0)
-        try:
-            tids = os.listdir(f"/proc/{parent}/task")
-        except OSError:
-            continue
-        for tid in tids:
-            try:
-                children = parse_children(read_proc(f"/proc/{parent}/task/{tid}/children"))
-            except OSError:
-                continue
-            for child in children:
-                if child not in seen and len(tree) < limit:
-                    seen.add(child)
-                    tree.append(child)
-                    queue.append(child)
-    return tree
+    return [pid, *_descendants(pid, limit)]
 
 
 def socket_inodes(pid: int) -> frozenset[int]:
@@ -84,16 +91,16 @@ def holds_socket(pid: int, inode: int) -> bool:
 def holder_in_trees(inode: int, roots: Iterable[int], limit: int) -> int | None:
     """The process of the roots' trees that holds the socket ``inode``, or None.
 
-    Each root's descendants are searched before the root itself: a root (the controller, an
-    agent) holds many sockets of its own, while a store client is nearly always a rank, one of
-    its children.
+    Each root's descendants are searched as they are found, before the root itself: a root (the
+    controller, an agent) holds many sockets of its own, while a store client is nearly always a
+    rank, one of its children, found before the rest of the tree is read.
     """
+    roots = list(roots)
     for root in roots:
-        tree = process_tree(root, limit)
-        for pid in (*tree[1:], tree[0]):
+        for pid in _descendants(root, limit):
             if holds_socket(pid, inode):
                 return pid
-    return None
+    return holder_among(inode, roots)
 
 
 def holder_among(inode: int, pids: Iterable[int]) -> int | None:
