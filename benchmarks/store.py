@@ -15,6 +15,12 @@ and times the same work against both servers:
 * torch: torch's own ``TCPStore(is_master=True)`` server (its C++ libuv backend) in its own
   process.
 
+Our store judges every connection as the controller does: the peer's socket owner from the
+kernel, its process from ``/proc`` (:mod:`flodl_async.net.storegate`; the clients are this
+benchmark's children, its tree is "the run"). ``connect`` is what that costs a client: the mean
+time a ``TCPStore(is_master=False)`` takes to be constructed (connect, ``VALIDATE``, its first
+round trip), all clients dialling at once.
+
 Per client and operation, ``--ops`` sequential requests (one round trip each): ``set`` of a
 64-byte value on its own keys, ``get`` of them, ``add`` on one counter shared by every client
 (contended), and ``wait`` on a key that exists. The clients start together (a barrier) and the
@@ -31,6 +37,7 @@ import datetime
 import multiprocessing
 import multiprocessing.connection
 import multiprocessing.synchronize
+import os
 import statistics
 import sys
 import time
@@ -39,6 +46,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 OPS = ("set", "get", "add", "wait")
+COLUMNS = ("connect", *OPS)
 
 
 def _serve_ours(
@@ -47,11 +55,13 @@ def _serve_ours(
     from flodl_async.net.loop import run
     from flodl_async.net.mux import PortMux
     from flodl_async.net.portstore import PortStore
+    from flodl_async.net.storegate import StoreGate
     from flodl_async.wire import Channel
 
     async def main() -> None:
         mux = PortMux(host="127.0.0.1", port=0, sniff_timeout=60.0, handshake_timeout=60.0)
-        store = PortStore()
+        # the clients are our parent's children, as ranks are the controller's
+        store = PortStore(gate=StoreGate(roots=(os.getppid(),), uids=(os.geteuid(),)))
         store.admit_host("127.0.0.1")
         mux.register(Channel.STORE, store.protocol_factory)
         await mux.start()
@@ -85,7 +95,10 @@ def _client(
 ) -> None:
     from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
+    barrier.wait()
+    dialled = time.perf_counter()
     store = TCPStore("127.0.0.1", port, None, False, timeout=datetime.timedelta(seconds=300))
+    connect = time.perf_counter() - dialled
     value = b"v" * 64
     keys = [f"c{index}/k{i}" for i in range(ops)]
     store.set("present", "1")
@@ -106,12 +119,13 @@ def _client(
             for _ in range(ops):
                 store.wait(["present"])
         spans[op] = (start, time.perf_counter())
-    out.send(spans)
+    out.send((connect, spans))
     del store
 
 
 def _trial(server: str, clients: int, ops: int) -> dict[str, float]:
-    """Requests per second for each op, all clients together, against one server."""
+    """Requests per second for each op, all clients together, against one server; and the mean
+    seconds a client took to connect."""
     ctx = multiprocessing.get_context("spawn")
     ready_r, ready_w = ctx.Pipe(duplex=False)
     stop = ctx.Event()
@@ -128,9 +142,9 @@ def _trial(server: str, clients: int, ops: int) -> dict[str, float]:
     try:
         for proc in procs:
             proc.start()
-        for _ in OPS:
+        for _ in COLUMNS:
             barrier.wait()
-        spans = [r.recv() for r, _ in pipes]
+        answers = [r.recv() for r, _ in pipes]
         for proc in procs:
             proc.join()
     finally:
@@ -140,10 +154,14 @@ def _trial(server: str, clients: int, ops: int) -> dict[str, float]:
             if proc.is_alive():
                 proc.kill()
                 proc.join()
+    spans = [s for _, s in answers]
     # perf_counter is CLOCK_MONOTONIC on Linux: one clock for every process on the machine.
     return {
-        op: clients * ops / (max(s[op][1] for s in spans) - min(s[op][0] for s in spans))
-        for op in OPS
+        "connect": statistics.mean(c for c, _ in answers),
+        **{
+            op: clients * ops / (max(s[op][1] for s in spans) - min(s[op][0] for s in spans))
+            for op in OPS
+        },
     }
 
 
@@ -173,6 +191,9 @@ def main() -> None:
         ours = statistics.median(r[op] for r in results["ours"])
         torch_ = statistics.median(r[op] for r in results["torch"])
         print(f"{op:<6} {ours:>24,.0f} {torch_:>22,.0f} {ours / torch_:>6.2f}x")
+    ours = statistics.median(r["connect"] for r in results["ours"]) * 1e3
+    torch_ = statistics.median(r["connect"] for r in results["torch"]) * 1e3
+    print(f"{'connect':<7} {ours:>20.2f} ms {torch_:>19.2f} ms {ours / torch_:>6.2f}x (time, mean)")
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ translated at the boundary with ``raise ... from exc``.
     │   └── NotFlodlStatus        ``flodl status`` was pointed at something else than a controller
     ├── PortInUseError            the controller port is held by a live listener
     ├── SubscriptionClosed        a status subscription was closed
+    ├── SocketOwnerUnknown        the kernel did not say who owns a local socket (or cannot, here)
     └── AgentError                one host's session failed (fields: host, reason)
         ├── JoinFailed            the host never got into the run (exit 3)
         │   ├── ControllerUnreachable
@@ -181,6 +182,19 @@ class SubscriptionClosed(FlodlError):
     def __init__(self) -> None:
         super().__init__(
             "this status subscription is closed; subscribe again to the board for new snapshots"
+        )
+
+
+class SocketOwnerUnknown(FlodlError):
+    """The kernel did not say who owns a local TCP socket. ``everywhere``: this system cannot say
+    for any socket (no netlink sock_diag), not only for this one."""
+
+    def __init__(self, reason: str, *, everywhere: bool) -> None:
+        self.reason = reason
+        self.everywhere = everywhere
+        super().__init__(
+            f"cannot tell who owns a local socket: {reason}"
+            + ("; store connections are judged by their address alone" if everywhere else "")
         )
 
 

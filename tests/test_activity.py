@@ -19,15 +19,13 @@ from flodl_async.agent.activity import (
     ProcStat,
     RankActivityTracker,
     last_line_of,
-    parse_children,
     parse_net_tcp,
     parse_stat,
-    process_tree,
-    socket_inodes,
     store_connections,
     tree_state,
     tree_ticks,
 )
+from flodl_async.host.proctree import parse_children, process_tree, socket_inodes
 
 STAT = "4242 (python3 (x) y) S 1 4242 4242 0 -1 4194304 100 0 0 0 {utime} {stime} 0 0 20 0 3 0 {start} 1000 100 18446744073709551615"
 TCP = """  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode

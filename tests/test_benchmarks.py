@@ -52,6 +52,7 @@ TABLES: dict[str, tuple[str, ...]] = {
     "store": (
         r"op\s+ours \(controller port\)\s+torch TCPStore server\s+ratio",
         *(rf"{op}\s+[\d,]+\s+[\d,]+\s+[\d.]+x" for op in ("set", "get", "add", "wait")),
+        r"connect\s+[\d.]+ ms\s+[\d.]+ ms\s+[\d.]+x .*",
     ),
     "tcpleg": (
         r"\s*size \| rounds \|\s+median \|\s+p25 \|\s+min",

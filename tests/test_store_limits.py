@@ -308,11 +308,12 @@ async def _store_client(
 
 
 async def _ping(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
-    """True if the store answers a PING; False if it closed the connection."""
-    writer.write(bytes([Query.PING]) + b"ping")
+    """True if the store answers a PING; False if it closed the connection (the close may already
+    have come back as a reset, which then breaks the write itself)."""
     try:
+        writer.write(bytes([Query.PING]) + b"ping")
         return await reader.readexactly(4) == b"ping"
-    except (asyncio.IncompleteReadError, ConnectionResetError):
+    except (asyncio.IncompleteReadError, ConnectionResetError, BrokenPipeError):
         return False
 
 

@@ -24,7 +24,7 @@ or blocked python under a sleeping shell shows as stopped or blocked).
 
 Reading a torch rank's tree (40 threads, each with its children file) costs
 about 0.5 ms per report. The parsing is pure (text in, values out);
-:meth:`RankActivityTracker.sample` and :func:`process_tree` are the readers of ``/proc``.
+:meth:`RankActivityTracker.sample` and :mod:`flodl_async.host.proctree` read ``/proc``.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..host.proctree import process_tree, read_proc, socket_inodes
 from ..wire import messages as m
 
 #: The last line is cut to this many characters (a report stays small whatever a rank prints).
@@ -42,8 +43,6 @@ LAST_LINE_LIMIT = 200
 #: A rank not yet seen at the store has its sockets matched against the TCP tables at least this
 #: often.
 RECHECK_S = 30.0
-#: A rank's tree is read up to this many processes (a fork bomb must not make every report costly).
-TREE_LIMIT = 64
 _TCP_ESTABLISHED = "01"
 _CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 #: Which member's state a tree shows, most telling first: stopped (T, t), blocked in the kernel
@@ -78,11 +77,6 @@ def parse_stat(text: str) -> ProcStat | None:
         return None
 
 
-def parse_children(text: str) -> list[int]:
-    """A ``/proc/<pid>/task/<tid>/children`` file → the pids in it (space-separated)."""
-    return [int(word) for word in text.split() if word.isdigit()]
-
-
 def tree_state(states: list[str]) -> str:
     """The state a rank's tree shows: its most telling member's (see :data:`_STATE_PRIORITY`;
     unknown letters last)."""
@@ -99,41 +93,6 @@ def tree_ticks(stats: list[ProcStat]) -> int:
     return sum(stat.cpu_ticks + stat.reaped_ticks for stat in stats)
 
 
-def _read(path: str) -> str:
-    """A small ``/proc`` file in one read (cheaper than ``Path.read_text``: torch ranks have dozens
-    of threads)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        return os.read(fd, 65536).decode(errors="replace")
-    finally:
-        os.close(fd)
-
-
-def process_tree(pid: int, limit: int = TREE_LIMIT) -> list[int]:
-    """``pid`` and its live descendants, ``pid`` first (breadth first, at most ``limit``).
-
-    A child is listed in the children file of the thread that forked it, so every thread's
-    file is read. Without those files (a kernel built without them) the tree is ``pid`` alone.
-    """
-    tree, queue = [pid], [pid]
-    while queue and len(tree) < limit:
-        parent = queue.pop(0)
-        try:
-            tids = os.listdir(f"/proc/{parent}/task")
-        except OSError:
-            continue
-        for tid in tids:
-            try:
-                children = parse_children(_read(f"/proc/{parent}/task/{tid}/children"))
-            except OSError:
-                continue
-            for child in children:
-                if child not in tree and len(tree) < limit:
-                    tree.append(child)
-                    queue.append(child)
-    return tree
-
-
 def parse_net_tcp(text: str, remote_port: int) -> frozenset[int]:
     """Socket inodes of established connections to ``remote_port`` in a ``/proc/net/tcp`` or
     ``tcp6`` table."""
@@ -147,18 +106,6 @@ def parse_net_tcp(text: str, remote_port: int) -> frozenset[int]:
             if int(port_hex, 16) == remote_port:
                 inodes.add(int(cols[9]))
     return frozenset(inodes)
-
-
-def socket_inodes(pid: int) -> frozenset[int]:
-    """The socket inodes among ``pid``'s open descriptors (links ``socket:[N]``)."""
-    found: set[int] = set()
-    with contextlib.suppress(OSError):
-        for fd in os.listdir(f"/proc/{pid}/fd"):
-            with contextlib.suppress(OSError):
-                link = os.readlink(f"/proc/{pid}/fd/{fd}")
-                if link.startswith("socket:["):
-                    found.add(int(link[8:-1]))
-    return frozenset(found)
 
 
 def store_connections(remote_port: int) -> frozenset[int]:
@@ -241,7 +188,7 @@ class RankActivityTracker:
         stats: list[ProcStat] = []
         for pid in tree:
             try:
-                stat = parse_stat(_read(f"/proc/{pid}/stat"))
+                stat = parse_stat(read_proc(f"/proc/{pid}/stat"))
             except OSError:
                 stat = None  # it ended between the listing and the read
             if stat is not None:

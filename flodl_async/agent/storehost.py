@@ -13,6 +13,7 @@ import socket
 
 from ..deadlines import Deadlines
 from ..net.framed import FramedProtocol, open_framed
+from ..net.storegate import StoreGate
 from ..net.tcpstore import StoreServer
 from ..net.torchstore import BACKEND_VARIABLE, TorchStoreProcess
 from ..wire import messages as m
@@ -63,7 +64,8 @@ class StoreHost:
                     listener, run_id=self._run_id, stop_grace=self._deadlines.store_stop
                 )
             else:
-                self._store = StoreServer()
+                # this host's processes: only this agent's ranks (its descendants)
+                self._store = StoreServer(gate=StoreGate.of_this_process())
                 await self._store.start(listener)
         except BaseException:
             listener.close()

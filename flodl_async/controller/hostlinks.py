@@ -46,7 +46,7 @@ from ..control.watch import (
 from ..errors import ConnectionClosed, WireError
 from ..host.cores import oversubscription
 from ..host.hostaddrs import routable
-from ..net.framed import FramedProtocol
+from ..net.framed import FramedProtocol, tcp_endpoints
 from ..net.portstore import PortStore
 from ..wire import messages as m
 from ..wire.handshake import PROTOCOL_VERSION
@@ -175,6 +175,10 @@ class HostLinks:
         if self._store is not None:
             for address in routable(hello.addresses):
                 self._store.admit_host(address)
+            # an agent of this host: its ranks are its descendants (before its first StartRanks)
+            endpoints = tcp_endpoints(link)
+            if endpoints is not None:
+                self._store.admit_agent(*endpoints, hello.pid)
         try:
             while True:
                 msg = await link.recv_message()

@@ -554,6 +554,18 @@ class BulkFramedProtocol(FramedProtocol, asyncio.BufferedProtocol):
         self._collect()
 
 
+def tcp_endpoints(link: FramedProtocol) -> tuple[tuple[str, int], tuple[str, int]] | None:
+    """``(peer, ours)``, each ``(address, port)``, of a TCP link; None for a unix socket or a
+    closed link."""
+    transport = link._transport
+    if transport is None:
+        return None
+    peer, ours = transport.get_extra_info("peername"), transport.get_extra_info("sockname")
+    if not (isinstance(peer, tuple) and isinstance(ours, tuple)):
+        return None
+    return (str(peer[0]), int(peer[1])), (str(ours[0]), int(ours[1]))
+
+
 def framed_protocol_class(channel: Channel) -> type[FramedProtocol]:
     """Buffered (zero-copy receive) on the data channel, plain elsewhere."""
     return BulkFramedProtocol if channel is Channel.DATA else StreamFramedProtocol

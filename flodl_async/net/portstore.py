@@ -10,7 +10,11 @@ connection is served only from the address of a host admitted to the run (the ad
 agent's join link came from, and every routable address its agent reported at join, for a
 multi-homed host's ranks; loopback is one of them only when the controller's own host runs
 ranks, never because a remote agent says so). Any other is closed at once and counted
-(``store_not_admitted``). The mux holds every store connection in admission's store pool
+(``store_not_admitted``). An address is no credential on the controller's own host, where any
+user can dial loopback: a connection from this host is served only to the run's own processes
+(:mod:`flodl_async.net.storegate`: the controller's tree, and each local agent's from its join),
+and one of another user or of no process of the run is refused before a byte of it is read.
+The mux holds every store connection in admission's store pool
 (:class:`~flodl_async.net.admission.Pool`), capped per address and in total and fitted to the
 descriptor limit, until it closes: ranks hold theirs for hours, and held store connections
 must not take the descriptors status and the framed channels need.
@@ -29,8 +33,10 @@ from __future__ import annotations
 import ipaddress
 import logging
 
+from ..host.sockdiag import Endpoint
 from ..wire.storeproto import StoreLimits, StoreState
 from .admission import AdmissionTicket
+from .storegate import StoreGate
 from .tcpstore import StoreClientProtocol, StoreClients
 
 log = logging.getLogger("flodl_async.net.torchstore")
@@ -51,8 +57,10 @@ def normalise_host(host: str) -> str:
 class PortStore:
     """One store per round, served to the admitted hosts' connections on the mux."""
 
-    def __init__(self, *, limits: StoreLimits | None = None) -> None:
-        self._clients = StoreClients(limits=limits, subject="port store")
+    def __init__(self, *, limits: StoreLimits | None = None, gate: StoreGate | None = None) -> None:
+        """``gate``: who on this host may connect (by default this process's user and tree)."""
+        self._gate = gate or StoreGate.of_this_process()
+        self._clients = StoreClients(limits=limits, subject="port store", gate=self._gate)
         self.round = 0
         self._admitted: set[str] = set()
 
@@ -69,6 +77,11 @@ class PortStore:
     def admit_host(self, address: str) -> None:
         """Store connections from ``address`` are served from now on (an admitted host's)."""
         self._admitted.add(normalise_host(address))
+
+    def admit_agent(self, peer: Endpoint, ours: Endpoint, pid: int) -> None:
+        """An agent joined over the connection from ``peer`` to ``ours``: when it is of this host,
+        its ranks (its descendants, under ``pid``) may connect from this host too."""
+        self._gate.admit_agent(peer, ours, pid)
 
     def is_admitted(self, address: str) -> bool:
         """Whether a store connection from ``address`` is served."""
@@ -105,7 +118,7 @@ class _PortStoreProtocol(StoreClientProtocol):
 
     def accept(self) -> bool:
         if self._store.is_admitted(self.host):
-            return True
+            return super().accept()  # and from this host, only the run's own processes
         if self._ticket is not None:
             self._ticket.rejected(
                 "store_not_admitted",

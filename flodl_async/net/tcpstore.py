@@ -12,6 +12,11 @@ is still unsent to it, else at once). Torch's TCPStore protocol has no error rep
 own server closes the connection too — so the close is how the client is told: its next
 request fails with ``DistNetworkError`` (``Connection reset by peer`` or ``Broken pipe``, or
 ``Failed to recv, got 0 bytes``). The store's other keys are untouched.
+
+A store with a :class:`~flodl_async.net.storegate.StoreGate` judges each connection by who made
+it before it reads a byte: one from this host is served only to the run's processes, any other
+is refused the same way (``store_foreign_uid``, ``store_not_run``, ``store_owner_unknown``), its
+requests unread.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from ..wire.storeproto import (
     StoreProtocolError,
     StoreState,
 )
+from .storegate import StoreGate, describe_peer
 
 log = logging.getLogger("flodl_async.net.torchstore")
 
@@ -45,9 +51,17 @@ def refusal_reason(exc: StoreProtocolError) -> str:
 class StoreClients:
     """One store's state and its open client connections."""
 
-    def __init__(self, *, limits: StoreLimits | None = None, subject: str = "store") -> None:
+    def __init__(
+        self,
+        *,
+        limits: StoreLimits | None = None,
+        subject: str = "store",
+        gate: StoreGate | None = None,
+    ) -> None:
         self.state = StoreState(limits)
         self._subject = subject
+        #: Who on this host may connect (None: anyone the caller's own rule lets in).
+        self.gate = gate
         self._protocols: dict[StoreConnection, StoreClientProtocol] = {}
         self._named: set[str] = set()
         self.refused: collections.Counter[str] = collections.Counter()
@@ -83,6 +97,11 @@ class StoreClients:
             if protocol is not None:
                 protocol.send(payload)
 
+    def names(self, host: str) -> bool:
+        """Whether a refusal of ``host`` now would be logged (what costs a look-up to say is only
+        looked up for a line that is written)."""
+        return host not in self._named and len(self._named) < MAX_NAMED_OFFENDERS
+
     def record_refusal(self, host: str, label: str, reason: str, detail: str) -> None:
         """Count a refused client; the first refusal of each address is logged with what it did."""
         self.refused[reason] += 1
@@ -110,6 +129,8 @@ class StoreClientProtocol(asyncio.Protocol):
         self._transport: asyncio.Transport | None = None
         self.host = ""
         self.label = "an unknown peer"
+        self._peer: tuple[str, int] | None = None
+        self._ours: tuple[str, int] | None = None
         self._paused = False
         self._refused = False
         #: Reply bytes the transport held unsent when last asked (what the state was told).
@@ -119,14 +140,30 @@ class StoreClientProtocol(asyncio.Protocol):
         # uvloop's transports do not subclass it
         self._transport = typing.cast(asyncio.Transport, transport)
         peer = transport.get_extra_info("peername")
+        ours = transport.get_extra_info("sockname")
         if isinstance(peer, tuple):
             self.host, self.label = str(peer[0]), f"{peer[0]}:{peer[1]}"
+            self._peer = (str(peer[0]), int(peer[1]))
+        if isinstance(ours, tuple):
+            self._ours = (str(ours[0]), int(ours[1]))
         if self.accept():
             self._clients.attach(self)
 
     def accept(self) -> bool:
-        """Whether this connection is served (a subclass refuses it here)."""
-        return True
+        """Whether this connection is served: the gate's judgement (a subclass adds its own)."""
+        gate = self._clients.gate
+        if gate is None or self._peer is None or self._ours is None:
+            return True
+        check = gate.check(self._peer, self._ours)
+        if not check.refused:
+            return True
+        # one line per address and user: every other user dialling loopback is named too
+        offender = self.host or self.label
+        if check.uid >= 0:
+            offender = f"{offender} (uid {check.uid})"
+        detail = gate.named(check) if self._clients.names(offender) else describe_peer(check)
+        self.refuse(check.standing.value, detail, at_once=True, offender=offender)
+        return False
 
     def data_received(self, data: bytes) -> None:
         if self._transport is None or self._transport.is_closing():
@@ -178,19 +215,27 @@ class StoreClientProtocol(asyncio.Protocol):
         if self.conn.wants_more:
             self._serve(b"")
 
-    def refuse(self, reason: str, detail: str) -> None:
-        """Count, log (once per address) and close this client; its charges are given back."""
+    def refuse(
+        self, reason: str, detail: str, *, at_once: bool = False, offender: str = ""
+    ) -> None:
+        """Count, log (once per ``offender``: by default its address) and close this client; its
+        charges are given back.
+
+        ``at_once``: abort, whatever is unsent (a peer refused before it was served is owed
+        nothing)."""
         if self._refused:
             return
         self._refused = True
-        self._clients.record_refusal(self.host or self.label, self.label, reason, detail)
+        self._clients.record_refusal(
+            offender or self.host or self.label, self.label, reason, detail
+        )
         self.refused(reason, detail)
         self._clients.detach(self)
         self.conn.closed()
         transport = self._transport
         if transport is None:
             return
-        if transport.get_write_buffer_size():
+        if at_once or transport.get_write_buffer_size():
             transport.abort()  # a client that does not read would hold a graceful close open
         else:
             transport.close()
@@ -212,8 +257,8 @@ class StoreClientProtocol(asyncio.Protocol):
 class StoreServer:
     """Serves torch's TCPStore protocol on an already-listening socket."""
 
-    def __init__(self, *, limits: StoreLimits | None = None) -> None:
-        self._clients = StoreClients(limits=limits)
+    def __init__(self, *, limits: StoreLimits | None = None, gate: StoreGate | None = None) -> None:
+        self._clients = StoreClients(limits=limits, gate=gate)
         self._server: asyncio.Server | None = None
 
     @property

@@ -10,6 +10,7 @@ the port and exits. Log lines go to stdout as ``log LEVEL message``.
 import asyncio
 import json
 import logging
+import os
 import resource
 import sys
 import time
@@ -19,6 +20,7 @@ from flodl_async.net.http import StatusHttpProtocol
 from flodl_async.net.loop import run
 from flodl_async.net.mux import PortMux
 from flodl_async.net.portstore import PortStore
+from flodl_async.net.storegate import StoreGate
 from flodl_async.status import Phase, StatusBoard, StatusSnapshot
 from flodl_async.wire import Channel
 from flodl_async.wire.storeproto import StoreLimits
@@ -38,7 +40,9 @@ async def main(config: dict[str, dict[str, int]]) -> None:
         handshake_timeout=60,
         limits=AdmissionLimits(**config.get("admission", {})),
     )
-    store = PortStore(limits=StoreLimits(**config.get("store", {})))
+    # the test process that started us is the store's client: its tree is "the run" here
+    gate = StoreGate(roots=(os.getpid(), os.getppid()), uids=(os.geteuid(),))
+    store = PortStore(limits=StoreLimits(**config.get("store", {})), gate=gate)
     store.admit_host("127.0.0.1")
     board = StatusBoard()
     now = time.time()
