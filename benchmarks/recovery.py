@@ -19,8 +19,8 @@ machine's state:
 - ``restart``: a plain torchrun-contract script (gloo, an ``all_reduce`` per step, the same step
   time) under ``flodl-launch --max-restarts 1``; one rank of the first attempt writes its kill time
   and SIGKILLs itself, the world is torn down and started again, and each rank of the restarted
-  world writes ``time.time()`` after its first ``all_reduce``: kill → the earliest of those. The
-  restarted script reloads nothing, which favours it.
+  world writes ``time.time()`` as its script starts and after its first ``all_reduce``: kill → the
+  earliest of each. The restarted script reloads nothing, which favours it.
 
 All times are ``time.time()`` (CLOCK_REALTIME) taken by processes on one machine. The table gives
 p50 and p99 (linear interpolation; with 10 kills p99 is close to the maximum) per stage, where the
@@ -128,12 +128,14 @@ def elastic_role(args: argparse.Namespace) -> None:
 
 def restart_role(args: argparse.Namespace) -> None:
     """One rank of the plain script: an all_reduce per step; the first attempt loses a rank."""
-    import torch
-    import torch.distributed as dist
-
     out = Path(args.out)
     rank = int(os.environ["RANK"])
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if attempt > 0:  # before torch is imported: the launcher's share of the restart ends here
+        (out / f"started-{rank}").write_text(f"{time.time()!r}\n")
+    import torch
+    import torch.distributed as dist
+
     dist.init_process_group("gloo")
     grad = torch.ones(16 * 32 + 32 + 32 + 1)  # the elastic trial's model, flat
     for step in range(args.kill_step + 10 if attempt == 0 else 2):
@@ -161,6 +163,14 @@ class ElasticKill:
     second: float  # and the one after it: the survivors go on
     reason: str
     period: float | None  # the median time between rounds before the kill
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RestartKill:
+    """One restart trial's stages, in seconds after the kill (the new world's earliest rank)."""
+
+    started: float  # a restarted rank's script runs (torch not yet imported)
+    progress: float  # past its first all_reduce
 
 
 def _free_port() -> int:
@@ -248,7 +258,9 @@ def stages(records: Sequence[tuple[float, str]], rank: int, killed: float) -> El
     )
 
 
-def restart_trial(args: argparse.Namespace, out: Path, kill_rank: int, kill_step: int) -> float:
+def restart_trial(
+    args: argparse.Namespace, out: Path, kill_rank: int, kill_step: int
+) -> RestartKill:
     out.mkdir(parents=True)
     cmd = [
         sys.executable, "-m", "flodl_async.cli.launch", "--nproc", str(args.ranks),
@@ -257,10 +269,11 @@ def restart_trial(args: argparse.Namespace, out: Path, kill_rank: int, kill_step
     ]  # fmt: skip
     _run(cmd, out, f"restart trial (rank {kill_rank} killed at step {kill_step})")
     _, killed = _killed(out)
+    started = [float(p.read_text()) for p in out.glob("started-*")]
     firsts = [float(p.read_text()) for p in out.glob("first-*")]
-    if len(firsts) != args.ranks:
+    if len(firsts) != args.ranks or len(started) != args.ranks:
         raise SystemExit(f"restart trial: {len(firsts)} of {args.ranks} ranks made progress")
-    return min(firsts) - killed
+    return RestartKill(started=min(started) - killed, progress=min(firsts) - killed)
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -279,7 +292,9 @@ def _row(name: str, values: Sequence[float]) -> str:
     )
 
 
-def report(args: argparse.Namespace, elastic: list[ElasticKill], restart: list[float]) -> None:
+def report(
+    args: argparse.Namespace, elastic: list[ElasticKill], restart: list[RestartKill]
+) -> None:
     print(
         f"\n{args.ranks} CPU ranks, {args.policy.upper()} on the CPU backend, {args.batches} "
         f"batches/epoch, {args.step_ms:g} ms/step; {len(elastic)} elastic kill(s), {len(restart)} "
@@ -290,7 +305,8 @@ def report(args: argparse.Namespace, elastic: list[ElasticKill], restart: list[f
     print(_row("elastic: kill -> survivors' round opened", [k.opened for k in elastic]))
     print(_row("elastic: kill -> survivors' round committed", [k.committed for k in elastic]))
     print(_row("elastic: kill -> survivors' 2nd round committed", [k.second for k in elastic]))
-    print(_row("restart: kill -> restarted world's all_reduce", restart))
+    print(_row("restart: kill -> restarted ranks running", [k.started for k in restart]))
+    print(_row("restart: kill -> restarted world's all_reduce", [k.progress for k in restart]))
     for reason, count in collections.Counter(k.reason for k in elastic).most_common():
         print(f"  declared dead by: {reason} (x{count})")
     landed = collections.Counter(k.epoch for k in elastic)
@@ -312,7 +328,7 @@ def report(args: argparse.Namespace, elastic: list[ElasticKill], restart: list[f
     print(
         f"goal (kill -> next committed round <= {GOAL_P50_S:g} s p50, <= {GOAL_P99_S:g} s p99): "
         f"{'met' if met else 'NOT met'}; restart-the-world / elastic (p50): "
-        f"{percentile(restart, 50) / p50:.1f}x"
+        f"{percentile([k.progress for k in restart], 50) / p50:.1f}x"
     )
 
 
@@ -347,7 +363,7 @@ def main() -> None:
     per_epoch = args.batches // args.ranks  # each rank's steps in an epoch, at equal speeds
     draw = random.Random(args.seed)
     elastic: list[ElasticKill] = []
-    restart: list[float] = []
+    restart: list[RestartKill] = []
     with tempfile.TemporaryDirectory(prefix="flodl-bench-recovery-") as scratch:
         tmp = args.keep or scratch
         for trial in range(args.kills):
@@ -364,7 +380,7 @@ def main() -> None:
                 f"kill {trial + 1}/{args.kills}: rank {kill_rank} at step {kill_step}: elastic "
                 f"(epoch {elastic[-1].epoch}) "
                 f"detect {elastic[-1].detect:.3f} s, next round {elastic[-1].committed:.3f} s; "
-                f"restart {restart[-1]:.3f} s",
+                f"restart {restart[-1].progress:.3f} s",
                 flush=True,
             )
     report(args, elastic, restart)
