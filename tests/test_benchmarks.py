@@ -49,6 +49,13 @@ TABLES: dict[str, tuple[str, ...]] = {
         r"flodl-launch(\s+[\d.]+){4}",
         r"torchrun(\s+[\d.]+){4}",
     ),
+    "recovery": (
+        r"stage\s+p50 s\s+p99 s\s+min s\s+max s",
+        r"elastic: kill -> declared dead(\s+[\d.]+){4}",
+        r"elastic: kill -> survivors' round committed(\s+[\d.]+){4}",
+        r"restart: kill -> restarted world's all_reduce(\s+[\d.]+){4}",
+        r"goal \(kill -> next committed round .*\): (met|NOT met); .*",
+    ),
     "store": (
         r"op\s+ours \(controller port\)\s+torch TCPStore server\s+ratio",
         *(rf"{op}\s+[\d,]+\s+[\d,]+\s+[\d.]+x" for op in ("set", "get", "add", "wait")),

@@ -526,6 +526,10 @@ class TrainingShell:
 
     async def _await_round(self, reducer: RoundRunner, round_: int) -> None:
         result = await reducer.wait_round(round_)
+        # The moment a consensus exists, as a timed record (benchmarks/recovery.py reads it).
+        log.debug(
+            "round %d (%s) committed in %.1f ms", result.round, result.kind, result.duration_ms
+        )
         if self.coordinator is not None:
             self._handle(
                 RoundCompleted(

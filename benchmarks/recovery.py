@@ -1,0 +1,390 @@
+"""Recovery benchmark: one rank of an elastic Trainer run SIGKILLed mid-epoch, against a plain
+script restarting its world.
+
+Run: ``python benchmarks/recovery.py [--kills 10] [--ranks 3] [--policy cadence|sync|async]``
+(``--smoke``: one kill of each kind, 2 ranks, a small dataset, for the test suite)
+
+Each trial is one run with one kill, and the two paths alternate trial by trial so they share the
+machine's state:
+
+- ``elastic``: this file run as a Trainer launcher on the CPU backend (``cluster=`` a one-host
+  ``cpu:N`` cluster file; it re-executes itself as the N ranks). ``train_step`` sleeps
+  ``--step-ms`` (a device's compute, without CPU contention on a small box). One rank, a different
+  one and at a different step of the second epoch each trial, writes ``time.time()`` to a file and
+  SIGKILLs itself. The launcher process (the controller) logs every record of its Trainer shell
+  with ``record.created`` (``time.time()`` too) to a file: *detection* is the coordinator's
+  ``rank R on … lost`` line, the *next round* is the first ``round N (kind) committed`` line
+  after it (the first consensus formed once the rank is declared dead), and the one after that
+  shows the survivors going on.
+- ``restart``: a plain torchrun-contract script (gloo, an ``all_reduce`` per step, the same step
+  time) under ``flodl-launch --max-restarts 1``; one rank of the first attempt writes its kill time
+  and SIGKILLs itself, the world is torn down and started again, and each rank of the restarted
+  world writes ``time.time()`` as its script starts and after its first ``all_reduce``: kill → the
+  earliest of each. The restarted script reloads nothing, which favours it.
+
+All times are ``time.time()`` (CLOCK_REALTIME) taken by processes on one machine. The table gives
+p50 and p99 (linear interpolation; with 10 kills p99 is close to the maximum) per stage, where the
+next round's time goes (detection, then until the survivors' round opens, then the reduce itself),
+and the Trainer's ordinary round period for scale. Goal (issue 17): kill → next committed round
+<= 1 s p50, <= 3 s p99 on the CPU backend.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import itertools
+import logging
+import os
+import random
+import re
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+BATCH = 32
+GOAL_P50_S, GOAL_P99_S = 1.0, 3.0
+#: the Trainer shell's records, as the coordinator words them (flodl_async/training/coordinator.py)
+#: and as the shell logs each consensus (flodl_async/controller/training.py)
+LOST = re.compile(r"rank (?P<rank>\d+) on .+? lost: (?P<reason>.*)")
+EPOCH = re.compile(r"epoch \d+/\d+: ")
+COMMITTED = re.compile(r"round (?P<round>\d+) \((?P<kind>\w+)\) committed in (?P<ms>[\d.]+) ms")
+
+
+# ----- the ranks' side -----------------------------------------------------------------------
+
+
+def _die(out: Path, rank: int) -> None:
+    """The kill, timed where it is done: the stamp is on disk before the signal is sent."""
+    (out / "killed").write_text(f"{rank} {time.time()!r}\n")
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _log_to(path: Path) -> None:
+    """The controller's records, each with the moment it was made, to ``path``; the usual lines on
+    stderr (the launcher adds its own handler only when the script set none)."""
+    stamped = logging.FileHandler(path)
+    stamped.setFormatter(logging.Formatter("%(created).6f %(message)s"))
+    console = logging.StreamHandler(sys.stderr)
+    console.setFormatter(logging.Formatter("flodl: %(message)s"))
+    console.setLevel(logging.INFO)
+    root = logging.getLogger("flodl_async")
+    root.addHandler(stamped)
+    root.addHandler(console)
+    root.setLevel(logging.INFO)
+    root.propagate = False
+    # only the Trainer shell's debug records (the round commits), not every module's
+    logging.getLogger("flodl_async.cli.launch").setLevel(logging.DEBUG)
+
+
+def elastic_role(args: argparse.Namespace) -> None:
+    """One elastic trial, in the launcher and (re-executed) in each rank."""
+    import torch
+    from torch import nn
+    from torch.utils.data import TensorDataset
+
+    import flodl_async as fa
+
+    out = Path(args.out)
+    rank = int(os.environ.get("RANK", "-1"))
+    if rank < 0:
+        _log_to(out / "controller.log")
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(args.batches * BATCH, 16, generator=g)
+    data = TensorDataset(x, x @ torch.randn(16, 1, generator=g))
+    steps = 0
+
+    def train_step(m: nn.Module, batch: list[torch.Tensor]) -> torch.Tensor:
+        nonlocal steps
+        if rank == args.kill_rank and steps == args.kill_step:
+            _die(out, rank)
+        steps += 1
+        time.sleep(args.step_ms / 1e3)
+        return nn.functional.mse_loss(m(batch[0]), batch[1])
+
+    trainer = fa.Trainer(
+        model=lambda d: nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1)).to(d),
+        optimizer=lambda m: torch.optim.SGD(m.parameters(), lr=0.05),
+        train_step=train_step,
+        dataset=data,
+        batch_size=BATCH,
+        epochs=args.epochs,
+        policy={"sync": fa.Policy.SYNC, "cadence": fa.Policy.CADENCE, "async": fa.Policy.ASYNC}[
+            args.policy
+        ],
+        cluster=args.cluster,
+    )
+    asyncio.run(trainer.run())
+
+
+def restart_role(args: argparse.Namespace) -> None:
+    """One rank of the plain script: an all_reduce per step; the first attempt loses a rank."""
+    out = Path(args.out)
+    rank = int(os.environ["RANK"])
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if attempt > 0:  # before torch is imported: the launcher's share of the restart ends here
+        (out / f"started-{rank}").write_text(f"{time.time()!r}\n")
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    grad = torch.ones(16 * 32 + 32 + 32 + 1)  # the elastic trial's model, flat
+    for step in range(args.kill_step + 10 if attempt == 0 else 2):
+        if attempt == 0 and rank == args.kill_rank and step == args.kill_step:
+            _die(out, rank)
+        time.sleep(args.step_ms / 1e3)
+        dist.all_reduce(grad)
+        if attempt > 0 and step == 0:
+            (out / f"first-{rank}").write_text(f"{time.time()!r}\n")
+    dist.barrier()  # no rank tears its group down while a peer still uses it
+    dist.destroy_process_group()
+
+
+# ----- the benchmark's side ------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ElasticKill:
+    """One elastic trial's stages, in seconds after the kill."""
+
+    epoch: int  # the epoch the kill landed in, from 1
+    detect: float
+    opened: float  # the survivors' next round opened (before ``detect``: it was in flight)
+    committed: float
+    second: float  # and the one after it: the survivors go on
+    reason: str
+    period: float | None  # the median time between rounds before the kill
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RestartKill:
+    """One restart trial's stages, in seconds after the kill (the new world's earliest rank)."""
+
+    started: float  # a restarted rank's script runs (torch not yet imported)
+    progress: float  # past its first all_reduce
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _child(role: str, args: argparse.Namespace, out: Path, **extra: object) -> list[str]:
+    cmd = [sys.executable, __file__, "--role", role, "--out", str(out)]
+    for flag in ("policy", "epochs", "batches", "step_ms"):
+        cmd += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
+    for flag, value in extra.items():
+        cmd += [f"--{flag.replace('_', '-')}", str(value)]
+    return cmd
+
+
+def _run(cmd: Sequence[str], out: Path, what: str) -> str:
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH")))),
+    }
+    done = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT, check=False
+    )
+    output = done.stdout + done.stderr
+    if done.returncode != 0 or not (out / "killed").exists():
+        raise SystemExit(f"{what} failed (exit {done.returncode}):\n{output[-4000:]}")
+    return output
+
+
+def _killed(out: Path) -> tuple[int, float]:
+    rank, stamp = (out / "killed").read_text().split()
+    return int(rank), float(stamp)
+
+
+def elastic_trial(
+    args: argparse.Namespace, out: Path, kill_rank: int, kill_step: int
+) -> ElasticKill:
+    out.mkdir(parents=True)
+    cluster = out / "cluster.yml"
+    cluster.write_text(
+        f"controller:\n  host: 127.0.0.1\n  port: {_free_port()}\nworkers:\n  - host: "
+        f"{socket.gethostname()}\n    devices: cpu:{args.ranks}\n"
+    )
+    cmd = _child("elastic", args, out, cluster=cluster, kill_rank=kill_rank, kill_step=kill_step)
+    output = _run(cmd, out, f"elastic trial (rank {kill_rank} killed at step {kill_step})")
+    if "DEGRADED" not in output:
+        raise SystemExit(f"elastic trial did not end DEGRADED:\n{output[-4000:]}")
+    rank, killed = _killed(out)
+    records = []
+    for line in (out / "controller.log").read_text().splitlines():
+        stamp, _, message = line.partition(" ")
+        records.append((float(stamp), message))
+    return stages(records, rank, killed)
+
+
+def stages(records: Sequence[tuple[float, str]], rank: int, killed: float) -> ElasticKill:
+    """One elastic trial's stages, from the controller's timed records (in the order it made them)
+    and the kill."""
+    lost = [
+        (i, t, match)
+        for i, (t, text) in enumerate(records)
+        if (match := LOST.fullmatch(text)) and int(match["rank"]) == rank
+    ]
+    if not lost:
+        raise SystemExit(f"the controller never declared rank {rank} dead")
+    index, detected, why = lost[0]
+    after = [(t, match) for t, text in records[index + 1 :] if (match := COMMITTED.fullmatch(text))]
+    if len(after) < 2:
+        raise SystemExit(f"{len(after)} round(s) committed after rank {rank} died; need 2")
+    before = [t for t, text in records if t < killed and COMMITTED.fullmatch(text)]
+    committed = after[0][0] - killed
+    return ElasticKill(
+        epoch=1 + sum(t < killed and EPOCH.match(text) is not None for t, text in records),
+        detect=detected - killed,
+        opened=committed - float(after[0][1]["ms"]) / 1e3,
+        committed=committed,
+        second=after[1][0] - killed,
+        reason=why["reason"],
+        period=statistics.median(b - a for a, b in itertools.pairwise(before))
+        if len(before) > 1
+        else None,
+    )
+
+
+def restart_trial(
+    args: argparse.Namespace, out: Path, kill_rank: int, kill_step: int
+) -> RestartKill:
+    out.mkdir(parents=True)
+    cmd = [
+        sys.executable, "-m", "flodl_async.cli.launch", "--nproc", str(args.ranks),
+        "--devices", "cpu", "--port", "0", "--max-restarts", "1", "-q", "--",
+        *_child("restart", args, out, kill_rank=kill_rank, kill_step=kill_step),
+    ]  # fmt: skip
+    _run(cmd, out, f"restart trial (rank {kill_rank} killed at step {kill_step})")
+    _, killed = _killed(out)
+    started = [float(p.read_text()) for p in out.glob("started-*")]
+    firsts = [float(p.read_text()) for p in out.glob("first-*")]
+    if len(firsts) != args.ranks or len(started) != args.ranks:
+        raise SystemExit(f"restart trial: {len(firsts)} of {args.ranks} ranks made progress")
+    return RestartKill(started=min(started) - killed, progress=min(firsts) - killed)
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The q-th percentile, interpolated linearly between the nearest ranks."""
+    ordered = sorted(values)
+    at = (len(ordered) - 1) * q / 100
+    low = int(at)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (at - low)
+
+
+def _row(name: str, values: Sequence[float]) -> str:
+    return (
+        f"{name:<48} {percentile(values, 50):>7.3f} {percentile(values, 99):>7.3f} "
+        f"{min(values):>7.3f} {max(values):>7.3f}"
+    )
+
+
+def report(
+    args: argparse.Namespace, elastic: list[ElasticKill], restart: list[RestartKill]
+) -> None:
+    print(
+        f"\n{args.ranks} CPU ranks, {args.policy.upper()} on the CPU backend, {args.batches} "
+        f"batches/epoch, {args.step_ms:g} ms/step; {len(elastic)} elastic kill(s), {len(restart)} "
+        "restart kill(s), one SIGKILL per run; seconds after the kill, time.time() on one machine"
+    )
+    print(f"{'stage':<48} {'p50 s':>7} {'p99 s':>7} {'min s':>7} {'max s':>7}")
+    print(_row("elastic: kill -> declared dead", [k.detect for k in elastic]))
+    print(_row("elastic: kill -> survivors' round opened", [k.opened for k in elastic]))
+    print(_row("elastic: kill -> survivors' round committed", [k.committed for k in elastic]))
+    print(_row("elastic: kill -> survivors' 2nd round committed", [k.second for k in elastic]))
+    print(_row("restart: kill -> restarted ranks running", [k.started for k in restart]))
+    print(_row("restart: kill -> restarted world's all_reduce", [k.progress for k in restart]))
+    for reason, count in collections.Counter(k.reason for k in elastic).most_common():
+        print(f"  declared dead by: {reason} (x{count})")
+    landed = collections.Counter(k.epoch for k in elastic)
+    print(
+        "  the kills landed in "
+        + ", ".join(f"epoch {e} (x{n})" for e, n in sorted(landed.items()))
+        + f" of {args.epochs}"
+    )
+    in_flight = sum(k.opened < k.detect for k in elastic)
+    print(
+        f"  the next round was already open at the death in {in_flight} of {len(elastic)} kill(s)"
+    )
+    periods = [k.period for k in elastic if k.period is not None]
+    if periods:
+        print(f"  round period before the kill (median): {statistics.median(periods):.3f} s")
+    p50 = percentile([k.committed for k in elastic], 50)
+    p99 = percentile([k.committed for k in elastic], 99)
+    met = p50 <= GOAL_P50_S and p99 <= GOAL_P99_S
+    print(
+        f"goal (kill -> next committed round <= {GOAL_P50_S:g} s p50, <= {GOAL_P99_S:g} s p99): "
+        f"{'met' if met else 'NOT met'}; restart-the-world / elastic (p50): "
+        f"{percentile([k.progress for k in restart], 50) / p50:.1f}x"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--kills", type=int, default=10, help="kills per path (one per run)")
+    parser.add_argument("--ranks", type=int, default=3)
+    parser.add_argument("--policy", default="cadence", choices=["sync", "cadence", "async"])
+    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--batches", type=int, default=96, help="batches per epoch")
+    parser.add_argument("--step-ms", type=float, default=10.0)
+    parser.add_argument("--seed", type=int, default=0, help="where each trial's kill lands")
+    parser.add_argument("--keep", metavar="DIR", help="keep each trial's files under DIR")
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="one kill of each kind, 2 ranks, 2 epochs of 24 batches",
+    )
+    for hidden in ("role", "out", "cluster", "kill_rank", "kill_step"):
+        parser.add_argument(f"--{hidden.replace('_', '-')}", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.role is not None:
+        args.kill_rank, args.kill_step = int(args.kill_rank), int(args.kill_step)
+        {"elastic": elastic_role, "restart": restart_role}[args.role](args)
+        return
+    if args.smoke:
+        args.kills, args.ranks, args.epochs, args.batches = 1, 2, 2, 24
+    if args.ranks < 2 or args.kills < 1 or args.epochs < 2:
+        parser.error("need --ranks >= 2, --kills >= 1 and --epochs >= 2")
+    per_epoch = args.batches // args.ranks  # each rank's steps in an epoch, at equal speeds
+    draw = random.Random(args.seed)
+    elastic: list[ElasticKill] = []
+    restart: list[RestartKill] = []
+    with tempfile.TemporaryDirectory(prefix="flodl-bench-recovery-") as scratch:
+        tmp = args.keep or scratch
+        for trial in range(args.kills):
+            kill_rank = trial % args.ranks
+            # mid-epoch, in the second epoch: the run has warmed up and has an epoch left after
+            kill_step = per_epoch + draw.randint(per_epoch // 4, per_epoch * 3 // 4)
+            elastic.append(
+                elastic_trial(args, Path(tmp) / f"elastic-{trial}", kill_rank, kill_step)
+            )
+            restart.append(
+                restart_trial(args, Path(tmp) / f"restart-{trial}", kill_rank, kill_step)
+            )
+            print(
+                f"kill {trial + 1}/{args.kills}: rank {kill_rank} at step {kill_step}: elastic "
+                f"(epoch {elastic[-1].epoch}) "
+                f"detect {elastic[-1].detect:.3f} s, next round {elastic[-1].committed:.3f} s; "
+                f"restart {restart[-1].progress:.3f} s",
+                flush=True,
+            )
+    report(args, elastic, restart)
+
+
+if __name__ == "__main__":
+    main()
