@@ -166,7 +166,9 @@ def test_local_ranks_filter_shows_only_those_ranks_and_the_files_keep_all(tmp_pa
     run_id = new_run_id()
     done = run_launch(
         "--nproc", "3", "--devices", "cpu", "--port", "0", "--log-dir", str(tmp_path), "--local-ranks-filter", "0,2", "--",
-        PY, "-c", "import os; print('hello from', os.environ['RANK'])",
+        # one write: print()'s pieces, unbuffered, may be apart longer than the partial-line
+        # wait on a loaded machine, and a partial line is shown (then redrawn whole) by design
+        PY, "-c", "import os, sys; sys.stdout.write(f'hello from {os.environ[\"RANK\"]}\\n')",
         run_id=run_id,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
