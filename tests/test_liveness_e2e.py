@@ -169,7 +169,12 @@ def test_a_frozen_launcher_makes_the_agent_stop_its_ranks_by_itself(
     assert "Traceback" not in agent_err
     lines = agent_err.strip().splitlines()
     assert len(lines) == 1, agent_err
-    assert f"sent nothing for {SILENCE:g}s" in lines[0], lines[0]
+    # the join link and the relay's upstream link watch the same silence with the same deadline:
+    # whichever notices first names it
+    assert (
+        f"sent nothing for {SILENCE:g}s" in lines[0]
+        or f"upstream control link to the controller was silent for {SILENCE:g}s" in lines[0]
+    ), lines[0]
     assert "agent walk-in" in lines[0], lines[0]
     assert (
         "1 SIGTERM" in (tmp_path / "record").read_text().splitlines()
