@@ -1170,6 +1170,31 @@ def test_a_trainer_hosts_loss_hands_its_ranks_to_the_coordinator_and_the_run_goe
     assert (end.result.exit_code, end.result.reason) == (ExitCode.OK, done)
 
 
+def test_a_host_whose_ranks_were_all_dropped_costs_nothing_when_lost_after_training_ended() -> None:
+    """The rank heartbeats and the host link of a cut-off host fall silent together: when the
+    coordinator dropped its ranks and concluded first, the host's loss only completes the round."""
+    sup = _trainer_running()
+    for rank in (2, 3):
+        sup.handle(RankDropped(rank=rank, reason="no frame for 10 s"), 3.0)
+    done = "training complete, DEGRADED — 2 of 4 ranks lost"
+    sup.handle(TrainingEnded(ok=True, reason=done), 3.5)
+    sup.handle(exited(0, "a"), 3.6)
+    assert of(sup.handle(exited(1, "a"), 3.7), EndRun) == []  # b's exits never come
+    end = the_end(sup.handle(HostLost(host="b", reason="no heartbeat for 10 s"), 4.0))
+    assert (end.result.exit_code, end.result.reason) == (ExitCode.OK, done)
+
+
+def test_a_host_lost_after_training_ended_with_a_rank_still_in_training_is_the_verdict() -> None:
+    sup = _trainer_running()
+    sup.handle(RankDropped(rank=2, reason="no frame for 10 s"), 3.0)
+    sup.handle(TrainingEnded(ok=True, reason="training complete"), 3.5)
+    end = the_end(sup.handle(HostLost(host="b", reason="cut"), 4.0))
+    assert (end.result.exit_code, end.result.reason) == (
+        ExitCode.RANK_FAILURE,
+        "agent on host 'b' was lost mid-run: cut",
+    )
+
+
 def test_a_trainer_hosts_loss_nobody_absorbs_is_the_verdict_at_the_deadline() -> None:
     sup = _trainer_running()
     sup.handle(HostLost(host="b", reason="no heartbeat for 10 s"), 3.0)

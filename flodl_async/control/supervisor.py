@@ -550,9 +550,13 @@ class Supervisor:
 
     def _host_lost(self, phase: _FormedPhase, event: HostLost, now: float) -> tuple[Action, ...]:
         member = next((mb for mb in phase.world.members if mb.host == event.host), None)
-        trainer = self._coordinated and self._training_done is None
-        if isinstance(phase, Running | Concluding) and member is not None and trainer:
-            return self._hold_host(phase, member, event, now)
+        if isinstance(phase, Running | Concluding) and member is not None and self._coordinated:
+            running = phase.running if isinstance(phase, Concluding) else phase
+            # after the coordinator's end only a host whose every rank it had dropped costs nothing:
+            # its rank heartbeats and its host link fall silent together, in either order
+            dropped = set(member.ranks) <= running.exited | running.dropped
+            if self._training_done is None or dropped:
+                return self._hold_host(phase, member, event, now)
         if isinstance(phase, Concluding):
             # the first failure decides: the rank's, held only for its cause
             return (self._rank_failure(phase.failures[0]),)
@@ -589,9 +593,9 @@ class Supervisor:
         elif held:
             deadline = now + self.config.training_outcome_wait
             self._phase = Concluding(running=running, failures=held, deadline=deadline)
-        else:
-            return self._round_over(running)
         text = f"agent on host {member.host!r} was lost: {event.reason}"
+        if not held and not isinstance(phase, Concluding):
+            return (Announce(text=text, level=Level.WARNING), *self._round_over(running))
         return (Announce(text=text, level=Level.WARNING), *told)
 
     # ----- signals and the end -------------------------------------------------------------------
