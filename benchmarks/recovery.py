@@ -26,7 +26,8 @@ All times are ``time.time()`` (CLOCK_REALTIME) taken by processes on one machine
 p50 and p99 (linear interpolation; with 10 kills p99 is close to the maximum) per stage, where the
 next round's time goes (detection, then until the survivors' round opens, then the reduce itself),
 and the Trainer's ordinary round period for scale. Goal (issue 17): kill → next committed round
-<= 1 s p50, <= 3 s p99 on the CPU backend.
+<= 1 s p50, <= 3 s p99 on the CPU backend; on the COLLECTIVE backend (``--backend collective``,
+gloo), where the survivors re-form their process group in place, <= 3 s p50.
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 BATCH = 32
 GOAL_P50_S, GOAL_P99_S = 1.0, 3.0
+GOAL_COLLECTIVE_P50_S = 3.0
 #: the Trainer shell's records, as the coordinator words them (flodl_async/training/coordinator.py)
 #: and as the shell logs each consensus (flodl_async/controller/training.py)
 LOST = re.compile(r"rank (?P<rank>\d+) on .+? lost: (?P<reason>.*)")
@@ -121,6 +123,7 @@ def elastic_role(args: argparse.Namespace) -> None:
         policy={"sync": fa.Policy.SYNC, "cadence": fa.Policy.CADENCE, "async": fa.Policy.ASYNC}[
             args.policy
         ],
+        backend=fa.Backend.COLLECTIVE if args.backend == "collective" else fa.Backend.CPU,
         cluster=args.cluster,
     )
     asyncio.run(trainer.run())
@@ -181,7 +184,7 @@ def _free_port() -> int:
 
 def _child(role: str, args: argparse.Namespace, out: Path, **extra: object) -> list[str]:
     cmd = [sys.executable, __file__, "--role", role, "--out", str(out)]
-    for flag in ("policy", "epochs", "batches", "step_ms"):
+    for flag in ("policy", "backend", "epochs", "batches", "step_ms"):
         cmd += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
     for flag, value in extra.items():
         cmd += [f"--{flag.replace('_', '-')}", str(value)]
@@ -296,7 +299,8 @@ def report(
     args: argparse.Namespace, elastic: list[ElasticKill], restart: list[RestartKill]
 ) -> None:
     print(
-        f"\n{args.ranks} CPU ranks, {args.policy.upper()} on the CPU backend, {args.batches} "
+        f"\n{args.ranks} CPU ranks, {args.policy.upper()} on the {args.backend.upper()} backend, "
+        f"{args.batches} "
         f"batches/epoch, {args.step_ms:g} ms/step; {len(elastic)} elastic kill(s), {len(restart)} "
         "restart kill(s), one SIGKILL per run; seconds after the kill, time.time() on one machine"
     )
@@ -324,9 +328,15 @@ def report(
         print(f"  round period before the kill (median): {statistics.median(periods):.3f} s")
     p50 = percentile([k.committed for k in elastic], 50)
     p99 = percentile([k.committed for k in elastic], 99)
-    met = p50 <= GOAL_P50_S and p99 <= GOAL_P99_S
+    if args.backend == "collective":
+        # the re-form (a new process group's rendezvous) is the COLLECTIVE goal's whole budget
+        goal = f"<= {GOAL_COLLECTIVE_P50_S:g} s p50"
+        met = p50 <= GOAL_COLLECTIVE_P50_S
+    else:
+        goal = f"<= {GOAL_P50_S:g} s p50, <= {GOAL_P99_S:g} s p99"
+        met = p50 <= GOAL_P50_S and p99 <= GOAL_P99_S
     print(
-        f"goal (kill -> next committed round <= {GOAL_P50_S:g} s p50, <= {GOAL_P99_S:g} s p99): "
+        f"goal (kill -> next committed round {goal}): "
         f"{'met' if met else 'NOT met'}; restart-the-world / elastic (p50): "
         f"{percentile([k.progress for k in restart], 50) / p50:.1f}x"
     )
@@ -339,6 +349,12 @@ def main() -> None:
     parser.add_argument("--kills", type=int, default=10, help="kills per path (one per run)")
     parser.add_argument("--ranks", type=int, default=3)
     parser.add_argument("--policy", default="cadence", choices=["sync", "cadence", "async"])
+    parser.add_argument(
+        "--backend",
+        default="cpu",
+        choices=["cpu", "collective"],
+        help="the Trainer's (collective: gloo, the survivors re-form their group in place)",
+    )
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--batches", type=int, default=96, help="batches per epoch")
     parser.add_argument("--step-ms", type=float, default=10.0)

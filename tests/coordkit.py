@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from flodl_async.control.vocab import Tell
@@ -12,6 +13,7 @@ from flodl_async.training.coordination import (
     Action,
     CollectiveDone,
     CoordinatorConfig,
+    DeclareDead,
     Event,
     Fail,
     Finish,
@@ -73,6 +75,10 @@ class Driver:
     consensus: dict[int, list[int]] = field(default_factory=lambda: collections.defaultdict(list))
     # (round, rank) -> (epoch, batches): the windows whose contributions were sent
     _sent: dict[tuple[int, int], tuple[int, list[int]]] = field(default_factory=dict)
+    #: COLLECTIVE: the process group's re-form generation the fake ranks answer in
+    generation: int = 0
+    # COLLECTIVE: model round -> the ranks whose windows its all_reduce holds (a redo: survivors')
+    _members: dict[int, set[int]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.ms_per_batch:
@@ -199,23 +205,38 @@ class Driver:
                     )
                 )
             else:
-                for rank in sorted(action.expected):
-                    self.pending.append(
-                        CollectiveDone(
-                            message=m.ReduceDone(
-                                rank=rank, round=action.round, mass=2.0, ms=self.reduce_ms
-                            )
-                        )
-                    )
+                if action.kind == "model":
+                    self._members[action.round] = set(action.expected)
+                self._answer_collective(action.round, action.expected)
             if self.spec.policy is Policy.SYNC and action.kind == "model":
                 for rank in list(self._sync):
                     epoch, queue, _round = self._sync[rank]
                     self._sync[rank] = (epoch, queue, action.round + 1)
                     self._sync_step(rank)
+        elif isinstance(action, DeclareDead) and action.regroup is not None:
+            regroup = action.regroup
+            self.generation = regroup.generation
+            if regroup.redo >= 0:
+                if regroup.redo in self._members:
+                    self._members[regroup.redo] = set(regroup.ranks)
+                self._answer_collective(regroup.redo, regroup.ranks)
         elif isinstance(action, PublishEpoch):
             self.epochs.append(action.metrics)
         elif isinstance(action, Finish | Fail):
             self.ended = action
+            for round_, members in self._members.items():
+                for rank in members:
+                    if (round_, rank) in self._sent:
+                        epoch, batches = self._sent[(round_, rank)]
+                        self.consensus[epoch].extend(batches)
+
+    def _answer_collective(self, round_: int, ranks: Iterable[int]) -> None:
+        """Each rank's ``ReduceDone`` of ``round_`` in the current generation, pending."""
+        for rank in sorted(ranks):
+            done = m.ReduceDone(
+                rank=rank, round=round_, mass=2.0, ms=self.reduce_ms, generation=self.generation
+            )
+            self.pending.append(CollectiveDone(message=done))
 
     def _sync_step(self, rank: int) -> None:
         """Lockstep SYNC: one batch of the slice per window, reported at once."""

@@ -408,18 +408,6 @@ def test_max_failure_names_its_exit_code() -> None:
     assert (fail.code, fail.save_reason) == (ExitCode.MAX_FAILURE, "max_failure_exceeded")
 
 
-def test_max_failure_on_a_collective_run_is_said_once_at_the_start() -> None:
-    d = Driver(spec(max_failure=1, backend=Backend.COLLECTIVE), world=3)
-    d.join_all()
-    warnings = [a.text for a in d.actions if isinstance(a, Announce) and "max_failure" in a.text]
-    assert warnings == [
-        "max_failure is set, but a COLLECTIVE world cannot lose a rank yet: any lost rank ends it (the CPU backend trains on)"
-    ]
-    for quiet in (Driver(spec(), world=3), Driver(spec(max_failure=1), world=3)):
-        quiet.join_all()
-        assert not [a for a in quiet.actions if isinstance(a, Announce) and "max_failure" in a.text]
-
-
 def test_elastic_runs_continue_after_a_loss_and_forfeit_its_batches() -> None:
     s = spec(epochs=1)
     d = Driver(s, world=3)

@@ -28,6 +28,7 @@ from flodl_async.training.coordination import (
 )
 from flodl_async.training.coordinator import Coordinator
 from flodl_async.training.policy import Backend, Policy
+from flodl_async.training.regroup import Regroup
 from flodl_async.training.spec import ElCheConfig, TrainerSpec
 from flodl_async.verdict import ExitCode
 from flodl_async.wire import messages as m
@@ -201,17 +202,20 @@ def test_a_clean_exit_before_its_hello_is_the_supervisors_but_shows_on_the_page(
     assert c.phase is CoordPhase.JOINING
 
 
-def test_a_lost_collective_rank_ends_the_run_since_a_process_group_cannot_shrink() -> None:
+def test_a_collective_rank_lost_during_init_has_the_survivor_redo_the_broadcast_alone() -> None:
     s = spec(backend=Backend.COLLECTIVE)
     c = Coordinator(CoordinatorConfig(run_id="r", world_size=2), now=0.0)
     for rank in (0, 1):
         c.handle(TrainerJoined(hello=hello(rank, s)), 1.0)
     out = c.handle(RankLost(rank=1, reason="killed"), 1.0)
-    reason = "rank 1 on its host was lost mid-training: killed"
-    assert out[-2:] == [
-        shutdown(reason, "collective_lost"),
-        Fail(code=ExitCode.RANK_FAILURE, reason=reason, rank=1, save_reason="collective_lost"),
-    ]
+    assert [a for a in out if isinstance(a, Fail)] == []
+    assert (
+        DeclareDead(rank=1, reason="killed", regroup=Regroup(ranks=(0,), generation=1, redo=0))
+        in out
+    )
+    done = CollectiveDone(message=m.ReduceDone(rank=0, round=0, mass=1.0, ms=1.0, generation=1))
+    c.handle(done, 1.1)
+    assert c.phase is CoordPhase.TRAINING
 
 
 # ----- the coordinator's own findings -----------------------------------------------------------
@@ -511,7 +515,7 @@ def test_sync_slices_follow_the_partition_ratios_of_this_world_size_only() -> No
 # ----- joining, looked at closely --------------------------------------------------------------
 
 
-def test_the_welcome_names_the_primary_and_the_max_failure_warning_comes_before_round_0() -> None:
+def test_the_welcome_names_the_primary_and_round_0_starts_with_the_training_line() -> None:
     c = Coordinator(
         CoordinatorConfig(run_id="run-7", world_size=2, primary_rank=1, hosts={0: "a"}), now=0.0
     )
@@ -522,9 +526,9 @@ def test_the_welcome_names_the_primary_and_the_max_failure_warning_comes_before_
     out = c.handle(
         TrainerJoined(hello=hello(1, spec(max_failure=1, backend=Backend.COLLECTIVE))), 2.0
     )
-    assert isinstance(out[2], Announce)
-    assert out[2].level is Level.WARNING
-    assert isinstance(out[3], StartRound)
+    assert isinstance(out[1], Announce)
+    assert out[1].text.startswith("training: 2 rank(s), CADENCE on COLLECTIVE")
+    assert isinstance(out[2], StartRound)
     assert c.reference == first  # the stage kept it through the start
     # a rank with no host of record is "its host" in verdicts, "" on the page
     assert c.view(2.0).ranks[1].host == ""

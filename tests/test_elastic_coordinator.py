@@ -3,11 +3,15 @@ in the consensus exactly once, and the run ends in the verdict the exit table gi
 
 from __future__ import annotations
 
+import collections
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from flodl_async.control.vocab import Announce
 from flodl_async.training.coordination import (
+    CollectiveDone,
     CoordPhase,
     DeclareDead,
     Fail,
@@ -16,8 +20,10 @@ from flodl_async.training.coordination import (
     RankLost,
 )
 from flodl_async.training.policy import Backend, Policy
+from flodl_async.training.regroup import Regroup
 from flodl_async.training.spec import ElCheConfig, MaxFailure, TrainerSpec
 from flodl_async.verdict import ExitCode
+from flodl_async.wire import messages as m
 
 from .coordkit import Driver
 from .test_coordinator import assert_each_batch_once_per_epoch
@@ -192,3 +198,104 @@ def test_the_status_view_shows_the_world_left_and_why_each_rank_was_lost() -> No
     d.drain()
     assert isinstance(d.ended, Finish)
     assert d.coord.view(d.now).lost == view.lost  # the end of the run keeps them
+
+
+# ----- a COLLECTIVE world re-forms in place --------------------------------------------------
+
+
+@given(
+    policy=st.sampled_from([Policy.SYNC, Policy.CADENCE]),
+    world=st.integers(2, 4),
+    victim=st.integers(0, 3),
+    at=st.integers(0, 400),
+)
+def test_a_collective_death_at_any_moment_re_forms_the_survivors_and_keeps_the_coverage_exact(
+    policy: Policy, world: int, victim: int, at: int
+) -> None:
+    """The fake ranks answer each round in the generation they were told; one killed at any moment
+    (its reports and its ReduceDone of the round in flight lost with it): the survivors are told
+    their new group, an all_reduce it cut is redone by them, and every batch of every epoch is in
+    exactly one consensus."""
+    victim %= world
+    d = Driver(spec(policy, backend=Backend.COLLECTIVE), world=world)
+    d.join_all()
+    d.drain(limit=at)
+    if d.ended is not None:
+        return
+    d.pending = collections.deque(
+        e for e in d.pending if not (isinstance(e, CollectiveDone) and e.message.rank == victim)
+    )
+    [dead] = [a for a in d.kill(victim) if isinstance(a, DeclareDead)]
+    survivors = tuple(r for r in range(world) if r != victim)
+    assert dead.regroup is not None
+    assert (dead.regroup.ranks, dead.regroup.generation) == (survivors, 1)
+    d.drain()
+    assert isinstance(d.ended, Finish), d.ended
+    assert [rank for rank, _ in d.ended.lost] == [victim]
+    assert_exact_coverage(d, 3)
+
+
+def collective_in_flight(world: int = 3) -> tuple[Driver, int]:
+    """A COLLECTIVE CADENCE run stopped as its first model round's ReduceDones are pending."""
+    d = Driver(spec(Policy.CADENCE, backend=Backend.COLLECTIVE), world=world)
+    d.join_all()
+    while not [r for r in d.rounds if r.kind == "model"]:
+        d.feed(d.pending.popleft())
+    [flying] = [r for r in d.rounds if r.kind == "model"]
+    return d, flying.round
+
+
+def reduce_done(d: Driver, rank: int, round_: int) -> None:
+    [done] = [
+        e
+        for e in d.pending
+        if isinstance(e, CollectiveDone) and (e.message.rank, e.message.round) == (rank, round_)
+    ]
+    d.pending.remove(done)
+    d.feed(done)
+
+
+def test_a_death_before_every_survivor_finished_the_all_reduce_has_them_all_redo_it() -> None:
+    d, round_ = collective_in_flight()
+    reduce_done(d, 0, round_)  # rank 0 finished; rank 2 had not when rank 1 died
+    d.pending = collections.deque(e for e in d.pending if not isinstance(e, CollectiveDone))
+    actions = d.kill(1)
+    [dead] = [a for a in actions if isinstance(a, DeclareDead)]
+    assert dead.regroup == Regroup(ranks=(0, 2), generation=1, redo=round_)
+    assert "round " + str(round_) + " is redone" in " ".join(
+        a.text for a in actions if isinstance(a, Announce)
+    )
+    # what the old group says of the round now counts for nothing: only the redo completes it
+    stale = CollectiveDone(message=m.ReduceDone(rank=2, round=round_, mass=2.0, ms=1.0))
+    assert d.coord.handle(stale, d.now) == []
+    d.drain()
+    assert isinstance(d.ended, Finish), d.ended
+    assert_exact_coverage(d, 3)
+    # the dead rank's window of the redone round was not in it: a survivor trained it again
+    epoch, batches = d._sent[(round_, 1)]
+    again = d.trained[(epoch, 0)] + d.trained[(epoch, 2)]
+    assert set(batches) <= set(again)
+
+
+def test_a_death_after_every_survivor_finished_the_all_reduce_keeps_the_round() -> None:
+    d, round_ = collective_in_flight()
+    reduce_done(d, 0, round_)
+    reduce_done(d, 2, round_)  # every survivor finished: the dead rank's data is in their state
+    d.pending = collections.deque(e for e in d.pending if not isinstance(e, CollectiveDone))
+    [dead] = [a for a in d.kill(1) if isinstance(a, DeclareDead)]
+    assert dead.regroup == Regroup(ranks=(0, 2), generation=1, redo=-1)
+    d.drain()
+    assert isinstance(d.ended, Finish), d.ended
+    assert_exact_coverage(d, 3)
+    epoch, batches = d._sent[(round_, 1)]
+    again = d.trained[(epoch, 0)] + d.trained[(epoch, 2)]
+    assert not set(batches) & set(again)  # nobody retrains what the consensus holds
+
+
+def test_a_cpu_worlds_loss_re_forms_nothing() -> None:
+    d = Driver(spec(Policy.CADENCE), world=3)
+    d.join_all()
+    d.drain(limit=5)
+    assert d.ended is None
+    [dead] = [a for a in d.kill(1) if isinstance(a, DeclareDead)]
+    assert dead.regroup is None

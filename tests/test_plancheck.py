@@ -174,13 +174,26 @@ def test_a_weight_no_single_rank_explains_is_the_hosts_fault() -> None:
 
 def test_whose_bytes_a_raw_frame_carries() -> None:
     raw = host_frame((1,), (3,), 3.0, prescaled=False)
-    assert plancheck.tensor_owner(raw) == 1
-    assert plancheck.tensor_owner(host_frame((0, 1), (3, 3), 6.0)) is None  # folded by the relay
+    assert plancheck.tensor_owner(raw, root=0) == 1
+    assert plancheck.tensor_owner(host_frame((0, 1), (3, 3), 6.0), root=0) is None  # folded
     init = m.HostContribution(
         round=0, kind="init", host="a", ranks=(0, 1, 2), weight=1.0, prescaled=False,
         tensors=SPECS, steps=(0, 0, 0),
     )  # fmt: skip
-    assert plancheck.tensor_owner(init) == 0
+    assert plancheck.tensor_owner(init, root=0) == 0
+    # a COLLECTIVE world that lost its rank 0 uploads from its lowest survivor
+    assert plancheck.tensor_owner(init, root=1) == 1
+    assert plancheck.tensor_owner(init, root=3) is None
+
+
+def test_a_root_round_takes_the_lowest_expected_ranks_state() -> None:
+    plan = plancheck.round_plan(world_size=3, expected=(1, 2), claimable={}, gamma=1.0, equal=False)
+    assert plan.root == 1
+    assert plancheck.planned_weight(plan, kind="upload", rank=1, steps=0) == 1.0
+    assert plancheck.planned_weight(plan, kind="upload", rank=2, steps=0) == 0.0
+    assert plancheck.carries_tensors("upload", 1, root=plan.root)
+    assert not plancheck.carries_tensors("upload", 2, root=plan.root)
+    assert plancheck.carries_tensors("model", 2, root=plan.root)
 
 
 # ----- tensors --------------------------------------------------------------------------------

@@ -7,6 +7,7 @@ import pytest
 
 from flodl_async.training.metrics import EpochMetrics
 from flodl_async.training.policy import Policy
+from flodl_async.training.regroup import Regroup
 from flodl_async.training.schedule import (
     Asked,
     CloseEpoch,
@@ -418,6 +419,50 @@ def test_collective_rounds_run_in_place_with_the_weighted_steps() -> None:
     got = contribution(p, m.Reduce(round=1, kind="model", from_controller=True))
     assert (got.via, got.steps, got.weight, got.tensors) == (Via.COLLECTIVE, 2, 2.0, True)
     assert train(p, 1) == [2]  # no ASYNC submission outstanding: no hold
+
+
+def dead(
+    rank: int, *, regroup: tuple[int, ...] = (), generation: int = 0, redo: int = -1
+) -> m.DeclareDead:
+    return m.DeclareDead(
+        dead_rank=rank, reason="killed", regroup=regroup, generation=generation, redo=redo
+    )
+
+
+def test_a_collective_re_form_comes_before_a_contribution_queued_with_it() -> None:
+    p = started(rank_policy(rank=0, world_size=3, collective=True), plan(1, 0, 4, quota=9))
+    train(p, 2)
+    assert p.handle(m.Reduce(round=1, kind="model")) == ()
+    assert p.handle(dead(1, regroup=(0, 2), generation=1, redo=1)) == (NoteLost(1, "killed"),)
+    assert p.handle(ASKED) == (Regroup(ranks=(0, 2), generation=1, redo=1),)
+    got = contribution(p, m.Reduce(round=2, kind="model"))  # the queued round 1 first
+    assert (got.round, got.via, got.steps) == (1, Via.COLLECTIVE, 2)
+
+
+def test_a_later_re_form_replaces_one_not_carried_out_and_none_comes_after_the_end() -> None:
+    p = started(rank_policy(rank=0, world_size=4, collective=True), plan(1, 0, 4, quota=9))
+    p.handle(dead(1, regroup=(0, 2, 3), generation=1))
+    p.handle(dead(3, regroup=(0, 2), generation=2, redo=1))
+    assert p.handle(ASKED) == (Regroup(ranks=(0, 2), generation=2, redo=1),)
+    assert isinstance(last(p.handle(ASKED)), Train)
+    p.handle(m.Shutdown(reason="done", save_reason=""))
+    p.handle(dead(2, regroup=(0,), generation=3))
+    assert p.handle(ASKED) == (End(),)
+
+
+def test_a_cpu_worlds_loss_re_forms_nothing_on_the_rank() -> None:
+    p = started(rank_policy(rank=0, world_size=3), plan(1, 0, 4, quota=9))
+    p.handle(dead(1))
+    assert isinstance(last(p.handle(ASKED)), Train)
+
+
+def test_a_world_that_lost_rank_0_uploads_its_lowest_survivors_state() -> None:
+    for rank, root in ((1, True), (2, False)):
+        p = started(rank_policy(rank=rank, world_size=3, collective=True))
+        p.handle(dead(0, regroup=(1, 2), generation=1))
+        assert isinstance(p.handle(ASKED)[0], Regroup)
+        got = contribution(p, m.Reduce(round=1, kind="upload"))
+        assert (got.via, got.weight, got.tensors) == (Via.LINK, 1.0 if root else 0.0, root)
 
 
 def test_async_model_rounds_are_submitted_and_settled_before_the_next_contribution() -> None:

@@ -182,7 +182,7 @@ def test_failure_limits_and_unrecoverable_reasons() -> None:
     assert failure_limit(world_size=4, absolute=None, percent=None) is None
 
     def cpu(dead: int, limit: int | None = None) -> str | None:
-        return unrecoverable_reason(backend=Backend.CPU, world_size=3, limit=limit, dead=dead)
+        return unrecoverable_reason(world_size=3, limit=limit, dead=dead)
 
     assert cpu(0) is None
     assert cpu(1) is None  # the survivors train on
@@ -190,7 +190,3 @@ def test_failure_limits_and_unrecoverable_reasons() -> None:
     assert cpu(3) == "all_ranks_lost"
     assert cpu(1, limit=2) is None  # reaching the limit breaches it, not passing it
     assert cpu(2, limit=2) == "max_failure_exceeded"
-    assert (
-        unrecoverable_reason(backend=Backend.COLLECTIVE, world_size=3, limit=None, dead=1)
-        == "collective_lost"
-    )

@@ -552,22 +552,16 @@ class Supervisor:
         member = next((mb for mb in phase.world.members if mb.host == event.host), None)
         if isinstance(phase, Running | Concluding) and member is not None and self._coordinated:
             running = phase.running if isinstance(phase, Concluding) else phase
-            # after the coordinator's end only a host whose every rank it had dropped costs nothing:
-            # its rank heartbeats and its host link fall silent together, in either order
-            dropped = set(member.ranks) <= running.exited | running.dropped
-            if self._training_done is None or dropped:
+            # after the coordinator's end only a host whose every rank it dropped costs nothing (its
+            # rank heartbeats and its host link fall silent together, in either order)
+            if self._training_done is None or set(member.ranks) <= running.exited | running.dropped:
                 return self._hold_host(phase, member, event, now)
         if isinstance(phase, Concluding):
             # the first failure decides: the rank's, held only for its cause
             return (self._rank_failure(phase.failures[0]),)
         if member is None:
-            return (
-                Announce(
-                    text=f"agent on host {event.host!r} (not in the world) went away: "
-                    f"{event.reason}",
-                    level=Level.DEBUG,
-                ),
-            )
+            text = f"agent on host {event.host!r} (not in the world) went away: {event.reason}"
+            return (Announce(text=text, level=Level.DEBUG),)
         during = {
             Rendezvous: "during rendezvous",
             Running: "mid-run",
@@ -593,10 +587,12 @@ class Supervisor:
         elif held:
             deadline = now + self.config.training_outcome_wait
             self._phase = Concluding(running=running, failures=held, deadline=deadline)
-        text = f"agent on host {member.host!r} was lost: {event.reason}"
+        said = Announce(
+            text=f"agent on host {member.host!r} was lost: {event.reason}", level=Level.WARNING
+        )
         if not held and not isinstance(phase, Concluding):
-            return (Announce(text=text, level=Level.WARNING), *self._round_over(running))
-        return (Announce(text=text, level=Level.WARNING), *told)
+            return (said, *self._round_over(running))
+        return (said, *told)
 
     # ----- signals and the end -------------------------------------------------------------------
 

@@ -443,7 +443,7 @@ class Reducer:
                 self.pool.release(frame.payload)
                 frame.payload = None
             if bad is not None:
-                owner = plancheck.tensor_owner(frame.msg)
+                owner = plancheck.tensor_owner(frame.msg, root=state.plan.root if state.plan else 0)
                 why = f"host {frame.host.name} sent {bad[0]} in round {state.number}"
                 if owner is None or not self._rank_failed(
                     owner, plancheck.tensor_lie(owner, state.number, bad)

@@ -401,7 +401,13 @@ class TrainingShell:
     def _handle(self, event: Event) -> None:
         coordinator = self.coordinator
         assert coordinator is not None
+        committed = coordinator.committed
         actions = coordinator.handle(event, self._clock())
+        if isinstance(event, CollectiveDone) and coordinator.committed is not committed:
+            # an all_reduce's consensus, as the reducer's rounds are logged
+            done = coordinator.committed
+            assert done is not None
+            log.debug("round %d (%s) committed in %.1f ms", *done)
         needs_reducer = (
             coordinator.spec is not None
             and self.reducer is None
@@ -471,7 +477,18 @@ class TrainingShell:
     def _declare_dead(self, action: DeclareDead) -> None:
         if self.reducer is not None:
             self.reducer.declare_dead(action.rank)
-        self._send(m.DeclareDead(dead_rank=action.rank, reason=action.reason))
+        regroup = action.regroup
+        if regroup is None:
+            self._send(m.DeclareDead(dead_rank=action.rank, reason=action.reason))
+        else:
+            said = m.DeclareDead(
+                dead_rank=action.rank,
+                reason=action.reason,
+                regroup=regroup.ranks,
+                generation=regroup.generation,
+                redo=regroup.redo,
+            )
+            self._send(said)
         self._on_drop(action.rank, action.reason)
 
     def _publish_epoch(self, action: PublishEpoch) -> None:

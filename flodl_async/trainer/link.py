@@ -18,7 +18,7 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -81,6 +81,9 @@ class LinkThread:
         self._farewell: m.Exiting | None = None
         self._thread = threading.Thread(target=self._main, name="flodl-link", daemon=True)
         self.rank = hello.rank
+        #: Called on this thread as a peer's death is read, before the compute side sees it (a
+        #: COLLECTIVE rank aborts what its process group is blocked in).
+        self.on_declared_dead: Callable[[], None] | None = None
 
     # ----- compute side --------------------------------------------------------------------------
 
@@ -205,6 +208,8 @@ class LinkThread:
                     msg = await self._link.recv()
                 if isinstance(msg, m.Heartbeat):
                     continue  # the echo: a sign of life, and nothing else
+                if isinstance(msg, m.DeclareDead) and msg.regroup and self.on_declared_dead:
+                    self.on_declared_dead()
                 self.inbox.put(msg)
         except TimeoutError:
             self.inbox.put(

@@ -10,29 +10,26 @@ compute thread of its own (:class:`RankDriver`, the managed tier) or on the user
 from __future__ import annotations
 
 import collections
-import contextlib
 import os
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..config.rankenv import RUN_ID_VAR
 from ..deadlines import Deadlines
 from ..errors import ConfigError, CoordinatorLost, FlodlError, TrainingFailed, TrainingStopped
 from ..training.metrics import EpochMetrics
 from ..training.modelschema import ModelSchema
-from ..training.policy import Backend
+from ..training.policy import Backend, failure_limit
 from ..verdict import ExitCode, RunResult
 from ..wire import messages as m
+from .collective import ProcessGroup
 from .entry import rank_is_primary
 from .link import LinkThread
 from .schedule import RankSchedule
 from .state import RunRequest, TrainedState, on_thread, trained_state
 from .worker import Compute, Worker, default_device, run_managed
-
-if TYPE_CHECKING:
-    import torch
 
 
 @dataclass(slots=True)
@@ -42,7 +39,7 @@ class _Session:
     schedule: RankSchedule
     rank: int
     primary: bool
-    collective: bool
+    group: ProcessGroup | None
 
 
 def _open_session(request: RunRequest, publish: Callable[[EpochMetrics], None]) -> _Session:
@@ -70,10 +67,18 @@ def _open_session(request: RunRequest, publish: Callable[[EpochMetrics], None]) 
         deadlines=deadlines,
     )
     welcome = link.start()
-    collective = request.spec.backend is Backend.COLLECTIVE
+    group = None
+    if request.spec.backend is Backend.COLLECTIVE:
+        group = ProcessGroup(
+            rank,
+            device,
+            elastic=_survives_a_loss(request, welcome.world_size),
+            timeout=deadlines.reduce_stall,
+        )
+        link.on_declared_dead = group.abort
     try:
-        if collective:
-            _init_process_group(device)
+        if group is not None:
+            group.open()
         schedule = RankSchedule(
             compute,
             link,
@@ -82,6 +87,7 @@ def _open_session(request: RunRequest, publish: Callable[[EpochMetrics], None]) 
             schema=schema,
             publish=publish,
             reduce_deadline=deadlines.reduce_stall,
+            group=group,
         )
     except BaseException:
         # the links are up: a failed start must not leave them (and their thread) open
@@ -93,25 +99,26 @@ def _open_session(request: RunRequest, publish: Callable[[EpochMetrics], None]) 
         schedule=schedule,
         rank=rank,
         primary=rank_is_primary(env),
-        collective=collective,
+        group=group,
     )
 
 
-def _init_process_group(device: torch.device) -> None:
-    import torch.distributed as dist  # deferred: torch loads only on a COLLECTIVE rank
-
-    if not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+def _survives_a_loss(request: RunRequest, world_size: int) -> bool:
+    """Whether the run trains on after a rank is lost (so a COLLECTIVE round keeps what its redo
+    needs): more than one rank, and a ``max_failure`` that the first loss does not breach."""
+    mf = request.spec.max_failure
+    limit = failure_limit(
+        world_size=world_size,
+        absolute=mf.absolute if mf else None,
+        percent=mf.percent if mf else None,
+    )
+    return world_size > 1 and (limit is None or limit > 1)
 
 
 def _close_session(session: _Session, farewell: m.Exiting | None) -> None:
     session.link.close(farewell)
-    if session.collective:
-        import torch.distributed as dist  # deferred: torch loads only on a COLLECTIVE rank
-
-        if dist.is_initialized():
-            with contextlib.suppress(Exception):
-                dist.destroy_process_group()
+    if session.group is not None:
+        session.group.close()
 
 
 class RankDriver:

@@ -16,6 +16,7 @@ on the link, touches the tensors and carries out the policy's actions from a tab
 from __future__ import annotations
 
 import concurrent.futures
+import copy
 import enum
 import logging
 import math
@@ -30,6 +31,7 @@ from ..errors import ConnectionClosed, CoordinatorLost, TrainingStopped, WireErr
 from ..training.metrics import EpochMetrics, RankEpochStats
 from ..training.outer import OuterAvg, OuterStepper
 from ..training.policy import Backend
+from ..training.regroup import Regroup
 from ..training.schedule import (
     Asked,
     CloseEpoch,
@@ -53,6 +55,7 @@ from ..training.schedule import (
     Via,
 )
 from ..wire import messages as m
+from .collective import OuterHooks, ProcessGroup
 from .link import Inbound, LinkThread, Lost, Woken
 from .worker import Compute, WindowStats, Work
 
@@ -195,8 +198,10 @@ class RankSchedule:
         schema: ModelSchema,
         publish: Callable[[EpochMetrics], None],
         reduce_deadline: float,
+        group: ProcessGroup | None = None,
     ) -> None:
         self._compute = compute
+        self._group = group
         self._link = link
         self._spec = spec
         self._schema = schema
@@ -218,6 +223,8 @@ class RankSchedule:
         self._outstanding: concurrent.futures.Future[Any] | None = None
         self._divergence = -1.0
         self._stepper: Any = None
+        self._stepper_before: Any = None
+        self._outer = OuterHooks(step=self._outer_step, rewind=self._outer_rewind)
         self._carry_out: dict[type[RankAction], Callable[[Any], _Step]] = {
             Train: _work,
             Report: self._report,
@@ -228,6 +235,7 @@ class RankSchedule:
             Publish: self._on_publish,
             NoteLost: self._note_lost,
             Stop: self._stop,
+            Regroup: self._regroup,
         }
         self._via: dict[Via, Callable[[Contribute], None]] = {
             Via.RECEIVE: self._receive,
@@ -436,42 +444,53 @@ class RankSchedule:
 
     def _collective_reduce(self, action: Contribute) -> None:
         """COLLECTIVE: torch.distributed in place, the outer step replicated on every rank;
-        ``ReduceDone`` up."""
-        import torch  # deferred: torch loads only where a tensor is touched
-        import torch.distributed as dist  # deferred with torch
-
+        ``ReduceDone`` up (not when a peer's death interrupted it: its redo says it)."""
         started = time.perf_counter()
-        tensors = [self._compute.model.state_dict()[name] for name in self._schema.names]
-        mass = 1.0
-        with torch.no_grad():
-            if action.kind == "init":
-                for t in tensors:
-                    dist.broadcast(t, src=0)
-            else:
-                w = action.weight
-                total = torch.tensor([w], dtype=torch.float64)
-                dist.all_reduce(total)
-                mass = float(total.item())
-                if mass > 0:
-                    for t in tensors:
-                        if t.is_floating_point():
-                            t.mul_(w / mass)
-                            dist.all_reduce(t)
-                        else:
-                            acc = t.double().mul_(w / mass)
-                            dist.all_reduce(acc)
-                            # round half to even, as the CPU reducer
-                            t.copy_(torch.round(acc).to(t.dtype))
-                    if action.kind == "model":
-                        self._outer_step()
+        group = self._group
+        assert group is not None  # a COLLECTIVE rank opens its group before its schedule
+        if group.elastic and self._stepper is not None:
+            self._stepper_before = copy.deepcopy(self._stepper)  # a redo steps from here again
+        mass = group.reduce(action.round, action.kind, action.weight, self._live(), self._outer)
+        if mass is not None:
+            self._reduce_done(action.round, mass, started)
+
+    def _regroup(self, action: Regroup) -> _Step:
+        """Re-form the process group in place with the survivors; redo the round a death cut."""
+        started = time.perf_counter()
+        group = self._group
+        assert group is not None  # only a COLLECTIVE world re-forms
+        mass = group.regroup(action, self._live(), self._outer)
+        log.info(
+            "rank %d: process group re-formed with ranks %s (generation %d) in %.0f ms",
+            self.rank,
+            list(action.ranks),
+            action.generation,
+            (time.perf_counter() - started) * 1e3,
+        )
+        if mass is not None:
+            self._reduce_done(action.redo, mass, started)
+        return _AGAIN
+
+    def _live(self) -> list[torch.Tensor]:
+        state = self._compute.model.state_dict()
+        return [state[name] for name in self._schema.names]
+
+    def _reduce_done(self, round_: int, mass: float, started: float) -> None:
+        group = self._group
+        assert group is not None
         self._link.send(
             m.ReduceDone(
                 rank=self.rank,
-                round=action.round,
+                round=round_,
                 mass=mass,
                 ms=(time.perf_counter() - started) * 1e3,
+                generation=group.generation,
             )
         )
+
+    def _outer_rewind(self) -> None:
+        """A redone round steps the outer optimizer again from where its first try started."""
+        self._stepper = copy.deepcopy(self._stepper_before)
 
     def _outer_step(self) -> None:
         outer = self._spec.outer

@@ -19,6 +19,7 @@ from ..verdict import ExitCode
 from ..wire import messages as m
 from .elche import ElChe
 from .metrics import EpochMetrics
+from .regroup import Regroup
 from .spec import TrainerSpec
 
 #: The ``to`` of a :class:`~flodl_async.control.vocab.Tell` for every relay: a down-message
@@ -227,10 +228,12 @@ class StartRound:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class DeclareDead:
-    """``rank`` is dead: release it from the reducer's rounds and broadcast ``DeclareDead``."""
+    """``rank`` is dead: release it from the reducer's rounds and broadcast ``DeclareDead`` (with
+    ``regroup``, a COLLECTIVE world's survivors' re-form)."""
 
     rank: int
     reason: str
+    regroup: Regroup | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -29,22 +29,22 @@ Phases::
   epochs.
 * FINAL: ``Reduce(final)`` — from the controller's held consensus when nobody stepped
   since the last reduce (SYNC/CADENCE natural end), else contributed by every alive rank;
-  COLLECTIVE then uploads the primary rank's state (``upload``). Then ``Shutdown``.
+  COLLECTIVE then uploads its lowest alive rank's state (``upload``). Then ``Shutdown``.
 * A rank lost (relay ``RankGone``, a death record, a non-zero exit, heartbeat staleness)
   runs the death chain, once per rank (the first source decides, the others find it dead): mark
   it dead with its reason; return its batches not yet in a consensus to the pool (the window of a
   round being reduced as it died waits for that round's result: the consensus may hold it);
-  ``DeclareDead`` (the reducer, the relays and the survivors stop waiting on it); then
   :func:`~flodl_async.training.policy.unrecoverable_reason` — ``max_failure`` reached (exit 5,
-  naming every dead rank), every rank lost, a COLLECTIVE world (exit 4) — or else the survivors
-  train on: the gate, ElChe and the epoch's ledger drop it, the next windows take its batches, and
-  the end says ``DEGRADED`` with the ranks lost.
+  naming every dead rank), every rank lost (exit 4) — or else the survivors train on:
+  ``DeclareDead`` (the reducer, the relays and the survivors stop waiting on it; a COLLECTIVE
+  world's survivors re-form their process group, :mod:`~flodl_async.training.regroup`), the gate,
+  ElChe and the epoch's ledger drop it, the next windows take its batches, and the end says
+  ``DEGRADED`` with the ranks lost.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
 
 from ..control.dispatch import TypeTable
 from ..control.vocab import Announce, Level, Tell, Tick
@@ -93,6 +93,7 @@ from .policy import (
     should_reduce,
     unrecoverable_reason,
 )
+from .regroup import InFlight, regroup_after_loss
 from .slices import SyncSlices
 from .spec import TrainerSpec
 
@@ -102,17 +103,6 @@ _OVER = (CoordPhase.DONE, CoordPhase.FAILED)
 
 #: Save reasons that are the operator's limit rather than a plain failure.
 _EXIT_FOR_SAVE_REASON = {"max_failure_exceeded": ExitCode.MAX_FAILURE}
-
-
-@dataclass(slots=True, kw_only=True)
-class _InFlight:
-    round: int
-    kind: str
-    started_at: float
-    collective: bool
-    waiting: set[int]
-    closes_epoch: int | None = None
-    ms: float = 0.0
 
 
 class Coordinator:
@@ -138,7 +128,7 @@ class Coordinator:
         self._plans: dict[tuple[int, int], m.Plan] = {}
         self._planned_round: dict[int, int] = {}
         self._slices = SyncSlices()
-        self._in_flight: _InFlight | None = None
+        self._in_flight: InFlight | None = None
         self._epoch = 0
         self._pool = part.ChunkPool(0)
         self._epoch_last_round = 0
@@ -148,6 +138,9 @@ class Coordinator:
         self._last_sync_ms = 0.0
         self._batches: dict[int, int] = {}
         self._stop_reason: str | None = None
+        self._generation = 0  # a COLLECTIVE world's process group re-forms
+        #: The last round committed: its number, kind and duration (ms).
+        self.committed: tuple[int, str, float] | None = None
         self._handlers: TypeTable[Event, [float], list[Action]] = TypeTable(
             "the coordinator's events"
         )
@@ -337,14 +330,6 @@ class Coordinator:
             ),
             self._start_round(0, "init", now),
         ]
-        if spec.max_failure is not None and spec.backend is Backend.COLLECTIVE:
-            # Accepted so that a script written for elastic runs trains unchanged, but said once: it
-            # would otherwise look tolerated.
-            warning = (
-                "max_failure is set, but a COLLECTIVE world cannot lose a rank yet: any lost rank "
-                "ends it (the CPU backend trains on)"
-            )
-            actions.insert(1, _warning(warning))
         actions.extend(self._open_epoch(0, now))
         return actions
 
@@ -365,7 +350,7 @@ class Coordinator:
         # contributions — since each host's relay folds a barrier over all of its live ranks.
         collective = spec.backend is Backend.COLLECTIVE and kind != "upload"
         expected = frozenset(self._alive)
-        self._in_flight = _InFlight(
+        self._in_flight = InFlight(
             round=round_,
             kind=kind,
             started_at=now,
@@ -417,6 +402,7 @@ class Coordinator:
             flying is None
             or not flying.collective
             or flying.round != msg.round
+            or msg.generation != self._generation  # the old group's, before a redo
             or msg.rank not in flying.waiting
         ):
             return []
@@ -428,13 +414,14 @@ class Coordinator:
 
     def _round_done(
         self,
-        flying: _InFlight,
+        flying: InFlight,
         duration_ms: float,
         now: float,
         folded: Mapping[int, int] | None = None,
     ) -> list[Action]:
         # A consensus' mass matters to the ranks (0: keep local state), not to the schedule.
         self._in_flight = None
+        self.committed = (flying.round, flying.kind, duration_ms)
         self._last_sync_ms = duration_ms
         actions: list[Action] = []
         if flying.kind == "init":
@@ -444,7 +431,7 @@ class Coordinator:
                 return self._final(now, natural=False)
             return self._maybe_reduce(now)
         if flying.kind == "model":
-            actions.extend(self._settle_coverage(flying.round, folded))
+            actions.extend(self._settle_coverage(flying.round, folded, flying.dead_in))
             ledger = self._ledgers.get(self._round_epoch.pop(flying.round, self._epoch))
             if ledger is not None:
                 ledger.add_reduce(duration_ms)
@@ -473,19 +460,22 @@ class Coordinator:
             return [self._start_round(self._next_round(), "upload", now)]
         return self._finish()
 
-    def _settle_coverage(self, round_: int, folded: Mapping[int, int] | None) -> list[Action]:
+    def _settle_coverage(
+        self, round_: int, folded: Mapping[int, int] | None, dead_in: set[int]
+    ) -> list[Action]:
         """Round ``round_``'s consensus holds ``folded``'s contributions: those windows are covered;
         a dead rank's window it lacks goes back to the survivors (CADENCE/ASYNC: to the pool; SYNC:
         the rest of the dead rank's slice, shared out now). ``folded`` None (an all_reduce, or a
-        round runner that does not say): what every alive rank reported is in, a dead rank's not."""
+        round runner that does not say): what every alive rank reported is in, and ``dead_in``'s
+        (lost after every survivor finished the all_reduce), no other dead rank's."""
         spec = self._require_spec()
         if RULES[spec.policy].static_slices:
             if folded is None:
-                self._slices.settle_reported(self._alive)
+                self._slices.settle_reported(self._alive | dead_in)
             else:
                 self._slices.settle(folded)
             return self._share_dead_slices()
-        for rank in sorted(self._lost.ranks):
+        for rank in sorted(self._lost.ranks - dead_in):
             if folded is None or rank not in folded:
                 self._pool.forfeit_window(rank, round_)
         self._pool.complete_round(round_)
@@ -859,7 +849,6 @@ class Coordinator:
             stage.elche.forget(rank)
         if flying is not None:
             flying.waiting.discard(rank)
-        actions.append(DeclareDead(rank=rank, reason=event.reason))
         mf = spec.max_failure
         world = self.config.world_size
         limit = failure_limit(
@@ -867,14 +856,23 @@ class Coordinator:
             absolute=mf.absolute if mf else None,
             percent=mf.percent if mf else None,
         )
-        why = unrecoverable_reason(
-            backend=spec.backend, world_size=world, dead=len(self._lost), limit=limit
-        )
+        why = unrecoverable_reason(world_size=world, dead=len(self._lost), limit=limit)
         joining = self.phase is CoordPhase.JOINING
         if why is None and joining:
             why = "rank_lost"  # the world never started: nothing to train on without it
         if why is None:
+            regroup = None
+            if spec.backend is Backend.COLLECTIVE:
+                self._generation += 1
+                regroup = regroup_after_loss(
+                    flying, dead=rank, alive=self._alive, generation=self._generation, now=now
+                )
+                redo = f"; round {regroup.redo} is redone" if regroup.redo >= 0 else ""
+                text = f"the survivors re-form their process group as ranks {list(regroup.ranks)}"
+                actions.append(Announce(text=text + redo))
+            actions.append(DeclareDead(rank=rank, reason=event.reason, regroup=regroup))
             return [*actions, *self._after_loss(now)]
+        actions.append(DeclareDead(rank=rank, reason=event.reason))
         reason = self._lost.unrecoverable(
             why, rank=rank, reason=event.reason, world_size=world, limit=limit, joining=joining
         )

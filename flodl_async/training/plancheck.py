@@ -40,9 +40,8 @@ from .partition import Range, range_size
 if TYPE_CHECKING:
     import torch
 
-#: The rank whose state an ``init`` or ``upload`` round takes (the others contribute nothing).
-ROOT_RANK = 0
-#: Round kinds whose consensus is the root's state alone.
+#: Round kinds whose consensus is the root's state alone (the lowest rank the round expects: a
+#: COLLECTIVE world that lost its rank 0 uploads its next one's; the others contribute nothing).
 ROOT_KINDS = frozenset({"init", "upload"})
 #: A batch's compute (or data wait) longer than a day is not believed.
 MAX_MS_PER_BATCH = 86_400_000.0
@@ -112,7 +111,8 @@ def round_plan(
     steps = [0] * world_size
     for rank in expected:
         steps[rank] = max(0, claimable.get(rank, 0))
-    return m.RoundPlan(steps=tuple(steps), gamma=gamma, equal=equal)
+    root = min(expected, default=0)
+    return m.RoundPlan(steps=tuple(steps), gamma=gamma, equal=equal, root=root)
 
 
 # ----- contributions -------------------------------------------------------------------------
@@ -126,15 +126,16 @@ def planned_weight(plan: m.RoundPlan, *, kind: str, rank: int, steps: int) -> fl
     ``steps ** gamma`` with 0 steps weighing 0.
     """
     if kind in ROOT_KINDS:
-        return 1.0 if rank == ROOT_RANK else 0.0
+        return 1.0 if rank == plan.root else 0.0
     if plan.equal:
         return 1.0
     return 0.0 if steps == 0 else float(steps) ** plan.gamma
 
 
-def carries_tensors(kind: str, rank: int) -> bool:
-    """Whether rank ``rank``'s contribution to a ``kind`` round carries its tensors."""
-    return rank == ROOT_RANK if kind in ROOT_KINDS else True
+def carries_tensors(kind: str, rank: int, *, root: int) -> bool:
+    """Whether rank ``rank``'s contribution to a ``kind`` round rooted at ``root`` carries its
+    tensors."""
+    return rank == root if kind in ROOT_KINDS else True
 
 
 def _claim(plan: m.RoundPlan, *, rank: int, round: int, steps: int) -> str | None:
@@ -197,11 +198,11 @@ def check_contribution(msg: m.Contribution, plan: m.RoundPlan, *, kind: str) -> 
     bad = _claim(plan, rank=rank, round=round_, steps=msg.steps)
     if bad is not None:
         return bad
-    expect_tensors = carries_tensors(kind, rank)
+    expect_tensors = carries_tensors(kind, rank, root=plan.root)
     if bool(msg.tensors) != expect_tensors:
         if expect_tensors:
             return f"rank {rank} sent no tensors to {kind} round {round_}"
-        return f"rank {rank} sent tensors to {kind} round {round_}, which takes rank {ROOT_RANK}'s"
+        return f"rank {rank} sent tensors to {kind} round {round_}, which takes rank {plan.root}'s"
     want = planned_weight(plan, kind=kind, rank=rank, steps=msg.steps)
     if not _same_weight(msg.weight, want):
         return (
@@ -231,7 +232,7 @@ def check_host_claims(msg: m.HostContribution, plan: m.RoundPlan) -> Violation |
         want += planned_weight(plan, kind=msg.kind, rank=rank, steps=steps)
     if _same_weight(msg.weight, want):
         return None
-    owner = tensor_owner(msg)
+    owner = tensor_owner(msg, root=plan.root)
     if owner is not None and len(msg.ranks) == 1:
         return Violation(
             rank=owner,
@@ -246,13 +247,13 @@ def check_host_claims(msg: m.HostContribution, plan: m.RoundPlan) -> Violation |
     )
 
 
-def tensor_owner(msg: m.HostContribution) -> int | None:
+def tensor_owner(msg: m.HostContribution, *, root: int) -> int | None:
     """The rank whose own bytes a raw (not prescaled) host frame carries, or None when that is not
     one rank's: a root round's root, or the one rank a frame of another kind lists."""
     if msg.prescaled or not msg.tensors:
         return None
     if msg.kind in ROOT_KINDS:
-        return ROOT_RANK if ROOT_RANK in msg.ranks else None
+        return root if root in msg.ranks else None
     return msg.ranks[0] if len(msg.ranks) == 1 else None
 
 

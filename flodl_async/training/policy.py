@@ -134,22 +134,18 @@ def failure_limit(*, world_size: int, absolute: int | None, percent: float | Non
     return None
 
 
-def unrecoverable_reason(
-    *, backend: Backend, world_size: int, dead: int, limit: int | None
-) -> str | None:
+def unrecoverable_reason(*, world_size: int, dead: int, limit: int | None) -> str | None:
     """Why the run cannot continue after ``dead`` ranks were lost, as a save reason; None: it can
     (the survivors train on).
 
-    The CPU backend is elastic: the coordinator plans the next rounds for the survivors. A
-    COLLECTIVE world cannot lose a rank yet (its survivors would have to re-form their process
-    group in place). ``limit`` (:func:`failure_limit`) is breached when the dead reach it.
+    Both backends are elastic: the coordinator plans the next rounds for the survivors (a
+    COLLECTIVE world's survivors first re-form their process group in place). ``limit``
+    (:func:`failure_limit`) is breached when the dead reach it.
     """
     if dead <= 0:
         return None
     if dead >= world_size:
         return "all_ranks_lost"
-    if backend is Backend.COLLECTIVE:
-        return "collective_lost"  # torch process groups cannot shrink
     if limit is not None and dead >= limit:
         return "max_failure_exceeded"
     return None

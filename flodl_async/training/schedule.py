@@ -26,6 +26,7 @@ from ..wire import messages as m
 from ..wire.schema import Message
 from .metrics import EpochMetrics
 from .policy import Policy
+from .regroup import Regroup
 
 #: ``Shutdown.save_reason`` values that end a run normally; any other is a failure.
 NORMAL_ENDS = frozenset({"", "completed", "graceful_shutdown"})
@@ -154,7 +155,7 @@ class CloseEpoch:
 
 
 #: What a :class:`RankPolicy` asks of its runner.
-RankAction = Train | Report | Contribute | Settle | Hold | End | Publish | NoteLost | Stop
+RankAction = Train | Report | Contribute | Settle | Hold | End | Publish | NoteLost | Stop | Regroup
 
 #: What an :class:`InlinePolicy` asks of its runner.
 InlineAction = Train | CloseEpoch | End
@@ -231,6 +232,7 @@ class RankPolicy:
         self._since_contribution = 0
         self._outstanding = False
         self._lost: set[int] = set()
+        self._regroup: Regroup | None = None  # the latest re-form not carried out yet
         self._epochs_seen = 0
         self._cohort_batches = 0
         self._handlers: TypeTable[
@@ -275,6 +277,10 @@ class RankPolicy:
     # ----- the boundary --------------------------------------------------------------------------
 
     def _on_asked(self, _event: Asked) -> tuple[RankAction, ...]:
+        if self._regroup is not None:
+            # before any contribution: the rounds after a loss are the re-formed group's
+            regroup, self._regroup = self._regroup, None
+            return (regroup,)
         if self._reduces:  # every boundary is a step boundary: contribute now
             return self._contribute(self._reduces.popleft())
         if self._ended is not None:
@@ -381,7 +387,7 @@ class RankPolicy:
         elif kind in ("init", "upload"):
             # init: the root's state seeds every rank; upload (COLLECTIVE): the ranks agree, rank
             # 0's copy goes to the controller. Either way the others send an empty contribution.
-            root = self.rank == 0
+            root = self.rank == min(set(range(self._world_size)) - self._lost)
             via, weight, tensors = Via.LINK, 1.0 if root else 0.0, root
         elif kind == "final" and self._averaging is Policy.ASYNC:
             # ASYNC locals differ on purpose: the final round is a plain mean
@@ -431,6 +437,9 @@ class RankPolicy:
             # good, and never returns a state the others' consensus moved on from
             return (Stop(f"rank {self.rank} was declared dead: {msg.reason}"),)
         self._lost.add(msg.dead_rank)
+        if msg.regroup and self._ended is None:
+            # a later loss's re-form replaces one not carried out yet (it names the dead rank too)
+            self._regroup = Regroup(ranks=msg.regroup, generation=msg.generation, redo=msg.redo)
         return (NoteLost(msg.dead_rank, msg.reason),)
 
     def _on_shutdown(self, msg: m.Shutdown) -> tuple[RankAction, ...]:

@@ -1,17 +1,15 @@
 """Every message that crosses the controller port, by channel.
 
-Messages whose bodies can carry secrets are ``sealed=True``: ``WorldFormed``
-(the command and the environment, which often hold tokens), ``RankExited``
-(a user's traceback and stderr lines), ``RankOutput`` (whatever a rank
-prints) and ``RankStats`` (each rank's last output line); their bodies are encrypted, not only
-authenticated. Tensor payloads are always encrypted.
+Messages whose bodies can carry secrets are ``sealed=True``: ``WorldFormed`` (the command and the
+environment, which often hold tokens), ``RankExited`` (a user's traceback and stderr lines),
+``RankOutput`` (whatever a rank prints) and ``RankStats`` (each rank's last output line); their
+bodies are encrypted, not only authenticated. Tensor payloads are always encrypted.
 
-Kinds are grouped by channel in the high byte (0x01xx join, 0x02xx
-rendezvous, 0x03xx data, 0x04xx control, 0x05xx relay-local); a new message
-takes the next free kind of its group. The grouping is only a numbering: which
-kinds may travel on which channel, in which direction, is the table in
-:mod:`.legality`, which a new message must join before it can be sent. Schema
-evolution rules are in :mod:`.schema`.
+Kinds are grouped by channel in the high byte (0x01xx join, 0x02xx rendezvous, 0x03xx data, 0x04xx
+control, 0x05xx relay-local); a new message takes the next free kind of its group. The grouping is
+only a numbering: which kinds may travel on which channel, in which direction, is the table in
+:mod:`.legality`, which a new message must join before it can be sent. Schema evolution rules are in
+:mod:`.schema`.
 """
 
 from __future__ import annotations
@@ -406,9 +404,8 @@ class ElCheConfigWire(Message):
     """:class:`flodl_async.training.spec.ElCheConfig` with every default resolved for its policy.
 
     A twin of ``ElCheSettings``, kept because the wire shape differs: its ``speed_hint`` pair
-    ``(rank, ratio)`` travels as two nullable fields, and its ``guard`` pair ``(threshold,
-    nudge)`` or None as ``guard``/``guard_threshold``/``guard_nudge`` (the schema has no
-    mixed-type tuples).
+    ``(rank, ratio)`` travels as two nullable fields, and its ``guard`` pair ``(threshold, nudge)``
+    or None as ``guard``/``guard_threshold``/``guard_nudge`` (the schema has no mixed-type tuples).
     """
 
     anchor: int
@@ -434,10 +431,10 @@ class TrainerSpecWire(Message):
     """Everything the coordinator and reducer need from a rank's Trainer, as plain values.
 
     A twin of ``TrainerSpec``, kept because the two differ in more than names: the policy and
-    backend enums travel as their values, ``Checkpointing`` and ``MaxFailure`` are flattened
-    into fields, and ElChe travels with its defaults resolved (so the run digest compares the
-    settings ranks actually use, not how they were written); ``TrainerSpec`` also checks its
-    cross-field rules when ``TrainerSpec.from_wire`` rebuilds it, which belongs above the wire.
+    backend enums travel as values, ``Checkpointing`` and ``MaxFailure`` are flattened into fields,
+    and ElChe travels with its defaults resolved (so the run digest compares the settings ranks
+    actually use, not how they were written); ``TrainerSpec`` also checks its cross-field rules
+    when ``TrainerSpec.from_wire`` rebuilds it, which belongs above the wire.
     """
 
     policy: str
@@ -554,8 +551,7 @@ class TrainerReject(Message):
 class Plan(Message):
     """Work for one window: batch ranges ``(first_batch, n)`` of epoch ``epoch``'s pool. Send
     ``WindowDone`` after ``quota`` steps (0: at once); hold once the steps since the last
-    contribution reach ``hold_after`` (-1: never); ``progress`` is the epoch progress at the
-    window's start, for LR schedules."""
+    contribution reach ``hold_after`` (-1: never); ``progress``: the epoch's at the window start."""
 
     rank: int
     round: int
@@ -569,11 +565,9 @@ class Plan(Message):
 @message(kind=0x0408)
 @dataclass(frozen=True, slots=True, kw_only=True)
 class WindowDone(Message):
-    """A rank finished its window's quota (Async: it keeps training).
-
-    ``divergence`` is ``‖pre−post‖/‖post‖`` of the last consensus applied, -1 if none. Scalars
-    travel as two maps (sum, count) because the schema has no mixed-type tuples.
-    """
+    """A rank finished its window's quota (Async: it keeps training). ``divergence`` is
+    ``‖pre−post‖/‖post‖`` of the last consensus applied, -1 if none. Scalars travel as two maps
+    (sum, count) because the schema has no mixed-type tuples."""
 
     rank: int
     round: int
@@ -593,11 +587,12 @@ class WindowDone(Message):
 class RoundPlan(Message):
     """What each rank may claim in one round (nested in ``Reduce``, for the relays and the reducer:
     :mod:`flodl_async.training.plancheck`): ``steps[r]`` steps at most, each contribution weighing
-    ``steps ** gamma`` (0 steps: 0), or 1 if ``equal``; ``init``/``upload`` take rank 0's alone."""
+    ``steps ** gamma`` (0 steps: 0), or 1 if ``equal``; ``init``/``upload`` take ``root``'s only."""
 
     steps: tuple[int, ...]
     gamma: float
     equal: bool = False
+    root: int = 0
 
 
 @message(kind=0x0409)
@@ -620,12 +615,13 @@ class Reduce(Message):
 @message(kind=0x040A)
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ReduceDone(Message):
-    """COLLECTIVE backend: the rank's in-place all_reduce of round ``round`` finished."""
+    """COLLECTIVE: the rank's all_reduce of round ``round`` finished in group ``generation``."""
 
     rank: int
     round: int
     mass: float
     ms: float
+    generation: int = 0
 
 
 @message(kind=0x040B)
@@ -640,11 +636,15 @@ class EpochAggregated(Message):
 @message(kind=0x040C)
 @dataclass(frozen=True, slots=True, kw_only=True)
 class DeclareDead(Message):
-    """``dead_rank`` is lost: relays drop it from their fold barrier, ranks log it."""
+    """``dead_rank`` is lost: relays drop it from their fold barrier, ranks log it; COLLECTIVE
+    survivors re-form as ``regroup`` (in order) under ``generation``, then redo round ``redo``."""
 
     dead_rank: int
     reason: str
     rank: int = -1
+    regroup: tuple[int, ...] = ()
+    generation: int = 0
+    redo: int = -1
 
 
 @message(kind=0x040D)
