@@ -307,15 +307,20 @@ class ScriptLauncher(Launcher):
         self.stdout_lines = []
 
 
-@pytest.mark.parametrize("how", ["kill", "stop"])
+@pytest.mark.parametrize(
+    ("how", "backend"), [("kill", "cpu"), ("stop", "cpu"), ("stop", "collective")]
+)
 def test_a_killed_or_frozen_rank_is_dropped_and_the_survivors_finish(
-    tmp_path: Path, how: str
+    tmp_path: Path, how: str, backend: str
 ) -> None:
+    """A frozen COLLECTIVE rank leaves its peers blocked in an all_reduce on its open sockets
+    until its agent KILLs it (declared dead): then gloo fails there, and the survivor re-forms."""
     run_id = new_run_id()
     # A frozen rank is noticed by its silence: 10 s x 0.3 = 3 s without a frame; its agent then
     # kills it, or the run would wait on it.
     env = {"FLODL_NET_TIMEOUT_SCALE": "0.3"} if how == "stop" else None
-    launcher = ScriptLauncher(tmp_path, "--epochs", "40", "--fast-ms", "3", run_id=run_id, env=env)
+    args = ("--epochs", "40", "--fast-ms", "3", "--backend", backend)
+    launcher = ScriptLauncher(tmp_path, *args, run_id=run_id, env=env)
     try:
         launcher.wait_for_stdout("EPOCH 1", timeout=120)
         os.kill(_rank_pid(run_id, 1), signal.SIGKILL if how == "kill" else signal.SIGSTOP)
