@@ -27,7 +27,9 @@ p50 and p99 (linear interpolation; with 10 kills p99 is close to the maximum) pe
 next round's time goes (detection, then until the survivors' round opens, then the reduce itself),
 and the Trainer's ordinary round period for scale. Goal (issue 17): kill → next committed round
 <= 1 s p50, <= 3 s p99 on the CPU backend; on the COLLECTIVE backend (``--backend collective``,
-gloo), where the survivors re-form their process group in place, <= 3 s p50.
+gloo), where the survivors re-form their process group in place, <= 3 s p50. With ``--fault stop``
+the rank freezes (SIGSTOP) instead: it is declared dead by its silence, within the default
+``heartbeat_timeout`` (10 s).
 """
 
 from __future__ import annotations
@@ -55,6 +57,8 @@ ROOT = Path(__file__).resolve().parent.parent
 BATCH = 32
 GOAL_P50_S, GOAL_P99_S = 1.0, 3.0
 GOAL_COLLECTIVE_P50_S = 3.0
+#: the default heartbeat_timeout: a frozen rank's silence is noticed after it
+GOAL_FROZEN_S = 10.0
 #: the Trainer shell's records, as the coordinator words them (flodl_async/training/coordinator.py)
 #: and as the shell logs each consensus (flodl_async/controller/training.py)
 LOST = re.compile(r"rank (?P<rank>\d+) on .+? lost: (?P<reason>.*)")
@@ -65,10 +69,11 @@ COMMITTED = re.compile(r"round (?P<round>\d+) \((?P<kind>\w+)\) committed in (?P
 # ----- the ranks' side -----------------------------------------------------------------------
 
 
-def _die(out: Path, rank: int) -> None:
-    """The kill, timed where it is done: the stamp is on disk before the signal is sent."""
+def _die(out: Path, rank: int, *, freeze: bool = False) -> None:
+    """The kill (``freeze``: a SIGSTOP, which its agent turns into a KILL once the rank is declared
+    dead), timed where it is done: the stamp is on disk before the signal is sent."""
     (out / "killed").write_text(f"{rank} {time.time()!r}\n")
-    os.kill(os.getpid(), signal.SIGKILL)
+    os.kill(os.getpid(), signal.SIGSTOP if freeze else signal.SIGKILL)
 
 
 def _log_to(path: Path) -> None:
@@ -108,7 +113,7 @@ def elastic_role(args: argparse.Namespace) -> None:
     def train_step(m: nn.Module, batch: list[torch.Tensor]) -> torch.Tensor:
         nonlocal steps
         if rank == args.kill_rank and steps == args.kill_step:
-            _die(out, rank)
+            _die(out, rank, freeze=args.fault == "stop")
         steps += 1
         time.sleep(args.step_ms / 1e3)
         return nn.functional.mse_loss(m(batch[0]), batch[1])
@@ -184,7 +189,7 @@ def _free_port() -> int:
 
 def _child(role: str, args: argparse.Namespace, out: Path, **extra: object) -> list[str]:
     cmd = [sys.executable, __file__, "--role", role, "--out", str(out)]
-    for flag in ("policy", "backend", "epochs", "batches", "step_ms"):
+    for flag in ("policy", "backend", "fault", "epochs", "batches", "step_ms"):
         cmd += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
     for flag, value in extra.items():
         cmd += [f"--{flag.replace('_', '-')}", str(value)]
@@ -298,19 +303,21 @@ def _row(name: str, values: Sequence[float]) -> str:
 def report(
     args: argparse.Namespace, elastic: list[ElasticKill], restart: list[RestartKill]
 ) -> None:
+    fault = args.fault
     print(
         f"\n{args.ranks} CPU ranks, {args.policy.upper()} on the {args.backend.upper()} backend, "
-        f"{args.batches} "
-        f"batches/epoch, {args.step_ms:g} ms/step; {len(elastic)} elastic kill(s), {len(restart)} "
-        "restart kill(s), one SIGKILL per run; seconds after the kill, time.time() on one machine"
+        f"{args.batches} batches/epoch, {args.step_ms:g} ms/step; {len(elastic)} elastic "
+        f"{fault}(s), {len(restart)} restart kill(s), one SIG{fault.upper()} per run; seconds "
+        "after it, time.time() on one machine"
     )
     print(f"{'stage':<48} {'p50 s':>7} {'p99 s':>7} {'min s':>7} {'max s':>7}")
-    print(_row("elastic: kill -> declared dead", [k.detect for k in elastic]))
-    print(_row("elastic: kill -> survivors' round opened", [k.opened for k in elastic]))
-    print(_row("elastic: kill -> survivors' round committed", [k.committed for k in elastic]))
-    print(_row("elastic: kill -> survivors' 2nd round committed", [k.second for k in elastic]))
-    print(_row("restart: kill -> restarted ranks running", [k.started for k in restart]))
-    print(_row("restart: kill -> restarted world's all_reduce", [k.progress for k in restart]))
+    print(_row(f"elastic: {fault} -> declared dead", [k.detect for k in elastic]))
+    print(_row(f"elastic: {fault} -> survivors' round opened", [k.opened for k in elastic]))
+    print(_row(f"elastic: {fault} -> survivors' round committed", [k.committed for k in elastic]))
+    print(_row(f"elastic: {fault} -> survivors' 2nd round committed", [k.second for k in elastic]))
+    if restart:
+        print(_row("restart: kill -> restarted ranks running", [k.started for k in restart]))
+        print(_row("restart: kill -> restarted world's all_reduce", [k.progress for k in restart]))
     for reason, count in collections.Counter(k.reason for k in elastic).most_common():
         print(f"  declared dead by: {reason} (x{count})")
     landed = collections.Counter(k.epoch for k in elastic)
@@ -326,6 +333,15 @@ def report(
     periods = [k.period for k in elastic if k.period is not None]
     if periods:
         print(f"  round period before the kill (median): {statistics.median(periods):.3f} s")
+    if args.fault == "stop":
+        # a frozen rank says nothing: its silence is the only sign, heartbeat_timeout long
+        detect = percentile([k.detect for k in elastic], 50)
+        met = detect <= GOAL_FROZEN_S
+        print(
+            f"goal (a frozen rank declared dead within {GOAL_FROZEN_S:g} s, p50): "
+            f"{'met' if met else 'NOT met'}; the slowest {max(k.detect for k in elastic):.3f} s"
+        )
+        return
     p50 = percentile([k.committed for k in elastic], 50)
     p99 = percentile([k.committed for k in elastic], 99)
     if args.backend == "collective":
@@ -354,6 +370,13 @@ def main() -> None:
         default="cpu",
         choices=["cpu", "collective"],
         help="the Trainer's (collective: gloo, the survivors re-form their group in place)",
+    )
+    parser.add_argument(
+        "--fault",
+        default="kill",
+        choices=["kill", "stop"],
+        help="SIGKILL the rank (against a plain script's restart), or SIGSTOP it (a frozen rank, "
+        "noticed by its silence; no restart path to compare)",
     )
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--batches", type=int, default=96, help="batches per epoch")
@@ -389,14 +412,15 @@ def main() -> None:
             elastic.append(
                 elastic_trial(args, Path(tmp) / f"elastic-{trial}", kill_rank, kill_step)
             )
-            restart.append(
-                restart_trial(args, Path(tmp) / f"restart-{trial}", kill_rank, kill_step)
-            )
+            if args.fault == "kill":
+                restart.append(
+                    restart_trial(args, Path(tmp) / f"restart-{trial}", kill_rank, kill_step)
+                )
+            then = f"; restart {restart[-1].progress:.3f} s" if restart else ""
             print(
-                f"kill {trial + 1}/{args.kills}: rank {kill_rank} at step {kill_step}: elastic "
-                f"(epoch {elastic[-1].epoch}) "
-                f"detect {elastic[-1].detect:.3f} s, next round {elastic[-1].committed:.3f} s; "
-                f"restart {restart[-1].progress:.3f} s",
+                f"{args.fault} {trial + 1}/{args.kills}: rank {kill_rank} at step {kill_step}: "
+                f"elastic (epoch {elastic[-1].epoch}) detect {elastic[-1].detect:.3f} s, next "
+                f"round {elastic[-1].committed:.3f} s{then}",
                 flush=True,
             )
     report(args, elastic, restart)

@@ -61,6 +61,11 @@ TABLES: dict[str, tuple[str, ...]] = {
         r"elastic: kill -> survivors' round committed(\s+[\d.]+){4}",
         r"goal \(kill -> next committed round <= 3 s p50\): (met|NOT met); .*",
     ),
+    # a frozen rank, noticed by its silence
+    "recovery --fault stop": (
+        r"elastic: stop -> declared dead(\s+[\d.]+){4}",
+        r"goal \(a frozen rank declared dead within 10 s, p50\): (met|NOT met); .*",
+    ),
     "store": (
         r"op\s+ours \(controller port\)\s+torch TCPStore server\s+ratio",
         *(rf"{op}\s+[\d,]+\s+[\d,]+\s+[\d.]+x" for op in ("set", "get", "add", "wait")),
