@@ -25,6 +25,7 @@ import contextlib
 import datetime
 import logging
 import os
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -38,6 +39,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("flodl_async.trainer.collective")
 
+#: How often a re-forming rank looks at the store's count of arrived survivors (and at its inbox).
+_ARRIVAL_POLL_S = 0.01
 #: Errors a collective raises when a peer dies under it (gloo: the socket; NCCL: the abort).
 _PEER_LOST = (RuntimeError,)
 
@@ -140,17 +143,19 @@ class ProcessGroup:
                 self._entered = _Entered(round=round_, kind=kind, weight=weight, base=base, ref=ref)
         return mass
 
-    def regroup(
-        self, regroup: Regroup, tensors: Sequence[torch.Tensor], outer: OuterHooks
-    ) -> float | None:
-        """Re-form as ``regroup`` says; then redo its round if this rank entered it (its mass), else
-        None. A rendezvous that does not complete raises :class:`TrainingFailed`."""
-        import torch  # deferred: torch loads only where a tensor is touched
-        import torch.distributed as dist  # deferred with torch
+    def rendezvous(self, regroup: Regroup, *, superseded: Callable[[], bool]) -> bool:
+        """Re-form as ``regroup`` says; False when ``superseded()`` said a later re-form replaces it
+        before every rank it names arrived (one of them died too). A rendezvous that does not
+        complete within the timeout raises :class:`TrainingFailed`.
+
+        The survivors first count themselves in on the store, polling ``superseded`` meanwhile:
+        ``init_process_group`` itself cannot be interrupted, and would wait its whole timeout for a
+        rank that died after the re-form was planned."""
+        import torch.distributed as dist  # deferred: torch loads only on a COLLECTIVE rank
         from torch._C._distributed_c10d import PrefixStore, TCPStore  # deferred with torch
 
         self.close()
-        place = regroup.ranks.index(self.rank)
+        started = time.monotonic()
         try:
             store = TCPStore(
                 os.environ["MASTER_ADDR"],
@@ -159,10 +164,17 @@ class ProcessGroup:
                 timeout=self._timeout,
             )
             prefixed = PrefixStore(f"flodl/regroup/{regroup.generation}/", store)
+            prefixed.add("arrived", 1)
+            while prefixed.add("arrived", 0) < len(regroup.ranks):
+                if superseded():
+                    return False
+                if time.monotonic() - started > self._timeout.total_seconds():
+                    raise RuntimeError("not every rank arrived on the store in time")
+                time.sleep(_ARRIVAL_POLL_S)
             dist.init_process_group(
                 self._backend,
                 store=prefixed,
-                rank=place,
+                rank=regroup.ranks.index(self.rank),
                 world_size=len(regroup.ranks),
                 timeout=self._timeout,
             )
@@ -175,6 +187,15 @@ class ProcessGroup:
                 )
             ) from exc
         self.generation = regroup.generation
+        return True
+
+    def redo(
+        self, regroup: Regroup, tensors: Sequence[torch.Tensor], outer: OuterHooks
+    ) -> float | None:
+        """After :meth:`rendezvous`: redo ``regroup``'s round if this rank entered it (its mass),
+        else None."""
+        import torch  # deferred: torch loads only where a tensor is touched
+
         entered = self._entered
         if regroup.redo < 0 or entered is None or entered.round != regroup.redo:
             return None

@@ -459,7 +459,10 @@ class RankSchedule:
         started = time.perf_counter()
         group = self._group
         assert group is not None  # only a COLLECTIVE world re-forms
-        mass = group.regroup(action, self._live(), self._outer)
+        if not group.rendezvous(action, superseded=self._regroup_superseded):
+            log.info("rank %d: re-form %d superseded by a later one", self.rank, action.generation)
+            return _AGAIN  # the later one is the policy's next action
+        mass = group.redo(action, self._live(), self._outer)
         log.info(
             "rank %d: process group re-formed with ranks %s (generation %d) in %.0f ms",
             self.rank,
@@ -470,6 +473,11 @@ class RankSchedule:
         if mass is not None:
             self._reduce_done(action.redo, mass, started)
         return _AGAIN
+
+    def _regroup_superseded(self) -> bool:
+        """What arrived meanwhile is handled: a later loss replaces the re-form under way."""
+        self._drain(block=False)
+        return self._policy.regroup_pending
 
     def _live(self) -> list[torch.Tensor]:
         state = self._compute.model.state_dict()

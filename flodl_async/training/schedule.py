@@ -262,6 +262,11 @@ class RankPolicy:
         return self._handlers(event)
 
     @property
+    def regroup_pending(self) -> bool:
+        """A COLLECTIVE re-form is waiting to be carried out (a later loss's, during one)."""
+        return self._regroup is not None
+
+    @property
     def outcome(self) -> Outcome:
         """The run's counters (once it ended)."""
         if self._ended is None:

@@ -2,7 +2,8 @@
 
 ``cut``: rank 2 leaves before round 2, whose all_reduce then fails on the others; they re-form and
 redo it without it. ``trained_on``: every rank finishes round 2 and trains on (+5) before rank 2
-leaves; the survivors redo round 2 and keep what they trained since. Either way round 3 then runs in
+leaves; the survivors redo round 2 and keep what they trained since. ``twice``: as ``cut``, but
+the first re-form still names rank 2 and is superseded by one without it. Either way round 3 then runs in
 the new group. Prints the outcome as one JSON line.
 """
 
@@ -29,9 +30,9 @@ hooks = OuterHooks(
 out: dict[str, object] = {"rank": rank}
 out["round1"] = group.reduce(1, "model", 1.0, state, hooks)  # the mean of 1, 2, 3: 2
 state[0].add_(10.0 * (rank + 1))  # round 2's local training: 12, 22, 32
-if scenario == "cut" and rank == 2:
+if scenario in ("cut", "twice") and rank == 2:
     os._exit(0)  # gone before round 2: the others' all_reduce fails on its socket
-weight = float(rank + 1) if scenario == "cut" else 1.0
+weight = 1.0 if scenario == "trained_on" else float(rank + 1)
 out["round2"] = group.reduce(2, "model", weight, state, hooks)
 if scenario == "trained_on":
     state[0].add_(5.0)  # trained on after round 2's consensus (22)
@@ -39,7 +40,16 @@ if scenario == "trained_on":
     if rank == 2:
         os._exit(0)
 out["state_before_redo"] = state[0].tolist()
-out["redo"] = group.regroup(Regroup(ranks=(0, 1), generation=1, redo=2), state, hooks)
+generation = 1
+if scenario == "twice":
+    # a re-form that still names rank 2 never completes: the next one (without it) replaces it
+    polls = iter(range(50))
+    first = Regroup(ranks=(0, 1, 2), generation=1, redo=2)
+    out["superseded"] = not group.rendezvous(first, superseded=lambda: next(polls) >= 49)
+    generation = 2
+regroup = Regroup(ranks=(0, 1), generation=generation, redo=2)
+assert group.rendezvous(regroup, superseded=lambda: False)
+out["redo"] = group.redo(regroup, state, hooks)
 out["after_redo"] = [state[0].tolist(), state[1].tolist()]
 out["round3"] = group.reduce(3, "model", 1.0, state, hooks)
 out["after_round3"] = state[0].tolist()
