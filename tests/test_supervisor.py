@@ -1025,8 +1025,23 @@ def test_a_failed_training_keeps_its_own_code_after_an_orderly_stop_was_asked() 
 def _trainer_running(**overrides: object) -> Supervisor:
     sup = Supervisor(config(training_outcome_wait=2.0, **overrides), now=0.0)
     running(sup)
-    assert sup.handle(TrainingStarted(), 2.5) == ()
+    said = sup.handle(TrainingStarted(), 2.5)
+    assert [a.level for a in of(said, Announce)] == [Level.WARNING] * len(said)  # or nothing
     return sup
+
+
+def test_max_restarts_on_a_trainer_run_is_said_not_to_apply_and_restarts_nothing() -> None:
+    plain = Supervisor(config(training_outcome_wait=2.0), now=0.0)
+    running(plain)
+    assert plain.handle(TrainingStarted(), 2.5) == ()
+    sup = Supervisor(config(training_outcome_wait=2.0, max_restarts=2), now=0.0)
+    running(sup)
+    [said] = sup.handle(TrainingStarted(), 2.5)
+    assert isinstance(said, Announce)
+    assert said.level is Level.WARNING
+    assert said.text.startswith("--max-restarts 2 does not apply to a Trainer run")
+    sup.handle(exited(1, "a", code=1), 3.0)
+    assert isinstance(sup.phase, Concluding)  # the coordinator's to drop, not a restart
 
 
 def test_a_rank_failure_goes_to_the_coordinator_and_waits_for_its_cause() -> None:

@@ -16,6 +16,7 @@ from ..wire import messages as m
 from .exits import describe_exit, exit_cause, failure_details
 from .membership import JoinedMember
 from .supervision import HeldFailure, TellCoordinator
+from .vocab import Announce, Level
 
 
 def held_exit(report: m.RankExited, *, after: str = "") -> HeldFailure:
@@ -52,3 +53,17 @@ def held_host(
         for r in ranks
     )
     return held, told
+
+
+def restarts_unused(max_restarts: int) -> tuple[Announce, ...]:
+    """What a Trainer run says of ``--max-restarts``, once, as its training starts: it restarts a
+    plain script's world, and a Trainer's lost ranks are dropped instead (an option silently
+    ignored would look honoured)."""
+    if max_restarts <= 0:
+        return ()
+    text = (
+        f"--max-restarts {max_restarts} does not apply to a Trainer run: a lost rank is dropped "
+        "and the survivors train on (restarting it alone is not built yet); it restarts a plain "
+        "script's world"
+    )
+    return (Announce(text=text, level=Level.WARNING),)

@@ -49,7 +49,7 @@ from ..verdict import (
     restarts_text,
 )
 from ..wire import messages as m
-from .elastic import held_exit, held_host, tell_exit
+from .elastic import held_exit, held_host, restarts_unused, tell_exit
 from .exits import describe_exit, failed, signal_name
 from .formation import join_answer, stop_for_restart, store_host, world_formed
 from .membership import Failed, Formed, JoinedMember, JoinWindow
@@ -506,7 +506,7 @@ class Supervisor:
         self, phase: Phase, event: TrainingStarted, now: float
     ) -> tuple[Action, ...]:
         self._coordinated = True
-        return ()
+        return restarts_unused(self.config.max_restarts)
 
     def _training_ended(
         self, phase: Forming | _FormedPhase, event: TrainingEnded, now: float
