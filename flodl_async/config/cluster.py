@@ -644,6 +644,6 @@ def load_cluster(
         text,
         source=str(path),
         local_names=local_names,
-        base_dir=path.absolute().parent,
+        base_dir=Path(os.path.abspath(path)).parent,
         backend_known=backend_known,
     )
