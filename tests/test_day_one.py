@@ -197,7 +197,8 @@ def test_a_reused_run_id_adds_an_attempt_and_never_appends_to_an_earlier_runs_lo
     )
     assert log.read_text() == before  # the first run's logs are as it left them
     second = (tmp_path / run_id / "attempt_1" / "0" / "stdout.log").read_text()
-    assert second.startswith(f"attempt {run_id} ") and second != before
+    assert second.startswith(f"attempt {run_id} ")
+    assert second != before
     third = run_launch(*common, "--max-restarts", "1", *printing, run_id=run_id)
     assert third.returncode == 0, third.stderr
     assert sorted(p.name for p in (tmp_path / run_id).iterdir()) == [

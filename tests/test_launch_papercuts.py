@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import shutil
 import socket
 import stat
 import subprocess
@@ -403,3 +404,17 @@ def test_a_trainer_meets_a_taken_port_by_the_same_rule_without_a_traceback(
     assert f"controller.port of {cluster} names it" in done.stderr
     assert "Traceback" not in done.stderr
     assert "--port" not in done.stderr
+
+
+def test_the_service_units_python_command_runs_under_systemds_path(tmp_path: Path) -> None:
+    """deploy/flodl-launch@.service: `FLODL_COMMAND=python train.py` under systemd's default PATH,
+    where a Debian host has no `python`: the launcher's own interpreter runs it."""
+    systemd_path = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin"
+    expected = shutil.which("python", path=systemd_path) or PY
+    done = run_launch(
+        "--nproc", "1", "--devices", "cpu", "--port", "0", "--", "python", "-c", SHOW_EXE,
+        run_id=new_run_id(), env={"PATH": systemd_path},
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert f"exe {expected} []" in done.stdout
+    assert f"(python: {expected})" in done.stderr
