@@ -418,3 +418,23 @@ def test_the_service_units_python_command_runs_under_systemds_path(tmp_path: Pat
     assert done.returncode == 0, done.stderr
     assert f"exe {expected} []" in done.stdout
     assert f"(python: {expected})" in done.stderr
+
+
+def test_a_trainers_default_port_gives_way_when_taken(tmp_path: Path) -> None:
+    script = str(Path(__file__).parent / "scripts" / "trainer_mlp.py")
+    cluster = tmp_path / "cluster.yml"
+    cluster.write_text(f"workers:\n  - host: {HOST}\n    devices: cpu:1\n")
+    run_id = new_run_id()
+    with _default_port_held():
+        try:
+            done = subprocess.run(
+                [PY, script, "--out", str(tmp_path / "out"), "--cluster", str(cluster),
+                 "--epochs", "1"],
+                capture_output=True, text=True, timeout=180, check=False,
+                env={**os.environ, "FLODL_RUN_ID": run_id, "OMP_NUM_THREADS": "1"},
+            )  # fmt: skip
+        finally:
+            assert_nothing_left(run_id)
+    assert done.returncode == 0, done.stderr
+    assert re.search(rf"port {DEFAULT_PORT} is taken .*; using free port \d+ instead", done.stderr)
+    assert "TRAINER-DONE entry=launcher" in done.stdout
