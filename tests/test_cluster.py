@@ -202,8 +202,8 @@ ERRORS = [
     (W + "env: {A: [1]}\n", r"env\.A: expected a string value, got a list; quote it"),
     (W + "env: [A]\n", r"^c\.yml:4: env: expected a mapping of variable names to values$"),
     (
-        W + "controller: {port: 0}\n",
-        r"controller\.port: expected an integer of at least 1 and at most 65535, got '0'",
+        W + "controller: {port: 70000}\n",
+        r"controller\.port: expected an integer of at least 0 and at most 65535, got '70000'",
     ),
     (W + "controller: {hots: x}\n", r"controller\.hots: unknown key 'hots'; did you mean 'host'\?"),
     (

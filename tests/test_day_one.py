@@ -172,7 +172,11 @@ def test_the_banner_names_the_gpus_in_the_callers_terms(
     assert f"2 ranks on this host ({shown})" in done.stderr  # ... is what the banner says
 
 
-def test_a_reused_run_id_never_appends_to_an_earlier_runs_logs(tmp_path: Path) -> None:
+def test_a_reused_run_id_adds_an_attempt_and_never_appends_to_an_earlier_runs_logs(
+    tmp_path: Path,
+) -> None:
+    """The `--rdzv-id=$SLURM_JOB_ID` resubmit habit: a second run of one id in one log dir is the
+    next attempt of it (torchrun's layout, read by the same readers), never written into the first."""
     run_id = new_run_id()
     printing = (
         "--",
@@ -180,53 +184,28 @@ def test_a_reused_run_id_never_appends_to_an_earlier_runs_logs(tmp_path: Path) -
         "-c",
         "import os; print('attempt', os.environ['TORCHELASTIC_RUN_ID'], os.getpid())",
     )
-    first = run_launch(
-        "--nproc",
-        "1",
-        "--devices",
-        "cpu",
-        "--port",
-        "0",
-        "--log-dir",
-        str(tmp_path),
-        *printing,
-        run_id=run_id,
-    )
+    common = ("--nproc", "1", "--devices", "cpu", "--port", "0", "--log-dir", str(tmp_path))
+    first = run_launch(*common, *printing, run_id=run_id)
     assert first.returncode == 0, first.stderr
     log = tmp_path / run_id / "attempt_0" / "0" / "stdout.log"
     before = log.read_text()
-    again = run_launch(
-        "--nproc",
-        "1",
-        "--devices",
-        "cpu",
-        "--port",
-        "0",
-        "--log-dir",
-        str(tmp_path),
-        *printing,
-        run_id=run_id,
-    )
-    assert again.returncode == 2
+    again = run_launch(*common, *printing, run_id=run_id)
+    assert again.returncode == 0, again.stderr
     assert (
-        f"--log-dir: {tmp_path / run_id} already holds the logs of an earlier run with run id {run_id!r}"
-        in again.stderr
+        f"--log-dir: run id {run_id} has earlier attempts in {tmp_path}; this run's start at "
+        "attempt_1" in again.stderr
     )
-    assert "another --run-id" in again.stderr
-    assert log.read_text() == before  # nothing was started, nothing appended
-    fresh = run_launch(
-        "--nproc",
-        "1",
-        "--devices",
-        "cpu",
-        "--port",
-        "0",
-        "--log-dir",
-        str(tmp_path),
-        *printing,
-        run_id=new_run_id(),
-    )
-    assert fresh.returncode == 0, fresh.stderr
+    assert log.read_text() == before  # the first run's logs are as it left them
+    second = (tmp_path / run_id / "attempt_1" / "0" / "stdout.log").read_text()
+    assert second.startswith(f"attempt {run_id} ")
+    assert second != before
+    third = run_launch(*common, "--max-restarts", "1", *printing, run_id=run_id)
+    assert third.returncode == 0, third.stderr
+    assert sorted(p.name for p in (tmp_path / run_id).iterdir()) == [
+        "attempt_0",
+        "attempt_1",
+        "attempt_2",
+    ]
 
 
 def test_flodl_status_folds_a_hosts_rank_and_device_lists(tmp_path: Path) -> None:

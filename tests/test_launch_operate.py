@@ -246,7 +246,7 @@ def test_garbage_on_the_port_does_not_disturb_the_run(tmp_path: Path) -> None:
         (["--", PY, "x.py"], "give either --nproc N (one host) or a cluster file"),
         (
             ["--nproc", "0", "--", PY, "x.py"],
-            "--nproc must be a number of at least 1, or auto (got '0')",
+            "--nproc must be a number of at least 1, or auto, gpu or cpu (got '0')",
         ),
         (
             ["--nproc", "2", PY, "x.py", "--epochs", "3"],

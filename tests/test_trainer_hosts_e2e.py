@@ -155,13 +155,15 @@ def _uplinks(stderr: str) -> dict[str, tuple[str, str, int, int]]:
 def test_a_tunnel_only_cluster_trains_end_to_end_through_a_loopback_only_controller(
     hostkit: HostKit, tmp_path: Path
 ) -> None:
-    """`trainer: cpu`, every worker `tunnel: true`: the ranks reach the controller only through their relay and its ssh tunnel."""
+    """Every worker `tunnel: true`: the ranks reach the controller only through their relay and its ssh tunnel.
+
+    The Trainer's own cluster file says no `trainer: cpu`: the Trainer knows its backend (CPU)."""
     h1, h2 = hostkit.hosts[:2]
     port = free_port()
     python = _python_wrapper(tmp_path)
     cluster = _cluster(
         tmp_path,
-        ["trainer: cpu", f"controller: {{port: {port}, join: {{join_timeout: 60}}}}"],
+        [f"controller: {{port: {port}, join: {{join_timeout: 60}}}}"],
         [
             *_worker(hostkit, h1, "cpu:2", python, tunnel=True),
             *_worker(hostkit, h2, "cpu:1", python, tunnel=True),

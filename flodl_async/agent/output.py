@@ -39,6 +39,7 @@ from collections.abc import Awaitable, Callable, Collection
 from pathlib import Path
 from typing import BinaryIO, Protocol
 
+from ..config.streams import StreamRouting
 from ..errors import ConnectionClosed, WireError
 from ..host.console import ConsoleWriter, point_at_devnull
 from ..net.framed import FramedProtocol
@@ -108,12 +109,19 @@ class RankOutput:
         log_dir: Path | None = None,
         run_id: str = "run",
         show_ranks: Collection[int] | None = None,
+        routing: StreamRouting | None = None,
+        first_attempt: int = 0,
     ) -> None:
+        """``routing``: torchrun's ``--redirects``/``--tee`` (None: every stream to both).
+        ``first_attempt``: the number of this run's first attempt directory (a resubmitted run id
+        continues after the attempts its log dir already holds)."""
         self._stdout = stdout
         self._stderr = stderr
         self._log_dir = log_dir
         self._run_id = run_id
         self._show = None if show_ranks is None else frozenset(show_ranks)
+        self._routing = routing
+        self._first_attempt = first_attempt
         self._lines: dict[tuple[int, str], LineAssembler] = {}
         # (rank, stream) → (attempt, file)
         self._files: dict[tuple[int, str], tuple[int, BinaryIO]] = {}
@@ -130,7 +138,10 @@ class RankOutput:
         a log dir."""
         if self._log_dir is None:
             return None
-        return self._log_dir / self._run_id / f"attempt_{attempt}" / str(rank) / STREAMS[stream]
+        if self._routing is not None and not self._routing.to_file(rank, stream):
+            return None
+        number = self._first_attempt + attempt
+        return self._log_dir / self._run_id / f"attempt_{number}" / str(rank) / STREAMS[stream]
 
     def rank_started(self, host: str, attempt: int, rank: int) -> None:
         """Open the rank's log files now, so every rank has them even if it never prints."""
@@ -197,6 +208,8 @@ class RankOutput:
 
     def _console(self, host: str, rank: int, stream: str, text: bytes) -> None:
         if self._show is not None and rank not in self._show:
+            return
+        if self._routing is not None and not self._routing.to_console(rank, stream):
             return
         err = stream == "err"
         self._write(

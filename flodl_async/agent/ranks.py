@@ -19,14 +19,18 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import functools
 import json
 import logging
 import os
+import shutil
 import signal
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..config.command import host_command, without_internal
 from ..config.devices import DeviceKind, DeviceSpec
 from ..config.rankenv import RankPlacement, RankSpec, rank_environment
 from ..host.gpus import host_visible_gpus, select
@@ -161,8 +165,8 @@ class RankProcesses:
                     round=start.round,
                     credential_hex=self._world.credential(start.round, rank).key.hex(),
                 ),
-                cluster_env=formed.env,
-                host_env=self._world.host_env,
+                cluster_env=without_internal(formed.env),
+                host_env=without_internal(self._world.host_env),
                 cuda_visible_devices=self._gpu_ids(),
             )
             # after every explicit setting: it fills only what is unset
@@ -173,9 +177,17 @@ class RankProcesses:
                         "agent %s: not starting rank %d, the session is stopping", self._host, rank
                     )
                     return
+                # A leading `python` is this host's interpreter (flodl_async.config.command).
+                command = host_command(
+                    formed.command,
+                    run_env=formed.env,
+                    host_env=self._world.host_env,
+                    own_python=sys.executable,
+                    which=functools.partial(shutil.which, path=env.get("PATH")),
+                )
                 try:
                     proc = await spawn(
-                        formed.command, env=env, cwd=self._world.workdir, line_limit=LINE_LIMIT
+                        command, env=env, cwd=self._world.workdir, line_limit=LINE_LIMIT
                     )
                 except OSError as exc:
                     self._report(
@@ -185,9 +197,7 @@ class RankProcesses:
                             local_rank=local_rank,
                             host=self._host,
                             exit_code=127,
-                            stderr_tail=(
-                                f"cannot start {formed.command[0]!r}: {exc.strerror or exc}",
-                            ),
+                            stderr_tail=(f"cannot start {command[0]!r}: {exc.strerror or exc}",),
                         )
                     )
                     continue

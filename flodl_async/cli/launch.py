@@ -11,7 +11,6 @@ reported in one line with exit code 2, never with a traceback.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import dataclasses
 import logging
@@ -26,10 +25,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from .._version import __version__
 from ..agent import RankOutput
 from ..config.addr import DEFAULT_PORT
-from ..config.argtypos import HintingParser, hyphenate
 from ..config.cluster import (
     ClusterSpec,
     ControllerSpec,
@@ -40,10 +37,12 @@ from ..config.cluster import (
     is_local_host,
     load_cluster,
 )
+from ..config.command import RESOLVE_VAR, resolves_python
 from ..config.devices import parse_devices
 from ..config.plan import LaunchPlan, PlacedWorker, Placement
+from ..config.streams import StreamRouting
 from ..controller import Controller
-from ..deadlines import DEFAULT_STOP_GRACE, Deadlines
+from ..deadlines import Deadlines
 from ..errors import ConfigError, FlodlError, PortInUseError, RuntimeDirError
 from ..host.console import ConsoleWriter
 from ..host.gpus import host_visible_gpus, select
@@ -52,211 +51,21 @@ from ..host.runs import Registration, register
 from ..host.secretfile import load_or_create_secret, read_token_file
 from ..net.loop import run
 from ..net.signals import StopSignals
-from ..verdict import ExitCode, RunResult, exit_help
+from ..verdict import ExitCode, RunResult
 from ..wire.keys import new_session_secret
+from .launchargs import LaunchArgs, nproc_devices, parse_args, resolve_nproc
 from .verdictline import verdict_line
 
 log = logging.getLogger("flodl_async.cli.launch")
 
-EPILOG = """\
-examples:
-  flodl-launch --nproc 2 -- python examples/train.py
-  CUDA_VISIBLE_DEVICES=2,3 flodl-launch --nproc auto -- python train.py  # a rank on GPU 2 and on 3
-  flodl-launch --nproc 2 --devices 0,2 --local-ranks-filter 0 -- python train.py
-  flodl-launch --nproc 4 --devices cpu --max-restarts 2 --log-dir logs -- python train.py --epochs 3
-  flodl-launch cluster.yml -- python train.py
-
-""" + exit_help()
-
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class _Args:
-    cluster: str | None
-    nproc: int | str | None  # a count, or "auto"
-    devices: str
-    port: int | None
-    max_restarts: int
-    log_dir: Path | None
-    ranks_filter: frozenset[int] | None
-    run_id: str | None
-    quiet: bool
-    verbose: bool
-    stop_grace: float
-    secret_file: str | None
-    command: tuple[str, ...]
-    token_file: str | None = None
-    hang_timeout: float | None = None
+class PortChoice:
+    """How a run holds its port: ``fallback`` lets a taken one give way to a free port; ``origin``
+    says, when it may not, why that port and what to do (the error's second half)."""
 
-
-def _parser() -> argparse.ArgumentParser:
-    parser = HintingParser(
-        prog="flodl-launch",
-        usage="flodl-launch [options] (--nproc N | CLUSTER.yml) -- CMD [ARGS ...]",
-        description="Launch a distributed PyTorch job: every rank runs CMD with the torchrun "
-        "environment.",
-        epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    parser.add_argument(
-        "cluster", nargs="?", help="cluster file (omit it and give --nproc for one host)"
-    )
-    parser.add_argument(
-        "--nproc",
-        "--nproc-per-node",
-        "--nproc_per_node",
-        dest="nproc",
-        help="ranks on this host (the embedded one-host cluster): a number, or auto (the visible "
-        "GPUs, else the cores)",
-    )
-    parser.add_argument(
-        "--standalone",
-        action="store_true",
-        help="accepted for torchrun habits: --nproc runs are always stand-alone",
-    )
-    parser.add_argument("--version", action="version", version=f"flodl-launch {__version__}")
-    parser.add_argument(
-        "--devices",
-        default="auto",
-        help="with --nproc: cpu, all (GPUs), GPU ids like 0,1, or auto (GPUs if present; default)",
-    )
-    parser.add_argument(
-        "--port",
-        type=int,
-        help=f"the controller port (default {DEFAULT_PORT}, or the cluster file's; 0 picks a free "
-        "one)",
-    )
-    parser.add_argument(
-        "--max-restarts",
-        type=int,
-        default=0,
-        help="restart the whole world up to K times after a rank failure (default 0)",
-    )
-    parser.add_argument(
-        "--log-dir",
-        type=Path,
-        help="also write every rank's output, from every host, to "
-        "DIR/RUN_ID/attempt_N/RANK/{stdout,stderr}.log (torchrun's layout)",
-    )
-    parser.add_argument(
-        "--local-ranks-filter",
-        metavar="RANKS",
-        help="show only these ranks' output on the console, e.g. 0,1 (log files still get every "
-        "rank)",
-    )
-    parser.add_argument("--run-id", help="run id (TORCHELASTIC_RUN_ID; default: random)")
-    parser.add_argument(
-        "--stop-grace",
-        type=float,
-        default=DEFAULT_STOP_GRACE,
-        help="seconds from the first stop signal to KILL when stopping ranks (default "
-        f"{DEFAULT_STOP_GRACE:g})",
-    )
-    parser.add_argument(
-        "--secret-file",
-        help="read the session secret from this file (it must be yours, mode 0600), or write a new "
-        "one there (0600) for flodl-agent",
-    )
-    parser.add_argument(
-        "--token-file",
-        help="admit dial-in agents holding this cluster token (`flodl token new PATH`; yours, mode "
-        "0600); overrides controller.token_file",
-    )
-    parser.add_argument(
-        "--hang-timeout",
-        type=float,
-        metavar="S",
-        help="end the run (exit 6, naming the rank) when a rank prints nothing and uses no CPU for "
-        "S seconds (default: off)",
-    )
-    parser.add_argument(
-        "-q", "--quiet", action="store_true", help="only rank output and the verdict"
-    )
-    parser.add_argument("-v", "--verbose", action="store_true", help="debug output")
-    return parser
-
-
-def parse_args(argv: Sequence[str]) -> _Args:
-    """Parse the command line; usage errors raise :class:`ConfigError`."""
-    argv = list(argv)
-    parser = _parser()
-    if "--" in argv:
-        split = argv.index("--")
-        ours, command = argv[:split], tuple(argv[split + 1 :])
-    else:
-        ours, command = argv, ()
-    # --help and argparse's own errors exit here (code 2)
-    ns, stray = parser.parse_known_args(hyphenate(parser, ours))
-    if stray and ns.nproc is not None and ns.cluster is not None and not command:
-        # `--nproc 2 python -u train.py`: the command's own options are no typo of ours (the `--`
-        # hint below)
-        stray = []
-    if stray and (ns.cluster is None or stray[0].startswith("-")):
-        # a mistyped option of ours, not a command
-        parser.error(f"unrecognized arguments: {' '.join(stray)}")
-    if stray or (not command and ns.cluster is not None and ns.nproc is not None):
-        # `flodl-launch --nproc 2 python train.py --epochs 3`: the command was taken for our
-        # arguments.
-        raise ConfigError(
-            f"unexpected {(stray or [ns.cluster])[0]!r}: did you forget `--` before the command? "
-            "e.g. flodl-launch --nproc 2 -- python train.py"
-        )
-    if not command:
-        raise ConfigError(
-            "missing the command to run: put it after `--`, e.g. flodl-launch --nproc 2 -- python "
-            "train.py"
-        )
-    if (ns.cluster is None) == (ns.nproc is None):
-        raise ConfigError(
-            "give either --nproc N (one host) or a cluster file, not both and not neither"
-        )
-    nproc = _nproc(ns.nproc)
-    if ns.port is not None and not 0 <= ns.port <= 65535:
-        raise ConfigError(f"--port must be 0..65535 (got {ns.port})")
-    if ns.max_restarts < 0:
-        raise ConfigError(f"--max-restarts must be 0 or more (got {ns.max_restarts})")
-    if ns.stop_grace < 0:
-        raise ConfigError(f"--stop-grace must be 0 or more seconds (got {ns.stop_grace})")
-    if ns.hang_timeout is not None and not ns.hang_timeout > 0:
-        raise ConfigError(f"--hang-timeout must be more than 0 seconds (got {ns.hang_timeout:g})")
-    if ns.quiet and ns.verbose:
-        raise ConfigError("--quiet and --verbose contradict each other; pick one")
-    ranks_filter = _ranks_filter(ns.local_ranks_filter)
-    if "/" not in command[0] and shutil.which(command[0]) is None:
-        raise ConfigError(f"command not found: {command[0]!r} (is it on PATH?)")
-    return _Args(
-        cluster=ns.cluster,
-        nproc=nproc,
-        devices=ns.devices,
-        port=ns.port,
-        max_restarts=ns.max_restarts,
-        log_dir=ns.log_dir,
-        ranks_filter=ranks_filter,
-        run_id=ns.run_id,
-        quiet=ns.quiet,
-        verbose=ns.verbose,
-        stop_grace=ns.stop_grace,
-        secret_file=ns.secret_file,
-        command=command,
-        token_file=ns.token_file,
-        hang_timeout=ns.hang_timeout,
-    )
-
-
-def _nproc(raw: str | None) -> int | str | None:
-    """``--nproc``: a rank count of at least 1, or ``auto`` (resolved by :func:`resolve_nproc` once
-    the GPUs are counted)."""
-    if raw is None or raw.strip() == "auto":
-        return None if raw is None else "auto"
-    if not raw.strip().isdigit() or int(raw) < 1:
-        raise ConfigError(f"--nproc must be a number of at least 1, or auto (got {raw!r})")
-    return int(raw)
-
-
-def resolve_nproc(nproc: int | str, gpu_count: int) -> int:
-    """``auto`` is torchrun's: one rank per visible GPU, else one per core this process may use."""
-    if nproc != "auto":
-        return int(nproc)
-    return gpu_count if gpu_count > 0 else len(os.sched_getaffinity(0))
+    fallback: bool
+    origin: str
 
 
 def embedded_devices(
@@ -299,8 +108,8 @@ def embedded_devices(
     return spec
 
 
-def build_plan(args: _Args) -> LaunchPlan:
-    """Resolve the arguments (and cluster file) into a launch plan, or raise
+def build_plan(args: LaunchArgs) -> tuple[LaunchPlan, PortChoice]:
+    """Resolve the arguments (and cluster file) into a launch plan and its port rule, or raise
     :class:`ConfigError`."""
     deadlines = Deadlines.resolve(stop_grace=args.stop_grace)
     visible = host_visible_gpus()
@@ -309,9 +118,9 @@ def build_plan(args: _Args) -> LaunchPlan:
     spec: ClusterSpec
     if args.nproc is not None:
         nproc = resolve_nproc(args.nproc, gpu_count)
+        choice = nproc_devices(args.nproc, args.devices)
         worker = WorkerSpec(
-            host=socket.gethostname(),
-            devices=embedded_devices(nproc, args.devices, gpu_count, visible),
+            host=socket.gethostname(), devices=embedded_devices(nproc, choice, gpu_count, visible)
         )
         spec = ClusterSpec(controller=_embedded_controller(), workers=(worker,), source="--nproc")
     else:
@@ -337,14 +146,8 @@ def build_plan(args: _Args) -> LaunchPlan:
     secret = _session_secret(args.secret_file)
     token = cluster_token(args.token_file, spec)
     run_id = args.run_id or f"flodl-{secrets.token_hex(4)}"
-    if args.log_dir is not None and (args.log_dir / run_id).exists():
-        # torchrun's layout has one directory per run: an earlier run's logs are never appended to.
-        raise ConfigError(
-            f"--log-dir: {args.log_dir / run_id} already holds the logs of an earlier run with run "
-            f"id {run_id!r}; "
-            "give another --run-id, or move that directory away"
-        )
-    return LaunchPlan(
+    resolve = {} if args.no_python or not resolves_python(args.command) else {RESOLVE_VAR: "1"}
+    plan = LaunchPlan(
         run_id=run_id,
         secret=secret,
         bind_host=spec.bind_host(local),
@@ -352,7 +155,7 @@ def build_plan(args: _Args) -> LaunchPlan:
         join=join,
         workers=tuple(PlacedWorker(spec=w, placement=placement_of(w, local)) for w in spec.workers),
         command=args.command,
-        cluster_env=dict(spec.env),
+        cluster_env={**spec.env, **resolve},
         max_restarts=args.max_restarts,
         log_dir=args.log_dir,
         deadlines=deadlines,
@@ -361,6 +164,57 @@ def build_plan(args: _Args) -> LaunchPlan:
         one_host=args.nproc is not None,
         hang_timeout=args.hang_timeout,
     )
+    return plan, port_choice(plan, spec, args.port)
+
+
+def port_choice(plan: LaunchPlan, spec: ClusterSpec, flag: int | None) -> PortChoice:
+    """The one port rule: a default port that is taken gives way to a free one, unless dial-in
+    agents (or a token's) dial it; a port given by ``--port`` or the cluster file is strict."""
+    if flag is not None:
+        return PortChoice(fallback=False, origin="--port names it: give another, or --port 0")
+    if spec.controller.port_explicit:
+        return PortChoice(
+            fallback=False,
+            origin=f"controller.port of {spec.source} names it: set another there, or 0 for a "
+            "free one",
+        )
+    if plan.token is not None or any(w.placement is Placement.DIAL_IN for w in plan.workers):
+        return PortChoice(
+            fallback=False,
+            origin=f"it is the default port, kept because dial-in agents dial it: free it, or set "
+            f"controller.port in {spec.source} (and their --controller) to another",
+        )
+    return PortChoice(fallback=True, origin="")
+
+
+def port_taken(exc: PortInUseError, choice: PortChoice) -> ConfigError:
+    """A strict port that is taken, as the one line that says whose port it is and what to do."""
+    return ConfigError(
+        f"port {exc.port} on {exc.host} is already held by a live listener — another flodl run? "
+        f"(`flodl ps` lists yours); {choice.origin}"
+    )
+
+
+def next_attempt(log_dir: Path | None, run_id: str) -> int:
+    """The first attempt number of a run whose id ``log_dir`` already holds (0 for a new one): a
+    resubmitted run (``--run-id $SLURM_JOB_ID``) adds attempts, never appends to an earlier one."""
+    if log_dir is None:
+        return 0
+    numbers = [
+        int(entry.name.removeprefix("attempt_"))
+        for entry in _entries(log_dir / run_id)
+        if entry.name.removeprefix("attempt_").isdigit() and entry.name.startswith("attempt_")
+    ]
+    return max(numbers, default=-1) + 1
+
+
+def _entries(directory: Path) -> list[Path]:
+    try:
+        return list(directory.iterdir())
+    except FileNotFoundError:
+        return []
+    except OSError as exc:
+        raise ConfigError(f"--log-dir: cannot read {directory}: {exc.strerror or exc}") from None
 
 
 def cluster_token(flag: str | None, spec: ClusterSpec) -> bytes | None:
@@ -390,22 +244,6 @@ def this_machine() -> HostAliases:
     return HostAliases.of_machine(socket.gethostname(), socket.getfqdn())
 
 
-def _ranks_filter(raw: str | None) -> frozenset[int] | None:
-    """``--local-ranks-filter 0,1`` → {0, 1}; None shows every rank."""
-    if raw is None:
-        return None
-    ranks: set[int] = set()
-    for item in raw.split(","):
-        number = item.strip()
-        if not number.isdigit():
-            raise ConfigError(
-                "--local-ranks-filter takes rank numbers separated by commas, like 0,1 (got "
-                f"{raw!r})"
-            )
-        ranks.add(int(number))
-    return frozenset(ranks)
-
-
 def _embedded_controller() -> ControllerSpec:
     # One host, no file: the window closes the moment the local agent is in.
     return ControllerSpec(host="127.0.0.1", port=DEFAULT_PORT, join=JoinKnobs(join_timeout=60.0))
@@ -420,8 +258,9 @@ def _session_secret(path: str | None) -> bytes:
 
 
 def banner(plan: LaunchPlan, port: int) -> str:
-    """The one line a run starts with: what runs where, and where its status is."""
-    command = " ".join(plan.command)
+    """The one line a run starts with: what runs where (which python, when each host resolves
+    one), and where its status is."""
+    command = " ".join(plan.command) + python_note(plan)
     where = status_host(plan.bind_host)
     if plan.one_host:
         devices = plan.workers[0].spec.devices
@@ -441,6 +280,29 @@ def banner(plan: LaunchPlan, port: int) -> str:
         f"run {plan.run_id}: {command} on {hosts} host(s) — status: flodl status --addr "
         f"{where}:{port}, or http://{where}:{port}/"
     )
+
+
+def python_note(plan: LaunchPlan) -> str:
+    """`` (python: …)``: the interpreter each host's leading ``python`` is, or nothing when the
+    command has none to resolve."""
+    if plan.cluster_env.get(RESOLVE_VAR) != "1":
+        return ""
+    word = plan.command[0]
+    seen = [(w.host, _python_of(w, word)) for w in plan.workers]
+    if len({where for _host, where in seen}) == 1:
+        return f" (python: {seen[0][1]})"
+    return " (python: " + ", ".join(f"{host} {where}" for host, where in seen) + ")"
+
+
+def _python_of(worker: PlacedWorker, word: str) -> str:
+    """What ``word`` runs on ``worker``'s host (:func:`flodl_async.config.command.host_command`)."""
+    if worker.placement is Placement.DIAL_IN:
+        return "its agent's own"
+    if worker.spec.python:
+        return worker.spec.python
+    if worker.placement is Placement.SSH:
+        return f"{word} on its PATH"
+    return shutil.which(word) or sys.executable
 
 
 def _caller_gpu_names(indices: Sequence[int]) -> tuple[str, ...]:
@@ -475,17 +337,17 @@ def status_host(bind_host: str) -> str:
     return "127.0.0.1" if bind_host in ("0.0.0.0", "127.0.0.1", "::", "") else bind_host
 
 
-async def _bind(plan: LaunchPlan, output: RankOutput, *, port_fallback: bool) -> Controller:
-    """The controller, bound; with ``port_fallback`` (``--nproc`` with no ``--port``) a taken port
-    gives way to a free one, as torchrun --standalone does."""
+async def bind_controller(plan: LaunchPlan, output: RankOutput, choice: PortChoice) -> Controller:
+    """The controller, bound by the one port rule (:func:`port_choice`): a taken default port gives
+    way to a free one, as torchrun --standalone does; a strict one is a :class:`ConfigError`."""
     controller = Controller(plan, output=output)
     try:
         await controller.bind()
         return controller
-    except PortInUseError:
+    except PortInUseError as exc:
         await controller.aclose()
-        if not port_fallback:
-            raise  # a port the user or the cluster file named is kept strictly
+        if not choice.fallback:
+            raise port_taken(exc, choice) from None
     controller = Controller(dataclasses.replace(plan, port=0), output=output)
     await controller.bind()
     log.warning(
@@ -497,9 +359,14 @@ async def _bind(plan: LaunchPlan, output: RankOutput, *, port_fallback: bool) ->
 
 
 async def _run(
-    plan: LaunchPlan, *, show_ranks: frozenset[int] | None = None, port_fallback: bool = False
+    plan: LaunchPlan,
+    choice: PortChoice,
+    *,
+    show_ranks: frozenset[int] | None = None,
+    routing: StreamRouting | None = None,
 ) -> tuple[RunResult, bool]:
     """The run's verdict, and whether its Trainer (if any) ended by a stop."""
+    first_attempt = next_attempt(plan.log_dir, plan.run_id)
     # Rank output goes through writer threads: a console nobody reads must not stall the loop
     # (heartbeats, status).
     consoles = (
@@ -518,11 +385,20 @@ async def _run(
         log_dir=plan.log_dir,
         run_id=plan.run_id,
         show_ranks=show_ranks,
+        routing=routing,
+        first_attempt=first_attempt,
     )
+    if first_attempt:
+        log.info(
+            "--log-dir: run id %s has earlier attempts in %s; this run's start at attempt_%d",
+            plan.run_id,
+            plan.log_dir,
+            first_attempt,
+        )
     controller: Controller | None = None
     registration: Registration | None = None
     try:
-        controller = await _bind(plan, output, port_fallback=port_fallback)
+        controller = await bind_controller(plan, output, choice)
         log.info("%s", banner(plan, controller.port))
         try:  # so that `flodl status` (no address) and `flodl ps` find this run
             registration = register(
@@ -578,16 +454,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     root.propagate = False
     started = time.monotonic()
     try:
-        plan = build_plan(args)
+        plan, choice = build_plan(args)
         warn_oversubscribed(plan)
         result, interrupted = run(
-            _run(
-                plan,
-                show_ranks=args.ranks_filter,
-                port_fallback=args.nproc is not None and args.port is None,
-            )
+            _run(plan, choice, show_ranks=args.ranks_filter, routing=args.routing)
         )
-    except (ConfigError, PortInUseError) as exc:
+    except ConfigError as exc:
         print(f"flodl-launch: error: {exc}", file=sys.stderr)
         return int(ExitCode.USAGE)
     except FlodlError as exc:

@@ -4,11 +4,12 @@ Shape (all keys optional unless marked)::
 
     controller:
       host: 10.0.0.1          # address agents dial (default 127.0.0.1)
-      port: 1337              # the one port
+      port: 1337              # the one port (strict when given; 0: a free one)
       join: {min_rank_start, join_timeout, target_ranks, max_join_timeout, open_admission}
       token_file: PATH        # cluster token (`flodl token new`): admits dial-in agents
     env: {NAME: value}        # for every rank
-    trainer: cpu              # a flodl Trainer CPU-backend job (needed by `tunnel: true`)
+    trainer: cpu              # a flodl Trainer CPU-backend job (`tunnel: true` needs it; a
+                              # Trainer's own cluster= file does not: the Trainer knows)
     workers:                  # required, non-empty
       - host: node-a          # required; logical id and default ssh target
         devices: all | [0, 1] | 0,1 | cpu:4   # required (flodl_async.config.devices)
@@ -20,6 +21,11 @@ Shape (all keys optional unless marked)::
         nccl_socket_ifname: eth0
         dial_in: false        # true: it joins itself (flodl-agent --token-file F --persist)
 
+A relative path in the file (``token_file``, ``ssh.identity_file`` and ``ssh.known_hosts``, which
+the launcher reads; ``python`` and ``workdir`` of a worker on this machine) is relative to the
+file's directory, wherever the launcher is started; a remote worker's ``python`` and ``workdir``
+are that host's (relative: to its ssh login directory).
+
 A top-level ``cluster:`` wrapper (flodl's layout) is accepted too. Every
 error names the file, line and key, says what was expected, and suggests the
 closest valid key for a typo.
@@ -27,7 +33,7 @@ closest valid key for a typo.
 
 from __future__ import annotations
 
-import difflib
+import dataclasses
 import os
 import re
 from collections.abc import Mapping
@@ -44,6 +50,16 @@ from .devices import EXPECTED as DEVICES_EXPECTED
 from .devices import DeviceKind, DeviceSpec, parse_devices, parse_gpu_ids
 from .rankenv import TORCHRUN_CONTRACT
 from .sshopts import option_error as ssh_option_error
+from .yamlnodes import (
+    NodeDoc,
+    mapping,
+    read_bool,
+    read_int,
+    read_seconds,
+    read_str,
+    scalar,
+    show_node,
+)
 
 # The device types live in flodl_async.config.devices and the default port in
 # flodl_async.config.addr; re-exported so `from flodl_async.config.cluster import DeviceSpec`
@@ -158,6 +174,9 @@ class ControllerSpec:
     host: str = "127.0.0.1"
     port: int = DEFAULT_PORT
     join: JoinKnobs = field(default_factory=JoinKnobs)
+    #: The file names its port (kept strictly); False: the default, which may give way to a free
+    #: one when taken (``flodl_async.cli.launch.port_choice``).
+    port_explicit: bool = False
     #: The cluster token file that admits dial-in agents (as written in the file; relative to the
     #: cluster file's directory).
     token_file: str | None = None
@@ -227,96 +246,14 @@ def is_local_host(host: str, local_names: frozenset[str]) -> bool:
 # ----- parsing -----------------------------------------------------------------------------
 
 
-class _Doc:
-    """Error context: the file name for messages."""
-
-    def __init__(self, source: str) -> None:
-        self.source = source
-
-    def error(self, node: yaml.Node | None, path: str, problem: str) -> ConfigError:
-        line = f":{node.start_mark.line + 1}" if node is not None else ""
-        where = f" {path}:" if path else ""
-        return ConfigError(f"{self.source}{line}:{where} {problem}")
-
-
-_LOADER_FOR_SCALARS = yaml.SafeLoader("")
-
-
-def _scalar(node: yaml.Node) -> object:
-    return _LOADER_FOR_SCALARS.construct_object(node, deep=True)
-
-
-def _mapping(
-    doc: _Doc, node: yaml.Node, path: str, allowed: tuple[str, ...]
-) -> dict[str, yaml.Node]:
-    if not isinstance(node, yaml.MappingNode):
-        raise doc.error(node, path, f"expected a mapping with keys {', '.join(allowed)}")
-    out: dict[str, yaml.Node] = {}
-    for key_node, value_node in node.value:
-        key = _scalar(key_node)
-        if not isinstance(key, str):
-            raise doc.error(key_node, path, f"keys must be strings, got {key!r}")
-        if key not in allowed:
-            close = difflib.get_close_matches(key, allowed, n=1, cutoff=0.6)
-            hint = (
-                f"; did you mean {close[0]!r}?" if close else f"; valid keys: {', '.join(allowed)}"
-            )
-            raise doc.error(key_node, _join(path, key), f"unknown key {key!r}{hint}")
-        if key in out:
-            raise doc.error(key_node, _join(path, key), "key given twice")
-        out[key] = value_node
-    return out
-
-
-def _join(path: str, key: str) -> str:
-    return f"{path}.{key}" if path else key
-
-
-def _str(doc: _Doc, node: yaml.Node, path: str, *, allow_empty: bool = False) -> str:
-    value = _scalar(node) if isinstance(node, yaml.ScalarNode) else None
-    if not isinstance(value, str) or (not allow_empty and not value.strip()):
-        raise doc.error(node, path, "expected a non-empty string")
-    return value
-
-
-def _int(doc: _Doc, node: yaml.Node, path: str, *, minimum: int, maximum: int | None = None) -> int:
-    value = _scalar(node) if isinstance(node, yaml.ScalarNode) else None
-    if type(value) is not int or value < minimum or (maximum is not None and value > maximum):
-        upper = f" and at most {maximum}" if maximum is not None else ""
-        raise doc.error(
-            node, path, f"expected an integer of at least {minimum}{upper}, got {_show(node)}"
-        )
-    return value
-
-
-def _seconds(doc: _Doc, node: yaml.Node, path: str) -> float:
-    value = _scalar(node) if isinstance(node, yaml.ScalarNode) else None
-    if type(value) not in (int, float) or not value > 0:  # type: ignore[operator]
-        raise doc.error(node, path, f"expected a positive number of seconds, got {_show(node)}")
-    return float(value)  # type: ignore[arg-type]
-
-
-def _bool(doc: _Doc, node: yaml.Node, path: str) -> bool:
-    value = _scalar(node) if isinstance(node, yaml.ScalarNode) else None
-    if type(value) is not bool:
-        raise doc.error(node, path, f"expected true or false, got {_show(node)}")
-    return value
-
-
-def _show(node: yaml.Node) -> str:
-    if isinstance(node, yaml.ScalarNode):
-        return repr(node.value) if node.value != "" else "nothing"
-    return "a list" if isinstance(node, yaml.SequenceNode) else "a mapping"
-
-
-def _env(doc: _Doc, node: yaml.Node, path: str) -> dict[str, str]:
-    if isinstance(node, yaml.ScalarNode) and _scalar(node) is None:
+def _env(doc: NodeDoc, node: yaml.Node, path: str) -> dict[str, str]:
+    if isinstance(node, yaml.ScalarNode) and scalar(node) is None:
         return {}
     if not isinstance(node, yaml.MappingNode):
         raise doc.error(node, path, "expected a mapping of variable names to values")
     out: dict[str, str] = {}
     for key_node, value_node in node.value:
-        key = _scalar(key_node)
+        key = scalar(key_node)
         key_path = f"{path}.{key}"
         if not isinstance(key, str) or not _ENV_KEY.match(key):
             raise doc.error(
@@ -329,20 +266,22 @@ def _env(doc: _Doc, node: yaml.Node, path: str) -> dict[str, str]:
                 f"{key} is reserved: the launcher sets it for every rank (device placement and the "
                 "torchrun contract); remove it from env",
             )
-        value = _scalar(value_node) if isinstance(value_node, yaml.ScalarNode) else None
+        value = scalar(value_node) if isinstance(value_node, yaml.ScalarNode) else None
         if type(value) not in (str, int, float):
             raise doc.error(
-                value_node, key_path, f"expected a string value, got {_show(value_node)}; quote it"
+                value_node,
+                key_path,
+                f"expected a string value, got {show_node(value_node)}; quote it",
             )
         out[key] = str(value)
     return out
 
 
-def _devices(doc: _Doc, node: yaml.Node, path: str) -> DeviceSpec:
+def _devices(doc: NodeDoc, node: yaml.Node, path: str) -> DeviceSpec:
     if isinstance(node, yaml.SequenceNode):
         ids: list[int] = []
         for i, item in enumerate(node.value):
-            gpu = _int(doc, item, f"{path}[{i}]", minimum=0, maximum=255)
+            gpu = read_int(doc, item, f"{path}[{i}]", minimum=0, maximum=255)
             if gpu in ids:
                 raise doc.error(
                     item,
@@ -353,7 +292,7 @@ def _devices(doc: _Doc, node: yaml.Node, path: str) -> DeviceSpec:
         if not ids:
             raise doc.error(node, path, "expected at least one GPU id")
         return DeviceSpec(kind=DeviceKind.GPU_LIST, gpu_ids=tuple(ids))
-    value = _scalar(node) if isinstance(node, yaml.ScalarNode) else None
+    value = scalar(node) if isinstance(node, yaml.ScalarNode) else None
     if type(value) is int:  # `devices: 0` is one GPU id, as `devices: "0"` is
         value = str(value)
     if isinstance(value, str):
@@ -362,7 +301,7 @@ def _devices(doc: _Doc, node: yaml.Node, path: str) -> DeviceSpec:
         except ConfigError as exc:
             raise doc.error(node, path, str(exc)) from None
     raise doc.error(
-        node, path, f"{DEVICES_EXPECTED}, or a list of GPU ids like [0, 1]; got {_show(node)}"
+        node, path, f"{DEVICES_EXPECTED}, or a list of GPU ids like [0, 1]; got {show_node(node)}"
     )
 
 
@@ -391,22 +330,22 @@ _WORKER_KEYS = (
 _SSH_KEYS = ("target", "port", "user", "identity_file", "known_hosts", "options")
 
 
-def _join_knobs(doc: _Doc, node: yaml.Node, path: str) -> JoinKnobs:
-    keys = _mapping(doc, node, path, _JOIN_KEYS)
+def _join_knobs(doc: NodeDoc, node: yaml.Node, path: str) -> JoinKnobs:
+    keys = mapping(doc, node, path, _JOIN_KEYS)
     knobs = JoinKnobs(
-        min_rank_start=_int(doc, keys["min_rank_start"], f"{path}.min_rank_start", minimum=1)
+        min_rank_start=read_int(doc, keys["min_rank_start"], f"{path}.min_rank_start", minimum=1)
         if "min_rank_start" in keys
         else None,
-        join_timeout=_seconds(doc, keys["join_timeout"], f"{path}.join_timeout")
+        join_timeout=read_seconds(doc, keys["join_timeout"], f"{path}.join_timeout")
         if "join_timeout" in keys
         else None,
-        target_ranks=_int(doc, keys["target_ranks"], f"{path}.target_ranks", minimum=1)
+        target_ranks=read_int(doc, keys["target_ranks"], f"{path}.target_ranks", minimum=1)
         if "target_ranks" in keys
         else None,
-        max_join_timeout=_seconds(doc, keys["max_join_timeout"], f"{path}.max_join_timeout")
+        max_join_timeout=read_seconds(doc, keys["max_join_timeout"], f"{path}.max_join_timeout")
         if "max_join_timeout" in keys
         else None,
-        open_admission=_bool(doc, keys["open_admission"], f"{path}.open_admission")
+        open_admission=read_bool(doc, keys["open_admission"], f"{path}.open_admission")
         if "open_admission" in keys
         else False,
     )
@@ -433,8 +372,8 @@ def _join_knobs(doc: _Doc, node: yaml.Node, path: str) -> JoinKnobs:
     return knobs
 
 
-def _ssh(doc: _Doc, node: yaml.Node, path: str) -> SshSpec:
-    keys = _mapping(doc, node, path, _SSH_KEYS)
+def _ssh(doc: NodeDoc, node: yaml.Node, path: str) -> SshSpec:
+    keys = mapping(doc, node, path, _SSH_KEYS)
     options: tuple[str, ...] = ()
     if "options" in keys:
         opt_node = keys["options"]
@@ -445,54 +384,64 @@ def _ssh(doc: _Doc, node: yaml.Node, path: str) -> SshSpec:
                 "expected a list of ssh options like [ProxyJump=bastion]",
             )
         options = tuple(
-            _str(doc, item, f"{path}.options[{i}]") for i, item in enumerate(opt_node.value)
+            read_str(doc, item, f"{path}.options[{i}]") for i, item in enumerate(opt_node.value)
         )
         for i, (item, option) in enumerate(zip(opt_node.value, options, strict=True)):
             if (problem := ssh_option_error(option)) is not None:
                 raise doc.error(item, f"{path}.options[{i}]", problem)
 
     def optional_str(key: str) -> str | None:
-        return _str(doc, keys[key], f"{path}.{key}") if key in keys else None
+        return read_str(doc, keys[key], f"{path}.{key}") if key in keys else None
 
     return SshSpec(
         target=optional_str("target"),
-        port=_int(doc, keys["port"], f"{path}.port", minimum=1, maximum=65535)
+        port=read_int(doc, keys["port"], f"{path}.port", minimum=1, maximum=65535)
         if "port" in keys
         else None,
         user=optional_str("user"),
-        identity_file=optional_str("identity_file"),
-        known_hosts=optional_str("known_hosts"),
+        identity_file=doc.path(optional_str("identity_file")),
+        known_hosts=doc.path(optional_str("known_hosts")),
         options=options,
     )
 
 
-def _worker(doc: _Doc, node: yaml.Node, path: str) -> WorkerSpec:
-    keys = _mapping(doc, node, path, _WORKER_KEYS)
+def _worker(doc: NodeDoc, node: yaml.Node, path: str) -> WorkerSpec:
+    keys = mapping(doc, node, path, _WORKER_KEYS)
     for required in ("host", "devices"):
         if required not in keys:
             raise doc.error(node, path, f"missing required key {required!r}")
 
     def optional_str(key: str) -> str | None:
-        return _str(doc, keys[key], f"{path}.{key}") if key in keys else None
+        return read_str(doc, keys[key], f"{path}.{key}") if key in keys else None
 
     return WorkerSpec(
-        host=_str(doc, keys["host"], f"{path}.host"),
+        host=read_str(doc, keys["host"], f"{path}.host"),
         devices=_devices(doc, keys["devices"], f"{path}.devices"),
         ssh=_ssh(doc, keys["ssh"], f"{path}.ssh") if "ssh" in keys else None,
-        tunnel=_bool(doc, keys["tunnel"], f"{path}.tunnel") if "tunnel" in keys else False,
+        tunnel=read_bool(doc, keys["tunnel"], f"{path}.tunnel") if "tunnel" in keys else False,
         env=_env(doc, keys["env"], f"{path}.env") if "env" in keys else {},
         python=optional_str("python"),
         workdir=optional_str("workdir"),
         nccl_socket_ifname=optional_str("nccl_socket_ifname"),
-        dial_in=_bool(doc, keys["dial_in"], f"{path}.dial_in") if "dial_in" in keys else False,
+        dial_in=read_bool(doc, keys["dial_in"], f"{path}.dial_in") if "dial_in" in keys else False,
     )
 
 
 def parse_cluster(
-    text: str, *, source: str = "<cluster>", local_names: frozenset[str] | None = None
+    text: str,
+    *,
+    source: str = "<cluster>",
+    local_names: frozenset[str] | None = None,
+    base_dir: Path | None = None,
+    backend_known: bool = False,
 ) -> ClusterSpec:
-    """Parse and validate cluster-file text; every problem raises :class:`ConfigError`."""
-    doc = _Doc(source)
+    """Parse and validate cluster-file text; every problem raises :class:`ConfigError`.
+
+    ``base_dir``: where the file's relative paths start (its directory; None: as written).
+    ``backend_known``: the caller is a Trainer launcher, which knows its backend and checks a
+    ``tunnel: true`` against it, so the file need not say ``trainer: cpu``.
+    """
+    doc = NodeDoc(source, base_dir)
     try:
         root = yaml.compose(text, Loader=yaml.SafeLoader)
     except yaml.MarkedYAMLError as exc:
@@ -506,22 +455,25 @@ def parse_cluster(
     if (
         isinstance(root, yaml.MappingNode)
         and len(root.value) == 1
-        and _scalar(root.value[0][0]) == "cluster"
+        and scalar(root.value[0][0]) == "cluster"
     ):
         root = root.value[0][1]
-    top = _mapping(doc, root, "", _TOP_KEYS)
+    top = mapping(doc, root, "", _TOP_KEYS)
     controller = ControllerSpec()
     if "controller" in top:
-        ckeys = _mapping(doc, top["controller"], "controller", _CONTROLLER_KEYS)
+        ckeys = mapping(doc, top["controller"], "controller", _CONTROLLER_KEYS)
         controller = ControllerSpec(
-            host=_str(doc, ckeys["host"], "controller.host") if "host" in ckeys else "127.0.0.1",
-            port=_int(doc, ckeys["port"], "controller.port", minimum=1, maximum=65535)
+            host=read_str(doc, ckeys["host"], "controller.host")
+            if "host" in ckeys
+            else "127.0.0.1",
+            port=read_int(doc, ckeys["port"], "controller.port", minimum=0, maximum=65535)
             if "port" in ckeys
             else DEFAULT_PORT,
+            port_explicit="port" in ckeys,
             join=_join_knobs(doc, ckeys["join"], "controller.join")
             if "join" in ckeys
             else JoinKnobs(),
-            token_file=_str(doc, ckeys["token_file"], "controller.token_file")
+            token_file=doc.path(read_str(doc, ckeys["token_file"], "controller.token_file"))
             if "token_file" in ckeys
             else None,
         )
@@ -534,6 +486,8 @@ def parse_cluster(
     workers: list[WorkerSpec] = []
     for i, item in enumerate(workers_node.value):
         worker = _worker(doc, item, f"workers[{i}]")
+        if not worker.dial_in and is_local_host(worker.host, names):
+            worker = _on_this_machine(doc, worker)
         for j, earlier in enumerate(workers):
             if earlier.host == worker.host:
                 raise doc.error(
@@ -558,18 +512,27 @@ def parse_cluster(
         trainer=_trainer(doc, top["trainer"]) if "trainer" in top else None,
         source=source,
     )
-    _validate_topology(doc, spec, workers_node, names)
+    _validate_topology(doc, spec, workers_node, names, backend_known=backend_known)
     return spec
 
 
-def _trainer(doc: _Doc, node: yaml.Node) -> str:
-    value = _scalar(node) if isinstance(node, yaml.ScalarNode) else None
+def _on_this_machine(doc: NodeDoc, worker: WorkerSpec) -> WorkerSpec:
+    """A worker on the launcher's machine: its ``python`` (a path, not a name ``PATH`` finds) and
+    ``workdir`` are relative to the file, as the launcher's other paths are."""
+    python = worker.python
+    if python is not None and "/" in python:
+        python = doc.path(python)
+    return dataclasses.replace(worker, python=python, workdir=doc.path(worker.workdir))
+
+
+def _trainer(doc: NodeDoc, node: yaml.Node) -> str:
+    value = scalar(node) if isinstance(node, yaml.ScalarNode) else None
     if value not in TRAINERS:
         raise doc.error(
             node,
             "trainer",
             f"expected {' or '.join(TRAINERS)} (a flodl Trainer CPU-backend job), got "
-            f"{_show(node)}",
+            f"{show_node(node)}",
         )
     assert isinstance(value, str)
     return value
@@ -578,12 +541,17 @@ def _trainer(doc: _Doc, node: yaml.Node) -> str:
 def _tunnel_node(node: yaml.Node) -> yaml.Node:
     """The value node of a worker's ``tunnel`` key, for the line an error points at."""
     assert isinstance(node, yaml.MappingNode)
-    value: yaml.Node = next(v for k, v in node.value if _scalar(k) == "tunnel")
+    value: yaml.Node = next(v for k, v in node.value if scalar(k) == "tunnel")
     return value
 
 
 def _validate_topology(
-    doc: _Doc, spec: ClusterSpec, workers_node: yaml.SequenceNode, local_names: frozenset[str]
+    doc: NodeDoc,
+    spec: ClusterSpec,
+    workers_node: yaml.SequenceNode,
+    local_names: frozenset[str],
+    *,
+    backend_known: bool,
 ) -> None:
     controller_names = local_names | {spec.controller.host}
     for i, worker in enumerate(spec.workers):
@@ -646,7 +614,7 @@ def _validate_topology(
                 "is peer-to-peer and cannot ride a controller tunnel — use `devices: cpu:N` or "
                 "drop the tunnel",
             )
-        if spec.trainer != "cpu":
+        if spec.trainer != "cpu" and not backend_known:
             # The launcher cannot tell a torchrun-contract script (gloo rank-to-rank traffic,
             # which no tunnel carries) from a Trainer CPU-backend one, so the file must say.
             raise doc.error(
@@ -660,9 +628,11 @@ def _validate_topology(
             )
 
 
-def load_cluster(path: str | Path, *, local_names: frozenset[str] | None = None) -> ClusterSpec:
-    """Read and parse a cluster file (``local_names``: this machine's names, as
-    :func:`parse_cluster` takes them)."""
+def load_cluster(
+    path: str | Path, *, local_names: frozenset[str] | None = None, backend_known: bool = False
+) -> ClusterSpec:
+    """Read and parse a cluster file (``local_names`` and ``backend_known`` as
+    :func:`parse_cluster` takes them); its relative paths are relative to its directory."""
     path = Path(path)
     try:
         text = path.read_text()
@@ -670,4 +640,10 @@ def load_cluster(path: str | Path, *, local_names: frozenset[str] | None = None)
         raise ConfigError(f"{path}: cluster file not found") from None
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(f"{path}: cannot read the cluster file: {exc}") from exc
-    return parse_cluster(text, source=str(path), local_names=local_names)
+    return parse_cluster(
+        text,
+        source=str(path),
+        local_names=local_names,
+        base_dir=Path(os.path.abspath(path)).parent,
+        backend_known=backend_known,
+    )

@@ -41,6 +41,7 @@ from .._version import __version__
 from ..agent.output import Console
 from ..agent.specline import AgentSpec, devices_text, parse_hello
 from ..config.cluster import SshSpec
+from ..config.command import PYTHON_VAR
 from ..config.plan import PlacedWorker
 from ..config.sshopts import parse_option
 from ..errors import AgentError, FlodlError, JoinFailed
@@ -240,7 +241,8 @@ class SshLauncher:
                 host=spec.host,
                 devices=devices_text(spec.devices),
                 run_id=self._run_id,
-                env=dict(spec.env),
+                # a leading `python` there: the worker's python:, else the one its PATH finds
+                env={**spec.env, PYTHON_VAR: spec.python or ""},
                 workdir=spec.workdir,
                 timeout_scale=self._contact.deadlines.scale,
                 stop_grace=self._contact.deadlines.stop_grace,

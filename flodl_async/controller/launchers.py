@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from ..agent import HostSession, RankOutput, SessionConfig
+from ..config.command import PYTHON_VAR
 from ..config.plan import PlacedWorker
 from ..deadlines import Deadlines
 from ..host.ifnames import controller_host_ifname, ranks_env
@@ -90,7 +91,11 @@ class LocalLauncher:
                 secret=self._contact.secret,
                 host=spec.host,
                 devices=spec.devices,
-                env=ranks_env(spec.env, configured_ifname=spec.nccl_socket_ifname),
+                # a leading `python` here: the worker's python:, else PATH's, else the launcher's
+                env={
+                    **ranks_env(spec.env, configured_ifname=spec.nccl_socket_ifname),
+                    PYTHON_VAR: spec.python or "",
+                },
                 workdir=spec.workdir,
                 deadlines=self._contact.deadlines,
                 default_ifname=ifname or "",

@@ -35,9 +35,12 @@ from typing import TYPE_CHECKING
 
 from ..agent import RankOutput
 from ..cli.launch import (
+    PortChoice,
     banner,
+    bind_controller,
     cluster_token,
     placement_of,
+    port_choice,
     status_host,
     this_machine,
     warn_oversubscribed,
@@ -80,11 +83,12 @@ def cluster_of(request: RunRequest, env: dict[str, str] | os._Environ[str]) -> C
     given = request.cluster
     if isinstance(given, ClusterSpec):
         return given
+    # A Trainer knows its backend: launch_plan checks a tunnel against it, not `trainer: cpu`.
     if given is not None:
-        return load_cluster(os.fspath(given), local_names=local)
+        return load_cluster(os.fspath(given), local_names=local, backend_known=True)
     path = env.get(CONTROLLER_VAR)
     if path:
-        return load_cluster(path, local_names=local)
+        return load_cluster(path, local_names=local, backend_known=True)
     gpus = len(host_visible_gpus(env))
     if gpus < 2:
         raise ConfigError(
@@ -180,6 +184,8 @@ class LauncherDriver:
             run_id=os.environ.get(RUN_ID_VAR) or None,
         )
         self.run_id = self.plan.run_id
+        #: the one port rule, as flodl-launch's (its advice names the cluster file's port field)
+        self._port_choice: PortChoice = port_choice(self.plan, spec, None)
         self._controller: Controller | None = None
         self._stop_requested = False
         #: The run's verdict, once the controller returned (what a cooperative launcher exits with).
@@ -190,7 +196,13 @@ class LauncherDriver:
         _configure_logging()
         plan = self.plan
         output = RankOutput(stdout=sys.stdout.buffer, stderr=sys.stderr.buffer, run_id=plan.run_id)
-        controller = Controller(plan, output=output)
+        try:
+            controller = await bind_controller(plan, output, self._port_choice)
+        except ConfigError as exc:
+            output.close()
+            # ends as flodl-launch's does (exit 2, one line, no traceback) unless the script
+            # catches it
+            raise TrainingFailed(RunResult(exit_code=ExitCode.USAGE, reason=str(exc))) from None
         attachment = attach(controller, reference=self._reference, on_epoch=publish)
         self._controller = controller
         loop = asyncio.get_running_loop()
@@ -200,7 +212,6 @@ class LauncherDriver:
         stop_signals.install()
         registration: Registration | None = None
         try:
-            await controller.bind()
             registration = _announce(plan, controller.port)
             # Not in a TaskGroup: a cancelled run() must keep the controller going until it stops in
             # order
