@@ -47,9 +47,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from ..control.dispatch import TypeTable
-from ..control.vocab import Announce, Level, Tell, Tick
+from ..control.vocab import Announce, Tell, Tick
 from ..verdict import ExitCode
 from ..wire import messages as m
+from . import deathchain as dc
 from . import partition as part
 from . import plancheck
 from .coordination import (
@@ -83,26 +84,14 @@ from .elche import ElChe
 from .hellocheck import check_hello
 from .losses import LostRanks
 from .metrics import EpochLedger
-from .policy import (
-    RULES,
-    Backend,
-    GateRank,
-    Policy,
-    failure_limit,
-    hold_after,
-    should_reduce,
-    unrecoverable_reason,
-)
-from .regroup import InFlight, regroup_after_loss
+from .policy import RULES, Backend, GateRank, Policy, should_reduce
+from .regroup import InFlight
 from .slices import SyncSlices
 from .spec import TrainerSpec
 
 # ----- the machine ---------------------------------------------------------------------------
 
 _OVER = (CoordPhase.DONE, CoordPhase.FAILED)
-
-#: Save reasons that are the operator's limit rather than a plain failure.
-_EXIT_FOR_SAVE_REASON = {"max_failure_exceeded": ExitCode.MAX_FAILURE}
 
 
 class Coordinator:
@@ -251,11 +240,13 @@ class Coordinator:
         hello = event.hello
         rank = hello.rank
         if rank in self._joined:
-            return [_warning(f"rank {rank} said TrainerHello twice; ignoring the second")]
+            return [dc.warning(f"rank {rank} said TrainerHello twice; ignoring the second")]
         if self.phase is not CoordPhase.JOINING:
-            return [_reject(rank, "this run's Trainer already started without it")]
+            return [dc.reject(rank, "this run's Trainer already started without it")]
         if not 0 <= rank < self.config.world_size:
-            return [_reject(rank, f"rank {rank} is not in this world of {self.config.world_size}")]
+            return [
+                dc.reject(rank, f"rank {rank} is not in this world of {self.config.world_size}")
+            ]
         stage = self._stage
         checked = check_hello(
             hello,
@@ -286,7 +277,7 @@ class Coordinator:
         return actions
 
     def _fail_before_init(self, rank: int, reason: str) -> list[Action]:
-        return [_reject(rank, reason), *self._fail(ExitCode.FORMATION, reason, rank=rank)]
+        return [dc.reject(rank, reason), *self._fail(ExitCode.FORMATION, reason, rank=rank)]
 
     def _fail(
         self, code: ExitCode, reason: str, *, rank: int = -1, save_reason: str = ""
@@ -294,7 +285,7 @@ class Coordinator:
         """The coordinator's own finding ends the run: say it, shut every rank down, name it."""
         self.phase = CoordPhase.FAILED
         return [
-            _warning(reason),
+            dc.warning(reason),
             Tell(to=EVERY_RANK, message=m.Shutdown(reason=reason, save_reason=save_reason)),
             Fail(code=code, reason=reason, rank=rank, save_reason=save_reason),
         ]
@@ -388,7 +379,7 @@ class Coordinator:
         flying = self._in_flight
         if flying is None or flying.round != event.round or flying.collective:
             return [
-                _warning(
+                dc.warning(
                     f"round {event.round} ({event.kind}) completed, but it is not the round in "
                     "flight; ignoring"
                 )
@@ -500,7 +491,7 @@ class Coordinator:
                 epoch=self._epoch,
                 ranges=share,
                 quota=1,
-                hold_after=_hold_after(spec, quota=1),
+                hold_after=dc.plan_hold_after(spec, quota=1),
                 progress=float(self._epoch),
             )
             actions.append(Tell(to=rank, message=plan))
@@ -584,7 +575,7 @@ class Coordinator:
                     epoch=epoch,
                     ranges=((first, size),) if size else (),
                     quota=1 if size else 0,
-                    hold_after=_hold_after(spec, quota=1),
+                    hold_after=dc.plan_hold_after(spec, quota=1),
                     progress=float(epoch),
                 )
                 self._plans[(self._round, rank)] = plan
@@ -619,7 +610,7 @@ class Coordinator:
             epoch=self._epoch,
             ranges=ranges,
             quota=quota,
-            hold_after=_hold_after(spec, quota=quota),
+            hold_after=dc.plan_hold_after(spec, quota=quota),
             progress=self._epoch + covered / max(1, spec.n_batches),
         )
         self._plans[(round_, rank)] = plan
@@ -651,7 +642,7 @@ class Coordinator:
             planned=static or plan is not None,
         )
         if out_of_place is not None:
-            return [_warning(out_of_place)]
+            return [dc.warning(out_of_place)]
         lie = plancheck.check_window(
             report,
             # SYNC: everything trained since the last report, all of it from the rank's slice
@@ -840,7 +831,7 @@ class Coordinator:
         assert not isinstance(stage, BeforeHello)  # the rank joined
         spec = stage.spec
         actions: list[Action] = [
-            _warning(f"rank {rank} on {self._host(rank)} lost: {event.reason}")
+            dc.warning(f"rank {rank} on {self._host(rank)} lost: {event.reason}")
         ]
         flying = self._in_flight
         reducing = flying.round if flying is not None and flying.kind == "model" else None
@@ -849,92 +840,44 @@ class Coordinator:
             stage.elche.forget(rank)
         if flying is not None:
             flying.waiting.discard(rank)
-        mf = spec.max_failure
         world = self.config.world_size
-        limit = failure_limit(
-            world_size=world,
-            absolute=mf.absolute if mf else None,
-            percent=mf.percent if mf else None,
-        )
-        why = unrecoverable_reason(world_size=world, dead=len(self._lost), limit=limit)
         joining = self.phase is CoordPhase.JOINING
-        if why is None and joining:
-            why = "rank_lost"  # the world never started: nothing to train on without it
-        if why is None:
+        end = dc.unrecoverable_end(
+            self._lost, spec, world_size=world, rank=rank, reason=event.reason, joining=joining
+        )
+        if end is None:
             regroup = None
             if spec.backend is Backend.COLLECTIVE:
                 self._generation += 1
-                regroup = regroup_after_loss(
+                regroup, said = dc.regroup(
                     flying, dead=rank, alive=self._alive, generation=self._generation, now=now
                 )
-                redo = f"; round {regroup.redo} is redone" if regroup.redo >= 0 else ""
-                text = f"the survivors re-form their process group as ranks {list(regroup.ranks)}"
-                actions.append(Announce(text=text + redo))
+                actions.append(said)
             actions.append(DeclareDead(rank=rank, reason=event.reason, regroup=regroup))
             return [*actions, *self._after_loss(now)]
-        actions.append(DeclareDead(rank=rank, reason=event.reason))
-        reason = self._lost.unrecoverable(
-            why, rank=rank, reason=event.reason, world_size=world, limit=limit, joining=joining
-        )
-        first, details = self._lost.first()
         self.phase = CoordPhase.FAILED
-        actions.append(Tell(to=EVERY_RANK, message=m.Shutdown(reason=reason, save_reason=why)))
-        actions.append(
-            Fail(
-                code=_EXIT_FOR_SAVE_REASON.get(why, ExitCode.RANK_FAILURE),
-                reason=reason,
-                rank=first,
-                details=details,
-                save_reason=why,
-            )
-        )
-        return actions
+        return [*actions, DeclareDead(rank=rank, reason=event.reason), *end]
 
     def _on_tick(self, event: Tick, now: float) -> list[Action]:
         del event
         stage = self._stage
         if isinstance(stage, Joining) and now >= stage.first_hello_at + self.config.hello_timeout:
             missing = [r for r in range(self.config.world_size) if r not in self._joined]
-            first = stage.reference.rank
             late = missing[0]
-            reason = (
-                f"rank {late} on {self._host(late)} did not start its Trainer within "
-                f"{self.config.hello_timeout:g} s of rank {first} — "
-                "is it running the same script, and does it reach trainer.run()?"
+            reason = dc.late_hello(
+                late=late,
+                where=self._host(late),
+                first=stage.reference.rank,
+                hello_timeout=self.config.hello_timeout,
             )
             return self._fail(ExitCode.FORMATION, reason, rank=late)
         timeout = self._heartbeat_timeout()
         if timeout is not None:
             for rank in sorted(self._alive):
                 if rank not in self._exiting and now >= self._last_seen[rank] + timeout:
-                    return self._on_lost(
-                        RankLost(
-                            rank=rank,
-                            reason=f"no frame for {timeout:g} s (heartbeat timeout: the rank is "
-                            "frozen, stopped or cut off)",
-                        ),
-                        now,
-                    )
+                    return self._on_lost(RankLost(rank=rank, reason=dc.silent(timeout)), now)
         flying = self._in_flight
         if flying is not None and now >= flying.started_at + self.config.reduce_stall:
-            reason = (
-                f"round {flying.round} ({flying.kind}) stalled: no consensus within "
-                f"{self.config.reduce_stall:g} s"
-            )
+            reason = dc.stalled(flying, self.config.reduce_stall)
             return self._fail(ExitCode.STALLED, reason, save_reason="reduce_stall")
         return []
-
-
-def _warning(text: str) -> Announce:
-    return Announce(text=text, level=Level.WARNING)
-
-
-def _reject(rank: int, reason: str) -> Tell[int]:
-    return Tell(to=rank, message=m.TrainerReject(rank=rank, reason=reason))
-
-
-def _hold_after(spec: TrainerSpec, *, quota: int) -> int:
-    s = spec.settings
-    return hold_after(
-        spec.policy, quota=quota, max_batch_diff=s.max_batch_diff, max_overshoot=s.max_overshoot
-    )
