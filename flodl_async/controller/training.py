@@ -56,6 +56,7 @@ from ..training.coordination import (
     PublishEpoch,
     RankExiting,
     RankLost,
+    Readmit,
     RoundCompleted,
     StartRound,
     StopRequested,
@@ -446,6 +447,7 @@ class TrainingShell:
         table.add(Tell, self._tell)
         table.add(StartRound, self._start_round)
         table.add(DeclareDead, self._declare_dead)
+        table.add(Readmit, self._readmit)
         table.add(PublishEpoch, self._publish_epoch)
         table.add(Announce, self._announce)
         table.add(Finish, self._finish)
@@ -490,6 +492,12 @@ class TrainingShell:
             )
             self._send(said)
         self._on_drop(action.rank, action.reason)
+
+    def _readmit(self, action: Readmit) -> None:
+        # The coordinator readmits only under its config's max_restarts, which this shell leaves at
+        # 0 until the reducer, the relays and the agents carry a restarted rank back in (every
+        # rejoin is refused with its reason until then): reaching here is a bug, not a silent drop.
+        raise RuntimeError(f"rank {action.rank}'s rejoin has no data-plane readmission yet")
 
     def _publish_epoch(self, action: PublishEpoch) -> None:
         self._publish(action.metrics)

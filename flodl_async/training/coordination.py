@@ -45,6 +45,8 @@ class CoordinatorConfig:
     primary_rank: int = 0
     #: The launcher's own spec when the user's script is the launcher: every rank must match it.
     reference: TrainerSpec | None = None
+    #: ``--max-restarts``: how many restarted ranks may rejoin over the whole run (CPU backend).
+    max_restarts: int = 0
 
 
 class CoordPhase(enum.Enum):
@@ -237,6 +239,16 @@ class DeclareDead:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class Readmit:
+    """``rank``'s restarted incarnation rejoins at round ``round``: the reducer and the relays take
+    its contributions again from that round on (its ``TrainerWelcome`` went out with its hello)."""
+
+    rank: int
+    incarnation: int
+    round: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class PublishEpoch:
     """An epoch closed: the log line, the status page, the launcher's handle,
     ``EpochAggregated``."""
@@ -254,6 +266,8 @@ class Finish:
     interrupted: bool = False
     #: The ranks lost on the way (the run went on without them), with why.
     lost: tuple[tuple[int, str], ...] = ()
+    #: The ranks restarted and rejoined, one entry per restart.
+    restarted: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -267,7 +281,7 @@ class Fail:
     save_reason: str = ""
 
 
-Action = Tell[int] | StartRound | DeclareDead | PublishEpoch | Announce | Finish | Fail
+Action = Tell[int] | StartRound | DeclareDead | Readmit | PublishEpoch | Announce | Finish | Fail
 
 # ----- the status view -----------------------------------------------------------------------
 

@@ -70,6 +70,7 @@ from .coordination import (
     PublishEpoch,
     RankExiting,
     RankLost,
+    Readmit,
     RoundCompleted,
     Running,
     Stage,
@@ -86,7 +87,8 @@ from .losses import LostRanks
 from .metrics import EpochLedger
 from .policy import RULES, Backend, GateRank, Policy, should_reduce
 from .regroup import InFlight
-from .slices import SyncSlices
+from .rejoin import Rejoins
+from .slices import SyncSlices, epoch_slices, plan_hold_after, sync_plan
 from .spec import TrainerSpec
 
 # ----- the machine ---------------------------------------------------------------------------
@@ -128,6 +130,9 @@ class Coordinator:
         self._batches: dict[int, int] = {}
         self._stop_reason: str | None = None
         self._generation = 0  # a COLLECTIVE world's process group re-forms
+        self._rejoins = Rejoins(config.max_restarts)
+        # admitted joiners whose first round is not open yet: the gate does not wait for them
+        self._warming: set[int] = set()
         #: The last round committed: its number, kind and duration (ms).
         self.committed: tuple[int, str, float] | None = None
         self._handlers: TypeTable[Event, [float], list[Action]] = TypeTable(
@@ -170,6 +175,11 @@ class Coordinator:
     def stop_requested(self) -> bool:
         """An orderly stop was asked for (a second request changes nothing)."""
         return self._stop_reason is not None
+
+    @property
+    def restarted(self) -> tuple[int, ...]:
+        """The ranks restarted and rejoined, once per restart, in order."""
+        return tuple(r.rank for r in self._rejoins.restarts)
 
     @property
     def dead(self) -> frozenset[int]:
@@ -240,7 +250,9 @@ class Coordinator:
         hello = event.hello
         rank = hello.rank
         if rank in self._joined:
-            return [dc.warning(f"rank {rank} said TrainerHello twice; ignoring the second")]
+            if hello.incarnation == 0:
+                return [dc.warning(f"rank {rank} said TrainerHello twice; ignoring the second")]
+            return self._on_rejoin(hello, now)
         if self.phase is not CoordPhase.JOINING:
             return [dc.reject(rank, "this run's Trainer already started without it")]
         if not 0 <= rank < self.config.world_size:
@@ -261,19 +273,76 @@ class Coordinator:
         self._joined.add(rank)
         self._alive.add(rank)
         self._last_seen[rank] = now
-        actions: list[Action] = [
-            Tell(
-                to=rank,
-                message=m.TrainerWelcome(
-                    rank=rank,
-                    world_size=self.config.world_size,
-                    run_id=self.config.run_id,
-                    primary_rank=self.config.primary_rank,
-                ),
-            )
-        ]
+        self._rejoins.joined(hello)
+        actions: list[Action] = [self._welcome(rank)]
         if len(self._joined) == self.config.world_size:
             actions.extend(self._start(now))
+        return actions
+
+    def _welcome(self, rank: int) -> Tell[int]:
+        return Tell(
+            to=rank,
+            message=m.TrainerWelcome(
+                rank=rank,
+                world_size=self.config.world_size,
+                run_id=self.config.run_id,
+                primary_rank=self.config.primary_rank,
+            ),
+        )
+
+    # ----- rejoining (:mod:`.rejoin`) ------------------------------------------------------------
+
+    def _on_rejoin(self, hello: m.TrainerHello, now: float) -> list[Action]:
+        """A restarted rank's hello: refused, or welcomed and admitted at the next round
+        boundary."""
+        rank = hello.rank
+        stage = self._stage
+        open_ = self.phase in (CoordPhase.INIT, CoordPhase.TRAINING) and self._stop_reason is None
+        why = self._rejoins.refusal(hello, dead=rank in self._lost, open_=open_)
+        if why is None and isinstance(stage, Running):
+            checked = check_hello(
+                hello,
+                host=self._host(rank),
+                launcher=self.config.reference,
+                reference=(stage.reference, stage.spec),
+            )
+            why = checked if isinstance(checked, str) else None
+        if why is not None:
+            return [dc.warning(f"restarted rank {rank} cannot rejoin: {why}"), dc.reject(rank, why)]
+        self._rejoins.wait(hello)
+        self._last_seen[rank] = now
+        actions: list[Action] = [
+            self._welcome(rank),
+            Announce(
+                text=f"rank {rank} restarted (incarnation {hello.incarnation}) said hello; it "
+                "rejoins at the next round boundary"
+            ),
+        ]
+        if self.phase is CoordPhase.TRAINING and self._in_flight is None:
+            actions.extend(self._admit())
+        return actions
+
+    def _admit(self) -> list[Action]:
+        """At a round boundary (no round in flight): every waiting joiner is alive again. Its
+        first round is the next one opened (its warm start); until then the gate does not wait
+        for it and no plan names it, so its first window is the one planned with that round."""
+        actions: list[Action] = []
+        for rank in self._rejoins.pending:
+            restart = self._rejoins.admit(rank, round_=self._round, reason=self._lost.revive(rank))
+            self._alive.add(rank)
+            self._exiting.discard(rank)
+            self._warming.add(rank)
+            self._planned_round.pop(rank, None)
+            for reports in self._reports.values():
+                reports.pop(rank, None)  # the dead incarnation's, never reduced
+            n = len(self._rejoins.restarts)
+            actions.append(Readmit(rank=rank, incarnation=restart.incarnation, round=self._round))
+            actions.append(
+                Announce(
+                    text=f"rank {rank} restarted ({n} of {self._rejoins.max_restarts}) and "
+                    f"rejoined at round {self._round}"
+                )
+            )
         return actions
 
     def _fail_before_init(self, rank: int, reason: str) -> list[Action]:
@@ -341,6 +410,7 @@ class Coordinator:
         # contributions — since each host's relay folds a barrier over all of its live ranks.
         collective = spec.backend is Backend.COLLECTIVE and kind != "upload"
         expected = frozenset(self._alive)
+        self._warming.clear()  # this round is their warm start
         self._in_flight = InFlight(
             round=round_,
             kind=kind,
@@ -420,7 +490,7 @@ class Coordinator:
                 self.phase = CoordPhase.TRAINING
             if self._stop_reason is not None:
                 return self._final(now, natural=False)
-            return self._maybe_reduce(now)
+            return [*self._admit(), *self._maybe_reduce(now)]
         if flying.kind == "model":
             actions.extend(self._settle_coverage(flying.round, folded, flying.dead_in))
             ledger = self._ledgers.get(self._round_epoch.pop(flying.round, self._epoch))
@@ -442,8 +512,10 @@ class Coordinator:
             elif self._stop_reason is not None:
                 actions.extend(self._final(now, natural=False))
             elif closing is not None:
+                actions.extend(self._admit())
                 actions.extend(self._open_epoch(closing + 1, now))
             else:
+                actions.extend(self._admit())
                 actions.extend(self._maybe_reduce(now))
             return actions
         spec = self._require_spec()
@@ -485,15 +557,7 @@ class Coordinator:
         spec = self._require_spec()
         actions: list[Action] = []
         for rank, share in self._slices.share_dead(self._lost.ranks, sorted(self._alive)):
-            plan = m.Plan(
-                rank=rank,
-                round=self._round,
-                epoch=self._epoch,
-                ranges=share,
-                quota=1,
-                hold_after=dc.plan_hold_after(spec, quota=1),
-                progress=float(self._epoch),
-            )
+            plan = sync_plan(spec, rank=rank, round_=self._round, epoch=self._epoch, ranges=share)
             actions.append(Tell(to=rank, message=plan))
         return actions
 
@@ -538,6 +602,9 @@ class Coordinator:
             reason = f"training complete: {spec.epochs} epoch(s) on {len(self._alive)} rank(s)"
             save_reason, interrupted = "completed", False
         reason = self._lost.degraded(reason, world_size=self.config.world_size)
+        restarts = self._rejoins.summary()
+        if restarts:
+            reason = f"{reason}; {restarts}"
         return [
             Tell(to=EVERY_RANK, message=m.Shutdown(reason=reason, save_reason=save_reason)),
             Finish(
@@ -545,6 +612,7 @@ class Coordinator:
                 save_reason=save_reason,
                 interrupted=interrupted,
                 lost=self._lost.why(),
+                restarted=tuple(r.rank for r in self._rejoins.restarts),
             ),
         ]
 
@@ -555,34 +623,21 @@ class Coordinator:
         spec = self._require_spec()
         self._epoch = epoch
         self._ledgers[epoch] = EpochLedger(epoch, ranks=sorted(self._alive), started_at=now)
-        n = spec.n_batches
+        # a joiner's first window comes after its first round (its warm start)
+        planned = sorted(self._alive - self._warming)
         if RULES[spec.policy].static_slices:
-            alive = sorted(self._alive)
-            ratios = (
-                spec.elche.partition_ratios
-                if spec.elche.partition_ratios is not None
-                and len(spec.elche.partition_ratios) == len(alive)
-                else None
-            )
             self._pool = part.ChunkPool(0)
-            slices = dict(zip(alive, part.sync_slices(n, len(alive), ratios), strict=True))
+            slices = epoch_slices(spec, planned)
             self._slices.open(slices)
             plans: list[Action] = []
             for rank, (first, size) in slices.items():
-                plan = m.Plan(
-                    rank=rank,
-                    round=self._round,
-                    epoch=epoch,
-                    ranges=((first, size),) if size else (),
-                    quota=1 if size else 0,
-                    hold_after=dc.plan_hold_after(spec, quota=1),
-                    progress=float(epoch),
-                )
+                ranges = ((first, size),) if size else ()
+                plan = sync_plan(spec, rank=rank, round_=self._round, epoch=epoch, ranges=ranges)
                 self._plans[(self._round, rank)] = plan
                 plans.append(Tell(to=rank, message=plan))
             return plans
-        self._pool = part.ChunkPool(n)
-        return self._window_plans(self._round, sorted(self._alive))
+        self._pool = part.ChunkPool(spec.n_batches)
+        return self._window_plans(self._round, planned)
 
     def _window_plans(self, round_: int, ranks: list[int]) -> list[Action]:
         """CADENCE/ASYNC: each of ``ranks`` takes its next window of the current pool (tail by
@@ -594,7 +649,9 @@ class Coordinator:
     def _plan_waiting(self, round_: int) -> list[Action]:
         """CADENCE/ASYNC: a window of ``round_`` for each alive rank with none planned that far
         (empty ones when the epoch's tail is in other ranks' windows)."""
-        waiting = [r for r in sorted(self._alive) if self._planned_round.get(r, 0) < round_]
+        waiting = [
+            r for r in sorted(self._alive - self._warming) if self._planned_round.get(r, 0) < round_
+        ]
         return self._window_plans(round_, waiting)
 
     def _plan(self, rank: int, round_: int, k: int) -> Tell[int]:
@@ -610,7 +667,7 @@ class Coordinator:
             epoch=self._epoch,
             ranges=ranges,
             quota=quota,
-            hold_after=dc.plan_hold_after(spec, quota=quota),
+            hold_after=plan_hold_after(spec, quota=quota),
             progress=self._epoch + covered / max(1, spec.n_batches),
         )
         self._plans[(round_, rank)] = plan
@@ -678,7 +735,7 @@ class Coordinator:
         reports = self._reports.get(round_, {})
         static = RULES[spec.policy].static_slices
         out = {}
-        for rank in self._alive:
+        for rank in self._alive - self._warming:
             report = reports.get(rank)
             if static:
                 need, quiesced = 1, self._slices.left(rank) <= 0
@@ -824,6 +881,7 @@ class Coordinator:
         if rank in self._lost or rank not in self._joined:
             return []  # not a Trainer rank yet (the supervisor names its exit), or already counted
         self._alive.discard(rank)
+        self._warming.discard(rank)
         self._lost.record(
             rank, event.reason, epoch=self._epoch, details=event.details, vague=event.vague
         )

@@ -17,7 +17,7 @@ from ..verdict import ExitCode
 from ..wire import messages as m
 from .coordination import EVERY_RANK, Action, Fail
 from .losses import LostRanks
-from .policy import failure_limit, hold_after, unrecoverable_reason
+from .policy import failure_limit, unrecoverable_reason
 from .regroup import InFlight, Regroup, regroup_after_loss
 from .spec import TrainerSpec
 
@@ -33,14 +33,6 @@ def warning(text: str) -> Announce:
 def reject(rank: int, reason: str) -> Tell[int]:
     """``rank``'s hello is refused."""
     return Tell(to=rank, message=m.TrainerReject(rank=rank, reason=reason))
-
-
-def plan_hold_after(spec: TrainerSpec, *, quota: int) -> int:
-    """The batches a rank with a plan of ``quota`` may train past it (the policy's slack)."""
-    s = spec.settings
-    return hold_after(
-        spec.policy, quota=quota, max_batch_diff=s.max_batch_diff, max_overshoot=s.max_overshoot
-    )
 
 
 def unrecoverable_end(

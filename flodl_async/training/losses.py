@@ -62,6 +62,12 @@ class LostRanks:
                 reason=reason, epoch=loss.epoch, details=loss.details, vague=False
             )
 
+    def revive(self, rank: int) -> str:
+        """``rank``'s restarted process rejoined: it is lost no more. How its previous one died
+        (``reason at epoch N``)."""
+        loss = self._losses.pop(rank)
+        return f"{loss.reason} at epoch {loss.epoch + 1}"
+
     def why(self) -> tuple[tuple[int, str], ...]:
         """(rank, ``reason at epoch N``) for each dead rank, by rank."""
         return tuple(

@@ -15,8 +15,42 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 
+from ..wire import messages as m
 from . import partition as part
 from . import plancheck
+from .policy import hold_after
+from .spec import TrainerSpec
+
+
+def plan_hold_after(spec: TrainerSpec, *, quota: int) -> int:
+    """The batches a rank with a plan of ``quota`` may train past it (the policy's slack)."""
+    s = spec.settings
+    return hold_after(
+        spec.policy, quota=quota, max_batch_diff=s.max_batch_diff, max_overshoot=s.max_overshoot
+    )
+
+
+def epoch_slices(spec: TrainerSpec, ranks: Sequence[int]) -> dict[int, part.Range]:
+    """Each of ``ranks``' slice of a new epoch (the spec's partition ratios when they fit)."""
+    ratios = spec.elche.partition_ratios
+    if ratios is not None and len(ratios) != len(ranks):
+        ratios = None
+    return dict(zip(ranks, part.sync_slices(spec.n_batches, len(ranks), ratios), strict=True))
+
+
+def sync_plan(
+    spec: TrainerSpec, *, rank: int, round_: int, epoch: int, ranges: tuple[part.Range, ...]
+) -> m.Plan:
+    """A SYNC plan: ``ranges`` of epoch ``epoch`` to train in order (none: an empty plan)."""
+    return m.Plan(
+        rank=rank,
+        round=round_,
+        epoch=epoch,
+        ranges=ranges,
+        quota=1 if ranges else 0,
+        hold_after=plan_hold_after(spec, quota=1),
+        progress=float(epoch),
+    )
 
 
 class SyncSlices:

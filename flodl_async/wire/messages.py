@@ -357,15 +357,12 @@ class Consensus(Message):
 @message(kind=0x0309)
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ModelSchemaWire(Message):
-    """A model's tensor layout (nested in ``TrainerHello``;
-    :class:`flodl_async.training.modelschema.ModelSchema`). ``dtypes``/``shapes`` are in wire
-    order: parameters, then persistent buffers.
+    """A model's tensor layout (nested in ``TrainerHello``; :class:`flodl_async.training.modelschema
+    .ModelSchema`). ``dtypes``/``shapes`` are in wire order: parameters, then persistent buffers.
 
-    A twin of ``ModelSchema``, kept because the shapes differ: here names, dtypes and shapes
-    travel as parallel arrays, there each tensor is one ``TensorMeta``; and ``ModelSchema``
-    validates what a rank sent (unique names, dtypes the wire carries, aliases that name listed
-    tensors) as a ``ConfigError`` when ``ModelSchema.from_wire`` rebuilds it, which a decoded
-    message (no ``__post_init__``, see :mod:`.schema`) cannot.
+    A twin of ``ModelSchema``, kept because the shapes differ (parallel arrays here, one
+    ``TensorMeta`` per tensor there), and ``ModelSchema.from_wire`` validates what a rank sent
+    (unique names, wire dtypes, aliases of listed tensors) as a decoded message cannot.
     """
 
     param_names: tuple[str, ...]
@@ -517,6 +514,9 @@ class TrainerHello(Message):
     model: ModelSchemaWire
     model_bytes: int
     device: str
+    #: 0 for the process its agent first started; a rank its agent restarted says its attempt
+    #: (1, 2, …), so that a frozen earlier process is never taken for the new one.
+    incarnation: int = 0
 
 
 @message(kind=0x0405)
