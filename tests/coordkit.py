@@ -34,8 +34,8 @@ from flodl_async.wire import messages as m
 from .trainerwire import schema_wire
 
 
-def hello(rank: int, spec: TrainerSpec) -> m.TrainerHello:
-    """A rank's TrainerHello for ``spec`` (with its true digest)."""
+def hello(rank: int, spec: TrainerSpec, *, incarnation: int = 0) -> m.TrainerHello:
+    """A rank's TrainerHello for ``spec`` (with its true digest); ``incarnation``: its restart."""
     wire = schema_wire()
     return m.TrainerHello(
         rank=rank,
@@ -44,6 +44,7 @@ def hello(rank: int, spec: TrainerSpec) -> m.TrainerHello:
         model=wire,
         model_bytes=36,
         device="cpu",
+        incarnation=incarnation,
     )
 
 
@@ -56,6 +57,7 @@ class Driver:
     ms_per_batch: tuple[float, ...] = ()
     reduce_ms: float = 2.0  # each round's duration as the reducer (or each rank's ReduceDone) reports it: ElChe's sync_ms
     now: float = 100.0
+    max_restarts: int = 0  # the coordinator's: restarted ranks that may rejoin
     coord: Coordinator = field(init=False)
     actions: list[Action] = field(default_factory=list)
     trained: dict[tuple[int, int], list[int]] = field(
@@ -85,7 +87,10 @@ class Driver:
             self.ms_per_batch = (1.0,) * self.world
         self.coord = Coordinator(
             CoordinatorConfig(
-                run_id="r", world_size=self.world, hosts={r: f"h{r % 2}" for r in range(self.world)}
+                run_id="r",
+                world_size=self.world,
+                hosts={r: f"h{r % 2}" for r in range(self.world)},
+                max_restarts=self.max_restarts,
             ),
             now=self.now,
         )
@@ -131,6 +136,18 @@ class Driver:
                 del self._sent[key]
             self.pending = collections.deque(self._without(e, rank) for e in self.pending)
         return self.feed(RankLost(rank=rank, reason=reason))
+
+    def rejoin(self, rank: int, *, incarnation: int = 1) -> list[Action]:
+        """``rank``'s agent restarted it: its new process (a fresh fake rank) says hello."""
+        self.dead.discard(rank)
+        # A rank contributes only to a round already opened: what its old incarnation trained for
+        # a round not opened yet never left it.
+        started = {r.round for r in self.rounds}
+        for key in [k for k in self._sent if k[1] == rank and k[0] not in started]:
+            del self._sent[key]
+        self._sync.pop(rank, None)
+        self._sync_reported.pop(rank, None)
+        return self.feed(TrainerJoined(hello=hello(rank, self.spec, incarnation=incarnation)))
 
     def _without(self, event: Event, rank: int) -> Event:
         """``event``, a round's completion not yet delivered, with ``rank``'s contribution out of
