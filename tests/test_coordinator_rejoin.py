@@ -43,7 +43,8 @@ def test_a_restarted_rank_rejoins_trains_again_and_the_coverage_stays_exact(
     assert f"rank 1 restarted (1 of 2) and rejoined at round {at}" in _texts(d)
     # its warm start is the first round opened after its admission, and it is in every one after
     later = [r for r in d.rounds if r.round >= at]
-    assert later and all(1 in r.expected for r in later)
+    assert later
+    assert all(1 in r.expected for r in later)
     assert d.ended.lost == ()  # alive again: not lost, but the end says it was restarted
     assert d.ended.restarted == (1,)
     assert "1 restart (rank 1 (incarnation 1) at round" in d.ended.reason
@@ -73,7 +74,7 @@ def test_the_joiner_gets_no_work_before_its_warm_start_round_and_work_after_it()
 
 def test_an_old_incarnation_saying_hello_again_is_refused_and_changes_nothing() -> None:
     d = Driver(spec(Policy.CADENCE), world=2, max_restarts=2)
-    _kill_mid_epoch(d, 1)
+    _kill_mid_epoch(d, 1, after=6)
     out = d.feed(TrainerJoined(hello=hello(1, d.spec, incarnation=0)))
     assert sent(out, m.TrainerReject) == []  # incarnation 0 twice: the old warning, no reject
     d.rejoin(1, incarnation=1)
@@ -102,10 +103,11 @@ def test_without_max_restarts_a_restarted_rank_is_refused_and_the_run_ends_degra
 
 def test_restarts_are_counted_over_the_whole_run() -> None:
     d = Driver(spec(Policy.CADENCE), world=3, max_restarts=1)
-    _kill_mid_epoch(d, 1)
+    _kill_mid_epoch(d, 1, after=3)
     d.rejoin(1)
-    for _ in range(20):
+    for _ in range(6):
         d.feed(d.pending.popleft())
+    assert d.coord.restarted == (1,)
     d.kill(1)
     out = d.rejoin(1, incarnation=2)
     (reject,) = sent(out, m.TrainerReject)
