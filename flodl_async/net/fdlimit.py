@@ -9,6 +9,7 @@ platform without ``resource`` (Windows) or a refusal leaves the limit as it was,
 
 from __future__ import annotations
 
+import errno
 import logging
 from dataclasses import dataclass
 
@@ -92,3 +93,21 @@ def raise_descriptor_limit() -> DescriptorLimit:
         failure,
     )
     return before
+
+
+def accept_advice(code: int, limit: DescriptorLimit) -> str:
+    """What accept() failing with ``code`` means, and what to do about it (a summary note)."""
+    if code == errno.EMFILE:
+        return (
+            f"accept() failed: out of file descriptors (EMFILE; {limit.describe()}): raise "
+            "`ulimit -n`"
+        )
+    if code == errno.ENFILE:
+        return (
+            "accept() failed: the system's file table is full (ENFILE): raise fs.file-max "
+            "(sysctl) or close files elsewhere"
+        )
+    return (
+        "accept() failed: the kernel is out of memory for sockets "
+        f"({errno.errorcode.get(code, code)})"
+    )

@@ -57,8 +57,9 @@ from .admission import (
     SummaryLine,
     peer_key,
 )
-from .fdlimit import DescriptorLimit, descriptor_limit
+from .fdlimit import DescriptorLimit, accept_advice, descriptor_limit
 from .handover import feed, watch
+from .loop import WakeUp
 
 log = logging.getLogger("flodl_async.mux")
 
@@ -158,8 +159,8 @@ class PortMux:
         self._routed: collections.Counter[str] = collections.Counter()
         self._accept_errors: collections.Counter[str] = collections.Counter()
         self._unbound_channels: set[Channel] = set()
-        self._deadlines_due = _WakeUp(self._on_deadline)  # the admission core's next deadline
-        self._summary_due = _WakeUp(self._report)  # the rejection summary's next line
+        self._deadlines_due = WakeUp(self._on_deadline)  # the admission core's next deadline
+        self._summary_due = WakeUp(self._report)  # the rejection summary's next line
         self._fd_limit = DescriptorLimit(soft=None, hard=None)
         self._fd_warn_at = math.inf
         self._previous_handler: (
@@ -399,7 +400,7 @@ class PortMux:
         code = exc.errno if exc.errno is not None else 0
         self._accept_errors[errno.errorcode.get(code, str(code))] += 1
         now = self._now()
-        self._summary.note(_accept_advice(code, self._fd_limit), now)
+        self._summary.note(accept_advice(code, self._fd_limit), now)
         self._report(now)
 
     # ----- routing (called by _Sniffer) --------------------------------------------------------
@@ -529,24 +530,6 @@ def _log_summary(line: SummaryLine) -> None:
     log.log(logging.WARNING if line.warning else logging.INFO, "%s", line.text)
 
 
-def _accept_advice(code: int, limit: DescriptorLimit) -> str:
-    """What accept() failing with ``code`` means, and what to do about it (a summary note)."""
-    if code == errno.EMFILE:
-        return (
-            f"accept() failed: out of file descriptors (EMFILE; {limit.describe()}): raise "
-            "`ulimit -n`"
-        )
-    if code == errno.ENFILE:
-        return (
-            "accept() failed: the system's file table is full (ENFILE): raise fs.file-max "
-            "(sysctl) or close files elsewhere"
-        )
-    return (
-        "accept() failed: the kernel is out of memory for sockets "
-        f"({errno.errorcode.get(code, code)})"
-    )
-
-
 def _held_until_closed() -> None:
     """A store connection's ticket: the magic was its VALIDATE, and it stays in the store's pool
     until it closes."""
@@ -570,38 +553,6 @@ class _Routed:
     def abort(self) -> None:
         self.ended = True
         self.transport.abort()
-
-
-class _WakeUp:
-    """One loop timer for the earliest of a stream of wake-up times: re-armed only for an earlier
-    one."""
-
-    def __init__(self, callback: Callable[[float], None]) -> None:
-        self._callback = callback
-        self._timer: asyncio.TimerHandle | None = None
-        self._at = math.inf
-
-    def arm(self, loop: asyncio.AbstractEventLoop, at: float | None) -> None:
-        """Wake at ``at`` unless already due no later (None: nothing to wake for)."""
-        if at is None or at >= self._at:
-            return
-        if self._timer is not None:
-            self._timer.cancel()
-        self._at = at
-        self._timer = loop.call_at(at, self._fire, loop)
-
-    def _fire(self, loop: asyncio.AbstractEventLoop) -> None:
-        # The loop may run a timer a clock tick early: it was armed for _at, so that is now.
-        now = max(loop.time(), self._at)
-        self._timer = None
-        self._at = math.inf
-        self._callback(now)
-
-    def cancel(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-        self._timer = None
-        self._at = math.inf
 
 
 class _Sniffer(asyncio.Protocol):
