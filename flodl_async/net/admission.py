@@ -320,11 +320,8 @@ class Admission:
         self._move(conn, entry, _Progress.ROUTED)
 
     def answered(self, conn: int, now: float, *, grace: float) -> None:
-        """``conn``'s hello was accepted (the answer goes out now or after a delay): until ``now`` +
-        ``grace`` a full cap evicts it only when nothing else of its scope is left.
-
-        The handshake deadline still holds. Untracked connections are ignored (the mux may have
-        just closed it)."""
+        """``conn``'s hello was accepted (our answer goes out now or later): until ``now`` +
+        ``grace`` a full cap evicts it last. Its deadline holds; an untracked ``conn`` is ignored."""
         entry = self._entries.get(conn)
         if entry is None or entry.stage is not Stage.HANDSHAKING:
             return
@@ -445,9 +442,8 @@ class Admission:
         )
 
     def _least_progressed(self, by_progress: _Ordered, now: float) -> int:
-        """The connection a full cap evicts: the oldest silent one, then the oldest overdue for
-        its proof, then the oldest routed, then the oldest answered (its grace notwithstanding:
-        the newcomer always gets in)."""
+        """The oldest silent, else the oldest overdue for its proof, else the oldest routed, else
+        the oldest answered (grace notwithstanding: the newcomer always gets in)."""
         silent, routed, answered = (by_progress.get(p) for p in _Progress)
         if silent:
             return next(iter(silent))
@@ -517,22 +513,39 @@ class AdmissionTicket:
     The mux binds it before ``connection_made``. The protocol calls :meth:`authenticated` once
     the peer proved the key, or :meth:`rejected` when the peer turned out bad; until the first,
     the connection counts against the unauthenticated caps and must authenticate within the
-    handshake deadline, or the mux aborts it (``handshake_timeout``).
+    handshake deadline, or the mux aborts it (``handshake_timeout``). The protocol hands its
+    answer to the peer's hello to :meth:`answer`, which the mux may delay (the proof throttle).
     """
 
-    __slots__ = ("_on_authenticated", "_on_rejected", "_state")
+    __slots__ = ("_on_answer", "_on_authenticated", "_on_rejected", "_state")
 
     def __init__(
-        self, *, on_authenticated: Callable[[], None], on_rejected: Callable[[str, str], None]
+        self,
+        *,
+        on_authenticated: Callable[[], None],
+        on_rejected: Callable[[str, str], None],
+        on_answer: Callable[[Callable[[], None]], None] | None = None,
     ) -> None:
+        """``on_answer(write)``: the mux's say in when the answer to the peer's hello goes out (it
+        calls ``write`` now or after the proof throttle's delay); None writes it at once."""
         self._on_authenticated = on_authenticated
         self._on_rejected = on_rejected
+        self._on_answer = on_answer
         self._state = TicketState.PENDING
 
     @property
     def state(self) -> TicketState:
         """What the protocol has reported so far."""
         return self._state
+
+    def answer(self, write: Callable[[], None]) -> None:
+        """The peer's hello was accepted: ``write()`` sends our answer (the server's proof), at once
+        or after the delay the proof throttle gives the peer's address; never both, and never
+        after the connection was closed (the closer counted why)."""
+        if self._on_answer is None or self._state is not TicketState.PENDING:
+            write()
+        else:
+            self._on_answer(write)
 
     def authenticated(self) -> None:
         """The peer proved the key: stop counting it as unauthenticated, cancel its handshake

@@ -20,6 +20,7 @@ instead of taking the first one's wake-up.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import socket
 import typing
@@ -167,7 +168,12 @@ class FramedProtocol(asyncio.BaseProtocol):
             self._reject(exc)
             return
         if step.send and self._transport is not None and not self._transport.is_closing():
-            self._write(step.send)
+            if self._ticket is not None and step.failure is None and step.established is None:
+                # our answer to the peer's hello, with our proof: the mux may hold it back a while
+                # (an address whose proofs failed: the proof throttle)
+                self._ticket.answer(functools.partial(self._write_answer, step.send))
+            else:
+                self._write(step.send)
         if step.failure is not None:
             self._report_rejection(step.failure)
             self._fail(step.failure)
@@ -176,6 +182,10 @@ class FramedProtocol(asyncio.BaseProtocol):
             return
         if step.established is not None:
             self._establish(step.established)
+
+    def _write_answer(self, data: bytes) -> None:
+        if self._transport is not None and not self._transport.is_closing():
+            self._write(data)
 
     def _establish(self, done: Established) -> None:
         self._handshake = None
