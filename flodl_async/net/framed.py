@@ -647,13 +647,16 @@ async def open_framed(
     limits: FrameLimits | None = None,
     expect_run_id: str | None = None,
     allocate: Callable[[int], bytearray] = bytearray,
+    source: str | None = None,
 ) -> FramedProtocol:
     """Dial the controller port, select ``channel`` with its magic, run the handshake, return the
     link.
 
     One round trip more than the TCP connect. Wrap in ``asyncio.timeout``: a server that
     accepts and never answers would otherwise be waited on forever. Raises ``OSError`` when
-    the port cannot be reached and a :class:`WireError` when the handshake fails.
+    the port cannot be reached and a :class:`WireError` when the handshake fails. ``source``:
+    the local address to dial from (None: the kernel's choice); the controller's per-address
+    caps and proof throttle count by it.
     """
     loop = asyncio.get_running_loop()
     _transport, protocol = await loop.create_connection(
@@ -668,6 +671,7 @@ async def open_framed(
         ),
         host,
         port,
+        local_addr=None if source is None else (source, 0),
     )
     return await _handshaken(protocol)
 
