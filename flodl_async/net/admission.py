@@ -321,7 +321,7 @@ class Admission:
 
     def answered(self, conn: int, now: float, *, grace: float) -> None:
         """``conn``'s hello was accepted (our answer goes out now or later): until ``now`` +
-        ``grace`` a full cap evicts it last. Its deadline holds; an untracked ``conn`` is ignored."""
+        ``grace`` a full cap evicts it last. Its deadline holds; an untracked one is ignored."""
         entry = self._entries.get(conn)
         if entry is None or entry.stage is not Stage.HANDSHAKING:
             return
