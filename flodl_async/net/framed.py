@@ -20,7 +20,6 @@ instead of taking the first one's wake-up.
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import socket
 import typing
@@ -113,8 +112,7 @@ class FramedProtocol(asyncio.BaseProtocol):
         return self._buffers.allocations
 
     def bind_admission(self, ticket: AdmissionTicket) -> None:
-        """Called by the mux before ``connection_made``: report the handshake's outcome to
-        ``ticket``."""
+        """Called by the mux before ``connection_made``: the handshake is reported to ``ticket``."""
         self._ticket = ticket
 
     # ----- asyncio.Protocol ----------------------------------------------------------------
@@ -156,8 +154,7 @@ class FramedProtocol(asyncio.BaseProtocol):
         self._established.add_done_callback(done)
 
     async def established(self) -> None:
-        """Wait until the handshake proved both sides; raises what failed it (wrap in
-        ``asyncio.timeout``)."""
+        """Wait until the handshake proved both sides; raises what failed it (use a timeout)."""
         await asyncio.shield(self._established)
 
     def _handshake_data(self, data: bytes) -> None:
@@ -169,9 +166,7 @@ class FramedProtocol(asyncio.BaseProtocol):
             return
         if step.send and self._transport is not None and not self._transport.is_closing():
             if self._ticket is not None and step.failure is None and step.established is None:
-                # our answer to the peer's hello, with our proof: the mux may hold it back a while
-                # (an address whose proofs failed: the proof throttle)
-                self._ticket.answer(functools.partial(self._write_answer, step.send))
+                self._ticket.answer(lambda: self._write(step.send))  # the mux may delay our proof
             else:
                 self._write(step.send)
         if step.failure is not None:
@@ -182,10 +177,6 @@ class FramedProtocol(asyncio.BaseProtocol):
             return
         if step.established is not None:
             self._establish(step.established)
-
-    def _write_answer(self, data: bytes) -> None:
-        if self._transport is not None and not self._transport.is_closing():
-            self._write(data)
 
     def _establish(self, done: Established) -> None:
         self._handshake = None
@@ -655,8 +646,7 @@ async def open_framed(
     One round trip more than the TCP connect. Wrap in ``asyncio.timeout``: a server that
     accepts and never answers would otherwise be waited on forever. Raises ``OSError`` when
     the port cannot be reached and a :class:`WireError` when the handshake fails. ``source``:
-    the local address to dial from (None: the kernel's choice); the controller's per-address
-    caps and proof throttle count by it.
+    the local address to dial from (the controller's per-address caps count by it).
     """
     loop = asyncio.get_running_loop()
     _transport, protocol = await loop.create_connection(
