@@ -283,9 +283,9 @@ def parse_server_hello(raw: bytes) -> ServerHello:
 # ----- sockets ---------------------------------------------------------------------------------
 
 
-def connect(port: int, *, within: float = 10.0) -> socket.socket:
-    """A plain TCP connection to the loopback port."""
-    return socket.create_connection(("127.0.0.1", port), timeout=within)
+def connect(port: int, *, within: float = 10.0, source: str = "127.0.0.1") -> socket.socket:
+    """A plain TCP connection to the loopback port, from ``source`` (any of 127/8 on Linux)."""
+    return socket.create_connection(("127.0.0.1", port), timeout=within, source_address=(source, 0))
 
 
 def send_all(sock: socket.socket, data: bytes) -> bool:
@@ -513,10 +513,16 @@ def insist(
 
 
 def insist_on_port(
-    port: int, channel: Channel, credential: Credential, frames: Sequence[Message]
+    port: int,
+    channel: Channel,
+    credential: Credential,
+    frames: Sequence[Message],
+    *,
+    source: str = "127.0.0.1",
 ) -> Insisted:
-    """:func:`insist` on a new connection to the controller port (with the channel's magic)."""
-    with connect(port) as sock:
+    """:func:`insist` on a new connection to the controller port (with the channel's magic), from
+    ``source``."""
+    with connect(port, source=source) as sock:
         return insist(
             sock,
             magic=CHANNEL_MAGIC[channel],

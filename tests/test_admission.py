@@ -85,15 +85,61 @@ def test_an_authenticated_connection_leaves_admission() -> None:
     assert core.release(0) is None
 
 
-def test_handshaking_connections_count_and_age_from_accept() -> None:
+def test_a_full_cap_evicts_the_silent_before_the_routed_before_the_answered() -> None:
     core = _core()
     core.admit(0, "a", 0.0)
     core.admit(1, "a", 0.0)
-    core.handshake(0, 1.0)  # routed later than 1 was accepted, still the oldest
-    core.admit(2, "a", 1.0)
-    assert core.admit(3, "a", 1.0) == Eviction(
-        conn=0, peer="a", pool=Pool.UNAUTHENTICATED, cap=Cap.PER_PEER, limit=3
+    core.admit(2, "a", 0.0)
+    core.handshake(0, 1.0)  # routed, hello not yet accepted
+    core.handshake(1, 1.0)
+    core.answered(1, 1.0, grace=3.0)  # one proof from authenticating, in its grace
+    # the oldest silent one goes first, though it arrived after the routed one
+    assert core.admit(3, "a", 1.5) == Eviction(
+        conn=2, peer="a", pool=Pool.UNAUTHENTICATED, cap=Cap.PER_PEER, limit=3
     )
+    assert core.admit(4, "a", 1.5) is not None  # silent 3 goes
+    # left: 0 routed, 1 answered, 4 silent: the silent, then the routed, then the answered
+    assert [core.admit(i, "a", 2.0).conn for i in (5, 6)] == [4, 5]  # type: ignore[union-attr]
+    assert core.admit(7, "a", 2.0).conn == 6  # type: ignore[union-attr]
+    assert core.stage(0) is Stage.HANDSHAKING
+    assert core.stage(1) is Stage.HANDSHAKING
+
+
+def test_an_answered_connection_is_evicted_only_when_nothing_else_is_left() -> None:
+    core = _core()
+    for i in range(3):
+        core.admit(i, "a", 0.0)
+        core.handshake(i, 0.0)
+    core.answered(0, 0.0, grace=3.0)
+    core.answered(2, 0.0, grace=3.0)
+    assert core.admit(3, "a", 1.0).conn == 1  # type: ignore[union-attr]  # the routed one
+    core.handshake(3, 1.0)
+    core.answered(3, 1.0, grace=3.0)
+    # all three answered, in their grace: the newcomer still gets in, the oldest makes room
+    assert core.admit(4, "a", 1.0).conn == 0  # type: ignore[union-attr]
+
+
+def test_an_answered_connection_past_its_grace_goes_before_a_routed_one() -> None:
+    core = _core()
+    for i in range(3):
+        core.admit(i, "a", 0.0)
+        core.handshake(i, 0.0)
+    core.answered(2, 0.0, grace=0.5)  # overdue for its proof at 1.0
+    assert core.admit(3, "a", 1.0).conn == 2  # type: ignore[union-attr]
+    core.handshake(3, 1.0)
+    core.answered(0, 1.0, grace=0.5)
+    assert core.admit(4, "a", 1.2).conn == 1  # type: ignore[union-attr]  # 0 is in its grace
+
+
+def test_answered_counts_against_the_total_cap_by_progress_too() -> None:
+    core = _core()
+    for i, peer in enumerate("abcdef"):
+        core.admit(i, peer, 0.0)
+        core.handshake(i, 0.0)
+        core.answered(i, 0.0, grace=5.0)
+    assert core.admit(6, "g", 1.0).conn == 0  # type: ignore[union-attr]
+    assert core.admit(7, "h", 1.0).conn == 6  # type: ignore[union-attr]  # the silent newcomer
+    core.answered(99, 1.0, grace=1.0)  # an untracked connection is ignored
 
 
 def test_status_has_its_own_budget() -> None:
@@ -185,6 +231,7 @@ OPS = st.lists(
     st.one_of(
         st.tuples(st.just("admit"), PEERS),
         st.tuples(st.just("handshake"), st.integers(0, 60)),
+        st.tuples(st.just("answer"), st.integers(0, 60)),
         st.tuples(st.just("status"), st.integers(0, 60)),
         st.tuples(st.just("authenticate"), st.integers(0, 60)),
         st.tuples(st.just("close"), st.integers(0, 60)),
@@ -218,9 +265,14 @@ def test_caps_hold_newcomers_get_in_and_the_authenticated_are_never_evicted(
     for op, arg in ops:
         if op == "admit":
             conn, next_id = next_id, next_id + 1
+            silent = {c for c, (p, stage) in model.items() if stage is Stage.SNIFFING}
             eviction = core.admit(conn, str(arg), now)
             if eviction is not None:
                 assert eviction.conn in model
+                # the least progressed go first: one that sent nothing, if its scope holds one
+                scope = {c for c in silent if eviction.cap is Cap.TOTAL or model[c][0] == arg}
+                assert not scope or eviction.conn in scope
+                assert eviction.conn == min(scope, default=eviction.conn)
                 assert eviction.conn not in authenticated
                 assert model.pop(eviction.conn)[1] is not Stage.STATUS
                 evictions += 1
@@ -242,6 +294,8 @@ def test_caps_hold_newcomers_get_in_and_the_authenticated_are_never_evicted(
                 if outcome is not None:
                     assert model.pop(outcome.conn)[1] is Stage.STATUS
                 model[conn] = (model[conn][0], Stage.STATUS)
+        elif op == "answer" and model.get(int(str(arg)), ("", None))[1] is Stage.HANDSHAKING:
+            core.answered(int(str(arg)), now, grace=1.0)
         elif op == "authenticate" and model.get(int(str(arg)), ("", None))[1] is Stage.HANDSHAKING:
             conn = int(str(arg))
             assert core.release(conn) is Stage.HANDSHAKING

@@ -64,6 +64,10 @@ def connection_counters(stats: MuxStatistics) -> Counters:
         # by reason: evicted, handshake_timeout, auth_failed, unknown_magic...
         "dropped": stats.dropped,
         "accept_errors": stats.accept_errors,
+        # failed proofs, answers the proof throttle delayed, addresses it slows now
+        "throttle": stats.throttle,
+        # connections the accept-rate breaker closed at once (also dropped["churning"])
+        "breaker": stats.breaker,
         "open": {
             "total": stats.open_now,
             "unsniffed": stats.unsniffed_now,

@@ -9,9 +9,14 @@ routed to a framed channel, while its handshake runs (:attr:`Stage.HANDSHAKING`)
 made of such connections, so they — and only they — are capped, per peer address and in total.
 A full cap never turns the newcomer away: it evicts the *oldest* unauthenticated connection (of
 that peer for the per-peer cap, overall for the total). A flood therefore churns through its own
-connections, while an honest peer that arrives in the middle of one — even from the same
-address, as an agent and an attacker on one host share 127.0.0.1 — needs only to finish its
-handshake before a cap's worth of newer connections arrive, and each stage has a short deadline
+connections. The oldest goes first within an order of progress: a connection that has sent
+nothing (sniffing), then one whose proof is overdue (its hello was answered more than a grace
+ago), then one routed to a handshake whose hello has not been accepted yet, and only when
+nothing else of that scope is left one whose hello was accepted within its grace
+(:meth:`Admission.answered`). An honest peer that arrives in the middle of a flood — even from
+the same address, as an agent and an attacker on one host share 127.0.0.1 — sends its hello at
+once, so idle connections and half-sent handshakes of a flood are evicted before it, and it
+needs only to prove the key within its grace. Each stage has a short deadline
 (:meth:`Admission.expire`) that ends the stragglers. A connection that authenticated leaves
 admission altogether: it is never counted and never evicted.
 
@@ -248,12 +253,25 @@ def peer_key(host: str) -> str:
     return str(address)
 
 
+class _Progress(enum.Enum):
+    """How far an unauthenticated connection got, in the order a full cap evicts them."""
+
+    SILENT = "sniffing"  # no channel magic yet
+    ROUTED = "routed"  # routed to a handshake; its hello not accepted yet
+    ANSWERED = "answered"  # its hello was accepted: it is one proof from authenticating
+
+
 class _Entry:
-    __slots__ = ("peer", "stage")
+    __slots__ = ("grace_until", "peer", "progress", "stage")
 
     def __init__(self, peer: str, stage: Stage) -> None:
         self.peer = peer
         self.stage = stage
+        self.progress = _Progress.SILENT
+        self.grace_until = 0.0
+
+
+_Ordered = dict[_Progress, OrderedDict[int, None]]
 
 
 class Admission:
@@ -276,13 +294,16 @@ class Admission:
             stage: OrderedDict() for stage in self._timeouts
         }
         self._evicted: Counter[Pool] = Counter()
+        # The unauthenticated pool again, by progress: in all, and by peer (the eviction order).
+        self._progress: _Ordered = {progress: OrderedDict() for progress in _Progress}
+        self._progress_by_peer: dict[str, _Ordered] = {}
 
     def admit(self, conn: int, peer: str, now: float) -> Eviction | None:
         """A newly accepted connection, sniffing until ``now`` + the sniff deadline; it always gets
         in."""
         if conn in self._entries:
             raise ValueError(f"connection {conn} is already admitted")
-        outcome = self._make_room(Pool.UNAUTHENTICATED, peer)
+        outcome = self._make_room(Pool.UNAUTHENTICATED, peer, now)
         assert not isinstance(outcome, Refused)  # unauthenticated caps are at least 1
         self._insert(conn, _Entry(peer, Stage.SNIFFING), now)
         return outcome
@@ -296,6 +317,16 @@ class Admission:
         del self._due[Stage.SNIFFING][conn]
         entry.stage = Stage.HANDSHAKING
         self._due[Stage.HANDSHAKING][conn] = now + self._timeouts[Stage.HANDSHAKING]
+        self._move(conn, entry, _Progress.ROUTED)
+
+    def answered(self, conn: int, now: float, *, grace: float) -> None:
+        """``conn``'s hello was accepted (our answer goes out now or later): until ``now`` +
+        ``grace`` a full cap evicts it last. Its deadline holds; an untracked one is ignored."""
+        entry = self._entries.get(conn)
+        if entry is None or entry.stage is not Stage.HANDSHAKING:
+            return
+        entry.grace_until = now + grace
+        self._move(conn, entry, _Progress.ANSWERED)
 
     def to_status(self, conn: int) -> Eviction | Refused | None:
         """``conn`` was routed to status HTTP: it moves to the status budget (refused: it stays
@@ -303,7 +334,7 @@ class Admission:
         entry = self._entries[conn]
         if entry.stage is not Stage.SNIFFING:
             raise ValueError(f"connection {conn} is {entry.stage.value}, not sniffing")
-        outcome = self._make_room(Pool.STATUS, entry.peer)
+        outcome = self._make_room(Pool.STATUS, entry.peer, 0.0)
         if isinstance(outcome, Refused):
             return outcome
         self._remove(conn)
@@ -380,7 +411,7 @@ class Admission:
 
     # ----- internals -----------------------------------------------------------------------------
 
-    def _make_room(self, pool: Pool, peer: str) -> Eviction | Refused | None:
+    def _make_room(self, pool: Pool, peer: str, now: float) -> Eviction | Refused | None:
         per_peer = self.limits.cap(pool, Cap.PER_PEER)
         if per_peer == 0:
             return Refused(pool=pool)
@@ -388,9 +419,19 @@ class Admission:
         # The per-peer cap first: a flooding peer evicts its own oldest and leaves the others alone.
         # After that the pool has room unless it is full in total, so at most one connection goes.
         if mine is not None and len(mine) >= per_peer:
-            victim, cap = next(iter(mine)), Cap.PER_PEER
+            cap = Cap.PER_PEER
+            victim = (
+                self._least_progressed(self._progress_by_peer[peer], now)
+                if pool is Pool.UNAUTHENTICATED
+                else next(iter(mine))
+            )
         elif len(self._oldest[pool]) >= self.limits.cap(pool, Cap.TOTAL):
-            victim, cap = next(iter(self._oldest[pool])), Cap.TOTAL
+            cap = Cap.TOTAL
+            victim = (
+                self._least_progressed(self._progress, now)
+                if pool is Pool.UNAUTHENTICATED
+                else next(iter(self._oldest[pool]))
+            )
         else:
             return None
         victim_peer = self._entries[victim].peer
@@ -400,6 +441,39 @@ class Admission:
             conn=victim, peer=victim_peer, pool=pool, cap=cap, limit=self.limits.cap(pool, cap)
         )
 
+    def _least_progressed(self, by_progress: _Ordered, now: float) -> int:
+        """The oldest silent, else the oldest overdue for its proof, else the oldest routed, else
+        the oldest answered (grace notwithstanding: the newcomer always gets in)."""
+        silent, routed, answered = (by_progress.get(p) for p in _Progress)
+        if silent:
+            return next(iter(silent))
+        if answered:
+            oldest = next(iter(answered))
+            if self._entries[oldest].grace_until <= now or not routed:
+                return oldest
+        assert routed  # the scope is full, so it holds at least one connection
+        return next(iter(routed))
+
+    def _move(self, conn: int, entry: _Entry, progress: _Progress) -> None:
+        self._unlist(conn, entry)
+        entry.progress = progress
+        self._list(conn, entry)
+
+    def _list(self, conn: int, entry: _Entry) -> None:
+        self._progress[entry.progress][conn] = None
+        mine = self._progress_by_peer.setdefault(entry.peer, {})
+        mine.setdefault(entry.progress, OrderedDict())[conn] = None
+
+    def _unlist(self, conn: int, entry: _Entry) -> None:
+        del self._progress[entry.progress][conn]
+        mine = self._progress_by_peer[entry.peer]
+        listed = mine[entry.progress]
+        del listed[conn]
+        if not listed:
+            del mine[entry.progress]
+            if not mine:
+                del self._progress_by_peer[entry.peer]
+
     def _insert(self, conn: int, entry: _Entry, now: float) -> None:
         pool = _POOL_OF[entry.stage]
         self._entries[conn] = entry
@@ -407,6 +481,8 @@ class Admission:
         self._by_peer[pool].setdefault(entry.peer, OrderedDict())[conn] = None
         if entry.stage in self._due:
             self._due[entry.stage][conn] = now + self._timeouts[entry.stage]
+        if pool is Pool.UNAUTHENTICATED:
+            self._list(conn, entry)
 
     def _remove(self, conn: int) -> None:
         entry = self._entries.pop(conn)
@@ -419,6 +495,8 @@ class Admission:
         due = self._due.get(entry.stage)
         if due is not None:
             del due[conn]
+        if pool is Pool.UNAUTHENTICATED:
+            self._unlist(conn, entry)
 
 
 class TicketState(enum.Enum):
@@ -435,22 +513,39 @@ class AdmissionTicket:
     The mux binds it before ``connection_made``. The protocol calls :meth:`authenticated` once
     the peer proved the key, or :meth:`rejected` when the peer turned out bad; until the first,
     the connection counts against the unauthenticated caps and must authenticate within the
-    handshake deadline, or the mux aborts it (``handshake_timeout``).
+    handshake deadline, or the mux aborts it (``handshake_timeout``). The protocol hands its
+    answer to the peer's hello to :meth:`answer`, which the mux may delay (the proof throttle).
     """
 
-    __slots__ = ("_on_authenticated", "_on_rejected", "_state")
+    __slots__ = ("_on_answer", "_on_authenticated", "_on_rejected", "_state")
 
     def __init__(
-        self, *, on_authenticated: Callable[[], None], on_rejected: Callable[[str, str], None]
+        self,
+        *,
+        on_authenticated: Callable[[], None],
+        on_rejected: Callable[[str, str], None],
+        on_answer: Callable[[Callable[[], None]], None] | None = None,
     ) -> None:
+        """``on_answer(write)``: the mux's say in when the answer to the peer's hello goes out (it
+        calls ``write`` now or after the proof throttle's delay); None writes it at once."""
         self._on_authenticated = on_authenticated
         self._on_rejected = on_rejected
+        self._on_answer = on_answer
         self._state = TicketState.PENDING
 
     @property
     def state(self) -> TicketState:
         """What the protocol has reported so far."""
         return self._state
+
+    def answer(self, write: Callable[[], None]) -> None:
+        """The peer's hello was accepted: ``write()`` sends our answer (the server's proof), at once
+        or after the delay the proof throttle gives the peer's address; never both, and never
+        after the connection was closed (the closer counted why)."""
+        if self._on_answer is None or self._state is not TicketState.PENDING:
+            write()
+        else:
+            self._on_answer(write)
 
     def authenticated(self) -> None:
         """The peer proved the key: stop counting it as unauthenticated, cancel its handshake

@@ -5,11 +5,17 @@ Every connection is a descriptor, and the common soft limit (1,024) is a fractio
 hard limit allows: an unprivileged process may raise its own soft limit up to the hard one, so
 the controller and the stand-alone agent do that once when they start. It never fails a run: a
 platform without ``resource`` (Windows) or a refusal leaves the limit as it was, logged at DEBUG.
+When accept() does fail for want of descriptors, :func:`accept_advice` says what to do, and
+:class:`AcceptFailureHook` takes asyncio's reports of it for the mux.
 """
 
 from __future__ import annotations
 
+import asyncio
+import errno
 import logging
+import typing
+from collections.abc import Callable
 from dataclasses import dataclass
 
 log = logging.getLogger("flodl_async.net")
@@ -92,3 +98,83 @@ def raise_descriptor_limit() -> DescriptorLimit:
         failure,
     )
     return before
+
+
+def accept_advice(code: int, limit: DescriptorLimit) -> str:
+    """What accept() failing with ``code`` means, and what to do about it (a summary note)."""
+    if code == errno.EMFILE:
+        return (
+            f"accept() failed: out of file descriptors (EMFILE; {limit.describe()}): raise "
+            "`ulimit -n`"
+        )
+    if code == errno.ENFILE:
+        return (
+            "accept() failed: the system's file table is full (ENFILE): raise fs.file-max "
+            "(sysctl) or close files elsewhere"
+        )
+    return (
+        "accept() failed: the kernel is out of memory for sockets "
+        f"({errno.errorcode.get(code, code)})"
+    )
+
+
+#: accept() errors asyncio reports (and retries a second later) when the process or the kernel runs
+#: out.
+ACCEPT_RESOURCE_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
+
+_LoopHandler = Callable[[asyncio.AbstractEventLoop, dict[str, typing.Any]], object]
+
+
+class AcceptFailureHook:
+    """Takes the loop's reports of accept() failing for want of descriptors on one server's
+    sockets, and hands each to ``on_failure``; every other report goes where it went before.
+
+    asyncio reports such a failure through the loop's exception handler, once per attempt (up to
+    the backlog per retry) at ERROR with a generic message; the mux turns them into one summary
+    line that names the limit. (uvloop never reports it: libuv accepts and closes the pending
+    connections; the mux's open-connection warning covers it.)
+    """
+
+    def __init__(self, on_failure: Callable[[OSError], None]) -> None:
+        self._on_failure = on_failure
+        self._server: asyncio.Server | None = None
+        self._previous: _LoopHandler | None = None
+        self._installed = False
+
+    def install(self, loop: asyncio.AbstractEventLoop, server: asyncio.Server) -> None:
+        """Take the loop's exception handler for ``server``'s accept failures."""
+        self._server = server
+        self._previous = loop.get_exception_handler()
+        loop.set_exception_handler(self._on_loop_exception)
+        self._installed = True
+
+    def uninstall(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Give the loop its previous handler back (unless someone replaced ours meanwhile)."""
+        if self._installed and loop.get_exception_handler() == self._on_loop_exception:
+            loop.set_exception_handler(self._previous)
+        self._installed = False
+        self._server = None
+
+    def _on_loop_exception(
+        self, loop: asyncio.AbstractEventLoop, context: dict[str, typing.Any]
+    ) -> None:
+        exc = context.get("exception")
+        sock = context.get("socket")
+        if (
+            isinstance(exc, OSError)
+            and exc.errno in ACCEPT_RESOURCE_ERRNOS
+            and sock is not None
+            and self._is_listening_socket(sock)
+        ):
+            self._on_failure(exc)
+        elif self._previous is not None:
+            self._previous(loop, context)
+        else:
+            loop.default_exception_handler(context)
+
+    def _is_listening_socket(self, sock: typing.Any) -> bool:
+        try:
+            fileno = sock.fileno()
+        except (AttributeError, OSError):
+            return False
+        return self._server is not None and any(s.fileno() == fileno for s in self._server.sockets)

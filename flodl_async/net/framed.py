@@ -112,8 +112,7 @@ class FramedProtocol(asyncio.BaseProtocol):
         return self._buffers.allocations
 
     def bind_admission(self, ticket: AdmissionTicket) -> None:
-        """Called by the mux before ``connection_made``: report the handshake's outcome to
-        ``ticket``."""
+        """Called by the mux before ``connection_made``: the handshake is reported to ``ticket``."""
         self._ticket = ticket
 
     # ----- asyncio.Protocol ----------------------------------------------------------------
@@ -155,8 +154,7 @@ class FramedProtocol(asyncio.BaseProtocol):
         self._established.add_done_callback(done)
 
     async def established(self) -> None:
-        """Wait until the handshake proved both sides; raises what failed it (wrap in
-        ``asyncio.timeout``)."""
+        """Wait until the handshake proved both sides; raises what failed it (use a timeout)."""
         await asyncio.shield(self._established)
 
     def _handshake_data(self, data: bytes) -> None:
@@ -167,7 +165,10 @@ class FramedProtocol(asyncio.BaseProtocol):
             self._reject(exc)
             return
         if step.send and self._transport is not None and not self._transport.is_closing():
-            self._write(step.send)
+            if self._ticket is not None and step.failure is None and step.established is None:
+                self._ticket.answer(lambda: self._write(step.send))  # the mux may delay our proof
+            else:
+                self._write(step.send)
         if step.failure is not None:
             self._report_rejection(step.failure)
             self._fail(step.failure)
@@ -637,13 +638,15 @@ async def open_framed(
     limits: FrameLimits | None = None,
     expect_run_id: str | None = None,
     allocate: Callable[[int], bytearray] = bytearray,
+    source: str | None = None,
 ) -> FramedProtocol:
     """Dial the controller port, select ``channel`` with its magic, run the handshake, return the
     link.
 
     One round trip more than the TCP connect. Wrap in ``asyncio.timeout``: a server that
     accepts and never answers would otherwise be waited on forever. Raises ``OSError`` when
-    the port cannot be reached and a :class:`WireError` when the handshake fails.
+    the port cannot be reached and a :class:`WireError` when the handshake fails. ``source``:
+    the local address to dial from (the controller's per-address caps count by it).
     """
     loop = asyncio.get_running_loop()
     _transport, protocol = await loop.create_connection(
@@ -658,6 +661,7 @@ async def open_framed(
         ),
         host,
         port,
+        local_addr=None if source is None else (source, 0),
     )
     return await _handshaken(protocol)
 

@@ -20,6 +20,13 @@ its connection closes; so has the TCPStore channel (torch's client carries no cr
 cap turns newcomers away rather than evict a rank's connection, and whose total is fitted to the
 descriptor limit when the port starts, so held store connections leave room for the rest.
 
+Two more guards sit in front of admission. The accept-rate breaker
+(:mod:`flodl_async.net.arrivals`) closes a connection at once, before any admission or sniffing
+work, when its address opens them faster than the port can afford (``churning``); and the proof
+throttle (:mod:`flodl_async.net.proofthrottle`) holds back the answer to a hello from an address
+whose handshakes failed their proofs (the ticket's ``answer``): a timer writes it later, or the
+connection is closed first by whatever ends it (eviction, its deadline, its peer), and counted.
+
 Every refusal (unknown magic, silence, an early close, no handler, eviction, a handshake that
 timed out or failed) closes that one connection and is counted by reason
 (:meth:`PortMux.statistics`,
@@ -32,6 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import errno
 import functools
 import ipaddress
@@ -57,8 +65,11 @@ from .admission import (
     SummaryLine,
     peer_key,
 )
-from .fdlimit import DescriptorLimit, descriptor_limit
+from .arrivals import ArrivalBreaker, ArrivalPolicy
+from .fdlimit import AcceptFailureHook, DescriptorLimit, accept_advice, descriptor_limit
 from .handover import feed, watch
+from .loop import WakeUp
+from .proofthrottle import ProofThrottle, ThrottlePolicy
 
 log = logging.getLogger("flodl_async.mux")
 
@@ -66,9 +77,11 @@ ProtocolFactory = Callable[[], asyncio.BaseProtocol]
 
 #: Longest prefix we buffer while sniffing: the magic is 4 bytes, more is a peer that talks past it.
 _MAX_SNIFF_BYTES = 64 * 1024
-#: accept() errors asyncio reports (and retries a second later) when the process or the kernel runs
-#: out.
-_ACCEPT_RESOURCE_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
+#: A delayed answer comes at most this share of the handshake deadline after the hello: the rest
+#: is the client's, to prove.
+_MAX_DELAY_SHARE = 0.4
+#: An answered connection's grace against eviction, beyond its delay, as a share of that deadline.
+_PROOF_GRACE_SHARE = 0.2
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -91,6 +104,11 @@ class MuxStatistics:
     status_now: int
     #: TCPStore connections open now.
     store_now: int = 0
+    #: The proof throttle: ``failed_proofs``, ``delayed_answers`` (cumulative), ``addresses_now``.
+    throttle: dict[str, int] = dataclasses.field(default_factory=dict)
+    #: The accept-rate breaker: ``closed`` (cumulative, also ``dropped["churning"]``),
+    #: ``addresses_now``.
+    breaker: dict[str, int] = dataclasses.field(default_factory=dict)
 
 
 def check_bind_host(host: str) -> str:
@@ -126,6 +144,8 @@ class PortMux:
         handshake_timeout: float | None = None,
         limits: AdmissionLimits | None = None,
         summary_interval: float = SUMMARY_INTERVAL,
+        throttle: ThrottlePolicy | None = None,
+        arrivals: ArrivalPolicy | None = None,
     ) -> None:
         self._host = check_bind_host(host)
         self._port = port
@@ -145,6 +165,11 @@ class PortMux:
             handshake_timeout=self._handshake_timeout,
         )
         self._summary = RejectionSummary(interval=summary_interval)
+        self._throttle = ProofThrottle(
+            (throttle or ThrottlePolicy()).capped_at(self._handshake_timeout * _MAX_DELAY_SHARE)
+        )
+        self._proof_grace = self._handshake_timeout * _PROOF_GRACE_SHARE
+        self._breaker = ArrivalBreaker(arrivals)
         self._handlers: dict[Channel, ProtocolFactory] = {}
         self._server: asyncio.Server | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -158,14 +183,11 @@ class PortMux:
         self._routed: collections.Counter[str] = collections.Counter()
         self._accept_errors: collections.Counter[str] = collections.Counter()
         self._unbound_channels: set[Channel] = set()
-        self._deadlines_due = _WakeUp(self._on_deadline)  # the admission core's next deadline
-        self._summary_due = _WakeUp(self._report)  # the rejection summary's next line
+        self._deadlines_due = WakeUp(self._on_deadline)  # the admission core's next deadline
+        self._summary_due = WakeUp(self._report)  # the rejection summary's next line
         self._fd_limit = DescriptorLimit(soft=None, hard=None)
         self._fd_warn_at = math.inf
-        self._previous_handler: (
-            Callable[[asyncio.AbstractEventLoop, dict[str, typing.Any]], object] | None
-        ) = None
-        self._handler_installed = False
+        self._accept_hook = AcceptFailureHook(self._accept_failed)
         #: Whether the descriptor limit lowered the store's total cap (a refusal says so).
         self._store_fitted = False
 
@@ -209,13 +231,8 @@ class PortMux:
             raise ConfigError(
                 f"cannot listen on {self._host}:{self._port}: {exc.strerror or exc}"
             ) from exc
-        # asyncio reports accept() failing for want of descriptors through the loop's exception
-        # handler, once per attempt (up to the backlog per retry) at ERROR with a generic message:
-        # taken here, it becomes one summary line that names the limit. (uvloop never reports it:
-        # libuv accepts and closes the pending connections; the open-connection warning covers it.)
-        self._previous_handler = loop.get_exception_handler()
-        loop.set_exception_handler(self._on_loop_exception)
-        self._handler_installed = True
+        # accept() failing for want of descriptors becomes one summary line that names the limit
+        self._accept_hook.install(loop, self._server)
 
     @property
     def port(self) -> int:
@@ -252,6 +269,7 @@ class PortMux:
     def statistics(self) -> MuxStatistics:
         """What the mux has accepted, routed and dropped so far, and what it holds now."""
         admission = self._admission.statistics()
+        throttle, breaker = self._throttle.statistics(), self._breaker.statistics()
         return MuxStatistics(
             accepted=self._accepted,
             routed=dict(self._routed),
@@ -262,6 +280,12 @@ class PortMux:
             handshaking_now=admission.handshaking,
             status_now=admission.status,
             store_now=admission.store,
+            throttle={
+                "failed_proofs": throttle.failed_proofs,
+                "delayed_answers": throttle.delayed_answers,
+                "addresses_now": throttle.addresses_now,
+            },
+            breaker={"closed": breaker.closed, "addresses_now": breaker.addresses_now},
         )
 
     async def aclose(self) -> None:
@@ -282,12 +306,7 @@ class PortMux:
             line = self._summary.flush(self._loop.time())  # nothing refused goes unreported
             if line is not None:
                 _log_summary(line)
-            if (
-                self._handler_installed
-                and self._loop.get_exception_handler() == self._on_loop_exception
-            ):
-                self._loop.set_exception_handler(self._previous_handler)
-            self._handler_installed = False
+            self._accept_hook.uninstall(self._loop)
         if self._server is not None:
             await self._server.wait_closed()
             self._server = None
@@ -300,13 +319,25 @@ class PortMux:
 
     def _admit(self, sniffer: _Sniffer, host: str) -> int:
         """A new connection: admitted (always; the oldest may make room), under the sniff
-        deadline."""
+        deadline; or, from an address that churns, closed at once (-1)."""
         now = self._now()
         self._accepted += 1
+        peer = sniffer.peer = peer_key(host)
+        if not self._breaker.arrive(peer, now):
+            # no admission, eviction or log line: what the flood costs the loop stays small
+            rate = self._breaker.policy.rate
+            self._summary.record(
+                "churning",
+                now,
+                note=f"closing new connections at once: more than {rate:g} a second from {peer}",
+            )
+            sniffer.abort()
+            self._report(now)
+            return -1
         self._open += 1
         conn = self._next_conn
         self._next_conn += 1
-        eviction = self._admission.admit(conn, peer_key(host), now)
+        eviction = self._admission.admit(conn, peer, now)
         self._held[conn] = sniffer
         if eviction is not None:
             self._evict(eviction)
@@ -357,6 +388,9 @@ class PortMux:
                     f"no channel magic within {self._sniff_timeout:g}s",
                 )
             else:
+                held = self._held.get(expired.conn)
+                if held is not None and held.answered:
+                    self._throttle.failed(held.peer, now)
                 self._end(
                     expired.conn,
                     "handshake_timeout",
@@ -371,35 +405,11 @@ class PortMux:
         assert self._loop is not None
         self._summary_due.arm(self._loop, self._summary.next_due())
 
-    def _on_loop_exception(
-        self, loop: asyncio.AbstractEventLoop, context: dict[str, typing.Any]
-    ) -> None:
-        exc = context.get("exception")
-        sock = context.get("socket")
-        if (
-            isinstance(exc, OSError)
-            and exc.errno in _ACCEPT_RESOURCE_ERRNOS
-            and sock is not None
-            and self._is_listening_socket(sock)
-        ):
-            self._accept_failed(exc)
-        elif self._previous_handler is not None:
-            self._previous_handler(loop, context)
-        else:
-            loop.default_exception_handler(context)
-
-    def _is_listening_socket(self, sock: typing.Any) -> bool:
-        try:
-            fileno = sock.fileno()
-        except (AttributeError, OSError):
-            return False
-        return self._server is not None and any(s.fileno() == fileno for s in self._server.sockets)
-
     def _accept_failed(self, exc: OSError) -> None:
         code = exc.errno if exc.errno is not None else 0
         self._accept_errors[errno.errorcode.get(code, str(code))] += 1
         now = self._now()
-        self._summary.note(_accept_advice(code, self._fd_limit), now)
+        self._summary.note(accept_advice(code, self._fd_limit), now)
         self._report(now)
 
     # ----- routing (called by _Sniffer) --------------------------------------------------------
@@ -411,7 +421,7 @@ class PortMux:
             self._end(conn, "no_handler", f"no {routed.channel.value} service in this run")
             return
         protocol = factory()
-        record = _Routed(conn, transport, sniffer.label)
+        record = _Routed(conn, transport, sniffer.label, sniffer.peer)
         ticket: AdmissionTicket | None = None
         binds = callable(getattr(protocol, "bind_admission", None))
         if routed.channel is Channel.STORE:
@@ -475,7 +485,30 @@ class PortMux:
         return AdmissionTicket(
             on_authenticated=functools.partial(self._authenticated, record),
             on_rejected=functools.partial(self._rejected, record),
+            on_answer=functools.partial(self._answer, record),
         )
+
+    def _answer(self, record: _Routed, write: Callable[[], None]) -> None:
+        """The peer's hello was accepted: our answer goes out now, or after the proof throttle's
+        delay for its address (a connection closed meanwhile was counted by its closer)."""
+        if record.ended:
+            return
+        now = self._now()
+        delay = self._throttle.delay(record.peer, now)
+        self._admission.answered(record.conn, now, grace=delay + self._proof_grace)
+        if delay <= 0.0:
+            record.answered = True
+            write()
+            return
+        assert self._loop is not None
+        record.timer = self._loop.call_later(delay, self._answer_late, record, write)
+
+    def _answer_late(self, record: _Routed, write: Callable[[], None]) -> None:
+        record.timer = None
+        if record.ended or record.transport.is_closing():
+            return
+        record.answered = True
+        write()
 
     def _admit_unbound(self, record: _Routed, channel: Channel) -> None:
         # A protocol that cannot report its handshake: nothing would ever end the deadline, so
@@ -495,6 +528,7 @@ class PortMux:
             return  # too late: the mux already closed it
         self._admission.release(record.conn)
         self._held.pop(record.conn, None)
+        self._throttle.succeeded(record.peer)
 
     def _rejected(self, record: _Routed, reason: str, detail: str) -> None:
         if record.ended:
@@ -502,6 +536,8 @@ class PortMux:
         record.ended = True
         self._admission.release(record.conn)
         self._held.pop(record.conn, None)
+        if record.answered:  # it had our proof and did not prove: a guess, or the wrong key
+            self._throttle.failed(record.peer, self._now())
         self._refuse(reason, record.label, detail)
 
     def _routed_lost(self, record: _Routed) -> None:
@@ -512,9 +548,14 @@ class PortMux:
         self._held.pop(record.conn, None)
         if stage is Stage.HANDSHAKING and not record.ended:
             record.ended = True
+            record.cancel_timer()
+            if record.answered:
+                self._throttle.failed(record.peer, self._now())
             self._refuse("early_close", record.label, "closed before authenticating")
 
     def _sniffer_lost(self, sniffer: _Sniffer) -> None:
+        if sniffer.conn < 0:
+            return  # the breaker closed it: it was never counted open
         self._open -= 1
         self._end(sniffer.conn, "early_close", "connection lost before sending a channel magic")
 
@@ -529,24 +570,6 @@ def _log_summary(line: SummaryLine) -> None:
     log.log(logging.WARNING if line.warning else logging.INFO, "%s", line.text)
 
 
-def _accept_advice(code: int, limit: DescriptorLimit) -> str:
-    """What accept() failing with ``code`` means, and what to do about it (a summary note)."""
-    if code == errno.EMFILE:
-        return (
-            f"accept() failed: out of file descriptors (EMFILE; {limit.describe()}): raise "
-            "`ulimit -n`"
-        )
-    if code == errno.ENFILE:
-        return (
-            "accept() failed: the system's file table is full (ENFILE): raise fs.file-max "
-            "(sysctl) or close files elsewhere"
-        )
-    return (
-        "accept() failed: the kernel is out of memory for sockets "
-        f"({errno.errorcode.get(code, code)})"
-    )
-
-
 def _held_until_closed() -> None:
     """A store connection's ticket: the magic was its VALIDATE, and it stays in the store's pool
     until it closes."""
@@ -559,49 +582,28 @@ class _BindsAdmission(typing.Protocol):
 class _Routed:
     """A routed connection, for as long as admission tracks it (handshake or status)."""
 
-    __slots__ = ("conn", "ended", "label", "transport")
+    __slots__ = ("answered", "conn", "ended", "label", "peer", "timer", "transport")
 
-    def __init__(self, conn: int, transport: asyncio.Transport, label: str) -> None:
+    def __init__(self, conn: int, transport: asyncio.Transport, label: str, peer: str) -> None:
         self.conn = conn
         self.transport = transport
         self.label = label
+        self.peer = peer
         self.ended = False
+        #: Our answer to its hello (with our proof) was written.
+        self.answered = False
+        #: The proof throttle's pending answer.
+        self.timer: asyncio.TimerHandle | None = None
+
+    def cancel_timer(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
 
     def abort(self) -> None:
         self.ended = True
+        self.cancel_timer()
         self.transport.abort()
-
-
-class _WakeUp:
-    """One loop timer for the earliest of a stream of wake-up times: re-armed only for an earlier
-    one."""
-
-    def __init__(self, callback: Callable[[float], None]) -> None:
-        self._callback = callback
-        self._timer: asyncio.TimerHandle | None = None
-        self._at = math.inf
-
-    def arm(self, loop: asyncio.AbstractEventLoop, at: float | None) -> None:
-        """Wake at ``at`` unless already due no later (None: nothing to wake for)."""
-        if at is None or at >= self._at:
-            return
-        if self._timer is not None:
-            self._timer.cancel()
-        self._at = at
-        self._timer = loop.call_at(at, self._fire, loop)
-
-    def _fire(self, loop: asyncio.AbstractEventLoop) -> None:
-        # The loop may run a timer a clock tick early: it was armed for _at, so that is now.
-        now = max(loop.time(), self._at)
-        self._timer = None
-        self._at = math.inf
-        self._callback(now)
-
-    def cancel(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-        self._timer = None
-        self._at = math.inf
 
 
 class _Sniffer(asyncio.Protocol):
@@ -613,6 +615,9 @@ class _Sniffer(asyncio.Protocol):
         self._transport: asyncio.Transport | None = None
         self.conn = -1
         self.label = "?"
+        self.peer = ""
+        #: Never: a sniffer has not reached a handshake (a field the mux reads of either kind).
+        self.answered = False
         self._done = False
         self.saw_eof = False
         self.handed_over = False

@@ -25,7 +25,8 @@ SCHEMA = "flodl-status/1"
 SCHEMA_FAMILY = "flodl-status/"
 
 #: The live counters that ride along with a snapshot (``connections`` in the document):
-#: counter group (``routed``, ``dropped``, ``accept_errors``, ``open``) → name → count.
+#: counter group (``routed``, ``dropped``, ``accept_errors``, ``throttle``, ``breaker``, ``open``)
+#: → name → count.
 Counters = Mapping[str, Mapping[str, int]]
 
 
