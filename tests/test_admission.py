@@ -28,13 +28,12 @@ from flodl_async.net.admission import (
     Expired,
     Pool,
     Refused,
-    RejectionSummary,
     Stage,
-    SummaryLine,
     TicketState,
     peer_key,
     rejection_reason,
 )
+from flodl_async.net.refusals import RejectionSummary, SummaryLine
 
 SMALL = AdmissionLimits(
     max_unauthenticated=6, max_unauthenticated_per_peer=3, max_status=4, max_status_per_peer=2

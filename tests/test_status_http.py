@@ -142,7 +142,7 @@ async def test_unknown_path_lists_the_endpoints(served: tuple[PortMux, StatusBoa
     mux, _ = served
     status, _, body = await asyncio.to_thread(_get, mux.port, "GET", "/nope")
     assert status == 404
-    assert json.loads(body)["endpoints"] == ["/", "/state.json"]
+    assert json.loads(body)["endpoints"] == ["/", "/state.json", "/metrics", "/events"]
 
 
 async def test_dashboard_page(served: tuple[PortMux, StatusBoard]) -> None:

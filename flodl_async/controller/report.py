@@ -1,5 +1,7 @@
 """What the controller says about its run: the status snapshot it publishes, the port's connection
-counters, the join window's banner and the levels of the supervisor's announcements in the log.
+counters, the join window's banner, the levels of the supervisor's announcements in the log, and
+the Trainer's rounds and epochs as events of the run's stream (:class:`RoundTally`,
+:func:`epoch_event`).
 
 Plain functions of what the controller knows at the moment it reports (its plan, the supervisor's
 view, its own verdict); the shell calls them and publishes or logs the result. No I/O here but the
@@ -17,7 +19,10 @@ from ..control.membership import describe_threshold
 from ..control.supervision import SupervisorView
 from ..net.mux import MuxStatistics
 from ..status import Counters, MemberStatus, Phase, RankStatus, StatusSnapshot
+from ..status.events import EpochDone, RankShare, RoundDone
+from ..training.metrics import EpochMetrics
 from ..verdict import RunResult
+from ..wire import messages as m
 
 # the launcher's own logger: the banner is one of its lines
 log = logging.getLogger("flodl_async.cli.launch")
@@ -73,6 +78,7 @@ def connection_counters(stats: MuxStatistics) -> Counters:
             "unsniffed": stats.unsniffed_now,
             "handshaking": stats.handshaking_now,
             "status": stats.status_now,
+            "streams": stats.streams_now,
             "store": stats.store_now,
         },
     }
@@ -127,4 +133,59 @@ def status_snapshot(
         verdict=result.reason if result is not None else "",
         exit_code=int(result.exit_code) if result is not None else None,
         training=training,
+    )
+
+
+class RoundTally:
+    """The ranks' window reports between two committed rounds, told as one :class:`RoundDone`."""
+
+    def __init__(self) -> None:
+        self._batches = 0
+        self._loss_sum = 0.0
+        self._busy_ms = 0.0
+
+    def window(self, report: m.WindowDone) -> None:
+        """One rank's window report (its loss and busy time over its batches)."""
+        self._batches += report.batches
+        self._loss_sum += report.loss_sum
+        self._busy_ms += report.compute_ms + report.data_ms
+
+    def committed(self, round_: int, kind: str, duration_ms: float) -> RoundDone:
+        """The round committed: the windows since the last one, and start counting again."""
+        batches = self._batches
+        done = RoundDone(
+            round=round_,
+            kind=kind,
+            reduce_s=duration_ms / 1000,
+            batches=batches,
+            loss=self._loss_sum / batches if batches else None,
+            step_s=self._busy_ms / 1000 / batches if batches else None,
+        )
+        self._batches, self._loss_sum, self._busy_ms = 0, 0.0, 0.0
+        return done
+
+
+def epoch_event(metrics: EpochMetrics, epochs: int) -> EpochDone:
+    """An epoch the coordinator closed, as an event of the run."""
+    return EpochDone(
+        epoch=metrics.epoch,
+        epochs=epochs,
+        avg_loss=metrics.avg_loss,
+        epoch_s=metrics.epoch_ms / 1000,
+        batches=metrics.batches,
+        reduces=metrics.reduces,
+        avg_reduce_s=metrics.avg_reduce_ms / 1000,
+        anchor=metrics.anchor,
+        per_rank=tuple(
+            RankShare(
+                rank=r.rank,
+                batches=r.batches,
+                batch_share=r.batch_share,
+                throughput=r.throughput,
+                avg_loss=r.avg_loss,
+                alive=r.alive,
+            )
+            for r in metrics.per_rank
+        ),
+        scalars=dict(metrics.scalars),
     )

@@ -481,6 +481,7 @@ class Controller:
             round_runner=self._training_rounds or default_round_runner,
             reference=self._training_reference,
             metrics_sink=self._training_metrics,
+            on_event=self._board.emit,
         )
 
     def _training_changed(self) -> None:

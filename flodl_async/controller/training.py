@@ -42,6 +42,7 @@ from ..control.dispatch import TypeTable
 from ..control.vocab import LOGGING_LEVELS, Announce, Tell, Tick
 from ..errors import ConnectionClosed, FlodlError
 from ..net.framed import FramedProtocol
+from ..status.events import RunEvent
 from ..training.coordination import (
     Action,
     CollectiveDone,
@@ -70,6 +71,7 @@ from ..training.spec import TrainerSpec
 from ..wire import messages as m
 from ..wire.schema import Message
 from .reducer import Reducer
+from .report import RoundTally, epoch_event
 
 if TYPE_CHECKING:
     import torch
@@ -202,6 +204,7 @@ class TrainingShell:
         metrics_sink: Callable[[EpochMetrics], None] | None = None,
         reference: TrainerSpec | None = None,
         clock: Callable[[], float] = time.monotonic,
+        on_event: Callable[[RunEvent], None] = lambda event: None,
     ) -> None:
         self._run_id = run_id
         self._world = world
@@ -218,6 +221,8 @@ class TrainingShell:
         self._metrics_sink = metrics_sink
         self._reference = reference
         self._clock = clock
+        self._on_event = on_event  # the run's event stream: rounds and epochs
+        self._tally = RoundTally()
         self._final_state: Mapping[str, torch.Tensor] | None = None
         self.coordinator: Coordinator | None = None
         self.reducer: RoundRunner | None = None
@@ -281,6 +286,8 @@ class TrainingShell:
                 return
         if self.coordinator is None:
             return  # no Trainer in this run (yet): nothing to coordinate
+        if isinstance(msg, m.WindowDone):
+            self._tally.window(msg)
         if isinstance(msg, m.Intent) and msg.kind == m.Intent.STOP:
             # one rank's TrainingRun.shutdown() stops the whole run in order, as the launcher's does
             self.stop(f"rank {msg.rank} called TrainingRun.shutdown()")
@@ -404,11 +411,12 @@ class TrainingShell:
         assert coordinator is not None
         committed = coordinator.committed
         actions = coordinator.handle(event, self._clock())
-        if isinstance(event, CollectiveDone) and coordinator.committed is not committed:
-            # an all_reduce's consensus, as the reducer's rounds are logged
+        if coordinator.committed is not committed and coordinator.committed is not None:
             done = coordinator.committed
-            assert done is not None
-            log.debug("round %d (%s) committed in %.1f ms", *done)
+            if isinstance(event, CollectiveDone):
+                # an all_reduce's consensus, as the reducer's rounds are logged
+                log.debug("round %d (%s) committed in %.1f ms", *done)
+            self._on_event(self._tally.committed(*done))
         needs_reducer = (
             coordinator.spec is not None
             and self.reducer is None
@@ -535,6 +543,7 @@ class TrainingShell:
         )
         if self._metrics_sink is not None:
             self._metrics_sink(metrics)
+        self._on_event(epoch_event(metrics, spec.epochs if spec is not None else 0))
         self._send(m.EpochAggregated(metrics=metrics))
 
     def _send(self, msg: Message) -> None:

@@ -24,6 +24,12 @@ Status HTTP connections prove nothing (the page is public), so they move to a se
 budget with the same rule (:meth:`Admission.to_status`) and stay there until they close; their
 request deadline is the HTTP protocol's own.
 
+A status connection that asks for the live event stream (``/events``) moves once more, to the
+stream budget (:meth:`Admission.to_stream`), and stays there until it closes. Streams are
+long-lived, like a rank's store connection, so a full stream cap turns the *newcomer* away
+(``503``) and never evicts a watching dashboard; and since they are a budget of their own, no
+flood of short status requests can evict them either.
+
 Store connections (torch's TCPStore protocol, which carries no credential) move to a third
 budget (:meth:`Admission.to_store`) and stay there until they close, capped per address and in
 total like the others. Ranks hold theirs for hours, so a full store cap turns the *newcomer*
@@ -34,7 +40,8 @@ authenticated links.
 
 The pieces are sans-IO: :class:`Admission` takes connection ids, peer keys and ``now`` (a
 monotonic clock) and answers which connection to evict or which have expired;
-:class:`RejectionSummary` turns refusals into at most one log line per interval;
+:class:`~flodl_async.net.refusals.RejectionSummary` turns refusals into at most one log line
+per interval;
 :class:`AdmissionTicket` is the seam through which a framed protocol reports its handshake. The
 port mux (:mod:`flodl_async.net.mux`) performs what they decide.
 """
@@ -58,20 +65,14 @@ from ..errors import (
     WrongToken,
 )
 
-#: Seconds between two summary lines of refused connections. A reporting period, not a deadline:
-#: it does not scale with FLODL_NET_TIMEOUT_SCALE.
-SUMMARY_INTERVAL = 10.0
-#: Distinct notes (why connections were refused, in words) one summary line keeps; more are counted.
-MAX_NOTES = 8
-#: Notes one summary line shows; the rest are summed up as "and N more".
-_SHOWN_NOTES = 3
-
 
 class Pool(enum.Enum):
-    """The budgets: connections that have not proved the key, status HTTP, and the TCPStore."""
+    """The budgets: connections that have not proved the key, status HTTP, the live event streams
+    of status HTTP, and the TCPStore."""
 
     UNAUTHENTICATED = "unauthenticated"
     STATUS = "status"
+    STREAM = "stream"
     STORE = "store"
 
 
@@ -82,6 +83,7 @@ class Stage(enum.Enum):
     SNIFFING = "sniffing"
     HANDSHAKING = "handshaking"
     STATUS = "status"
+    STREAM = "stream"
     STORE = "store"
 
 
@@ -89,6 +91,7 @@ _POOL_OF = {
     Stage.SNIFFING: Pool.UNAUTHENTICATED,
     Stage.HANDSHAKING: Pool.UNAUTHENTICATED,
     Stage.STATUS: Pool.STATUS,
+    Stage.STREAM: Pool.STREAM,
     Stage.STORE: Pool.STORE,
 }
 #: Descriptors the store's cap leaves, beyond the unauthenticated and status pools, to the
@@ -119,7 +122,9 @@ class AdmissionLimits:
     control link, data links), so 64 per address leaves headroom for several hosts behind one
     NAT or on one machine while holding a single flooding address to an eighth of the pool.
     Status is one short request per connection (``Connection: close``): 16 concurrent from one
-    address covers a few dashboards, ``flodl status`` and a scraper; 64 in all. A rank holds one
+    address covers a few dashboards, ``flodl status`` and a scraper; 64 in all. An event stream
+    (``/events``) is one open dashboard or terminal view for as long as it watches: 8 from one
+    address covers a few browser tabs and a ``flodl top``, 32 in all a team. A rank holds one
     store connection (torch's TCPStore client; its process groups share it), so 1,024 per
     address covers the largest hosts and 4,096 in all a large world; under a low descriptor
     limit the total shrinks to fit (:meth:`within_descriptors`): 320 under 1,024.
@@ -130,6 +135,9 @@ class AdmissionLimits:
     #: 0 turns status HTTP away (counted as ``over_capacity``).
     max_status: int = 64
     max_status_per_peer: int = 16
+    #: 0 turns ``/events`` away (503).
+    max_streams: int = 32
+    max_streams_per_peer: int = 8
     max_store: int = 4096
     max_store_per_peer: int = 1024
 
@@ -145,6 +153,11 @@ class AdmissionLimits:
             raise ConfigError(
                 f"admission caps: need 0 <= status per peer ({self.max_status_per_peer}) <= status "
                 f"in total ({self.max_status})"
+            )
+        if not 0 <= self.max_streams_per_peer <= self.max_streams:
+            raise ConfigError(
+                f"admission caps: need 0 <= event streams per peer ({self.max_streams_per_peer}) "
+                f"<= event streams in total ({self.max_streams})"
             )
         if not 1 <= self.max_store_per_peer <= self.max_store:
             raise ConfigError(
@@ -163,6 +176,8 @@ class AdmissionLimits:
             )
         if pool is Pool.STORE:
             return self.max_store_per_peer if cap is Cap.PER_PEER else self.max_store
+        if pool is Pool.STREAM:
+            return self.max_streams_per_peer if cap is Cap.PER_PEER else self.max_streams
         return self.max_status_per_peer if cap is Cap.PER_PEER else self.max_status
 
     def within_descriptors(self, soft_limit: int | None) -> AdmissionLimits:
@@ -170,7 +185,13 @@ class AdmissionLimits:
         :data:`RESERVED_DESCRIPTORS` their descriptors under ``soft_limit`` (None: unlimited)."""
         if soft_limit is None:
             return self
-        room = soft_limit - self.max_unauthenticated - self.max_status - RESERVED_DESCRIPTORS
+        room = (
+            soft_limit
+            - self.max_unauthenticated
+            - self.max_status
+            - self.max_streams
+            - RESERVED_DESCRIPTORS
+        )
         total = min(self.max_store, max(room, MIN_STORE_CONNECTIONS))
         if total == self.max_store:
             return self
@@ -232,6 +253,7 @@ class AdmissionStatistics:
     status: int
     store: int
     evicted: dict[str, int]
+    streams: int = 0
 
 
 def peer_key(host: str) -> str:
@@ -344,17 +366,27 @@ class Admission:
     def to_store(self, conn: int) -> Refused | None:
         """``conn`` was routed to the store: it moves to the store's budget, or is refused (it
         stays where it was; a full store cap never evicts a rank's connection)."""
+        return self._move_held(conn, Stage.SNIFFING, Stage.STORE)
+
+    def to_stream(self, conn: int) -> Refused | None:
+        """``conn``, a status connection, asked for the event stream: it moves to the stream
+        budget, or is refused (it stays a status connection; a full cap never evicts a stream)."""
+        return self._move_held(conn, Stage.STATUS, Stage.STREAM)
+
+    def _move_held(self, conn: int, source: Stage, target: Stage) -> Refused | None:
+        """Move ``conn`` from ``source`` into a pool whose full cap refuses newcomers."""
         entry = self._entries[conn]
-        if entry.stage is not Stage.SNIFFING:
-            raise ValueError(f"connection {conn} is {entry.stage.value}, not sniffing")
-        mine = self._by_peer[Pool.STORE].get(entry.peer, ())
+        if entry.stage is not source:
+            raise ValueError(f"connection {conn} is {entry.stage.value}, not {source.value}")
+        pool = _POOL_OF[target]
+        mine = self._by_peer[pool].get(entry.peer, ())
         # the total first: once fitted to the descriptor limit it is what a refusal must name
-        for cap, held in ((Cap.TOTAL, len(self._oldest[Pool.STORE])), (Cap.PER_PEER, len(mine))):
-            limit = self.limits.cap(Pool.STORE, cap)
+        for cap, held in ((Cap.TOTAL, len(self._oldest[pool])), (Cap.PER_PEER, len(mine))):
+            limit = self.limits.cap(pool, cap)
             if held >= limit:
-                return Refused(pool=Pool.STORE, cap=cap, limit=limit, peer=entry.peer)
+                return Refused(pool=pool, cap=cap, limit=limit, peer=entry.peer)
         self._remove(conn)
-        self._insert(conn, _Entry(entry.peer, Stage.STORE), 0.0)
+        self._insert(conn, _Entry(entry.peer, target), 0.0)
         return None
 
     def release(self, conn: int) -> Stage | None:
@@ -406,6 +438,7 @@ class Admission:
             handshaking=len(self._due[Stage.HANDSHAKING]),
             status=len(self._oldest[Pool.STATUS]),
             store=len(self._oldest[Pool.STORE]),
+            streams=len(self._oldest[Pool.STREAM]),
             evicted={pool.value: n for pool, n in self._evicted.items()},
         )
 
@@ -579,119 +612,3 @@ def rejection_reason(exc: WireError) -> str:
     if isinstance(exc, HandshakeFailed):
         return "bad_handshake"
     return "bad_frame"
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class SummaryLine:
-    """One log line of refusals; ``warning`` when it carries a note (evictions, exhausted
-    resources)."""
-
-    text: str
-    warning: bool
-
-
-class RejectionSummary:
-    """Refused connections, counted by reason and reported at most once per interval.
-
-    The first refusal after a quiet interval is reported at once (an operator sees the first
-    bad agent without waiting); later ones are summed up until ``interval`` has passed since
-    that line. :meth:`next_due` says when the shell should ask :meth:`due` again, so pending
-    counts are reported even if the flood stops. Cumulative counts by reason are in :meth:`totals`.
-    Memory is bounded: reasons come from code, and notes are capped per line (:data:`MAX_NOTES`).
-    """
-
-    def __init__(
-        self,
-        *,
-        interval: float = SUMMARY_INTERVAL,
-        subject: str = "port mux",
-        max_notes: int = MAX_NOTES,
-    ) -> None:
-        self._interval = interval
-        self._subject = subject
-        self._max_notes = max_notes
-        self._totals: Counter[str] = Counter()
-        self._pending: Counter[str] = Counter()
-        self._notes: dict[str, int] = {}
-        self._other_notes = 0
-        self._since: float | None = None
-        self._last_line: float | None = None
-
-    def record(self, reason: str, now: float, *, note: str = "") -> None:
-        """One connection refused for ``reason``; ``note`` says in words why, and makes the line a
-        warning."""
-        self._totals[reason] += 1
-        self._pending[reason] += 1
-        if note:
-            self._add_note(note)
-        if self._since is None:
-            self._since = now
-
-    def note(self, text: str, now: float) -> None:
-        """A problem that is not one connection's (accept failing for want of descriptors): reported
-        as a warning."""
-        self._add_note(text)
-        if self._since is None:
-            self._since = now
-
-    def next_due(self) -> float | None:
-        """When the pending refusals may be reported, or None when nothing is pending."""
-        if self._since is None:
-            return None
-        if self._last_line is None:
-            return self._since
-        return max(self._since, self._last_line + self._interval)
-
-    def due(self, now: float) -> SummaryLine | None:
-        """The summary line, if one is due at ``now``; at most one per interval."""
-        at = self.next_due()
-        if at is None or now < at:
-            return None
-        return self._line(now)
-
-    def flush(self, now: float) -> SummaryLine | None:
-        """Whatever is pending, due or not (the port is closing)."""
-        return None if self._since is None else self._line(now)
-
-    def totals(self) -> dict[str, int]:
-        """Connections refused since the start, by reason."""
-        return dict(self._totals)
-
-    def _add_note(self, text: str) -> None:
-        if text in self._notes:
-            self._notes[text] += 1
-        elif len(self._notes) < self._max_notes:
-            self._notes[text] = 1
-        else:
-            self._other_notes += 1
-
-    def _line(self, now: float) -> SummaryLine:
-        assert self._since is not None
-        window = now - self._since
-        span = f" in the last {window:.3g} s" if window >= 0.05 else ""
-        parts: list[str] = []
-        refused = sum(self._pending.values())
-        if refused:
-            by_reason = ", ".join(
-                f"{n} {reason}"
-                for reason, n in sorted(self._pending.items(), key=lambda item: (-item[1], item[0]))
-            )
-            parts.append(
-                f"refused {refused} connection{'' if refused == 1 else 's'}{span}: {by_reason}"
-            )
-        notes = sorted(self._notes.items(), key=lambda item: (-item[1], item[0]))
-        parts += [text if n == 1 else f"{text} ({n}×)" for text, n in notes[:_SHOWN_NOTES]]
-        hidden = sum(n for _, n in notes[_SHOWN_NOTES:]) + self._other_notes
-        if hidden:
-            parts.append(f"{hidden} more for other reasons")
-        if not refused:
-            parts[0] += span
-        warning = bool(notes) or self._other_notes > 0
-        self._pending.clear()
-        self._notes.clear()
-        self._other_notes = 0
-        self._since = None
-        self._last_line = now
-        return SummaryLine(
-            text=f"{self._subject}: {'; '.join(parts)}; continuing to accept", warning=warning
-        )

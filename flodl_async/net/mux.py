@@ -16,8 +16,10 @@ before ``connection_made`` — and calls ``ticket.authenticated()`` once the pee
 or ``ticket.rejected(reason, detail)``. A protocol without ``bind_admission`` on a framed
 channel cannot say when its peer authenticated, so its connections are admitted once routed,
 as before admission existed. Status HTTP, which proves nothing, has its own small budget until
-its connection closes; so has the TCPStore channel (torch's client carries no credential), whose
-cap turns newcomers away rather than evict a rank's connection, and whose total is fitted to the
+its connection closes, and a request for the live event stream moves its connection to the
+stream budget (the protocol asks through the ``bind_stream`` hook, and answers 503 when
+refused); so has the TCPStore channel (torch's client carries no credential), whose cap turns
+newcomers away rather than evict a rank's connection, and whose total is fitted to the
 descriptor limit when the port starts, so held store connections leave room for the rest.
 
 Two more guards sit in front of admission. The accept-rate breaker
@@ -53,16 +55,13 @@ from ..deadlines import Deadlines
 from ..errors import ConfigError, PortInUseError
 from ..wire.channels import MAGIC_LEN, UNCONSUMED, Channel, NeedMore, Routed, sniff
 from .admission import (
-    SUMMARY_INTERVAL,
     Admission,
     AdmissionLimits,
     AdmissionTicket,
     Cap,
     Eviction,
     Refused,
-    RejectionSummary,
     Stage,
-    SummaryLine,
     peer_key,
 )
 from .arrivals import ArrivalBreaker, ArrivalPolicy
@@ -70,6 +69,7 @@ from .fdlimit import AcceptFailureHook, DescriptorLimit, accept_advice, descript
 from .handover import feed, watch
 from .loop import WakeUp
 from .proofthrottle import ProofThrottle, ThrottlePolicy
+from .refusals import SUMMARY_INTERVAL, RejectionSummary, SummaryLine
 
 log = logging.getLogger("flodl_async.mux")
 
@@ -104,6 +104,8 @@ class MuxStatistics:
     status_now: int
     #: TCPStore connections open now.
     store_now: int = 0
+    #: Live event streams (``/events``) open now.
+    streams_now: int = 0
     #: The proof throttle: ``failed_proofs``, ``delayed_answers`` (cumulative), ``addresses_now``.
     throttle: dict[str, int] = dataclasses.field(default_factory=dict)
     #: The accept-rate breaker: ``closed`` (cumulative, also ``dropped["churning"]``),
@@ -280,6 +282,7 @@ class PortMux:
             handshaking_now=admission.handshaking,
             status_now=admission.status,
             store_now=admission.store,
+            streams_now=admission.streams,
             throttle={
                 "failed_proofs": throttle.failed_proofs,
                 "delayed_answers": throttle.delayed_answers,
@@ -442,6 +445,9 @@ class PortMux:
             self._held[conn] = record
             if outcome is not None:
                 self._evict(outcome)
+            bind_stream = getattr(protocol, "bind_stream", None)
+            if callable(bind_stream):
+                bind_stream(functools.partial(self._to_stream, record))
         else:
             self._admit_unbound(record, routed.channel)
         self._routed[routed.channel.value] += 1
@@ -477,6 +483,18 @@ class PortMux:
             note=refused.describe() + advice,
         )
         return False
+
+    def _to_stream(self, record: _Routed) -> str | None:
+        """A status connection asks to become an event stream: None when admitted to the stream
+        budget, else why not (counted; the protocol answers 503 and closes)."""
+        if record.ended or self._admission.stage(record.conn) is not Stage.STATUS:
+            return "the connection is closing"
+        refused = self._admission.to_stream(record.conn)
+        if refused is not None:
+            why = refused.describe()
+            self._refuse("stream_over_capacity", record.label, why, note=why)
+            return why
+        return None
 
     def _handshake(self, record: _Routed) -> AdmissionTicket:
         self._admission.handshake(record.conn, self._now())

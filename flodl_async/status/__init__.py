@@ -1,9 +1,12 @@
-"""Run status: the snapshot model, the board that serves and streams it, and the dashboard page.
+"""Run status: the snapshot model, the run's events, the board that serves and streams them, the
+metrics and the dashboard page.
 
-``model`` is pure data and its JSON form; ``board`` holds the latest encoded snapshot and its
-subscribers; ``page`` loads the dashboard (``/``) from package data. The HTTP endpoints live in
-:mod:`flodl_async.net.http`: ``net/`` is the only code that opens a socket. ``flodl status``
-imports this package without asyncio (the board defers it).
+``model`` is pure data and its JSON form; ``events`` the typed events of a run and the chronicle
+that derives them from snapshots; ``board`` holds the latest encoded snapshot, the event history
+and their subscribers; ``metrics`` renders ``/metrics`` (``prometheus_client`` is imported on the
+first scrape only); ``page`` loads the dashboard (``/``) from package data. The HTTP endpoints
+live in :mod:`flodl_async.net.http`: ``net/`` is the only code that opens a socket. ``flodl
+status`` imports this package without asyncio (the board defers it).
 
 May import: errors.
 """

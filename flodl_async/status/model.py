@@ -130,7 +130,7 @@ class StatusSnapshot:
 
     def to_document(self) -> dict[str, object]:
         """The document served at ``/state.json``, as plain JSON values (enums as their strings)."""
-        doc = {f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(self)}
+        doc = {f.name: plain(getattr(self, f.name)) for f in dataclasses.fields(self)}
         if self.training is None:
             # additive: a run without Trainer ranks serves the document it always did
             del doc["training"]
@@ -156,14 +156,14 @@ class StatusSnapshot:
         )
 
 
-def _plain(value: object) -> object:
+def plain(value: object) -> object:
     """``value`` as JSON-ready data: enums by value, dataclasses as objects, tuples as arrays."""
     if isinstance(value, enum.Enum):
         return value.value
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+        return {f.name: plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
     if isinstance(value, tuple | list):
-        return [_plain(v) for v in value]
+        return [plain(v) for v in value]
     if isinstance(value, Mapping):
-        return {str(k): _plain(v) for k, v in value.items()}
+        return {str(k): plain(v) for k, v in value.items()}
     return value
