@@ -1,11 +1,10 @@
-"""The status page in a real headless Chromium: its script fetches /state.json and shows the run."""
+"""The status page in a real headless Chromium: its script reads /state.json and /events and shows the run."""
 
 from __future__ import annotations
 
 import asyncio
 import html
 import json
-import shutil
 import time
 from pathlib import Path
 
@@ -24,37 +23,26 @@ from flodl_async.status import (
 )
 from flodl_async.wire import Channel
 
+from .browserkit import CHROMIUM, Chromium
 from .coordkit import training_block_after_a_kill
-
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
 pytestmark = pytest.mark.skipif(
     CHROMIUM is None, reason="chromium is not installed (CI installs Debian's chromium)"
 )
 
 
+def _load(url: str, profile: Path, screenshot: Path | None = None) -> str:
+    """The page's DOM once its script rendered a snapshot (and, if asked, a screenshot of it)."""
+    with Chromium(profile) as browser:
+        browser.navigate(url)
+        browser.wait_for("document.getElementById('run').textContent !== ''")
+        if screenshot is not None:
+            browser.screenshot(screenshot)
+        return browser.dom()
+
+
 async def _render(url: str, profile: Path, screenshot: Path | None = None) -> str:
-    assert CHROMIUM is not None
-    args = [
-        CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-        "--disable-background-networking", "--disable-component-update", "--disable-sync",
-        f"--user-data-dir={profile}", "--virtual-time-budget=5000",
-    ]  # fmt: skip
-    if screenshot is not None:
-        args += [f"--screenshot={screenshot}", "--window-size=900,500"]
-    else:
-        args.append("--dump-dom")
-    proc = await asyncio.create_subprocess_exec(
-        *args, url, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL
-    )
-    try:
-        async with asyncio.timeout(60):
-            out, _ = await proc.communicate()
-    finally:
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()
-    return out.decode()
+    return await asyncio.to_thread(_load, url, profile, screenshot)
 
 
 async def test_status_page_shows_the_trainers_world_and_its_lost_ranks(tmp_path: Path) -> None:

@@ -155,7 +155,7 @@ class RoundTally:
         batches = self._batches
         done = RoundDone(
             round=round_,
-            kind=kind,
+            round_kind=kind,
             reduce_s=duration_ms / 1000,
             batches=batches,
             loss=self._loss_sum / batches if batches else None,

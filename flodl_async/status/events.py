@@ -62,7 +62,7 @@ class RoundDone:
     reported in between)."""
 
     round: int
-    kind: str
+    round_kind: str
     reduce_s: float
     batches: int
     loss: float | None = None
@@ -108,12 +108,12 @@ class RankDied:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RankRecovered:
-    """The run got over ``rank``'s death, ``seconds`` after it: ``regroup`` (training went on
-    without it) or ``restart`` (the world formed again)."""
+    """The run got over ``rank``'s death, ``seconds`` after it, ``by`` a ``regroup`` (training went
+    on without it) or a ``restart`` (the world formed again)."""
 
     rank: int
     host: str
-    kind: str
+    by: str
     seconds: float
 
 
@@ -183,7 +183,8 @@ class Stamped:
         return EVENT_KINDS[type(self.event)]
 
     def to_document(self) -> dict[str, object]:
-        """``{"id", "at", "kind", ...the event's fields}`` as plain JSON values."""
+        """``{"id", "at", "kind", ...the event's fields}`` as plain JSON values (no event has a
+        field named like those three)."""
         fields = {
             f.name: plain(getattr(self.event, f.name)) for f in dataclasses.fields(self.event)
         }
@@ -281,9 +282,9 @@ class Chronicle:
                 self._pending[rank_no] = (died.host, now)
         return events
 
-    def _recover(self, kind: str, now: float) -> list[RunEvent]:
+    def _recover(self, by: str, now: float) -> list[RunEvent]:
         events: list[RunEvent] = [
-            RankRecovered(rank=rank, host=host, kind=kind, seconds=max(0.0, now - at))
+            RankRecovered(rank=rank, host=host, by=by, seconds=max(0.0, now - at))
             for rank, (host, at) in sorted(self._pending.items())
         ]
         self._pending.clear()

@@ -143,7 +143,7 @@ class RunMetrics:
         self.loss = event.avg_loss
 
     def _recovered(self, event: RankRecovered) -> None:
-        self.recoveries[event.kind] += 1
+        self.recoveries[event.by] += 1
         self.recovery_seconds.observe(event.seconds)
 
     def _checkpoint(self, event: CheckpointSaved) -> None:

@@ -140,6 +140,12 @@ def parse(argv: list[str]) -> argparse.Namespace:
         help="with --hold-host: that host's local rank 0 prints HOLDING before its first step and waits for this file",
     )
     p.add_argument(
+        "--hold-steps",
+        default="",
+        help="with --hold-file F: RANK 0 prints HELD STEP S at each of these steps (comma-separated, from 1) "
+        "and waits for the file F.1, F.2, ... (a test watches the run between)",
+    )
+    p.add_argument(
         "--hold-host",
         help="the hostname whose local rank 0 holds (a test inspects the running world meanwhile)",
     )
@@ -167,8 +173,10 @@ def configure_logging(args: argparse.Namespace) -> None:
 def build(args: argparse.Namespace) -> fa.Trainer:
     rank = int(os.environ.get("RANK", "-1"))
     sleep_s = (args.slow_ms if rank == args.slow_rank else args.fast_ms) / 1e3
+    hold_steps = [int(s) for s in args.hold_steps.split(",") if s]
     holding = (
         args.hold_file is not None
+        and not hold_steps
         and rank >= 0
         and socket.gethostname() == args.hold_host
         and os.environ.get("LOCAL_RANK") == "0"
@@ -181,6 +189,11 @@ def build(args: argparse.Namespace) -> fa.Trainer:
         if rank == args.kill_rank and steps == args.kill_batch:
             os.kill(os.getpid(), signal.SIGKILL)
         steps += 1
+        if rank == 0 and steps in hold_steps:
+            print(f"HELD STEP {steps}", flush=True)
+            release = f"{args.hold_file}.{hold_steps.index(steps) + 1}"
+            while not os.path.exists(release):
+                time.sleep(0.05)
         if args.usage:
             # one line per batch, written whole before the step: a rank killed later keeps it
             Path(args.out).mkdir(parents=True, exist_ok=True)
