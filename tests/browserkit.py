@@ -9,6 +9,7 @@ page with a MutationObserver (``wait_for``), and every read from the pipe has a 
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import os
 import select
@@ -162,10 +163,8 @@ class Chromium:
     def close(self) -> None:
         """End the browser (and its helpers: its process group is its own)."""
         for fd in (self._w, self._r):
-            try:
+            with contextlib.suppress(OSError):
                 os.close(fd)
-            except OSError:
-                pass
         if self.proc.poll() is None:
             self.proc.terminate()
             try:

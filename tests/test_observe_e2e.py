@@ -103,7 +103,7 @@ class Prometheus:
             [
                 PROMETHEUS, f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
                 f"--web.listen-address=127.0.0.1:{self.port}", "--log.level=warn",
-            ],  # fmt: skip
+            ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
@@ -172,13 +172,16 @@ def test_a_trainer_run_is_seen_by_prometheus_and_the_live_dashboard(tmp_path: Pa
         _until("Prometheus scraped the run", lambda: prometheus.value("flodl_steps_total") == steps)
         assert prometheus.value("flodl_epoch") == epoch
         loss = prometheus.value("flodl_loss")
-        assert loss is not None and math.isfinite(loss) and loss > 0
+        assert loss is not None
+        assert math.isfinite(loss)
+        assert loss > 0
         assert loss == _exposed(body, "flodl_loss")
         assert prometheus.value("sum(flodl_ranks)") == 2
         up = prometheus.query("flodl_rank_up == 1")
         assert sorted(r["metric"]["rank"] for r in up) == ["0", "1"]  # type: ignore[index]
         reduces = prometheus.value("flodl_reduce_seconds_count")
-        assert reduces is not None and reduces >= 1
+        assert reduces is not None
+        assert reduces >= 1
         assert prometheus.value('flodl_recoveries_total{kind="regroup"}') == 0
 
         with Chromium(tmp_path / "profile") as browser:
