@@ -146,7 +146,9 @@ class Chromium:
 
     def text(self, element_id: str) -> str:
         """The text of the element with this id ('' when none)."""
-        value = self.evaluate(f"(document.getElementById({json.dumps(element_id)}) || {{}}).textContent || ''")
+        value = self.evaluate(
+            f"(document.getElementById({json.dumps(element_id)}) || {{}}).textContent || ''"
+        )
         return str(value)
 
     def dom(self) -> str:
@@ -177,7 +179,10 @@ class Chromium:
         return self
 
     def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
     ) -> None:
         self.close()
 
@@ -185,4 +190,7 @@ class Chromium:
 def artifact_dir() -> Path:
     """Where tests keep what a person should look at after the run (``FLODL_TEST_ARTIFACTS``, or
     ``test-artifacts/`` in the repository, which git ignores)."""
-    return Path(os.environ.get("FLODL_TEST_ARTIFACTS") or Path(__file__).resolve().parent.parent / "test-artifacts")
+    return Path(
+        os.environ.get("FLODL_TEST_ARTIFACTS")
+        or Path(__file__).resolve().parent.parent / "test-artifacts"
+    )

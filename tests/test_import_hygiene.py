@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 
 def test_cli_help_does_not_import_torch() -> None:
@@ -153,3 +154,28 @@ def test_dir_of_the_package_offers_the_public_names_without_loading_them() -> No
     assert "Trainer" in listed
     assert "importlib" not in listed
     assert flags == "True False"
+
+
+def test_a_local_launch_never_imports_prometheus_client(tmp_path: Path) -> None:
+    """/metrics imports prometheus_client on its first scrape only: a launcher that nobody scrapes, from its start
+    through its local ranks to its end, never loads it (-X importtime lists every import of the launcher's own
+    process; the ranks are other processes)."""
+    from .launchkit import PY, assert_nothing_left, new_run_id, script
+
+    run_id = new_run_id()
+    try:
+        done = subprocess.run(
+            [PY, "-X", "importtime", "-m", "flodl_async.cli.launch", "--run-id", run_id, "--nproc", "1",
+             "--devices", "cpu", "--port", "0", "--", PY, script("dump_env.py"), str(tmp_path)],
+            capture_output=True, text=True, timeout=120, check=False,
+        )  # fmt: skip
+    finally:
+        assert_nothing_left(run_id)
+    assert done.returncode == 0, done.stderr
+    imported = {
+        line.rsplit("|", 1)[-1].strip()
+        for line in done.stderr.splitlines()
+        if "import time:" in line
+    }
+    assert "flodl_async.controller.shell" in imported  # the listing is the launcher's own
+    assert not {name for name in imported if name.split(".")[0] == "prometheus_client"}

@@ -38,7 +38,11 @@ def _require_tools() -> None:
     """Skip with the reason where a tool is missing, but fail under CI (.ci/run installs them)."""
     missing = [
         name
-        for name, path in (("prometheus", PROMETHEUS), ("promtool", PROMTOOL), ("chromium", CHROMIUM))
+        for name, path in (
+            ("prometheus", PROMETHEUS),
+            ("promtool", PROMTOOL),
+            ("chromium", CHROMIUM),
+        )
         if path is None
     ]
     if not missing:
@@ -101,8 +105,11 @@ class Prometheus:
         )
         self.proc = subprocess.Popen(
             [
-                PROMETHEUS, f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
-                f"--web.listen-address=127.0.0.1:{self.port}", "--log.level=warn",
+                PROMETHEUS,
+                f"--config.file={config}",
+                f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+                f"--web.listen-address=127.0.0.1:{self.port}",
+                "--log.level=warn",
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
@@ -110,7 +117,9 @@ class Prometheus:
         _until("prometheus ready", lambda: _get(f"http://127.0.0.1:{self.port}/-/ready"))
 
     def query(self, promql: str) -> list[dict[str, object]]:
-        url = f"http://127.0.0.1:{self.port}/api/v1/query?" + urllib.parse.urlencode({"query": promql})
+        url = f"http://127.0.0.1:{self.port}/api/v1/query?" + urllib.parse.urlencode(
+            {"query": promql}
+        )
         doc = json.loads(_get(url))
         assert doc["status"] == "success", doc
         return list(doc["data"]["result"])
@@ -148,7 +157,17 @@ def test_a_trainer_run_is_seen_by_prometheus_and_the_live_dashboard(tmp_path: Pa
     _require_tools()
     port, run_id, hold = free_port(), new_run_id(), tmp_path / "hold"
     # SYNC in lockstep: rank 0 trains half of every epoch (8 steps) however long it is held
-    args = ("--epochs", "3", "--policy", "sync", "--lockstep", "--hold-file", str(hold), "--hold-steps", "12,20")
+    args = (
+        "--epochs",
+        "3",
+        "--policy",
+        "sync",
+        "--lockstep",
+        "--hold-file",
+        str(hold),
+        "--hold-steps",
+        "12,20",
+    )
     run = TrainerRun(tmp_path, port, *args, run_id=run_id)
     prometheus: Prometheus | None = None
     shots = artifact_dir()
@@ -186,7 +205,9 @@ def test_a_trainer_run_is_seen_by_prometheus_and_the_live_dashboard(tmp_path: Pa
 
         with Chromium(tmp_path / "profile") as browser:
             browser.navigate(f"http://127.0.0.1:{port}/")
-            browser.wait_for(f"document.getElementById('epochlosses').textContent.includes('epoch {epoch}:')")
+            browser.wait_for(
+                f"document.getElementById('epochlosses').textContent.includes('epoch {epoch}:')"
+            )
             first_text = browser.text("epochlosses") + browser.text("trainfacts")
             first = browser.screenshot(shots / "dashboard-held-1.png")
             dom = browser.dom()
@@ -197,13 +218,17 @@ def test_a_trainer_run_is_seen_by_prometheus_and_the_live_dashboard(tmp_path: Pa
             later = _training_epoch(port)
             assert later > epoch
             # the same page, not reloaded, shows the next epoch from /events
-            browser.wait_for(f"document.getElementById('epochlosses').textContent.includes('epoch {later}:')")
+            browser.wait_for(
+                f"document.getElementById('epochlosses').textContent.includes('epoch {later}:')"
+            )
             second_text = browser.text("epochlosses") + browser.text("trainfacts")
             second = browser.screenshot(shots / "dashboard-training.png")
             assert second_text != first_text
             assert second != first
             # while the run trains, Prometheus follows it
-            _until("Prometheus saw the next epoch", lambda: prometheus.value("flodl_epoch") == later)
+            _until(
+                "Prometheus saw the next epoch", lambda: prometheus.value("flodl_epoch") == later
+            )
             (tmp_path / "hold.2").touch()
             browser.wait_for("document.getElementById('verdict').textContent !== ''", timeout=120)
             assert browser.text("phase") == "done"
