@@ -216,4 +216,4 @@ def test_state_json_counts_refused_connections_by_reason(tmp_path: Path) -> None
     connections = asyncio.run(main())["connections"]
     assert connections["dropped"] == {"unknown_magic": 1}
     assert connections["accept_errors"] == {}
-    assert set(connections["open"]) == {"total", "unsniffed", "handshaking", "status", "store"}
+    assert set(connections["open"]) == {"total", "unsniffed", "handshaking", "status", "streams", "store"}

@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
 
 #: What the tests that skip without a tool need (hostkit's reasons name the same packages).
-TEST_PACKAGES = {"curl", "chromium", "openssh-server", "openssh-client", "iproute2", "util-linux"}
+TEST_PACKAGES = {"curl", "chromium", "prometheus", "openssh-server", "openssh-client", "iproute2", "util-linux"}
 CPU_TORCH = "--index-url https://download.pytorch.org/whl/cpu"
 
 
