@@ -254,3 +254,14 @@ def test_metrics_before_anything_happened_are_still_the_whole_set() -> None:
     got = _families(board.metrics.exposition(None))
     assert got["flodl_steps_total"] == {(): 0.0}
     assert "flodl_loss" not in got  # no loss is not a loss of 0
+
+
+def test_flodl_status_says_n_a_for_the_store_of_a_cpu_trainers_ranks() -> None:
+    from flodl_async.cli.statusclient import format_status
+
+    snapshot = _snap(1.0, Phase.TRAINING, ranks=_ranks(RankState.CONNECTED))
+    rank = dataclasses.replace(snapshot.ranks[0], store_connected=False)
+    plain = json.loads(dataclasses.replace(snapshot, ranks=(rank,)).to_json())
+    assert " no " in format_status(plain).splitlines()[-1]  # a plain script's rank: really not there
+    trainer = {**plain, "training": {"epoch": 0, "epochs": 2, "policy": "cadence", "backend": "cpu"}}
+    assert " n/a " in format_status(trainer).splitlines()[-1]

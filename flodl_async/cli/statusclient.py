@@ -367,10 +367,12 @@ def format_status(doc: dict[str, object], *, silent_after: float = SILENT_AFTER)
             f"{'UP':>7} {'STORE':<6} {'OUTPUT':>7}  LAST LINE"
         )
         flagged: list[str] = []
+        # a CPU-backend Trainer's ranks rendezvous through the coordinator: no store to reach
+        no_store = isinstance(training, dict) and training.get("backend") == "cpu"
         for rank in rank_rows:
             if not isinstance(rank, dict):
                 continue
-            lines.append(_rank_row(rank))
+            lines.append(_rank_row(rank, no_store=no_store))
             quiet = rank.get("quiet_s")
             if (
                 isinstance(quiet, int | float)
@@ -421,8 +423,9 @@ def _folded(items: object) -> str:
     return ",".join(str(i) for i in items)
 
 
-def _rank_row(rank: Mapping[str, object]) -> str:
-    """One rank of the table; activity columns show ``-`` until its agent's first report."""
+def _rank_row(rank: Mapping[str, object], *, no_store: bool = False) -> str:
+    """One rank of the table; activity columns show ``-`` until its agent's first report, the store
+    ``n/a`` where the ranks use none (``no_store``)."""
 
     def number(key: str, fmt: str) -> str:
         value = rank.get(key)
@@ -437,7 +440,15 @@ def _rank_row(rank: Mapping[str, object]) -> str:
     up = rank.get("uptime_s")
     uptime = format_age(up) if isinstance(up, int | float) and not isinstance(up, bool) else "-"
     connected = rank.get("store_connected")
-    store = "-" if not isinstance(connected, bool) else "yes" if connected else "no"
+    store = (
+        "n/a"
+        if no_store
+        else "-"
+        if not isinstance(connected, bool)
+        else "yes"
+        if connected
+        else "no"
+    )
     cpu = number("cpu_percent", ".0f") + (
         "%" if isinstance(rank.get("cpu_percent"), int | float) else ""
     )
