@@ -112,6 +112,18 @@ class Finished:
     stderr: str
 
 
+def run_flodl(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """The `flodl` command, run to its end (60 s at most)."""
+    return subprocess.run(
+        [PY, "-m", "flodl_async.cli.flodl", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        env=None if env is None else {**os.environ, **env},
+    )
+
+
 def launch_cmd(*args: str, run_id: str) -> list[str]:
     return [PY, "-m", "flodl_async.cli.launch", "--run-id", run_id, *args]
 

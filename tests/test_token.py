@@ -36,7 +36,16 @@ from flodl_async.wire.keys import (
     new_session_secret,
 )
 
-from .launchkit import PY, Launcher, assert_nothing_left, free_port, new_run_id, script, wait_status
+from .launchkit import (
+    PY,
+    Launcher,
+    assert_nothing_left,
+    free_port,
+    new_run_id,
+    run_flodl,
+    script,
+    wait_status,
+)
 
 WRONG_TOKEN_LINE = (
     "the controller's proof did not verify: it holds another cluster token, or it is not our "
@@ -47,14 +56,7 @@ WRONG_TOKEN_LINE = (
 # ----- flodl token new -------------------------------------------------------------------------
 
 
-def _flodl(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [PY, "-m", "flodl_async.cli.flodl", *args],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+_flodl = run_flodl
 
 
 def test_token_new_writes_a_private_fresh_token_and_prints_no_secret(tmp_path: Path) -> None:

@@ -18,6 +18,7 @@ import math
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 from .._version import __version__
 from ..config.addr import DEFAULT_PORT, parse_addr
@@ -26,6 +27,7 @@ from ..errors import ConfigError, NotFlodlStatus
 from ..host.runs import LocalRun, local_runs
 from ..host.secretfile import create_token_file
 from ..verdict import STATUS_EXIT_MEANINGS, StatusExit
+from .eventreplay import replay
 from .statusclient import SILENT_AFTER, fetch_status, format_age, format_status, strip_controls
 
 
@@ -72,6 +74,16 @@ def _ps(args: argparse.Namespace) -> StatusExit:
 
 
 def _status(args: argparse.Namespace) -> StatusExit:
+    if args.from_log is not None:
+        if args.addr is not None:
+            _say("flodl status: --from-log reads a finished run's log; drop --addr", error=True)
+            return StatusExit.USAGE
+        try:
+            _say(replay(args.from_log))
+        except ConfigError as exc:
+            _say(f"flodl status: {exc}", error=True)
+            return StatusExit.UNREACHABLE
+        return StatusExit.OK
     if args.addr is None:  # the local run, when there is exactly one
         runs = local_runs()
         if len(runs) > 1:
@@ -186,7 +198,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         description="Query a controller's status endpoint and print it.",
         epilog="examples:\n  flodl status                      # the run on this machine (flodl ps "
         "lists them)\n"
-        "  flodl status --addr 10.0.0.1:1337 --json\n\n" + _exit_epilog(),
+        "  flodl status --addr 10.0.0.1:1337 --json\n"
+        "  flodl status --from-log logs/flodl-3f9a1c2e   # a finished run, from its event log\n\n"
+        + _exit_epilog(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     status.add_argument(
@@ -195,6 +209,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"else 127.0.0.1:{DEFAULT_PORT})",
     )
     status.add_argument("--json", action="store_true", help="print the raw JSON document")
+    status.add_argument(
+        "--from-log",
+        type=Path,
+        metavar="DIR",
+        help="replay a finished run from its event log (flodl-launch --log-dir DIR writes "
+        "DIR/<run id>/events.jsonl): DIR or DIR/<run id>; exit 1 when there is no log to read",
+    )
     status.add_argument(
         "--silent-after",
         type=float,

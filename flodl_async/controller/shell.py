@@ -78,6 +78,7 @@ from ..wire import messages as m
 from ..wire.channels import Channel
 from ..wire.handshake import join_resolver, session_resolver
 from .agents import agent_launchers, supervisor_config
+from .eventlog import EventLog
 from .hostlinks import HostLinks
 from .launchers import AgentLauncher, ControllerContact
 from .report import announce_window, connection_counters, status_snapshot
@@ -117,6 +118,10 @@ class Controller:
             handshake_timeout=self._deadlines.handshake,
         )
         self._board = StatusBoard(counters=self._connection_counters)
+        # --log-dir: every event of the run in DIR/<run id>/events.jsonl, closed on every way out
+        self._event_log = None if plan.log_dir is None else EventLog(plan.log_dir / plan.run_id)
+        if self._event_log is not None:
+            self._board.add_sink(self._event_log.write)
         self._started_at = time.time()
         self._opened_at = time.monotonic()
         self._supervisor: Supervisor | None = None
@@ -282,6 +287,8 @@ class Controller:
             if self._store is not None:
                 self._store.close()
             await self._mux.aclose()
+            if self._event_log is not None:
+                self._event_log.close(self._board.snapshot)
         assert result is not None  # None only when cancelled, and then CancelledError propagates
         return result
 

@@ -238,7 +238,9 @@ class Chronicle:
             )
             if snapshot.restart_count > 0:
                 events += self._recover("restart", now)
-        events += self._deaths(snapshot, now)
+        if before is None or not before.verdict:
+            # once the run has its verdict, ranks ending in its teardown are not deaths to tell
+            events += self._deaths(snapshot, now)
         if snapshot.verdict and (before is None or not before.verdict):
             events.append(
                 VerdictGiven(

@@ -1,0 +1,121 @@
+"""The event log in --log-dir (DIR/<run id>/events.jsonl and verdict.json), written on every way out — a verdict or
+Ctrl-C — and `flodl status --from-log DIR`, which replays a finished run's summary."""
+
+from __future__ import annotations
+
+import json
+import signal
+from pathlib import Path
+
+import pytest
+
+from flodl_async.cli.eventreplay import find_log, read_events, summarize
+from flodl_async.errors import ConfigError
+from flodl_async.status.events import EpochDone, RoundDone, Stamped, VerdictGiven
+
+from .launchkit import PY, Launcher, new_run_id, run_flodl, run_launch, script
+
+_flodl = run_flodl
+
+
+def _kinds(path: Path) -> list[str]:
+    return [json.loads(line)["kind"] for line in path.read_text().splitlines()]
+
+
+@pytest.mark.e2e
+def test_a_finished_run_leaves_its_events_and_verdict_and_flodl_status_replays_them(
+    tmp_path: Path,
+) -> None:
+    run_id = new_run_id()
+    logs = tmp_path / "logs"
+    done = run_launch(
+        "--nproc", "2", "--devices", "cpu", "--port", "0", "--log-dir", str(logs),
+        "--", PY, script("dump_env.py"), str(tmp_path), run_id=run_id,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    events = logs / run_id / "events.jsonl"
+    kinds = _kinds(events)
+    assert kinds[0] == "phase"
+    assert "host_joined" in kinds
+    assert "world_formed" in kinds
+    assert kinds[-1] == "verdict"
+    ids = [json.loads(line)["id"] for line in events.read_text().splitlines()]
+    assert ids == list(range(1, len(ids) + 1))
+    verdict = json.loads((logs / run_id / "verdict.json").read_text())
+    assert verdict["exit_code"] == 0
+    assert verdict["run_id"] == run_id
+    replayed = _flodl("status", "--from-log", str(logs))
+    assert replayed.returncode == 0, replayed.stderr
+    assert f"run      {run_id}" in replayed.stdout
+    assert f"verdict  {verdict['verdict']} (exit 0)" in replayed.stdout
+    assert "world of 2 rank(s) formed" in replayed.stdout
+
+
+@pytest.mark.e2e
+def test_ctrl_c_still_ends_the_log_with_the_verdict(tmp_path: Path) -> None:
+    run_id = new_run_id()
+    logs = tmp_path / "logs"
+    launcher = Launcher(
+        "--nproc", "1", "--devices", "cpu", "--port", "0", "--log-dir", str(logs), "--tee", "3",
+        "--", PY, script("wait_for_file.py"), str(tmp_path / "never"), run_id=run_id,
+    )  # fmt: skip
+    try:
+        launcher.wait_for_stdout("ready pid")
+        launcher.proc.send_signal(signal.SIGINT)
+        done = launcher.finish()
+    finally:
+        launcher.kill()
+    assert done.returncode == 130, done.stderr
+    kinds = _kinds(logs / run_id / "events.jsonl")
+    assert kinds[-1] == "verdict"
+    assert json.loads((logs / run_id / "verdict.json").read_text())["exit_code"] == 130
+
+
+def _line(stamped: Stamped) -> str:
+    return stamped.to_json().decode()
+
+
+def test_the_replay_tells_the_last_run_of_the_log(tmp_path: Path) -> None:
+    run = tmp_path / "logs" / "run-x"
+    run.mkdir(parents=True)
+    first = Stamped(id=1, at=100.0, event=VerdictGiven(exit_code=1, reason="an earlier attempt"))
+    epoch = EpochDone(
+        epoch=1, epochs=1, avg_loss=0.25, epoch_s=2.0, batches=8, reduces=2, avg_reduce_s=0.1, anchor=4,
+        per_rank=(),
+    )  # fmt: skip
+    later = [
+        Stamped(
+            id=1, at=200.0, event=RoundDone(round=1, round_kind="average", reduce_s=0.5, batches=4)
+        ),
+        Stamped(id=2, at=201.0, event=epoch),
+        Stamped(
+            id=3, at=230.0, event=VerdictGiven(exit_code=0, reason="training complete\x1b[31m")
+        ),
+    ]
+    (run / "events.jsonl").write_text(
+        "\n".join(
+            [_line(first), *(_line(s) for s in later), '{"id": 4, "kind": "verd']
+        )  # cut mid-line
+    )
+    assert find_log(tmp_path / "logs") == run / "events.jsonl"
+    events = read_events(run / "events.jsonl")
+    assert [e["id"] for e in events] == [1, 2, 3]
+    text = summarize("run-x", events)
+    assert "verdict  training complete[31m (exit 0)" in text  # the escape is stripped
+    assert "training 1 epoch(s), 1 round(s), 0.50 s reducing; loss by epoch: 0.25" in text
+    assert "(30s)" in text
+    assert "an earlier attempt" not in text
+
+
+def test_from_log_says_what_is_missing(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="no event log in"):
+        find_log(tmp_path)
+    for run in ("run-a", "run-b"):
+        (tmp_path / run).mkdir()
+        (tmp_path / run / "events.jsonl").write_text("")
+    with pytest.raises(ConfigError, match="holds 2 runs"):
+        find_log(tmp_path)
+    done = _flodl("status", "--from-log", str(tmp_path))
+    assert done.returncode == 1
+    assert "pass one: --from-log" in done.stderr
+    assert _flodl("status", "--from-log", str(tmp_path), "--addr", "127.0.0.1:1").returncode == 2
