@@ -23,6 +23,7 @@ _LAZY = {
     "Entry": "trainer.entry",
     "Worker": "trainer.worker",
     "record_scalar": "trainer.worker",
+    "report": "trainer.worker",
     "Policy": "training.policy",
     "Backend": "training.policy",
     "ElCheConfig": "training.spec",
@@ -50,6 +51,7 @@ __all__ = [  # noqa: RUF022 (grouped as _LAZY is)
     "Entry",
     "Worker",
     "record_scalar",
+    "report",
     "Policy",
     "Backend",
     "ElCheConfig",
@@ -78,7 +80,7 @@ if TYPE_CHECKING:
     )
     from .trainer.entry import Entry
     from .trainer.state import TrainedState
-    from .trainer.worker import Worker, record_scalar
+    from .trainer.worker import Worker, record_scalar, report
     from .training.metrics import EpochMetrics, RankEpochStats
     from .training.outer import DiLoCo, OuterAvg, SlowMo
     from .training.policy import Backend, Policy

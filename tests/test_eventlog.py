@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import json
 import signal
+import subprocess
+import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -13,7 +16,7 @@ from flodl_async.cli.eventreplay import find_log, read_events, summarize
 from flodl_async.errors import ConfigError
 from flodl_async.status.events import EpochDone, RoundDone, Stamped, VerdictGiven
 
-from .launchkit import PY, Launcher, new_run_id, run_flodl, run_launch, script
+from .launchkit import PY, Launcher, free_port, new_run_id, run_flodl, run_launch, script
 
 _flodl = run_flodl
 
@@ -119,3 +122,51 @@ def test_from_log_says_what_is_missing(tmp_path: Path) -> None:
     assert done.returncode == 1
     assert "pass one: --from-log" in done.stderr
     assert _flodl("status", "--from-log", str(tmp_path), "--addr", "127.0.0.1:1").returncode == 2
+
+
+@pytest.mark.e2e
+def test_fa_report_from_a_plain_script_reaches_metrics_and_the_event_log(tmp_path: Path) -> None:
+    run_id, port, release = new_run_id(), free_port(), tmp_path / "release"
+    logs = tmp_path / "logs"
+    launcher = Launcher(
+        "--nproc", "2", "--devices", "cpu", "--port", str(port), "--log-dir", str(logs), "--tee", "3",
+        "--", PY, script("report_scalars.py"), str(release), run_id=run_id,
+    )  # fmt: skip
+    try:
+        launcher.wait_for_stdout("reported rank", count=2)
+        reported = time.monotonic()
+        wanted = ('flodl_scalar{name="loss",rank="0"} 0.5', 'flodl_scalar{name="loss",rank="1"} 1.5',
+                  'flodl_scalar{name="lr",rank="1"} 0.01')  # fmt: skip
+        deadline = reported + 10
+        body = ""
+        while not all(w in body for w in wanted):
+            assert time.monotonic() < deadline, body
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+                body = response.read().decode()
+        assert (
+            time.monotonic() - reported < 5
+        )  # "within a second or two", with room for a busy host
+        release.touch()
+        done = launcher.finish()
+    finally:
+        release.touch()
+        launcher.kill()
+    assert done.returncode == 0, done.stderr
+    scalars = [
+        json.loads(line)
+        for line in (logs / run_id / "events.jsonl").read_text().splitlines()
+        if json.loads(line)["kind"] == "scalars"
+    ]
+    assert {e["rank"] for e in scalars} == {0, 1}
+    assert all(e["scalars"]["loss"] in (0.5, 1.5) for e in scalars)
+
+
+def test_fa_report_outside_a_flodl_run_does_nothing() -> None:
+    code = (
+        "import threading, flodl_async as fa\n"
+        "fa.report(loss=1.0)\nfa.record_scalar('lr', 0.1)\n"
+        "print(threading.active_count(), 'flodl_async.relay.ranklink' in __import__('sys').modules)"
+    )
+    done = subprocess.run([PY, "-c", code], capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["1", "False"]

@@ -31,11 +31,12 @@ from flodl_async.status.events import (
     Restarted,
     RoundDone,
     RunEvent,
+    ScalarsReported,
     Stamped,
     VerdictGiven,
     WorldFormed,
 )
-from flodl_async.status.metrics import METRICS, NOT_FED
+from flodl_async.status.metrics import MAX_SCALAR_SERIES, METRICS, NOT_FED
 
 MEMBER = MemberStatus(host="node-a", ranks=(0, 1), devices=("cpu:0", "cpu:1"), joined_at=1.0)
 
@@ -137,7 +138,7 @@ def _epoch(n: int, loss: float) -> EpochDone:
     )
     return EpochDone(
         epoch=n, epochs=3, avg_loss=loss, epoch_s=1.0, batches=8, reduces=2, avg_reduce_s=0.01, anchor=4,
-        per_rank=(share,),
+        per_rank=(share,), scalars={"acc": 0.5},
     )  # fmt: skip
 
 
@@ -211,6 +212,7 @@ def test_metrics_expose_the_fixed_set_fed_by_events_and_the_snapshot() -> None:
         RoundDone(round=2, round_kind="average", reduce_s=0.2, batches=4, loss=0.5, step_s=0.006)
     )
     # rank 1's failure above was recovered by the first round after it (derived, not emitted)
+    board.emit(ScalarsReported(rank=0, scalars={"lr": 0.01}))
     board.emit(CheckpointSaved(epoch=1, path="/ck", seconds=1.5))
     text = board.metrics.exposition(board.snapshot)
     got = _families(text)
@@ -241,11 +243,13 @@ def test_metrics_expose_the_fixed_set_fed_by_events_and_the_snapshot() -> None:
     assert got["flodl_step_seconds_count"] == {(): 2.0}
     assert got["flodl_recovery_seconds_count"] == {(): 1.0}
     assert got["flodl_checkpoint_seconds_count"] == {(): 1.0}
+    assert got["flodl_scalar"] == {(("name", "lr"), ("rank", "0")): 0.01}
     # an epoch moves the epoch and the loss
     board.emit(_epoch(2, 0.25))
     again = _families(board.metrics.exposition(board.snapshot))
     assert again["flodl_epoch"] == {(): 2.0}
     assert again["flodl_loss"] == {(): 0.25}
+    assert again["flodl_scalar"][(("name", "acc"), ("rank", "all"))] == 0.5  # the epoch's scalars
     assert set(NOT_FED) <= set(METRICS)
 
 
@@ -262,6 +266,30 @@ def test_flodl_status_says_n_a_for_the_store_of_a_cpu_trainers_ranks() -> None:
     snapshot = _snap(1.0, Phase.TRAINING, ranks=_ranks(RankState.CONNECTED))
     rank = dataclasses.replace(snapshot.ranks[0], store_connected=False)
     plain = json.loads(dataclasses.replace(snapshot, ranks=(rank,)).to_json())
-    assert " no " in format_status(plain).splitlines()[-1]  # a plain script's rank: really not there
-    trainer = {**plain, "training": {"epoch": 0, "epochs": 2, "policy": "cadence", "backend": "cpu"}}
+    assert (
+        " no " in format_status(plain).splitlines()[-1]
+    )  # a plain script's rank: really not there
+    trainer = {
+        **plain,
+        "training": {"epoch": 0, "epochs": 2, "policy": "cadence", "backend": "cpu"},
+    }
     assert " n/a " in format_status(trainer).splitlines()[-1]
+
+
+def test_reported_scalars_are_bounded_in_series_and_checked_at_the_controller() -> None:
+    from flodl_async.controller.report import MAX_NAME_LENGTH, scalars_event
+    from flodl_async.wire.scalars import Report
+
+    board = StatusBoard()
+    for i in range(MAX_SCALAR_SERIES + 5):
+        board.emit(ScalarsReported(rank=0, scalars={f"s{i}": 1.0}))
+    board.emit(ScalarsReported(rank=0, scalars={"s0": 2.0}))  # a kept series still moves
+    assert len(board.metrics.scalars) == MAX_SCALAR_SERIES
+    assert board.metrics.scalars_dropped == 5
+    assert board.metrics.scalars[("s0", "0")] == 2.0
+    event = scalars_event(
+        Report(rank=3, scalars={"ok": 1.0, "": 2.0, "x" * (MAX_NAME_LENGTH + 1): 3.0, "bad\n": 4.0,
+                                "nan": float("nan")})
+    )  # fmt: skip
+    assert event == ScalarsReported(rank=3, scalars={"ok": 1.0})
+    assert scalars_event(Report(rank=3, scalars={"inf": float("inf")})) is None

@@ -31,6 +31,7 @@ from flodl_async.wire import messages as m
 from flodl_async.wire.frame import HEADER, HEADER_LEN, TAG_LEN, Frame, FrameLimits
 from flodl_async.wire.handshake import PROTOCOL_VERSION
 from flodl_async.wire.legality import LEGAL_KINDS
+from flodl_async.wire.scalars import Report
 from flodl_async.wire.schema import Message, pack_message
 
 from .trainerwire import CONTROL_DOWN, CONTROL_UP
@@ -98,6 +99,7 @@ SAMPLES: dict[tuple[Channel, Direction], list[Message]] = {
     (Channel.CONTROL, UP): [
         m.RankHello(rank=1, local_rank=1, world_size=2, pid=7),
         m.Heartbeat(sent_at=1.0, rank=1),
+        Report(rank=1, scalars={"loss": 0.25, "lr": 1e-3}),
         *CONTROL_UP,
     ],
     (Channel.CONTROL, DOWN): [

@@ -50,6 +50,7 @@ from ..net.framed import FramedProtocol, tcp_endpoints
 from ..net.portstore import PortStore
 from ..wire import messages as m
 from ..wire.handshake import PROTOCOL_VERSION
+from ..wire.scalars import Report
 from ..wire.schema import Message
 from .joinlink import HOST_EVENTS, with_secret_for_token_agent
 from .training import TrainingShell
@@ -76,8 +77,10 @@ class HostLinks:
         dispatch: Dispatch,
         note: Callable[[LinkEvent], None],
         training: Callable[[], TrainingShell | None],
+        report: Callable[[Report], None] = lambda msg: None,
     ) -> None:
         self._plan = plan
+        self._report = report  # a rank's fa.report scalars: to the run's event stream
         self._output = output
         self._store = store
         self._dispatch = dispatch
@@ -224,6 +227,8 @@ class HostLinks:
                     self._dispatch(RankConnected(rank=msg.rank, pid=msg.pid))
                     training.bind_rank(msg.rank, link)
                     link.send(m.RankWelcome(rank=msg.rank, run_id=self._plan.run_id))
+                elif isinstance(msg, Report):
+                    self._report(msg)
                 # the relay's own beat: its link's liveness, no rank's
                 elif isinstance(msg, m.Heartbeat) and msg.relay:
                     self._note(RelayBeat(link=link, rank=msg.rank))

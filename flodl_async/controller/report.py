@@ -11,6 +11,7 @@ banner's log lines.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Mapping
 
@@ -19,10 +20,11 @@ from ..control.membership import describe_threshold
 from ..control.supervision import SupervisorView
 from ..net.mux import MuxStatistics
 from ..status import Counters, MemberStatus, Phase, RankStatus, StatusSnapshot
-from ..status.events import EpochDone, RankShare, RoundDone
+from ..status.events import EpochDone, RankShare, RoundDone, ScalarsReported
 from ..training.metrics import EpochMetrics
 from ..verdict import RunResult
 from ..wire import messages as m
+from ..wire.scalars import Report
 
 # the launcher's own logger: the banner is one of its lines
 log = logging.getLogger("flodl_async.cli.launch")
@@ -189,3 +191,19 @@ def epoch_event(metrics: EpochMetrics, epochs: int) -> EpochDone:
         ),
         scalars=dict(metrics.scalars),
     )
+
+
+#: What a rank's ``fa.report`` may name: at most this many scalars a report, each name this long.
+MAX_REPORTED_NAMES = 64
+MAX_NAME_LENGTH = 100
+
+
+def scalars_event(report: Report) -> ScalarsReported | None:
+    """A rank's report as an event: printable names of at most :data:`MAX_NAME_LENGTH` characters
+    and finite values, the first :data:`MAX_REPORTED_NAMES` of them (None when none is left)."""
+    kept = {
+        name: float(value)
+        for name, value in list(report.scalars.items())[:MAX_REPORTED_NAMES]
+        if 0 < len(name) <= MAX_NAME_LENGTH and name.isprintable() and math.isfinite(value)
+    }
+    return ScalarsReported(rank=report.rank, scalars=kept) if kept else None

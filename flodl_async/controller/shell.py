@@ -77,11 +77,12 @@ from ..verdict import ExitCode, RunResult
 from ..wire import messages as m
 from ..wire.channels import Channel
 from ..wire.handshake import join_resolver, session_resolver
+from ..wire.scalars import Report
 from .agents import agent_launchers, supervisor_config
 from .eventlog import EventLog
 from .hostlinks import HostLinks
 from .launchers import AgentLauncher, ControllerContact
-from .report import announce_window, connection_counters, status_snapshot
+from .report import announce_window, connection_counters, scalars_event, status_snapshot
 from .training import (
     RoundRunner,
     RoundRunnerFactory,
@@ -148,6 +149,7 @@ class Controller:
             dispatch=self._dispatch,
             note=self._note,
             training=lambda: self._training,
+            report=self._reported,
         )
         self._carry_out = self._carry_out_table()
 
@@ -490,6 +492,11 @@ class Controller:
             metrics_sink=self._training_metrics,
             on_event=self._board.emit,
         )
+
+    def _reported(self, report: Report) -> None:
+        event = scalars_event(report)
+        if event is not None:
+            self._board.emit(event)
 
     def _training_changed(self) -> None:
         self._publish()  # the status page's training block

@@ -68,6 +68,7 @@ from ..wire import messages as m
 from ..wire.channels import Channel
 from ..wire.handshake import PeerHello
 from ..wire.keys import Credential, CredentialKind, rank_credential_key
+from ..wire.scalars import Report
 from ..wire.schema import Message
 from .fold import HELLO_LIMITS, HostFold, HostFoldStatistics
 from .upstream import LocalReducerSource
@@ -92,6 +93,7 @@ RANK_ADDRESS: Mapping[type[Message], Callable[[Message], int]] = dict(
         _address(m.RankHello, lambda msg: msg.rank),
         _address(m.RankWelcome, lambda msg: msg.rank),
         _address(m.Heartbeat, lambda msg: msg.rank),
+        _address(Report, lambda msg: msg.rank),
         # The Trainer's coordinator protocol; down, rank -1 is every local rank.
         *(
             _address(cls, lambda msg: msg.rank)  # type: ignore[attr-defined]

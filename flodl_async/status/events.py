@@ -134,6 +134,14 @@ class CheckpointSaved:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class ScalarsReported:
+    """A rank reported named scalars (``fa.report``): the latest value of each."""
+
+    rank: int
+    scalars: Mapping[str, float]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class VerdictGiven:
     """The run ended: its exit code and why."""
 
@@ -151,6 +159,7 @@ RunEvent = (
     | RankRecovered
     | Restarted
     | CheckpointSaved
+    | ScalarsReported
     | VerdictGiven
 )
 
@@ -165,6 +174,7 @@ EVENT_KINDS: Mapping[type, str] = {
     RankRecovered: "rank_recovered",
     Restarted: "restart",
     CheckpointSaved: "checkpoint",
+    ScalarsReported: "scalars",
     VerdictGiven: "verdict",
 }
 

@@ -25,7 +25,14 @@ from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
-from .events import CheckpointSaved, EpochDone, RankRecovered, RoundDone, Stamped
+from .events import (
+    CheckpointSaved,
+    EpochDone,
+    RankRecovered,
+    RoundDone,
+    ScalarsReported,
+    Stamped,
+)
 from .model import RankState, StatusSnapshot
 
 #: The ``Content-Type`` of ``/metrics``: the text format 0.0.4, which every Prometheus reads.
@@ -58,7 +65,15 @@ METRICS: Mapping[str, tuple[str, str]] = {
     "flodl_recoveries_total": ("counter", "Ranks the run got over, by kind (regroup, restart)."),
     "flodl_recovery_seconds": ("histogram", "From a rank's death to the run going on without it."),
     "flodl_checkpoint_seconds": ("histogram", "Time to write each checkpoint."),
+    "flodl_scalar": (
+        "gauge",
+        "The latest value of each named scalar a rank reported (fa.report; rank 'all': a Trainer "
+        "epoch's average over its ranks).",
+    ),
 }
+#: Distinct (name, rank) series ``flodl_scalar`` keeps: a script that reports ever new names
+#: must not grow the scrape (or Prometheus) without bound; later ones are counted, not kept.
+MAX_SCALAR_SERIES = 256
 #: Metrics exposed with no source in this version: nothing emits checkpoints yet, and only the
 #: data channel's inbound tensor bytes are counted.
 NOT_FED = ("flodl_checkpoint_seconds",)
@@ -113,6 +128,9 @@ class RunMetrics:
         self.reduce_seconds = _Histogram(_STEP_BUCKETS)
         self.recovery_seconds = _Histogram(_LONG_BUCKETS)
         self.checkpoint_seconds = _Histogram(_LONG_BUCKETS)
+        self.scalars: dict[tuple[str, str], float] = {}
+        #: Reported values left out for :data:`MAX_SCALAR_SERIES`.
+        self.scalars_dropped = 0
         self._registry: object | None = None
         self._snapshot: StatusSnapshot | None = None
         # which events change what (a table, as the codebase dispatches)
@@ -121,6 +139,7 @@ class RunMetrics:
             EpochDone: self._epoch,
             RankRecovered: self._recovered,
             CheckpointSaved: self._checkpoint,
+            ScalarsReported: self._reported,
         }
 
     def observe(self, stamped: Stamped) -> None:
@@ -141,6 +160,18 @@ class RunMetrics:
     def _epoch(self, event: EpochDone) -> None:
         self.epoch = event.epoch
         self.loss = event.avg_loss
+        self._scalars(event.scalars, "all")
+
+    def _reported(self, event: ScalarsReported) -> None:
+        self._scalars(event.scalars, str(event.rank))
+
+    def _scalars(self, values: Mapping[str, float], rank: str) -> None:
+        for name, value in values.items():
+            key = (name, rank)
+            if key in self.scalars or len(self.scalars) < MAX_SCALAR_SERIES:
+                self.scalars[key] = value
+            else:
+                self.scalars_dropped += 1
 
     def _recovered(self, event: RankRecovered) -> None:
         self.recoveries[event.by] += 1
@@ -213,6 +244,10 @@ class RunMetrics:
                 _Sample(labels={"kind": kind}, value=self.recoveries[kind])
                 for kind in ("regroup", "restart")
             ],
+            "flodl_scalar": [
+                _Sample(labels={"name": name, "rank": rank}, value=value)
+                for (name, rank), value in sorted(self.scalars.items())
+            ],
         }
 
     def histograms(self) -> dict[str, _Histogram]:
@@ -260,6 +295,7 @@ _LABELS: Mapping[str, list[str]] = {
     "flodl_rank_up": ["host", "rank"],
     "flodl_heartbeat_age_seconds": ["host", "rank"],
     "flodl_connections_refused_total": ["reason"],
+    "flodl_scalar": ["name", "rank"],
 }
 
 

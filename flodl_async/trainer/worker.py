@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import collections
 import math
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -26,7 +27,8 @@ from dataclasses import dataclass, field
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Protocol
 
-from ..errors import ConfigError
+from ..config.roles import Role, detect_role
+from ..errors import ConfigError, RoleError
 from ..training.partition import permutation
 
 if TYPE_CHECKING:
@@ -34,6 +36,7 @@ if TYPE_CHECKING:
     from torch import nn
 
     from ..training.metrics import EpochMetrics
+    from .reporter import Reporter
 
 #: What ``collate`` returns and ``train_step`` takes: the user's business.
 Batch = Any
@@ -41,17 +44,51 @@ Batch = Any
 _sink = threading.local()
 
 
-def record_scalar(name: str, value: float) -> None:
-    """Record a named scalar from inside ``train_step``; it is averaged per epoch over every rank's
-    records.
+def report(**scalars: float) -> None:
+    """Report named scalars (``fa.report(loss=..., lr=...)``) to the run's status.
 
-    Outside a Trainer's step it is ignored (a script can call it unconditionally).
+    Inside a Trainer's ``train_step`` they are averaged per epoch over every rank's reports (the
+    epoch's metrics, on the page and in ``/metrics`` as ``flodl_scalar{rank="all"}``). Anywhere
+    else in a flodl rank — a plain torchrun-contract script — the latest value of each goes up
+    this host's relay within a second (``flodl_scalar{name,rank}``, the page, the event log).
+    Outside a flodl run it does nothing, so a script keeps working under torchrun or alone.
     """
     stats: WindowStats | None = getattr(_sink, "stats", None)
-    if stats is None:
+    if stats is not None:
+        for name, value in scalars.items():
+            stats.scalar_sums[name] = stats.scalar_sums.get(name, 0.0) + float(value)
+            stats.scalar_counts[name] = stats.scalar_counts.get(name, 0) + 1
         return
-    stats.scalar_sums[name] = stats.scalar_sums.get(name, 0.0) + float(value)
-    stats.scalar_counts[name] = stats.scalar_counts.get(name, 0) + 1
+    reporter = _reporter()
+    if reporter is not None:
+        reporter.offer(scalars)
+
+
+def record_scalar(name: str, value: float) -> None:
+    """The older name of :func:`report` for one scalar: ``report(**{name: value})``."""
+    report(**{name: value})
+
+
+_reporter_lock = threading.Lock()
+_reporter_made: list[Reporter | None] = []  # empty until the first report outside a step
+
+
+def _reporter() -> Reporter | None:
+    """This process's reporter: made on the first report of a flodl rank, None anywhere else."""
+    with _reporter_lock:
+        if not _reporter_made:
+            try:
+                rank = detect_role(os.environ) is Role.RANK
+            except RoleError:  # a mixed-up environment is the launch's to report, not a metric's
+                rank = False
+            if rank:
+                # deferred: start path — the relay link's modules load on the first report only
+                from .reporter import Reporter
+
+                _reporter_made.append(Reporter())
+            else:
+                _reporter_made.append(None)
+        return _reporter_made[0]
 
 
 @dataclass(slots=True)

@@ -76,6 +76,7 @@ from .messages import (
     WindowDone,
     WorldFormed,
 )
+from .scalars import Report
 from .schema import Message
 
 UP = Direction.TO_CONTROLLER
@@ -113,6 +114,7 @@ LEGAL_KINDS: Mapping[tuple[Channel, Direction], frozenset[type[Message]]] = Mapp
                 Exiting,
                 Intent,
                 RankStateSaved,
+                Report,
             }
         ),
         (Channel.CONTROL, DOWN): frozenset(
