@@ -12,10 +12,11 @@ first moves to the port's stream budget (the mux's ``bind_stream`` hook; a full
 budget is a 503), then gets the current snapshot (``event: snapshot``), the
 recorded events after the client's ``Last-Event-ID`` (all the history holds, for
 a new client), and from then on each event as it is recorded (``id:`` its
-sequence number) and a fresh ``snapshot`` whenever one is published. Writes are
-coalesced to one per loop turn; a client that leaves more than
-:data:`MAX_STREAM_BACKLOG` bytes unread is dropped, so it never holds the
-controller back. The protocol has no task: the board's subscriptions call it.
+sequence number) and a fresh ``snapshot`` when one is published (at most one a
+:data:`SNAPSHOT_INTERVAL`, the latest). Writes are coalesced to one per loop
+turn; a client that leaves more than :data:`MAX_STREAM_BACKLOG` bytes unread is
+dropped, so it never holds the controller back. The protocol has no task: the
+board's subscriptions call it.
 """
 
 from __future__ import annotations
@@ -47,6 +48,9 @@ MAX_STREAM_BACKLOG = 1 << 20
 STREAM_KEEPALIVE = 15.0
 #: How long an ``EventSource`` waits before it reconnects (sent as ``retry:``, milliseconds).
 STREAM_RETRY_MS = 2000
+#: Seconds between two snapshots on one stream (events are never held back): a busy controller
+#: publishes many a second, and a large world's snapshot is large.
+SNAPSHOT_INTERVAL = 1.0
 
 
 class StatusHttpProtocol(asyncio.Protocol):
@@ -295,6 +299,8 @@ class _EventStream:
         self._events: Subscription[Stamped] = board.subscribe_events(notify=self._due)
         self._snapshots: Subscription[StatusSnapshot] = board.subscribe(1, notify=self._due)
         self._keepalive = self._loop.call_later(STREAM_KEEPALIVE, self._ping)
+        self._snapshot_sent = self._loop.time()
+        self._snapshot_timer: asyncio.TimerHandle | None = None
         out = [f"retry: {STREAM_RETRY_MS}\n".encode()]
         encoded = board.encoded_for(local=local)
         if encoded is not None:  # the snapshot first
@@ -322,12 +328,22 @@ class _EventStream:
             self._drop()
             return
         if self._snapshot_due:
-            self._snapshot_due = False
-            encoded = self._board.encoded_for(local=self._local)
-            if encoded is not None:
-                out.append(b"event: snapshot\ndata: " + encoded + b"\n\n")
+            wait = self._snapshot_sent + SNAPSHOT_INTERVAL - self._loop.time()
+            if wait > 0:
+                if self._snapshot_timer is None:
+                    self._snapshot_timer = self._loop.call_later(wait, self._snapshot_paced)
+            else:
+                self._snapshot_due = False
+                self._snapshot_sent = self._loop.time()
+                encoded = self._board.encoded_for(local=self._local)
+                if encoded is not None:
+                    out.append(b"event: snapshot\ndata: " + encoded + b"\n\n")
         if out:
             self._write(b"".join(out))
+
+    def _snapshot_paced(self) -> None:
+        self._snapshot_timer = None
+        self._flush()
 
     def _ping(self) -> None:
         self._write(b": keepalive\n\n")
@@ -358,6 +374,8 @@ class _EventStream:
         self._events.close()
         self._snapshots.close()
         self._keepalive.cancel()
+        if self._snapshot_timer is not None:
+            self._snapshot_timer.cancel()
 
 
 def _frame_event(stamped: Stamped) -> bytes:
