@@ -170,3 +170,10 @@ def test_fa_report_outside_a_flodl_run_does_nothing() -> None:
     done = subprocess.run([PY, "-c", code], capture_output=True, text=True, timeout=60, check=False)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["1", "False"]
+
+
+def test_fa_report_says_which_value_is_not_a_number() -> None:
+    from flodl_async.trainer.worker import report
+
+    with pytest.raises(TypeError, match=r"fa.report: loss='low' is not a number"):
+        report(loss="low")  # type: ignore[arg-type]

@@ -196,3 +196,15 @@ async def test_metrics_answer_in_the_text_format() -> None:
     assert b"content-type: text/plain; version=0.0.4; charset=utf-8" in head.lower()
     assert b"# TYPE flodl_steps_total counter" in body
     assert b"# TYPE flodl_reduce_seconds histogram" in body
+
+
+async def test_head_of_events_answers_without_a_stream() -> None:
+    board = StatusBoard()
+    async with _serving(board) as mux:
+        reader, writer = await asyncio.open_connection("127.0.0.1", mux.port)
+        writer.write(b"HEAD /events HTTP/1.0\r\n\r\n")
+        answer = await asyncio.wait_for(reader.read(), 10)
+        writer.close()
+    assert answer.startswith(b"HTTP/1.1 200")
+    assert b"text/event-stream" in answer
+    assert mux.statistics().streams_now == 0

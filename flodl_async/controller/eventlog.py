@@ -3,7 +3,8 @@
 Every event the status board records (:mod:`flodl_async.status.events`) is one JSON object a line,
 with its id and wall-clock time, written as it happens: the board calls :meth:`EventLog.write` as
 one of its sinks. Lines are flushed at once, except a Trainer round's (rounds can come every few
-milliseconds; they reach the disk with the next other event, or at the close). The controller
+milliseconds, and every rank's ``fa.report``; they reach the disk with the next other event, or at
+the close). The controller
 closes the log on every way out of its run — a verdict, an internal error, a cancel (SIGINT) —
 after its last publish, so the file ends with the verdict, which :meth:`EventLog.close` also
 writes alone to ``verdict.json``. A relaunch with the same run id appends: its ids start again at
@@ -21,13 +22,15 @@ from pathlib import Path
 from typing import TextIO
 
 from ..status import StatusSnapshot
-from ..status.events import RoundDone, Stamped
+from ..status.events import RoundDone, ScalarsReported, Stamped
 
 log = logging.getLogger("flodl_async.cli.launch")
 
 #: The names of the two files in ``DIR/<run id>/``.
 EVENTS_FILE = "events.jsonl"
 VERDICT_FILE = "verdict.json"
+#: Events that can come many a second (every round; every rank's reports): flushed with the next.
+_UNFLUSHED = (RoundDone, ScalarsReported)
 
 
 class EventLog:
@@ -48,7 +51,7 @@ class EventLog:
             return
         try:
             self._file.write(stamped.to_json().decode() + "\n")
-            if not isinstance(stamped.event, RoundDone):
+            if not isinstance(stamped.event, _UNFLUSHED):
                 self._file.flush()
         except OSError as exc:
             self._failed(exc)

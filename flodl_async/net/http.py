@@ -189,7 +189,9 @@ class StatusHttpProtocol(asyncio.Protocol):
             _ = self._board.encoded  # the connection counters, refreshed when due
             body = self._board.metrics.exposition(self._board.snapshot)
             self._send(200, body, head=head, content_type=METRICS_CONTENT_TYPE)
-        elif path == "/events" and not head:
+        elif path == "/events" and head:
+            self._send(200, b"", head=True, content_type=b"text/event-stream; charset=utf-8")
+        elif path == "/events":
             self._start_stream(request)
         else:
             self._send(

@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, SupportsFloat
 
 from ..config.roles import Role, detect_role
 from ..errors import ConfigError, RoleError
@@ -53,6 +53,9 @@ def report(**scalars: float) -> None:
     this host's relay within a second (``flodl_scalar{name,rank}``, the page, the event log).
     Outside a flodl run it does nothing, so a script keeps working under torchrun or alone.
     """
+    for name, value in scalars.items():
+        if isinstance(value, bool) or not isinstance(value, SupportsFloat):
+            raise TypeError(f"fa.report: {name}={value!r} is not a number (pass a float)")
     stats: WindowStats | None = getattr(_sink, "stats", None)
     if stats is not None:
         for name, value in scalars.items():
