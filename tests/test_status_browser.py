@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import html
 import json
 import time
@@ -21,6 +22,7 @@ from flodl_async.status import (
     StatusBoard,
     StatusSnapshot,
 )
+from flodl_async.status.events import RoundDone
 from flodl_async.wire import Channel
 
 from .browserkit import CHROMIUM, Chromium
@@ -125,3 +127,53 @@ async def test_status_page_shows_phase_members_and_verdict(tmp_path: Path) -> No
     assert "<td>1</td><td>node-a</td><td>1</td><td>-</td><td>failed</td><td>3</td>" in dom
     assert (tmp_path / "status.png").stat().st_size > 1000
     assert '<p id="training"></p>' in dom  # a run without Trainer ranks: no training line
+
+
+def _marks(url: str, profile: Path) -> list[str]:
+    with Chromium(profile) as browser:
+        browser.navigate(url)
+        browser.wait_for("document.querySelectorAll('#timeline .mark').length === 2")
+        return [
+            str(t)
+            for t in browser.evaluate(
+                "[...document.querySelectorAll('#timeline .mark')].map(m => m.className + ': ' + m.title)"
+            )
+        ]  # type: ignore[union-attr]
+
+
+async def test_a_death_and_its_recovery_are_marks_on_the_timeline(tmp_path: Path) -> None:
+    board = StatusBoard()
+    now = time.time()
+    ranks = (RankStatus(rank=1, host="node-b", local_rank=0, state=RankState.RUNNING),)
+    alive = StatusSnapshot(
+        run_id="run-marks",
+        phase=Phase.TRAINING,
+        started_at=now - 10,
+        updated_at=now - 5,
+        ranks=ranks,
+    )
+    board.publish(alive)
+    lost = {
+        "epoch": 1,
+        "epochs": 3,
+        "policy": "cadence",
+        "backend": "cpu",
+        "lost": [{"rank": 1, "host": "node-b", "reason": "killed"}],
+    }
+    board.publish(dataclasses.replace(alive, updated_at=now - 4, training=lost))
+    board.emit(
+        RoundDone(round=5, round_kind="average", reduce_s=0.01, batches=2, loss=0.3), at=now - 1
+    )
+    mux = PortMux(host="127.0.0.1", port=0)
+    mux.register(Channel.STATUS, lambda: StatusHttpProtocol(board))
+    await mux.start()
+    try:
+        marks = await asyncio.to_thread(
+            _marks, f"http://127.0.0.1:{mux.port}/", tmp_path / "profile"
+        )
+    finally:
+        await mux.aclose()
+    assert marks == [
+        "mark m-rank_died: rank 1 on node-b died: killed",
+        "mark m-rank_recovered: rank 1 recovered by regroup after 3 s",
+    ]
