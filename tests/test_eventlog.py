@@ -177,3 +177,34 @@ def test_fa_report_says_which_value_is_not_a_number() -> None:
 
     with pytest.raises(TypeError, match=r"fa.report: loss='low' is not a number"):
         report(loss="low")  # type: ignore[arg-type]
+
+
+@pytest.mark.e2e
+def test_a_trainer_run_that_loses_a_rank_logs_its_rounds_epochs_death_and_recovery(
+    tmp_path: Path,
+) -> None:
+    """fa.Trainer ranks under flodl-launch, rank 2 SIGKILLed at its 4th batch: training goes on without it."""
+    run_id = new_run_id()
+    logs = tmp_path / "logs"
+    trainer = str(Path(__file__).parent / "scripts" / "trainer_mlp.py")
+    done = run_launch(
+        "--nproc", "3", "--devices", "cpu", "--port", "0", "--log-dir", str(logs),
+        "--", PY, trainer, "--out", str(tmp_path / "out"), "--epochs", "3", "--kill-rank", "2",
+        "--kill-batch", "3", "--fast-ms", "3", run_id=run_id, env={"OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    events = read_events(logs / run_id / "events.jsonl")
+    kinds = [e["kind"] for e in events]
+    assert kinds.count("epoch") == 3
+    assert kinds.count("round") >= 3
+    died = [e for e in events if e["kind"] == "rank_died"]
+    recovered = [e for e in events if e["kind"] == "rank_recovered"]
+    assert [e["rank"] for e in died] == [2]
+    assert [(e["rank"], e["by"]) for e in recovered] == [(2, "regroup")]
+    assert kinds.index("rank_died") < kinds.index("rank_recovered")
+    assert recovered[0]["seconds"] >= 0
+    last = [e for e in events if e["kind"] == "epoch"][-1]
+    assert [r["rank"] for r in last["per_rank"] if r["alive"]] == [0, 1]
+    replayed = _flodl("status", "--from-log", str(logs / run_id))
+    assert "training 3 epoch(s)" in replayed.stdout
+    assert "rank 2 recovered by regroup after" in replayed.stdout
