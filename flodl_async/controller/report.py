@@ -139,7 +139,11 @@ def status_snapshot(
 
 
 class RoundTally:
-    """The ranks' window reports between two committed rounds, told as one :class:`RoundDone`."""
+    """The ranks' window reports between two committed rounds, told as one :class:`RoundDone`.
+
+    Windows are counted as they arrive, before the coordinator judges them: a dead rank's late
+    window may weigh in a round's loss (an epoch's loss is the coordinator's ledger, which drops
+    it)."""
 
     def __init__(self) -> None:
         self._batches = 0

@@ -317,8 +317,10 @@ class Controller:
         return self._reducer
 
     async def aclose(self) -> None:
-        """Close the port (idempotent)."""
+        """Close the port and the event log (idempotent)."""
         await self._mux.aclose()
+        if self._event_log is not None:
+            self._event_log.close(self._board.snapshot)
 
     # ----- the pump ------------------------------------------------------------------------------
 
