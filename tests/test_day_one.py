@@ -201,10 +201,20 @@ def test_a_reused_run_id_adds_an_attempt_and_never_appends_to_an_earlier_runs_lo
     assert second != before
     third = run_launch(*common, "--max-restarts", "1", *printing, run_id=run_id)
     assert third.returncode == 0, third.stderr
-    assert sorted(p.name for p in (tmp_path / run_id).iterdir()) == [
+    assert sorted(p.name for p in (tmp_path / run_id).iterdir() if p.is_dir()) == [
         "attempt_0",
         "attempt_1",
         "attempt_2",
+    ]
+    # each launch's own event log and verdict beside them (tests/test_eventlog.py), none appended to
+    files = sorted(p.name for p in (tmp_path / run_id).iterdir() if p.is_file())
+    assert files == [
+        "events.1.jsonl",
+        "events.2.jsonl",
+        "events.jsonl",
+        "verdict.1.json",
+        "verdict.2.json",
+        "verdict.json",
     ]
 
 

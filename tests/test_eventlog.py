@@ -208,3 +208,19 @@ def test_a_trainer_run_that_loses_a_rank_logs_its_rounds_epochs_death_and_recove
     replayed = _flodl("status", "--from-log", str(logs / run_id))
     assert "training 3 epoch(s)" in replayed.stdout
     assert "rank 2 recovered by regroup after" in replayed.stdout
+
+
+def test_a_relaunch_of_a_run_id_logs_beside_the_earlier_launch_and_is_the_one_replayed(
+    tmp_path: Path,
+) -> None:
+    from flodl_async.controller.eventlog import EventLog
+
+    run = tmp_path / "run-r"
+    for reason in ("the first launch", "the resubmitted one"):
+        log = EventLog(run)
+        log.write(Stamped(id=1, at=1.0, event=VerdictGiven(exit_code=0, reason=reason)))
+        log.close(None)
+    assert sorted(p.name for p in run.iterdir()) == ["events.1.jsonl", "events.jsonl"]
+    assert "the first launch" in (run / "events.jsonl").read_text()  # left as it was
+    assert find_log(tmp_path) == run / "events.1.jsonl"
+    assert "verdict  the resubmitted one (exit 0)" in summarize("run-r", read_events(find_log(run)))

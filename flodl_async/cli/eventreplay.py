@@ -3,8 +3,8 @@
 Reads ``DIR/<run id>/events.jsonl`` (:mod:`flodl_async.controller.eventlog` writes it; ``DIR`` may
 be the ``--log-dir`` itself when it holds one run, or the run's own directory) and says, in a few
 lines, what the run did: its phases with their times, the hosts and the world, the Trainer's epochs
-and rounds, deaths, recoveries and restarts, the verdict. Only the last run in the file counts (a
-relaunch with the same run id appends, and its ids start again at 1). Pure but for reading the
+and rounds, deaths, recoveries and restarts, the verdict. A relaunch of the same run id writes
+its own numbered file beside the earlier ones; the newest is replayed. Pure but for reading the
 file; like ``flodl status``, it imports neither torch nor asyncio, and every string taken from the
 log is stripped of what could act on a terminal.
 """
@@ -12,6 +12,7 @@ log is stripped of what could act on a terminal.
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
@@ -20,17 +21,34 @@ from ..errors import ConfigError
 from .statusclient import format_age, strip_controls
 
 EVENTS_FILE = "events.jsonl"  # the name controller/eventlog.py writes (that package loads asyncio)
+#: A relaunch of a run id writes ``events.<n>.jsonl`` beside the earlier launches' files.
+_NUMBERED = re.compile(r"events(?:\.(\d+))?\.jsonl")
+
+
+def _newest(run_dir: Path) -> Path | None:
+    """The newest launch's event log in a run's directory, or None."""
+    try:
+        logs = [
+            (int(match.group(1) or 0), p)
+            for p in run_dir.iterdir()
+            if (match := _NUMBERED.fullmatch(p.name)) and p.is_file()
+        ]
+    except OSError:
+        return None
+    return max(logs)[1] if logs else None
 
 
 def find_log(directory: Path) -> Path:
-    """The event log in ``directory`` (a run's directory, or a log dir holding exactly one run)."""
-    own = directory / EVENTS_FILE
-    if own.is_file():
+    """The newest event log in ``directory`` (a run's directory, or a log dir holding exactly one
+    run)."""
+    own = _newest(directory)
+    if own is not None:
         return own
     try:
-        found = sorted(p for p in directory.glob(f"*/{EVENTS_FILE}") if p.is_file())
+        runs = sorted(p for p in directory.iterdir() if p.is_dir())
     except OSError as exc:
         raise ConfigError(f"--from-log: cannot read {directory}: {exc.strerror or exc}") from None
+    found = [log for log in map(_newest, runs) if log is not None]
     if len(found) == 1:
         return found[0]
     if not found:
@@ -38,15 +56,15 @@ def find_log(directory: Path) -> Path:
             f"--from-log: no event log in {directory} (a run writes DIR/<run id>/{EVENTS_FILE} "
             "when flodl-launch is given --log-dir DIR)"
         )
-    runs = ", ".join(p.parent.name for p in found)
+    names = ", ".join(p.parent.name for p in found)
     raise ConfigError(
-        f"--from-log: {directory} holds {len(found)} runs ({runs}); pass one: --from-log "
+        f"--from-log: {directory} holds {len(found)} runs ({names}); pass one: --from-log "
         f"{directory}/RUN_ID"
     )
 
 
 def read_events(path: Path) -> list[dict[str, object]]:
-    """The last run's events in the log (unreadable lines are skipped: a run killed mid-line)."""
+    """The run's events in the log (unreadable lines are skipped: a run killed mid-line)."""
     events: list[dict[str, object]] = []
     try:
         text = path.read_text(encoding="utf-8", errors="replace")

@@ -7,14 +7,17 @@ milliseconds, and every rank's ``fa.report``; they reach the disk with the next 
 the close). The controller
 closes the log on every way out of its run — a verdict, an internal error, a cancel (SIGINT) —
 after its last publish, so the file ends with the verdict, which :meth:`EventLog.close` also
-writes alone to ``verdict.json``. A relaunch with the same run id appends: its ids start again at
-1, which is where ``flodl status --from-log`` starts its replay. A log that cannot be written is
-said once in the launcher's log and then left alone: it never fails the run.
+writes alone to ``verdict.json``. A relaunch with the same run id (a resubmitted job) never
+writes into an earlier launch's files, as its attempts never do: it takes the next free
+``events.<n>.jsonl`` and ``verdict.<n>.json``, and ``flodl status --from-log`` replays the
+newest. A log that cannot be written is said once in the launcher's log and then left alone: it
+never fails the run.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import logging
 import os
@@ -33,15 +36,30 @@ VERDICT_FILE = "verdict.json"
 _UNFLUSHED = (RoundDone, ScalarsReported)
 
 
+def numbered(name: str, n: int) -> str:
+    """``events.jsonl`` for a run id's first launch, ``events.<n>.jsonl`` for the n-th after."""
+    if n == 0:
+        return name
+    stem, dot, ext = name.rpartition(".")
+    return f"{stem}.{n}{dot}{ext}"
+
+
 class EventLog:
     """One run's event log file (see the module)."""
 
     def __init__(self, directory: Path) -> None:
         self.directory = directory
         self._file: TextIO | None = None
+        self._verdict = VERDICT_FILE
         try:
             directory.mkdir(parents=True, exist_ok=True)
-            self._file = (directory / EVENTS_FILE).open("a", encoding="utf-8")
+            for n in itertools.count():
+                try:
+                    self._file = (directory / numbered(EVENTS_FILE, n)).open("x", encoding="utf-8")
+                except FileExistsError:  # an earlier launch of this run id: left as it is
+                    continue
+                self._verdict = numbered(VERDICT_FILE, n)
+                break
         except OSError as exc:
             self._failed(exc)
 
@@ -71,9 +89,9 @@ class EventLog:
                     "verdict": final.verdict,
                     "ended_at": final.updated_at,
                 }
-                part = self.directory / (VERDICT_FILE + ".part")
+                part = self.directory / (self._verdict + ".part")
                 part.write_text(json.dumps(doc, sort_keys=True) + "\n", encoding="utf-8")
-                os.replace(part, self.directory / VERDICT_FILE)
+                os.replace(part, self.directory / self._verdict)
         except OSError as exc:
             self._failed(exc)
 
