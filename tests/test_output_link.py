@@ -6,6 +6,7 @@ launcher's console or status page, never for a fixed time.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -208,7 +209,13 @@ def test_the_log_dir_keeps_every_attempt_apart(tmp_path: Path) -> None:
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     run = tmp_path / run_id
-    assert sorted(p.name for p in run.iterdir()) == ["attempt_0", "attempt_1"]
+    assert sorted(p.name for p in run.iterdir() if p.is_dir()) == ["attempt_0", "attempt_1"]
+    # the run's event log beside them tells the failure, the restart and what it recovered
+    events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
+    kinds = [e["kind"] for e in events]
+    assert kinds.index("rank_died") < kinds.index("restart") < kinds.index("rank_recovered")
+    assert [(e["rank"], e["by"]) for e in events if e["kind"] == "rank_recovered"] == [(1, "restart")]
+    assert [e["restart"] for e in events if e["kind"] == "world_formed"] == [0, 1]
     assert "failing on purpose in attempt 0" in (run / "attempt_0" / "1" / "stderr.log").read_text()
     for rank in range(2):
         assert (

@@ -105,19 +105,28 @@ def test_a_restart_recovers_a_death_when_the_world_forms_again() -> None:
     c = Chronicle()
     c.after_snapshot(_snap(1.0, Phase.TRAINING, members=(MEMBER,), world_size=2))
     failed = _ranks(RankState.RUNNING, RankState.FAILED)
-    assert c.after_snapshot(
-        _snap(5.0, Phase.TRAINING, members=(MEMBER,), world_size=2, ranks=failed)
-    ) == [RankDied(rank=1, host="node-a", reason="exit code 1")]
-    reformed = _snap(8.0, Phase.FORMING, members=(MEMBER,), world_size=2, restart_count=1)
-    assert c.after_snapshot(reformed) == [
+    world = {"members": (MEMBER,), "world_size": 2}
+    assert c.after_snapshot(_snap(5.0, Phase.TRAINING, ranks=failed, **world)) == [
+        RankDied(rank=1, host="node-a", reason="exit code 1")
+    ]
+    # the plain script's world stops: rank 0, ended by its agent, is not another death
+    stopped = _ranks(RankState.FAILED, RankState.FAILED)
+    assert c.after_snapshot(_snap(5.5, Phase.TRAINING, ranks=stopped, **world)) == []
+    # restarted, not formed until its ranks run
+    assert c.after_snapshot(_snap(6.0, Phase.FORMING, restart_count=1, **world)) == [
         PhaseChanged(phase=Phase.FORMING),
         Restarted(restart=1),
+    ]
+    running = _ranks(RankState.RUNNING, RankState.RUNNING)
+    reformed = _snap(8.0, Phase.TRAINING, restart_count=1, ranks=running, **world)
+    assert c.after_snapshot(reformed) == [
+        PhaseChanged(phase=Phase.TRAINING),
         WorldFormed(world_size=2, hosts=1, restart=1),
         RankRecovered(rank=1, host="node-a", by="restart", seconds=3.0),
     ]
     # the same rank dying in the new world is a new death
-    again = dataclasses.replace(reformed, updated_at=9.0, phase=Phase.TRAINING, ranks=failed)
-    assert RankDied(rank=1, host="node-a", reason="exit code 1") in c.after_snapshot(again)
+    again = dataclasses.replace(reformed, updated_at=9.0, ranks=failed)
+    assert c.after_snapshot(again) == [RankDied(rank=1, host="node-a", reason="exit code 1")]
 
 
 def test_every_event_kind_has_a_name_and_its_fields_do_not_shadow_the_envelope() -> None:

@@ -210,6 +210,12 @@ _DEAD = (RankState.FAILED,)
 _FORMED = (Phase.FORMING, Phase.TRAINING)
 
 
+def _all_up(snapshot: StatusSnapshot) -> bool:
+    """Every rank of the world runs again (a restarted world has formed once its ranks run)."""
+    up = [r for r in snapshot.ranks if r.state in (RankState.RUNNING, RankState.CONNECTED)]
+    return len(up) >= snapshot.world_size
+
+
 class Chronicle:
     """Derives events from consecutive snapshots, and recoveries from deaths (see the module)."""
 
@@ -237,7 +243,12 @@ class Chronicle:
         if before is not None and snapshot.restart_count > before.restart_count:
             events.append(Restarted(restart=snapshot.restart_count))
         formed = (snapshot.world_size, snapshot.restart_count)
-        if snapshot.world_size > 0 and snapshot.phase in _FORMED and formed != self._formed:
+        if (
+            snapshot.world_size > 0
+            and snapshot.phase in _FORMED
+            and formed != self._formed
+            and (snapshot.restart_count == 0 or _all_up(snapshot))
+        ):
             self._formed = formed
             events.append(
                 WorldFormed(
@@ -269,8 +280,16 @@ class Chronicle:
 
     def _deaths(self, snapshot: StatusSnapshot, now: float) -> list[RunEvent]:
         found: dict[int, RankDied] = {}
+        generation = snapshot.restart_count
+        # A plain script's world stops at its first failure: the ranks stopped with it (SIGTERM
+        # from their agent) are not deaths. A Trainer's ranks die one by one, each told.
+        stopped_with_the_world = snapshot.training is None and any(
+            restart == generation for restart, _ in self._told
+        )
         for rank in snapshot.ranks:
-            if rank.state in _DEAD:
+            if rank.state in _DEAD and stopped_with_the_world:
+                self._told.add((generation, rank.rank))
+            elif rank.state in _DEAD:
                 how = f"signal {rank.signal}" if rank.signal else f"exit code {rank.exit_code}"
                 found[rank.rank] = RankDied(rank=rank.rank, host=rank.host, reason=how)
         lost = (snapshot.training or {}).get("lost")
