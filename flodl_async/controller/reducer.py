@@ -76,6 +76,7 @@ from .roundstate import (
     ReducerStatistics,
     RoundResult,
     RoundState,
+    Snapshot,
     UplinkCounts,
 )
 
@@ -165,9 +166,13 @@ class Reducer:
         expected_ranks: frozenset[int],
         from_controller: bool = False,
         plan: m.RoundPlan | None = None,
+        *,
+        snapshot: bool = False,
     ) -> None:
         """Round ``round`` starts now; it completes when every one of ``expected_ranks`` is covered
-        or dead. ``plan``: what each rank may claim in it (its ``Reduce``'s)."""
+        or dead. ``plan``: what each rank may claim in it (its ``Reduce``'s). ``snapshot``: a
+        checkpoint round, whose consensus is copied as it is made (:attr:`RoundResult.snapshot`),
+        before the next round can replace it."""
         early = self._gate.open(round)
         loop = asyncio.get_running_loop()
         state = RoundState(
@@ -178,6 +183,7 @@ class Reducer:
             opened_at=time.monotonic(),
             done=loop.create_future(),
             plan=plan,
+            snapshot=snapshot,
         )
         self._rounds[round] = state
         self._results[round] = state.done
@@ -225,10 +231,21 @@ class Reducer:
         held = self._held
         return await self._math.copy_off_loop(held) if held is not None else None
 
-    def set_initial(self, state: Mapping[str, torch.Tensor]) -> None:
+    async def snapshot(self) -> Snapshot | None:
+        """A copy of the latest consensus and the outer optimizer's state, made in an executor
+        thread (a failing run's last checkpoint); None before the first consensus."""
+        held = self._held
+        return await self._math.snapshot_off_loop(held) if held is not None else None
+
+    def set_initial(
+        self, state: Mapping[str, torch.Tensor], outer: Mapping[str, object] | None = None
+    ) -> None:
         """Resume: ``state`` (a state_dict of this schema) is the consensus, and the outer
-        optimizer's previous global (the point its next step moves from)."""
+        optimizer's previous global (the point its next step moves from); ``outer``: the outer
+        optimizer's saved state (its momentum)."""
         self._held = self._math.initial(state)
+        if outer is not None:
+            self._math.load_outer(outer)
 
     # ----- host connections -----------------------------------------------------------------------
 
@@ -461,6 +478,9 @@ class Reducer:
             if previous is not None:
                 self._math.release(previous)
             await self._broadcast(state, mass, held)
+            if state.snapshot:
+                # after the broadcast: the ranks are not kept waiting for the copy
+                state.copied = await self._math.snapshot_off_loop(held)
         else:
             if mass > 0:
                 log.warning(
@@ -487,6 +507,8 @@ class Reducer:
                 state.number,
             )
         await self._broadcast(state, 1.0 if held is not None else 0.0, held)
+        if state.snapshot and held is not None:
+            state.copied = await self._math.snapshot_off_loop(held)
         self._complete(state, 1.0 if held is not None else 0.0)
 
     async def _broadcast(self, state: RoundState, mass: float, held: HeldConsensus | None) -> None:
@@ -527,6 +549,7 @@ class Reducer:
                     mass=mass,
                     duration_ms=duration_ms,
                     folded=dict(state.steps),
+                    snapshot=state.copied,
                 )
             )
 

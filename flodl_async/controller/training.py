@@ -44,6 +44,7 @@ from ..errors import ConnectionClosed, FlodlError
 from ..net.framed import FramedProtocol
 from ..training.coordination import (
     Action,
+    CheckpointRequested,
     CollectiveDone,
     CoordinatorConfig,
     CoordinatorView,
@@ -58,6 +59,7 @@ from ..training.coordination import (
     RankLost,
     Readmit,
     RoundCompleted,
+    SaveCheckpoint,
     StartRound,
     StopRequested,
     TrainerJoined,
@@ -69,12 +71,14 @@ from ..training.modelschema import ModelSchema
 from ..training.spec import TrainerSpec
 from ..wire import messages as m
 from ..wire.schema import Message
+from .bundles import BundleKeeper
 from .reducer import Reducer
+from .resumes import Resume, resolve_resume
 
 if TYPE_CHECKING:
     import torch
 
-    from .roundstate import HostUplinkStatistics, ReducerStatistics
+    from .roundstate import HostUplinkStatistics, ReducerStatistics, Snapshot
 
 log = logging.getLogger("flodl_async.cli.launch")
 
@@ -93,6 +97,8 @@ class RoundResultLike(Protocol):
     def duration_ms(self) -> float: ...
     @property
     def folded(self) -> Mapping[int, int] | None: ...
+    @property
+    def snapshot(self) -> Snapshot | None: ...
 
 
 class RoundRunner(Protocol):
@@ -106,9 +112,15 @@ class RoundRunner(Protocol):
         expected_ranks: frozenset[int],
         from_controller: bool = False,
         plan: m.RoundPlan | None = None,
+        *,
+        snapshot: bool = False,
     ) -> None: ...
     async def wait_round(self, round: int) -> RoundResultLike: ...
     def declare_dead(self, rank: int) -> None: ...
+    async def snapshot(self) -> Snapshot | None: ...
+    def set_initial(
+        self, state: Mapping[str, torch.Tensor], outer: Mapping[str, object] | None = None
+    ) -> None: ...
     @property
     def last_consensus(self) -> Mapping[str, torch.Tensor] | None: ...
     def statistics(self) -> ReducerStatistics: ...
@@ -148,6 +160,8 @@ class TrainingResult:
     interrupted: bool
     ok: bool
     reason: str
+    #: The last checkpoint bundle committed (None: none).
+    checkpoint: str | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -173,9 +187,11 @@ _UP_EVENTS: Mapping[type[Message], Callable[[Message], Event]] = {
         vague=not typing.cast(m.RankGone, msg).refused,
     ),
     m.Exiting: lambda msg: RankExiting(message=typing.cast(m.Exiting, msg)),
-    # A stop intent is taken by :meth:`TrainingShell.receive`; checkpoint intents and rank-state
-    # reports arrive with the checkpoint issue, and today they are signs of life.
-    m.Intent: lambda msg: FrameSeen(rank=typing.cast(m.Intent, msg).rank),
+    # A stop intent is taken by :meth:`TrainingShell.receive`, a rank-state report by the bundle
+    # keeper (and both are signs of life).
+    m.Intent: lambda msg: CheckpointRequested(
+        reason=f"rank {typing.cast(m.Intent, msg).rank} asked for one"
+    ),
     m.RankStateSaved: lambda msg: FrameSeen(rank=typing.cast(m.RankStateSaved, msg).rank),
 }
 
@@ -227,6 +243,11 @@ class TrainingShell:
         self._tasks: set[asyncio.Task[None]] = set()
         self._outcome: TrainingOutcome | None = None
         self._carry_out = self._carry_out_table()
+        self.bundles: BundleKeeper | None = None
+        self._resume: Resume | None = None
+        #: checkpoint rounds' consensus copies, by local round, until their bundle is started
+        self._snapshots: dict[int, Snapshot | None] = {}
+        self._last_save: asyncio.Task[None] | None = None
 
     # ----- what the controller calls --------------------------------------------------------
 
@@ -285,7 +306,20 @@ class TrainingShell:
             # one rank's TrainingRun.shutdown() stops the whole run in order, as the launcher's does
             self.stop(f"rank {msg.rank} called TrainingRun.shutdown()")
             return
+        if isinstance(msg, m.Intent) and msg.kind != m.Intent.CHECKPOINT:
+            self._handle(FrameSeen(rank=msg.rank))
+            return
+        if isinstance(msg, m.RankStateSaved) and self.bundles is not None:
+            self.bundles.rank_saved(msg)
         self._handle(to_event(msg))
+
+    def checkpoint(self, reason: str) -> bool:
+        """A checkpoint at the next reduce boundary (``run.checkpoint()`` in the launcher); False
+        when no training runs."""
+        if self.coordinator is None or self._outcome is not None:
+            return False
+        self._handle(CheckpointRequested(reason=reason))
+        return True
 
     def stop(self, reason: str) -> bool:
         """An orderly stop (a launcher signal, ``TrainingRun.shutdown`` in any process): the final
@@ -328,8 +362,12 @@ class TrainingShell:
         return () if self.reducer is None else self.reducer.statistics().uplinks
 
     async def aclose(self) -> None:
-        """Cancel the round waiters, then close the reducer (its driver task and hosts' data
-        links)."""
+        """Let the checkpoint bundles under way finish, cancel the round waiters, then close the
+        reducer (its driver task and hosts' data links)."""
+        if self._last_save is not None:
+            await asyncio.wait([self._last_save], timeout=self._reduce_stall)
+        if self.bundles is not None:
+            await self.bundles.drain(self._reduce_stall)
         tasks = list(self._tasks)
         for task in tasks:
             task.cancel()
@@ -372,6 +410,9 @@ class TrainingShell:
             interrupted=outcome is not None and outcome.save_reason == "graceful_shutdown",
             ok=outcome is not None and outcome.ok,
             reason="" if outcome is None else outcome.reason,
+            checkpoint=None
+            if self.bundles is None or self.bundles.last is None
+            else str(self.bundles.last),
         )
 
     # ----- internals ---------------------------------------------------------------------
@@ -384,6 +425,13 @@ class TrainingShell:
                 hello.rank,
             )
             return False
+        try:
+            # before any rank trains: a bundle that cannot be resumed ends the run here (exit 2)
+            self._resume = resolve_resume(hello, world_size=world_size)
+        except FlodlError as exc:
+            log.error("%s", exc)
+            self._conclude(TrainingOutcome(ok=False, reason=str(exc), code=2))
+            return False
         self.coordinator = Coordinator(
             CoordinatorConfig(
                 run_id=self._run_id,
@@ -393,6 +441,7 @@ class TrainingShell:
                 reduce_stall=self._reduce_stall,
                 timeout_scale=self._scale,
                 reference=self._reference,
+                resume=None if self._resume is None else self._resume.point,
             ),
             now=self._clock(),
         )
@@ -431,6 +480,18 @@ class TrainingShell:
         except FlodlError as exc:
             self._conclude(TrainingOutcome(ok=False, reason=str(exc), code=1))
             return False
+        resume = self._resume
+        if resume is not None:
+            # the consensus every rank starts from, and the outer optimizer's momentum
+            self.reducer.set_initial(resume.state_dict, resume.outer)
+        if spec.checkpoint.save_path is not None:
+            self.bundles = BundleKeeper(
+                run_id=self._run_id,
+                spec=spec,
+                hello=hello,
+                task_group=self._tg,
+                rank_wait=self._reduce_stall,
+            )
         if self._serve_data is not None:
             self._serve_data(self.reducer)
         return True
@@ -452,31 +513,70 @@ class TrainingShell:
         table.add(Announce, self._announce)
         table.add(Finish, self._finish)
         table.add(Fail, self._fail)
+        table.add(SaveCheckpoint, self._save_checkpoint)
         table.require(Action)
         return table
 
     def _tell(self, action: Tell[int]) -> None:
-        self._send(action.message)
+        msg = action.message
+        if isinstance(msg, m.Shutdown) and self.bundles is not None and self.bundles.latest_name:
+            # the ranks' TrainedState names the bundle the end commits (or the last one before)
+            path = self.bundles.save_path / self.bundles.latest_name
+            msg = dataclasses.replace(msg, checkpoint=str(path))
+        self._send(msg)
 
     def _start_round(self, action: StartRound) -> None:
+        message = action.message
+        if action.checkpoint and self.bundles is not None:
+            name = self.bundles.mark(action.bundle_round, action.checkpoint)
+            message = dataclasses.replace(message, checkpoint_name=name)
         if action.reducer:
             reducer = self.reducer
             assert reducer is not None
-            reducer.open_round(
-                action.round,
-                action.kind,
-                action.expected,
-                action.from_controller,
-                plan=action.message.plan,
-            )
+            if action.checkpoint:
+                reducer.open_round(
+                    action.round,
+                    action.kind,
+                    action.expected,
+                    action.from_controller,
+                    plan=message.plan,
+                    snapshot=True,
+                )
+            else:  # a round runner of a test need not know checkpoints
+                reducer.open_round(
+                    action.round,
+                    action.kind,
+                    action.expected,
+                    action.from_controller,
+                    plan=message.plan,
+                )
             task = self._tg.create_task(
                 self._await_round(reducer, action.round), name=f"training-round-{action.round}"
             )
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
-        self._send(action.message)
+        self._send(message)
+
+    def _save_checkpoint(self, action: SaveCheckpoint) -> None:
+        bundles, reducer = self.bundles, self.reducer
+        if bundles is None:
+            return
+        if not action.last:
+            bundles.save(action, self._snapshots.pop(action.round, None))
+            return
+        if reducer is None:
+            return
+
+        async def last() -> None:
+            # a failing run: the last consensus the reducer holds (copied off the loop)
+            bundles.save(action, await reducer.snapshot())
+
+        # not a round waiter: aclose() waits for it (and its bundle) instead of cancelling it
+        self._last_save = self._tg.create_task(last(), name="checkpoint-last")
 
     def _declare_dead(self, action: DeclareDead) -> None:
+        if self.bundles is not None:
+            self.bundles.rank_lost(action.rank)
         if self.reducer is not None:
             self.reducer.declare_dead(action.rank)
         regroup = action.regroup
@@ -555,6 +655,9 @@ class TrainingShell:
         log.debug(
             "round %d (%s) committed in %.1f ms", result.round, result.kind, result.duration_ms
         )
+        snapshot = getattr(result, "snapshot", None)  # a test's round runner may not have it
+        if snapshot is not None:
+            self._snapshots[result.round] = snapshot
         if self.coordinator is not None:
             self._handle(
                 RoundCompleted(

@@ -57,6 +57,7 @@ from .coordination import (
     EVERY_RANK,
     Action,
     BeforeHello,
+    CheckpointRequested,
     CollectiveDone,
     CoordinatorConfig,
     CoordinatorView,
@@ -73,6 +74,7 @@ from .coordination import (
     Readmit,
     RoundCompleted,
     Running,
+    SaveCheckpoint,
     Stage,
     StartRound,
     StopRequested,
@@ -88,6 +90,7 @@ from .metrics import EpochLedger
 from .policy import RULES, Backend, GateRank, Policy, should_reduce
 from .regroup import InFlight
 from .rejoin import Rejoins
+from .saves import END, FAILURE_REASONS, REQUEST, SHUTDOWN, SaveBook, SaveClock
 from .slices import SyncSlices, epoch_slices, plan_hold_after, sync_plan
 from .spec import TrainerSpec
 
@@ -133,6 +136,8 @@ class Coordinator:
         self._rejoins = Rejoins(config.max_restarts)
         # admitted joiners whose first round is not open yet: the gate does not wait for them
         self._warming: set[int] = set()
+        self._saves: SaveClock | None = None
+        self._book = SaveBook.resuming(config.resume)
         #: The last round committed: its number, kind and duration (ms).
         self.committed: tuple[int, str, float] | None = None
         self._handlers: TypeTable[Event, [float], list[Action]] = TypeTable(
@@ -146,6 +151,7 @@ class Coordinator:
         self._handlers.add(RoundCompleted, self._on_round_completed)
         self._handlers.add(CollectiveDone, self._on_collective_done)
         self._handlers.add(StopRequested, self._on_stop)
+        self._handlers.add(CheckpointRequested, self._on_checkpoint_requested)
         self._handlers.add(Tick, self._on_tick)
         self._handlers.require(Event)
 
@@ -189,7 +195,7 @@ class Coordinator:
     @property
     def global_step(self) -> int:
         """Cohort batches trained, divided by the world size: what an average rank trained."""
-        return sum(self._batches.values()) // self.config.world_size
+        return self._book.step_base + sum(self._batches.values()) // self.config.world_size
 
     def _heartbeat_timeout(self) -> float | None:
         spec = self.spec
@@ -280,6 +286,7 @@ class Coordinator:
         return actions
 
     def _welcome(self, rank: int) -> Tell[int]:
+        resume = self.config.resume
         return Tell(
             to=rank,
             message=m.TrainerWelcome(
@@ -287,6 +294,9 @@ class Coordinator:
                 world_size=self.config.world_size,
                 run_id=self.config.run_id,
                 primary_rank=self.config.primary_rank,
+                resume="" if resume is None else resume.bundle,
+                resume_rank_state=resume is not None and resume.rank_state,
+                resume_step=0 if resume is None else resume.global_step,
             ),
         )
 
@@ -383,14 +393,35 @@ class Coordinator:
                 dispatch=RULES[spec.policy].elche_dispatch,
             ),
         )
+        self._saves = SaveClock(spec.checkpoint)
+        self._saves.started(now)
+        if self._book.early_request:
+            self._saves.request()
+        named = f" {spec.name!r}" if spec.name else ""
         actions: list[Action] = [
             Announce(
-                text=f"training: {self.config.world_size} rank(s), {spec.policy.name} on "
+                text=f"training{named}: {self.config.world_size} rank(s), {spec.policy.name} on "
                 f"{spec.backend.name}, {spec.epochs} x {spec.n_batches} batches"
             ),
-            self._start_round(0, "init", now),
         ]
-        actions.extend(self._open_epoch(0, now))
+        resume = self.config.resume
+        if resume is None:
+            actions.append(self._start_round(0, "init", now))
+            actions.extend(self._open_epoch(0, now))
+            return actions
+        # Resumed: the controller holds the bundle's consensus, and every rank starts from it.
+        self._completed_epochs = resume.epoch
+        if resume.elche is not None:
+            self._stage.elche.restore(resume.elche)
+        actions.append(
+            Announce(
+                text=f"resuming from {resume.bundle}: round {resume.round}, "
+                f"{resume.epoch} epoch(s) done, step {resume.global_step}"
+            )
+        )
+        actions.append(self._start_round(0, "init", now, from_controller=True))
+        if resume.epoch < spec.epochs:
+            actions.extend(self._open_epoch(resume.epoch, now, covered=resume.coverage))
         return actions
 
     # ----- rounds -------------------------------------------------------------------------------
@@ -403,6 +434,7 @@ class Coordinator:
         *,
         from_controller: bool = False,
         closes_epoch: int | None = None,
+        checkpoint: str | None = None,
     ) -> StartRound:
         spec = self._require_spec()
         # ``upload`` (COLLECTIVE's end) brings the primary's state to the controller. Like ``init``,
@@ -430,6 +462,9 @@ class Coordinator:
             equal=kind == "final" and spec.policy is Policy.ASYNC,
         )
         self._slices.round_opened()
+        if checkpoint is not None:
+            self._book.pending[round_] = checkpoint
+            self._book.last_saved_round = round_
         return StartRound(
             round=round_,
             kind=kind,
@@ -442,7 +477,10 @@ class Coordinator:
                 from_controller=from_controller,
                 reset_inner=reset,
                 plan=plan,
+                checkpoint=self._book.round_base + round_ if checkpoint is not None else 0,
             ),
+            checkpoint=checkpoint or "",
+            bundle_round=self._book.round_base + round_ if checkpoint is not None else 0,
         )
 
     def _on_round_completed(self, event: RoundCompleted, now: float) -> list[Action]:
@@ -490,8 +528,11 @@ class Coordinator:
                 self.phase = CoordPhase.TRAINING
             if self._stop_reason is not None:
                 return self._final(now, natural=False)
+            if self._completed_epochs >= self._require_spec().epochs:
+                return self._final(now, natural=True)  # resumed from a bundle of the last epoch
             return [*self._admit(), *self._maybe_reduce(now)]
         if flying.kind == "model":
+            self._book.last_model_round = flying.round
             actions.extend(self._settle_coverage(flying.round, folded, flying.dead_in))
             ledger = self._ledgers.get(self._round_epoch.pop(flying.round, self._epoch))
             if ledger is not None:
@@ -507,6 +548,7 @@ class Coordinator:
                     actions.extend(self._plan_waiting(self._round))
             if closing is not None:
                 actions.extend(self._close_epoch(closing, now))
+            actions.extend(self._bundle(flying.round))
             if self._completed_epochs >= spec.epochs:
                 actions.extend(self._final(now, natural=True))
             elif self._stop_reason is not None:
@@ -521,7 +563,7 @@ class Coordinator:
         spec = self._require_spec()
         if flying.kind == "final" and spec.backend is Backend.COLLECTIVE:
             return [self._start_round(self._next_round(), "upload", now)]
-        return self._finish()
+        return [*self._bundle(flying.round), *self._finish()]
 
     def _settle_coverage(
         self, round_: int, folded: Mapping[int, int] | None, dead_in: set[int]
@@ -585,8 +627,22 @@ class Coordinator:
         from_controller = natural and spec.policy is not Policy.ASYNC
         if spec.backend is Backend.COLLECTIVE and from_controller:
             return [self._start_round(self._next_round(), "upload", now)]
+        reason = END if natural else SHUTDOWN if spec.checkpoint.on_shutdown else None
+        if self._saves is not None and self._saves.requested:
+            reason = reason or REQUEST
+        if self._saves is None or not self._saves.enabled:
+            reason = None
+        elif (
+            from_controller
+            and self._book.last_saved_round >= 0
+            and self._book.last_saved_round == self._book.last_model_round
+            and not self._saves.requested
+        ):
+            reason = None  # the final consensus is the last round's, whose bundle is already marked
         return [
-            self._start_round(self._next_round(), "final", now, from_controller=from_controller)
+            self._start_round(
+                self._next_round(), "final", now, from_controller=from_controller, checkpoint=reason
+            )
         ]
 
     def _finish(self) -> list[Action]:
@@ -618,8 +674,11 @@ class Coordinator:
 
     # ----- epochs and plans ------------------------------------------------------------------
 
-    def _open_epoch(self, epoch: int, now: float) -> list[Action]:
-        """Plans of the first window of ``epoch`` (round ``self._round``)."""
+    def _open_epoch(
+        self, epoch: int, now: float, *, covered: tuple[part.Range, ...] = ()
+    ) -> list[Action]:
+        """Plans of the first window of ``epoch`` (round ``self._round``); ``covered``: batches a
+        resumed consensus already holds, which are not trained again."""
         spec = self._require_spec()
         self._epoch = epoch
         self._ledgers[epoch] = EpochLedger(epoch, ranks=sorted(self._alive), started_at=now)
@@ -628,15 +687,24 @@ class Coordinator:
         if RULES[spec.policy].static_slices:
             self._pool = part.ChunkPool(0)
             slices = epoch_slices(spec, planned)
-            self._slices.open(slices)
+            shares: dict[int, tuple[part.Range, ...]] = {
+                rank: ((first, size),) if size else () for rank, (first, size) in slices.items()
+            }
+            if covered:
+                # each rank keeps what is left of its own slice: the split the bundle's run had
+                shares = {rank: part.subtract(ranges, covered) for rank, ranges in shares.items()}
+            self._slices.open_ranges(shares)
             plans: list[Action] = []
-            for rank, (first, size) in slices.items():
-                ranges = ((first, size),) if size else ()
+            for rank, ranges in shares.items():
                 plan = sync_plan(spec, rank=rank, round_=self._round, epoch=epoch, ranges=ranges)
                 self._plans[(self._round, rank)] = plan
                 plans.append(Tell(to=rank, message=plan))
             return plans
-        self._pool = part.ChunkPool(spec.n_batches)
+        if covered:
+            total = spec.n_batches
+            self._pool = part.ChunkPool.from_coverage(total, part.subtract(((0, total),), covered))
+        else:
+            self._pool = part.ChunkPool(spec.n_batches)
         return self._window_plans(self._round, planned)
 
     def _window_plans(self, round_: int, ranks: list[int]) -> list[Action]:
@@ -792,8 +860,13 @@ class Coordinator:
         self._round_epoch[k] = epoch
         for key in [key for key in self._plans if key[0] <= k]:
             del self._plans[key]
+        saves_ = self._saves
+        closing = epoch if closes else None
+        reason = None if saves_ is None else saves_.due(closes_epoch=closing, now=now)
         actions: list[Action] = [
-            self._start_round(k, "model", now, closes_epoch=epoch if closes else None)
+            self._start_round(
+                k, "model", now, closes_epoch=epoch if closes else None, checkpoint=reason
+            )
         ]
         self._round = k + 1
         if self._stop_reason is not None:
@@ -818,6 +891,88 @@ class Coordinator:
                             self._plan(rank, k + 2, min(elche.counts[rank], self._pool.remaining))
                         )
         return actions
+
+    # ----- checkpoints (:mod:`.saves`) --------------------------------------------------------
+
+    def _on_checkpoint_requested(self, event: CheckpointRequested, now: float) -> list[Action]:
+        del now
+        saves_ = self._saves
+        spec = self.spec
+        if spec is not None and spec.checkpoint.save_path is None:
+            return [
+                dc.warning(
+                    f"a checkpoint was requested ({event.reason}), but this run has no "
+                    "Checkpointing(save_path=...): nothing is written"
+                )
+            ]
+        if self.phase is CoordPhase.JOINING:
+            self._book.early_request = (
+                True  # asked before training started: its first reduce takes it
+            )
+            return [Announce(text=f"checkpoint requested ({event.reason}): at the first reduce")]
+        if saves_ is None or self.phase not in (CoordPhase.INIT, CoordPhase.TRAINING):
+            return [
+                dc.warning(
+                    f"a checkpoint was requested ({event.reason}) as training ends; the end's "
+                    "bundle (if any) is the last one"
+                )
+            ]
+        saves_.request()
+        return [Announce(text=f"checkpoint requested ({event.reason}): at the next reduce")]
+
+    def _coverage(self) -> tuple[int, tuple[part.Range, ...]]:
+        """The epoch in progress in the consensus and its batches the consensus already holds."""
+        spec = self._require_spec()
+        epoch = self._completed_epochs
+        if epoch > self._epoch or self._completed_epochs >= spec.epochs:
+            return epoch, ()
+        if RULES[spec.policy].static_slices:
+            held = self._slices.covered_ranges()
+            if self._epoch == self._book.resume_epoch:
+                held = part.coalesce([*held, *self._book.resumed_coverage])
+            return epoch, held
+        return epoch, self._pool.covered_ranges()
+
+    def _bundle(self, round_: int) -> list[Action]:
+        """Round ``round_`` committed: its bundle, when it is a checkpoint round."""
+        reason = self._book.pending.pop(round_, None)
+        if reason is None:
+            return []
+        epoch, coverage = self._coverage()
+        return [self._save(round_, reason, epoch=epoch, coverage=coverage, last=False)]
+
+    def _last_bundle(self, save_reason: str) -> list[Action]:
+        """The run ends on ``save_reason``: a bundle of the last consensus, when there is one."""
+        reason = FAILURE_REASONS.get(save_reason)
+        if (
+            reason is None
+            or self._saves is None
+            or not self._saves.enabled
+            or self.committed is None
+            or not isinstance(self._stage, Running)
+        ):
+            return []
+        epoch, coverage = self._coverage()
+        return [self._save(self.committed[0], reason, epoch=epoch, coverage=coverage, last=True)]
+
+    def _save(
+        self, round_: int, reason: str, *, epoch: int, coverage: tuple[part.Range, ...], last: bool
+    ) -> SaveCheckpoint:
+        saves_ = self._saves
+        assert saves_ is not None
+        elche = self._running().elche
+        return SaveCheckpoint(
+            round=round_,
+            bundle_round=self._book.round_base + round_,
+            reason=reason,
+            epoch=epoch,
+            global_step=self.global_step,
+            coverage=coverage,
+            elche=elche.snapshot(),
+            ranks=frozenset() if last else frozenset(self._alive),
+            world_size=self.config.world_size,
+            last=last,
+        )
 
     # ----- stop, loss, deadlines -------------------------------------------------------------
 
@@ -914,7 +1069,14 @@ class Coordinator:
             actions.append(DeclareDead(rank=rank, reason=event.reason, regroup=regroup))
             return [*actions, *self._after_loss(now)]
         self.phase = CoordPhase.FAILED
-        return [*actions, DeclareDead(rank=rank, reason=event.reason), *end]
+        ending = end[-1]
+        assert isinstance(ending, Fail)
+        return [
+            *actions,
+            DeclareDead(rank=rank, reason=event.reason),
+            *self._last_bundle(ending.save_reason),
+            *end,
+        ]
 
     def _on_tick(self, event: Tick, now: float) -> list[Action]:
         del event
@@ -937,5 +1099,8 @@ class Coordinator:
         flying = self._in_flight
         if flying is not None and now >= flying.started_at + self.config.reduce_stall:
             reason = dc.stalled(flying, self.config.reduce_stall)
-            return self._fail(ExitCode.STALLED, reason, save_reason="reduce_stall")
+            return [
+                *self._last_bundle("reduce_stall"),
+                *self._fail(ExitCode.STALLED, reason, save_reason="reduce_stall"),
+            ]
         return []

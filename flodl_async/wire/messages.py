@@ -454,6 +454,9 @@ class TrainerSpecWire(Message):
     lr_schedule: bool
     max_grad_norm: float | None
     name: str
+    every_rounds: int | None = None
+    every_seconds: float | None = None
+    keep_last: int | None = None
 
 
 @message(kind=0x0415)
@@ -535,6 +538,11 @@ class TrainerWelcome(Message):
     resumed: bool = field(default=False, init=False, repr=False)
     restore_rank_state: bool = field(default=False, init=False, repr=False)
     primary_rank: int = 0
+    #: A resumed run: the bundle every rank starts from ("" for a fresh start), whether each rank
+    #: restores its own optimizer and RNG state from it, and the global step it continues.
+    resume: str = ""
+    resume_rank_state: bool = False
+    resume_step: int = 0
 
 
 @message(kind=0x0406)
@@ -610,6 +618,9 @@ class Reduce(Message):
     reset_inner: bool = False
     rank: int = -1
     plan: RoundPlan | None = None
+    #: With ``checkpoint`` > 0: the bundle (a directory under the run's ``save_path``) the rank
+    #: writes its state file into.
+    checkpoint_name: str = ""
 
 
 @message(kind=0x040A)
@@ -674,6 +685,7 @@ class Intent(Message):
     """A rank's request: ``kind`` ``checkpoint``, or :attr:`STOP` (``TrainingRun.shutdown()``)."""
 
     STOP = "stop"  # the orderly stop of the whole run: a final round, every process's state
+    CHECKPOINT = "checkpoint"  # a checkpoint bundle at the next reduce boundary
     rank: int
     kind: str
 
@@ -698,3 +710,5 @@ class Shutdown(Message):
     reason: str
     save_reason: str = ""
     rank: int = -1
+    #: The last checkpoint bundle the controller committed ("" for none): ``TrainedState``'s.
+    checkpoint: str = ""
