@@ -26,7 +26,7 @@ import asyncio
 import concurrent.futures
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -95,14 +95,11 @@ class BundleKeeper:
         )
         #: The last bundle committed (``TrainedState.checkpoint``).
         self.last: Path | None = None
-        #: The name of the last bundle started (what the ranks' ``Shutdown`` names).
-        self.latest_name = ""
 
     def mark(self, bundle_round: int, reason: str) -> str:
         """A checkpoint round opens: its bundle's name (the ranks write their files into it)."""
         name = bundle_name(bundle_round, Reason(reason))
         self._bundles.setdefault(bundle_round, _Bundle(name=name))
-        self.latest_name = name
         return name
 
     def rank_saved(self, msg: m.RankStateSaved) -> None:
@@ -134,8 +131,24 @@ class BundleKeeper:
             bundle.expected.discard(rank)
             bundle.settle()
 
-    def save(self, action: SaveCheckpoint, snapshot: Snapshot | None) -> None:
-        """Write the bundle ``action`` describes from ``snapshot`` in the background."""
+    def save(
+        self,
+        action: SaveCheckpoint,
+        snapshot: Snapshot | None,
+        copy: Callable[[], Awaitable[Snapshot | None]] | None = None,
+    ) -> None:
+        """Write the bundle ``action`` describes from ``snapshot`` in the background; ``copy``:
+        a failing run's last consensus, copied first (off the loop)."""
+        if copy is not None:
+
+            async def last() -> None:
+                self.save(action, await copy())
+
+            # drain() waits for it, and then for the bundle it starts
+            task = self._tg.create_task(last(), name="checkpoint-last")
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+            return
         if snapshot is None:
             log.warning(
                 "checkpoint of round %d (%s): no consensus to write", action.round, action.reason
@@ -153,14 +166,18 @@ class BundleKeeper:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def drain(self, timeout: float) -> None:
-        """Wait (at most ``timeout`` seconds) for the bundles under way; then stop the writer."""
-        tasks = list(self._tasks)
-        if tasks:
-            _done, pending = await asyncio.wait(tasks, timeout=timeout)
-            for task in pending:
-                log.warning("checkpoint: %s not finished in time; abandoned", task.get_name())
-                task.cancel()
+    async def drain(self, within: float) -> None:
+        """Wait (at most ``within`` seconds) for the bundles under way; then stop the writer."""
+        deadline = time.monotonic() + within
+        while self._tasks:  # a last-consensus copy starts its bundle's task when it is done
+            _done, pending = await asyncio.wait(
+                list(self._tasks), timeout=max(0.0, deadline - time.monotonic())
+            )
+            if pending and time.monotonic() >= deadline:
+                for task in pending:
+                    log.warning("checkpoint: %s not finished in time; abandoned", task.get_name())
+                    task.cancel()
+                break
         self._pool.shutdown(wait=False)
 
     async def _write(self, action: SaveCheckpoint, bundle: _Bundle, snapshot: Snapshot) -> None:
@@ -168,9 +185,7 @@ class BundleKeeper:
         started = time.monotonic()
         save_path, name = self.save_path, bundle.name
         try:
-            writer = await loop.run_in_executor(
-                self._pool, _write_data, save_path, name, snapshot
-            )
+            writer = await loop.run_in_executor(self._pool, _write_data, save_path, name, snapshot)
             if bundle.expected:
                 try:
                     async with asyncio.timeout(self._rank_wait):

@@ -42,6 +42,7 @@ from ..control.dispatch import TypeTable
 from ..control.vocab import LOGGING_LEVELS, Announce, Tell, Tick
 from ..errors import ConnectionClosed, FlodlError
 from ..net.framed import FramedProtocol
+from ..training import saves
 from ..training.coordination import (
     Action,
     CheckpointRequested,
@@ -247,7 +248,6 @@ class TrainingShell:
         self._resume: Resume | None = None
         #: checkpoint rounds' consensus copies, by local round, until their bundle is started
         self._snapshots: dict[int, Snapshot | None] = {}
-        self._last_save: asyncio.Task[None] | None = None
 
     # ----- what the controller calls --------------------------------------------------------
 
@@ -306,7 +306,7 @@ class TrainingShell:
             # one rank's TrainingRun.shutdown() stops the whole run in order, as the launcher's does
             self.stop(f"rank {msg.rank} called TrainingRun.shutdown()")
             return
-        if isinstance(msg, m.Intent) and msg.kind != m.Intent.CHECKPOINT:
+        if isinstance(msg, m.Intent) and msg.kind != saves.INTENT:
             self._handle(FrameSeen(rank=msg.rank))
             return
         if isinstance(msg, m.RankStateSaved) and self.bundles is not None:
@@ -364,8 +364,6 @@ class TrainingShell:
     async def aclose(self) -> None:
         """Let the checkpoint bundles under way finish, cancel the round waiters, then close the
         reducer (its driver task and hosts' data links)."""
-        if self._last_save is not None:
-            await asyncio.wait([self._last_save], timeout=self._reduce_stall)
         if self.bundles is not None:
             await self.bundles.drain(self._reduce_stall)
         tasks = list(self._tasks)
@@ -519,10 +517,6 @@ class TrainingShell:
 
     def _tell(self, action: Tell[int]) -> None:
         msg = action.message
-        if isinstance(msg, m.Shutdown) and self.bundles is not None and self.bundles.latest_name:
-            # the ranks' TrainedState names the bundle the end commits (or the last one before)
-            path = self.bundles.save_path / self.bundles.latest_name
-            msg = dataclasses.replace(msg, checkpoint=str(path))
         self._send(msg)
 
     def _start_round(self, action: StartRound) -> None:
@@ -533,23 +527,14 @@ class TrainingShell:
         if action.reducer:
             reducer = self.reducer
             assert reducer is not None
-            if action.checkpoint:
-                reducer.open_round(
-                    action.round,
-                    action.kind,
-                    action.expected,
-                    action.from_controller,
-                    plan=message.plan,
-                    snapshot=True,
-                )
-            else:  # a round runner of a test need not know checkpoints
-                reducer.open_round(
-                    action.round,
-                    action.kind,
-                    action.expected,
-                    action.from_controller,
-                    plan=message.plan,
-                )
+            reducer.open_round(
+                action.round,
+                action.kind,
+                action.expected,
+                action.from_controller,
+                plan=message.plan,
+                snapshot=bool(action.checkpoint),
+            )
             task = self._tg.create_task(
                 self._await_round(reducer, action.round), name=f"training-round-{action.round}"
             )
@@ -558,21 +543,9 @@ class TrainingShell:
         self._send(message)
 
     def _save_checkpoint(self, action: SaveCheckpoint) -> None:
-        bundles, reducer = self.bundles, self.reducer
-        if bundles is None:
-            return
-        if not action.last:
-            bundles.save(action, self._snapshots.pop(action.round, None))
-            return
-        if reducer is None:
-            return
-
-        async def last() -> None:
-            # a failing run: the last consensus the reducer holds (copied off the loop)
-            bundles.save(action, await reducer.snapshot())
-
-        # not a round waiter: aclose() waits for it (and its bundle) instead of cancelling it
-        self._last_save = self._tg.create_task(last(), name="checkpoint-last")
+        if self.bundles is not None and self.reducer is not None:
+            snapshot = None if action.last else self._snapshots.pop(action.round, None)
+            self.bundles.save(action, snapshot, self.reducer.snapshot if action.last else None)
 
     def _declare_dead(self, action: DeclareDead) -> None:
         if self.bundles is not None:

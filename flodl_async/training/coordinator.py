@@ -52,7 +52,7 @@ from ..verdict import ExitCode
 from ..wire import messages as m
 from . import deathchain as dc
 from . import partition as part
-from . import plancheck
+from . import plancheck, rounds
 from .coordination import (
     EVERY_RANK,
     Action,
@@ -65,7 +65,6 @@ from .coordination import (
     DeclareDead,
     Event,
     Fail,
-    Finish,
     FrameSeen,
     Joining,
     PublishEpoch,
@@ -74,7 +73,6 @@ from .coordination import (
     Readmit,
     RoundCompleted,
     Running,
-    SaveCheckpoint,
     Stage,
     StartRound,
     StopRequested,
@@ -83,14 +81,14 @@ from .coordination import (
     coordinator_view,
     sender,
 )
-from .elche import ElChe
+from .elche import ElChe, ElCheState
 from .hellocheck import check_hello
 from .losses import LostRanks
 from .metrics import EpochLedger
 from .policy import RULES, Backend, GateRank, Policy, should_reduce
 from .regroup import InFlight
 from .rejoin import Rejoins
-from .saves import END, FAILURE_REASONS, REQUEST, SHUTDOWN, SaveBook, SaveClock
+from .savedesk import SaveDesk
 from .slices import SyncSlices, epoch_slices, plan_hold_after, sync_plan
 from .spec import TrainerSpec
 
@@ -136,8 +134,7 @@ class Coordinator:
         self._rejoins = Rejoins(config.max_restarts)
         # admitted joiners whose first round is not open yet: the gate does not wait for them
         self._warming: set[int] = set()
-        self._saves: SaveClock | None = None
-        self._book = SaveBook.resuming(config.resume)
+        self._desk = SaveDesk(config.resume, world_size=config.world_size)
         #: The last round committed: its number, kind and duration (ms).
         self.committed: tuple[int, str, float] | None = None
         self._handlers: TypeTable[Event, [float], list[Action]] = TypeTable(
@@ -151,7 +148,10 @@ class Coordinator:
         self._handlers.add(RoundCompleted, self._on_round_completed)
         self._handlers.add(CollectiveDone, self._on_collective_done)
         self._handlers.add(StopRequested, self._on_stop)
-        self._handlers.add(CheckpointRequested, self._on_checkpoint_requested)
+        self._handlers.add(
+            CheckpointRequested,
+            lambda e, now: self._desk.request(e.reason, phase=self.phase, spec=self.spec),
+        )
         self._handlers.add(Tick, self._on_tick)
         self._handlers.require(Event)
 
@@ -195,7 +195,7 @@ class Coordinator:
     @property
     def global_step(self) -> int:
         """Cohort batches trained, divided by the world size: what an average rank trained."""
-        return self._book.step_base + sum(self._batches.values()) // self.config.world_size
+        return self._desk.book.step_base + sum(self._batches.values()) // self.config.world_size
 
     def _heartbeat_timeout(self) -> float | None:
         spec = self.spec
@@ -206,17 +206,15 @@ class Coordinator:
         del now  # deadlines are absolute; kept for the h11 shape
         if self.phase in _OVER:
             return None
-        candidates: list[float] = []
-        if isinstance(self._stage, Joining):
-            candidates.append(self._stage.first_hello_at + self.config.hello_timeout)
-        timeout = self._heartbeat_timeout()
-        if timeout is not None:
-            candidates.extend(
-                self._last_seen[r] + timeout for r in self._alive if r not in self._exiting
-            )
-        if self._in_flight is not None:
-            candidates.append(self._in_flight.started_at + self.config.reduce_stall)
-        return min(candidates, default=None)
+        stage, flying = self._stage, self._in_flight
+        return dc.next_deadline(
+            hello=stage.first_hello_at + self.config.hello_timeout
+            if isinstance(stage, Joining)
+            else None,
+            heartbeat=self._heartbeat_timeout(),
+            last_seen={r: self._last_seen[r] for r in self._alive - self._exiting},
+            stall=None if flying is None else flying.started_at + self.config.reduce_stall,
+        )
 
     def view(self, now: float) -> CoordinatorView:
         """What the status page shows of training."""
@@ -280,25 +278,10 @@ class Coordinator:
         self._alive.add(rank)
         self._last_seen[rank] = now
         self._rejoins.joined(hello)
-        actions: list[Action] = [self._welcome(rank)]
+        actions: list[Action] = [rounds.welcome(rank, self.config)]
         if len(self._joined) == self.config.world_size:
             actions.extend(self._start(now))
         return actions
-
-    def _welcome(self, rank: int) -> Tell[int]:
-        resume = self.config.resume
-        return Tell(
-            to=rank,
-            message=m.TrainerWelcome(
-                rank=rank,
-                world_size=self.config.world_size,
-                run_id=self.config.run_id,
-                primary_rank=self.config.primary_rank,
-                resume="" if resume is None else resume.bundle,
-                resume_rank_state=resume is not None and resume.rank_state,
-                resume_step=0 if resume is None else resume.global_step,
-            ),
-        )
 
     # ----- rejoining (:mod:`.rejoin`) ------------------------------------------------------------
 
@@ -322,7 +305,7 @@ class Coordinator:
         self._rejoins.wait(hello)
         self._last_seen[rank] = now
         actions: list[Action] = [
-            self._welcome(rank),
+            rounds.welcome(rank, self.config),
             Announce(
                 text=f"rank {rank} restarted (incarnation {hello.incarnation}) said hello; it "
                 "rejoins at the next round boundary"
@@ -393,35 +376,23 @@ class Coordinator:
                 dispatch=RULES[spec.policy].elche_dispatch,
             ),
         )
-        self._saves = SaveClock(spec.checkpoint)
-        self._saves.started(now)
-        if self._book.early_request:
-            self._saves.request()
-        named = f" {spec.name!r}" if spec.name else ""
-        actions: list[Action] = [
-            Announce(
-                text=f"training{named}: {self.config.world_size} rank(s), {spec.policy.name} on "
-                f"{spec.backend.name}, {spec.epochs} x {spec.n_batches} batches"
-            ),
-        ]
+        self._desk.start(spec, now)
         resume = self.config.resume
-        if resume is None:
-            actions.append(self._start_round(0, "init", now))
-            actions.extend(self._open_epoch(0, now))
-            return actions
-        # Resumed: the controller holds the bundle's consensus, and every rank starts from it.
-        self._completed_epochs = resume.epoch
-        if resume.elche is not None:
-            self._stage.elche.restore(resume.elche)
-        actions.append(
-            Announce(
-                text=f"resuming from {resume.bundle}: round {resume.round}, "
-                f"{resume.epoch} epoch(s) done, step {resume.global_step}"
-            )
-        )
-        actions.append(self._start_round(0, "init", now, from_controller=True))
-        if resume.epoch < spec.epochs:
-            actions.extend(self._open_epoch(resume.epoch, now, covered=resume.coverage))
+        named = f" {spec.name!r}" if spec.name else ""
+        said = f"training{named}: {self.config.world_size} rank(s), {spec.policy.name} on "
+        said += f"{spec.backend.name}, {spec.epochs} x {spec.n_batches} batches"
+        if resume is not None:  # every rank starts from the bundle's consensus, which we hold
+            said += f"; resuming from {resume.bundle} (round {resume.round}, {resume.epoch} done)"
+            self._completed_epochs = resume.epoch
+            if resume.elche is not None:
+                self._stage.elche.restore(resume.elche)
+        actions: list[Action] = [
+            Announce(text=said),
+            self._start_round(0, "init", now, from_controller=resume is not None),
+        ]
+        epoch, covered = (0, ()) if resume is None else (resume.epoch, resume.coverage)
+        if epoch < spec.epochs:
+            actions.extend(self._open_epoch(epoch, now, covered=covered))
         return actions
 
     # ----- rounds -------------------------------------------------------------------------------
@@ -437,51 +408,27 @@ class Coordinator:
         checkpoint: str | None = None,
     ) -> StartRound:
         spec = self._require_spec()
-        # ``upload`` (COLLECTIVE's end) brings the primary's state to the controller. Like ``init``,
-        # every alive rank takes part — the primary with its tensors, the others with empty
-        # contributions — since each host's relay folds a barrier over all of its live ranks.
-        collective = spec.backend is Backend.COLLECTIVE and kind != "upload"
-        expected = frozenset(self._alive)
         self._warming.clear()  # this round is their warm start
-        self._in_flight = InFlight(
-            round=round_,
-            kind=kind,
-            started_at=now,
-            collective=collective,
-            waiting=set(expected),
-            closes_epoch=closes_epoch,
-        )
-        reset = kind == "model" and spec.outer.resets_inner
-        plan = plancheck.round_plan(
-            world_size=self.config.world_size,
-            expected=expected,
-            claimable=self._slices.claimable()
+        claimable = (
+            self._slices.claimable()
             if RULES[spec.policy].static_slices
-            else plancheck.in_flight_batches(self._pool.in_flight()),
-            gamma=spec.settings.gamma,
-            equal=kind == "final" and spec.policy is Policy.ASYNC,
+            else plancheck.in_flight_batches(self._pool.in_flight())
         )
         self._slices.round_opened()
-        if checkpoint is not None:
-            self._book.pending[round_] = checkpoint
-            self._book.last_saved_round = round_
-        return StartRound(
-            round=round_,
+        self._in_flight, start = rounds.open_round(
+            spec,
+            round_=round_,
             kind=kind,
-            expected=expected,
+            now=now,
+            world_size=self.config.world_size,
+            alive=frozenset(self._alive),
+            claimable=claimable,
             from_controller=from_controller,
-            reducer=not collective,
-            message=m.Reduce(
-                round=round_,
-                kind=kind,
-                from_controller=from_controller,
-                reset_inner=reset,
-                plan=plan,
-                checkpoint=self._book.round_base + round_ if checkpoint is not None else 0,
-            ),
-            checkpoint=checkpoint or "",
-            bundle_round=self._book.round_base + round_ if checkpoint is not None else 0,
+            closes_epoch=closes_epoch,
+            checkpoint=checkpoint,
+            bundle_round=0 if checkpoint is None else self._desk.mark(round_, checkpoint),
         )
+        return start
 
     def _on_round_completed(self, event: RoundCompleted, now: float) -> list[Action]:
         flying = self._in_flight
@@ -532,7 +479,7 @@ class Coordinator:
                 return self._final(now, natural=True)  # resumed from a bundle of the last epoch
             return [*self._admit(), *self._maybe_reduce(now)]
         if flying.kind == "model":
-            self._book.last_model_round = flying.round
+            self._desk.book.last_model_round = flying.round
             actions.extend(self._settle_coverage(flying.round, folded, flying.dead_in))
             ledger = self._ledgers.get(self._round_epoch.pop(flying.round, self._epoch))
             if ledger is not None:
@@ -548,7 +495,7 @@ class Coordinator:
                     actions.extend(self._plan_waiting(self._round))
             if closing is not None:
                 actions.extend(self._close_epoch(closing, now))
-            actions.extend(self._bundle(flying.round))
+            actions.extend(self._desk.committed(flying.round, self._facts))
             if self._completed_epochs >= spec.epochs:
                 actions.extend(self._final(now, natural=True))
             elif self._stop_reason is not None:
@@ -563,7 +510,7 @@ class Coordinator:
         spec = self._require_spec()
         if flying.kind == "final" and spec.backend is Backend.COLLECTIVE:
             return [self._start_round(self._next_round(), "upload", now)]
-        return [*self._bundle(flying.round), *self._finish()]
+        return [*self._desk.committed(flying.round, self._facts), *self._finish()]
 
     def _settle_coverage(
         self, round_: int, folded: Mapping[int, int] | None, dead_in: set[int]
@@ -627,18 +574,11 @@ class Coordinator:
         from_controller = natural and spec.policy is not Policy.ASYNC
         if spec.backend is Backend.COLLECTIVE and from_controller:
             return [self._start_round(self._next_round(), "upload", now)]
-        reason = END if natural else SHUTDOWN if spec.checkpoint.on_shutdown else None
-        if self._saves is not None and self._saves.requested:
-            reason = reason or REQUEST
-        if self._saves is None or not self._saves.enabled:
-            reason = None
-        elif (
-            from_controller
-            and self._book.last_saved_round >= 0
-            and self._book.last_saved_round == self._book.last_model_round
-            and not self._saves.requested
-        ):
-            reason = None  # the final consensus is the last round's, whose bundle is already marked
+        reason = self._desk.final_reason(
+            natural=natural,
+            from_controller=from_controller,
+            on_shutdown=spec.checkpoint.on_shutdown,
+        )
         return [
             self._start_round(
                 self._next_round(), "final", now, from_controller=from_controller, checkpoint=reason
@@ -646,31 +586,16 @@ class Coordinator:
         ]
 
     def _finish(self) -> list[Action]:
-        spec = self._require_spec()
         self.phase = CoordPhase.DONE
-        if self._stop_reason is not None:
-            reason = (
-                f"training stopped ({self._stop_reason}) after {self._completed_epochs} of "
-                f"{spec.epochs} epoch(s)"
-            )
-            save_reason, interrupted = "graceful_shutdown", True
-        else:
-            reason = f"training complete: {spec.epochs} epoch(s) on {len(self._alive)} rank(s)"
-            save_reason, interrupted = "completed", False
-        reason = self._lost.degraded(reason, world_size=self.config.world_size)
-        restarts = self._rejoins.summary()
-        if restarts:
-            reason = f"{reason}; {restarts}"
-        return [
-            Tell(to=EVERY_RANK, message=m.Shutdown(reason=reason, save_reason=save_reason)),
-            Finish(
-                reason=reason,
-                save_reason=save_reason,
-                interrupted=interrupted,
-                lost=self._lost.why(),
-                restarted=tuple(r.rank for r in self._rejoins.restarts),
-            ),
-        ]
+        return rounds.finish(
+            self._require_spec(),
+            stop_reason=self._stop_reason,
+            completed_epochs=self._completed_epochs,
+            alive=len(self._alive),
+            world_size=self.config.world_size,
+            lost=self._lost,
+            rejoins=self._rejoins,
+        )
 
     # ----- epochs and plans ------------------------------------------------------------------
 
@@ -841,28 +766,19 @@ class Coordinator:
     def _fire(self, k: int, now: float) -> list[Action]:
         spec = self._require_spec()
         elche = self._running().elche
-        reports = self._reports.pop(k, {})
-        delivered = RULES[spec.policy].delivered_timing
-        ms = [0.0] * self.config.world_size
-        batches = [0] * self.config.world_size
-        for rank, report in reports.items():
-            ms[rank] = report.compute_ms + (report.data_ms if delivered else 0.0)
-            batches[rank] = report.batches
-        divergences = [r.divergence for r in reports.values() if r.divergence >= 0]
-        elche.report(
-            ms,
-            batches,
+        rounds.report_window(
+            elche,
+            self._reports.pop(k, {}),
+            world_size=self.config.world_size,
+            delivered=RULES[spec.policy].delivered_timing,
             sync_ms=self._last_sync_ms,
-            divergence=max(divergences) if divergences else None,
         )
         closes = self._closes_epoch(k)
         epoch = self._epoch
         self._round_epoch[k] = epoch
         for key in [key for key in self._plans if key[0] <= k]:
             del self._plans[key]
-        saves_ = self._saves
-        closing = epoch if closes else None
-        reason = None if saves_ is None else saves_.due(closes_epoch=closing, now=now)
+        reason = self._desk.due(closes_epoch=epoch if closes else None, now=now)
         actions: list[Action] = [
             self._start_round(
                 k, "model", now, closes_epoch=epoch if closes else None, checkpoint=reason
@@ -892,87 +808,22 @@ class Coordinator:
                         )
         return actions
 
-    # ----- checkpoints (:mod:`.saves`) --------------------------------------------------------
-
-    def _on_checkpoint_requested(self, event: CheckpointRequested, now: float) -> list[Action]:
-        del now
-        saves_ = self._saves
-        spec = self.spec
-        if spec is not None and spec.checkpoint.save_path is None:
-            return [
-                dc.warning(
-                    f"a checkpoint was requested ({event.reason}), but this run has no "
-                    "Checkpointing(save_path=...): nothing is written"
-                )
-            ]
-        if self.phase is CoordPhase.JOINING:
-            self._book.early_request = (
-                True  # asked before training started: its first reduce takes it
-            )
-            return [Announce(text=f"checkpoint requested ({event.reason}): at the first reduce")]
-        if saves_ is None or self.phase not in (CoordPhase.INIT, CoordPhase.TRAINING):
-            return [
-                dc.warning(
-                    f"a checkpoint was requested ({event.reason}) as training ends; the end's "
-                    "bundle (if any) is the last one"
-                )
-            ]
-        saves_.request()
-        return [Announce(text=f"checkpoint requested ({event.reason}): at the next reduce")]
-
-    def _coverage(self) -> tuple[int, tuple[part.Range, ...]]:
-        """The epoch in progress in the consensus and its batches the consensus already holds."""
-        spec = self._require_spec()
-        epoch = self._completed_epochs
-        if epoch > self._epoch or self._completed_epochs >= spec.epochs:
-            return epoch, ()
-        if RULES[spec.policy].static_slices:
+    def _facts(self) -> tuple[int, tuple[part.Range, ...], ElCheState, frozenset[int], int]:
+        """What a checkpoint bundle records (:data:`~.savedesk.Facts`)."""
+        spec, epoch = self._require_spec(), self._completed_epochs
+        held: tuple[part.Range, ...] = ()
+        if epoch <= self._epoch < spec.epochs and not RULES[spec.policy].static_slices:
+            held = self._pool.covered_ranges()
+        elif epoch <= self._epoch < spec.epochs:
             held = self._slices.covered_ranges()
-            if self._epoch == self._book.resume_epoch:
-                held = part.coalesce([*held, *self._book.resumed_coverage])
-            return epoch, held
-        return epoch, self._pool.covered_ranges()
-
-    def _bundle(self, round_: int) -> list[Action]:
-        """Round ``round_`` committed: its bundle, when it is a checkpoint round."""
-        reason = self._book.pending.pop(round_, None)
-        if reason is None:
-            return []
-        epoch, coverage = self._coverage()
-        return [self._save(round_, reason, epoch=epoch, coverage=coverage, last=False)]
+            if self._epoch == self._desk.book.resume_epoch:  # what the resumed slices left out
+                held = part.coalesce([*held, *self._desk.book.resumed_coverage])
+        elche = self._running().elche.snapshot()
+        return epoch, held, elche, frozenset(self._alive), self.global_step
 
     def _last_bundle(self, save_reason: str) -> list[Action]:
-        """The run ends on ``save_reason``: a bundle of the last consensus, when there is one."""
-        reason = FAILURE_REASONS.get(save_reason)
-        if (
-            reason is None
-            or self._saves is None
-            or not self._saves.enabled
-            or self.committed is None
-            or not isinstance(self._stage, Running)
-        ):
-            return []
-        epoch, coverage = self._coverage()
-        return [self._save(self.committed[0], reason, epoch=epoch, coverage=coverage, last=True)]
-
-    def _save(
-        self, round_: int, reason: str, *, epoch: int, coverage: tuple[part.Range, ...], last: bool
-    ) -> SaveCheckpoint:
-        saves_ = self._saves
-        assert saves_ is not None
-        elche = self._running().elche
-        return SaveCheckpoint(
-            round=round_,
-            bundle_round=self._book.round_base + round_,
-            reason=reason,
-            epoch=epoch,
-            global_step=self.global_step,
-            coverage=coverage,
-            elche=elche.snapshot(),
-            ranks=frozenset() if last else frozenset(self._alive),
-            world_size=self.config.world_size,
-            last=last,
-        )
+        running = isinstance(self._stage, Running) and self.committed is not None
+        return self._desk.failed(save_reason, self.committed if running else None, self._facts)
 
     # ----- stop, loss, deadlines -------------------------------------------------------------
 
@@ -982,14 +833,7 @@ class Coordinator:
         self._stop_reason = event.reason
         if self.phase is CoordPhase.JOINING:
             self.phase = CoordPhase.DONE
-            reason = f"training stopped ({event.reason}) before it started"
-            return [
-                Tell(
-                    to=EVERY_RANK,
-                    message=m.Shutdown(reason=reason, save_reason="graceful_shutdown"),
-                ),
-                Finish(reason=reason, save_reason="graceful_shutdown", interrupted=True),
-            ]
+            return rounds.stopped_before_start(event.reason)
         actions: list[Action] = [
             Announce(text=f"stopping training ({event.reason}): a final round, then shutdown")
         ]
@@ -1092,10 +936,10 @@ class Coordinator:
             )
             return self._fail(ExitCode.FORMATION, reason, rank=late)
         timeout = self._heartbeat_timeout()
-        if timeout is not None:
-            for rank in sorted(self._alive):
-                if rank not in self._exiting and now >= self._last_seen[rank] + timeout:
-                    return self._on_lost(RankLost(rank=rank, reason=dc.silent(timeout)), now)
+        seen = {r: self._last_seen[r] for r in self._alive - self._exiting}
+        silent = dc.first_silent(seen, timeout, now)
+        if silent is not None and timeout is not None:
+            return self._on_lost(RankLost(rank=silent, reason=dc.silent(timeout)), now)
         flying = self._in_flight
         if flying is not None and now >= flying.started_at + self.config.reduce_stall:
             reason = dc.stalled(flying, self.config.reduce_stall)

@@ -34,6 +34,10 @@ from .spec import Checkpointing
 EPOCH, ROUND, TIME, END, SHUTDOWN, REQUEST = "epoch", "round", "time", "end", "shutdown", "request"
 MAX_FAILURE, STALL, ALL_LOST = "max_failure_exceeded", "stall", "all_lost"
 
+#: The ``Intent`` kind of a rank's checkpoint request (``run.checkpoint()``,
+#: ``Worker.request_checkpoint()``).
+INTENT = "checkpoint"
+
 #: A run that ends on a failure saves its last consensus under this reason (keyed by the
 #: ``Shutdown.save_reason`` the death chain and the stall deadline give).
 FAILURE_REASONS: Mapping[str, str] = {
