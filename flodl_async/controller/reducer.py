@@ -463,15 +463,13 @@ class Reducer:
                 state.copied = await self._math.snapshot_off_loop(held)
         else:
             if mass > 0:
-                log.warning(
-                    "round %d: mass %g but no tensors were contributed; sending mass 0 (ranks keep "
-                    "their state)",
-                    state.number,
-                    mass,
-                )
-            mass = 0.0
+                why = "no tensors were contributed; sending mass 0 (ranks keep their state)"
+                log.warning("round %d: mass %g but %s", state.number, mass, why)
             self._math.drop(state)
-            await self._broadcast(state, 0.0, None)
+            # a resumed run's init: no rank sent its state; every rank takes the bundle's consensus
+            resumed = self._held if state.kind == "init" else None
+            mass = 1.0 if resumed is not None else 0.0
+            await self._broadcast(state, mass, resumed)
         self._complete(state, mass)
 
     async def _send_held(self, state: RoundState) -> None:

@@ -249,6 +249,7 @@ class RankSchedule:
             n_batches=compute.n_batches,
             start_epoch=welcome.start_epoch,
             start_step=welcome.global_step,
+            resumed=welcome.resumed,
         )
         #: The last bundle this rank wrote its state into (``TrainedState.checkpoint``).
         self.last_bundle: str | None = None

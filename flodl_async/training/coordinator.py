@@ -388,7 +388,7 @@ class Coordinator:
                 self._stage.elche.restore(resume.elche)
         actions: list[Action] = [
             Announce(text=said),
-            self._start_round(0, "init", now, from_controller=resume is not None),
+            self._start_round(0, "init", now),
         ]
         epoch, covered = (0, ()) if resume is None else (resume.epoch, resume.coverage)
         if epoch < spec.epochs:
@@ -420,7 +420,7 @@ class Coordinator:
             round_=round_,
             kind=kind,
             now=now,
-            world_size=self.config.world_size,
+            config=self.config,
             alive=frozenset(self._alive),
             claimable=claimable,
             from_controller=from_controller,

@@ -8,6 +8,7 @@ of an orderly end. The coordinator keeps the state; these take what they need of
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 
 from ..control.vocab import Tell
@@ -28,7 +29,7 @@ def open_round(
     round_: int,
     kind: str,
     now: float,
-    world_size: int,
+    config: CoordinatorConfig,
     alive: frozenset[int],
     claimable: Mapping[int, int],
     from_controller: bool,
@@ -50,12 +51,15 @@ def open_round(
         closes_epoch=closes_epoch,
     )
     plan = plancheck.round_plan(
-        world_size=world_size,
+        world_size=config.world_size,
         expected=alive,
         claimable=claimable,
         gamma=spec.settings.gamma,
         equal=kind == "final" and spec.policy is Policy.ASYNC,
     )
+    if kind == "init" and config.resume is not None:
+        # no rank's state seeds a resumed run: every rank sends nothing and takes the bundle's
+        plan = dataclasses.replace(plan, root=-1)
     start = StartRound(
         round=round_,
         kind=kind,

@@ -220,8 +220,11 @@ class RankPolicy:
         n_batches: int,
         start_epoch: int = 0,
         start_step: int = 0,
+        resumed: bool = False,
     ) -> None:
-        """``start_epoch`` and ``start_step``: a resumed run's epochs completed and global step."""
+        """``start_epoch`` and ``start_step``: a resumed run's epochs completed and global step;
+        ``resumed``: its init round takes the bundle's consensus (every rank contributes
+        nothing)."""
         self.rank = rank
         self._world_size = world_size
         self._averaging = averaging
@@ -241,6 +244,7 @@ class RankPolicy:
         self._outstanding = False
         self._lost: set[int] = set()
         self._regroup: Regroup | None = None  # the latest re-form not carried out yet
+        self._resumed = resumed
         self._epochs_seen = start_epoch
         self._cohort_batches = start_step * world_size
         self._handlers: TypeTable[
@@ -401,6 +405,7 @@ class RankPolicy:
             # init: the root's state seeds every rank; upload (COLLECTIVE): the ranks agree, rank
             # 0's copy goes to the controller. Either way the others send an empty contribution.
             root = self.rank == min(set(range(self._world_size)) - self._lost)
+            root = root and not (kind == "init" and self._resumed)
             via, weight, tensors = Via.LINK, 1.0 if root else 0.0, root
         elif kind == "final" and self._averaging is Policy.ASYNC:
             # ASYNC locals differ on purpose: the final round is a plain mean
