@@ -77,7 +77,8 @@ def test_a_bundle_every_epoch_one_on_request_and_at_the_end_of_the_uninterrupted
     for path in found.values():
         manifest = verify_bundle(path)
         assert sorted(manifest.rank_files) == [0, 1]  # each rank's optimizer and RNG
-        assert manifest.world_size == 2 and manifest.data.batch_size == 32
+        assert manifest.world_size == 2
+        assert manifest.data.batch_size == 32
     last = max(found.values(), key=lambda p: parse_bundle_name(p.name)[0])  # type: ignore[index]
     assert reference.out["checkpoint"] == str(last)  # TrainedState.checkpoint: the last bundle
     assert verify_bundle(last).epoch == 4
@@ -106,7 +107,8 @@ def test_resuming_from_the_mid_epoch_request_bundle_trains_only_what_it_lacks(
 ) -> None:
     (request,) = (p for p in bundles(reference.save).values() if "request" in p.name)
     manifest = verify_bundle(request)
-    assert manifest.epoch == 1 and manifest.coverage  # mid-epoch 2: some batches are in it
+    assert manifest.epoch == 1
+    assert manifest.coverage
     done = as_launcher(
         tmp_path, *LOCKSTEP, "--epochs", "4", "--resume-from", str(request), run_id=new_run_id()
     )
@@ -151,7 +153,8 @@ def test_sigkill_of_the_launcher_then_resume_latest_ends_where_the_uninterrupted
         assert_nothing_left(run_id, within=30)
     assert not (tmp_path / "killed" / "launcher--1.pt").exists()
     latest, _skipped = find_latest(save)
-    assert latest is not None and verify_bundle(latest).epoch >= 2
+    assert latest is not None
+    assert verify_bundle(latest).epoch >= 2
     (tmp_path / "cluster.yml").unlink()
     done = as_launcher(
         tmp_path, *LOCKSTEP, "--epochs", "4", "--save-path", str(save), "--resume-from", "latest",
@@ -173,7 +176,8 @@ def test_max_failure_breached_exits_5_with_a_bundle_of_the_last_consensus(tmp_pa
     assert latest is not None, done.stderr
     manifest = verify_bundle(latest)
     assert manifest.reason is Reason.MAX_FAILURE_EXCEEDED
-    assert manifest.epoch == 1 and manifest.coverage  # rank 1 died in its 5th batch of epoch 2
+    assert manifest.epoch == 1
+    assert manifest.coverage
     assert manifest.rank_files == {}  # the ranks were ending: the consensus alone
 
 
@@ -183,7 +187,8 @@ def test_max_failure_breached_exits_5_with_a_bundle_of_the_last_consensus(tmp_pa
 def _refused(tmp_path: Path, *args: str, field: str, where: Path | str) -> None:
     done = as_launcher(tmp_path, *LOCKSTEP, "--epochs", "4", *args, run_id=new_run_id())
     assert done.returncode == ExitCode.USAGE, done.stderr
-    assert field in done.stderr and str(where) in done.stderr, done.stderr
+    assert field in done.stderr, done.stderr
+    assert str(where) in done.stderr, done.stderr
     assert "Traceback" not in done.stderr, done.stderr
     assert not (tmp_path / "out").exists()  # nothing trained
 
@@ -237,7 +242,8 @@ def test_resume_latest_with_no_bundle_yet_starts_fresh_and_says_so(tmp_path: Pat
         "--resume-from", "latest", run_id=new_run_id(),
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
-    assert "no checkpoint under" in done.stderr and "starting fresh" in done.stderr
+    assert "no checkpoint under" in done.stderr
+    assert "starting fresh" in done.stderr
     assert bundles(tmp_path / "ckpt")  # the end's bundle: the requeue's next run resumes from it
 
 
@@ -257,7 +263,8 @@ def test_inline_saves_every_epoch_and_a_resume_continues_exactly(tmp_path: Path)
     assert done.returncode == 0, done.stderr
     full = torch.load(tmp_path / "a" / "out" / "inline--1.pt")
     epoch1 = next(p for p in bundles(save).values() if verify_bundle(p).epoch == 1)
-    assert full["checkpoint"] is not None and verify_bundle(full["checkpoint"]).epoch == 3
+    assert full["checkpoint"] is not None
+    assert verify_bundle(full["checkpoint"]).epoch == 3
     done = _inline(tmp_path / "b", "--epochs", "3", "--resume-from", str(epoch1))
     assert done.returncode == 0, done.stderr
     resumed = torch.load(tmp_path / "b" / "out" / "inline--1.pt")
@@ -269,4 +276,5 @@ def test_inline_saves_every_epoch_and_a_resume_continues_exactly(tmp_path: Path)
 def test_inline_resume_from_a_missing_path_exits_2_without_a_traceback(tmp_path: Path) -> None:
     done = _inline(tmp_path, "--epochs", "1", "--resume-from", str(tmp_path / "nope"))
     assert done.returncode == ExitCode.USAGE, done.stderr
-    assert "resume_from" in done.stderr and "Traceback" not in done.stderr, done.stderr
+    assert "resume_from" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
