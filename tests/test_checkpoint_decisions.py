@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import pytest
 
-from flodl_async.control.vocab import Announce, Level
+from flodl_async.control.vocab import Announce, Level, Tick
 from flodl_async.errors import ConfigError
 from flodl_async.training import partition as part
 from flodl_async.training.coordination import (
@@ -194,6 +194,20 @@ def test_max_failure_breached_saves_the_last_consensus_before_the_verdict() -> N
         frozenset(),
     )
     assert save.round == d.coord.committed[0]  # type: ignore[index]
+
+
+def test_a_stalled_round_saves_the_last_consensus_before_its_verdict() -> None:
+    d = Driver(spec(Policy.SYNC))
+    d.join_all()
+    while len([r for r in d.rounds if r.kind == "model"]) < 3:
+        d.feed(d.pending.popleft())
+    d.pending.clear()  # the third model round never completes
+    out = d.coord.handle(Tick(), d.now + 121.0)
+    (save,) = (a for a in out if isinstance(a, SaveCheckpoint))
+    (fail,) = (a for a in out if isinstance(a, Fail))
+    assert out.index(save) < out.index(fail)
+    assert (fail.code, save.reason, save.last) == (ExitCode.STALLED, "stall", True)
+    assert save.round == d.coord.committed[0]  # type: ignore[index]  # the second model round
 
 
 def test_without_a_save_path_nothing_is_marked_and_a_request_says_so() -> None:

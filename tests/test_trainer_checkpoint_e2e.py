@@ -236,15 +236,57 @@ def test_resume_with_another_model_names_the_model_schema(copied: Path, tmp_path
     assert time.monotonic() - started < 120
 
 
-def test_resume_latest_with_no_bundle_yet_starts_fresh_and_says_so(tmp_path: Path) -> None:
+def test_resume_latest_with_no_bundle_yet_starts_fresh_says_so_and_keeps_the_last_two(
+    tmp_path: Path,
+) -> None:
     done = as_launcher(
         tmp_path, *LOCKSTEP, "--epochs", "1", "--save-path", str(tmp_path / "ckpt"),
-        "--resume-from", "latest", run_id=new_run_id(),
+        "--every-rounds", "2", "--keep-last", "2", "--resume-from", "latest", run_id=new_run_id(),
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert "no checkpoint under" in done.stderr
     assert "starting fresh" in done.stderr
-    assert bundles(tmp_path / "ckpt")  # the end's bundle: the requeue's next run resumes from it
+    assert done.stderr.count("checkpoint: wrote") == 4  # rounds 2, 4, 6, 8 (8 closes the epoch)
+    kept = bundles(tmp_path / "ckpt")  # keep_last=2: the two newest, the requeue's next start
+    assert [parse_bundle_name(name)[0] for name in kept] == [6, 8]  # type: ignore[index]
+
+
+def test_latest_skips_a_torn_newer_bundle_by_name(
+    reference: Reference, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from flodl_async.controller.resumes import find_bundle
+    from flodl_async.training.spec import Checkpointing
+
+    save = tmp_path / "ckpt"
+    newest = max(bundles(reference.save).values(), key=lambda p: parse_bundle_name(p.name)[0])  # type: ignore[index]
+    shutil.copytree(newest, save / newest.name)
+    torn = save / "r00099999-epoch"  # a newer write cut before its manifest
+    shutil.copytree(newest, torn)
+    (torn / "manifest.json").unlink()
+    with caplog.at_level("WARNING"):
+        found = find_bundle(Checkpointing(save_path=str(save), resume_from="latest"))
+    assert found == save / newest.name
+    assert "r00099999-epoch" in caplog.text
+
+
+def test_slowmo_resumes_exactly_with_its_momentum(tmp_path: Path) -> None:
+    slowmo = (*LOCKSTEP, "--outer", "slowmo", "--epochs", "3")
+    save = tmp_path / "ckpt"
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    done = as_launcher(
+        tmp_path / "a", *slowmo, "--save-path", str(save), "--every-epochs", "1",
+        run_id=new_run_id(),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    full = launcher_doc(tmp_path / "a" / "out")
+    epoch1 = next(p for p in bundles(save).values() if verify_bundle(p).epoch == 1)
+    assert verify_bundle(epoch1).outer_state_file == "outer.pt"  # the momentum is in it
+    done = as_launcher(tmp_path / "b", *slowmo, "--resume-from", str(epoch1), run_id=new_run_id())
+    assert done.returncode == 0, done.stderr
+    resumed = launcher_doc(tmp_path / "b" / "out")
+    assert_same_state(resumed["state"], full["state"])
+    assert resumed["losses"] == full["losses"][1:]
 
 
 # ----- inline: one process saves and resumes too ------------------------------------------------------
