@@ -110,6 +110,29 @@ def test_a_committed_bundle_verifies_and_lists_every_file_with_its_hash(tmp_path
     assert sorted(p.name for p in path.iterdir()) == [CONSENSUS_FILE, MANIFEST_FILE]
 
 
+def test_large_writes_hash_what_reached_the_file_even_when_the_caller_reuses_its_buffer(
+    tmp_path: Path,
+) -> None:
+    """Large writes are hashed on a helper thread while they are written; ``write`` returns only
+    once its bytes are hashed, so a writer that refills its buffer (torch's zip writer does) never
+    changes the hash of bytes already written."""
+    import hashlib
+
+    buffer = bytearray(3 * (1 << 20) + 12_345)  # several pieces, and a ragged end
+
+    def refills(file: BinaryIO) -> None:
+        for fill in range(5):
+            buffer[:] = bytes([fill]) * len(buffer)
+            file.write(buffer)
+            file.write(b"small" * fill)  # small writes take the direct path, in order
+
+    writer = BundleWriter(tmp_path, bundle_name(1, Reason.EPOCH))
+    sha = writer.write_file(CONSENSUS_FILE, refills)
+    written = (writer.path / CONSENSUS_FILE).read_bytes()
+    assert len(written) == 5 * len(buffer) + sum(5 * i for i in range(5))
+    assert sha == hashlib.sha256(written).hexdigest()
+
+
 def test_a_file_that_changed_after_the_commit_is_refused(tmp_path: Path) -> None:
     path = write_bundle(tmp_path, 1, b"x" * 10_000)
     with open(path / CONSENSUS_FILE, "r+b") as f:

@@ -30,6 +30,7 @@ import re
 import secrets
 import shutil
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 from types import MappingProxyType
@@ -46,6 +47,9 @@ OUTER_FILE = "outer.pt"
 #: Reads and hashes in chunks of this size (one reused buffer: verifying a 256 MiB file allocates
 #: 4 MiB, not 256).
 _CHUNK = 4 << 20
+#: A write this large is hashed on a helper thread while it is written, in pieces of _PIECE.
+_PARALLEL_MIN = 256 << 10
+_PIECE = 8 << 20
 _TEMP = re.compile(r"^\..+\.tmp-\d+-[0-9a-f]+$")
 _PLAIN_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
 
@@ -54,24 +58,46 @@ class _HashingFile:
     """A write-only file that feeds every byte to SHA-256 on its way to the disk.
 
     What ``torch.save`` and a caller's ``write`` see: ``write`` and ``flush``. Bytes are hashed and
-    written from the caller's own buffer (a memoryview), never copied.
+    written from the caller's own buffer (a memoryview), never copied. A large write is cut into
+    pieces; each piece is hashed on a helper thread while this one writes it (hashlib and the
+    write syscall both release the GIL), so hashing costs no time where a second core is free.
+    The helper takes pieces in order (one thread, a FIFO), and ``write`` returns only when the
+    last piece is hashed: the caller may reuse its buffer (torch's zip writer passes views of its
+    own, short-lived memory).
     """
 
     def __init__(self, raw: BinaryIO) -> None:
         self._raw = raw
         self._hash = hashlib.sha256()
+        self._helper: ThreadPoolExecutor | None = None
         self.written = 0
 
     def write(self, data: bytes | bytearray | memoryview) -> int:
         view = memoryview(data).cast("B")
-        self._hash.update(view)
+        if len(view) < _PARALLEL_MIN:
+            self._hash.update(view)
+            self._write_all(view)
+            return len(view)
+        if self._helper is None:
+            self._helper = ThreadPoolExecutor(1, thread_name_prefix="checkpoint-hash")
+        hashed: Future[None] | None = None
+        for start in range(0, len(view), _PIECE):
+            piece = view[start : start + _PIECE]
+            hashed = self._helper.submit(self._hash.update, piece)
+            offset = self.written
+            self._write_all(piece)
+            _start_writeback(self._raw.fileno(), offset, len(piece))
+        assert hashed is not None
+        hashed.result()  # the FIFO's last piece: every piece before it is hashed too
+        return len(view)
+
+    def _write_all(self, view: memoryview) -> None:
         done = 0
         while done < len(view):
-            # a raw file may write less than asked (a signal, a full pipe); go on from there
+            # a raw file may write less than asked (a signal, a full disk's last block)
             n = self._raw.write(view[done:])
             done += n if n is not None else 0
         self.written += done
-        return done
 
     def flush(self) -> None:
         self._raw.flush()
@@ -79,8 +105,25 @@ class _HashingFile:
     def writable(self) -> bool:
         return True
 
+    def close(self) -> None:
+        """Stop the hashing thread (idempotent)."""
+        if self._helper is not None:
+            self._helper.shutdown(wait=True)
+            self._helper = None
+
     def hexdigest(self) -> str:
         return self._hash.hexdigest()
+
+
+def _start_writeback(fd: int, offset: int, length: int) -> None:
+    """Ask the kernel to start writing ``length`` bytes at ``offset`` to the disk now, without
+    waiting: the fsync at the end then waits for the last piece only, not for the whole file.
+
+    Linux's ``POSIX_FADV_DONTNEED`` starts the writeback of dirty pages (and drops only pages
+    already clean, which these are not yet); elsewhere it is a hint that may do nothing.
+    """
+    with contextlib.suppress(OSError, AttributeError):
+        os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
 
 
 def _fsync_dir(path: Path) -> None:
@@ -141,7 +184,10 @@ class BundleWriter:
             # unbuffered: every write goes straight from the caller's buffer to the kernel
             with open(temp, "xb", buffering=0) as raw:
                 hashing = _HashingFile(raw)
-                write(hashing)  # type: ignore[arg-type]  # write + flush is what writers use
+                try:
+                    write(hashing)  # type: ignore[arg-type]  # write + flush is what writers use
+                finally:
+                    hashing.close()
                 os.fsync(raw.fileno())
             os.replace(temp, self.path / name)
         except BaseException:
