@@ -4,12 +4,15 @@ whether a bundle fits the run that resumes from it."""
 from __future__ import annotations
 
 import random
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, BinaryIO
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from flodl_async.checkpoint import (
     CONSENSUS_FILE,
@@ -235,11 +238,16 @@ def test_a_bundle_holds_only_plain_files_of_its_own(tmp_path: Path, name: str) -
         writer.write_file(name, payload(b""))
 
 
-def test_rewriting_a_committed_bundle_uncommits_it_first(tmp_path: Path) -> None:
+def test_a_committed_bundle_being_rewritten_is_invalid_until_its_new_commit(
+    tmp_path: Path,
+) -> None:
     path = write_bundle(tmp_path, 5, b"old")
     writer = BundleWriter(tmp_path, bundle_name(5, Reason.EPOCH))
-    assert not (path / MANIFEST_FILE).exists()  # never valid with a mix of old and new files
+    verify_bundle(path)  # a new writer (a rank's, say) touches nothing already there
     writer.write_file(CONSENSUS_FILE, payload(b"new"))
+    with pytest.raises(CheckpointInvalid) as caught:
+        verify_bundle(path)
+    assert caught.value.field == f"files[{CONSENSUS_FILE}]"
     writer.commit(manifest_for(5))
     assert (path / CONSENSUS_FILE).read_bytes() == b"new"
     verify_bundle(path)
@@ -319,6 +327,37 @@ def test_retention_does_nothing_without_a_valid_bundle(tmp_path: Path) -> None:
     dead = dead_write(tmp_path, 1)
     assert retain(tmp_path, keep_last=1) == ()
     assert dead.exists()
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    st.lists(st.sampled_from(["valid", "torn", "corrupt"]), min_size=1, max_size=7),
+    st.integers(1, 4),
+)
+def test_retention_keeps_what_it_says_whatever_the_save_path_holds(
+    states: list[str], keep_last: int
+) -> None:
+    with tempfile.TemporaryDirectory() as where:
+        save = Path(where)
+        for round_, state in enumerate(states):
+            if state == "torn":
+                dead_write(save, round_)
+            else:
+                path = write_bundle(save, round_)
+                if state == "corrupt":
+                    (path / CONSENSUS_FILE).write_bytes(b"bitrot")
+        before = list_bundles(save)
+        latest, _ = find_latest(save)
+        retain(save, keep_last=keep_last)
+        after = list_bundles(save)
+        assert find_latest(save)[0] == latest
+        if latest is None:
+            assert after == before
+            return
+        at = before.index(latest)
+        assert after[after.index(latest) :] == before[at:]  # the latest and newer: untouched
+        committed = [b for b, s in zip(before[:at], states, strict=False) if s != "torn"]
+        assert after[: after.index(latest)] == tuple(committed[max(0, len(committed) - keep_last + 1) :])
 
 
 @pytest.mark.parametrize("keep", [0, -1, True, 1.5])

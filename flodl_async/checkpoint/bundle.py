@@ -145,9 +145,11 @@ class BundleWriter:
     """Writes one bundle, ``save_path/name``, crash-safely; :meth:`commit` makes it valid.
 
     One per bundle and process: the controller's writer commits; a rank's writer (on its own
-    host, same shared directory) only writes its file and reports the hash. A bundle of the same
-    name that is already committed (a resumed run reaching the same round and reason again) is
-    replaced: its manifest is removed first, so it is never valid with a mix of old and new files.
+    host, same shared directory) only writes its file and reports the hash, so making a writer
+    touches nothing already there. Rewriting a committed bundle (a run resumed from an older
+    bundle reaching the same round and reason again) needs no care either: from its first
+    replaced file until the new commit, its old manifest's hashes no longer match, so it is
+    invalid, never a valid mix (a mix whose every file matches is byte for byte the old bundle).
     """
 
     def __init__(self, save_path: str | os.PathLike[str], name: str) -> None:
@@ -160,10 +162,6 @@ class BundleWriter:
         self._committed = False
         self.save_path.mkdir(parents=True, exist_ok=True)
         self.path.mkdir(exist_ok=True)
-        stale = self.path / MANIFEST_FILE
-        if stale.exists():
-            stale.unlink(missing_ok=True)
-            _fsync_dir(self.path)
 
     @property
     def files(self) -> MappingProxyType[str, str]:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO
 
+from ..errors import CheckpointInvalid
 from .bundle import OUTER_FILE, BundleWriter
 from .manifest import CONSENSUS_FILE, Manifest
 
@@ -162,8 +163,12 @@ def load_rank_state(
     name = manifest.rank_files.get(rank)
     if name is None:
         return None
-    body = _load(Path(bundle) / name)
-    assert isinstance(body, dict)
+    path = Path(bundle) / name
+    body = _load(path)
+    if not (isinstance(body, dict) and {"optimizer", "rng"} <= body.keys()):
+        raise CheckpointInvalid(
+            path=str(path), field=f"rank_files[{rank}]", reason="not a rank state file"
+        )
     rng = body["rng"]
     return RankState(
         optimizer=body["optimizer"],
