@@ -357,7 +357,9 @@ def test_retention_keeps_what_it_says_whatever_the_save_path_holds(
         at = before.index(latest)
         assert after[after.index(latest) :] == before[at:]  # the latest and newer: untouched
         committed = [b for b, s in zip(before[:at], states, strict=False) if s != "torn"]
-        assert after[: after.index(latest)] == tuple(committed[max(0, len(committed) - keep_last + 1) :])
+        assert after[: after.index(latest)] == tuple(
+            committed[max(0, len(committed) - keep_last + 1) :]
+        )
 
 
 @pytest.mark.parametrize("keep", [0, -1, True, 1.5])
