@@ -22,7 +22,9 @@ goal: at least 0.8x), the median of per-round ratios. ``sha256 alone`` is hashli
 bytes in memory, measured in the same run: the bundle hashes every byte on a second thread while
 it writes, so on a machine whose hashing is slower than its memory copies the bundle's rate is
 bounded by it (a SHA-256 per file is what makes a torn or corrupt bundle detectable); where no
-second core is free (the last line says), hashing and writing add up instead.
+second core is free (the line after the table says), hashing and writing add up instead.
+``verify_bundle`` is timed on each bundle written (not part of its write): what a resume pays to
+check a bundle before it trusts it.
 
 The other half of issue 18's benchmark, how long each rank is blocked by a checkpoint and how
 much a step slows while one is written, needs a Trainer run; its place is
@@ -46,6 +48,18 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from flodl_async.checkpoint import (  # after the path: the checkout's own package
+    BundleWriter,
+    DataParams,
+    Manifest,
+    Reason,
+    bundle_name,
+    save_consensus,
+    verify_bundle,
+)
+from flodl_async.training.policy import Backend, Policy
+from flodl_async.wire.messages import ModelSchemaWire
 
 VARIANTS = ("torch.save", "+fsync", "bundle")
 GOAL = 0.8
@@ -89,17 +103,6 @@ def _torch_save_fsync(state: dict[str, Any], where: Path) -> None:
 
 
 def _bundle(state: dict[str, Any], where: Path) -> None:
-    from flodl_async.checkpoint import (
-        BundleWriter,
-        DataParams,
-        Manifest,
-        Reason,
-        bundle_name,
-        save_consensus,
-    )
-    from flodl_async.training.policy import Backend, Policy
-    from flodl_async.wire.messages import ModelSchemaWire
-
     writer = BundleWriter(where, bundle_name(1, Reason.EPOCH))
     save_consensus(writer, state)
     writer.commit(
@@ -172,7 +175,9 @@ def _second_core(state: dict[str, Any]) -> float:
 def _measure(mib: int, rounds: int, root: Path) -> dict[str, list[float]]:
     state = _state(mib)
     size = _nbytes(state)
-    rates: dict[str, list[float]] = {name: [] for name in (*VARIANTS, "sha256", "second core")}
+    rates: dict[str, list[float]] = {
+        name: [] for name in (*VARIANTS, "verify", "sha256", "second core")
+    }
     for round_ in range(-1, rounds):  # round -1 warms up (imports, first allocations): untimed
         order = VARIANTS if round_ % 2 == 0 else tuple(reversed(VARIANTS))
         for name in order:
@@ -181,6 +186,10 @@ def _measure(mib: int, rounds: int, root: Path) -> dict[str, list[float]]:
                 started = time.perf_counter()
                 RUNNERS[name](state, where)
                 elapsed = time.perf_counter() - started
+                if name == "bundle" and round_ >= 0:
+                    started = time.perf_counter()
+                    verify_bundle(where / bundle_name(1, Reason.EPOCH))
+                    rates["verify"].append(size / 1e6 / (time.perf_counter() - started))
             finally:
                 shutil.rmtree(where)
             if round_ >= 0:
@@ -258,6 +267,10 @@ def main() -> None:
         f"threads hashing finish {second:.1f}x as fast as one (2.0 = a free second core: the "
         "bundle hashes on it while it writes)"
     )
+    verify = ", ".join(
+        f"{mib} MiB {statistics.median(r['verify']):.0f} MB/s" for mib, r in results.items()
+    )
+    print(f"verify_bundle (read back, every hash checked, what a resume pays): {verify}")
     print(f"goal (bundle >= {GOAL}x torch.save): {', '.join(met)}")
     for line in rank_blocking_and_step_inflation(args):
         print(line)

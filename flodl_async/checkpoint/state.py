@@ -82,7 +82,9 @@ def restore_rng(state: RngState) -> None:
     random.setstate(state.python)
     torch.set_rng_state(state.torch_cpu)
     if state.cuda and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(list(state.cuda))
+        # device by device, as many as both runs see (a rank may resume seeing fewer devices)
+        for device, cuda_state in enumerate(state.cuda[: torch.cuda.device_count()]):
+            torch.cuda.set_rng_state(cuda_state, device)
     if state.numpy is not None:
         try:
             import numpy as np  # optional: only when numpy is installed
