@@ -261,6 +261,13 @@ def test_there_is_no_latest_in_an_empty_or_missing_save_path(tmp_path: Path) -> 
     assert find_latest(tmp_path) == (None, ())
 
 
+def test_a_save_path_that_is_a_file_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "ckpt").write_text("not a directory")
+    with pytest.raises(CheckpointInvalid) as caught:
+        find_latest(tmp_path / "ckpt")
+    assert caught.value.field == "save_path"
+
+
 def test_the_latest_is_the_newest_valid_and_the_newer_torn_ones_are_named(tmp_path: Path) -> None:
     write_bundle(tmp_path, 1)
     good = write_bundle(tmp_path, 9)

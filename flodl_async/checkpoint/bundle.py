@@ -335,9 +335,18 @@ def list_bundles(save_path: str | os.PathLike[str]) -> tuple[Path, ...]:
 
 def find_latest(save_path: str | os.PathLike[str]) -> tuple[Path | None, tuple[Skipped, ...]]:
     """The newest valid bundle under ``save_path`` (None when there is none yet, or no such
-    directory), and every newer one skipped on the way, with why."""
+    directory), and every newer one skipped on the way, with why. A save path that is a file is
+    a :class:`CheckpointInvalid`: "no bundle yet" would hide the mistake."""
+    root = Path(save_path)
+    if root.exists() and not root.is_dir():
+        raise CheckpointInvalid(
+            path=str(root),
+            field="save_path",
+            reason="is not a directory (a save path holds one directory per bundle)",
+            remedy="point save_path at a directory (it is made when missing)",
+        )
     skipped: list[Skipped] = []
-    for bundle in reversed(list_bundles(save_path)):
+    for bundle in reversed(list_bundles(root)):
         try:
             verify_bundle(bundle)
         except CheckpointInvalid as exc:
