@@ -4,10 +4,10 @@ Theory of operation. A bundle is written in three steps, and a crash (SIGKILL, p
 moment leaves every earlier bundle as it was:
 
 1. every file goes to a temporary name in the bundle directory (``.consensus.pt.tmp-<pid>-<rand>``),
-   is hashed while it streams out (no second read), fsync'd, then renamed to its name;
-2. the directories are fsync'd, so the renames are on disk before the commit record;
+   is hashed while it streams out (no second read; on a second core), fsync'd, then renamed;
+2. the bundle directory is fsync'd, so the renames are on disk before the commit record;
 3. ``manifest.json``, the commit record listing each file's SHA-256, goes through the same temporary
-   name, fsync and rename, and the bundle directory and the save path are fsync'd again.
+   name, fsync and rename, and the bundle directory and the save path are fsync'd.
 
 A bundle is valid iff its manifest parses and every file it lists hashes to what it says. So a
 write killed before step 3 leaves a directory without a manifest (torn: skipped by name, removed
@@ -226,9 +226,9 @@ class BundleWriter:
                     reason="listed but not in the bundle directory",
                     remedy="make the save path a directory every host of the run shares",
                 )
-        # the renames of step 1 reach the disk before the record that names their files
+        # the renames of step 1 reach the disk before the record that names their files (the
+        # bundle's own entry in the save path matters only once it is committed: synced below)
         _fsync_dir(self.path)
-        _fsync_dir(self.save_path)
         text = complete.to_json().encode()
         self._committed = True  # one commit per writer, even if the manifest write fails
         temp = self.path / f".{MANIFEST_FILE}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
