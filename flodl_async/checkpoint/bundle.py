@@ -4,10 +4,10 @@ Theory of operation. A bundle is written in three steps, and a crash (SIGKILL, p
 moment leaves every earlier bundle as it was:
 
 1. every file goes to a temporary name in the bundle directory (``.consensus.pt.tmp-<pid>-<rand>``),
-   is hashed while it streams out (no second read), fsync'd, then renamed to its name;
-2. the directories are fsync'd, so the renames are on disk before the commit record;
+   is hashed while it streams out (no second read; on a second core), fsync'd, then renamed;
+2. the bundle directory is fsync'd, so the renames are on disk before the commit record;
 3. ``manifest.json``, the commit record listing each file's SHA-256, goes through the same temporary
-   name, fsync and rename, and the bundle directory and the save path are fsync'd again.
+   name, fsync and rename, and the bundle directory and the save path are fsync'd.
 
 A bundle is valid iff its manifest parses and every file it lists hashes to what it says. So a
 write killed before step 3 leaves a directory without a manifest (torn: skipped by name, removed
@@ -30,6 +30,7 @@ import re
 import secrets
 import shutil
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 from types import MappingProxyType
@@ -46,6 +47,9 @@ OUTER_FILE = "outer.pt"
 #: Reads and hashes in chunks of this size (one reused buffer: verifying a 256 MiB file allocates
 #: 4 MiB, not 256).
 _CHUNK = 4 << 20
+#: A write this large is hashed on a helper thread while it is written, in pieces of _PIECE.
+_PARALLEL_MIN = 256 << 10
+_PIECE = 8 << 20
 _TEMP = re.compile(r"^\..+\.tmp-\d+-[0-9a-f]+$")
 _PLAIN_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
 
@@ -54,24 +58,46 @@ class _HashingFile:
     """A write-only file that feeds every byte to SHA-256 on its way to the disk.
 
     What ``torch.save`` and a caller's ``write`` see: ``write`` and ``flush``. Bytes are hashed and
-    written from the caller's own buffer (a memoryview), never copied.
+    written from the caller's own buffer (a memoryview), never copied. A large write is cut into
+    pieces; each piece is hashed on a helper thread while this one writes it (hashlib and the
+    write syscall both release the GIL), so hashing costs no time where a second core is free.
+    The helper takes pieces in order (one thread, a FIFO), and ``write`` returns only when the
+    last piece is hashed: the caller may reuse its buffer (torch's zip writer passes views of its
+    own, short-lived memory).
     """
 
     def __init__(self, raw: BinaryIO) -> None:
         self._raw = raw
         self._hash = hashlib.sha256()
+        self._helper: ThreadPoolExecutor | None = None
         self.written = 0
 
     def write(self, data: bytes | bytearray | memoryview) -> int:
         view = memoryview(data).cast("B")
-        self._hash.update(view)
+        if len(view) < _PARALLEL_MIN:
+            self._hash.update(view)
+            self._write_all(view)
+            return len(view)
+        if self._helper is None:
+            self._helper = ThreadPoolExecutor(1, thread_name_prefix="checkpoint-hash")
+        hashed: Future[None] | None = None
+        for start in range(0, len(view), _PIECE):
+            piece = view[start : start + _PIECE]
+            hashed = self._helper.submit(self._hash.update, piece)
+            offset = self.written
+            self._write_all(piece)
+            _start_writeback(self._raw.fileno(), offset, len(piece))
+        assert hashed is not None
+        hashed.result()  # the FIFO's last piece: every piece before it is hashed too
+        return len(view)
+
+    def _write_all(self, view: memoryview) -> None:
         done = 0
         while done < len(view):
-            # a raw file may write less than asked (a signal, a full pipe); go on from there
+            # a raw file may write less than asked (a signal, a full disk's last block)
             n = self._raw.write(view[done:])
             done += n if n is not None else 0
         self.written += done
-        return done
 
     def flush(self) -> None:
         self._raw.flush()
@@ -79,8 +105,25 @@ class _HashingFile:
     def writable(self) -> bool:
         return True
 
+    def close(self) -> None:
+        """Stop the hashing thread (idempotent)."""
+        if self._helper is not None:
+            self._helper.shutdown(wait=True)
+            self._helper = None
+
     def hexdigest(self) -> str:
         return self._hash.hexdigest()
+
+
+def _start_writeback(fd: int, offset: int, length: int) -> None:
+    """Ask the kernel to start writing ``length`` bytes at ``offset`` to the disk now, without
+    waiting: the fsync at the end then waits for the last piece only, not for the whole file.
+
+    Linux's ``POSIX_FADV_DONTNEED`` starts the writeback of dirty pages (and drops only pages
+    already clean, which these are not yet); elsewhere it is a hint that may do nothing.
+    """
+    with contextlib.suppress(OSError, AttributeError):
+        os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
 
 
 def _fsync_dir(path: Path) -> None:
@@ -102,9 +145,11 @@ class BundleWriter:
     """Writes one bundle, ``save_path/name``, crash-safely; :meth:`commit` makes it valid.
 
     One per bundle and process: the controller's writer commits; a rank's writer (on its own
-    host, same shared directory) only writes its file and reports the hash. A bundle of the same
-    name that is already committed (a resumed run reaching the same round and reason again) is
-    replaced: its manifest is removed first, so it is never valid with a mix of old and new files.
+    host, same shared directory) only writes its file and reports the hash, so making a writer
+    touches nothing already there. Rewriting a committed bundle (a run resumed from an older
+    bundle reaching the same round and reason again) needs no care either: from its first
+    replaced file until the new commit, its old manifest's hashes no longer match, so it is
+    invalid, never a valid mix (a mix whose every file matches is byte for byte the old bundle).
     """
 
     def __init__(self, save_path: str | os.PathLike[str], name: str) -> None:
@@ -117,10 +162,6 @@ class BundleWriter:
         self._committed = False
         self.save_path.mkdir(parents=True, exist_ok=True)
         self.path.mkdir(exist_ok=True)
-        stale = self.path / MANIFEST_FILE
-        if stale.exists():
-            stale.unlink(missing_ok=True)
-            _fsync_dir(self.path)
 
     @property
     def files(self) -> MappingProxyType[str, str]:
@@ -141,7 +182,10 @@ class BundleWriter:
             # unbuffered: every write goes straight from the caller's buffer to the kernel
             with open(temp, "xb", buffering=0) as raw:
                 hashing = _HashingFile(raw)
-                write(hashing)  # type: ignore[arg-type]  # write + flush is what writers use
+                try:
+                    write(hashing)  # type: ignore[arg-type]  # write + flush is what writers use
+                finally:
+                    hashing.close()
                 os.fsync(raw.fileno())
             os.replace(temp, self.path / name)
         except BaseException:
@@ -182,9 +226,9 @@ class BundleWriter:
                     reason="listed but not in the bundle directory",
                     remedy="make the save path a directory every host of the run shares",
                 )
-        # the renames of step 1 reach the disk before the record that names their files
+        # the renames of step 1 reach the disk before the record that names their files (the
+        # bundle's own entry in the save path matters only once it is committed: synced below)
         _fsync_dir(self.path)
-        _fsync_dir(self.save_path)
         text = complete.to_json().encode()
         self._committed = True  # one commit per writer, even if the manifest write fails
         temp = self.path / f".{MANIFEST_FILE}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
@@ -291,9 +335,18 @@ def list_bundles(save_path: str | os.PathLike[str]) -> tuple[Path, ...]:
 
 def find_latest(save_path: str | os.PathLike[str]) -> tuple[Path | None, tuple[Skipped, ...]]:
     """The newest valid bundle under ``save_path`` (None when there is none yet, or no such
-    directory), and every newer one skipped on the way, with why."""
+    directory), and every newer one skipped on the way, with why. A save path that is a file is
+    a :class:`CheckpointInvalid`: "no bundle yet" would hide the mistake."""
+    root = Path(save_path)
+    if root.exists() and not root.is_dir():
+        raise CheckpointInvalid(
+            path=str(root),
+            field="save_path",
+            reason="is not a directory (a save path holds one directory per bundle)",
+            remedy="point save_path at a directory (it is made when missing)",
+        )
     skipped: list[Skipped] = []
-    for bundle in reversed(list_bundles(save_path)):
+    for bundle in reversed(list_bundles(root)):
         try:
             verify_bundle(bundle)
         except CheckpointInvalid as exc:

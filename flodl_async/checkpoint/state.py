@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO
 
+from ..errors import CheckpointInvalid
 from .bundle import OUTER_FILE, BundleWriter
 from .manifest import CONSENSUS_FILE, Manifest
 
@@ -81,7 +82,9 @@ def restore_rng(state: RngState) -> None:
     random.setstate(state.python)
     torch.set_rng_state(state.torch_cpu)
     if state.cuda and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(list(state.cuda))
+        # device by device, as many as both runs see (a rank may resume seeing fewer devices)
+        for device, cuda_state in enumerate(state.cuda[: torch.cuda.device_count()]):
+            torch.cuda.set_rng_state(cuda_state, device)
     if state.numpy is not None:
         try:
             import numpy as np  # optional: only when numpy is installed
@@ -162,8 +165,12 @@ def load_rank_state(
     name = manifest.rank_files.get(rank)
     if name is None:
         return None
-    body = _load(Path(bundle) / name)
-    assert isinstance(body, dict)
+    path = Path(bundle) / name
+    body = _load(path)
+    if not (isinstance(body, dict) and {"optimizer", "rng"} <= body.keys()):
+        raise CheckpointInvalid(
+            path=str(path), field=f"rank_files[{rank}]", reason="not a rank state file"
+        )
     rng = body["rng"]
     return RankState(
         optimizer=body["optimizer"],
