@@ -201,15 +201,54 @@ def _measure(mib: int, rounds: int, root: Path) -> dict[str, list[float]]:
 
 
 def rank_blocking_and_step_inflation(args: argparse.Namespace) -> list[str]:
-    """How long each rank is blocked by a checkpoint, and the step-time inflation while one is
-    written (issue 18 §4): the lines to print under the table.
+    """How long each rank is blocked by a checkpoint (issue 18 §4): the lines to print under the
+    table.
 
-    The place for the Trainer-side measurement (a Trainer run checkpointing every round, ranks
-    timing their steps); it needs the Trainer's checkpoint path, which lands separately. Until
-    then it says so rather than print a number it did not measure.
+    On the CPU backend the consensus never touches a rank: the controller copies it after the
+    broadcast and writes it on a thread of its own. What a rank does is write its own file after
+    applying the checkpoint round, :func:`flodl_async.trainer.rankstate.write_rank_state` (its
+    optimizer's ``state_dict`` and its RNG states, crash-safe, hashed), and that is what is timed
+    here, for an SGD-with-momentum optimizer of each model size (its state is one buffer the size of
+    the model; Adam's is two). The step-time inflation while the controller writes needs a whole
+    Trainer run on this machine's cores and is not measured by this script.
     """
-    del args
-    return ["rank blocking / step inflation: not measured by this script yet (Trainer side)"]
+    import torch
+
+    from flodl_async.trainer.rankstate import write_rank_state
+
+    sizes = [int(s) for s in args.sizes.split(",")]
+    rounds = max(int(r) for r in args.rounds.split(","))
+    lines = []
+    root = Path(tempfile.mkdtemp(prefix="flodl-rank-bench-", dir=args.dir))
+    try:
+        for mib in sizes:
+            params = [torch.nn.Parameter(t) for t in _state(mib).values()]
+            optimizer = torch.optim.SGD(params, lr=0.1, momentum=0.9)
+            for p in params:
+                p.grad = torch.ones_like(p)
+            optimizer.step()  # the momentum buffers exist, as after a round of training
+            blocked = []
+            for round_ in range(-1, rounds):  # round -1 warms up: untimed
+                started = time.perf_counter()
+                report = write_rank_state(str(root), bundle_name(round_ + 2, Reason.ROUND), 0,
+                                          round_ + 2, optimizer)  # fmt: skip
+                elapsed = time.perf_counter() - started
+                if report.error:
+                    raise RuntimeError(report.error)
+                if round_ >= 0:
+                    blocked.append(elapsed * 1e3)
+            lines.append(
+                f"rank blocked by a checkpoint (CPU backend), {mib} MiB model, SGD momentum: "
+                f"{_fmt(blocked).strip()} ms to write its optimizer+RNG state; 0 ms for the "
+                "consensus (the controller's, in the background)"
+            )
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    lines.append(
+        "step inflation while the controller writes: not measured by this script (it needs a "
+        "Trainer run on this machine's cores)"
+    )
+    return lines
 
 
 def _fmt(values: list[float]) -> str:

@@ -43,7 +43,8 @@ TABLES: dict[str, tuple[str, ...]] = {
         r"sha256 alone: \d+ MB/s .*; two threads hashing finish [\d.]+x as fast as one .*",
         r"verify_bundle \(read back, .*\): 1 MiB \d+ MB/s",
         r"goal \(bundle >= 0.8x torch.save\): 1 MiB (met|NOT met)",
-        r"rank blocking / step inflation: .*",
+        r"rank blocked by a checkpoint \(CPU backend\), 1 MiB model, SGD momentum: \d+ \(.*\) ms .*",
+        r"step inflation while the controller writes: .*",
     ),
     "fanout": (
         r"\s+K\s+ssh host true \(s\)\s+ssh host python\+asyncio \(s\)\s+flodl world formed \(s\).*",
