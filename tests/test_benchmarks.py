@@ -44,7 +44,7 @@ TABLES: dict[str, tuple[str, ...]] = {
         r"verify_bundle \(read back, .*\): 1 MiB \d+ MB/s",
         r"goal \(bundle >= 0.8x torch.save\): 1 MiB (met|NOT met)",
         r"rank blocked by a checkpoint \(CPU backend\), 1 MiB model, SGD momentum: \d+ \(.*\) ms .*",
-        r"step inflation while the controller writes: .*",
+        r"step inflation while the writes run: .*",
     ),
     "fanout": (
         r"\s+K\s+ssh host true \(s\)\s+ssh host python\+asyncio \(s\)\s+flodl world formed \(s\).*",

@@ -426,8 +426,7 @@ class TrainingShell:
         try:
             # before any rank trains: a bundle that cannot be resumed ends the run here (exit 2)
             self._resume = resolve_resume(hello, world_size=world_size)
-        except FlodlError as exc:
-            log.error("%s", exc)
+        except FlodlError as exc:  # the verdict says it, once
             self._conclude(TrainingOutcome(ok=False, reason=str(exc), code=2))
             return False
         self.coordinator = Coordinator(

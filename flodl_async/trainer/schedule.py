@@ -60,7 +60,7 @@ from ..wire import messages as m
 from .collective import OuterHooks, ProcessGroup
 from .inlinesave import InlineCheckpoints
 from .link import Inbound, LinkThread, Lost, Woken
-from .rankstate import write_rank_state
+from .rankstate import RankStateWriter
 from .worker import Compute, WindowStats, Work
 
 if TYPE_CHECKING:
@@ -253,6 +253,7 @@ class RankSchedule:
         )
         #: The last bundle this rank wrote its state into (``TrainedState.checkpoint``).
         self.last_bundle: str | None = None
+        self._states = RankStateWriter(link.rank, link.send)
         self._alpha = settings.easgd_alpha
         self._deadline = reduce_deadline
         self._stats: WindowStats | None = None
@@ -302,6 +303,7 @@ class RankSchedule:
 
     def finish(self) -> Mapping[str, Any]:
         outcome = self._policy.outcome
+        self._states.close(wait=True)  # the end's bundle waits for this rank's file
         return {
             "state_dict": self._compute.state_dict(),
             "param_names": self._compute.param_names,
@@ -314,6 +316,7 @@ class RankSchedule:
         }
 
     def fail(self, exc: BaseException) -> None:
+        self._states.close(wait=False)
         text = "".join(traceback.format_exception(exc)).strip()
         self._link.close(
             m.Exiting(rank=self.rank, reason=f"{type(exc).__name__}: {exc}", error=text)
@@ -412,12 +415,8 @@ class RankSchedule:
         checkpoint = self._spec.checkpoint
         assert checkpoint.save_path is not None  # only a run with a save_path marks rounds
         self.last_bundle = str(Path(checkpoint.save_path) / name)
-        if not checkpoint.rank_state:
-            return
-        report = write_rank_state(
-            checkpoint.save_path, name, self.rank, version, self._compute.optimizer
-        )
-        self._link.send(report)
+        if checkpoint.rank_state:
+            self._states.save(checkpoint.save_path, name, version, self._compute.optimizer)
 
     def _receive(self, action: Contribute) -> None:
         self._apply(self._wait(self._link.receive(action.round)), blend=False)
