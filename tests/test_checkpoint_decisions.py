@@ -366,3 +366,18 @@ def test_shutdown_save_must_agree_with_the_run_and_checkpoint_needs_a_save_path(
         await run.join()
 
     asyncio.run(go())
+
+
+def test_a_save_path_on_several_hosts_is_said_to_need_shared_storage_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from flodl_async.controller.resumes import warn_if_spread
+
+    with caplog.at_level("WARNING"):
+        warn_if_spread(Checkpointing(save_path=SAVE), ["a", "a"])
+        warn_if_spread(Checkpointing(), ["a", "b"])
+        assert caplog.records == []
+        warn_if_spread(Checkpointing(save_path=SAVE), ["b", "a", "b"])
+    (record,) = caplog.records
+    assert SAVE in record.getMessage()
+    assert "shared storage visible to every host" in record.getMessage()

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -103,10 +103,29 @@ def preflight(spec: TrainerSpec) -> Path | None:
     return path
 
 
-def resolve_resume(hello: m.TrainerHello, *, world_size: int) -> Resume | None:
+def warn_if_spread(checkpoint: Checkpointing, hosts: Iterable[str]) -> None:
+    """A save path of a run on several hosts must be storage they all share: said once, before
+    any rank trains (the launcher: before the fan-out)."""
+    spread = sorted(set(hosts))
+    if checkpoint.save_path is not None and len(spread) > 1:
+        log.warning(
+            "Checkpointing(save_path=%r) on %d hosts (%s): the path must resolve to shared "
+            "storage visible to every host (each rank writes its state file there, the "
+            "controller the consensus and the manifest)",
+            checkpoint.save_path,
+            len(spread),
+            ", ".join(spread),
+        )
+
+
+def resolve_resume(
+    hello: m.TrainerHello, *, world_size: int, hosts: Iterable[str] = ()
+) -> Resume | None:
     """The first hello's run resumes from this bundle (None: it starts fresh); verified against
-    the hello's model and spec, and loaded."""
+    the hello's model and spec, and loaded. ``hosts``: the run's, for :func:`warn_if_spread`
+    (empty: the launcher said it already)."""
     spec = TrainerSpec.from_wire(hello.spec)
+    warn_if_spread(spec.checkpoint, hosts)
     path = find_bundle(spec.checkpoint)
     if path is None:
         return None

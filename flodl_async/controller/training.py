@@ -425,7 +425,8 @@ class TrainingShell:
             return False
         try:
             # before any rank trains: a bundle that cannot be resumed ends the run here (exit 2)
-            self._resume = resolve_resume(hello, world_size=world_size)
+            spread = () if self._reference is not None else hosts.values()  # launcher: said it
+            self._resume = resolve_resume(hello, world_size=world_size, hosts=spread)
         except FlodlError as exc:  # the verdict says it, once
             self._conclude(TrainingOutcome(ok=False, reason=str(exc), code=2))
             return False

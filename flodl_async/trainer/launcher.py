@@ -57,7 +57,7 @@ from ..config.plan import LaunchPlan, PlacedWorker
 from ..config.rankenv import RUN_ID_VAR
 from ..config.roles import CONTROLLER_VAR
 from ..controller import Controller
-from ..controller.resumes import preflight
+from ..controller.resumes import preflight, warn_if_spread
 from ..controller.training import TrainingResult
 from ..deadlines import Deadlines
 from ..errors import ConfigError, RuntimeDirError, TrainingFailed
@@ -199,6 +199,7 @@ class LauncherDriver:
         try:
             # before the fan-out: a bundle that is not there, torn, or of other data ends it here
             preflight(self._reference)
+            warn_if_spread(self._reference.checkpoint, (w.host for w in plan.workers))
         except ConfigError as exc:
             raise TrainingFailed(RunResult(exit_code=ExitCode.USAGE, reason=str(exc))) from None
         output = RankOutput(stdout=sys.stdout.buffer, stderr=sys.stderr.buffer, run_id=plan.run_id)
