@@ -27,6 +27,7 @@ translated at the boundary with ``raise ... from exc``.
     ├── ProtocolError             a valid frame out of place
     ├── ConfigError               bad cluster file, arguments or environment
     │   ├── RoleError             inconsistent role variables
+    │   ├── CheckpointInvalid     a checkpoint bundle is torn, corrupt, newer, or not this run's
     │   └── NotFlodlStatus        ``flodl status`` was pointed at something else than a controller
     ├── PortInUseError            the controller port is held by a live listener
     ├── SubscriptionClosed        a status subscription was closed
@@ -161,6 +162,25 @@ class RoleError(ConfigError):
 
 class NotFlodlStatus(ConfigError):
     """Something answered at the address, but not with a flodl status document."""
+
+
+class CheckpointInvalid(ConfigError):
+    """A checkpoint bundle cannot be used: torn, corrupt, from a newer schema, or not this run's.
+
+    ``path`` is the bundle (or the file in it) at fault, ``field`` the manifest field or file
+    that is wrong, ``reason`` what is wrong with it; ``remedy`` overrides the default next step.
+    """
+
+    def __init__(self, *, path: str, field: str, reason: str, remedy: str | None = None) -> None:
+        self.path = path
+        self.field = field
+        self.reason = reason
+        self.remedy = remedy
+        todo = remedy or (
+            "resume from another bundle (resume_from='latest' skips torn ones and says which), "
+            "or start fresh without resume_from"
+        )
+        super().__init__(f"checkpoint {path} cannot be used: {field}: {reason}; {todo}")
 
 
 class PortInUseError(FlodlError):

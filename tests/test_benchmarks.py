@@ -37,6 +37,15 @@ TABLES: dict[str, tuple[str, ...]] = {
         r"cadence\s+\d+ \(.*",
         r"CADENCE speedup over SYNC: [\d.]+x .*",
     ),
+    "checkpoint": (
+        r"\s*size \| rounds \|\s+torch.save MB/s \|\s+\+fsync MB/s \|\s+bundle MB/s \| ratio .*",
+        r"\s*1 MiB \|\s+1 \|\s+\d+ \(.*\) \|\s+\d+ \(.*\) \|\s+\d+ \(.*\) \| [\d.]+× .*, [\d.]+×",
+        r"sha256 alone: \d+ MB/s .*; two threads hashing finish [\d.]+x as fast as one .*",
+        r"verify_bundle \(read back, .*\): 1 MiB \d+ MB/s",
+        r"goal \(bundle >= 0.8x torch.save\): 1 MiB (met|NOT met)",
+        r"rank blocked by a checkpoint \(CPU backend\), 1 MiB model, SGD momentum: \d+ \(.*\) ms .*",
+        r"step inflation while the writes run: .*",
+    ),
     "fanout": (
         r"\s+K\s+ssh host true \(s\)\s+ssh host python\+asyncio \(s\)\s+flodl world formed \(s\).*",
         r"\s+1(\s+[\d.]+){6}",

@@ -41,6 +41,7 @@ ORDER = (
     "host",
     "control",
     "training",
+    "checkpoint",
     "net",
     "config",
     "relay",
@@ -50,7 +51,17 @@ ORDER = (
     "trainer",
 )
 #: Decisions and codecs: they take bytes and ``now``, never a socket or a loop.
-PURE = ("_version", "verdict", "errors", "deadlines", "wire", "control", "training", "config")
+PURE = (
+    "_version",
+    "verdict",
+    "errors",
+    "deadlines",
+    "wire",
+    "control",
+    "training",
+    "checkpoint",
+    "config",
+)
 #: What a deferred import of our own modules may be deferred for.
 DEFER_REASONS = ("torch", "uvloop", "asyncssh", "start path")
 FACE = "<face>"

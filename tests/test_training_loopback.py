@@ -71,7 +71,10 @@ class LoopbackRounds:
         expected_ranks: frozenset[int],
         from_controller: bool = False,
         plan: m.RoundPlan | None = None,
+        *,
+        snapshot: bool = False,
     ) -> None:
+        assert not snapshot  # no checkpoint in these runs
         assert plan is not None  # the coordinator opens every round with its plan
         self.opened.append((round, kind, expected_ranks, from_controller))
         self._results[round] = Result(

@@ -76,6 +76,7 @@ from .roundstate import (
     ReducerStatistics,
     RoundResult,
     RoundState,
+    Snapshot,
     UplinkCounts,
 )
 
@@ -83,6 +84,8 @@ if TYPE_CHECKING:
     import torch
 
 log = logging.getLogger("flodl_async.controller.reducer")
+#: The outer optimizer's saved state (``OuterStepper.checkpoint_state()``).
+Outer = Mapping[str, object]
 
 #: Rounds a host may run ahead of the newest opened round (its frames wait in their buffers).
 _EARLY_ROUNDS = 2
@@ -165,9 +168,12 @@ class Reducer:
         expected_ranks: frozenset[int],
         from_controller: bool = False,
         plan: m.RoundPlan | None = None,
+        *,
+        snapshot: bool = False,
     ) -> None:
         """Round ``round`` starts now; it completes when every one of ``expected_ranks`` is covered
-        or dead. ``plan``: what each rank may claim in it (its ``Reduce``'s)."""
+        or dead. ``plan``: what each rank may claim in it; ``snapshot``: a checkpoint round's
+        consensus is copied as it is made (:attr:`RoundResult.snapshot`)."""
         early = self._gate.open(round)
         loop = asyncio.get_running_loop()
         state = RoundState(
@@ -178,6 +184,7 @@ class Reducer:
             opened_at=time.monotonic(),
             done=loop.create_future(),
             plan=plan,
+            snapshot=snapshot,
         )
         self._rounds[round] = state
         self._results[round] = state.done
@@ -225,10 +232,16 @@ class Reducer:
         held = self._held
         return await self._math.copy_off_loop(held) if held is not None else None
 
-    def set_initial(self, state: Mapping[str, torch.Tensor]) -> None:
-        """Resume: ``state`` (a state_dict of this schema) is the consensus, and the outer
-        optimizer's previous global (the point its next step moves from)."""
+    async def snapshot(self) -> Snapshot | None:
+        """:meth:`copy_consensus` with the outer optimizer's state (a failing run's checkpoint)."""
+        held = self._held
+        return await self._math.snapshot_off_loop(held) if held is not None else None
+
+    def set_initial(self, state: Mapping[str, torch.Tensor], outer: Outer | None = None) -> None:
+        """Resume: ``state`` is the consensus and the outer optimizer's previous global; ``outer``
+        its saved momentum (None: none)."""
         self._held = self._math.initial(state)
+        self._math.load_outer(outer or {})
 
     # ----- host connections -----------------------------------------------------------------------
 
@@ -244,7 +257,7 @@ class Reducer:
                 self._hello_timeout,
             )
             return
-        refusal = self._check_hello(hello)
+        refusal = check_data_hello(hello, self.schema, self.digest, self._hosts)
         if refusal is not None:
             log.error("data channel: refusing %s: %s", link.peer_label, refusal)
             return
@@ -292,7 +305,11 @@ class Reducer:
     def connect_local(self, hello: m.HostDataHello, uplink: LocalUplink) -> str | None:
         """A relay in this process introduces its host; returns why it is refused, or None."""
         # closed: as a relay dialling the closed port would be, this one is turned away
-        refusal = "the reducer has closed" if self._closing else self._check_hello(hello)
+        refusal = (
+            "the reducer has closed"
+            if self._closing
+            else check_data_hello(hello, self.schema, self.digest, self._hosts)
+        )
         if refusal is not None:
             log.error("data channel: refusing this process's relay: %s", refusal)
             return refusal
@@ -328,25 +345,6 @@ class Reducer:
             for h in self._hosts
             if not (isinstance(h.link, LocalDown) and h.link.uplink is uplink)
         ]
-
-    def _check_hello(self, hello: Message) -> str | None:
-        if not isinstance(hello, m.HostDataHello):
-            return f"it opened with {type(hello).__name__} instead of HostDataHello"
-        if hello.model_bytes != self.schema.model_bytes:
-            return (
-                f"its ranks average a {hello.model_bytes}-byte model, this run's is "
-                f"{self.schema.model_bytes} bytes: every rank must build the same Trainer"
-            )
-        if self.digest is not None and hello.digest != self.digest:
-            return (
-                f"its ranks' Trainer digest {hello.digest[:12]} is not this run's "
-                f"{self.digest[:12]}: every rank must build the same Trainer"
-            )
-        taken = {r for h in self._hosts if not h.link.is_closing for r in h.ranks}
-        twice = sorted(taken & set(hello.ranks))
-        if twice:
-            return f"ranks {twice} already have a data connection from another host"
-        return None
 
     def _close_host(self, frame: PendingFrame, why: str) -> None:
         log.error("data channel: closing host %s's data connection: %s", frame.host.name, why)
@@ -461,17 +459,17 @@ class Reducer:
             if previous is not None:
                 self._math.release(previous)
             await self._broadcast(state, mass, held)
+            if state.snapshot:  # after the broadcast: no rank waits for the copy
+                state.copied = await self._math.snapshot_off_loop(held)
         else:
             if mass > 0:
-                log.warning(
-                    "round %d: mass %g but no tensors were contributed; sending mass 0 (ranks keep "
-                    "their state)",
-                    state.number,
-                    mass,
-                )
-            mass = 0.0
+                why = "no tensors were contributed; sending mass 0 (ranks keep their state)"
+                log.warning("round %d: mass %g but %s", state.number, mass, why)
             self._math.drop(state)
-            await self._broadcast(state, 0.0, None)
+            # a resumed run's init: no rank sent its state; every rank takes the bundle's consensus
+            resumed = self._held if state.kind == "init" else None
+            mass = 1.0 if resumed is not None else 0.0
+            await self._broadcast(state, mass, resumed)
         self._complete(state, mass)
 
     async def _send_held(self, state: RoundState) -> None:
@@ -487,6 +485,8 @@ class Reducer:
                 state.number,
             )
         await self._broadcast(state, 1.0 if held is not None else 0.0, held)
+        if state.snapshot and held is not None:
+            state.copied = await self._math.snapshot_off_loop(held)
         self._complete(state, 1.0 if held is not None else 0.0)
 
     async def _broadcast(self, state: RoundState, mass: float, held: HeldConsensus | None) -> None:
@@ -527,6 +527,7 @@ class Reducer:
                     mass=mass,
                     duration_ms=duration_ms,
                     folded=dict(state.steps),
+                    snapshot=state.copied,
                 )
             )
 
@@ -538,3 +539,27 @@ class Reducer:
         for host in list(self._hosts):
             with contextlib.suppress(ConnectionClosed, OSError):
                 await host.link.aclose()
+
+
+def check_data_hello(
+    hello: Message, schema: ModelSchema, digest: str | None, hosts: list[DataHost]
+) -> str | None:
+    """Why a host's data connection is refused (None: it is this run's): the hello, the model's
+    size and the run digest must match, and no rank may already have a data connection."""
+    if not isinstance(hello, m.HostDataHello):
+        return f"it opened with {type(hello).__name__} instead of HostDataHello"
+    if hello.model_bytes != schema.model_bytes:
+        return (
+            f"its ranks average a {hello.model_bytes}-byte model, this run's is "
+            f"{schema.model_bytes} bytes: every rank must build the same Trainer"
+        )
+    if digest is not None and hello.digest != digest:
+        return (
+            f"its ranks' Trainer digest {hello.digest[:12]} is not this run's "
+            f"{digest[:12]}: every rank must build the same Trainer"
+        )
+    taken = {r for h in hosts if not h.link.is_closing for r in h.ranks}
+    twice = sorted(taken & set(hello.ranks))
+    if twice:
+        return f"ranks {twice} already have a data connection from another host"
+    return None

@@ -19,7 +19,7 @@ from ..net.bufpool import BufferPool
 from ..training import foldmath, plancheck
 from ..training.modelschema import ModelSchema
 from ..training.outer import OuterAvg, OuterSpec, OuterStepper
-from .roundstate import HeldConsensus, PendingFrame, RoundState
+from .roundstate import HeldConsensus, PendingFrame, RoundState, Snapshot
 
 if TYPE_CHECKING:
     import torch
@@ -172,6 +172,27 @@ class RoundMath:
     async def copy_off_loop(self, held: HeldConsensus) -> dict[str, torch.Tensor]:
         """:meth:`copy`, in an executor thread (tensor math stays off the loop)."""
         return await asyncio.get_running_loop().run_in_executor(self._executor, self.copy, held)
+
+    def snapshot(self, held: HeldConsensus) -> Snapshot:
+        """A checkpoint's copy of ``held`` and of the outer optimizer's state, made on this thread
+        (the outer step mutates its velocity in place, so it is cloned too)."""
+        outer = self._stepper.checkpoint_state()
+        if outer is not None:
+            velocity = outer["velocity"]
+            assert isinstance(velocity, dict)
+            outer = {**outer, "velocity": {k: v.clone() for k, v in velocity.items()}}
+        return Snapshot(state_dict=self.copy(held), outer=outer)
+
+    async def snapshot_off_loop(self, held: HeldConsensus) -> Snapshot:
+        """:meth:`snapshot`, in an executor thread."""
+        return await asyncio.get_running_loop().run_in_executor(self._executor, self.snapshot, held)
+
+    def load_outer(self, state: Mapping[str, object]) -> None:
+        """Resume: the outer optimizer's momentum of a checkpoint (its previous global is the
+        consensus :meth:`initial` took)."""
+        velocity = state.get("velocity")
+        if isinstance(velocity, Mapping):
+            self._stepper.load_velocity(velocity)
 
     def initial(self, state: Mapping[str, torch.Tensor]) -> HeldConsensus:
         """Resume: ``state`` (a state_dict of this schema) as the consensus, and as the outer

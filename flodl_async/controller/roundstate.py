@@ -31,6 +31,18 @@ class RoundResult:
     duration_ms: float
     #: The ranks whose contributions the consensus holds, with the steps each brought.
     folded: Mapping[int, int] = field(default_factory=dict)
+    #: A checkpoint round's copy of its consensus and of the outer optimizer's state after it.
+    snapshot: Snapshot | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Snapshot:
+    """A consensus copied for a checkpoint bundle (CPU tensors nobody else holds): the full
+    ``state_dict`` (tied keys included) and the outer optimizer's ``checkpoint_state()`` (None for
+    OuterAvg, and before its first real step)."""
+
+    state_dict: Mapping[str, torch.Tensor]
+    outer: Mapping[str, object] | None
 
 
 class LocalDown:
@@ -170,6 +182,9 @@ class RoundState:
     folded: int = 0
     #: rank -> the steps its contribution brought, for every rank a frame taken lists
     steps: dict[int, int] = field(default_factory=dict)
+    #: A checkpoint round: its consensus is copied as it is made (:attr:`RoundResult.snapshot`).
+    snapshot: bool = False
+    copied: Snapshot | None = None
 
 
 @dataclass(slots=True)

@@ -207,6 +207,10 @@ class Controller:
         self._training_reference = reference
         self._training_metrics = metrics_sink
 
+    def checkpoint_training(self, reason: str) -> bool:
+        """A checkpoint of the Trainer at the next reduce boundary; False when nothing trains."""
+        return self._training is not None and self._training.checkpoint(reason)
+
     def stop_training(self, reason: str) -> bool:
         """An orderly stop of the Trainer (``TrainingRun.shutdown``); False when nothing trains."""
         return self._training is not None and self._training.stop(reason)

@@ -43,8 +43,10 @@ from ..control.vocab import LOGGING_LEVELS, Announce, Tell, Tick
 from ..errors import ConnectionClosed, FlodlError
 from ..net.framed import FramedProtocol
 from ..status.events import RunEvent
+from ..training import saves
 from ..training.coordination import (
     Action,
+    CheckpointRequested,
     CollectiveDone,
     CoordinatorConfig,
     CoordinatorView,
@@ -59,6 +61,7 @@ from ..training.coordination import (
     RankLost,
     Readmit,
     RoundCompleted,
+    SaveCheckpoint,
     StartRound,
     StopRequested,
     TrainerJoined,
@@ -70,13 +73,15 @@ from ..training.modelschema import ModelSchema
 from ..training.spec import TrainerSpec
 from ..wire import messages as m
 from ..wire.schema import Message
+from .bundles import BundleKeeper
 from .reducer import Reducer
 from .report import RoundTally, epoch_event
+from .resumes import Resume, resolve_resume
 
 if TYPE_CHECKING:
     import torch
 
-    from .roundstate import HostUplinkStatistics, ReducerStatistics
+    from .roundstate import HostUplinkStatistics, ReducerStatistics, Snapshot
 
 log = logging.getLogger("flodl_async.cli.launch")
 
@@ -95,6 +100,8 @@ class RoundResultLike(Protocol):
     def duration_ms(self) -> float: ...
     @property
     def folded(self) -> Mapping[int, int] | None: ...
+    @property
+    def snapshot(self) -> Snapshot | None: ...
 
 
 class RoundRunner(Protocol):
@@ -108,9 +115,15 @@ class RoundRunner(Protocol):
         expected_ranks: frozenset[int],
         from_controller: bool = False,
         plan: m.RoundPlan | None = None,
+        *,
+        snapshot: bool = False,
     ) -> None: ...
     async def wait_round(self, round: int) -> RoundResultLike: ...
     def declare_dead(self, rank: int) -> None: ...
+    async def snapshot(self) -> Snapshot | None: ...
+    def set_initial(
+        self, state: Mapping[str, torch.Tensor], outer: Mapping[str, object] | None = None
+    ) -> None: ...
     @property
     def last_consensus(self) -> Mapping[str, torch.Tensor] | None: ...
     def statistics(self) -> ReducerStatistics: ...
@@ -150,6 +163,8 @@ class TrainingResult:
     interrupted: bool
     ok: bool
     reason: str
+    #: The last checkpoint bundle committed (None: none).
+    checkpoint: str | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -175,9 +190,11 @@ _UP_EVENTS: Mapping[type[Message], Callable[[Message], Event]] = {
         vague=not typing.cast(m.RankGone, msg).refused,
     ),
     m.Exiting: lambda msg: RankExiting(message=typing.cast(m.Exiting, msg)),
-    # A stop intent is taken by :meth:`TrainingShell.receive`; checkpoint intents and rank-state
-    # reports arrive with the checkpoint issue, and today they are signs of life.
-    m.Intent: lambda msg: FrameSeen(rank=typing.cast(m.Intent, msg).rank),
+    # A stop intent is taken by :meth:`TrainingShell.receive`, a rank-state report by the bundle
+    # keeper (and both are signs of life).
+    m.Intent: lambda msg: CheckpointRequested(
+        reason=f"rank {typing.cast(m.Intent, msg).rank} asked for one"
+    ),
     m.RankStateSaved: lambda msg: FrameSeen(rank=typing.cast(m.RankStateSaved, msg).rank),
 }
 
@@ -232,6 +249,10 @@ class TrainingShell:
         self._tasks: set[asyncio.Task[None]] = set()
         self._outcome: TrainingOutcome | None = None
         self._carry_out = self._carry_out_table()
+        self.bundles: BundleKeeper | None = None
+        self._resume: Resume | None = None
+        #: checkpoint rounds' consensus copies, by local round, until their bundle is started
+        self._snapshots: dict[int, Snapshot | None] = {}
 
     # ----- what the controller calls --------------------------------------------------------
 
@@ -292,7 +313,20 @@ class TrainingShell:
             # one rank's TrainingRun.shutdown() stops the whole run in order, as the launcher's does
             self.stop(f"rank {msg.rank} called TrainingRun.shutdown()")
             return
+        if isinstance(msg, m.Intent) and msg.kind != saves.INTENT:
+            self._handle(FrameSeen(rank=msg.rank))
+            return
+        if isinstance(msg, m.RankStateSaved) and self.bundles is not None:
+            self.bundles.rank_saved(msg)
         self._handle(to_event(msg))
+
+    def checkpoint(self, reason: str) -> bool:
+        """A checkpoint at the next reduce boundary (``run.checkpoint()`` in the launcher); False
+        when no training runs."""
+        if self.coordinator is None or self._outcome is not None:
+            return False
+        self._handle(CheckpointRequested(reason=reason))
+        return True
 
     def stop(self, reason: str) -> bool:
         """An orderly stop (a launcher signal, ``TrainingRun.shutdown`` in any process): the final
@@ -335,8 +369,10 @@ class TrainingShell:
         return () if self.reducer is None else self.reducer.statistics().uplinks
 
     async def aclose(self) -> None:
-        """Cancel the round waiters, then close the reducer (its driver task and hosts' data
-        links)."""
+        """Let the checkpoint bundles under way finish, cancel the round waiters, then close the
+        reducer (its driver task and hosts' data links)."""
+        if self.bundles is not None:
+            await self.bundles.drain(self._reduce_stall)
         tasks = list(self._tasks)
         for task in tasks:
             task.cancel()
@@ -379,6 +415,9 @@ class TrainingShell:
             interrupted=outcome is not None and outcome.save_reason == "graceful_shutdown",
             ok=outcome is not None and outcome.ok,
             reason="" if outcome is None else outcome.reason,
+            checkpoint=None
+            if self.bundles is None or self.bundles.last is None
+            else str(self.bundles.last),
         )
 
     # ----- internals ---------------------------------------------------------------------
@@ -391,6 +430,13 @@ class TrainingShell:
                 hello.rank,
             )
             return False
+        try:
+            # before any rank trains: a bundle that cannot be resumed ends the run here (exit 2)
+            spread = () if self._reference is not None else hosts.values()  # launcher: said it
+            self._resume = resolve_resume(hello, world_size=world_size, hosts=spread)
+        except FlodlError as exc:  # the verdict says it, once
+            self._conclude(TrainingOutcome(ok=False, reason=str(exc), code=2))
+            return False
         self.coordinator = Coordinator(
             CoordinatorConfig(
                 run_id=self._run_id,
@@ -400,6 +446,7 @@ class TrainingShell:
                 reduce_stall=self._reduce_stall,
                 timeout_scale=self._scale,
                 reference=self._reference,
+                resume=None if self._resume is None else self._resume.point,
             ),
             now=self._clock(),
         )
@@ -439,6 +486,18 @@ class TrainingShell:
         except FlodlError as exc:
             self._conclude(TrainingOutcome(ok=False, reason=str(exc), code=1))
             return False
+        resume = self._resume
+        if resume is not None:
+            # the consensus every rank starts from, and the outer optimizer's momentum
+            self.reducer.set_initial(resume.state_dict, resume.outer)
+        if spec.checkpoint.save_path is not None:
+            self.bundles = BundleKeeper(
+                run_id=self._run_id,
+                spec=spec,
+                hello=hello,
+                task_group=self._tg,
+                rank_wait=self._reduce_stall,
+            )
         if self._serve_data is not None:
             self._serve_data(self.reducer)
         return True
@@ -460,13 +519,19 @@ class TrainingShell:
         table.add(Announce, self._announce)
         table.add(Finish, self._finish)
         table.add(Fail, self._fail)
+        table.add(SaveCheckpoint, self._save_checkpoint)
         table.require(Action)
         return table
 
     def _tell(self, action: Tell[int]) -> None:
-        self._send(action.message)
+        msg = action.message
+        self._send(msg)
 
     def _start_round(self, action: StartRound) -> None:
+        message = action.message
+        if action.checkpoint and self.bundles is not None:
+            name = self.bundles.mark(action.bundle_round, action.checkpoint)
+            message = dataclasses.replace(message, checkpoint_name=name)
         if action.reducer:
             reducer = self.reducer
             assert reducer is not None
@@ -475,16 +540,24 @@ class TrainingShell:
                 action.kind,
                 action.expected,
                 action.from_controller,
-                plan=action.message.plan,
+                plan=message.plan,
+                snapshot=bool(action.checkpoint),
             )
             task = self._tg.create_task(
                 self._await_round(reducer, action.round), name=f"training-round-{action.round}"
             )
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
-        self._send(action.message)
+        self._send(message)
+
+    def _save_checkpoint(self, action: SaveCheckpoint) -> None:
+        if self.bundles is not None and self.reducer is not None:
+            snapshot = None if action.last else self._snapshots.pop(action.round, None)
+            self.bundles.save(action, snapshot, self.reducer.snapshot if action.last else None)
 
     def _declare_dead(self, action: DeclareDead) -> None:
+        if self.bundles is not None:
+            self.bundles.rank_lost(action.rank)
         if self.reducer is not None:
             self.reducer.declare_dead(action.rank)
         regroup = action.regroup
@@ -564,6 +637,9 @@ class TrainingShell:
         log.debug(
             "round %d (%s) committed in %.1f ms", result.round, result.kind, result.duration_ms
         )
+        snapshot = getattr(result, "snapshot", None)  # a test's round runner may not have it
+        if snapshot is not None:
+            self._snapshots[result.round] = snapshot
         if self.coordinator is not None:
             self._handle(
                 RoundCompleted(

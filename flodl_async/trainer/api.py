@@ -29,7 +29,6 @@ import collections
 import contextlib
 import json
 import logging
-import math
 import os
 import secrets
 import sys
@@ -46,10 +45,12 @@ from ..config.roles import AGENT_VAR, Role, detect_role
 from ..errors import ConfigError, TrainingFailed
 from ..host.gpus import host_visible_gpus
 from ..net.loop import run as run_loop
-from ..training.outer import DiLoCo, OuterAvg, SlowMo
+from ..training.outer import OuterAvg
 from ..training.policy import Backend, Policy
 from ..training.spec import Checkpointing, ElCheConfig, MaxFailure, TrainerSpec
 from ..verdict import ExitCode, RunResult
+from .checks import check_data, check_functions, check_policy, check_rest
+from .checks import max_failure as max_failure_of
 from .entry import Entry, decide_entry
 from .inline import InlineDriver, inline_worker
 from .rank import RankDriver, rank_worker
@@ -65,8 +66,6 @@ if TYPE_CHECKING:
     from .worker import Worker
 
 log = logging.getLogger("flodl_async.trainer.api")
-
-_OUTER_TYPES = (OuterAvg, SlowMo, DiLoCo)
 
 
 class _Driver(Protocol):
@@ -86,6 +85,10 @@ class _Driver(Protocol):
         """The grace is over: stop now."""
         ...
 
+    def request_checkpoint(self) -> None:
+        """A checkpoint bundle at the next reduce boundary; returns at once."""
+        ...
+
 
 #: Runs in flight in this process: the owner of their tasks (a dropped handle must not let a run be
 #: collected).
@@ -99,8 +102,11 @@ class TrainingRun:
     :class:`~flodl_async.training.metrics.EpochMetrics` is delivered once.
     """
 
-    def __init__(self, driver: _Driver, *, entry: Entry, run_id: str) -> None:
+    def __init__(
+        self, driver: _Driver, *, entry: Entry, run_id: str, checkpoint: Checkpointing
+    ) -> None:
         self.entry = entry
+        self._checkpointing = checkpoint
         self.primary = driver.primary
         self.run_id = run_id
         self._driver = driver
@@ -173,15 +179,44 @@ class TrainingRun:
         """
         return await asyncio.shield(self._task)
 
-    async def shutdown(self, *, save: bool = True, grace: float = 30.0) -> TrainedState:
+    async def checkpoint(self) -> None:
+        """A checkpoint bundle at the next reduce boundary, asked from any process of the run
+        (inline: after the current batch). Returns once asked: the bundle is written in the
+        background while training goes on (the launcher's log names it, and the run's
+        ``TrainedState.checkpoint`` is the last one written). Needs a ``Checkpointing(save_path=)``.
+        """
+        if self._checkpointing.save_path is None:
+            raise ConfigError(
+                "TrainingRun.checkpoint() needs somewhere to write: pass "
+                "Trainer(checkpoint=fa.Checkpointing(save_path='ckpt/run'))"
+            )
+        self._driver.request_checkpoint()
+
+    async def shutdown(self, *, save: bool | None = None, grace: float = 30.0) -> TrainedState:
         """The explicit cancel, from any process of the run: an orderly stop of the whole run.
 
         The launcher, any rank or the inline process asks the coordinator for a final round (inline:
         the run ends after the current batch); every process's run then returns the state with
         ``interrupted=True``. After ``grace`` seconds the launcher forces its ranks to stop; a rank
         keeps waiting for the coordinator's end (forcing it is its agent's business).
+
+        The stop writes a checkpoint bundle when the Trainer's ``Checkpointing`` has a
+        ``save_path`` and ``on_shutdown`` (the default). ``save``: None, as configured; ``True`` or
+        ``False`` must agree with it (the run's processes agreed on it at the start, so it is not
+        changed here): a ``save`` that disagrees is a ``ConfigError`` saying what to set instead.
         """
-        del save  # checkpoint bundles are a later issue; the stop is the same without one
+        configured = self._checkpointing.save_path is not None and self._checkpointing.on_shutdown
+        if save is not None and bool(save) != configured:
+            raise ConfigError(
+                f"TrainingRun.shutdown(save={save!r}): this run "
+                + (
+                    "writes a bundle on an orderly stop; to stop without one, build the Trainer "
+                    "with Checkpointing(on_shutdown=False)"
+                    if configured
+                    else "has no Checkpointing(save_path=..., on_shutdown=True) to save with; "
+                    "set it on the Trainer, or call shutdown() without save="
+                )
+            )
         self._stopping = True
         self._driver.request_stop()
         try:
@@ -190,14 +225,6 @@ class TrainingRun:
         except TimeoutError:
             self._driver.force_stop()
             return await asyncio.shield(self._task)
-
-
-def _positive_int(name: str, value: object, *, what: str) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ConfigError(
-            f"Trainer({name}=...) must be a whole number of at least 1 ({what}); got {value!r}"
-        )
-    return value
 
 
 class Trainer:
@@ -234,25 +261,25 @@ class Trainer:
         heartbeat_timeout: float = 10.0,
         name: str = "",
     ) -> None:
-        _check_functions(
+        check_functions(
             model=model,
             optimizer=optimizer,
             train_step=train_step,
             collate=collate,
             lr_schedule=lr_schedule,
         )
-        self.dataset_len = _check_data(
+        self.dataset_len = check_data(
             dataset, batch_size=batch_size, epochs=epochs, drop_last=drop_last
         )
         self.batch_size, self.epochs = batch_size, epochs
         elche = ElCheConfig() if elche is None else elche
         outer = OuterAvg() if outer is None else outer
         checkpoint = Checkpointing() if checkpoint is None else checkpoint
-        _check_policy(
+        check_policy(
             policy=policy, backend=backend, elche=elche, outer=outer, checkpoint=checkpoint
         )
-        self.max_failure = _max_failure(max_failure)
-        _check_rest(
+        self.max_failure = max_failure_of(max_failure)
+        check_rest(
             cluster=cluster,
             rank_command=rank_command,
             seed=seed,
@@ -279,6 +306,7 @@ class Trainer:
         self.max_grad_norm = float(max_grad_norm) if max_grad_norm is not None else None
         self.heartbeat_timeout = float(heartbeat_timeout)
         self.name = name
+        self.spec()  # the cross-field rules (a setting this policy or backend does not honour)
 
     # ----- what this process is ----------------------------------------------------------------
 
@@ -350,18 +378,17 @@ class Trainer:
         if entry is Entry.AGENT:
             exit_if_worker_role()
         driver = self._driver(entry)
-        if entry in (Entry.LAUNCHER, Entry.RANK):
-            _end_uncaught_training_failures_plainly(entry)
+        _end_uncaught_training_failures_plainly(entry)
         run_id = (
             getattr(driver, "run_id", None)
             or os.environ.get(RUN_ID_VAR)
             or f"inline-{secrets.token_hex(4)}"
         )
-        return TrainingRun(driver, entry=entry, run_id=run_id)
+        return TrainingRun(driver, entry=entry, run_id=run_id, checkpoint=self.checkpoint)
 
     def _driver(self, entry: Entry) -> _Driver:
         if entry is Entry.INLINE:
-            return InlineDriver(self.compute_config(), epochs=self.epochs)
+            return InlineDriver(self.compute_config(), spec=self.spec())
         if entry is Entry.RANK:
             self._one_session()
             return RankDriver(self.run_request())
@@ -408,7 +435,7 @@ class Trainer:
         if entry is Entry.RANK:
             self._one_session()
             return rank_worker(self.run_request())
-        return inline_worker(self.compute_config(), epochs=self.epochs)
+        return inline_worker(self.compute_config(), spec=self.spec())
 
 
 async def _join_or_stop(handle: TrainingRun) -> TrainedState:
@@ -417,7 +444,7 @@ async def _join_or_stop(handle: TrainingRun) -> TrainedState:
         return await handle.join()
     except asyncio.CancelledError:
         with contextlib.suppress(Exception):
-            await handle.shutdown(save=True, grace=30.0)
+            await handle.shutdown(grace=30.0)
         raise
 
 
@@ -438,7 +465,8 @@ def _end_uncaught_training_failures_plainly(entry: Entry) -> None:
     """A script that lets ``TrainingFailed`` escape ends plainly, without a traceback of flodl's
     internals.
 
-    In the launcher it ends as ``flodl-launch`` would: the verdict line and the exit-code table's
+    In the launcher (and inline, after the traceback of what the user's code raised) it ends as
+    ``flodl-launch`` would: the verdict line and the exit-code table's
     code (4 for a rank failure, 3 for a world that did not form...) instead of exit 1; the failing
     rank's own traceback is already in the run's output. In a rank, the traceback of what the
     user's code raised (the failure's cause) and one line, instead of that traceback chained to
@@ -454,7 +482,9 @@ def _end_uncaught_training_failures_plainly(entry: Entry) -> None:
         if not isinstance(exc, TrainingFailed):
             previous(kind, exc, tb)
             return
-        if entry is Entry.LAUNCHER:
+        if entry is not Entry.RANK:  # the launcher, or one process inline
+            if entry is Entry.INLINE and exc.__cause__ is not None:
+                traceback.print_exception(exc.__cause__)  # no rank printed it: this process ran it
             _print_verdict(exc)
             code = int(exc.result.exit_code)
         else:
@@ -467,171 +497,6 @@ def _end_uncaught_training_failures_plainly(entry: Entry) -> None:
 
     end_plainly.flodl_training_hook = True  # type: ignore[attr-defined]
     sys.excepthook = end_plainly
-
-
-def _check_functions(**functions: object) -> None:
-    what = {
-        "model": "that builds the model on the device it is given: model(device) -> nn.Module",
-        "optimizer": (
-            "that builds the optimizer for the model: optimizer(model) -> torch.optim.Optimizer"
-        ),
-        "train_step": "that returns the loss: train_step(model, batch) -> tensor",
-        "collate": "that turns a list of samples into a batch",
-        "lr_schedule": "of epoch progress (a float) returning the LR multiplier",
-    }
-    for name, value in functions.items():
-        if value is None and name in ("collate", "lr_schedule"):
-            continue
-        if not callable(value):
-            raise ConfigError(
-                f"Trainer({name}=...) must be a function {what[name]}; got {type(value).__name__}"
-            )
-
-
-def _check_data(dataset: Any, *, batch_size: object, epochs: object, drop_last: bool) -> int:
-    if not (
-        hasattr(dataset, "__len__")
-        and (hasattr(dataset, "__getitem__") or hasattr(dataset, "__getitems__"))
-    ):
-        raise ConfigError(
-            "Trainer(dataset=...) must be a map-style dataset (with __len__ and __getitem__), got "
-            f"{type(dataset).__name__}; "
-            "wrap an iterable in a list or a torch.utils.data.TensorDataset"
-        )
-    dataset_len = len(dataset)
-    if dataset_len < 1:
-        raise ConfigError("Trainer(dataset=...) is empty; give it at least one sample")
-    size = _positive_int("batch_size", batch_size, what="samples per rank per step")
-    _positive_int("epochs", epochs, what="passes over the dataset")
-    if drop_last and dataset_len // size < 1:
-        raise ConfigError(
-            f"Trainer(batch_size={size}) is larger than the dataset ({dataset_len} samples), so "
-            "with drop_last=True an epoch has no batch; "
-            "lower batch_size or pass drop_last=False"
-        )
-    return int(dataset_len)
-
-
-def _check_policy(
-    *, policy: object, backend: object, elche: object, outer: object, checkpoint: object
-) -> None:
-    if not isinstance(policy, Policy):
-        raise ConfigError(
-            f"Trainer(policy=...) must be fa.Policy.SYNC, CADENCE or ASYNC; got {policy!r}"
-        )
-    if not isinstance(backend, Backend):
-        raise ConfigError(
-            f"Trainer(backend=...) must be fa.Backend.CPU or COLLECTIVE; got {backend!r}"
-        )
-    if (policy, backend) == (Policy.ASYNC, Backend.COLLECTIVE):
-        raise ConfigError(
-            "Trainer: (ASYNC, COLLECTIVE) is not a supported combination — bounded-lookahead async "
-            "averaging needs the CPU backend "
-            "(use CADENCE with COLLECTIVE, or ASYNC with CPU)"
-        )
-    if not isinstance(elche, ElCheConfig):
-        raise ConfigError(
-            f"Trainer(elche=...) must be an fa.ElCheConfig(...); got {type(elche).__name__}"
-        )
-    if elche.partition_ratios is not None and policy is not Policy.SYNC:
-        raise ConfigError(
-            "Trainer(elche=ElCheConfig(partition_ratios=...)) is honored on SYNC only, and the "
-            f"policy is {policy.name}: "
-            "CADENCE/ASYNC size partitions from measured throughput; drop partition_ratios or use "
-            "policy=fa.Policy.SYNC"
-        )
-    for knob in ("easgd_alpha", "max_overshoot"):
-        if getattr(elche, knob) is not None and policy is not Policy.ASYNC:
-            raise ConfigError(
-                f"Trainer(elche=ElCheConfig({knob}=...)) applies to ASYNC only, and the policy is "
-                f"{policy.name}; drop {knob} or use policy=fa.Policy.ASYNC"
-            )
-    if not isinstance(outer, _OUTER_TYPES):
-        raise ConfigError(
-            "Trainer(outer=...) must be fa.OuterAvg(), fa.SlowMo(...) or fa.DiLoCo(...); got "
-            f"{type(outer).__name__}"
-        )
-    if not isinstance(checkpoint, Checkpointing):
-        raise ConfigError(
-            "Trainer(checkpoint=...) must be an fa.Checkpointing(...); got "
-            f"{type(checkpoint).__name__}"
-        )
-
-
-def _finite_positive(value: object) -> bool:
-    return (
-        isinstance(value, int | float)
-        and not isinstance(value, bool)
-        and math.isfinite(value)
-        and value > 0
-    )
-
-
-def _check_rest(
-    *,
-    cluster: object,
-    rank_command: object,
-    seed: object,
-    max_grad_norm: object,
-    heartbeat_timeout: object,
-    name: object,
-) -> None:
-    if cluster is not None and not isinstance(cluster, str | os.PathLike | ClusterSpec):
-        raise ConfigError(
-            "Trainer(cluster=...) must be a cluster file path or a ClusterSpec; got "
-            f"{type(cluster).__name__}"
-        )
-    if rank_command is not None and (
-        isinstance(rank_command, str)
-        or not isinstance(rank_command, Sequence)
-        or not rank_command
-        or not all(isinstance(p, str) and p for p in rank_command)
-    ):
-        raise ConfigError(
-            "Trainer(rank_command=...) must be a list of strings, e.g. [sys.executable, '-m', "
-            f"'myapp.rank_entry']; got {rank_command!r}"
-        )
-    if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
-        raise ConfigError(f"Trainer(seed=...) must be a whole number of 0 or more; got {seed!r}")
-    if max_grad_norm is not None and not _finite_positive(max_grad_norm):
-        raise ConfigError(
-            "Trainer(max_grad_norm=...) must be a positive number (or None for no clipping); got "
-            f"{max_grad_norm!r}"
-        )
-    if not _finite_positive(heartbeat_timeout):
-        raise ConfigError(
-            "Trainer(heartbeat_timeout=...) must be a positive number of seconds; got "
-            f"{heartbeat_timeout!r}"
-        )
-    if not isinstance(name, str):
-        raise ConfigError(f"Trainer(name=...) must be a string; got {type(name).__name__}")
-
-
-def _max_failure(value: MaxFailure | int | float | None) -> MaxFailure | None:
-    if value is None or isinstance(value, MaxFailure):
-        return value
-    if isinstance(value, bool):
-        raise ConfigError(
-            "Trainer(max_failure=...) takes a count, a fraction or fa.MaxFailure(...); got "
-            f"{value!r}"
-        )
-    if isinstance(value, int):
-        if value < 1:
-            raise ConfigError(
-                f"Trainer(max_failure={value}) must be at least 1 rank (or None to tolerate any "
-                "partial loss)"
-            )
-        return MaxFailure(absolute=value)
-    if isinstance(value, float):
-        if not 0.0 < value <= 1.0:
-            raise ConfigError(
-                f"Trainer(max_failure={value}) as a fraction must be in (0, 1] of the world size"
-            )
-        return MaxFailure(percent=value)
-    raise ConfigError(
-        "Trainer(max_failure=...) takes a count, a fraction or fa.MaxFailure(...); got "
-        f"{type(value).__name__}"
-    )
 
 
 # ----- roles that never train here ---------------------------------------------------------------

@@ -20,10 +20,12 @@ import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from ..errors import ConfigError, TrainingFailed
+from ..errors import CheckpointInvalid, ConfigError, TrainingFailed
 from ..net.signals import StopSignals
 from ..training.metrics import EpochMetrics
+from ..training.spec import TrainerSpec
 from ..verdict import ExitCode, RunResult
+from .inlinesave import InlineCheckpoints
 from .schedule import InlineSchedule
 from .state import TrainedState, on_thread, trained_state
 from .worker import Compute, ComputeConfig, Worker, default_device, run_managed
@@ -34,25 +36,29 @@ class InlineDriver:
 
     primary = True
 
-    def __init__(self, config: ComputeConfig, *, epochs: int) -> None:
+    def __init__(self, config: ComputeConfig, *, spec: TrainerSpec) -> None:
         self._config = config
-        self._epochs = epochs
+        self._spec = spec
+        self._schedule: InlineSchedule | None = None
         self._stop = threading.Event()
         self._signals = StopSignals(self._first_signal, self._later_signal, guest=True)
 
     async def run(self, publish: Callable[[EpochMetrics], None]) -> TrainedState:
         """Train every epoch on a compute thread; ``publish`` gets each epoch's metrics."""
-        config, epochs = self._config, self._epochs
+        config, spec = self._config, self._spec
 
         def train() -> Mapping[str, Any]:
             compute = Compute(config, default_device())
-            schedule = InlineSchedule(compute, epochs=epochs, publish=publish, stop=self._stop)
-            return run_managed(compute, schedule)
+            self._schedule = _schedule(compute, spec, publish, self._stop)
+            return run_managed(compute, self._schedule)
 
         # A guest on the caller's loop: a program that handles these signals itself keeps them.
         self._signals.install()
         try:
             fields = await on_thread(train, name="flodl-compute", on_cancel=self._stop.set)
+        except CheckpointInvalid as exc:
+            # ends as the launcher's would (exit 2, one line): the bundle named cannot be resumed
+            raise TrainingFailed(RunResult(exit_code=ExitCode.USAGE, reason=str(exc))) from None
         except ConfigError:
             raise
         except Exception as exc:
@@ -87,12 +93,34 @@ class InlineDriver:
         nothing to kill."""
         self._stop.set()
 
+    def request_checkpoint(self) -> None:
+        """A bundle after the current batch."""
+        schedule = self._schedule
+        if schedule is not None and schedule.checkpoints is not None:
+            schedule.checkpoints.request()
 
-def inline_worker(config: ComputeConfig, *, epochs: int) -> Worker:
+
+def _schedule(
+    compute: Compute,
+    spec: TrainerSpec,
+    publish: Callable[[EpochMetrics], None],
+    stop: threading.Event,
+) -> InlineSchedule:
+    checkpointing = spec.checkpoint.save_path is not None or spec.checkpoint.resume_from is not None
+    return InlineSchedule(
+        compute,
+        epochs=spec.epochs,
+        publish=publish,
+        stop=stop,
+        checkpoints=InlineCheckpoints(spec, compute) if checkpointing else None,
+    )
+
+
+def inline_worker(config: ComputeConfig, *, spec: TrainerSpec) -> Worker:
     """The cooperative tier in one process: the user's thread trains every epoch."""
     compute = Compute(config, default_device())
     inbox: collections.deque[EpochMetrics] = collections.deque()
-    schedule = InlineSchedule(compute, epochs=epochs, publish=inbox.append, stop=threading.Event())
+    schedule = _schedule(compute, spec, inbox.append, threading.Event())
     return Worker(
         compute,
         schedule,

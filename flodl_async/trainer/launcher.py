@@ -57,6 +57,7 @@ from ..config.plan import LaunchPlan, PlacedWorker
 from ..config.rankenv import RUN_ID_VAR
 from ..config.roles import CONTROLLER_VAR
 from ..controller import Controller
+from ..controller.resumes import preflight, warn_if_spread
 from ..controller.training import TrainingResult
 from ..deadlines import Deadlines
 from ..errors import ConfigError, RuntimeDirError, TrainingFailed
@@ -195,6 +196,12 @@ class LauncherDriver:
     async def run(self, publish: Callable[[EpochMetrics], None]) -> TrainedState:
         _configure_logging()
         plan = self.plan
+        try:
+            # before the fan-out: a bundle that is not there, torn, or of other data ends it here
+            preflight(self._reference)
+            warn_if_spread(self._reference.checkpoint, (w.host for w in plan.workers))
+        except ConfigError as exc:
+            raise TrainingFailed(RunResult(exit_code=ExitCode.USAGE, reason=str(exc))) from None
         output = RankOutput(stdout=sys.stdout.buffer, stderr=sys.stderr.buffer, run_id=plan.run_id)
         try:
             controller = await bind_controller(plan, output, self._port_choice)
@@ -244,6 +251,14 @@ class LauncherDriver:
         """Ask the coordinator for an orderly end, once: every later request (a cancellation on the
         same path) waits for it."""
         self._stop_in_order("the launcher's TrainingRun.shutdown()", signal.SIGTERM)
+
+    def request_checkpoint(self) -> None:
+        """A checkpoint at the next reduce boundary (nothing before the coordinator exists)."""
+        controller = self._controller
+        if controller is None or not controller.checkpoint_training(
+            "the launcher's TrainingRun.checkpoint()"
+        ):
+            log.warning("TrainingRun.checkpoint(): no training runs yet (or any more); ignored")
 
     def _stop_in_order(self, why: str, sig: signal.Signals) -> None:
         controller = self._controller
@@ -317,6 +332,7 @@ def final_state(attachment: TrainerAttachment, result: RunResult) -> TrainedStat
         lost_ranks=outcome.lost_ranks,
         interrupted=outcome.interrupted,
         primary=True,
+        checkpoint=outcome.checkpoint,
     )
 
 

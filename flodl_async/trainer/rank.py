@@ -10,6 +10,7 @@ compute thread of its own (:class:`RankDriver`, the managed tier) or on the user
 from __future__ import annotations
 
 import collections
+import logging
 import os
 import threading
 from collections.abc import Callable, Mapping
@@ -27,9 +28,12 @@ from ..wire import messages as m
 from .collective import ProcessGroup
 from .entry import rank_is_primary
 from .link import LinkThread
+from .rankstate import restore_rank_state
 from .schedule import RankSchedule
 from .state import RunRequest, TrainedState, on_thread, trained_state
 from .worker import Compute, Worker, default_device, run_managed
+
+log = logging.getLogger("flodl_async.trainer.rank")
 
 
 @dataclass(slots=True)
@@ -89,6 +93,7 @@ def _open_session(request: RunRequest, publish: Callable[[EpochMetrics], None]) 
             reduce_deadline=deadlines.reduce_stall,
             group=group,
         )
+        _restore(welcome, rank, compute)
     except BaseException:
         # the links are up: a failed start must not leave them (and their thread) open
         link.close(None)
@@ -100,6 +105,22 @@ def _open_session(request: RunRequest, publish: Callable[[EpochMetrics], None]) 
         rank=rank,
         primary=rank_is_primary(env),
         group=group,
+    )
+
+
+def _restore(welcome: m.TrainerWelcome, rank: int, compute: Compute) -> None:
+    """A resumed run: this rank's optimizer and RNG state from the bundle when the world size
+    matches it (the model itself comes with the init round's consensus)."""
+    if not welcome.resumed:
+        return
+    if welcome.restore_rank_state and welcome.resume:
+        if restore_rank_state(welcome.resume, rank, compute.optimizer):
+            log.info("rank %d: optimizer and RNG state restored from %s", rank, welcome.resume)
+        return
+    log.warning(
+        "rank %d: resuming without its saved optimizer and RNG state (another world size, or the "
+        "bundle has none): a fresh inner optimizer",
+        rank,
     )
 
 
@@ -132,12 +153,16 @@ class RankDriver:
         self._lock = threading.Lock()
         self._session: _Session | None = None
         self._stop_wanted = False
+        self._checkpoint_wanted = False
 
     async def run(self, publish: Callable[[EpochMetrics], None]) -> TrainedState:
         def train() -> tuple[Mapping[str, Any], bool]:
             session = _open_session(self._request, publish)
             with self._lock:
                 self._session, wanted = session, self._stop_wanted
+                checkpoint = self._checkpoint_wanted
+            if checkpoint:
+                _ask_checkpoint(session)
             if wanted:  # asked before the coordinator welcomed this rank
                 _ask_stop(session)
             try:
@@ -181,6 +206,20 @@ class RankDriver:
     def force_stop(self) -> None:
         """Forcing a rank is the agent's business (TERM, then KILL): a rank waits for the
         coordinator's end."""
+
+    def request_checkpoint(self) -> None:
+        """Ask the coordinator for a checkpoint at the next reduce boundary (sent once the link is
+        up; asked before, it goes with the session's start)."""
+        with self._lock:
+            session = self._session
+            if session is None:
+                self._checkpoint_wanted = True
+                return
+        _ask_checkpoint(session)
+
+
+def _ask_checkpoint(session: _Session) -> None:
+    session.schedule.request_checkpoint()
 
 
 def _ask_stop(session: _Session) -> None:

@@ -25,9 +25,11 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..errors import ConnectionClosed, CoordinatorLost, TrainingStopped, WireError
+from ..errors import ConfigError, ConnectionClosed, CoordinatorLost, TrainingStopped, WireError
+from ..training import saves
 from ..training.metrics import EpochMetrics, RankEpochStats
 from ..training.outer import OuterAvg, OuterStepper
 from ..training.policy import Backend
@@ -56,7 +58,9 @@ from ..training.schedule import (
 )
 from ..wire import messages as m
 from .collective import OuterHooks, ProcessGroup
+from .inlinesave import InlineCheckpoints
 from .link import Inbound, LinkThread, Lost, Woken
+from .rankstate import RankStateWriter
 from .worker import Compute, WindowStats, Work
 
 if TYPE_CHECKING:
@@ -66,6 +70,11 @@ if TYPE_CHECKING:
     from ..training.spec import TrainerSpec
 
 log = logging.getLogger("flodl_async.relay.ranklink")
+
+_NO_SAVE_PATH = (
+    "a checkpoint needs somewhere to write: pass "
+    "Trainer(checkpoint=fa.Checkpointing(save_path='ckpt/run'))"
+)
 
 
 class _Again(enum.Enum):
@@ -103,11 +112,21 @@ class InlineSchedule:
         epochs: int,
         publish: Callable[[EpochMetrics], None],
         stop: threading.Event,
+        checkpoints: InlineCheckpoints | None = None,
     ) -> None:
         self._compute = compute
         self._publish = publish
         self._stop = stop
-        self._policy = InlinePolicy(epochs=epochs, n_batches=compute.n_batches)
+        self.checkpoints = checkpoints
+        self._spec_save_path = None if checkpoints is None else checkpoints.save_path
+        start = None if checkpoints is None else checkpoints.resume()
+        self._policy = InlinePolicy(
+            epochs=epochs,
+            n_batches=compute.n_batches,
+            start_epoch=0 if start is None else start.epoch,
+            covered=frozenset() if start is None else start.covered,
+            start_step=0 if start is None else start.step,
+        )
         self._epoch_started = time.monotonic()
         self._epoch_stats = WindowStats()
         self._carry_out: dict[type[InlineAction], Callable[[Any], Work | None]] = {
@@ -129,6 +148,8 @@ class InlineSchedule:
 
     def after_step(self, stats: WindowStats) -> bool:
         self._policy.handle(Stepped())
+        if self.checkpoints is not None:
+            self.checkpoints.after_step(self._policy)
         self._epoch_stats.merge(stats.take())
         self._see_stop()
         return self._policy.interrupted
@@ -171,7 +192,11 @@ class InlineSchedule:
         for action in self._policy.handle(Finishing()):
             self._carry_out[type(action)](action)
         outcome = self._policy.outcome
+        checkpoints = self.checkpoints
+        if checkpoints is not None:
+            checkpoints.at_end(self._policy, interrupted=outcome.interrupted)
         return {
+            "checkpoint": None if checkpoints is None else checkpoints.last,
             "state_dict": self._compute.state_dict(),
             "param_names": self._compute.param_names,
             "epochs_completed": outcome.epochs_completed,
@@ -183,6 +208,12 @@ class InlineSchedule:
 
     def fail(self, exc: BaseException) -> None:
         """Nothing waits on an inline run but its own handle, which gets the exception."""
+
+    def request_checkpoint(self) -> None:
+        """A bundle after the current step."""
+        if self.checkpoints is None or self._spec_save_path is None:
+            raise ConfigError(_NO_SAVE_PATH)
+        self.checkpoints.request()
 
 
 class RankSchedule:
@@ -216,7 +247,13 @@ class RankSchedule:
             collective=spec.backend is Backend.COLLECTIVE,
             gamma=settings.gamma,
             n_batches=compute.n_batches,
+            start_epoch=welcome.start_epoch,
+            start_step=welcome.global_step,
+            resumed=welcome.resumed,
         )
+        #: The last bundle this rank wrote its state into (``TrainedState.checkpoint``).
+        self.last_bundle: str | None = None
+        self._states = RankStateWriter(link.rank, link.send)
         self._alpha = settings.easgd_alpha
         self._deadline = reduce_deadline
         self._stats: WindowStats | None = None
@@ -266,6 +303,7 @@ class RankSchedule:
 
     def finish(self) -> Mapping[str, Any]:
         outcome = self._policy.outcome
+        self._states.close(wait=True)  # the end's bundle waits for this rank's file
         return {
             "state_dict": self._compute.state_dict(),
             "param_names": self._compute.param_names,
@@ -274,9 +312,11 @@ class RankSchedule:
             "world_size": outcome.world_size,
             "lost_ranks": outcome.lost_ranks,
             "interrupted": outcome.interrupted,
+            "checkpoint": self.last_bundle,
         }
 
     def fail(self, exc: BaseException) -> None:
+        self._states.close(wait=False)
         text = "".join(traceback.format_exception(exc)).strip()
         self._link.close(
             m.Exiting(rank=self.rank, reason=f"{type(exc).__name__}: {exc}", error=text)
@@ -359,7 +399,24 @@ class RankSchedule:
         self._via[action.via](action)
         if action.reset_inner:
             self._compute.optimizer.state.clear()  # DiLoCo: inner state is disposable each round
+        if action.checkpoint > 0:
+            self._save_state(action.checkpoint, action.checkpoint_name)
         return _AGAIN
+
+    def request_checkpoint(self) -> None:
+        """Ask the coordinator for a checkpoint at the next reduce boundary."""
+        if self._spec.checkpoint.save_path is None:
+            raise ConfigError(_NO_SAVE_PATH)
+        self._link.send(m.Intent(rank=self.rank, kind=saves.INTENT))
+
+    def _save_state(self, version: int, name: str) -> None:
+        """A checkpoint round's consensus is applied: this rank's optimizer and RNG state go into
+        the bundle (on this host; the save path is shared), and its hash to the controller."""
+        checkpoint = self._spec.checkpoint
+        assert checkpoint.save_path is not None  # only a run with a save_path marks rounds
+        self.last_bundle = str(Path(checkpoint.save_path) / name)
+        if checkpoint.rank_state:
+            self._states.save(checkpoint.save_path, name, version, self._compute.optimizer)
 
     def _receive(self, action: Contribute) -> None:
         self._apply(self._wait(self._link.receive(action.round)), blend=False)

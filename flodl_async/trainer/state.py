@@ -50,7 +50,7 @@ class TrainedState:
     #: Exactly one process per run has True: the inline process, the launcher when the script is the
     #: launcher, else rank 0.
     primary: bool = False
-    #: The bundle stem written at the end, if any.
+    #: The last checkpoint bundle written (a directory under ``Checkpointing.save_path``), if any.
     checkpoint: str | None = None
 
     def load_into(self, model: nn.Module) -> None:
@@ -69,6 +69,7 @@ def trained_state(fields: Mapping[str, Any], *, primary: bool) -> TrainedState:
         lost_ranks=tuple(fields.get("lost_ranks", ())),
         interrupted=bool(fields.get("interrupted", False)),
         primary=primary,
+        checkpoint=fields.get("checkpoint"),
     )
 
 

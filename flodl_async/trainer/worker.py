@@ -352,6 +352,10 @@ class Schedule(Protocol):
         """The compute side failed with ``exc``: tell whoever waits on this process."""
         ...
 
+    def request_checkpoint(self) -> None:
+        """A checkpoint bundle at the next reduce boundary (inline: after this step)."""
+        ...
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class StepOutcome:
@@ -497,6 +501,11 @@ class Worker:
         """The batch handed out last has not been stepped (``step()`` clears it, from the caller's
         side of the yield)."""
         return self._current is not None
+
+    def request_checkpoint(self) -> None:
+        """A checkpoint bundle of the whole run at the next reduce boundary (inline: after the
+        current step); training goes on meanwhile. Needs ``Checkpointing(save_path=...)``."""
+        self._schedule.request_checkpoint()
 
     def step(self, loss: torch.Tensor) -> StepOutcome:
         """Finish the batch (clip, step, zero_grad) and do the reduce when one is due."""

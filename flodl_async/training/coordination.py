@@ -17,9 +17,11 @@ from ..control.dispatch import TypeTable
 from ..control.vocab import Announce, Tell, Tick
 from ..verdict import ExitCode
 from ..wire import messages as m
-from .elche import ElChe
+from .elche import ElChe, ElCheState
 from .metrics import EpochMetrics
+from .partition import Range
 from .regroup import Regroup
+from .saves import ResumePoint
 from .spec import TrainerSpec
 
 #: The ``to`` of a :class:`~flodl_async.control.vocab.Tell` for every relay: a down-message
@@ -47,6 +49,8 @@ class CoordinatorConfig:
     reference: TrainerSpec | None = None
     #: ``--max-restarts``: how many restarted ranks may rejoin over the whole run (CPU backend).
     max_restarts: int = 0
+    #: The checkpoint bundle this run resumes from (verified by the shell before any rank trains).
+    resume: ResumePoint | None = None
 
 
 class CoordPhase(enum.Enum):
@@ -165,6 +169,14 @@ class StopRequested:
     reason: str
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CheckpointRequested:
+    """A checkpoint was asked for (``run.checkpoint()`` in any process,
+    ``Worker.request_checkpoint()``): the next reduce boundary writes one."""
+
+    reason: str
+
+
 Event = (
     TrainerJoined
     | WindowReported
@@ -174,11 +186,15 @@ Event = (
     | RoundCompleted
     | CollectiveDone
     | StopRequested
+    | CheckpointRequested
     | Tick
 )
 
 
-def _no_sender(event: TrainerJoined | RankLost | RoundCompleted | StopRequested | Tick, /) -> None:
+def _no_sender(
+    event: TrainerJoined | RankLost | RoundCompleted | StopRequested | CheckpointRequested | Tick,
+    /,
+) -> None:
     # a hello is recorded by its own handler; the others are not frames from a rank
     del event
 
@@ -201,6 +217,7 @@ sender.add(TrainerJoined, _no_sender)
 sender.add(RankLost, _no_sender)
 sender.add(RoundCompleted, _no_sender)
 sender.add(StopRequested, _no_sender)
+sender.add(CheckpointRequested, _no_sender)
 sender.add(Tick, _no_sender)
 sender.add(WindowReported, _reporter)
 sender.add(FrameSeen, _frame_sender)
@@ -226,6 +243,11 @@ class StartRound:
     from_controller: bool
     reducer: bool
     message: m.Reduce
+    #: A checkpoint round: the bundle's reason (the reducer keeps a copy of its consensus, and every
+    #: rank writes its state after applying it); "" for none.
+    checkpoint: str = ""
+    #: The bundle's round number (the run's rounds continue a resumed run's: ``round`` + base).
+    bundle_round: int = 0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -281,7 +303,40 @@ class Fail:
     save_reason: str = ""
 
 
-Action = Tell[int] | StartRound | DeclareDead | Readmit | PublishEpoch | Announce | Finish | Fail
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SaveCheckpoint:
+    """Commit a checkpoint bundle of round ``round``'s consensus (the reducer's copy): written in
+    the background, its manifest last once every rank in ``ranks`` reported its state file.
+
+    ``last``: the run is ending on a failure, the bundle holds the last consensus the reducer has
+    (round ``round`` or an earlier one), and no rank writes a state file."""
+
+    round: int
+    #: The bundle's round number (``round`` plus a resumed run's base).
+    bundle_round: int
+    reason: str
+    #: Epochs completed in the consensus; the bundle's epoch in progress is this one.
+    epoch: int
+    global_step: int
+    #: Batch ranges of epoch ``epoch`` the consensus already holds.
+    coverage: tuple[Range, ...]
+    elche: ElCheState | None
+    ranks: frozenset[int]
+    world_size: int
+    last: bool = False
+
+
+Action = (
+    Tell[int]
+    | StartRound
+    | DeclareDead
+    | Readmit
+    | PublishEpoch
+    | Announce
+    | Finish
+    | Fail
+    | SaveCheckpoint
+)
 
 # ----- the status view -----------------------------------------------------------------------
 

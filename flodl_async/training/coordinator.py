@@ -52,11 +52,12 @@ from ..verdict import ExitCode
 from ..wire import messages as m
 from . import deathchain as dc
 from . import partition as part
-from . import plancheck
+from . import plancheck, rounds
 from .coordination import (
     EVERY_RANK,
     Action,
     BeforeHello,
+    CheckpointRequested,
     CollectiveDone,
     CoordinatorConfig,
     CoordinatorView,
@@ -64,7 +65,6 @@ from .coordination import (
     DeclareDead,
     Event,
     Fail,
-    Finish,
     FrameSeen,
     Joining,
     PublishEpoch,
@@ -81,13 +81,14 @@ from .coordination import (
     coordinator_view,
     sender,
 )
-from .elche import ElChe
+from .elche import ElChe, ElCheState
 from .hellocheck import check_hello
 from .losses import LostRanks
 from .metrics import EpochLedger
 from .policy import RULES, Backend, GateRank, Policy, should_reduce
 from .regroup import InFlight
 from .rejoin import Rejoins
+from .savedesk import SaveDesk
 from .slices import SyncSlices, epoch_slices, plan_hold_after, sync_plan
 from .spec import TrainerSpec
 
@@ -133,6 +134,7 @@ class Coordinator:
         self._rejoins = Rejoins(config.max_restarts)
         # admitted joiners whose first round is not open yet: the gate does not wait for them
         self._warming: set[int] = set()
+        self._desk = SaveDesk(config.resume, world_size=config.world_size)
         #: The last round committed: its number, kind and duration (ms).
         self.committed: tuple[int, str, float] | None = None
         self._handlers: TypeTable[Event, [float], list[Action]] = TypeTable(
@@ -146,6 +148,10 @@ class Coordinator:
         self._handlers.add(RoundCompleted, self._on_round_completed)
         self._handlers.add(CollectiveDone, self._on_collective_done)
         self._handlers.add(StopRequested, self._on_stop)
+        self._handlers.add(
+            CheckpointRequested,
+            lambda e, now: self._desk.request(e.reason, phase=self.phase, spec=self.spec),
+        )
         self._handlers.add(Tick, self._on_tick)
         self._handlers.require(Event)
 
@@ -189,7 +195,7 @@ class Coordinator:
     @property
     def global_step(self) -> int:
         """Cohort batches trained, divided by the world size: what an average rank trained."""
-        return sum(self._batches.values()) // self.config.world_size
+        return self._desk.book.step_base + sum(self._batches.values()) // self.config.world_size
 
     def _heartbeat_timeout(self) -> float | None:
         spec = self.spec
@@ -200,17 +206,15 @@ class Coordinator:
         del now  # deadlines are absolute; kept for the h11 shape
         if self.phase in _OVER:
             return None
-        candidates: list[float] = []
-        if isinstance(self._stage, Joining):
-            candidates.append(self._stage.first_hello_at + self.config.hello_timeout)
-        timeout = self._heartbeat_timeout()
-        if timeout is not None:
-            candidates.extend(
-                self._last_seen[r] + timeout for r in self._alive if r not in self._exiting
-            )
-        if self._in_flight is not None:
-            candidates.append(self._in_flight.started_at + self.config.reduce_stall)
-        return min(candidates, default=None)
+        stage, flying = self._stage, self._in_flight
+        return dc.next_deadline(
+            hello=stage.first_hello_at + self.config.hello_timeout
+            if isinstance(stage, Joining)
+            else None,
+            heartbeat=self._heartbeat_timeout(),
+            last_seen={r: self._last_seen[r] for r in self._alive - self._exiting},
+            stall=None if flying is None else flying.started_at + self.config.reduce_stall,
+        )
 
     def view(self, now: float) -> CoordinatorView:
         """What the status page shows of training."""
@@ -274,21 +278,10 @@ class Coordinator:
         self._alive.add(rank)
         self._last_seen[rank] = now
         self._rejoins.joined(hello)
-        actions: list[Action] = [self._welcome(rank)]
+        actions: list[Action] = [rounds.welcome(rank, self.config)]
         if len(self._joined) == self.config.world_size:
             actions.extend(self._start(now))
         return actions
-
-    def _welcome(self, rank: int) -> Tell[int]:
-        return Tell(
-            to=rank,
-            message=m.TrainerWelcome(
-                rank=rank,
-                world_size=self.config.world_size,
-                run_id=self.config.run_id,
-                primary_rank=self.config.primary_rank,
-            ),
-        )
 
     # ----- rejoining (:mod:`.rejoin`) ------------------------------------------------------------
 
@@ -312,7 +305,7 @@ class Coordinator:
         self._rejoins.wait(hello)
         self._last_seen[rank] = now
         actions: list[Action] = [
-            self._welcome(rank),
+            rounds.welcome(rank, self.config),
             Announce(
                 text=f"rank {rank} restarted (incarnation {hello.incarnation}) said hello; it "
                 "rejoins at the next round boundary"
@@ -383,14 +376,23 @@ class Coordinator:
                 dispatch=RULES[spec.policy].elche_dispatch,
             ),
         )
+        self._desk.start(spec, now)
+        resume = self.config.resume
+        named = f" {spec.name!r}" if spec.name else ""
+        said = f"training{named}: {self.config.world_size} rank(s), {spec.policy.name} on "
+        said += f"{spec.backend.name}, {spec.epochs} x {spec.n_batches} batches"
+        if resume is not None:  # every rank starts from the bundle's consensus, which we hold
+            said += f"; resuming from {resume.bundle} (round {resume.round}, {resume.epoch} done)"
+            self._completed_epochs = resume.epoch
+            if resume.elche is not None:
+                self._stage.elche.restore(resume.elche)
         actions: list[Action] = [
-            Announce(
-                text=f"training: {self.config.world_size} rank(s), {spec.policy.name} on "
-                f"{spec.backend.name}, {spec.epochs} x {spec.n_batches} batches"
-            ),
+            Announce(text=said),
             self._start_round(0, "init", now),
         ]
-        actions.extend(self._open_epoch(0, now))
+        epoch, covered = (0, ()) if resume is None else (resume.epoch, resume.coverage)
+        if epoch < spec.epochs:
+            actions.extend(self._open_epoch(epoch, now, covered=covered))
         return actions
 
     # ----- rounds -------------------------------------------------------------------------------
@@ -403,47 +405,30 @@ class Coordinator:
         *,
         from_controller: bool = False,
         closes_epoch: int | None = None,
+        checkpoint: str | None = None,
     ) -> StartRound:
         spec = self._require_spec()
-        # ``upload`` (COLLECTIVE's end) brings the primary's state to the controller. Like ``init``,
-        # every alive rank takes part — the primary with its tensors, the others with empty
-        # contributions — since each host's relay folds a barrier over all of its live ranks.
-        collective = spec.backend is Backend.COLLECTIVE and kind != "upload"
-        expected = frozenset(self._alive)
         self._warming.clear()  # this round is their warm start
-        self._in_flight = InFlight(
-            round=round_,
-            kind=kind,
-            started_at=now,
-            collective=collective,
-            waiting=set(expected),
-            closes_epoch=closes_epoch,
-        )
-        reset = kind == "model" and spec.outer.resets_inner
-        plan = plancheck.round_plan(
-            world_size=self.config.world_size,
-            expected=expected,
-            claimable=self._slices.claimable()
+        claimable = (
+            self._slices.claimable()
             if RULES[spec.policy].static_slices
-            else plancheck.in_flight_batches(self._pool.in_flight()),
-            gamma=spec.settings.gamma,
-            equal=kind == "final" and spec.policy is Policy.ASYNC,
+            else plancheck.in_flight_batches(self._pool.in_flight())
         )
         self._slices.round_opened()
-        return StartRound(
-            round=round_,
+        self._in_flight, start = rounds.open_round(
+            spec,
+            round_=round_,
             kind=kind,
-            expected=expected,
+            now=now,
+            config=self.config,
+            alive=frozenset(self._alive),
+            claimable=claimable,
             from_controller=from_controller,
-            reducer=not collective,
-            message=m.Reduce(
-                round=round_,
-                kind=kind,
-                from_controller=from_controller,
-                reset_inner=reset,
-                plan=plan,
-            ),
+            closes_epoch=closes_epoch,
+            checkpoint=checkpoint,
+            bundle_round=0 if checkpoint is None else self._desk.mark(round_, checkpoint),
         )
+        return start
 
     def _on_round_completed(self, event: RoundCompleted, now: float) -> list[Action]:
         flying = self._in_flight
@@ -490,8 +475,11 @@ class Coordinator:
                 self.phase = CoordPhase.TRAINING
             if self._stop_reason is not None:
                 return self._final(now, natural=False)
+            if self._completed_epochs >= self._require_spec().epochs:
+                return self._final(now, natural=True)  # resumed from a bundle of the last epoch
             return [*self._admit(), *self._maybe_reduce(now)]
         if flying.kind == "model":
+            self._desk.book.last_model_round = flying.round
             actions.extend(self._settle_coverage(flying.round, folded, flying.dead_in))
             ledger = self._ledgers.get(self._round_epoch.pop(flying.round, self._epoch))
             if ledger is not None:
@@ -507,6 +495,7 @@ class Coordinator:
                     actions.extend(self._plan_waiting(self._round))
             if closing is not None:
                 actions.extend(self._close_epoch(closing, now))
+            actions.extend(self._desk.committed(flying.round, self._facts))
             if self._completed_epochs >= spec.epochs:
                 actions.extend(self._final(now, natural=True))
             elif self._stop_reason is not None:
@@ -521,7 +510,7 @@ class Coordinator:
         spec = self._require_spec()
         if flying.kind == "final" and spec.backend is Backend.COLLECTIVE:
             return [self._start_round(self._next_round(), "upload", now)]
-        return self._finish()
+        return [*self._desk.committed(flying.round, self._facts), *self._finish()]
 
     def _settle_coverage(
         self, round_: int, folded: Mapping[int, int] | None, dead_in: set[int]
@@ -585,41 +574,36 @@ class Coordinator:
         from_controller = natural and spec.policy is not Policy.ASYNC
         if spec.backend is Backend.COLLECTIVE and from_controller:
             return [self._start_round(self._next_round(), "upload", now)]
+        reason = self._desk.final_reason(
+            natural=natural,
+            from_controller=from_controller,
+            on_shutdown=spec.checkpoint.on_shutdown,
+        )
         return [
-            self._start_round(self._next_round(), "final", now, from_controller=from_controller)
+            self._start_round(
+                self._next_round(), "final", now, from_controller=from_controller, checkpoint=reason
+            )
         ]
 
     def _finish(self) -> list[Action]:
-        spec = self._require_spec()
         self.phase = CoordPhase.DONE
-        if self._stop_reason is not None:
-            reason = (
-                f"training stopped ({self._stop_reason}) after {self._completed_epochs} of "
-                f"{spec.epochs} epoch(s)"
-            )
-            save_reason, interrupted = "graceful_shutdown", True
-        else:
-            reason = f"training complete: {spec.epochs} epoch(s) on {len(self._alive)} rank(s)"
-            save_reason, interrupted = "completed", False
-        reason = self._lost.degraded(reason, world_size=self.config.world_size)
-        restarts = self._rejoins.summary()
-        if restarts:
-            reason = f"{reason}; {restarts}"
-        return [
-            Tell(to=EVERY_RANK, message=m.Shutdown(reason=reason, save_reason=save_reason)),
-            Finish(
-                reason=reason,
-                save_reason=save_reason,
-                interrupted=interrupted,
-                lost=self._lost.why(),
-                restarted=tuple(r.rank for r in self._rejoins.restarts),
-            ),
-        ]
+        return rounds.finish(
+            self._require_spec(),
+            stop_reason=self._stop_reason,
+            completed_epochs=self._completed_epochs,
+            alive=len(self._alive),
+            world_size=self.config.world_size,
+            lost=self._lost,
+            rejoins=self._rejoins,
+        )
 
     # ----- epochs and plans ------------------------------------------------------------------
 
-    def _open_epoch(self, epoch: int, now: float) -> list[Action]:
-        """Plans of the first window of ``epoch`` (round ``self._round``)."""
+    def _open_epoch(
+        self, epoch: int, now: float, *, covered: tuple[part.Range, ...] = ()
+    ) -> list[Action]:
+        """Plans of the first window of ``epoch`` (round ``self._round``); ``covered``: batches a
+        resumed consensus already holds, which are not trained again."""
         spec = self._require_spec()
         self._epoch = epoch
         self._ledgers[epoch] = EpochLedger(epoch, ranks=sorted(self._alive), started_at=now)
@@ -628,15 +612,24 @@ class Coordinator:
         if RULES[spec.policy].static_slices:
             self._pool = part.ChunkPool(0)
             slices = epoch_slices(spec, planned)
-            self._slices.open(slices)
+            shares: dict[int, tuple[part.Range, ...]] = {
+                rank: ((first, size),) if size else () for rank, (first, size) in slices.items()
+            }
+            if covered:
+                # each rank keeps what is left of its own slice: the split the bundle's run had
+                shares = {rank: part.subtract(ranges, covered) for rank, ranges in shares.items()}
+            self._slices.open_ranges(shares)
             plans: list[Action] = []
-            for rank, (first, size) in slices.items():
-                ranges = ((first, size),) if size else ()
+            for rank, ranges in shares.items():
                 plan = sync_plan(spec, rank=rank, round_=self._round, epoch=epoch, ranges=ranges)
                 self._plans[(self._round, rank)] = plan
                 plans.append(Tell(to=rank, message=plan))
             return plans
-        self._pool = part.ChunkPool(spec.n_batches)
+        if covered:
+            total = spec.n_batches
+            self._pool = part.ChunkPool.from_coverage(total, part.subtract(((0, total),), covered))
+        else:
+            self._pool = part.ChunkPool(spec.n_batches)
         return self._window_plans(self._round, planned)
 
     def _window_plans(self, round_: int, ranks: list[int]) -> list[Action]:
@@ -773,27 +766,23 @@ class Coordinator:
     def _fire(self, k: int, now: float) -> list[Action]:
         spec = self._require_spec()
         elche = self._running().elche
-        reports = self._reports.pop(k, {})
-        delivered = RULES[spec.policy].delivered_timing
-        ms = [0.0] * self.config.world_size
-        batches = [0] * self.config.world_size
-        for rank, report in reports.items():
-            ms[rank] = report.compute_ms + (report.data_ms if delivered else 0.0)
-            batches[rank] = report.batches
-        divergences = [r.divergence for r in reports.values() if r.divergence >= 0]
-        elche.report(
-            ms,
-            batches,
+        rounds.report_window(
+            elche,
+            self._reports.pop(k, {}),
+            world_size=self.config.world_size,
+            delivered=RULES[spec.policy].delivered_timing,
             sync_ms=self._last_sync_ms,
-            divergence=max(divergences) if divergences else None,
         )
         closes = self._closes_epoch(k)
         epoch = self._epoch
         self._round_epoch[k] = epoch
         for key in [key for key in self._plans if key[0] <= k]:
             del self._plans[key]
+        reason = self._desk.due(closes_epoch=epoch if closes else None, now=now)
         actions: list[Action] = [
-            self._start_round(k, "model", now, closes_epoch=epoch if closes else None)
+            self._start_round(
+                k, "model", now, closes_epoch=epoch if closes else None, checkpoint=reason
+            )
         ]
         self._round = k + 1
         if self._stop_reason is not None:
@@ -819,6 +808,23 @@ class Coordinator:
                         )
         return actions
 
+    def _facts(self) -> tuple[int, tuple[part.Range, ...], ElCheState, frozenset[int], int]:
+        """What a checkpoint bundle records (:data:`~.savedesk.Facts`)."""
+        spec, epoch = self._require_spec(), self._completed_epochs
+        held: tuple[part.Range, ...] = ()
+        if epoch <= self._epoch < spec.epochs and not RULES[spec.policy].static_slices:
+            held = self._pool.covered_ranges()
+        elif epoch <= self._epoch < spec.epochs:
+            held = self._slices.covered_ranges()
+            if self._epoch == self._desk.book.resume_epoch:  # what the resumed slices left out
+                held = part.coalesce([*held, *self._desk.book.resumed_coverage])
+        elche = self._running().elche.snapshot()
+        return epoch, held, elche, frozenset(self._alive), self.global_step
+
+    def _last_bundle(self, save_reason: str) -> list[Action]:
+        running = isinstance(self._stage, Running) and self.committed is not None
+        return self._desk.failed(save_reason, self.committed if running else None, self._facts)
+
     # ----- stop, loss, deadlines -------------------------------------------------------------
 
     def _on_stop(self, event: StopRequested, now: float) -> list[Action]:
@@ -827,14 +833,7 @@ class Coordinator:
         self._stop_reason = event.reason
         if self.phase is CoordPhase.JOINING:
             self.phase = CoordPhase.DONE
-            reason = f"training stopped ({event.reason}) before it started"
-            return [
-                Tell(
-                    to=EVERY_RANK,
-                    message=m.Shutdown(reason=reason, save_reason="graceful_shutdown"),
-                ),
-                Finish(reason=reason, save_reason="graceful_shutdown", interrupted=True),
-            ]
+            return rounds.stopped_before_start(event.reason)
         actions: list[Action] = [
             Announce(text=f"stopping training ({event.reason}): a final round, then shutdown")
         ]
@@ -914,7 +913,14 @@ class Coordinator:
             actions.append(DeclareDead(rank=rank, reason=event.reason, regroup=regroup))
             return [*actions, *self._after_loss(now)]
         self.phase = CoordPhase.FAILED
-        return [*actions, DeclareDead(rank=rank, reason=event.reason), *end]
+        ending = end[-1]
+        assert isinstance(ending, Fail)
+        return [
+            *actions,
+            DeclareDead(rank=rank, reason=event.reason),
+            *self._last_bundle(ending.save_reason),
+            *end,
+        ]
 
     def _on_tick(self, event: Tick, now: float) -> list[Action]:
         del event
@@ -930,12 +936,15 @@ class Coordinator:
             )
             return self._fail(ExitCode.FORMATION, reason, rank=late)
         timeout = self._heartbeat_timeout()
-        if timeout is not None:
-            for rank in sorted(self._alive):
-                if rank not in self._exiting and now >= self._last_seen[rank] + timeout:
-                    return self._on_lost(RankLost(rank=rank, reason=dc.silent(timeout)), now)
+        seen = {r: self._last_seen[r] for r in self._alive - self._exiting}
+        silent = dc.first_silent(seen, timeout, now)
+        if silent is not None and timeout is not None:
+            return self._on_lost(RankLost(rank=silent, reason=dc.silent(timeout)), now)
         flying = self._in_flight
         if flying is not None and now >= flying.started_at + self.config.reduce_stall:
             reason = dc.stalled(flying, self.config.reduce_stall)
-            return self._fail(ExitCode.STALLED, reason, save_reason="reduce_stall")
+            return [
+                *self._last_bundle("reduce_stall"),
+                *self._fail(ExitCode.STALLED, reason, save_reason="reduce_stall"),
+            ]
         return []

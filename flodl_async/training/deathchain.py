@@ -12,6 +12,8 @@ Pure.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from ..control.vocab import Announce, Level, Tell
 from ..verdict import ExitCode
 from ..wire import messages as m
@@ -95,6 +97,28 @@ def late_hello(*, late: int, where: str, first: int, hello_timeout: float) -> st
 def silent(timeout: float) -> str:
     """Why a rank quiet for ``timeout`` seconds is lost."""
     return f"no frame for {timeout:g} s (heartbeat timeout: the rank is frozen, stopped or cut off)"
+
+
+def next_deadline(
+    *,
+    hello: float | None,
+    heartbeat: float | None,
+    last_seen: Mapping[int, float],
+    stall: float | None,
+) -> float | None:
+    """The earliest of the coordinator's deadlines: the join window's end (``hello``), each watched
+    rank's heartbeat expiry (``last_seen`` + ``heartbeat``), the round in flight's stall."""
+    candidates = [t for t in (hello, stall) if t is not None]
+    if heartbeat is not None:
+        candidates.extend(seen + heartbeat for seen in last_seen.values())
+    return min(candidates, default=None)
+
+
+def first_silent(last_seen: Mapping[int, float], heartbeat: float | None, now: float) -> int | None:
+    """The lowest watched rank with no frame for ``heartbeat`` seconds at ``now``, or None."""
+    if heartbeat is None:
+        return None
+    return next((r for r in sorted(last_seen) if now >= last_seen[r] + heartbeat), None)
 
 
 def stalled(flying: InFlight, reduce_stall: float) -> str:

@@ -146,6 +146,25 @@ def split_ranges(ranges: Sequence[Range], at: int) -> tuple[tuple[Range, ...], t
     return tuple(r for r in head if r[1]), tuple(r for r in tail if r[1])
 
 
+def subtract(ranges: Sequence[Range], minus: Iterable[Range]) -> tuple[Range, ...]:
+    """``ranges`` in their order, without any batch of ``minus`` (a resumed epoch's covered
+    batches)."""
+    cut = coalesce(minus)
+    out: list[Range] = []
+    for first, n in ranges:
+        at, end = first, first + n
+        for c_first, c_n in cut:
+            c_end = c_first + c_n
+            if c_end <= at or c_first >= end:
+                continue
+            if c_first > at:
+                out.append((at, c_first - at))
+            at = max(at, c_end)
+        if at < end:
+            out.append((at, end - at))
+    return tuple(out)
+
+
 def share_ranges(ranges: Sequence[Range], parts: int) -> tuple[tuple[Range, ...], ...]:
     """``ranges`` cut in order into ``parts`` runs of sizes within one of each other (a dead SYNC
     rank's rest of its slice, over the survivors)."""

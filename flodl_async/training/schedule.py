@@ -25,6 +25,7 @@ from ..control.dispatch import TypeTable
 from ..wire import messages as m
 from ..wire.schema import Message
 from .metrics import EpochMetrics
+from .partition import coalesce
 from .policy import Policy
 from .regroup import Regroup
 
@@ -107,6 +108,10 @@ class Contribute:
     weight: float
     tensors: bool
     reset_inner: bool
+    #: A checkpoint round (its bundle's round number, 0: none): after the consensus is applied,
+    #: the rank writes its state into bundle ``checkpoint_name``.
+    checkpoint: int = 0
+    checkpoint_name: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -213,7 +218,13 @@ class RankPolicy:
         collective: bool,
         gamma: float,
         n_batches: int,
+        start_epoch: int = 0,
+        start_step: int = 0,
+        resumed: bool = False,
     ) -> None:
+        """``start_epoch`` and ``start_step``: a resumed run's epochs completed and global step;
+        ``resumed``: its init round takes the bundle's consensus (every rank contributes
+        nothing)."""
         self.rank = rank
         self._world_size = world_size
         self._averaging = averaging
@@ -233,8 +244,9 @@ class RankPolicy:
         self._outstanding = False
         self._lost: set[int] = set()
         self._regroup: Regroup | None = None  # the latest re-form not carried out yet
-        self._epochs_seen = 0
-        self._cohort_batches = 0
+        self._resumed = resumed
+        self._epochs_seen = start_epoch
+        self._cohort_batches = start_step * world_size
         self._handlers: TypeTable[
             Message | Asked | Stepped | Settled, [], tuple[RankAction, ...]
         ] = TypeTable("the rank schedule's events")
@@ -393,6 +405,7 @@ class RankPolicy:
             # init: the root's state seeds every rank; upload (COLLECTIVE): the ranks agree, rank
             # 0's copy goes to the controller. Either way the others send an empty contribution.
             root = self.rank == min(set(range(self._world_size)) - self._lost)
+            root = root and not (kind == "init" and self._resumed)
             via, weight, tensors = Via.LINK, 1.0 if root else 0.0, root
         elif kind == "final" and self._averaging is Policy.ASYNC:
             # ASYNC locals differ on purpose: the final round is a plain mean
@@ -413,6 +426,8 @@ class RankPolicy:
             weight=weight,
             tensors=tensors,
             reset_inner=reduce.reset_inner,
+            checkpoint=reduce.checkpoint,
+            checkpoint_name=reduce.checkpoint_name,
         )
         out = self._settle_then(action)  # at most one contribution outstanding
         self._outstanding = via is Via.SUBMIT
@@ -477,13 +492,25 @@ InlineEvent = Asked | Stepped | StopSeen | Finishing
 class InlinePolicy:
     """Every epoch's batches in order in one process (``n_batches`` a pool): no coordinator."""
 
-    def __init__(self, *, epochs: int, n_batches: int) -> None:
+    def __init__(
+        self,
+        *,
+        epochs: int,
+        n_batches: int,
+        start_epoch: int = 0,
+        covered: frozenset[int] = frozenset(),
+        start_step: int = 0,
+    ) -> None:
+        """A resumed run starts at ``start_epoch`` (epochs completed), skips that epoch's
+        ``covered`` batches (already in the checkpoint) and counts steps from ``start_step``."""
         self._epochs = epochs
         self._n_batches = n_batches
-        self._epoch = 0
+        self._epoch = start_epoch
         self._batch = 0
-        self.epochs_completed = 0
-        self.global_step = 0
+        self._start_epoch = start_epoch
+        self._covered = covered
+        self.epochs_completed = start_epoch
+        self.global_step = start_step
         self.interrupted = False
         self._handlers: TypeTable[InlineEvent, [], tuple[InlineAction, ...]] = TypeTable(
             "the inline schedule's events"
@@ -510,9 +537,27 @@ class InlinePolicy:
             interrupted=self.interrupted and self.epochs_completed < self._epochs,
         )
 
+    def position(self) -> tuple[int, tuple[tuple[int, int], ...]]:
+        """What the model holds now, as a checkpoint records it: the epochs completed and the
+        batches of the epoch in progress already trained (``(first, count)`` ranges)."""
+        if self._batch >= self._n_batches:
+            return self._epoch + 1, ()
+        done = set(range(self._batch))
+        if self._epoch == self._start_epoch:
+            done |= self._covered
+        return self._epoch, coalesce((b, 1) for b in done)
+
+    @property
+    def epoch_closing(self) -> int | None:
+        """The epoch the last step trained out, if it did."""
+        return self._epoch if self._batch >= self._n_batches else None
+
     def _on_asked(self, _event: Asked) -> tuple[InlineAction, ...]:
         if self.interrupted:
             return (End(),)
+        if self._epoch == self._start_epoch:
+            while self._batch < self._n_batches and self._batch in self._covered:
+                self._batch += 1  # in the checkpoint this run resumed from
         closed: tuple[InlineAction, ...] = ()
         if self._batch >= self._n_batches:
             closed = (self._close(),)

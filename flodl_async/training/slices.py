@@ -74,6 +74,20 @@ class SyncSlices:
         self._left = {r: n for r, (_first, n) in slices.items()}
         self._held = dict.fromkeys(slices, 0)
 
+    def open_ranges(self, ranges: Mapping[int, tuple[part.Range, ...]]) -> None:
+        """A resumed epoch: each rank's share of the batches no consensus holds yet (the rest
+        counts as held by nobody, and is not planned again)."""
+        self._ranges = dict(ranges)
+        self._left = {r: part.range_size(rs) for r, rs in ranges.items()}
+        self._held = dict.fromkeys(ranges, 0)
+
+    def covered_ranges(self) -> tuple[part.Range, ...]:
+        """The batches of the epoch a consensus holds (what a checkpoint's coverage records)."""
+        held: list[part.Range] = []
+        for rank, ranges in self._ranges.items():
+            held.extend(part.split_ranges(ranges, self._held.get(rank, 0))[0])
+        return part.coalesce(held)
+
     def left(self, rank: int) -> int:
         """Batches planned to ``rank`` that it has not reported yet."""
         return self._left.get(rank, 0)

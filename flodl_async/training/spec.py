@@ -210,25 +210,75 @@ def resolve_elche(config: ElCheConfig, policy: Policy) -> ElCheSettings:
     )
 
 
+#: ``Checkpointing(resume_from=LATEST)``: the newest valid bundle under ``save_path`` (the requeue
+#: case: the same command run again), or a fresh start when there is none yet.
+LATEST = "latest"
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Checkpointing:
-    """Where consensus checkpoints go and which to resume (resume itself is a later issue)."""
+    """Where consensus checkpoints go, when they are written, and which one a run resumes from.
+
+    ``save_path`` is a directory holding one subdirectory per bundle. A bundle is written at a
+    reduce boundary every ``every_epochs`` closed epochs, every ``every_rounds`` model rounds or
+    once ``every_seconds`` passed since the last one (whichever comes first), at the natural end,
+    on an orderly stop (``on_shutdown``), on request, and from the last consensus when the run ends
+    on a failure it cannot survive. ``keep_last`` keeps that many bundles (None: all).
+    ``rank_state``: each rank saves its optimizer and RNG state beside the consensus.
+    ``resume_from``: a bundle directory, or :data:`LATEST` (the newest valid one under
+    ``save_path``).
+    """
 
     save_path: str | None = None
     resume_from: str | None = None
     every_epochs: int | None = None
     on_shutdown: bool = True
     rank_state: bool = True
+    every_rounds: int | None = None
+    every_seconds: float | None = None
+    keep_last: int | None = None
 
     def __post_init__(self) -> None:
         _require(
-            self.every_epochs is None or (_int(self.every_epochs) and self.every_epochs >= 1),
-            f"Checkpointing.every_epochs must be an integer >= 1, got {self.every_epochs!r}",
+            self.save_path is None or (isinstance(self.save_path, str) and self.save_path != ""),
+            f"Checkpointing.save_path must be a directory path (a string), got {self.save_path!r}",
         )
         _require(
-            self.every_epochs is None or self.save_path is not None,
-            "Checkpointing.every_epochs needs a save_path (where would the checkpoints go?)",
+            self.resume_from is None
+            or (isinstance(self.resume_from, str) and self.resume_from != ""),
+            "Checkpointing.resume_from must be a bundle directory or 'latest', got "
+            f"{self.resume_from!r}",
         )
+        for knob in ("every_epochs", "every_rounds", "keep_last"):
+            value = getattr(self, knob)
+            _require(
+                value is None or (_int(value) and value >= 1),
+                f"Checkpointing.{knob} must be an integer >= 1, got {value!r}",
+            )
+        _require(
+            self.every_seconds is None or (_finite(self.every_seconds) and self.every_seconds > 0),
+            f"Checkpointing.every_seconds must be a number of seconds > 0, got "
+            f"{self.every_seconds!r}",
+        )
+        for knob in ("on_shutdown", "rank_state"):
+            _require(
+                isinstance(getattr(self, knob), bool),
+                f"Checkpointing.{knob} must be True or False, got {getattr(self, knob)!r}",
+            )
+        for knob in ("every_epochs", "every_rounds", "every_seconds", "keep_last"):
+            _require(
+                getattr(self, knob) is None or self.save_path is not None,
+                f"Checkpointing.{knob} needs a save_path (where would the checkpoints go?)",
+            )
+        _require(
+            self.resume_from != LATEST or self.save_path is not None,
+            "Checkpointing(resume_from='latest') needs a save_path (the directory to look in)",
+        )
+
+    @property
+    def enabled(self) -> bool:
+        """Bundles are written (a ``save_path`` is set)."""
+        return self.save_path is not None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -337,6 +387,14 @@ class TrainerSpec:
         )
         refused = UNSUPPORTED.get((self.policy, self.backend))
         _require(refused is None, f"Trainer: {refused}")
+        ckpt = self.checkpoint
+        _require(
+            self.backend is not Backend.COLLECTIVE
+            or (ckpt.save_path is None and ckpt.resume_from is None),
+            "Trainer: checkpoint=Checkpointing(save_path/resume_from) is not built for the "
+            "COLLECTIVE backend yet (its consensus lives in the ranks); use backend=Backend.CPU to "
+            "checkpoint, or drop checkpoint=",
+        )
         _require(
             self.elche.partition_ratios is None or self.policy is Policy.SYNC,
             "Trainer: elche.partition_ratios is honored on SYNC only; CADENCE/ASYNC size "
@@ -407,6 +465,11 @@ class TrainerSpec:
             lr_schedule=self.lr_schedule,
             max_grad_norm=None if self.max_grad_norm is None else float(self.max_grad_norm),
             name=self.name,
+            every_rounds=self.checkpoint.every_rounds,
+            every_seconds=None
+            if self.checkpoint.every_seconds is None
+            else float(self.checkpoint.every_seconds),
+            keep_last=self.checkpoint.keep_last,
         )
 
     @classmethod
@@ -461,6 +524,9 @@ class TrainerSpec:
                 every_epochs=wire.every_epochs,
                 on_shutdown=wire.on_shutdown,
                 rank_state=wire.rank_state,
+                every_rounds=wire.every_rounds,
+                every_seconds=wire.every_seconds,
+                keep_last=wire.keep_last,
             ),
             max_failure=mf,
             heartbeat_timeout=wire.heartbeat_timeout,

@@ -380,8 +380,7 @@ class OuterSpecWire(Message):
 
     A twin of ``OuterAvg | SlowMo | DiLoCo``, kept because a union of three classes travels as
     one tagged record: a nested value is encoded by position, without its class, so ``kind`` is
-    what tells them apart. The domain classes also validate ``lr`` and ``momentum``.
-    """
+    what tells them apart. The domain classes also validate ``lr`` and ``momentum``."""
 
     kind: str
     lr: float = 0.0
@@ -425,14 +424,11 @@ class ElCheConfigWire(Message):
 @message(kind=0x0413)
 @dataclass(frozen=True, slots=True, kw_only=True)
 class TrainerSpecWire(Message):
-    """Everything the coordinator and reducer need from a rank's Trainer, as plain values.
-
-    A twin of ``TrainerSpec``, kept because the two differ in more than names: the policy and
-    backend enums travel as values, ``Checkpointing`` and ``MaxFailure`` are flattened into fields,
-    and ElChe travels with its defaults resolved (so the run digest compares the settings ranks
-    actually use, not how they were written); ``TrainerSpec`` also checks its cross-field rules
-    when ``TrainerSpec.from_wire`` rebuilds it, which belongs above the wire.
-    """
+    """Everything the coordinator and reducer need from a rank's Trainer, as plain values: a twin
+    of ``TrainerSpec``, since they differ in more than names (enums travel as values,
+    ``Checkpointing`` and ``MaxFailure`` are flattened, ElChe travels resolved so the run digest
+    compares the settings ranks use, not how they were written; ``TrainerSpec.from_wire`` checks
+    the cross-field rules, which belong above the wire)."""
 
     policy: str
     backend: str
@@ -454,6 +450,9 @@ class TrainerSpecWire(Message):
     lr_schedule: bool
     max_grad_norm: float | None
     name: str
+    every_rounds: int | None = None
+    every_seconds: float | None = None
+    keep_last: int | None = None
 
 
 @message(kind=0x0415)
@@ -522,19 +521,19 @@ class TrainerHello(Message):
 @message(kind=0x0405)
 @dataclass(frozen=True, slots=True, kw_only=True)
 class TrainerWelcome(Message):
-    """The spec is accepted: the world's size, the run, and which rank is the primary."""
+    """The spec is accepted: the world's size, the run, the primary; a resumed run's epoch, step and
+    round, and the bundle each rank restores its own state from (``restore_rank_state``)."""
 
     rank: int
     world_size: int
     run_id: str
-    # Retired resume state (resume returns with its own message): fixed placeholders, as
-    # ``primary_rank`` follows them and the schema moves a field only under a new kind.
-    start_epoch: int = field(default=0, init=False, repr=False)
-    global_step: int = field(default=0, init=False, repr=False)
-    sync_round: int = field(default=0, init=False, repr=False)
-    resumed: bool = field(default=False, init=False, repr=False)
-    restore_rank_state: bool = field(default=False, init=False, repr=False)
+    start_epoch: int = 0
+    global_step: int = 0
+    sync_round: int = 0
+    resumed: bool = False
+    restore_rank_state: bool = False
     primary_rank: int = 0
+    resume: str = ""
 
 
 @message(kind=0x0406)
@@ -599,9 +598,9 @@ class RoundPlan(Message):
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Reduce(Message):
     """Contribute to round ``round`` on the data channel (``from_controller``: only await its
-    consensus). ``kind`` is ``init``, ``model``, ``final`` or ``upload``; ``checkpoint`` > 0 asks
-    for the rank state as checkpoint version N after applying; ``reset_inner`` clears the inner
-    optimizer (DiLoCo). ``plan`` is for the relays and the reducer (a relay strips it)."""
+    consensus). ``kind``: ``init``, ``model``, ``final`` or ``upload``; ``checkpoint`` N > 0: after
+    applying, write the rank state into bundle ``checkpoint_name`` and say ``RankStateSaved(N)``;
+    ``reset_inner`` clears the inner optimizer (DiLoCo); ``plan`` is the relays' and reducer's."""
 
     round: int
     kind: str
@@ -610,6 +609,7 @@ class Reduce(Message):
     reset_inner: bool = False
     rank: int = -1
     plan: RoundPlan | None = None
+    checkpoint_name: str = ""
 
 
 @message(kind=0x040A)

@@ -80,6 +80,10 @@ def optimizer(m: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.SGD(m.parameters(), lr=0.05)
 
 
+def momentum(m: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9)
+
+
 def adam(m: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.Adam(m.parameters(), lr=0.01)
 
@@ -160,6 +164,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
         help="the application configures logging itself (logging.basicConfig, an APP prefix)",
     )
     add_stop_flags(p)
+    add_checkpoint_flags(p)
     return p.parse_args(argv)
 
 
@@ -215,7 +220,7 @@ def build(args: argparse.Namespace) -> fa.Trainer:
     )
     return fa.Trainer(
         model=mixed if args.mixed else model,
-        optimizer=adam if args.outer == "diloco" else optimizer,
+        optimizer=adam if args.outer == "diloco" else momentum if args.momentum else optimizer,
         train_step=train_step,
         dataset=dataset(indexed=args.usage),
         batch_size=32,
@@ -226,6 +231,7 @@ def build(args: argparse.Namespace) -> fa.Trainer:
         elche=elche,
         max_failure=args.max_failure,
         cluster=args.cluster,
+        checkpoint=checkpointing(args),
     )
 
 
@@ -249,6 +255,8 @@ def save(
             "interrupted": state.interrupted,
             "losses": losses,
             "shares": shares,
+            "global_step": state.global_step,
+            "checkpoint": state.checkpoint,
         },
         out / f"{entry}-{rank}.pt",
     )
@@ -294,6 +302,7 @@ async def managed(args: argparse.Namespace) -> None:
                 flush=True,
             )
         await maybe_shut_down(args, run, m)
+        await maybe_checkpoint(args, run, m)
     state = await run.join()
     save(args, trainer, state, losses, shares)
     if args.twice and trainer.entry is fa.Entry.RANK:
@@ -345,6 +354,47 @@ def cooperative(args: argparse.Namespace) -> None:
             losses.append(m.avg_loss)
             shares.append([r.batch_share for r in m.per_rank])
     save(args, trainer, state, losses, shares)
+
+
+
+# ----- checkpoints (tests/test_trainer_checkpoint_e2e.py) ------------------------------------------
+
+
+def add_checkpoint_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--save-path", help="Checkpointing(save_path=...)")
+    p.add_argument("--resume-from", help="Checkpointing(resume_from=...)")
+    p.add_argument("--every-epochs", type=int, default=None)
+    p.add_argument("--every-rounds", type=int, default=None)
+    p.add_argument("--keep-last", type=int, default=None)
+    p.add_argument("--momentum", action="store_true", help="SGD with momentum 0.9 (inner state)")
+    p.add_argument(
+        "--checkpoint-rank",
+        type=int,
+        default=None,
+        help="the process with this RANK (-1: the launcher) calls run.checkpoint() ...",
+    )
+    p.add_argument("--checkpoint-epoch", type=int, default=1, help="... after this epoch")
+
+
+def checkpointing(args: argparse.Namespace) -> fa.Checkpointing | None:
+    if args.save_path is None and args.resume_from is None:
+        return None
+    return fa.Checkpointing(
+        save_path=args.save_path,
+        resume_from=args.resume_from,
+        every_epochs=args.every_epochs,
+        every_rounds=args.every_rounds,
+        keep_last=args.keep_last,
+    )
+
+
+async def maybe_checkpoint(
+    args: argparse.Namespace, run: fa.TrainingRun, m: fa.EpochMetrics
+) -> None:
+    rank = int(os.environ.get("RANK", "-1"))
+    if rank == args.checkpoint_rank and m.epoch == args.checkpoint_epoch:
+        print(f"CHECKPOINT rank {rank} after epoch {m.epoch}", flush=True)
+        await run.checkpoint()
 
 
 if __name__ == "__main__":
