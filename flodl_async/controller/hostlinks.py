@@ -16,7 +16,7 @@ import asyncio
 import contextlib
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Protocol
 
 from ..agent import RankOutput
@@ -136,6 +136,15 @@ class HostLinks:
             len(action.links),
         )
 
+    def send_to(self, hosts: Iterable[str], msg: Message) -> None:
+        """``msg`` down each of ``hosts``' join links (a link that just died: its reader reports
+        it)."""
+        for host in hosts:
+            link = self.links.get(host)
+            if link is not None:
+                with contextlib.suppress(ConnectionClosed):
+                    link.send(msg)
+
     def send_all(self, msg: Message) -> None:
         for link in list(self.links.values()):
             with contextlib.suppress(ConnectionClosed):
@@ -157,6 +166,7 @@ class HostLinks:
                 devices=hello.devices,
                 protocol_version=PROTOCOL_VERSION,
                 agent_version=hello.agent_version,
+                launch=hello.launch,
             ),
             reply_link=link,
         )
