@@ -34,7 +34,7 @@ from ..host.console import ConsoleWriter
 from ..host.gpus import host_visible_gpus
 from ..host.hostaddrs import host_addresses
 from ..host.hostnames import HostAliases
-from ..host.ifnames import stand_alone_default_ifname
+from ..host.ifnames import interface_holding, stand_alone_default_ifname
 from ..host.secretfile import read_token_file
 from ..net.loop import run
 from ..net.signals import ForwardedSignals, StopSignals
@@ -78,15 +78,15 @@ def _resolved(host: str) -> str | None:
         return None
 
 
-def controller_bind_host(nodes: EveryNode) -> str:
-    """The endpoint's address when this node holds it (the other nodes dial it, and its ranks'
-    interface is the one holding it), else every interface."""
+def controller_bind_host(nodes: EveryNode) -> tuple[str, str | None]:
+    """Where node 0's controller listens, and its ranks' interface: loopback for a loopback
+    endpoint; else every interface (admission is by token), its ranks on the interface that holds
+    the endpoint's address, which the other nodes reach (None: not found here, gloo's own
+    choice)."""
     address = _resolved(nodes.host)
-    if address is not None and (
-        ipaddress.ip_address(address).is_loopback or address in host_addresses()
-    ):
-        return address
-    return "0.0.0.0"  # a name this node cannot place: admission is by token anyway
+    if address is not None and ipaddress.ip_address(address).is_loopback:
+        return "127.0.0.1", None
+    return "0.0.0.0", interface_holding(address) if address is not None else None
 
 
 def controller_plan(
@@ -103,12 +103,17 @@ def controller_plan(
     devices = node_devices(nodes.nproc, len(host_visible_gpus()))
     ranks = devices.known_count
     assert ranks is not None  # node_devices counts them
-    worker = WorkerSpec(host=node_name(socket.gethostname(), nodes.node_rank), devices=devices)
+    bind_host, ifname = controller_bind_host(nodes)
+    worker = WorkerSpec(
+        host=node_name(socket.gethostname(), nodes.node_rank),
+        devices=devices,
+        nccl_socket_ifname=ifname or None,
+    )
     assert args.token_file is not None  # resolve_nodes requires it
     return LaunchPlan(
         run_id=run_id,
         secret=secret,
-        bind_host=controller_bind_host(nodes),
+        bind_host=bind_host,
         port=nodes.port,
         join=node_join(nodes, ranks, args.command, deadlines.scale),
         workers=(PlacedWorker(spec=worker, placement=Placement.LOCAL),),
