@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import dataclasses
 import logging
 import os
 import signal
@@ -188,22 +189,10 @@ class Controller:
         self._dispatch(Interrupted(signal=signum))
 
     def forward_signal(self, signum: int, *, local_only: bool = False) -> str:
-        """SIGUSR1/SIGUSR2 to the launcher: passed on to every rank of every host (``local_only``:
-        of this machine's hosts, an every-node run's node, whose scheduler signals every node), the
-        run going on; returns what was done, for the log.
-
-        Not to Trainer ranks: theirs is the preemption path (a checkpoint, then an orderly stop),
-        and a signal they do not handle would end them (SIGUSR1's default action)."""
-        name = signal.Signals(signum).name
-        if self._training is not None and self._training.coordinator is not None:
-            return f"{name}: not passed on to Trainer ranks (they would die of it); the run goes on"
-        hosts = [
-            host for host in self._hosts.links if not local_only or host in self.plan.local_hosts
-        ]
-        if not hosts:
-            return f"{name}: no host has joined yet; not passed on"
-        self._hosts.send_to(hosts, m.SignalRanks(signal=signum))
-        return f"{name}: passed on to the ranks of {', '.join(sorted(hosts))}"
+        """SIGUSR1/SIGUSR2 to the launcher, passed on (:meth:`HostLinks.pass_on_signal`)."""
+        training = self._training is not None and self._training.coordinator is not None
+        only = self.plan.local_hosts if local_only else None
+        return self._hosts.pass_on_signal(signum, only=only, trainer=training)
 
     @property
     def training(self) -> TrainingShell | None:
@@ -230,14 +219,11 @@ class Controller:
             supervisor_config(plan, self._deadlines, controller_store=self._store is not None),
             now=self._opened_at,
         )
-        terms = plan.join.node_terms
+        launch = plan.join.node_terms.launch if plan.join.node_terms is not None else ""
         contact = ControllerContact(
-            host="127.0.0.1",
-            port=self.port,
-            secret=plan.secret,
-            deadlines=self._deadlines,
-            launch=terms.launch if terms is not None else "",
+            host="127.0.0.1", port=self.port, secret=plan.secret, deadlines=self._deadlines
         )
+        contact = dataclasses.replace(contact, launch=launch)
         self._launchers = agent_launchers(
             plan, contact, output=self._output, local_reducer=self._in_process_reducer
         )
