@@ -55,7 +55,13 @@ from ..net.signals import ForwardedSignals, StopSignals
 from ..verdict import ExitCode, RunResult
 from ..wire.keys import new_session_secret
 from .launchargs import LaunchArgs, nproc_devices, parse_args, resolve_nproc
-from .nodes import controller_plan, is_controller_node, node_banner, run_agent_node
+from .nodes import (
+    controller_plan,
+    forget_job_token,
+    is_controller_node,
+    node_banner,
+    run_agent_node,
+)
 from .verdictline import verdict_line
 
 log = logging.getLogger("flodl_async.cli.launch")
@@ -505,6 +511,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except FlodlError as exc:
         print(f"flodl-launch: FAILED — {exc}", file=sys.stderr)
         return int(ExitCode.INTERNAL)
+    finally:
+        if nodes is not None and is_controller_node(nodes):
+            forget_job_token(nodes)
     elapsed = time.monotonic() - started
     # The verdict line is printed under -q too: it is what -q keeps.
     line = verdict_line("flodl-launch", result, interrupted=interrupted, elapsed=elapsed)

@@ -18,7 +18,7 @@ from .._version import __version__
 from ..config.addr import DEFAULT_PORT
 from ..config.argtypos import HintingParser, hyphenate
 from ..config.command import launch_command, resolves_python
-from ..config.everynode import EveryNode, NodeFlags, resolve_nodes
+from ..config.everynode import EveryNode, NodeFlags, resolve_nodes, under_slurm
 from ..config.streams import StreamRouting, parse_stream_set
 from ..deadlines import DEFAULT_STOP_GRACE
 from ..errors import ConfigError
@@ -228,21 +228,7 @@ def parse_args(argv: Sequence[str]) -> LaunchArgs:
             "missing the command to run: put it after `--`, e.g. flodl-launch --nproc 2 -- python "
             "train.py"
         )
-    nodes = resolve_nodes(
-        NodeFlags(
-            nnodes=ns.nnodes,
-            node_rank=ns.node_rank,
-            rdzv_endpoint=ns.rdzv_endpoint,
-            rdzv_id=ns.rdzv_id,
-            rdzv_backend=ns.rdzv_backend,
-            master_addr=ns.master_addr,
-            master_port=ns.master_port,
-            nproc=ns.nproc,
-        ),
-        os.environ,
-        token_file=ns.token_file,
-        run_id=ns.run_id,
-    )
+    nodes = _nodes(ns)
     if nodes is not None and ns.cluster is not None:
         raise ConfigError(
             "--nnodes runs the same command on every node; a cluster file names the hosts "
@@ -292,6 +278,40 @@ def parse_args(argv: Sequence[str]) -> LaunchArgs:
         routing=routing,
         nodes=nodes,
     )
+
+
+def _nodes(ns: argparse.Namespace) -> EveryNode | None:
+    """The every-node run the options describe (or, none given, the SLURM step this task is part
+    of); None for any other run."""
+    nodes = resolve_nodes(
+        NodeFlags(
+            nnodes=ns.nnodes,
+            node_rank=ns.node_rank,
+            rdzv_endpoint=ns.rdzv_endpoint,
+            rdzv_id=ns.rdzv_id,
+            rdzv_backend=ns.rdzv_backend,
+            master_addr=ns.master_addr,
+            master_port=ns.master_port,
+            nproc=ns.nproc,
+        ),
+        os.environ,
+        token_file=ns.token_file,
+        run_id=ns.run_id,
+    )
+    step_nodes = os.environ.get("SLURM_STEP_NUM_NODES", "1")
+    several = step_nodes.isdigit() and int(step_nodes) > 1  # --nproc-per-node is then per node
+    if (
+        nodes is None
+        and ns.cluster is None
+        and (ns.nproc is None or several)
+        and under_slurm(os.environ)
+    ):
+        # deferred: off the start path of every run not under SLURM (python-hostlist comes with it)
+        from ..config.slurm import slurm_nodes
+
+        flags = NodeFlags(nnodes=ns.nnodes, nproc=ns.nproc)
+        nodes = slurm_nodes(flags, os.environ, run_id=ns.run_id, token_file=ns.token_file)
+    return nodes
 
 
 def _routing(redirects: str | None, tee: str | None, log_dir: Path | None) -> StreamRouting | None:

@@ -14,15 +14,21 @@ Nothing here imports more than ``flodl-launch`` already does at start.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import ipaddress
 import logging
+import os
 import signal
 import socket
 import sys
+import time
+from pathlib import Path
 
-from ..agent.endings import Ending, SessionOutcome
+from ..agent.endings import Ending, SessionOutcome, stopped_by
 from ..agent.failures import exit_code_for_error, failure_line, session_failure
 from ..agent.join import SessionConfig
+from ..agent.lifecycle import Phase, SessionEvent
 from ..agent.output import RankOutput
 from ..agent.session import HostSession
 from ..config.cluster import WorkerSpec
@@ -30,12 +36,13 @@ from ..config.devices import DeviceSpec
 from ..config.everynode import EveryNode, launch_digest, node_join, node_name
 from ..config.plan import LaunchPlan, PlacedWorker, Placement
 from ..deadlines import Deadlines
+from ..errors import AgentError, ConfigError, JoinRejected, SecretFileError
 from ..host.console import ConsoleWriter
 from ..host.gpus import host_visible_gpus
 from ..host.hostaddrs import host_addresses
 from ..host.hostnames import HostAliases
 from ..host.ifnames import interface_holding, stand_alone_default_ifname
-from ..host.secretfile import read_token_file
+from ..host.secretfile import create_token_file, read_token_file
 from ..net.loop import run
 from ..net.signals import ForwardedSignals, StopSignals
 from ..verdict import ExitCode, exit_code_for_signal
@@ -109,12 +116,11 @@ def controller_plan(
         devices=devices,
         nccl_socket_ifname=ifname or None,
     )
-    assert args.token_file is not None  # resolve_nodes requires it
     return LaunchPlan(
         run_id=run_id,
         secret=secret,
         bind_host=bind_host,
-        port=nodes.port,
+        port=first_free_port(bind_host, nodes),
         join=node_join(nodes, ranks, args.command, deadlines.scale),
         workers=(PlacedWorker(spec=worker, placement=Placement.LOCAL),),
         command=args.command,
@@ -123,7 +129,7 @@ def controller_plan(
         log_dir=args.log_dir,
         deadlines=deadlines,
         host_aliases=aliases,
-        token=read_token_file(args.token_file),
+        token=node_token(args, nodes, controller=True),
         hang_timeout=args.hang_timeout,
     )
 
@@ -138,21 +144,73 @@ def node_banner(plan: LaunchPlan, nodes: EveryNode, port: int) -> str:
     )
 
 
-def agent_config(args: LaunchArgs, nodes: EveryNode) -> SessionConfig:
+def agent_config(args: LaunchArgs, nodes: EveryNode, token: bytes) -> SessionConfig:
     """A non-controller node's agent: it dials node 0 with the cluster token."""
-    assert args.token_file is not None  # resolve_nodes requires it
     deadlines = Deadlines.resolve(stop_grace=args.stop_grace)
     return SessionConfig(
         controller_host=nodes.host,
         controller_port=nodes.port,
         secret=b"",
-        token=read_token_file(args.token_file),
+        token=token,
         host=node_name(socket.gethostname(), nodes.node_rank),
         devices=node_devices(nodes.nproc, len(host_visible_gpus())),
         deadlines=deadlines,
-        connect_timeout=NODE_CONNECT_TIMEOUT * deadlines.scale,
+        # with one port, the joiner waits for node 0 itself; with several, join_some_port does
+        connect_timeout=NODE_CONNECT_TIMEOUT * deadlines.scale if nodes.ports == 1 else 0.0,
         default_ifname=stand_alone_default_ifname(nodes.host),
         launch=launch_digest(args.command),
+    )
+
+
+def node_token(args: LaunchArgs, nodes: EveryNode, *, controller: bool) -> bytes:
+    """The run's cluster token: ``--token-file``'s, else the job's own secret file (SLURM), which
+    node 0 makes (0600; a requeued job's is used again) and the other nodes wait for."""
+    if args.token_file is not None:
+        return read_token_file(args.token_file)
+    assert nodes.job_token is not None  # resolve_nodes requires --token-file otherwise
+    path = Path(nodes.job_token)
+    if controller:
+        with contextlib.suppress(SecretFileError):  # already there: this job's, made before
+            create_token_file(path)
+        return read_token_file(path)
+    # Shared storage has no event to wait on (inotify does not see another node's write): look
+    # again, more slowly each time.
+    deadline = time.monotonic() + NODE_CONNECT_TIMEOUT
+    pause = 0.05
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise ConfigError(
+                f"node 0 did not write the job's token {path} within {NODE_CONNECT_TIMEOUT:g}s "
+                "(is $SLURM_SUBMIT_DIR on storage every node sees? else give --token-file)"
+            )
+        time.sleep(pause)
+        pause = min(pause * 2, 1.0)
+    return read_token_file(path)
+
+
+def forget_job_token(nodes: EveryNode) -> None:
+    """Node 0, once the run is over: the job's secret file goes (the nodes joined with it)."""
+    if nodes.job_token is not None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(nodes.job_token)
+
+
+def first_free_port(bind_host: str, nodes: EveryNode) -> int:
+    """The first of the run's ports that no listener holds here (SLURM: P .. P+7, another job's
+    run may hold P); with one port, that port (taken: the launcher's strict port error)."""
+    if nodes.ports == 1:
+        return nodes.port
+    for port in range(nodes.port, nodes.port + nodes.ports):
+        with socket.socket() as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind((bind_host, port))
+            except OSError:
+                continue
+            return port
+    raise ConfigError(
+        f"ports {nodes.port}-{nodes.port + nodes.ports - 1}, derived from the job id, are all "
+        "taken on this node: give --rdzv-endpoint HOST:PORT and --token-file on every node"
     )
 
 
@@ -168,9 +226,66 @@ def node_exit_code(outcome: SessionOutcome) -> ExitCode | int:
     return ExitCode.RANK_FAILURE
 
 
+class NodeAgent:
+    """A non-controller node's sessions: one, or (several ports) one per port tried, in order,
+    until one is admitted; signals reach the current one."""
+
+    def __init__(self, config: SessionConfig, nodes: EveryNode, console: RankOutput) -> None:
+        self._config = config
+        self._nodes = nodes
+        self._console = console
+        self._session: HostSession | None = None
+        self._stop: signal.Signals | None = None
+        self._stopped = asyncio.Event()
+        self._admitted = False
+
+    def request_stop(self, sig: signal.Signals) -> None:
+        self._stop = self._stop or sig
+        self._stopped.set()
+        if self._session is not None:
+            self._session.request_stop(sig)
+
+    def force_stop(self) -> None:
+        if self._session is not None:
+            self._session.force_stop()
+
+    def signal_ranks(self, sig: int) -> tuple[int, ...]:
+        return self._session.signal_ranks(sig) if self._session is not None else ()
+
+    def _observe(self, event: SessionEvent) -> None:
+        self._admitted = self._admitted or event.phase is Phase.ADMITTED
+
+    async def run(self) -> SessionOutcome:
+        nodes = self._nodes
+        if nodes.ports == 1:
+            return await self._session_on(nodes.port)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + NODE_CONNECT_TIMEOUT * self._config.deadlines.scale
+        pause = 0.1
+        while True:
+            for port in range(nodes.port, nodes.port + nodes.ports):
+                try:
+                    return await self._session_on(port)
+                except AgentError as exc:
+                    # admitted, or refused by our own controller: that is the answer
+                    if self._admitted or isinstance(exc, JoinRejected) or loop.time() > deadline:
+                        raise
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(pause):
+                    await self._stopped.wait()
+            pause = min(pause * 2, 2.0)
+
+    async def _session_on(self, port: int) -> SessionOutcome:
+        if self._stop is not None:
+            return stopped_by(self._stop, when="while waiting for the controller")
+        config = dataclasses.replace(self._config, controller_port=port)
+        self._session = HostSession(config, console=self._console, observer=self._observe)
+        return await self._session.run()
+
+
 def run_agent_node(args: LaunchArgs, nodes: EveryNode) -> int:
     """Serve the run as a node that dials node 0; returns the exit code to leave with."""
-    config = agent_config(args, nodes)
+    config = agent_config(args, nodes, node_token(args, nodes, controller=False))
     log.info(
         "%s: %s joins %s's run at %s",
         config.host,
@@ -188,20 +303,20 @@ def run_agent_node(args: LaunchArgs, nodes: EveryNode) -> int:
         show_ranks=args.ranks_filter,
         routing=args.routing,
     )
-    session = HostSession(config, console=console)
+    agent = NodeAgent(config, nodes, console)
 
     async def serve() -> SessionOutcome:
         def graceful(sig: signal.Signals) -> None:
             log.info("%s: stopping this node's ranks (a second signal kills them)", sig.name)
-            session.request_stop(sig)
+            agent.request_stop(sig)
 
         def forward(sig: signal.Signals) -> None:
-            reached = session.signal_ranks(sig)
+            reached = agent.signal_ranks(sig)
             log.info("%s: passed on to this node's ranks %s", sig.name, list(reached))
 
         try:
-            with StopSignals(graceful, lambda sig: session.force_stop()), ForwardedSignals(forward):
-                return await session.run()
+            with StopSignals(graceful, lambda sig: agent.force_stop()), ForwardedSignals(forward):
+                return await agent.run()
         finally:
             # every byte still queued is written out (off the loop) before the exit code
             for writer in consoles:

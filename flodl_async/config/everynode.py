@@ -74,6 +74,10 @@ class EveryNode:
     run_id: str | None
     #: What the launcher says once at start (an option accepted and not used, and why).
     notes: tuple[str, ...] = ()
+    #: Ports from ``port`` on that node 0 may hold (SLURM's derived P .. P+7; 1: ``port`` only).
+    ports: int = 1
+    #: A per-job token file node 0 makes and the others wait for (SLURM without --token-file).
+    job_token: str | None = None
 
     @property
     def endpoint(self) -> str:
@@ -209,6 +213,11 @@ def _node_rank(raw: str | None, nmax: int) -> int | None:
             f"{raw!r})"
         )
     return int(raw)
+
+
+def under_slurm(env: Mapping[str, str]) -> bool:
+    """This process runs inside a SLURM job (a batch script, or an srun task)."""
+    return bool(env.get("SLURM_JOB_ID"))
 
 
 def launch_digest(command: Sequence[str]) -> str:
