@@ -80,17 +80,17 @@ def _finish(
     return done
 
 
-def test_same_hostname_nodes_form_one_world_print_once_and_share_the_verdict(
-    tmp_path: Path,
-) -> None:
-    token = _token(tmp_path)
+def _two_nodes(
+    tmp_path: Path, run_id: str, node1_env: dict[str, str] | None = None
+) -> list[tuple[int, str, str]]:
+    token = tmp_path / "token"
+    if not token.exists():
+        _token(tmp_path)
     endpoint = f"127.0.0.1:{free_port()}"
-    run_id = new_run_id()
     command = [PY, "-c", _ENV_PRINT]
     # node 1 starts first: it waits for node 0's controller
     one = _start(
-        _node_argv(1, "2", endpoint, token, command, "--nproc-per-node", "2"),
-        env={"EXIT_RANK_3": "5"},
+        _node_argv(1, "2", endpoint, token, command, "--nproc-per-node", "2"), env=node1_env
     )
     zero = _start(
         _node_argv(
@@ -107,27 +107,36 @@ def test_same_hostname_nodes_form_one_world_print_once_and_share_the_verdict(
             str(tmp_path / "logs"),
         )
     )
-    (rc0, out0, err0), (rc1, out1, err1) = _finish([zero, one])
+    results = _finish([zero, one])
     assert_nothing_left(run_id)
+    return results
+
+
+def test_same_hostname_nodes_form_one_world_and_print_each_line_once(tmp_path: Path) -> None:
+    run_id = new_run_id()
+    (rc0, out0, err0), (rc1, out1, err1) = _two_nodes(tmp_path, run_id)
+    assert (rc0, rc1) == (0, 0), (err0, err1)
+    assert "done — all 4 ranks exited 0" in err0  # the verdict: on node 0
+    assert "done" not in err1
+    # each node prints its own ranks' lines, once; one hostname, two names in the run
+    lines0, lines1 = RANK_LINE.findall(out0), RANK_LINE.findall(out1)
+    assert sorted(int(r) for _h, r in lines0) == [0, 1], out0
+    assert sorted(int(r) for _h, r in lines1) == [2, 3], out1
+    assert {h for h, _r in lines0} != {h for h, _r in lines1}
+    assert "world 4" in out1
+    assert f"run {run_id}" in out1  # --rdzv-id is the run id (TORCHELASTIC_RUN_ID), on every node
+    # node 0 still logs every rank (--log-dir), the remote ones included
+    logged = tmp_path / "logs" / run_id / "attempt_0" / "3" / "stdout.log"
+    assert "rank 3 of world 4" in logged.read_text()
+
+
+def test_every_node_exits_with_the_verdicts_code(tmp_path: Path) -> None:
+    run_id = new_run_id()
+    (rc0, _out0, err0), (rc1, _out1, err1) = _two_nodes(tmp_path, run_id, {"EXIT_RANK_3": "5"})
     # rank 3 (on node 1) exited 5: the verdict is node 0's, and both nodes exit with its code
     assert (rc0, rc1) == (4, 4), (err0, err1)
     assert "rank 3 (local rank 1) on host" in err0
     assert "exited with code 5" in err0
-    # each node prints its own ranks' lines, once; one hostname, two names in the run
-    hosts0 = {(h, int(r)) for h, r in RANK_LINE.findall(out0)}
-    hosts1 = {(h, int(r)) for h, r in RANK_LINE.findall(out1)}
-    assert {r for _h, r in hosts0} == {0, 1}
-    assert {r for _h, r in hosts1} == {2, 3}
-    assert {h for h, _r in hosts0} != {h for h, _r in hosts1}
-    assert len(RANK_LINE.findall(out0)) == 2
-    assert len(RANK_LINE.findall(out1)) == 2
-    assert "world 4" in out1
-    assert f"run {run_id}" in out1  # --rdzv-id is the run id (TORCHELASTIC_RUN_ID), on every node
-    # node 0 still logs every rank (--log-dir), the remote ones included
-    assert (
-        "rank 3 of world 4"
-        in (tmp_path / "logs" / run_id / "attempt_0" / "3" / "stdout.log").read_text()
-    )
 
 
 def test_a_node_started_with_another_command_is_refused_by_name(tmp_path: Path) -> None:
@@ -213,12 +222,13 @@ def test_each_node_passes_its_own_signals_to_its_own_ranks(tmp_path: Path) -> No
         for proc in (zero, one):
             assert proc.stdout is not None
             assert "ready" in proc.stdout.readline()
-        zero.send_signal(signal.SIGUSR1)
-        assert zero.stdout is not None
-        assert "got SIGUSR1" in zero.stdout.readline()
-        assert record.read_text() == "0 SIGUSR1\n"  # node 0's rank only
         for proc in (zero, one):
             proc.send_signal(signal.SIGUSR1)
+            assert proc.stdout is not None
+            assert "got SIGUSR1" in proc.stdout.readline()
+            if proc is zero:
+                assert record.read_text() == "0 SIGUSR1\n"  # node 0's rank only
+        for proc in (zero, one):
             proc.send_signal(signal.SIGUSR2)
         results = _finish([zero, one])
     finally:
@@ -228,7 +238,12 @@ def test_each_node_passes_its_own_signals_to_its_own_ranks(tmp_path: Path) -> No
                 proc.communicate()
     assert_nothing_left(run_id)
     assert [rc for rc, _o, _e in results] == [0, 0], [e for _r, _o, e in results]
-    assert sorted(record.read_text().splitlines()).count("1 SIGUSR1") == 1
+    assert sorted(record.read_text().splitlines()) == [
+        "0 SIGUSR1",
+        "0 SIGUSR2",
+        "1 SIGUSR1",
+        "1 SIGUSR2",
+    ]
 
 
 _ENV_PRINT = (
