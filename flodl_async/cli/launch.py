@@ -56,6 +56,7 @@ from ..verdict import ExitCode, RunResult
 from ..wire.keys import new_session_secret
 from .launchargs import LaunchArgs, nproc_devices, parse_args, resolve_nproc
 from .nodes import (
+    already_delivered,
     controller_plan,
     forget_job_token,
     is_controller_node,
@@ -440,7 +441,7 @@ async def _run(
         interrupt = _interrupter(controller)
         # SIGUSR1/SIGUSR2 go on to the ranks; an every-node run's scheduler signals every node's
         # launcher, so each passes them to its own node's ranks only.
-        forward = _forwarder(controller, local_only=nodes is not None)
+        forward = _forwarder(controller, nodes)
         with StopSignals(interrupt, interrupt), ForwardedSignals(forward):
             result = await controller.run()
         trained = controller.training.result() if controller.training is not None else None
@@ -468,11 +469,14 @@ def _interrupter(controller: Controller) -> Callable[[signal.Signals], None]:
     return interrupt
 
 
-def _forwarder(controller: Controller, *, local_only: bool) -> Callable[[signal.Signals], None]:
+def _forwarder(controller: Controller, nodes: EveryNode | None) -> Callable[[signal.Signals], None]:
     """``controller.forward_signal`` as SIGUSR1/SIGUSR2 call it, said in the log."""
 
     def forward(sig: signal.Signals) -> None:
-        log.info("%s", controller.forward_signal(int(sig), local_only=local_only))
+        if nodes is not None and nodes.signals_reach_ranks:
+            log.info("%s", already_delivered(sig))
+            return
+        log.info("%s", controller.forward_signal(int(sig), local_only=nodes is not None))
 
     return forward
 

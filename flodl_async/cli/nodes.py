@@ -214,6 +214,14 @@ def first_free_port(bind_host: str, nodes: EveryNode) -> int:
     )
 
 
+def already_delivered(sig: signal.Signals) -> str:
+    """What a node under SLURM says of a SIGUSR1/SIGUSR2 it does not pass on."""
+    return (
+        f"{sig.name}: SLURM delivers it to every process of the step, this node's ranks "
+        "included; not passed on a second time"
+    )
+
+
 def node_exit_code(outcome: SessionOutcome) -> ExitCode | int:
     """The run's verdict as this node exits with it: the controller's (its ``Abort`` carries it),
     else this node's own ending."""
@@ -311,6 +319,9 @@ def run_agent_node(args: LaunchArgs, nodes: EveryNode) -> int:
             agent.request_stop(sig)
 
         def forward(sig: signal.Signals) -> None:
+            if nodes.signals_reach_ranks:
+                log.info("%s", already_delivered(sig))
+                return
             reached = agent.signal_ranks(sig)
             log.info("%s: passed on to this node's ranks %s", sig.name, list(reached))
 

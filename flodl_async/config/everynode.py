@@ -78,6 +78,9 @@ class EveryNode:
     ports: int = 1
     #: A per-job token file node 0 makes and the others wait for (SLURM without --token-file).
     job_token: str | None = None
+    #: The scheduler signals every process of the step, the ranks included (SLURM's ``scancel
+    #: --signal``, ``--signal=USR1@60``): SIGUSR1/SIGUSR2 are then not passed on a second time.
+    signals_reach_ranks: bool = False
 
     @property
     def endpoint(self) -> str:

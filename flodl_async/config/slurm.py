@@ -14,6 +14,9 @@ Admission with no options: the token of a per-job secret file that node 0 makes 
 ``$SLURM_SUBMIT_DIR``, storage every node of a job sees as a rule, and the others wait for
 (:func:`job_token_path`; ``--token-file`` overrides it).
 
+SIGUSR1/SIGUSR2 are not passed on to the ranks here: SLURM signals every process of the step
+(``scancel --signal``, ``--signal=USR1@60``), the ranks among them, which would get each twice.
+
 The launcher imports this module only when ``SLURM_JOB_ID`` is set, and python-hostlist only
 from here.
 """
@@ -94,5 +97,6 @@ def slurm_nodes(
         nproc=flags.nproc,
         run_id=run_id or f"slurm-{job}.{step}",
         ports=PORT_SPAN,
+        signals_reach_ranks=True,
         job_token=None if token_file is not None else str(job_token_path(env)),
     )
