@@ -23,9 +23,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import pytest
-
-from .hostkit import under_ci
+from .hostkit import skip_or_fail
 
 NODES = ("sln1", "sln2", "sln3")
 DAEMONS = ("/usr/sbin/slurmctld", "/usr/sbin/slurmd", "/usr/sbin/munged")
@@ -69,6 +67,11 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscrib
 """
 
 
+#: A daemon's namespace: the kit's hosts file over /etc/hosts, its own hostname ($0), then the
+#: daemon ($@).
+_BIND_HOSTS = 'mount --bind {work}/hosts /etc/hosts && hostname "$0" && exec "$@"'
+
+
 def missing_requirements() -> str | None:
     """Why a SLURM kit cannot be made here, or None."""
     if os.geteuid() != 0:
@@ -85,12 +88,7 @@ def missing_requirements() -> str | None:
 
 def require_slurm() -> None:
     """Skip without SLURM here; under CI, fail (.ci/run installs it)."""
-    why = missing_requirements()
-    if why is None:
-        return
-    if under_ci():
-        pytest.fail(f"CI is set, so the SLURM tests must run, but {why}", pytrace=False)
-    pytest.skip(why)
+    skip_or_fail(missing_requirements(), "SLURM")
 
 
 def _run(*argv: str, check: bool = True, env: dict[str, str] | None = None) -> str:
@@ -162,47 +160,19 @@ class SlurmKit:
             f"--seed-file={work}/munge/munged.seed",
         )
         conf = str(work / "slurm.conf")
-        bind = f'mount --bind {work}/hosts /etc/hosts && hostname "$0" && exec "$@"'
-        self._spawn(
-            "slurmctld",
-            [
-                "setsid",
-                "unshare",
-                "--uts",
-                "--mount",
-                "sh",
-                "-c",
-                bind,
-                "ctl",
-                "/usr/sbin/slurmctld",
-                "-D",
-                "-i",
-                "-f",
-                conf,
-            ],
-        )
-        for n in NODES:
-            self._spawn(
+        # each daemon in its own UTS and mount namespace: its hostname, the kit's hosts file
+        inside = ("unshare", "--uts", "--mount", "sh", "-c", _BIND_HOSTS.format(work=work))
+        daemons = [("slurmctld", (), ("ctl", "/usr/sbin/slurmctld", "-D", "-i"))]
+        daemons += [
+            (
                 f"slurmd-{n}",
-                [
-                    "setsid",
-                    "nsenter",
-                    f"--net=/run/netns/{n}",
-                    "unshare",
-                    "--uts",
-                    "--mount",
-                    "sh",
-                    "-c",
-                    bind,
-                    n,
-                    "/usr/sbin/slurmd",
-                    "-D",
-                    "-N",
-                    n,
-                    "-f",
-                    conf,
-                ],
+                ("nsenter", f"--net=/run/netns/{n}"),
+                (n, "/usr/sbin/slurmd", "-D", "-N", n),
             )
+            for n in NODES
+        ]
+        for name, netns, argv in daemons:
+            self._spawn(name, ["setsid", *netns, *inside, *argv, "-f", conf])
         deadline = time.monotonic() + 30
         while True:  # no event to wait on: slurmctld's view of the nodes
             states = _run("sinfo", "-h", "-N", "-o", "%t", check=False, env=self.env).split()

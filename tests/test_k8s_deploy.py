@@ -18,6 +18,7 @@ import yaml
 
 from .hostkit import HostKit
 from .launchkit import PY, assert_nothing_left
+from .test_everynode_e2e import _finish
 
 REPO = Path(__file__).resolve().parent.parent
 K8S = REPO / "deploy" / "k8s"
@@ -99,37 +100,14 @@ def test_the_pods_commands_form_a_world_on_namespace_hosts(
             "JOB_COMPLETION_INDEX": str(index),
             "PET_RDZV_ID": run_id,  # so this test can prove nothing of the run is left
         }
-        argv = [
-            "ip",
-            "netns",
-            "exec",
-            host.ns,
-            "unshare",
-            "--uts",
-            "--mount",
-            "sh",
-            "-c",
-            'mount --bind "$1" /etc/hosts && hostname "$2" && shift 2 && exec "$@"',
-            "sh",
-            str(hosts),
-            f"{name}-{index}",
-            *command,
-        ]
+        argv = hostkit.inside_argv(host, *command, hostname=f"{name}-{index}", hosts_file=hosts)
         procs.append(
             subprocess.Popen(
                 argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=pod_env
             )
         )
-    results = []
-    try:
-        for proc in reversed(procs):
-            out, err = proc.communicate(timeout=90)
-            results.insert(0, (proc.returncode, out, err))
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.communicate()
+    # the other pods first: pod 0's verdict comes last
+    results = list(reversed(_finish(list(reversed(procs)))))
     assert_nothing_left(run_id)
     assert [rc for rc, _o, _e in results] == [0] * pods, [e for _r, _o, e in results]
     for index, (_rc, out, _err) in enumerate(results):

@@ -50,6 +50,19 @@ def _job_ids(slurm: SlurmKit) -> list[str]:
     return out.stdout.split()
 
 
+def _sbatch(slurm: SlurmKit, cwd: Path, *args: str) -> str:
+    """Submit a 3-node job from ``cwd``; its id."""
+    submitted = subprocess.run(
+        ["sbatch", "--parsable", "-N3", *args],
+        capture_output=True,
+        text=True,
+        env=_env(slurm),
+        cwd=cwd,
+        check=True,
+    )
+    return submitted.stdout.strip().split(";")[0]
+
+
 def _wait_job_gone(slurm: SlurmKit, job: str, within: float = 60) -> str:
     """The job's final state (no event to wait on: slurmctld is asked)."""
     deadline = time.monotonic() + within
@@ -101,25 +114,8 @@ def test_srun_with_no_options_forms_the_world_across_the_nodes(
 
 def test_a_stranger_on_the_jobs_first_port_is_passed_by(slurm: SlurmKit, tmp_path: Path) -> None:
     (tmp_path / "train.py").write_text(ENV_PRINT.replace("; print", "\nprint"))
-    submitted = subprocess.run(
-        [
-            "sbatch",
-            "--parsable",
-            "--hold",
-            "-N3",
-            "--ntasks-per-node=1",
-            "-o",
-            "out.txt",
-            "--wrap",
-            "srun " + " ".join(_launch("--", "python", "train.py")),
-        ],
-        capture_output=True,
-        text=True,
-        env=_env(slurm),
-        cwd=tmp_path,
-        check=True,
-    )
-    job = submitted.stdout.strip().split(";")[0]
+    wrap = "srun " + " ".join(_launch("--", "python", "train.py"))
+    job = _sbatch(slurm, tmp_path, "--hold", "--ntasks-per-node=1", "-o", "out.txt", "--wrap", wrap)
     port = job_port(int(job))
     # something else holds P on node 0 and closes every connection: our nodes try P+1
     stranger = subprocess.Popen(
@@ -144,15 +140,7 @@ def test_a_stranger_on_the_jobs_first_port_is_passed_by(slurm: SlurmKit, tmp_pat
 def test_the_sbatch_template_runs(slurm: SlurmKit, tmp_path: Path) -> None:
     shutil.copy(REPO / "deploy" / "slurm" / "train.sbatch", tmp_path)
     (tmp_path / "train.py").write_text(ENV_PRINT.replace("; print", "\nprint"))
-    submitted = subprocess.run(
-        ["sbatch", "--parsable", "-N3", "train.sbatch"],
-        capture_output=True,
-        text=True,
-        env=_env(slurm),
-        cwd=tmp_path,
-        check=True,
-    )
-    job = submitted.stdout.strip().split(";")[0]
+    job = _sbatch(slurm, tmp_path, "train.sbatch")
     final = _wait_job_gone(slurm, job)
     out = (tmp_path / f"flodl-train-{job}.out").read_text()
     assert "JobState=COMPLETED" in final, out
