@@ -33,7 +33,7 @@ from ..agent.output import RankOutput
 from ..agent.session import HostSession
 from ..config.cluster import WorkerSpec
 from ..config.devices import DeviceSpec
-from ..config.everynode import EveryNode, launch_digest, node_join, node_name
+from ..config.everynode import NODE_DIALS, EveryNode, launch_digest, node_join, node_name
 from ..config.plan import LaunchPlan, PlacedWorker, Placement
 from ..deadlines import Deadlines
 from ..errors import AgentError, ConfigError, JoinRejected, SecretFileError
@@ -157,6 +157,7 @@ def agent_config(args: LaunchArgs, nodes: EveryNode, token: bytes) -> SessionCon
         deadlines=deadlines,
         # with one port, the joiner waits for node 0 itself; with several, join_some_port does
         connect_timeout=NODE_CONNECT_TIMEOUT * deadlines.scale if nodes.ports == 1 else 0.0,
+        connect_backoff=NODE_DIALS,
         default_ifname=stand_alone_default_ifname(nodes.host),
         launch=launch_digest(args.command),
     )
@@ -269,7 +270,7 @@ class NodeAgent:
             return await self._session_on(nodes.port)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + NODE_CONNECT_TIMEOUT * self._config.deadlines.scale
-        pause = 0.1
+        pause = NODE_DIALS.initial
         while True:
             for port in range(nodes.port, nodes.port + nodes.ports):
                 try:
@@ -281,7 +282,7 @@ class NodeAgent:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(pause):
                     await self._stopped.wait()
-            pause = min(pause * 2, 2.0)
+            pause = min(pause * NODE_DIALS.factor, NODE_DIALS.cap)
 
     async def _session_on(self, port: int) -> SessionOutcome:
         if self._stop is not None:

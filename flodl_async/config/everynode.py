@@ -23,6 +23,7 @@ import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from ..control.backoff import BackoffPolicy
 from ..control.membership import JoinConfig, NodeTerms
 from ..errors import ConfigError
 from .addr import parse_addr
@@ -32,6 +33,10 @@ from .cluster import JoinKnobs
 RDZV_DEFAULT_PORT = 29400
 #: torchrun's default ``--master-port``.
 MASTER_DEFAULT_PORT = 29500
+
+#: How a node dials node 0 while it is not up yet: the nodes of one job start within a second or
+#: so of each other, and a refused dial costs nothing, so the pauses stay short.
+NODE_DIALS = BackoffPolicy(initial=0.05, cap=0.5)
 
 #: torchrun reads every option from ``PET_<OPTION>`` (Kubeflow Trainer v2 sets these).
 PET_VARIABLES = (
