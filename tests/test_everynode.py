@@ -109,6 +109,7 @@ def test_rdzv_backend_is_accepted_with_a_note() -> None:
         (NodeFlags(nnodes="4:2", rdzv_endpoint="n0:1"), TOKEN, "1 <= MIN <= MAX"),
         (NodeFlags(nnodes="two", rdzv_endpoint="n0:1"), TOKEN, "a node count or MIN:MAX"),
         (NodeFlags(nnodes="2", rdzv_endpoint="n0:1", rdzv_id="a"), TOKEN, "name the run twice"),
+        (NodeFlags(nnodes="2", rdzv_endpoint="n0:1", nproc="two"), TOKEN, "got 'two'"),
     ],
 )
 def test_mistakes_say_what_to_add(flags: NodeFlags, token: str | None, says: str) -> None:

@@ -194,13 +194,21 @@ def resolve_nodes(
             f"--rdzv-backend {flags.rdzv_backend}: ignored; nodes meet at the controller on node "
             "0 (authenticated by the cluster token)",
         )
+    nproc = flags.nproc if flags.nproc is not None else env.get("PET_NPROC_PER_NODE") or None
+    if nproc is not None and not (
+        nproc.strip() in ("auto", "gpu", "cpu") or (nproc.strip().isdigit() and int(nproc) >= 1)
+    ):
+        raise ConfigError(
+            f"--nproc-per-node (or PET_NPROC_PER_NODE) must be a number of at least 1, or auto, "
+            f"gpu or cpu (got {nproc!r})"
+        )
     return EveryNode(
         nnodes_min=nmin,
         nnodes_max=nmax,
         node_rank=rank,
         host=host,
         port=port,
-        nproc=flags.nproc if flags.nproc is not None else env.get("PET_NPROC_PER_NODE") or None,
+        nproc=nproc,
         run_id=rdzv_id or run_id,
         notes=notes,
     )
