@@ -18,6 +18,7 @@ from hypothesis import settings
 from flodl_async.wire import new_session_secret
 
 from .hostkit import HostKit, require_namespace_hosts, under_ci
+from .slurmkit import SlurmKit, require_slurm
 from .wirekit import LinkPair, handshake_keys
 
 # Under CI, Hypothesis draws the same examples on every run: a red CI is then a failure anyone
@@ -71,6 +72,26 @@ def hostkit(hostkit_session: HostKit) -> Iterator[HostKit]:
     left = hostkit_session.leftovers()
     hostkit_session.kill_leftovers()
     assert left == {}, f"processes left on namespace hosts after the test: {left}"
+
+
+@pytest.fixture(scope="session")
+def slurm_session() -> Iterator[SlurmKit]:
+    """A real SLURM (slurmctld, three slurmd on namespace nodes, munge) for the whole session (see
+    :mod:`tests.slurmkit`)."""
+    require_slurm()  # skips with the reason, or fails under CI
+    kit = SlurmKit.create()
+    try:
+        yield kit
+    finally:
+        kit.close()
+
+
+@pytest.fixture
+def slurm(slurm_session: SlurmKit) -> Iterator[SlurmKit]:
+    """The session's SLURM; after the test, nothing may be left on any of its nodes."""
+    yield slurm_session
+    left = slurm_session.leftovers()
+    assert left == {}, f"processes left on SLURM nodes after the test: {left}"
 
 
 @pytest.fixture(scope="session", autouse=True)

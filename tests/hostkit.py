@@ -58,11 +58,16 @@ def require_namespace_hosts() -> None:
     lacks a tool `.ci/run` should have installed, and a skip there would pass every
     multi-host test without running one.
     """
-    why = missing_requirements()
+    skip_or_fail(missing_requirements(), "namespace-host")
+
+
+def skip_or_fail(why: str | None, tests: str) -> None:
+    """Nothing when ``why`` is None; else skip the calling test with it, or under CI fail it (its
+    ``tests`` tests must run there)."""
     if why is None:
         return
     if under_ci():
-        pytest.fail(f"CI is set, so the namespace-host tests must run, but {why}", pytrace=False)
+        pytest.fail(f"CI is set, so the {tests} tests must run, but {why}", pytrace=False)
     pytest.skip(why)
 
 
@@ -302,8 +307,20 @@ class HostKit:
             *command,
         ]
 
-    def inside_argv(self, host: NsHost, *command: str) -> list[str]:
-        """A command line that runs ``command`` on ``host`` as its own login would: its namespace, its hostname."""
+    def inside_argv(
+        self,
+        host: NsHost,
+        *command: str,
+        hostname: str | None = None,
+        hosts_file: Path | None = None,
+    ) -> list[str]:
+        """A command line that runs ``command`` on ``host`` as its own login would: its namespace, its hostname.
+
+        ``hostname``: another than the host's name (a pod's); ``hosts_file``: bind-mounted over
+        /etc/hosts in a private mount namespace, so names resolve there as a cluster's DNS would.
+        """
+        mount = ("--mount",) if hosts_file is not None else ()
+        bind = f'mount --bind "{hosts_file}" /etc/hosts && ' if hosts_file is not None else ""
         return [
             "ip",
             "netns",
@@ -311,11 +328,12 @@ class HostKit:
             host.ns,
             "unshare",
             "--uts",
+            *mount,
             "sh",
             "-c",
-            'hostname "$1" && shift && exec "$@"',
+            bind + 'hostname "$1" && shift && exec "$@"',
             "sh",
-            host.name,
+            hostname or host.name,
             *command,
         ]
 

@@ -16,6 +16,7 @@ from flodl_async.control.membership import (
     Formed,
     JoinConfig,
     JoinWindow,
+    NodeTerms,
     Rejected,
     WindowState,
 )
@@ -54,6 +55,7 @@ def join(
     *,
     agent_version: str = __version__,
     protocol_version: int = PROTOCOL,
+    launch: str = "",
 ) -> Admitted | Rejected:
     """A join from an agent of this very flodl_async unless told otherwise."""
     return w.request_join(
@@ -62,6 +64,7 @@ def join(
         now=now,
         agent_version=agent_version,
         protocol_version=protocol_version,
+        launch=launch,
     )
 
 
@@ -576,3 +579,27 @@ def test_without_aliases_names_are_compared_as_given() -> None:
     assert isinstance(join(w, "localhost"), Admitted)
     assert isinstance(join(w, "vm", now=102), Admitted)
     assert isinstance(join(w, "127.0.0.1", now=103), Admitted)
+
+
+def test_every_node_run_refuses_a_node_started_otherwise_by_name() -> None:
+    # flodl-launch --nnodes: the controller node's command digest and ranks per node are the terms
+    terms = NodeTerms(ranks_per_node=2, launch="abc")
+    config = JoinConfig(
+        min_rank_start=4, join_timeout=10, target_ranks=4, max_join_timeout=30, node_terms=terms
+    )
+    w = JoinWindow(config, opened_at=OPENED_AT, protocol_version=PROTOCOL)
+    other = join(w, "box#1", ("cpu:0", "cpu:1"), launch="xyz")
+    assert isinstance(other, Rejected)
+    assert "'box#1'" in other.reason
+    assert "another command" in other.reason
+    fewer = join(w, "box#2", ("cpu:0",), launch="abc")
+    assert isinstance(fewer, Rejected)
+    assert "brings 1 rank(s), every node of this run 2" in fewer.reason
+    assert "--nproc-per-node" in fewer.reason
+    walk_in = join(w, "stray", ("cpu:0", "cpu:1"))
+    assert isinstance(walk_in, Rejected)
+    assert "--nnodes" in walk_in.reason
+    version = join(w, "box#3", ("cpu:0", "cpu:1"), launch="abc", agent_version="0.0.1")
+    assert isinstance(version, Rejected)
+    assert "'box#3' runs flodl_async '0.0.1'" in version.reason
+    assert isinstance(join(w, "box#1", ("cpu:0", "cpu:1"), launch="abc"), Admitted)

@@ -22,6 +22,7 @@ def _join(window: JoinWindow, host: str, count: int, now: float) -> None:
         now=now,
         agent_version=__version__,
         protocol_version=1,
+        launch="",
     )
 
 

@@ -123,6 +123,7 @@ class JoinWindowMachine(RuleBasedStateMachine):
             now=self.now,
             agent_version=agent_version,
             protocol_version=protocol_version,
+            launch="",
         )
         if isinstance(result, Rejected):
             self.rejections += 1
@@ -346,6 +347,7 @@ class JoinWindowMachine(RuleBasedStateMachine):
             now=self.now,
             agent_version=__version__,
             protocol_version=PROTOCOL,
+            launch="",
         )
         assert refused == Rejected(
             reason=f"the join window is {expected.value}; this run takes no more hosts"

@@ -425,7 +425,7 @@ def test_a_failing_rank_without_restarts_ends_the_run_with_details() -> None:
     assert "traceback (from the rank's error file):\n  Traceback\n    boom" in end.result.details
     assert "last 2 stderr line(s) of rank 1:\n  e1\n  e2" in end.result.details
     assert end.farewell == m.Abort(
-        reason=end.result.reason, grace_s=5.0, first_signal=signal.SIGTERM
+        reason=end.result.reason, grace_s=5.0, first_signal=signal.SIGTERM, exit_code=4
     )
     assert sup.view().phase == "failed"
 
@@ -644,7 +644,9 @@ def test_first_signal_stops_with_the_signal_table(sig: signal.Signals, code: Exi
     assert end.result.exit_code is code
     assert end.result.reason == f"interrupted by {sig.name}"
     assert end.result.details == ""
-    assert end.farewell == m.Abort(reason=end.result.reason, grace_s=5.0, first_signal=int(sig))
+    assert end.farewell == m.Abort(
+        reason=end.result.reason, grace_s=5.0, first_signal=int(sig), exit_code=int(code)
+    )
     again = "Ctrl-C" if sig is signal.SIGINT else "SIGTERM"
     assert of(actions, Announce) == [
         Announce(

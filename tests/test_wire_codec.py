@@ -90,6 +90,8 @@ SAMPLES: dict[tuple[Channel, Direction], list[Message]] = {
         m.StopRanks(round=0, reason="restart", grace_s=1.0),
         m.Abort(reason="interrupted"),
         m.Finish(),
+        m.SignalRanks(signal=10),
+        m.Abort(reason="rank 3 failed", exit_code=4),
         m.Heartbeat(sent_at=12.5),
     ],
     (Channel.RENDEZVOUS, UP): [
@@ -305,12 +307,12 @@ def test_eof_mid_frame_is_truncated(keys: LinkPair, cut: int) -> None:
 def test_newer_peer_extra_fields_are_ignored(keys: LinkPair) -> None:
     import msgpack
 
-    body = msgpack.packb([2, "x", 3.5, 2, [1, 2]])
+    body = msgpack.packb([2, "x", 3.5, 2, 4, [1, 2]])
     peer, _ = codec_pair(keys, channel=Channel.JOIN)
     peer.receive_data(sealed(keys, m.Abort.KIND, body, direction=DOWN))
     frame = peer.next_frame()
     assert isinstance(frame, Frame)
-    assert frame.message == m.Abort(reason="x", grace_s=3.5, first_signal=2)
+    assert frame.message == m.Abort(reason="x", grace_s=3.5, first_signal=2, exit_code=4)
 
 
 def test_older_peer_missing_trailing_fields_take_defaults(keys: LinkPair) -> None:

@@ -53,6 +53,8 @@ class SessionOutcome:
     ending: Ending
     reason: str
     signal: int | None = None
+    #: The run's verdict as the controller's ``Abort`` carried it (None: not said).
+    exit_code: int | None = None
 
 
 #: What an ending decides: the outcome returned, or the error raised.
@@ -120,7 +122,11 @@ class Aborted:
     def offer(self, *, host: str, stop_grace: float) -> Offer:
         """Ends ``ABORTED`` with the command's reason, by the command's schedule."""
         return Offer(
-            result=SessionOutcome(ending=Ending.ABORTED, reason=self.command.reason),
+            result=SessionOutcome(
+                ending=Ending.ABORTED,
+                reason=self.command.reason,
+                exit_code=self.command.exit_code,
+            ),
             schedule=stop_schedule(self.command.first_signal, self.command.grace_s),
         )
 

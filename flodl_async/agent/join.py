@@ -98,6 +98,9 @@ class SessionConfig:
     #: The controller's reducer when this agent runs in the controller's own process (its local
     #: launcher passes it): the relay hands the host's frames to it in memory. None: dial the port.
     local_reducer: LocalReducerSource | None = field(default=None, repr=False, compare=False)
+    #: An every-node run's node (``flodl-launch --nnodes``): its launch digest, which the
+    #: controller compares with its own node's ("": any other agent).
+    launch: str = ""
 
     @property
     def controller_addr(self) -> str:
@@ -307,6 +310,7 @@ class Joiner:
                 agent_version=__version__,
                 addresses=host_addresses(),
                 cores=usable_cores(),
+                launch=cfg.launch,
             )
             link.send(hello)
         except ConnectionClosed as exc:
@@ -346,9 +350,11 @@ class Joiner:
         try:
             async with asyncio.timeout(wait):
                 formed = await self._recv(link, "waiting for the world to form", FormationAborted)
-                while isinstance(formed, m.Heartbeat):  # the controller checks we are alive: echo
-                    with contextlib.suppress(ConnectionClosed):
-                        link.send(m.Heartbeat(sent_at=formed.sent_at))
+                # the controller checks we are alive: echo; a signal to pass on finds no rank yet
+                while isinstance(formed, m.Heartbeat | m.SignalRanks):
+                    if isinstance(formed, m.Heartbeat):
+                        with contextlib.suppress(ConnectionClosed):
+                            link.send(m.Heartbeat(sent_at=formed.sent_at))
                     formed = await self._recv(
                         link, "waiting for the world to form", FormationAborted
                     )

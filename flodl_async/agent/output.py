@@ -93,6 +93,24 @@ class LinkOutput:
             self._link.send(m.RankOutput(attempt=attempt, rank=rank, stream=stream, data=data))
 
 
+class TeeOutput:
+    """An every-node run's agent node (``flodl-launch --nnodes``): each chunk to its own node's
+    console first, then up the join link (the controller's node logs it, but leaves its printing
+    to this node)."""
+
+    def __init__(self, console: OutputSink, link: OutputSink) -> None:
+        self._console = console
+        self._link = link
+
+    def rank_started(self, host: str, attempt: int, rank: int) -> None:
+        self._console.rank_started(host, attempt, rank)
+        self._link.rank_started(host, attempt, rank)
+
+    async def send(self, host: str, attempt: int, rank: int, stream: str, data: bytes) -> None:
+        await self._console.send(host, attempt, rank, stream, data)
+        await self._link.send(host, attempt, rank, stream, data)
+
+
 class RankOutput:
     """The launcher's rank output: ``[host:rN]`` lines on its console, raw bytes in per-rank log
     files.
@@ -111,8 +129,12 @@ class RankOutput:
         show_ranks: Collection[int] | None = None,
         routing: StreamRouting | None = None,
         first_attempt: int = 0,
+        remote_console: bool = True,
     ) -> None:
         """``routing``: torchrun's ``--redirects``/``--tee`` (None: every stream to both).
+        ``remote_console``: print the lines that arrive over join links too; an every-node run
+        (``--nnodes``) leaves them to their own node's console, so a merged output (srun's) shows
+        each line once.
         ``first_attempt``: the number of this run's first attempt directory (a resubmitted run id
         continues after the attempts its log dir already holds)."""
         self._stdout = stdout
@@ -122,6 +144,7 @@ class RankOutput:
         self._show = None if show_ranks is None else frozenset(show_ranks)
         self._routing = routing
         self._first_attempt = first_attempt
+        self._remote_console = remote_console
         self._lines: dict[tuple[int, str], LineAssembler] = {}
         # (rank, stream) → (attempt, file)
         self._files: dict[tuple[int, str], tuple[int, BinaryIO]] = {}
@@ -170,9 +193,11 @@ class RankOutput:
         self._files[(rank, stream)] = (attempt, file)
         return file
 
-    def chunk(self, host: str, attempt: int, rank: int, stream: str, data: bytes) -> None:
+    def chunk(
+        self, host: str, attempt: int, rank: int, stream: str, data: bytes, *, console: bool = True
+    ) -> None:
         """One chunk of ``rank``'s ``stream`` ('out' or 'err'); an empty one marks the stream's
-        start."""
+        start. ``console``: False writes the log file only."""
         if stream not in STREAMS:
             log.warning(
                 "rank output from %s for rank %d names an unknown stream %r; dropped",
@@ -182,13 +207,17 @@ class RankOutput:
             )
             return
         if not data:
-            self._stream_started(host, attempt, rank, stream)
+            if console:
+                self._stream_started(host, attempt, rank, stream)
+            else:
+                self._log_file(attempt, rank, stream)
             return
-        assembler = self._lines.get((rank, stream))
-        if assembler is None:
-            assembler = self._lines[(rank, stream)] = LineAssembler()
-        for line in assembler.receive_data(data):
-            self._console(host, rank, stream, line.text)
+        if console:
+            assembler = self._lines.get((rank, stream))
+            if assembler is None:
+                assembler = self._lines[(rank, stream)] = LineAssembler()
+            for line in assembler.receive_data(data):
+                self._console(host, rank, stream, line.text)
         file = self._log_file(attempt, rank, stream)
         if file is not None:
             self._write(file, data, f"the log file of rank {rank}")
@@ -204,7 +233,7 @@ class RankOutput:
 
     def receive(self, host: str, msg: m.RankOutput) -> None:
         """A ``RankOutput`` message from ``host``'s join link."""
-        self.chunk(host, msg.attempt, msg.rank, msg.stream, msg.data)
+        self.chunk(host, msg.attempt, msg.rank, msg.stream, msg.data, console=self._remote_console)
 
     def _console(self, host: str, rank: int, stream: str, text: bytes) -> None:
         if self._show is not None and rank not in self._show:

@@ -316,6 +316,20 @@ class RankProcesses:
         log.warning("agent %s: killing rank %d, declared dead: %s", self._host, entry.rank, reason)
         signal_group(entry.proc.pid, signal.SIGKILL)
 
+    def signal_running(self, sig: int, *, skip: frozenset[int] = frozenset()) -> tuple[int, ...]:
+        """Deliver ``sig`` (a forwarded SIGUSR1/SIGUSR2) to each running rank; the ranks it reached.
+
+        The rank's own process only, as torchrun delivers it: its process group holds its DataLoader
+        workers too, which would die of a signal they have no handler for."""
+        reached = []
+        for entry in self._ranks.values():
+            if entry.rank in skip or entry.stopping or self._exited(entry):
+                continue
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(entry.proc.pid, sig)
+                reached.append(entry.rank)
+        return tuple(sorted(reached))
+
     @staticmethod
     def _exited(entry: _Rank) -> bool:
         return entry.proc.returncode is not None or _has_exited(entry.proc.pid)

@@ -56,6 +56,7 @@ from ..host.gpus import host_visible_gpus, select
 from ..host.ifnames import interface_holding
 from ..host.runtime import RuntimeEntry, create_entry, reap_stale_ranks, sweep_stale
 from ..net.framed import FramedProtocol
+from ..net.signals import FORWARDED_SIGNALS
 from ..verdict import StopStep, stop_schedule
 from ..wire import messages as m
 from ..wire.keys import Credential
@@ -74,7 +75,7 @@ from .endings import (
 )
 from .join import Joiner, SessionConfig, StoppedBeforeServing, device_labels, with_session_secret
 from .lifecycle import Phase, SessionEvent, SessionObserver, ignore
-from .output import LinkOutput, OutputSink
+from .output import LinkOutput, OutputSink, TeeOutput
 
 # imported where the world has formed: an agent's start (the fan-out's per-host path) skips them
 if TYPE_CHECKING:
@@ -93,12 +94,15 @@ class HostSession:
         config: SessionConfig,
         *,
         output: OutputSink | None = None,
+        console: OutputSink | None = None,
         observer: SessionObserver = ignore,
     ) -> None:
         """``output``: where the ranks' output goes; None (a stand-alone agent) sends it up the join
-        link."""
+        link. ``console``: with ``output`` None, this host's own console gets each chunk too (an
+        every-node run's node prints its own ranks' lines)."""
         self.config = config
         self._output = output
+        self._console = console
         self._observer = observer
         self._force = asyncio.Event()
         self._stop_signal: int | None = None
@@ -135,6 +139,11 @@ class HostSession:
     def force_stop(self) -> None:
         """Kill ranks now instead of waiting out a grace period (second signal)."""
         self._force.set()
+
+    def signal_ranks(self, sig: int) -> tuple[int, ...]:
+        """Forward ``sig`` (SIGUSR1/SIGUSR2) to this host's running ranks; the ranks reached (none
+        before the world formed)."""
+        return self._serving.signal_ranks(sig) if self._serving is not None else ()
 
     # ----- the session ---------------------------------------------------------------------
 
@@ -321,9 +330,7 @@ class _Serving:
             self._ranks = RankProcesses(
                 host=cfg.host,
                 world=self._world,
-                output=LinkOutput(self._link)
-                if self._session._output is None
-                else self._session._output,
+                output=self._output_sink(),
                 scratch=self._entry.path,
                 report=self._send,
                 task_group=tg,
@@ -368,6 +375,25 @@ class _Serving:
             raise result
         assert result is not None
         return result
+
+    def _output_sink(self) -> OutputSink:
+        """The session's output, else up the join link (and to this host's console, if it has
+        one)."""
+        session = self._session
+        if session._output is not None:
+            return session._output
+        if session._console is not None:
+            return TeeOutput(session._console, LinkOutput(self._link))
+        return LinkOutput(self._link)
+
+    def signal_ranks(self, sig: int) -> tuple[int, ...]:
+        """:meth:`HostSession.signal_ranks` while serving."""
+        if self._ranks is None or self.ending:
+            return ()
+        # Trainer ranks are not given it: theirs is the preemption path, and a signal they have no
+        # handler for would end them (SIGUSR1's default action).
+        skip = frozenset(self._relay.trainer_ranks) if self._relay is not None else frozenset()
+        return self._ranks.signal_running(sig, skip=skip)
 
     async def _wind_down(self, relay: Relay | None) -> None:
         """Whatever ended the session: no task, rank, store or socket outlives it."""
@@ -539,6 +565,18 @@ class _Serving:
     def _on_finish(self, msg: m.Finish) -> None:
         self.end_by(Finished(command=msg))
 
+    def _on_signal_ranks(self, msg: m.SignalRanks) -> None:
+        # the launcher forwards only SIGUSR1/SIGUSR2; anything else down the link is not obeyed
+        if msg.signal not in FORWARDED_SIGNALS:
+            log.warning(
+                "agent %s: ignoring a request to send signal %d", self._cfg.host, msg.signal
+            )
+            return
+        reached = self.signal_ranks(msg.signal)
+        log.debug(
+            "agent %s: %s to ranks %s", self._cfg.host, signal.Signals(msg.signal).name, reached
+        )
+
 
 _Serving.commands = {
     m.OpenRound: _Serving._on_open_round,
@@ -547,4 +585,5 @@ _Serving.commands = {
     m.Abort: _Serving._on_abort,
     m.Finish: _Serving._on_finish,
     m.Heartbeat: _Serving._on_heartbeat,
+    m.SignalRanks: _Serving._on_signal_ranks,
 }

@@ -39,6 +39,7 @@ from ..config.cluster import (
 )
 from ..config.command import RESOLVE_VAR, resolves_python
 from ..config.devices import parse_devices
+from ..config.everynode import EveryNode
 from ..config.plan import LaunchPlan, PlacedWorker, Placement
 from ..config.streams import StreamRouting
 from ..controller import Controller
@@ -50,10 +51,18 @@ from ..host.hostnames import HostAliases
 from ..host.runs import Registration, register
 from ..host.secretfile import load_or_create_secret, read_token_file
 from ..net.loop import run
-from ..net.signals import StopSignals
+from ..net.signals import ForwardedSignals, StopSignals
 from ..verdict import ExitCode, RunResult
 from ..wire.keys import new_session_secret
 from .launchargs import LaunchArgs, nproc_devices, parse_args, resolve_nproc
+from .nodes import (
+    already_delivered,
+    controller_plan,
+    forget_job_token,
+    is_controller_node,
+    node_banner,
+    run_agent_node,
+)
 from .verdictline import verdict_line
 
 log = logging.getLogger("flodl_async.cli.launch")
@@ -112,9 +121,23 @@ def build_plan(args: LaunchArgs) -> tuple[LaunchPlan, PortChoice]:
     """Resolve the arguments (and cluster file) into a launch plan and its port rule, or raise
     :class:`ConfigError`."""
     deadlines = Deadlines.resolve(stop_grace=args.stop_grace)
+    aliases = this_machine()
+    resolve = {} if args.no_python or not resolves_python(args.command) else {RESOLVE_VAR: "1"}
+    if args.nodes is not None:
+        plan = controller_plan(
+            args,
+            args.nodes,
+            aliases=aliases,
+            deadlines=deadlines,
+            secret=_session_secret(args.secret_file),
+            run_id=args.nodes.run_id or f"flodl-{secrets.token_hex(4)}",
+            cluster_env=resolve,
+        )
+        return plan, PortChoice(
+            fallback=False, origin="--rdzv-endpoint names it: every node dials that port"
+        )
     visible = host_visible_gpus()
     gpu_count = len(visible)
-    aliases = this_machine()
     spec: ClusterSpec
     if args.nproc is not None:
         nproc = resolve_nproc(args.nproc, gpu_count)
@@ -146,7 +169,6 @@ def build_plan(args: LaunchArgs) -> tuple[LaunchPlan, PortChoice]:
     secret = _session_secret(args.secret_file)
     token = cluster_token(args.token_file, spec)
     run_id = args.run_id or f"flodl-{secrets.token_hex(4)}"
-    resolve = {} if args.no_python or not resolves_python(args.command) else {RESOLVE_VAR: "1"}
     plan = LaunchPlan(
         run_id=run_id,
         secret=secret,
@@ -364,8 +386,10 @@ async def _run(
     *,
     show_ranks: frozenset[int] | None = None,
     routing: StreamRouting | None = None,
+    nodes: EveryNode | None = None,
 ) -> tuple[RunResult, bool]:
-    """The run's verdict, and whether its Trainer (if any) ended by a stop."""
+    """The run's verdict, and whether its Trainer (if any) ended by a stop. ``nodes``: the
+    controller's node of an every-node run, which prints only its own ranks' lines."""
     first_attempt = next_attempt(plan.log_dir, plan.run_id)
     # Rank output goes through writer threads: a console nobody reads must not stall the loop
     # (heartbeats, status).
@@ -387,6 +411,7 @@ async def _run(
         show_ranks=show_ranks,
         routing=routing,
         first_attempt=first_attempt,
+        remote_console=nodes is None,
     )
     if first_attempt:
         log.info(
@@ -399,7 +424,12 @@ async def _run(
     registration: Registration | None = None
     try:
         controller = await bind_controller(plan, output, choice)
-        log.info("%s", banner(plan, controller.port))
+        log.info(
+            "%s",
+            banner(plan, controller.port)
+            if nodes is None
+            else node_banner(plan, nodes, controller.port),
+        )
         try:  # so that `flodl status` (no address) and `flodl ps` find this run
             registration = register(
                 run_id=plan.run_id, address=status_host(plan.bind_host), port=controller.port
@@ -409,7 +439,10 @@ async def _run(
         # Every signal goes to the controller, which counts them itself (its supervisor's signal
         # table: the first stops in order, the next forces).
         interrupt = _interrupter(controller)
-        with StopSignals(interrupt, interrupt):
+        # SIGUSR1/SIGUSR2 go on to the ranks; an every-node run's scheduler signals every node's
+        # launcher, so each passes them to its own node's ranks only.
+        forward = _forwarder(controller, nodes)
+        with StopSignals(interrupt, interrupt), ForwardedSignals(forward):
             result = await controller.run()
         trained = controller.training.result() if controller.training is not None else None
         return result, trained is not None and trained.interrupted
@@ -436,6 +469,18 @@ def _interrupter(controller: Controller) -> Callable[[signal.Signals], None]:
     return interrupt
 
 
+def _forwarder(controller: Controller, nodes: EveryNode | None) -> Callable[[signal.Signals], None]:
+    """``controller.forward_signal`` as SIGUSR1/SIGUSR2 call it, said in the log."""
+
+    def forward(sig: signal.Signals) -> None:
+        if nodes is not None and nodes.signals_reach_ranks:
+            log.info("%s", already_delivered(sig))
+            return
+        log.info("%s", controller.forward_signal(int(sig), local_only=nodes is not None))
+
+    return forward
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``flodl-launch``."""
     argv = sys.argv[1:] if argv is None else argv
@@ -453,11 +498,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     root.propagate = False
     started = time.monotonic()
+    nodes = args.nodes
+    for note in nodes.notes if nodes is not None else ():
+        log.info("note: %s", note)
     try:
+        if nodes is not None and not is_controller_node(nodes):
+            return run_agent_node(args, nodes)
         plan, choice = build_plan(args)
         warn_oversubscribed(plan)
         result, interrupted = run(
-            _run(plan, choice, show_ranks=args.ranks_filter, routing=args.routing)
+            _run(plan, choice, show_ranks=args.ranks_filter, routing=args.routing, nodes=nodes)
         )
     except ConfigError as exc:
         print(f"flodl-launch: error: {exc}", file=sys.stderr)
@@ -465,6 +515,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except FlodlError as exc:
         print(f"flodl-launch: FAILED — {exc}", file=sys.stderr)
         return int(ExitCode.INTERNAL)
+    finally:
+        if nodes is not None and is_controller_node(nodes):
+            forget_job_token(nodes)
     elapsed = time.monotonic() - started
     # The verdict line is printed under -q too: it is what -q keeps.
     line = verdict_line("flodl-launch", result, interrupted=interrupted, elapsed=elapsed)

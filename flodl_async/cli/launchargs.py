@@ -18,6 +18,7 @@ from .._version import __version__
 from ..config.addr import DEFAULT_PORT
 from ..config.argtypos import HintingParser, hyphenate
 from ..config.command import launch_command, resolves_python
+from ..config.everynode import EveryNode, NodeFlags, resolve_nodes, under_slurm
 from ..config.streams import StreamRouting, parse_stream_set
 from ..deadlines import DEFAULT_STOP_GRACE
 from ..errors import ConfigError
@@ -32,6 +33,8 @@ examples:
   flodl-launch cluster.yml -- python train.py
   flodl-launch --nproc-per-node gpu -- -m pkg.train           # python -m pkg.train, a rank per GPU
   flodl-launch --nproc 2 --log-dir logs --redirects 3 --tee 0:3 -- python train.py
+  flodl-launch --nnodes 2 --node-rank 0 --rdzv-endpoint node0:29400 --token-file ~/token \
+      -- python train.py                                      # the same on node 1, --node-rank 1
 
 """ + exit_help()
 
@@ -59,12 +62,14 @@ class LaunchArgs:
     no_python: bool = False
     #: --redirects/--tee (None: neither given)
     routing: StreamRouting | None = None
+    #: --nnodes: one node of an every-node run (None: any other run)
+    nodes: EveryNode | None = None
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = HintingParser(
         prog="flodl-launch",
-        usage="flodl-launch [options] (--nproc N | CLUSTER.yml) -- CMD [ARGS ...]",
+        usage="flodl-launch [options] (--nproc N | CLUSTER.yml | --nnodes N ...) -- CMD [ARGS ...]",
         description="Launch a distributed PyTorch job: every rank runs CMD with the torchrun "
         "environment.",
         epilog=EPILOG,
@@ -165,6 +170,27 @@ def _parser() -> argparse.ArgumentParser:
         help="end the run (exit 6, naming the rank) when a rank prints nothing and uses no CPU for "
         "S seconds (default: off)",
     )
+    nodes = parser.add_argument_group(
+        "every node runs this command (torchrun's multi-node options; PET_* variables fill in "
+        "what they leave out)"
+    )
+    nodes.add_argument(
+        "--nnodes", help="nodes in the run: N, or MIN:MAX (wait for MIN, take up to MAX)"
+    )
+    nodes.add_argument(
+        "--node-rank",
+        help="this node's rank (0 runs the controller); default: PET_NODE_RANK, "
+        "JOB_COMPLETION_INDEX, else the node holding --rdzv-endpoint's address is the controller",
+    )
+    nodes.add_argument(
+        "--rdzv-endpoint", metavar="HOST:PORT", help="node 0's address, where the nodes meet"
+    )
+    nodes.add_argument("--rdzv-id", help="the run id (TORCHELASTIC_RUN_ID), as --run-id")
+    nodes.add_argument(
+        "--rdzv-backend", help="accepted and ignored (nodes meet at node 0's controller)"
+    )
+    nodes.add_argument("--master-addr", help="node 0's address, without --rdzv-endpoint")
+    nodes.add_argument("--master-port", help="node 0's port, with --master-addr (default 29500)")
     parser.add_argument(
         "-q", "--quiet", action="store_true", help="only rank output and the verdict"
     )
@@ -202,7 +228,15 @@ def parse_args(argv: Sequence[str]) -> LaunchArgs:
             "missing the command to run: put it after `--`, e.g. flodl-launch --nproc 2 -- python "
             "train.py"
         )
-    if (ns.cluster is None) == (ns.nproc is None):
+    nodes = _nodes(ns)
+    if nodes is not None and ns.cluster is not None:
+        raise ConfigError(
+            "--nnodes runs the same command on every node; a cluster file names the hosts "
+            "itself: give one of them"
+        )
+    if ns.nnodes is not None and nodes is None and ns.nproc is None:
+        ns.nproc = "1"  # torchrun's `--nnodes 1`: one host, one rank unless told
+    if nodes is None and (ns.cluster is None) == (ns.nproc is None):
         raise ConfigError(
             "give either --nproc N (one host) or a cluster file, not both and not neither"
         )
@@ -242,7 +276,42 @@ def parse_args(argv: Sequence[str]) -> LaunchArgs:
         hang_timeout=ns.hang_timeout,
         no_python=ns.no_python,
         routing=routing,
+        nodes=nodes,
     )
+
+
+def _nodes(ns: argparse.Namespace) -> EveryNode | None:
+    """The every-node run the options describe (or, none given, the SLURM step this task is part
+    of); None for any other run."""
+    nodes = resolve_nodes(
+        NodeFlags(
+            nnodes=ns.nnodes,
+            node_rank=ns.node_rank,
+            rdzv_endpoint=ns.rdzv_endpoint,
+            rdzv_id=ns.rdzv_id,
+            rdzv_backend=ns.rdzv_backend,
+            master_addr=ns.master_addr,
+            master_port=ns.master_port,
+            nproc=ns.nproc,
+        ),
+        os.environ,
+        token_file=ns.token_file,
+        run_id=ns.run_id,
+    )
+    step_nodes = os.environ.get("SLURM_STEP_NUM_NODES", "1")
+    several = step_nodes.isdigit() and int(step_nodes) > 1  # --nproc-per-node is then per node
+    if (
+        nodes is None
+        and ns.cluster is None
+        and (ns.nproc is None or several)
+        and under_slurm(os.environ)
+    ):
+        # deferred: off the start path of every run not under SLURM (python-hostlist comes with it)
+        from ..config.slurm import slurm_nodes
+
+        flags = NodeFlags(nnodes=ns.nnodes, nproc=ns.nproc)
+        nodes = slurm_nodes(flags, os.environ, run_id=ns.run_id, token_file=ns.token_file)
+    return nodes
 
 
 def _routing(redirects: str | None, tee: str | None, log_dir: Path | None) -> StreamRouting | None:

@@ -47,6 +47,16 @@ MAX_REJECTED_JOINS = 1024
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class NodeTerms:
+    """What every node of an every-node run (``flodl-launch --nnodes``) must have been started
+    with: the controller node's own ranks per node and launch digest (command and ranks per node,
+    :func:`flodl_async.config.everynode.launch_digest`)."""
+
+    ranks_per_node: int
+    launch: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class JoinConfig:
     """Resolved join knobs (timeouts already scaled)."""
 
@@ -61,6 +71,8 @@ class JoinConfig:
     quorum_reported: frozenset[str] = frozenset()
     #: Likewise for ``target_ranks``.
     target_reported: frozenset[str] = frozenset()
+    #: Every-node mode: a node started with another command or rank count is refused by name.
+    node_terms: NodeTerms | None = None
 
     def __post_init__(self) -> None:
         if self.min_rank_start < (0 if self.quorum_reported else 1):
@@ -225,14 +237,19 @@ class JoinWindow:
         now: float,
         agent_version: str,
         protocol_version: int,
+        launch: str,
     ) -> Admitted | Rejected:
         """Admit or refuse one agent.
 
         ``agent_version`` is the flodl_async version the agent reports (``JoinHello.agent_version``;
         empty from an agent too old to send it) and ``protocol_version`` the wire protocol it
         speaks. Both are required: a check with a default would pass whatever the caller forgot.
+        ``launch`` is the agent's every-node launch digest (``JoinHello.launch``), checked against
+        ``node_terms`` when the run has them.
         """
-        reason = self._admission_problem(host, devices, agent_version, protocol_version)
+        reason = self._admission_problem(
+            host, devices, agent_version, protocol_version
+        ) or self._node_problem(host, devices, launch)
         if reason is not None:
             self._rejected += 1
             if self._rejected >= self.config.max_rejected_joins and self._state is WindowState.OPEN:
@@ -302,6 +319,27 @@ class JoinWindow:
                 f"({host!r} and {same.host!r} both name "
                 "this machine) — give a second agent on it a name of its own with --host, or stop "
                 "the other one"
+            )
+        return None
+
+    def _node_problem(self, host: str, devices: tuple[str, ...], launch: str) -> str | None:
+        terms = self.config.node_terms
+        if terms is None:
+            return None
+        if not launch:
+            return (
+                f"host {host!r} is no node of this every-node run (it was not started with "
+                "flodl-launch --nnodes); start every node with the same flodl-launch command"
+            )
+        if len(devices) != terms.ranks_per_node:
+            return (
+                f"node {host!r} brings {len(devices)} rank(s), every node of this run "
+                f"{terms.ranks_per_node}: start every node with the same --nproc-per-node"
+            )
+        if launch != terms.launch:
+            return (
+                f"node {host!r} was started with another command than the controller's node: run "
+                "the same command after `--` on every node"
             )
         return None
 

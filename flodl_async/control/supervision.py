@@ -82,6 +82,8 @@ class JoinRequested:
     devices: tuple[str, ...]
     protocol_version: int
     agent_version: str
+    #: ``JoinHello.launch``: the every-node launch digest ("" from any other agent).
+    launch: str = ""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

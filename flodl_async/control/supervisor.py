@@ -284,6 +284,7 @@ class Supervisor:
             now=now,
             agent_version=event.agent_version,
             protocol_version=event.protocol_version,
+            launch=event.launch,
         )
         actions = join_answer(outcome, host=event.host, window=window, run_id=self.config.run_id)
         return (*actions, *self._forming_poll(phase, event, now))
@@ -664,9 +665,8 @@ class Supervisor:
             details_if_shown=details_if_shown,
         )
         self._phase = Ended(result=result, world=world)
-        abort = m.Abort(
-            reason=reason, grace_s=self.config.stop_grace, first_signal=int(first_signal)
-        )
+        grace, first = self.config.stop_grace, int(first_signal)  # exit_code: every node's too
+        abort = m.Abort(reason=reason, grace_s=grace, first_signal=first, exit_code=int(code))
         farewell: m.Finish | m.Abort = m.Finish() if code is ExitCode.OK else abort
         return EndRun(result=result, farewell=farewell)
 

@@ -24,7 +24,7 @@ import os
 from pathlib import Path
 from typing import TextIO
 
-from ..status import StatusSnapshot
+from ..status import StatusBoard, StatusSnapshot
 from ..status.events import RoundDone, ScalarsReported, Stamped
 
 log = logging.getLogger("flodl_async.cli.launch")
@@ -42,6 +42,15 @@ def numbered(name: str, n: int) -> str:
         return name
     stem, dot, ext = name.rpartition(".")
     return f"{stem}.{n}{dot}{ext}"
+
+
+def open_event_log(log_dir: Path | None, run_id: str, board: StatusBoard) -> EventLog | None:
+    """The run's event log in ``log_dir`` (None without ``--log-dir``), fed by the board."""
+    if log_dir is None:
+        return None
+    event_log = EventLog(log_dir / run_id)
+    board.add_sink(event_log.write)
+    return event_log
 
 
 class EventLog:

@@ -16,7 +16,8 @@ import asyncio
 import contextlib
 import logging
 import os
-from collections.abc import Callable
+import signal
+from collections.abc import Callable, Collection
 from typing import Protocol
 
 from ..agent import RankOutput
@@ -139,6 +140,25 @@ class HostLinks:
             len(action.links),
         )
 
+    def pass_on_signal(self, signum: int, *, only: Collection[str] | None, trainer: bool) -> str:
+        """SIGUSR1/SIGUSR2 to the launcher: to every rank of every joined host (``only``: of these
+        hosts: an every-node run's node, whose scheduler signals every node), the run going on;
+        returns what was done, for the log.
+
+        Not to Trainer ranks (``trainer``): theirs is the preemption path (a checkpoint, then an
+        orderly stop), and a signal they do not handle would end them (SIGUSR1's default action).
+        """
+        name = signal.Signals(signum).name
+        if trainer:
+            return f"{name}: not passed on to Trainer ranks (they would die of it); the run goes on"
+        hosts = sorted(h for h in self.links if only is None or h in only)
+        if not hosts:
+            return f"{name}: no host has joined yet; not passed on"
+        for host in hosts:
+            with contextlib.suppress(ConnectionClosed):  # a link that just died: its reader says so
+                self.links[host].send(m.SignalRanks(signal=signum))
+        return f"{name}: passed on to the ranks of {', '.join(hosts)}"
+
     def send_all(self, msg: Message) -> None:
         for link in list(self.links.values()):
             with contextlib.suppress(ConnectionClosed):
@@ -160,6 +180,7 @@ class HostLinks:
                 devices=hello.devices,
                 protocol_version=PROTOCOL_VERSION,
                 agent_version=hello.agent_version,
+                launch=hello.launch,
             ),
             reply_link=link,
         )

@@ -35,6 +35,8 @@ class ControllerContact:
     port: int
     secret: bytes
     deadlines: Deadlines
+    #: An every-node run's launch digest, which this node's own agent joins with too.
+    launch: str = ""
 
 
 class AgentLauncher(Protocol):
@@ -98,6 +100,7 @@ class LocalLauncher:
                 },
                 workdir=spec.workdir,
                 deadlines=self._contact.deadlines,
+                launch=self._contact.launch,
                 default_ifname=ifname or "",
                 local_reducer=self._local_reducer,
             ),

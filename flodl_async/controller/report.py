@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from ..config.plan import LaunchPlan
 from ..control.membership import describe_threshold
@@ -211,3 +211,10 @@ def scalars_event(report: Report) -> ScalarsReported | None:
         if 0 < len(name) <= MAX_NAME_LENGTH and name.isprintable() and math.isfinite(value)
     }
     return ScalarsReported(rank=report.rank, scalars=kept) if kept else None
+
+
+def emit_scalars(emit: Callable[[ScalarsReported], None], report: Report) -> None:
+    """Put a rank's report on the run's event stream, if anything of it is kept."""
+    event = scalars_event(report)
+    if event is not None:
+        emit(event)

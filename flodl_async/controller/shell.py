@@ -25,6 +25,8 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import dataclasses
+import functools
 import logging
 import os
 import signal
@@ -77,12 +79,11 @@ from ..verdict import ExitCode, RunResult
 from ..wire import messages as m
 from ..wire.channels import Channel
 from ..wire.handshake import join_resolver, session_resolver
-from ..wire.scalars import Report
 from .agents import agent_launchers, supervisor_config
-from .eventlog import EventLog
+from .eventlog import open_event_log
 from .hostlinks import HostLinks
 from .launchers import AgentLauncher, ControllerContact
-from .report import announce_window, connection_counters, scalars_event, status_snapshot
+from .report import announce_window, connection_counters, emit_scalars, status_snapshot
 from .training import (
     RoundRunner,
     RoundRunnerFactory,
@@ -120,9 +121,7 @@ class Controller:
         )
         self._board = StatusBoard(counters=self._connection_counters)
         # --log-dir: every event of the run in DIR/<run id>/events.jsonl, closed on every way out
-        self._event_log = None if plan.log_dir is None else EventLog(plan.log_dir / plan.run_id)
-        if self._event_log is not None:
-            self._board.add_sink(self._event_log.write)
+        self._event_log = open_event_log(plan.log_dir, plan.run_id, self._board)
         self._started_at = time.time()
         self._opened_at = time.monotonic()
         self._supervisor: Supervisor | None = None
@@ -149,7 +148,7 @@ class Controller:
             dispatch=self._dispatch,
             note=self._note,
             training=lambda: self._training,
-            report=self._reported,
+            report=functools.partial(emit_scalars, self._board.emit),
         )
         self._carry_out = self._carry_out_table()
 
@@ -194,6 +193,12 @@ class Controller:
             return
         self._dispatch(Interrupted(signal=signum))
 
+    def forward_signal(self, signum: int, *, local_only: bool = False) -> str:
+        """SIGUSR1/SIGUSR2 to the launcher, passed on (:meth:`HostLinks.pass_on_signal`)."""
+        training = self._training is not None and self._training.coordinator is not None
+        only = self.plan.local_hosts if local_only else None
+        return self._hosts.pass_on_signal(signum, only=only, trainer=training)
+
     @property
     def training(self) -> TrainingShell | None:
         """The Trainer's coordinator shell (after :meth:`run` started)."""
@@ -223,9 +228,11 @@ class Controller:
             supervisor_config(plan, self._deadlines, controller_store=self._store is not None),
             now=self._opened_at,
         )
+        launch = plan.join.node_terms.launch if plan.join.node_terms is not None else ""
         contact = ControllerContact(
             host="127.0.0.1", port=self.port, secret=plan.secret, deadlines=self._deadlines
         )
+        contact = dataclasses.replace(contact, launch=launch)
         self._launchers = agent_launchers(
             plan, contact, output=self._output, local_reducer=self._in_process_reducer
         )
@@ -292,9 +299,7 @@ class Controller:
         finally:
             if self._store is not None:
                 self._store.close()
-            await self._mux.aclose()
-            if self._event_log is not None:
-                self._event_log.close(self._board.snapshot)
+            await self.aclose()
         assert result is not None  # None only when cancelled, and then CancelledError propagates
         return result
 
@@ -498,11 +503,6 @@ class Controller:
             metrics_sink=self._training_metrics,
             on_event=self._board.emit,
         )
-
-    def _reported(self, report: Report) -> None:
-        event = scalars_event(report)
-        if event is not None:
-            self._board.emit(event)
 
     def _training_changed(self) -> None:
         self._publish()  # the status page's training block

@@ -200,8 +200,7 @@ _UP_EVENTS: Mapping[type[Message], Callable[[Message], Event]] = {
 
 
 class TrainingShell:
-    """One run's Trainer side of the controller; created with the controller, idle until a
-    TrainerHello."""
+    """One run's Trainer side of the controller: created with it, idle until a TrainerHello."""
 
     def __init__(
         self,

@@ -24,6 +24,10 @@ from types import FrameType, TracebackType
 #: The signals that stop a command (Ctrl-C and ``kill`` / ``systemctl stop``), in install order.
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
+#: The signals a launcher passes on to its ranks, the run going on (SLURM's ``--signal=USR1@60``,
+#: Lightning's requeue): never a stop.
+FORWARDED_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2)
+
 #: What a stop signal calls: the signal that came.
 OnSignal = Callable[[signal.Signals], None]
 #: What ``signal.getsignal`` answers: a Python handler, SIG_DFL / SIG_IGN, or None (a handler not
@@ -109,3 +113,28 @@ def add_guest_handler(
     except (RuntimeError, ValueError, NotImplementedError):
         return None
     return sig, before
+
+
+class ForwardedSignals:
+    """``with ForwardedSignals(forward):`` on the running loop: each SIGUSR1/SIGUSR2 calls
+    ``forward(sig)`` (instead of ending this process, their default action)."""
+
+    def __init__(self, forward: OnSignal) -> None:
+        self._forward = forward
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def __enter__(self) -> ForwardedSignals:
+        loop = self._loop = asyncio.get_running_loop()
+        for sig in FORWARDED_SIGNALS:
+            loop.add_signal_handler(sig, self._forward, sig)
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if self._loop is not None:
+            for sig in FORWARDED_SIGNALS:
+                self._loop.remove_signal_handler(sig)

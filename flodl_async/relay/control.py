@@ -215,6 +215,9 @@ class Relay:
         self._warned: set[type[Message]] = set()
         self._broadcasts_down = 0
         self._ranks_gone = 0
+        #: Ranks that said TrainerHello: a forwarded SIGUSR1/SIGUSR2 is not theirs
+        #: (:meth:`flodl_async.agent.session.HostSession.signal_ranks`).
+        self.trainer_ranks: set[int] = set()
 
     async def start(self) -> None:
         """Dial upstream (with the session secret), then listen on the unix socket (owner-only)."""
@@ -362,6 +365,7 @@ class Relay:
                     return
                 if isinstance(msg, m.TrainerHello):
                     self._fold.note_hello(msg)
+                    self.trainer_ranks.add(bound)
                 self._up(upstream, msg)
                 await upstream.drain()
         finally:

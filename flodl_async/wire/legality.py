@@ -67,6 +67,7 @@ from .messages import (
     ReduceDone,
     RendezvousHello,
     Shutdown,
+    SignalRanks,
     StartRanks,
     StopRanks,
     StoreAddress,
@@ -98,6 +99,7 @@ LEGAL_KINDS: Mapping[tuple[Channel, Direction], frozenset[type[Message]]] = Mapp
                 StopRanks,
                 Abort,
                 Finish,
+                SignalRanks,
                 Heartbeat,
             }
         ),
