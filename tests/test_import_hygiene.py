@@ -153,3 +153,41 @@ def test_dir_of_the_package_offers_the_public_names_without_loading_them() -> No
     assert "Trainer" in listed
     assert "importlib" not in listed
     assert flags == "True False"
+
+
+#: What a one-host ``flodl-launch --nproc`` run must never import: ssh is for other hosts only (it
+#: was a fifth of the launcher's imports, paid before its ranks could start).
+LOCAL_LAUNCH_FORBIDDEN = ("torch", "asyncssh", "flodl_async.controller.fanout")
+
+
+def test_a_one_host_launch_runs_its_ranks_without_importing_ssh() -> None:
+    """`flodl-launch --nproc 1` end to end in a fresh interpreter: the rank runs (its line comes
+    back) and, by the launcher's exit, nothing of ssh was ever loaded."""
+    code = (
+        "import atexit, runpy, sys\n"
+        "atexit.register(lambda: print('MODULES', ' '.join(sorted(sys.modules)), file=sys.stderr))\n"
+        "sys.argv = ['flodl-launch', '--nproc', '1', '--devices', 'cpu', '--port', '0', '--',"
+        " sys.executable, '-c', 'print(\"rank ran\")']\n"
+        "runpy.run_module('flodl_async.cli.launch', run_name='__main__', alter_sys=True)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FLODL_INTERNAL_")}
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "rank ran" in result.stdout
+    modules = next(
+        line for line in result.stderr.splitlines() if line.startswith("MODULES ")
+    ).split()[1:]
+    assert "flodl_async.controller.shell" in modules  # the probe sees the launcher's own imports
+    offenders = [
+        mod
+        for mod in modules
+        if any(mod == bad or mod.startswith(bad + ".") for bad in LOCAL_LAUNCH_FORBIDDEN)
+    ]
+    assert offenders == []
