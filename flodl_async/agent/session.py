@@ -58,6 +58,7 @@ from ..host.runtime import RuntimeEntry, create_entry, reap_stale_ranks, sweep_s
 from ..net.framed import FramedProtocol
 from ..verdict import StopStep, stop_schedule
 from ..wire import messages as m
+from ..wire import storeowner as so
 from ..wire.keys import Credential
 from ..wire.schema import Message
 from .endings import (
@@ -254,6 +255,7 @@ class _Serving:
         default_ifname: str | None = None,
     ) -> None:
         # Only a formed world needs ranks, a relay and a store.
+        from ..net.storegate import StoreGate  # deferred: off the ssh agent's start path
         from .ranks import RankWorld  # deferred: off the ssh agent's start path
         from .storehost import StoreHost  # deferred: off the ssh agent's start path
 
@@ -287,6 +289,9 @@ class _Serving:
             advertise_addr=cfg.advertise_addr,
             deadlines=cfg.deadlines,
         )
+        #: Judges the controller's questions about store connections from this host: this agent's
+        #: user, and this process's tree (every rank it starts descends from it).
+        self._store_gate = StoreGate.of_this_process()
         self._relay: Relay | None = None
         self._round_work = asyncio.Lock()  # FIFO: round commands run in arrival order
         self._tg: asyncio.TaskGroup | None = None
@@ -539,6 +544,15 @@ class _Serving:
     def _on_finish(self, msg: m.Finish) -> None:
         self.end_by(Finished(command=msg))
 
+    def _on_store_owner_query(self, msg: so.StoreOwnerQuery) -> None:
+        """Who made a store connection from this host: only this host's kernel can say, and only
+        this agent's own processes (its ranks and their children, its user) are the run's here."""
+        peer, ours = (msg.peer_host, msg.peer_port), (msg.our_host, msg.our_port)
+        check = self._store_gate.check(peer, ours)
+        detail = self._store_gate.named(check) if check.refused else ""
+        answer = so.StoreOwnerAnswer(query=msg.query, standing=check.standing.value, detail=detail)
+        self._send(answer)
+
 
 _Serving.commands = {
     m.OpenRound: _Serving._on_open_round,
@@ -547,4 +561,5 @@ _Serving.commands = {
     m.Abort: _Serving._on_abort,
     m.Finish: _Serving._on_finish,
     m.Heartbeat: _Serving._on_heartbeat,
+    so.StoreOwnerQuery: _Serving._on_store_owner_query,
 }

@@ -39,9 +39,8 @@ def agent_launchers(
         Placement.DIAL_IN: DialInLauncher(),
     }
     if any(w.placement is Placement.SSH for w in plan.workers):
-        # deferred: asyncssh (a fifth of the launcher's imports) only where some host is over ssh,
-        # so that a one-host run spawns its ranks sooner
-        from .fanout import ssh_launcher
+        # (a fifth of the launcher's imports: a one-host run spawns its ranks that much sooner)
+        from .fanout import ssh_launcher  # deferred: asyncssh only where a host is over ssh
 
         out, err = output.consoles
         launchers[Placement.SSH] = ssh_launcher(
