@@ -52,6 +52,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from ..config.devices import DeviceKind
 from ..control.liveness import Liveness, Wake
 from ..errors import AgentError, ConfigError, ConnectionClosed, FlodlError, WireError
+from ..host.early import early_ranks_of
 from ..host.gpus import host_visible_gpus, select
 from ..host.ifnames import interface_holding
 from ..host.runtime import RuntimeEntry, create_entry, reap_stale_ranks, sweep_stale
@@ -359,6 +360,9 @@ class _Serving:
                 except (OSError, FlodlError) as exc:
                     self.end_by(RelayFailed(controller=cfg.controller_addr, detail=str(exc)))
                 else:
+                    if early_ranks_of(self._run_id, cfg.host):
+                        # they run already, and may dial the relay before the first StartRanks
+                        relay.open_round(0)
                     self._spawn(self._read_commands(), name=f"{cfg.host}-commands")
                     self._spawn(self._keep_alive(), name=f"{cfg.host}-heartbeat")
                     self._spawn(self._report_activity(), name=f"{cfg.host}-activity")
@@ -512,8 +516,9 @@ class _Serving:
 
     async def _start_round(self, msg: m.StartRanks) -> None:
         assert self._ranks is not None
-        if self._relay is not None:
-            # from now on the relay takes this round's credentials only
+        if self._relay is not None and self._relay.round != msg.round:
+            # from now on the relay takes this round's credentials only (ranks started early had
+            # it opened at once)
             self._relay.open_round(msg.round)
         if not msg.master_addr:
             # The store rides the controller's port: the ranks reach it the way this agent does.
