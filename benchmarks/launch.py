@@ -94,7 +94,9 @@ def run_floor(script: Path, out_dir: Path, nproc: int) -> Trial:
     return _trial(out_dir, nproc, started)
 
 
-def run_flodl(script: Path, out_dir: Path, nproc: int) -> Trial:
+def run_flodl(script: Path, out_dir: Path, nproc: int, tree: str | None = None) -> Trial:
+    """``tree``: a checkout whose flodl_async runs instead of this one (``--compare-tree``)."""
+    env = {**os.environ, "PYTHONPATH": tree} if tree is not None else None
     started = time.time()
     subprocess.run(
         [
@@ -115,6 +117,7 @@ def run_flodl(script: Path, out_dir: Path, nproc: int) -> Trial:
         ],
         check=True,
         stdout=subprocess.DEVNULL,
+        env=env,
     )
     return _trial(out_dir, nproc, started)
 
@@ -152,23 +155,33 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--nproc", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--smoke", action="store_true", help="one round of --nproc 2")
+    parser.add_argument(
+        "--compare-tree",
+        metavar="DIR",
+        help="also run the flodl_async of another checkout (e.g. the main branch), alternated",
+    )
     args = parser.parse_args()
+    launchers = dict(LAUNCHERS)
+    if args.compare_tree:
+        tree = str(Path(args.compare_tree).resolve())
+        launchers["flodl @other"] = lambda s, o, n: run_flodl(s, o, n, tree)
     if args.smoke:
         args.rounds, args.nproc = 1, [2]
     with tempfile.TemporaryDirectory() as tmp:
         script = Path(tmp) / "rank.py"
         script.write_text(RANK_SCRIPT)
         for nproc in args.nproc:
-            trials: dict[str, list[Trial]] = {name: [] for name in LAUNCHERS}
+            trials: dict[str, list[Trial]] = {name: [] for name in launchers}
             for round_ in range(args.rounds):
-                for name, launcher in LAUNCHERS.items():
-                    out_dir = Path(tmp) / f"{name}-{nproc}-{round_}"
+                for name, launcher in launchers.items():
+                    out_dir = Path(tmp) / f"{name.replace(' ', '_')}-{nproc}-{round_}"
                     out_dir.mkdir()
                     trials[name].append(launcher(script, out_dir, nproc))
             for stage in (1, 2):
                 _table(nproc, args.rounds, STAGES[stage], trials, stage)
-            spawned = statistics.median(t[0] for t in trials["flodl-launch"])
-            print(f"flodl-launch: first rank started {spawned * 1000:.0f} ms after the command")
+            for name, runs in trials.items():
+                spawned = statistics.median(t[0] for t in runs)
+                print(f"{name}: first rank started {spawned * 1000:.0f} ms after the command")
     print("\ntarget: flodl-launch <= 1.05 x floor, to the all_reduce and to the exit")
 
 
