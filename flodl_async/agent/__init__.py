@@ -12,10 +12,25 @@ the controller never).
 May import: _version, verdict, errors, wire, deadlines, host, control, net, config, relay.
 """
 
-from .endings import Ending, SessionOutcome
-from .join import SessionConfig, device_labels
-from .output import RankOutput
-from .session import HostSession
+import importlib
+from typing import TYPE_CHECKING, Any
+
+#: Public name -> its module, loaded on first use (PEP 562): the launcher's early start imports
+#: :mod:`.rankargv` alone, not the session and the wire's messages.
+_LAZY = {
+    "Ending": "endings",
+    "SessionOutcome": "endings",
+    "SessionConfig": "join",
+    "device_labels": "join",
+    "RankOutput": "output",
+    "HostSession": "session",
+}
+
+if TYPE_CHECKING:
+    from .endings import Ending, SessionOutcome
+    from .join import SessionConfig, device_labels
+    from .output import RankOutput
+    from .session import HostSession
 
 __all__ = [
     "Ending",
@@ -25,3 +40,17 @@ __all__ = [
     "SessionOutcome",
     "device_labels",
 ]
+
+
+def __dir__() -> list[str]:
+    """The public names, loaded or not."""
+    return sorted({*__all__, *(name for name in globals() if name.startswith("__"))})
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
