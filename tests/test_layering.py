@@ -32,6 +32,7 @@ PACKAGE = ROOT / "flodl_async"
 #: Bottom to top. A root module is named as itself; ``flodl_async/__init__.py`` (the face) is
 #: above everything and appears in no list.
 ORDER = (
+    "_lazy",
     "_version",
     "verdict",
     "errors",
@@ -50,7 +51,17 @@ ORDER = (
     "trainer",
 )
 #: Decisions and codecs: they take bytes and ``now``, never a socket or a loop.
-PURE = ("_version", "verdict", "errors", "deadlines", "wire", "control", "training", "config")
+PURE = (
+    "_lazy",
+    "_version",
+    "verdict",
+    "errors",
+    "deadlines",
+    "wire",
+    "control",
+    "training",
+    "config",
+)
 #: What a deferred import of our own modules may be deferred for.
 DEFER_REASONS = ("torch", "uvloop", "asyncssh", "start path")
 FACE = "<face>"

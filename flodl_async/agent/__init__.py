@@ -9,11 +9,12 @@ logs, or up the join link), ``daemon`` and ``systemd`` (the persistent dial-in a
 flodl_async.agent``). Started over ssh, it imports only its join path first (torch, asyncssh,
 the controller never).
 
-May import: _version, verdict, errors, wire, deadlines, host, control, net, config, relay.
+May import: _lazy, _version, verdict, errors, wire, deadlines, host, control, net, config, relay.
 """
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from .._lazy import lazy_names
 
 #: Public name -> its module, loaded on first use (PEP 562): the launcher's early start imports
 #: :mod:`.rankargv` alone, not the session and the wire's messages.
@@ -41,16 +42,4 @@ __all__ = [
     "device_labels",
 ]
 
-
-def __dir__() -> list[str]:
-    """The public names, loaded or not."""
-    return sorted({*__all__, *(name for name in globals() if name.startswith("__"))})
-
-
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{module}", __name__), name)
-    globals()[name] = value
-    return value
+__getattr__, __dir__ = lazy_names(__name__, _LAZY, __all__, globals())

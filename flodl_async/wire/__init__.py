@@ -6,11 +6,12 @@ tensor payload specs, and the TCPStore protocol torch's clients speak on the sam
 protocol codec lives here so that a byte on any channel is checked by one set of rules.
 
 Pure: nothing here touches asyncio or sockets (torch only inside :mod:`.tensor`'s functions).
-May import: errors.
+May import: _lazy, errors.
 """
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from .._lazy import lazy_names
 
 #: Public name -> the module that defines it, loaded on first use (PEP 562): a process that needs
 #: only the keys (the launcher's early start) does not load the codec and every message class.
@@ -105,16 +106,4 @@ if TYPE_CHECKING:
     from .legality import LEGAL_KINDS, legal_kinds
     from .schema import Message, message, registered_kinds
 
-
-def __dir__() -> list[str]:
-    """The public names, loaded or not."""
-    return sorted({*__all__, *(name for name in globals() if name.startswith("__"))})
-
-
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{module}", __name__), name)
-    globals()[name] = value
-    return value
+__getattr__, __dir__ = lazy_names(__name__, _LAZY, __all__, globals())
