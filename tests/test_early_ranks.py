@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+import select
 import sys
 
 import pytest
@@ -77,11 +78,15 @@ def test_ranks_nobody_claimed_are_killed_with_their_group() -> None:
     early.start_early(KEY, (sys.executable, "-c", forks), env=ENV, cwd=None)
     [waiting] = early._waiting.values()
     assert waiting.popen.stdout is not None
-    child = int(waiting.popen.stdout.readline())
-    early.discard_all()
-    assert waiting.popen.returncode is not None
-    assert _dead(waiting.popen.pid)
-    assert _dead(child)  # what it forked went with it
+    child = os.pidfd_open(int(waiting.popen.stdout.readline()))  # readable once it has exited
+    try:
+        early.discard_all()
+        assert waiting.popen.returncode is not None
+        assert _dead(waiting.popen.pid)
+        ready, _, _ = select.select([child], [], [], 30)
+        assert ready == [child]  # what it forked went with it (the group's KILL)
+    finally:
+        os.close(child)
 
 
 @pytest.mark.e2e
