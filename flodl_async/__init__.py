@@ -7,9 +7,9 @@ The Trainer API (``fa.Trainer``, ``fa.Policy``, ...) is imported on first use: t
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from ._lazy import lazy_names
 from ._version import __version__
 
 #: Public name -> the module that defines it (loaded on first attribute access, PEP 562).
@@ -86,17 +86,4 @@ if TYPE_CHECKING:
     from .training.policy import Backend, Policy
     from .training.spec import Checkpointing, ElCheConfig, MaxFailure, TrendGuard
 
-
-def __dir__() -> list[str]:
-    """The public names (the lazy ones too, unloaded: tab completion offers them) and the module's
-    dunders, not the helpers this file imports."""
-    return sorted({*__all__, *(name for name in globals() if name.startswith("__"))})
-
-
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'flodl_async' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{module}", __name__), name)
-    globals()[name] = value
-    return value
+__getattr__, __dir__ = lazy_names(__name__, _LAZY, __all__, globals())

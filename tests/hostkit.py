@@ -20,6 +20,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Sequence
@@ -110,6 +111,14 @@ def sweep_abandoned_kits() -> list[str]:
         shutil.rmtree(root, ignore_errors=True)
         swept.append(tag)
     return swept
+
+
+def worker_python(directory: Path, *, repo: Path) -> Path:
+    """A ``python:`` for a namespace host's worker: this interpreter, importing ``repo``'s code."""
+    wrapper = directory / "python3"
+    wrapper.write_text(f'#!/bin/sh\nexport PYTHONPATH={repo}\nexec {sys.executable} "$@"\n')
+    wrapper.chmod(0o700)
+    return wrapper
 
 
 def _run(*argv: str, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -306,6 +315,15 @@ class HostKit:
             f"root@{host.addr}",
             *command,
         ]
+
+    def ssh_worker(self, host: NsHost) -> dict[str, str]:
+        """A cluster file's ``ssh:`` for ``host``: as root, with this kit's key and known_hosts."""
+        return {
+            "target": host.addr,
+            "user": "root",
+            "identity_file": str(self.user_key),
+            "known_hosts": str(self.known_hosts),
+        }
 
     def inside_argv(
         self,

@@ -179,3 +179,68 @@ def test_a_local_launch_never_imports_prometheus_client(tmp_path: Path) -> None:
     }
     assert "flodl_async.controller.shell" in imported  # the listing is the launcher's own
     assert not {name for name in imported if name.split(".")[0] == "prometheus_client"}
+
+#: What a one-host ``flodl-launch --nproc`` run must never import: ssh is for other hosts only (it
+#: was a fifth of the launcher's imports, paid before its ranks could start).
+LOCAL_LAUNCH_FORBIDDEN = ("torch", "asyncssh", "flodl_async.controller.fanout")
+#: What a one-host launch has not loaded yet when it starts its ranks: its control plane loads while
+#: they import torch (flodl_async.cli.earlyranks).
+BEFORE_RANKS_FORBIDDEN = (
+    "flodl_async.controller",
+    "flodl_async.control.supervisor",
+    "flodl_async.net.mux",
+    "flodl_async.agent.ranks",
+    "flodl_async.relay",
+    "flodl_async.training",
+)
+
+
+def test_a_one_host_launch_starts_its_ranks_before_its_control_plane_and_never_loads_ssh() -> None:
+    """`flodl-launch --nproc 1` end to end in a fresh interpreter: the rank runs (its line comes
+    back); when it was started (the launcher's first process) the controller, the agent's rank
+    processes and the wire's consumers were not loaded yet; by the exit, nothing of ssh was."""
+    code = (
+        "import atexit, runpy, subprocess, sys\n"
+        "atexit.register(lambda: print('MODULES', ' '.join(sorted(sys.modules)), file=sys.stderr))\n"
+        "popen = subprocess.Popen.__init__\n"
+        "def first(self, *a, **k):\n"
+        "    if not hasattr(sys, 'at_spawn'):\n"
+        "        sys.at_spawn = sorted(sys.modules)\n"
+        "        print('AT_SPAWN', ' '.join(sys.at_spawn), file=sys.stderr)\n"
+        "    popen(self, *a, **k)\n"
+        "subprocess.Popen.__init__ = first\n"
+        "sys.argv = ['flodl-launch', '--nproc', '1', '--devices', 'cpu', '--port', '0', '--',"
+        " sys.executable, '-c', 'print(\"rank ran\")']\n"
+        "runpy.run_module('flodl_async.cli.launch', run_name='__main__', alter_sys=True)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FLODL_INTERNAL_")}
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "rank ran" in result.stdout
+    modules = next(
+        line for line in result.stderr.splitlines() if line.startswith("MODULES ")
+    ).split()[1:]
+    assert "flodl_async.controller.shell" in modules  # the probe sees the launcher's own imports
+    offenders = [
+        mod
+        for mod in modules
+        if any(mod == bad or mod.startswith(bad + ".") for bad in LOCAL_LAUNCH_FORBIDDEN)
+    ]
+    assert offenders == []
+    at_spawn = next(
+        line for line in result.stderr.splitlines() if line.startswith("AT_SPAWN ")
+    ).split()[1:]
+    assert "flodl_async.cli.earlyranks" in at_spawn  # the rank was started on the early path
+    early = [
+        mod
+        for mod in at_spawn
+        if any(mod == bad or mod.startswith(bad + ".") for bad in BEFORE_RANKS_FORBIDDEN)
+    ]
+    assert early == []

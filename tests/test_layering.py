@@ -32,6 +32,7 @@ PACKAGE = ROOT / "flodl_async"
 #: Bottom to top. A root module is named as itself; ``flodl_async/__init__.py`` (the face) is
 #: above everything and appears in no list.
 ORDER = (
+    "_lazy",
     "_version",
     "verdict",
     "errors",
@@ -52,6 +53,7 @@ ORDER = (
 )
 #: Decisions and codecs: they take bytes and ``now``, never a socket or a loop.
 PURE = (
+    "_lazy",
     "_version",
     "verdict",
     "errors",

@@ -9,16 +9,14 @@ from __future__ import annotations
 
 import json
 import socket
-import stat
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from flodl_async.host.hostaddrs import parse_fib_trie, parse_if_inet6, routable
 
-from .hostkit import HostKit, NsHost
+from .hostkit import HostKit, NsHost, worker_python
 from .launchkit import PY, free_port, new_run_id, run_launch, script
 
 pytestmark = pytest.mark.e2e
@@ -84,20 +82,13 @@ def test_ranks_dialing_the_store_from_a_second_address_of_their_host_are_served(
 ) -> None:
     h1, h2 = hostkit.hosts[:2]
     second = f"{hostkit.prefix}.{200 + secrets_byte()}"
-    wrapper = tmp_path / "python3"
-    wrapper.write_text(f'#!/bin/sh\nexport PYTHONPATH={REPO}\nexec {sys.executable} "$@"\n')
-    wrapper.chmod(stat.S_IRWXU)
+    wrapper = worker_python(tmp_path, repo=REPO)
     lines = [
         f"controller: {{host: 0.0.0.0, port: {free_port()}, join: {{join_timeout: 60}}}}",
         "workers:",
     ]
     for host in (h1, h2):
-        ssh = {
-            "target": host.addr,
-            "user": "root",
-            "identity_file": str(hostkit.user_key),
-            "known_hosts": str(hostkit.known_hosts),
-        }
+        ssh = hostkit.ssh_worker(host)
         lines += [
             f"  - host: {host.name}",
             "    devices: cpu:1",
@@ -152,15 +143,8 @@ def test_a_store_connection_from_an_address_of_no_host_is_still_refused(
 
     h1 = hostkit.hosts[0]
     port = free_port()
-    wrapper = tmp_path / "python3"
-    wrapper.write_text(f'#!/bin/sh\nexport PYTHONPATH={REPO}\nexec {sys.executable} "$@"\n')
-    wrapper.chmod(stat.S_IRWXU)
-    ssh = {
-        "target": h1.addr,
-        "user": "root",
-        "identity_file": str(hostkit.user_key),
-        "known_hosts": str(hostkit.known_hosts),
-    }
+    wrapper = worker_python(tmp_path, repo=REPO)
+    ssh = hostkit.ssh_worker(h1)
     cluster = tmp_path / "cluster.yml"
     cluster.write_text(
         f"controller: {{host: 0.0.0.0, port: {port}, join: {{join_timeout: 60}}}}\nworkers:\n"

@@ -270,3 +270,21 @@ def test_a_host_cut_off_mid_training_costs_its_ranks_and_the_survivors_finish(
     assert saved["launcher--1"]["epochs_completed"] == 2
     # the cut-off agent finds its controller silent and ends its rank: nothing is left on h1
     assert hostkit.leftovers(within=30) == {}
+
+
+def test_a_collective_world_re_formed_across_hosts_gets_back_into_the_store(
+    hostkit: HostKit, tmp_path: Path
+) -> None:
+    """Rank 1 dies on the controller's host; rank 2 on h1 re-forms with rank 0 through the run's
+    store. Its new store connections come from h1's address, so h1's agent is asked who made them
+    (:mod:`flodl_async.net.portstore`): a rank of its own, served."""
+    done = _as_launcher(
+        tmp_path, _two_agents(tmp_path, hostkit), "--backend", "collective", "--policy", "sync",
+        "--epochs", "2", "--kill-rank", "1", "--kill-batch", "9", run_id=new_run_id(),
+    )  # fmt: skip
+    assert done.returncode == ExitCode.OK, done.stderr
+    assert "the survivors re-form their process group as ranks [0, 2]" in done.stderr, done.stderr
+    assert "(store_" not in done.stderr, done.stderr  # no store connection of the run refused
+    saved = states(tmp_path)
+    assert_identical(saved, {"launcher--1", "rank-0", "rank-2"})
+    assert hostkit.leftovers() == {}

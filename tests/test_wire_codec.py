@@ -28,6 +28,7 @@ from flodl_async.wire import (
     new_session_secret,
 )
 from flodl_async.wire import messages as m
+from flodl_async.wire import storeowner as so
 from flodl_async.wire.frame import HEADER, HEADER_LEN, TAG_LEN, Frame, FrameLimits
 from flodl_async.wire.handshake import PROTOCOL_VERSION
 from flodl_async.wire.legality import LEGAL_KINDS
@@ -72,6 +73,7 @@ SAMPLES: dict[tuple[Channel, Direction], list[Message]] = {
             ),
         ),
         m.Heartbeat(sent_at=12.5, rank=1),
+        so.StoreOwnerAnswer(query=7, standing="store_foreign_uid", detail="uid 65534 (nobody)"),
     ],
     (Channel.JOIN, DOWN): [
         m.JoinAccept(ranks=(0, 1), run_id="r", formation_wait_s=30.0),
@@ -93,6 +95,9 @@ SAMPLES: dict[tuple[Channel, Direction], list[Message]] = {
         m.SignalRanks(signal=10),
         m.Abort(reason="rank 3 failed", exit_code=4),
         m.Heartbeat(sent_at=12.5),
+        so.StoreOwnerQuery(
+            query=7, peer_host="10.0.0.2", peer_port=41000, our_host="10.0.0.1", our_port=29400
+        ),
     ],
     (Channel.RENDEZVOUS, UP): [
         m.RendezvousHello(host="node-a"),

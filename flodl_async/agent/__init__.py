@@ -9,13 +9,29 @@ logs, or up the join link), ``daemon`` and ``systemd`` (the persistent dial-in a
 flodl_async.agent``). Started over ssh, it imports only its join path first (torch, asyncssh,
 the controller never).
 
-May import: _version, verdict, errors, wire, deadlines, host, control, net, config, relay.
+May import: _lazy, _version, verdict, errors, wire, deadlines, host, control, net, config, relay.
 """
 
-from .endings import Ending, SessionOutcome
-from .join import SessionConfig, device_labels
-from .output import RankOutput
-from .session import HostSession
+from typing import TYPE_CHECKING
+
+from .._lazy import lazy_names
+
+#: Public name -> its module, loaded on first use (PEP 562): the launcher's early start imports
+#: :mod:`.rankargv` alone, not the session and the wire's messages.
+_LAZY = {
+    "Ending": "endings",
+    "SessionOutcome": "endings",
+    "SessionConfig": "join",
+    "device_labels": "join",
+    "RankOutput": "output",
+    "HostSession": "session",
+}
+
+if TYPE_CHECKING:
+    from .endings import Ending, SessionOutcome
+    from .join import SessionConfig, device_labels
+    from .output import RankOutput
+    from .session import HostSession
 
 __all__ = [
     "Ending",
@@ -25,3 +41,5 @@ __all__ = [
     "SessionOutcome",
     "device_labels",
 ]
+
+__getattr__, __dir__ = lazy_names(__name__, _LAZY, __all__, globals())

@@ -19,29 +19,25 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import functools
 import json
 import logging
 import os
-import shutil
 import signal
-import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..config.command import host_command, without_internal
-from ..config.devices import DeviceKind, DeviceSpec
-from ..config.rankenv import RankPlacement, RankSpec, rank_environment
-from ..host.gpus import host_visible_gpus, select
-from ..host.ifnames import with_default_ifname
-from ..host.procs import signal_group, spawn, stop_processes
+from ..config.devices import DeviceSpec
+from ..config.rankenv import RankPlacement, RankSpec
+from ..host.early import adopt, claim
+from ..host.procs import ChildProcess, signal_group, spawn, stop_processes
 from ..host.runtime import remove_rank_marker, write_rank_marker
 from ..verdict import StopStep
 from ..wire import messages as m
 from ..wire.keys import Credential
 from .activity import RankActivityTracker, store_connections
 from .output import LINE_LIMIT, OutputSink, forward_output
+from .rankargv import rank_gpu_ids, rank_launch
 
 log = logging.getLogger("flodl_async.agent")
 
@@ -58,7 +54,7 @@ class _Rank:
     local_rank: int
     round: int
     attempt: int
-    proc: asyncio.subprocess.Process
+    proc: ChildProcess
     error_file: Path
     stderr_tail: collections.deque[str]
     activity: RankActivityTracker
@@ -121,22 +117,10 @@ class RankProcesses:
         # Held across one spawn and its registration, so a stop of everything sees every rank.
         self._spawning = asyncio.Lock()
 
-    def _gpu_ids(self) -> tuple[str, ...] | None:
-        """The ranks' CUDA_VISIBLE_DEVICES: the host's devices as indices into the caller's own mask
-        (:mod:`flodl_async.host.gpus`)."""
-        devices = self._world.devices
-        if not devices.is_gpu:
-            return None
-        indices = (
-            devices.gpu_ids
-            if devices.kind is DeviceKind.GPU_LIST
-            else tuple(range(len(self._world.formed.ranks)))
-        )
-        return select(indices, host_visible_gpus())
-
     async def start(self, start: m.StartRanks) -> None:
         """Spawn this host's ranks of ``start.round`` (a rank that cannot start is reported as exit
-        127)."""
+        127); the first round's ranks the launcher started early are adopted instead when they are
+        exactly these (:mod:`flodl_async.host.early`)."""
         formed = self._world.formed
         for local_rank, rank in enumerate(formed.ranks):
             placement = RankPlacement(
@@ -153,9 +137,11 @@ class RankProcesses:
                 max_restarts=formed.max_restarts,
             )
             error_file = self._scratch / f"error-r{rank}-round{start.round}.json"
-            env = rank_environment(
-                os.environ,
-                placement,
+            command, env = rank_launch(
+                command=formed.command,
+                run_env=formed.env,
+                host_env=self._world.host_env,
+                placement=placement,
                 error_file=str(error_file),
                 rank_spec=RankSpec(
                     run_id=self._world.run_id,
@@ -165,29 +151,31 @@ class RankProcesses:
                     round=start.round,
                     credential_hex=self._world.credential(start.round, rank).key.hex(),
                 ),
-                cluster_env=without_internal(formed.env),
-                host_env=without_internal(self._world.host_env),
-                cuda_visible_devices=self._gpu_ids(),
+                cuda_visible_devices=rank_gpu_ids(self._world.devices, len(formed.ranks)),
+                default_ifname=self._world.default_ifname,
             )
-            # after every explicit setting: it fills only what is unset
-            env = with_default_ifname(env, self._world.default_ifname)
             async with self._spawning:
                 if self._closed:
                     log.debug(
                         "agent %s: not starting rank %d, the session is stopping", self._host, rank
                     )
                     return
-                # A leading `python` is this host's interpreter (flodl_async.config.command).
-                command = host_command(
-                    formed.command,
-                    run_env=formed.env,
-                    host_env=self._world.host_env,
-                    own_python=sys.executable,
-                    which=functools.partial(shutil.which, path=env.get("PATH")),
+                key = (self._world.run_id, self._world.host, rank)
+                early = (
+                    claim(key, command, env=env, cwd=self._world.workdir)
+                    if start.round == 0 and start.restart_count == 0
+                    else None
                 )
+                if early is not None:
+                    log.debug("agent %s: rank %d was started early: adopted", self._host, rank)
+                proc: ChildProcess
                 try:
-                    proc = await spawn(
-                        command, env=env, cwd=self._world.workdir, line_limit=LINE_LIMIT
+                    proc = (
+                        await adopt(early, line_limit=LINE_LIMIT)
+                        if early is not None
+                        else await spawn(
+                            command, env=env, cwd=self._world.workdir, line_limit=LINE_LIMIT
+                        )
                     )
                 except OSError as exc:
                     self._report(

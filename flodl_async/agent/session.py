@@ -52,6 +52,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from ..config.devices import DeviceKind
 from ..control.liveness import Liveness, Wake
 from ..errors import AgentError, ConfigError, ConnectionClosed, FlodlError, WireError
+from ..host.early import early_ranks_of
 from ..host.gpus import host_visible_gpus, select
 from ..host.ifnames import interface_holding
 from ..host.runtime import RuntimeEntry, create_entry, reap_stale_ranks, sweep_stale
@@ -59,6 +60,7 @@ from ..net.framed import FramedProtocol
 from ..net.signals import FORWARDED_SIGNALS
 from ..verdict import StopStep, stop_schedule
 from ..wire import messages as m
+from ..wire import storeowner as so
 from ..wire.keys import Credential
 from ..wire.schema import Message
 from .endings import (
@@ -263,6 +265,7 @@ class _Serving:
         default_ifname: str | None = None,
     ) -> None:
         # Only a formed world needs ranks, a relay and a store.
+        from ..net.storegate import StoreGate  # deferred: off the ssh agent's start path
         from .ranks import RankWorld  # deferred: off the ssh agent's start path
         from .storehost import StoreHost  # deferred: off the ssh agent's start path
 
@@ -296,6 +299,9 @@ class _Serving:
             advertise_addr=cfg.advertise_addr,
             deadlines=cfg.deadlines,
         )
+        #: Judges the controller's questions about store connections from this host: this agent's
+        #: user, and this process's tree (every rank it starts descends from it).
+        self._store_gate = StoreGate.of_this_process()
         self._relay: Relay | None = None
         self._round_work = asyncio.Lock()  # FIFO: round commands run in arrival order
         self._tg: asyncio.TaskGroup | None = None
@@ -361,6 +367,9 @@ class _Serving:
                 except (OSError, FlodlError) as exc:
                     self.end_by(RelayFailed(controller=cfg.controller_addr, detail=str(exc)))
                 else:
+                    if early_ranks_of(self._run_id, cfg.host):
+                        # they run already, and may dial the relay before the first StartRanks
+                        relay.open_round(0)
                     self._spawn(self._read_commands(), name=f"{cfg.host}-commands")
                     self._spawn(self._keep_alive(), name=f"{cfg.host}-heartbeat")
                     self._spawn(self._report_activity(), name=f"{cfg.host}-activity")
@@ -533,8 +542,9 @@ class _Serving:
 
     async def _start_round(self, msg: m.StartRanks) -> None:
         assert self._ranks is not None
-        if self._relay is not None:
-            # from now on the relay takes this round's credentials only
+        if self._relay is not None and self._relay.round != msg.round:
+            # from now on the relay takes this round's credentials only (ranks started early had
+            # it opened at once)
             self._relay.open_round(msg.round)
         if not msg.master_addr:
             # The store rides the controller's port: the ranks reach it the way this agent does.
@@ -576,6 +586,14 @@ class _Serving:
         log.debug(
             "agent %s: %s to ranks %s", self._cfg.host, signal.Signals(msg.signal).name, reached
         )
+    def _on_store_owner_query(self, msg: so.StoreOwnerQuery) -> None:
+        """Who made a store connection from this host: only this host's kernel can say, and only
+        this agent's own processes (its ranks and their children, its user) are the run's here."""
+        peer, ours = (msg.peer_host, msg.peer_port), (msg.our_host, msg.our_port)
+        check = self._store_gate.check(peer, ours)
+        detail = self._store_gate.named(check) if check.refused else ""
+        answer = so.StoreOwnerAnswer(query=msg.query, standing=check.standing.value, detail=detail)
+        self._send(answer)
 
 
 _Serving.commands = {
@@ -586,4 +604,5 @@ _Serving.commands = {
     m.Finish: _Serving._on_finish,
     m.Heartbeat: _Serving._on_heartbeat,
     m.SignalRanks: _Serving._on_signal_ranks,
+    so.StoreOwnerQuery: _Serving._on_store_owner_query,
 }

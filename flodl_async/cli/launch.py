@@ -24,8 +24,8 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from ..agent import RankOutput
 from ..config.addr import DEFAULT_PORT
 from ..config.cluster import (
     ClusterSpec,
@@ -42,10 +42,10 @@ from ..config.devices import parse_devices
 from ..config.everynode import EveryNode
 from ..config.plan import LaunchPlan, PlacedWorker, Placement
 from ..config.streams import StreamRouting
-from ..controller import Controller
 from ..deadlines import Deadlines
 from ..errors import ConfigError, FlodlError, PortInUseError, RuntimeDirError
 from ..host.console import ConsoleWriter
+from ..host.early import discard_all
 from ..host.gpus import host_visible_gpus, select
 from ..host.hostnames import HostAliases
 from ..host.runs import Registration, register
@@ -54,6 +54,7 @@ from ..net.loop import run
 from ..net.signals import ForwardedSignals, StopSignals
 from ..verdict import ExitCode, RunResult
 from ..wire.keys import new_session_secret
+from .earlyranks import port_gave_way, release, start_local_ranks
 from .launchargs import LaunchArgs, nproc_devices, parse_args, resolve_nproc
 from .nodes import (
     already_delivered,
@@ -64,6 +65,10 @@ from .nodes import (
     run_agent_node,
 )
 from .verdictline import verdict_line
+
+if TYPE_CHECKING:
+    from ..agent import RankOutput
+    from ..controller import Controller
 
 log = logging.getLogger("flodl_async.cli.launch")
 
@@ -362,6 +367,8 @@ def status_host(bind_host: str) -> str:
 async def bind_controller(plan: LaunchPlan, output: RankOutput, choice: PortChoice) -> Controller:
     """The controller, bound by the one port rule (:func:`port_choice`): a taken default port gives
     way to a free one, as torchrun --standalone does; a strict one is a :class:`ConfigError`."""
+    from ..controller import Controller  # deferred: loads while early ranks import torch
+
     controller = Controller(plan, output=output)
     try:
         await controller.bind()
@@ -372,11 +379,7 @@ async def bind_controller(plan: LaunchPlan, output: RankOutput, choice: PortChoi
             raise port_taken(exc, choice) from None
     controller = Controller(dataclasses.replace(plan, port=0), output=output)
     await controller.bind()
-    log.warning(
-        "port %d is taken (another run? see `flodl ps`); using free port %d instead",
-        plan.port,
-        controller.port,
-    )
+    port_gave_way(plan.port, controller.port)
     return controller
 
 
@@ -390,6 +393,8 @@ async def _run(
 ) -> tuple[RunResult, bool]:
     """The run's verdict, and whether its Trainer (if any) ended by a stop. ``nodes``: the
     controller's node of an every-node run, which prints only its own ranks' lines."""
+    from ..agent import RankOutput  # deferred: loads while early ranks import torch
+
     first_attempt = next_attempt(plan.log_dir, plan.run_id)
     # Rank output goes through writer threads: a console nobody reads must not stall the loop
     # (heartbeats, status).
@@ -506,6 +511,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return run_agent_node(args, nodes)
         plan, choice = build_plan(args)
         warn_oversubscribed(plan)
+        # a one-host run's ranks import torch while the controller builds (cli/earlyranks.py)
+        plan = start_local_ranks(plan, fallback=choice.fallback)
         result, interrupted = run(
             _run(plan, choice, show_ranks=args.ranks_filter, routing=args.routing, nodes=nodes)
         )
@@ -518,6 +525,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         if nodes is not None and is_controller_node(nodes):
             forget_job_token(nodes)
+        discard_all()  # early ranks no agent took (the run failed before it could)
+        release()
     elapsed = time.monotonic() - started
     # The verdict line is printed under -q too: it is what -q keeps.
     line = verdict_line("flodl-launch", result, interrupted=interrupted, elapsed=elapsed)

@@ -13,7 +13,6 @@ from ..control.supervision import SupervisorConfig
 from ..deadlines import Deadlines
 from ..host.ifnames import controller_host_peer
 from ..wire.handshake import PROTOCOL_VERSION
-from .fanout import ssh_launcher
 from .launchers import AgentLauncher, ControllerContact, DialInLauncher, LocalLauncher
 
 if TYPE_CHECKING:
@@ -40,6 +39,9 @@ def agent_launchers(
         Placement.DIAL_IN: DialInLauncher(),
     }
     if any(w.placement is Placement.SSH for w in plan.workers):
+        # (a fifth of the launcher's imports: a one-host run spawns its ranks that much sooner)
+        from .fanout import ssh_launcher  # deferred: asyncssh only where a host is over ssh
+
         out, err = output.consoles
         launchers[Placement.SSH] = ssh_launcher(
             contact, bind_host=plan.bind_host, run_id=plan.run_id, stdout=out, stderr=err

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import os
 import signal
@@ -47,9 +48,12 @@ from ..control.watch import (
 from ..errors import ConnectionClosed, WireError
 from ..host.cores import oversubscription
 from ..host.hostaddrs import routable
+from ..host.sockdiag import Endpoint
 from ..net.framed import FramedProtocol, tcp_endpoints
-from ..net.portstore import PortStore
+from ..net.portstore import PortStore, normalise_host
+from ..net.storegate import Standing
 from ..wire import messages as m
+from ..wire import storeowner as so
 from ..wire.handshake import PROTOCOL_VERSION
 from ..wire.scalars import Report
 from ..wire.schema import Message
@@ -89,6 +93,13 @@ class HostLinks:
         self._training = training
         #: Each admitted host's join link, from its accept until it is cut for its silence.
         self.links: dict[str, FramedProtocol] = {}
+        #: Each admitted host's addresses → its name: whose agent says who made a store connection.
+        self._host_at: dict[str, str] = {}
+        #: Store-owner questions asked and not yet answered: id → (the host asked, its answer).
+        self._asked: dict[int, tuple[str, asyncio.Future[tuple[str, str, str]]]] = {}
+        self._ask_ids = itertools.count(1)
+        if store is not None:
+            store.owner_oracle = self.ask_owner
 
     def tell(self, action: Tell[str], reply_link: FramedProtocol | None) -> None:
         link = self.links.get(action.to)
@@ -111,6 +122,7 @@ class HostLinks:
         if self._store is not None:
             # its ranks dial the store from the same address
             self._store.admit_host(reply_link.peer_host)
+            self._host_at[normalise_host(reply_link.peer_host)] = action.host
         return JoinBound(host=action.host)
 
     def reject_join(self, action: RejectJoin, reply_link: FramedProtocol | None) -> None:
@@ -199,6 +211,7 @@ class HostLinks:
         if self._store is not None:
             for address in routable(hello.addresses):
                 self._store.admit_host(address)
+                self._host_at.setdefault(normalise_host(address), hello.host)
             # an agent of this host: its ranks are its descendants (before its first StartRanks)
             endpoints = tcp_endpoints(link)
             if endpoints is not None:
@@ -211,6 +224,9 @@ class HostLinks:
                 if isinstance(msg, m.RankOutput):  # output is I/O, not a supervisor event
                     self._output.receive(hello.host, msg)
                     continue
+                if isinstance(msg, so.StoreOwnerAnswer):  # the store's, not the supervisor's
+                    self._answered(hello.host, msg)
+                    continue
                 to_event = HOST_EVENTS.get(type(msg))
                 if to_event is not None:
                     self._dispatch(to_event(hello.host, msg))
@@ -218,6 +234,54 @@ class HostLinks:
             # not when the liveness check already cut it off
             if self.links.get(hello.host) is link:
                 self._dispatch(HostLost(host=hello.host, reason=str(exc), link_closed=True))
+
+    def ask_owner(self, peer: Endpoint, ours: Endpoint) -> asyncio.Future[tuple[str, str, str]]:
+        """Ask the agent of the host ``peer`` is an address of who made the store connection from
+        ``peer`` to ``ours`` (the port store's :data:`~flodl_async.net.portstore.OwnerOracle`).
+
+        An address of no linked host, a link that fails, or no answer within the heartbeat
+        silence (after which its host is lost anyway) is an unknown owner: refused."""
+        loop = asyncio.get_running_loop()
+        answer: asyncio.Future[tuple[str, str, str]] = loop.create_future()
+        host = self._host_at.get(normalise_host(peer[0]), "")
+        link = self.links.get(host)
+        unknown = Standing.OWNER_UNKNOWN.value
+        if link is None:
+            answer.set_result((unknown, "no agent of that address is linked to the run", host))
+            return answer
+        query = next(self._ask_ids)
+        try:
+            link.send(
+                so.StoreOwnerQuery(
+                    query=query,
+                    peer_host=peer[0],
+                    peer_port=peer[1],
+                    our_host=ours[0],
+                    our_port=ours[1],
+                )
+            )
+        except ConnectionClosed:
+            answer.set_result((unknown, "its host's agent is gone", host))
+            return answer
+        self._asked[query] = (host, answer)
+        silence = self._plan.deadlines.heartbeat_silence
+        timer = loop.call_later(silence, self._unanswered, query)
+        answer.add_done_callback(lambda _answer: timer.cancel())
+        return answer
+
+    def _answered(self, host: str, msg: so.StoreOwnerAnswer) -> None:
+        asked = self._asked.get(msg.query)
+        if asked is None or asked[0] != host:
+            return  # an agent answers only what its own host was asked
+        del self._asked[msg.query]
+        if not asked[1].done():
+            asked[1].set_result((msg.standing, msg.detail, host))
+
+    def _unanswered(self, query: int) -> None:
+        asked = self._asked.pop(query, None)
+        if asked is not None and not asked[1].done():
+            detail = "its host's agent did not say who made it in time"
+            asked[1].set_result((Standing.OWNER_UNKNOWN.value, detail, asked[0]))
 
     async def handle_rendezvous(self, link: FramedProtocol) -> None:
         while True:

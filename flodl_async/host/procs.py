@@ -19,13 +19,33 @@ import os
 import signal
 import sys
 from collections.abc import Iterable, Mapping, Sequence
+from typing import Protocol
 
 from ..verdict import StopStep
 
 _PR_SET_PDEATHSIG = 1
 
 
-def _die_with_parent() -> None:  # runs in the child between fork and exec
+class ChildProcess(Protocol):
+    """What a rank's watcher uses of its process: :class:`asyncio.subprocess.Process`, or an
+    early-started rank adopted later (:class:`flodl_async.host.early.AdoptedProcess`)."""
+
+    @property
+    def pid(self) -> int: ...
+
+    @property
+    def returncode(self) -> int | None: ...
+
+    @property
+    def stdout(self) -> asyncio.StreamReader | None: ...
+
+    @property
+    def stderr(self) -> asyncio.StreamReader | None: ...
+
+    async def wait(self) -> int: ...
+
+
+def die_with_parent() -> None:  # runs in the child between fork and exec
     if sys.platform.startswith("linux"):
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
@@ -53,7 +73,7 @@ async def spawn(
         pass_fds=pass_fds,
         limit=line_limit,
         start_new_session=True,
-        preexec_fn=_die_with_parent,
+        preexec_fn=die_with_parent,
     )
 
 
@@ -70,13 +90,13 @@ def signal_group(pid: int, sig: signal.Signals) -> None:
             os.killpg(pid, signal.SIGCONT)
 
 
-async def _wait_all(procs: Sequence[asyncio.subprocess.Process]) -> None:
+async def _wait_all(procs: Sequence[ChildProcess]) -> None:
     for proc in procs:
         await proc.wait()
 
 
 async def _until_exited_or_forced(
-    procs: Sequence[asyncio.subprocess.Process], force: asyncio.Event | None, when: float
+    procs: Sequence[ChildProcess], force: asyncio.Event | None, when: float
 ) -> None:
     """Return when every process exited, ``force`` is set, or the loop time ``when`` came, whichever
     is first."""
@@ -91,7 +111,7 @@ async def _until_exited_or_forced(
 
 
 async def stop_processes(
-    procs: Iterable[asyncio.subprocess.Process],
+    procs: Iterable[ChildProcess],
     *,
     schedule: Sequence[StopStep],
     force: asyncio.Event | None = None,

@@ -14,6 +14,11 @@ ranks, never because a remote agent says so). Any other is closed at once and co
 user can dial loopback: a connection from this host is served only to the run's own processes
 (:mod:`flodl_async.net.storegate`: the controller's tree, and each local agent's from its join),
 and one of another user or of no process of the run is refused before a byte of it is read.
+Another host's connection is judged the same way by that host's own agent, the one process that
+can ask that host's kernel: the store asks it over the agent's authenticated join link
+(:data:`OwnerOracle`) and holds the connection's bytes unread until it answers; a connection it
+does not vouch for (another user, a process of the run's user that none of its ranks is, a socket
+no process holds) is refused as a local one would be, named once with the agent's words.
 The mux holds every store connection in admission's store pool
 (:class:`~flodl_async.net.admission.Pool`), capped per address and in total and fitted to the
 descriptor limit, until it closes: ranks hold theirs for hours, and held store connections
@@ -30,16 +35,24 @@ closed, since torch adds no per-attempt prefix under the agent-store contract.
 
 from __future__ import annotations
 
+import asyncio
 import ipaddress
 import logging
+from collections.abc import Callable
 
 from ..host.sockdiag import Endpoint
 from ..wire.storeproto import StoreLimits, StoreState
 from .admission import AdmissionTicket
-from .storegate import StoreGate
+from .storegate import Standing, StoreGate
 from .tcpstore import StoreClientProtocol, StoreClients
 
 log = logging.getLogger("flodl_async.net.torchstore")
+
+#: Asks the agent of the host a store connection came from who made it: ``(peer, ours)`` → a
+#: future of (the agent's :class:`Standing` value, its words for a refused peer, the host's name).
+OwnerOracle = Callable[[Endpoint, Endpoint], "asyncio.Future[tuple[str, str, str]]"]
+#: Bytes a connection may send while its host's agent is asked (torch's first requests: ~100).
+HELD_LIMIT = 64 * 1024
 
 
 def normalise_host(host: str) -> str:
@@ -63,6 +76,10 @@ class PortStore:
         self._clients = StoreClients(limits=limits, subject="port store", gate=self._gate)
         self.round = 0
         self._admitted: set[str] = set()
+        #: Who judges another host's connections (None: its address alone, as for a bare store).
+        self.owner_oracle: OwnerOracle | None = None
+        #: Connections waiting for their host's agent to say who made them.
+        self._pending: set[_PortStoreProtocol] = set()
 
     @property
     def state(self) -> StoreState:
@@ -101,10 +118,18 @@ class PortStore:
         client."""
         self.round = round_
         self._clients.renew()
+        self._abort_pending()
 
     def close(self) -> None:
         """Close every client (the run is over)."""
         self._clients.close_all()
+        self._abort_pending()
+
+    def _abort_pending(self) -> None:
+        pending = list(self._pending)
+        self._pending.clear()
+        for protocol in pending:
+            protocol.abort()
 
 
 class _PortStoreProtocol(StoreClientProtocol):
@@ -112,13 +137,18 @@ class _PortStoreProtocol(StoreClientProtocol):
         super().__init__(clients)
         self._store = store
         self._ticket: AdmissionTicket | None = None
+        #: What it sent while its host's agent is asked (None: not asked, or answered).
+        self._held: bytearray | None = None
 
     def bind_admission(self, ticket: AdmissionTicket) -> None:
         self._ticket = ticket
 
     def accept(self) -> bool:
         if self._store.is_admitted(self.host):
-            return super().accept()  # and from this host, only the run's own processes
+            # and from this host, only the run's own processes
+            if not super().accept():
+                return False
+            return not self._ask_its_agent()
         if self._ticket is not None:
             self._ticket.rejected(
                 "store_not_admitted",
@@ -128,6 +158,62 @@ class _PortStoreProtocol(StoreClientProtocol):
         if self._transport is not None:
             self._transport.abort()
         return False
+
+    def _ask_its_agent(self) -> bool:
+        """Another host's connection: ask its agent who made it, reading nothing meanwhile; True
+        while it is asked."""
+        oracle = self._store.owner_oracle
+        if self.standing is not Standing.REMOTE or oracle is None:
+            return False
+        assert self._peer is not None
+        assert self._ours is not None
+        self._held = bytearray()
+        self._store._pending.add(self)
+        oracle(self._peer, self._ours).add_done_callback(self._judged)
+        return True
+
+    def data_received(self, data: bytes) -> None:
+        held = self._held
+        if held is None:
+            super().data_received(data)
+            return
+        held += data
+        if len(held) > HELD_LIMIT:
+            self._give_up()
+            self.refuse(
+                "store_protocol",
+                f"sent {len(held)} bytes before its host's agent said who it is",
+                at_once=True,
+            )
+
+    def _give_up(self) -> None:
+        self._held = None
+        self._store._pending.discard(self)
+
+    def _judged(self, answer: asyncio.Future[tuple[str, str, str]]) -> None:
+        if self._held is None or self._transport is None:
+            return  # refused, or closed, meanwhile
+        held = self._held
+        self._give_up()
+        if self._transport.is_closing():
+            return
+        if answer.cancelled() or answer.exception() is not None:
+            unknown = Standing.OWNER_UNKNOWN.value
+            standing, detail, host = unknown, "its host's agent did not say", ""
+        else:
+            standing, detail, host = answer.result()
+        if standing in (Standing.SERVED.value, Standing.REMOTE.value):
+            self._clients.attach(self)
+            if held:
+                self.data_received(bytes(held))
+            return
+        where = f'on host "{host}": ' if host else ""
+        # one line per address and kind of offender: each other user there is named too
+        self.refuse(standing, where + detail, at_once=True, offender=f"{self.host} ({standing})")
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._give_up()
+        super().connection_lost(exc)
 
     def refused(self, reason: str, detail: str) -> None:
         if self._ticket is not None:

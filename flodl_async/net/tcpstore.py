@@ -34,7 +34,7 @@ from ..wire.storeproto import (
     StoreProtocolError,
     StoreState,
 )
-from .storegate import StoreGate, describe_peer
+from .storegate import Standing, StoreGate, describe_peer
 
 log = logging.getLogger("flodl_async.net.torchstore")
 
@@ -133,6 +133,8 @@ class StoreClientProtocol(asyncio.Protocol):
         self._ours: tuple[str, int] | None = None
         self._paused = False
         self._refused = False
+        #: The gate's judgement of the peer (``REMOTE``: another host's, judged by its address).
+        self.standing = Standing.SERVED
         #: Reply bytes the transport held unsent when last asked (what the state was told).
         self._unsent = 0
 
@@ -155,6 +157,7 @@ class StoreClientProtocol(asyncio.Protocol):
         if gate is None or self._peer is None or self._ours is None:
             return True
         check = gate.check(self._peer, self._ours)
+        self.standing = check.standing
         if not check.refused:
             return True
         # one line per address and user: every other user dialling loopback is named too

@@ -264,6 +264,11 @@ class Relay:
             os.umask(old_umask)
         os.chmod(path, 0o600)
 
+    @property
+    def round(self) -> int | None:
+        """The round whose rank credentials are taken (None: none yet)."""
+        return self._round
+
     def open_round(self, round_: int) -> None:
         """Ranks of ``round_`` are starting: from now on only their credentials are taken."""
         self._round = round_

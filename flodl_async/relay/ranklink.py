@@ -10,6 +10,7 @@ to the controller and back. The rank's data link is
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
 from collections.abc import Mapping
@@ -23,6 +24,10 @@ from ..wire import messages as m
 from ..wire.channels import Channel
 from ..wire.keys import Credential
 from ..wire.schema import Message
+
+#: How long a rank waits for its relay's socket to appear, and how often it looks.
+RELAY_APPEAR_WAIT = 30.0
+RELAY_APPEAR_POLL = 0.02
 
 
 class RankLink:
@@ -52,12 +57,23 @@ class RankLink:
                 "start the rank with flodl-launch"
             ) from None
         credential = Credential.rank_from_hex(spec.credential_hex, round=spec.round, rank=rank)
-        link = await open_unix_framed(
-            spec.relay_socket,
-            channel=Channel.CONTROL,
-            credential=credential,
-            peer_label=f"relay of {spec.host}",
-        )
+        loop = asyncio.get_running_loop()
+        # A rank the launcher started early (flodl_async.host.early) may get here before its
+        # agent's relay listens: the socket appears within moments, or not at all.
+        give_up = loop.time() + RELAY_APPEAR_WAIT
+        while True:
+            try:
+                link = await open_unix_framed(
+                    spec.relay_socket,
+                    channel=Channel.CONTROL,
+                    credential=credential,
+                    peer_label=f"relay of {spec.host}",
+                )
+                break
+            except (FileNotFoundError, ConnectionRefusedError):
+                if loop.time() >= give_up:
+                    raise
+                await asyncio.sleep(RELAY_APPEAR_POLL)
         link.send(
             m.RankHello(
                 rank=rank,

@@ -12,7 +12,8 @@ The rows are how the messages are used:
 
 * join — the agent's host link, open for the run: the agent joins and reports
   its ranks' exits, output and activity (``RankStats``); the controller admits, forms the world and
-  drives rounds.
+  drives rounds, and asks the agent who made a store connection from its host
+  (``StoreOwnerQuery``/``StoreOwnerAnswer``).
 * rendezvous — the store host's agent reports where its store listens; nothing
   comes back down.
 * control — ranks' hello and heartbeats, and the Trainer's coordinator protocol
@@ -79,6 +80,7 @@ from .messages import (
 )
 from .scalars import Report
 from .schema import Message
+from .storeowner import StoreOwnerAnswer, StoreOwnerQuery
 
 UP = Direction.TO_CONTROLLER
 DOWN = Direction.FROM_CONTROLLER
@@ -87,7 +89,15 @@ DOWN = Direction.FROM_CONTROLLER
 LEGAL_KINDS: Mapping[tuple[Channel, Direction], frozenset[type[Message]]] = MappingProxyType(
     {
         (Channel.JOIN, UP): frozenset(
-            {JoinHello, RankExited, RankOutput, RankStats, RanksStopped, Heartbeat}
+            {
+                JoinHello,
+                RankExited,
+                RankOutput,
+                RankStats,
+                RanksStopped,
+                Heartbeat,
+                StoreOwnerAnswer,
+            }
         ),
         (Channel.JOIN, DOWN): frozenset(
             {
@@ -101,6 +111,7 @@ LEGAL_KINDS: Mapping[tuple[Channel, Direction], frozenset[type[Message]]] = Mapp
                 Finish,
                 SignalRanks,
                 Heartbeat,
+                StoreOwnerQuery,
             }
         ),
         (Channel.RENDEZVOUS, UP): frozenset({RendezvousHello, StoreAddress}),
