@@ -32,7 +32,7 @@ from pathlib import Path
 
 from ..config.command import host_command, without_internal
 from ..config.devices import DeviceKind, DeviceSpec
-from ..config.rankenv import RankPlacement, RankSpec, rank_environment
+from ..config.rankenv import INCARNATION_VAR, RankPlacement, RankSpec, rank_environment
 from ..host.gpus import host_visible_gpus, select
 from ..host.ifnames import with_default_ifname
 from ..host.procs import signal_group, spawn, stop_processes
@@ -40,6 +40,7 @@ from ..host.runtime import remove_rank_marker, write_rank_marker
 from ..verdict import StopStep
 from ..wire import messages as m
 from ..wire.keys import Credential
+from ..wire.restarts import RestartRank
 from .activity import RankActivityTracker, store_connections
 from .output import LINE_LIMIT, OutputSink, forward_output
 
@@ -118,6 +119,8 @@ class RankProcesses:
         self._ranks: dict[int, _Rank] = {}
         self._readers: set[asyncio.Task[None]] = set()
         self._closed = False
+        # the round's StartRanks, for a rank restarted alone (:meth:`restart`)
+        self._started: m.StartRanks | None = None
         # Held across one spawn and its registration, so a stop of everything sees every rank.
         self._spawning = asyncio.Lock()
 
@@ -137,100 +140,137 @@ class RankProcesses:
     async def start(self, start: m.StartRanks) -> None:
         """Spawn this host's ranks of ``start.round`` (a rank that cannot start is reported as exit
         127)."""
+        self._started = start
+        for local_rank, rank in enumerate(self._world.formed.ranks):
+            if not await self._spawn_rank(start, local_rank, rank):
+                return
+
+    async def restart(self, msg: RestartRank) -> None:
+        """Start ``msg.rank`` again, alone, as its incarnation ``msg.incarnation`` (a Trainer rank
+        lost to a crash, under ``--max-restarts``): the same rank of the same round, so the same
+        credential, with the incarnation in its environment for its ``TrainerHello``."""
+        start = self._started
+        ranks = self._world.formed.ranks
+        if start is None or start.round != msg.round or msg.rank not in ranks:
+            log.warning(
+                "agent %s: not restarting rank %d of round %d: this host runs no such rank",
+                self._host,
+                msg.rank,
+                msg.round,
+            )
+            return
+        running = self._ranks.get(msg.rank)
+        if running is not None and not self._exited(running):
+            log.warning("agent %s: not restarting rank %d: it still runs", self._host, msg.rank)
+            return
+        log.info(
+            "agent %s: restarting rank %d alone (incarnation %d)",
+            self._host,
+            msg.rank,
+            msg.incarnation,
+        )
+        await self._spawn_rank(start, ranks.index(msg.rank), msg.rank, msg.incarnation)
+
+    async def _spawn_rank(
+        self, start: m.StartRanks, local_rank: int, rank: int, incarnation: int = 0
+    ) -> bool:
+        """Spawn one rank of ``start.round`` (one that cannot start is reported as exit 127);
+        False once the session is stopping."""
         formed = self._world.formed
-        for local_rank, rank in enumerate(formed.ranks):
-            placement = RankPlacement(
+        placement = RankPlacement(
+            rank=rank,
+            local_rank=local_rank,
+            world_size=formed.world_size,
+            local_world_size=len(formed.ranks),
+            group_rank=formed.group_rank,
+            group_world_size=formed.group_world_size,
+            master_addr=start.master_addr,
+            master_port=start.master_port,
+            run_id=self._world.run_id,
+            restart_count=start.restart_count,
+            max_restarts=formed.max_restarts,
+        )
+        again = f"-i{incarnation}" if incarnation else ""
+        error_file = self._scratch / f"error-r{rank}-round{start.round}{again}.json"
+        env = rank_environment(
+            os.environ,
+            placement,
+            error_file=str(error_file),
+            rank_spec=RankSpec(
+                run_id=self._world.run_id,
+                host=self._world.host,
+                relay_socket=self._world.relay_socket,
+                data_socket=self._world.data_socket,
+                round=start.round,
+                credential_hex=self._world.credential(start.round, rank).key.hex(),
+            ),
+            cluster_env=without_internal(formed.env),
+            host_env=without_internal(self._world.host_env),
+            cuda_visible_devices=self._gpu_ids(),
+        )
+        # after every explicit setting: it fills only what is unset
+        env = with_default_ifname(env, self._world.default_ifname)
+        if incarnation:
+            env = {**env, INCARNATION_VAR: str(incarnation)}
+        async with self._spawning:
+            if self._closed:
+                log.debug(
+                    "agent %s: not starting rank %d, the session is stopping", self._host, rank
+                )
+                return False
+            # A leading `python` is this host's interpreter (flodl_async.config.command).
+            command = host_command(
+                formed.command,
+                run_env=formed.env,
+                host_env=self._world.host_env,
+                own_python=sys.executable,
+                which=functools.partial(shutil.which, path=env.get("PATH")),
+            )
+            try:
+                proc = await spawn(command, env=env, cwd=self._world.workdir, line_limit=LINE_LIMIT)
+            except OSError as exc:
+                self._report(
+                    m.RankExited(
+                        round=start.round,
+                        rank=rank,
+                        local_rank=local_rank,
+                        host=self._host,
+                        exit_code=127,
+                        stderr_tail=(f"cannot start {command[0]!r}: {exc.strerror or exc}",),
+                    )
+                )
+                return True
+            # so that a next session can clean up what this rank forks, should this agent be
+            # SIGKILLed
+            try:
+                write_rank_marker(self._scratch, pid=proc.pid, rank=rank)
+            except OSError as exc:
+                log.warning(
+                    "agent %s: cannot record rank %d (pid %d) in %s: %s",
+                    self._host,
+                    rank,
+                    proc.pid,
+                    self._scratch,
+                    exc,
+                )
+            activity = RankActivityTracker(
+                rank=rank,
+                pid=proc.pid,
+                store_port=start.master_port,
+                now=asyncio.get_running_loop().time(),
+            )
+            entry = _Rank(
                 rank=rank,
                 local_rank=local_rank,
-                world_size=formed.world_size,
-                local_world_size=len(formed.ranks),
-                group_rank=formed.group_rank,
-                group_world_size=formed.group_world_size,
-                master_addr=start.master_addr,
-                master_port=start.master_port,
-                run_id=self._world.run_id,
-                restart_count=start.restart_count,
-                max_restarts=formed.max_restarts,
+                round=start.round,
+                attempt=start.restart_count,
+                proc=proc,
+                error_file=error_file,
+                stderr_tail=_tail(),
+                activity=activity,
             )
-            error_file = self._scratch / f"error-r{rank}-round{start.round}.json"
-            env = rank_environment(
-                os.environ,
-                placement,
-                error_file=str(error_file),
-                rank_spec=RankSpec(
-                    run_id=self._world.run_id,
-                    host=self._world.host,
-                    relay_socket=self._world.relay_socket,
-                    data_socket=self._world.data_socket,
-                    round=start.round,
-                    credential_hex=self._world.credential(start.round, rank).key.hex(),
-                ),
-                cluster_env=without_internal(formed.env),
-                host_env=without_internal(self._world.host_env),
-                cuda_visible_devices=self._gpu_ids(),
-            )
-            # after every explicit setting: it fills only what is unset
-            env = with_default_ifname(env, self._world.default_ifname)
-            async with self._spawning:
-                if self._closed:
-                    log.debug(
-                        "agent %s: not starting rank %d, the session is stopping", self._host, rank
-                    )
-                    return
-                # A leading `python` is this host's interpreter (flodl_async.config.command).
-                command = host_command(
-                    formed.command,
-                    run_env=formed.env,
-                    host_env=self._world.host_env,
-                    own_python=sys.executable,
-                    which=functools.partial(shutil.which, path=env.get("PATH")),
-                )
-                try:
-                    proc = await spawn(
-                        command, env=env, cwd=self._world.workdir, line_limit=LINE_LIMIT
-                    )
-                except OSError as exc:
-                    self._report(
-                        m.RankExited(
-                            round=start.round,
-                            rank=rank,
-                            local_rank=local_rank,
-                            host=self._host,
-                            exit_code=127,
-                            stderr_tail=(f"cannot start {command[0]!r}: {exc.strerror or exc}",),
-                        )
-                    )
-                    continue
-                # so that a next session can clean up what this rank forks, should this agent be
-                # SIGKILLed
-                try:
-                    write_rank_marker(self._scratch, pid=proc.pid, rank=rank)
-                except OSError as exc:
-                    log.warning(
-                        "agent %s: cannot record rank %d (pid %d) in %s: %s",
-                        self._host,
-                        rank,
-                        proc.pid,
-                        self._scratch,
-                        exc,
-                    )
-                activity = RankActivityTracker(
-                    rank=rank,
-                    pid=proc.pid,
-                    store_port=start.master_port,
-                    now=asyncio.get_running_loop().time(),
-                )
-                entry = _Rank(
-                    rank=rank,
-                    local_rank=local_rank,
-                    round=start.round,
-                    attempt=start.restart_count,
-                    proc=proc,
-                    error_file=error_file,
-                    stderr_tail=_tail(),
-                    activity=activity,
-                )
-                self._register(entry)
+            self._register(entry)
+        return True
 
     def _register(self, entry: _Rank) -> None:
         proc = entry.proc

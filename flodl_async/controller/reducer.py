@@ -168,7 +168,7 @@ class Reducer:
     ) -> None:
         """Round ``round`` starts now; it completes when every one of ``expected_ranks`` is covered
         or dead. ``plan``: what each rank may claim in it (its ``Reduce``'s)."""
-        early = self._gate.open(round)
+        early = self._gate.open(round, expected_ranks)
         loop = asyncio.get_running_loop()
         state = RoundState(
             number=round,

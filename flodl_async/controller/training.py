@@ -66,8 +66,10 @@ from ..training.coordination import (
 from ..training.coordinator import Coordinator
 from ..training.metrics import EpochMetrics
 from ..training.modelschema import ModelSchema
+from ..training.policy import Backend
 from ..training.spec import TrainerSpec
 from ..wire import messages as m
+from ..wire.restarts import Readmitted
 from ..wire.schema import Message
 from .reducer import Reducer
 
@@ -192,7 +194,7 @@ class TrainingShell:
         task_group: asyncio.TaskGroup,
         on_outcome: Callable[[TrainingOutcome], None],
         on_change: Callable[[], None] = lambda: None,
-        on_start: Callable[[], None] = lambda: None,
+        on_start: Callable[[bool], None] = lambda collective: None,
         on_drop: Callable[[int, str], None] = lambda rank, reason: None,
         serve_data: DataServer | None = None,
         round_runner: RoundRunnerFactory = default_round_runner,
@@ -202,6 +204,7 @@ class TrainingShell:
         metrics_sink: Callable[[EpochMetrics], None] | None = None,
         reference: TrainerSpec | None = None,
         clock: Callable[[], float] = time.monotonic,
+        max_restarts: int = 0,
     ) -> None:
         self._run_id = run_id
         self._world = world
@@ -218,6 +221,7 @@ class TrainingShell:
         self._metrics_sink = metrics_sink
         self._reference = reference
         self._clock = clock
+        self._max_restarts = max_restarts
         self._final_state: Mapping[str, torch.Tensor] | None = None
         self.coordinator: Coordinator | None = None
         self.reducer: RoundRunner | None = None
@@ -384,6 +388,9 @@ class TrainingShell:
                 hello.rank,
             )
             return False
+        # a COLLECTIVE joiner would need the re-formed group to take it in: not built, so none
+        # rejoins (the supervisor restarts none either, and says so)
+        collective = hello.spec.backend == Backend.COLLECTIVE.value
         self.coordinator = Coordinator(
             CoordinatorConfig(
                 run_id=self._run_id,
@@ -393,10 +400,11 @@ class TrainingShell:
                 reduce_stall=self._reduce_stall,
                 timeout_scale=self._scale,
                 reference=self._reference,
+                max_restarts=0 if collective else self._max_restarts,
             ),
             now=self._clock(),
         )
-        self._on_start()
+        self._on_start(collective)
         return True
 
     def _handle(self, event: Event) -> None:
@@ -494,10 +502,11 @@ class TrainingShell:
         self._on_drop(action.rank, action.reason)
 
     def _readmit(self, action: Readmit) -> None:
-        # The coordinator readmits only under its config's max_restarts, which this shell leaves at
-        # 0 until the reducer, the relays and the agents carry a restarted rank back in (every
-        # rejoin is refused with its reason until then): reaching here is a bug, not a silent drop.
-        raise RuntimeError(f"rank {action.rank}'s rejoin has no data-plane readmission yet")
+        # A restarted rank is back at a round boundary: the relays (their host fold) and the ranks
+        # learn it before the round that counts it opens (the reducer, from that round's expected).
+        self._send(
+            Readmitted(readmitted=action.rank, incarnation=action.incarnation, round=action.round)
+        )
 
     def _publish_epoch(self, action: PublishEpoch) -> None:
         self._publish(action.metrics)

@@ -50,7 +50,7 @@ from ..training.outer import DiLoCo, OuterAvg, SlowMo
 from ..training.policy import Backend, Policy
 from ..training.spec import Checkpointing, ElCheConfig, MaxFailure, TrainerSpec
 from ..verdict import ExitCode, RunResult
-from .entry import Entry, decide_entry
+from .entry import Entry, decide_entry, note_rank_restarts, restarts_setting
 from .inline import InlineDriver, inline_worker
 from .rank import RankDriver, rank_worker
 from .state import RunRequest, TrainedState
@@ -226,6 +226,7 @@ class Trainer:
         max_failure: MaxFailure | int | float | None = None,
         cluster: ClusterSpec | str | os.PathLike[str] | None = None,
         rank_command: Sequence[str] | None = None,
+        max_restarts: int = 0,
         auto_promote: bool = True,
         seed: int = 0,
         drop_last: bool = True,
@@ -252,6 +253,8 @@ class Trainer:
             policy=policy, backend=backend, elche=elche, outer=outer, checkpoint=checkpoint
         )
         self.max_failure = _max_failure(max_failure)
+        #: The launcher's ``--max-restarts`` (:func:`~.entry.restarts_setting`).
+        self.max_restarts = restarts_setting(max_restarts)
         _check_rest(
             cluster=cluster,
             rank_command=rank_command,
@@ -335,6 +338,7 @@ class Trainer:
             compute=self.compute_config(),
             cluster=self.cluster,
             rank_command=self.rank_command,
+            max_restarts=self.max_restarts,
         )
 
     # ----- entry points ------------------------------------------------------------------------
@@ -364,6 +368,7 @@ class Trainer:
             return InlineDriver(self.compute_config(), epochs=self.epochs)
         if entry is Entry.RANK:
             self._one_session()
+            note_rank_restarts(self.max_restarts, os.environ)
             return RankDriver(self.run_request())
         from .launcher import LauncherDriver  # deferred: it loads asyncssh, which no rank needs
 

@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ..config.rankenv import RUN_ID_VAR
+from ..config.rankenv import INCARNATION_VAR, RUN_ID_VAR
 from ..deadlines import Deadlines
 from ..errors import ConfigError, CoordinatorLost, FlodlError, TrainingFailed, TrainingStopped
 from ..training.metrics import EpochMetrics
@@ -51,7 +51,9 @@ def _open_session(request: RunRequest, publish: Callable[[EpochMetrics], None]) 
     compute = Compute(request.compute, device)
     schema = ModelSchema.from_module(compute.model)
     spec_wire, digest = request.spec_wire_and_digest(schema)
+    incarnation = int(env.get(INCARNATION_VAR, "0"))  # >0: restarted, it rejoins a run under way
     hello = m.TrainerHello(
+        incarnation=incarnation,
         rank=rank,
         spec=spec_wire,
         digest=digest,
@@ -88,6 +90,7 @@ def _open_session(request: RunRequest, publish: Callable[[EpochMetrics], None]) 
             publish=publish,
             reduce_deadline=deadlines.reduce_stall,
             group=group,
+            joining=incarnation > 0,
         )
     except BaseException:
         # the links are up: a failed start must not leave them (and their thread) open

@@ -199,6 +199,7 @@ class RankSchedule:
         publish: Callable[[EpochMetrics], None],
         reduce_deadline: float,
         group: ProcessGroup | None = None,
+        joining: bool = False,
     ) -> None:
         self._compute = compute
         self._group = group
@@ -216,6 +217,7 @@ class RankSchedule:
             collective=spec.backend is Backend.COLLECTIVE,
             gamma=settings.gamma,
             n_batches=compute.n_batches,
+            joining=joining,
         )
         self._alpha = settings.easgd_alpha
         self._deadline = reduce_deadline

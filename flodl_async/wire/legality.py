@@ -76,6 +76,7 @@ from .messages import (
     WindowDone,
     WorldFormed,
 )
+from .restarts import Readmitted, RestartRank
 from .schema import Message
 
 UP = Direction.TO_CONTROLLER
@@ -95,6 +96,7 @@ LEGAL_KINDS: Mapping[tuple[Channel, Direction], frozenset[type[Message]]] = Mapp
                 OpenRound,
                 StartRanks,
                 StopRanks,
+                RestartRank,
                 Abort,
                 Finish,
                 Heartbeat,
@@ -125,6 +127,7 @@ LEGAL_KINDS: Mapping[tuple[Channel, Direction], frozenset[type[Message]]] = Mapp
                 Reduce,
                 EpochAggregated,
                 DeclareDead,
+                Readmitted,
                 Shutdown,
             }
         ),
