@@ -20,10 +20,15 @@ import pytest
 from flodl_async.verdict import ExitCode
 
 from .launchkit import new_run_id
-from .test_elastic_e2e import EPOCHS, SAMPLES, usage
+from .test_elastic_e2e import SAMPLES, usage
 from .test_trainer_e2e import as_launcher, assert_identical, states
 
 pytestmark = pytest.mark.e2e
+
+
+#: enough epochs that the run outlasts a slow restart (the others train slowly only until the
+#: restarted process trained its first batch, fast after)
+EPOCHS = 8
 
 
 def test_a_crashed_rank_is_restarted_alone_rejoins_and_every_process_ends_with_one_state(
