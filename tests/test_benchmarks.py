@@ -66,6 +66,11 @@ TABLES: dict[str, tuple[str, ...]] = {
         r"elastic: stop -> declared dead(\s+[\d.]+){4}",
         r"goal \(a frozen rank declared dead within 10 s, p50\): (met|NOT met); .*",
     ),
+    # a rank restarted alone under max_restarts=1 rejoins
+    "recovery --fault rejoin": (
+        r"rejoin: hello -> its first committed round(\s+[\d.]+){4}",
+        r"rejoin \(hello\) -> first committed round: [\d.]+ s p50, [\d.]+ s p99 .*",
+    ),
     "store": (
         r"op\s+ours \(controller port\)\s+torch TCPStore server\s+ratio",
         *(rf"{op}\s+[\d,]+\s+[\d,]+\s+[\d.]+x" for op in ("set", "get", "add", "wait")),
