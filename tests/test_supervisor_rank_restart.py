@@ -1,6 +1,7 @@
 """The supervisor's decision to restart one Trainer rank alone (``--max-restarts``), on a fake
 clock: a rank lost to a crash is restarted in place while training runs and restarts are left;
-one its agent KILLed after the coordinator declared it dead (frozen, lying, cut off) is not; the
+one its agent KILLed once the coordinator declared it dead for its silence (frozen) is too, a liar
+is not; the
 budget is counted over the run; the world is never restarted for a Trainer run; a plain script's
 world restart is unchanged."""
 
@@ -21,6 +22,7 @@ from flodl_async.control.supervision import (
 )
 from flodl_async.control.supervisor import Supervisor
 from flodl_async.control.vocab import Announce, Level
+from flodl_async.training.deathchain import silent
 from flodl_async.verdict import ExitCode
 from flodl_async.wire import messages as m
 from flodl_async.wire.restarts import RestartRank
@@ -37,7 +39,7 @@ def _trainer(max_restarts: int) -> Supervisor:
     return sup
 
 
-def _killed_by_agent(rank: int, host: str) -> RankExited:
+def _killed_by_agent(rank: int, host: str, reason: str) -> RankExited:
     return RankExited(
         report=m.RankExited(
             round=0,
@@ -45,7 +47,7 @@ def _killed_by_agent(rank: int, host: str) -> RankExited:
             local_rank=rank % 2,
             host=host,
             signal=int(signal.SIGKILL),
-            killed_because="declared dead: no frame from it for 10 s",
+            killed_because=f"declared dead: {reason}",
         )
     )
 
@@ -95,13 +97,22 @@ def test_a_restarted_rank_lost_again_with_no_restart_left_is_the_coordinators() 
     assert (end.result.exit_code, end.result.reason) == (ExitCode.OK, done)
 
 
-def test_a_rank_its_agent_killed_once_declared_dead_is_not_restarted() -> None:
+def test_a_liar_its_agent_killed_is_not_restarted() -> None:
     sup = _trainer(3)
-    sup.handle(RankDropped(rank=2, reason="no frame for 10 s"), 3.0)
-    actions = sup.handle(_killed_by_agent(2, "b"), 3.1)
+    sup.handle(RankDropped(rank=2, reason="lied"), 3.0)
+    lie = "rank 2 claimed 10^15 steps in a round planned for 8 (round 1)"
+    actions = sup.handle(_killed_by_agent(2, "b", lie), 3.1)
     assert told(actions, RestartRank) == {}
     assert of(actions, EndRun) == []
     assert sup.rank_restarts.count == 0
+
+
+def test_a_frozen_rank_its_agent_killed_is_restarted() -> None:
+    sup = _trainer(3)
+    sup.handle(RankDropped(rank=2, reason="silent"), 3.0)
+    # the coordinator's own words for a death by silence
+    actions = sup.handle(_killed_by_agent(2, "b", silent(10.0)), 3.1)
+    assert told(actions, RestartRank) == {"b": RestartRank(round=0, rank=2, incarnation=1)}
 
 
 def test_a_restarted_rank_refused_after_training_ended_ends_nothing() -> None:

@@ -127,8 +127,8 @@ def _parser() -> argparse.ArgumentParser:
         default=0,
         help="K restarts, counted over the whole run (default 0: none). A plain script: restart "
         "the whole world after a rank failure. A Trainer run (CPU backend): restart the rank lost "
-        "to a crash alone, the others training on, and it rejoins at a round boundary (a rank "
-        "declared dead, frozen or lying, is not restarted; COLLECTIVE restarts none)",
+        "to a crash alone, the others training on, and it rejoins at a round boundary (a frozen "
+        "rank, once KILLed, too; a liar not; COLLECTIVE restarts none)",
     )
     parser.add_argument(
         "--log-dir",

@@ -73,18 +73,23 @@ def restarts_said(max_restarts: int, *, collective: bool) -> tuple[Announce, ...
     text = (
         f"--max-restarts {max_restarts}: a rank lost to a crash is restarted alone and rejoins at "
         f"a round boundary, up to {max_restarts} restart(s) over the run (a rank the coordinator "
-        "declared dead — frozen, lying, cut off — is not restarted)"
+        "declared dead for breaking its plan, a liar, is not; a frozen one is)"
     )
     return (Announce(text=text),)
 
 
+#: How the coordinator words a death by silence (``training.deathchain.silent``), which a frozen
+#: rank's agent repeats in ``killed_because`` when it KILLs it (pinned by a test).
+FROZEN = "(heartbeat timeout:"
+
+
 def restartable(report: m.RankExited) -> bool:
     """Whether a Trainer rank's failed exit may be restarted alone: it died by itself (an
-    exception, an exit code, a signal not from its agent). One its agent KILLed after the
-    coordinator declared it dead — frozen, lying, on a host cut off — is gone for good: a frozen
-    process usually sits on a sick host or device and a liar would lie again, so neither spends the
-    run's restarts (torchelastic restarts what exits; it declares nothing dead itself)."""
-    return not report.killed_because
+    exception, an exit code, a signal not from its agent), or its agent KILLed it once the
+    coordinator declared it dead for its silence (frozen: torchelastic's watchdog kills a hung
+    worker and restarts it too). One declared dead for breaking its plan (a liar) is not: it would
+    lie again, and a restart would let an attacker back in."""
+    return not report.killed_because or FROZEN in report.killed_because
 
 
 class RankRestarts:
