@@ -71,6 +71,12 @@ TABLES: dict[str, tuple[str, ...]] = {
         r"rejoin: hello -> its first committed round(\s+[\d.]+){4}",
         r"rejoin \(hello\) -> first committed round: [\d.]+ s p50, [\d.]+ s p99 .*",
     ),
+    "chaos": (
+        r"chaos: .*; scaled down from the 32-rank published runs",
+        r"fault-free\s+\d+\s+0\s+[\d.]+\s+[\d.]+",
+        r"chaos\s+\d+\s+\d+\s+[\d.]+\s+[\d.]+",
+        r"goal \(samples committed per second >= 80% .*\): (met|NOT met); \d+%",
+    ),
     "store": (
         r"op\s+ours \(controller port\)\s+torch TCPStore server\s+ratio",
         *(rf"{op}\s+[\d,]+\s+[\d,]+\s+[\d.]+x" for op in ("set", "get", "add", "wait")),
