@@ -336,8 +336,8 @@ class RankProcesses:
 
     def kill_dead(self, rank: int, reason: str) -> None:
         """The Trainer's coordinator declared ``rank`` dead (frozen, lying, cut off, or it raised):
-        it is gone for good, so KILL it if it still runs once its grace is over (KILL reaches a
-        stopped process too).
+        that process is gone for good (a restart is a new one), so KILL it if it still runs once its
+        grace is over (KILL reaches a stopped process too).
 
         The grace is for a rank on its way out: one that raised sends its death record first and
         writes its traceback and its last line after, and a KILL at once cut that line off."""
