@@ -29,7 +29,11 @@ and the Trainer's ordinary round period for scale. Goal (issue 17): kill → nex
 <= 1 s p50, <= 3 s p99 on the CPU backend; on the COLLECTIVE backend (``--backend collective``,
 gloo), where the survivors re-form their process group in place, <= 3 s p50. With ``--fault stop``
 the rank freezes (SIGSTOP) instead: it is declared dead by its silence, within the default
-``heartbeat_timeout`` (10 s).
+``heartbeat_timeout`` (10 s). With ``--fault rejoin`` (CPU backend) the run has ``max_restarts=1``:
+the killed rank's agent restarts it alone, and the table adds kill → its new process's hello, and
+hello (the join) → admitted at a round boundary → its first committed round (its warm start). The
+others wait at their next step for the restarted process to start, so the run outlasts it; the
+times after its hello are the Trainer's own.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import dataclasses
 import itertools
 import logging
 import os
@@ -64,6 +69,8 @@ GOAL_FROZEN_S = 10.0
 LOST = re.compile(r"rank (?P<rank>\d+) on .+? lost: (?P<reason>.*)")
 EPOCH = re.compile(r"epoch \d+/\d+: ")
 COMMITTED = re.compile(r"round (?P<round>\d+) \((?P<kind>\w+)\) committed in (?P<ms>[\d.]+) ms")
+HELLO = re.compile(r"rank (?P<rank>\d+) restarted \(incarnation \d+\) said hello; .*")
+ADMITTED = re.compile(r"rank (?P<rank>\d+) restarted \(\d+ of \d+\) and rejoined at round \d+")
 
 
 # ----- the ranks' side -----------------------------------------------------------------------
@@ -93,6 +100,14 @@ def _log_to(path: Path) -> None:
     logging.getLogger("flodl_async.cli.launch").setLevel(logging.DEBUG)
 
 
+def _await_hello(log: Path, rank: int) -> None:
+    """``--fault rejoin``: the others wait until the controller heard the restarted rank's hello,
+    so that the run outlasts the restart (the rejoin's own stages run at the Trainer's speed)."""
+    said = f"rank {rank} restarted (incarnation 1) said hello"
+    while said not in log.read_text():
+        time.sleep(0.01)
+
+
 def elastic_role(args: argparse.Namespace) -> None:
     """One elastic trial, in the launcher and (re-executed) in each rank."""
     import torch
@@ -109,11 +124,15 @@ def elastic_role(args: argparse.Namespace) -> None:
     x = torch.randn(args.batches * BATCH, 16, generator=g)
     data = TensorDataset(x, x @ torch.randn(16, 1, generator=g))
     steps = 0
+    rejoin = args.fault == "rejoin"
+    incarnation = int(os.environ.get("FLODL_INCARNATION", "0"))
 
     def train_step(m: nn.Module, batch: list[torch.Tensor]) -> torch.Tensor:
         nonlocal steps
-        if rank == args.kill_rank and steps == args.kill_step:
+        if rank == args.kill_rank and steps == args.kill_step and not incarnation:
             _die(out, rank, freeze=args.fault == "stop")
+        if rejoin and rank != args.kill_rank and (out / "killed").exists():
+            _await_hello(out / "controller.log", args.kill_rank)
         steps += 1
         time.sleep(args.step_ms / 1e3)
         return nn.functional.mse_loss(m(batch[0]), batch[1])
@@ -129,6 +148,7 @@ def elastic_role(args: argparse.Namespace) -> None:
             args.policy
         ],
         backend=fa.Backend.COLLECTIVE if args.backend == "collective" else fa.Backend.CPU,
+        max_restarts=1 if rejoin else 0,
         cluster=args.cluster,
     )
     asyncio.run(trainer.run())
@@ -171,6 +191,17 @@ class ElasticKill:
     second: float  # and the one after it: the survivors go on
     reason: str
     period: float | None  # the median time between rounds before the kill
+    rejoin: Rejoin | None = None  # --fault rejoin: the restarted rank's
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Rejoin:
+    """A restarted rank's stages: its hello after the kill, then admission and its first committed
+    round after its hello (the join)."""
+
+    hello: float
+    admitted: float
+    committed: float
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -227,14 +258,38 @@ def elastic_trial(
     )
     cmd = _child("elastic", args, out, cluster=cluster, kill_rank=kill_rank, kill_step=kill_step)
     output = _run(cmd, out, f"elastic trial (rank {kill_rank} killed at step {kill_step})")
-    if "DEGRADED" not in output:
-        raise SystemExit(f"elastic trial did not end DEGRADED:\n{output[-4000:]}")
+    ending = "1 restart (" if args.fault == "rejoin" else "DEGRADED"
+    if ending not in output:
+        raise SystemExit(f"elastic trial did not end with {ending!r}:\n{output[-4000:]}")
     rank, killed = _killed(out)
     records = []
     for line in (out / "controller.log").read_text().splitlines():
         stamp, _, message = line.partition(" ")
         records.append((float(stamp), message))
-    return stages(records, rank, killed)
+    found = stages(records, rank, killed)
+    if args.fault == "rejoin":
+        return dataclasses.replace(found, rejoin=rejoin_stages(records, rank, killed))
+    return found
+
+
+def rejoin_stages(records: Sequence[tuple[float, str]], rank: int, killed: float) -> Rejoin:
+    """The restarted rank's hello, admission and first committed round after it."""
+
+    def first(pattern: re.Pattern[str], after: float) -> float:
+        for t, text in records:
+            match = pattern.fullmatch(text)
+            if (
+                t >= after
+                and match
+                and ("rank" not in pattern.groupindex or int(match["rank"]) == rank)
+            ):
+                return t
+        raise SystemExit(f"no {pattern.pattern!r} record after {after:.3f} for rank {rank}")
+
+    hello = first(HELLO, killed)
+    admitted = first(ADMITTED, hello)
+    committed = first(COMMITTED, admitted)
+    return Rejoin(hello=hello - killed, admitted=admitted - hello, committed=committed - hello)
 
 
 def stages(records: Sequence[tuple[float, str]], rank: int, killed: float) -> ElasticKill:
@@ -304,17 +359,23 @@ def report(
     args: argparse.Namespace, elastic: list[ElasticKill], restart: list[RestartKill]
 ) -> None:
     fault = args.fault
+    signame = "SIGSTOP" if fault == "stop" else "SIGKILL"
     print(
         f"\n{args.ranks} CPU ranks, {args.policy.upper()} on the {args.backend.upper()} backend, "
         f"{args.batches} batches/epoch, {args.step_ms:g} ms/step; {len(elastic)} elastic "
-        f"{fault}(s), {len(restart)} restart kill(s), one SIG{fault.upper()} per run; seconds "
-        "after it, time.time() on one machine"
+        f"{fault}(s), {len(restart)} restart kill(s), one {signame} per run; seconds after it, "
+        "time.time() on one machine"
     )
     print(f"{'stage':<48} {'p50 s':>7} {'p99 s':>7} {'min s':>7} {'max s':>7}")
     print(_row(f"elastic: {fault} -> declared dead", [k.detect for k in elastic]))
     print(_row(f"elastic: {fault} -> survivors' round opened", [k.opened for k in elastic]))
     print(_row(f"elastic: {fault} -> survivors' round committed", [k.committed for k in elastic]))
     print(_row(f"elastic: {fault} -> survivors' 2nd round committed", [k.second for k in elastic]))
+    rejoins = [k.rejoin for k in elastic if k.rejoin is not None]
+    if rejoins:
+        print(_row("rejoin: kill -> restarted rank's hello", [r.hello for r in rejoins]))
+        print(_row("rejoin: hello -> admitted at a round boundary", [r.admitted for r in rejoins]))
+        print(_row("rejoin: hello -> its first committed round", [r.committed for r in rejoins]))
     if restart:
         print(_row("restart: kill -> restarted ranks running", [k.started for k in restart]))
         print(_row("restart: kill -> restarted world's all_reduce", [k.progress for k in restart]))
@@ -344,6 +405,17 @@ def report(
         return
     p50 = percentile([k.committed for k in elastic], 50)
     p99 = percentile([k.committed for k in elastic], 99)
+    if rejoins:
+        # the issue sets no goal for the join; the kill's own goal still holds for the survivors
+        joined = [r.committed for r in rejoins]
+        hello = percentile([r.hello for r in rejoins], 50)
+        print(
+            f"rejoin (hello) -> first committed round: {percentile(joined, 50):.3f} s p50, "
+            f"{percentile(joined, 99):.3f} s p99 (no goal set); the process restart (kill -> "
+            f"hello) {hello:.3f} s p50. The others waited for the hello, so the survivors' rows "
+            "time that wait, not their recovery (run --fault kill for it)"
+        )
+        return
     if args.backend == "collective":
         # the re-form (a new process group's rendezvous) is the COLLECTIVE goal's whole budget
         goal = f"<= {GOAL_COLLECTIVE_P50_S:g} s p50"
@@ -374,9 +446,10 @@ def main() -> None:
     parser.add_argument(
         "--fault",
         default="kill",
-        choices=["kill", "stop"],
-        help="SIGKILL the rank (against a plain script's restart), or SIGSTOP it (a frozen rank, "
-        "noticed by its silence; no restart path to compare)",
+        choices=["kill", "stop", "rejoin"],
+        help="SIGKILL the rank (against a plain script's restart), SIGSTOP it (a frozen rank, "
+        "noticed by its silence; no restart path to compare), or SIGKILL it under max_restarts=1 "
+        "(CPU backend: restarted alone, it rejoins; no restart path to compare)",
     )
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--batches", type=int, default=96, help="batches per epoch")
@@ -399,6 +472,10 @@ def main() -> None:
         args.kills, args.ranks, args.epochs, args.batches = 1, 2, 2, 24
     if args.ranks < 2 or args.kills < 1 or args.epochs < 2:
         parser.error("need --ranks >= 2, --kills >= 1 and --epochs >= 2")
+    if args.fault == "rejoin" and args.backend != "cpu":
+        parser.error("--fault rejoin needs --backend cpu: a COLLECTIVE run restarts no rank")
+    if args.fault == "rejoin" and args.smoke:
+        args.epochs = 3  # an epoch after the kill's for the rejoin
     per_epoch = args.batches // args.ranks  # each rank's steps in an epoch, at equal speeds
     draw = random.Random(args.seed)
     elastic: list[ElasticKill] = []

@@ -75,6 +75,17 @@ TABLES: dict[str, tuple[str, ...]] = {
         r"elastic: stop -> declared dead(\s+[\d.]+){4}",
         r"goal \(a frozen rank declared dead within 10 s, p50\): (met|NOT met); .*",
     ),
+    # a rank restarted alone under max_restarts=1 rejoins
+    "recovery --fault rejoin": (
+        r"rejoin: hello -> its first committed round(\s+[\d.]+){4}",
+        r"rejoin \(hello\) -> first committed round: [\d.]+ s p50, [\d.]+ s p99 .*",
+    ),
+    "chaos": (
+        r"chaos: .*; scaled down from the 32-rank published runs",
+        r"fault-free\s+\d+\s+0\s+[\d.]+\s+[\d.]+",
+        r"chaos\s+\d+\s+\d+\s+[\d.]+\s+[\d.]+",
+        r"goal \(samples committed per second >= 80% .*\): (met|NOT met); \d+%",
+    ),
     "store": (
         r"op\s+ours \(controller port\)\s+torch TCPStore server\s+ratio",
         *(rf"{op}\s+[\d,]+\s+[\d,]+\s+[\d.]+x" for op in ("set", "get", "add", "wait")),

@@ -28,7 +28,8 @@ EPOCHS = 4
 SAMPLES = 512
 
 
-def usage(tmp_path: Path, rank: int) -> collections.Counter[int]:
+def usage(tmp_path: Path, rank: int | str) -> collections.Counter[int]:
+    """The samples ``rank`` trained (``'1.i1'``: rank 1's restarted process's)."""
     path = tmp_path / "out" / f"used-{rank}.txt"
     lines = path.read_text().splitlines() if path.exists() else []
     return collections.Counter(int(i) for line in lines for i in line.split())

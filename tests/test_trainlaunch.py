@@ -16,7 +16,7 @@ from flodl_async.config.devices import parse_devices
 from flodl_async.config.plan import Placement
 from flodl_async.errors import ConfigError
 from flodl_async.net.signals import add_guest_handler
-from flodl_async.trainer.entry import LAUNCHER_PRIMARY_VAR
+from flodl_async.trainer.entry import LAUNCHER_PRIMARY_VAR, note_rank_restarts
 from flodl_async.trainer.launcher import cluster_of, launch_plan
 from flodl_async.trainer.state import RunRequest
 
@@ -70,6 +70,30 @@ def test_rank_command_wins_and_a_program_from_dash_c_is_refused() -> None:
     assert given.command == ("/py", "-m", "app.rank")
     with pytest.raises(ConfigError, match="rank_command"):
         launch_plan(trainer(), spec, argv=["python", "-c", "x"], executable="/py")
+
+
+def test_max_restarts_is_the_launchers_and_a_rank_under_flodl_launch_says_when_it_differs(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    spec = ClusterSpec(
+        controller=ControllerSpec(port=1),
+        workers=(WorkerSpec(host=socket.gethostname(), devices=parse_devices("cpu:2")),),
+    )
+    plan = launch_plan(trainer(max_restarts=3), spec, argv=["python", "t.py"], executable="/py")
+    assert plan.max_restarts == 3
+    assert launch_plan(trainer(), spec, argv=["python", "t.py"], executable="/py").max_restarts == 0
+    for wrong in (-1, 1.5, True, "2"):
+        with pytest.raises(ConfigError, match=r"Trainer\(max_restarts=\.\.\.\) must be a whole"):
+            trainer(max_restarts=wrong)
+    with caplog.at_level("WARNING", logger="flodl_async.trainer.api"):
+        note_rank_restarts(2, {"TORCHELASTIC_MAX_RESTARTS": "2"})
+        note_rank_restarts(0, {"TORCHELASTIC_MAX_RESTARTS": "5"})
+        assert caplog.messages == []
+        note_rank_restarts(2, {"TORCHELASTIC_MAX_RESTARTS": "0"})
+    assert caplog.messages == [
+        "Trainer(max_restarts=2) does not apply under flodl-launch: its --max-restarts 0 decides "
+        "how many ranks are restarted"
+    ]
 
 
 def test_auto_promote_spans_the_visible_gpus_and_says_so_when_it_cannot(tmp_path: Path) -> None:

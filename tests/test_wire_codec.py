@@ -32,6 +32,7 @@ from flodl_async.wire import storeowner as so
 from flodl_async.wire.frame import HEADER, HEADER_LEN, TAG_LEN, Frame, FrameLimits
 from flodl_async.wire.handshake import PROTOCOL_VERSION
 from flodl_async.wire.legality import LEGAL_KINDS
+from flodl_async.wire.restarts import RestartRank
 from flodl_async.wire.scalars import Report
 from flodl_async.wire.schema import Message, pack_message
 
@@ -90,6 +91,7 @@ SAMPLES: dict[tuple[Channel, Direction], list[Message]] = {
         m.OpenRound(round=1),
         m.StartRanks(round=0, restart_count=0, master_addr="10.0.0.1", master_port=29500),
         m.StopRanks(round=0, reason="restart", grace_s=1.0),
+        RestartRank(round=0, rank=1, incarnation=1),
         m.Abort(reason="interrupted"),
         m.Finish(),
         m.SignalRanks(signal=10),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from flodl_async.wire import messages as m
+from flodl_async.wire.restarts import Readmitted
 
 
 def elche_wire(**overrides: object) -> m.ElCheConfigWire:
@@ -134,5 +135,6 @@ CONTROL_DOWN: list[m.Message] = [
     m.Reduce(round=3, kind="model", checkpoint=1, reset_inner=True),
     m.EpochAggregated(metrics=epoch_metrics()),
     m.DeclareDead(dead_rank=1, reason="heartbeat timeout"),
+    Readmitted(readmitted=1, incarnation=1, round=7),
     m.Shutdown(reason="training complete", save_reason="completed"),
 ]

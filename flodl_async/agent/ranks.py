@@ -28,13 +28,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..config.devices import DeviceSpec
-from ..config.rankenv import RankPlacement, RankSpec
+from ..config.rankenv import INCARNATION_VAR, RankPlacement, RankSpec
 from ..host.early import adopt, claim
 from ..host.procs import ChildProcess, signal_group, spawn, stop_processes
 from ..host.runtime import remove_rank_marker, write_rank_marker
 from ..verdict import StopStep
 from ..wire import messages as m
 from ..wire.keys import Credential
+from ..wire.restarts import RestartRank
 from .activity import RankActivityTracker, store_connections
 from .output import LINE_LIMIT, OutputSink, forward_output
 from .rankargv import rank_gpu_ids, rank_launch
@@ -114,6 +115,8 @@ class RankProcesses:
         self._ranks: dict[int, _Rank] = {}
         self._readers: set[asyncio.Task[None]] = set()
         self._closed = False
+        # the round's StartRanks, for a rank restarted alone (:meth:`restart`)
+        self._started: m.StartRanks | None = None
         # Held across one spawn and its registration, so a stop of everything sees every rank.
         self._spawning = asyncio.Lock()
 
@@ -121,104 +124,143 @@ class RankProcesses:
         """Spawn this host's ranks of ``start.round`` (a rank that cannot start is reported as exit
         127); the first round's ranks the launcher started early are adopted instead when they are
         exactly these (:mod:`flodl_async.host.early`)."""
+        self._started = start
+        for local_rank, rank in enumerate(self._world.formed.ranks):
+            if not await self._spawn_rank(start, local_rank, rank):
+                return
+
+    async def restart(self, msg: RestartRank) -> None:
+        """Start ``msg.rank`` again, alone, as its incarnation ``msg.incarnation`` (a Trainer rank
+        lost to a crash, under ``--max-restarts``): the same rank of the same round, so the same
+        credential, with the incarnation in its environment for its ``TrainerHello``."""
+        start = self._started
+        ranks = self._world.formed.ranks
+        if start is None or start.round != msg.round or msg.rank not in ranks:
+            log.warning(
+                "agent %s: not restarting rank %d of round %d: this host runs no such rank",
+                self._host,
+                msg.rank,
+                msg.round,
+            )
+            return
+        running = self._ranks.get(msg.rank)
+        if running is not None and not self._exited(running):
+            log.warning("agent %s: not restarting rank %d: it still runs", self._host, msg.rank)
+            return
+        log.info(
+            "agent %s: restarting rank %d alone (incarnation %d)",
+            self._host,
+            msg.rank,
+            msg.incarnation,
+        )
+        await self._spawn_rank(start, ranks.index(msg.rank), msg.rank, msg.incarnation)
+
+    async def _spawn_rank(
+        self, start: m.StartRanks, local_rank: int, rank: int, incarnation: int = 0
+    ) -> bool:
+        """Spawn one rank of ``start.round`` (one that cannot start is reported as exit 127);
+        False once the session is stopping."""
         formed = self._world.formed
-        for local_rank, rank in enumerate(formed.ranks):
-            placement = RankPlacement(
+        placement = RankPlacement(
+            rank=rank,
+            local_rank=local_rank,
+            world_size=formed.world_size,
+            local_world_size=len(formed.ranks),
+            group_rank=formed.group_rank,
+            group_world_size=formed.group_world_size,
+            master_addr=start.master_addr,
+            master_port=start.master_port,
+            run_id=self._world.run_id,
+            restart_count=start.restart_count,
+            max_restarts=formed.max_restarts,
+        )
+        again = f"-i{incarnation}" if incarnation else ""
+        error_file = self._scratch / f"error-r{rank}-round{start.round}{again}.json"
+        command, env = rank_launch(
+            command=formed.command,
+            run_env=formed.env,
+            host_env=self._world.host_env,
+            placement=placement,
+            error_file=str(error_file),
+            rank_spec=RankSpec(
+                run_id=self._world.run_id,
+                host=self._world.host,
+                relay_socket=self._world.relay_socket,
+                data_socket=self._world.data_socket,
+                round=start.round,
+                credential_hex=self._world.credential(start.round, rank).key.hex(),
+            ),
+            cuda_visible_devices=rank_gpu_ids(self._world.devices, len(formed.ranks)),
+            default_ifname=self._world.default_ifname,
+        )
+        if incarnation:
+            env[INCARNATION_VAR] = str(incarnation)
+        async with self._spawning:
+            if self._closed:
+                log.debug(
+                    "agent %s: not starting rank %d, the session is stopping", self._host, rank
+                )
+                return False
+            key = (self._world.run_id, self._world.host, rank)
+            early = (
+                claim(key, command, env=env, cwd=self._world.workdir)
+                if start.round == 0 and start.restart_count == 0 and not incarnation
+                else None
+            )
+            if early is not None:
+                log.debug("agent %s: rank %d was started early: adopted", self._host, rank)
+            proc: ChildProcess
+            try:
+                proc = (
+                    await adopt(early, line_limit=LINE_LIMIT)
+                    if early is not None
+                    else await spawn(
+                        command, env=env, cwd=self._world.workdir, line_limit=LINE_LIMIT
+                    )
+                )
+            except OSError as exc:
+                self._report(
+                    m.RankExited(
+                        round=start.round,
+                        rank=rank,
+                        local_rank=local_rank,
+                        host=self._host,
+                        exit_code=127,
+                        stderr_tail=(f"cannot start {command[0]!r}: {exc.strerror or exc}",),
+                    )
+                )
+                return True
+            # so that a next session can clean up what this rank forks, should this agent be
+            # SIGKILLed
+            try:
+                write_rank_marker(self._scratch, pid=proc.pid, rank=rank)
+            except OSError as exc:
+                log.warning(
+                    "agent %s: cannot record rank %d (pid %d) in %s: %s",
+                    self._host,
+                    rank,
+                    proc.pid,
+                    self._scratch,
+                    exc,
+                )
+            activity = RankActivityTracker(
+                rank=rank,
+                pid=proc.pid,
+                store_port=start.master_port,
+                now=asyncio.get_running_loop().time(),
+            )
+            entry = _Rank(
                 rank=rank,
                 local_rank=local_rank,
-                world_size=formed.world_size,
-                local_world_size=len(formed.ranks),
-                group_rank=formed.group_rank,
-                group_world_size=formed.group_world_size,
-                master_addr=start.master_addr,
-                master_port=start.master_port,
-                run_id=self._world.run_id,
-                restart_count=start.restart_count,
-                max_restarts=formed.max_restarts,
+                round=start.round,
+                attempt=start.restart_count,
+                proc=proc,
+                error_file=error_file,
+                stderr_tail=_tail(),
+                activity=activity,
             )
-            error_file = self._scratch / f"error-r{rank}-round{start.round}.json"
-            command, env = rank_launch(
-                command=formed.command,
-                run_env=formed.env,
-                host_env=self._world.host_env,
-                placement=placement,
-                error_file=str(error_file),
-                rank_spec=RankSpec(
-                    run_id=self._world.run_id,
-                    host=self._world.host,
-                    relay_socket=self._world.relay_socket,
-                    data_socket=self._world.data_socket,
-                    round=start.round,
-                    credential_hex=self._world.credential(start.round, rank).key.hex(),
-                ),
-                cuda_visible_devices=rank_gpu_ids(self._world.devices, len(formed.ranks)),
-                default_ifname=self._world.default_ifname,
-            )
-            async with self._spawning:
-                if self._closed:
-                    log.debug(
-                        "agent %s: not starting rank %d, the session is stopping", self._host, rank
-                    )
-                    return
-                key = (self._world.run_id, self._world.host, rank)
-                early = (
-                    claim(key, command, env=env, cwd=self._world.workdir)
-                    if start.round == 0 and start.restart_count == 0
-                    else None
-                )
-                if early is not None:
-                    log.debug("agent %s: rank %d was started early: adopted", self._host, rank)
-                proc: ChildProcess
-                try:
-                    proc = (
-                        await adopt(early, line_limit=LINE_LIMIT)
-                        if early is not None
-                        else await spawn(
-                            command, env=env, cwd=self._world.workdir, line_limit=LINE_LIMIT
-                        )
-                    )
-                except OSError as exc:
-                    self._report(
-                        m.RankExited(
-                            round=start.round,
-                            rank=rank,
-                            local_rank=local_rank,
-                            host=self._host,
-                            exit_code=127,
-                            stderr_tail=(f"cannot start {command[0]!r}: {exc.strerror or exc}",),
-                        )
-                    )
-                    continue
-                # so that a next session can clean up what this rank forks, should this agent be
-                # SIGKILLed
-                try:
-                    write_rank_marker(self._scratch, pid=proc.pid, rank=rank)
-                except OSError as exc:
-                    log.warning(
-                        "agent %s: cannot record rank %d (pid %d) in %s: %s",
-                        self._host,
-                        rank,
-                        proc.pid,
-                        self._scratch,
-                        exc,
-                    )
-                activity = RankActivityTracker(
-                    rank=rank,
-                    pid=proc.pid,
-                    store_port=start.master_port,
-                    now=asyncio.get_running_loop().time(),
-                )
-                entry = _Rank(
-                    rank=rank,
-                    local_rank=local_rank,
-                    round=start.round,
-                    attempt=start.restart_count,
-                    proc=proc,
-                    error_file=error_file,
-                    stderr_tail=_tail(),
-                    activity=activity,
-                )
-                self._register(entry)
+            self._register(entry)
+        return True
 
     def _register(self, entry: _Rank) -> None:
         proc = entry.proc
@@ -284,8 +326,8 @@ class RankProcesses:
 
     def kill_dead(self, rank: int, reason: str) -> None:
         """The Trainer's coordinator declared ``rank`` dead (frozen, lying, cut off, or it raised):
-        it is gone for good, so KILL it if it still runs once its grace is over (KILL reaches a
-        stopped process too).
+        that process is gone for good (a restart is a new one), so KILL it if it still runs once its
+        grace is over (KILL reaches a stopped process too).
 
         The grace is for a rank on its way out: one that raised sends its death record first and
         writes its traceback and its last line after, and a KILL at once cut that line off."""

@@ -15,6 +15,7 @@ while a ``StopRanks`` with a long grace is still waiting:
   reported up as ``RankExited``;
 - ``StopRanks``: stop one round's ranks (TERM first: a restart) and answer
   ``RanksStopped``; the session stays for the next round;
+- ``RestartRank``: start one Trainer rank again, alone, as a new incarnation (``--max-restarts``);
 - ``Abort`` / ``Finish``: stop everything and leave.
 
 Round commands run one after another, in arrival order. An ending (``Abort``,
@@ -62,6 +63,7 @@ from ..verdict import StopStep, stop_schedule
 from ..wire import messages as m
 from ..wire import storeowner as so
 from ..wire.keys import Credential
+from ..wire.restarts import RestartRank
 from ..wire.schema import Message
 from .endings import (
     Aborted,
@@ -556,6 +558,10 @@ class _Serving:
             Phase.RUNNING, run_id=self._run_id, ranks=self._formed.ranks, round_=msg.round
         )
 
+    def _on_restart_rank(self, msg: RestartRank) -> None:
+        assert self._ranks is not None
+        self._round_command(self._ranks.restart(msg), name=f"restart-rank-{msg.rank}")
+
     def _on_stop_ranks(self, msg: m.StopRanks) -> None:
         self._round_command(self._stop_round(msg), name=f"stop-ranks-{msg.round}")
 
@@ -600,6 +606,7 @@ _Serving.commands = {
     m.OpenRound: _Serving._on_open_round,
     m.StartRanks: _Serving._on_start_ranks,
     m.StopRanks: _Serving._on_stop_ranks,
+    RestartRank: _Serving._on_restart_rank,
     m.Abort: _Serving._on_abort,
     m.Finish: _Serving._on_finish,
     m.Heartbeat: _Serving._on_heartbeat,

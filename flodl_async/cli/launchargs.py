@@ -130,7 +130,10 @@ def _parser() -> argparse.ArgumentParser:
         "--max-restarts",
         type=int,
         default=0,
-        help="restart the whole world up to K times after a rank failure (default 0)",
+        help="K restarts, counted over the whole run (default 0: none). A plain script: restart "
+        "the whole world after a rank failure. A Trainer run (CPU backend): restart the rank lost "
+        "to a crash alone, the others training on, and it rejoins at a round boundary (a frozen "
+        "rank, once KILLed, too; a liar not; COLLECTIVE restarts none)",
     )
     parser.add_argument(
         "--log-dir",

@@ -33,6 +33,9 @@ TORCHRUN_CONTRACT = (
     "TORCH_NCCL_ASYNC_ERROR_HANDLING",
 )
 RUN_ID_VAR = "FLODL_RUN_ID"
+#: A Trainer rank restarted alone under ``--max-restarts``: which process of its rank this is (1, 2,
+#: …; unset for the first). Its ``TrainerHello`` says it, so an old process is never taken for it.
+INCARNATION_VAR = "FLODL_INCARNATION"
 #: Role variables of the launcher and agent processes, stripped from what ranks inherit.
 _NOT_INHERITED = frozenset({CONTROLLER_VAR, AGENT_VAR})
 

@@ -13,10 +13,11 @@ Pure.
 from __future__ import annotations
 
 from ..wire import messages as m
+from ..wire.restarts import RestartRank
 from .exits import describe_exit, exit_cause, failure_details
 from .membership import JoinedMember
 from .supervision import HeldFailure, TellCoordinator
-from .vocab import Announce, Level
+from .vocab import Announce, Level, Tell
 
 
 def held_exit(report: m.RankExited, *, after: str = "") -> HeldFailure:
@@ -55,15 +56,72 @@ def held_host(
     return held, told
 
 
-def restarts_unused(max_restarts: int) -> tuple[Announce, ...]:
-    """What a Trainer run says of ``--max-restarts``, once, as its training starts: it restarts a
-    plain script's world, and a Trainer's lost ranks are dropped instead (an option silently
-    ignored would look honoured)."""
+def restarts_said(max_restarts: int, *, collective: bool) -> tuple[Announce, ...]:
+    """What a Trainer run says of ``--max-restarts``, once, as its training starts: a CPU-backend
+    run restarts a rank lost to a crash alone, up to ``max_restarts`` times over the run; a
+    COLLECTIVE one restarts none (a joiner in a re-formed process group is not built), said loudly,
+    since an option silently ignored would look honoured."""
     if max_restarts <= 0:
         return ()
+    if collective:
+        text = (
+            f"--max-restarts {max_restarts} restarts no rank of a COLLECTIVE Trainer run (a "
+            "restarted rank cannot rejoin a re-formed process group yet): a lost rank is dropped "
+            "and the survivors train on; use backend CPU to restart lost ranks"
+        )
+        return (Announce(text=text, level=Level.WARNING),)
     text = (
-        f"--max-restarts {max_restarts} does not apply to a Trainer run: a lost rank is dropped "
-        "and the survivors train on (restarting it alone is not built yet); it restarts a plain "
-        "script's world"
+        f"--max-restarts {max_restarts}: a rank lost to a crash is restarted alone and rejoins at "
+        f"a round boundary, up to {max_restarts} restart(s) over the run (a rank the coordinator "
+        "declared dead for breaking its plan, a liar, is not; a frozen one is)"
     )
-    return (Announce(text=text, level=Level.WARNING),)
+    return (Announce(text=text),)
+
+
+#: How the coordinator words a death by silence (``training.deathchain.silent``), which a frozen
+#: rank's agent repeats in ``killed_because`` when it KILLs it (pinned by a test).
+FROZEN = "(heartbeat timeout:"
+
+
+def restartable(report: m.RankExited) -> bool:
+    """Whether a Trainer rank's failed exit may be restarted alone: it died by itself (an
+    exception, an exit code, a signal not from its agent), or its agent KILLed it once the
+    coordinator declared it dead for its silence (frozen: torchelastic's watchdog kills a hung
+    worker and restarts it too). One declared dead for breaking its plan (a liar) is not: it would
+    lie again, and a restart would let an attacker back in."""
+    return not report.killed_because or FROZEN in report.killed_because
+
+
+class RankRestarts:
+    """A Trainer run's ranks restarted alone (``--max-restarts``, counted over the run): each
+    rank's latest incarnation, and whether this run restarts any (not a COLLECTIVE one)."""
+
+    def __init__(self, max_restarts: int) -> None:
+        self.max_restarts = max_restarts
+        self.count = 0
+        self.enabled = False  # until the coordinator starts a CPU-backend run
+        self._incarnations: dict[int, int] = {}
+
+    def start(self, *, collective: bool) -> tuple[Announce, ...]:
+        """The Trainer's coordinator started: what is said of ``--max-restarts``, once."""
+        self.enabled = not collective
+        return restarts_said(self.max_restarts, collective=collective)
+
+    def restart(
+        self, report: m.RankExited, *, host: str | None
+    ) -> tuple[Announce, TellCoordinator, Tell[str]] | tuple[()]:
+        """``report``'s rank (a failed exit while training runs) restarted alone on ``host`` as its
+        next incarnation: said, told to the coordinator (its death chain drops the dead
+        incarnation) and asked of its agent; or nothing (no restart left, or not a crash)."""
+        if not (self.enabled and restartable(report) and self.count < self.max_restarts):
+            return ()
+        rank = report.rank
+        self.count += 1
+        incarnation = self._incarnations[rank] = self._incarnations.get(rank, 0) + 1
+        said = Announce(
+            text=f"{describe_exit(report)}; restarting rank {rank} alone (restart {self.count} of "
+            f"{self.max_restarts}, incarnation {incarnation}); it rejoins at a round boundary",
+            level=Level.WARNING,
+        )
+        ask = RestartRank(round=report.round, rank=rank, incarnation=incarnation)
+        return said, tell_exit(report), Tell(to=host or report.host, message=ask)

@@ -166,7 +166,10 @@ class TrainingEnded:
 @dataclass(frozen=True, slots=True, kw_only=True)
 class TrainingStarted:
     """The Trainer's coordinator started (its first rank said hello): from now on a rank's
-    failure may be the effect of a cause the coordinator is about to report."""
+    failure may be the effect of a cause the coordinator is about to report. ``collective``: its
+    backend is COLLECTIVE (no rank is restarted alone)."""
+
+    collective: bool = False
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

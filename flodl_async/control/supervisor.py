@@ -23,17 +23,18 @@ Phases, one type each (no field that starts as ``None``)::
        └──── the coordinator's cause, or its wait over ── Concluding ◀┘  a coordinator runs)
 
 Rules. Before formation the first failure ends the run (exit 3). After it, the first non-zero rank
-exit of the current round ends the round: with restarts left every host stops that round's ranks and
-a new rendezvous round starts (``TORCHELASTIC_RESTART_COUNT`` + 1); otherwise the verdict names the
-rank, its host, its code or signal, its traceback and its last stderr lines (exit 4). When the
-Trainer's coordinator runs, that verdict first waits ``training_outcome_wait`` (:class:`Concluding`)
-for the coordinator's cause: a rank that raised reports why up its relay link and then exits, and
-its agent reports the exit down its join link, so the effect may arrive before the cause. A member
-host lost at any point ends the run (exit 4 after formation); when its join link closed and a
-launcher runs its agent, the loss waits ``agent_reason_wait`` for the launcher's report, so that an
-agent that failed is the verdict in its own words, not in its link's. The first signal ends the run
-with 130/143 and tells every host to stop its ranks following the signal table; a signal after the
-verdict forces (KILL now). A verdict, once given, is final.
+exit of the current round ends the round: a plain script's world restarts while restarts are left
+(every host stops the round's ranks, a new rendezvous round: ``TORCHELASTIC_RESTART_COUNT`` + 1),
+otherwise the verdict names the rank, its host, its code or signal, its traceback and its last
+stderr lines (exit 4). A Trainer run's world never restarts: a rank lost to a crash is restarted
+alone while restarts are left (:class:`~flodl_async.control.elastic.RankRestarts`), and a failure
+first waits ``training_outcome_wait`` (:class:`Concluding`) for the coordinator's cause, since a
+rank that raised reports why up its relay link and its agent the exit down its join link. A member
+host lost ends the run (exit 4 after formation; a Trainer's ranks on it are the coordinator's);
+a closed join link of a launched agent waits ``agent_reason_wait`` for the launcher's report, so
+a failed agent is the verdict in its own words. The first signal ends the run with 130/143 and
+stops every host's ranks following the signal table; a signal after the verdict forces (KILL now).
+A verdict, once given, is final.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ from ..verdict import (
     restarts_text,
 )
 from ..wire import messages as m
-from .elastic import held_exit, held_host, restarts_unused, tell_exit
+from .elastic import RankRestarts, held_exit, held_host, tell_exit
 from .exits import describe_exit, failed, signal_name
 from .formation import join_answer, stop_for_restart, store_host, world_formed
 from .membership import Failed, Formed, JoinedMember, JoinWindow
@@ -134,6 +135,8 @@ class Supervisor:
         self._orderly_signal: int | None = None
         # the Trainer's coordinator runs: a rank's failure may be the effect of its cause
         self._coordinated = False
+        #: a Trainer run's ranks restarted alone (``--max-restarts``, CPU backend)
+        self.rank_restarts = RankRestarts(config.max_restarts)
         self.watch = HostWatch(
             interval=config.heartbeat_interval,
             silence=config.heartbeat_silence,
@@ -328,30 +331,17 @@ class Supervisor:
         return [Tell(to=self._store_host(world), message=m.OpenRound(round=round_))]
 
     def _start_ranks(self, world: Formed, round_: int, *, addr: str, port: int) -> list[Action]:
-        actions: list[Action] = []
+        start = m.StartRanks(
+            round=round_, restart_count=self._restart_count, master_addr=addr, master_port=port
+        )
+        actions: list[Action] = [Tell(to=member.host, message=start) for member in world.members]
         for member in world.members:
-            actions.append(
-                Tell(
-                    to=member.host,
-                    message=m.StartRanks(
-                        round=round_,
-                        restart_count=self._restart_count,
-                        master_addr=addr,
-                        master_port=port,
-                    ),
-                )
-            )
             for local_rank, rank in enumerate(member.ranks):
                 self._ranks.started(rank, host=member.host, local_rank=local_rank)
         self._phase = Running(world=world, round=round_)
         where = f"{addr}:{port}" if addr else "the controller port"
-        actions.append(
-            Announce(
-                text=f"ranks started: round {round_}, restart {self._restart_count}, store at "
-                f"{where}"
-            )
-        )
-        return actions
+        text = f"ranks started: round {round_}, restart {self._restart_count}, store at {where}"
+        return [*actions, Announce(text=text)]
 
     # ----- after formation -------------------------------------------------------------------
 
@@ -394,6 +384,11 @@ class Supervisor:
         report = event.report
         if report.round != phase.round:
             return ()
+        if failed(report) and self._training_done is None:
+            restart = self.rank_restarts.restart(report, host=self._host_of(report.rank))
+            if restart:  # held as dropped: the new incarnation is the coordinator's
+                self._phase = replace(phase, dropped=phase.dropped | {report.rank})
+                return restart
         if failed(report) and report.rank not in phase.dropped:
             if self._coordinated and self._training_done is None:
                 # the coordinator drops the rank or gives the cause (the shell hands it the exit)
@@ -406,7 +401,8 @@ class Supervisor:
                     Announce(text=describe_exit(report), level=Level.WARNING),
                     tell_exit(report),
                 )
-            if self._restart_count >= self.config.max_restarts:
+            # a Trainer run's world is never restarted (its ranks are, alone, while it trains)
+            if self._coordinated or self._restart_count >= self.config.max_restarts:
                 failure = held_exit(report, after=self._after_restarts())
                 return (Announce(text=describe_exit(report)), self._rank_failure(failure))
             return self._restart(phase, report, now)
@@ -507,7 +503,7 @@ class Supervisor:
         self, phase: Phase, event: TrainingStarted, now: float
     ) -> tuple[Action, ...]:
         self._coordinated = True
-        return restarts_unused(self.config.max_restarts)
+        return self.rank_restarts.start(collective=event.collective)
 
     def _training_ended(
         self, phase: Forming | _FormedPhase, event: TrainingEnded, now: float

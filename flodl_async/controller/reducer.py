@@ -174,7 +174,7 @@ class Reducer:
         """Round ``round`` starts now; it completes when every one of ``expected_ranks`` is covered
         or dead. ``plan``: what each rank may claim in it; ``snapshot``: a checkpoint round's
         consensus is copied as it is made (:attr:`RoundResult.snapshot`)."""
-        early = self._gate.open(round)
+        early = self._gate.open(round, expected_ranks)
         loop = asyncio.get_running_loop()
         state = RoundState(
             number=round,

@@ -491,7 +491,7 @@ class Controller:
             task_group=tg,
             on_outcome=self._training_outcome,
             on_change=self._training_changed,
-            on_start=lambda: self._dispatch(TrainingStarted()),
+            on_start=lambda collective: self._dispatch(TrainingStarted(collective=collective)),
             on_drop=lambda rank, reason: self._dispatch(RankDropped(rank=rank, reason=reason)),
             serve_data=self._serve_training_data,
             hello_timeout=self._deadlines.trainer_hello,
@@ -502,6 +502,7 @@ class Controller:
             reference=self._training_reference,
             metrics_sink=self._training_metrics,
             on_event=self._board.emit,
+            max_restarts=self.plan.max_restarts,
         )
 
     def _training_changed(self) -> None:

@@ -36,6 +36,7 @@ import time
 import typing
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 from ..control.dispatch import TypeTable
@@ -70,8 +71,10 @@ from ..training.coordination import (
 from ..training.coordinator import Coordinator
 from ..training.metrics import EpochMetrics
 from ..training.modelschema import ModelSchema
+from ..training.policy import Backend
 from ..training.spec import TrainerSpec
 from ..wire import messages as m
+from ..wire.restarts import Readmitted
 from ..wire.schema import Message
 from .bundles import BundleKeeper
 from .reducer import Reducer
@@ -199,6 +202,31 @@ _UP_EVENTS: Mapping[type[Message], Callable[[Message], Event]] = {
 }
 
 
+def training_result(
+    coordinator: Coordinator | None,
+    outcome: TrainingOutcome | None,
+    final_state: Mapping[str, torch.Tensor] | None,
+    checkpoint: Path | None,
+) -> TrainingResult | None:
+    """What a run's coordinator, outcome, final consensus and last bundle tell the launcher (None
+    when no Trainer ran)."""
+    if coordinator is None:
+        return None
+    hello = coordinator.reference
+    return TrainingResult(
+        state_dict=final_state,
+        param_names=tuple(hello.model.param_names) if hello is not None else (),
+        epochs_completed=coordinator.completed_epochs,
+        global_step=coordinator.global_step,
+        world_size=len(coordinator.alive),
+        lost_ranks=tuple(sorted(coordinator.dead)),
+        interrupted=outcome is not None and outcome.save_reason == "graceful_shutdown",
+        ok=outcome is not None and outcome.ok,
+        reason="" if outcome is None else outcome.reason,
+        checkpoint=None if checkpoint is None else str(checkpoint),
+    )
+
+
 class TrainingShell:
     """One run's Trainer side of the controller: created with it, idle until a TrainerHello."""
 
@@ -210,7 +238,7 @@ class TrainingShell:
         task_group: asyncio.TaskGroup,
         on_outcome: Callable[[TrainingOutcome], None],
         on_change: Callable[[], None] = lambda: None,
-        on_start: Callable[[], None] = lambda: None,
+        on_start: Callable[[bool], None] = lambda collective: None,
         on_drop: Callable[[int, str], None] = lambda rank, reason: None,
         serve_data: DataServer | None = None,
         round_runner: RoundRunnerFactory = default_round_runner,
@@ -221,6 +249,7 @@ class TrainingShell:
         reference: TrainerSpec | None = None,
         clock: Callable[[], float] = time.monotonic,
         on_event: Callable[[RunEvent], None] = lambda event: None,
+        max_restarts: int = 0,
     ) -> None:
         self._run_id = run_id
         self._world = world
@@ -239,6 +268,7 @@ class TrainingShell:
         self._clock = clock
         self._on_event = on_event  # the run's event stream: rounds and epochs
         self._tally = RoundTally()
+        self._max_restarts = max_restarts
         self._final_state: Mapping[str, torch.Tensor] | None = None
         self.coordinator: Coordinator | None = None
         self.reducer: RoundRunner | None = None
@@ -399,25 +429,8 @@ class TrainingShell:
 
     def result(self) -> TrainingResult | None:
         """The run's result for the launcher (None when no Trainer ran)."""
-        coordinator = self.coordinator
-        if coordinator is None:
-            return None
-        hello = coordinator.reference
-        outcome = self._outcome
-        return TrainingResult(
-            state_dict=self._final_state,
-            param_names=tuple(hello.model.param_names) if hello is not None else (),
-            epochs_completed=coordinator.completed_epochs,
-            global_step=coordinator.global_step,
-            world_size=len(coordinator.alive),
-            lost_ranks=tuple(sorted(coordinator.dead)),
-            interrupted=outcome is not None and outcome.save_reason == "graceful_shutdown",
-            ok=outcome is not None and outcome.ok,
-            reason="" if outcome is None else outcome.reason,
-            checkpoint=None
-            if self.bundles is None or self.bundles.last is None
-            else str(self.bundles.last),
-        )
+        last = None if self.bundles is None else self.bundles.last
+        return training_result(self.coordinator, self._outcome, self._final_state, last)
 
     # ----- internals ---------------------------------------------------------------------
 
@@ -436,6 +449,9 @@ class TrainingShell:
         except FlodlError as exc:  # the verdict says it, once
             self._conclude(TrainingOutcome(ok=False, reason=str(exc), code=2))
             return False
+        # a COLLECTIVE joiner would need the re-formed group to take it in: not built, so none
+        # rejoins (the supervisor restarts none either, and says so)
+        collective = hello.spec.backend == Backend.COLLECTIVE.value
         self.coordinator = Coordinator(
             CoordinatorConfig(
                 run_id=self._run_id,
@@ -446,10 +462,11 @@ class TrainingShell:
                 timeout_scale=self._scale,
                 reference=self._reference,
                 resume=None if self._resume is None else self._resume.point,
+                max_restarts=0 if collective else self._max_restarts,
             ),
             now=self._clock(),
         )
-        self._on_start()
+        self._on_start(collective)
         return True
 
     def _handle(self, event: Event) -> None:
@@ -574,10 +591,11 @@ class TrainingShell:
         self._on_drop(action.rank, action.reason)
 
     def _readmit(self, action: Readmit) -> None:
-        # The coordinator readmits only under its config's max_restarts, which this shell leaves at
-        # 0 until the reducer, the relays and the agents carry a restarted rank back in (every
-        # rejoin is refused with its reason until then): reaching here is a bug, not a silent drop.
-        raise RuntimeError(f"rank {action.rank}'s rejoin has no data-plane readmission yet")
+        # A restarted rank is back at a round boundary: the relays (their host fold) and the ranks
+        # learn it before the round that counts it opens (the reducer, from that round's expected).
+        self._send(
+            Readmitted(readmitted=action.rank, incarnation=action.incarnation, round=action.round)
+        )
 
     def _publish_epoch(self, action: PublishEpoch) -> None:
         self._publish(action.metrics)

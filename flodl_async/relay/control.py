@@ -30,8 +30,9 @@ against it in one place (:func:`rank_of`):
   connection (the controller learns of a dead Trainer rank without waiting for
   its heartbeat deadline or its exit report).
 
-The relay also reads three Trainer messages as they pass: ``DeclareDead`` (a rank
-its fold barrier must stop waiting for), a rank's ``TrainerHello`` (its model: the tensors its
+The relay also reads four Trainer messages as they pass: ``DeclareDead`` (a rank
+its fold barrier must stop waiting for), ``Readmitted`` (a restarted rank it waits for again), a
+rank's ``TrainerHello`` (its model: the tensors its
 contributions must carry) and ``Reduce``, whose round plan the fold checks the ranks'
 contributions against (the ranks get the ``Reduce`` without it); a rank the fold refuses
 for breaking its plan is reported up as ``RankGone`` with the fold's reason. The data socket
@@ -68,6 +69,7 @@ from ..wire import messages as m
 from ..wire.channels import Channel
 from ..wire.handshake import PeerHello
 from ..wire.keys import Credential, CredentialKind, rank_credential_key
+from ..wire.restarts import Readmitted
 from ..wire.scalars import Report
 from ..wire.schema import Message
 from .fold import HELLO_LIMITS, HostFold, HostFoldStatistics
@@ -107,6 +109,7 @@ RANK_ADDRESS: Mapping[type[Message], Callable[[Message], int]] = dict(
                 m.ReduceDone,
                 m.EpochAggregated,
                 m.DeclareDead,
+                Readmitted,
                 m.RankGone,
                 m.Exiting,
                 m.Intent,
@@ -407,6 +410,8 @@ class Relay:
             rank = rank_of(msg)
             if isinstance(msg, m.DeclareDead):
                 self.rank_dead(msg.dead_rank, msg.reason)
+            elif isinstance(msg, Readmitted):
+                self._fold.readmit(msg.readmitted)
             elif isinstance(msg, m.Reduce) and msg.plan is not None:
                 # the fold knows the round before any rank can contribute to it
                 self._fold.note_round(msg)

@@ -168,6 +168,8 @@ class HostFold:
             cut_off=self._upstream_gone,
         )
         self._links: dict[int, FramedProtocol] = {}
+        # the ranks that ever had a data link (one that dials again is a restarted process)
+        self._served: set[int] = set()
         self._dead: set[int] = set()
         self._rounds: dict[int, _HostRound] = {}
         self._finished: set[int] = set()
@@ -209,6 +211,12 @@ class HostFold:
             state.barrier.declare_dead(rank)
         for number in sorted(self._rounds):
             self._tg.create_task(self._advance(number), name=f"relay-fold-{number}")
+
+    def readmit(self, rank: int) -> None:
+        """``rank``'s restarted process rejoins the run (``Readmitted``): the host rounds opened
+        from now on wait for it again (a host whose last rank had died is back in the fold)."""
+        if rank in self._host_ranks:
+            self._dead.discard(rank)
 
     def note_hello(self, hello: m.TrainerHello) -> None:
         """A local rank's ``TrainerHello`` is on its way up: its contributions must carry its
@@ -282,8 +290,11 @@ class HostFold:
         link.codec.limits = FrameLimits(max_payload=self._up.max_payload)
         link.send(m.DataWelcome(max_payload=self._up.max_payload))
         self._links[rank] = link
-        # a consensus that went by before this rank dialled (see the module doc)
-        if self._last is not None:
+        # a consensus that went by before this rank dialled (see the module doc); never to a
+        # restarted process (a rank that had a data link before): its first round is a later one
+        rejoining = rank in self._served
+        self._served.add(rank)
+        if self._last is not None and not rejoining:
             with contextlib.suppress(ConnectionClosed, OSError):
                 await link.send_tensors(self._last[0], self._last[1])
         try:

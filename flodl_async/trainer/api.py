@@ -51,7 +51,7 @@ from ..training.spec import Checkpointing, ElCheConfig, MaxFailure, TrainerSpec
 from ..verdict import ExitCode, RunResult
 from .checks import check_data, check_functions, check_policy, check_rest
 from .checks import max_failure as max_failure_of
-from .entry import Entry, decide_entry
+from .entry import Entry, decide_entry, note_rank_restarts, restarts_setting
 from .inline import InlineDriver, inline_worker
 from .rank import RankDriver, rank_worker
 from .state import RunRequest, TrainedState
@@ -253,6 +253,7 @@ class Trainer:
         max_failure: MaxFailure | int | float | None = None,
         cluster: ClusterSpec | str | os.PathLike[str] | None = None,
         rank_command: Sequence[str] | None = None,
+        max_restarts: int = 0,
         auto_promote: bool = True,
         seed: int = 0,
         drop_last: bool = True,
@@ -279,6 +280,8 @@ class Trainer:
             policy=policy, backend=backend, elche=elche, outer=outer, checkpoint=checkpoint
         )
         self.max_failure = max_failure_of(max_failure)
+        #: The launcher's ``--max-restarts`` (:func:`~.entry.restarts_setting`).
+        self.max_restarts = restarts_setting(max_restarts)
         check_rest(
             cluster=cluster,
             rank_command=rank_command,
@@ -363,6 +366,7 @@ class Trainer:
             compute=self.compute_config(),
             cluster=self.cluster,
             rank_command=self.rank_command,
+            max_restarts=self.max_restarts,
         )
 
     # ----- entry points ------------------------------------------------------------------------
@@ -391,6 +395,7 @@ class Trainer:
             return InlineDriver(self.compute_config(), spec=self.spec())
         if entry is Entry.RANK:
             self._one_session()
+            note_rank_restarts(self.max_restarts, os.environ)
             return RankDriver(self.run_request())
         from .launcher import LauncherDriver  # deferred: it loads asyncssh, which no rank needs
 

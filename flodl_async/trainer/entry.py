@@ -19,10 +19,13 @@ here too (:func:`rank_is_primary`).
 from __future__ import annotations
 
 import enum
+import logging
 from collections.abc import Mapping, Sequence
 
 from ..config.roles import Role, detect_role
 from ..errors import ConfigError
+
+log = logging.getLogger("flodl_async.trainer.api")
 
 
 class Entry(enum.Enum):
@@ -121,3 +124,27 @@ def _started_from(args: Sequence[str]) -> str | None:
             continue
         return None  # the script
     return "the interactive prompt (or a notebook)"
+
+
+def restarts_setting(value: object) -> int:
+    """``Trainer(max_restarts=...)``, checked: the launcher's ``--max-restarts`` — a rank lost to a
+    crash is restarted alone and rejoins (CPU backend), this many times over the whole run."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ConfigError(
+            "Trainer(max_restarts=...) must be a whole number of 0 or more (rank restarts over the "
+            f"whole run; 0: none); got {value!r}"
+        )
+    return value
+
+
+def note_rank_restarts(wanted: int, env: Mapping[str, str]) -> None:
+    """In a rank, ``Trainer(max_restarts=...)`` is its launcher's setting: under ``flodl-launch``
+    (whose ``--max-restarts`` the agent passes down) a different value is said, not obeyed."""
+    given = env.get("TORCHELASTIC_MAX_RESTARTS", "")
+    if wanted and given.isdigit() and int(given) != wanted:
+        log.warning(
+            "Trainer(max_restarts=%d) does not apply under flodl-launch: its --max-restarts %s "
+            "decides how many ranks are restarted",
+            wanted,
+            given,
+        )

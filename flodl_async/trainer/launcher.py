@@ -144,6 +144,7 @@ def launch_plan(
         host_aliases=aliases,
         token=cluster_token(None, spec),
         one_host=spec.source == "auto-promote",
+        max_restarts=request.max_restarts,
     )
 
 

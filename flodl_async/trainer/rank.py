@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ..config.rankenv import RUN_ID_VAR
+from ..config.rankenv import INCARNATION_VAR, RUN_ID_VAR
 from ..deadlines import Deadlines
 from ..errors import ConfigError, CoordinatorLost, FlodlError, TrainingFailed, TrainingStopped
 from ..training.metrics import EpochMetrics
@@ -55,7 +55,9 @@ def _open_session(request: RunRequest, publish: Callable[[EpochMetrics], None]) 
     compute = Compute(request.compute, device)
     schema = ModelSchema.from_module(compute.model)
     spec_wire, digest = request.spec_wire_and_digest(schema)
+    incarnation = int(env.get(INCARNATION_VAR, "0"))  # >0: restarted, it rejoins a run under way
     hello = m.TrainerHello(
+        incarnation=incarnation,
         rank=rank,
         spec=spec_wire,
         digest=digest,
@@ -92,6 +94,7 @@ def _open_session(request: RunRequest, publish: Callable[[EpochMetrics], None]) 
             publish=publish,
             reduce_deadline=deadlines.reduce_stall,
             group=group,
+            joining=incarnation > 0,
         )
         _restore(welcome, rank, compute)
     except BaseException:

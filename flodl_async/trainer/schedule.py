@@ -230,6 +230,7 @@ class RankSchedule:
         publish: Callable[[EpochMetrics], None],
         reduce_deadline: float,
         group: ProcessGroup | None = None,
+        joining: bool = False,
     ) -> None:
         self._compute = compute
         self._group = group
@@ -250,6 +251,7 @@ class RankSchedule:
             start_epoch=welcome.start_epoch,
             start_step=welcome.global_step,
             resumed=welcome.resumed,
+            joining=joining,
         )
         #: The last bundle this rank wrote its state into (``TrainedState.checkpoint``).
         self.last_bundle: str | None = None

@@ -85,6 +85,8 @@ class RunRequest:
     cluster: ClusterSpec | str | os.PathLike[str] | None
     #: ``Trainer(rank_command=...)``: what the ranks run instead of this program again.
     rank_command: tuple[str, ...] | None
+    #: ``Trainer(max_restarts=...)``: the launcher's ``--max-restarts``.
+    max_restarts: int = 0
 
     def spec_wire_and_digest(self, schema: ModelSchema) -> tuple[TrainerSpecWire, str]:
         """What a rank's ``TrainerHello`` carries: the spec on the wire and the run digest of (spec,

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Generic, TypeVar
 
 from ..errors import ProtocolError
@@ -72,12 +72,14 @@ class RoundGate(Generic[T]):
         """The ranks declared dead so far (a round opened later starts without them)."""
         return frozenset(self._dead)
 
-    def open(self, round: int) -> list[T]:
+    def open(self, round: int, expected: Iterable[int] = ()) -> list[T]:
         """Round ``round`` opens: the frames held for it, in arrival order, join it now.
+        ``expected``: its ranks, alive by the coordinator's word (a restarted rank readmitted).
 
         Raises ``ValueError`` for a round opened before (open or completed)."""
         if round in self._open or round in self._completed:
             raise ValueError(f"round {round} was already opened")
+        self._dead.difference_update(expected)
         self._open.add(round)
         self._newest = max(self._newest, round)
         return [item for _, item in self._held.pop(round, [])]

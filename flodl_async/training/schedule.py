@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 from ..control.dispatch import TypeTable
 from ..wire import messages as m
+from ..wire.restarts import Readmitted
 from ..wire.schema import Message
 from .metrics import EpochMetrics
 from .partition import coalesce
@@ -52,7 +53,15 @@ class Settled:
 
 
 #: The control messages a rank acts on; anything else from the coordinator is not its business.
-Inbound = m.Plan | m.Reduce | m.EpochAggregated | m.DeclareDead | m.Shutdown | m.TrainerReject
+Inbound = (
+    m.Plan
+    | m.Reduce
+    | m.EpochAggregated
+    | m.DeclareDead
+    | Readmitted
+    | m.Shutdown
+    | m.TrainerReject
+)
 
 #: What a :class:`RankPolicy` has a handler for.
 RankEvent = Inbound | Asked | Stepped | Settled
@@ -206,7 +215,9 @@ class RankPolicy:
 
     ``averaging`` is the run's policy, ``collective`` whether the backend is COLLECTIVE, ``gamma``
     the exponent of a contribution's weight (steps ** gamma), ``n_batches`` the batches in an
-    epoch's pool (for the LR progress inside a plan).
+    epoch's pool (for the LR progress inside a plan). ``joining``: this process is a restarted
+    rank rejoining a run under way (:mod:`flodl_async.training.rejoin`): nothing trains before its
+    first round, which it joins at weight 0 and whose consensus it takes as its warm start.
     """
 
     def __init__(
@@ -221,11 +232,16 @@ class RankPolicy:
         start_epoch: int = 0,
         start_step: int = 0,
         resumed: bool = False,
+        joining: bool = False,
     ) -> None:
         """``start_epoch`` and ``start_step``: a resumed run's epochs completed and global step;
         ``resumed``: its init round takes the bundle's consensus (every rank contributes
         nothing)."""
         self.rank = rank
+        self._joining = joining
+        # a joiner's Readmitted came: the rounds from here on count it (before, a round's Reduce
+        # that reached its fresh link was opened without it)
+        self._readmitted = not joining
         self._world_size = world_size
         self._averaging = averaging
         self._collective = collective
@@ -254,6 +270,7 @@ class RankPolicy:
         self._handlers.add(m.Reduce, self._on_reduce)
         self._handlers.add(m.EpochAggregated, self._on_epoch)
         self._handlers.add(m.DeclareDead, self._on_dead)
+        self._handlers.add(Readmitted, self._on_readmitted)
         self._handlers.add(m.Shutdown, self._on_shutdown)
         self._handlers.add(m.TrainerReject, self._on_reject)
         self._handlers.add(Asked, self._on_asked)
@@ -391,6 +408,8 @@ class RankPolicy:
     # ----- reduces -------------------------------------------------------------------------------
 
     def _contribute(self, reduce: m.Reduce) -> tuple[RankAction, ...]:
+        if self._joining and reduce.kind == "model":
+            return (self._warm_start(reduce),)
         steps = self._since_contribution
         kind = reduce.kind
         if kind == "model" or (kind == "final" and not reduce.from_controller):
@@ -433,6 +452,22 @@ class RankPolicy:
         self._outstanding = via is Via.SUBMIT
         return out
 
+    def _warm_start(self, reduce: m.Reduce) -> Contribute:
+        """A rejoining rank's first round: its state goes in at weight 0 (it trained nothing the
+        consensus lacks) and the consensus overwrites it, never blended, whatever the policy."""
+        self._joining = False
+        self._initialized = True
+        self._open_window(reduce.round + 1)
+        return Contribute(
+            round=reduce.round,
+            kind=reduce.kind,
+            via=Via.LINK,
+            steps=0,
+            weight=0.0,
+            tensors=True,
+            reset_inner=reduce.reset_inner,
+        )
+
     # ----- the coordinator's messages ------------------------------------------------------------
 
     def _on_plan(self, plan: m.Plan) -> tuple[RankAction, ...]:
@@ -442,7 +477,8 @@ class RankPolicy:
         return ()
 
     def _on_reduce(self, reduce: m.Reduce) -> tuple[RankAction, ...]:
-        self._reduces.append(reduce)
+        if self._readmitted:
+            self._reduces.append(reduce)
         return ()
 
     def _on_epoch(self, msg: m.EpochAggregated) -> tuple[RankAction, ...]:
@@ -461,6 +497,13 @@ class RankPolicy:
             # a later loss's re-form replaces one not carried out yet (it names the dead rank too)
             self._regroup = Regroup(ranks=msg.regroup, generation=msg.generation, redo=msg.redo)
         return (NoteLost(msg.dead_rank, msg.reason),)
+
+    def _on_readmitted(self, msg: Readmitted) -> tuple[RankAction, ...]:
+        # a peer's restarted process is back (or this one): the world it ends with counts it again
+        self._lost.discard(msg.readmitted)
+        if msg.readmitted == self.rank:
+            self._readmitted = True
+        return ()
 
     def _on_shutdown(self, msg: m.Shutdown) -> tuple[RankAction, ...]:
         if msg.save_reason not in NORMAL_ENDS:

@@ -78,6 +78,7 @@ from .messages import (
     WindowDone,
     WorldFormed,
 )
+from .restarts import Readmitted, RestartRank
 from .scalars import Report
 from .schema import Message
 from .storeowner import StoreOwnerAnswer, StoreOwnerQuery
@@ -107,6 +108,7 @@ LEGAL_KINDS: Mapping[tuple[Channel, Direction], frozenset[type[Message]]] = Mapp
                 OpenRound,
                 StartRanks,
                 StopRanks,
+                RestartRank,
                 Abort,
                 Finish,
                 SignalRanks,
@@ -140,6 +142,7 @@ LEGAL_KINDS: Mapping[tuple[Channel, Direction], frozenset[type[Message]]] = Mapp
                 Reduce,
                 EpochAggregated,
                 DeclareDead,
+                Readmitted,
                 Shutdown,
             }
         ),

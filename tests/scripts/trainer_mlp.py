@@ -113,6 +113,18 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--kill-rank", type=int, default=-2, help="this rank SIGKILLs itself ...")
     p.add_argument("--kill-batch", type=int, default=0, help="... at its Nth batch (from 0)")
     p.add_argument("--max-failure", type=int, default=None, help="the Trainer's max_failure")
+    p.add_argument("--max-restarts", type=int, default=0, help="the Trainer's max_restarts")
+    p.add_argument(
+        "--await-restart",
+        action="store_true",
+        help="after --kill-rank's kill, the others wait (at their next batch) for its restarted "
+        "process to start, then train 300 ms a batch until it trained one (with --usage)",
+    )
+    p.add_argument(
+        "--kill-again",
+        action="store_true",
+        help="--kill-rank kills a restarted incarnation too (by default only the first process)",
+    )
     p.add_argument(
         "--usage",
         action="store_true",
@@ -188,11 +200,23 @@ def build(args: argparse.Namespace) -> fa.Trainer:
     )
 
     steps = 0
+    incarnation = int(os.environ.get("FLODL_INCARNATION", "0"))  # >0: restarted alone
+    killing = rank == args.kill_rank and (incarnation == 0 or args.kill_again)
+    used = f"used-{rank}.txt" if incarnation == 0 else f"used-{rank}.i{incarnation}.txt"
 
     def train_step(m: nn.Module, batch: list[torch.Tensor]) -> torch.Tensor:
         nonlocal holding, steps
-        if rank == args.kill_rank and steps == args.kill_batch:
+        out = Path(args.out)
+        if killing and steps == args.kill_batch:
+            if args.await_restart:
+                out.mkdir(parents=True, exist_ok=True)
+                (out / f"killed-{rank}").touch()
             os.kill(os.getpid(), signal.SIGKILL)
+        if args.await_restart and (out / f"killed-{args.kill_rank}").exists():
+            while not (out / f"started-{args.kill_rank}.i1").exists():
+                time.sleep(0.02)
+            if not (out / f"used-{args.kill_rank}.i1.txt").exists():
+                time.sleep(0.3)  # slowly, so that the run outlasts the restarted rank's rejoin
         steps += 1
         if rank == 0 and steps in hold_steps:
             print(f"HELD STEP {steps}", flush=True)
@@ -202,7 +226,7 @@ def build(args: argparse.Namespace) -> fa.Trainer:
         if args.usage:
             # one line per batch, written whole before the step: a rank killed later keeps it
             Path(args.out).mkdir(parents=True, exist_ok=True)
-            with open(Path(args.out) / f"used-{rank}.txt", "a") as f:
+            with open(Path(args.out) / used, "a") as f:
                 f.write(" ".join(str(i) for i in batch[2].tolist()) + "\n")
         if holding:
             holding = False
@@ -214,6 +238,10 @@ def build(args: argparse.Namespace) -> fa.Trainer:
         if sleep_s:
             time.sleep(sleep_s)  # models a slower device without CPU contention
         return mse(m, batch)
+
+    if incarnation:  # a restarted rank: --await-restart's survivors wait for this
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / f"started-{rank}.i{incarnation}").touch()
 
     elche = fa.ElCheConfig(
         anchor=args.anchor, adapt=not args.no_adapt, max_batch_diff=0 if args.lockstep else None
@@ -230,6 +258,7 @@ def build(args: argparse.Namespace) -> fa.Trainer:
         outer=OUTERS[args.outer],
         elche=elche,
         max_failure=args.max_failure,
+        max_restarts=args.max_restarts,
         cluster=args.cluster,
         checkpoint=checkpointing(args),
     )
