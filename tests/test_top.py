@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -79,7 +80,7 @@ def test_the_view_folds_events_once_and_keeps_rounds_off_the_list() -> None:
     assert not view.ended
     view.apply(_event(4, "verdict", exit_code=1, reason="rank 1 failed"))
     assert view.ended
-    assert view.verdict == "verdict: rank 1 failed (exit 1)"
+    assert view.verdict == "rank 1 failed (exit 1)"
 
 
 # ----- a hostile server ------------------------------------------------------------------------------
@@ -105,10 +106,15 @@ def _hostile_stream() -> bytes:
     return body
 
 
-class HostileServer:
-    """One-thread HTTP server: /events answers the hostile stream (HTTP/1.0, until the close)."""
+class StreamServer:
+    """One-thread HTTP server: its n-th connection (from 0) is answered ``body(n)`` as an event stream
+    (HTTP/1.0, until the close); the requests are kept."""
 
-    def __init__(self) -> None:
+    def __init__(
+        self, body: Callable[[int], bytes], content_type: bytes = b"text/event-stream"
+    ) -> None:
+        self.body, self.content_type = body, content_type
+        self.requests: list[bytes] = []
         self.sock = socket.create_server(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]
         self.thread = threading.Thread(target=self._serve, daemon=True)
@@ -121,11 +127,9 @@ class HostileServer:
             except OSError:
                 return
             with conn:
-                conn.recv(65536)
-                conn.sendall(
-                    b"HTTP/1.0 200 OK\r\nContent-Type: text/event-stream\r\n\r\n"
-                    + _hostile_stream()
-                )
+                self.requests.append(conn.recv(65536))
+                head = b"HTTP/1.0 200 OK\r\nContent-Type: %s\r\n\r\n" % self.content_type
+                conn.sendall(head + self.body(len(self.requests) - 1))
 
     def close(self) -> None:
         self.sock.close()
@@ -133,8 +137,8 @@ class HostileServer:
 
 
 @pytest.fixture
-def hostile() -> Iterator[HostileServer]:
-    server = HostileServer()
+def hostile() -> Iterator[StreamServer]:
+    server = StreamServer(lambda _n: _hostile_stream())
     try:
         yield server
     finally:
@@ -152,7 +156,7 @@ def _assert_clean(text: str) -> None:
 
 @pytest.mark.parametrize("command", [["top"], ["status", "--watch"]])
 def test_plain_mode_prints_a_hostile_server_stripped_and_ends_at_the_verdict(
-    hostile: HostileServer, command: list[str]
+    hostile: StreamServer, command: list[str]
 ) -> None:
     env = {k: v for k, v in os.environ.items() if k != "JOURNAL_STREAM"}
     done = subprocess.run(
@@ -167,11 +171,11 @@ def test_plain_mode_prints_a_hostile_server_stripped_and_ends_at_the_verdict(
     _assert_clean(done.stdout + done.stderr)
     lines = done.stdout.splitlines()
     assert lines[0].endswith(f"host h{SHOWN} joined with ranks 0")
-    assert lines[-1] == f"verdict  verdict: done{SHOWN} (exit 0)"
+    assert lines[-1] == f"verdict  done{SHOWN} (exit 0)"
     assert "Traceback" not in done.stderr
 
 
-def test_the_rich_view_shows_a_hostile_string_as_text_not_markup(hostile: HostileServer) -> None:
+def test_the_rich_view_shows_a_hostile_string_as_text_not_markup(hostile: StreamServer) -> None:
     from rich.console import Console
 
     from flodl_async.cli.eventclient import read_events
@@ -188,38 +192,68 @@ def test_the_rich_view_shows_a_hostile_string_as_text_not_markup(hostile: Hostil
     assert f"h{SHOWN}" in shown
 
 
-def test_a_stream_that_is_not_flodl_is_refused(tmp_path: Path) -> None:
-    sock = socket.create_server(("127.0.0.1", 0))
-
-    def serve() -> None:
-        conn, _ = sock.accept()
-        with conn:
-            conn.recv(65536)
-            conn.sendall(b"HTTP/1.0 200 OK\r\nContent-Type: text/html\r\n\r\n<html>")
-
-    thread = threading.Thread(target=serve, daemon=True)
-    thread.start()
+def test_a_stream_that_is_not_flodl_is_refused() -> None:
+    server = StreamServer(lambda _n: b"<html>", content_type=b"text/html")
     try:
-        done = subprocess.run(
-            [
-                PY,
-                "-m",
-                "flodl_async.cli.flodl",
-                "top",
-                "--addr",
-                f"127.0.0.1:{sock.getsockname()[1]}",
-            ],
-            capture_output=True,
-            text=True,
-            timeout=60,
-            check=False,
-        )
+        done = _top(server.port)
     finally:
-        sock.close()
-        thread.join(5)
+        server.close()
     assert done.returncode == 1
     assert "not an event stream" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def _frames(*events: dict[str, object]) -> bytes:
+    snapshot = {"schema": SCHEMA, "run_id": "r", "phase": "training"}
+    body = b"event: snapshot\ndata: " + json.dumps(snapshot).encode() + b"\n\n"
+    return body + b"".join(
+        b"id: %d\ndata: %s\n\n" % (e["id"], json.dumps(e).encode()) for e in events
+    )
+
+
+def _top(port: int) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [PY, "-m", "flodl_async.cli.flodl", "top", "--addr", f"127.0.0.1:{port}"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
+def test_a_stream_cut_before_the_verdict_resumes_after_its_last_event() -> None:
+    joined = {"id": 1, "at": 0.0, "kind": "host_joined", "host": "a", "ranks": [0]}
+    verdict = {
+        "id": 2,
+        "at": 0.0,
+        "kind": "verdict",
+        "exit_code": 0,
+        "reason": "all ranks exited 0",
+    }
+    server = StreamServer(lambda n: _frames(joined) if n == 0 else _frames(verdict))
+    try:
+        done = _top(server.port)
+    finally:
+        server.close()
+    assert done.returncode == 0, done.stderr
+    assert [line.split(" ", 1)[1] for line in done.stdout.splitlines()] == [
+        "host a joined with ranks 0",
+        "verdict: all ranks exited 0 (exit 0)",
+        " all ranks exited 0 (exit 0)",
+    ]
+    assert b"Last-Event-ID" not in server.requests[0]
+    assert b"Last-Event-ID: 1\r\n" in server.requests[1]
+
+
+def test_a_stream_that_keeps_ending_with_nothing_new_is_given_up() -> None:
+    server = StreamServer(lambda _n: _frames())
+    try:
+        done = _top(server.port)
+    finally:
+        server.close()
+    assert done.returncode == 1
+    assert "closed the stream before the run's verdict" in done.stderr
+    assert len(server.requests) == 3  # flodl_async.cli.top.RESUME_TRIES
 
 
 # ----- a real terminal, a real run -------------------------------------------------------------------
@@ -304,7 +338,7 @@ def test_flodl_top_in_a_real_terminal_follows_a_trainer_run_to_its_verdict(tmp_p
         pane = tmux.wait_for("watch", "TOP-EXIT=", timeout=180)
         assert "TOP-EXIT=0" in pane, pane
         assert "epoch 2/2: loss" in pane
-        assert "verdict  verdict: " in pane
+        assert re.search(r"^verdict  .+ \(exit 0\)$", pane, re.MULTILINE), pane
         assert pane.count("LAST LINE") == 1
         assert "Traceback" not in pane
         done = run.finish(timeout=120)

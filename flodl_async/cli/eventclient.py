@@ -134,8 +134,11 @@ def _checked(message: SseMessage, where: str) -> StreamItem | None:
     return None
 
 
-def read_events(host: str, port: int, *, timeout: float = 3.0) -> Iterator[StreamItem]:
-    """GET /events and yield its messages until the controller closes the stream.
+def read_events(
+    host: str, port: int, *, timeout: float = 3.0, after: int = 0
+) -> Iterator[StreamItem]:
+    """GET /events and yield its messages until the controller closes the stream; ``after`` > 0
+    resumes after that event id (``Last-Event-ID``).
 
     ``timeout`` bounds the connection and the answer's head; after it, the stream may stay quiet
     up to :data:`STREAM_SILENCE` between keepalives. Raises what
@@ -147,7 +150,10 @@ def read_events(host: str, port: int, *, timeout: float = 3.0) -> Iterator[Strea
         conn.connect()
         sock = conn.sock  # kept: http.client hands it to the answer when the server will close
         assert sock is not None
-        conn.request("GET", "/events", headers={"Accept": "text/event-stream"})
+        headers = {"Accept": "text/event-stream"}
+        if after > 0:
+            headers["Last-Event-ID"] = str(after)
+        conn.request("GET", "/events", headers=headers)
         response = conn.getresponse()
         if response.status != 200:
             detail = strip_controls(response.read(4096).decode("utf-8", "replace")).strip()

@@ -127,15 +127,20 @@ def _watch(host: str, port: int, args: argparse.Namespace) -> StatusExit:
     """The live view (``flodl top``, ``flodl status --watch``) until the verdict or Ctrl-C."""
     prog = "flodl top" if args.command == "top" else "flodl status"
     try:
-        view = watch(read_events(host, port, timeout=args.timeout), plain=plain_wanted(), say=_say)
+        view = watch(
+            lambda after: read_events(host, port, timeout=args.timeout, after=after),
+            plain=plain_wanted(),
+            say=_say,
+        )
     except KeyboardInterrupt:
         return StatusExit.OK
     except (OSError, http.client.HTTPException, NotFlodlStatus) as exc:
         return _unreachable(prog, host, port, exc, args.timeout)
     if view.verdict is None:
         _say(
-            f"{prog}: the controller at {host}:{port} closed the stream before the run's verdict "
-            "(flodl status --from-log DIR tells a finished run from its event log)",
+            f"{prog}: the controller at {host}:{port} closed the stream before the run's verdict, "
+            "and again when asked to resume it (flodl status --from-log DIR tells a finished run "
+            "from its event log)",
             error=True,
         )
         return StatusExit.UNREACHABLE

@@ -12,6 +12,10 @@ shells draw it:
 * when stdout is not a terminal, or under journald (``JOURNAL_STREAM`` set), plain lines
   appended as things happen: each event, and the training line when it changes.
 
+A stream that ends before the verdict (the controller drops a client that fell behind; a link
+may blip) is opened again with ``Last-Event-ID``, so nothing is missed or told twice; after
+:data:`RESUME_TRIES` streams in a row with nothing new, the run is given up on.
+
 Every string shown came through :func:`~flodl_async.cli.statusclient.clean` (control and
 format characters stripped) and reaches rich as a ``Text``, which is never parsed for markup:
 a rank that prints ``[bold]`` shows ``[bold]``.
@@ -23,7 +27,7 @@ import collections
 import os
 import sys
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING
 
 from ..verdict import rank_ranges
@@ -99,7 +103,7 @@ class TopView:
         self.last_round: dict[str, object] | None = None
         self.events: collections.deque[str] = collections.deque(maxlen=LAST_EVENTS)
         self.verdict: str | None = None
-        self._seen: set[object] = set()  # event ids: a resumed backlog is not told twice
+        self.last_id = 0  # the board numbers events from 1, in order: one told twice is skipped
         self._fresh: list[str] = []
         self._told_training = ""
 
@@ -110,10 +114,11 @@ class TopView:
             self._training_changed()
             return
         event = item.doc
-        if event.get("id") is not None:
-            if event["id"] in self._seen:
+        event_id = event.get("id")
+        if type(event_id) is int:
+            if event_id <= self.last_id:
                 return
-            self._seen.add(event["id"])
+            self.last_id = event_id
         kind = event.get("kind")
         if kind == "round":
             self.last_round = event
@@ -122,7 +127,7 @@ class TopView:
             return
         line = event_line(event)
         if kind == "verdict":
-            self.verdict = line.split(" ", 1)[1]
+            self.verdict = line.split(" ", 1)[1].removeprefix("verdict: ")
         self.events.append(line)
         self._fresh.append(line)
 
@@ -206,8 +211,6 @@ def render(view: TopView) -> RenderableType:
     parts: list[RenderableType] = [Text(line, style="bold") for line in view.header()]
     parts += [Text(""), table, Text(""), Text("events", style="bold")]
     parts += [Text(line) for line in view.events] or [Text("(none yet)", style="dim")]
-    if view.verdict is not None:
-        parts.append(Text(f"verdict {view.verdict}", style="bold"))
     return Group(*parts)
 
 
@@ -216,12 +219,31 @@ def plain_wanted() -> bool:
     return bool(os.environ.get("JOURNAL_STREAM")) or not sys.stdout.isatty()
 
 
-def watch(items: Iterable[StreamItem], *, plain: bool, say: Callable[[str], None]) -> TopView:
-    """Show ``items`` until the verdict or the stream's end; returns the view as it ended.
+#: Streams in a row that may end without a new event before ``flodl top`` gives up on the run.
+RESUME_TRIES = 3
+
+
+def _resumed(view: TopView, connect: Callable[[int], Iterable[StreamItem]]) -> Iterator[StreamItem]:
+    """The stream, opened again after the last event seen when it ends before the verdict (the
+    controller drops a client that fell behind; a link may blip); what the controller raises on a
+    new connection passes to the caller."""
+    idle = 0
+    while idle < RESUME_TRIES:
+        before = view.last_id
+        yield from connect(before)
+        idle = idle + 1 if view.last_id == before else 0
+
+
+def watch(
+    connect: Callable[[int], Iterable[StreamItem]], *, plain: bool, say: Callable[[str], None]
+) -> TopView:
+    """Show the stream that ``connect(after)`` opens until the verdict, or until it ends
+    :data:`RESUME_TRIES` times in a row with nothing new; returns the view as it ended.
 
     ``KeyboardInterrupt`` passes to the caller after the live view is closed.
     """
     view = TopView()
+    items = _resumed(view, connect)
     if plain:
         for item in items:
             view.apply(item)
