@@ -362,3 +362,20 @@ def test_journald_or_a_pipe_gets_plain_lines(monkeypatch: pytest.MonkeyPatch) ->
     assert not top.plain_wanted()
     monkeypatch.setenv("JOURNAL_STREAM", "8:12345")
     assert top.plain_wanted()
+
+
+@pytest.mark.parametrize(
+    ("extra", "said"),
+    [
+        (["--json"], "drop --json"),
+        (["--silent-after", "5"], "drop --silent-after"),
+        (["--from-log", "logs"], "drop --watch"),
+    ],
+)
+def test_watch_refuses_the_options_it_would_ignore(
+    extra: list[str], said: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from flodl_async.cli.flodl import main
+
+    assert main(["status", "--watch", "--addr", "127.0.0.1:1", *extra]) == 2
+    assert said in capsys.readouterr().err
