@@ -158,7 +158,7 @@ def test_dir_of_the_package_offers_the_public_names_without_loading_them() -> No
 
 def test_a_local_launch_never_imports_prometheus_client(tmp_path: Path) -> None:
     """/metrics imports prometheus_client on its first scrape only: a launcher that nobody scrapes, from its start
-    through its local ranks to its end, never loads it (-X importtime lists every import of the launcher's own
+    through its local ranks to its end, never loads it, nor rich (flodl top's alone) (-X importtime lists every import of the launcher's own
     process; the ranks are other processes)."""
     from .launchkit import PY, assert_nothing_left, new_run_id, script
 
@@ -178,7 +178,7 @@ def test_a_local_launch_never_imports_prometheus_client(tmp_path: Path) -> None:
         if "import time:" in line
     }
     assert "flodl_async.controller.shell" in imported  # the listing is the launcher's own
-    assert not {name for name in imported if name.split(".")[0] == "prometheus_client"}
+    assert not {name for name in imported if name.split(".")[0] in ("prometheus_client", "rich")}
 
 #: What a one-host ``flodl-launch --nproc`` run must never import: ssh is for other hosts only (it
 #: was a fifth of the launcher's imports, paid before its ranks could start).
