@@ -36,9 +36,12 @@ import time
 import typing
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
+from ..checkpoint import Reason, parse_bundle_name
 from ..control.dispatch import TypeTable
+from ..control.exits import signal_name
 from ..control.vocab import LOGGING_LEVELS, Announce, Tell, Tick
 from ..errors import ConnectionClosed, FlodlError
 from ..net.framed import FramedProtocol
@@ -71,6 +74,7 @@ from ..training.coordinator import Coordinator
 from ..training.metrics import EpochMetrics
 from ..training.modelschema import ModelSchema
 from ..training.spec import TrainerSpec
+from ..verdict import ExitCode, RunResult
 from ..wire import messages as m
 from ..wire.schema import Message
 from .bundles import BundleKeeper
@@ -327,7 +331,7 @@ class TrainingShell:
         self._handle(CheckpointRequested(reason=reason))
         return True
 
-    def stop(self, reason: str) -> bool:
+    def stop(self, reason: str, *, preempt: bool = False) -> bool:
         """An orderly stop (a launcher signal, ``TrainingRun.shutdown`` in any process): the final
         round, then ``Shutdown``.
 
@@ -336,7 +340,7 @@ class TrainingShell:
         """
         if self.coordinator is None or self._outcome is not None or self.coordinator.stop_requested:
             return False
-        self._handle(StopRequested(reason=reason))
+        self._handle(StopRequested(reason=reason, preempt=preempt))
         return True
 
     def next_deadline(self) -> float | None:
@@ -649,3 +653,46 @@ class TrainingShell:
                     folded=result.folded,
                 )
             )
+
+
+def preempted_verdict(result: RunResult, trained: TrainingResult | None) -> RunResult:
+    """A run that got the preemption signal: exit 7 once it stopped in order with its ``preempt``
+    bundle written (the requeue runs the same command and resumes from it); 143 when it stopped
+    with none (no ``save_path``, or the bundle failed: exit 7 must never promise a resume).
+    A run that ended otherwise (it finished first, it failed) keeps its verdict."""
+    if result.exit_code is not ExitCode.OK or trained is None or not trained.interrupted:
+        return result
+    last = trained.checkpoint
+    bundle = None if last is None else parse_bundle_name(Path(last).name)
+    if bundle is not None and bundle[1] is Reason.PREEMPT:
+        return dataclasses.replace(
+            result,
+            exit_code=ExitCode.PREEMPTED,
+            reason=f"{result.reason}; preempted, checkpoint {trained.checkpoint} written: run the "
+            "same command to resume",
+        )
+    return dataclasses.replace(
+        result,
+        exit_code=ExitCode.TERMINATED,
+        reason=f"{result.reason}; preempted, but no preempt bundle was written (no save_path, or "
+        "the final round's consensus could not be saved: see above)",
+    )
+
+
+def preempt_training(training: TrainingShell | None, signum: int) -> str | None:
+    """The preemption signal: a Trainer run checkpoints at the next reduce (``preempt``), then
+    stops in order; what to log, or None when no Trainer trains (a plain script's run: the caller
+    passes the signal on). The exit code is :func:`preempted_verdict`'s."""
+    if training is None or training.coordinator is None:
+        return None
+    name = signal_name(signum)
+    spec = training.coordinator.spec
+    if spec is None or spec.checkpoint.save_path is None:
+        training.stop(f"{name}: preempted, with no save_path")
+        return (
+            f"{name}: preempted, but this Trainer has no save_path: NOTHING CAN BE SAVED; "
+            "stopping in order (exit 143, the run starts over if run again)"
+        )
+    if not training.stop(f"{name}: preempted", preempt=True):
+        return f"{name}: a stop is already under way (SIGTERM twice forces it)"
+    return f"{name}: preempted: a checkpoint at the next reduce, then an orderly stop (exit 7)"
