@@ -348,6 +348,7 @@ def test_sigusr1_to_flodl_launch_checkpoints_exits_7_and_the_same_command_resume
         launcher.kill()
     assert done.returncode == ExitCode.PREEMPTED == 7, done.stderr
     assert "preempted: a checkpoint at the next reduce, then an orderly stop" in done.stderr
+    assert "flodl-launch: stopped — training stopped (SIGUSR1: preempted)" in done.stderr
     assert "run the same command to resume" in done.stderr
     latest, _skipped = find_latest(save)
     assert latest is not None
