@@ -32,6 +32,7 @@ class ExitCode(enum.IntEnum):
     RANK_FAILURE = 4
     MAX_FAILURE = 5
     STALLED = 6
+    PREEMPTED = 7
     INTERRUPTED = 130
     TERMINATED = 143
 
@@ -48,6 +49,8 @@ EXIT_MEANINGS: dict[ExitCode, str] = {
     "controller was lost",
     ExitCode.MAX_FAILURE: "more ranks failed than max_failure allows (elastic runs)",
     ExitCode.STALLED: "training stalled: no progress within the hang deadline",
+    ExitCode.PREEMPTED: "preempted, checkpoint written: run the same command to resume (a Trainer "
+    "run with a save_path got the preemption signal, SIGUSR1 unless --preempt-signal says)",
     ExitCode.INTERRUPTED: "interrupted by SIGINT (Ctrl-C); a second signal kills at once",
     ExitCode.TERMINATED: "terminated by SIGTERM; a second signal kills at once",
 }

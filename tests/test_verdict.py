@@ -27,7 +27,7 @@ README = Path(__file__).resolve().parents[1] / "README.md"
 
 
 def test_the_reserved_codes_are_the_documented_ones() -> None:
-    assert {int(c) for c in ExitCode} == {0, 1, 2, 3, 4, 5, 6, 130, 143}
+    assert {int(c) for c in ExitCode} == {0, 1, 2, 3, 4, 5, 6, 7, 130, 143}
     assert set(EXIT_MEANINGS) == set(ExitCode)
 
 

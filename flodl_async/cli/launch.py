@@ -51,7 +51,12 @@ from ..host.hostnames import HostAliases
 from ..host.runs import Registration, register
 from ..host.secretfile import load_or_create_secret, read_token_file
 from ..net.loop import run
-from ..net.signals import ForwardedSignals, StopSignals
+from ..net.signals import (
+    DEFAULT_PREEMPT_SIGNAL,
+    FORWARDED_SIGNALS,
+    ForwardedSignals,
+    StopSignals,
+)
 from ..verdict import ExitCode, RunResult
 from ..wire.keys import new_session_secret
 from .earlyranks import port_gave_way, release, start_local_ranks
@@ -390,6 +395,7 @@ async def _run(
     show_ranks: frozenset[int] | None = None,
     routing: StreamRouting | None = None,
     nodes: EveryNode | None = None,
+    preempt: signal.Signals = DEFAULT_PREEMPT_SIGNAL,
 ) -> tuple[RunResult, bool]:
     """The run's verdict, and whether its Trainer (if any) ended by a stop. ``nodes``: the
     controller's node of an every-node run, which prints only its own ranks' lines."""
@@ -446,10 +452,14 @@ async def _run(
         interrupt = _interrupter(controller)
         # SIGUSR1/SIGUSR2 go on to the ranks; an every-node run's scheduler signals every node's
         # launcher, so each passes them to its own node's ranks only.
-        forward = _forwarder(controller, nodes)
-        with StopSignals(interrupt, interrupt), ForwardedSignals(forward):
+        forward = _Forwarder(controller, nodes, preempt)
+        with StopSignals(interrupt, interrupt), ForwardedSignals(forward, also=preempt):
             result = await controller.run()
         trained = controller.training.result() if controller.training is not None else None
+        if forward.preempted:
+            from ..controller.preemption import preempted_verdict  # deferred: off the start path
+
+            result = preempted_verdict(result, trained)
         return result, trained is not None and trained.interrupted
     finally:
         if registration is not None:
@@ -474,16 +484,36 @@ def _interrupter(controller: Controller) -> Callable[[signal.Signals], None]:
     return interrupt
 
 
-def _forwarder(controller: Controller, nodes: EveryNode | None) -> Callable[[signal.Signals], None]:
-    """``controller.forward_signal`` as SIGUSR1/SIGUSR2 call it, said in the log."""
+class _Forwarder:
+    """What SIGUSR1/SIGUSR2 and the preemption signal call, said in the log: the preemption signal
+    to a Trainer run checkpoints and stops it (``controller.preempt``); otherwise a plain
+    script's ranks get SIGUSR1/SIGUSR2 passed on (``controller.forward_signal``)."""
 
-    def forward(sig: signal.Signals) -> None:
-        if nodes is not None and nodes.signals_reach_ranks:
+    def __init__(
+        self, controller: Controller, nodes: EveryNode | None, preempt: signal.Signals
+    ) -> None:
+        self._controller = controller
+        self._nodes = nodes
+        self._preempt = preempt
+        #: the preemption signal reached a Trainer run (its verdict is then preempted_verdict's)
+        self.preempted = False
+
+    def __call__(self, sig: signal.Signals) -> None:
+        controller, nodes = self._controller, self._nodes
+        if sig == self._preempt:
+            from ..controller.preemption import preempt_training  # deferred: off the start path
+
+            said = preempt_training(controller.training, int(sig))
+            if said is not None:
+                self.preempted = True
+                log.warning("%s", said)
+                return
+        if sig not in FORWARDED_SIGNALS:
+            log.info("%s: no Trainer run to checkpoint (yet); ignored", sig.name)
+        elif nodes is not None and nodes.signals_reach_ranks:
             log.info("%s", already_delivered(sig))
-            return
-        log.info("%s", controller.forward_signal(int(sig), local_only=nodes is not None))
-
-    return forward
+        else:
+            log.info("%s", controller.forward_signal(int(sig), local_only=nodes is not None))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -514,7 +544,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         # a one-host run's ranks import torch while the controller builds (cli/earlyranks.py)
         plan = start_local_ranks(plan, fallback=choice.fallback)
         result, interrupted = run(
-            _run(plan, choice, show_ranks=args.ranks_filter, routing=args.routing, nodes=nodes)
+            _run(
+                plan,
+                choice,
+                show_ranks=args.ranks_filter,
+                routing=args.routing,
+                nodes=nodes,
+                preempt=args.preempt_signal,
+            )
         )
     except ConfigError as exc:
         print(f"flodl-launch: error: {exc}", file=sys.stderr)

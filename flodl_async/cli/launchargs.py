@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import signal
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +23,7 @@ from ..config.everynode import EveryNode, NodeFlags, resolve_nodes, under_slurm
 from ..config.streams import StreamRouting, parse_stream_set
 from ..deadlines import DEFAULT_STOP_GRACE
 from ..errors import ConfigError
+from ..net.signals import DEFAULT_PREEMPT_SIGNAL, PREEMPT_SIGNAL_VAR, preempt_signal
 from ..verdict import exit_help
 
 EPILOG = """\
@@ -64,6 +66,8 @@ class LaunchArgs:
     routing: StreamRouting | None = None
     #: --nnodes: one node of an every-node run (None: any other run)
     nodes: EveryNode | None = None
+    #: --preempt-signal / FLODL_PREEMPT_SIGNAL: a Trainer run checkpoints and stops on it (exit 7)
+    preempt_signal: signal.Signals = DEFAULT_PREEMPT_SIGNAL
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -197,6 +201,13 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "-q", "--quiet", action="store_true", help="only rank output and the verdict"
     )
+    parser.add_argument(
+        "--preempt-signal",
+        metavar="SIG",
+        help="the signal that tells a Trainer run it is about to be preempted (SLURM's "
+        f"--signal=USR1@60): a checkpoint at the next reduce, an orderly stop, exit 7 (default "
+        f"${PREEMPT_SIGNAL_VAR}, else USR1); a plain script's ranks get SIGUSR1/SIGUSR2 passed on",
+    )
     parser.add_argument("-v", "--verbose", action="store_true", help="debug output")
     return parser
 
@@ -280,7 +291,15 @@ def parse_args(argv: Sequence[str]) -> LaunchArgs:
         no_python=ns.no_python,
         routing=routing,
         nodes=nodes,
+        preempt_signal=_preempt_signal(ns.preempt_signal),
     )
+
+
+def _preempt_signal(flag: str | None) -> signal.Signals:
+    """``--preempt-signal``, else ``$FLODL_PREEMPT_SIGNAL``, else USR1 (an error names which)."""
+    if flag is not None:
+        return preempt_signal(flag)
+    return preempt_signal(os.environ.get(PREEMPT_SIGNAL_VAR), source=PREEMPT_SIGNAL_VAR)
 
 
 def _nodes(ns: argparse.Namespace) -> EveryNode | None:

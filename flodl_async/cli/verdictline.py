@@ -11,7 +11,7 @@ from __future__ import annotations
 from ..verdict import ExitCode, RunResult
 
 #: The exit codes of a run stopped by a signal (the exit table's 128 + N).
-STOP_CODES = frozenset({ExitCode.INTERRUPTED, ExitCode.TERMINATED})
+STOP_CODES = frozenset({ExitCode.INTERRUPTED, ExitCode.TERMINATED, ExitCode.PREEMPTED})
 
 
 def verdict_word(result: RunResult, *, interrupted: bool = False) -> str:

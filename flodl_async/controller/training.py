@@ -357,7 +357,7 @@ class TrainingShell:
         self._handle(CheckpointRequested(reason=reason))
         return True
 
-    def stop(self, reason: str) -> bool:
+    def stop(self, reason: str, *, preempt: bool = False) -> bool:
         """An orderly stop (a launcher signal, ``TrainingRun.shutdown`` in any process): the final
         round, then ``Shutdown``.
 
@@ -366,7 +366,7 @@ class TrainingShell:
         """
         if self.coordinator is None or self._outcome is not None or self.coordinator.stop_requested:
             return False
-        self._handle(StopRequested(reason=reason))
+        self._handle(StopRequested(reason=reason, preempt=preempt))
         return True
 
     def next_deadline(self) -> float | None:

@@ -21,12 +21,68 @@ import signal
 from collections.abc import Callable
 from types import FrameType, TracebackType
 
+from ..errors import ConfigError
+
 #: The signals that stop a command (Ctrl-C and ``kill`` / ``systemctl stop``), in install order.
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 #: The signals a launcher passes on to its ranks, the run going on (SLURM's ``--signal=USR1@60``,
 #: Lightning's requeue): never a stop.
 FORWARDED_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2)
+
+#: The signal that tells a Trainer run it is about to be preempted (SLURM's ``--signal=USR1@60``):
+#: a checkpoint at the next reduce boundary, then an orderly stop (exit 7). ``--preempt-signal``
+#: or this variable names another; it must be set before the launcher starts (its handler exists
+#: before any Trainer settings arrive).
+PREEMPT_SIGNAL_VAR = "FLODL_PREEMPT_SIGNAL"
+DEFAULT_PREEMPT_SIGNAL = signal.SIGUSR1
+
+#: Signals that cannot mean a preemption: they already stop (INT, TERM), cannot be caught (KILL,
+#: STOP), or come of ordinary life (CHLD, the terminal's and the pipe's).
+_NOT_PREEMPT = frozenset(
+    {
+        signal.SIGINT,
+        signal.SIGTERM,
+        signal.SIGKILL,
+        signal.SIGSTOP,
+        signal.SIGCHLD,
+        signal.SIGPIPE,
+        signal.SIGTSTP,
+        signal.SIGTTIN,
+        signal.SIGTTOU,
+        signal.SIGWINCH,
+        signal.SIGCONT,
+        signal.SIGSEGV,
+        signal.SIGBUS,
+        signal.SIGFPE,
+        signal.SIGILL,
+    }
+)
+
+
+def preempt_signal(text: str | None, *, source: str = "--preempt-signal") -> signal.Signals:
+    """The preemption signal ``text`` names (``USR1``, ``SIGUSR2``, ``10``; None or empty: the
+    default); a :class:`ConfigError` naming ``source`` for anything else."""
+    if text is None or not text.strip():
+        return DEFAULT_PREEMPT_SIGNAL
+    name = text.strip().upper()
+    try:
+        sig = (
+            signal.Signals(int(name))
+            if name.isdigit()
+            else signal.Signals[name if name.startswith("SIG") else f"SIG{name}"]
+        )
+    except (KeyError, ValueError):
+        raise ConfigError(
+            f"{source}: {text!r} is not a signal; give a name such as USR1 or USR2"
+        ) from None
+    if sig in _NOT_PREEMPT:
+        raise ConfigError(
+            f"{source}: {sig.name} cannot mean a preemption (it stops, cannot be caught, or comes "
+            "of ordinary life); give USR1, USR2 or HUP"
+        )
+    return sig
+
 
 #: What a stop signal calls: the signal that came.
 OnSignal = Callable[[signal.Signals], None]
@@ -119,13 +175,15 @@ class ForwardedSignals:
     """``with ForwardedSignals(forward):`` on the running loop: each SIGUSR1/SIGUSR2 calls
     ``forward(sig)`` (instead of ending this process, their default action)."""
 
-    def __init__(self, forward: OnSignal) -> None:
+    def __init__(self, forward: OnSignal, *, also: signal.Signals | None = None) -> None:
         self._forward = forward
+        #: the preemption signal too, when it is none of the two (``--preempt-signal HUP``)
+        self._signals = tuple(dict.fromkeys([*FORWARDED_SIGNALS, *([also] if also else [])]))
         self._loop: asyncio.AbstractEventLoop | None = None
 
     def __enter__(self) -> ForwardedSignals:
         loop = self._loop = asyncio.get_running_loop()
-        for sig in FORWARDED_SIGNALS:
+        for sig in self._signals:
             loop.add_signal_handler(sig, self._forward, sig)
         return self
 
@@ -136,5 +194,5 @@ class ForwardedSignals:
         tb: TracebackType | None,
     ) -> None:
         if self._loop is not None:
-            for sig in FORWARDED_SIGNALS:
+            for sig in self._signals:
                 self._loop.remove_signal_handler(sig)

@@ -57,13 +57,19 @@ from ..config.plan import LaunchPlan, PlacedWorker
 from ..config.rankenv import RUN_ID_VAR
 from ..config.roles import CONTROLLER_VAR
 from ..controller import Controller
+from ..controller.preemption import preempt_training, preempted_verdict
 from ..controller.resumes import preflight, warn_if_spread
 from ..controller.training import TrainingResult
 from ..deadlines import Deadlines
 from ..errors import ConfigError, RuntimeDirError, TrainingFailed
 from ..host.gpus import host_visible_gpus
 from ..host.runs import Registration, register
-from ..net.signals import StopSignals
+from ..net.signals import (
+    PREEMPT_SIGNAL_VAR,
+    StopSignals,
+    add_guest_handler,
+    preempt_signal,
+)
 from ..training.policy import Backend
 from ..verdict import ExitCode, RunResult, exit_code_for_signal
 from ..wire.keys import new_session_secret
@@ -193,6 +199,8 @@ class LauncherDriver:
         #: The run's verdict, once the controller returned (what a cooperative launcher exits with).
         self.result: RunResult | None = None
         self._stop_signal: signal.Signals | None = None
+        #: the preemption signal reached the Trainer (the verdict is then preempted_verdict's)
+        self._preempted = False
 
     async def run(self, publish: Callable[[EpochMetrics], None]) -> TrainedState:
         _configure_logging()
@@ -201,6 +209,9 @@ class LauncherDriver:
             # before the fan-out: a bundle that is not there, torn, or of other data ends it here
             preflight(self._reference)
             warn_if_spread(self._reference.checkpoint, (w.host for w in plan.workers))
+            preempt_sig = preempt_signal(
+                os.environ.get(PREEMPT_SIGNAL_VAR), source=PREEMPT_SIGNAL_VAR
+            )
         except ConfigError as exc:
             raise TrainingFailed(RunResult(exit_code=ExitCode.USAGE, reason=str(exc))) from None
         output = RankOutput(stdout=sys.stdout.buffer, stderr=sys.stderr.buffer, run_id=plan.run_id)
@@ -218,6 +229,8 @@ class LauncherDriver:
         # then cancels every task, the controller's own, before any round could end in order.
         stop_signals = StopSignals(self._first_stop_signal, self._later_stop_signal, guest=True)
         stop_signals.install()
+        # the preemption signal (FLODL_PREEMPT_SIGNAL, USR1 by default): checkpoint, then stop
+        preempt = add_guest_handler(loop, preempt_sig, self._preempt)
         registration: Registration | None = None
         try:
             registration = _announce(plan, controller.port)
@@ -238,6 +251,10 @@ class LauncherDriver:
             if registration is not None:
                 registration.remove()
             stop_signals.restore()
+            if preempt is not None:
+                loop.remove_signal_handler(preempt[0])
+                if preempt[1] is not None:
+                    signal.signal(preempt[0], preempt[1])
             await controller.aclose()
             output.close()
         outcome = attachment.outcome()
@@ -245,6 +262,8 @@ class LauncherDriver:
         if self._stop_signal is not None and result.exit_code is ExitCode.OK and stopped:
             # an orderly stop on a signal ends as flodl-launch's does, 130/143 (with the state)
             result = dataclasses.replace(result, exit_code=exit_code_for_signal(self._stop_signal))
+        elif self._preempted:
+            result = preempted_verdict(result, outcome)
         self.result = result
         return final_state(attachment, result)
 
@@ -272,6 +291,16 @@ class LauncherDriver:
         """The first SIGINT or SIGTERM asks for the orderly end (the signal table)."""
         self._stop_signal = sig
         self._stop_in_order(f"the launcher got {sig.name}", sig)
+
+    def _preempt(self, sig: signal.Signals) -> None:
+        """The preemption signal: a checkpoint at the next reduce, then an orderly stop (exit 7)."""
+        controller = self._controller
+        said = None if controller is None else preempt_training(controller.training, int(sig))
+        if said is None:
+            log.warning("%s: no Trainer trains yet, nothing to checkpoint; ignored", sig.name)
+            return
+        self._preempted = True
+        log.warning("%s", said)
 
     def _later_stop_signal(self, sig: signal.Signals) -> None:
         """A second one forces it; the controller says so ("second SIGTERM: forcing the stop (KILL
@@ -313,7 +342,7 @@ def final_state(attachment: TrainerAttachment, result: RunResult) -> TrainedStat
     ``TrainingFailed`` with the verdict."""
     outcome = attachment.outcome()
     stopped = (
-        result.exit_code in (ExitCode.INTERRUPTED, ExitCode.TERMINATED)
+        result.exit_code in (ExitCode.INTERRUPTED, ExitCode.TERMINATED, ExitCode.PREEMPTED)
         and outcome is not None
         and outcome.ok
     )

@@ -167,6 +167,9 @@ class StopRequested:
     """An orderly stop: a final round, then ``Shutdown`` (``TrainingRun.shutdown``, a signal)."""
 
     reason: str
+    #: the launcher got the preemption signal: the final round is a checkpoint round (``preempt``)
+    #: whatever ``on_shutdown`` says, since the job's requeue resumes from it
+    preempt: bool = False
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -830,7 +830,7 @@ class Coordinator:
     def _on_stop(self, event: StopRequested, now: float) -> list[Action]:
         if self._stop_reason is not None or self.phase is CoordPhase.FINAL:
             return []
-        self._stop_reason = event.reason
+        self._stop_reason, self._desk.preempting = event.reason, event.preempt
         if self.phase is CoordPhase.JOINING:
             self.phase = CoordPhase.DONE
             return rounds.stopped_before_start(event.reason)

@@ -15,7 +15,16 @@ from ..control.vocab import Announce, Level
 from .coordination import Action, CoordPhase, SaveCheckpoint
 from .elche import ElCheState
 from .partition import Range
-from .saves import END, FAILURE_REASONS, REQUEST, SHUTDOWN, ResumePoint, SaveBook, SaveClock
+from .saves import (
+    END,
+    FAILURE_REASONS,
+    PREEMPT,
+    REQUEST,
+    SHUTDOWN,
+    ResumePoint,
+    SaveBook,
+    SaveClock,
+)
 from .spec import TrainerSpec
 
 #: What the coordinator knows as a bundle is taken: the epoch in progress in the consensus and its
@@ -30,6 +39,9 @@ class SaveDesk:
         self.book = SaveBook.resuming(resume)
         self.clock: SaveClock | None = None
         self._world_size = world_size
+        #: the stop under way is a preemption: its final round is a ``preempt`` bundle, whatever
+        #: ``on_shutdown`` says, since the job's requeue resumes from it
+        self.preempting = False
 
     @property
     def enabled(self) -> bool:
@@ -78,6 +90,8 @@ class SaveDesk:
         clock = self.clock
         if clock is None or not clock.enabled:
             return None
+        if self.preempting:
+            return PREEMPT  # whatever on_shutdown says; a pending request is folded into it
         reason = END if natural else SHUTDOWN if on_shutdown else None
         if clock.requested:
             return reason or REQUEST

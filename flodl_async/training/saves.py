@@ -11,8 +11,9 @@ state after applying that round's consensus; the reducer keeps a copy of it) whe
 * ``every_seconds`` passed since the last bundle (or since training started),
 
 in that order of precedence for the bundle's reason. The end and the failure paths are the
-coordinator's own (``end``, ``shutdown``, ``max_failure_exceeded``, ``stall``, ``all_lost``); they
-go through :meth:`SaveClock.saved` too, so the intervals count from the last bundle of any reason.
+coordinator's own (``end``, ``shutdown``, ``preempt``, ``max_failure_exceeded``, ``stall``,
+``all_lost``); they go through :meth:`SaveClock.saved` too, so the intervals count from the last
+bundle of any reason.
 A wall-clock interval is fine here (unlike the reduce gate's count-based rule): it only says which
 round is marked, never whether a round happens.
 
@@ -32,6 +33,7 @@ from .spec import Checkpointing
 
 #: The bundle reasons the coordinator gives (the values of ``flodl_async.checkpoint.Reason``).
 EPOCH, ROUND, TIME, END, SHUTDOWN, REQUEST = "epoch", "round", "time", "end", "shutdown", "request"
+PREEMPT = "preempt"
 MAX_FAILURE, STALL, ALL_LOST = "max_failure_exceeded", "stall", "all_lost"
 
 #: The ``Intent`` kind of a rank's checkpoint request (``run.checkpoint()``,
