@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import signal
+import subprocess
+import sys
 
 import pytest
 
@@ -51,3 +54,24 @@ def test_a_preempting_stop_saves_a_preempt_bundle_whatever_on_shutdown_says(
     assert desk.final_reason(natural=False, from_controller=False, on_shutdown=on_shutdown) == (
         PREEMPT
     )
+
+
+def test_a_trainer_rank_leaves_the_preemption_signal_to_its_launcher() -> None:
+    """SLURM's --signal without B: signals the ranks too: a Trainer rank ignores SIGUSR1/SIGUSR2
+    and the run's preemption signal (it lives on), but keeps a handler the program installed."""
+    code = (
+        "import os, signal, sys\n"
+        "from flodl_async.trainer.rank import leave_preemption_to_the_launcher\n"
+        "seen = []\n"
+        "signal.signal(signal.SIGUSR2, lambda *a: seen.append('usr2'))\n"
+        "leave_preemption_to_the_launcher()\n"
+        "for sig in (signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP):\n"
+        "    os.kill(os.getpid(), sig)\n"
+        "print('alive', seen)\n"
+    )
+    env = {**os.environ, "FLODL_PREEMPT_SIGNAL": "HUP"}
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "alive ['usr2']"

@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections
 import logging
 import os
+import signal
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ from typing import Any
 from ..config.rankenv import INCARNATION_VAR, RUN_ID_VAR
 from ..deadlines import Deadlines
 from ..errors import ConfigError, CoordinatorLost, FlodlError, TrainingFailed, TrainingStopped
+from ..net.signals import PREEMPT_SIGNAL_VAR, preempt_signal
 from ..training.metrics import EpochMetrics
 from ..training.modelschema import ModelSchema
 from ..training.policy import Backend, failure_limit
@@ -159,6 +161,8 @@ class RankDriver:
         self._checkpoint_wanted = False
 
     async def run(self, publish: Callable[[EpochMetrics], None]) -> TrainedState:
+        leave_preemption_to_the_launcher()
+
         def train() -> tuple[Mapping[str, Any], bool]:
             session = _open_session(self._request, publish)
             with self._lock:
@@ -227,6 +231,24 @@ def _ask_checkpoint(session: _Session) -> None:
 
 def _ask_stop(session: _Session) -> None:
     session.link.send(m.Intent(rank=session.rank, kind=m.Intent.STOP))
+
+
+def leave_preemption_to_the_launcher() -> None:
+    """A scheduler's preemption signal can reach every process of the job, the ranks too (SLURM's
+    ``--signal=USR1@60`` without ``B:``; a ``kill`` of the process group): the launcher takes it
+    (a checkpoint, then an orderly stop), and a rank that died of the signal's default action
+    would first be counted lost. So a Trainer rank ignores SIGUSR1, SIGUSR2 and the run's
+    preemption signal, unless the program installed its own handler for one."""
+    try:
+        preempt = preempt_signal(os.environ.get(PREEMPT_SIGNAL_VAR), source=PREEMPT_SIGNAL_VAR)
+    except ConfigError:
+        preempt = signal.SIGUSR1  # the launcher refused it already, and said so
+    for sig in {signal.SIGUSR1, signal.SIGUSR2, preempt}:
+        try:
+            if signal.getsignal(sig) is signal.SIG_DFL:
+                signal.signal(sig, signal.SIG_IGN)
+        except ValueError:  # not the main thread: the program's own loop runs elsewhere
+            return
 
 
 def rank_worker(request: RunRequest) -> Worker:
