@@ -396,7 +396,8 @@ def test_the_store_cap_is_fitted_to_the_descriptor_limit() -> None:
     assert limits.within_descriptors(None) is limits
     assert limits.within_descriptors(1 << 20) is limits
     fitted = limits.within_descriptors(1024)
-    assert (fitted.max_store, fitted.max_store_per_peer) == (320, 320)
+    # 1024 less the handshakes', status', /events streams' and reserved descriptors
+    assert (fitted.max_store, fitted.max_store_per_peer) == (288, 288)
     assert limits.within_descriptors(100).max_store == 16
 
 
@@ -479,7 +480,7 @@ async def test_status_is_answered_while_store_connections_hold_all_they_may() ->
             held = [await _ping(*client) for client in clients]
             assert await _status(server.port) == 200
         stats = server.stats()
-        assert stats["max_store"] == 400 - 64 - 16 - 128
+        assert stats["max_store"] == 400 - 64 - 16 - AdmissionLimits().max_streams - 128
         assert held.count(True) == stats["max_store"] == stats["store_now"]
         assert stats["dropped"] == {"store_over_capacity": 450 - stats["max_store"]}
     finally:
