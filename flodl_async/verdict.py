@@ -42,7 +42,8 @@ EXIT_MEANINGS: dict[ExitCode, str] = {
     ExitCode.OK: "every rank exited 0, or a Trainer run completed with ranks lost under "
     "max_failure (its verdict says DEGRADED and names them)",
     ExitCode.INTERNAL: "internal error (a bug: please report it)",
-    ExitCode.USAGE: "bad arguments or cluster file, or the port is taken; nothing was started",
+    ExitCode.USAGE: "bad arguments, cluster file or runtime directory, or the port is taken; "
+    "nothing was started",
     ExitCode.FORMATION: "the world did not form (join window failed, join refused, store did not "
     "come up)",
     ExitCode.RANK_FAILURE: "a rank failed (after any allowed restarts), or an agent or the "
