@@ -118,6 +118,16 @@ def test_resuming_from_the_mid_epoch_request_bundle_trains_only_what_it_lacks(
     assert resumed["losses"][1:] == reference.out["losses"][2:]  # the epochs after it, exactly
 
 
+def _reap(proc: subprocess.Popen[str], run_id: str) -> None:
+    """A launcher a test drove by signals: killed if it still runs, its pipe closed, nothing left."""
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait()
+    if proc.stdout is not None:
+        proc.stdout.close()
+    assert_nothing_left(run_id, within=30)
+
+
 def test_sigkill_of_the_launcher_then_resume_latest_ends_where_the_uninterrupted_run_ends(
     reference: Reference, tmp_path: Path
 ) -> None:
@@ -145,12 +155,7 @@ def test_sigkill_of_the_launcher_then_resume_latest_ends_where_the_uninterrupted
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=30)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait()
-        if proc.stdout is not None:
-            proc.stdout.close()
-        assert_nothing_left(run_id, within=30)
+        _reap(proc, run_id)
     assert not (tmp_path / "killed" / "launcher--1.pt").exists()
     latest, _skipped = find_latest(save)
     assert latest is not None
@@ -406,12 +411,7 @@ def test_a_cooperative_trainer_launcher_takes_the_signal_flodl_preempt_signal_na
         rest = proc.stdout.read()
         proc.wait(timeout=60)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait()
-        if proc.stdout is not None:
-            proc.stdout.close()
-        assert_nothing_left(run_id, within=30)
+        _reap(proc, run_id)
     assert "SIGUSR2: preempted: a checkpoint at the next reduce" in rest, rest
     latest, _skipped = find_latest(save)
     written = latest is not None and verify_bundle(latest).reason is Reason.PREEMPT
